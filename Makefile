@@ -1,0 +1,48 @@
+# Two commands on a fresh machine (Python 3.11, no GPU):  make demo   |   make test
+PY        ?= python3.11
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.installed
+ROOT      ?= .miles
+export RAY_AUTH_MODE ?= disabled
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install system-deps demo test lint ui bench clean
+
+# apt packages: libibverbs1 for Mooncake's TCP transfer engine, chromium for the UI test.
+system-deps:
+	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  need=""; for p in libibverbs1 chromium chromium-driver; do dpkg -s $$p >/dev/null 2>&1 || need="$$need $$p"; done; \
+	  if [ -n "$$need" ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$need >/dev/null; fi; \
+	else echo "system-deps: not root or no apt-get; skipping (UI test will skip without chromium)"; fi
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the pinned CPU wheel, so nothing pulls a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[mooncake,ui-test]'
+	touch $(STAMP)
+
+install: system-deps $(STAMP)
+
+demo: install
+	$(BIN)/miles-platform quickstart --storage-root $(ROOT)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=15
+
+ui: install
+	DAGSTER_HOME=$(abspath $(ROOT))/dagster MILES_STORAGE_ROOT=$(abspath $(ROOT)) \
+	  $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+bench: install
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) $(ROOT) .pytest_cache .ruff_cache

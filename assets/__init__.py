@@ -1,0 +1,27 @@
+"""Dagster assets and asset checks, one module per domain."""
+
+import importlib
+
+import dagster as dg
+
+# one module per domain; each is optional until it exists so the code location always loads
+DOMAINS = ("datasets", "checkpoints", "rollouts", "evals", "weights")
+
+
+def _modules():
+    mods = []
+    for name in DOMAINS:
+        try:
+            mods.append(importlib.import_module(f"assets.{name}"))
+        except ModuleNotFoundError as e:
+            if e.name != f"assets.{name}":
+                raise
+    return mods
+
+
+def all_assets():
+    return list(dg.load_assets_from_modules(_modules()))
+
+
+def all_checks():
+    return list(dg.load_asset_checks_from_modules(_modules()))

@@ -1,0 +1,55 @@
+"""`miles-platform` CLI: one subcommand per capability, each a `cli_main(argv) -> int` in its module.
+
+Modules are imported lazily so `miles-platform query` does not pay for torch or Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from miles_platform.errors import MilesError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("miles_platform.quickstart", "datasets -> SFT base -> GRPO -> evals, as Dagster materializations"),
+    "train": ("miles_platform.loop", "run the RL loop (Miles flags or --config run.yaml), no Dagster needed"),
+    "sft": ("miles_platform.training.sft", "supervised fine-tuning (--loss-type sft_loss) of an HF checkpoint"),
+    "eval": ("miles_platform.rollout.evaluate", "pass@1 / pass@k / mean reward of an HF checkpoint on eval datasets"),
+    "make-data": ("miles_platform.data.tasks", "write deterministic verifiable-task datasets (train / eval / sft)"),
+    "serve-engine": ("miles_platform.rollout.engine", "start the embedded engine (SGLang HTTP API) on an HF checkpoint"),
+    "serve-router": ("miles_platform.rollout.router", "start the router in front of engines"),
+    "query": ("miles_platform.store.catalog", "run SQL against the DuckDB catalog"),
+    "lineage": ("miles_platform.store.lineage", "trace a policy version or checkpoint up- and downstream"),
+    "convert": ("miles_platform.weights.conversion", "HF <-> megatron torch_dist conversion"),
+    "weights": ("miles_platform.weights.cli", "disk-delta publish / apply for external fleets"),
+    "quantize": ("miles_platform.weights.quantize", "fp8 / int4 quantized HF checkpoints"),
+    "dtype-census": ("miles_platform.training.precision", "dtypes of every module input/output under a precision policy"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: miles-platform <command> [args]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"miles-platform: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return int(module.cli_main(rest) or 0)
+    except MilesError as e:
+        print(f"miles-platform {name}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Sample: one response to one prompt. Field names follow Miles' `Sample`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    run: str = ""
+    rollout_id: int = 0
+    group_index: int = 0  # which prompt group within the rollout
+    index: int = 0  # global sample index within the rollout
+    prompt: str = ""
+    prompt_tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_tokens: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    label: str | None = None
+    reward: float | dict[str, float] | None = None
+    raw_reward: float | None = None
+    status: str = Status.COMPLETED.value
+    weight_version_start: int = 0
+    weight_version_end: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    remove_sample: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.prompt_tokens) + list(self.response_tokens)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_tokens)
+
+    def scalar_reward(self, key: str | None = None) -> float:
+        """The training reward: the float, or `reward[key]` for dict rewards (--reward-key)."""
+        r = self.reward
+        if isinstance(r, dict):
+            if key is None:
+                raise ValueError(f"reward is a dict {sorted(r)}; pass --reward-key to pick one")
+            if key not in r:
+                raise ValueError(f"--reward-key {key!r} not in reward dict keys {sorted(r)}")
+            return float(r[key])
+        return 0.0 if r is None else float(r)
+
+    def to_row(self) -> dict[str, Any]:
+        """Flat row for Parquet: reward dicts and metadata as JSON text."""
+        row = asdict(self)
+        reward = row.pop("reward")
+        row["reward"] = self.scalar_reward_or_none()
+        row["reward_json"] = json.dumps(reward) if isinstance(reward, dict) else None
+        row["metadata"] = json.dumps(row["metadata"], default=str)
+        row["response_length"] = self.response_length
+        return row
+
+    def scalar_reward_or_none(self) -> float | None:
+        r = self.reward
+        if isinstance(r, dict):
+            return None if self.raw_reward is None else float(self.raw_reward)
+        return None if r is None else float(r)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Sample:
+        row = dict(row)
+        row.pop("response_length", None)
+        reward_json = row.pop("reward_json", None)
+        if reward_json:
+            row["reward"] = json.loads(reward_json)
+        meta = row.get("metadata")
+        if isinstance(meta, str):
+            row["metadata"] = json.loads(meta) if meta else {}
+        for k in ("prompt_tokens", "response_tokens", "rollout_log_probs", "loss_mask"):
+            if row.get(k) is not None:
+                row[k] = list(row[k])
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in row.items() if k in names})

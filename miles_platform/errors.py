@@ -1,0 +1,17 @@
+"""User-facing errors. The CLI prints these as one line (no traceback); each names what is wrong."""
+
+
+class MilesError(Exception):
+    """Base of every error caused by user input (config, data, checkpoints, publications)."""
+
+
+class DataError(MilesError, ValueError):
+    """Bad dataset: message names file, line and key."""
+
+
+class CheckpointError(MilesError, ValueError):
+    """Bad or missing checkpoint: message names the path and what is missing."""
+
+
+class PublicationError(MilesError, ValueError):
+    """A weight publication that fails verification: message names version and tensor."""

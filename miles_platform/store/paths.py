@@ -1,0 +1,83 @@
+"""Every path under one storage root. One obvious place: nothing else joins root paths by hand.
+
+Layout (local dir by default, any fsspec URI works for data written through fsspec):
+
+    <root>/catalog.duckdb                      DuckDB catalog (views over the Parquet below)
+    <root>/datasets/<name>/data.parquet        normalized prompt / eval datasets
+    <root>/models/<name>/                      HF checkpoints (base, exported policies)
+    <root>/rollouts/run=<run>/rollout_id=<NNNNNN>/part-*.parquet
+    <root>/runs/<run>/checkpoints/iter_NNNNNNN/ + latest_checkpointed_iteration.txt
+    <root>/runs/<run>/hf/v<NNNNNN>/            HF export of each policy version
+    <root>/runs/<run>/publications/            disk-delta weight_vNNNNNN/ + LATEST
+    <root>/tables/<table>/run=<run>/part-*.parquet   policy_versions, evals, lineage, metrics rows
+    <root>/dagster/                            DAGSTER_HOME of the quickstart instance
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TABLES = ("policy_versions", "evals", "lineage", "metrics")
+
+
+def partition_key(run: str, version: int) -> str:
+    """Policy-version partition key `<run>.v<NNNNNN>`."""
+    return f"{run}.v{version:06d}"
+
+
+def parse_partition_key(key: str) -> tuple[str, int]:
+    run, sep, v = key.rpartition(".v")
+    if not sep or not run or not v.isdigit():
+        raise ValueError(f"bad policy-version partition key {key!r}: expected <run>.v<NNNNNN>")
+    return run, int(v)
+
+
+@dataclass(frozen=True)
+class StoragePaths:
+    root: str = ".miles"
+
+    def __post_init__(self):
+        if "://" not in self.root:
+            object.__setattr__(self, "root", os.path.abspath(self.root))
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    @property
+    def catalog(self) -> str:
+        return self.join("catalog.duckdb")
+
+    @property
+    def dagster_home(self) -> str:
+        return self.join("dagster")
+
+    def dataset(self, name: str) -> str:
+        return self.join("datasets", name, "data.parquet")
+
+    def model(self, name: str) -> str:
+        return self.join("models", name)
+
+    @property
+    def rollouts(self) -> str:
+        return self.join("rollouts")
+
+    def rollout_shard_dir(self, run: str, rollout_id: int) -> str:
+        return self.join("rollouts", f"run={run}", f"rollout_id={rollout_id:06d}")
+
+    def run_dir(self, run: str) -> str:
+        return self.join("runs", run)
+
+    def checkpoints(self, run: str) -> str:
+        return self.join("runs", run, "checkpoints")
+
+    def hf_export(self, run: str, version: int) -> str:
+        return self.join("runs", run, "hf", f"v{version:06d}")
+
+    def publications(self, run: str) -> str:
+        return self.join("runs", run, "publications")
+
+    def table_dir(self, table: str, run: str | None = None) -> str:
+        if table not in TABLES:
+            raise ValueError(f"unknown table {table!r}; known: {TABLES}")
+        return self.join("tables", table) if run is None else self.join("tables", table, f"run={run}")
