@@ -11,19 +11,37 @@ import sys
 from miles_platform.errors import MilesError
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("miles_platform.quickstart", "datasets -> SFT base -> GRPO -> evals, as Dagster materializations"),
+    "quickstart": (
+        "miles_platform.quickstart",
+        "datasets -> SFT base -> GRPO -> evals, as Dagster materializations",
+    ),
     "train": ("miles_platform.loop", "run the RL loop (Miles flags or --config run.yaml), no Dagster needed"),
-    "sft": ("miles_platform.training.sft", "supervised fine-tuning (--loss-type sft_loss) of an HF checkpoint"),
-    "eval": ("miles_platform.rollout.evaluate", "pass@1 / pass@k / mean reward of an HF checkpoint on eval datasets"),
-    "make-data": ("miles_platform.data.tasks", "write deterministic verifiable-task datasets (train / eval / sft)"),
-    "serve-engine": ("miles_platform.rollout.engine", "start the embedded engine (SGLang HTTP API) on an HF checkpoint"),
+    "sft": (
+        "miles_platform.training.sft",
+        "supervised fine-tuning (--loss-type sft_loss) of an HF checkpoint",
+    ),
+    "eval": (
+        "miles_platform.rollout.evaluate",
+        "pass@1 / pass@k / mean reward of an HF checkpoint on eval datasets",
+    ),
+    "make-data": (
+        "miles_platform.data.tasks",
+        "write deterministic verifiable-task datasets (train / eval / sft)",
+    ),
+    "serve-engine": (
+        "miles_platform.rollout.engine",
+        "start the embedded engine (SGLang HTTP API) on an HF checkpoint",
+    ),
     "serve-router": ("miles_platform.rollout.router", "start the router in front of engines"),
     "query": ("miles_platform.store.catalog", "run SQL against the DuckDB catalog"),
     "lineage": ("miles_platform.store.lineage", "trace a policy version or checkpoint up- and downstream"),
     "convert": ("miles_platform.weights.conversion", "HF <-> megatron torch_dist conversion"),
     "weights": ("miles_platform.weights.cli", "disk-delta publish / apply for external fleets"),
     "quantize": ("miles_platform.weights.quantize", "fp8 / int4 quantized HF checkpoints"),
-    "dtype-census": ("miles_platform.training.precision", "dtypes of every module input/output under a precision policy"),
+    "dtype-census": (
+        "miles_platform.training.precision",
+        "dtypes of every module input/output under a precision policy",
+    ),
 }
 
 

@@ -53,28 +53,47 @@ def _f(default: Any, group: str, help: str, choices: tuple | None = None, nargs:
 @dataclass
 class RunConfig:
     # --- cluster ---
-    ray_address: str | None = _f(None, "cluster", "join an existing Ray cluster (else RAY_ADDRESS, else start a local one)")
+    ray_address: str | None = _f(
+        None, "cluster", "join an existing Ray cluster (else RAY_ADDRESS, else start a local one)"
+    )
     actor_num_nodes: int = _f(1, "cluster", "nodes for actor training")
-    actor_num_gpus_per_node: int = _f(1, "cluster", "trainer ranks per node (GPUs on GPU, CPU gloo ranks on CPU; Miles default 8)")
-    rollout_num_gpus: int | None = _f(None, "cluster", "devices for rollout engines (derived; ignored with --colocate)")
+    actor_num_gpus_per_node: int = _f(
+        1, "cluster", "trainer ranks per node (GPUs on GPU, CPU gloo ranks on CPU; Miles default 8)"
+    )
+    rollout_num_gpus: int | None = _f(
+        None, "cluster", "devices for rollout engines (derived; ignored with --colocate)"
+    )
     rollout_num_gpus_per_engine: int = _f(1, "cluster", "TP size of each engine")
     colocate: bool = _f(False, "cluster", "share devices between actor and rollout")
     num_cpus_per_actor: float = _f(1.0, "cluster", "Ray CPUs reserved per trainer rank / engine on CPU")
     rollout_engine: str = _f("embedded", "cluster", "rollout engine kind", choices=("embedded", "sglang"))
-    rollout_external_engine_addrs: list[str] = _f([], "cluster", "attach engines started elsewhere (host:port ...)", nargs="*")
+    rollout_external_engine_addrs: list[str] = _f(
+        [], "cluster", "attach engines started elsewhere (host:port ...)", nargs="*"
+    )
     sglang_router_port: int | None = _f(None, "cluster", "pin the router port (else a free one)")
     api_key: str | None = _f(None, "cluster", "bearer token for engines and router")
     object_store_backend: str = _f("ray", "cluster", "rollout data handoff", choices=("ray", "mooncake"))
-    mooncake_store_init_kwargs: str | None = _f(None, "cluster", "JSON kwargs for the Mooncake store (env fallbacks apply)")
+    mooncake_store_init_kwargs: str | None = _f(
+        None, "cluster", "JSON kwargs for the Mooncake store (env fallbacks apply)"
+    )
 
     # --- checkpoint ---
-    train_backend: str = _f("fsdp", "checkpoint", "trainer backend (fsdp = torch-native, FSDP2 when >1 rank)", choices=("fsdp", "megatron"))
+    train_backend: str = _f(
+        "fsdp",
+        "checkpoint",
+        "trainer backend (fsdp = torch-native, FSDP2 when >1 rank)",
+        choices=("fsdp", "megatron"),
+    )
     hf_checkpoint: str | None = _f(None, "checkpoint", "HF model dir: tokenizer, config, initial weights")
-    ref_load: str | None = _f(None, "checkpoint", "reference model (torch_dist for megatron, HF dir otherwise)")
+    ref_load: str | None = _f(
+        None, "checkpoint", "reference model (torch_dist for megatron, HF dir otherwise)"
+    )
     load: str | None = _f(None, "checkpoint", "actor checkpoint dir to resume from (defaults to --save)")
     save: str | None = _f(None, "checkpoint", "actor checkpoint write dir")
     save_interval: int | None = _f(None, "checkpoint", "rollouts between saves")
-    save_hf: str | None = _f(None, "checkpoint", "also export HF weights at each save (path template with {rollout_id})")
+    save_hf: str | None = _f(
+        None, "checkpoint", "also export HF weights at each save (path template with {rollout_id})"
+    )
     seed: int = _f(1234, "checkpoint", "random seed")
 
     # --- rollout data and batching ---
@@ -85,7 +104,9 @@ class RunConfig:
     apply_chat_template: bool = _f(False, "rollout", "apply the tokenizer's chat template")
     rollout_shuffle: bool = _f(False, "rollout", "shuffle prompts each epoch")
     rollout_seed: int = _f(42, "rollout", "seed of the data-source shuffle")
-    num_rollout: int | None = _f(None, "rollout", "total rollout iterations (derived from dataset and --num-epoch if unset)")
+    num_rollout: int | None = _f(
+        None, "rollout", "total rollout iterations (derived from dataset and --num-epoch if unset)"
+    )
     num_epoch: int | None = _f(None, "rollout", "epochs over the prompt data when --num-rollout is unset")
     rollout_batch_size: int | None = _f(None, "rollout", "prompts per rollout (required)")
     n_samples_per_prompt: int = _f(1, "rollout", "responses per prompt (GRPO group size)")
@@ -94,11 +115,17 @@ class RunConfig:
     over_sampling_batch_size: int | None = _f(None, "rollout", "prompts to sample per dynamic-sampling round")
     rollout_max_prompt_len: int | None = _f(None, "rollout", "drop prompts longer than this many tokens")
     rollout_function_path: str | None = _f(None, "rollout", "custom rollout function <module>.<fn>")
-    custom_generate_function_path: str | None = _f(None, "rollout", "custom per-sample generate <module>.<fn>")
-    rollout_max_concurrency: int = _f(64, "rollout", "max in-flight generate requests from the rollout manager")
+    custom_generate_function_path: str | None = _f(
+        None, "rollout", "custom per-sample generate <module>.<fn>"
+    )
+    rollout_max_concurrency: int = _f(
+        64, "rollout", "max in-flight generate requests from the rollout manager"
+    )
 
     # --- sampling ---
-    rollout_max_response_len: int = _f(32, "sampling", "max tokens per response (Miles: required; small CPU default)")
+    rollout_max_response_len: int = _f(
+        32, "sampling", "max tokens per response (Miles: required; small CPU default)"
+    )
     rollout_temperature: float = _f(1.0, "sampling", "sampling temperature")
     rollout_top_p: float = _f(1.0, "sampling", "top-p truncation")
     rollout_top_k: int = _f(-1, "sampling", "top-k truncation (-1 disables)")
@@ -106,13 +133,19 @@ class RunConfig:
     rollout_stop_token_ids: list[int] = _f([], "sampling", "stop token ids (EOS is always a stop)", nargs="*")
 
     # --- reward and filters ---
-    rm_type: str | None = _f(None, "reward", "built-in reward: math, dapo, deepscaler, f1, random, remote_rm, boxed_<type>")
+    rm_type: str | None = _f(
+        None, "reward", "built-in reward: math, dapo, deepscaler, f1, random, remote_rm, boxed_<type>"
+    )
     rm_url: str | None = _f(None, "reward", "endpoint for --rm-type remote_rm")
     group_rm: bool = _f(False, "reward", "reward computed per group by --custom-rm-path")
     custom_rm_path: str | None = _f(None, "reward", "custom reward <module>.<fn>")
     reward_key: str | None = _f(None, "reward", "key of a dict reward used for training")
-    eval_reward_key: str | None = _f(None, "reward", "key of a dict reward used for eval (defaults to --reward-key)")
-    dynamic_sampling_filter_path: str | None = _f(None, "reward", "group filter <module>.<fn> (e.g. check_reward_nonzero_std)")
+    eval_reward_key: str | None = _f(
+        None, "reward", "key of a dict reward used for eval (defaults to --reward-key)"
+    )
+    dynamic_sampling_filter_path: str | None = _f(
+        None, "reward", "group filter <module>.<fn> (e.g. check_reward_nonzero_std)"
+    )
     rollout_sample_filter_path: str | None = _f(None, "reward", "per-sample filter setting remove_sample")
     buffer_filter_path: str | None = _f(None, "reward", "buffer dequeue filter <module>.<fn>")
 
@@ -127,9 +160,16 @@ class RunConfig:
     skip_eval_before_train: bool = _f(False, "eval", "skip the eval of the initial policy")
 
     # --- algorithm ---
-    loss_type: str = _f("policy_loss", "algorithm", "loss", choices=("policy_loss", "sft_loss", "custom_loss"))
+    loss_type: str = _f(
+        "policy_loss", "algorithm", "loss", choices=("policy_loss", "sft_loss", "custom_loss")
+    )
     custom_loss_function_path: str | None = _f(None, "algorithm", "custom loss <module>.<fn>")
-    advantage_estimator: str = _f("grpo", "algorithm", "advantage estimator", choices=("grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"))
+    advantage_estimator: str = _f(
+        "grpo",
+        "algorithm",
+        "advantage estimator",
+        choices=("grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    )
     disable_grpo_std_normalization: bool = _f(False, "algorithm", "GRPO: subtract group mean only")
     use_kl_loss: bool = _f(False, "algorithm", "KL against the frozen reference")
     kl_loss_coef: float = _f(0.0, "algorithm", "KL weight in the loss (0 = monitor only)")
@@ -141,7 +181,9 @@ class RunConfig:
     eps_clip_c: float | None = _f(None, "algorithm", "dual-clip constant (>1) for negative advantages")
     gamma: float = _f(1.0, "algorithm", "discount (ppo / reinforce++)")
     lambd: float = _f(1.0, "algorithm", "GAE lambda (ppo)")
-    calculate_per_token_loss: bool = _f(False, "algorithm", "token-mean over the batch instead of per-sample mean")
+    calculate_per_token_loss: bool = _f(
+        False, "algorithm", "token-mean over the batch instead of per-sample mean"
+    )
     use_rollout_logprobs: bool = _f(False, "algorithm", "use engine log-probs as old log-probs")
     use_tis: bool = _f(False, "algorithm", "truncated importance sampling for train/rollout mismatch")
     tis_level: str = _f("token", "algorithm", "IS level", choices=("token", "sequence", "geometric"))
@@ -152,7 +194,9 @@ class RunConfig:
 
     # --- optimizer ---
     optimizer: str = _f("adam", "optimizer", "optimizer", choices=("adam", "sgd"))
-    lr: float = _f(1e-6, "optimizer", "learning rate (fit to model size: 1e-6 is for billion-parameter models)")
+    lr: float = _f(
+        1e-6, "optimizer", "learning rate (fit to model size: 1e-6 is for billion-parameter models)"
+    )
     lr_decay_style: str = _f("constant", "optimizer", "schedule", choices=("constant", "linear", "cosine"))
     lr_warmup_iters: int = _f(0, "optimizer", "warmup steps")
     lr_decay_iters: int | None = _f(None, "optimizer", "decay steps (defaults to total steps)")
@@ -166,7 +210,9 @@ class RunConfig:
     # --- perf ---
     micro_batch_size: int = _f(1, "perf", "samples per micro-batch (ignored with dynamic batching)")
     use_dynamic_batch_size: bool = _f(False, "perf", "pack varlen samples into micro-batches by token budget")
-    max_tokens_per_gpu: int | None = _f(None, "perf", "token budget per micro-batch (required with dynamic batching)")
+    max_tokens_per_gpu: int | None = _f(
+        None, "perf", "token budget per micro-batch (required with dynamic batching)"
+    )
     tensor_model_parallel_size: int = _f(1, "perf", "megatron TP")
     pipeline_model_parallel_size: int = _f(1, "perf", "megatron PP")
     context_parallel_size: int = _f(1, "perf", "CP")
@@ -174,26 +220,60 @@ class RunConfig:
 
     # --- precision ---
     fsdp_master_dtype: str = _f("fp32", "precision", "dtype the optimizer steps on", choices=("fp32", "bf16"))
-    train_forward_dtype: str = _f("fp32", "precision", "autocast / gather dtype of the trainer forward", choices=("fp32", "bf16", "fp16"))
-    fsdp_reduce_dtype: str = _f("fp32", "precision", "gradient reduce-scatter dtype", choices=("fp32", "bf16"))
-    fsdp_precision_rules: str | None = _f(None, "precision", "per-module/param rules, e.g. 'module:*norm*=fp32;param:lm_head.weight=fp32'")
-    rollout_dtype: str = _f("fp32", "precision", "engine serving dtype; must equal --train-forward-dtype", choices=("fp32", "bf16", "fp16"))
+    train_forward_dtype: str = _f(
+        "fp32",
+        "precision",
+        "autocast / gather dtype of the trainer forward",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    fsdp_reduce_dtype: str = _f(
+        "fp32", "precision", "gradient reduce-scatter dtype", choices=("fp32", "bf16")
+    )
+    fsdp_precision_rules: str | None = _f(
+        None, "precision", "per-module/param rules, e.g. 'module:*norm*=fp32;param:lm_head.weight=fp32'"
+    )
+    rollout_dtype: str = _f(
+        "fp32",
+        "precision",
+        "engine serving dtype; must equal --train-forward-dtype",
+        choices=("fp32", "bf16", "fp16"),
+    )
 
     # --- weight update ---
-    update_weight_transfer_mode: str = _f("tensor", "weight-update", "transport", choices=("tensor", "disk-delta", "mooncake", "broadcast", "disk"))
+    update_weight_transfer_mode: str = _f(
+        "tensor",
+        "weight-update",
+        "transport",
+        choices=("tensor", "disk-delta", "mooncake", "broadcast", "disk"),
+    )
     update_weights_interval: int = _f(1, "weight-update", "rollouts between weight updates")
     update_weight_disk_dir: str | None = _f(None, "weight-update", "publication dir for disk-delta")
-    update_weight_local_checkpoint_dir: str | None = _f(None, "weight-update", "engine-local checkpoint dir for disk-delta")
+    update_weight_local_checkpoint_dir: str | None = _f(
+        None, "weight-update", "engine-local checkpoint dir for disk-delta"
+    )
     disk_delta_encoding: str = _f("xor", "weight-update", "delta encoding", choices=("xor", "overwrite"))
-    disk_delta_checksum: str = _f("xxh3-128", "weight-update", "checksum", choices=("xxh3-128", "blake3", "adler32"))
+    disk_delta_checksum: str = _f(
+        "xxh3-128", "weight-update", "checksum", choices=("xxh3-128", "blake3", "adler32")
+    )
     disk_delta_keyframe_interval: int = _f(10, "weight-update", "full snapshot every N versions")
-    pause_generation_mode: str = _f("retract", "weight-update", "in-flight requests during the update", choices=("abort", "retract", "in_place"))
-    check_weight_update_equal: bool = _f(False, "weight-update", "verify engine weights equal trainer weights after sync")
+    pause_generation_mode: str = _f(
+        "retract",
+        "weight-update",
+        "in-flight requests during the update",
+        choices=("abort", "retract", "in_place"),
+    )
+    check_weight_update_equal: bool = _f(
+        False, "weight-update", "verify engine weights equal trainer weights after sync"
+    )
 
     # --- async ---
     fully_async: bool = _f(False, "async", "background generation with a bounded buffer")
-    max_weight_staleness: int | None = _f(None, "async", "drop groups whose oldest version lags the engine by more")
-    async_buffer_capacity: int | None = _f(None, "async", "max finished groups buffered (default 2x rollout batch)")
+    max_weight_staleness: int | None = _f(
+        None, "async", "drop groups whose oldest version lags the engine by more"
+    )
+    async_buffer_capacity: int | None = _f(
+        None, "async", "max finished groups buffered (default 2x rollout batch)"
+    )
 
     # --- storage ---
     run_name: str = _f("run", "storage", "run name: partition keys are <run>.v<NNNNNN>")
@@ -203,14 +283,22 @@ class RunConfig:
     debug_rollout_only: bool = _f(False, "debug", "generate and store rollouts, no training")
     debug_train_only: bool = _f(False, "debug", "train on loaded rollouts, no engines")
     save_debug_rollout_data: str | None = _f(None, "debug", "Parquet path template with {rollout_id}")
-    load_debug_rollout_data: str | None = _f(None, "debug", "replay Parquet rollouts (implies --debug-train-only)")
-    debug_skip_optimizer_step: bool = _f(False, "debug", "freeze weights: any log-prob gap is forward-path difference")
+    load_debug_rollout_data: str | None = _f(
+        None, "debug", "replay Parquet rollouts (implies --debug-train-only)"
+    )
+    debug_skip_optimizer_step: bool = _f(
+        False, "debug", "freeze weights: any log-prob gap is forward-path difference"
+    )
     ci_test: bool = _f(False, "debug", "assert step-0 KL/clipfrac, log-prob agreement, weight equality")
-    ci_logprob_abs_diff_threshold: float = _f(0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff")
+    ci_logprob_abs_diff_threshold: float = _f(
+        0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff"
+    )
     log_interval: int = _f(1, "debug", "print metrics every N rollouts")
 
     # passthrough: --sglang-<flag> value, prefix stripped when launching SGLang
-    sglang_args: dict[str, Any] = field(default_factory=dict, metadata={"group": "cluster", "help": "", "choices": None, "nargs": None})
+    sglang_args: dict[str, Any] = field(
+        default_factory=dict, metadata={"group": "cluster", "help": "", "choices": None, "nargs": None}
+    )
 
     # ------------------------------------------------------------------
     def validate(self) -> RunConfig:
@@ -245,7 +333,9 @@ class RunConfig:
     def eval_sampling(self) -> dict[str, Any]:
         return {
             "max_new_tokens": self.eval_max_response_len or self.rollout_max_response_len,
-            "temperature": self.rollout_temperature if self.eval_temperature is None else self.eval_temperature,
+            "temperature": self.rollout_temperature
+            if self.eval_temperature is None
+            else self.eval_temperature,
             "top_p": self.rollout_top_p if self.eval_top_p is None else self.eval_top_p,
             "top_k": self.rollout_top_k if self.eval_top_k is None else self.eval_top_k,
         }
@@ -269,13 +359,20 @@ class RunConfig:
         clean = {k.replace("-", "_"): v for k, v in data.items()}
         unknown = sorted(set(clean) - names)
         if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; see `miles-platform train --help` for valid flags")
+            raise ConfigError(
+                f"unknown config keys {unknown}; see `miles-platform train --help` for valid flags"
+            )
         return cls(**clean)
 
 
 def derive_batch_knobs(cfg: RunConfig) -> None:
     """rollout_batch_size * n_samples_per_prompt = global_batch_size * num_steps_per_rollout."""
-    rbs, n, gbs, steps = cfg.rollout_batch_size, cfg.n_samples_per_prompt, cfg.global_batch_size, cfg.num_steps_per_rollout
+    rbs, n, gbs, steps = (
+        cfg.rollout_batch_size,
+        cfg.n_samples_per_prompt,
+        cfg.global_batch_size,
+        cfg.num_steps_per_rollout,
+    )
 
     def state() -> str:
         return (
@@ -292,11 +389,15 @@ def derive_batch_knobs(cfg: RunConfig) -> None:
         steps = 1
     if gbs is None:
         if total % steps:
-            raise ConfigError(f"cannot derive --global-batch-size: {total} not divisible by {steps}: {state()}")
+            raise ConfigError(
+                f"cannot derive --global-batch-size: {total} not divisible by {steps}: {state()}"
+            )
         gbs = total // steps
     elif steps is None:
         if total % gbs:
-            raise ConfigError(f"cannot derive --num-steps-per-rollout: {total} not divisible by {gbs}: {state()}")
+            raise ConfigError(
+                f"cannot derive --num-steps-per-rollout: {total} not divisible by {gbs}: {state()}"
+            )
         steps = total // gbs
     if gbs * steps != total:
         raise ConfigError(f"contradictory batch knobs: {state()} ({total} != {gbs * steps})")
@@ -312,7 +413,9 @@ def _flag(name: str) -> str:
 
 def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Miles-style RL training (GRPO and friends).")
-    parser.add_argument("--config", help="YAML file of flags (snake_case or kebab-case keys); CLI overrides it")
+    parser.add_argument(
+        "--config", help="YAML file of flags (snake_case or kebab-case keys); CLI overrides it"
+    )
     groups = {g: parser.add_argument_group(f"{g} arguments") for g in GROUPS}
     for f in dataclasses.fields(RunConfig):
         if f.name == "sglang_args":
@@ -376,7 +479,7 @@ def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
     while i < len(rest):
         tok = rest[i]
         if tok.startswith("--sglang-"):
-            key = tok[len("--sglang-"):]
+            key = tok[len("--sglang-") :]
             if "=" in key:
                 key, val = key.split("=", 1)
                 out[key] = val

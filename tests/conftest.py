@@ -26,3 +26,27 @@ def _few_threads():
 
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """A random tiny Qwen3 checkpoint + our tokenizer, saved as an HF dir (fast: < 2 s)."""
+    from miles_platform.models.checkpoint import save_hf_checkpoint
+    from miles_platform.models.qwen3 import build_model, tiny_qwen3_config
+    from miles_platform.models.tokenizer import train_tokenizer
+
+    corpus = [f"What is {a}+{b}? {a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
+    tok = train_tokenizer(corpus, vocab_size=128)
+    cfg = tiny_qwen3_config(
+        len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_hidden_layers=2,
+    )
+    model = build_model(cfg, seed=0)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    save_hf_checkpoint(model, tok, path)
+    return str(path)

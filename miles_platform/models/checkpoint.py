@@ -1,0 +1,137 @@
+"""HF checkpoint directories: validate, load, save atomically, content-hash.
+
+Layout: config.json, model.safetensors, tokenizer files. Every error names the path and
+what is missing; a save is written to a temp dir and renamed, so no half-written
+checkpoint is ever visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from miles_platform.errors import CheckpointError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dict:
+    """Check an HF checkpoint dir; return its config dict. Raises CheckpointError naming what is wrong."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"HF checkpoint {p}: not a directory")
+    cfg_file = p / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"HF checkpoint {p}: missing config.json")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"HF checkpoint {cfg_file}: invalid JSON ({e})") from e
+    if not list(p.glob("*.safetensors")):
+        raise CheckpointError(f"HF checkpoint {p}: no *.safetensors weights file")
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise CheckpointError(
+            f"HF checkpoint {p}: architecture {archs} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    if need_tokenizer and not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
+        raise CheckpointError(
+            f"HF checkpoint {p}: missing tokenizer files (tokenizer.json / tokenizer_config.json)"
+        )
+    return cfg
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types; the user needs the path and cause
+        raise CheckpointError(
+            f"HF checkpoint {path}: tokenizer does not load ({type(e).__name__}: {e})"
+        ) from e
+
+
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """Load a supported HF causal LM (eval mode) after validation."""
+    validate_hf_dir(path, need_tokenizer=False)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:
+        raise CheckpointError(f"HF checkpoint {path}: weights do not load ({type(e).__name__}: {e})") from e
+    model.eval()
+    return model
+
+
+def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    validate_hf_dir(path)
+    return load_hf_model(path, dtype), load_tokenizer(path)
+
+
+def save_hf_checkpoint(model, tokenizer, path: str | os.PathLike) -> Path:
+    """Write model (safetensors) + config + tokenizer to `path` atomically (temp dir, fsync, rename)."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _fsync_tree(tmp)
+        replace_dir(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Rename tmp over dest; an existing dest is moved aside first and removed after."""
+    old = None
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    _fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def content_hash(path: str | os.PathLike) -> str:
+    """sha256 over the weights and config: the Dagster data version of a checkpoint."""
+    p = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p.glob("*.safetensors")) + [p / "config.json"]:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def checkpoint_bytes(path: str | os.PathLike) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

@@ -1,0 +1,46 @@
+"""Our own tokenizer: byte-level BPE trained offline on the task corpus, digits split one per token.
+
+Saved as standard HF tokenizer files (tokenizer.json + tokenizer_config.json with a chat
+template), so `AutoTokenizer.from_pretrained(dir)` loads it and SGLang can serve it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+EOS = "<|im_end|>"
+PAD = "<|endoftext|>"
+BOS_CHAT = "<|im_start|>"
+SPECIAL_TOKENS = [PAD, BOS_CHAT, EOS]
+
+# Qwen-style chat template: the same prompt text an SGLang server would build.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on `corpus`; every digit is its own token (arithmetic needs that)."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None, unk_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast

@@ -1,0 +1,70 @@
+"""Trainer backend contract: what the Ray trainer actor needs from a model implementation.
+
+The actor (training/actor.py) owns everything backend-independent: micro-batching, the
+loss hub, the optimizer and LR schedule, checkpoint bookkeeping (iter_NNNNNNN +
+latest_checkpointed_iteration.txt), weight export to engines. A backend owns the model:
+how it is built, how it computes logits, how its weights map to canonical HF names, and
+how its weights are written to / read from a checkpoint directory.
+
+Backends: `fsdp` (torch-native HF model; FSDP2 over gloo/NCCL when world_size > 1) and
+`megatron` (megatron-core GPTModel; local spec on CPU, TE spec on GPU).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from miles_platform.config import RunConfig
+
+
+class ModelBackend(ABC):
+    name: str = ""
+
+    def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+
+    @abstractmethod
+    def build(self, hf_checkpoint: str) -> torch.nn.Module:
+        """Build the model initialised from an HF checkpoint dir; return the trainable module."""
+
+    @abstractmethod
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids (right-padded) -> [B, T, V] fp32-castable logits, causal."""
+
+    @abstractmethod
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights under canonical HF names, on CPU: what engines load."""
+
+    @abstractmethod
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights given under canonical HF names."""
+
+    @abstractmethod
+    def save_model(self, ckpt_dir: str) -> None:
+        """Write model weights into an iter_NNNNNNN dir (fsdp: safetensors; megatron: torch_dist)."""
+
+    @abstractmethod
+    def load_model(self, ckpt_dir: str) -> None:
+        """Read model weights written by save_model."""
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+
+def get_backend_class(name: str) -> type[ModelBackend]:
+    if name == "fsdp":
+        from miles_platform.training.fsdp_backend import FSDPBackend
+
+        return FSDPBackend
+    if name == "megatron":
+        from miles_platform.training.megatron_backend import MegatronBackend
+
+        return MegatronBackend
+    from miles_platform.config import ConfigError
+
+    raise ConfigError(f"--train-backend {name!r}: allowed values are fsdp, megatron")
