@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_platform.errors import MilesError
+
 GROUPS = (
     "cluster",
     "checkpoint",
@@ -35,8 +37,6 @@ GROUPS = (
     "debug",
 )
 
-
-from miles_platform.errors import MilesError
 
 
 class ConfigError(MilesError, ValueError):
