@@ -1,0 +1,180 @@
+"""Reward hub (`--rm-type`): a registry of built-in rewards plus `--custom-rm-path`.
+
+A new built-in reward is one file with `async def my_rm(args, sample, response) -> float | dict`
+(or a plain `fn(response, label)` wrapped by `_graded`) and one line in `REWARDS`.
+
+Dispatch per sample, as in Miles:
+  --custom-rm-path set      -> the user function (per sample, or per group with --group-rm)
+  else rm_type = sample.metadata["rm_type"] or --rm-type
+       boxed_<type>         -> grade the last \\boxed{...} of the response with <type>
+       <type>               -> REWARDS[<type>]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from miles_platform.config import ConfigError
+from miles_platform.data.sample import Sample
+from miles_platform.plugins import load_function
+from miles_platform.rollout.rm_hub.boxed import last_boxed
+from miles_platform.rollout.rm_hub.dapo_rm import dapo_reward
+from miles_platform.rollout.rm_hub.deepscaler_rm import deepscaler_reward
+from miles_platform.rollout.rm_hub.f1_rm import f1_reward
+from miles_platform.rollout.rm_hub.math_rm import math_reward
+from miles_platform.rollout.rm_hub.random_rm import random_rm
+from miles_platform.rollout.rm_hub.remote_rm import RemoteRewardError, remote_rm
+
+Reward = float | dict[str, float]
+RewardFn = Callable[[Any, Sample, str], Awaitable[Reward]]
+
+__all__ = [
+    "REWARDS",
+    "RemoteRewardError",
+    "async_rm",
+    "batched_async_rm",
+    "compute_rewards",
+    "valid_rm_types",
+    "validate_reward_config",
+]
+
+
+def _graded(fn: Callable[[str, str | None], Reward]) -> RewardFn:
+    """Adapt a pure `fn(response, label)` grader to the hub's async signature."""
+
+    async def rm(args, sample: Sample, response: str) -> Reward:
+        return fn(response, sample.label)
+
+    rm.__name__ = fn.__name__
+    return rm
+
+
+REWARDS: dict[str, RewardFn] = {
+    "math": _graded(math_reward),
+    "dapo": _graded(dapo_reward),
+    "deepscaler": _graded(deepscaler_reward),
+    "f1": _graded(f1_reward),
+    "random": random_rm,
+    "remote_rm": remote_rm,
+}
+
+# rewards that return a dict and therefore need --reward-key to train on
+DICT_REWARDS = {"dapo"}
+
+
+def valid_rm_types() -> list[str]:
+    return sorted(REWARDS) + ["boxed_<type>"]
+
+
+def _resolve(rm_type: str | None, flag: str = "--rm-type") -> tuple[RewardFn, bool]:
+    """rm_type -> (reward fn, grade only the boxed answer)."""
+    name = (rm_type or "").strip()
+    boxed = name.startswith("boxed_")
+    if boxed:
+        name = name[len("boxed_") :]
+    if name not in REWARDS:
+        if not rm_type:
+            raise ConfigError(f"no reward: set --rm-type (one of {valid_rm_types()}) or --custom-rm-path")
+        raise ConfigError(f"{flag} {rm_type!r} is not a reward; valid: {valid_rm_types()}")
+    return REWARDS[name], boxed
+
+
+def _rm_type_of(args, sample: Sample) -> tuple[str | None, str]:
+    meta = sample.metadata if isinstance(sample.metadata, dict) else {}
+    if meta.get("rm_type"):
+        return meta["rm_type"], f"metadata.rm_type of sample {sample.index}"
+    return getattr(args, "rm_type", None), "--rm-type"
+
+
+def validate_reward_config(args) -> None:
+    """Fail before any engine starts: unknown --rm-type, missing --rm-url, bad custom paths."""
+    custom = getattr(args, "custom_rm_path", None)
+    if custom:
+        load_function(custom, "--custom-rm-path", required_params=2)
+    elif getattr(args, "group_rm", False):
+        raise ConfigError("--group-rm needs --custom-rm-path (a fn(args, samples) -> list of rewards)")
+    elif args.rm_type:
+        fn, _ = _resolve(args.rm_type)
+        if fn is remote_rm and not getattr(args, "rm_url", None):
+            raise ConfigError("--rm-type remote_rm needs --rm-url")
+        base = args.rm_type.removeprefix("boxed_")
+        if base in DICT_REWARDS and not getattr(args, "reward_key", None):
+            raise ConfigError(
+                f"--rm-type {args.rm_type} returns a dict {{'score', 'acc'}}: pass --reward-key score (or acc)"
+            )
+    for flag in ("dynamic_sampling_filter_path", "rollout_sample_filter_path", "buffer_filter_path"):
+        path = getattr(args, flag, None)
+        if path:
+            load_function(path, "--" + flag.replace("_", "-"))
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+async def async_rm(args, sample: Sample) -> Reward:
+    """The reward of one sample (float, or a dict for multi-part rewards)."""
+    if getattr(args, "custom_rm_path", None):
+        fn = load_function(args.custom_rm_path, "--custom-rm-path", required_params=2)
+        return await _maybe_await(fn(args, sample))
+    rm_type, source = _rm_type_of(args, sample)
+    fn, boxed = _resolve(rm_type, source)
+    response = sample.response
+    if boxed:
+        response = last_boxed(response) or ""
+    return await fn(args, sample, response)
+
+
+async def batched_async_rm(args, samples: list[Sample]) -> list[Reward]:
+    """Rewards of `samples`, computed concurrently; one call of the group reward with --group-rm."""
+    if getattr(args, "custom_rm_path", None) and getattr(args, "group_rm", False):
+        fn = load_function(args.custom_rm_path, "--custom-rm-path", required_params=2)
+        rewards = list(await _maybe_await(fn(args, samples)))
+        if len(rewards) != len(samples):
+            raise ConfigError(
+                f"--custom-rm-path {args.custom_rm_path} with --group-rm returned {len(rewards)} rewards "
+                f"for {len(samples)} samples"
+            )
+        return rewards
+    return list(await asyncio.gather(*(async_rm(args, s) for s in samples)))
+
+
+def _groups(samples: list[Sample]) -> list[list[Sample]]:
+    """Consecutive runs of the same group_index."""
+    out: list[list[Sample]] = []
+    for s in samples:
+        if out and out[-1][0].group_index == s.group_index:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
+async def _score_all(args, samples: list[Sample]) -> list[Reward]:
+    if getattr(args, "group_rm", False):
+        per_group = await asyncio.gather(*(batched_async_rm(args, g) for g in _groups(samples)))
+        return [r for group in per_group for r in group]
+    return await batched_async_rm(args, samples)
+
+
+def compute_rewards(args, samples: list[Sample]) -> list[Reward]:
+    """Blocking: score `samples`, set `sample.reward` and `sample.raw_reward` (the training scalar)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        rewards = asyncio.run(_score_all(args, samples))
+    else:  # called from async code: run on a fresh loop in a helper thread
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            rewards = pool.submit(asyncio.run, _score_all(args, samples)).result()
+    key = getattr(args, "reward_key", None)
+    for sample, reward in zip(samples, rewards, strict=True):
+        sample.reward = reward if isinstance(reward, dict) else float(reward)
+        try:
+            sample.raw_reward = sample.scalar_reward(key)
+        except ValueError as e:
+            raise ConfigError(f"sample {sample.index}: {e}") from e
+    return rewards

@@ -1,0 +1,58 @@
+"""`--rm-type math`: answer equivalence with math_verify (1.0 / 0.0).
+
+Grades the last `\\boxed{}` of the response when there is one, else lets math_verify extract
+the final answer from the text. Normalized string equality is checked first (cheap, and most
+correct answers hit it); only then are both sides parsed and compared symbolically.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from miles_platform.rollout.rm_hub.boxed import last_boxed, strip_boxed
+
+_SPACES = re.compile(r"\s+")
+
+
+def normalize(answer: str) -> str:
+    s = answer.strip().strip("$").strip()
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
+    s = s.replace("dfrac", "frac").replace("tfrac", "frac").replace("^\\circ", "").replace("^{\\circ}", "")
+    s = _SPACES.sub("", s).rstrip(".")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s
+
+
+def math_equal(pred: str, gold: str) -> bool:
+    if normalize(pred) == normalize(gold):
+        return True
+    from math_verify import parse, verify
+
+    # math_verify times out with signal.alarm, which only works on the main thread
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold_parsed = parse(_as_latex(gold), parsing_timeout=timeout)
+        pred_parsed = parse(_as_latex(pred), parsing_timeout=timeout)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    except Exception:  # a parser crash or timeout on model output is a wrong answer, not a failed run
+        return False
+
+
+def _as_latex(answer: str) -> str:
+    s = answer.strip()
+    if "\\boxed" in s or s.startswith("$"):
+        return s
+    return f"${s}$" if len(s) < 200 else s
+
+
+def math_reward(response: str, label: str | None) -> float:
+    if label is None or str(label).strip() == "":
+        return 0.0
+    gold = strip_boxed(str(label))
+    boxed = last_boxed(response)
+    pred = boxed if boxed is not None else response
+    return 1.0 if math_equal(pred, gold) else 0.0
