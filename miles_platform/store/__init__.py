@@ -1,0 +1,1 @@
+"""Store: paths under the storage root, rollout shards, append-only tables, the DuckDB catalog."""

@@ -1,0 +1,210 @@
+"""The DuckDB catalog: `<root>/catalog.duckdb` with views over the Parquet under the root.
+
+Views: rollouts, policy_versions, evals, lineage, metrics. A view is `read_parquet` over an
+absolute glob (hive partitioning, union_by_name) once its first file exists, and a typed
+zero-row SELECT before that, so queries never fail and the DuckDB CLI opens the file as is.
+
+Each view carries a comment with the hash of its SQL: readers open read-only and only take a
+short write connection when a view is missing or stale (e.g. its first file just appeared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from miles_platform.errors import MilesError
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.shards import ROLLOUT_SCHEMA
+from miles_platform.store.tables import TABLE_SCHEMAS
+
+VIEWS = ("rollouts", *TABLE_SCHEMAS)
+
+
+class CatalogError(MilesError):
+    """Catalog unavailable (remote root, lock held too long) or bad SQL."""
+
+
+def _duck_type(t: pa.DataType) -> str:
+    if pa.types.is_list(t):
+        return _duck_type(t.value_type) + "[]"
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMP WITH TIME ZONE" if t.tz else "TIMESTAMP"
+    simple = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN"}
+    return simple[t]
+
+
+def _empty_select(schema: pa.Schema) -> str:
+    cols = ", ".join(f'CAST(NULL AS {_duck_type(f.type)}) AS "{f.name}"' for f in schema)
+    return f"SELECT {cols} WHERE false"
+
+
+def _connect(path: str, read_only: bool, attempts: int = 40) -> duckdb.DuckDBPyConnection:
+    """Connect, retrying briefly while another process holds the file lock."""
+    for i in range(attempts):
+        try:
+            return duckdb.connect(path, read_only=read_only)
+        except duckdb.Error as e:
+            if i == attempts - 1:
+                raise CatalogError(f"cannot open {path} ({'read' if read_only else 'write'}): {e}") from None
+            time.sleep(0.05)
+    raise AssertionError("unreachable")
+
+
+class Catalog:
+    def __init__(self, paths: StoragePaths):
+        if "://" in paths.root:
+            raise CatalogError(
+                f"the DuckDB catalog needs a local storage root, got {paths.root!r}; "
+                "query remote Parquet with DuckDB's httpfs directly"
+            )
+        self.paths = paths
+        self.path = paths.catalog
+
+    # ------------------------------------------------------------- views
+    def _sources(self) -> dict[str, tuple[str, pa.Schema, str]]:
+        """view -> (glob of its part files, schema, hive_types)."""
+        out = {
+            "rollouts": (
+                f"{self.paths.rollouts}/*/*/*.parquet",
+                ROLLOUT_SCHEMA,
+                "'run': VARCHAR, 'rollout_id': BIGINT",
+            )
+        }
+        for table, schema in TABLE_SCHEMAS.items():
+            out[table] = (f"{self.paths.table_dir(table)}/*/*.parquet", schema, "'run': VARCHAR")
+        return out
+
+    def view_sql(self) -> dict[str, str]:
+        views = {}
+        for name, (pattern, schema, hive_types) in self._sources().items():
+            if glob.glob(pattern):
+                lit = pattern.replace("'", "''")
+                views[name] = (
+                    f"SELECT * FROM read_parquet('{lit}', hive_partitioning = true, "
+                    f"union_by_name = true, hive_types = {{{hive_types}}})"
+                )
+            else:
+                views[name] = _empty_select(schema)
+        return views
+
+    @staticmethod
+    def _signature(sql: str) -> str:
+        return hashlib.sha256(sql.encode()).hexdigest()[:16]
+
+    def is_fresh(self) -> bool:
+        if not os.path.exists(self.path):
+            return False
+        want = {n: self._signature(s) for n, s in self.view_sql().items()}
+        try:
+            con = duckdb.connect(self.path, read_only=True)
+        except duckdb.Error:
+            return False
+        try:
+            have = dict(
+                con.execute("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall()
+            )
+        finally:
+            con.close()
+        return all(have.get(n) == sig for n, sig in want.items())
+
+    def refresh(self, best_effort: bool = False) -> bool:
+        """(Re)create every view under one short write connection. Returns False if skipped.
+
+        best_effort: if another process holds the catalog, skip instead of raising (writers
+        of shards and tables call it this way: data on disk is the truth, views are derived).
+        """
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:
+            con = _connect(self.path, read_only=False, attempts=5 if best_effort else 40)
+        except CatalogError:
+            if best_effort:
+                return False
+            raise
+        try:
+            con.execute("BEGIN TRANSACTION")
+            for name, sql in self.view_sql().items():
+                con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {sql}')
+                con.execute(f"COMMENT ON VIEW \"{name}\" IS '{self._signature(sql)}'")
+            con.execute("COMMIT")
+        finally:
+            con.close()
+        return True
+
+    def ensure_fresh(self) -> None:
+        if not self.is_fresh():
+            self.refresh(best_effort=os.path.exists(self.path))
+
+    # ------------------------------------------------------------- queries
+    def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run read-only SQL against the views: (column names, rows)."""
+        self.ensure_fresh()
+        con = _connect(self.path, read_only=True)
+        try:
+            cur = con.execute(sql)
+            columns = [d[0] for d in cur.description] if cur.description else []
+            rows = cur.fetchall() if cur.description else []
+        except duckdb.Error as e:
+            raise CatalogError(" ".join(str(e).split("\n")[0].split())) from None
+        finally:
+            con.close()
+        return columns, rows
+
+
+# ----------------------------------------------------------------- CLI
+def _cell(v: Any) -> str:
+    return "NULL" if v is None else str(v)
+
+
+def format_result(columns: list[str], rows: list[tuple], fmt: str = "table") -> str:
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(columns)
+        w.writerows([["" if v is None else v for v in r] for r in rows])
+        return buf.getvalue().rstrip("\n")
+    if fmt == "json":
+        return json.dumps([dict(zip(columns, r)) for r in rows], default=str, indent=1)
+    cells = [[_cell(v) for v in r] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="miles-platform query", description="run SQL against the DuckDB catalog"
+    )
+    ap.add_argument("sql", help=f"SQL over the views {', '.join(VIEWS)}")
+    ap.add_argument("--storage-root", default=os.environ.get("MILES_STORAGE_ROOT", ".miles"))
+    ap.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    args = ap.parse_args(argv)
+    paths = StoragePaths(args.storage_root)
+    if "://" not in paths.root and not os.path.isdir(paths.root):
+        print(
+            f"miles-platform query: error: storage root {paths.root} does not exist "
+            "(pass --storage-root or set MILES_STORAGE_ROOT)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        columns, rows = Catalog(paths).query(args.sql)
+    except CatalogError as e:
+        print(f"miles-platform query: error: {e}", file=sys.stderr)
+        return 2
+    print(format_result(columns, rows, args.format))
+    return 0

@@ -1,0 +1,178 @@
+"""Rollout shards: one Parquet file per (run, rollout id), hive layout, written atomically.
+
+    <root>/rollouts/run=<run>/rollout_id=<NNNNNN>/part-0.parquet
+
+A shard is written under a hidden temp name in its own directory, fsynced, then renamed over
+`part-0.parquet`; readers (DuckDB globs `*.parquet`) never see a partial file, and rewriting
+a rollout id replaces the old shard in one step. `write_parquet_atomic` is the one atomic
+Parquet writer of the package (datasets and tables use it too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
+
+from miles_platform.data.sample import Sample
+from miles_platform.store.paths import StoragePaths
+
+SHARD_FILE = "part-0.parquet"
+
+# One explicit schema from Sample.to_row(): stable column types whatever the first row holds.
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("rollout_id", pa.int64()),
+        ("group_index", pa.int64()),
+        ("index", pa.int64()),
+        ("prompt", pa.string()),
+        ("prompt_tokens", pa.list_(pa.int64())),
+        ("response", pa.string()),
+        ("response_tokens", pa.list_(pa.int64())),
+        ("response_length", pa.int64()),
+        ("rollout_log_probs", pa.list_(pa.float64())),
+        ("loss_mask", pa.list_(pa.int64())),
+        ("label", pa.string()),
+        ("reward", pa.float64()),
+        ("reward_json", pa.string()),
+        ("raw_reward", pa.float64()),
+        ("status", pa.string()),
+        ("weight_version_start", pa.int64()),
+        ("weight_version_end", pa.int64()),
+        ("metadata", pa.string()),
+        ("remove_sample", pa.bool_()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: str
+    rows: int
+    bytes: int
+    mean_reward: float | None
+
+
+def _replace(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    """Atomic rename (os.replace locally; object stores make the upload itself atomic)."""
+    if isinstance(fs, LocalFileSystem):
+        os.replace(src, dst)
+    else:
+        fs.mv(src, dst)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_parquet_atomic(table: pa.Table, path: str) -> int:
+    """Write `table` to `path` (local path or fsspec URI) via temp name + fsync + rename.
+
+    Returns the file size in bytes. On any failure the temp file is removed and `path` is
+    left as it was (absent, or the previous complete file).
+    """
+    fs, fpath = fsspec.core.url_to_fs(path)
+    parent, _, name = fpath.rpartition("/")
+    fs.makedirs(parent, exist_ok=True)
+    # hidden and not ending in .parquet: no glob of readers ever matches it
+    tmp = f"{parent}/.{name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        if isinstance(fs, LocalFileSystem):
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            with fs.open(tmp, "wb") as f:
+                pq.write_table(table, f)
+        _replace(fs, tmp, fpath)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm(tmp)
+        raise
+    if isinstance(fs, LocalFileSystem):
+        _fsync_dir(parent)
+    return int(fs.size(fpath))
+
+
+def _row(sample: Sample) -> dict:
+    row = sample.to_row()
+    if isinstance(row["status"], Enum):
+        row["status"] = row["status"].value
+    if row["label"] is not None and not isinstance(row["label"], str):
+        row["label"] = json.dumps(row["label"])
+    return row
+
+
+def samples_to_table(samples: list[Sample]) -> pa.Table:
+    rows = [_row(s) for s in samples]
+    return pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+
+
+def shard_path(paths: StoragePaths, run: str, rollout_id: int) -> str:
+    return f"{paths.rollout_shard_dir(run, rollout_id)}/{SHARD_FILE}"
+
+
+def _mean_reward(samples: list[Sample]) -> float | None:
+    rewards = [r for r in (s.scalar_reward_or_none() for s in samples) if r is not None]
+    return sum(rewards) / len(rewards) if rewards else None
+
+
+def write_rollout_shard(paths: StoragePaths, run: str, rollout_id: int, samples: list[Sample]) -> ShardInfo:
+    """Write one rollout's samples as its shard (replacing any previous shard of that id)."""
+    for s in samples:
+        if s.run not in ("", run) or s.rollout_id != rollout_id:
+            raise ValueError(
+                f"sample (run={s.run!r}, rollout_id={s.rollout_id}) does not belong in shard "
+                f"(run={run!r}, rollout_id={rollout_id})"
+            )
+    samples = [s if s.run else replace(s, run=run) for s in samples]
+    path = shard_path(paths, run, rollout_id)
+    first = not _has_parquet(paths.rollouts)
+    size = write_parquet_atomic(samples_to_table(samples), path)
+    if first:
+        _refresh_catalog(paths)
+    return ShardInfo(path=path, rows=len(samples), bytes=size, mean_reward=_mean_reward(samples))
+
+
+def read_rollout_shard(paths: StoragePaths, run: str, rollout_id: int) -> list[Sample]:
+    """The samples of one shard, exactly as written."""
+    with fsspec.open(shard_path(paths, run, rollout_id), "rb") as f:
+        table = pq.read_table(f, schema=ROLLOUT_SCHEMA)
+    return [Sample.from_row(r) for r in table.to_pylist()]
+
+
+def list_rollout_shards(paths: StoragePaths, run: str) -> list[int]:
+    """Rollout ids of the complete shards of `run`, ascending."""
+    fs, root = fsspec.core.url_to_fs(paths.join("rollouts", f"run={run}"))
+    if not fs.exists(root):
+        return []
+    ids = []
+    for p in fs.glob(f"{root}/rollout_id=*/{SHARD_FILE}"):
+        ids.append(int(p.split("rollout_id=")[-1].split("/")[0]))
+    return sorted(ids)
+
+
+def _has_parquet(directory: str) -> bool:
+    fs, root = fsspec.core.url_to_fs(directory)
+    return fs.exists(root) and bool(fs.glob(f"{root}/**/*.parquet"))
+
+
+def _refresh_catalog(paths: StoragePaths) -> None:
+    """The first file of a view turns its empty placeholder into a read_parquet view."""
+    from miles_platform.store.catalog import Catalog
+
+    Catalog(paths).refresh(best_effort=True)

@@ -1,0 +1,131 @@
+"""Append-only Parquet tables: policy_versions, evals, lineage, metrics.
+
+    <root>/tables/<table>/run=<run>/part-<time_ns>-<uuid>.parquet
+
+Each `append_rows` call writes one new part file atomically (never rewrites an old one), so
+concurrent writers cannot lose rows and readers see whole calls or nothing.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.shards import write_parquet_atomic
+
+_TS = pa.timestamp("us", tz="UTC")
+
+TABLE_SCHEMAS: dict[str, pa.Schema] = {
+    "policy_versions": pa.schema(
+        [
+            ("run", pa.string()),
+            ("version", pa.int64()),
+            ("partition_key", pa.string()),  # <run>.v<NNNNNN>
+            ("parent_version", pa.int64()),
+            ("rollout_id", pa.int64()),  # rollout that trained this version
+            ("checkpoint_path", pa.string()),
+            ("hf_path", pa.string()),
+            ("content_hash", pa.string()),  # of the weights
+            ("config_hash", pa.string()),  # RunConfig.hash
+            ("base_data_version", pa.string()),  # Dagster data version of the base checkpoint
+            ("dataset_data_version", pa.string()),  # ... of prompt_dataset
+            ("shard_path", pa.string()),
+            ("shard_rows", pa.int64()),
+            ("mean_reward", pa.float64()),
+            ("created_at", _TS),
+        ]
+    ),
+    "evals": pa.schema(
+        [
+            ("run", pa.string()),
+            ("version", pa.int64()),
+            ("partition_key", pa.string()),
+            ("dataset", pa.string()),
+            ("metric", pa.string()),  # pass@1, pass@k, mean_reward, ...
+            ("value", pa.float64()),
+            ("n_samples", pa.int64()),
+            ("created_at", _TS),
+        ]
+    ),
+    "lineage": pa.schema(
+        [
+            ("run", pa.string()),
+            ("child", pa.string()),  # key: partition key, path or asset key
+            ("child_kind", pa.string()),  # policy_version, checkpoint, rollout_shard, dataset, ...
+            ("parent", pa.string()),
+            ("parent_kind", pa.string()),
+            ("relation", pa.string()),  # trained_from, trained_on, converted_from, ...
+            ("data_version", pa.string()),
+            ("created_at", _TS),
+        ]
+    ),
+    "metrics": pa.schema(
+        [
+            ("run", pa.string()),
+            ("rollout_id", pa.int64()),
+            ("step", pa.int64()),
+            ("name", pa.string()),  # Miles metric name: rollout/raw_reward, train/loss, ...
+            ("value", pa.float64()),
+            ("created_at", _TS),
+        ]
+    ),
+}
+
+
+def _check_rows(table: str, run: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    schema = TABLE_SCHEMAS[table]
+    now = datetime.now(UTC)
+    out = []
+    for i, row in enumerate(rows):
+        unknown = set(row) - set(schema.names)
+        if unknown:
+            raise ValueError(
+                f"table {table!r} row {i}: unknown column(s) {sorted(unknown)}; columns: {schema.names}"
+            )
+        if row.get("run", run) != run:
+            raise ValueError(f"table {table!r} row {i}: run {row['run']!r} differs from run {run!r}")
+        out.append({**row, "run": run, "created_at": row.get("created_at") or now})
+    return out
+
+
+def append_rows(paths: StoragePaths, table: str, run: str, rows: list[dict[str, Any]]) -> str | None:
+    """Append `rows` to `table` as one new atomic part file. Returns its path (None if no rows)."""
+    if table not in TABLE_SCHEMAS:
+        raise ValueError(f"unknown table {table!r}; known: {sorted(TABLE_SCHEMAS)}")
+    if not rows:
+        return None
+    data = pa.Table.from_pylist(_check_rows(table, run, rows), schema=TABLE_SCHEMAS[table])
+    first = not _has_rows_dir(paths.table_dir(table))
+    path = f"{paths.table_dir(table, run)}/part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
+    write_parquet_atomic(data, path)
+    if first:
+        from miles_platform.store.catalog import Catalog
+
+        Catalog(paths).refresh(best_effort=True)
+    return path
+
+
+def _has_rows_dir(directory: str) -> bool:
+    fs, root = fsspec.core.url_to_fs(directory)
+    return fs.exists(root) and bool(fs.glob(f"{root}/run=*/*.parquet"))
+
+
+def read_rows(paths: StoragePaths, table: str, run: str | None = None) -> list[dict[str, Any]]:
+    """All rows of `table` (of one run, or all runs), in append order."""
+    fs, root = fsspec.core.url_to_fs(paths.table_dir(table, run))
+    if not fs.exists(root):
+        return []
+    pattern = f"{root}/part-*.parquet" if run else f"{root}/run=*/part-*.parquet"
+    files = sorted(fs.glob(pattern), key=lambda p: p.rsplit("/", 1)[-1])
+    rows: list[dict[str, Any]] = []
+    for p in files:
+        with fs.open(p, "rb") as f:
+            rows += pq.read_table(f, schema=TABLE_SCHEMAS[table]).to_pylist()
+    return rows
