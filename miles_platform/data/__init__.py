@@ -1,0 +1,1 @@
+"""Data: Sample (sample.py), prompt datasets (dataset.py), the rollout data source (source.py)."""

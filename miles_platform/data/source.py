@@ -1,0 +1,72 @@
+"""RolloutDataSource: hands out prompts rollout by rollout, epoch after epoch, resumable exactly.
+
+With --rollout-shuffle each epoch is a fresh permutation seeded by `rollout_seed + epoch`, so
+the order depends only on (seed, epoch) and a resumed run replays nothing and skips nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from miles_platform.data.dataset import PromptRecord, load_prompt_dataset
+
+
+class RolloutDataSource:
+    def __init__(self, records: list[PromptRecord], rollout_shuffle: bool = False, rollout_seed: int = 42):
+        if not records:
+            raise ValueError("RolloutDataSource needs at least one prompt record")
+        self.records = list(records)
+        self.rollout_shuffle = rollout_shuffle
+        self.rollout_seed = rollout_seed
+        self.epoch = 0
+        self.offset = 0  # position within the current epoch's order
+        self._order = self._epoch_order(0)
+
+    @classmethod
+    def from_config(cls, cfg: Any, tokenizer: Any | None = None) -> RolloutDataSource:
+        """Build from a RunConfig: --prompt-data and its keys, --rollout-shuffle, --rollout-seed."""
+        records = load_prompt_dataset(
+            cfg.prompt_data,
+            input_key=cfg.input_key,
+            label_key=cfg.label_key,
+            metadata_key=cfg.metadata_key,
+            apply_chat_template=cfg.apply_chat_template,
+            tokenizer=tokenizer,
+        )
+        return cls(records, rollout_shuffle=cfg.rollout_shuffle, rollout_seed=cfg.rollout_seed)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.rollout_shuffle:
+            random.Random(self.rollout_seed + epoch).shuffle(order)
+        return order
+
+    def get_samples(self, num_prompts: int) -> list[PromptRecord]:
+        """The next `num_prompts` prompts, crossing into the next epoch when this one runs out."""
+        out: list[PromptRecord] = []
+        while len(out) < num_prompts:
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._epoch_order(self.epoch)
+            take = min(num_prompts - len(out), len(self._order) - self.offset)
+            out += [self.records[i] for i in self._order[self.offset : self.offset + take]]
+            self.offset += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-serializable position: saved with each checkpoint."""
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        if not 0 <= offset <= len(self.records):
+            raise ValueError(
+                f"data-source offset {offset} outside the dataset of {len(self.records)} prompts"
+            )
+        self.epoch, self.offset = epoch, offset
+        self._order = self._epoch_order(epoch)
