@@ -1,0 +1,119 @@
+import os
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+
+from miles_platform.data.sample import Sample
+from miles_platform.store import shards
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.shards import (
+    ROLLOUT_SCHEMA,
+    list_rollout_shards,
+    read_rollout_shard,
+    shard_path,
+    write_rollout_shard,
+)
+
+
+def make_samples(rollout_id=3, n=4, run="r1"):
+    out = []
+    for i in range(n):
+        out.append(
+            Sample(
+                run=run,
+                rollout_id=rollout_id,
+                group_index=i // 2,
+                index=i,
+                prompt=f"{i}+1=",
+                prompt_tokens=[5, 6, i],
+                response=str(i + 1),
+                response_tokens=[7 + i] * (i + 1),
+                rollout_log_probs=[-0.1234567890123 * (j + 1) for j in range(i + 1)],
+                loss_mask=[1] * (i + 1),
+                label=str(i + 1),
+                reward={"acc": 1.0, "fmt": 0.5} if i == 0 else float(i % 2),
+                raw_reward=0.75 if i == 0 else None,
+                status="truncated" if i == 3 else "completed",
+                weight_version_start=2,
+                weight_version_end=3 if i == 1 else 2,
+                metadata={"rm_type": "math", "nested": {"k": [1, 2]}},
+                remove_sample=i == 2,
+            )
+        )
+    return out
+
+
+def test_round_trip_exact_and_layout(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    samples = make_samples()
+    info = write_rollout_shard(paths, "r1", 3, samples)
+    assert info.path == f"{tmp_path}/rollouts/run=r1/rollout_id=000003/part-0.parquet"
+    assert info.rows == 4 and info.bytes == os.path.getsize(info.path)
+    assert info.mean_reward == pytest.approx((0.75 + 1 + 0 + 1) / 4)
+    assert read_rollout_shard(paths, "r1", 3) == samples
+    assert pq.read_schema(info.path).remove_metadata() == ROLLOUT_SCHEMA  # explicit types, lists typed
+    assert os.listdir(os.path.dirname(info.path)) == ["part-0.parquet"]
+    assert list_rollout_shards(paths, "r1") == [3]
+
+
+def test_empty_lists_keep_their_types(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    write_rollout_shard(paths, "r", 0, [Sample(run="r", prompt="p")])
+    assert pq.read_schema(shard_path(paths, "r", 0)).field("rollout_log_probs").type == ROLLOUT_SCHEMA.field(
+        "rollout_log_probs"
+    ).type
+    assert read_rollout_shard(paths, "r", 0) == [Sample(run="r", prompt="p")]
+
+
+def test_rewrite_replaces(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    write_rollout_shard(paths, "r1", 3, make_samples(n=4))
+    write_rollout_shard(paths, "r1", 3, make_samples(n=2))
+    assert len(read_rollout_shard(paths, "r1", 3)) == 2
+    assert os.listdir(paths.rollout_shard_dir("r1", 3)) == ["part-0.parquet"]
+
+
+def test_sample_of_other_rollout_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not belong"):
+        write_rollout_shard(StoragePaths(str(tmp_path)), "r1", 4, make_samples(rollout_id=3))
+
+
+def test_crash_before_rename_leaves_no_visible_shard(tmp_path, monkeypatch):
+    paths = StoragePaths(str(tmp_path))
+
+    def crash(fs, src, dst):
+        raise OSError("simulated crash mid-write")
+
+    monkeypatch.setattr(shards, "_replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        write_rollout_shard(paths, "r1", 3, make_samples())
+    shard_dir = paths.rollout_shard_dir("r1", 3)
+    assert os.listdir(shard_dir) == []  # neither part file nor temp file
+    assert list_rollout_shards(paths, "r1") == []
+
+
+def test_crash_during_rewrite_keeps_previous_shard(tmp_path, monkeypatch):
+    paths = StoragePaths(str(tmp_path))
+    old = make_samples(n=4)
+    write_rollout_shard(paths, "r1", 3, old)
+    monkeypatch.setattr(shards.pq, "write_table", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        write_rollout_shard(paths, "r1", 3, make_samples(n=2))
+    monkeypatch.undo()
+    assert read_rollout_shard(paths, "r1", 3) == old
+    assert os.listdir(paths.rollout_shard_dir("r1", 3)) == ["part-0.parquet"]
+
+
+def test_duckdb_file_queries_rollouts_after_first_shard(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    write_rollout_shard(paths, "r1", 3, make_samples())
+    write_rollout_shard(paths, "r1", 4, make_samples(rollout_id=4, n=2))
+    con = duckdb.connect(paths.catalog)  # a plain DuckDB client, no refresh by us
+    try:
+        rows = con.execute(
+            "SELECT rollout_id, count(*), sum(response_length) FROM rollouts GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+    finally:
+        con.close()
+    assert rows == [(3, 4, 1 + 2 + 3 + 4), (4, 2, 1 + 2)]
