@@ -1,0 +1,121 @@
+import json
+
+import duckdb
+import pytest
+
+from miles_platform import cli
+from miles_platform.data.sample import Sample
+from miles_platform.store.catalog import VIEWS, Catalog, CatalogError
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.shards import ROLLOUT_SCHEMA, write_rollout_shard
+from miles_platform.store.tables import TABLE_SCHEMAS, append_rows
+
+
+def test_empty_root_has_typed_empty_views(tmp_path):
+    cat = Catalog(StoragePaths(str(tmp_path)))
+    cols, rows = cat.query("SELECT * FROM rollouts")
+    assert cols == ROLLOUT_SCHEMA.names and rows == []
+    for table, schema in TABLE_SCHEMAS.items():
+        assert cat.query(f"SELECT * FROM {table}") == (schema.names, [])
+    # typed: arithmetic and list functions work on the empty views too
+    assert cat.query("SELECT avg(reward), max(len(response_tokens)) FROM rollouts")[1] == [(None, None)]
+
+
+def test_views_follow_new_files_and_join(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    cat = Catalog(paths)
+    cat.refresh()
+    for rid in (1, 2):
+        samples = [
+            Sample(
+                run="r",
+                rollout_id=rid,
+                index=i,
+                reward=float(i + rid),
+                weight_version_start=rid - 1,
+                weight_version_end=rid - 1,
+            )
+            for i in range(2)
+        ]
+        write_rollout_shard(paths, "r", rid, samples)
+        append_rows(paths, "policy_versions", "r", [{"version": rid, "rollout_id": rid}])
+    cols, rows = cat.query(
+        "SELECT p.version, avg(r.reward) AS mean_reward FROM rollouts r "
+        "JOIN policy_versions p ON p.run = r.run AND p.rollout_id = r.rollout_id GROUP BY 1 ORDER BY 1"
+    )
+    assert cols == ["version", "mean_reward"] and rows == [(1, 1.5), (2, 2.5)]
+    # views hold absolute paths: the catalog opened from anywhere, read-only, sees the same
+    con = duckdb.connect(paths.catalog, read_only=True)
+    try:
+        assert sorted(
+            v for (v,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()
+        ) == sorted(VIEWS)
+        assert con.execute("SELECT count(*) FROM policy_versions").fetchall() == [(2,)]
+    finally:
+        con.close()
+
+
+def test_bad_sql_is_one_line_error(tmp_path):
+    with pytest.raises(CatalogError) as e:
+        Catalog(StoragePaths(str(tmp_path))).query("SELEC nonsense")
+    assert "\n" not in str(e.value) and "syntax error" in str(e.value).lower()
+
+
+@pytest.fixture
+def root_with_rollouts(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    write_rollout_shard(
+        paths,
+        "r",
+        0,
+        [Sample(run="r", rollout_id=0, index=i, response=f"resp {i}", reward=0.5 * i) for i in range(3)],
+    )
+    return str(tmp_path)
+
+
+SQL = "SELECT index, response, reward FROM rollouts ORDER BY index"
+
+
+def test_query_cli_table(root_with_rollouts, capsys):
+    assert cli.main(["query", SQL, "--storage-root", root_with_rollouts]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "index  response  reward",
+        "-----  --------  ------",
+        "0      resp 0    0.0",
+        "1      resp 1    0.5",
+        "2      resp 2    1.0",
+        "(3 rows)",
+    ]
+
+
+def test_query_cli_csv_and_json(root_with_rollouts, capsys):
+    assert cli.main(["query", SQL, "--storage-root", root_with_rollouts, "--format", "csv"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "index,response,reward",
+        "0,resp 0,0.0",
+        "1,resp 1,0.5",
+        "2,resp 2,1.0",
+    ]
+    assert (
+        cli.main(["query", SQL + " LIMIT 1", "--storage-root", root_with_rollouts, "--format", "json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out) == [{"index": 0, "response": "resp 0", "reward": 0.0}]
+
+
+def test_query_cli_errors_exit_2(root_with_rollouts, tmp_path, capsys):
+    assert cli.main(["query", "SELECT * FROM no_such_view", "--storage-root", root_with_rollouts]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("miles-platform query: error:") and "no_such_view" in err and err.count("\n") == 1
+    assert cli.main(["query", "SELECT 1", "--storage-root", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_query_while_another_reader_holds_the_catalog(root_with_rollouts):
+    paths = StoragePaths(root_with_rollouts)
+    cat = Catalog(paths)
+    cat.refresh()
+    other = duckdb.connect(paths.catalog, read_only=True)  # e.g. someone's DuckDB session
+    try:
+        assert cat.query("SELECT count(*) FROM rollouts")[1] == [(3,)]
+    finally:
+        other.close()
