@@ -35,11 +35,17 @@ def test_jsonl_keys_labels_metadata(tmp_path):
 
 
 def test_custom_keys_and_given_ids(tmp_path):
-    rows = [{"id": 7, "question": "q1", "answer": "a", "info": {"k": 1}}, {"id": "x", "question": "q2", "answer": "b"}]
+    rows = [
+        {"id": 7, "question": "q1", "answer": "a", "info": {"k": 1}},
+        {"id": "x", "question": "q2", "answer": "b"},
+    ]
     recs = load_prompt_dataset(
         write_jsonl(tmp_path / "d.jsonl", rows), input_key="question", label_key="answer", metadata_key="info"
     )
-    assert [(r.id, r.prompt, r.label, r.metadata) for r in recs] == [("7", "q1", "a", {"k": 1}), ("x", "q2", "b", {})]
+    assert [(r.id, r.prompt, r.label, r.metadata) for r in recs] == [
+        ("7", "q1", "a", {"k": 1}),
+        ("x", "q2", "b", {}),
+    ]
 
 
 def test_derived_ids_stable_and_unique_for_duplicate_rows(tmp_path):
@@ -64,13 +70,19 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
 
 def test_missing_input_key_names_key_and_present_keys(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [{"input": "a"}, {"prompt": "b", "label": "1"}])
-    with pytest.raises(DataError, match=r"d.jsonl:2: missing key 'input' \(--input-key\); keys present: \['label', 'prompt'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"d.jsonl:2: missing key 'input' \(--input-key\); keys present: \['label', 'prompt'\]",
+    ):
         load_prompt_dataset(p)
 
 
 def test_missing_label_key(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [{"input": "a", "answer": "1"}])
-    with pytest.raises(DataError, match=r"d.jsonl:1: missing key 'label' \(--label-key\); keys present: \['answer', 'input'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"d.jsonl:1: missing key 'label' \(--label-key\); keys present: \['answer', 'input'\]",
+    ):
         load_prompt_dataset(p, label_key="label")
 
 
@@ -92,7 +104,9 @@ def test_empty_prompt_and_list_prompt_without_template(tmp_path):
     with pytest.raises(DataError, match=r"d.jsonl:1: key 'input' must be a non-empty string"):
         load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", [{"input": "  "}]))
     with pytest.raises(DataError, match="pass --apply-chat-template"):
-        load_prompt_dataset(write_jsonl(tmp_path / "m.jsonl", [{"input": [{"role": "user", "content": "hi"}]}]))
+        load_prompt_dataset(
+            write_jsonl(tmp_path / "m.jsonl", [{"input": [{"role": "user", "content": "hi"}]}])
+        )
 
 
 def test_missing_file(tmp_path):
@@ -111,9 +125,14 @@ class FakeTokenizer:
 
 
 def test_apply_chat_template_wraps_user_message_or_takes_messages(tmp_path):
-    rows = [{"input": "2+2="}, {"input": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}]
+    rows = [
+        {"input": "2+2="},
+        {"input": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
+    ]
     tok = FakeTokenizer()
-    recs = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), apply_chat_template=True, tokenizer=tok)
+    recs = load_prompt_dataset(
+        write_jsonl(tmp_path / "d.jsonl", rows), apply_chat_template=True, tokenizer=tok
+    )
     assert recs[0].prompt == "<|user|>2+2=<|assistant|>"
     assert recs[1].prompt == "<|system|>s<|user|>u<|assistant|>"
     assert tok.calls[0] == ([{"role": "user", "content": "2+2="}], False, True)
@@ -123,7 +142,9 @@ def test_apply_chat_template_wraps_user_message_or_takes_messages(tmp_path):
 
 def test_parquet_source(tmp_path):
     p = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"question": ["a", "b"], "answer": ["1", "2"], "metadata": ['{"x": 1}', None]}), p)
+    pq.write_table(
+        pa.table({"question": ["a", "b"], "answer": ["1", "2"], "metadata": ['{"x": 1}', None]}), p
+    )
     recs = load_prompt_dataset(f"file://{p}", input_key="question", label_key="answer")
     assert [(r.prompt, r.label, r.metadata) for r in recs] == [("a", "1", {"x": 1}), ("b", "2", {})]
 
@@ -131,7 +152,9 @@ def test_parquet_source(tmp_path):
 def test_parquet_wrong_schema_names_missing_columns(tmp_path):
     p = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": ["a"]}), p)
-    with pytest.raises(DataError, match=r"lacks column\(s\) \['input', 'label'\]; columns present: \['text'\]"):
+    with pytest.raises(
+        DataError, match=r"lacks column\(s\) \['input', 'label'\]; columns present: \['text'\]"
+    ):
         load_prompt_dataset(str(p), label_key="label")
 
 

@@ -60,9 +60,10 @@ def test_round_trip_exact_and_layout(tmp_path):
 def test_empty_lists_keep_their_types(tmp_path):
     paths = StoragePaths(str(tmp_path))
     write_rollout_shard(paths, "r", 0, [Sample(run="r", prompt="p")])
-    assert pq.read_schema(shard_path(paths, "r", 0)).field("rollout_log_probs").type == ROLLOUT_SCHEMA.field(
-        "rollout_log_probs"
-    ).type
+    assert (
+        pq.read_schema(shard_path(paths, "r", 0)).field("rollout_log_probs").type
+        == ROLLOUT_SCHEMA.field("rollout_log_probs").type
+    )
     assert read_rollout_shard(paths, "r", 0) == [Sample(run="r", prompt="p")]
 
 
