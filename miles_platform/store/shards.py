@@ -144,7 +144,7 @@ def write_rollout_shard(paths: StoragePaths, run: str, rollout_id: int, samples:
     first = not _has_parquet(paths.rollouts)
     size = write_parquet_atomic(samples_to_table(samples), path)
     if first:
-        _refresh_catalog(paths)
+        refresh_catalog_after_first_file(paths)
     return ShardInfo(path=path, rows=len(samples), bytes=size, mean_reward=_mean_reward(samples))
 
 
@@ -171,8 +171,13 @@ def _has_parquet(directory: str) -> bool:
     return fs.exists(root) and bool(fs.glob(f"{root}/**/*.parquet"))
 
 
-def _refresh_catalog(paths: StoragePaths) -> None:
-    """The first file of a view turns its empty placeholder into a read_parquet view."""
+def refresh_catalog_after_first_file(paths: StoragePaths) -> None:
+    """The first file of a view turns its empty placeholder into a read_parquet view.
+
+    Best effort and local roots only: the files are the truth, the views are derived.
+    """
+    if "://" in paths.root:
+        return
     from miles_platform.store.catalog import Catalog
 
     Catalog(paths).refresh(best_effort=True)

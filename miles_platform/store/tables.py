@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from miles_platform.store.paths import StoragePaths
-from miles_platform.store.shards import write_parquet_atomic
+from miles_platform.store.shards import refresh_catalog_after_first_file, write_parquet_atomic
 
 _TS = pa.timestamp("us", tz="UTC")
 
@@ -106,9 +106,7 @@ def append_rows(paths: StoragePaths, table: str, run: str, rows: list[dict[str, 
     path = f"{paths.table_dir(table, run)}/part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
     write_parquet_atomic(data, path)
     if first:
-        from miles_platform.store.catalog import Catalog
-
-        Catalog(paths).refresh(best_effort=True)
+        refresh_catalog_after_first_file(paths)
     return path
 
 
