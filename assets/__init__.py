@@ -20,7 +20,10 @@ def _modules():
 
 
 def all_assets():
-    return list(dg.load_assets_from_modules(_modules()))
+    """Assets defined with @asset, plus AssetSpecs of assets materialized by ops (rl_training)."""
+    mods = _modules()
+    specs = [v for m in mods for v in vars(m).values() if isinstance(v, dg.AssetSpec)]
+    return list(dg.load_assets_from_modules(mods)) + specs
 
 
 def all_checks():

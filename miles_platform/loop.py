@@ -1,0 +1,458 @@
+"""The train loop, as in Miles' train.py: generate -> store shard -> train -> save -> update weights.
+
+    for rollout_id in range(start_rollout_id, num_rollout):
+        samples = rollout_manager.generate(rollout_id)
+        store.write_shard(rollout_id, samples)
+        actor.train(rollout_id, samples)
+        actor.update_weights()          # new policy version, HF export, engines load it
+        if save due: actor.save(rollout_id)
+        report materializations + metrics
+
+Runs without Dagster (`miles-platform train ...`); the Dagster op passes a Reporter to turn
+each policy version into asset materializations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_platform.config import ConfigError, RunConfig, parse_run_config
+from miles_platform.store.paths import StoragePaths, partition_key
+
+
+class Reporter:
+    """Callbacks of a run. The Dagster op overrides them; the CLI prints."""
+
+    def log(self, msg: str) -> None:
+        print(msg, flush=True)
+
+    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_policy_version(self, info: dict[str, Any]) -> None:
+        pass
+
+
+@dataclass
+class RunResult:
+    run: str
+    start_rollout_id: int
+    last_rollout_id: int
+    final_version: int
+    final_hf_path: str | None
+    versions: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    ci_checks: dict[str, float] = field(default_factory=dict)
+
+
+class CITestFailure(AssertionError):
+    pass
+
+
+def validate_before_start(cfg: RunConfig) -> None:
+    """Everything checkable before any engine or actor starts: config, rewards, custom paths, data."""
+    cfg.validate()
+    if not cfg.hf_checkpoint:
+        raise ConfigError("--hf-checkpoint is required (HF dir with config, weights and tokenizer)")
+    from miles_platform.models.checkpoint import validate_hf_dir
+
+    validate_hf_dir(cfg.hf_checkpoint)
+    if cfg.load_debug_rollout_data:
+        return
+    if not cfg.prompt_data:
+        raise ConfigError("--prompt-data is required (JSONL or Parquet of prompts)")
+    if cfg.loss_type != "sft_loss" and not cfg.debug_train_only:
+        from miles_platform.rollout import rm_hub
+
+        rm_hub.validate_reward_config(cfg)
+    from miles_platform.rollout import filter_hub
+
+    filter_hub.load_dynamic_filter(cfg)
+    filter_hub.load_rollout_sample_filter(cfg)
+    if cfg.custom_loss_function_path:
+        from miles_platform.plugins import load_function
+
+        load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
+
+
+def _fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:
+    if cfg.save is None:
+        cfg.save = paths.checkpoints(cfg.run_name)
+    if cfg.num_rollout is None:
+        epochs = cfg.num_epoch or 1
+        cfg.num_rollout = max(1, epochs * dataset_rows // cfg.rollout_batch_size)
+
+
+class RLRun:
+    def __init__(self, cfg: RunConfig, reporter: Reporter | None = None):
+        self.cfg = cfg
+        self.reporter = reporter or Reporter()
+        self.paths = StoragePaths(cfg.storage_root)
+
+    # ------------------------------------------------------------------ setup
+    def _load_data(self, tokenizer):
+        from miles_platform.data.dataset import content_hash
+        from miles_platform.data.source import RolloutDataSource
+
+        src = RolloutDataSource.from_config(self.cfg, tokenizer=tokenizer)
+        return src, content_hash(src.records)
+
+    def _start_trainers(self, world: int):
+        import ray
+
+        from miles_platform.training.actor import TrainerActor
+
+        dist_init = None
+        if world > 1:
+            from miles_platform.cluster.ray_cluster import free_port
+
+            dist_init = f"tcp://127.0.0.1:{free_port()}"
+        cls = ray.remote(num_cpus=self.cfg.num_cpus_per_actor)(TrainerActor)
+        env = {
+            "env_vars": {
+                "OMP_NUM_THREADS": "1",
+                "MILES_TRAIN_THREADS": os.environ.get("MILES_TRAIN_THREADS", "1"),
+            }
+        }
+        actors = [cls.options(runtime_env=env).remote(self.cfg, r, world, dist_init) for r in range(world)]
+        ray.get([a.ready.remote() for a in actors])
+        return actors
+
+    def _start_engines(self):
+        from miles_platform.rollout.engines import start_engines
+
+        return start_engines(self.cfg)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> RunResult:
+        import ray
+
+        from miles_platform.cluster.ray_cluster import init_ray, shutdown_ray
+        from miles_platform.models.checkpoint import content_hash as ckpt_hash
+        from miles_platform.models.checkpoint import load_tokenizer
+
+        cfg = self.cfg
+        validate_before_start(cfg)
+        tok = load_tokenizer(cfg.hf_checkpoint)
+        src, data_version = (None, None) if cfg.load_debug_rollout_data else self._load_data(tok)
+        _fill_defaults(cfg, self.paths, len(src) if src else 1)
+        base_version = ckpt_hash(cfg.hf_checkpoint)
+        world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+        if cfg.global_batch_size % world:
+            raise ConfigError(
+                f"--global-batch-size {cfg.global_batch_size} must divide over {world} trainer ranks"
+            )
+        need_cpus = world * cfg.num_cpus_per_actor + self._num_engines() * cfg.num_cpus_per_actor
+        ctx = init_ray(cfg, num_cpus=max(os.cpu_count() or 1, int(need_cpus + 0.999)))
+        engines = router = None
+        try:
+            trainers = [] if cfg.debug_rollout_only else self._start_trainers(world)
+            state = ray.get([t.load.remote() for t in trainers])[0] if trainers else None
+            start = 0 if state is None else state["rollout_id"] + 1
+            version = 0 if state is None else int(state["weight_version"])
+            if state is not None and src is not None:
+                src.load_state_dict(state["data_source"])
+                self.reporter.log(
+                    f"[resume] from {cfg.load or cfg.save} rollout {state['rollout_id']}, v{version}"
+                )
+            session = manager = None
+            if not cfg.debug_train_only:
+                engines, router = self._start_engines()
+                from miles_platform.rollout.manager import RolloutManager
+                from miles_platform.weights.update_session import UpdateSession
+
+                manager = RolloutManager(cfg, tok, src, router.url)
+                session = UpdateSession(cfg, self.paths, engines) if trainers else None
+                if session is not None:
+                    self._initial_sync(trainers, session, version, resumed=state is not None)
+            ctx_info = {"data_version": data_version, "base_version": base_version}
+            return self._loop(trainers, manager, session, engines, start, version, ctx_info)
+        finally:
+            if router is not None:
+                router.stop()
+            if engines:
+                from miles_platform.rollout.engines import stop_engines
+
+                stop_engines(engines)
+            shutdown_ray(ctx)
+
+    def _num_engines(self) -> int:
+        c = self.cfg
+        if c.debug_train_only or c.rollout_external_engine_addrs:
+            return 0
+        return max(1, (c.rollout_num_gpus or 1) // c.rollout_num_gpus_per_engine)
+
+    def _initial_sync(self, trainers, session, version: int, resumed: bool) -> None:
+        """Engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them first."""
+        import ray
+
+        weights = ray.get([t.get_hf_weights.remote() for t in trainers])[0]
+        if self.cfg.update_weight_transfer_mode == "disk-delta" and not resumed:
+            session.transport.snapshot_base(weights, version)
+        elif resumed:
+            hf_dir = self.paths.hf_export(self.cfg.run_name, version)
+            session.update(weights, version, hf_dir if os.path.exists(hf_dir) else None)
+
+    def _loop(self, trainers, manager, session, engines, start, version, ctx_info) -> RunResult:
+        import ray
+
+        from miles_platform.store.shards import write_rollout_shard
+        from miles_platform.store.tables import append_rows
+        from miles_platform.training.actor import TrainBatch
+        from miles_platform.training.export import export_hf_dir
+
+        cfg, run = self.cfg, self.cfg.run_name
+        result = RunResult(run, start, start - 1, version, None)
+        for rollout_id in range(start, cfg.num_rollout):
+            t0 = time.time()
+            if cfg.load_debug_rollout_data:
+                samples, metrics = self._load_debug(rollout_id), {}
+            else:
+                samples, metrics = manager.generate(rollout_id)
+            shard = write_rollout_shard(self.paths, run, rollout_id, samples)
+            if cfg.save_debug_rollout_data:
+                self._save_debug(rollout_id, samples)
+            if not trainers:
+                self._report(rollout_id, metrics, t0)
+                result.last_rollout_id = rollout_id
+                continue
+            batch = TrainBatch(
+                tokens=[s.tokens for s in samples],
+                response_lengths=[s.response_length for s in samples],
+                loss_masks=[list(s.loss_mask) for s in samples],
+                rewards=[s.raw_reward if s.raw_reward is not None else 0.0 for s in samples],
+                rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
+            )
+            ref = ray.put(batch)
+            metrics.update(ray.get([t.train.remote(rollout_id, ref) for t in trainers])[0])
+            if cfg.ci_test and rollout_id == 0:
+                result.ci_checks = self._ci_step0(metrics)
+            hf_dir = None
+            if session is not None and (rollout_id + 1) % cfg.update_weights_interval == 0:
+                version += 1
+                weights = ray.get([t.get_hf_weights.remote() for t in trainers])[0]
+                hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, self.paths.hf_export(run, version))
+                metrics.update(session.update(weights, version, hf_dir))
+                if cfg.ci_test or cfg.check_weight_update_equal:
+                    self._check_weights_equal(engines, weights, version)
+            ckpt = None
+            if cfg.save and self._save_due(rollout_id):
+                extra = {
+                    "weight_version": version,
+                    "data_source": manager.data_source.state_dict() if manager else {},
+                    "run": run,
+                    "config_hash": cfg.config_hash(),
+                }
+                ckpt = ray.get([t.save.remote(rollout_id, extra) for t in trainers])[0]
+            if hf_dir is not None:
+                info = self._record_version(run, version, rollout_id, shard, hf_dir, ckpt, ctx_info)
+                result.versions.append(info)
+                self.reporter.on_policy_version(info)
+                result.final_hf_path = hf_dir
+            append_rows(
+                self.paths,
+                "metrics",
+                run,
+                [
+                    {
+                        "rollout_id": rollout_id,
+                        "step": int(metrics.get("train/step", 0)),
+                        "name": k,
+                        "value": float(v),
+                    }
+                    for k, v in metrics.items()
+                ],
+            )
+            self._report(rollout_id, metrics, t0)
+            result.metrics.append(metrics)
+            result.last_rollout_id, result.final_version = rollout_id, version
+        return result
+
+    def _save_due(self, rollout_id: int) -> bool:
+        c = self.cfg
+        return rollout_id + 1 == c.num_rollout or bool(
+            c.save_interval and (rollout_id + 1) % c.save_interval == 0
+        )
+
+    def _record_version(self, run, version, rollout_id, shard, hf_dir, ckpt, ctx_info) -> dict[str, Any]:
+        from miles_platform.models.checkpoint import content_hash
+        from miles_platform.store.tables import append_rows
+
+        key, parent = partition_key(run, version), partition_key(run, version - 1)
+        info = {
+            "run": run,
+            "version": version,
+            "partition_key": key,
+            "parent_version": version - 1,
+            "parent_partition_key": parent,
+            "rollout_id": rollout_id,
+            "checkpoint_path": ckpt,
+            "hf_path": hf_dir,
+            "content_hash": content_hash(hf_dir),
+            "config_hash": self.cfg.config_hash(),
+            "base_data_version": ctx_info["base_version"],
+            "dataset_data_version": ctx_info["data_version"],
+            "shard_path": shard.path,
+            "shard_rows": shard.rows,
+            "mean_reward": shard.mean_reward,
+            "base_checkpoint": self.cfg.hf_checkpoint,
+            "prompt_data": self.cfg.prompt_data,
+        }
+        append_rows(
+            self.paths,
+            "policy_versions",
+            run,
+            [
+                {
+                    k: info[k]
+                    for k in (
+                        "version",
+                        "partition_key",
+                        "parent_version",
+                        "rollout_id",
+                        "checkpoint_path",
+                        "hf_path",
+                        "content_hash",
+                        "config_hash",
+                        "base_data_version",
+                        "dataset_data_version",
+                        "shard_path",
+                        "shard_rows",
+                        "mean_reward",
+                    )
+                }
+            ],
+        )
+        edges = [
+            (
+                parent if version > 1 else self.cfg.hf_checkpoint,
+                "policy_version" if version > 1 else "checkpoint",
+                "trained_from",
+                ctx_info["base_version"] if version == 1 else None,
+            ),
+            (shard.path, "rollout_shard", "trained_on", None),
+            (self.cfg.prompt_data, "dataset", "prompt_data", ctx_info["data_version"]),
+            (self.cfg.hf_checkpoint, "checkpoint", "base_checkpoint", ctx_info["base_version"]),
+        ]
+        append_rows(
+            self.paths,
+            "lineage",
+            run,
+            [
+                {
+                    "child": key,
+                    "child_kind": "policy_version",
+                    "parent": p,
+                    "parent_kind": pk,
+                    "relation": rel,
+                    "data_version": dv,
+                }
+                for p, pk, rel, dv in edges
+            ],
+        )
+        return info
+
+    def _report(self, rollout_id: int, metrics: dict[str, float], t0: float) -> None:
+        metrics["perf/rollout_total_time"] = time.time() - t0
+        self.reporter.on_rollout(rollout_id, metrics)
+        if rollout_id % self.cfg.log_interval == 0:
+            keys = (
+                "rollout/raw_reward",
+                "train/loss",
+                "train/pg_loss",
+                "train/pg_clipfrac",
+                "train/ppo_kl",
+                "train/grad_norm",
+                "train/train_rollout_logprob_abs_diff",
+                "perf/rollout_time",
+                "perf/actor_train_time",
+                "perf/update_weights_time",
+            )
+            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+            self.reporter.log(f"rollout {rollout_id}: {shown}")
+
+    # ------------------------------------------------------------------ --ci-test
+    def _ci_step0(self, m: dict[str, float]) -> dict[str, float]:
+        checks = {
+            "step0_ppo_kl": abs(m.get("train/step0_ppo_kl", 0.0)),
+            "step0_pg_clipfrac": m.get("train/step0_pg_clipfrac", 0.0),
+            "train_rollout_logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff", 0.0),
+        }
+        self.reporter.log(f"[ci-test] rollout 0: {json.dumps(checks)}")
+        if checks["step0_ppo_kl"] >= 1e-9:
+            raise CITestFailure(f"--ci-test: |train/ppo_kl| at step 0 = {checks['step0_ppo_kl']:.3g} >= 1e-9")
+        if checks["step0_pg_clipfrac"] >= 1e-10:
+            raise CITestFailure(
+                f"--ci-test: train/pg_clipfrac at step 0 = {checks['step0_pg_clipfrac']:.3g} >= 1e-10"
+            )
+        if (
+            not self.cfg.use_rollout_logprobs
+            and checks["train_rollout_logprob_abs_diff"] >= self.cfg.ci_logprob_abs_diff_threshold
+        ):
+            raise CITestFailure(
+                f"--ci-test: trainer-vs-engine log-prob abs diff {checks['train_rollout_logprob_abs_diff']:.3g} "
+                f">= {self.cfg.ci_logprob_abs_diff_threshold}"
+            )
+        return checks
+
+    def _check_weights_equal(self, engines, weights, version: int) -> None:
+        import ray
+        import torch
+
+        for e in engines:
+            if e.actor is None:
+                continue
+            got = ray.get(e.actor.get_weights.remote())
+            for name, t in weights.items():
+                if name not in got or not torch.equal(got[name].to(t.dtype), t):
+                    raise CITestFailure(
+                        f"--ci-test: engine {e.url} tensor {name} differs from trainer at v{version}"
+                    )
+
+    # ------------------------------------------------------------------ debug data
+    def _save_debug(self, rollout_id: int, samples) -> None:
+        from miles_platform.store.shards import samples_to_table, write_parquet_atomic
+
+        path = self.cfg.save_debug_rollout_data.format(rollout_id=rollout_id)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_parquet_atomic(samples_to_table(samples), path)
+
+    def _load_debug(self, rollout_id: int):
+        import pyarrow.parquet as pq
+
+        from miles_platform.data.sample import Sample
+
+        path = self.cfg.load_debug_rollout_data.format(rollout_id=rollout_id)
+        if not os.path.exists(path):
+            raise ConfigError(f"--load-debug-rollout-data: {path} not found for rollout {rollout_id}")
+        return [Sample.from_row(r) for r in pq.read_table(path).to_pylist()]
+
+
+def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:
+    return RLRun(cfg, reporter).run()
+
+
+def cli_main(argv: list[str]) -> int:
+    cfg = parse_run_config(argv)
+    try:
+        result = train(cfg)
+    except CITestFailure as e:
+        print(f"miles-platform train: {e}", file=sys.stderr)
+        return 1
+    print(
+        json.dumps(
+            {
+                "run": result.run,
+                "last_rollout_id": result.last_rollout_id,
+                "final_version": result.final_version,
+                "final_hf_path": result.final_hf_path,
+                "ci_checks": result.ci_checks,
+            }
+        )
+    )
+    return 0

@@ -1,0 +1,160 @@
+"""RolloutManager: prompts -> router -> engines -> rewards -> filters -> one rollout's Samples.
+
+Runs in the driver. Generation goes over HTTP (SGLang's `/generate`) to the router, so the
+embedded CPU engine and real SGLang servers are one code path. Dynamic sampling draws
+`--over-sampling-batch-size` prompts per round until `--rollout-batch-size` groups survive
+the filter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+
+from miles_platform.config import RunConfig
+from miles_platform.data.dataset import PromptRecord
+from miles_platform.data.sample import Sample, Status
+from miles_platform.data.source import RolloutDataSource
+from miles_platform.rollout import filter_hub, rm_hub
+
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class RolloutManager:
+    def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, router_url: str):
+        self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, router_url.rstrip("/")
+        self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
+
+    def sampling_params(self) -> dict[str, Any]:
+        c = self.cfg
+        return {
+            "temperature": c.rollout_temperature,
+            "top_p": c.rollout_top_p,
+            "top_k": c.rollout_top_k,
+            "max_new_tokens": c.rollout_max_response_len,
+            "stop": list(c.rollout_stop),
+            "stop_token_ids": self.stop_token_ids,
+        }
+
+    # ------------------------------------------------------------------ public
+    def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """Samples of one rollout, in group order (n consecutive samples per prompt)."""
+        c, t0 = self.cfg, time.time()
+        want = c.rollout_batch_size
+        per_round = c.over_sampling_batch_size or want
+        kept: list[list[Sample]] = []
+        drops: dict[str, int] = {}
+        rounds = 0
+        while len(kept) < want:
+            rounds += 1
+            if rounds > 50:
+                raise RuntimeError(
+                    f"dynamic sampling kept {len(kept)}/{want} groups after 50 rounds; "
+                    "the filter rejects almost everything (is the reward constant?)"
+                )
+            records = self.data_source.get_samples(per_round)
+            groups = asyncio.run(self._generate_groups(rollout_id, records, rounds))
+            flat = [s for g in groups for s in g]
+            rm_hub.compute_rewards(c, flat)
+            survivors, d = filter_hub.apply_dynamic_filter(c, groups)
+            for k, v in d.items():
+                drops[k] = drops.get(k, 0) + v
+            kept += survivors
+        kept = kept[:want]
+        filter_hub.apply_rollout_sample_filter(c, kept)
+        samples = []
+        for gi, group in enumerate(kept):
+            for s in group:
+                s.rollout_id, s.group_index, s.index = rollout_id, gi, len(samples)
+                if s.remove_sample:
+                    s.loss_mask = [0] * len(s.response_tokens)
+                samples.append(s)
+        metrics = self._metrics(samples, drops, time.time() - t0)
+        return samples, metrics
+
+    # ------------------------------------------------------------------ generation
+    async def _generate_groups(
+        self, rollout_id: int, records: list[PromptRecord], rnd: int
+    ) -> list[list[Sample]]:
+        c = self.cfg
+        sem = asyncio.Semaphore(c.rollout_max_concurrency)
+        limits = httpx.Limits(max_connections=c.rollout_max_concurrency)
+        headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
+        async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
+            tasks = []
+            for gi, rec in enumerate(records):
+                prompt_ids = self.tok.encode(rec.prompt, add_special_tokens=False)
+                for k in range(c.n_samples_per_prompt):
+                    seed = hash((c.seed, rollout_id, rnd, gi, k)) % (2**31)
+                    tasks.append(self._one(client, sem, rec, prompt_ids, seed, gi))
+            samples = await asyncio.gather(*tasks)
+        n = c.n_samples_per_prompt
+        return [list(samples[i : i + n]) for i in range(0, len(samples), n)]
+
+    async def _one(self, client, sem, rec: PromptRecord, prompt_ids: list[int], seed: int, gi: int) -> Sample:
+        payload = {
+            "input_ids": prompt_ids,
+            "sampling_params": {**self.sampling_params(), "sampling_seed": seed},
+            "return_logprob": True,
+        }
+        async with sem:
+            out = await _post_with_retry(client, f"{self.url}/generate", payload)
+        meta = out["meta_info"]
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        ids = list(out.get("output_ids") or [x[1] for x in meta.get("output_token_logprobs") or []])
+        fin = (meta.get("finish_reason") or {}).get("type", "stop")
+        return Sample(
+            run=self.cfg.run_name,
+            group_index=gi,
+            prompt=rec.prompt,
+            prompt_tokens=list(prompt_ids),
+            response=out.get("text", ""),
+            response_tokens=ids,
+            rollout_log_probs=lps,
+            loss_mask=[1] * len(ids),
+            label=rec.label,
+            status=FINISH_STATUS.get(fin, Status.COMPLETED).value,
+            weight_version_start=int(meta.get("weight_version_start", meta.get("weight_version", 0)) or 0),
+            weight_version_end=int(meta.get("weight_version_end", meta.get("weight_version", 0)) or 0),
+            metadata={**rec.metadata, "prompt_id": rec.id},
+        )
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, samples: list[Sample], drops: dict[str, int], seconds: float) -> dict[str, float]:
+        rewards = np.array([s.raw_reward if s.raw_reward is not None else 0.0 for s in samples])
+        lens = np.array([s.response_length for s in samples])
+        lps = [lp for s in samples for lp in s.rollout_log_probs]
+        m = {
+            "rollout/raw_reward": float(rewards.mean()),
+            "rollout/response_len/mean": float(lens.mean()),
+            "rollout/response_len/max": float(lens.max()),
+            "rollout/truncated": float(np.mean([s.status == Status.TRUNCATED.value for s in samples])),
+            "rollout/log_probs": float(np.mean(lps)) if lps else 0.0,
+            "rollout/num_samples": float(len(samples)),
+            "perf/rollout_time": seconds,
+        }
+        n = self.cfg.n_samples_per_prompt
+        if n > 1:
+            groups = rewards.reshape(-1, n)
+            m["rollout/zero_std_groups"] = float(np.mean(groups.std(axis=1) == 0))
+        m.update({k: float(v) for k, v in filter_hub.drop_metrics(drops).items()})
+        return m
+
+
+async def _post_with_retry(client: httpx.AsyncClient, url: str, payload: dict, attempts: int = 20) -> dict:
+    """POST with bounded retry on the retryable answers (409 version, 503 paused/unhealthy)."""
+    delay = 0.05
+    for i in range(attempts):
+        r = await client.post(url, json=payload)
+        if r.status_code in (409, 503) and i + 1 < attempts:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        if r.status_code >= 400:
+            raise RuntimeError(f"POST {url} -> {r.status_code}: {r.text[:300]}")
+        return r.json()
+    raise RuntimeError(f"POST {url}: gave up after {attempts} retryable answers")

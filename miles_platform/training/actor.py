@@ -1,0 +1,415 @@
+"""The trainer: one instance per rank (a Ray actor in the loop), backend-independent.
+
+Owns what every backend shares: old/ref log-prob recomputation, the loss hub, micro-batching
+and gradient accumulation, AdamW + LR schedule, grad clipping, checkpoints in Miles' layout
+(`iter_NNNNNNN/` + `latest_checkpointed_iteration.txt`, written last), and the HF-named
+weights that engines load. The model itself comes from a ModelBackend (fsdp | megatron).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from miles_platform.config import RunConfig
+from miles_platform.training import loss as loss_hub
+from miles_platform.training.backend import get_backend_class
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class TrainBatch:
+    """One rollout's training data: per-sample token lists, in group order."""
+
+    tokens: list[list[int]]
+    response_lengths: list[int]
+    loss_masks: list[list[int]]
+    rewards: list[float]
+    rollout_log_probs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def iter_dir(save: str, rollout_id: int) -> str:
+    return os.path.join(save, f"iter_{rollout_id:07d}")
+
+
+def read_latest(save: str | None) -> int | None:
+    if not save:
+        return None
+    p = Path(save) / LATEST
+    if not p.exists():
+        return None
+    text = p.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{p}: expected an iteration number, got {text!r}")
+    return int(text)
+
+
+def lr_lambda(cfg: RunConfig, total_steps: int):
+    warm = cfg.lr_warmup_iters
+    decay = cfg.lr_decay_iters or max(total_steps, 1)
+    floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.lr_decay_style == "constant":
+            return 1.0
+        frac = min(max(step - warm, 0) / max(decay - warm, 1), 1.0)
+        if cfg.lr_decay_style == "linear":
+            return floor + (1 - floor) * (1 - frac)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return f
+
+
+class TrainerActor:
+    """Trainer rank. In the loop it is wrapped with `ray.remote`; tests may use it directly."""
+
+    def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1, dist_init: str | None = None):
+        torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS", "1"))))
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world_size)
+        torch.manual_seed(cfg.seed + rank)
+        random.seed(cfg.seed + rank)
+        np.random.seed(cfg.seed + rank)
+        self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
+        self.model = self.backend.build(cfg.hf_checkpoint)
+        self.ref = self._build_ref() if (cfg.use_kl_loss or cfg.kl_coef > 0) else None
+        params = [p for p in self.backend.parameters() if p.requires_grad]
+        if cfg.optimizer == "adam":
+            self.opt = torch.optim.AdamW(
+                params,
+                lr=cfg.lr,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_eps,
+                weight_decay=cfg.weight_decay,
+            )
+        else:
+            self.opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        total = (cfg.num_rollout or 1) * (cfg.num_steps_per_rollout or 1)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total))
+        self.global_step = 0
+        self.loss_fn = loss_hub.get_loss_function(cfg)
+
+    # ------------------------------------------------------------------ setup
+    def _build_ref(self):
+        ref = get_backend_class(self.cfg.train_backend)(self.cfg, self.rank, self.world_size)
+        ref.build(
+            self.cfg.ref_load
+            if self.cfg.ref_load and self.cfg.train_backend == "fsdp"
+            else self.cfg.hf_checkpoint
+        )
+        if self.cfg.ref_load and self.cfg.train_backend == "megatron":
+            ref.load_model(self.cfg.ref_load)
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    def ready(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ log-probs
+    def _pack(self, batch: TrainBatch, idx: list[int]):
+        seqs = [batch.tokens[i] for i in idx]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        pos = torch.arange(width).unsqueeze(0).expand(len(seqs), -1).contiguous()
+        return ids, pos
+
+    def _response_log_probs(self, backend, batch: TrainBatch, idx: list[int], with_entropy: bool = False):
+        """Per-sample log-probs of response tokens (fp32), from one padded forward."""
+        ids, pos = self._pack(batch, idx)
+        logits = backend.logits(ids, pos).float()
+        if self.cfg.rollout_temperature and self.cfg.rollout_temperature != 1.0:
+            logits = logits / self.cfg.rollout_temperature
+        out, ents = [], []
+        for r, i in enumerate(idx):
+            total, resp = len(batch.tokens[i]), batch.response_lengths[i]
+            lg = logits[r, total - resp - 1 : total - 1]
+            tgt = ids[r, total - resp : total]
+            lsm = torch.log_softmax(lg, dim=-1)
+            out.append(lsm.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
+            if with_entropy:
+                ents.append(-(lsm.exp() * lsm).sum(-1))
+        return out, ents
+
+    def _micro_batches(self, batch: TrainBatch, idx: list[int]) -> list[list[int]]:
+        if self.cfg.use_dynamic_batch_size:
+            budget, mbs, cur, cur_tokens = self.cfg.max_tokens_per_gpu, [], [], 0
+            for i in idx:
+                n = len(batch.tokens[i])
+                if cur and cur_tokens + n > budget:
+                    mbs.append(cur)
+                    cur, cur_tokens = [], 0
+                cur.append(i)
+                cur_tokens += n
+            return mbs + ([cur] if cur else [])
+        m = self.cfg.micro_batch_size
+        return [idx[j : j + m] for j in range(0, len(idx), m)]
+
+    @torch.no_grad()
+    def _all_log_probs(self, backend, batch: TrainBatch, idx: list[int]) -> dict[int, torch.Tensor]:
+        out = {}
+        for mb in self._micro_batches(batch, idx):
+            lps, _ = self._response_log_probs(backend, batch, mb)
+            out.update(zip(mb, lps, strict=True))
+        return out
+
+    # ------------------------------------------------------------------ train
+    def _my_indices(self, step: int) -> list[int]:
+        gbs = self.cfg.global_batch_size
+        return list(range(step * gbs + self.rank, (step + 1) * gbs, self.world_size))
+
+    def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
+        """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics."""
+        cfg, t0 = self.cfg, time.time()
+        self.model.train()
+        steps = cfg.num_steps_per_rollout
+        mine = [i for s in range(steps) for i in self._my_indices(s)]
+        old = self._all_log_probs(self.backend, batch, mine)
+        rollout_lp = {i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in mine}
+        if cfg.use_rollout_logprobs:
+            old = dict(rollout_lp)
+        ref = self._all_log_probs(self.ref, batch, mine) if self.ref is not None else None
+        adv = self._advantages(batch, mine, old, ref)
+        metrics: dict[str, list[float]] = {}
+
+        def add(k, v):
+            metrics.setdefault(k, []).append(float(v))
+
+        diffs = [(old[i] - rollout_lp[i]).abs() for i in mine if len(batch.rollout_log_probs[i])]
+        if diffs and not cfg.use_rollout_logprobs:
+            cat = torch.cat(diffs)
+            add("train/train_rollout_logprob_abs_diff", cat.mean())
+            add("train/log_prob_mean_abs_diff", cat.mean())
+            add("train/log_prob_max_abs_diff", cat.max())
+            ratio = torch.exp(
+                torch.cat([old[i] - rollout_lp[i] for i in mine if len(batch.rollout_log_probs[i])])
+            )
+            add("train/ratio_abs_minus_1", (ratio - 1).abs().mean())
+        for s in range(steps):
+            self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add)
+        out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out["train/lr"] = self.sched.get_last_lr()[0]
+        out["perf/actor_train_time"] = time.time() - t0
+        out["train/step"] = self.global_step
+        if self.world_size > 1:
+            out = self._reduce_metrics(out)
+        return out
+
+    def _advantages(self, batch, mine, old, ref):
+        cfg = self.cfg
+        if cfg.loss_type == "sft_loss":
+            return {i: torch.zeros(batch.response_lengths[i]) for i in mine}
+        group_based = cfg.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
+        idx = list(range(len(batch))) if group_based else mine
+        rewards = torch.tensor([batch.rewards[i] for i in idx], dtype=torch.float32)
+        lps = [old[i] if i in old else torch.zeros(batch.response_lengths[i]) for i in idx]
+        refs = None
+        if ref is not None:
+            refs = [ref[i] if i in ref else torch.zeros(batch.response_lengths[i]) for i in idx]
+        masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in idx]
+        advs, _ = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, None, masks)
+        return dict(zip(idx, advs, strict=True))
+
+    def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add):
+        cfg = self.cfg
+        mbs = self._micro_batches(batch, idx)
+        n_local = len(idx)
+        tok_local = sum(sum(batch.loss_masks[i]) for i in idx)
+        tok_global = self._all_reduce_sum(float(tok_local))
+        self.opt.zero_grad(set_to_none=True)
+        for k, mb in enumerate(mbs):
+            need_ent = cfg.entropy_coef != 0
+            lps, ents = self._response_log_probs(self.backend, batch, mb, with_entropy=need_ent)
+            mb_batch = {
+                "advantages": [adv[i] for i in mb],
+                "old_log_probs": [old[i] for i in mb],
+                "rollout_log_probs": [rollout_lp[i] for i in mb],
+                "ref_log_probs": [ref[i] for i in mb] if ref is not None else None,
+                "loss_masks": [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mb],
+                "response_lengths": [batch.response_lengths[i] for i in mb],
+            }
+            loss, m = self.loss_fn(cfg, mb_batch, lps, ents if need_ent else None)
+            # scale micro-batch means to the global-batch reduction (ranks' grads are averaged)
+            if cfg.calculate_per_token_loss:
+                mb_tokens = sum(sum(batch.loss_masks[i]) for i in mb)
+                scale = mb_tokens * self.world_size / max(tok_global, 1.0)
+            else:
+                scale = len(mb) / n_local
+            (loss * scale).backward()
+            for key, v in m.items():
+                name = key if "/" in key else f"train/{key}"
+                add(name, v)
+            if self.global_step == 0 and k == 0:
+                add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
+                add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.backend.parameters() if p.grad is not None], cfg.clip_grad
+        )
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        add("train/grad_norm", grad_norm)
+        if not cfg.debug_skip_optimizer_step:
+            self.opt.step()
+        self.sched.step()
+        self.global_step += 1
+
+    def _all_reduce_sum(self, x: float) -> float:
+        if self.world_size == 1:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def _reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
+        keys = sorted(m)
+        t = torch.tensor([m[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
+
+    # ------------------------------------------------------------------ weights
+    def get_hf_weights(self) -> dict[str, torch.Tensor]:
+        return self.backend.export_hf_state_dict()
+
+    def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
+        idx = list(range(len(batch)))
+        lp = self._all_log_probs(self.backend, batch, idx)
+        return [lp[i].tolist() for i in idx]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
+        """Write iter_NNNNNNN atomically, then latest_checkpointed_iteration.txt (rank 0, last)."""
+        save = self.cfg.save
+        final = iter_dir(save, rollout_id)
+        tmp = os.path.join(save, f".iter_{rollout_id:07d}.tmp-{uuid.uuid4().hex[:6]}")
+        if self.world_size > 1:
+            tmp = self._broadcast_str(tmp)
+        os.makedirs(tmp, exist_ok=True)
+        self.backend.save_model(tmp)
+        save_file(self._optimizer_tensors(), os.path.join(tmp, f"optimizer_rank{self.rank:03d}.safetensors"))
+        rng = {
+            "torch": torch.get_rng_state(),
+            "numpy": torch.from_numpy(
+                np.frombuffer(json.dumps(_np_rng_state()).encode(), dtype=np.uint8).copy()
+            ),
+        }
+        save_file(rng, os.path.join(tmp, f"rng_rank{self.rank:03d}.safetensors"))
+        if self.world_size > 1:
+            dist.barrier()
+        if self.rank == 0:
+            state = {
+                "rollout_id": rollout_id,
+                "global_step": self.global_step,
+                "scheduler": self.sched.state_dict(),
+                "world_size": self.world_size,
+                "train_backend": self.cfg.train_backend,
+                "python_random": _py_rng_state(),
+                **(extra_state or {}),
+            }
+            Path(tmp, "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+            for f in Path(tmp).rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            latest_tmp = os.path.join(save, f".{LATEST}.tmp")
+            with open(latest_tmp, "w") as fh:
+                fh.write(str(rollout_id))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(latest_tmp, os.path.join(save, LATEST))
+        if self.world_size > 1:
+            dist.barrier()
+        return final
+
+    def load(self) -> dict | None:
+        """Resume from --load (or --save) if a checkpoint exists. Returns trainer_state or None."""
+        root = self.cfg.load or self.cfg.save
+        it = read_latest(root)
+        if it is None:
+            return None
+        d = iter_dir(root, it)
+        state = json.loads(Path(d, "trainer_state.json").read_text())
+        if state.get("world_size", 1) != self.world_size:
+            raise ValueError(
+                f"{d}: saved with world size {state['world_size']}, resuming with {self.world_size}"
+            )
+        self.backend.load_model(d)
+        self._load_optimizer_tensors(load_file(os.path.join(d, f"optimizer_rank{self.rank:03d}.safetensors")))
+        self.sched.load_state_dict(state["scheduler"])
+        self.global_step = state["global_step"]
+        rng = load_file(os.path.join(d, f"rng_rank{self.rank:03d}.safetensors"))
+        torch.set_rng_state(rng["torch"])
+        _set_np_rng_state(json.loads(bytes(rng["numpy"].numpy()).decode()))
+        v, internal, gauss = state["python_random"]
+        random.setstate((v, tuple(internal), gauss))
+        return state
+
+    def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        names = {id(p): n for n, p in self.backend.named_parameters()}
+        out = {}
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                st = self.opt.state.get(p, {})
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        v = v.to_local() if hasattr(v, "to_local") else v
+                        out[f"{names[id(p)]}::{k}"] = v.detach().cpu().contiguous()
+        return out
+
+    def _load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        by_name = dict(self.backend.named_parameters())
+        for key, v in tensors.items():
+            name, k = key.rsplit("::", 1)
+            p = by_name[name]
+            st = self.opt.state.setdefault(p, {})
+            cur = st.get(k)
+            if cur is not None and hasattr(cur, "to_local"):
+                cur.to_local().copy_(v)
+            elif hasattr(p, "to_local") and k != "step":
+                from torch.distributed.tensor import DTensor
+
+                st[k] = DTensor.from_local(v, p.device_mesh, p.placements)
+            else:
+                st[k] = v.clone()
+
+    def _broadcast_str(self, s: str) -> str:
+        obj = [s]
+        dist.broadcast_object_list(obj, src=0)
+        return obj[0]
+
+
+def _np_rng_state():
+    s = np.random.get_state()
+    return [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
+
+
+def _set_np_rng_state(s):
+    np.random.set_state((s[0], np.array(s[1], dtype=np.uint32), s[2], s[3], s[4]))
+
+
+def _py_rng_state():
+    v, internal, gauss = random.getstate()
+    return [v, list(internal), gauss]

@@ -1,0 +1,48 @@
+"""HF export of a policy version: the trainer's HF-named weights + the base config and tokenizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from miles_platform.models.checkpoint import _fsync_tree, replace_dir
+
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def export_hf_dir(state: dict[str, torch.Tensor], template_dir: str, out_dir: str) -> str:
+    """Write `state` as model.safetensors next to the template's config + tokenizer, atomically."""
+    dest = Path(out_dir)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for name in CONFIG_FILES:
+            src = Path(template_dir) / name
+            if src.exists():
+                shutil.copy2(src, tmp / name)
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        _fsync_tree(tmp)
+        replace_dir(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return os.fspath(dest)

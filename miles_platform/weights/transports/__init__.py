@@ -1,0 +1,87 @@
+"""Weight transports behind one interface, chosen by `--update-weight-transfer-mode`.
+
+A transport moves the trainer's HF-named weights to every engine in two phases:
+`prepare` (outside the pause: serialize, publish, let engines pull) and `activate` (inside
+the pause: engines swap to the new weights and advance their version). Adding a transport
+is one file plus one line in TRANSPORTS.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles_platform.config import ConfigError, RunConfig
+from miles_platform.store.paths import StoragePaths
+
+TRANSPORTS = {
+    "tensor": "miles_platform.weights.transports.tensor:TensorTransport",
+    "disk": "miles_platform.weights.transports.disk:DiskTransport",
+    "disk-delta": "miles_platform.weights.transports.disk_delta:DiskDeltaTransport",
+}
+
+# accepted by the flag parser, not built yet: say so before anything starts
+NOT_BUILT = {
+    "broadcast": "NCCL broadcast into SGLang weight-update groups needs CUDA and is not built yet; "
+    "use tensor, disk or disk-delta",
+    "mooncake": "Mooncake weight transfer is not built yet (Mooncake carries rollout data: "
+    "--object-store-backend mooncake); use tensor, disk or disk-delta",
+}
+
+
+@dataclass
+class EngineHandle:
+    """What a transport may use of an engine: its URL and, for Ray-hosted engines, the actor."""
+
+    url: str
+    actor: Any = None
+    local_checkpoint_dir: str | None = None
+
+
+@dataclass
+class TransferStats:
+    wire_bytes: int = 0
+    full_bytes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def density(self) -> float:
+        return self.wire_bytes / self.full_bytes if self.full_bytes else 0.0
+
+
+class Transport(ABC):
+    name = ""
+
+    def __init__(self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]):
+        self.cfg, self.paths, self.engines = cfg, paths, engines
+
+    @abstractmethod
+    def prepare(self, state: dict[str, torch.Tensor], version: int, hf_dir: str | None) -> TransferStats:
+        """Outside the pause: move the bytes as close to the engines as possible."""
+
+    @abstractmethod
+    def activate(self, version: int) -> None:
+        """Inside the pause: every engine loads the prepared weights and reports `version`."""
+
+
+def full_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def get_transport(cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]) -> Transport:
+    if cfg.update_weight_transfer_mode in NOT_BUILT:
+        raise ConfigError(
+            f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode}: "
+            + NOT_BUILT[cfg.update_weight_transfer_mode]
+        )
+    spec = TRANSPORTS.get(cfg.update_weight_transfer_mode)
+    if spec is None:
+        raise ConfigError(
+            f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode!r}: allowed {sorted(TRANSPORTS)}"
+        )
+    mod, cls = spec.split(":")
+    return getattr(importlib.import_module(mod), cls)(cfg, paths, engines)

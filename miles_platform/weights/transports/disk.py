@@ -1,0 +1,37 @@
+"""`disk`: engines reload the full HF export of the version (`POST /update_weights_from_disk`)."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+
+from miles_platform.weights.transports import TransferStats, Transport
+
+
+def update_from_disk(url: str, path: str, version: int, api_key: str | None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(
+        f"{url}/update_weights_from_disk",
+        json={"model_path": path, "weight_version": str(version)},
+        headers=headers,
+        timeout=600,
+    )
+    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    if r.status_code >= 400 or body.get("success") is False:
+        raise RuntimeError(f"{url}: update_weights_from_disk({path}) failed: {r.status_code} {r.text[:300]}")
+
+
+class DiskTransport(Transport):
+    name = "disk"
+
+    def prepare(self, state, version, hf_dir):
+        if hf_dir is None:
+            raise RuntimeError("disk transport needs the HF export of the version")
+        self._path = hf_dir
+        n = os.path.getsize(os.path.join(hf_dir, "model.safetensors"))
+        return TransferStats(wire_bytes=n * len(self.engines), full_bytes=n * len(self.engines))
+
+    def activate(self, version):
+        for e in self.engines:
+            update_from_disk(e.url, self._path, version, self.cfg.api_key)

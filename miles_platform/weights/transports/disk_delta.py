@@ -1,0 +1,66 @@
+"""`disk-delta`: publish weight_vNNNNNN (changed bytes only), engines patch local checkpoints, reload.
+
+Publication and each engine's catch-up happen in `prepare` (overlapping generation); the
+pause covers only the reload of the already-verified local checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+from miles_platform.weights.transports import TransferStats, Transport
+from miles_platform.weights.transports.disk import update_from_disk
+
+
+class DiskDeltaTransport(Transport):
+    name = "disk-delta"
+
+    def __init__(self, cfg, paths, engines):
+        super().__init__(cfg, paths, engines)
+        from miles_platform.weights.disk_delta import DeltaPublisher
+
+        self.pub_dir = cfg.update_weight_disk_dir
+        self.publisher = DeltaPublisher(
+            self.pub_dir,
+            encoding=cfg.disk_delta_encoding,
+            checksum=cfg.disk_delta_checksum,
+            keyframe_interval=cfg.disk_delta_keyframe_interval,
+        )
+        self.local_root = cfg.update_weight_local_checkpoint_dir or os.path.join(
+            self.pub_dir, "..", "engine-local"
+        )
+
+    def local_dir(self, i: int) -> str:
+        return os.path.join(self.local_root, f"engine_{i:02d}")
+
+    def snapshot_base(self, state, version: int) -> None:
+        """First update: publish the base snapshot and materialize it in every engine-local dir."""
+        from miles_platform.weights.disk_delta import apply_publication
+
+        self.publisher.publish(state, version=version)
+        for i in range(len(self.engines)):
+            self._materialize_base(i)
+            apply_publication(self.pub_dir, self.local_dir(i), version=version)
+
+    def _materialize_base(self, i: int) -> None:
+        from miles_platform.training.export import export_hf_dir
+
+        d = self.local_dir(i)
+        if not os.path.exists(os.path.join(d, "config.json")):
+            export_hf_dir({}, self.cfg.hf_checkpoint, d)
+            os.remove(os.path.join(d, "model.safetensors"))
+
+    def prepare(self, state, version, hf_dir):
+        from miles_platform.weights.disk_delta import apply_publication
+
+        st = self.publisher.publish(state, version=version)
+        for i in range(len(self.engines)):
+            apply_publication(self.pub_dir, self.local_dir(i), version=version)
+        n = len(self.engines)
+        stats = TransferStats(wire_bytes=st.wire_bytes * n, full_bytes=st.full_bytes * n)
+        stats.extra["perf/update_weights_encode_time"] = st.seconds
+        return stats
+
+    def activate(self, version):
+        for i, e in enumerate(self.engines):
+            update_from_disk(e.url, self.local_dir(i), version, self.cfg.api_key)

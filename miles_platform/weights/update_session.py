@@ -1,0 +1,58 @@
+"""The update session, one place for every backend and transport (Miles' update_weights()).
+
+    prepare (transport: serialize / publish / engines pull; overlaps generation)
+    pause   (router -> every engine: /pause_generation, --pause-generation-mode)
+    activate(engines load the new weights, advance weight_version)
+    resume  (/continue_generation)
+
+Timings per phase are reported as `perf/update_weights_*`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import torch
+
+from miles_platform.config import RunConfig
+from miles_platform.store.paths import StoragePaths
+from miles_platform.weights.transports import EngineHandle, get_transport
+
+
+class UpdateSession:
+    def __init__(self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]):
+        self.cfg, self.engines = cfg, engines
+        self.transport = get_transport(cfg, paths, engines)
+        self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+
+    def _broadcast(self, path: str, body: dict | None = None) -> None:
+        for e in self.engines:
+            r = httpx.post(f"{e.url}{path}", json=body or {}, headers=self.headers, timeout=600)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{e.url}{path} -> {r.status_code}: {r.text[:200]}")
+
+    def update(
+        self, state: dict[str, torch.Tensor], version: int, hf_dir: str | None = None
+    ) -> dict[str, float]:
+        t0 = time.time()
+        stats = self.transport.prepare(state, version, hf_dir)
+        t1 = time.time()
+        self._broadcast("/pause_generation", {"mode": self.cfg.pause_generation_mode})
+        try:
+            t2 = time.time()
+            self.transport.activate(version)
+            t3 = time.time()
+        finally:
+            self._broadcast("/continue_generation")
+        t4 = time.time()
+        return {
+            "perf/update_weights_time": t4 - t0,
+            "perf/update_weights_prepare_time": t1 - t0,
+            "perf/update_weights_pause_time": t2 - t1,
+            "perf/update_weights_load_time": t3 - t2,
+            "perf/update_weights_resume_time": t4 - t3,
+            "perf/update_weights_wire_bytes": float(stats.wire_bytes),
+            "perf/update_weights_density": stats.density,
+            **stats.extra,
+        }

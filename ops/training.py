@@ -1,0 +1,153 @@
+"""The `rl_training` job: one op that runs the Ray-hosted loop and reports materializations.
+
+Its run config is RunConfig (every Miles flag, snake_case). Unset `prompt_data` /
+`hf_checkpoint` / `eval_prompt_data` default to the latest `prompt_dataset` / `base_checkpoint` /
+`eval_dataset` materializations, so the UI's Launchpad needs no paths at all.
+Each policy version adds a dynamic partition `<run>.v<NNNNNN>` and logs materializations of
+`rollout_shards` and `policy_versions` with lineage metadata; sensors react to those.
+"""
+
+import dataclasses
+from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
+
+import dagster as dg
+from pydantic import create_model
+
+from miles_platform.config import RunConfig
+from miles_platform.loop import Reporter, RunResult
+from miles_platform.store.paths import StoragePaths
+
+DATA_VERSION_TAG = "dagster/data_version"
+SKIP = {"sglang_args"}
+
+
+def _pydantic_fields() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(RunConfig):
+        if f.name in SKIP:
+            continue
+        t = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type).split(" ")[0], None)
+        tstr = str(f.type)
+        if tstr.startswith("list[int]"):
+            typ: Any = list[int]
+        elif tstr.startswith("list["):
+            typ = list[str]
+        elif "None" in tstr:
+            base = {"int": int, "float": float, "str": str}[tstr.split(" ")[0]]
+            typ = Optional[base]  # noqa: UP045
+        else:
+            typ = t
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out[f.name] = (typ, default)
+    return out
+
+
+RLTrainingConfig = create_model("RLTrainingConfig", __base__=dg.Config, **_pydantic_fields())
+RLTrainingConfig.__doc__ = "RunConfig: Miles flag names (snake_case) and defaults."
+
+
+def _latest_path(instance: dg.DagsterInstance, key: str) -> str | None:
+    ev = instance.get_latest_materialization_event(dg.AssetKey(key))
+    if ev is None or ev.asset_materialization is None:
+        return None
+    md = ev.asset_materialization.metadata.get("path")
+    return None if md is None else str(md.value)
+
+
+class DagsterReporter(Reporter):
+    def __init__(self, context: dg.OpExecutionContext):
+        self.context = context
+
+    def log(self, msg: str) -> None:
+        self.context.log.info(msg)
+
+    def on_policy_version(self, info: dict[str, Any]) -> None:
+        ctx, key = self.context, info["partition_key"]
+        ctx.instance.add_dynamic_partitions("policy_versions", [key])
+        lineage = {
+            "run": info["run"],
+            "version": info["version"],
+            "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
+            "config_hash": info["config_hash"],
+            "base_data_version": info["base_data_version"] or "",
+            "dataset_data_version": info["dataset_data_version"] or "",
+        }
+        ctx.log_event(
+            dg.AssetMaterialization(
+                asset_key="rollout_shards",
+                partition=key,
+                metadata={
+                    **lineage,
+                    "path": dg.MetadataValue.path(info["shard_path"]),
+                    "rows": info["shard_rows"],
+                    "mean_reward": float(info["mean_reward"] or 0.0),
+                    "rollout_id": info["rollout_id"],
+                },
+            )
+        )
+        ctx.log_event(
+            dg.AssetMaterialization(
+                asset_key="policy_versions",
+                partition=key,
+                metadata={
+                    **lineage,
+                    "path": dg.MetadataValue.path(info["hf_path"]),
+                    "hf_path": dg.MetadataValue.path(info["hf_path"]),
+                    "checkpoint_path": dg.MetadataValue.path(info["checkpoint_path"] or ""),
+                    "content_hash": info["content_hash"],
+                    "shard_path": dg.MetadataValue.path(info["shard_path"]),
+                    "shard_rows": info["shard_rows"],
+                    "mean_reward": float(info["mean_reward"] or 0.0),
+                    "rollout_id": info["rollout_id"],
+                },
+                tags={DATA_VERSION_TAG: info["content_hash"]},
+            )
+        )
+
+
+def run_config_from(config: dg.Config, instance: dg.DagsterInstance) -> RunConfig:
+    data = config.model_dump()
+    cfg = RunConfig.from_dict(data)
+    cfg.prompt_data = cfg.prompt_data or _latest_path(instance, "prompt_dataset")
+    cfg.hf_checkpoint = cfg.hf_checkpoint or _latest_path(instance, "base_checkpoint")
+    if not cfg.eval_prompt_data:
+        ev = _latest_path(instance, "eval_dataset")
+        cfg.eval_prompt_data = ["eval", ev] if ev else []
+    if cfg.prompt_data and cfg.prompt_data.endswith(".parquet") and cfg.input_key == "input":
+        cfg.input_key, cfg.label_key = "prompt", cfg.label_key or "label"  # normalized dataset columns
+    return cfg.validate()
+
+
+@dg.op(
+    description="Run the Miles-style RL loop on Ray; report rollout_shards / policy_versions per version.",
+    tags={"kind": "ray"},
+)
+def rl_training_op(context: dg.OpExecutionContext, config: RLTrainingConfig) -> dg.Output:  # type: ignore[valid-type]
+    from miles_platform.loop import train
+
+    cfg = run_config_from(config, context.instance)
+    result: RunResult = train(cfg, DagsterReporter(context))
+    paths = StoragePaths(cfg.storage_root)
+    return dg.Output(
+        {"run": result.run, "final_version": result.final_version, "final_hf_path": result.final_hf_path},
+        metadata={
+            "run": result.run,
+            "versions": len(result.versions),
+            "final_version": result.final_version,
+            "final_hf_path": result.final_hf_path or "",
+            "checkpoints": paths.checkpoints(cfg.run_name),
+        },
+    )
+
+
+def _k8s_tags() -> dict[str, str]:
+    try:
+        from miles_platform.cluster.k8s import TRAINING_OP_K8S_TAGS
+    except ImportError:
+        return {}
+    return dict(TRAINING_OP_K8S_TAGS)
+
+
+@dg.job(description="Miles-style RL post-training (GRPO and friends) on Ray.", tags=_k8s_tags())
+def rl_training():
+    rl_training_op()
