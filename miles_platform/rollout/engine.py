@@ -1,0 +1,308 @@
+"""SGLang native HTTP API over an `EngineCore`: same paths and field names, so callers cannot tell it
+from a real SGLang server. Extension: `min_weight_version` / `exact_weight_version` -> HTTP 409.
+
+`start_engine_server(...)` runs it in a background thread (tests, Ray actors); `cli_main` runs it in
+the foreground (`miles-platform serve-engine`), where SIGTERM stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from miles_platform.errors import MilesError
+from miles_platform.rollout.engine_core import EngineCore, EngineStopped, RequestError, VersionConflict
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+def error(status: int, message: str, **extra) -> JSONResponse:
+    """SGLang's error shape: {"error": {"message": ...}}."""
+    return JSONResponse({"error": {"message": message, **extra}}, status_code=status)
+
+
+def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
+    """Bearer-token auth (401) and a request size limit (413), shared by engine and router."""
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_request_bytes:
+            return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}")
+        return await call_next(request)
+
+
+async def json_body(request: Request, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    """Parse a JSON body; returns (body, None) or (None, error response)."""
+    raw = await request.body()
+    if len(raw) > max_request_bytes:
+        return None, error(413, f"request body of {len(raw)} bytes exceeds the limit of {max_request_bytes}")
+    if not raw:
+        return {}, None
+    try:
+        return json.loads(raw), None
+    except json.JSONDecodeError as e:
+        return None, error(400, f"malformed JSON body: {e}")
+
+
+def create_app(
+    core: EngineCore, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
+    app = FastAPI(title="miles-platform embedded engine")
+    add_guards(app, api_key, max_request_bytes)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        try:
+            futures, is_batch = core.submit_json(body)
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except RequestError as e:
+            return error(400, str(e))
+        except VersionConflict as e:
+            return JSONResponse({"error": e.info}, status_code=409)
+        except EngineStopped as e:
+            return error(503, str(e), retryable=True)
+        return JSONResponse(results if is_batch else results[0])
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if core.is_alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        # Readiness: the scheduler is alive. No generation, so a paused engine is still healthy.
+        return Response(status_code=200 if core.is_alive() else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {
+            "model_path": core.model_path,
+            "tokenizer_path": core.model_path,
+            "is_generation": True,
+            "weight_version": core.weight_version,
+            "context_length": core.context_length,
+            "vocab_size": core.vocab_size,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return {
+            "model_path": core.model_path,
+            "dtype": str(core.dtype).removeprefix("torch."),
+            "max_running_requests": core.max_batch_size,
+            "batch_wait_ms": core.batch_wait_s * 1000,
+            "context_length": core.context_length,
+            "weight_version": core.weight_version,
+            "paused": core.paused,
+            "num_inflight": core.num_inflight(),
+            "internal_states": [dict(core.stats)],
+            "version": "miles-platform-embedded",
+        }
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not path:
+            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+        try:
+            version = await asyncio.to_thread(core.update_weights_from_disk, path, body.get("weight_version"))
+        except (MilesError, ValueError, OSError) as e:
+            msg = f"update_weights_from_disk failed, kept weight_version {core.weight_version}: {e}"
+            return JSONResponse({"success": False, "message": msg}, status_code=400)
+        return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        try:
+            await asyncio.to_thread(core.pause_generation, (body or {}).get("mode", "abort"))
+        except RequestError as e:
+            return error(400, str(e))
+        return {"status": "ok", "message": "Generation paused."}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        core.continue_generation()
+        return {"status": "ok", "message": "Generation continued."}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        core.flush_cache()
+        return Response("Cache flushed.", status_code=200)
+
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (port 0 = a free port) with SO_REUSEADDR so a restarted server can take its old port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class ServerThread:
+    """A uvicorn server running in a daemon thread."""
+
+    server: uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_in_thread(app, host: str, port: int, name: str) -> ServerThread:
+    sock = bind_socket(host, port)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} on {host}:{port} did not start")
+        time.sleep(0.01)
+    sock.close()  # uvicorn holds its own duplicate of the listening socket
+    return ServerThread(server, thread, host, port)
+
+
+class EngineServer:
+    """Handle for a background engine server: `.url`, `.port`, `.core`, `.stop()`."""
+
+    def __init__(self, core: EngineCore, server: ServerThread, owns_core: bool):
+        self.core, self._server, self._owns_core = core, server, owns_core
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    def stop(self) -> None:
+        self._server.stop()
+        if self._owns_core:
+            self.core.stop()
+
+
+def start_engine_server(
+    hf_checkpoint: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    dtype: str = "fp32",
+    max_batch_size: int = 32,
+    batch_wait_ms: float = 5.0,
+    weight_version: int = 0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    core: EngineCore | None = None,
+) -> EngineServer:
+    """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
+    existing EngineCore (it is then not stopped with the server)."""
+    owns = core is None
+    if core is None:
+        core = EngineCore(hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version)
+    try:
+        thread = serve_in_thread(create_app(core, api_key, max_request_bytes), host, port, "engine-http")
+    except Exception:
+        if owns:
+            core.stop()
+        raise
+    return EngineServer(core, thread, owns)
+
+
+class EngineActor:
+    """Ray actor body: `make_engine_actor()` (or `ray.remote(EngineActor)`) turns it into an actor that
+    serves HTTP for the router and takes in-process weight updates from the trainer."""
+
+    def __init__(self, hf_checkpoint: str, **kwargs):
+        kwargs.setdefault("host", "127.0.0.1")
+        self._server = start_engine_server(hf_checkpoint, **kwargs)
+
+    def url(self) -> str:
+        return self._server.url
+
+    def update_weights_from_tensors(self, named_tensors: dict, weight_version: int) -> int:
+        self._server.core.update_weights_from_tensors(named_tensors, weight_version)
+        return self._server.core.weight_version
+
+    def update_weights_from_disk(self, path: str, weight_version: int | None = None) -> int:
+        return self._server.core.update_weights_from_disk(path, weight_version)
+
+    def get_weight_version(self) -> int:
+        return self._server.core.weight_version
+
+    def get_weights(self) -> dict:
+        return self._server.core.get_weights()
+
+    def shutdown(self) -> None:
+        self._server.stop()
+
+
+def make_engine_actor(**ray_options):
+    """`ray.remote(EngineActor)` with options (num_cpus, num_gpus, ...); Ray is imported only here."""
+    import ray
+
+    return ray.remote(**ray_options)(EngineActor) if ray_options else ray.remote(EngineActor)
+
+
+def cli_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="miles-platform serve-engine", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--hf-checkpoint", required=True, help="HF checkpoint dir (config.json, safetensors, tokenizer)"
+    )
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--max-running-requests", type=int, default=32, help="max batch size")
+    ap.add_argument("--batch-wait-ms", type=float, default=5.0)
+    ap.add_argument("--weight-version", type=int, default=0)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    core = EngineCore(
+        args.hf_checkpoint, args.dtype, args.max_running_requests, args.batch_wait_ms, args.weight_version
+    )
+    try:
+        sock = bind_socket(args.host, args.port)
+        print(f"serve-engine: {args.hf_checkpoint} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(core, args.api_key), log_level="info", lifespan="off")
+        )
+        server.run(sockets=[sock])  # handles SIGINT/SIGTERM: stops accepting, drains, returns
+    finally:
+        core.stop()
+    return 0

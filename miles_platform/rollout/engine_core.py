@@ -1,0 +1,814 @@
+"""Embedded rollout engine: an HF causal LM behind a continuous-batching scheduler.
+
+One scheduler thread owns the model. Requests queue in `_waiting`; every step either prefills
+the newly admitted requests (left-padded, merged into the running KV cache) or decodes one token
+for every running request. Finished rows leave the batch at once, so short and long requests share
+forward passes (continuous batching).
+
+Log-prob contract: `output_token_logprobs` holds log_softmax(logits) of the sampled token, from the
+unscaled fp32 logits of the very forward pass that sampled it (no temperature, no top-k/top-p
+renormalisation). This equals SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1 and equals SGLang's
+default at temperature 1. The trainer compares with log_softmax of its own unscaled logits.
+
+Weight updates take the step lock, so a forward pass never sees half-old, half-new weights; they are
+validated (names, shapes) before any tensor is copied, so a failed update keeps old weights and version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from miles_platform.errors import CheckpointError, MilesError
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(MilesError, ValueError):
+    """A malformed generate request (HTTP 400); the message names the field and the allowed values."""
+
+
+class VersionConflict(Exception):
+    """The engine cannot serve the requested policy version (HTTP 409, retryable)."""
+
+    def __init__(self, message: str, weight_version: int, min_weight_version=None, exact_weight_version=None):
+        super().__init__(message)
+        self.info = {
+            "message": message,
+            "type": "weight_version_conflict",
+            "retryable": True,
+            "weight_version": weight_version,
+            "min_weight_version": min_weight_version,
+            "exact_weight_version": exact_weight_version,
+        }
+
+
+class EngineStopped(Exception):
+    """The engine is shutting down (HTTP 503, retryable elsewhere)."""
+
+
+# SGLang sampling fields we accept only at their defaults (the embedded engine does not implement them).
+_UNSUPPORTED_DEFAULTS = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "regex": None,
+    "json_schema": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+_IGNORED = {"spaces_between_special_tokens", "stream_interval"}
+
+
+@dataclass
+class SamplingParams:
+    """SGLang sampling params (same names and defaults) that the embedded engine implements."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SamplingParams:
+        d = dict(d or {})
+        if not isinstance(d, dict):
+            raise RequestError("sampling_params must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        for k in list(d):
+            if k in _IGNORED:
+                d.pop(k)
+            elif k in _UNSUPPORTED_DEFAULTS:
+                v = d.pop(k)
+                if v is not None and v != _UNSUPPORTED_DEFAULTS[k]:
+                    raise RequestError(f"sampling_params.{k}={v!r} is not supported by the embedded engine")
+            elif k not in known:
+                raise RequestError(f"unknown sampling_params field {k!r}; allowed: {sorted(known)}")
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        if d.get("stop") is None:
+            d.pop("stop", None)
+        if d.get("stop_token_ids") is None:
+            d.pop("stop_token_ids", None)
+        p = cls(**d)
+        p._validate()
+        return p
+
+    def _validate(self) -> None:
+        def bad(name, allowed):
+            raise RequestError(f"sampling_params.{name}={getattr(self, name)!r}: must be {allowed}")
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
+            bad("max_new_tokens", "an integer >= 0")
+        if self.max_new_tokens < 0:
+            bad("max_new_tokens", "an integer >= 0")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            bad("temperature", "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "-1 (off) or an integer >= 1")
+        if not isinstance(self.min_p, int | float) or not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a non-empty string or a list of them")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "a list of integers")
+        if self.sampling_seed is not None and not isinstance(self.sampling_seed, int):
+            bad("sampling_seed", "an integer or null")
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    min_version: int | None
+    exact_version: int | None
+    future: Future
+    generator: torch.Generator
+    max_new_tokens: int
+    created: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version_start: int | None = None
+    finish_reason: dict | None = None
+    text: str | None = None
+
+
+class _Batch:
+    """Running requests and their shared left-padded KV cache (rows aligned with `reqs`)."""
+
+    def __init__(self):
+        self.reqs: list[_Request] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # [B, T] 1 = real token in cache
+        self.pos: torch.Tensor | None = None  # [B] next position id per row
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+
+def _version_violation(req: _Request, version: int) -> str | None:
+    if req.exact_version is not None and version != req.exact_version:
+        return f"engine serves weight_version {version}, request needs exactly {req.exact_version}"
+    if req.min_version is not None and version < req.min_version:
+        return f"engine serves weight_version {version}, request needs at least {req.min_version}"
+    return None
+
+
+class EngineCore:
+    """The in-process engine: `generate`, weight updates and pause/continue, thread-safe."""
+
+    def __init__(
+        self,
+        hf_checkpoint: str | os.PathLike,
+        dtype: str | torch.dtype = "fp32",
+        max_batch_size: int = 32,
+        batch_wait_ms: float = 5.0,
+        weight_version: int = 0,
+    ):
+        self.model_path = str(hf_checkpoint)
+        self.dtype = _parse_dtype(dtype)
+        self.model, self.tokenizer = _load_model(self.model_path, self.dtype)
+        self.max_batch_size = int(max_batch_size)
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
+        self._weight_version = int(weight_version)
+        self.stats = {
+            "num_forward_calls": 0,
+            "num_batched_forward_calls": 0,  # forwards that served more than one request
+            "num_prefill_calls": 0,
+            "num_decode_calls": 0,
+            "max_batch_size_seen": 0,
+            "num_generated_tokens": 0,
+            "num_finished_requests": 0,
+            "num_weight_updates": 0,
+        }
+        self._step_lock = threading.Lock()  # held during a forward pass and any state swap
+        self._cv = threading.Condition()  # guards _waiting / _paused / _stopping
+        self._waiting: deque[_Request] = deque()
+        self._batch = _Batch()
+        self._paused = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(
+        self,
+        input_ids: list[int] | None = None,
+        sampling_params: dict | SamplingParams | None = None,
+        return_logprob: bool = True,
+        text: str | None = None,
+        min_weight_version: int | None = None,
+        exact_weight_version: int | None = None,
+        rid: str | None = None,
+    ) -> Future:
+        """Queue one request; the Future resolves to an SGLang-shaped dict {text, output_ids, meta_info}."""
+        req = self._make_request(
+            input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid
+        )
+        self._enqueue([req])
+        return req.future
+
+    def submit_json(self, body: dict) -> tuple[list[Future], bool]:
+        """Parse an SGLang `/generate` body (single or batch); returns (futures, is_batch)."""
+        reqs, is_batch = self._parse_generate_body(body)
+        self._enqueue(reqs)
+        return [r.future for r in reqs], is_batch
+
+    def generate(
+        self,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        return_logprob: bool = True,
+        text: str | list[str] | None = None,
+        min_weight_version: int | None = None,
+        exact_weight_version: int | None = None,
+        timeout: float | None = None,
+    ) -> dict | list[dict]:
+        """Blocking generate with the `/generate` semantics (a list of prompts returns a list)."""
+        body = {"sampling_params": sampling_params, "return_logprob": return_logprob}
+        body.update({"input_ids": input_ids} if input_ids is not None else {"text": text})
+        if min_weight_version is not None:
+            body["min_weight_version"] = min_weight_version
+        if exact_weight_version is not None:
+            body["exact_weight_version"] = exact_weight_version
+        futures, is_batch = self.submit_json(body)
+        results = [f.result(timeout) for f in futures]
+        return results if is_batch else results[0]
+
+    def update_weights_from_tensors(
+        self, named_tensors: dict[str, torch.Tensor], weight_version: int
+    ) -> None:
+        """Copy (a subset of) parameters in, atomically between forward passes; set the version."""
+        prepared = self._prepare_tensors(named_tensors, require_all=False)
+        self._swap(prepared, int(weight_version))
+
+    def update_weights_from_disk(self, path: str | os.PathLike, weight_version: int | None = None) -> int:
+        """Load a full HF checkpoint dir (quantized ones via the dequantizing loader); returns the new version."""
+        state = _read_state_dict(path)
+        prepared = self._prepare_tensors(state, require_all=True, source=str(path))
+        version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        self._swap(prepared, version)
+        self.model_path = str(path)
+        return version
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of every parameter (tied ones once), for --check-weight-update-equal."""
+        with self._step_lock:
+            return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """abort: finish in-flight and queued requests with finish_reason abort; retract: drop their KV
+        and requeue them (recomputed after continue); in_place: freeze them with their KV cache."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise RequestError(f"pause_generation mode={mode!r}: must be one of abort, retract, in_place")
+        with self._step_lock:
+            with self._cv:
+                self._paused = True
+                if mode == "abort":
+                    queued = list(self._waiting)
+                    self._waiting.clear()
+                    for r in queued:
+                        self._finish(r, {"type": "abort", "message": "aborted by pause_generation"})
+                elif mode == "retract":
+                    self._waiting.extendleft(reversed(self._batch.reqs))
+            if mode == "abort":
+                for r in self._batch.reqs:
+                    self._finish(r, {"type": "abort", "message": "aborted by pause_generation"})
+            if mode in ("abort", "retract"):
+                self._batch = _Batch()
+
+    def continue_generation(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def flush_cache(self) -> bool:
+        """No prefix cache is kept between requests, so there is nothing to flush."""
+        return True
+
+    def num_inflight(self) -> int:
+        return len(self._waiting) + len(self._batch)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+        with self._step_lock, self._cv:
+            for r in list(self._waiting) + self._batch.reqs:
+                if not r.future.done():
+                    r.future.set_exception(EngineStopped("engine stopped"))
+            self._waiting.clear()
+            self._batch = _Batch()
+
+    # ---- request parsing ----------------------------------------------------------------------------
+
+    _BODY_FIELDS = {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "return_logprob",
+        "min_weight_version",
+        "exact_weight_version",
+        "rid",
+        "stream",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+    }
+
+    def _parse_generate_body(self, body: dict) -> tuple[list[_Request], bool]:
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        unknown = set(body) - self._BODY_FIELDS
+        if unknown:
+            raise RequestError(
+                f"unknown /generate fields {sorted(unknown)}; allowed: {sorted(self._BODY_FIELDS)}"
+            )
+        if body.get("stream"):
+            raise RequestError("stream=true is not supported by the embedded engine")
+        if body.get("top_logprobs_num"):
+            raise RequestError("top_logprobs_num is not supported by the embedded engine")
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise RequestError("give exactly one of `text` or `input_ids`")
+        if ids is not None:
+            is_batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
+            prompts = [("ids", x) for x in (ids if is_batch else [ids])]
+        else:
+            is_batch = isinstance(text, list)
+            prompts = [("text", x) for x in (text if is_batch else [text])]
+        n = len(prompts)
+        sp = body.get("sampling_params")
+        sps = sp if isinstance(sp, list) else [sp] * n
+        if len(sps) != n:
+            raise RequestError(f"sampling_params has {len(sps)} entries for {n} prompts")
+        rids = body.get("rid")
+        rids = rids if isinstance(rids, list) else [rids] * n
+        kw = dict(
+            return_logprob=bool(body.get("return_logprob", False)),
+            min_weight_version=body.get("min_weight_version"),
+            exact_weight_version=body.get("exact_weight_version"),
+        )
+        reqs = []
+        for i, (kind, p) in enumerate(prompts):
+            rid = rids[i] if rids[i] is None or not is_batch or isinstance(body.get("rid"), list) else None
+            reqs.append(
+                self._make_request(
+                    p if kind == "ids" else None, sps[i], text=p if kind == "text" else None, rid=rid, **kw
+                )
+            )
+        return reqs, is_batch
+
+    def _make_request(
+        self, input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid
+    ) -> _Request:
+        if text is not None:
+            if not isinstance(text, str):
+                raise RequestError("text must be a string or a list of strings")
+            input_ids = self.tokenizer(text)["input_ids"]
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise RequestError("input_ids must contain integers only")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids {bad[:5]} out of vocabulary [0, {self.vocab_size})")
+        if len(input_ids) >= self.context_length:
+            raise RequestError(
+                f"prompt has {len(input_ids)} tokens; the context length is {self.context_length}"
+            )
+        params = (
+            sampling_params
+            if isinstance(sampling_params, SamplingParams)
+            else SamplingParams.from_dict(sampling_params)
+        )
+        versions = {}
+        for name, v in (
+            ("min_weight_version", min_weight_version),
+            ("exact_weight_version", exact_weight_version),
+        ):
+            if v is not None:
+                try:
+                    versions[name] = int(v)
+                except (TypeError, ValueError):
+                    raise RequestError(f"{name}={v!r}: must be an integer policy version") from None
+        gen = torch.Generator()
+        gen.manual_seed(
+            params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(7))
+        )
+        return _Request(
+            rid=str(rid) if rid is not None else uuid.uuid4().hex,
+            prompt_ids=list(input_ids),
+            params=params,
+            return_logprob=bool(return_logprob),
+            min_version=versions.get("min_weight_version"),
+            exact_version=versions.get("exact_weight_version"),
+            future=Future(),
+            generator=gen,
+            max_new_tokens=min(params.max_new_tokens, self.context_length - len(input_ids)),
+        )
+
+    def _enqueue(self, reqs: list[_Request]) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("engine stopped")
+            for r in reqs:
+                why = _version_violation(r, self._weight_version)
+                if why:
+                    raise VersionConflict(why, self._weight_version, r.min_version, r.exact_version)
+            for r in reqs:
+                if r.max_new_tokens == 0:
+                    r.version_start = self._weight_version
+                    self._finish(r, {"type": "length", "length": 0})
+                else:
+                    self._waiting.append(r)
+            self._cv.notify_all()
+
+    # ---- scheduler ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and (self._paused or (not self._waiting and not len(self._batch))):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                if not len(self._batch) and len(self._waiting) < self.max_batch_size:
+                    # Collect requests that arrive together into one batch.
+                    deadline = time.monotonic() + self.batch_wait_s
+                    while len(self._waiting) < self.max_batch_size and not self._stopping:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cv.wait(left)
+            try:
+                with self._step_lock:
+                    if not self._paused and not self._stopping:
+                        self._step()
+            except Exception as e:  # a bug or OOM must fail the requests, not hang them
+                log.exception("engine step failed")
+                with self._step_lock:
+                    for r in self._batch.reqs:
+                        if not r.future.done():
+                            r.future.set_exception(e)
+                    self._batch = _Batch()
+
+    def _step(self) -> None:
+        new = []
+        with self._cv:
+            while self._waiting and len(self._batch) + len(new) < self.max_batch_size:
+                r = self._waiting.popleft()
+                why = _version_violation(r, self._weight_version)
+                if why:
+                    self._fail_version(r, why)
+                else:
+                    new.append(r)
+        if new:
+            self._prefill(new)
+        elif len(self._batch):
+            self._decode()
+
+    @torch.no_grad()
+    def _prefill(self, reqs: list[_Request]) -> None:
+        contexts = [r.prompt_ids + r.output_ids for r in reqs]  # retracted requests recompute their output
+        width = max(map(len, contexts))
+        ids = torch.zeros(len(reqs), width, dtype=torch.long)
+        mask = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c) :] = torch.tensor(c)
+            mask[i, width - len(c) :] = 1
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp_min(0), cache, prefill=True)
+        for r in reqs:
+            if r.version_start is None:
+                r.version_start = self._weight_version
+        new = _Batch()
+        new.reqs, new.cache, new.mask = reqs, cache, mask
+        new.pos = torch.tensor([len(c) for c in contexts])
+        start = len(self._batch)
+        self._batch = _merge(self._batch, new, self.model.config)
+        self._advance(logits, rows=range(start, start + len(reqs)))
+
+    @torch.no_grad()
+    def _decode(self) -> None:
+        b = self._batch
+        ids = torch.tensor([[r.output_ids[-1]] for r in b.reqs])
+        b.mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)
+        logits = self._forward(ids, b.mask, b.pos[:, None], b.cache, prefill=False)
+        b.pos = b.pos + 1
+        self._advance(logits, rows=range(len(b)))
+
+    def _forward(self, ids, mask, pos, cache, prefill: bool) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        s = self.stats
+        s["num_forward_calls"] += 1
+        s["num_prefill_calls" if prefill else "num_decode_calls"] += 1
+        s["num_batched_forward_calls"] += int(ids.shape[0] > 1)
+        s["max_batch_size_seen"] = max(s["max_batch_size_seen"], ids.shape[0])
+        return out.logits[:, -1].float()
+
+    def _advance(self, logits: torch.Tensor, rows: range) -> None:
+        """Sample one token for `rows` of the batch, record log-probs, retire finished rows."""
+        b = self._batch
+        reqs = [b.reqs[i] for i in rows]
+        tokens = _sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        self.stats["num_generated_tokens"] += len(tokens)
+        done = set()
+        for i, r, t, lp in zip(rows, reqs, tokens, logprobs):
+            r.output_ids.append(t)
+            r.logprobs.append(lp)
+            reason = self._finish_reason(r, t)
+            if reason:
+                self._finish(r, reason)
+                done.add(i)
+        if done:
+            self._batch = _select(b, [i for i in range(len(b)) if i not in done], self.model.config)
+
+    def _finish_reason(self, r: _Request, t: int) -> dict | None:
+        p = r.params
+        if not p.ignore_eos and t in self.eos_ids:
+            return {"type": "stop", "matched": t}
+        if t in p.stop_token_ids:
+            return {"type": "stop", "matched": t}
+        if p.stop:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=p.skip_special_tokens)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                at, s = min(hits)
+                r.text = text if p.no_stop_trim else text[:at]
+                return {"type": "stop", "matched": s}
+        if len(r.output_ids) >= r.max_new_tokens:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _finish(self, r: _Request, reason: dict) -> None:
+        if r.future.done():
+            return
+        r.finish_reason = reason
+        if r.text is None:
+            r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
+        v = self._weight_version
+        meta = {
+            "id": r.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(r.prompt_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "weight_version": v,
+            "weight_version_start": v if r.version_start is None else r.version_start,
+            "weight_version_end": v,
+            "e2e_latency": time.monotonic() - r.created,
+        }
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
+        self.stats["num_finished_requests"] += 1
+        r.future.set_result({"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta})
+
+    def _fail_version(self, r: _Request, why: str) -> None:
+        if not r.future.done():
+            r.future.set_exception(VersionConflict(why, self._weight_version, r.min_version, r.exact_version))
+
+    # ---- weights -----------------------------------------------------------------------------------
+
+    def _prepare_tensors(self, named: dict, require_all: bool, source: str = "tensors") -> dict:
+        unknown = [n for n in named if n not in self._params]
+        if unknown:
+            raise CheckpointError(
+                f"weights from {source}: unknown tensor names {unknown[:5]} (model has e.g. {next(iter(self._params))})"
+            )
+        if require_all:
+            covered = {id(self._params[n]) for n in named}
+            missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+            if missing:
+                raise CheckpointError(f"weights from {source}: missing tensors {missing[:5]}")
+        out = {}
+        for n, t in named.items():
+            p = self._params[n]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CheckpointError(
+                    f"weights from {source}: {n} has shape {shape}, model expects {tuple(p.shape)}"
+                )
+            out[n] = t.detach().to(device=p.device, dtype=p.dtype)
+        return out
+
+    def _swap(self, prepared: dict, version: int) -> None:
+        with self._step_lock, torch.no_grad():
+            for n, t in prepared.items():
+                self._params[n].copy_(t)
+            self._weight_version = version
+            self.stats["num_weight_updates"] += 1
+            # exact/min constraints of requests already running may now be violated: fail them (409).
+            b, keep = self._batch, []
+            for i, r in enumerate(b.reqs):
+                why = _version_violation(r, version)
+                if why:
+                    self._fail_version(r, why)
+                else:
+                    keep.append(i)
+            if len(keep) != len(b):
+                self._batch = _select(b, keep, self.model.config)
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+
+def _parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
+    if dtype not in table:
+        raise MilesError(f"--dtype {dtype!r}: must be one of fp32, bf16")
+    return table[dtype]
+
+
+def _load_model(path: str, dtype: torch.dtype):
+    from miles_platform.models.checkpoint import load_hf_checkpoint, load_tokenizer, validate_hf_dir
+
+    cfg = validate_hf_dir(path)
+    if not cfg.get("quantization_config"):
+        model, tok = load_hf_checkpoint(path, dtype)
+    else:  # build the bf16/fp32 model from config, then load the dequantized weights into it
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        state = _read_state_dict(path)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"HF checkpoint {path}: dequantized weights missing {missing[:5]} / unexpected {unexpected[:5]}"
+            )
+        tok = load_tokenizer(path)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tok
+
+
+def _read_state_dict(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from miles_platform.models.checkpoint import validate_hf_dir
+
+    cfg = validate_hf_dir(path, need_tokenizer=False)
+    if cfg.get("quantization_config"):
+        try:
+            from miles_platform.weights.quantize import load_dequantized_state_dict
+        except ImportError as e:
+            raise CheckpointError(
+                f"HF checkpoint {path} is quantized ({cfg['quantization_config'].get('quant_method', '?')}) "
+                f"but miles_platform.weights.quantize is not available ({e})"
+            ) from e
+        return load_dequantized_state_dict(str(path))
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if e is not None:
+            ids.update(e if isinstance(e, list | tuple) else [e])
+    return ids
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> torch.Tensor:
+    """Greedy for temperature 0 (or top_k 1); otherwise temperature, top-k, top-p, min-p, then a draw
+    from each request's own generator so seeded requests do not depend on their batch mates."""
+    out = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0 and p.top_k != 1]
+    if not rows:
+        return out
+    ps = [params[i] for i in rows]
+    lg = logits[rows] / torch.tensor([p.temperature for p in ps])[:, None]
+    order = None
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in ps):
+        lg, order = lg.sort(dim=-1, descending=True)
+        probs = lg.softmax(-1)
+        ks = torch.tensor([p.top_k if p.top_k > 0 else lg.shape[-1] for p in ps])
+        remove = torch.arange(lg.shape[-1])[None, :] >= ks[:, None]
+        remove |= (probs.cumsum(-1) - probs) > torch.tensor([p.top_p for p in ps])[:, None]
+        remove |= probs < torch.tensor([p.min_p for p in ps])[:, None] * probs[:, :1]
+        lg = lg.masked_fill(remove, float("-inf"))
+    probs = lg.softmax(-1)
+    for j, i in enumerate(rows):
+        choice = torch.multinomial(probs[j], 1, generator=gens[i])
+        out[i] = order[j, choice] if order is not None else choice
+    return out
+
+
+def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _cache_from(tensors, config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    for i, (k, v) in enumerate(tensors):
+        cache.update(k, v, i)
+    return cache
+
+
+def _merge(a: _Batch, b: _Batch, config) -> _Batch:
+    """Concatenate two batches, left-padding the shorter KV cache (padding is masked out)."""
+    if not len(a):
+        return b
+    ta, tb = a.mask.shape[1], b.mask.shape[1]
+    width = max(ta, tb)
+
+    def pad(x, t):
+        return (
+            torch.nn.functional.pad(x, (0, 0, width - t, 0))
+            if x.dim() == 4
+            else torch.nn.functional.pad(x, (width - t, 0))
+        )
+
+    tensors = [
+        (torch.cat([pad(ka, ta), pad(kb, tb)]), torch.cat([pad(va, ta), pad(vb, tb)]))
+        for (ka, va), (kb, vb) in zip(_cache_tensors(a.cache), _cache_tensors(b.cache))
+    ]
+    out = _Batch()
+    out.reqs = a.reqs + b.reqs
+    out.cache = _cache_from(tensors, config)
+    out.mask = torch.cat([pad(a.mask, ta), pad(b.mask, tb)])
+    out.pos = torch.cat([a.pos, b.pos])
+    return out
+
+
+def _select(b: _Batch, keep: list[int], config) -> _Batch:
+    """Keep rows `keep`, and drop cache columns that are padding for every remaining row."""
+    out = _Batch()
+    if not keep:
+        return out
+    idx = torch.tensor(keep)
+    mask = b.mask[idx]
+    start = int((mask.sum(0) > 0).nonzero()[0])
+    out.reqs = [b.reqs[i] for i in keep]
+    out.mask = mask[:, start:]
+    out.pos = b.pos[idx]
+    out.cache = _cache_from(
+        [(k[idx, :, start:], v[idx, :, start:]) for k, v in _cache_tensors(b.cache)], config
+    )
+    return out
