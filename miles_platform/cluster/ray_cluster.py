@@ -1,0 +1,266 @@
+"""Ray: join an existing cluster or start a local one, and place trainer / rollout roles.
+
+Placement follows Miles: a *bundle* is one device unit. On GPU a bundle is
+`{"GPU": 1, "CPU": num_cpus_per_actor}`; on CPU the same plan becomes `{"CPU": num_cpus_per_actor}`,
+so the placement logic that runs on a laptop is the one that runs on a GPU cluster.
+
+- trainer ("actor"): `--actor-num-nodes x --actor-num-gpus-per-node` bundles.
+- rollout: `--rollout-num-gpus` bundles; engine i owns the `--rollout-num-gpus-per-engine`
+  consecutive bundles starting at `i * tp` (sorted by node, so an engine never straddles nodes
+  under PACK). No bundles with `--rollout-external-engine-addrs` (engines live elsewhere).
+- `--colocate`: one placement group; both roles get every bundle and share it fractionally
+  (trainer 0.4, engine 0.2 of a bundle, as in Miles).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from miles_platform.config import ConfigError, RunConfig
+
+ROLES = ("actor", "rollout")
+# Fraction of a bundle each process takes. Colocated roles share a bundle; Miles uses 0.4 / 0.2.
+ACTOR_SHARE = {True: 0.4, False: 0.8}
+ENGINE_SHARE = 0.2
+
+
+@dataclass
+class RayContext:
+    """What `init_ray` did, so `shutdown_ray` undoes only that."""
+
+    address: str | None  # GCS address of a joined cluster; None for a local one
+    started_local: bool  # we started a local cluster (shutdown stops it)
+    connected: bool  # we connected this driver (shutdown disconnects it)
+
+
+def resolve_ray_address(cfg: RunConfig) -> str | None:
+    """`--ray-address`, else `RAY_ADDRESS`, else None (start a local cluster)."""
+    addr = cfg.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if addr in ("local",):
+        return None
+    return addr
+
+
+def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -> RayContext:
+    """Join `--ray-address` / `RAY_ADDRESS`, or start a private local cluster.
+
+    A local start never attaches to someone else's `ray start` on this machine (`address="local"`),
+    has no dashboard, and offers `max(os.cpu_count(), CPUs the placement plan needs)` logical
+    CPUs so the plan fits even on a small laptop.
+    """
+    import ray
+
+    if ray.is_initialized():  # someone else owns this driver connection
+        return RayContext(address=None, started_local=False, connected=False)
+    addr = resolve_ray_address(cfg)
+    if addr:
+        try:
+            ray.init(address=addr, namespace=namespace, log_to_driver=False, **init_kwargs)
+        except (ConnectionError, RuntimeError) as e:
+            raise ConfigError(
+                f"--ray-address {addr}: cannot join the Ray cluster ({e}); check `ray status --address {addr}` "
+                "or unset --ray-address / RAY_ADDRESS to start a local cluster"
+            ) from e
+        return RayContext(address=addr, started_local=False, connected=True)
+    need = sum(p.num_bundles * p.bundle.get("CPU", 0.0) for p in plan_placement(cfg, use_gpu=False).values())
+    num_cpus = max(os.cpu_count() or 1, int(-(-need // 1)))
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        namespace=namespace,
+        log_to_driver=False,
+        **init_kwargs,
+    )
+    return RayContext(address=None, started_local=True, connected=True)
+
+
+def shutdown_ray(ctx: RayContext) -> None:
+    """Disconnect (joined cluster keeps running) or stop the local cluster we started; else nothing."""
+    import ray
+
+    if ctx.connected and ray.is_initialized():
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------- placement plan
+
+
+@dataclass(frozen=True)
+class RolePlacement:
+    role: str
+    num_bundles: int
+    bundle: dict[str, float]
+    strategy: str
+    shared_with: str | None = None  # colocate: the role whose placement group this one reuses
+
+
+def cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def rollout_num_devices(cfg: RunConfig) -> int:
+    """Devices the rollout role needs in this Ray job (0 for attached external engines)."""
+    actor_devices = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+    if cfg.rollout_external_engine_addrs:
+        return 0
+    if cfg.colocate:
+        return actor_devices  # Miles: forced to the train world size
+    n = cfg.rollout_num_gpus if cfg.rollout_num_gpus is not None else cfg.rollout_num_gpus_per_engine
+    tp = cfg.rollout_num_gpus_per_engine
+    if tp <= 0 or n <= 0 or n % tp:
+        raise ConfigError(
+            f"--rollout-num-gpus {n} must be a positive multiple of --rollout-num-gpus-per-engine {tp}"
+        )
+    return n
+
+
+def plan_placement(cfg: RunConfig, use_gpu: bool, strategy: str = "PACK") -> dict[str, RolePlacement]:
+    """Bundles per role, without touching Ray. `use_gpu=False` turns GPU bundles into CPU bundles."""
+    if cfg.actor_num_nodes <= 0 or cfg.actor_num_gpus_per_node <= 0:
+        raise ConfigError(
+            f"--actor-num-nodes {cfg.actor_num_nodes} and --actor-num-gpus-per-node "
+            f"{cfg.actor_num_gpus_per_node} must be positive"
+        )
+    if cfg.num_cpus_per_actor <= 0:
+        raise ConfigError(f"--num-cpus-per-actor must be > 0, got {cfg.num_cpus_per_actor}")
+    bundle = {"GPU": 1.0, "CPU": cfg.num_cpus_per_actor} if use_gpu else {"CPU": cfg.num_cpus_per_actor}
+    n_actor = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+    n_rollout = rollout_num_devices(cfg)
+    if cfg.colocate and cfg.rollout_num_gpus_per_engine > 0 and n_actor % cfg.rollout_num_gpus_per_engine:
+        raise ConfigError(
+            f"--colocate: train world size {n_actor} must be a multiple of "
+            f"--rollout-num-gpus-per-engine {cfg.rollout_num_gpus_per_engine}"
+        )
+    plan = {"actor": RolePlacement("actor", n_actor, dict(bundle), strategy)}
+    if cfg.colocate:
+        plan["rollout"] = RolePlacement("rollout", n_actor, dict(bundle), strategy, shared_with="actor")
+    else:
+        plan["rollout"] = RolePlacement("rollout", n_rollout, dict(bundle), strategy)
+    return plan
+
+
+# ---------------------------------------------------------------------------- placement groups
+
+
+def create_placement_groups(
+    cfg: RunConfig,
+    strategy: str = "PACK",
+    use_gpu: bool | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, tuple[Any, list[int]]]:
+    """role -> (placement group, bundle indices), Miles' shape. Waits until every group is ready.
+
+    Bundle indices are ordered by node so consecutive ranks (and an engine's TP group) share a
+    node. A role with no bundles (external engines) maps to `(None, [])`.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+
+    use_gpu = cluster_has_gpus() if use_gpu is None else use_gpu
+    plan = plan_placement(cfg, use_gpu=use_gpu, strategy=strategy)
+    out: dict[str, tuple[Any, list[int]]] = {}
+    for role in ROLES:
+        p = plan[role]
+        if p.shared_with:
+            out[role] = out[p.shared_with]
+            continue
+        if p.num_bundles == 0:
+            out[role] = (None, [])
+            continue
+        pg = placement_group([dict(p.bundle) for _ in range(p.num_bundles)], strategy=p.strategy, name="")
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(pg)
+            raise ConfigError(
+                f"placement group for {role!r} ({p.num_bundles} x {p.bundle}, {p.strategy}) not schedulable "
+                f"within {timeout_s:.0f}s; cluster has {ray.cluster_resources()}. Lower --actor-num-gpus-per-node / "
+                "--rollout-num-gpus or add nodes"
+            )
+        out[role] = (pg, bundle_indices_by_node(pg))
+    return out
+
+
+def bundle_indices_by_node(pg: Any) -> list[int]:
+    """Bundle indices sorted by the node they were placed on (stable within a node)."""
+    from ray.util.placement_group import placement_group_table
+
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    return sorted(nodes, key=lambda i: (nodes[i], i))
+
+
+def bundle_node_ids(pg: Any) -> dict[int, str]:
+    from ray.util.placement_group import placement_group_table
+
+    return dict(placement_group_table(pg)["bundles_to_node_id"])
+
+
+def remove_placement_groups(groups: dict[str, tuple[Any, list[int]]]) -> None:
+    import ray
+
+    seen: set[Any] = set()
+    for pg, _ in groups.values():
+        if pg is not None and pg.id not in seen:
+            seen.add(pg.id)
+            ray.util.remove_placement_group(pg)
+
+
+# ---------------------------------------------------------------------------- actors on bundles
+
+
+def bundle_actor_options(
+    pg: Any, bundle_index: int, share: float, bundle: dict[str, float], **extra: Any
+) -> dict[str, Any]:
+    """`.options(...)` for an actor taking `share` of one bundle's resources."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts: dict[str, Any] = {
+        "num_cpus": share * bundle.get("CPU", 0.0),
+        "num_gpus": share * bundle.get("GPU", 0.0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg,
+            placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=True,
+        ),
+    }
+    opts.update(extra)
+    return opts
+
+
+def create_role_actors(
+    actor_cls: Any,
+    cfg: RunConfig,
+    groups: dict[str, tuple[Any, list[int]]],
+    role: str,
+    *args: Any,
+    use_gpu: bool | None = None,
+    options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """One actor per trainer rank ("actor") or per engine ("rollout"), pinned to its bundle.
+
+    `actor_cls` is a plain class or an `@ray.remote` class. Engine i sits on the first bundle of
+    its TP group. Each actor receives `rank=` as a keyword argument.
+    """
+    import ray
+
+    pg, indices = groups[role]
+    if pg is None:
+        return []
+    use_gpu = cluster_has_gpus() if use_gpu is None else use_gpu
+    bundle = plan_placement(cfg, use_gpu=use_gpu)[role].bundle
+    remote_cls = actor_cls if hasattr(actor_cls, "remote") else ray.remote(actor_cls)
+    if role == "actor":
+        slots, share = indices, ACTOR_SHARE[cfg.colocate]
+    else:
+        slots, share = indices[:: max(cfg.rollout_num_gpus_per_engine, 1)], ENGINE_SHARE
+    return [
+        remote_cls.options(**bundle_actor_options(pg, idx, share, bundle, **(options or {}))).remote(
+            *args, rank=rank, **kwargs
+        )
+        for rank, idx in enumerate(slots)
+    ]

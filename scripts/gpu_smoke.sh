@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One-GPU smoke: short GRPO with an SGLang engine, the megatron + transformer-engine trainer and
+# NCCL weight broadcast. Prints the --ci-test step-0 checkers and perf/* timings.
+#   MODEL=/models/Qwen3-0.6B DATA=/data/train.jsonl scripts/gpu_smoke.sh [extra flags]
+# Needs: pip install -e '.[gpu]' (sglang, transformer-engine), one CUDA GPU, an HF checkpoint.
+# Not run in CI here (no GPU); tests marked @pytest.mark.gpu cover the same path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL="${MODEL:?set MODEL to an HF checkpoint dir (e.g. Qwen3-0.6B)}"
+DATA="${DATA:-}"
+ROOT="${ROOT:-$(mktemp -d /tmp/miles_gpu_smoke.XXXX)}"
+PY="${PY:-.venv/bin/python}"
+LOG="$ROOT/gpu_smoke.log"
+export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false CUDA_DEVICE_MAX_CONNECTIONS=1
+
+nvidia-smi -L >/dev/null 2>&1 || { echo "gpu_smoke: no NVIDIA GPU visible (nvidia-smi -L failed)" >&2; exit 2; }
+"$PY" -c "import sglang, transformer_engine" 2>/dev/null \
+  || { echo "gpu_smoke: install the gpu extras first: pip install -e '.[gpu]'" >&2; exit 2; }
+if [[ -z "$DATA" ]]; then
+  DATA="$ROOT/data/train.jsonl"
+  "$PY" -m miles_platform.cli make-data --out "$(dirname "$DATA")" >/dev/null
+fi
+
+set -x
+"$PY" -m miles_platform.cli train \
+  --train-backend megatron \
+  --rollout-engine sglang \
+  --update-weight-transfer-mode broadcast \
+  --hf-checkpoint "$MODEL" \
+  --prompt-data "$DATA" \
+  --rm-type math \
+  --ci-test \
+  --num-rollout 3 \
+  --rollout-batch-size 4 \
+  --n-samples-per-prompt 4 \
+  --global-batch-size 16 \
+  --rollout-max-response-len 128 \
+  --rollout-temperature 1.0 \
+  --advantage-estimator grpo \
+  --lr 1e-6 \
+  --train-forward-dtype bf16 --rollout-dtype bf16 \
+  --actor-num-nodes 1 --actor-num-gpus-per-node 1 \
+  --colocate --rollout-num-gpus-per-engine 1 \
+  --sglang-mem-fraction-static 0.4 \
+  --storage-root "$ROOT" \
+  "$@" 2>&1 | tee "$LOG"
+set +x
+
+echo "---- step-0 checkers (--ci-test) ----"
+grep -E "ci[-_ ]test|step[-_ ]?0|train_rollout_logprob_abs_diff|ppo_kl|pg_clipfrac|weight.*equal" "$LOG" || true
+echo "---- perf/* timings ----"
+grep -oE "perf/[a-z_]+[=: ]+[0-9.eE+-]+" "$LOG" || echo "(no perf/* metrics found in $LOG)"
+echo "gpu_smoke: OK, log at $LOG"
