@@ -1,0 +1,1 @@
+"""Weights: update sessions, transports, disk-delta format, conversion, quantization."""

@@ -1,0 +1,633 @@
+"""Disk-delta weight publication (Miles `--update-weight-transfer-mode disk-delta`).
+
+Layout of a publication dir (shared storage, one writer, any number of readers):
+
+    LATEST                      committed version, one integer line; replaced atomically, written last
+    weight_vNNNNNN/index.json   version, base_version, kind, encoding, checksum, compression, tensors[]
+    weight_vNNNNNN/payload.bin  concatenated per-tensor frames (zstd or raw); index gives byte ranges
+    .publish.lock               held (O_CREAT|O_EXCL, "pid host") while a publisher writes
+
+Kinds: `snapshot` (every tensor's bytes; the first version and every `keyframe_interval`-th) and
+`delta` against `base_version`, encoded `xor` (bytewise XOR: compact, apply exactly once to the
+base) or `overwrite` (changed element positions + new values: idempotent). Each tensor entry
+records name/dtype/shape and the checksum of its FINAL bytes; appliers verify lineage, layout
+and every final checksum before anything becomes visible, and fail closed with PublicationError.
+A version is committed when LATEST names it; version dirs above LATEST are leftovers of a crash
+between rename and pointer update and are ignored by readers and removed by the next publisher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import xor_delta as xd
+from miles_platform.errors import PublicationError
+from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
+
+FORMAT = "miles-disk-delta/1"
+INDEX, PAYLOAD, LATEST, LOCK = "index.json", "payload.bin", "LATEST", ".publish.lock"
+VERSION_FILE = "miles_weight_version.json"
+WEIGHTS_FILE = "model.safetensors"
+VERSION_META_KEY = "miles_weight_version"
+ENCODINGS = ("xor", "overwrite")
+COMPRESSIONS = ("zstd", "none")
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+        torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}  # fmt: skip
+
+
+def version_dir_name(version: int) -> str:
+    return f"weight_v{version:06d}"
+
+
+@dataclass
+class PublishStats:
+    version: int
+    base_version: int | None
+    kind: str  # "snapshot" | "delta"
+    wire_bytes: int  # payload bytes on disk (what a replica downloads)
+    full_bytes: int  # bytes of the complete state
+    density: float  # changed bytes (xor) / changed elements (overwrite) as a fraction; 1.0 for snapshots
+    seconds: float
+    path: str = ""
+
+
+# ---- small IO helpers -------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise PublicationError(f"unsupported dtype {name!r} in publication index")
+    return _DTYPES[name]
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+class _Codec:
+    def __init__(self, compression: str, level: int = 1):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
+        self.compression = compression
+        if compression == "zstd":
+            import zstandard
+
+            self._c = zstandard.ZstdCompressor(level=level, write_checksum=True)
+            self._d = zstandard.ZstdDecompressor()
+
+    def compress(self, buf: torch.Tensor) -> bytes:
+        mv = memoryview(buf.numpy())
+        return self._c.compress(mv) if self.compression == "zstd" else mv.tobytes()
+
+    def decompress_into(self, frame: memoryview, out: torch.Tensor) -> None:
+        """Decode one frame into `out` (uint8, exact length) or raise ValueError."""
+        dst = memoryview(out.numpy())
+        if self.compression == "none":
+            if len(frame) != len(dst):
+                raise ValueError(f"frame is {len(frame)} bytes, expected {len(dst)}")
+            dst[:] = frame
+            return
+        import zstandard
+
+        try:
+            with self._d.stream_reader(frame, read_across_frames=False) as r:
+                n = 0
+                while n < len(dst):
+                    k = r.readinto(dst[n:])
+                    if not k:
+                        break
+                    n += k
+                extra = r.read(1)
+        except zstandard.ZstdError as e:
+            raise ValueError(f"zstd: {e}") from e
+        if n != len(dst) or extra:
+            raise ValueError(f"frame decodes to a different length than the expected {len(dst)} bytes")
+
+
+# ---- reading a publication dir ----------------------------------------------------------------
+
+
+def read_latest(pub_dir: str | os.PathLike) -> int | None:
+    """The committed version named by LATEST, or None for an empty publication dir."""
+    p = Path(pub_dir) / LATEST
+    if not p.exists():
+        return None
+    text = p.read_text().strip()
+    if not text.isdigit():
+        raise PublicationError(f"{p}: corrupt LATEST pointer {text[:40]!r}")
+    return int(text)
+
+
+def read_index(pub_dir: str | os.PathLike, version: int) -> dict:
+    d = Path(pub_dir) / version_dir_name(version)
+    where = f"publication {version_dir_name(version)} in {pub_dir}"
+    if not d.is_dir():
+        raise PublicationError(f"{where}: missing version directory")
+    try:
+        idx = json.loads((d / INDEX).read_text())
+    except FileNotFoundError as e:
+        raise PublicationError(f"{where}: missing {INDEX}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PublicationError(f"{where}: corrupt {INDEX} ({e})") from e
+    if idx.get("format") != FORMAT or idx.get("version") != version:
+        raise PublicationError(
+            f"{where}: {INDEX} declares format {idx.get('format')!r} version {idx.get('version')!r}"
+        )
+    return idx
+
+
+def committed_versions(pub_dir: str | os.PathLike) -> list[int]:
+    latest = read_latest(pub_dir)
+    if latest is None:
+        return []
+    out = []
+    for d in Path(pub_dir).glob("weight_v*"):
+        v = d.name.removeprefix("weight_v")
+        if v.isdigit() and int(v) <= latest:
+            out.append(int(v))
+    return sorted(out)
+
+
+def list_publications(pub_dir: str | os.PathLike) -> list[dict]:
+    """One row per committed version (index summary), oldest first; unreadable indices marked."""
+    rows = []
+    for v in committed_versions(pub_dir):
+        try:
+            idx = read_index(pub_dir, v)
+            rows.append(
+                {k: idx.get(k) for k in ("version", "base_version", "kind", "encoding", "checksum")}
+                | {k: idx["stats"].get(k) for k in ("wire_bytes", "full_bytes", "density")}
+            )
+        except PublicationError as e:
+            rows.append({"version": v, "error": str(e)})
+    return rows  # fmt: skip
+
+
+def plan_catch_up(pub_dir: str | os.PathLike, from_version: int | None, to_version: int) -> list[int]:
+    """Versions to apply, oldest first: from the nearest snapshot <= to_version or from `from_version`."""
+    return [i["version"] for i in _chain(pub_dir, from_version, to_version)]
+
+
+def _chain(pub_dir, from_version: int | None, to_version: int) -> list[dict]:
+    if from_version == to_version:
+        return []
+    chain, v = [], to_version
+    while True:
+        idx = read_index(pub_dir, v)
+        chain.append(idx)
+        if idx["kind"] == "snapshot" or idx["base_version"] == from_version:
+            return chain[::-1]
+        base = idx["base_version"]
+        if not isinstance(base, int) or base >= v:
+            raise PublicationError(f"publication {version_dir_name(v)}: bad base_version {base!r}")
+        v = base
+
+
+# ---- applying --------------------------------------------------------------------------------
+
+
+def _replay(pub_dir, chain: list[dict], bufs: dict, metas: dict, version: int | None) -> set[str]:
+    """Apply `chain` to byte buffers. Never mutates the input tensors: changed entries of `bufs` are
+    replaced with new tensors. Every step is verified (lineage, layout, final checksums) before the
+    next. Returns the names whose bytes changed."""
+    changed: set[str] = set()
+    verified: dict[str, str] = {}
+    for idx in chain:
+        v, where = idx["version"], f"publication {version_dir_name(idx['version'])}"
+        if idx["kind"] == "delta" and idx["encoding"] == "xor" and idx["base_version"] != version:
+            raise PublicationError(
+                f"{where}: xor delta is based on v{idx['base_version']}, but the local state is "
+                f"{'of unknown version' if version is None else f'v{version}'}; refusing to apply"
+            )
+        names = [t["name"] for t in idx["tensors"]]
+        check_layout = bool(metas)  # an empty state (publisher reload) takes the layout from a snapshot
+        if check_layout and set(names) != set(metas):
+            missing, extra = sorted(set(metas) - set(names)), sorted(set(names) - set(metas))
+            raise PublicationError(
+                f"{where}: layout mismatch: local-only {missing[:3]}, published-only {extra[:3]}"
+            )
+        payload = _read_payload(pub_dir, idx)
+        codec = _Codec(idx["compression"])
+        step_changed = set()
+        for t in idx["tensors"]:
+            name, dtype, shape = t["name"], _dtype(t["dtype"]), list(t["shape"])
+            if check_layout and (metas[name][0] != dtype or list(metas[name][1]) != shape):
+                raise PublicationError(
+                    f"{where}: tensor {name}: layout mismatch: local {_dtype_name(metas[name][0])}"
+                    f"{list(metas[name][1])}, published {t['dtype']}{shape}"
+                )
+            if t["payload"] is not None:
+                try:
+                    bufs[name] = _decode_tensor(idx, t, payload, codec, bufs.get(name))
+                except (ValueError, RuntimeError) as e:
+                    raise PublicationError(f"{where}: tensor {name}: corrupt payload ({e})") from e
+                step_changed.add(name)
+            metas[name] = (dtype, shape)
+        for t in idx["tensors"]:
+            name = t["name"]
+            if name not in step_changed and verified.get(name) == t["checksum"]:
+                continue
+            if name not in bufs or checksum(bufs[name], idx["checksum"]) != t["checksum"]:
+                raise PublicationError(
+                    f"{where}: tensor {name}: final {idx['checksum']} checksum mismatch "
+                    f"(wrong base, corrupt or partial data); refusing to activate v{v}"
+                )
+            verified[name] = t["checksum"]
+        changed |= step_changed
+        version = v
+    return changed
+
+
+def _read_payload(pub_dir, idx: dict) -> memoryview:
+    need = max(
+        (t["payload"]["offset"] + t["payload"]["length"] for t in idx["tensors"] if t["payload"]), default=0
+    )
+    path = Path(pub_dir) / version_dir_name(idx["version"]) / PAYLOAD
+    if need == 0:
+        return memoryview(b"")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise PublicationError(f"publication {version_dir_name(idx['version'])}: missing {PAYLOAD}") from e
+    if len(data) != idx["stats"]["wire_bytes"] or len(data) < need:
+        raise PublicationError(
+            f"publication {version_dir_name(idx['version'])}: {PAYLOAD} is {len(data)} bytes, "
+            f"index declares {idx['stats']['wire_bytes']} (truncated or partial copy)"
+        )
+    return memoryview(data)
+
+
+def _decode_tensor(idx: dict, t: dict, payload: memoryview, codec: _Codec, cur: torch.Tensor | None):
+    p = t["payload"]
+    frame = payload[p["offset"] : p["offset"] + p["length"]]
+    raw = torch.empty(p["raw_length"], dtype=torch.uint8)
+    codec.decompress_into(frame, raw)
+    if idx["kind"] == "snapshot":
+        if raw.numel() != t["nbytes"]:
+            raise ValueError(f"snapshot holds {raw.numel()} bytes, tensor has {t['nbytes']}")
+        return raw
+    if cur is None or cur.numel() != t["nbytes"]:
+        raise ValueError("no local bytes of the declared size to apply a delta to")
+    if idx["encoding"] == "xor":
+        if raw.numel() != t["nbytes"]:
+            raise ValueError(f"xor delta holds {raw.numel()} bytes, tensor has {t['nbytes']}")
+        return xd.apply_xor_(raw, cur)  # raw ^= cur: raw becomes the new bytes, cur stays untouched
+    itemsize = _dtype(t["dtype"]).itemsize
+    k, idx_dtype = t["num_changed"], _dtype(t["index_dtype"])
+    if raw.numel() != k * (idx_dtype.itemsize + itemsize):
+        raise ValueError(f"overwrite payload is {raw.numel()} bytes for {k} changed elements")
+    gaps = raw[: k * idx_dtype.itemsize].view(idx_dtype)
+    values = raw[k * idx_dtype.itemsize :].clone()  # own storage: aligned for the element view
+    return xd.apply_overwrite_(cur.clone(), xd.decode_indices(gaps), values, itemsize)
+
+
+def _target_version(pub_dir, version: int | None) -> int:
+    latest = read_latest(pub_dir)
+    if latest is None:
+        raise PublicationError(f"{pub_dir}: no committed publication (no {LATEST})")
+    if version is None:
+        return latest
+    if version > latest:
+        raise PublicationError(f"{pub_dir}: v{version} is not committed (LATEST is v{latest})")
+    return version
+
+
+def apply_to_state_dict(
+    pub_dir: str | os.PathLike,
+    state: dict[str, torch.Tensor],
+    from_version: int | None,
+    to_version: int | None = None,
+) -> int:
+    """Bring an in-memory state dict (e.g. an engine's weights) from `from_version` (None: unknown,
+    catch up from a snapshot) to `to_version` (None: LATEST). Tensors are updated in place only after
+    the whole catch-up chain verified; on any failure `state` is untouched. Returns the version."""
+    target = _target_version(pub_dir, to_version)
+    chain = _chain(pub_dir, from_version, target)
+    bufs = {k: xd.tensor_bytes(v) for k, v in state.items()}
+    metas = {k: (v.dtype, list(v.shape)) for k, v in state.items()}
+    changed = _replay(pub_dir, chain, bufs, metas, from_version)
+    with torch.no_grad():
+        for name in changed:
+            dtype, shape = metas[name]
+            state[name].copy_(bufs[name].view(dtype).reshape(shape))
+    return target
+
+
+def read_local_version(local_hf_dir: str | os.PathLike) -> int | None:
+    """The publication version of a local HF checkpoint: safetensors metadata (authoritative, swapped
+    atomically with the weights), else miles_weight_version.json, else None (unknown)."""
+    from safetensors import safe_open
+
+    f = Path(local_hf_dir) / WEIGHTS_FILE
+    if f.exists():
+        with safe_open(str(f), "pt") as sf:
+            v = (sf.metadata() or {}).get(VERSION_META_KEY)
+        if v is not None:
+            return int(v)
+    vf = Path(local_hf_dir) / VERSION_FILE
+    return json.loads(vf.read_text())["version"] if vf.exists() else None
+
+
+def apply_publication(
+    pub_dir: str | os.PathLike, local_hf_dir: str | os.PathLike, version: int | None = None
+) -> int:
+    """Patch a local HF checkpoint dir (model.safetensors; absent: materialized from the nearest
+    snapshot, config/tokenizer are the caller's) to `version` (None: LATEST). All
+    verification happens before the new weights file is renamed over the old one, so on failure
+    the local checkpoint is byte-identical. Returns the applied version."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    local = Path(local_hf_dir)
+    wf = local / WEIGHTS_FILE
+    target = _target_version(pub_dir, version)
+    current = read_local_version(local) if wf.exists() else None
+    if current == target:
+        return target
+    chain = _chain(pub_dir, current, target)
+    meta, tensors = {}, {}  # no local weights yet: a fresh replica materializes from a snapshot
+    if wf.exists():
+        with safe_open(str(wf), "pt") as sf:
+            meta = dict(sf.metadata() or {})
+        tensors = load_file(str(wf))
+    local.mkdir(parents=True, exist_ok=True)
+    bufs = {k: xd.tensor_bytes(v) for k, v in tensors.items()}
+    metas = {k: (v.dtype, list(v.shape)) for k, v in tensors.items()}
+    _replay(pub_dir, chain, bufs, metas, current)
+    out = {k: bufs[k].view(metas[k][0]).reshape(metas[k][1]) for k in bufs}
+    meta.update({"format": "pt", VERSION_META_KEY: str(target)})
+    tmp = local / f".{WEIGHTS_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        save_file(out, str(tmp), metadata=meta)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, wf)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(local)
+    _write_atomic(local / VERSION_FILE, json.dumps({"version": target, "publication": str(pub_dir)}).encode())
+    return target
+
+
+# ---- publishing ------------------------------------------------------------------------------
+
+
+class _PublishLock:
+    """Exclusive per-dir lock: O_CREAT|O_EXCL file with "pid host". A lock left by a dead process on
+    this host is broken once; a live holder makes the second publisher fail cleanly."""
+
+    def __init__(self, pub_dir: Path):
+        self.path = pub_dir / LOCK
+        self.token = f"{os.getpid()} {socket.gethostname()} {uuid.uuid4().hex[:8]}"
+
+    def __enter__(self):
+        for attempt in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if attempt == 0 and self._stale():
+                    self.path.unlink(missing_ok=True)
+                    continue
+                holder = self.path.read_text().strip() if self.path.exists() else "?"
+                raise PublicationError(
+                    f"{self.path.parent}: another publisher holds {LOCK} ({holder}); one publisher per dir"
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                f.write(self.token)
+            return self
+        raise AssertionError("unreachable")
+
+    def _stale(self) -> bool:
+        try:
+            pid, host, *_ = self.path.read_text().split()
+            if host != socket.gethostname():
+                return False
+            os.kill(int(pid), 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def __exit__(self, *exc):
+        try:
+            if self.path.read_text() == self.token:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class DeltaPublisher:
+    """Writes successive versions of a state dict into `pub_dir`. Keeps the last published bytes in
+    memory (reloaded by replaying the dir on restart) to diff against."""
+
+    def __init__(
+        self,
+        pub_dir: str | os.PathLike,
+        encoding: str = "xor",
+        checksum: str = "xxh3-128",
+        keyframe_interval: int = 10,
+        compression: str = "zstd",
+        zstd_level: int = 1,
+    ):
+        if encoding not in ENCODINGS:
+            raise ValueError(f"--disk-delta-encoding {encoding!r}: allowed {', '.join(ENCODINGS)}")
+        if checksum not in CHECKSUM_ALGOS:
+            raise ValueError(f"--disk-delta-checksum {checksum!r}: allowed {', '.join(CHECKSUM_ALGOS)}")
+        if keyframe_interval < 1:
+            raise ValueError(f"--disk-delta-keyframe-interval must be >= 1, got {keyframe_interval}")
+        self.pub_dir = Path(pub_dir)
+        self.encoding, self.algo, self.keyframe_interval = encoding, checksum, keyframe_interval
+        self.codec = _Codec(compression, zstd_level)
+        self._loaded = False
+        self._latest: int | None = None
+        self._chain_len = 0  # publications since the last snapshot
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._metas: dict[str, tuple[torch.dtype, list[int]]] = {}
+        self._sums: dict[str, str] = {}
+
+    @property
+    def latest_version(self) -> int | None:
+        return self._latest if self._loaded else read_latest(self.pub_dir)
+
+    def _load(self, latest: int | None) -> None:
+        self._bufs, self._metas, self._sums, self._chain_len = {}, {}, {}, 0
+        if latest is not None:
+            chain = _chain(self.pub_dir, None, latest)
+            _replay(self.pub_dir, chain, self._bufs, self._metas, None)
+            self._sums = {t["name"]: t["checksum"] for t in chain[-1]["tensors"]}
+            self._chain_len = len(chain) - 1
+            if chain[-1]["checksum"] != self.algo:
+                self._sums = {k: checksum(b, self.algo) for k, b in self._bufs.items()}
+        self._latest, self._loaded = latest, True
+
+    def _remove_uncommitted(self, latest: int | None) -> None:
+        for d in self.pub_dir.glob("weight_v*"):
+            v = d.name.removeprefix("weight_v")
+            if v.isdigit() and (latest is None or int(v) > latest):
+                shutil.rmtree(d, ignore_errors=True)  # renamed but never committed: no reader uses it
+
+    def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> PublishStats:
+        t0 = time.perf_counter()
+        self.pub_dir.mkdir(parents=True, exist_ok=True)
+        with _PublishLock(self.pub_dir):
+            disk_latest = read_latest(self.pub_dir)
+            if self._loaded and disk_latest != self._latest:
+                self._loaded = False
+                raise PublicationError(
+                    f"{self.pub_dir}: LATEST moved to v{disk_latest} (expected v{self._latest}): "
+                    "another publisher wrote this dir; refusing to publish"
+                )
+            if not self._loaded:
+                self._load(disk_latest)
+            self._remove_uncommitted(disk_latest)
+            base = self._latest
+            version = (0 if base is None else base + 1) if version is None else int(version)
+            if base is not None and version <= base:
+                raise PublicationError(f"{self.pub_dir}: v{version} <= latest published v{base}")
+            new = {k: xd.tensor_bytes(v) for k, v in state.items()}
+            metas = {k: (v.dtype, list(v.shape)) for k, v in state.items()}
+            layout_same = metas == self._metas
+            kind = (
+                "delta"
+                if base is not None and layout_same and self._chain_len + 1 < self.keyframe_interval
+                else "snapshot"
+            )
+            idx, sums, changed = self._write_version(version, base, kind, new, metas)
+            self._write_latest(version)
+            # commit succeeded: advance the in-memory base
+            if kind == "delta":
+                for name in changed:
+                    self._bufs[name].copy_(new[name])
+            else:
+                self._bufs = {name: b.clone() for name, b in new.items()}
+            self._metas, self._sums, self._latest = metas, sums, version
+            self._chain_len = 0 if kind == "snapshot" else self._chain_len + 1
+        s = idx["stats"]
+        return PublishStats(
+            version, idx["base_version"], kind, s["wire_bytes"], s["full_bytes"], s["density"],
+            time.perf_counter() - t0, str(self.pub_dir / version_dir_name(version)),
+        )  # fmt: skip
+
+    def _write_latest(self, version: int) -> None:
+        _write_atomic(self.pub_dir / LATEST, f"{version}\n".encode())
+
+    def _write_version(self, version, base, kind, new, metas):
+        final = self.pub_dir / version_dir_name(version)
+        tmp = self.pub_dir / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            entries, sums, changed, n_changed, n_total = [], {}, set(), 0, 0
+            offset = 0
+            with open(tmp / PAYLOAD, "wb") as f:
+                for name, buf in new.items():
+                    entry, frame, k, n = self._encode(name, buf, metas[name], kind)
+                    if frame is not None:
+                        entry["payload"] = {"file": PAYLOAD, "offset": offset, "length": len(frame),
+                                            "raw_length": entry.pop("_raw")}  # fmt: skip
+                        f.write(frame)
+                        offset += len(frame)
+                        changed.add(name)
+                    sums[name] = entry["checksum"] if entry["checksum"] else self._sums[name]
+                    entry["checksum"] = sums[name]
+                    entries.append(entry)
+                    n_changed, n_total = n_changed + k, n_total + n
+                f.flush()
+                os.fsync(f.fileno())
+            full = sum(b.numel() for b in new.values())
+            idx = {
+                "format": FORMAT, "version": version, "base_version": base if kind == "delta" else None,
+                "kind": kind, "encoding": self.encoding if kind == "delta" else "full",
+                "checksum": self.algo, "compression": self.codec.compression, "created_at": time.time(),
+                "stats": {"wire_bytes": offset, "full_bytes": full,
+                          "density": 1.0 if kind == "snapshot" else n_changed / max(n_total, 1)},
+                "tensors": entries,
+            }  # fmt: skip
+            with open(tmp / INDEX, "w") as f:
+                json.dump(idx, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            os.rename(tmp, final)  # a racing publisher's dir already there: rename fails (non-empty dir)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PublicationError(
+                f"{self.pub_dir}: writing {final.name} failed ({e}); nothing published"
+            ) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(self.pub_dir)
+        return idx, sums, changed
+
+    def _encode(self, name: str, buf: torch.Tensor, meta, kind: str):
+        """-> (index entry, compressed frame or None if unchanged, changed units, total units)."""
+        dtype, shape = meta
+        entry = {
+            "name": name,
+            "dtype": _dtype_name(dtype),
+            "shape": shape,
+            "nbytes": buf.numel(),
+            "payload": None,
+        }
+        if kind == "snapshot":
+            entry.update(checksum=checksum(buf, self.algo), _raw=buf.numel())
+            return entry, self.codec.compress(buf), buf.numel(), buf.numel()
+        prev, itemsize = self._bufs[name], dtype.itemsize
+        if self.encoding == "xor":
+            delta = xd.xor_bytes(prev, buf)
+            k, n = xd.count_nonzero_bytes(delta), buf.numel()
+            raw = delta
+        else:
+            pos, values = xd.changed_positions(prev, buf, itemsize)
+            gaps, idx_dtype = xd.encode_indices(pos)
+            k, n = pos.numel(), buf.numel() // max(itemsize, 1)
+            raw = torch.cat([gaps.view(torch.uint8), values])
+            entry.update(num_changed=k, index_dtype=idx_dtype)
+        if k == 0:
+            entry.pop("num_changed", None)
+            entry.pop("index_dtype", None)
+            entry["checksum"] = None  # unchanged: reuse the previous final checksum
+            return entry, None, 0, n
+        entry.update(checksum=checksum(buf, self.algo), _raw=raw.numel())
+        return entry, self.codec.compress(raw), k, n
+
+
+def publish_stats_dict(stats: PublishStats) -> dict:
+    return asdict(stats)
