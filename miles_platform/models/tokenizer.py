@@ -44,3 +44,15 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> PreTrainedT
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def build_task_tokenizer(difficulties: Iterable[str] = ("add2", "sub2")) -> PreTrainedTokenizerFast:
+    """The platform's tokenizer: BPE over the arithmetic task corpus (see miles_platform.data.tasks).
+
+    Deterministic (same corpus -> same vocab); add3 prompts use the same symbols. Digits, `+`, `-`, `=` are single tokens, so a
+    prompt `12+34=` is 6 tokens and an answer `46` is 2 tokens plus EOS.
+    """
+    from miles_platform.data.tasks import task_corpus
+
+    corpus = [text for d in difficulties for text in task_corpus(d)]
+    return train_tokenizer(corpus, vocab_size=256)
