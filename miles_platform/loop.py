@@ -54,6 +54,14 @@ class CITestFailure(AssertionError):
     pass
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def validate_before_start(cfg: RunConfig) -> None:
     """Everything checkable before any engine or actor starts: config, rewards, custom paths, data."""
     cfg.validate()
@@ -93,6 +101,7 @@ class RLRun:
         self.cfg = cfg
         self.reporter = reporter or Reporter()
         self.paths = StoragePaths(cfg.storage_root)
+        self.worker = None
 
     # ------------------------------------------------------------------ setup
     def _load_data(self, tokenizer):
@@ -102,31 +111,27 @@ class RLRun:
         src = RolloutDataSource.from_config(self.cfg, tokenizer=tokenizer)
         return src, content_hash(src.records)
 
-    def _start_trainers(self, world: int):
+    def _start_trainers(self, world: int, groups):
         import ray
 
+        from miles_platform.cluster.ray_cluster import create_role_actors
         from miles_platform.training.actor import TrainerActor
 
-        dist_init = None
-        if world > 1:
-            from miles_platform.cluster.ray_cluster import free_port
-
-            dist_init = f"tcp://127.0.0.1:{free_port()}"
-        cls = ray.remote(num_cpus=self.cfg.num_cpus_per_actor)(TrainerActor)
-        env = {
-            "env_vars": {
-                "OMP_NUM_THREADS": "1",
-                "MILES_TRAIN_THREADS": os.environ.get("MILES_TRAIN_THREADS", "1"),
-            }
-        }
-        actors = [cls.options(runtime_env=env).remote(self.cfg, r, world, dist_init) for r in range(world)]
+        dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
+        threads = os.environ.get("MILES_TRAIN_THREADS", "1")
+        env = {"env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads}}
+        actors = create_role_actors(
+            TrainerActor,
+            self.cfg,
+            groups,
+            "actor",
+            self.cfg,
+            world_size=world,
+            dist_init=dist_init,
+            options={"runtime_env": env},
+        )
         ray.get([a.ready.remote() for a in actors])
         return actors
-
-    def _start_engines(self):
-        from miles_platform.rollout.engines import start_engines
-
-        return start_engines(self.cfg)
 
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
@@ -147,11 +152,13 @@ class RLRun:
             raise ConfigError(
                 f"--global-batch-size {cfg.global_batch_size} must divide over {world} trainer ranks"
             )
-        need_cpus = world * cfg.num_cpus_per_actor + self._num_engines() * cfg.num_cpus_per_actor
-        ctx = init_ray(cfg, num_cpus=max(os.cpu_count() or 1, int(need_cpus + 0.999)))
-        engines = router = None
+        ctx = init_ray(cfg)
+        engines = router = groups = None
         try:
-            trainers = [] if cfg.debug_rollout_only else self._start_trainers(world)
+            from miles_platform.cluster.ray_cluster import create_placement_groups
+
+            groups = create_placement_groups(cfg)
+            trainers = [] if cfg.debug_rollout_only else self._start_trainers(world, groups)
             state = ray.get([t.load.remote() for t in trainers])[0] if trainers else None
             start = 0 if state is None else state["rollout_id"] + 1
             version = 0 if state is None else int(state["weight_version"])
@@ -162,7 +169,9 @@ class RLRun:
                 )
             session = manager = None
             if not cfg.debug_train_only:
-                engines, router = self._start_engines()
+                from miles_platform.rollout.engines import start_engines
+
+                engines, router = start_engines(cfg, groups)
                 from miles_platform.rollout.manager import RolloutManager
                 from miles_platform.weights.update_session import UpdateSession
 
@@ -171,21 +180,25 @@ class RLRun:
                 if session is not None:
                     self._initial_sync(trainers, session, version, resumed=state is not None)
             ctx_info = {"data_version": data_version, "base_version": base_version}
+            if cfg.fully_async and manager is not None:
+                from miles_platform.rollout.async_worker import AsyncRolloutWorker
+
+                self.worker = AsyncRolloutWorker(manager, cfg.async_buffer_capacity).start()
             return self._loop(trainers, manager, session, engines, start, version, ctx_info)
         finally:
+            if self.worker is not None:
+                self.worker.stop()
             if router is not None:
                 router.stop()
             if engines:
                 from miles_platform.rollout.engines import stop_engines
 
                 stop_engines(engines)
-            shutdown_ray(ctx)
+            if groups:
+                from miles_platform.cluster.ray_cluster import remove_placement_groups
 
-    def _num_engines(self) -> int:
-        c = self.cfg
-        if c.debug_train_only or c.rollout_external_engine_addrs:
-            return 0
-        return max(1, (c.rollout_num_gpus or 1) // c.rollout_num_gpus_per_engine)
+                remove_placement_groups(groups)
+            shutdown_ray(ctx)
 
     def _initial_sync(self, trainers, session, version: int, resumed: bool) -> None:
         """Engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them first."""
@@ -212,6 +225,8 @@ class RLRun:
             t0 = time.time()
             if cfg.load_debug_rollout_data:
                 samples, metrics = self._load_debug(rollout_id), {}
+            elif self.worker is not None:
+                samples, metrics = self.worker.get_rollout(rollout_id, version)
             else:
                 samples, metrics = manager.generate(rollout_id)
             shard = write_rollout_shard(self.paths, run, rollout_id, samples)
@@ -244,7 +259,7 @@ class RLRun:
             if cfg.save and self._save_due(rollout_id):
                 extra = {
                     "weight_version": version,
-                    "data_source": manager.data_source.state_dict() if manager else {},
+                    "data_source": self._data_source_state(manager),
                     "run": run,
                     "config_hash": cfg.config_hash(),
                 }
@@ -272,6 +287,11 @@ class RLRun:
             result.metrics.append(metrics)
             result.last_rollout_id, result.final_version = rollout_id, version
         return result
+
+    def _data_source_state(self, manager) -> dict:
+        if self.worker is not None:
+            return self.worker.data_source_state()
+        return manager.data_source.state_dict() if manager else {}
 
     def _save_due(self, rollout_id: int) -> bool:
         c = self.cfg

@@ -19,6 +19,7 @@ from miles_platform.config import RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.data.sample import Sample, Status
 from miles_platform.data.source import RolloutDataSource
+from miles_platform.rollout import client as engine_client
 from miles_platform.rollout import filter_hub, rm_hub
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -83,8 +84,7 @@ class RolloutManager:
         c = self.cfg
         sem = asyncio.Semaphore(c.rollout_max_concurrency)
         limits = httpx.Limits(max_connections=c.rollout_max_concurrency)
-        headers = {"Authorization": f"Bearer {c.api_key}"} if c.api_key else {}
-        async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             tasks = []
             for gi, rec in enumerate(records):
                 prompt_ids = self.tok.encode(rec.prompt, add_special_tokens=False)
@@ -96,13 +96,11 @@ class RolloutManager:
         return [list(samples[i : i + n]) for i in range(0, len(samples), n)]
 
     async def _one(self, client, sem, rec: PromptRecord, prompt_ids: list[int], seed: int, gi: int) -> Sample:
-        payload = {
-            "input_ids": prompt_ids,
-            "sampling_params": {**self.sampling_params(), "sampling_seed": seed},
-            "return_logprob": True,
-        }
+        params = {**self.sampling_params(), "sampling_seed": seed}
         async with sem:
-            out = await _post_with_retry(client, f"{self.url}/generate", payload)
+            out = await engine_client.generate(
+                self.url, prompt_ids, params, api_key=self.cfg.api_key, client=client
+            )
         meta = out["meta_info"]
         lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
         ids = list(out.get("output_ids") or [x[1] for x in meta.get("output_token_logprobs") or []])
@@ -143,18 +141,3 @@ class RolloutManager:
             m["rollout/zero_std_groups"] = float(np.mean(groups.std(axis=1) == 0))
         m.update({k: float(v) for k, v in filter_hub.drop_metrics(drops).items()})
         return m
-
-
-async def _post_with_retry(client: httpx.AsyncClient, url: str, payload: dict, attempts: int = 20) -> dict:
-    """POST with bounded retry on the retryable answers (409 version, 503 paused/unhealthy)."""
-    delay = 0.05
-    for i in range(attempts):
-        r = await client.post(url, json=payload)
-        if r.status_code in (409, 503) and i + 1 < attempts:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            continue
-        if r.status_code >= 400:
-            raise RuntimeError(f"POST {url} -> {r.status_code}: {r.text[:300]}")
-        return r.json()
-    raise RuntimeError(f"POST {url}: gave up after {attempts} retryable answers")

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import torch
 
 from miles_platform.config import RunConfig
+from miles_platform.rollout.client import post
 from miles_platform.store.paths import StoragePaths
 from miles_platform.weights.transports import EngineHandle, get_transport
 
@@ -24,13 +24,10 @@ class UpdateSession:
     def __init__(self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]):
         self.cfg, self.engines = cfg, engines
         self.transport = get_transport(cfg, paths, engines)
-        self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
 
     def _broadcast(self, path: str, body: dict | None = None) -> None:
         for e in self.engines:
-            r = httpx.post(f"{e.url}{path}", json=body or {}, headers=self.headers, timeout=600)
-            if r.status_code >= 400:
-                raise RuntimeError(f"{e.url}{path} -> {r.status_code}: {r.text[:200]}")
+            post(e.url, path, body or {}, api_key=self.cfg.api_key, timeout=600)
 
     def update(
         self, state: dict[str, torch.Tensor], version: int, hf_dir: str | None = None

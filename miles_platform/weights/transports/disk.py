@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import os
 
-import httpx
-
+from miles_platform.rollout.client import post
 from miles_platform.weights.transports import TransferStats, Transport
 
 
 def update_from_disk(url: str, path: str, version: int, api_key: str | None) -> None:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.post(
-        f"{url}/update_weights_from_disk",
-        json={"model_path": path, "weight_version": str(version)},
-        headers=headers,
+    body = post(
+        url,
+        "/update_weights_from_disk",
+        {"model_path": path, "weight_version": str(version)},
+        api_key=api_key,
         timeout=600,
     )
-    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-    if r.status_code >= 400 or body.get("success") is False:
-        raise RuntimeError(f"{url}: update_weights_from_disk({path}) failed: {r.status_code} {r.text[:300]}")
+    if isinstance(body, dict) and body.get("success") is False:
+        raise RuntimeError(f"{url}: update_weights_from_disk({path}) failed: {body}")
 
 
 class DiskTransport(Transport):

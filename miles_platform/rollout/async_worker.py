@@ -1,0 +1,127 @@
+"""Fully async rollout (`--fully-async`): generation never waits for training.
+
+A background thread keeps up to `--rollout-batch-size` prompt groups in flight against the
+router and puts each finished, scored, filtered group into a bounded buffer. The trainer
+drains `--rollout-batch-size` groups per step. Weight updates pause the engines
+(`--pause-generation-mode retract|in_place`), so a group can span versions; its staleness is
+the engine version minus the oldest `weight_version_start` in it, and
+`--max-weight-staleness` drops groups that lag more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+import httpx
+
+from miles_platform.data.sample import Sample
+from miles_platform.rollout import filter_hub, rm_hub
+from miles_platform.rollout.manager import RolloutManager
+
+
+class AsyncRolloutWorker:
+    def __init__(self, manager: RolloutManager, capacity: int | None = None):
+        self.m, self.cfg = manager, manager.cfg
+        self.buffer: queue.Queue[list[Sample]] = queue.Queue(
+            maxsize=capacity or 2 * self.cfg.rollout_batch_size
+        )
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # data source is shared with checkpointing
+        self._error: BaseException | None = None
+        self.drops: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._run, name="async-rollout", daemon=True)
+        self._seq = 0
+
+    def start(self) -> AsyncRolloutWorker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def data_source_state(self) -> dict:
+        with self._lock:
+            return self.m.data_source.state_dict()
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # surfaced to the trainer in get_rollout
+            self._error = e
+
+    async def _main(self) -> None:
+        inflight = max(1, self.cfg.rollout_batch_size)
+        async with httpx.AsyncClient(timeout=600) as client:
+            tasks: set[asyncio.Task] = set()
+            while not self._stop.is_set():
+                while len(tasks) < inflight and not self._stop.is_set():
+                    tasks.add(asyncio.create_task(self._one_group(client)))
+                done, tasks = await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()
+            for t in tasks:
+                t.cancel()
+
+    async def _one_group(self, client) -> None:
+        with self._lock:
+            rec = self.m.data_source.get_samples(1)[0]
+        self._seq += 1
+        prompt_ids = self.m.tok.encode(rec.prompt, add_special_tokens=False)
+        sem = asyncio.Semaphore(self.cfg.rollout_max_concurrency)
+        seeds = [
+            hash((self.cfg.seed, "async", self._seq, k)) % (2**31)
+            for k in range(self.cfg.n_samples_per_prompt)
+        ]
+        group = list(await asyncio.gather(*(self.m._one(client, sem, rec, prompt_ids, s, 0) for s in seeds)))
+        await asyncio.to_thread(rm_hub.compute_rewards, self.cfg, group)
+        kept, drops = filter_hub.apply_dynamic_filter(self.cfg, [group])
+        for k, v in drops.items():
+            self.drops[k] = self.drops.get(k, 0) + v
+        while kept and not self._stop.is_set():
+            try:
+                await asyncio.to_thread(self.buffer.put, group, True, 0.5)
+                return
+            except queue.Full:
+                continue
+
+    # ------------------------------------------------------------------ trainer side
+    def get_rollout(self, rollout_id: int, engine_version: int) -> tuple[list[Sample], dict[str, float]]:
+        """Drain `--rollout-batch-size` fresh-enough groups (blocking)."""
+        t0, want, groups, stale = time.time(), self.cfg.rollout_batch_size, [], 0
+        max_stale = self.cfg.max_weight_staleness
+        staleness = []
+        while len(groups) < want:
+            if self._error is not None:
+                raise RuntimeError(f"async rollout worker failed: {self._error}") from self._error
+            try:
+                g = self.buffer.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            s = engine_version - min(x.weight_version_start for x in g)
+            if max_stale is not None and s > max_stale:
+                stale += 1
+                continue
+            staleness.append(s)
+            groups.append(g)
+        filter_hub.apply_rollout_sample_filter(self.cfg, groups)
+        samples: list[Sample] = []
+        for gi, g in enumerate(groups):
+            for s in g:
+                s.rollout_id, s.group_index, s.index = rollout_id, gi, len(samples)
+                if s.remove_sample:
+                    s.loss_mask = [0] * len(s.response_tokens)
+                samples.append(s)
+        drops = dict(self.drops)
+        if stale:
+            drops["staleness"] = drops.get("staleness", 0) + stale
+        self.drops = {}
+        metrics = self.m._metrics(samples, drops, time.time() - t0)
+        metrics["rollout/staleness/mean"] = sum(staleness) / len(staleness)
+        metrics["rollout/staleness/max"] = float(max(staleness))
+        metrics["rollout/async_buffer_size"] = float(self.buffer.qsize())
+        return samples, metrics
