@@ -1,0 +1,114 @@
+"""`miles-platform weights`: disk-delta publish / apply / list for operators and external fleets.
+
+    miles-platform weights publish --base HF_DIR --target HF_DIR --out PUB_DIR [--encoding xor|overwrite]
+    miles-platform weights apply --pub PUB_DIR --checkpoint LOCAL_HF_DIR [--version N]
+    miles-platform weights list --pub PUB_DIR
+
+Verification failures raise PublicationError: the dispatcher prints one line and exits 2, and
+the local checkpoint is left byte-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from miles_platform.errors import CheckpointError, PublicationError
+from miles_platform.weights import disk_delta as dd
+from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
+
+
+def load_hf_state(hf_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"HF checkpoint {hf_dir}: no *.safetensors weights file")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _print_stats(st: dd.PublishStats) -> None:
+    base = "-" if st.base_version is None else f"v{st.base_version}"
+    print(
+        f"published v{st.version} ({st.kind}, base {base}): {st.wire_bytes} wire bytes "
+        f"of {st.full_bytes} ({st.wire_bytes / max(st.full_bytes, 1):.1%}), density {st.density:.4f}, "
+        f"{st.seconds:.2f} s -> {st.path}"
+    )
+
+
+def cmd_publish(a) -> int:
+    pub = dd.DeltaPublisher(
+        a.out, encoding=a.encoding, checksum=a.checksum, keyframe_interval=a.keyframe_interval
+    )
+    latest = dd.read_latest(a.out)
+    base = load_hf_state(a.base)
+    if latest is None:
+        _print_stats(pub.publish(base))
+    else:  # the base must be what the dir already holds, or the delta would describe another lineage
+        idx = dd.read_index(a.out, latest)
+        want = {t["name"]: t["checksum"] for t in idx["tensors"]}
+        got = {k: checksum(v, idx["checksum"]) for k, v in base.items()}
+        if want != got:
+            bad = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+            raise PublicationError(
+                f"--base {a.base} is not the latest publication v{latest} in {a.out} (differs at {bad[0]})"
+            )
+    _print_stats(pub.publish(load_hf_state(a.target), version=a.version))
+    return 0
+
+
+def cmd_apply(a) -> int:
+    v = dd.apply_publication(a.pub, a.checkpoint, version=a.version)
+    print(f"{a.checkpoint}: at v{v} (verified)")
+    return 0
+
+
+def cmd_list(a) -> int:
+    rows = dd.list_publications(a.pub)
+    print(f"{a.pub}: LATEST v{dd.read_latest(a.pub)}")
+    print(
+        f"{'version':>8} {'kind':>8} {'base':>5} {'encoding':>9} {'wire_bytes':>12} {'full_bytes':>12} density"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['version']:>8} ERROR {r['error']}")
+            continue
+        base = "-" if r["base_version"] is None else r["base_version"]
+        print(
+            f"{r['version']:>8} {r['kind']:>8} {base:>5} {r['encoding']:>9} "
+            f"{r['wire_bytes']:>12} {r['full_bytes']:>12} {r['density']:.4f}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles-platform weights", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser(
+        "publish", help="publish the next version (snapshot of --base first if --out is empty)"
+    )
+    pp.add_argument("--base", required=True, help="HF dir the previous version was published from")
+    pp.add_argument("--target", required=True, help="HF dir of the new version")
+    pp.add_argument("--out", required=True, help="publication dir (weight_vNNNNNN/ + LATEST)")
+    pp.add_argument("--encoding", default="xor", choices=dd.ENCODINGS)
+    pp.add_argument("--checksum", default="xxh3-128", choices=CHECKSUM_ALGOS)
+    pp.add_argument("--keyframe-interval", type=int, default=10)
+    pp.add_argument("--version", type=int, default=None, help="version number (default: LATEST + 1)")
+    pp.set_defaults(fn=cmd_publish)
+    pa = sub.add_parser("apply", help="verify and patch a local HF checkpoint to a published version")
+    pa.add_argument("--pub", required=True)
+    pa.add_argument("--checkpoint", required=True)
+    pa.add_argument("--version", type=int, default=None, help="default: LATEST")
+    pa.set_defaults(fn=cmd_apply)
+    pl = sub.add_parser("list", help="committed versions with kind, base, wire bytes, density")
+    pl.add_argument("--pub", required=True)
+    pl.set_defaults(fn=cmd_list)
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return a.fn(a)

@@ -1,0 +1,69 @@
+"""Kernels against their torch references: xor / overwrite deltas, log-probs, entropy, checksums."""
+
+import zlib
+
+import blake3
+import pytest
+import torch
+import xxhash
+
+from kernels import logprob as lp
+from kernels import xor_delta as xd
+from miles_platform.weights.checksum import checksum
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8])
+@pytest.mark.parametrize("n", [1, 7, 1000, 4099])
+def test_xor_and_overwrite_match_reference_and_round_trip(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    old = torch.randint(0, 100, (n,), generator=g).to(dtype)
+    new = old.clone()
+    mask = torch.rand(n, generator=g) < 0.3
+    new[mask] = torch.randint(100, 200, (int(mask.sum()),), generator=g).to(dtype)
+    a, b = xd.tensor_bytes(old), xd.tensor_bytes(new)
+    delta = xd.xor_bytes(a, b)
+    assert torch.equal(delta, xd.xor_bytes_reference(a, b))
+    assert torch.equal(xd.apply_xor_(a.clone(), delta), b)
+    idx, vals = xd.changed_positions(a, b, old.element_size())
+    ridx, rvals = xd.changed_positions_reference(a, b, old.element_size())
+    assert torch.equal(idx, ridx) and torch.equal(vals, rvals)
+    assert torch.equal(idx, mask.nonzero().reshape(-1)) or dtype == torch.uint8  # uint8: 100..199 may wrap
+    gaps, _ = xd.encode_indices(idx)
+    assert torch.equal(xd.decode_indices(gaps), idx)
+    patched = xd.apply_overwrite_(a.clone(), idx, vals, old.element_size())
+    assert torch.equal(patched, b)
+    assert torch.equal(xd.apply_overwrite_(patched, idx, vals, old.element_size()), b)  # idempotent
+
+
+def test_xor_unaligned_views_fall_back_exactly():
+    buf = torch.arange(64, dtype=torch.uint8)
+    a, b = buf[3:40], buf[5:42]  # storage offsets not multiple of 8
+    assert torch.equal(xd.xor_bytes(a, b), torch.bitwise_xor(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_log_softmax_equals_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 37, 101, generator=g)).to(dtype)
+    tokens = torch.randint(0, 101, (2, 37), generator=g)
+    ours = lp.selective_log_softmax(logits, tokens, chunk_size=8)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, lp.log_probs_reference(logits, tokens), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        lp.entropy_from_logits(logits, 5), lp.entropy_reference(logits), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_checksums_each_algo():
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    raw = xd.tensor_bytes(t).numpy().tobytes()
+    assert checksum(t) == checksum(t, "xxh3-128") == xxhash.xxh3_128_hexdigest(raw)
+    assert checksum(t, "blake3") == blake3.blake3(raw).hexdigest()
+    assert checksum(t, "adler32") == f"{zlib.adler32(raw):08x}"
+    flipped = bytearray(raw)
+    flipped[500] ^= 1
+    for algo in ("xxh3-128", "blake3", "adler32"):
+        assert checksum(raw, algo) == checksum(t, algo)
+        assert checksum(bytes(flipped), algo) != checksum(t, algo)
+    with pytest.raises(ValueError, match="allowed"):
+        checksum(t, "md5")

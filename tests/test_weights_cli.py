@@ -1,0 +1,58 @@
+"""`miles-platform weights publish | apply | list` as an operator runs them."""
+
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_platform.cli import main
+
+
+def _target(tiny, tmp_path, seed=1):
+    d = tmp_path / f"target{seed}"
+    shutil.copytree(tiny, d)
+    s = load_file(str(d / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    s = {k: v + 1e-3 * (torch.rand(v.shape, generator=g) < 0.2) for k, v in s.items()}
+    save_file(s, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d, s
+
+
+def test_publish_apply_list(tiny_hf_checkpoint, tmp_path, capsys):
+    pub, local = tmp_path / "pub", tmp_path / "replica"
+    shutil.copytree(tiny_hf_checkpoint, local)
+    t1, s1 = _target(tiny_hf_checkpoint, tmp_path, 1)
+    args = ["weights", "publish", "--base", tiny_hf_checkpoint, "--target", str(t1), "--out", str(pub)]
+    assert main(args + ["--encoding", "overwrite", "--checksum", "blake3"]) == 0
+    out = capsys.readouterr().out
+    assert "published v0 (snapshot" in out and "published v1 (delta, base v0)" in out
+    assert main(["weights", "apply", "--pub", str(pub), "--checkpoint", str(local)]) == 0
+    got = load_file(str(local / "model.safetensors"))
+    assert all(torch.equal(got[k], s1[k]) for k in s1)
+    # next version from t1 -> t2; a wrong --base is refused
+    t2, s2 = _target(str(t1), tmp_path, 2)
+    bad = ["weights", "publish", "--base", tiny_hf_checkpoint, "--target", str(t2), "--out", str(pub)]
+    assert main(bad) == 2
+    assert "is not the latest publication v1" in capsys.readouterr().err
+    assert main(["weights", "publish", "--base", str(t1), "--target", str(t2), "--out", str(pub)]) == 0
+    capsys.readouterr()
+    assert main(["weights", "list", "--pub", str(pub)]) == 0
+    out = capsys.readouterr().out
+    assert "LATEST v2" in out and len([ln for ln in out.splitlines() if "delta" in ln]) == 2
+
+
+def test_apply_failure_is_one_line_and_leaves_checkpoint(tiny_hf_checkpoint, tmp_path, capsys):
+    pub, local = tmp_path / "pub", tmp_path / "replica"
+    shutil.copytree(tiny_hf_checkpoint, local)
+    t1, _ = _target(tiny_hf_checkpoint, tmp_path, 1)
+    main(["weights", "publish", "--base", tiny_hf_checkpoint, "--target", str(t1), "--out", str(pub)])
+    payload = pub / "weight_v000001" / "payload.bin"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    before = {f.name: f.read_bytes() for f in local.iterdir()}
+    capsys.readouterr()
+    assert main(["weights", "apply", "--pub", str(pub), "--checkpoint", str(local)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "weight_v000001" in err and "tensor" in err
+    assert {f.name: f.read_bytes() for f in local.iterdir()} == before
