@@ -1,0 +1,217 @@
+"""`miles-platform lineage`: trees up (parents, shards, data, checkpoints) and down (evals, publications)."""
+
+import json
+
+import pytest
+
+from miles_platform.data.sample import Sample
+from miles_platform.store.lineage import LineageGraph, cli_main, trace
+from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.shards import write_rollout_shard
+from miles_platform.store.tables import append_rows
+
+DATA_V1, DATA_V2, BASE_V = "d" * 64, "e" * 64, "b" * 64
+REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 1.0], 2: [0.0, 0.0]}
+
+
+def _record_version(paths, run, version, rollout_id, base, prompt, data_v):
+    """What loop._record_version writes: a policy_versions row and four lineage edges."""
+    key = partition_key(run, version)
+    shard = write_rollout_shard(
+        paths,
+        run,
+        rollout_id,
+        [
+            Sample(run=run, rollout_id=rollout_id, index=i, reward=r)
+            for i, r in enumerate(REWARDS[rollout_id])
+        ],
+    )
+    append_rows(
+        paths,
+        "policy_versions",
+        run,
+        [
+            {
+                "version": version,
+                "partition_key": key,
+                "parent_version": version - 1,
+                "rollout_id": rollout_id,
+                "hf_path": paths.hf_export(run, version),
+                "content_hash": f"c{version}",
+                "dataset_data_version": data_v,
+                "base_data_version": BASE_V,
+                "shard_path": shard.path,
+                "shard_rows": shard.rows,
+                "mean_reward": shard.mean_reward,
+            }
+        ],
+    )
+    parent = (
+        (partition_key(run, version - 1), "policy_version", None)
+        if version > 1
+        else (base, "checkpoint", BASE_V)
+    )
+    edges = [
+        (*parent[:2], "trained_from", parent[2]),
+        (shard.path, "rollout_shard", "trained_on", None),
+        (prompt, "dataset", "prompt_data", data_v),
+        (base, "checkpoint", "base_checkpoint", BASE_V),
+    ]
+    append_rows(
+        paths,
+        "lineage",
+        run,
+        [
+            {
+                "child": key,
+                "child_kind": "policy_version",
+                "parent": p,
+                "parent_kind": k,
+                "relation": rel,
+                "data_version": dv,
+            }
+            for p, k, rel, dv in edges
+        ],
+    )
+    return shard
+
+
+@pytest.fixture
+def store(tmp_path):
+    paths = StoragePaths(str(tmp_path / "root"))
+    base, prompt = paths.model("base"), paths.dataset("prompt_dataset")
+    shards = [_record_version(paths, "demo", v, v - 1, base, prompt, DATA_V1) for v in (1, 2)]
+    _record_version(paths, "other", 1, 2, base, prompt, DATA_V2)
+    append_rows(
+        paths,
+        "lineage",
+        "demo",
+        [
+            {
+                "child": "eval:demo.v000001",
+                "child_kind": "eval",
+                "parent": "demo.v000001",
+                "relation": "evaluates",
+            },
+            {
+                "child": "publication:demo.v000001",
+                "child_kind": "publication",
+                "parent": "demo.v000001",
+                "relation": "published",
+            },
+            {
+                "child": "quantized:demo.v000001:fp8",
+                "child_kind": "quantized",
+                "parent": "demo.v000001",
+                "relation": "quantized_from",
+            },
+        ],
+    )
+    append_rows(
+        paths,
+        "evals",
+        "demo",
+        [
+            {
+                "version": 1,
+                "partition_key": "demo.v000001",
+                "dataset": "eval",
+                "metric": "pass@1",
+                "value": 0.25,
+                "n_samples": 1,
+            }
+        ],
+    )
+    # a later re-evaluation of the same version: the newest number wins
+    append_rows(
+        paths,
+        "evals",
+        "demo",
+        [
+            {
+                "version": 1,
+                "partition_key": "demo.v000001",
+                "dataset": "eval",
+                "metric": "pass@1",
+                "value": 0.5,
+                "n_samples": 1,
+            }
+        ],
+    )
+    return paths, base, prompt, shards
+
+
+def _find(node, node_id):
+    return next(n for n in node["nodes"] if n["id"] == node_id)
+
+
+def test_upstream_walks_parents_shards_data_and_checkpoint(store):
+    paths, base, prompt, shards = store
+    res = trace(paths, "demo.v000002")
+    up = res["upstream"]
+    assert res["kind"] == "policy_version" and up["info"]["mean_reward"] == pytest.approx(0.75)
+    shard2 = _find(up, shards[1].path)
+    assert shard2["relations"] == ["trained_on"] and shard2["info"]["rows"] == 4
+    assert shard2["info"]["mean_reward"] == pytest.approx(0.75)
+    assert _find(up, prompt)["data_version"] == DATA_V1
+    v1 = _find(up, "demo.v000001")
+    assert v1["relations"] == ["trained_from"] and v1["info"]["content_hash"] == "c1"
+    assert _find(v1, shards[0].path)["info"]["mean_reward"] == pytest.approx(0.25)
+    base_node = _find(v1, base)
+    assert sorted(base_node["relations"]) == ["base_checkpoint", "trained_from"]
+    assert base_node["kind"] == "checkpoint" and base_node["data_version"] == BASE_V
+
+
+def test_downstream_lists_evals_publications_quantized_and_children(store):
+    paths, *_ = store
+    down = trace(paths, "demo.v000001")["downstream"]
+    ids = {n["id"]: n for n in down["nodes"]}
+    assert {
+        "eval:demo.v000001",
+        "publication:demo.v000001",
+        "quantized:demo.v000001:fp8",
+        "demo.v000002",
+    } <= set(ids)
+    assert ids["eval:demo.v000001"]["info"] == {"eval/pass@1": 0.5}
+    assert ids["demo.v000002"]["relations"] == ["trained_from"]
+
+
+def test_checkpoint_path_downstream_reaches_every_version_trained_from_it(store):
+    paths, base, *_ = store
+    res = trace(paths, base + "/")  # trailing slash tolerated
+    assert res["kind"] == "checkpoint"
+    assert {n["id"] for n in res["downstream"]["nodes"]} == {"demo.v000001", "demo.v000002", "other.v000001"}
+
+
+def test_what_was_trained_on_this_dataset_version(store):
+    paths, _, prompt, _ = store
+    graph = LineageGraph(paths)
+    assert [r["partition_key"] for r in graph.trained_on_dataset(DATA_V1)] == ["demo.v000001", "demo.v000002"]
+    assert [r["partition_key"] for r in graph.trained_on_dataset(DATA_V2[:12])] == ["other.v000001"]
+    assert graph.trained_on_dataset("f" * 64) == []
+    assert graph.trained_on_dataset(DATA_V1)[0]["dataset"] == prompt
+
+
+def test_cli_text_json_and_errors(store, capsys):
+    paths, base, *_ = store
+    assert cli_main(["demo.v000002", "--storage-root", paths.root]) == 0
+    text = capsys.readouterr().out
+    assert "upstream (what it came from):" in text and "trained_from: demo.v000001" in text
+    assert "rows=4" in text and "mean_reward=0.75" in text
+
+    assert cli_main(["demo.v000001", "--storage-root", paths.root, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["target"] == "demo.v000001" and out["downstream"]["nodes"]
+
+    assert cli_main(["--dataset-version", DATA_V2, "--storage-root", paths.root, "--json"]) == 0
+    assert [r["partition_key"] for r in json.loads(capsys.readouterr().out)["policy_versions"]] == [
+        "other.v000001"
+    ]
+
+    assert cli_main(["demo.v000002", "--storage-root", paths.root, "--depth", "1"]) == 0
+    assert "raise --depth" in capsys.readouterr().out
+
+    assert cli_main(["nope.v000009", "--storage-root", paths.root]) == 2
+    assert "not in the lineage" in capsys.readouterr().err
+    assert cli_main(["demo.v000001", "--storage-root", str(paths.root) + "-missing"]) == 2
+    assert "does not exist" in capsys.readouterr().err
