@@ -412,17 +412,23 @@ class _PublishLock:
     """Exclusive per-dir lock: O_CREAT|O_EXCL file with "pid host". A lock left by a dead process on
     this host is broken once; a live holder makes the second publisher fail cleanly."""
 
-    def __init__(self, pub_dir: Path):
+    def __init__(self, pub_dir: Path, wait_s: float = 0.0):
         self.path = pub_dir / LOCK
         self.token = f"{os.getpid()} {socket.gethostname()} {uuid.uuid4().hex[:8]}"
+        self.deadline = time.monotonic() + wait_s
 
     def __enter__(self):
-        for attempt in range(2):
+        broke = False
+        while True:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                if attempt == 0 and self._stale():
+                if not broke and self._stale():
+                    broke = True
                     self.path.unlink(missing_ok=True)
+                    continue
+                if time.monotonic() < self.deadline:
+                    time.sleep(0.2)
                     continue
                 holder = self.path.read_text().strip() if self.path.exists() else "?"
                 raise PublicationError(
@@ -431,7 +437,6 @@ class _PublishLock:
             with os.fdopen(fd, "w") as f:
                 f.write(self.token)
             return self
-        raise AssertionError("unreachable")
 
     def _stale(self) -> bool:
         try:
@@ -465,6 +470,7 @@ class DeltaPublisher:
         keyframe_interval: int = 10,
         compression: str = "zstd",
         zstd_level: int = 1,
+        lock_wait_s: float = 0.0,
     ):
         if encoding not in ENCODINGS:
             raise ValueError(f"--disk-delta-encoding {encoding!r}: allowed {', '.join(ENCODINGS)}")
@@ -475,6 +481,7 @@ class DeltaPublisher:
         self.pub_dir = Path(pub_dir)
         self.encoding, self.algo, self.keyframe_interval = encoding, checksum, keyframe_interval
         self.codec = _Codec(compression, zstd_level)
+        self.lock_wait_s = lock_wait_s  # >0: wait for another publisher instead of failing at once
         self._loaded = False
         self._latest: int | None = None
         self._chain_len = 0  # publications since the last snapshot
@@ -506,7 +513,7 @@ class DeltaPublisher:
     def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> PublishStats:
         t0 = time.perf_counter()
         self.pub_dir.mkdir(parents=True, exist_ok=True)
-        with _PublishLock(self.pub_dir):
+        with _PublishLock(self.pub_dir, self.lock_wait_s):
             disk_latest = read_latest(self.pub_dir)
             if self._loaded and disk_latest != self._latest:
                 self._loaded = False

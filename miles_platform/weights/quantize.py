@@ -45,6 +45,7 @@ class QuantizeStats:
     seconds: float
     max_rel_error: float  # worst block/group, relative to its amax
     out_dir: str = ""
+    group_size: int = 128  # int4: the group size actually used (after clamping)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -187,7 +188,7 @@ def quantize_checkpoint(
     b_out = sum(t.numel() * t.element_size() for t in qstate.values())
     n_q = sum(1 for k in qstate if k.endswith((".weight_scale_inv", ".weight_packed")))
     return QuantizeStats(fmt, n_q, len(state) - n_q, b_in, b_out, b_in / max(b_out, 1),
-                         time.perf_counter() - t0, worst, str(dest))  # fmt: skip
+                         time.perf_counter() - t0, worst, str(dest), group_size)  # fmt: skip
 
 
 def dequantize_state_dict(state: dict, qc: dict | None, dtype: torch.dtype = torch.float32) -> dict:

@@ -1,0 +1,74 @@
+"""Publish each new policy version as disk-delta (`publish_on_new_policy` -> `publish_weights` job).
+
+Cursor-based over `policy_versions` materializations (the cursor is the storage id of the last
+event looked at), so after downtime the sensor resumes and catches up in version order. A
+partition is requested at most once: run_key = `publish:<partition>` (Dagster drops a repeated
+run key) and partitions that already have a `weight_publications` materialization are skipped.
+Runs of one pub dir serialize on the publisher lock (`lock_wait_s`); give the
+`disk_delta_publish` pool a limit of 1 to keep them strictly in order.
+"""
+
+import dagster as dg
+
+from assets.partitions import policy_version_partitions
+from miles_platform.store.paths import parse_partition_key
+
+POLICY_VERSIONS = dg.AssetKey("policy_versions")
+WEIGHT_PUBLICATIONS = dg.AssetKey("weight_publications")
+MAX_RUNS_PER_TICK = 20
+
+publish_weights_job = dg.define_asset_job(
+    "publish_weights",
+    selection=["weight_publications"],
+    partitions_def=policy_version_partitions,
+    description="Publish one policy version as a disk-delta weight publication.",
+)
+
+
+def plan_publish_requests(
+    instance: dg.DagsterInstance, cursor: str | None, max_runs_per_tick: int = MAX_RUNS_PER_TICK
+) -> tuple[list[dg.RunRequest], str | None]:
+    """Run requests for policy_versions materializations after `cursor`, oldest first."""
+    after = int(cursor) if cursor else None
+    done = instance.get_materialized_partitions(WEIGHT_PUBLICATIONS)
+    requests, requested, new_cursor = [], set(), cursor
+    while len(requests) < max_runs_per_tick:
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=POLICY_VERSIONS, after_storage_id=after),
+            limit=100,
+            ascending=True,
+        ).records
+        if not records:
+            break
+        for record in records:
+            if len(requests) >= max_runs_per_tick:
+                break
+            after, new_cursor = record.storage_id, str(record.storage_id)
+            key = record.asset_materialization.partition if record.asset_materialization else None
+            if not key or key in done or key in requested:
+                continue
+            try:
+                parse_partition_key(key)
+            except ValueError:
+                continue
+            requested.add(key)
+            requests.append(
+                dg.RunRequest(
+                    run_key=f"publish:{key}", partition_key=key, tags={"miles/trigger": "new_policy"}
+                )
+            )
+    return requests, new_cursor
+
+
+@dg.sensor(
+    name="publish_on_new_policy",
+    job=publish_weights_job,
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Publish every new policy version as a disk-delta weight publication.",
+)
+def publish_on_new_policy(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+    requests, cursor = plan_publish_requests(context.instance, context.cursor)
+    if requests:
+        return dg.SensorResult(run_requests=requests, cursor=cursor)
+    return dg.SensorResult(skip_reason="no new policy versions to publish", cursor=cursor)

@@ -1,0 +1,76 @@
+"""Dagster weights domain in-process: sensor -> weight_publications, quantized_weights + checks."""
+
+import shutil
+
+import dagster as dg
+import torch
+from safetensors.torch import load_file, save_file
+
+from assets.weights import quantized_weights, weight_publications
+from miles_platform.store.paths import StoragePaths
+from miles_platform.weights import disk_delta as dd
+from resources.storage import StorageRootResource
+from sensors.publications import publish_on_new_policy, publish_weights_job
+
+
+def _export(tiny, dest, seed):
+    shutil.copytree(tiny, dest)
+    s = load_file(f"{dest}/model.safetensors")
+    if seed:
+        g = torch.Generator().manual_seed(seed)
+        s = {k: v + 1e-3 * (torch.rand(v.shape, generator=g) < 0.1) for k, v in s.items()}
+        save_file(s, f"{dest}/model.safetensors", metadata={"format": "pt"})
+    return s
+
+
+def _md(result, key):
+    mats = result.asset_materializations_for_node(result.all_node_events[0].node_name)
+    return mats[0].metadata[key].value
+
+
+def test_sensor_publishes_each_version_once_and_quantizes(tiny_hf_checkpoint, tmp_path):
+    root = str(tmp_path / "root")
+    paths, run = StoragePaths(root), "r1"
+    instance = dg.DagsterInstance.ephemeral()
+    resources = {"storage": StorageRootResource(root=root)}
+    keys = [f"{run}.v{v:06d}" for v in range(2)]
+    instance.add_dynamic_partitions("policy_versions", keys)
+    states = []
+    for v, key in enumerate(keys):
+        states.append(_export(tiny_hf_checkpoint, paths.hf_export(run, v), seed=v))
+        hf_path = paths.hf_export(run, v) if v == 0 else ""  # v1 resolves by the path convention
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization("policy_versions", partition=key, metadata={"hf_path": hf_path})
+        )
+
+    assert publish_weights_job.name == "publish_weights"
+    res = publish_on_new_policy(dg.build_sensor_context(instance=instance))
+    assert [r.partition_key for r in res.run_requests] == keys
+    kinds = []
+    for key in keys:
+        r = dg.materialize([weight_publications], instance=instance, partition_key=key, resources=resources)
+        assert r.success
+        kinds.append(_md(r, "kind"))
+        checks = r.get_asset_check_evaluations()
+        assert checks and all(c.passed for c in checks)
+    assert kinds == ["snapshot", "delta"]
+    assert 0 < _md(r, "density") < 0.2 and _md(r, "wire_bytes") < _md(r, "full_bytes") / 2
+    # already published versions are not requested again; re-materializing reports the existing one
+    res2 = publish_on_new_policy(dg.build_sensor_context(instance=instance, cursor=res.cursor))
+    assert not res2.run_requests
+    res3 = publish_on_new_policy(dg.build_sensor_context(instance=instance))
+    assert not res3.run_requests
+    r = dg.materialize([weight_publications], instance=instance, partition_key=keys[1], resources=resources)
+    assert _md(r, "reused_existing") is True
+    replica = tmp_path / "replica"
+    shutil.copytree(tiny_hf_checkpoint, replica)
+    assert dd.apply_publication(paths.publications(run), replica) == 1
+    got = load_file(str(replica / "model.safetensors"))
+    assert all(torch.equal(got[k], states[1][k]) for k in got)
+
+    for fmt in ("fp8", "int4"):
+        pk = dg.MultiPartitionKey({"policy_version": keys[1], "format": fmt})
+        r = dg.materialize([quantized_weights], instance=instance, partition_key=pk, resources=resources)
+        assert r.success
+        assert all(c.passed for c in r.get_asset_check_evaluations())
+        assert _md(r, "compression_ratio") > 1 and 0 < _md(r, "max_rel_error") < 0.08
