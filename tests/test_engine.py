@@ -189,3 +189,35 @@ def test_info_endpoints(engine, tiny_hf_checkpoint):
     info = httpx.get(f"{engine.url}/get_model_info").json()
     assert info["model_path"] == tiny_hf_checkpoint and info["is_generation"] and info["weight_version"] == 0
     assert httpx.post(f"{engine.url}/flush_cache").status_code == 200
+
+
+def test_cli_serve_engine_serves_and_stops_on_sigterm(tiny_hf_checkpoint):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from miles_platform.rollout.engine import bind_socket
+
+    with bind_socket("127.0.0.1", 0) as s:
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "miles_platform.cli", "serve-engine", "--hf-checkpoint", tiny_hf_checkpoint]
+    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        res = _gen(f"http://127.0.0.1:{port}", input_ids=[1, 2], sampling_params={"max_new_tokens": 3})
+        assert res["meta_info"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -182,10 +183,10 @@ class ServerThread:
         self.thread.join(timeout=10)
 
 
-def serve_in_thread(app, host: str, port: int, name: str) -> ServerThread:
+def serve_in_thread(app, host: str, port: int, name: str, lifespan: str = "off") -> ServerThread:
     sock = bind_socket(host, port)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
     thread.start()
@@ -293,16 +294,26 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--weight-version", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    core = EngineCore(
-        args.hf_checkpoint, args.dtype, args.max_running_requests, args.batch_wait_ms, args.weight_version
+    server = start_engine_server(
+        args.hf_checkpoint,
+        args.host,
+        args.port,
+        args.api_key,
+        args.dtype,
+        args.max_running_requests,
+        args.batch_wait_ms,
+        args.weight_version,
     )
-    try:
-        sock = bind_socket(args.host, args.port)
-        print(f"serve-engine: {args.hf_checkpoint} on http://{args.host}:{sock.getsockname()[1]}", flush=True)
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(core, args.api_key), log_level="info", lifespan="off")
-        )
-        server.run(sockets=[sock])  # handles SIGINT/SIGTERM: stops accepting, drains, returns
-    finally:
-        core.stop()
+    print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
+    wait_for_stop_signal()
+    server.stop()
     return 0
+
+
+def wait_for_stop_signal() -> None:
+    """Block the main thread until SIGINT or SIGTERM (the servers run in daemon threads)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass

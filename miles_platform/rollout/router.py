@@ -1,0 +1,317 @@
+"""Router in front of engines (the sgl-router subset Miles uses).
+
+`/add_worker`, `/remove_worker`, `/list_workers` manage workers; the broadcast endpoints
+(`/pause_generation`, `/continue_generation`, `/flush_cache`, `/update_weights_from_disk`) go to
+every worker; any other path is proxied to the least-loaded healthy worker, at most
+`max_concurrency_per_worker` requests each (others wait). A background task probes `/health` every
+`health_check_interval_s`; a failing worker (or one that refuses a proxied connection) leaves the
+rotation and comes back when it answers again. A request whose worker dies is retried elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from miles_platform.rollout.engine import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServerThread,
+    add_guards,
+    error,
+    json_body,
+    serve_in_thread,
+    wait_for_stop_signal,
+)
+
+log = logging.getLogger(__name__)
+
+BROADCAST = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
+_HOP_HEADERS = {
+    "host",
+    "content-length",
+    "authorization",
+    "connection",
+    "transfer-encoding",
+    "accept-encoding",
+}
+
+
+@dataclass
+class Worker:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+    served: int = 0
+    failures: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "served": self.served,
+            "failures": self.failures,
+        }
+
+
+class Router:
+    def __init__(
+        self,
+        worker_urls: list[str] = (),
+        max_concurrency_per_worker: int = 64,
+        health_check_interval_s: float = 5.0,
+        health_check_timeout_s: float = 5.0,
+        queue_timeout_s: float = 600.0,
+        request_timeout_s: float = 3600.0,
+        worker_api_key: str | None = None,
+    ):
+        self.workers: dict[str, Worker] = {u.rstrip("/"): Worker(u.rstrip("/")) for u in worker_urls}
+        self.cap = max_concurrency_per_worker
+        self.interval, self.probe_timeout = health_check_interval_s, health_check_timeout_s
+        self.queue_timeout, self.request_timeout = queue_timeout_s, request_timeout_s
+        self.worker_headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
+        self._changed: asyncio.Condition | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self._changed = asyncio.Condition()
+        self._client = httpx.AsyncClient(
+            timeout=self.request_timeout, limits=httpx.Limits(max_connections=None)
+        )
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        self._health_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._health_task
+        await self._client.aclose()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def add(self, url: str) -> None:
+        url = url.rstrip("/")
+        self.workers.setdefault(url, Worker(url))
+        await self._notify()
+
+    async def remove(self, url: str) -> bool:
+        found = self.workers.pop(url.rstrip("/"), None) is not None
+        await self._notify()
+        return found
+
+    async def _acquire(self) -> Worker:
+        """Least-loaded healthy worker with a free slot; waits while all are busy."""
+        deadline = time.monotonic() + self.queue_timeout
+        async with self._changed:
+            while True:
+                free = [w for w in self.workers.values() if w.healthy and w.inflight < self.cap]
+                if free:
+                    w = min(free, key=lambda w: (w.inflight, w.served))
+                    w.inflight += 1
+                    return w
+                if not any(w.healthy for w in self.workers.values()):
+                    raise LookupError("no healthy worker")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("all workers busy")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+
+    async def _release(self, w: Worker, ok: bool) -> None:
+        w.inflight -= 1
+        w.served += int(ok)
+        if not ok:
+            w.healthy, w.failures = False, w.failures + 1
+            log.warning("router: worker %s unreachable, taken out of rotation", w.url)
+        await self._notify()
+
+    async def proxy(self, method: str, path: str, query: str, body: bytes, headers: dict) -> Response:
+        tries = max(1, len(self.workers))
+        for _ in range(tries):
+            try:
+                w = await self._acquire()
+            except LookupError as e:
+                return error(503, f"router: {e}", retryable=True)
+            except TimeoutError as e:
+                return error(503, f"router: {e} for {self.queue_timeout}s", retryable=True)
+            url = f"{w.url}{path}" + (f"?{query}" if query else "")
+            try:
+                resp = await self._client.request(
+                    method, url, content=body, headers={**headers, **self.worker_headers}
+                )
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout):
+                await self._release(w, ok=False)
+                continue  # the worker died: try another one
+            await self._release(w, ok=True)
+            return Response(
+                resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
+            )
+        return error(503, "router: every worker failed this request", retryable=True)
+
+    async def broadcast(self, path: str, body: bytes, headers: dict) -> JSONResponse:
+        async def one(w: Worker):
+            try:
+                r = await self._client.post(
+                    f"{w.url}{path}", content=body, headers={**headers, **self.worker_headers}
+                )
+                try:
+                    payload = r.json()
+                except ValueError:
+                    payload = r.text
+                return {"url": w.url, "status": r.status_code, "body": payload}
+            except httpx.HTTPError as e:
+                return {"url": w.url, "status": 503, "body": f"{type(e).__name__}: {e}"}
+
+        results = await asyncio.gather(*(one(w) for w in list(self.workers.values())))
+        failed = [r for r in results if r["status"] >= 300]
+        status = 200 if not failed else max(r["status"] for r in failed)
+        return JSONResponse({"success": not failed, "results": results}, status_code=status)
+
+    async def _probe(self, w: Worker) -> None:
+        try:
+            r = await self._client.get(
+                f"{w.url}/health", headers=self.worker_headers, timeout=self.probe_timeout
+            )
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok != w.healthy:
+            log.warning("router: worker %s is now %s", w.url, "healthy" if ok else "unhealthy")
+        w.healthy = ok
+        w.failures = 0 if ok else w.failures + 1
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
+            await self._notify()
+            await asyncio.sleep(self.interval)
+
+
+def create_router_app(
+    router: Router, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="miles-platform router", lifespan=lifespan)
+    add_guards(app, api_key, max_request_bytes)
+
+    async def worker_url(request: Request) -> str | None:
+        if "url" in request.query_params:
+            return request.query_params["url"]
+        body, _ = await json_body(request, max_request_bytes)
+        return body.get("url") if isinstance(body, dict) else None
+
+    @app.post("/add_worker")
+    async def add_worker(request: Request):
+        url = await worker_url(request)
+        if not url or not url.startswith(("http://", "https://")):
+            return error(400, "add_worker needs url=http://host:port (query or JSON body)")
+        await router.add(url)
+        return {"status": "ok", "message": f"added {url}"}
+
+    @app.post("/remove_worker")
+    async def remove_worker(request: Request):
+        url = await worker_url(request)
+        if not url or not await router.remove(url):
+            return error(404, f"remove_worker: no worker {url!r}")
+        return {"status": "ok", "message": f"removed {url}"}
+
+    @app.get("/list_workers")
+    async def list_workers():
+        return {"urls": list(router.workers), "workers": [w.as_dict() for w in router.workers.values()]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def forward(path: str, request: Request):
+        body = await request.body()
+        if len(body) > max_request_bytes:
+            return error(413, f"request body of {len(body)} bytes exceeds the limit of {max_request_bytes}")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        if f"/{path}" in BROADCAST:
+            return await router.broadcast(f"/{path}", body, headers)
+        return await router.proxy(request.method, f"/{path}", request.url.query, body, headers)
+
+    return app
+
+
+class RouterServer:
+    """Handle for a background router: `.url`, `.port`, `.router`, `.stop()`."""
+
+    def __init__(self, router: Router, server: ServerThread):
+        self.router, self._server = router, server
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+def start_router(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    worker_urls: list[str] = (),
+    api_key: str | None = None,
+    worker_api_key: str | None = None,
+    max_concurrency_per_worker: int = 64,
+    health_check_interval_s: float = 5.0,
+    queue_timeout_s: float = 600.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> RouterServer:
+    """Start the router in a background thread (port 0 = a free port)."""
+    router = Router(
+        list(worker_urls),
+        max_concurrency_per_worker,
+        health_check_interval_s,
+        queue_timeout_s=queue_timeout_s,
+        worker_api_key=worker_api_key,
+    )
+    app = create_router_app(router, api_key, max_request_bytes)
+    return RouterServer(router, serve_in_thread(app, host, port, "router-http", lifespan="on"))
+
+
+def cli_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="miles-platform serve-router", description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--worker-urls", nargs="*", default=[], help="engine URLs to start with")
+    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> from clients")
+    ap.add_argument("--worker-api-key", default=None, help="bearer token sent to the engines")
+    ap.add_argument("--max-concurrency-per-worker", type=int, default=64)
+    ap.add_argument("--health-check-interval", type=float, default=5.0, help="seconds between /health probes")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server = start_router(
+        args.host,
+        args.port,
+        args.worker_urls,
+        args.api_key,
+        args.worker_api_key,
+        args.max_concurrency_per_worker,
+        args.health_check_interval,
+    )
+    print(f"serve-router: {server.url} workers={args.worker_urls}", flush=True)
+    wait_for_stop_signal()
+    server.stop()
+    return 0

@@ -1,0 +1,209 @@
+"""Engine control plane over HTTP: weight updates (disk and in-process), policy-version constraints
+(409), pause_generation abort / retract / in_place."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+
+from miles_platform.errors import CheckpointError
+from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from miles_platform.models.qwen3 import build_model
+from miles_platform.rollout import client
+from miles_platform.rollout.engine import start_engine_server
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture()
+def engine(tiny_hf_checkpoint):
+    srv = start_engine_server(tiny_hf_checkpoint)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    """Same architecture and tokenizer, different weights (seed 1)."""
+    model, tok = load_hf_checkpoint(tiny_hf_checkpoint)
+    path = tmp_path_factory.mktemp("ckpt") / "other"
+    save_hf_checkpoint(build_model(model.config, seed=1), tok, path)
+    return str(path)
+
+
+def _gen(url, **body):
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_update_weights_from_disk_bumps_version_and_changes_outputs(engine, other_checkpoint, tmp_path):
+    before = _gen(engine.url, input_ids=[1, 2, 3], sampling_params=GREEDY)
+    r = httpx.post(
+        f"{engine.url}/update_weights_from_disk", json={"model_path": other_checkpoint}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["success"], r.text
+    after = _gen(engine.url, input_ids=[1, 2, 3], sampling_params=GREEDY, return_logprob=True)
+    assert after["meta_info"]["weight_version"] == 1
+    assert after["output_ids"] != before["output_ids"]
+    # the served log-probs are the new model's
+    new_model, _ = load_hf_checkpoint(other_checkpoint)
+    with torch.no_grad():
+        logits = new_model(torch.tensor([[1, 2, 3] + after["output_ids"]])).logits.float()
+    ref = torch.log_softmax(logits[0, 2:-1], -1).gather(1, torch.tensor(after["output_ids"])[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in after["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, ref, atol=1e-4)
+
+    # failed updates keep the old weights and version: a missing dir, then mismatched shapes
+    small = build_model(
+        new_model.config.__class__(**{**new_model.config.to_dict(), "hidden_size": 48}), seed=2
+    )
+    save_hf_checkpoint(small, None, tmp_path / "mismatch")
+    for bad in (str(tmp_path / "missing"), str(tmp_path / "mismatch")):
+        r = httpx.post(
+            f"{engine.url}/update_weights_from_disk", json={"model_path": bad, "weight_version": 9}
+        )
+        assert r.status_code == 400 and not r.json()["success"], r.text
+        assert bad in r.json()["message"]
+        again = _gen(engine.url, input_ids=[1, 2, 3], sampling_params=GREEDY)
+        assert again["output_ids"] == after["output_ids"] and again["meta_info"]["weight_version"] == 1
+
+    r = httpx.post(
+        f"{engine.url}/update_weights_from_disk", json={"model_path": other_checkpoint, "weight_version": 7}
+    )
+    assert r.status_code == 200 and httpx.get(f"{engine.url}/get_model_info").json()["weight_version"] == 7
+
+
+def test_update_weights_from_tensors_roundtrip_and_validation(engine, other_checkpoint):
+    core = engine.core
+    new_model, _ = load_hf_checkpoint(other_checkpoint)
+    named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
+    old = core.get_weights()
+    with pytest.raises(CheckpointError, match="nope"):
+        core.update_weights_from_tensors({"nope": torch.zeros(1)}, weight_version=3)
+    first = next(iter(named))
+    with pytest.raises(CheckpointError, match="shape"):
+        core.update_weights_from_tensors({first: torch.zeros(1, 2)}, weight_version=3)
+    assert core.weight_version == 0
+    assert all(torch.equal(old[n], t) for n, t in core.get_weights().items())
+    core.update_weights_from_tensors(named, weight_version=3)
+    assert core.weight_version == 3
+    assert all(torch.equal(named[n], t) for n, t in core.get_weights().items())
+
+
+def test_weight_version_constraints_409_and_client_retry(engine, other_checkpoint):
+    url = engine.url
+    for field in ("min_weight_version", "exact_weight_version"):
+        r = httpx.post(f"{url}/generate", json={"input_ids": [1, 2], field: 1})
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]
+        assert err["retryable"] and err["weight_version"] == 0 and err[field] == 1
+    ok = _gen(url, input_ids=[1, 2], exact_weight_version=0, sampling_params={"max_new_tokens": 2})
+    assert ok["meta_info"]["weight_version_start"] == ok["meta_info"]["weight_version_end"] == 0
+
+    async def wait_for_v1():
+        task = asyncio.create_task(client.generate(url, [1, 2], {"max_new_tokens": 2}, min_weight_version=1))
+        await asyncio.sleep(0.15)
+        assert not task.done()  # retrying on 409
+        r = await asyncio.to_thread(
+            httpx.post, f"{url}/update_weights_from_disk", json={"model_path": other_checkpoint}, timeout=60
+        )
+        assert r.status_code == 200
+        return await task
+
+    res = asyncio.run(wait_for_v1())
+    assert res["meta_info"]["weight_version"] == res["meta_info"]["weight_version_start"] == 1
+
+
+def _start_long_requests(url, n=3, max_new_tokens=150):
+    """Fire n long greedy requests; return (loop, tasks) once all of them are generating."""
+    start = _stats(url)["num_generated_tokens"]
+    loop = asyncio.new_event_loop()
+    ac = httpx.AsyncClient(timeout=60)
+    tasks = [
+        loop.create_task(
+            ac.post(
+                f"{url}/generate",
+                json={
+                    "input_ids": [i + 3, 4, 5],
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+                },
+            )
+        )
+        for i in range(n)
+    ]
+    loop.run_until_complete(asyncio.sleep(0.02))
+    deadline = time.monotonic() + 10
+    while _stats(url)["num_generated_tokens"] < start + 3 * n:
+        loop.run_until_complete(asyncio.sleep(0.005))
+        assert time.monotonic() < deadline
+    return loop, tasks
+
+
+def _stats(url):
+    return httpx.get(f"{url}/get_server_info").json()["internal_states"][0]
+
+
+def _finish(loop, tasks):
+    resps = loop.run_until_complete(asyncio.gather(*tasks))
+    loop.close()
+    assert all(r.status_code == 200 for r in resps)
+    return [r.json() for r in resps]
+
+
+def test_pause_abort_returns_partial_output(engine):
+    url = engine.url
+    loop, tasks = _start_long_requests(url)
+    assert httpx.post(f"{url}/pause_generation", json={"mode": "abort"}).status_code == 200
+    for res in _finish(loop, tasks):
+        assert res["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < res["meta_info"]["completion_tokens"] < 150
+        assert len(res["meta_info"]["output_token_logprobs"]) == len(res["output_ids"])
+    httpx.post(f"{url}/continue_generation")
+    assert (
+        _gen(url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"]
+        == 2
+    )
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_retract_and_in_place_resume_to_the_same_result(engine, mode):
+    url = engine.url
+    reference = [
+        _gen(
+            url,
+            input_ids=[i + 3, 4, 5],
+            sampling_params={"max_new_tokens": 150, "temperature": 0},
+            return_logprob=True,
+        )
+        for i in range(3)
+    ]
+    loop, tasks = _start_long_requests(url)
+    assert httpx.post(f"{url}/pause_generation", json={"mode": mode}).status_code == 200
+    stats = _stats(url)
+    loop.run_until_complete(asyncio.sleep(0.1))
+    frozen = _stats(url)
+    assert frozen["num_generated_tokens"] == stats["num_generated_tokens"]  # paused means no progress
+    assert not any(t.done() for t in tasks), [t.result().text[:300] for t in tasks if t.done()]
+    assert httpx.post(f"{url}/continue_generation").status_code == 200
+    results = _finish(loop, tasks)
+    after = _stats(url)
+    for res, ref in zip(results, reference):
+        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 150}
+        assert res["output_ids"] == ref["output_ids"]
+        got = torch.tensor([x[0] for x in res["meta_info"]["output_token_logprobs"]])
+        want = torch.tensor([x[0] for x in ref["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, want, atol=1e-4)
+    prefills = after["num_prefill_calls"] - stats["num_prefill_calls"]
+    # retract recomputes the dropped KV (a new prefill); in_place resumes on the existing cache
+    assert prefills >= 1 if mode == "retract" else prefills == 0
+
+
+def test_bad_pause_mode_is_400(engine):
+    r = httpx.post(f"{engine.url}/pause_generation", json={"mode": "sleep"})
+    assert r.status_code == 400 and "in_place" in r.json()["error"]["message"]
