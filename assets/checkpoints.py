@@ -1,0 +1,141 @@
+"""`base_checkpoint`: the starting policy of RL, as an HF checkpoint at `<root>/models/base`.
+
+mode "sft":      train the demo's SFT base (`default_sft_recipe()`) on the built-in task's SFT
+                 split, written under the storage root. The task seed must be the one the
+                 dataset assets use, so the eval split stays held out from SFT.
+mode "existing": register an existing HF directory (local path or fsspec URI); it is validated
+                 (config, weights, supported architecture, tokenizer) and copied into place.
+
+The data version is the content hash of weights + config, so a re-run that produces the same
+weights (same seed, same recipe) does not make downstream assets stale.
+"""
+
+import dataclasses
+import os
+import tempfile
+import time
+
+import dagster as dg
+import fsspec
+
+from miles_platform.errors import CheckpointError
+from miles_platform.models.checkpoint import (
+    checkpoint_bytes,
+    content_hash,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+    validate_hf_dir,
+)
+from miles_platform.models.qwen3 import num_parameters
+from resources.storage import StorageRootResource
+
+
+class BaseCheckpointConfig(dg.Config):
+    mode: str = "sft"  # "sft" (train the demo base) or "existing" (register `path`)
+    path: str | None = None  # mode "existing": HF dir, local or fsspec URI
+    seed: int | None = None  # SFT seed (default: the recipe's)
+    train_iters: int | None = None  # SFT steps (default: the recipe's)
+    task_seed: int = 0  # seed of the built-in task splits (= the dataset assets' seed)
+    carry_error_rate: float | None = None  # SFT split's dropped-carry fraction (default: the task's)
+    eval_prompts: int = 500  # held-out prompts for the greedy accuracy in metadata (0 = skip)
+
+
+def _task_dir(storage: StorageRootResource) -> str:
+    return os.path.dirname(storage.paths.dataset("sft_task"))
+
+
+def _train_sft(config: BaseCheckpointConfig, storage: StorageRootResource, dest: str, log) -> dict:
+    from miles_platform.data.tasks import DEFAULT_CARRY_ERROR_RATE, write_task_datasets
+    from miles_platform.training.sft import default_sft_recipe, run_sft
+
+    rate = DEFAULT_CARRY_ERROR_RATE if config.carry_error_rate is None else config.carry_error_rate
+    task = write_task_datasets(_task_dir(storage), seed=config.task_seed, carry_error_rate=rate)
+    recipe = default_sft_recipe()
+    if config.seed is not None:
+        recipe = dataclasses.replace(recipe, seed=config.seed)
+    if config.train_iters is not None:
+        recipe = dataclasses.replace(recipe, train_iters=config.train_iters)
+    log.info(f"SFT base: {recipe.train_iters} iters on {task['sft']} (seed {recipe.seed})")
+    m = run_sft(task["sft"], dest, recipe=recipe, progress=False)
+    return {
+        "model": m["model"],
+        "tokenizer": m["tokenizer"],
+        "eval_path": task["eval"],
+        "metadata": {
+            "source": "sft",
+            "sft_seconds": round(m["sft_seconds"], 2),
+            "sft_final_loss": round(m["final_loss"], 5),
+            "sft_train_iters": m["train_iters"],
+            "sft_seed": recipe.seed,
+            "sft_data": dg.MetadataValue.path(task["sft"]),
+            "sft_recipe": dg.MetadataValue.json(recipe.to_dict()),
+            "sft_loss_curve": dg.MetadataValue.json([[s, round(v, 5)] for s, v in m["loss_curve"]]),
+        },
+    }
+
+
+def _register_existing(config: BaseCheckpointConfig, storage: StorageRootResource, dest: str) -> dict:
+    if not config.path:
+        raise CheckpointError('base_checkpoint mode "existing" needs config.path (an HF directory or URI)')
+    src = config.path
+    with tempfile.TemporaryDirectory(prefix="miles-base-") as tmp:
+        local = src
+        if "://" in src:  # fetch remote dirs first, then validate like a local one
+            fs, root = fsspec.core.url_to_fs(src)
+            if not fs.isdir(root):
+                raise CheckpointError(f"HF checkpoint {src}: not a directory")
+            fs.get(root.rstrip("/") + "/", tmp, recursive=True)
+            local = tmp
+        validate_hf_dir(local)
+        model, tokenizer = load_hf_checkpoint(local)
+        save_hf_checkpoint(model, tokenizer, dest)
+    eval_path = os.path.join(_task_dir(storage), "eval.jsonl")
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "eval_path": eval_path if os.path.exists(eval_path) else None,
+        "metadata": {"source": dg.MetadataValue.text(src)},
+    }
+
+
+@dg.asset(group_name="checkpoints", kinds={"pytorch", "safetensors"})
+def base_checkpoint(
+    context: dg.AssetExecutionContext, config: BaseCheckpointConfig, storage: StorageRootResource
+) -> dg.MaterializeResult:
+    """Starting policy of RL (HF dir): the demo SFT base, or a registered existing checkpoint."""
+    dest = storage.paths.model("base")
+    if "://" in dest:
+        raise CheckpointError(f"base_checkpoint needs a local storage root to train/copy into, got {dest}")
+    if config.mode not in ("sft", "existing"):
+        raise CheckpointError(f'base_checkpoint mode {config.mode!r}: choose "sft" or "existing"')
+    t0 = time.perf_counter()
+    if config.mode == "sft":
+        built = _train_sft(config, storage, dest, context.log)
+    else:
+        built = _register_existing(config, storage, dest)
+    validate_hf_dir(dest)
+    digest = content_hash(dest)
+    md = {
+        "path": dg.MetadataValue.path(dest),
+        "mode": config.mode,
+        "num_parameters": num_parameters(built["model"]),
+        "bytes": checkpoint_bytes(dest),
+        "content_hash": digest,
+        "architecture": type(built["model"]).__name__,
+        "seconds": round(time.perf_counter() - t0, 2),
+        **built["metadata"],
+    }
+    if config.eval_prompts and built["eval_path"]:
+        from miles_platform.rollout.evaluate import evaluate
+
+        res = evaluate(
+            (built["model"], built["tokenizer"]),
+            [("eval", built["eval_path"])],
+            max_new_tokens=8,
+            rm_type="math",
+            max_prompts=config.eval_prompts,
+        )["eval"]
+        for key, value in res.items():
+            if key.startswith("pass@1") or key == "mean_reward":
+                md[f"eval/{key}"] = float(value)
+    return dg.MaterializeResult(metadata=md, data_version=dg.DataVersion(digest))

@@ -1,0 +1,280 @@
+"""Evaluate a policy on eval datasets: pass@1 (greedy), pass@k (unbiased, n samples), mean reward.
+
+Scoring uses the RL reward hub (`rm_hub.compute_rewards`), so an eval number and a training
+reward mean the same thing. Generation is local and batched with a KV cache
+(`generate_local`); a caller that owns engines passes `generate_fn` with the same signature
+to route eval through them instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from miles_platform.data.sample import Sample, Status
+
+GenerateFn = Callable[..., list[list[str]]]
+
+
+# ---------------------------------------------------------------- generation
+def _filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    if top_k is not None and top_k > 0 and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate_tokens(
+    model,
+    prompt_ids: list[list[int]],
+    eos_token_id: int,
+    pad_token_id: int,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], bool]]:
+    """Batched decoding with a KV cache and left padding. Returns (new tokens, ended with EOS)
+    per prompt; the EOS token is included in the tokens when it was produced."""
+    from transformers import DynamicCache
+
+    b, width = len(prompt_ids), max(map(len, prompt_ids))
+    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = [[] for _ in range(b)]
+    done = torch.zeros(b, dtype=torch.bool)
+    step_ids, step_pos = ids, pos
+    for _ in range(max_new_tokens):
+        logits = (
+            model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, cache=cache, use_cache=True)
+            .logits[:, -1, :]
+            .float()
+        )
+        if temperature is None or temperature <= 0:
+            nxt = logits.argmax(-1)
+        else:
+            probs = _filter_logits(logits / temperature, top_p, top_k).softmax(-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+        for i in torch.nonzero(~done).flatten().tolist():
+            out[i].append(int(nxt[i]))
+        done |= nxt == eos_token_id
+        if bool(done.all()):
+            break
+        step_ids = nxt[:, None]
+        step_pos = step_pos[:, -1:] + 1
+        attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype)], dim=1)
+    return [(toks, bool(toks) and toks[-1] == eos_token_id) for toks in out]
+
+
+def generate_local(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    n: int = 1,
+    seed: int = 0,
+    batch_size: int = 256,
+) -> list[list[str]]:
+    """`n` completions per prompt (text without EOS). temperature 0 is greedy."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = [p for p in prompts for _ in range(n)]
+    enc = [tokenizer.encode(p, add_special_tokens=False) for p in flat]
+    texts: list[str] = []
+    was_training = model.training
+    model.eval()
+    for s in range(0, len(enc), batch_size):
+        res = generate_tokens(
+            model,
+            enc[s : s + batch_size],
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            gen,
+        )
+        texts += [tokenizer.decode(t, skip_special_tokens=True) for t, _ in res]
+    model.train(was_training)
+    return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+# ---------------------------------------------------------------- metrics
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def load_eval_rows(path: str, input_key: str = "prompt", label_key: str = "label") -> list[dict]:
+    from miles_platform.data.dataset import load_prompt_dataset
+
+    try:
+        records = load_prompt_dataset(path, input_key=input_key, label_key=label_key)
+    except TypeError:  # normalized parquet readers may not take keys
+        records = load_prompt_dataset(path)
+    return [{"prompt": r.prompt, "label": r.label, "metadata": r.metadata} for r in records]
+
+
+def score(args, rows: list[dict], responses: list[list[str]]) -> list[list[float]]:
+    """Rewards from the RL reward hub, one list per prompt."""
+    from miles_platform.rollout.rm_hub import compute_rewards
+
+    samples = [
+        Sample(
+            group_index=gi,
+            index=gi * len(resps) + j,
+            prompt=row["prompt"],
+            response=r,
+            label=row["label"],
+            metadata=dict(row.get("metadata") or {}),
+            status=Status.COMPLETED.value,
+        )
+        for gi, (row, resps) in enumerate(zip(rows, responses, strict=True))
+        for j, r in enumerate(resps)
+    ]
+    compute_rewards(args, samples)
+    key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
+    flat = [s.scalar_reward(key) for s in samples]
+    out, i = [], 0
+    for resps in responses:
+        out.append(flat[i : i + len(resps)])
+        i += len(resps)
+    return out
+
+
+def evaluate(
+    policy: str | tuple[Any, Any],
+    datasets: list[tuple[str, str]],
+    n_samples_per_eval_prompt: int = 1,
+    max_new_tokens: int = 16,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    rm_type: str = "math",
+    args: Any | None = None,
+    seed: int = 0,
+    generate_fn: GenerateFn | None = None,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    max_prompts: int | None = None,
+    breakdown_key: str | None = "carry",
+) -> dict[str, dict[str, Any]]:
+    """name -> {"pass@1" (greedy), "pass@k" (unbiased over n samples at `temperature`),
+    "mean_reward" (over the n samples), "n", "k", "num_prompts"} and, when rows carry
+    metadata[breakdown_key], greedy accuracy per value ("pass@1/carry=True" ...).
+
+    `policy` is an HF dir or (model, tokenizer). `args` is a RunConfig-like object for the reward
+    hub (rm_type, custom_rm_path, reward_key ...); without it one is built from `rm_type`.
+    `generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed) -> list[list[str]]`
+    replaces local generation (e.g. the engine router).
+    """
+    if args is None:
+        args = SimpleNamespace(rm_type=rm_type, custom_rm_path=None, group_rm=False, reward_key=None)
+    if generate_fn is None:
+        if isinstance(policy, str):
+            from miles_platform.models.checkpoint import load_hf_checkpoint
+
+            model, tokenizer = load_hf_checkpoint(policy)
+        else:
+            model, tokenizer = policy
+
+        def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+            return generate_local(
+                model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, n, seed
+            )
+
+    results: dict[str, dict[str, Any]] = {}
+    k = n_samples_per_eval_prompt
+    for name, path in datasets:
+        rows = load_eval_rows(path, input_key, label_key)[:max_prompts]
+        prompts = [r["prompt"] for r in rows]
+        greedy = score(args, rows, generate_fn(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed))
+        sampled = score(args, rows, generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, k, seed))
+        correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
+        res: dict[str, Any] = {
+            "pass@1": sum(g[0] for g in greedy) / len(rows),
+            "pass@k": sum(pass_at_k(k, c, k) for c in correct) / len(rows),
+            "mean_reward": sum(map(sum, sampled)) / (len(rows) * k),
+            "n": k,
+            "k": k,
+            "num_prompts": len(rows),
+        }
+        if breakdown_key and all(breakdown_key in (r.get("metadata") or {}) for r in rows):
+            groups: dict[str, list[float]] = {}
+            for r, g in zip(rows, greedy, strict=True):
+                groups.setdefault(str(r["metadata"][breakdown_key]), []).append(g[0])
+            for v, gs in sorted(groups.items()):
+                res[f"pass@1/{breakdown_key}={v}"] = sum(gs) / len(gs)
+        results[name] = res
+    return results
+
+
+# ---------------------------------------------------------------- CLI
+def cli_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="miles-platform eval", description=__doc__.splitlines()[0])
+    ap.add_argument("--hf-checkpoint", required=True)
+    ap.add_argument("--eval-prompt-data", nargs="+", required=True, metavar="NAME PATH")
+    ap.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    ap.add_argument("--eval-max-response-len", type=int, default=16)
+    ap.add_argument("--eval-temperature", type=float, default=1.0)
+    ap.add_argument("--eval-top-p", type=float, default=1.0)
+    ap.add_argument("--eval-top-k", type=int, default=-1)
+    ap.add_argument("--rm-type", default="math")
+    ap.add_argument("--custom-rm-path", default=None)
+    ap.add_argument("--input-key", default="prompt")
+    ap.add_argument("--label-key", default="label")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if len(a.eval_prompt_data) % 2:
+        ap.error(f"--eval-prompt-data takes NAME PATH pairs, got {a.eval_prompt_data}")
+    it = iter(a.eval_prompt_data)
+    args = SimpleNamespace(
+        rm_type=a.rm_type, custom_rm_path=a.custom_rm_path, group_rm=False, reward_key=None
+    )
+    res = evaluate(
+        a.hf_checkpoint,
+        list(zip(it, it)),
+        a.n_samples_per_eval_prompt,
+        a.eval_max_response_len,
+        a.eval_temperature,
+        a.eval_top_p,
+        a.eval_top_k,
+        args=args,
+        seed=a.seed,
+        input_key=a.input_key,
+        label_key=a.label_key,
+    )
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for name, m in res.items():
+            print(
+                f"eval/{name}: "
+                + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+            )
+    return 0

@@ -1,0 +1,296 @@
+"""Supervised fine-tuning (`--loss-type sft_loss`): the starting policy for RL.
+
+Loss is token-mean cross-entropy over response tokens only (response = answer + EOS); the prompt
+is context. AdamW, warmup then constant/linear/cosine decay, grad-norm clip, micro-batches with
+gradient accumulation up to `--global-batch-size`. Same seed, same data, same threads -> same
+weights, bit for bit.
+
+`default_sft_recipe()` is the demo's SFT base: small and short enough for 2 CPU cores, and on the
+dropped-carry SFT split it leaves a policy that is right on non-carry sums and systematically
+wrong on carries -- room for GRPO to show a large, verifiable gain (docs/sft_base.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles_platform.errors import DataError, MilesError
+from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from miles_platform.models.qwen3 import build_model, num_parameters, tiny_qwen3_config
+from miles_platform.models.tokenizer import build_task_tokenizer
+
+
+@dataclass
+class SFTRecipe:
+    """Every knob of one SFT run. Field names are Miles flag names where Miles has one."""
+
+    model: dict[str, Any] = field(default_factory=dict)  # tiny_qwen3_config overrides (from scratch)
+    lr: float = 3e-3
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 50
+    min_lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    clip_grad: float = 1.0
+    global_batch_size: int = 128
+    micro_batch_size: int = 128
+    train_iters: int | None = 1200
+    num_epoch: float | None = None  # used when train_iters is None
+    seed: int = 1234
+    log_interval: int = 25
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_sft_recipe() -> SFTRecipe:
+    """The demo's SFT base: see docs/sft_base.md for the measured accuracy, time and RL headroom."""
+    return SFTRecipe(
+        model=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2),
+    )
+
+
+# ---------------------------------------------------------------- data
+def load_sft_rows(path: str, input_key: str = "prompt", response_key: str = "response") -> list[dict]:
+    import fsspec
+
+    rows = []
+    with fsspec.open(path, "rt") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+            for key, flag in ((input_key, "--input-key"), (response_key, "--response-key")):
+                if not isinstance(row.get(key), str):
+                    raise DataError(f"{where}: missing string key {key!r} (check {flag})")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no SFT rows")
+    return rows
+
+
+def tokenize_sft(
+    rows: list[dict], tokenizer, input_key: str = "prompt", response_key: str = "response"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [N, L] right-padded, loss_mask [N, L]) with the loss on response + EOS tokens."""
+    seqs, masks = [], []
+    for row in rows:
+        p = tokenizer.encode(row[input_key], add_special_tokens=False)
+        r = tokenizer.encode(row[response_key], add_special_tokens=False) + [tokenizer.eos_token_id]
+        seqs.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids, mask
+
+
+# ---------------------------------------------------------------- schedule
+def lr_lambda(recipe: SFTRecipe, total_iters: int):
+    """Multiplier on recipe.lr at step t: linear warmup, then constant / linear / cosine to min_lr."""
+    warm, floor = recipe.lr_warmup_iters, recipe.min_lr / recipe.lr if recipe.lr else 0.0
+    if recipe.lr_decay_style not in ("constant", "linear", "cosine"):
+        raise MilesError(f"--lr-decay-style {recipe.lr_decay_style!r}: choose constant, linear or cosine")
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if recipe.lr_decay_style == "constant":
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total_iters - warm))
+        if recipe.lr_decay_style == "linear":
+            return floor + (1.0 - floor) * (1.0 - frac)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+def _progress(total: int, enabled: bool | None):
+    from tqdm import tqdm
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(total=total, desc="sft", disable=not enabled, leave=False)
+
+
+# ---------------------------------------------------------------- training
+def run_sft(
+    prompt_data: str,
+    save: str | None = None,
+    hf_checkpoint: str | None = None,
+    recipe: SFTRecipe | None = None,
+    input_key: str = "prompt",
+    response_key: str = "response",
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """SFT from scratch (task tokenizer + tiny Qwen3 of recipe.model) or from an HF dir.
+
+    Returns metrics: loss_curve [(step, loss)], final_loss, sft_seconds, sft_cpu_seconds, train_iters,
+    num_parameters, num_samples, save (path or None). Saves an HF checkpoint when `save` is set.
+    """
+    recipe = recipe or default_sft_recipe()
+    if recipe.global_batch_size % recipe.micro_batch_size:
+        raise MilesError(
+            f"--global-batch-size {recipe.global_batch_size} must be a multiple of "
+            f"--micro-batch-size {recipe.micro_batch_size}"
+        )
+    if hf_checkpoint:
+        model, tokenizer = load_hf_checkpoint(hf_checkpoint)
+    else:
+        tokenizer = build_task_tokenizer()
+        model = build_model(tiny_qwen3_config(len(tokenizer), **recipe.model), seed=recipe.seed)
+    rows = load_sft_rows(prompt_data, input_key, response_key)
+    ids, mask = tokenize_sft(rows, tokenizer, input_key, response_key)
+    iters = recipe.train_iters
+    if iters is None:
+        epochs = recipe.num_epoch or 1.0
+        iters = max(1, math.ceil(epochs * len(rows) / recipe.global_batch_size))
+
+    torch.manual_seed(recipe.seed)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=recipe.lr,
+        betas=(recipe.adam_beta1, recipe.adam_beta2),
+        weight_decay=recipe.weight_decay,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, iters))
+    curve: list[tuple[int, float]] = []
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    bar = _progress(iters, progress)
+    perm, pos = torch.randperm(len(rows), generator=gen), 0
+    window: list[float] = []
+    for step in range(iters):
+        if pos + recipe.global_batch_size > len(rows):  # new epoch: reshuffle
+            perm, pos = torch.randperm(len(rows), generator=gen), 0
+        batch = perm[pos : pos + recipe.global_batch_size]
+        pos += recipe.global_batch_size
+        n_tokens = mask[batch, 1:].sum()
+        total = 0.0
+        for mb in batch.split(recipe.micro_batch_size):
+            loss = _sft_loss(model, ids[mb], mask[mb]) / n_tokens
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        window.append(total)
+        if (step + 1) % recipe.log_interval == 0 or step == iters - 1:
+            curve.append((step + 1, sum(window) / len(window)))
+            bar.set_postfix(loss=f"{curve[-1][1]:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            window = []
+        bar.update(1)
+    bar.close()
+    model.eval()
+    seconds = time.perf_counter() - t0
+    metrics = {
+        "loss_curve": curve,
+        "final_loss": curve[-1][1],
+        "sft_seconds": seconds,
+        "sft_cpu_seconds": time.process_time() - cpu0,  # load-independent: the machine is shared
+        "train_iters": iters,
+        "num_parameters": num_parameters(model),
+        "num_samples": len(rows),
+        "recipe": recipe.to_dict(),
+        "save": None,
+    }
+    if save:
+        metrics["save"] = str(save_hf_checkpoint(model, tokenizer, save))
+    metrics["model"], metrics["tokenizer"] = model, tokenizer
+    return metrics
+
+
+def _sft_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of next-token predictions where the target token is a response token.
+
+    Right padding needs no attention mask: causal attention never looks at later pad tokens.
+    """
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+    )
+    return (nll * mask[:, 1:].reshape(-1)).sum()
+
+
+# ---------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    d = default_sft_recipe()
+    ap = argparse.ArgumentParser(prog="miles-platform sft", description="SFT (--loss-type sft_loss).")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-checkpoint", help="start from this HF checkpoint dir")
+    src.add_argument(
+        "--from-scratch", action="store_true", help="task tokenizer + tiny Qwen3 of the default recipe"
+    )
+    ap.add_argument("--prompt-data", required=True, help="SFT JSONL (prompt + response per row)")
+    ap.add_argument("--save", required=True, help="HF checkpoint output dir")
+    ap.add_argument("--loss-type", default="sft_loss", choices=("sft_loss",))
+    ap.add_argument("--input-key", default="prompt")
+    ap.add_argument("--response-key", default="response", help="key of the target response text")
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--lr-decay-style", default=d.lr_decay_style, choices=("constant", "linear", "cosine"))
+    ap.add_argument("--lr-warmup-iters", type=int, default=d.lr_warmup_iters)
+    ap.add_argument("--min-lr", type=float, default=d.min_lr)
+    ap.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    ap.add_argument("--clip-grad", type=float, default=d.clip_grad)
+    ap.add_argument("--global-batch-size", type=int, default=d.global_batch_size)
+    ap.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    it = ap.add_mutually_exclusive_group()
+    it.add_argument(
+        "--train-iters", type=int, default=None, help=f"optimizer steps (default {d.train_iters})"
+    )
+    it.add_argument("--num-epoch", type=float, default=None, help="epochs over --prompt-data")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--json", action="store_true", help="print metrics as JSON")
+    return ap
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.hf_checkpoint is None and not os.path.exists(a.prompt_data) and "://" not in a.prompt_data:
+        raise DataError(f"--prompt-data {a.prompt_data}: file not found")
+    recipe = dataclasses.replace(
+        default_sft_recipe(),
+        lr=a.lr,
+        lr_decay_style=a.lr_decay_style,
+        lr_warmup_iters=a.lr_warmup_iters,
+        min_lr=a.min_lr,
+        weight_decay=a.weight_decay,
+        clip_grad=a.clip_grad,
+        global_batch_size=a.global_batch_size,
+        micro_batch_size=a.micro_batch_size,
+        seed=a.seed,
+    )
+    if a.num_epoch is not None:
+        recipe.train_iters, recipe.num_epoch = None, a.num_epoch
+    elif a.train_iters is not None:
+        recipe.train_iters = a.train_iters
+    m = run_sft(a.prompt_data, a.save, a.hf_checkpoint, recipe, a.input_key, a.response_key)
+    summary = {k: v for k, v in m.items() if k not in ("model", "tokenizer")}
+    if a.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"sft: {m['train_iters']} iters, {m['num_parameters']} params, final loss {m['final_loss']:.4f}, "
+            f"{m['sft_seconds']:.1f}s -> {m['save']}"
+        )
+    return 0

@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import torch
+
+from miles_platform.models.checkpoint import load_hf_checkpoint
+from miles_platform.rollout.evaluate import cli_main, evaluate, generate_local, generate_tokens, pass_at_k
+
+
+@pytest.fixture()
+def tiny_eval_data(tmp_path):
+    rows = [
+        {"prompt": "12+34=", "label": "46", "metadata": {"carry": False}},
+        {"prompt": "18+25=", "label": "43", "metadata": {"carry": True}},
+    ]
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_scores_known_correct_and_known_wrong_with_the_rl_reward(tiny_eval_data):
+    answers = {"12+34=": "46", "18+25=": "33"}  # right, and the dropped-carry error
+
+    def fake_generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        return [[answers[p]] * n for p in prompts]
+
+    res = evaluate(None, [("add", tiny_eval_data)], n_samples_per_eval_prompt=4, generate_fn=fake_generate)[
+        "add"
+    ]
+    assert res["pass@1"] == 0.5 and res["pass@k"] == 0.5 and res["mean_reward"] == 0.5
+    assert res["pass@1/carry=False"] == 1.0 and res["pass@1/carry=True"] == 0.0
+    assert res["num_prompts"] == 2 and res["k"] == 4
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - (3 * 2) / (5 * 4))
+
+
+def _no_cache_greedy(model, ids: list[int], steps: int) -> list[int]:
+    out = list(ids)
+    for _ in range(steps):
+        logits = model(input_ids=torch.tensor([out]), use_cache=False).logits[0, -1]
+        out.append(int(logits.argmax()))
+    return out[len(ids) :]
+
+
+def test_batched_kv_cache_greedy_matches_unbatched_full_recompute(tiny_hf_checkpoint):
+    model, tok = load_hf_checkpoint(tiny_hf_checkpoint)
+    prompts = [tok.encode("7+8="), tok.encode("What is 12+34? ")]  # different lengths: left padding
+    res = generate_tokens(
+        model, prompts, eos_token_id=-1, pad_token_id=tok.pad_token_id, max_new_tokens=6, temperature=0
+    )
+    for p, (toks, ended) in zip(prompts, res, strict=True):
+        assert toks == _no_cache_greedy(model, p, 6) and not ended
+
+
+class _EosAfter:
+    """Fake LM: emits token 5, 6, then EOS (2) for every row."""
+
+    training = False
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+    def __call__(self, input_ids, cache=None, **kw):
+        if cache is not None:
+            cache.steps = getattr(cache, "steps", -1) + 1
+        nxt = [5, 6, 2, 7][min(cache.steps, 3)]
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], 10)
+        logits[:, -1, nxt] = 1.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_generation_stops_at_eos_and_sampling_is_seeded(tiny_hf_checkpoint):
+    res = generate_tokens(
+        _EosAfter(), [[1, 3], [4]], eos_token_id=2, pad_token_id=0, max_new_tokens=8, temperature=0
+    )
+    assert res == [([5, 6, 2], True), ([5, 6, 2], True)]
+    model, tok = load_hf_checkpoint(tiny_hf_checkpoint)
+    a = generate_local(model, tok, ["1+2=", "33+44="], 5, temperature=1.0, n=3, seed=11)
+    b = generate_local(model, tok, ["1+2=", "33+44="], 5, temperature=1.0, n=3, seed=11)
+    assert a == b and len(a) == 2 and all(len(x) == 3 for x in a)
+
+
+def test_cli_on_an_hf_checkpoint(tiny_hf_checkpoint, tiny_eval_data, capsys):
+    rc = cli_main(
+        ["--hf-checkpoint", tiny_hf_checkpoint, "--eval-prompt-data", "add", tiny_eval_data]
+        + ["--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "4", "--json"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and set(out["add"]) >= {"pass@1", "pass@k", "mean_reward"}
+    assert 0.0 <= out["add"]["pass@1"] <= 1.0
