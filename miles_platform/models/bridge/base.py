@@ -1,0 +1,147 @@
+"""Bridge interface, the registry by HF architecture name, and megatron GPT layout helpers."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from miles_platform.errors import CheckpointError
+
+_REGISTRY: dict[str, type[Bridge]] = {}
+
+# megatron GPT tensor-parallel layout: how each parameter (by name suffix) is split over TP ranks
+_COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+_GATED_COLUMN_PARALLEL = ("linear_fc1.weight",)  # [gate; up], each half split on dim 0
+
+
+class Bridge(ABC):
+    """Maps one HF architecture to megatron-core GPTModel names/layouts and back.
+
+    State dicts on the megatron side use the module names of GPTModel (`model.state_dict()`),
+    full (unsharded) tensors, no `_extra_state`. `fused_norms=True` emits the TE-spec names
+    (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`); `megatron_to_hf` reads either.
+    """
+
+    architectures: tuple[str, ...] = ()
+
+    @abstractmethod
+    def transformer_config(self, hf_config: Any) -> dict[str, Any]:
+        """kwargs of megatron.core.transformer.TransformerConfig for this HF config."""
+
+    @abstractmethod
+    def gpt_model_kwargs(self, hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
+        """kwargs of GPTModel besides config and layer spec (vocab size, rope, tied embeddings)."""
+
+    @abstractmethod
+    def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
+        """kwargs shared by get_gpt_layer_local_spec / get_gpt_layer_with_transformer_engine_spec."""
+
+    @abstractmethod
+    def hf_to_megatron(
+        self,
+        hf_sd: dict[str, torch.Tensor],
+        config: Any,
+        *,
+        fused_norms: bool = False,
+        padded_vocab_size: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """HF state dict -> full megatron state dict. CheckpointError names a missing/misshapen tensor."""
+
+    @abstractmethod
+    def megatron_to_hf(self, mcore_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+        """Full megatron state dict (local or TE names) -> HF state dict under checkpoint names."""
+
+
+def register_bridge(*architectures: str):
+    """Class decorator: `@register_bridge("Qwen3ForCausalLM")`."""
+
+    def wrap(cls: type[Bridge]) -> type[Bridge]:
+        cls.architectures = tuple(architectures)
+        for arch in architectures:
+            _REGISTRY[arch] = cls
+        return cls
+
+    return wrap
+
+
+def _discover() -> None:
+    import miles_platform.models.bridge as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name != "base":
+            importlib.import_module(f"{pkg.__name__}.{info.name}")
+
+
+def supported_architectures() -> list[str]:
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def hf_config_dict(hf_config: Any) -> dict[str, Any]:
+    """Accept a transformers PretrainedConfig or a config.json dict."""
+    if isinstance(hf_config, dict):
+        return hf_config
+    return hf_config.to_dict()
+
+
+def get_bridge(hf_config: Any) -> Bridge:
+    """The bridge for an HF config's `architectures`; CheckpointError lists the supported ones."""
+    _discover()
+    archs = hf_config_dict(hf_config).get("architectures") or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch]()
+    raise CheckpointError(
+        f"architecture {archs} has no megatron bridge; supported: {sorted(_REGISTRY)} "
+        "(add one as miles_platform/models/bridge/<model>.py)"
+    )
+
+
+def tp_split(name: str) -> str | None:
+    """'column' | 'row' | 'gated' | None (replicated) for a megatron GPT parameter name."""
+    if name.endswith(_GATED_COLUMN_PARALLEL):
+        return "gated"
+    if name.endswith(_COLUMN_PARALLEL):
+        return "column"
+    if name.endswith(_ROW_PARALLEL):
+        return "row"
+    return None
+
+
+def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's slice of a full megatron tensor."""
+    kind = tp_split(name)
+    if kind is None or size == 1:
+        return full
+    if kind == "gated":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return full.chunk(size, dim=0 if kind == "column" else 1)[rank]
+
+
+def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of tp_shard over all ranks' slices (in rank order)."""
+    kind = tp_split(name)
+    if kind is None or len(shards) == 1:
+        return shards[0]
+    if kind == "gated":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=0 if kind == "column" else 1)
+
+
+# Megatron's default --make-vocab-size-divisible-by; a multiple of every power-of-two TP size up
+# to 128, so the padded vocab (and the torch_dist tensor shapes) do not depend on the TP size.
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab(vocab_size: int, tensor_model_parallel_size: int = 1) -> int:
+    """vocab_size rounded up to a multiple of lcm(128, TP): VocabParallelEmbedding splits rows evenly."""
+    m = math.lcm(VOCAB_PAD_MULTIPLE, tensor_model_parallel_size)
+    return -(-vocab_size // m) * m

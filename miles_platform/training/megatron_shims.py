@@ -1,0 +1,133 @@
+"""Everything megatron-core needs to run on a CPU-only machine, in one place.
+
+megatron-core 0.16 assumes CUDA in a few spots that the local layer spec and torch_dist
+checkpointing otherwise do not need. Each shim below is a no-op when CUDA is available:
+
+- `GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()`: allocate on CPU.
+- the RNG tracker is normally seeded by `model_parallel_cuda_manual_seed` (CUDA RNG): create it
+  with `initialize_rng_tracker(inference_rng_tracker=True)`, which forks no CUDA state.
+- `FileSystemWriterAsync.preload_tensors` defaults to pinned, non-blocking D2H copies followed
+  by `torch.cuda.synchronize()`: force `non_blocking=False`.
+- `torch.cuda.current_device()` is called for RoPE frequencies, attention buffers and the
+  failure flag that `dist_checkpointing.save` all-reduces: on a machine without CUDA (where the
+  call could only raise) it answers "cpu".
+
+Process groups: `init_process_group` (gloo; world size 1 picks a free port on 127.0.0.1) and
+`destroy_process_group` wrap torch.distributed and megatron's parallel_state together.
+dist_checkpointing.save forks writer processes, so entry points that save need an
+`if __name__ == "__main__"` guard.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply_cpu_shims() -> bool:
+    """Patch megatron-core for CPU. Idempotent; returns True when shims are active (no CUDA)."""
+    global _APPLIED
+    if cuda_available():
+        return False
+    if _APPLIED:
+        return True
+    from megatron.core import utils as mcore_utils
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        numel = 1
+        for d in tensor_shape:
+            numel *= int(d)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device="cpu")
+        return buf[:numel].view(*tensor_shape)
+
+    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor
+    torch.cuda.current_device = _cpu_device
+
+    original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
+
+    def preload_tensors(write_buckets, non_blocking=True):
+        return original_preload(write_buckets, non_blocking=False)
+
+    filesystem_async.FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
+    _APPLIED = True
+    return True
+
+
+def init_rng(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (CPU: no CUDA RNG states)."""
+    torch.manual_seed(seed)
+    if cuda_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+        return
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _cpu_device() -> str:
+    return "cpu"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(
+    rank: int = 0,
+    world_size: int = 1,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    master_port: int | None = None,
+    seed: int = 1234,
+) -> None:
+    """torch.distributed (gloo on CPU, nccl on GPU) + megatron parallel_state, if not already up."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        if master_port is None:
+            if world_size != 1:
+                raise ValueError("init_process_group: world_size > 1 needs an agreed master_port")
+            master_port = free_port()
+        backend = "nccl" if cuda_available() else "gloo"
+        if cuda_available():
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{master_port}",
+            rank=rank,
+            world_size=world_size,
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    init_rng(seed)
+
+
+def init_single_process_group(tensor_model_parallel_size: int = 1, seed: int = 1234) -> None:
+    """World size 1 on a free TCP port of 127.0.0.1."""
+    init_process_group(0, 1, tensor_model_parallel_size, seed=seed)
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

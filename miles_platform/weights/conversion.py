@@ -1,0 +1,293 @@
+"""HF <-> Megatron torch_dist conversion (`miles-platform convert ...`).
+
+    miles-platform convert hf-to-torch-dist --hf-checkpoint DIR --save DIR [--tensor-model-parallel-size N]
+    miles-platform convert torch-dist-to-hf --load DIR --hf-checkpoint DIR --save DIR
+
+hf-to-torch-dist builds megatron-core's GPTModel, loads the bridged weights and writes
+`dist_checkpointing.save(model.sharded_state_dict())`: the real torch_dist format. Layout, as
+Megatron/Miles write a converted checkpoint:
+
+    <save>/release/                          torch_dist (metadata.json, .metadata, *.distcp, common.pt)
+    <save>/latest_checkpointed_iteration.txt "release"  (written last)
+
+With --tensor-model-parallel-size N, N gloo ranks (spawned processes) each save their shard;
+torch_dist reshards on load, so any TP size reads it back. Everything is written under a temp
+dir next to --save and renamed, so --save never holds a half-written checkpoint.
+
+torch-dist-to-hf loads (TP=1) a torch_dist dir or a save root with the tracker file, maps
+names back through the bridge and writes model.safetensors + the config/tokenizer files of
+--hf-checkpoint, atomically. dist_checkpointing forks writer processes: run this module as
+`python -m miles_platform.weights.conversion` (it has the `__main__` guard) or via the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from miles_platform.errors import CheckpointError
+
+RELEASE = "release"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class ConversionResult:
+    path: str
+    tensors: int
+    bytes: int
+    seconds: float
+    content_hash: str = ""  # sha256 over (name, dtype, shape, bytes) of the converted tensors
+
+
+def read_hf_state_dict(hf_checkpoint: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, all tensors of every *.safetensors file), validated and unconverted."""
+    from safetensors.torch import load_file
+
+    from miles_platform.models.checkpoint import validate_hf_dir
+
+    cfg = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(hf_checkpoint).glob("*.safetensors")):
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types on truncated files
+            raise CheckpointError(f"HF checkpoint {f}: unreadable safetensors ({e})") from e
+    return cfg, sd
+
+
+def tensors_hash(sd: dict[str, torch.Tensor]) -> str:
+    """Deterministic content hash of a state dict (the Dagster data version of a conversion)."""
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def _state_dtype(sd: dict[str, torch.Tensor]) -> torch.dtype:
+    dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _convert_rank(rank: int, world: int, port: int | None, hf_checkpoint: str, out_dir: str, errors) -> None:
+    """One TP rank: build GPTModel, load its shard of the bridged HF weights, save torch_dist."""
+    from miles_platform.training import megatron_backend as mb
+    from miles_platform.training import megatron_shims
+
+    try:
+        torch.set_num_threads(1)
+        cfg, hf_sd = read_hf_state_dict(hf_checkpoint)
+        megatron_shims.init_process_group(rank, world, world, master_port=port)
+        model, bridge = mb.build_gpt_model(cfg, world, params_dtype=_state_dtype(hf_sd))
+        full = bridge.hf_to_megatron(
+            hf_sd,
+            cfg,
+            fused_norms=mb.uses_fused_norms(model),
+            padded_vocab_size=bridge.gpt_model_kwargs(cfg, world)["vocab_size"],
+        )
+        mb.load_full_state(model, full)
+        mb.save_torch_dist(model, out_dir)
+    except Exception as e:
+        if errors is None:
+            raise
+        errors.put(f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e))
+    finally:
+        megatron_shims.destroy_process_group()
+
+
+def _run_ranks(world: int, hf_checkpoint: str, out_dir: str) -> None:
+    """Rank 0 runs here, ranks 1..world-1 in spawned processes (one megatron import fewer)."""
+    import torch.distributed as dist
+
+    from miles_platform.training.megatron_shims import free_port
+
+    if dist.is_initialized():
+        raise CheckpointError("hf-to-torch-dist: run it in a process without a torch.distributed group")
+    if world == 1:
+        _convert_rank(0, 1, None, hf_checkpoint, out_dir, None)
+        return
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_convert_rank, args=(r, world, port, hf_checkpoint, out_dir, errors))
+        for r in range(1, world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        _convert_rank(0, world, port, hf_checkpoint, out_dir, errors)
+    finally:
+        for p in procs:
+            p.join()
+    msgs = []
+    while not errors.empty():
+        msgs.append(errors.get())
+    if msgs or any(p.exitcode != 0 for p in procs):
+        codes = [p.exitcode for p in procs]
+        raise CheckpointError(
+            f"hf-to-torch-dist failed (exit codes of ranks 1..: {codes}): {'; '.join(msgs)}"
+        )
+
+
+def _temp_sibling(dest: Path) -> Path:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _finish(tmp: Path, dest: Path, data_dir: Path, t0: float) -> ConversionResult:
+    from miles_platform.models.checkpoint import _fsync_tree, checkpoint_bytes, replace_dir
+
+    _fsync_tree(tmp)
+    replace_dir(tmp, dest)
+    final = dest / data_dir.relative_to(tmp)
+    tensors = _count_tensors(final)
+    return ConversionResult(str(dest), tensors, checkpoint_bytes(dest), time.perf_counter() - t0)
+
+
+def _count_tensors(path: Path) -> int:
+    if (path / ".metadata").exists():
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        md = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return sum(isinstance(v, TensorStorageMetadata) for v in md.values())
+    from safetensors import safe_open
+
+    n = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            n += len(list(fh.keys()))
+    return n
+
+
+def hf_to_torch_dist(
+    hf_checkpoint: str | os.PathLike, save: str | os.PathLike, tensor_model_parallel_size: int = 1
+) -> ConversionResult:
+    """HF dir -> <save>/release/ (torch_dist) + latest_checkpointed_iteration.txt, atomically."""
+    from miles_platform.models.bridge import get_bridge
+
+    t0 = time.perf_counter()
+    tp = int(tensor_model_parallel_size)
+    if tp < 1:
+        raise CheckpointError(f"--tensor-model-parallel-size {tp}: must be >= 1")
+    # validate names and shapes here, before any process group or temp dir exists
+    cfg, hf_sd = read_hf_state_dict(hf_checkpoint)
+    digest = tensors_hash(get_bridge(cfg).hf_to_megatron(hf_sd, cfg))
+    del hf_sd
+    groups = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if groups % tp:
+        raise CheckpointError(
+            f"--tensor-model-parallel-size {tp}: must divide num_key_value_heads ({groups})"
+        )
+    dest = Path(save)
+    tmp = _temp_sibling(dest)
+    try:
+        data_dir = tmp / RELEASE
+        data_dir.mkdir(parents=True)
+        _run_ranks(tp, str(hf_checkpoint), str(data_dir))
+        _write_atomic(tmp / TRACKER_FILE, RELEASE)  # pointer last
+        res = _finish(tmp, dest, data_dir, t0)
+        res.content_hash = digest
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checkpoint_dtype(ckpt_dir: Path, cfg: dict) -> torch.dtype:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    meta = md.get("embedding.word_embeddings.weight")
+    if meta is not None and hasattr(meta, "properties"):
+        return meta.properties.dtype
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return getattr(torch, name)
+
+
+def torch_dist_to_hf(
+    load: str | os.PathLike, hf_checkpoint: str | os.PathLike, save: str | os.PathLike
+) -> ConversionResult:
+    """torch_dist (dir or save root) -> HF dir with --hf-checkpoint's config and tokenizer, atomically."""
+    from safetensors.torch import save_file
+
+    from miles_platform.models.checkpoint import validate_hf_dir
+    from miles_platform.training import megatron_backend as mb
+    from miles_platform.training import megatron_shims
+
+    t0 = time.perf_counter()
+    cfg = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
+    ckpt_dir = mb.check_torch_dist_dir(load)
+    megatron_shims.init_single_process_group()
+    try:
+        model, bridge = mb.build_gpt_model(cfg, 1, params_dtype=_checkpoint_dtype(ckpt_dir, cfg))
+        mb.load_torch_dist(model, ckpt_dir)
+        hf_sd = bridge.megatron_to_hf(mb.gather_full_state(model), cfg)
+    finally:
+        megatron_shims.destroy_process_group()
+    dest = Path(save)
+    tmp = _temp_sibling(dest)
+    try:
+        tmp.mkdir()
+        for f in Path(hf_checkpoint).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy2(f, tmp / f.name)
+        save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        res = _finish(tmp, dest, tmp, t0)
+        res.content_hash = tensors_hash(hf_sd)
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles-platform convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-torch-dist", help="HF safetensors -> Megatron torch_dist")
+    a.add_argument("--hf-checkpoint", required=True)
+    a.add_argument("--save", required=True)
+    a.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    b = sub.add_parser("torch-dist-to-hf", help="Megatron torch_dist -> HF safetensors")
+    b.add_argument("--load", required=True, help="torch_dist dir, or a save root with the tracker file")
+    b.add_argument("--hf-checkpoint", required=True, help="HF dir to take config and tokenizer from")
+    b.add_argument("--save", required=True)
+    return p
+
+
+def cli_main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.direction == "hf-to-torch-dist":
+        res = hf_to_torch_dist(args.hf_checkpoint, args.save, args.tensor_model_parallel_size)
+    else:
+        res = torch_dist_to_hf(args.load, args.hf_checkpoint, args.save)
+    print(json.dumps(asdict(res)))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from miles_platform.cli import main
+
+    sys.exit(main(["convert", *sys.argv[1:]]))
