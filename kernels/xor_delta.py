@@ -2,9 +2,9 @@
 
 Every function works on the raw bytes of a contiguous tensor (`tensor_bytes`), so any dtype
 (bf16, fp32, fp8, int) round-trips exactly. Each op has a plain torch uint8 reference
-(`*_reference`) and a faster path: XOR over int64 words (8x fewer elements) with the
-unaligned tail done byte-wise, and element comparison through an integer view of the
-element width. Both are exact; tests check them against each other.
+(`*_reference`); the faster paths are in-place XOR application (no allocation) and element
+comparison through an integer view of the element width (one compare per element instead of
+`itemsize` compares + a reduction). Both are exact; tests check them against each other.
 """
 
 from __future__ import annotations
@@ -40,16 +40,14 @@ def xor_bytes_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def xor_bytes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a ^ b over flat uint8 buffers of equal length; int64 words for the aligned body."""
+    """a ^ b over flat uint8 buffers of equal length, optionally into `out` (may alias a or b).
+
+    Memory-bound: torch's uint8 kernel is already SIMD, and an int64-word view measured no faster
+    (bench/bench_weights.py); what pays is writing in place instead of allocating (page faults).
+    """
     if a.numel() != b.numel():
         raise ValueError(f"xor_bytes: length mismatch {a.numel()} != {b.numel()}")
-    out = torch.empty_like(a) if out is None else out
-    n8 = (a.numel() // 8) * 8 if _aligned(a, b, out, width=8) else 0
-    if n8:
-        torch.bitwise_xor(a[:n8].view(torch.int64), b[:n8].view(torch.int64), out=out[:n8].view(torch.int64))
-    if n8 != a.numel():
-        torch.bitwise_xor(a[n8:], b[n8:], out=out[n8:])
-    return out
+    return torch.bitwise_xor(a, b, out=out) if out is not None else torch.bitwise_xor(a, b)
 
 
 def apply_xor_(buf: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

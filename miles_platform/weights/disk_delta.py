@@ -32,26 +32,28 @@ import torch
 from kernels import xor_delta as xd
 from miles_platform.errors import PublicationError
 from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
-
-FORMAT = "miles-disk-delta/1"
-INDEX, PAYLOAD, LATEST, LOCK = "index.json", "payload.bin", "LATEST", ".publish.lock"
-VERSION_FILE = "miles_weight_version.json"
-WEIGHTS_FILE = "model.safetensors"
-VERSION_META_KEY = "miles_weight_version"
-ENCODINGS = ("xor", "overwrite")
-COMPRESSIONS = ("zstd", "none")
-
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-        torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-}  # fmt: skip
-
-
-def version_dir_name(version: int) -> str:
-    return f"weight_v{version:06d}"
+from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: the format's public names)
+    COMPRESSIONS,
+    ENCODINGS,
+    FORMAT,
+    INDEX,
+    LATEST,
+    LOCK,
+    PAYLOAD,
+    VERSION_FILE,
+    VERSION_META_KEY,
+    WEIGHTS_FILE,
+    Codec,
+    committed_versions,
+    dtype_from_name,
+    dtype_name,
+    fsync_dir,
+    list_publications,
+    read_index,
+    read_latest,
+    version_dir_name,
+    write_atomic,
+)
 
 
 @dataclass
@@ -64,139 +66,6 @@ class PublishStats:
     density: float  # changed bytes (xor) / changed elements (overwrite) as a fraction; 1.0 for snapshots
     seconds: float
     path: str = ""
-
-
-# ---- small IO helpers -------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise PublicationError(f"unsupported dtype {name!r} in publication index")
-    return _DTYPES[name]
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
-
-
-class _Codec:
-    def __init__(self, compression: str, level: int = 1):
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
-        self.compression = compression
-        if compression == "zstd":
-            import zstandard
-
-            self._c = zstandard.ZstdCompressor(level=level, write_checksum=True)
-            self._d = zstandard.ZstdDecompressor()
-
-    def compress(self, buf: torch.Tensor) -> bytes:
-        mv = memoryview(buf.numpy())
-        return self._c.compress(mv) if self.compression == "zstd" else mv.tobytes()
-
-    def decompress_into(self, frame: memoryview, out: torch.Tensor) -> None:
-        """Decode one frame into `out` (uint8, exact length) or raise ValueError."""
-        dst = memoryview(out.numpy())
-        if self.compression == "none":
-            if len(frame) != len(dst):
-                raise ValueError(f"frame is {len(frame)} bytes, expected {len(dst)}")
-            dst[:] = frame
-            return
-        import zstandard
-
-        try:
-            with self._d.stream_reader(frame, read_across_frames=False) as r:
-                n = 0
-                while n < len(dst):
-                    k = r.readinto(dst[n:])
-                    if not k:
-                        break
-                    n += k
-                extra = r.read(1)
-        except zstandard.ZstdError as e:
-            raise ValueError(f"zstd: {e}") from e
-        if n != len(dst) or extra:
-            raise ValueError(f"frame decodes to a different length than the expected {len(dst)} bytes")
-
-
-# ---- reading a publication dir ----------------------------------------------------------------
-
-
-def read_latest(pub_dir: str | os.PathLike) -> int | None:
-    """The committed version named by LATEST, or None for an empty publication dir."""
-    p = Path(pub_dir) / LATEST
-    if not p.exists():
-        return None
-    text = p.read_text().strip()
-    if not text.isdigit():
-        raise PublicationError(f"{p}: corrupt LATEST pointer {text[:40]!r}")
-    return int(text)
-
-
-def read_index(pub_dir: str | os.PathLike, version: int) -> dict:
-    d = Path(pub_dir) / version_dir_name(version)
-    where = f"publication {version_dir_name(version)} in {pub_dir}"
-    if not d.is_dir():
-        raise PublicationError(f"{where}: missing version directory")
-    try:
-        idx = json.loads((d / INDEX).read_text())
-    except FileNotFoundError as e:
-        raise PublicationError(f"{where}: missing {INDEX}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PublicationError(f"{where}: corrupt {INDEX} ({e})") from e
-    if idx.get("format") != FORMAT or idx.get("version") != version:
-        raise PublicationError(
-            f"{where}: {INDEX} declares format {idx.get('format')!r} version {idx.get('version')!r}"
-        )
-    return idx
-
-
-def committed_versions(pub_dir: str | os.PathLike) -> list[int]:
-    latest = read_latest(pub_dir)
-    if latest is None:
-        return []
-    out = []
-    for d in Path(pub_dir).glob("weight_v*"):
-        v = d.name.removeprefix("weight_v")
-        if v.isdigit() and int(v) <= latest:
-            out.append(int(v))
-    return sorted(out)
-
-
-def list_publications(pub_dir: str | os.PathLike) -> list[dict]:
-    """One row per committed version (index summary), oldest first; unreadable indices marked."""
-    rows = []
-    for v in committed_versions(pub_dir):
-        try:
-            idx = read_index(pub_dir, v)
-            rows.append(
-                {k: idx.get(k) for k in ("version", "base_version", "kind", "encoding", "checksum")}
-                | {k: idx["stats"].get(k) for k in ("wire_bytes", "full_bytes", "density")}
-            )
-        except PublicationError as e:
-            rows.append({"version": v, "error": str(e)})
-    return rows  # fmt: skip
 
 
 def plan_catch_up(pub_dir: str | os.PathLike, from_version: int | None, to_version: int) -> list[int]:
@@ -243,13 +112,13 @@ def _replay(pub_dir, chain: list[dict], bufs: dict, metas: dict, version: int | 
                 f"{where}: layout mismatch: local-only {missing[:3]}, published-only {extra[:3]}"
             )
         payload = _read_payload(pub_dir, idx)
-        codec = _Codec(idx["compression"])
+        codec = Codec(idx["compression"])
         step_changed = set()
         for t in idx["tensors"]:
-            name, dtype, shape = t["name"], _dtype(t["dtype"]), list(t["shape"])
+            name, dtype, shape = t["name"], dtype_from_name(t["dtype"]), list(t["shape"])
             if check_layout and (metas[name][0] != dtype or list(metas[name][1]) != shape):
                 raise PublicationError(
-                    f"{where}: tensor {name}: layout mismatch: local {_dtype_name(metas[name][0])}"
+                    f"{where}: tensor {name}: layout mismatch: local {dtype_name(metas[name][0])}"
                     f"{list(metas[name][1])}, published {t['dtype']}{shape}"
                 )
             if t["payload"] is not None:
@@ -293,7 +162,7 @@ def _read_payload(pub_dir, idx: dict) -> memoryview:
     return memoryview(data)
 
 
-def _decode_tensor(idx: dict, t: dict, payload: memoryview, codec: _Codec, cur: torch.Tensor | None):
+def _decode_tensor(idx: dict, t: dict, payload: memoryview, codec: Codec, cur: torch.Tensor | None):
     p = t["payload"]
     frame = payload[p["offset"] : p["offset"] + p["length"]]
     raw = torch.empty(p["raw_length"], dtype=torch.uint8)
@@ -308,8 +177,8 @@ def _decode_tensor(idx: dict, t: dict, payload: memoryview, codec: _Codec, cur: 
         if raw.numel() != t["nbytes"]:
             raise ValueError(f"xor delta holds {raw.numel()} bytes, tensor has {t['nbytes']}")
         return xd.apply_xor_(raw, cur)  # raw ^= cur: raw becomes the new bytes, cur stays untouched
-    itemsize = _dtype(t["dtype"]).itemsize
-    k, idx_dtype = t["num_changed"], _dtype(t["index_dtype"])
+    itemsize = dtype_from_name(t["dtype"]).itemsize
+    k, idx_dtype = t["num_changed"], dtype_from_name(t["index_dtype"])
     if raw.numel() != k * (idx_dtype.itemsize + itemsize):
         raise ValueError(f"overwrite payload is {raw.numel()} bytes for {k} changed elements")
     gaps = raw[: k * idx_dtype.itemsize].view(idx_dtype)
@@ -400,8 +269,8 @@ def apply_publication(
         os.replace(tmp, wf)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(local)
-    _write_atomic(local / VERSION_FILE, json.dumps({"version": target, "publication": str(pub_dir)}).encode())
+    fsync_dir(local)
+    write_atomic(local / VERSION_FILE, json.dumps({"version": target, "publication": str(pub_dir)}).encode())
     return target
 
 
@@ -480,7 +349,7 @@ class DeltaPublisher:
             raise ValueError(f"--disk-delta-keyframe-interval must be >= 1, got {keyframe_interval}")
         self.pub_dir = Path(pub_dir)
         self.encoding, self.algo, self.keyframe_interval = encoding, checksum, keyframe_interval
-        self.codec = _Codec(compression, zstd_level)
+        self.codec = Codec(compression, zstd_level)
         self.lock_wait_s = lock_wait_s  # >0: wait for another publisher instead of failing at once
         self._loaded = False
         self._latest: int | None = None
@@ -553,7 +422,7 @@ class DeltaPublisher:
         )  # fmt: skip
 
     def _write_latest(self, version: int) -> None:
-        _write_atomic(self.pub_dir / LATEST, f"{version}\n".encode())
+        write_atomic(self.pub_dir / LATEST, f"{version}\n".encode())
 
     def _write_version(self, version, base, kind, new, metas):
         final = self.pub_dir / version_dir_name(version)
@@ -590,7 +459,7 @@ class DeltaPublisher:
                 json.dump(idx, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, final)  # a racing publisher's dir already there: rename fails (non-empty dir)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -600,7 +469,7 @@ class DeltaPublisher:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(self.pub_dir)
+        fsync_dir(self.pub_dir)
         return idx, sums, changed
 
     def _encode(self, name: str, buf: torch.Tensor, meta, kind: str):
@@ -608,7 +477,7 @@ class DeltaPublisher:
         dtype, shape = meta
         entry = {
             "name": name,
-            "dtype": _dtype_name(dtype),
+            "dtype": dtype_name(dtype),
             "shape": shape,
             "nbytes": buf.numel(),
             "payload": None,

@@ -1,0 +1,119 @@
+"""Weights benchmarks (not a test): disk-delta encode/apply, checksums, quantization, wire bytes.
+
+Every throughput is compared with a plain memcpy (`torch.clone`) of the same bytes measured in the
+same run; wire bytes are reported as a fraction of the full checkpoint after one AdamW step at
+lr 1e-6 (fp32 master weights, published as fp32 and as a bf16 export).
+
+    .venv/bin/python bench/bench_weights.py [--mb 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from kernels import quant as kq
+from kernels import xor_delta as xd
+from miles_platform.weights import disk_delta as dd
+from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
+
+
+def _best(fn, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _model(mb: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    n = max(1, mb * 2**20 // (4 * 1024 * 1024))
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(n)])
+
+
+def _adamw_step(model: torch.nn.Module, lr: float = 1e-6) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    x = torch.randn(64, 1024)
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def _row(name, ours, baseline, unit):
+    return {
+        "name": name,
+        "ours": ours,
+        "baseline": baseline,
+        "ratio": ours / baseline if baseline else float("nan"),
+        "unit": unit,
+    }
+
+
+def run(mb: int = 48) -> list[dict]:
+    torch.set_num_threads(1)
+    model = _model(mb)
+    s0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _adamw_step(model)
+    s1 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    nbytes = sum(v.numel() * v.element_size() for v in s0.values())
+    gb = nbytes / 1e9
+    memcpy = _best(lambda: [v.clone() for v in s1.values()], 5)
+    rows = []
+    for enc in ("xor", "overwrite"):
+        for dtype in (torch.float32, torch.bfloat16):
+            a = {k: v.to(dtype) for k, v in s0.items()}
+            b = {k: v.to(dtype) for k, v in s1.items()}
+            full = sum(v.numel() * v.element_size() for v in a.values())
+            copy_s = _best(lambda b=b: [v.clone() for v in b.values()], 5)
+            with tempfile.TemporaryDirectory() as d:
+                pub = dd.DeltaPublisher(d, encoding=enc)
+                pub.publish(a)
+                st = pub.publish(b)
+                engine = {k: v.clone() for k, v in a.items()}
+                t0 = time.perf_counter()
+                dd.apply_to_state_dict(d, engine, from_version=0, to_version=1)
+                apply_s = time.perf_counter() - t0
+            tag = f"{enc}/{str(dtype).removeprefix('torch.')}"
+            rows.append(_row(f"encode+publish {tag}", full / st.seconds / 1e9, full / copy_s / 1e9, "GB/s"))
+            rows.append(_row(f"verify+apply {tag}", full / apply_s / 1e9, full / copy_s / 1e9, "GB/s"))
+            rows.append(
+                _row(f"wire bytes after AdamW lr=1e-6 {tag}", st.wire_bytes / full, 1.0, "fraction of full")
+            )
+            rows.append(_row(f"density {tag}", st.density, 1.0, "fraction changed"))
+    flat = [xd.tensor_bytes(v) for v in s1.values()]
+    prev = [xd.tensor_bytes(v) for v in s0.values()]
+    scratch = [p.clone() for p in prev]
+    xor_s = _best(lambda: [xd.apply_xor_(s, f) for s, f in zip(scratch, flat)])
+    xor_ref_s = _best(lambda: [xd.xor_bytes_reference(p, f) for p, f in zip(prev, flat)])
+    rows.append(_row("xor apply in place vs allocating reference", gb / xor_s, gb / xor_ref_s, "GB/s"))
+    rows.append(_row("xor apply in place vs memcpy", gb / xor_s, gb / memcpy, "GB/s"))
+    pos_s = _best(lambda: [xd.changed_positions(p, f, 4) for p, f in zip(prev, flat)], 1)
+    pos_ref_s = _best(lambda: [xd.changed_positions_reference(p, f, 4) for p, f in zip(prev, flat)], 1)
+    rows.append(_row("changed positions (int32 view) vs uint8 reference", gb / pos_s, gb / pos_ref_s, "GB/s"))
+    for algo in CHECKSUM_ALGOS:
+        cs = _best(lambda algo=algo: [checksum(v, algo) for v in s1.values()])
+        rows.append(_row(f"checksum {algo}", gb / cs, gb / memcpy, "GB/s"))
+    ws = [v for v in s1.values() if v.dim() == 2]
+    wgb = sum(v.numel() * 4 for v in ws) / 1e9
+    fp8_s = _best(lambda: [kq.fp8_block_quant(w) for w in ws], 1)
+    int4_s = _best(lambda: [kq.int4_pack_quantize(w, 128) for w in ws], 1)
+    rows.append(_row("quantize fp8 block 128x128 (fp32 in)", wgb / fp8_s, gb / memcpy, "GB/s"))
+    rows.append(_row("quantize int4 g128 pack (fp32 in)", wgb / int4_s, gb / memcpy, "GB/s"))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=48, help="fp32 model size in MB")
+    rows = run(p.parse_args().mb)
+    print(f"{'benchmark':<48} {'ours':>10} {'baseline':>10} {'ratio':>7}  unit")
+    for r in rows:
+        print(f"{r['name']:<48} {r['ours']:>10.4g} {r['baseline']:>10.4g} {r['ratio']:>7.3f}  {r['unit']}")
+
+
+if __name__ == "__main__":
+    main()
