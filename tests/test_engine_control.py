@@ -207,3 +207,21 @@ def test_pause_retract_and_in_place_resume_to_the_same_result(engine, mode):
 def test_bad_pause_mode_is_400(engine):
     r = httpx.post(f"{engine.url}/pause_generation", json={"mode": "sleep"})
     assert r.status_code == 400 and "in_place" in r.json()["error"]["message"]
+
+
+def test_engine_actor_body_serves_http_and_takes_tensor_updates(tiny_hf_checkpoint, other_checkpoint):
+    from miles_platform.rollout.engine import EngineActor
+
+    actor = EngineActor(tiny_hf_checkpoint)  # what ray.remote(EngineActor) runs inside the actor
+    try:
+        url = actor.url()
+        before = _gen(url, input_ids=[1, 2, 3], sampling_params=GREEDY)
+        new_model, _ = load_hf_checkpoint(other_checkpoint)
+        named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
+        assert actor.update_weights_from_tensors(named, weight_version=4) == 4 == actor.get_weight_version()
+        after = _gen(url, input_ids=[1, 2, 3], sampling_params=GREEDY)
+        assert after["meta_info"]["weight_version"] == 4 and after["output_ids"] != before["output_ids"]
+    finally:
+        actor.shutdown()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)

@@ -543,9 +543,10 @@ class EngineCore:
         self._advance(logits, rows=range(len(b)))
 
     def _forward(self, ids, mask, pos, cache, prefill: bool) -> torch.Tensor:
+        # Without padding the causal mask is implied; passing None keeps SDPA on its fast path.
         out = self.model(
             input_ids=ids,
-            attention_mask=mask,
+            attention_mask=None if bool(mask.all()) else mask,
             position_ids=pos,
             cache=cache,
             use_cache=True,
