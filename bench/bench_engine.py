@@ -38,7 +38,7 @@ def _checkpoint(root: str) -> str:
 def run() -> list[dict]:
     from miles_platform.rollout.engine_core import EngineCore
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # a shared 2-core box: OpenMP teams stall when other jobs hold the cores
     rows = []
     with tempfile.TemporaryDirectory() as root:
         core = EngineCore(_checkpoint(root), max_batch_size=max(BATCHES))

@@ -119,6 +119,17 @@ def test_weight_version_constraints_409_and_client_retry(engine, other_checkpoin
     assert res["meta_info"]["weight_version"] == res["meta_info"]["weight_version_start"] == 1
 
 
+def _slow_down(core, seconds=0.003):
+    """Make each forward pass take >= `seconds`, so a pause reliably lands mid-generation."""
+    forward = core._forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    core._forward = slow
+
+
 def _start_long_requests(url, n=3, max_new_tokens=150):
     """Fire n long greedy requests; return (loop, tasks) once all of them are generating."""
     start = _stats(url)["num_generated_tokens"]
@@ -158,6 +169,7 @@ def _finish(loop, tasks):
 
 def test_pause_abort_returns_partial_output(engine):
     url = engine.url
+    _slow_down(engine.core)
     loop, tasks = _start_long_requests(url)
     assert httpx.post(f"{url}/pause_generation", json={"mode": "abort"}).status_code == 200
     for res in _finish(loop, tasks):
@@ -183,6 +195,7 @@ def test_pause_retract_and_in_place_resume_to_the_same_result(engine, mode):
         )
         for i in range(3)
     ]
+    _slow_down(engine.core)
     loop, tasks = _start_long_requests(url)
     assert httpx.post(f"{url}/pause_generation", json={"mode": mode}).status_code == 200
     stats = _stats(url)

@@ -230,12 +230,13 @@ def start_engine_server(
     weight_version: int = 0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     core: EngineCore | None = None,
+    num_threads: int | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
     existing EngineCore (it is then not stopped with the server)."""
     owns = core is None
     if core is None:
-        core = EngineCore(hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version)
+        core = EngineCore(hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version, num_threads)
     try:
         thread = serve_in_thread(create_app(core, api_key, max_request_bytes), host, port, "engine-http")
     except Exception:
@@ -292,6 +293,7 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--max-running-requests", type=int, default=32, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     ap.add_argument("--weight-version", type=int, default=0)
+    ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads of the engine")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = start_engine_server(
@@ -303,6 +305,7 @@ def cli_main(argv: list[str]) -> int:
         args.max_running_requests,
         args.batch_wait_ms,
         args.weight_version,
+        num_threads=args.num_threads,
     )
     print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
     wait_for_stop_signal()

@@ -191,16 +191,15 @@ class EngineCore:
         max_batch_size: int = 32,
         batch_wait_ms: float = 5.0,
         weight_version: int = 0,
+        num_threads: int | None = None,
     ):
+        """`num_threads`: torch intra-op threads of the scheduler thread (None: the process setting).
+        With libgomp, two threads that both run multi-threaded torch ops oversubscribe the CPUs and
+        throttle each other badly; see docs/engine.md."""
         self.model_path = str(hf_checkpoint)
         self.dtype = _parse_dtype(dtype)
-        self.model, self.tokenizer = _load_model(self.model_path, self.dtype)
         self.max_batch_size = int(max_batch_size)
         self.batch_wait_s = batch_wait_ms / 1000.0
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
-        self.vocab_size = int(self.model.config.vocab_size)
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
-        self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
         self._weight_version = int(weight_version)
         self.stats = {
             "num_forward_calls": 0,
@@ -218,8 +217,44 @@ class EngineCore:
         self._batch = _Batch()
         self._paused = False
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._control: deque[tuple] = deque()  # (fn, Future) run on the scheduler thread
+        self._num_threads = num_threads
+        # All torch compute (load, forward, weight copies) runs on the scheduler thread: a second
+        # thread with its own OpenMP team would make libgomp throttle both (see docs/engine.md).
+        self._ready, self._load_error = threading.Event(), None
+        self._thread = threading.Thread(target=self._run, name="engine-scheduler", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def _run(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        try:
+            self.model, self.tokenizer = _load_model(self.model_path, self.dtype)
+            self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+            self.vocab_size = int(self.model.config.vocab_size)
+            self.eos_ids = _eos_ids(self.model, self.tokenizer)
+            self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
+        except BaseException as e:
+            self._load_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop()
+
+    def _in_scheduler(self, fn):
+        """Run `fn()` on the scheduler thread between steps and return its result (or raise)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("engine stopped")
+            self._control.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result()
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -282,22 +317,25 @@ class EngineCore:
         self, named_tensors: dict[str, torch.Tensor], weight_version: int
     ) -> None:
         """Copy (a subset of) parameters in, atomically between forward passes; set the version."""
-        prepared = self._prepare_tensors(named_tensors, require_all=False)
-        self._swap(prepared, int(weight_version))
+        self._in_scheduler(
+            lambda: self._swap(self._prepare_tensors(named_tensors, require_all=False), int(weight_version))
+        )
 
     def update_weights_from_disk(self, path: str | os.PathLike, weight_version: int | None = None) -> int:
         """Load a full HF checkpoint dir (quantized ones via the dequantizing loader); returns the new version."""
         state = _read_state_dict(path)
-        prepared = self._prepare_tensors(state, require_all=True, source=str(path))
         version = self._weight_version + 1 if weight_version is None else int(weight_version)
-        self._swap(prepared, version)
+        self._in_scheduler(
+            lambda: self._swap(self._prepare_tensors(state, require_all=True, source=str(path)), version)
+        )
         self.model_path = str(path)
         return version
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of every parameter (tied ones once), for --check-weight-update-equal."""
-        with self._step_lock:
-            return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        return self._in_scheduler(
+            lambda: {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        )
 
     def pause_generation(self, mode: str = "abort") -> None:
         """abort: finish in-flight and queued requests with finish_reason abort; retract: drop their KV
@@ -341,7 +379,10 @@ class EngineCore:
             for r in list(self._waiting) + self._batch.reqs:
                 if not r.future.done():
                     r.future.set_exception(EngineStopped("engine stopped"))
+            for _, fut in self._control:
+                fut.set_exception(EngineStopped("engine stopped"))
             self._waiting.clear()
+            self._control.clear()
             self._batch = _Batch()
 
     # ---- request parsing ----------------------------------------------------------------------------
@@ -473,14 +514,30 @@ class EngineCore:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and (self._paused or (not self._waiting and not len(self._batch))):
+                while (
+                    not self._stopping
+                    and not self._control
+                    and (self._paused or (not self._waiting and not len(self._batch)))
+                ):
                     self._cv.wait()
                 if self._stopping:
                     return
+                control = list(self._control)
+                self._control.clear()
+            if control:
+                for fn, fut in control:
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:
+                        fut.set_exception(e)
+                continue
+            with self._cv:
                 if not len(self._batch) and len(self._waiting) < self.max_batch_size:
                     # Collect requests that arrive together into one batch.
                     deadline = time.monotonic() + self.batch_wait_s
-                    while len(self._waiting) < self.max_batch_size and not self._stopping:
+                    while (
+                        len(self._waiting) < self.max_batch_size and not self._stopping and not self._control
+                    ):
                         left = deadline - time.monotonic()
                         if left <= 0:
                             break
