@@ -238,3 +238,27 @@ def test_engine_actor_body_serves_http_and_takes_tensor_updates(tiny_hf_checkpoi
         actor.shutdown()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_checkpoint_is_served_dequantized(engine, tiny_hf_checkpoint, tmp_path, fmt):
+    quantize = pytest.importorskip("miles_platform.weights.quantize")
+    qdir = str(tmp_path / fmt)
+    quantize.quantize_checkpoint(tiny_hf_checkpoint, qdir, fmt=fmt, group_size=16)
+    r = httpx.post(f"{engine.url}/update_weights_from_disk", json={"model_path": qdir}, timeout=60)
+    assert r.status_code == 200, r.text
+    res = _gen(engine.url, input_ids=[1, 2, 3], sampling_params=GREEDY, return_logprob=True)
+    ref, _ = load_hf_checkpoint(tiny_hf_checkpoint)
+    ref.load_state_dict(quantize.load_dequantized_state_dict(qdir, torch.float32), strict=False)
+    with torch.no_grad():
+        logits = ref(torch.tensor([[1, 2, 3] + res["output_ids"]])).logits.float()
+    want = torch.log_softmax(logits[0, 2:-1], -1).gather(1, torch.tensor(res["output_ids"])[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-4)
+    # an engine can also start from the quantized dir
+    srv = start_engine_server(qdir)
+    try:
+        again = _gen(srv.url, input_ids=[1, 2, 3], sampling_params=GREEDY)
+        assert again["output_ids"] == res["output_ids"]
+    finally:
+        srv.stop()
