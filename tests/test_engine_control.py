@@ -262,3 +262,23 @@ def test_quantized_checkpoint_is_served_dequantized(engine, tiny_hf_checkpoint, 
         assert again["output_ids"] == res["output_ids"]
     finally:
         srv.stop()
+
+
+def test_running_exact_version_request_fails_409_when_weights_change(engine, other_checkpoint):
+    url = engine.url
+    _slow_down(engine.core)
+    body = {"input_ids": [1, 2, 3], "exact_weight_version": 0, "sampling_params": {"max_new_tokens": 200}}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as ac:
+            task = asyncio.create_task(ac.post(f"{url}/generate", json=body))
+            while engine.core.stats["num_generated_tokens"] < 3:
+                await asyncio.sleep(0.005)
+            new_model, _ = load_hf_checkpoint(other_checkpoint)
+            named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
+            await asyncio.to_thread(engine.core.update_weights_from_tensors, named, 1)
+            return await task
+
+    r = asyncio.run(run())
+    assert r.status_code == 409, r.text
+    assert r.json()["error"]["exact_weight_version"] == 0 and r.json()["error"]["weight_version"] == 1
