@@ -64,6 +64,7 @@ def _train_sft(config: BaseCheckpointConfig, storage: StorageRootResource, dest:
         "metadata": {
             "source": "sft",
             "sft_seconds": round(m["sft_seconds"], 2),
+            "sft_cpu_seconds": round(m["sft_cpu_seconds"], 2),
             "sft_final_loss": round(m["final_loss"], 5),
             "sft_train_iters": m["train_iters"],
             "sft_seed": recipe.seed,

@@ -49,9 +49,10 @@ def test_sft_continues_from_an_existing_hf_dir(sft_data, tiny_hf_checkpoint, tmp
         sft_data,
         tmp_path / "cont",
         hf_checkpoint=tiny_hf_checkpoint,
-        recipe=_recipe(train_iters=3),
+        recipe=_recipe(train_iters=3, num_threads=2),
         progress=False,
     )
+    assert torch.get_num_threads() == 1  # the recipe's thread count is restored after SFT
     after, _ = load_hf_checkpoint(m["save"])
     w = "model.embed_tokens.weight"
     assert after.state_dict()[w].shape == before.state_dict()[w].shape

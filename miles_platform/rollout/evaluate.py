@@ -213,7 +213,12 @@ def evaluate(
         rows = load_eval_rows(path, input_key, label_key)[:max_prompts]
         prompts = [r["prompt"] for r in rows]
         greedy = score(args, rows, generate_fn(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed))
-        sampled = score(args, rows, generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, k, seed))
+        if temperature is not None and temperature <= 0:  # greedy samples are all the greedy answer
+            sampled = [g * k for g in greedy]
+        else:
+            sampled = score(
+                args, rows, generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, k, seed)
+            )
         correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
         res: dict[str, Any] = {
             "pass@1": sum(g[0] for g in greedy) / len(rows),

@@ -49,6 +49,9 @@ class SFTRecipe:
     num_epoch: float | None = None  # used when train_iters is None
     seed: int = 1234
     log_interval: int = 25
+    # torch intra-op threads during SFT (restored after); None keeps the process setting. One
+    # thread: the matmuls are tiny, and a 2-thread pool on a busy 2-core box is several x slower.
+    num_threads: int | None = 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,6 +167,23 @@ def run_sft(
         epochs = recipe.num_epoch or 1.0
         iters = max(1, math.ceil(epochs * len(rows) / recipe.global_batch_size))
 
+    prev_threads = torch.get_num_threads()
+    if recipe.num_threads:
+        torch.set_num_threads(recipe.num_threads)
+    try:
+        metrics = _train(model, ids, mask, recipe, iters, progress)
+    finally:
+        torch.set_num_threads(prev_threads)
+    metrics.update(
+        num_parameters=num_parameters(model), num_samples=len(rows), recipe=recipe.to_dict(), save=None
+    )
+    if save:
+        metrics["save"] = str(save_hf_checkpoint(model, tokenizer, save))
+    metrics["model"], metrics["tokenizer"] = model, tokenizer
+    return metrics
+
+
+def _train(model, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress) -> dict:
     torch.manual_seed(recipe.seed)
     gen = torch.Generator().manual_seed(recipe.seed)
     model.train()
@@ -177,11 +197,12 @@ def run_sft(
     curve: list[tuple[int, float]] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
     bar = _progress(iters, progress)
-    perm, pos = torch.randperm(len(rows), generator=gen), 0
+    n_rows = ids.size(0)
+    perm, pos = torch.randperm(n_rows, generator=gen), 0
     window: list[float] = []
     for step in range(iters):
-        if pos + recipe.global_batch_size > len(rows):  # new epoch: reshuffle
-            perm, pos = torch.randperm(len(rows), generator=gen), 0
+        if pos + recipe.global_batch_size > n_rows:  # new epoch: reshuffle
+            perm, pos = torch.randperm(n_rows, generator=gen), 0
         batch = perm[pos : pos + recipe.global_batch_size]
         pos += recipe.global_batch_size
         n_tokens = mask[batch, 1:].sum()
@@ -202,22 +223,13 @@ def run_sft(
         bar.update(1)
     bar.close()
     model.eval()
-    seconds = time.perf_counter() - t0
-    metrics = {
+    return {
         "loss_curve": curve,
         "final_loss": curve[-1][1],
-        "sft_seconds": seconds,
+        "sft_seconds": time.perf_counter() - t0,
         "sft_cpu_seconds": time.process_time() - cpu0,  # load-independent: the machine is shared
         "train_iters": iters,
-        "num_parameters": num_parameters(model),
-        "num_samples": len(rows),
-        "recipe": recipe.to_dict(),
-        "save": None,
     }
-    if save:
-        metrics["save"] = str(save_hf_checkpoint(model, tokenizer, save))
-    metrics["model"], metrics["tokenizer"] = model, tokenizer
-    return metrics
 
 
 def _sft_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -266,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    if a.hf_checkpoint is None and not os.path.exists(a.prompt_data) and "://" not in a.prompt_data:
+    if "://" not in a.prompt_data and not os.path.exists(a.prompt_data):
         raise DataError(f"--prompt-data {a.prompt_data}: file not found")
     recipe = dataclasses.replace(
         default_sft_recipe(),
