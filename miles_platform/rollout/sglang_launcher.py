@@ -200,7 +200,8 @@ class SGLangEngineActor:
         )
         os.makedirs(log_dir, exist_ok=True)
         log = open(os.path.join(log_dir, f"engine_{self.rank}_{port}.log"), "ab")  # noqa: SIM115
-        env = {**os.environ, **self.env}
+        # log-probs of the unscaled logits: the trainer compares against those (docs/engine.md)
+        env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **os.environ, **self.env}
         self.proc = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -139,8 +139,7 @@ class TrainerActor:
         """Per-sample log-probs of response tokens (fp32), from one padded forward."""
         ids, pos = self._pack(batch, idx)
         logits = backend.logits(ids, pos).float()
-        if self.cfg.rollout_temperature and self.cfg.rollout_temperature != 1.0:
-            logits = logits / self.cfg.rollout_temperature
+        # unscaled log-probs: the engines' contract (SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1)
         out, ents = [], []
         for r, i in enumerate(idx):
             total, resp = len(batch.tokens[i]), batch.response_lengths[i]
