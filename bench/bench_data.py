@@ -1,0 +1,143 @@
+"""Data path: DuckDB over the rollout store vs pandas over the same rows as JSONL.
+
+1M synthetic rollout rows (ROLLOUT_SCHEMA, hive layout, written with the store's atomic
+Parquet writer) are aggregated per rollout id -- mean reward and mean response length -- through
+miles_platform.store.catalog.Catalog. The baseline reads the same rows dumped as JSONL (what
+other RL frameworks write) with pandas.read_json(lines=True) -- its fastest engine, pyarrow --
+and a groupby. Both are timed end to
+end (file read included, page cache warm for both) and must return the same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from bench.common import best_of, main, row
+from miles_platform.store.catalog import Catalog
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.shards import ROLLOUT_SCHEMA, shard_path, write_parquet_atomic
+
+RUN = "bench"
+SQL = (
+    "select rollout_id, avg(reward) as reward, avg(response_length) as response_length "
+    "from rollouts where run = 'bench' group by rollout_id order by rollout_id"
+)
+
+
+def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def synthetic_table(rollout_id: int, n: int, seed: int) -> pa.Table:
+    """One rollout's worth of rows shaped like the arithmetic task: short prompts and responses."""
+    rng = np.random.default_rng(seed)
+    group = np.arange(n) // 8
+    plen = np.full(n, 6)
+    rlen = rng.integers(1, 9, n)
+    a, b = rng.integers(10, 100, n), rng.integers(10, 100, n)
+    prompts = pa.array([f"{x}+{y}=" for x, y in zip(a.tolist(), b.tolist(), strict=True)])
+    reward = rng.integers(0, 2, n).astype(np.float64)
+    cols = {
+        "run": pa.array([RUN] * n),
+        "rollout_id": pa.array(np.full(n, rollout_id, dtype=np.int64)),
+        "group_index": pa.array(group.astype(np.int64)),
+        "index": pa.array(np.arange(n, dtype=np.int64)),
+        "prompt": prompts,
+        "prompt_tokens": _lists(plen, rng.integers(0, 256, plen.sum())),
+        "response": pa.array((a + b).astype(str).tolist()),
+        "response_tokens": _lists(rlen, rng.integers(0, 256, rlen.sum())),
+        "response_length": pa.array(rlen.astype(np.int64)),
+        "rollout_log_probs": _lists(rlen, -rng.random(rlen.sum())),
+        "loss_mask": _lists(rlen, np.ones(rlen.sum(), dtype=np.int64)),
+        "label": pa.array((a + b).astype(str).tolist()),
+        "reward": pa.array(reward),
+        "reward_json": pa.nulls(n, pa.string()),
+        "raw_reward": pa.array(reward),
+        "status": pa.array(["completed"] * n),
+        "weight_version_start": pa.array(np.full(n, rollout_id, dtype=np.int64)),
+        "weight_version_end": pa.array(np.full(n, rollout_id, dtype=np.int64)),
+        "metadata": pa.array(['{"task": "arithmetic"}'] * n),
+        "remove_sample": pa.array(np.zeros(n, dtype=bool)),
+    }
+    return pa.table([cols[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
+
+
+def build_store(root: str, rows: int, rollouts: int) -> tuple[StoragePaths, str]:
+    """Write the Parquet shards (hive layout) and the same rows as one JSONL file."""
+    paths = StoragePaths(root)
+    per = rows // rollouts
+    jsonl = os.path.join(root, "rollouts.jsonl")
+    con = duckdb.connect()
+    for rid in range(rollouts):
+        t = synthetic_table(rid, per, seed=rid)
+        write_parquet_atomic(t, shard_path(paths, RUN, rid))
+    # the JSONL dump: every column as written, one object per line (DuckDB writes it fast)
+    glob = f"{paths.rollouts}/*/*/*.parquet"
+    con.execute(
+        f"COPY (SELECT * FROM read_parquet('{glob}', hive_partitioning=false)) TO '{jsonl}' (FORMAT JSON)"
+    )
+    con.close()
+    Catalog(paths).refresh()
+    return paths, jsonl
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def run(rows: int = 1_000_000, rollouts: int = 250) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as root:
+        t0 = time.perf_counter()
+        paths, jsonl = build_store(root, rows, rollouts)
+        gen_s = time.perf_counter() - t0
+        cat = Catalog(paths)
+        result: dict[str, list] = {}
+
+        def duck():
+            result["duck"] = cat.query(SQL)[1]
+
+        def pandas_jsonl():
+            # engine="pyarrow" is pandas' fastest JSONL reader (the default ujson path is ~3x slower)
+            df = pd.read_json(jsonl, lines=True, engine="pyarrow")
+            g = df.groupby("rollout_id").agg(
+                reward=("reward", "mean"), response_length=("response_length", "mean")
+            )
+            result["pandas"] = list(g.reset_index().itertuples(index=False, name=None))
+
+        t_duck = best_of(duck, 3)
+        t_pd = best_of(pandas_jsonl, 1)  # ~10-20 s per call on a small CPU: once
+        d, p = result["duck"], result["pandas"]
+        assert len(d) == len(p) == rollouts, (len(d), len(p))
+        for x, y in zip(d, p, strict=True):
+            assert x[0] == y[0] and abs(x[1] - y[1]) < 1e-9 and abs(x[2] - y[2]) < 1e-9, (x, y)
+        n = (rows // rollouts) * rollouts
+        parquet_bytes, jsonl_bytes = _dir_bytes(paths.rollouts), os.path.getsize(jsonl)
+        return [
+            row(
+                f"data: per-rollout mean reward+len, {n / 1e6:g}M rows (DuckDB/Parquet vs pandas/JSONL)",
+                n / t_duck,
+                n / t_pd,
+                "rows/s (ratio: x faster)",
+                ours_s=t_duck,
+                baseline_s=t_pd,
+                generate_s=gen_s,
+            ),
+            row(
+                "data: bytes on disk (Parquet shards vs JSONL)",
+                parquet_bytes / 1e6,
+                jsonl_bytes / 1e6,
+                "MB (ratio: fraction of JSONL)",
+            ),
+        ]
+
+
+if __name__ == "__main__":
+    main(run)

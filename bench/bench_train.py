@@ -1,0 +1,156 @@
+"""Train path: tokens/s of one GRPO optimizer step vs a plain HF forward+backward of the same tokens.
+
+One rollout of the quickstart's shape (16 prompts x 8 samples, 6-token prompts, up to 8-token
+responses) goes through TrainerActor.train in-process (no Ray) for --train-backend fsdp
+(torch-native) and megatron. That call is the whole GRPO step: old log-prob recompute, advantages,
+loss, backward, grad clip, AdamW. The baseline is the bare HF model on the same padded tokens:
+forward, next-token cross-entropy, backward -- no optimizer, no log-prob pass. The ratio is the
+share of the bare fwd+bwd speed a full step keeps (lower = more overhead around the math).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+
+import torch
+
+from bench.common import best_of, error_row, main, row
+
+PROMPTS, GROUP, PROMPT_LEN, MAX_RESP = 16, 8, 6, 8
+
+
+def make_checkpoint(path: str) -> str:
+    """The quickstart's model shape (random weights) with the platform's task tokenizer."""
+    from miles_platform.models.checkpoint import save_hf_checkpoint
+    from miles_platform.models.qwen3 import build_model, tiny_qwen3_config
+    from miles_platform.models.tokenizer import build_task_tokenizer
+
+    tok = build_task_tokenizer()
+    model = build_model(
+        tiny_qwen3_config(len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=2)
+    )
+    save_hf_checkpoint(model, tok, path)
+    return path
+
+
+def make_batch(vocab: int, seed: int = 0):
+    from miles_platform.training.actor import TrainBatch
+
+    rng = random.Random(seed)
+    tokens, resp_lens, masks, rewards, lps = [], [], [], [], []
+    for _ in range(PROMPTS):
+        prompt = [rng.randrange(vocab) for _ in range(PROMPT_LEN)]
+        for _ in range(GROUP):
+            n = rng.randint(2, MAX_RESP)
+            tokens.append(prompt + [rng.randrange(vocab) for _ in range(n)])
+            resp_lens.append(n)
+            masks.append([1] * n)
+            rewards.append(float(rng.random() < 0.5))
+            lps.append([-3.0] * n)
+    return TrainBatch(tokens, resp_lens, masks, rewards, lps)
+
+
+def run_config(ckpt: str, backend: str):
+    from miles_platform.config import RunConfig
+    from miles_platform.quickstart import DEMO_RL
+
+    keys = (
+        "lr",
+        "eps_clip",
+        "weight_decay",
+        "calculate_per_token_loss",
+        "micro_batch_size",
+        "advantage_estimator",
+    )
+    recipe = {k: DEMO_RL[k] for k in keys}
+    return RunConfig(
+        hf_checkpoint=ckpt,
+        train_backend=backend,
+        rollout_batch_size=PROMPTS,
+        n_samples_per_prompt=GROUP,
+        num_steps_per_rollout=1,
+        **recipe,
+    ).validate()
+
+
+def grpo_step_seconds(ckpt: str, backend: str, batch, repeats: int) -> float:
+    from miles_platform.training.actor import TrainerActor
+
+    actor = TrainerActor(run_config(ckpt, backend))
+    actor.train(0, batch)  # warm-up: first-call allocations, optimizer state
+    rid = iter(range(1, 100))
+    return best_of(lambda: actor.train(next(rid), batch), repeats)
+
+
+def plain_fwd_bwd_seconds(ckpt: str, batch, repeats: int) -> float:
+    """The bare HF model on the same right-padded tokens: forward, CE loss, backward."""
+    from miles_platform.models.checkpoint import load_hf_model
+
+    model = load_hf_model(ckpt)
+    model.train()
+    width = max(len(t) for t in batch.tokens)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for r, t in enumerate(batch.tokens):
+        ids[r, : len(t)] = torch.tensor(t)
+    pos = torch.arange(width).expand(len(batch), -1)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = model(
+            input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False
+        ).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+        )
+        loss.backward()
+
+    step()
+    return best_of(step, repeats)
+
+
+def run(repeats: int = 7) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as d:
+        ckpt = make_checkpoint(os.path.join(d, "hf"))
+        from miles_platform.models.checkpoint import validate_hf_dir
+
+        batch = make_batch(int(validate_hf_dir(ckpt)["vocab_size"]))
+        n_tok = sum(len(t) for t in batch.tokens)
+        # TrainerActor pins torch threads (MILES_TRAIN_THREADS, default 1): the baseline runs after
+        # the first actor is built, so both see the same thread count.
+        fsdp_s = grpo_step_seconds(ckpt, "fsdp", batch, repeats)
+        base_s = plain_fwd_bwd_seconds(ckpt, batch, repeats)
+        unit = f"tok/s (ratio: share of plain HF fwd+bwd speed; {len(batch)} samples, {n_tok} tok, threads={torch.get_num_threads()})"
+        rows.append(
+            row(
+                "train: GRPO step, fsdp (torch-native)",
+                n_tok / fsdp_s,
+                n_tok / base_s,
+                unit,
+                ours_s=fsdp_s,
+                baseline_s=base_s,
+            )
+        )
+        try:
+            mega_s = grpo_step_seconds(ckpt, "megatron", batch, repeats)
+        except Exception as e:  # the backend is optional: report why, never a number
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+            rows.append(error_row("train: GRPO step, megatron", f"unavailable: {reason}"))
+        else:
+            rows.append(
+                row(
+                    "train: GRPO step, megatron",
+                    n_tok / mega_s,
+                    n_tok / base_s,
+                    unit,
+                    ours_s=mega_s,
+                    baseline_s=base_s,
+                )
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    main(run)

@@ -1,0 +1,89 @@
+"""Shared bench helpers: timing, the row shape every bench returns, table printing, `--json` main.
+
+A row is a dict(name, ours, baseline, ratio, unit). `ratio` is ours / baseline; the unit says
+which way is better (e.g. "tok/s (ratio: x faster)", "s (ratio: share of total)"). A row that
+could not be measured carries `error` and no numbers -- never a made-up value.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+COLUMNS = ("name", "ours", "baseline", "ratio", "unit")
+
+
+def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Seconds of the fastest of `repeats` calls (min is the least noisy on a shared machine)."""
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def row(name: str, ours: float, baseline: float, unit: str, **extra: Any) -> dict[str, Any]:
+    """One result row; ratio = ours / baseline (None if the baseline is zero)."""
+    ours, baseline = float(ours), float(baseline)
+    ratio = ours / baseline if baseline else None
+    return {"name": name, "ours": ours, "baseline": baseline, "ratio": ratio, "unit": unit, **extra}
+
+
+def error_row(name: str, reason: str) -> dict[str, Any]:
+    """A row for something that could not be measured: says why, carries no numbers."""
+    return {"name": name, "ours": None, "baseline": None, "ratio": None, "unit": "", "error": reason}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        a = abs(v)
+        if a >= 1e5 or a < 1e-3:
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """One aligned text table; an error row shows its reason in the unit column."""
+    cells = [list(COLUMNS)]
+    for r in rows:
+        unit = r.get("unit", "")
+        if r.get("error"):
+            unit = (
+                f"unavailable: {r['error']}" if not str(r["error"]).startswith("unavailable") else r["error"]
+            )
+        cells.append(
+            [str(r.get("name", "?"))] + [_fmt(r.get(c)) for c in ("ours", "baseline", "ratio")] + [unit]
+        )
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS) - 1)]
+    lines = []
+    for k, c in enumerate(cells):
+        left = c[0].ljust(widths[0])
+        nums = [c[i].rjust(widths[i]) for i in (1, 2, 3)]
+        lines.append("  ".join([left, *nums, c[4]]).rstrip())
+        if k == 0:
+            lines.append("-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(format_table(rows), flush=True)
+
+
+def main(run: Callable[[], list[dict[str, Any]]], argv: list[str] | None = None) -> None:
+    """Entry point of a bench module: `--json` prints the rows as one JSON line, last; else a table."""
+    argv = sys.argv[1:] if argv is None else argv
+    rows = run()
+    if "--json" in argv:
+        sys.stdout.flush()
+        print(json.dumps(rows), flush=True)
+    else:
+        print_table(rows)

@@ -1,0 +1,140 @@
+"""`make bench`: run every bench/bench_*.py in its own subprocess, print one table, write results.json.
+
+Each module runs as `python -m bench.<name> --json` (its rows as a JSON list on the last stdout
+line); a module without that flag is run through `--one <name>` here, which imports it and calls
+`run()`. A module that fails or times out becomes an error row and the suite goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import error_row, print_table
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results.json"
+ENV = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def discover() -> list[str]:
+    return sorted(p.stem for p in BENCH_DIR.glob("bench_*.py"))
+
+
+def _speaks_json(name: str) -> bool:
+    return "--json" in (BENCH_DIR / f"{name}.py").read_text()
+
+
+def _last_json_list(stdout: str) -> list[dict] | None:
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("["):
+            try:
+                rows = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rows, list):
+                return rows
+    return None
+
+
+def run_module(name: str, timeout_s: float) -> tuple[list[dict], float]:
+    """(rows, seconds) of one bench module, isolated in a subprocess."""
+    args = ["-m", f"bench.{name}", "--json"] if _speaks_json(name) else ["-m", "bench.run_all", "--one", name]
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in ENV.items()}}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return [error_row(f"{name}", f"timed out after {timeout_s:.0f}s")], time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    rows = _last_json_list(proc.stdout) if proc.returncode == 0 else None
+    if rows is None:
+        tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["no output"])[-1]
+        return [error_row(name, f"exit {proc.returncode}: {tail[:200]}")], seconds
+    for r in rows:
+        r.setdefault("module", name)
+        if r.get("ratio") is None and not r.get("error"):
+            r["error"] = "no ratio reported"
+    return rows, seconds
+
+
+def machine_info() -> dict:
+    import torch
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        model = platform.processor()
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.is_available(),
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def run_one(name: str) -> None:
+    """`--one <name>`: import bench.<name>, call run(), print its rows as the last JSON line."""
+    rows = importlib.import_module(f"bench.{name}").run()
+    sys.stdout.flush()
+    print(json.dumps(rows), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--one", help="run one module in this process (used by the runner)")
+    p.add_argument("--only", nargs="*", help="module names to run (default: all bench_*.py)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per module")
+    p.add_argument("--out", default=str(RESULTS), help="results JSON path")
+    a = p.parse_args(argv)
+    if a.one:
+        run_one(a.one)
+        return 0
+    names = a.only or discover()
+    t0 = time.perf_counter()
+    rows, timings = [], {}
+    for name in names:
+        print(f"[bench] {name} ...", flush=True)
+        got, seconds = run_module(name, a.timeout)
+        timings[name] = round(seconds, 2)
+        print(f"[bench] {name}: {len(got)} rows in {seconds:.1f}s", flush=True)
+        rows.extend(got)
+    total = time.perf_counter() - t0
+    print()
+    print_table(rows)
+    print(f"\n{len(rows)} rows from {len(names)} modules in {total:.0f}s")
+    out = {
+        "machine": machine_info(),
+        "total_seconds": round(total, 2),
+        "module_seconds": timings,
+        "rows": rows,
+    }
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    errors = sum(1 for r in rows if r.get("error"))
+    if errors:
+        print(f"{errors} row(s) could not be measured: see their unit column")
+    return 0  # benchmarks never gate anything
+
+
+if __name__ == "__main__":
+    sys.exit(main())
