@@ -38,7 +38,6 @@ GROUPS = (
 )
 
 
-
 class ConfigError(MilesError, ValueError):
     """A user mistake in the configuration: message names the flag and what is allowed."""
 

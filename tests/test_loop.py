@@ -21,9 +21,20 @@ def _data(tmp_path, n=8):
 
 def _cfg(ckpt, tmp_path, **kw):
     base = dict(
-        hf_checkpoint=ckpt, prompt_data=_data(tmp_path), input_key="prompt", label_key="label", rm_type="math",
-        rollout_batch_size=2, n_samples_per_prompt=2, num_rollout=2, rollout_max_response_len=4, lr=1e-3,
-        storage_root=str(tmp_path / "root"), run_name="t", num_cpus_per_actor=0.5, ci_test=True,
+        hf_checkpoint=ckpt,
+        prompt_data=_data(tmp_path),
+        input_key="prompt",
+        label_key="label",
+        rm_type="math",
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        num_rollout=2,
+        rollout_max_response_len=4,
+        lr=1e-3,
+        storage_root=str(tmp_path / "root"),
+        run_name="t",
+        num_cpus_per_actor=0.5,
+        ci_test=True,
         save_interval=1,
     )
     base.update(kw)

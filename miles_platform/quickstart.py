@@ -1,0 +1,200 @@
+"""`miles-platform quickstart` (what `make demo` runs): the whole campaign as Dagster materializations.
+
+    prompt_dataset, eval_dataset   built-in arithmetic task, normalized Parquet
+    base_checkpoint                SFT of a tiny Qwen3 from scratch (systematic carry errors)
+    rl_training job                GRPO on Ray: rollout_shards[v], policy_versions[v]
+    eval_results[v]                greedy pass@1 of selected versions
+    summary                        base vs final accuracy, versions, rows, a DuckDB query
+
+Everything lands in a persistent Dagster instance under <root>/dagster, so `make ui` shows the
+history afterwards. The Dagster layer is imported here only, never by the engine modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# The demo's GRPO recipe (see README "Making RL learn"): fitted to the tiny model.
+DEMO_RL = dict(
+    run_name="demo",
+    rm_type="math",
+    input_key="prompt",
+    label_key="label",
+    rollout_batch_size=16,
+    n_samples_per_prompt=8,
+    num_steps_per_rollout=1,
+    rollout_temperature=1.0,
+    rollout_max_response_len=8,
+    rollout_shuffle=True,
+    lr=1e-4,
+    eps_clip=0.2,
+    weight_decay=0.0,
+    calculate_per_token_loss=True,
+    micro_batch_size=128,
+    advantage_estimator="grpo",
+    ci_test=True,
+    save_interval=100,
+)
+
+
+def _dagster_home(root: str) -> str:
+    home = os.path.join(root, "dagster")
+    os.makedirs(home, exist_ok=True)
+    yaml_path = os.path.join(home, "dagster.yaml")
+    if not os.path.exists(yaml_path):
+        Path(yaml_path).write_text("telemetry:\n  enabled: false\n")
+    return home
+
+
+def _log(msg: str) -> None:
+    print(f"[quickstart] {msg}", flush=True)
+
+
+def _metadata(instance, key: str, partition: str | None = None) -> dict[str, Any]:
+    import dagster as dg
+
+    flt = dg.AssetRecordsFilter(
+        asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None
+    )
+    records = instance.fetch_materializations(flt, limit=1).records
+    if not records:
+        return {}
+    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+
+def run_quickstart(
+    root: str, num_rollout: int, seed: int, eval_every: int, sft_iters: int | None
+) -> dict[str, Any]:
+    t0 = time.time()
+    root = os.path.abspath(root)
+    os.environ["DAGSTER_HOME"] = _dagster_home(root)
+    os.environ["MILES_STORAGE_ROOT"] = root
+    import dagster as dg
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import definitions  # the code location: same assets, jobs and resources the UI loads
+
+    defs = definitions.defs
+    instance = dg.DagsterInstance.get()
+
+    _log("materializing prompt_dataset, eval_dataset")
+    _materialize_assets(defs, ["prompt_dataset", "eval_dataset"], instance)
+    base_cfg: dict[str, Any] = {"mode": "sft", "seed": seed}
+    if sft_iters:
+        base_cfg["train_iters"] = sft_iters
+    _log("materializing base_checkpoint (SFT)")
+    _materialize_assets(
+        defs, ["base_checkpoint"], instance, run_config={"ops": {"base_checkpoint": {"config": base_cfg}}}
+    )
+    base_md = _metadata(instance, "base_checkpoint")
+    base_path = str(base_md["path"])
+    eval_path = str(_metadata(instance, "eval_dataset")["path"])
+
+    _log(f"running rl_training: {num_rollout} rollouts of GRPO")
+    rl = dict(DEMO_RL, seed=seed, num_rollout=num_rollout, storage_root=root, rollout_seed=seed)
+    job = defs.get_job_def("rl_training")
+    res = job.execute_in_process(run_config={"ops": {"rl_training_op": {"config": rl}}}, instance=instance)
+    out = res.output_for_node("rl_training_op")
+    final_key = f"{out['run']}.v{out['final_version']:06d}"
+
+    keys = sorted(instance.get_dynamic_partitions("policy_versions"))
+    keys = [k for k in keys if k.startswith(out["run"] + ".v")]
+    chosen = [k for i, k in enumerate(keys, 1) if i % eval_every == 0] + [final_key]
+    evals: dict[str, float] = {}
+    for key in dict.fromkeys(chosen):
+        _log(f"materializing eval_results[{key}]")
+        _materialize_assets(defs, ["eval_results"], instance, partition_key=key)
+        md = _metadata(instance, "eval_results", key)
+        evals[key] = float(md.get("eval/pass@1", md.get("pass@1", 0.0)))
+
+    from miles_platform.rollout.evaluate import evaluate
+
+    base_eval = evaluate(base_path, [("eval", eval_path)], max_new_tokens=8, temperature=0.0, rm_type="math")[
+        "eval"
+    ]
+    final_eval = evaluate(
+        str(out["final_hf_path"]), [("eval", eval_path)], max_new_tokens=8, temperature=0.0, rm_type="math"
+    )["eval"]
+    from miles_platform.store.catalog import Catalog
+    from miles_platform.store.paths import StoragePaths
+
+    paths = StoragePaths(root)
+    cat = Catalog(paths)
+    _, rows = cat.query(f"select count(*) from rollouts where run = '{out['run']}'")
+    curve_cols, curve = cat.query(
+        "select rollout_id, value from metrics where run = 'demo' and name = 'rollout/raw_reward' order by rollout_id"
+    )
+    summary = {
+        "base_eval_accuracy": base_eval["pass@1"],
+        "final_eval_accuracy": final_eval["pass@1"],
+        "base_eval": base_eval,
+        "final_eval": final_eval,
+        "num_policy_versions": len(keys),
+        "num_rollout_rows": int(rows[0][0]),
+        "wall_seconds": time.time() - t0,
+        "base_checkpoint": base_path,
+        "final_checkpoint": str(out["final_hf_path"]),
+        "final_policy_version": final_key,
+        "eval_dataset": eval_path,
+        "eval_per_version": evals,
+        "raw_reward_curve": [[int(r), float(v)] for r, v in curve],
+        "storage_root": root,
+    }
+    Path(root, "quickstart_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def _materialize_assets(defs, keys, instance, partition_key=None, run_config=None):
+    import dagster as dg
+
+    sel = dg.AssetSelection.assets(*keys) | dg.AssetSelection.checks_for_assets(*keys)
+    result = dg.materialize(
+        list(defs.assets) + list(defs.asset_checks or []),
+        selection=sel,
+        instance=instance,
+        resources=defs.resources,
+        partition_key=partition_key,
+        run_config=run_config,
+    )
+    if not result.success:
+        raise RuntimeError(f"materializing {keys} failed")
+    return result
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print("\n=== miles-platform quickstart ===")
+    print(f"base   eval accuracy (greedy pass@1): {s['base_eval_accuracy']:.1%}")
+    print(f"final  eval accuracy (greedy pass@1): {s['final_eval_accuracy']:.1%}")
+    print(f"policy versions: {s['num_policy_versions']}   rollout rows: {s['num_rollout_rows']}")
+    print(f"final policy: {s['final_policy_version']} -> {s['final_checkpoint']}")
+    print(f"wall time: {s['wall_seconds']:.0f} s   summary: {s['storage_root']}/quickstart_summary.json")
+    print("\nquery the rollouts:")
+    print(f"  miles-platform query --storage-root {s['storage_root']} \\")
+    print(
+        '    "select rollout_id, avg(reward) as reward, avg(response_length) as len from rollouts group by 1 order by 1"'
+    )
+    print(
+        f"trace lineage:  miles-platform lineage --storage-root {s['storage_root']} {s['final_policy_version']}"
+    )
+    print("see it in the UI: make ui  (http://127.0.0.1:3000)")
+
+
+def cli_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="miles-platform quickstart", description=__doc__.splitlines()[0])
+    ap.add_argument("--storage-root", default=".miles")
+    ap.add_argument("--num-rollout", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument(
+        "--eval-every", type=int, default=10, help="evaluate every N-th policy version (and the last)"
+    )
+    ap.add_argument("--sft-iters", type=int, default=None, help="override the SFT recipe's train iterations")
+    args = ap.parse_args(argv)
+    summary = run_quickstart(args.storage_root, args.num_rollout, args.seed, args.eval_every, args.sft_iters)
+    print_summary(summary)
+    return 0
