@@ -57,9 +57,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         unit = r.get("unit", "")
         if r.get("error"):
-            unit = (
-                f"unavailable: {r['error']}" if not str(r["error"]).startswith("unavailable") else r["error"]
-            )
+            unit = r["error"] if str(r["error"]).startswith("unavailable") else f"error: {r['error']}"
         cells.append(
             [str(r.get("name", "?"))] + [_fmt(r.get(c)) for c in ("ours", "baseline", "ratio")] + [unit]
         )
