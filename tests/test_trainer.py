@@ -78,3 +78,18 @@ def test_resume_is_exact(tiny_hf_checkpoint, tmp_path):
     wa, wb = _weights(a), _weights(b)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def test_ppo_critic_learns_returns_and_resumes(tiny_hf_checkpoint, tmp_path):
+    save = str(tmp_path / "ck")
+    cfg = _cfg(tiny_hf_checkpoint, save, advantage_estimator="ppo", lr=1e-3, critic_lr=1e-2)
+    a = TrainerActor(cfg)
+    losses = [a.train(r, _batch(0))["train/value_loss"] for r in range(6)]
+    assert losses[-1] < 0.5 * losses[0]  # the value head fits the (fixed) returns
+    a.save(5, {"weight_version": 6, "data_source": {}})
+    b = TrainerActor(_cfg(tiny_hf_checkpoint, save, advantage_estimator="ppo", lr=1e-3, critic_lr=1e-2))
+    b.load()
+    ma, mb = a.train(6, _batch(1)), b.train(6, _batch(1))
+    assert ma["train/value_loss"] == mb["train/value_loss"]
+    for k, v in a.critic.state_dict().items():
+        assert torch.equal(v, b.critic.state_dict()[k]), k

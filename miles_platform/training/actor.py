@@ -92,6 +92,11 @@ class TrainerActor:
         self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
         self.model = self.backend.build(cfg.hf_checkpoint)
         self.ref = self._build_ref() if (cfg.use_kl_loss or cfg.kl_coef > 0) else None
+        self.critic = None
+        if cfg.advantage_estimator == "ppo" and cfg.loss_type == "policy_loss":
+            from miles_platform.training.critic import Critic
+
+            self.critic = Critic(cfg, cfg.hf_checkpoint)
         params = [p for p in self.backend.parameters() if p.requires_grad]
         if cfg.optimizer == "adam":
             self.opt = torch.optim.AdamW(
@@ -189,7 +194,8 @@ class TrainerActor:
         if cfg.use_rollout_logprobs:
             old = dict(rollout_lp)
         ref = self._all_log_probs(self.ref, batch, mine) if self.ref is not None else None
-        adv = self._advantages(batch, mine, old, ref)
+        values = self._critic_values(batch, mine) if self.critic is not None else None
+        adv, returns = self._advantages(batch, mine, old, ref, values)
         metrics: dict[str, list[float]] = {}
 
         def add(k, v):
@@ -207,6 +213,8 @@ class TrainerActor:
             add("train/ratio_abs_minus_1", (ratio - 1).abs().mean())
         for s in range(steps):
             self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add)
+            if self.critic is not None:
+                self._critic_step(batch, self._my_indices(s), values, returns, add)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train/lr"] = self.sched.get_last_lr()[0]
         out["perf/actor_train_time"] = time.time() - t0
@@ -215,10 +223,10 @@ class TrainerActor:
             out = self._reduce_metrics(out)
         return out
 
-    def _advantages(self, batch, mine, old, ref):
+    def _advantages(self, batch, mine, old, ref, values=None):
         cfg = self.cfg
         if cfg.loss_type == "sft_loss":
-            return {i: torch.zeros(batch.response_lengths[i]) for i in mine}
+            return {i: torch.zeros(batch.response_lengths[i]) for i in mine}, None
         group_based = cfg.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
         idx = list(range(len(batch))) if group_based else mine
         rewards = torch.tensor([batch.rewards[i] for i in idx], dtype=torch.float32)
@@ -227,8 +235,34 @@ class TrainerActor:
         if ref is not None:
             refs = [ref[i] if i in ref else torch.zeros(batch.response_lengths[i]) for i in idx]
         masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in idx]
-        advs, _ = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, None, masks)
-        return dict(zip(idx, advs, strict=True))
+        vals = [values[i] for i in idx] if values is not None else None
+        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks)
+        returns = dict(zip(idx, rets, strict=True)) if rets is not None else None
+        return dict(zip(idx, advs, strict=True)), returns
+
+    # ------------------------------------------------------------------ critic (ppo)
+    def _critic_forward(self, batch, mb):
+        ids, pos = self._pack(batch, mb)
+        spans = [(len(batch.tokens[i]), batch.response_lengths[i]) for i in mb]
+        return self.critic.values(ids, pos, spans)
+
+    @torch.no_grad()
+    def _critic_values(self, batch, idx) -> dict[int, torch.Tensor]:
+        out = {}
+        for mb in self._micro_batches(batch, idx):
+            out.update(zip(mb, self._critic_forward(batch, mb), strict=True))
+        return out
+
+    def _critic_step(self, batch, idx, old_values, returns, add):
+        mbs = self._micro_batches(batch, idx)
+        for mb in mbs:
+            v = self._critic_forward(batch, mb)
+            masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mb]
+            loss, m = self.critic.value_loss(v, [old_values[i] for i in mb], [returns[i] for i in mb], masks)
+            (loss * len(mb) / len(idx)).backward()
+            for k, val in m.items():
+                add(k, val)
+        add("train/critic_grad_norm", self.critic.step())
 
     def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add):
         cfg = self.cfg
@@ -313,6 +347,8 @@ class TrainerActor:
             ),
         }
         save_file(rng, os.path.join(tmp, f"rng_rank{self.rank:03d}.safetensors"))
+        if self.critic is not None:
+            self.critic.save(tmp, self.rank)
         if self.world_size > 1:
             dist.barrier()
         if self.rank == 0:
@@ -356,6 +392,8 @@ class TrainerActor:
                 f"{d}: saved with world size {state['world_size']}, resuming with {self.world_size}"
             )
         self.backend.load_model(d)
+        if self.critic is not None:
+            self.critic.load(d, self.rank)
         self._load_optimizer_tensors(load_file(os.path.join(d, f"optimizer_rank{self.rank:03d}.safetensors")))
         self.sched.load_state_dict(state["scheduler"])
         self.global_step = state["global_step"]

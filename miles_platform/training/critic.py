@@ -1,0 +1,89 @@
+"""PPO critic: the policy's transformer trunk + a scalar value head, trained on GAE returns.
+
+The value of response token t is read at the position that predicts it (the same position
+the policy's log-prob of t comes from), so values, log-probs and advantages line up token by
+token. Value loss is Miles' clipped form: 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_platform.config import RunConfig
+from miles_platform.models.checkpoint import load_hf_model
+
+VALUE_CLIP = 0.2
+
+
+class Critic(torch.nn.Module):
+    def __init__(self, cfg: RunConfig, hf_checkpoint: str):
+        super().__init__()
+        lm = load_hf_model(hf_checkpoint)
+        self.trunk = lm.model  # Qwen3Model: no lm_head, so no vocab-sized logits are computed
+        self.head = torch.nn.Linear(lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.train()
+        self.opt = torch.optim.AdamW(
+            self.parameters(),
+            lr=cfg.critic_lr or cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        self.clip_grad = cfg.clip_grad
+
+    def values(
+        self, ids: torch.Tensor, pos: torch.Tensor, spans: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """Per-sample values of the response tokens; spans = (total_len, response_len) per row."""
+        h = self.trunk(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids)).last_hidden_state
+        v = self.head(h.float()).squeeze(-1)
+        return [v[r, total - resp - 1 : total - 1] for r, (total, resp) in enumerate(spans)]
+
+    @staticmethod
+    def value_loss(values, old_values, returns, masks) -> tuple[torch.Tensor, dict[str, float]]:
+        losses, clipped, n = [], [], 0.0
+        for v, vo, ret, m in zip(values, old_values, returns, masks, strict=True):
+            vc = vo + (v - vo).clamp(-VALUE_CLIP, VALUE_CLIP)
+            a, b = (v - ret) ** 2, (vc - ret) ** 2
+            losses.append((0.5 * torch.maximum(a, b) * m).sum() / m.sum().clamp_min(1.0))
+            clipped.append(((b > a).float() * m).sum())
+            n += float(m.sum())
+        loss = torch.stack(losses).mean()
+        return loss, {
+            "train/value_loss": float(loss.detach()),
+            "train/value_clipfrac": float(sum(clipped)) / max(n, 1.0),
+        }
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save(self, ckpt_dir: str, rank: int) -> None:
+        if rank == 0:
+            save_file(
+                {k: v.contiguous() for k, v in self.state_dict().items()},
+                os.path.join(ckpt_dir, "critic.safetensors"),
+            )
+        opt = {}
+        names = {id(p): n for n, p in self.named_parameters()}
+        for p, st in self.opt.state.items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    opt[f"{names[id(p)]}::{k}"] = v.detach().contiguous()
+        save_file(opt, os.path.join(ckpt_dir, f"critic_optimizer_rank{rank:03d}.safetensors"))
+
+    def load(self, ckpt_dir: str, rank: int) -> None:
+        self.load_state_dict(load_file(os.path.join(ckpt_dir, "critic.safetensors")))
+        params = dict(self.named_parameters())
+        for key, v in load_file(
+            os.path.join(ckpt_dir, f"critic_optimizer_rank{rank:03d}.safetensors")
+        ).items():
+            name, k = key.rsplit("::", 1)
+            self.opt.state.setdefault(params[name], {})[k] = v.clone()
