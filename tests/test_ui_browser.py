@@ -1,0 +1,285 @@
+"""The Dagster UI, driven by a real headless Chromium against `dagster-webserver` on our code location.
+
+A user opens the asset graph and sees the lineage prompt_dataset / base_checkpoint ->
+rollout_shards -> policy_versions -> eval_results, finds a policy version on the Partitions
+page, and materializes eval_results for it from the UI (the run executes in a subprocess via
+the default run launcher). Screenshots land in docs/ui_*.png.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+KEY = "demo.v000001"
+PIPELINE = (
+    "prompt_dataset",
+    "base_checkpoint",
+    "rollout_shards",
+    "policy_versions",
+    "eval_dataset",
+    "eval_results",
+)
+# webserver only (no daemon), so runs must launch at once instead of waiting in the daemon's queue
+DAGSTER_YAML = """telemetry:
+  enabled: false
+run_coordinator:
+  module: dagster._core.run_coordinator
+  class: DefaultRunCoordinator
+"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright not installed: pip install -e '.[ui-test]'")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} missing: make system-deps (apt-get install chromium chromium-driver)")
+    with sync_playwright() as p, tempfile.TemporaryDirectory(prefix="miles-chromium-") as profile:
+        try:
+            ctx = p.chromium.launch_persistent_context(
+                profile,
+                executable_path=CHROMIUM,
+                headless=True,
+                args=CHROMIUM_ARGS,
+                viewport={"width": 1400, "height": 900},
+            )
+        except Exception as e:  # noqa: BLE001 - any launch failure means "no usable browser here"
+            pytest.skip(f"chromium cannot be launched: {str(e).splitlines()[0]}")
+        yield ctx
+        ctx.close()
+
+
+def _prepare_root(root: Path, tiny_hf_checkpoint: str) -> None:
+    """A storage root + Dagster instance with one policy version and a 4-row eval dataset."""
+    import dagster as dg
+
+    from assets.datasets import eval_dataset
+    from miles_platform.store.paths import StoragePaths
+    from resources.storage import StorageRootResource
+
+    paths = StoragePaths(str(root))
+    (root / "dagster").mkdir(parents=True)
+    (root / "dagster" / "dagster.yaml").write_text(DAGSTER_YAML)
+    hf = paths.hf_export("demo", 1)
+    shutil.copytree(tiny_hf_checkpoint, hf)
+    data = root / "eval.jsonl"
+    rows = [{"prompt": f"What is {a}+{b}?", "label": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with dg.DagsterInstance.from_config(str(root / "dagster")) as instance:
+        res = dg.materialize(
+            [eval_dataset],
+            instance=instance,
+            resources={"storage": StorageRootResource(root=str(root))},
+            run_config={
+                "ops": {
+                    "eval_dataset": {
+                        "config": {"path": str(data), "input_key": "prompt", "label_key": "label"}
+                    }
+                }
+            },
+        )
+        assert res.success
+        instance.add_dynamic_partitions("policy_versions", [KEY])
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(
+                "policy_versions", partition=KEY, metadata={"hf_path": dg.MetadataValue.path(hf)}
+            )
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _graphql(base: str, query: str) -> dict:
+    req = urllib.request.Request(
+        f"{base}/graphql",
+        data=json.dumps({"query": query}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.load(r)["data"]
+
+
+ASSET_EDGES = "{ assetNodes { assetKey { path } dependencyKeys { path } } }"
+
+
+@pytest.fixture(scope="module")
+def webserver(tmp_path_factory, tiny_hf_checkpoint):
+    root = tmp_path_factory.mktemp("ui") / "root"
+    _prepare_root(root, tiny_hf_checkpoint)
+    port = _free_port()
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(root / "dagster"),
+        "MILES_STORAGE_ROOT": str(root),
+        "OMP_NUM_THREADS": "1",
+    }
+    log = open(root / "webserver.log", "w")  # noqa: SIM115 - closed below
+    cmd = [
+        sys.executable,
+        "-m",
+        "dagster_webserver",
+        "-w",
+        "workspace.yaml",
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(port),
+    ]
+    # own session (setsid): the webserver ignores SIGINT, so SIGTERM goes to the whole group
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert proc.poll() is None, f"webserver exited: {(root / 'webserver.log').read_text()[-3000:]}"
+            try:
+                nodes = _graphql(base, ASSET_EDGES)["assetNodes"]
+                if any(n["assetKey"]["path"] == ["eval_results"] for n in nodes):
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, (
+                f"webserver not ready: {(root / 'webserver.log').read_text()[-3000:]}"
+            )
+            time.sleep(0.5)
+        yield base, root
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, webserver):
+    from playwright.sync_api import expect
+
+    pg = browser.new_page()
+    pg.set_default_timeout(30_000)
+    expect.set_options(timeout=30_000)  # a loaded CI machine renders the graph slowly
+    # first visit of an instance shows a newsletter dialog over everything: dismiss it whenever it shows
+    pg.add_locator_handler(
+        pg.get_by_text("Join the Dagster community"), lambda: pg.get_by_role("button", name="Skip").click()
+    )
+    yield pg
+    pg.close()
+
+
+def _section(text: str, start: str, end: str) -> str:
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def test_asset_graph_shows_pipeline_and_edges(page, webserver):
+    from playwright.sync_api import expect
+
+    base, _ = webserver
+    page.goto(f"{base}/assets/eval_results?view=lineage&lineageScope=upstream&lineageDepth=5")
+    for name in PIPELINE:
+        expect(page.get_by_text(name, exact=True).first).to_be_visible()
+    page.wait_for_timeout(1000)  # let the edges finish animating for the screenshot
+    page.screenshot(path=str(DOCS / "ui_asset_graph.png"))
+
+    # edges as the UI lists them on each asset's overview
+    page.goto(f"{base}/assets/policy_versions")
+    expect(page.get_by_text("Downstream assets")).to_be_visible()
+    expect(page.get_by_role("link", name="eval_results").first).to_be_visible()
+    body = page.inner_text("body")
+    assert {"rollout_shards", "base_checkpoint"} <= set(
+        _section(body, "Upstream assets", "Downstream assets").split()
+    )
+    assert "eval_results" in _section(body, "Downstream assets", "Definition").split()
+
+    # ... and as the webserver's GraphQL API (what the graph is drawn from) has them
+    deps = {
+        n["assetKey"]["path"][0]: {d["path"][0] for d in n["dependencyKeys"]}
+        for n in _graphql(base, ASSET_EDGES)["assetNodes"]
+    }
+    assert {"policy_versions", "eval_dataset"} <= deps["eval_results"]
+    assert {"rollout_shards", "base_checkpoint"} <= deps["policy_versions"]
+    assert {"prompt_dataset", "base_checkpoint"} <= deps["rollout_shards"]
+
+
+def test_policy_versions_lists_its_partitions(page, webserver):
+    from playwright.sync_api import expect
+
+    base, _ = webserver
+    page.goto(f"{base}/assets/policy_versions?view=partitions")
+    partition = page.get_by_text(KEY, exact=True).filter(visible=True).first
+    expect(partition).to_be_visible()
+    partition.click()
+    expect(page.get_by_text("hf_path").first).to_be_visible()  # the selected partition's metadata
+    page.screenshot(path=str(DOCS / "ui_policy_versions_partitions.png"))
+
+
+def test_materialize_eval_results_from_the_ui(page, webserver):
+    from playwright.sync_api import expect
+
+    from miles_platform.store.paths import StoragePaths
+    from miles_platform.store.tables import read_rows
+
+    base, root = webserver
+    page.goto(f"{base}/assets/eval_results")
+    page.get_by_role("button", name="Materialize…").first.click()
+    dialog = page.get_by_role("dialog")
+    expect(dialog.get_by_text("Launch runs to materialize eval_results")).to_be_visible()
+    dialog.get_by_text("Select a partition or create one").click()
+    page.get_by_text(KEY, exact=True).filter(visible=True).first.click()  # the partition's checkbox row
+    dialog.get_by_text("Launch runs to materialize eval_results").click()  # close the partition picker
+    dialog.get_by_role("button", name="Launch 1 run").click()
+
+    runs_query = "{ runsOrError { ... on Runs { results { runId status tags { key value } } } } }"
+    deadline, run = time.time() + 90, None
+    while time.time() < deadline:
+        runs = _graphql(base, runs_query)["runsOrError"]["results"]
+        run = next((r for r in runs if {"key": "dagster/partition", "value": KEY} in r["tags"]), None)
+        if run and run["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
+            break
+        time.sleep(1)
+    assert run is not None, "no run was launched for the partition"
+    assert run["status"] == "SUCCESS", f"eval run {run['runId']} ended {run['status']}"
+
+    page.goto(f"{base}/assets/eval_results")
+    expect(page.get_by_text("eval/pass@1").first).to_be_visible()
+    expect(page.get_by_text(KEY).first).to_be_visible()
+    page.screenshot(path=str(DOCS / "ui_eval_materialized.png"))
+    rows = read_rows(StoragePaths(str(root)), "evals", "demo")
+    assert {(r["partition_key"], r["metric"]) for r in rows} >= {
+        (KEY, "pass@1"),
+        (KEY, "pass@k"),
+        (KEY, "mean_reward"),
+    }
