@@ -50,6 +50,12 @@ def converted_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeRes
     hf = _base_hf_path(context)
     save = context.resources.storage.paths.model(CONVERTED_NAME)
     res = _convert("hf-to-torch-dist", "--hf-checkpoint", hf, "--save", save)
+    from miles_platform.store.tables import append_rows
+
+    append_rows(context.resources.storage.paths, "lineage", "checkpoints", [
+        {"child": save, "child_kind": "checkpoint", "parent": hf, "parent_kind": "checkpoint",
+         "relation": "converted_from", "data_version": res["content_hash"]},
+    ])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "path": dg.MetadataValue.path(save),

@@ -19,6 +19,7 @@ import dagster as dg
 from assets.evals import resolve_hf_path
 from assets.partitions import policy_version_partitions, quantized_partitions
 from miles_platform.store.paths import parse_partition_key
+from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
 
 PUBLICATION_CHECK = "matches_hf_export"
@@ -103,6 +104,10 @@ def weight_publications(
         },
         description="every final-state checksum in the index equals the HF export's tensor",
     )
+    append_rows(paths, "lineage", run, [
+        {"child": f"publication:{partition}", "child_kind": "publication", "parent": partition,
+         "parent_kind": "policy_version", "relation": "published_as", "data_version": idx["kind"]},
+    ])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "version": version,
@@ -182,6 +187,11 @@ def quantized_weights(
         },  # fmt: skip
         description=f"max |w - dequant| / block amax of every quantized tensor <= {bound:.4f} ({fmt})",
     )
+    run, _ = parse_partition_key(partition)
+    append_rows(paths, "lineage", run, [
+        {"child": f"quantized:{partition}:{fmt}", "child_kind": "quantized_weights", "parent": partition,
+         "parent_kind": "policy_version", "relation": "quantized_as", "data_version": fmt},
+    ])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "format": fmt,

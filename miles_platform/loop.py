@@ -322,6 +322,7 @@ class RLRun:
             "mean_reward": shard.mean_reward,
             "base_checkpoint": self.cfg.hf_checkpoint,
             "prompt_data": self.cfg.prompt_data,
+            "eval_interval": self.cfg.eval_interval,
         }
         append_rows(
             self.paths,

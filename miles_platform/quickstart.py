@@ -40,6 +40,7 @@ DEMO_RL = dict(
     advantage_estimator="grpo",
     ci_test=True,
     save_interval=100,
+    eval_interval=10,  # the eval_on_new_policy sensor evaluates every 10th version
 )
 
 
@@ -92,6 +93,8 @@ def run_quickstart(
     _materialize_assets(
         defs, ["base_checkpoint"], instance, run_config={"ops": {"base_checkpoint": {"config": base_cfg}}}
     )
+    _log("materializing converted_checkpoint (HF -> megatron torch_dist, round-trip check)")
+    _materialize_assets(defs, ["converted_checkpoint"], instance)
     base_md = _metadata(instance, "base_checkpoint")
     base_path = str(base_md["path"])
     eval_path = str(_metadata(instance, "eval_dataset")["path"])
@@ -105,13 +108,19 @@ def run_quickstart(
 
     keys = sorted(instance.get_dynamic_partitions("policy_versions"))
     keys = [k for k in keys if k.startswith(out["run"] + ".v")]
-    chosen = [k for i, k in enumerate(keys, 1) if i % eval_every == 0] + [final_key]
+    chosen = [k for i, k in enumerate(keys, 1) if i % eval_every == 0] + [final_key]  # as the sensor would
     evals: dict[str, float] = {}
     for key in dict.fromkeys(chosen):
         _log(f"materializing eval_results[{key}]")
         _materialize_assets(defs, ["eval_results"], instance, partition_key=key)
         md = _metadata(instance, "eval_results", key)
         evals[key] = float(md.get("eval/pass@1", md.get("pass@1", 0.0)))
+
+    _log(f"materializing weight_publications[{final_key}] and quantized_weights[{final_key}, fp8|int4]")
+    _materialize_assets(defs, ["weight_publications"], instance, partition_key=final_key)
+    for fmt in ("fp8", "int4"):
+        mk = dg.MultiPartitionKey({"policy_version": final_key, "format": fmt})
+        _materialize_assets(defs, ["quantized_weights"], instance, partition_key=mk)
 
     from miles_platform.rollout.evaluate import evaluate
 

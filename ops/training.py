@@ -72,6 +72,8 @@ class DagsterReporter(Reporter):
             "base_data_version": info["base_data_version"] or "",
             "dataset_data_version": info["dataset_data_version"] or "",
         }
+        if info.get("eval_interval"):
+            lineage["eval_interval"] = int(info["eval_interval"])  # read by the eval_on_new_policy sensor
         ctx.log_event(
             dg.AssetMaterialization(
                 asset_key="rollout_shards",

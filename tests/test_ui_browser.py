@@ -3,7 +3,7 @@
 A user opens the asset graph and sees the lineage prompt_dataset / base_checkpoint ->
 rollout_shards -> policy_versions -> eval_results, finds a policy version on the Partitions
 page, and materializes eval_results for it from the UI (the run executes in a subprocess via
-the default run launcher). Screenshots land in docs/ui_*.png.
+the default run launcher). Screenshots land in docs/ui_*.png with MILES_UI_SCREENSHOTS=1.
 """
 
 import json
@@ -23,7 +23,12 @@ import pytest
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = REPO / "docs"
+# screenshots: docs/ when MILES_UI_SCREENSHOTS=1 (to refresh the README images), else a temp dir
+DOCS = (
+    REPO / "docs"
+    if os.environ.get("MILES_UI_SCREENSHOTS") == "1"
+    else Path(tempfile.mkdtemp(prefix="miles-ui-shots-"))
+)
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
