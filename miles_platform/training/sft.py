@@ -35,7 +35,7 @@ class SFTRecipe:
     """Every knob of one SFT run. Field names are Miles flag names where Miles has one."""
 
     model: dict[str, Any] = field(default_factory=dict)  # tiny_qwen3_config overrides (from scratch)
-    lr: float = 3e-3
+    lr: float = 5e-3
     lr_decay_style: str = "cosine"
     lr_warmup_iters: int = 50
     min_lr: float = 1e-4
@@ -45,7 +45,7 @@ class SFTRecipe:
     clip_grad: float = 1.0
     global_batch_size: int = 128
     micro_batch_size: int = 128
-    train_iters: int | None = 1200
+    train_iters: int | None = 1500
     num_epoch: float | None = None  # used when train_iters is None
     seed: int = 1234
     log_interval: int = 25
