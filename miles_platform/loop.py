@@ -243,8 +243,9 @@ class RLRun:
                 rewards=[s.raw_reward if s.raw_reward is not None else 0.0 for s in samples],
                 rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
             )
-            ref = ray.put(batch)
-            metrics.update(ray.get([t.train.remote(rollout_id, ref) for t in trainers])[0])
+            handle = self._handoff(batch)
+            metrics.update(ray.get([t.train.remote(rollout_id, handle) for t in trainers])[0])
+            self._store.remove(handle)
             if cfg.ci_test and rollout_id == 0:
                 result.ci_checks = self._ci_step0(metrics)
             hf_dir = None
@@ -287,6 +288,15 @@ class RLRun:
             result.metrics.append(metrics)
             result.last_rollout_id, result.final_version = rollout_id, version
         return result
+
+    def _handoff(self, batch):
+        """Rollout data to the trainer ranks through the object store (`--object-store-backend`)."""
+        import dataclasses
+
+        from miles_platform.cluster.object_store import put_rollout_data, store_from_config
+
+        self._store = store_from_config(self.cfg)
+        return put_rollout_data(dataclasses.asdict(batch), self._store)
 
     def _data_source_state(self, manager) -> dict:
         if self.worker is not None:
@@ -451,7 +461,11 @@ class RLRun:
         path = self.cfg.load_debug_rollout_data.format(rollout_id=rollout_id)
         if not os.path.exists(path):
             raise ConfigError(f"--load-debug-rollout-data: {path} not found for rollout {rollout_id}")
-        return [Sample.from_row(r) for r in pq.read_table(path).to_pylist()]
+        samples = [Sample.from_row(r) for r in pq.read_table(path).to_pylist()]
+        for s in samples:  # a replay belongs to this run; the source run stays in metadata
+            s.metadata = {**s.metadata, "replayed_from_run": s.run}
+            s.run, s.rollout_id = self.cfg.run_name, rollout_id
+        return samples
 
 
 def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:

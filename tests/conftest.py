@@ -1,4 +1,11 @@
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +57,37 @@ def tiny_hf_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
     save_hf_checkpoint(model, tok, path)
     return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory):
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda not installed")
+    binary = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
+    if not os.path.exists(binary):
+        pytest.skip("mooncake_master binary not found next to the interpreter or on PATH")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "w")  # noqa: SIM115
+    args = [binary, f"--rpc_port={port}", f"--metrics_port={_free_port()}", "--rpc_address=127.0.0.1"]
+    proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "mooncake_master did not start"
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        from miles_platform.cluster.object_store import close_stores
+
+        close_stores()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+        log.close()

@@ -68,3 +68,42 @@ def test_bad_config_fails_before_any_engine_starts(tiny_hf_checkpoint, tmp_path)
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, custom_rm_path="no.such.module.fn"))
     with pytest.raises(ConfigError, match="global-batch-size"):
         RunConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=3).validate()
+
+
+def test_mooncake_handoff_and_weight_transport(tiny_hf_checkpoint, tmp_path, mooncake_master, monkeypatch):
+    """Rollout data and weights both go through a real Mooncake store over TCP on loopback."""
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+    flag = json.dumps({"protocol": "tcp", "master_server_address": mooncake_master, "local_hostname": "127.0.0.1",
+                       "global_segment_size": "64mb", "local_buffer_size": "64mb"})  # fmt: skip
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, object_store_backend="mooncake", mooncake_store_init_kwargs=flag,
+               update_weight_transfer_mode="mooncake", check_weight_update_equal=True)  # fmt: skip
+    res = train(cfg)
+    assert res.final_version == 2
+    assert all(m["perf/update_weights_wire_bytes"] > 0 for m in res.metrics)
+
+
+def test_disk_delta_weights_and_fully_async(tiny_hf_checkpoint, tmp_path):
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, update_weight_transfer_mode="disk-delta",
+               update_weight_disk_dir=str(tmp_path / "pub"), fully_async=True, max_weight_staleness=4,
+               check_weight_update_equal=True, ci_test=False)  # fmt: skip
+    res = train(cfg)
+    assert res.final_version == 2
+    from miles_platform.weights.disk_delta import committed_versions
+
+    assert committed_versions(str(tmp_path / "pub")) == [0, 1, 2]  # base snapshot, then one per update
+    assert "rollout/staleness/max" in res.metrics[-1]
+
+
+def test_debug_rollout_data_roundtrip_fsdp2_two_ranks(tiny_hf_checkpoint, tmp_path):
+    """Rollout-only with dynamic sampling saves Parquet rollouts; train-only replays them on 2 FSDP2 ranks."""
+    dump = str(tmp_path / "debug" / "rollout_{rollout_id}.parquet")
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, debug_rollout_only=True, save_debug_rollout_data=dump,
+               rm_type="random", n_samples_per_prompt=4, global_batch_size=8, over_sampling_batch_size=4,
+               dynamic_sampling_filter_path="miles_platform.rollout.filter_hub.check_reward_nonzero_std")  # fmt: skip
+    res = train(cfg)
+    assert res.last_rollout_id == 1 and os.path.exists(dump.format(rollout_id=1))
+    cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, load_debug_rollout_data=dump, n_samples_per_prompt=4,
+                global_batch_size=8, actor_num_gpus_per_node=2, use_dynamic_batch_size=True, max_tokens_per_gpu=24,
+                run_name="replay", ci_test=False)  # fmt: skip
+    res2 = train(cfg2)
+    assert len(res2.metrics) == 2 and all(m["train/grad_norm"] > 0 for m in res2.metrics)

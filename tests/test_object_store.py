@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from miles_platform.cluster.object_store import (
-    close_stores,
     decode_rollout_data,
     encode_rollout_data,
     get_rollout_data,
@@ -98,38 +90,6 @@ def test_mooncake_kwargs_flag_over_env_over_default():
     with pytest.raises(ConfigError, match="unknown fields"):
         resolve_mooncake_kwargs('{"master": "x"}', {})
     assert parse_size("512mb") == 512 * 1024**2 and parse_size(7) == 7
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def mooncake_master(tmp_path_factory):
-    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda not installed")
-    binary = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
-    if not os.path.exists(binary):
-        pytest.skip("mooncake_master binary not found next to the interpreter or on PATH")
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "w")  # noqa: SIM115
-    args = [binary, f"--rpc_port={port}", f"--metrics_port={_free_port()}", "--rpc_address=127.0.0.1"]
-    proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "mooncake_master did not start"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        close_stores()
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-        log.close()
 
 
 def test_trainer_receives_same_rollout_data_on_both_backends(mooncake_master, monkeypatch):

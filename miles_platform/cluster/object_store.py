@@ -171,9 +171,8 @@ class RayRolloutStore:
         return ray.get(handle.ref)
 
     def remove(self, handle: RolloutDataHandle) -> None:
-        import ray
-
-        ray.internal.free([handle.ref])
+        # Ray frees an object when its last reference goes away; drop ours
+        handle.ref = None
 
 
 class MooncakeRolloutStore:

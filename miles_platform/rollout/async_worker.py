@@ -78,6 +78,8 @@ class AsyncRolloutWorker:
             for k in range(self.cfg.n_samples_per_prompt)
         ]
         group = list(await asyncio.gather(*(self.m._one(client, sem, rec, prompt_ids, s, 0) for s in seeds)))
+        for k, s in enumerate(group):  # provisional index until the trainer assigns rollout ids
+            s.index = self._seq * len(group) + k
         await asyncio.to_thread(rm_hub.compute_rewards, self.cfg, group)
         kept, drops = filter_hub.apply_dynamic_filter(self.cfg, [group])
         for k, v in drops.items():

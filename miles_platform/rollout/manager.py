@@ -60,6 +60,8 @@ class RolloutManager:
             records = self.data_source.get_samples(per_round)
             groups = asyncio.run(self._generate_groups(rollout_id, records, rounds))
             flat = [s for g in groups for s in g]
+            for k, s in enumerate(flat):  # provisional ids (rewards such as `random` key on them)
+                s.rollout_id, s.index = rollout_id, (rounds - 1) * len(flat) + k
             rm_hub.compute_rewards(c, flat)
             survivors, d = filter_hub.apply_dynamic_filter(c, groups)
             for k, v in d.items():

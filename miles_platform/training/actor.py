@@ -186,6 +186,10 @@ class TrainerActor:
     def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics."""
         cfg, t0 = self.cfg, time.time()
+        if not isinstance(batch, TrainBatch):  # a handle from the object store (ray | mooncake)
+            from miles_platform.cluster.object_store import get_rollout_data
+
+            batch = TrainBatch(**get_rollout_data(batch))
         self.model.train()
         steps = cfg.num_steps_per_rollout
         mine = [i for s in range(steps) for i in self._my_indices(s)]

@@ -22,14 +22,13 @@ TRANSPORTS = {
     "tensor": "miles_platform.weights.transports.tensor:TensorTransport",
     "disk": "miles_platform.weights.transports.disk:DiskTransport",
     "disk-delta": "miles_platform.weights.transports.disk_delta:DiskDeltaTransport",
+    "mooncake": "miles_platform.weights.transports.mooncake:MooncakeTransport",
 }
 
 # accepted by the flag parser, not built yet: say so before anything starts
 NOT_BUILT = {
     "broadcast": "NCCL broadcast into SGLang weight-update groups needs CUDA and is not built yet; "
     "use tensor, disk or disk-delta",
-    "mooncake": "Mooncake weight transfer is not built yet (Mooncake carries rollout data: "
-    "--object-store-backend mooncake); use tensor, disk or disk-delta",
 }
 
 
