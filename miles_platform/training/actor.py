@@ -205,16 +205,18 @@ class TrainerActor:
         def add(k, v):
             metrics.setdefault(k, []).append(float(v))
 
-        diffs = [(old[i] - rollout_lp[i]).abs() for i in mine if len(batch.rollout_log_probs[i])]
-        if diffs and not cfg.use_rollout_logprobs:
-            cat = torch.cat(diffs)
-            add("train/train_rollout_logprob_abs_diff", cat.mean())
-            add("train/log_prob_mean_abs_diff", cat.mean())
-            add("train/log_prob_max_abs_diff", cat.max())
-            ratio = torch.exp(
-                torch.cat([old[i] - rollout_lp[i] for i in mine if len(batch.rollout_log_probs[i])])
+        have = [i for i in mine if len(batch.rollout_log_probs[i])]
+        if have and not cfg.use_rollout_logprobs:
+            from miles_platform.training.precision import alignment_metrics
+
+            m = alignment_metrics(
+                [old[i] for i in have],
+                [rollout_lp[i] for i in have],
+                [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in have],
             )
-            add("train/ratio_abs_minus_1", (ratio - 1).abs().mean())
+            for k, v in m.items():
+                add(k, v)
+            add("train/train_rollout_logprob_abs_diff", m["train/log_prob_mean_abs_diff"])
         for s in range(steps):
             self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add)
             if self.critic is not None:
