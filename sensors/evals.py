@@ -25,6 +25,7 @@ import dagster as dg
 
 from assets.partitions import policy_version_partitions
 from miles_platform.store.paths import parse_partition_key
+from sensors.policy_events import new_policy_versions
 
 POLICY_VERSIONS = dg.AssetKey("policy_versions")
 EVAL_RESULTS = dg.AssetKey("eval_results")
@@ -66,37 +67,13 @@ def plan_eval_requests(
     after the last event handled, so a tick that hits `max_runs_per_tick` leaves the rest for
     the next tick.
     """
-    after = int(cursor) if cursor else None
-    evaluated = instance.get_materialized_partitions(EVAL_RESULTS)
-    requests: list[dg.RunRequest] = []
-    requested: set[str] = set()
-    new_cursor, seen = cursor, 0
-    while len(requests) < max_runs_per_tick:
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=POLICY_VERSIONS, after_storage_id=after),
-            limit=100,
-            ascending=True,
-        ).records
-        if not records:
-            break
-        for record in records:
-            if len(requests) >= max_runs_per_tick:
-                break
-            after, new_cursor, seen = record.storage_id, str(record.storage_id), seen + 1
-            mat = record.asset_materialization
-            key = mat.partition if mat is not None else None
-            if not key or key in evaluated or key in requested:
-                continue
-            try:
-                version = _version(mat)
-            except ValueError:
-                continue  # not a `<run>.v<NNNNNN>` key: nothing to evaluate
-            if version % _interval(mat, default_interval):
-                continue
-            requested.add(key)
-            requests.append(
-                dg.RunRequest(run_key=key, partition_key=key, tags={"miles/trigger": "new_policy"})
-            )
+    evaluated = set(instance.get_materialized_partitions(EVAL_RESULTS))
+
+    def due(key: str, mat: dg.AssetMaterialization) -> bool:
+        return _version(mat) % _interval(mat, default_interval) == 0
+
+    keys, new_cursor, seen = new_policy_versions(instance, cursor, evaluated, max_runs_per_tick, due)
+    requests = [dg.RunRequest(run_key=k, partition_key=k, tags={"miles/trigger": "new_policy"}) for k in keys]
     return requests, new_cursor, seen
 
 

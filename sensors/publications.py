@@ -11,7 +11,7 @@ Runs of one pub dir serialize on the publisher lock (`lock_wait_s`); give the
 import dagster as dg
 
 from assets.partitions import policy_version_partitions
-from miles_platform.store.paths import parse_partition_key
+from sensors.policy_events import new_policy_versions
 
 POLICY_VERSIONS = dg.AssetKey("policy_versions")
 WEIGHT_PUBLICATIONS = dg.AssetKey("weight_publications")
@@ -29,34 +29,12 @@ def plan_publish_requests(
     instance: dg.DagsterInstance, cursor: str | None, max_runs_per_tick: int = MAX_RUNS_PER_TICK
 ) -> tuple[list[dg.RunRequest], str | None]:
     """Run requests for policy_versions materializations after `cursor`, oldest first."""
-    after = int(cursor) if cursor else None
-    done = instance.get_materialized_partitions(WEIGHT_PUBLICATIONS)
-    requests, requested, new_cursor = [], set(), cursor
-    while len(requests) < max_runs_per_tick:
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=POLICY_VERSIONS, after_storage_id=after),
-            limit=100,
-            ascending=True,
-        ).records
-        if not records:
-            break
-        for record in records:
-            if len(requests) >= max_runs_per_tick:
-                break
-            after, new_cursor = record.storage_id, str(record.storage_id)
-            key = record.asset_materialization.partition if record.asset_materialization else None
-            if not key or key in done or key in requested:
-                continue
-            try:
-                parse_partition_key(key)
-            except ValueError:
-                continue
-            requested.add(key)
-            requests.append(
-                dg.RunRequest(
-                    run_key=f"publish:{key}", partition_key=key, tags={"miles/trigger": "new_policy"}
-                )
-            )
+    done = set(instance.get_materialized_partitions(WEIGHT_PUBLICATIONS))
+    keys, new_cursor, _ = new_policy_versions(instance, cursor, done, max_runs_per_tick)
+    requests = [
+        dg.RunRequest(run_key=f"publish:{k}", partition_key=k, tags={"miles/trigger": "new_policy"})
+        for k in keys
+    ]
     return requests, new_cursor
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from miles_platform.errors import CheckpointError
+from miles_platform.store.atomic import fsync_tree, replace_dir
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
@@ -85,7 +86,7 @@ def save_hf_checkpoint(model, tokenizer, path: str | os.PathLike) -> Path:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         replace_dir(tmp, dest)
     finally:
         if tmp.exists():
@@ -93,32 +94,20 @@ def save_hf_checkpoint(model, tokenizer, path: str | os.PathLike) -> Path:
     return dest
 
 
-def replace_dir(tmp: Path, dest: Path) -> None:
-    """Rename tmp over dest; an existing dest is moved aside first and removed after."""
-    old = None
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(dest, old)
-    os.rename(tmp, dest)
-    _fsync_dir(dest.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def read_safetensors_dir(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in an HF dir (sharded or not), as stored."""
+    from safetensors.torch import load_file
 
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"HF checkpoint {path}: no *.safetensors weights file")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types on truncated files
+            raise CheckpointError(f"HF checkpoint {f}: unreadable safetensors ({e})") from e
+    return state
 
 
 def content_hash(path: str | os.PathLike) -> str:

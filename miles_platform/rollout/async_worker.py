@@ -110,14 +110,7 @@ class AsyncRolloutWorker:
                 continue
             staleness.append(s)
             groups.append(g)
-        filter_hub.apply_rollout_sample_filter(self.cfg, groups)
-        samples: list[Sample] = []
-        for gi, g in enumerate(groups):
-            for s in g:
-                s.rollout_id, s.group_index, s.index = rollout_id, gi, len(samples)
-                if s.remove_sample:
-                    s.loss_mask = [0] * len(s.response_tokens)
-                samples.append(s)
+        samples = self.m.finalize(rollout_id, groups)
         drops = dict(self.drops)
         if stale:
             drops["staleness"] = drops.get("staleness", 0) + stale

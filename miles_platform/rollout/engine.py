@@ -199,11 +199,11 @@ def serve_in_thread(app, host: str, port: int, name: str, lifespan: str = "off")
     return ServerThread(server, thread, host, port)
 
 
-class EngineServer:
-    """Handle for a background engine server: `.url`, `.port`, `.core`, `.stop()`."""
+class ServerHandle:
+    """A server running in a background thread: `.url`, `.port`, `.stop()`."""
 
-    def __init__(self, core: EngineCore, server: ServerThread, owns_core: bool):
-        self.core, self._server, self._owns_core = core, server, owns_core
+    def __init__(self, server: ServerThread):
+        self._server = server
 
     @property
     def url(self) -> str:
@@ -215,6 +215,17 @@ class EngineServer:
 
     def stop(self) -> None:
         self._server.stop()
+
+
+class EngineServer(ServerHandle):
+    """Handle for a background engine server: `.url`, `.port`, `.core`, `.stop()`."""
+
+    def __init__(self, core: EngineCore, server: ServerThread, owns_core: bool):
+        super().__init__(server)
+        self.core, self._owns_core = core, owns_core
+
+    def stop(self) -> None:
+        super().stop()
         if self._owns_core:
             self.core.stop()
 

@@ -67,17 +67,21 @@ class RolloutManager:
             for k, v in d.items():
                 drops[k] = drops.get(k, 0) + v
             kept += survivors
-        kept = kept[:want]
-        filter_hub.apply_rollout_sample_filter(c, kept)
-        samples = []
-        for gi, group in enumerate(kept):
+        samples = self.finalize(rollout_id, kept[:want])
+        metrics = self._metrics(samples, drops, time.time() - t0)
+        return samples, metrics
+
+    def finalize(self, rollout_id: int, groups: list[list[Sample]]) -> list[Sample]:
+        """Run the per-sample filter, number the samples in group order, mask removed ones."""
+        filter_hub.apply_rollout_sample_filter(self.cfg, groups)
+        samples: list[Sample] = []
+        for gi, group in enumerate(groups):
             for s in group:
                 s.rollout_id, s.group_index, s.index = rollout_id, gi, len(samples)
                 if s.remove_sample:
                     s.loss_mask = [0] * len(s.response_tokens)
                 samples.append(s)
-        metrics = self._metrics(samples, drops, time.time() - t0)
-        return samples, metrics
+        return samples
 
     # ------------------------------------------------------------------ generation
     async def _generate_groups(

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from miles_platform.rollout.engine import (
     DEFAULT_MAX_REQUEST_BYTES,
+    ServerHandle,
     ServerThread,
     add_guards,
     error,
@@ -250,22 +251,12 @@ def create_router_app(
     return app
 
 
-class RouterServer:
+class RouterServer(ServerHandle):
     """Handle for a background router: `.url`, `.port`, `.router`, `.stop()`."""
 
     def __init__(self, router: Router, server: ServerThread):
-        self.router, self._server = router, server
-
-    @property
-    def url(self) -> str:
-        return self._server.url
-
-    @property
-    def port(self) -> int:
-        return self._server.port
-
-    def stop(self) -> None:
-        self._server.stop()
+        super().__init__(server)
+        self.router = router
 
 
 def start_router(

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from miles_platform.data.sample import Sample
+from miles_platform.store.atomic import fsync_dir
 from miles_platform.store.paths import StoragePaths
 
 SHARD_FILE = "part-0.parquet"
@@ -70,14 +71,6 @@ def _replace(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
         fs.mv(src, dst)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_parquet_atomic(table: pa.Table, path: str) -> int:
     """Write `table` to `path` (local path or fsspec URI) via temp name + fsync + rename.
 
@@ -104,7 +97,7 @@ def write_parquet_atomic(table: pa.Table, path: str) -> int:
             fs.rm(tmp)
         raise
     if isinstance(fs, LocalFileSystem):
-        _fsync_dir(parent)
+        fsync_dir(parent)
     return int(fs.size(fpath))
 
 

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from miles_platform.config import RunConfig
+from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backend import get_backend_class
 
@@ -368,19 +368,9 @@ class TrainerActor:
                 **(extra_state or {}),
             }
             Path(tmp, "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
-            for f in Path(tmp).rglob("*"):
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            latest_tmp = os.path.join(save, f".{LATEST}.tmp")
-            with open(latest_tmp, "w") as fh:
-                fh.write(str(rollout_id))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(latest_tmp, os.path.join(save, LATEST))
+            fsync_tree(tmp)
+            replace_dir(tmp, final)
+            write_atomic(os.path.join(save, LATEST), str(rollout_id))  # the pointer, last
         if self.world_size > 1:
             dist.barrier()
         return final

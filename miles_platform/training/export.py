@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from miles_platform.models.checkpoint import _fsync_tree, replace_dir
+from miles_platform.store.atomic import fsync_tree, replace_dir
 
 CONFIG_FILES = (
     "config.json",
@@ -40,7 +40,7 @@ def export_hf_dir(state: dict[str, torch.Tensor], template_dir: str, out_dir: st
             str(tmp / "model.safetensors"),
             metadata={"format": "pt"},
         )
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         replace_dir(tmp, dest)
     finally:
         if tmp.exists():

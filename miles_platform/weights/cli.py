@@ -11,23 +11,16 @@ the local checkpoint is left byte-identical.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from miles_platform.errors import CheckpointError, PublicationError
+from miles_platform.errors import PublicationError
 from miles_platform.weights import disk_delta as dd
 from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
 
 
 def load_hf_state(hf_dir: str) -> dict:
-    from safetensors.torch import load_file
+    from miles_platform.models.checkpoint import read_safetensors_dir
 
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"HF checkpoint {hf_dir}: no *.safetensors weights file")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    return read_safetensors_dir(hf_dir)
 
 
 def _print_stats(st: dd.PublishStats) -> None:

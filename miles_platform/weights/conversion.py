@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from miles_platform.errors import CheckpointError
+from miles_platform.store.atomic import write_atomic
 
 RELEASE = "release"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -52,18 +53,10 @@ class ConversionResult:
 
 def read_hf_state_dict(hf_checkpoint: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, all tensors of every *.safetensors file), validated and unconverted."""
-    from safetensors.torch import load_file
-
-    from miles_platform.models.checkpoint import validate_hf_dir
+    from miles_platform.models.checkpoint import read_safetensors_dir, validate_hf_dir
 
     cfg = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(hf_checkpoint).glob("*.safetensors")):
-        try:
-            sd.update(load_file(str(f)))
-        except Exception as e:  # safetensors raises its own error types on truncated files
-            raise CheckpointError(f"HF checkpoint {f}: unreadable safetensors ({e})") from e
-    return cfg, sd
+    return cfg, read_safetensors_dir(hf_checkpoint)
 
 
 def tensors_hash(sd: dict[str, torch.Tensor]) -> str:
@@ -147,19 +140,11 @@ def _temp_sibling(dest: Path) -> Path:
     return dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _finish(tmp: Path, dest: Path, data_dir: Path, t0: float) -> ConversionResult:
-    from miles_platform.models.checkpoint import _fsync_tree, checkpoint_bytes, replace_dir
+    from miles_platform.models.checkpoint import checkpoint_bytes
+    from miles_platform.store.atomic import fsync_tree, replace_dir
 
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     replace_dir(tmp, dest)
     final = dest / data_dir.relative_to(tmp)
     tensors = _count_tensors(final)
@@ -207,7 +192,7 @@ def hf_to_torch_dist(
         data_dir = tmp / RELEASE
         data_dir.mkdir(parents=True)
         _run_ranks(tp, str(hf_checkpoint), str(data_dir))
-        _write_atomic(tmp / TRACKER_FILE, RELEASE)  # pointer last
+        write_atomic(tmp / TRACKER_FILE, RELEASE)  # pointer last
         res = _finish(tmp, dest, data_dir, t0)
         res.content_hash = digest
         return res

@@ -31,6 +31,7 @@ import torch
 
 from kernels import xor_delta as xd
 from miles_platform.errors import PublicationError
+from miles_platform.store.atomic import fsync_dir, write_atomic
 from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
 from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: the format's public names)
     COMPRESSIONS,
@@ -47,12 +48,10 @@ from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: t
     committed_versions,
     dtype_from_name,
     dtype_name,
-    fsync_dir,
     list_publications,
     read_index,
     read_latest,
     version_dir_name,
-    write_atomic,
 )
 
 

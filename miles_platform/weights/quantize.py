@@ -128,15 +128,9 @@ def quantization_config(fmt: str, group_size: int, kept: list[str]) -> dict:
 
 
 def _load_state(hf_dir: Path) -> dict:
-    from safetensors.torch import load_file
+    from miles_platform.models.checkpoint import read_safetensors_dir
 
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"HF checkpoint {hf_dir}: no *.safetensors weights file")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    return read_safetensors_dir(hf_dir)
 
 
 def _read_config(hf_dir: Path) -> dict:
@@ -151,7 +145,7 @@ def quantize_checkpoint(
 ) -> QuantizeStats:
     from safetensors.torch import save_file
 
-    from miles_platform.models.checkpoint import _fsync_tree, replace_dir
+    from miles_platform.store.atomic import fsync_tree, replace_dir
 
     src, dest = Path(hf_dir), Path(out_dir)
     cfg = _read_config(src)
@@ -180,7 +174,7 @@ def quantize_checkpoint(
         )
         cfg["quantization_config"] = quantization_config(fmt, group_size, kept)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         replace_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
