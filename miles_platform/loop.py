@@ -220,7 +220,8 @@ class RLRun:
         from miles_platform.training.export import export_hf_dir
 
         cfg, run = self.cfg, self.cfg.run_name
-        result = RunResult(run, start, start - 1, version, None)
+        last_export = self.paths.hf_export(run, version)
+        result = RunResult(run, start, start - 1, version, last_export if os.path.exists(last_export) else None)
         for rollout_id in range(start, cfg.num_rollout):
             t0 = time.time()
             if cfg.load_debug_rollout_data:

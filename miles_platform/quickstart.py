@@ -53,6 +53,17 @@ def _dagster_home(root: str) -> str:
     return home
 
 
+def _fresh_run_name(root: str, base: str) -> str:
+    """`demo`, then `demo-2`, ... : rerunning the demo adds a run next to the earlier ones."""
+    from miles_platform.store.paths import StoragePaths
+
+    paths, name, i = StoragePaths(root), base, 1
+    while os.path.exists(paths.run_dir(name)) or os.path.exists(paths.rollout_shard_dir(name, 0)):
+        i += 1
+        name = f"{base}-{i}"
+    return name
+
+
 def _log(msg: str) -> None:
     print(f"[quickstart] {msg}", flush=True)
 
@@ -100,7 +111,8 @@ def run_quickstart(
     eval_path = str(_metadata(instance, "eval_dataset")["path"])
 
     _log(f"running rl_training: {num_rollout} rollouts of GRPO")
-    rl = dict(DEMO_RL, seed=seed, num_rollout=num_rollout, storage_root=root, rollout_seed=seed)
+    run = _fresh_run_name(root, DEMO_RL["run_name"])
+    rl = dict(DEMO_RL, run_name=run, seed=seed, num_rollout=num_rollout, storage_root=root, rollout_seed=seed)
     job = defs.get_job_def("rl_training")
     res = job.execute_in_process(run_config={"ops": {"rl_training_op": {"config": rl}}}, instance=instance)
     out = res.output_for_node("rl_training_op")
@@ -137,7 +149,7 @@ def run_quickstart(
     cat = Catalog(paths)
     _, rows = cat.query(f"select count(*) from rollouts where run = '{out['run']}'")
     curve_cols, curve = cat.query(
-        "select rollout_id, value from metrics where run = 'demo' and name = 'rollout/raw_reward' order by rollout_id"
+        f"select rollout_id, value from metrics where run = '{run}' and name = 'rollout/raw_reward' order by rollout_id"
     )
     summary = {
         "base_eval_accuracy": base_eval["pass@1"],
