@@ -41,8 +41,9 @@ def _cfg(ckpt, tmp_path, **kw):
     return RunConfig(**base).validate()
 
 
-def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, tmp_path):
-    cfg = _cfg(tiny_hf_checkpoint, tmp_path)
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, tmp_path, backend):
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend)
     res = train(cfg)
     assert res.final_version == 2 and len(res.versions) == 2
     assert res.ci_checks["step0_ppo_kl"] < 1e-9
@@ -54,7 +55,7 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     assert pv == [(1, 0), (2, 1)]
     assert os.path.exists(os.path.join(paths.checkpoints("t"), "latest_checkpointed_iteration.txt"))
     # relaunching the same command with more rollouts resumes at rollout 2, version 2
-    cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3)
+    cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend)
     res2 = train(cfg2)
     assert res2.start_rollout_id == 2 and res2.final_version == 3
     _, rows = Catalog(paths).query("select distinct rollout_id from rollouts order by 1")
