@@ -324,6 +324,22 @@ class RunConfig:
             raise ConfigError("--fully-async rejects --pause-generation-mode abort (use retract or in_place)")
         if self.update_weight_transfer_mode == "disk-delta" and not self.update_weight_disk_dir:
             raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir")
+        not_built = {
+            "rollout_function_path": "--rollout-function-path",
+            "custom_generate_function_path": "--custom-generate-function-path",
+            "buffer_filter_path": "--buffer-filter-path",
+        }
+        for name, flag in not_built.items():
+            if getattr(self, name):
+                raise ConfigError(
+                    f"{flag} is not supported by this build yet (use --custom-rm-path and the filter hooks)"
+                )
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)}: the trainer runs data-parallel only "
+                    "(TP > 1 is supported by `miles-platform convert`, not by training yet)"
+                )
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self

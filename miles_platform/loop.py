@@ -176,7 +176,7 @@ class RLRun:
                 from miles_platform.weights.update_session import UpdateSession
 
                 manager = RolloutManager(cfg, tok, src, router.url)
-                session = UpdateSession(cfg, self.paths, engines) if trainers else None
+                session = UpdateSession(cfg, self.paths, engines, trainers) if trainers else None
                 if session is not None:
                     self._initial_sync(trainers, session, version, resumed=state is not None)
             ctx_info = {"data_version": data_version, "base_version": base_version}
@@ -221,7 +221,9 @@ class RLRun:
 
         cfg, run = self.cfg, self.cfg.run_name
         last_export = self.paths.hf_export(run, version)
-        result = RunResult(run, start, start - 1, version, last_export if os.path.exists(last_export) else None)
+        result = RunResult(
+            run, start, start - 1, version, last_export if os.path.exists(last_export) else None
+        )
         for rollout_id in range(start, cfg.num_rollout):
             t0 = time.time()
             if cfg.load_debug_rollout_data:
@@ -266,6 +268,10 @@ class RLRun:
                     "config_hash": cfg.config_hash(),
                 }
                 ckpt = ray.get([t.save.remote(rollout_id, extra) for t in trainers])[0]
+            if ckpt and cfg.save_hf and hf_dir is not None:
+                self._save_hf(rollout_id, hf_dir)
+            if manager is not None and self._eval_due(version, hf_dir):
+                metrics.update(self._evaluate(manager, version))
             if hf_dir is not None:
                 info = self._record_version(run, version, rollout_id, shard, hf_dir, ckpt, ctx_info)
                 result.versions.append(info)
@@ -298,6 +304,50 @@ class RLRun:
 
         self._store = store_from_config(self.cfg)
         return put_rollout_data(dataclasses.asdict(batch), self._store)
+
+    def _save_hf(self, rollout_id: int, hf_dir: str) -> None:
+        """--save-hf: a copy of the saved policy in HF layout (template may use {rollout_id})."""
+        import shutil
+
+        from miles_platform.store.atomic import fsync_tree, replace_dir
+
+        dest = self.cfg.save_hf.format(rollout_id=rollout_id)
+        tmp = f"{dest}.tmp-{os.getpid()}"
+        shutil.copytree(hf_dir, tmp)
+        fsync_tree(tmp)
+        replace_dir(tmp, dest)
+
+    def _eval_due(self, version: int, hf_dir: str | None) -> bool:
+        c = self.cfg
+        return bool(
+            c.eval_prompt_data and c.eval_interval and hf_dir is not None and version % c.eval_interval == 0
+        )
+
+    def _evaluate(self, manager, version: int) -> dict[str, float]:
+        """Miles' in-loop eval (--eval-interval) through the router, on the engines' current policy."""
+        from miles_platform.rollout.evaluate import evaluate
+        from miles_platform.rollout.manager import router_generate_fn
+        from miles_platform.store.tables import append_rows
+
+        c, t0 = self.cfg, time.time()
+        s = c.eval_sampling()
+        res = evaluate(
+            None, c.eval_datasets(), c.n_samples_per_eval_prompt, s["max_new_tokens"], s["temperature"],
+            s["top_p"], s["top_k"], rm_type=c.rm_type or "math", args=c, seed=c.seed,
+            generate_fn=router_generate_fn(c, manager.tok, manager.url), input_key=c.input_key,
+            label_key=c.label_key or "label",
+        )  # fmt: skip
+        out, rows = {}, []
+        for name, r in res.items():
+            for k, v in r.items():
+                if isinstance(v, float):
+                    out[f"eval/{name}/{k}"] = v
+                    rows.append({"version": version, "partition_key": partition_key(c.run_name, version),
+                                 "dataset": name, "metric": k, "value": v, "n_samples": r.get("n")})  # fmt: skip
+        append_rows(self.paths, "evals", c.run_name, rows)
+        out["perf/eval_time"] = time.time() - t0
+        self.reporter.log(f"eval v{version}: " + " ".join(f"{k}={v:.4g}" for k, v in out.items()))
+        return out
 
     def _data_source_state(self, manager) -> dict:
         if self.worker is not None:

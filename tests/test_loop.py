@@ -43,8 +43,11 @@ def _cfg(ckpt, tmp_path, **kw):
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, tmp_path, backend):
-    cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend)
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend, eval_interval=2,
+               eval_prompt_data=["heldout", _data(tmp_path)], save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"))  # fmt: skip
     res = train(cfg)
+    assert "eval/heldout/pass@1" in res.metrics[1] and "eval/heldout/pass@1" not in res.metrics[0]
+    assert os.path.exists(tmp_path / "hf" / "iter_1" / "model.safetensors")
     assert res.final_version == 2 and len(res.versions) == 2
     assert res.ci_checks["step0_ppo_kl"] < 1e-9
     assert res.ci_checks["train_rollout_logprob_abs_diff"] < 1e-3
@@ -53,6 +56,8 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     assert rows == [(0, 4), (1, 4)]
     _, pv = Catalog(paths).query("select version, parent_version from policy_versions order by 1")
     assert pv == [(1, 0), (2, 1)]
+    _, ev = Catalog(paths).query("select version, dataset from evals where metric = 'pass@1'")
+    assert ev == [(2, "heldout")]
     assert os.path.exists(os.path.join(paths.checkpoints("t"), "latest_checkpointed_iteration.txt"))
     # relaunching the same command with more rollouts resumes at rollout 2, version 2
     cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend)
@@ -108,3 +113,10 @@ def test_debug_rollout_data_roundtrip_fsdp2_two_ranks(tiny_hf_checkpoint, tmp_pa
                 run_name="replay", ci_test=False)  # fmt: skip
     res2 = train(cfg2)
     assert len(res2.metrics) == 2 and all(m["train/grad_norm"] > 0 for m in res2.metrics)
+
+
+def test_flags_not_built_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match="buffer-filter-path"):
+        RunConfig(rollout_batch_size=2, buffer_filter_path="x.y").validate()
+    with pytest.raises(ConfigError, match="tensor-model-parallel-size"):
+        RunConfig(rollout_batch_size=2, tensor_model_parallel_size=2).validate()

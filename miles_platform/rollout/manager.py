@@ -57,7 +57,7 @@ class RolloutManager:
                     f"dynamic sampling kept {len(kept)}/{want} groups after 50 rounds; "
                     "the filter rejects almost everything (is the reward constant?)"
                 )
-            records = self.data_source.get_samples(per_round)
+            records = self._within_prompt_len(self.data_source.get_samples(per_round), drops)
             groups = asyncio.run(self._generate_groups(rollout_id, records, rounds))
             flat = [s for g in groups for s in g]
             for k, s in enumerate(flat):  # provisional ids (rewards such as `random` key on them)
@@ -70,6 +70,16 @@ class RolloutManager:
         samples = self.finalize(rollout_id, kept[:want])
         metrics = self._metrics(samples, drops, time.time() - t0)
         return samples, metrics
+
+    def _within_prompt_len(self, records: list[PromptRecord], drops: dict[str, int]) -> list[PromptRecord]:
+        """--rollout-max-prompt-len: drop longer prompts (counted as rollout/dynamic_filter/drop_prompt_too_long)."""
+        limit = self.cfg.rollout_max_prompt_len
+        if not limit:
+            return records
+        kept = [r for r in records if len(self.tok.encode(r.prompt, add_special_tokens=False)) <= limit]
+        if len(kept) < len(records):
+            drops["prompt_too_long"] = drops.get("prompt_too_long", 0) + len(records) - len(kept)
+        return kept
 
     def finalize(self, rollout_id: int, groups: list[list[Sample]]) -> list[Sample]:
         """Run the per-sample filter, number the samples in group order, mask removed ones."""
@@ -147,3 +157,31 @@ class RolloutManager:
             m["rollout/zero_std_groups"] = float(np.mean(groups.std(axis=1) == 0))
         m.update({k: float(v) for k, v in filter_hub.drop_metrics(drops).items()})
         return m
+
+
+def router_generate_fn(cfg: RunConfig, tokenizer, url: str):
+    """An `evaluate(generate_fn=...)` that generates through the router (the engines under training)."""
+
+    def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                  "stop_token_ids": [tokenizer.eos_token_id]}  # fmt: skip
+
+        async def one(client, sem, ids, k):
+            async with sem:
+                out = await engine_client.generate(
+                    url, ids, {**params, "sampling_seed": seed * 1000003 + k}, return_logprob=False,
+                    api_key=cfg.api_key, client=client,
+                )  # fmt: skip
+            return out.get("text", "")
+
+        async def run():
+            sem = asyncio.Semaphore(cfg.rollout_max_concurrency)
+            async with httpx.AsyncClient(timeout=600) as client:
+                ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+                tasks = [one(client, sem, x, i * n + k) for i, x in enumerate(ids) for k in range(n)]
+                texts = await asyncio.gather(*tasks)
+            return [list(texts[i * n : (i + 1) * n]) for i in range(len(prompts))]
+
+        return asyncio.run(run())
+
+    return generate_fn
