@@ -132,6 +132,46 @@ def create_app(
             return JSONResponse({"success": False, "message": msg}, status_code=400)
         return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
 
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
+        missing = [k for k in keys if not isinstance(body, dict) or k not in body]
+        if missing:
+            return JSONResponse({"success": False, "message": f"missing fields {missing}"}, status_code=400)
+        args = [body[k] for k in keys] + [body.get("backend") or "gloo"]
+        try:
+            await asyncio.to_thread(core.init_weights_update_group, *args)
+        except (MilesError, ValueError, RuntimeError) as e:
+            msg = f"init_weights_update_group failed: {e}"
+            return JSONResponse({"success": False, "message": msg}, status_code=400)
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        keys = ("names", "dtypes", "shapes")
+        missing = [k for k in keys if not isinstance(body, dict) or not isinstance(body.get(k), list)]
+        if missing:
+            return JSONResponse(
+                {"success": False, "message": f"missing list fields {missing}"}, status_code=400
+            )
+        args = [body[k] for k in keys] + [body.get("group_name") or "weight_update_group"]
+        try:
+            version = await asyncio.to_thread(
+                core.update_weights_from_distributed, *args, body.get("weight_version")
+            )
+        except (MilesError, ValueError, RuntimeError) as e:
+            msg = f"update_weights_from_distributed failed, kept weight_version {core.weight_version}: {e}"
+            return JSONResponse({"success": False, "message": msg}, status_code=400)
+        if body.get("flush_cache", True):
+            core.flush_cache()
+        return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body, err = await json_body(request, max_request_bytes)

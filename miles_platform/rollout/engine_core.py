@@ -212,6 +212,7 @@ class EngineCore:
             "num_weight_updates": 0,
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
+        self._weight_groups: dict = {}  # group_name -> (process group, backend): broadcast updates
         self._cv = threading.Condition()  # guards _waiting / _paused / _stopping
         self._waiting: deque[_Request] = deque()
         self._batch = _Batch()
@@ -329,6 +330,60 @@ class EngineCore:
             lambda: self._swap(self._prepare_tensors(state, require_all=True, source=str(path)), version)
         )
         self.model_path = str(path)
+        return version
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
+        """Join the trainer's weight-broadcast group as rank `rank_offset` (SGLang's API). Blocks
+        until every rank joined; a second init under the same name replaces the group."""
+        from miles_platform.weights.transports.broadcast import new_weights_group
+
+        if backend not in ("gloo", "nccl"):
+            raise RequestError(f"init_weights_update_group backend={backend!r}: must be gloo or nccl")
+        group = new_weights_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        self._weight_groups[group_name] = (group, backend)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int | None = None,
+    ) -> int:
+        """Receive each tensor by broadcast from rank 0 in the order given, then load them atomically
+        (names and shapes are checked after receiving, so the group stays in step on a bad update).
+        Returns the new version. The receive runs on the caller's thread; the swap on the scheduler."""
+        from miles_platform.weights.transports.broadcast import broadcast, parse_dtype
+
+        if group_name not in self._weight_groups:
+            raise RequestError(
+                f"no weights update group {group_name!r}: call /init_weights_update_group first"
+            )
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise RequestError(
+                f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}"
+            )
+        try:
+            kinds = [parse_dtype(d) for d in dtypes]
+        except ValueError as e:
+            raise RequestError(f"update_weights_from_distributed: {e}") from e
+        group, backend = self._weight_groups[group_name]
+        device = "cuda" if backend == "nccl" else "cpu"
+        named = {}
+        for name, dtype, shape in zip(names, kinds, shapes, strict=True):
+            t = torch.empty([int(x) for x in shape], dtype=dtype, device=device)
+            broadcast(group, t)
+            named[name] = t
+        version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        self.update_weights_from_tensors(named, version)
         return version
 
     def get_weights(self) -> dict[str, torch.Tensor]:

@@ -112,6 +112,7 @@ class TrainerActor:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total))
         self.global_step = 0
         self.loss_fn = loss_hub.get_loss_function(cfg)
+        self._weight_groups: dict = {}  # group_name -> (process group, backend), broadcast transport
 
     # ------------------------------------------------------------------ setup
     def _build_ref(self):
@@ -329,6 +330,45 @@ class TrainerActor:
     # ------------------------------------------------------------------ weights
     def get_hf_weights(self) -> dict[str, torch.Tensor]:
         return self.backend.export_hf_state_dict()
+
+    # broadcast transport: rank 0 is rank 0 of a standalone group with the engines
+    def weights_update_endpoint(self) -> dict:
+        from miles_platform.weights.transports.broadcast import weights_update_endpoint
+
+        return weights_update_endpoint()
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """Rank 0 only: host the group's store and join as rank 0 (blocks until the engines join)."""
+        from miles_platform.weights.transports.broadcast import new_weights_group
+
+        self._weight_groups[group_name] = (
+            new_weights_group(master_address, master_port, 0, world_size, group_name, backend),
+            backend,
+        )
+
+    def broadcast_weights(self, group_name: str, names: list[str] | None = None) -> dict:
+        """Export the HF weights (collective under FSDP: every rank calls this), then rank 0
+        broadcasts each tensor in `names` order (default: export order). Returns the metadata."""
+        from miles_platform.weights.transports.broadcast import broadcast, dtype_name
+
+        state = self.backend.export_hf_state_dict()
+        if self.rank != 0:
+            return {}
+        names = list(state) if names is None else names
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise KeyError(f"broadcast_weights: trainer has no tensors {missing[:5]}")
+        group, backend = self._weight_groups[group_name]
+        device = "cuda" if backend == "nccl" else "cpu"
+        for n in names:
+            broadcast(group, state[n].detach().to(device).contiguous())
+        return {
+            "names": names,
+            "dtypes": [dtype_name(state[n].dtype) for n in names],
+            "shapes": [list(state[n].shape) for n in names],
+        }
 
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
         idx = list(range(len(batch)))

@@ -21,9 +21,12 @@ from miles_platform.weights.transports import EngineHandle, get_transport
 
 
 class UpdateSession:
-    def __init__(self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]):
+    def __init__(
+        self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle], trainers: list | None = None
+    ):
+        """`trainers`: TrainerActor handles, used by transports the trainer drives (broadcast)."""
         self.cfg, self.engines = cfg, engines
-        self.transport = get_transport(cfg, paths, engines)
+        self.transport = get_transport(cfg, paths, engines, trainers)
 
     def _broadcast(self, path: str, body: dict | None = None) -> None:
         for e in self.engines:

@@ -23,13 +23,11 @@ TRANSPORTS = {
     "disk": "miles_platform.weights.transports.disk:DiskTransport",
     "disk-delta": "miles_platform.weights.transports.disk_delta:DiskDeltaTransport",
     "mooncake": "miles_platform.weights.transports.mooncake:MooncakeTransport",
+    "broadcast": "miles_platform.weights.transports.broadcast:BroadcastTransport",
 }
 
 # accepted by the flag parser, not built yet: say so before anything starts
-NOT_BUILT = {
-    "broadcast": "NCCL broadcast into SGLang weight-update groups needs CUDA and is not built yet; "
-    "use tensor, disk or disk-delta",
-}
+NOT_BUILT: dict[str, str] = {}
 
 
 @dataclass
@@ -54,6 +52,7 @@ class TransferStats:
 
 class Transport(ABC):
     name = ""
+    needs_trainers = False  # True: __init__ also takes `trainers=` (the TrainerActor handles)
 
     def __init__(self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]):
         self.cfg, self.paths, self.engines = cfg, paths, engines
@@ -71,7 +70,10 @@ def full_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def get_transport(cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]) -> Transport:
+def get_transport(
+    cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle], trainers: list | None = None
+) -> Transport:
+    """`trainers`: the TrainerActor handles, for transports the trainer drives (broadcast)."""
     if cfg.update_weight_transfer_mode in NOT_BUILT:
         raise ConfigError(
             f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode}: "
@@ -83,4 +85,5 @@ def get_transport(cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandl
             f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode!r}: allowed {sorted(TRANSPORTS)}"
         )
     mod, cls = spec.split(":")
-    return getattr(importlib.import_module(mod), cls)(cfg, paths, engines)
+    kind = getattr(importlib.import_module(mod), cls)
+    return kind(cfg, paths, engines, trainers=trainers) if kind.needs_trainers else kind(cfg, paths, engines)
