@@ -1,7 +1,8 @@
 """Publish each new policy version as disk-delta (`publish_on_new_policy` -> `publish_weights` job).
 
 Cursor-based over `policy_versions` materializations (the cursor is the storage id of the last
-event looked at), so after downtime the sensor resumes and catches up in version order. A
+event looked at), so after downtime the sensor resumes and catches up to the newest version of
+each run (publications are append-only: older pending versions are skipped, not replayed). A
 partition is requested at most once: run_key = `publish:<partition>` (Dagster drops a repeated
 run key) and partitions that already have a `weight_publications` materialization are skipped.
 Runs of one pub dir serialize on the publisher lock (`lock_wait_s`); give the
@@ -11,6 +12,7 @@ Runs of one pub dir serialize on the publisher lock (`lock_wait_s`); give the
 import dagster as dg
 
 from assets.partitions import policy_version_partitions
+from miles_platform.store.paths import parse_partition_key
 from sensors.policy_events import new_policy_versions
 
 POLICY_VERSIONS = dg.AssetKey("policy_versions")
@@ -28,12 +30,32 @@ publish_weights_job = dg.define_asset_job(
 def plan_publish_requests(
     instance: dg.DagsterInstance, cursor: str | None, max_runs_per_tick: int = MAX_RUNS_PER_TICK
 ) -> tuple[list[dg.RunRequest], str | None]:
-    """Run requests for policy_versions materializations after `cursor`, oldest first."""
+    """Run requests for policy_versions materializations after `cursor`: the newest pending version per run.
+
+    Publications are append-only, so a version older than the newest already published can never
+    be published; and when several versions of a run are pending at once (the trainer outran the
+    sensor, or the UI just started on a finished run) a fleet wants the newest, not a replay of
+    the chain. Each tick therefore requests at most one version per run, newer than its published ones.
+    """
     done = set(instance.get_materialized_partitions(WEIGHT_PUBLICATIONS))
-    keys, new_cursor, _ = new_policy_versions(instance, cursor, done, max_runs_per_tick)
+    newest: dict[str, int] = {}
+    for key in done:
+        run, v = parse_partition_key(key)
+        newest[run] = max(v, newest.get(run, -1))
+
+    def publishable(key: str, mat: dg.AssetMaterialization) -> bool:
+        run, v = parse_partition_key(key)
+        return v > newest.get(run, -1)
+
+    keys, new_cursor, _ = new_policy_versions(instance, cursor, done, 10_000, publishable)
+    pending: dict[str, str] = {}
+    for key in keys:
+        run, v = parse_partition_key(key)
+        if run not in pending or v > parse_partition_key(pending[run])[1]:
+            pending[run] = key
     requests = [
         dg.RunRequest(run_key=f"publish:{k}", partition_key=k, tags={"miles/trigger": "new_policy"})
-        for k in keys
+        for k in list(pending.values())[:max_runs_per_tick]
     ]
     return requests, new_cursor
 

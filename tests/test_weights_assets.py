@@ -45,7 +45,7 @@ def test_sensor_publishes_each_version_once_and_quantizes(tiny_hf_checkpoint, tm
 
     assert publish_weights_job.name == "publish_weights"
     res = publish_on_new_policy(dg.build_sensor_context(instance=instance))
-    assert [r.partition_key for r in res.run_requests] == keys
+    assert [r.partition_key for r in res.run_requests] == keys[-1:]  # the newest pending version of the run
     kinds = []
     for key in keys:
         r = dg.materialize([weight_publications], instance=instance, partition_key=key, resources=resources)
