@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One-GPU smoke: short GRPO with an SGLang engine, the megatron + transformer-engine trainer and
-# NCCL weight broadcast. Prints the --ci-test step-0 checkers and perf/* timings.
+# One-GPU smoke: short GRPO with an SGLang engine and the megatron + transformer-engine trainer,
+# colocated; weights reach SGLang by /update_weights_from_disk (NCCL cannot put two ranks on one
+# GPU). With 2+ GPUs, drop --colocate and append `--update-weight-transfer-mode broadcast` for the
+# NCCL path. Prints the --ci-test step-0 checkers and perf/* timings.
 #   MODEL=/models/Qwen3-0.6B DATA=/data/train.jsonl scripts/gpu_smoke.sh [extra flags]
 # Needs: pip install -e '.[gpu]' (sglang, transformer-engine), one CUDA GPU, an HF checkpoint.
 # Not run in CI here (no GPU); tests marked @pytest.mark.gpu cover the same path.
@@ -26,9 +28,10 @@ set -x
 "$PY" -m miles_platform.cli train \
   --train-backend megatron \
   --rollout-engine sglang \
-  --update-weight-transfer-mode broadcast \
+  --update-weight-transfer-mode disk \
   --hf-checkpoint "$MODEL" \
   --prompt-data "$DATA" \
+  --input-key prompt --label-key label \
   --rm-type math \
   --ci-test \
   --num-rollout 3 \

@@ -31,7 +31,8 @@ def test_smoke_flags_parse_as_run_config():
             filled.append("/tmp/x")
     cfg = parse_run_config(filled)
     assert cfg.train_backend == "megatron" and cfg.rollout_engine == "sglang"
-    assert cfg.update_weight_transfer_mode == "broadcast" and cfg.ci_test and cfg.num_rollout == 3
+    assert cfg.update_weight_transfer_mode == "disk" and cfg.ci_test and cfg.num_rollout == 3
+    assert cfg.input_key == "prompt" and cfg.label_key == "label"  # the rows `make-data` writes
     assert cfg.sglang_args == {"mem-fraction-static": "0.4"}
 
 
