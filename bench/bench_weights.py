@@ -53,6 +53,19 @@ def _row(name, ours, baseline, unit):
     }
 
 
+def _write_full(state: dict) -> None:
+    """What a full-snapshot update writes: one safetensors file, fsynced (same filesystem as the delta)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.safetensors")
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
 def run(mb: int = 48) -> list[dict]:
     torch.set_num_threads(1)
     model = _model(mb)
@@ -78,7 +91,12 @@ def run(mb: int = 48) -> list[dict]:
                 dd.apply_to_state_dict(d, engine, from_version=0, to_version=1)
                 apply_s = time.perf_counter() - t0
             tag = f"{enc}/{str(dtype).removeprefix('torch.')}"
+            full_write_s = _best(lambda b=b: _write_full(b), 3)
             rows.append(_row(f"encode+publish {tag}", full / st.seconds / 1e9, full / copy_s / 1e9, "GB/s"))
+            rows.append(
+                _row(f"encode+publish {tag} vs full safetensors write+fsync (the `disk` transport)",
+                     full / st.seconds / 1e9, full / full_write_s / 1e9, "GB/s")
+            )  # fmt: skip
             rows.append(_row(f"verify+apply {tag}", full / apply_s / 1e9, full / copy_s / 1e9, "GB/s"))
             rows.append(
                 _row(f"wire bytes after AdamW lr=1e-6 {tag}", st.wire_bytes / full, 1.0, "fraction of full")
