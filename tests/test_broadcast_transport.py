@@ -1,12 +1,11 @@
 """`broadcast` weight transport: SGLang's weights-update-group API on a real gloo group (CPU)."""
 
-import json
 import threading
 
 import httpx
 import torch
+from loop_helpers import small_run_config
 
-from miles_platform.config import RunConfig
 from miles_platform.loop import train
 from miles_platform.rollout.engine import start_engine_server
 from miles_platform.weights.transports.broadcast import (
@@ -18,28 +17,7 @@ from miles_platform.weights.transports.broadcast import (
 
 
 def _cfg(ckpt, tmp_path, **kw):
-    """Same small run as tests/test_loop.py."""
-    data = tmp_path / "train.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(8))
-    )
-    base = dict(
-        hf_checkpoint=ckpt,
-        prompt_data=str(data),
-        input_key="prompt",
-        label_key="label",
-        rm_type="math",
-        rollout_batch_size=2,
-        n_samples_per_prompt=2,
-        num_rollout=2,
-        rollout_max_response_len=4,
-        lr=1e-3,
-        storage_root=str(tmp_path / "root"),
-        run_name="t",
-        num_cpus_per_actor=0.5,
-    )
-    base.update(kw)
-    return RunConfig(**base).validate()
+    return small_run_config(ckpt, tmp_path, **kw)
 
 
 def _in_thread(fn):

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+from loop_helpers import small_run_config, write_prompts
 
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.loop import train, validate_before_start
@@ -11,34 +12,12 @@ from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 
 
-def _data(tmp_path, n=8):
-    p = tmp_path / "train.jsonl"
-    with open(p, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n")
-    return str(p)
+def _data(tmp_path):
+    return write_prompts(tmp_path)
 
 
 def _cfg(ckpt, tmp_path, **kw):
-    base = dict(
-        hf_checkpoint=ckpt,
-        prompt_data=_data(tmp_path),
-        input_key="prompt",
-        label_key="label",
-        rm_type="math",
-        rollout_batch_size=2,
-        n_samples_per_prompt=2,
-        num_rollout=2,
-        rollout_max_response_len=4,
-        lr=1e-3,
-        storage_root=str(tmp_path / "root"),
-        run_name="t",
-        num_cpus_per_actor=0.5,
-        ci_test=True,
-        save_interval=1,
-    )
-    base.update(kw)
-    return RunConfig(**base).validate()
+    return small_run_config(ckpt, tmp_path, **{"ci_test": True, "save_interval": 1, **kw})
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])

@@ -1,0 +1,31 @@
+"""The small RL run the loop-level tests share: 8 addition prompts, 2 prompts x 2 samples, 2 rollouts."""
+
+import json
+
+from miles_platform.config import RunConfig
+
+
+def write_prompts(tmp_path, n: int = 8) -> str:
+    p = tmp_path / "train.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(n)))
+    return str(p)
+
+
+def small_run_config(ckpt: str, tmp_path, **overrides) -> RunConfig:
+    base = dict(
+        hf_checkpoint=ckpt,
+        prompt_data=write_prompts(tmp_path),
+        input_key="prompt",
+        label_key="label",
+        rm_type="math",
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        num_rollout=2,
+        rollout_max_response_len=4,
+        lr=1e-3,
+        storage_root=str(tmp_path / "root"),
+        run_name="t",
+        num_cpus_per_actor=0.5,
+    )
+    base.update(overrides)
+    return RunConfig(**base).validate()
