@@ -102,6 +102,7 @@ class RLRun:
         self.reporter = reporter or Reporter()
         self.paths = StoragePaths(cfg.storage_root)
         self.worker = None
+        self._highest_version = 0
 
     # ------------------------------------------------------------------ setup
     def _load_data(self, tokenizer):
@@ -162,6 +163,9 @@ class RLRun:
             state = ray.get([t.load.remote() for t in trainers])[0] if trainers else None
             start = 0 if state is None else state["rollout_id"] + 1
             version = 0 if state is None else int(state["weight_version"])
+            # versions a crashed run made after its last checkpoint keep their numbers: new ones continue
+            # after the highest recorded version, branching from the checkpoint's (no key is reused)
+            self._highest_version = max(version, self._recorded_max_version())
             if state is not None and src is not None:
                 src.load_state_dict(state["data_source"])
                 self.reporter.log(
@@ -253,7 +257,8 @@ class RLRun:
                 result.ci_checks = self._ci_step0(metrics)
             hf_dir = None
             if session is not None and (rollout_id + 1) % cfg.update_weights_interval == 0:
-                version += 1
+                parent, version = version, max(version, self._highest_version) + 1
+                self._highest_version = version
                 weights = ray.get([t.get_hf_weights.remote() for t in trainers])[0]
                 hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, self.paths.hf_export(run, version))
                 metrics.update(session.update(weights, version, hf_dir))
@@ -273,7 +278,7 @@ class RLRun:
             if manager is not None and self._eval_due(version, hf_dir):
                 metrics.update(self._evaluate(manager, version))
             if hf_dir is not None:
-                info = self._record_version(run, version, rollout_id, shard, hf_dir, ckpt, ctx_info)
+                info = self._record_version(run, version, parent, rollout_id, shard, hf_dir, ckpt, ctx_info)
                 result.versions.append(info)
                 self.reporter.on_policy_version(info)
                 result.final_hf_path = hf_dir
@@ -304,6 +309,12 @@ class RLRun:
 
         self._store = store_from_config(self.cfg)
         return put_rollout_data(dataclasses.asdict(batch), self._store)
+
+    def _recorded_max_version(self) -> int:
+        from miles_platform.store.tables import read_rows
+
+        rows = read_rows(self.paths, "policy_versions", self.cfg.run_name)
+        return max((int(r["version"]) for r in rows), default=0)
 
     def _save_hf(self, rollout_id: int, hf_dir: str) -> None:
         """--save-hf: a copy of the saved policy in HF layout (template may use {rollout_id})."""
@@ -360,16 +371,16 @@ class RLRun:
             c.save_interval and (rollout_id + 1) % c.save_interval == 0
         )
 
-    def _record_version(self, run, version, rollout_id, shard, hf_dir, ckpt, ctx_info) -> dict[str, Any]:
+    def _record_version(self, run, version, parent_version, rollout_id, shard, hf_dir, ckpt, ctx_info):
         from miles_platform.models.checkpoint import content_hash
         from miles_platform.store.tables import append_rows
 
-        key, parent = partition_key(run, version), partition_key(run, version - 1)
+        key, parent = partition_key(run, version), partition_key(run, parent_version)
         info = {
             "run": run,
             "version": version,
             "partition_key": key,
-            "parent_version": version - 1,
+            "parent_version": parent_version,
             "parent_partition_key": parent,
             "rollout_id": rollout_id,
             "checkpoint_path": ckpt,
@@ -412,10 +423,10 @@ class RLRun:
         )
         edges = [
             (
-                parent if version > 1 else self.cfg.hf_checkpoint,
-                "policy_version" if version > 1 else "checkpoint",
+                parent if parent_version > 0 else self.cfg.hf_checkpoint,
+                "policy_version" if parent_version > 0 else "checkpoint",
                 "trained_from",
-                ctx_info["base_version"] if version == 1 else None,
+                ctx_info["base_version"] if parent_version == 0 else None,
             ),
             (shard.path, "rollout_shard", "trained_on", None),
             (self.cfg.prompt_data, "dataset", "prompt_data", ctx_info["data_version"]),

@@ -99,3 +99,18 @@ def test_flags_not_built_are_refused_not_ignored():
         RunConfig(rollout_batch_size=2, buffer_filter_path="x.y").validate()
     with pytest.raises(ConfigError, match="tensor-model-parallel-size"):
         RunConfig(rollout_batch_size=2, tensor_model_parallel_size=2).validate()
+
+
+def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp_path):
+    """Versions made after the last checkpoint survive a crash; the resumed run branches from the checkpoint."""
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False)
+    train(cfg)  # versions 1, 2, 3; checkpoints at rollout 1 (v2) and rollout 2 (v3, the last)
+    save = StoragePaths(cfg.storage_root).checkpoints("t")
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")  # as if the run had crashed before saving rollout 2: v3 exists, its checkpoint does not
+    res = train(_cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False))
+    assert res.start_rollout_id == 2 and res.final_version == 4
+    _, rows = Catalog(StoragePaths(cfg.storage_root)).query(
+        "select version, parent_version, rollout_id from policy_versions order by version"
+    )
+    assert rows == [(1, 0, 0), (2, 1, 1), (3, 2, 2), (4, 2, 2)]
