@@ -327,12 +327,11 @@ class RunConfig:
         not_built = {
             "rollout_function_path": "--rollout-function-path",
             "custom_generate_function_path": "--custom-generate-function-path",
-            "buffer_filter_path": "--buffer-filter-path",
         }
         for name, flag in not_built.items():
             if getattr(self, name):
                 raise ConfigError(
-                    f"{flag} is not supported by this build yet (use --custom-rm-path and the filter hooks)"
+                    f"{flag} is not supported by this build yet (use --custom-rm-path, the filter hooks and --custom-loss-function-path)"
                 )
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             if getattr(self, name) != 1:

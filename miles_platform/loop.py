@@ -219,7 +219,6 @@ class RLRun:
         import ray
 
         from miles_platform.store.shards import write_rollout_shard
-        from miles_platform.store.tables import append_rows
         from miles_platform.training.actor import TrainBatch
         from miles_platform.training.export import export_hf_dir
 
@@ -239,9 +238,8 @@ class RLRun:
             shard = write_rollout_shard(self.paths, run, rollout_id, samples)
             if cfg.save_debug_rollout_data:
                 self._save_debug(rollout_id, samples)
-            if not trainers:
-                self._report(rollout_id, metrics, t0)
-                result.last_rollout_id = rollout_id
+            if not trainers:  # --debug-rollout-only
+                self._finish_rollout(result, rollout_id, metrics, t0, version)
                 continue
             batch = TrainBatch(
                 tokens=[s.tokens for s in samples],
@@ -282,24 +280,23 @@ class RLRun:
                 result.versions.append(info)
                 self.reporter.on_policy_version(info)
                 result.final_hf_path = hf_dir
-            append_rows(
-                self.paths,
-                "metrics",
-                run,
-                [
-                    {
-                        "rollout_id": rollout_id,
-                        "step": int(metrics.get("train/step", 0)),
-                        "name": k,
-                        "value": float(v),
-                    }
-                    for k, v in metrics.items()
-                ],
-            )
-            self._report(rollout_id, metrics, t0)
-            result.metrics.append(metrics)
-            result.last_rollout_id, result.final_version = rollout_id, version
+            self._finish_rollout(result, rollout_id, metrics, t0, version)
         return result
+
+    def _finish_rollout(
+        self, result: RunResult, rollout_id: int, metrics: dict, t0: float, version: int
+    ) -> None:
+        """Metrics of one rollout: to the `metrics` table, the reporter and the result."""
+        from miles_platform.store.tables import append_rows
+
+        step = int(metrics.get("train/step", 0))
+        rows = [
+            {"rollout_id": rollout_id, "step": step, "name": k, "value": float(v)} for k, v in metrics.items()
+        ]
+        append_rows(self.paths, "metrics", self.cfg.run_name, rows)
+        self._report(rollout_id, metrics, t0)
+        result.metrics.append(metrics)
+        result.last_rollout_id, result.final_version = rollout_id, version
 
     def _handoff(self, batch):
         """Rollout data to the trainer ranks through the object store (`--object-store-backend`)."""

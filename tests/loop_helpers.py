@@ -29,3 +29,12 @@ def small_run_config(ckpt: str, tmp_path, **overrides) -> RunConfig:
     )
     base.update(overrides)
     return RunConfig(**base).validate()
+
+
+def newest_first(args, rollout_id, buffer, num_samples):
+    """A `--buffer-filter-path` for the tests: pops the newest groups and tags what it picked."""
+    picked = [buffer.pop() for _ in range(min(num_samples, len(buffer)))]
+    for group in picked:
+        for s in group:
+            s.metadata["picked_by"] = "newest_first"
+    return picked

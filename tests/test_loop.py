@@ -95,8 +95,8 @@ def test_debug_rollout_data_roundtrip_fsdp2_two_ranks(tiny_hf_checkpoint, tmp_pa
 
 
 def test_flags_not_built_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="buffer-filter-path"):
-        RunConfig(rollout_batch_size=2, buffer_filter_path="x.y").validate()
+    with pytest.raises(ConfigError, match="custom-generate-function-path"):
+        RunConfig(rollout_batch_size=2, custom_generate_function_path="x.y").validate()
     with pytest.raises(ConfigError, match="tensor-model-parallel-size"):
         RunConfig(rollout_batch_size=2, tensor_model_parallel_size=2).validate()
 
@@ -114,3 +114,16 @@ def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp
         "select version, parent_version, rollout_id from policy_versions order by version"
     )
     assert rows == [(1, 0, 0), (2, 1, 1), (3, 2, 2), (4, 2, 2)]
+
+
+def test_over_sampling_surplus_is_buffered_and_served_by_the_buffer_filter(tiny_hf_checkpoint, tmp_path):
+    """Over-sampling keeps 4 groups for a batch of 2: the surplus waits in the buffer and the next rollout
+    takes it through --buffer-filter-path instead of generating."""
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, over_sampling_batch_size=4, buffer_filter_path="loop_helpers.newest_first",
+               debug_rollout_only=True, ci_test=False)  # fmt: skip
+    res = train(cfg)
+    assert [m["rollout/buffer_size"] for m in res.metrics] == [2.0, 0.0]
+    _, rows = Catalog(StoragePaths(cfg.storage_root)).query(
+        "select rollout_id, count(*) filter (where metadata like '%newest_first%') from rollouts group by 1 order by 1"
+    )
+    assert rows == [(0, 0), (1, 4)]  # rollout 1 = the 2 buffered groups x 2 samples, picked by the filter

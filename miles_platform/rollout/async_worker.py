@@ -25,7 +25,7 @@ from miles_platform.rollout.manager import RolloutManager
 class AsyncRolloutWorker:
     def __init__(self, manager: RolloutManager, capacity: int | None = None):
         self.m, self.cfg = manager, manager.cfg
-        self.buffer: queue.Queue[list[Sample]] = queue.Queue(
+        self.finished: queue.Queue[list[Sample]] = queue.Queue(
             maxsize=capacity or 2 * self.cfg.rollout_batch_size
         )
         self._stop = threading.Event()
@@ -86,7 +86,7 @@ class AsyncRolloutWorker:
             self.drops[k] = self.drops.get(k, 0) + v
         while kept and not self._stop.is_set():
             try:
-                await asyncio.to_thread(self.buffer.put, group, True, 0.5)
+                await asyncio.to_thread(self.finished.put, group, True, 0.5)
                 return
             except queue.Full:
                 continue
@@ -100,16 +100,14 @@ class AsyncRolloutWorker:
         while len(groups) < want:
             if self._error is not None:
                 raise RuntimeError(f"async rollout worker failed: {self._error}") from self._error
-            try:
-                g = self.buffer.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            s = engine_version - min(x.weight_version_start for x in g)
-            if max_stale is not None and s > max_stale:
-                stale += 1
-                continue
-            staleness.append(s)
-            groups.append(g)
+            self._drain_into_buffer()
+            for g in self.m.take_from_buffer(rollout_id, want - len(groups)):
+                s = engine_version - min(x.weight_version_start for x in g)
+                if max_stale is not None and s > max_stale:
+                    stale += 1
+                    continue
+                staleness.append(s)
+                groups.append(g)
         samples = self.m.finalize(rollout_id, groups)
         drops = dict(self.drops)
         if stale:
@@ -118,5 +116,18 @@ class AsyncRolloutWorker:
         metrics = self.m._metrics(samples, drops, time.time() - t0)
         metrics["rollout/staleness/mean"] = sum(staleness) / len(staleness)
         metrics["rollout/staleness/max"] = float(max(staleness))
-        metrics["rollout/async_buffer_size"] = float(self.buffer.qsize())
+        metrics["rollout/async_buffer_size"] = float(self.finished.qsize() + len(self.m.buffer))
         return samples, metrics
+
+    def _drain_into_buffer(self) -> None:
+        """Move finished groups from the worker's queue into the manager's buffer (waits for one if empty)."""
+        if not self.m.buffer:
+            try:
+                self.m.buffer.append(self.finished.get(timeout=0.5))
+            except queue.Empty:
+                return
+        while True:
+            try:
+                self.m.buffer.append(self.finished.get_nowait())
+            except queue.Empty:
+                return

@@ -29,6 +29,10 @@ class RolloutManager:
     def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, router_url: str):
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, router_url.rstrip("/")
         self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
+        # finished groups not trained on yet (over-sampling surplus; in fully async mode, the data
+        # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
+        self.buffer: list[list[Sample]] = []
+        self.buffer_filter = filter_hub.load_buffer_filter(cfg)
 
     def sampling_params(self) -> dict[str, Any]:
         c = self.cfg
@@ -47,7 +51,7 @@ class RolloutManager:
         c, t0 = self.cfg, time.time()
         want = c.rollout_batch_size
         per_round = c.over_sampling_batch_size or want
-        kept: list[list[Sample]] = []
+        kept = self.take_from_buffer(rollout_id, want)
         drops: dict[str, int] = {}
         rounds = 0
         while len(kept) < want:
@@ -67,9 +71,16 @@ class RolloutManager:
             for k, v in d.items():
                 drops[k] = drops.get(k, 0) + v
             kept += survivors
+        self.buffer += kept[want:]
         samples = self.finalize(rollout_id, kept[:want])
         metrics = self._metrics(samples, drops, time.time() - t0)
         return samples, metrics
+
+    def take_from_buffer(self, rollout_id: int, num: int) -> list[list[Sample]]:
+        """Up to `num` groups from the buffer, chosen by --buffer-filter-path (which pops them)."""
+        if not self.buffer or num <= 0:
+            return []
+        return list(self.buffer_filter(self.cfg, rollout_id, self.buffer, num))[:num]
 
     def _within_prompt_len(self, records: list[PromptRecord], drops: dict[str, int]) -> list[PromptRecord]:
         """--rollout-max-prompt-len: drop longer prompts (counted as rollout/dynamic_filter/drop_prompt_too_long)."""
@@ -149,6 +160,7 @@ class RolloutManager:
             "rollout/truncated": float(np.mean([s.status == Status.TRUNCATED.value for s in samples])),
             "rollout/log_probs": float(np.mean(lps)) if lps else 0.0,
             "rollout/num_samples": float(len(samples)),
+            "rollout/buffer_size": float(len(self.buffer)),
             "perf/rollout_time": seconds,
         }
         n = self.cfg.n_samples_per_prompt
