@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.store.paths import StoragePaths, partition_key
 
@@ -52,14 +53,6 @@ class RunResult:
 
 class CITestFailure(AssertionError):
     pass
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def validate_before_start(cfg: RunConfig) -> None:
@@ -208,10 +201,13 @@ class RLRun:
         """Engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them first."""
         import ray
 
+        snapshot = self.cfg.update_weight_transfer_mode == "disk-delta" and not resumed
+        if not (snapshot or resumed):
+            return  # engines already hold v0
         weights = ray.get([t.get_hf_weights.remote() for t in trainers])[0]
-        if self.cfg.update_weight_transfer_mode == "disk-delta" and not resumed:
+        if snapshot:
             session.transport.snapshot_base(weights, version)
-        elif resumed:
+        else:
             hf_dir = self.paths.hf_export(self.cfg.run_name, version)
             session.update(weights, version, hf_dir if os.path.exists(hf_dir) else None)
 

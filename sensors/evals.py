@@ -27,7 +27,6 @@ from assets.partitions import policy_version_partitions
 from miles_platform.store.paths import parse_partition_key
 from sensors.policy_events import new_policy_versions
 
-POLICY_VERSIONS = dg.AssetKey("policy_versions")
 EVAL_RESULTS = dg.AssetKey("eval_results")
 MAX_RUNS_PER_TICK = 10
 

@@ -15,7 +15,6 @@ from assets.partitions import policy_version_partitions
 from miles_platform.store.paths import parse_partition_key
 from sensors.policy_events import new_policy_versions
 
-POLICY_VERSIONS = dg.AssetKey("policy_versions")
 WEIGHT_PUBLICATIONS = dg.AssetKey("weight_publications")
 MAX_RUNS_PER_TICK = 20
 

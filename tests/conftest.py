@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_platform.cluster.ports import free_port
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,21 +61,15 @@ def tiny_hf_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory):
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda not installed")
     binary = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
     if not os.path.exists(binary):
         pytest.skip("mooncake_master binary not found next to the interpreter or on PATH")
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "w")  # noqa: SIM115
-    args = [binary, f"--rpc_port={port}", f"--metrics_port={_free_port()}", "--rpc_address=127.0.0.1"]
+    args = [binary, f"--rpc_port={port}", f"--metrics_port={free_port()}", "--rpc_address=127.0.0.1"]
     proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
     try:
         deadline = time.monotonic() + 20

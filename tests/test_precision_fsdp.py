@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from miles_platform.cluster.ports import free_port
 
 RULES = (
     "module:model.layers.1=bf16;"  # a whole layer in bf16 ...
@@ -108,14 +109,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_nested_wrap_units_on_two_gloo_ranks(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in ranks:
         assert "error" not in res, res.get("error")

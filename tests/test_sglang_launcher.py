@@ -8,7 +8,6 @@ exactly which flags reached the process.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import time
 
 import pytest
 
+from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.rollout.sglang_launcher import (
     attach_external_engines,
@@ -91,12 +91,6 @@ def test_passthrough_overrides_and_rejections():
         build_sglang_command(_cfg(hf_checkpoint=None), port=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def fake_server_module(tmp_path):
     (tmp_path / "fake_sglang.py").write_text(FAKE_SERVER)
@@ -104,7 +98,7 @@ def fake_server_module(tmp_path):
 
 
 def test_attach_external_engine_over_http(fake_server_module):
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         str(fake_server_module / "fake_sglang.py"),
@@ -128,7 +122,7 @@ def test_attach_external_engine_over_http(fake_server_module):
         assert [e.address for e in engines] == [addr] and engines[0].external and engines[0].tp_size == 2
         with pytest.raises(ConfigError, match="tp_size=2"):
             attach_external_engines(_cfg(rollout_external_engine_addrs=[addr], rollout_num_gpus_per_engine=1))
-        dead = f"127.0.0.1:{_free_port()}"
+        dead = f"127.0.0.1:{free_port()}"
         with pytest.raises(ConfigError, match=dead):
             attach_external_engines(_cfg(rollout_external_engine_addrs=[addr, dead]), timeout_s=1)
         with pytest.raises(ConfigError, match="host:port"):

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from miles_platform.cluster.ports import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -119,12 +120,6 @@ def _prepare_root(root: Path, tiny_hf_checkpoint: str) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _graphql(base: str, query: str) -> dict:
     req = urllib.request.Request(
         f"{base}/graphql",
@@ -142,7 +137,7 @@ ASSET_EDGES = "{ assetNodes { assetKey { path } dependencyKeys { path } } }"
 def webserver(tmp_path_factory, tiny_hf_checkpoint):
     root = tmp_path_factory.mktemp("ui") / "root"
     _prepare_root(root, tiny_hf_checkpoint)
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "DAGSTER_HOME": str(root / "dagster"),

@@ -12,7 +12,6 @@ Either way the rest of the platform sees a list of `EngineInfo` (address + `/get
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError, RunConfig
 
 SGLANG_MODULE = "sglang.launch_server"
@@ -100,12 +100,6 @@ def build_sglang_command(
     passthrough = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}
     merged = {**ours, **passthrough}
     return [python, "-m", module, *sglang_flags(merged)]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- HTTP probes

@@ -20,9 +20,9 @@ dist_checkpointing.save forks writer processes, so entry points that save need a
 
 from __future__ import annotations
 
-import socket
-
 import torch
+
+from miles_platform.cluster.ports import free_port
 
 _APPLIED = False
 
@@ -78,12 +78,6 @@ def init_rng(seed: int) -> None:
 
 def _cpu_device() -> str:
     return "cpu"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_process_group(

@@ -104,7 +104,7 @@ def _run_ranks(world: int, hf_checkpoint: str, out_dir: str) -> None:
     """Rank 0 runs here, ranks 1..world-1 in spawned processes (one megatron import fewer)."""
     import torch.distributed as dist
 
-    from miles_platform.training.megatron_shims import free_port
+    from miles_platform.cluster.ports import free_port
 
     if dist.is_initialized():
         raise CheckpointError("hf-to-torch-dist: run it in a process without a torch.distributed group")

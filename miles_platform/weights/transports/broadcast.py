@@ -17,13 +17,13 @@ import them.
 from __future__ import annotations
 
 import datetime
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
 import torch.distributed as dist
 
+from miles_platform.cluster.ports import free_port
 from miles_platform.rollout.client import post
 from miles_platform.weights.transports import TransferStats, Transport, full_bytes
 
@@ -35,10 +35,7 @@ def weights_update_endpoint() -> dict:
     """Where the trainer hosts the group: address, a free port, backend by device."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     address = ray.util.get_node_ip_address() if backend == "nccl" else "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        port = s.getsockname()[1]
-    return {"master_address": address, "master_port": port, "backend": backend}
+    return {"master_address": address, "master_port": free_port(address), "backend": backend}
 
 
 def new_weights_group(
