@@ -267,15 +267,20 @@ def test_quantized_checkpoint_is_served_dequantized(engine, tiny_hf_checkpoint, 
 def test_running_exact_version_request_fails_409_when_weights_change(engine, other_checkpoint):
     url = engine.url
     _slow_down(engine.core)
-    body = {"input_ids": [1, 2, 3], "exact_weight_version": 0, "sampling_params": {"max_new_tokens": 200}}
+    # ignore_eos: the request must still be running when the update lands (a random model may stop early)
+    body = {
+        "input_ids": [1, 2, 3],
+        "exact_weight_version": 0,
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+    }
+    new_model, _ = load_hf_checkpoint(other_checkpoint)  # loaded up front so the update is prompt
+    named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as ac:
             task = asyncio.create_task(ac.post(f"{url}/generate", json=body))
             while engine.core.stats["num_generated_tokens"] < 3:
                 await asyncio.sleep(0.005)
-            new_model, _ = load_hf_checkpoint(other_checkpoint)
-            named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
             await asyncio.to_thread(engine.core.update_weights_from_tensors, named, 1)
             return await task
 

@@ -93,3 +93,23 @@ def test_ppo_critic_learns_returns_and_resumes(tiny_hf_checkpoint, tmp_path):
     assert ma["train/value_loss"] == mb["train/value_loss"]
     for k, v in a.critic.state_dict().items():
         assert torch.equal(v, b.critic.state_dict()[k]), k
+
+
+def test_kl_loss_against_frozen_reference(tiny_hf_checkpoint, tmp_path):
+    """--use-kl-loss: KL to the reference is 0 while policy == reference and grows as the policy moves."""
+    actor = TrainerActor(
+        _cfg(
+            tiny_hf_checkpoint,
+            str(tmp_path / "ck"),
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            kl_loss_type="low_var_kl",
+        )
+    )
+    first = actor.train(0, _batch(0))
+    assert first["train/kl_loss"] == 0.0  # the first step runs before any update: policy == reference
+    later = [actor.train(r, _batch(0))["train/kl_loss"] for r in range(1, 4)]
+    assert later[-1] > 0.0
+    ref = {k: v for k, v in actor.ref.export_hf_state_dict().items()}
+    base = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "ck2"))).get_hf_weights()
+    assert all(torch.equal(ref[k], base[k]) for k in base)  # the reference never trains
