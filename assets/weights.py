@@ -76,7 +76,7 @@ def weight_publications(
                 f"{partition}: LATEST in {pub_dir} is already v{latest} and v{version} was never "
                 "published there; publications are append-only (publish versions in order)"
             )
-        seconds = 0.0
+        seconds = encode_seconds = 0.0
     else:
         pub = dd.DeltaPublisher(
             pub_dir,
@@ -86,7 +86,8 @@ def weight_publications(
             lock_wait_s=config.lock_wait_s,
         )
         try:
-            seconds = pub.publish(state, version=version).seconds
+            st = pub.publish(state, version=version)
+            seconds, encode_seconds = st.seconds, st.encode_seconds
         except dd.PublicationError as e:
             raise dg.Failure(f"{partition}: {e}") from e
     idx = dd.read_index(pub_dir, version)
@@ -119,7 +120,8 @@ def weight_publications(
             "full_bytes": s["full_bytes"],
             "wire_fraction": s["wire_bytes"] / max(s["full_bytes"], 1),
             "density": float(s["density"]),
-            "encode_seconds": float(seconds),
+            "encode_seconds": float(encode_seconds),
+            "publish_seconds": float(seconds),
             "reused_existing": reused,
             "publication_path": dg.MetadataValue.path(f"{pub_dir}/{dd.version_dir_name(version)}"),
             "hf_path": dg.MetadataValue.path(hf),

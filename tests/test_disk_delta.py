@@ -134,12 +134,18 @@ def test_corrupt_publication_fails_closed(tmp_path, base_state, fault, compressi
     _assert_equal(local, s3)
 
 
-def test_flipped_byte_names_the_tensor(tmp_path, base_state):
+@pytest.mark.parametrize(
+    "pos, error",
+    [
+        (0, r"corrupt payload \(sparse plane: bitmap marks \d+ bytes, \d+ values stored\)"),  # a bitmap
+        (-1, r"final xxh3-128 checksum mismatch"),  # a changed byte's value
+    ],
+)
+def test_flipped_byte_names_the_tensor(tmp_path, base_state, pos, error):
     _, pub, local = _publish_v0_v1(tmp_path, base_state, compression="none")
-    _flip_byte(pub / dd.version_dir_name(1) / dd.PAYLOAD, 0)
-    with pytest.raises(
-        PublicationError, match=r"weight_v000001: tensor \S+: final xxh3-128 checksum mismatch"
-    ):
+    payload = pub / dd.version_dir_name(1) / dd.PAYLOAD
+    _flip_byte(payload, pos % payload.stat().st_size)
+    with pytest.raises(PublicationError, match=r"weight_v000001: tensor \S+: " + error):
         dd.apply_publication(pub, local)
 
 
@@ -163,6 +169,47 @@ def test_xor_applied_twice_or_to_wrong_base_is_refused(tmp_path, base_state):
     assert dd.apply_publication(pub, local) == 1
     assert dd.apply_publication(pub, local) == 1
     _assert_equal(local, s1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_byteplane_filter_is_smaller_and_older_layouts_still_apply(tmp_path, base_state, dtype):
+    """The byte-plane filter (default) against one zstd frame per tensor (`filter="none"`, the layout
+    of format /1): same final bytes, fewer wire bytes on an optimizer-like step; a /1 dir applies."""
+    s0 = {k: v.to(dtype) for k, v in base_state.items()}
+    g = torch.Generator().manual_seed(0)
+    rel = 1e-4 if dtype == torch.float32 else 3e-3  # moves the low bits of most elements
+    s1 = {k: (v.float() * (1 + rel * torch.randn(v.shape, generator=g))).to(dtype) for k, v in s0.items()}
+    wire = {}
+    for filt in ("byteplane", "none"):
+        pub = tmp_path / filt
+        p = dd.DeltaPublisher(pub, filter=filt)
+        p.publish(s0)
+        wire[filt] = p.publish(s1).wire_bytes
+        if filt == "none":  # rewrite the indices as format /1 (what older publishers wrote)
+            for v in (0, 1):
+                f = pub / dd.version_dir_name(v) / dd.INDEX
+                f.write_text(f.read_text().replace(dd.FORMAT, "miles-disk-delta/1"))
+        engine = {k: v.clone() for k, v in s0.items()}
+        assert dd.apply_to_state_dict(pub, engine, from_version=0) == 1
+        assert all(torch.equal(engine[k], s1[k]) for k in s1)
+        fresh = {k: torch.zeros_like(v) for k, v in s0.items()}  # catch up from the v0 snapshot
+        assert dd.apply_to_state_dict(pub, fresh, from_version=None) == 1
+        assert all(torch.equal(fresh[k], s1[k]) for k in s1)
+    assert wire["byteplane"] < wire["none"]
+
+
+def test_unknown_filter_is_refused(tmp_path, base_state):
+    with pytest.raises(ValueError, match="disk-delta filter 'lz4'"):
+        dd.DeltaPublisher(tmp_path, filter="lz4")
+    _, pub, local = _publish_v0_v1(tmp_path, base_state)
+    f = pub / dd.version_dir_name(1) / dd.INDEX
+    f.write_text(f.read_text().replace('"filter": "byteplane"', '"filter": "bitshuffle"', 1))
+    before = _snapshot(local)
+    with pytest.raises(
+        PublicationError, match=r"weight_v000001: tensor \S+: corrupt payload \(unknown payload filter"
+    ):
+        dd.apply_publication(pub, local)
+    assert _snapshot(local) == before
 
 
 def test_overwrite_is_idempotent(tmp_path, base_state):

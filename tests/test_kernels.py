@@ -7,9 +7,53 @@ import pytest
 import torch
 import xxhash
 
+from kernels import byteplane as bp
 from kernels import logprob as lp
 from kernels import xor_delta as xd
 from miles_platform.weights.checksum import checksum
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 1000, 70_001])
+def test_byteplane_split_merge_match_reference_and_invert(width, n):
+    g = torch.Generator().manual_seed(n * 10 + width)
+    a = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
+    b = a.clone()
+    b[torch.rand(b.shape, generator=g) < 0.3] ^= 0x5A
+    planes = bp.xor_split(a, b, width)
+    assert planes.shape == (width, n)
+    assert torch.equal(planes, bp.xor_split_reference(a, b, width))
+    assert torch.equal(bp.xor_split(a, None, width), bp.xor_split_reference(a, None, width))
+    assert torch.equal(bp.xor_merge(a, planes, width), b)  # a ^ (a ^ b)
+    assert torch.equal(bp.xor_merge(None, bp.xor_split(b, None, width), width), b)
+    assert torch.equal(bp.xor_merge(a, planes, width), bp.xor_merge_reference(a, planes, width))
+    assert bp.count_nonzero_rows(planes) == [int(torch.count_nonzero(r)) for r in planes]
+
+
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.5, 1.0])
+@pytest.mark.parametrize("n", [1, 9, 65_537])
+def test_sparse_plane_pack_matches_reference_and_unpacks(density, n):
+    g = torch.Generator().manual_seed(n)
+    plane = torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g)
+    plane[torch.rand(n, generator=g) >= density] = 0
+    bitmap, values = bp.sparse_pack(plane)
+    rbitmap, rvalues = bp.sparse_pack_reference(plane)
+    assert bitmap.tobytes() == rbitmap.tobytes() and values.tobytes() == rvalues.tobytes()
+    assert bitmap.size == (n + 7) // 8 and values.size == int(torch.count_nonzero(plane))
+    assert torch.equal(bp.sparse_unpack(bitmap.tobytes(), values.tobytes(), n), plane)
+    ref = bp.sparse_unpack_reference(bitmap, values, n)
+    assert ref.tobytes() == plane.numpy().tobytes()
+
+
+def test_sparse_plane_with_inconsistent_bitmap_is_refused():
+    plane = torch.tensor([0, 3, 0, 0, 7, 0, 0, 0, 9], dtype=torch.uint8)
+    bitmap, values = bp.sparse_pack(plane)
+    bad = bitmap.copy()
+    bad[0] |= 0x01  # marks one more byte than values holds: must not read past the values
+    with pytest.raises(ValueError, match="bitmap marks 4 bytes, 3 values stored"):
+        bp.sparse_unpack(bad.tobytes(), values.tobytes(), plane.numel())
+    with pytest.raises(ValueError, match="bitmap is 1 bytes for 9 elements"):
+        bp.sparse_unpack(bitmap[:1].tobytes(), values.tobytes(), plane.numel())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8])

@@ -28,7 +28,7 @@ def _print_stats(st: dd.PublishStats) -> None:
     print(
         f"published v{st.version} ({st.kind}, base {base}): {st.wire_bytes} wire bytes "
         f"of {st.full_bytes} ({st.wire_bytes / max(st.full_bytes, 1):.1%}), density {st.density:.4f}, "
-        f"{st.seconds:.2f} s -> {st.path}"
+        f"encode {st.encode_seconds:.2f} s, publish {st.seconds:.2f} s -> {st.path}"
     )
 
 

@@ -9,17 +9,20 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from miles_platform.errors import PublicationError
 
-FORMAT = "miles-disk-delta/1"
+FORMAT = "miles-disk-delta/2"
+READABLE_FORMATS = ("miles-disk-delta/1", FORMAT)  # /1: one frame per tensor, no byte-plane filter
 INDEX, PAYLOAD, LATEST, LOCK = "index.json", "payload.bin", "LATEST", ".publish.lock"
 VERSION_FILE = "miles_weight_version.json"
 WEIGHTS_FILE = "model.safetensors"
 VERSION_META_KEY = "miles_weight_version"
 ENCODINGS = ("xor", "overwrite")
 COMPRESSIONS = ("zstd", "none")
+FILTERS = ("byteplane", "none")
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -61,6 +64,28 @@ class Codec:
     def compress(self, buf: torch.Tensor) -> bytes:
         mv = memoryview(buf.numpy())
         return self._c.compress(mv) if self.compression == "zstd" else mv.tobytes()
+
+    _PROBE = 16 << 10  # bytes per probe window; three windows (start, middle, end)
+
+    def section(self, buf) -> tuple[bytes | memoryview, str]:
+        """One payload section: (bytes, "zstd"|"none"). Under zstd, three 16 KiB probes decide first:
+        a section they show incompressible (noise: the low mantissa plane, bitmaps of 50%-dense
+        planes) is stored raw instead of paying zstd's pass over it for nothing."""
+        a = buf.numpy() if isinstance(buf, torch.Tensor) else np.asarray(buf)
+        if self.compression == "none" or a.size == 0:
+            return memoryview(a), "none"
+        if a.size > 8 * self._PROBE:
+            w, mid = self._PROBE, a.size // 2
+            probe = sum(len(self._c.compress(a[i : i + w])) for i in (0, mid, a.size - w))
+            if probe >= 0.97 * 3 * w:
+                return memoryview(a), "none"
+        z = self._c.compress(memoryview(a))
+        return (z, "zstd") if len(z) < a.size else (memoryview(a), "none")
+
+    def decode_section(self, frame: memoryview, comp: str, out: torch.Tensor) -> None:
+        if comp not in COMPRESSIONS:
+            raise ValueError(f"unknown section compression {comp!r}")
+        (self if comp == self.compression else Codec(comp)).decompress_into(frame, out)
 
     def decompress_into(self, frame: memoryview, out: torch.Tensor) -> None:
         """Decode one frame into `out` (uint8, exact length) or raise ValueError."""
@@ -112,7 +137,7 @@ def read_index(pub_dir: str | os.PathLike, version: int) -> dict:
         raise PublicationError(f"{where}: missing {INDEX}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PublicationError(f"{where}: corrupt {INDEX} ({e})") from e
-    if idx.get("format") != FORMAT or idx.get("version") != version:
+    if idx.get("format") not in READABLE_FORMATS or idx.get("version") != version:
         raise PublicationError(
             f"{where}: {INDEX} declares format {idx.get('format')!r} version {idx.get('version')!r}"
         )
@@ -144,3 +169,69 @@ def list_publications(pub_dir: str | os.PathLike) -> list[dict]:
         except PublicationError as e:
             rows.append({"version": v, "error": str(e)})
     return rows  # fmt: skip
+
+
+# ---- the byte-plane filter: a tensor's bytes (or XOR delta) as per-plane sections ---------------
+
+
+def encode_planes(planes: torch.Tensor, codec: Codec) -> tuple[list, list[dict], int]:
+    """Encode (width, n) byte planes. Per plane, by its count of nonzero bytes k:
+    `zero` (k = 0: nothing stored), `sparse` (k < 7n/8: bitmap + the k nonzero bytes, smaller than the
+    plane itself), `dense` (the plane). Returns (section buffers in order, plane metadata for the
+    index, total nonzero bytes)."""
+    from kernels import byteplane as bp
+
+    n = planes.shape[1]
+    sections, metas, total = [], [], 0
+    for row, k in zip(planes, bp.count_nonzero_rows(planes)):
+        total += k
+        if k == 0:
+            metas.append({"mode": "zero", "nnz": 0, "sections": []})
+            continue
+        parts = list(bp.sparse_pack(row)) if 8 * k < 7 * n else [row]
+        secs = []
+        for part in parts:
+            data, comp = codec.section(part)
+            raw = part.numel() if isinstance(part, torch.Tensor) else part.size
+            sections.append(data)
+            secs.append([comp, len(data), raw])
+        metas.append({"mode": "sparse" if len(parts) == 2 else "dense", "nnz": k, "sections": secs})
+    return sections, metas, total
+
+
+def decode_planes(
+    plane_metas: list[dict], region: memoryview, codec: Codec, n: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of `encode_planes` from the tensor's payload region -> (width, n) planes. Any
+    inconsistency between metadata and bytes raises ValueError (the caller fails closed)."""
+    from kernels import byteplane as bp
+
+    planes = torch.empty((len(plane_metas), n), dtype=torch.uint8) if out is None else out
+    if tuple(planes.shape) != (len(plane_metas), n):
+        raise ValueError(f"planes buffer {tuple(planes.shape)} for {len(plane_metas)} planes of {n} bytes")
+    pos = 0
+
+    def take(sec, expect_raw: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        nonlocal pos
+        comp, length, raw = sec
+        if raw != expect_raw or length < 0 or pos + length > len(region):
+            raise ValueError(f"section declares {raw} bytes ({length} stored), expected {expect_raw}")
+        buf = torch.empty(raw, dtype=torch.uint8) if out is None else out
+        codec.decode_section(region[pos : pos + length], comp, buf)
+        pos += length
+        return buf
+
+    for k, pm in enumerate(plane_metas):
+        mode, secs, nnz = pm["mode"], pm["sections"], pm["nnz"]
+        if mode == "zero" and not secs:
+            planes[k].zero_()
+        elif mode == "dense" and len(secs) == 1:
+            take(secs[0], n, out=planes[k])
+        elif mode == "sparse" and len(secs) == 2:
+            bitmap, values = take(secs[0], (n + 7) // 8), take(secs[1], nnz)
+            bp.sparse_unpack(bitmap.numpy(), values.numpy(), n, out=planes[k])
+        else:
+            raise ValueError(f"plane {k}: bad plane record {pm!r}")
+    if pos != len(region):
+        raise ValueError(f"tensor region is {len(region)} bytes, its sections take {pos}")
+    return planes

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import byteplane as bp
 from kernels import xor_delta as xd
 from miles_platform.errors import PublicationError
 from miles_platform.store.atomic import fsync_dir, write_atomic
@@ -36,6 +37,7 @@ from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
 from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: the format's public names)
     COMPRESSIONS,
     ENCODINGS,
+    FILTERS,
     FORMAT,
     INDEX,
     LATEST,
@@ -46,8 +48,10 @@ from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: t
     WEIGHTS_FILE,
     Codec,
     committed_versions,
+    decode_planes,
     dtype_from_name,
     dtype_name,
+    encode_planes,
     list_publications,
     read_index,
     read_latest,
@@ -63,8 +67,9 @@ class PublishStats:
     wire_bytes: int  # payload bytes on disk (what a replica downloads)
     full_bytes: int  # bytes of the complete state
     density: float  # changed bytes (xor) / changed elements (overwrite) as a fraction; 1.0 for snapshots
-    seconds: float
+    seconds: float  # the whole publish: encode + write + fsync + rename + LATEST
     path: str = ""
+    encode_seconds: float = 0.0  # in-memory part: XOR, planes, compression, checksums
 
 
 def plan_catch_up(pub_dir: str | os.PathLike, from_version: int | None, to_version: int) -> list[int]:
@@ -96,6 +101,7 @@ def _replay(pub_dir, chain: list[dict], bufs: dict, metas: dict, version: int | 
     next. Returns the names whose bytes changed."""
     changed: set[str] = set()
     verified: dict[str, str] = {}
+    scratch = [torch.empty(0, dtype=torch.uint8)]  # byte planes of one tensor, reused
     for idx in chain:
         v, where = idx["version"], f"publication {version_dir_name(idx['version'])}"
         if idx["kind"] == "delta" and idx["encoding"] == "xor" and idx["base_version"] != version:
@@ -122,8 +128,8 @@ def _replay(pub_dir, chain: list[dict], bufs: dict, metas: dict, version: int | 
                 )
             if t["payload"] is not None:
                 try:
-                    bufs[name] = _decode_tensor(idx, t, payload, codec, bufs.get(name))
-                except (ValueError, RuntimeError) as e:
+                    bufs[name] = _decode_tensor(idx, t, payload, codec, bufs.get(name), scratch)
+                except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
                     raise PublicationError(f"{where}: tensor {name}: corrupt payload ({e})") from e
                 step_changed.add(name)
             metas[name] = (dtype, shape)
@@ -161,17 +167,38 @@ def _read_payload(pub_dir, idx: dict) -> memoryview:
     return memoryview(data)
 
 
-def _decode_tensor(idx: dict, t: dict, payload: memoryview, codec: Codec, cur: torch.Tensor | None):
+def _decode_tensor(
+    idx: dict,
+    t: dict,
+    payload: memoryview,
+    codec: Codec,
+    cur: torch.Tensor | None,
+    scratch: list | None = None,
+):
     p = t["payload"]
     frame = payload[p["offset"] : p["offset"] + p["length"]]
+    is_delta = idx["kind"] != "snapshot"
+    if is_delta and (cur is None or cur.numel() != t["nbytes"]):
+        raise ValueError("no local bytes of the declared size to apply a delta to")
+    if p.get("filter", "none") == "byteplane":
+        width = p.get("width")
+        if idx["kind"] == "delta" and idx["encoding"] != "xor" or width not in bp.WIDTHS:
+            raise ValueError(f"byteplane filter with encoding {idx['encoding']!r}, width {width!r}")
+        if p["raw_length"] != t["nbytes"] or t["nbytes"] % width or len(p["planes"]) != width:
+            raise ValueError(f"byteplane payload of {p['raw_length']} bytes for a {t['nbytes']}-byte tensor")
+        if scratch is not None and scratch[0].numel() < t["nbytes"]:
+            scratch[0] = torch.empty(t["nbytes"], dtype=torch.uint8)
+        out = None if scratch is None else scratch[0][: t["nbytes"]].view(width, -1)
+        planes = decode_planes(p["planes"], frame, codec, t["nbytes"] // width, out=out)
+        return bp.xor_merge(cur if is_delta else None, planes, width)
+    if p.get("filter", "none") != "none":
+        raise ValueError(f"unknown payload filter {p['filter']!r}")
     raw = torch.empty(p["raw_length"], dtype=torch.uint8)
     codec.decompress_into(frame, raw)
-    if idx["kind"] == "snapshot":
+    if not is_delta:
         if raw.numel() != t["nbytes"]:
             raise ValueError(f"snapshot holds {raw.numel()} bytes, tensor has {t['nbytes']}")
         return raw
-    if cur is None or cur.numel() != t["nbytes"]:
-        raise ValueError("no local bytes of the declared size to apply a delta to")
     if idx["encoding"] == "xor":
         if raw.numel() != t["nbytes"]:
             raise ValueError(f"xor delta holds {raw.numel()} bytes, tensor has {t['nbytes']}")
@@ -339,16 +366,20 @@ class DeltaPublisher:
         compression: str = "zstd",
         zstd_level: int = 1,
         lock_wait_s: float = 0.0,
+        filter: str = "byteplane",
     ):
         if encoding not in ENCODINGS:
             raise ValueError(f"--disk-delta-encoding {encoding!r}: allowed {', '.join(ENCODINGS)}")
         if checksum not in CHECKSUM_ALGOS:
             raise ValueError(f"--disk-delta-checksum {checksum!r}: allowed {', '.join(CHECKSUM_ALGOS)}")
+        if filter not in FILTERS:
+            raise ValueError(f"disk-delta filter {filter!r}: allowed {', '.join(FILTERS)}")
         if keyframe_interval < 1:
             raise ValueError(f"--disk-delta-keyframe-interval must be >= 1, got {keyframe_interval}")
         self.pub_dir = Path(pub_dir)
         self.encoding, self.algo, self.keyframe_interval = encoding, checksum, keyframe_interval
         self.codec = Codec(compression, zstd_level)
+        self.filter = filter  # byteplane: xor deltas and snapshots as per-byte-position planes
         self.lock_wait_s = lock_wait_s  # >0: wait for another publisher instead of failing at once
         self._loaded = False
         self._latest: int | None = None
@@ -356,6 +387,7 @@ class DeltaPublisher:
         self._bufs: dict[str, torch.Tensor] = {}
         self._metas: dict[str, tuple[torch.dtype, list[int]]] = {}
         self._sums: dict[str, str] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # byte planes, reused (no page faults)
 
     @property
     def latest_version(self) -> int | None:
@@ -417,7 +449,7 @@ class DeltaPublisher:
         s = idx["stats"]
         return PublishStats(
             version, idx["base_version"], kind, s["wire_bytes"], s["full_bytes"], s["density"],
-            time.perf_counter() - t0, str(self.pub_dir / version_dir_name(version)),
+            time.perf_counter() - t0, str(self.pub_dir / version_dir_name(version)), idx["_encode_s"],
         )  # fmt: skip
 
     def _write_latest(self, version: int) -> None:
@@ -429,15 +461,19 @@ class DeltaPublisher:
         tmp.mkdir()
         try:
             entries, sums, changed, n_changed, n_total = [], {}, set(), 0, 0
-            offset = 0
+            offset, encode_s = 0, 0.0
             with open(tmp / PAYLOAD, "wb") as f:
                 for name, buf in new.items():
-                    entry, frame, k, n = self._encode(name, buf, metas[name], kind)
-                    if frame is not None:
-                        entry["payload"] = {"file": PAYLOAD, "offset": offset, "length": len(frame),
-                                            "raw_length": entry.pop("_raw")}  # fmt: skip
-                        f.write(frame)
-                        offset += len(frame)
+                    t0 = time.perf_counter()
+                    entry, frames, k, n = self._encode(name, buf, metas[name], kind)
+                    encode_s += time.perf_counter() - t0
+                    if frames is not None:
+                        length = sum(len(fr) for fr in frames)
+                        entry["payload"] = {"file": PAYLOAD, "offset": offset, "length": length,
+                                            "raw_length": entry.pop("_raw")} | entry.pop("_filter")  # fmt: skip
+                        for fr in frames:
+                            f.write(fr)
+                        offset += length
                         changed.add(name)
                     sums[name] = entry["checksum"] if entry["checksum"] else self._sums[name]
                     entry["checksum"] = sums[name]
@@ -459,7 +495,10 @@ class DeltaPublisher:
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp)
-            os.rename(tmp, final)  # a racing publisher's dir already there: rename fails (non-empty dir)
+            os.rename(tmp, final)
+            idx["_encode_s"] = (
+                encode_s  # in-memory only: not in the index file  # a racing publisher's dir already there: rename fails (non-empty dir)
+            )
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise PublicationError(
@@ -472,7 +511,7 @@ class DeltaPublisher:
         return idx, sums, changed
 
     def _encode(self, name: str, buf: torch.Tensor, meta, kind: str):
-        """-> (index entry, compressed frame or None if unchanged, changed units, total units)."""
+        """-> (index entry, payload sections or None if unchanged, changed units, total units)."""
         dtype, shape = meta
         entry = {
             "name": name,
@@ -481,9 +520,32 @@ class DeltaPublisher:
             "nbytes": buf.numel(),
             "payload": None,
         }
+        width = dtype.itemsize
+        planar = (
+            self.filter == "byteplane"
+            and width in bp.WIDTHS
+            and (kind == "snapshot" or self.encoding == "xor")
+        )
+        if planar:
+            prev = None if kind == "snapshot" else self._bufs[name]
+            if self._scratch.numel() < buf.numel():
+                self._scratch = torch.empty(buf.numel(), dtype=torch.uint8)
+            # the sections may be views of the scratch: _write_version writes them before the next tensor
+            out = self._scratch[: buf.numel()].view(width, -1)
+            planes = bp.xor_split(
+                buf if prev is None else prev, None if prev is None else buf, width, out=out
+            )
+            sections, plane_metas, k = encode_planes(planes, self.codec)
+            n = buf.numel()
+            if kind == "delta" and k == 0:
+                entry["checksum"] = None  # unchanged: reuse the previous final checksum
+                return entry, None, 0, n
+            entry.update(checksum=checksum(buf, self.algo), _raw=n,
+                         _filter={"filter": "byteplane", "width": width, "planes": plane_metas})  # fmt: skip
+            return entry, sections, (n if kind == "snapshot" else k), n
         if kind == "snapshot":
-            entry.update(checksum=checksum(buf, self.algo), _raw=buf.numel())
-            return entry, self.codec.compress(buf), buf.numel(), buf.numel()
+            entry.update(checksum=checksum(buf, self.algo), _raw=buf.numel(), _filter={})
+            return entry, [self.codec.compress(buf)], buf.numel(), buf.numel()
         prev, itemsize = self._bufs[name], dtype.itemsize
         if self.encoding == "xor":
             delta = xd.xor_bytes(prev, buf)
@@ -500,8 +562,8 @@ class DeltaPublisher:
             entry.pop("index_dtype", None)
             entry["checksum"] = None  # unchanged: reuse the previous final checksum
             return entry, None, 0, n
-        entry.update(checksum=checksum(buf, self.algo), _raw=raw.numel())
-        return entry, self.codec.compress(raw), k, n
+        entry.update(checksum=checksum(buf, self.algo), _raw=raw.numel(), _filter={})
+        return entry, [self.codec.compress(raw)], k, n
 
 
 def publish_stats_dict(stats: PublishStats) -> dict:
