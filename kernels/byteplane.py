@@ -205,6 +205,26 @@ def sparse_unpack(bitmap, values, n: int, out: torch.Tensor | None = None) -> to
     return out
 
 
+def sparse_positions(bitmap, n: int) -> np.ndarray:
+    """Ascending positions (< n) marked in an LSB-first bitmap, touching only its nonzero bytes."""
+    bitmap = np.frombuffer(bitmap, np.uint8)
+    if bitmap.size != (n + 7) // 8:
+        raise ValueError(f"sparse plane: bitmap is {bitmap.size} bytes for {n} elements")
+    nzb = np.flatnonzero(bitmap)
+    f = np.flatnonzero(np.unpackbits(bitmap[nzb], bitorder="little"))
+    pos = nzb[f >> 3] * 8 + (f & 7)
+    return pos[pos < n] if pos.size and pos[-1] >= n else pos
+
+
+def sparse_xor_(out: np.ndarray, bitmap, values, n: int, width: int, plane: int) -> None:
+    """In place: byte `plane` of element i of `out` (flat uint8, n*width) ^= the i-th marked value."""
+    values = np.frombuffer(values, np.uint8)
+    pos = sparse_positions(bitmap, n)
+    if pos.size != values.size:
+        raise ValueError(f"sparse plane: bitmap marks {pos.size} bytes, {values.size} values stored")
+    out[pos * width + plane] ^= values
+
+
 def count_nonzero_rows(planes: torch.Tensor) -> list[int]:
     """Nonzero bytes per plane (numpy's count is ~40 GB/s on uint8, torch's ~6)."""
     p = _np(planes)

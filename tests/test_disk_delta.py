@@ -5,6 +5,7 @@ PublicationError naming it, its local checkpoint stays byte-identical, and the n
 applies cleanly.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -196,6 +197,38 @@ def test_byteplane_filter_is_smaller_and_older_layouts_still_apply(tmp_path, bas
         assert dd.apply_to_state_dict(pub, fresh, from_version=None) == 1
         assert all(torch.equal(fresh[k], s1[k]) for k in s1)
     assert wire["byteplane"] < wire["none"]
+
+
+def test_sparse_update_applies_by_scatter_and_fails_closed(tmp_path, base_state):
+    """A bf16 update touching ~0.5% of elements: every byte plane is zero or sparse, so replicas
+    XOR only the marked bytes (no plane is materialized). Same bytes as the publisher's; a bitmap
+    that marks one byte more than the values hold is refused, naming tensor and version."""
+    s0 = {k: v.to(torch.bfloat16) for k, v in base_state.items()}
+    g = torch.Generator().manual_seed(1)
+    s1 = {}
+    for k, v in s0.items():
+        bump = (torch.rand(v.shape, generator=g) < 0.005) * 0.05 * v.float().abs().clamp(min=1e-3)
+        s1[k] = (v.float() + bump).to(torch.bfloat16)
+    pub = tmp_path / "pub"
+    p = dd.DeltaPublisher(pub)
+    p.publish(s0)
+    assert p.publish(s1).kind == "delta"
+    idx = dd.read_index(pub, 1)
+    modes = {pm["mode"] for t in idx["tensors"] if t["payload"] for pm in t["payload"]["planes"]}
+    assert modes <= {"zero", "sparse"} and "sparse" in modes
+    engine = {k: v.clone() for k, v in s0.items()}
+    assert dd.apply_to_state_dict(pub, engine, from_version=0) == 1
+    assert all(torch.equal(engine[k], s1[k]) for k in s1)
+    # an index whose sparse record disagrees with its sections (one value fewer than stored)
+    t = next(t for t in idx["tensors"] if t["payload"])
+    pm = next(pm for pm in t["payload"]["planes"] if pm["mode"] == "sparse")
+    pm["nnz"] -= 1
+    pm["sections"][1][2] -= 1
+    (pub / dd.version_dir_name(1) / dd.INDEX).write_text(json.dumps(idx))
+    engine = {k: v.clone() for k, v in s0.items()}
+    with pytest.raises(PublicationError, match=r"weight_v000001: tensor \S+: corrupt payload"):
+        dd.apply_to_state_dict(pub, engine, from_version=0)
+    assert all(torch.equal(engine[k], s0[k]) for k in s0)
 
 
 def test_unknown_filter_is_refused(tmp_path, base_state):

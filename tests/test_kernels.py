@@ -45,6 +45,29 @@ def test_sparse_plane_pack_matches_reference_and_unpacks(density, n):
     assert ref.tobytes() == plane.numpy().tobytes()
 
 
+@pytest.mark.parametrize("n", [1, 9, 16, 65_537])
+def test_sparse_positions_and_scatter_xor(n):
+    g = torch.Generator().manual_seed(n)
+    width, plane_k = 4, 2
+    plane = torch.randint(1, 256, (n,), dtype=torch.uint8, generator=g)
+    plane[torch.rand(n, generator=g) >= 0.01] = 0
+    bitmap, values = bp.sparse_pack(plane)
+    tail = bitmap.copy()
+    if n % 8:
+        tail[-1] |= 0x80  # a set bit past element n-1 is not a position
+    pos = bp.sparse_positions(tail.tobytes(), n)
+    assert pos.tolist() == torch.nonzero(plane).reshape(-1).tolist()
+    base = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
+    out = base.clone()
+    bp.sparse_xor_(out.numpy(), bitmap.tobytes(), values.tobytes(), n, width, plane_k)
+    planes = torch.zeros((width, n), dtype=torch.uint8)
+    planes[plane_k] = plane
+    assert torch.equal(out, bp.xor_merge_reference(base, planes, width))
+    if values.size:
+        with pytest.raises(ValueError, match="values stored"):
+            bp.sparse_xor_(out.numpy(), bitmap.tobytes(), values[:-1].tobytes(), n, width, plane_k)
+
+
 def test_sparse_plane_with_inconsistent_bitmap_is_refused():
     plane = torch.tensor([0, 3, 0, 0, 7, 0, 0, 0, 9], dtype=torch.uint8)
     bitmap, values = bp.sparse_pack(plane)

@@ -199,16 +199,11 @@ def encode_planes(planes: torch.Tensor, codec: Codec) -> tuple[list, list[dict],
     return sections, metas, total
 
 
-def decode_planes(
-    plane_metas: list[dict], region: memoryview, codec: Codec, n: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Inverse of `encode_planes` from the tensor's payload region -> (width, n) planes. Any
-    inconsistency between metadata and bytes raises ValueError (the caller fails closed)."""
-    from kernels import byteplane as bp
-
-    planes = torch.empty((len(plane_metas), n), dtype=torch.uint8) if out is None else out
-    if tuple(planes.shape) != (len(plane_metas), n):
-        raise ValueError(f"planes buffer {tuple(planes.shape)} for {len(plane_metas)} planes of {n} bytes")
+def _plane_parts(plane_metas: list[dict], region: memoryview, codec: Codec, n: int, dense_out):
+    """Walk a byteplane tensor record: yield (plane, mode, data) with data None (zero), the decoded
+    plane (dense: into `dense_out(k)`), or (bitmap, values) numpy arrays (sparse). Every section's
+    declared sizes are checked against the plane, and the sections must cover the region exactly;
+    any inconsistency raises ValueError (the caller fails closed)."""
     pos = 0
 
     def take(sec, expect_raw: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,14 +219,46 @@ def decode_planes(
     for k, pm in enumerate(plane_metas):
         mode, secs, nnz = pm["mode"], pm["sections"], pm["nnz"]
         if mode == "zero" and not secs:
-            planes[k].zero_()
+            yield k, mode, None
         elif mode == "dense" and len(secs) == 1:
-            take(secs[0], n, out=planes[k])
+            yield k, mode, take(secs[0], n, out=dense_out(k))
         elif mode == "sparse" and len(secs) == 2:
-            bitmap, values = take(secs[0], (n + 7) // 8), take(secs[1], nnz)
-            bp.sparse_unpack(bitmap.numpy(), values.numpy(), n, out=planes[k])
+            yield k, mode, (take(secs[0], (n + 7) // 8).numpy(), take(secs[1], nnz).numpy())
         else:
             raise ValueError(f"plane {k}: bad plane record {pm!r}")
     if pos != len(region):
         raise ValueError(f"tensor region is {len(region)} bytes, its sections take {pos}")
+
+
+def decode_planes(
+    plane_metas: list[dict], region: memoryview, codec: Codec, n: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of `encode_planes` from the tensor's payload region -> (width, n) planes."""
+    from kernels import byteplane as bp
+
+    planes = torch.empty((len(plane_metas), n), dtype=torch.uint8) if out is None else out
+    if tuple(planes.shape) != (len(plane_metas), n):
+        raise ValueError(f"planes buffer {tuple(planes.shape)} for {len(plane_metas)} planes of {n} bytes")
+    for k, mode, data in _plane_parts(plane_metas, region, codec, n, lambda k: planes[k]):
+        if mode == "zero":
+            planes[k].zero_()
+        elif mode == "sparse":
+            bp.sparse_unpack(data[0], data[1], n, out=planes[k])
     return planes
+
+
+def xor_sparse_planes(
+    plane_metas: list[dict], region: memoryview, codec: Codec, cur: torch.Tensor
+) -> torch.Tensor:
+    """cur ^ delta for a delta record whose planes are all zero or sparse (the usual bf16 update):
+    copy `cur` once and XOR only the marked bytes in place, without materializing any plane."""
+    from kernels import byteplane as bp
+
+    width = len(plane_metas)
+    n = cur.numel() // width
+    out = cur.clone()
+    o = out.numpy()
+    for k, _mode, data in _plane_parts(plane_metas, region, codec, n, None):
+        if data is not None:
+            bp.sparse_xor_(o, data[0], data[1], n, width, k)
+    return out

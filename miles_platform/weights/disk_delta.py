@@ -56,6 +56,7 @@ from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: t
     read_index,
     read_latest,
     version_dir_name,
+    xor_sparse_planes,
 )
 
 
@@ -186,6 +187,8 @@ def _decode_tensor(
             raise ValueError(f"byteplane filter with encoding {idx['encoding']!r}, width {width!r}")
         if p["raw_length"] != t["nbytes"] or t["nbytes"] % width or len(p["planes"]) != width:
             raise ValueError(f"byteplane payload of {p['raw_length']} bytes for a {t['nbytes']}-byte tensor")
+        if is_delta and all(pm["mode"] in ("zero", "sparse") for pm in p["planes"]):
+            return xor_sparse_planes(p["planes"], frame, codec, cur)  # few bytes changed: scatter them
         if scratch is not None and scratch[0].numel() < t["nbytes"]:
             scratch[0] = torch.empty(t["nbytes"], dtype=torch.uint8)
         out = None if scratch is None else scratch[0][: t["nbytes"]].view(width, -1)
