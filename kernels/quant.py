@@ -24,6 +24,11 @@ PACK_FACTOR = 8  # int4 values per int32
 # ---- FP8 block-wise --------------------------------------------------------------------------
 
 
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp32 tensor on `like`'s device: dividing by it is a true division on every device."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
 def _pad_to_blocks(w: torch.Tensor, block: int) -> torch.Tensor:
     rows, cols = w.shape
     pr, pc = (-rows) % block, (-cols) % block
@@ -39,7 +44,8 @@ def fp8_block_quant(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tens
     br, bc = x.shape[0] // block, x.shape[1] // block
     blocks = x.reshape(br, block, bc, block)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale_inv = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    # a tensor divisor: CUDA turns `x / python_float` into `x * (1/float)`, 1 ulp off the CPU result
+    scale_inv = (amax / _scalar(FP8_MAX, amax)).clamp_min(torch.finfo(torch.float32).tiny)
     q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(br * block, bc * block)[:rows, :cols].contiguous(), scale_inv
 
@@ -72,7 +78,7 @@ def int4_quant(w: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, to
     out_f, in_f = w.shape
     g = int4_group_size(in_f, group_size)
     groups = w.float().reshape(out_f, in_f // g, g)
-    scale = (groups.abs().amax(-1) / INT4_QMAX).clamp_min(INT4_MIN_SCALE)
+    scale = (groups.abs().amax(-1) / _scalar(INT4_QMAX, groups)).clamp_min(INT4_MIN_SCALE)
     q = torch.round(groups / scale[..., None]).clamp(-INT4_QMAX, INT4_QMAX).to(torch.int8)
     return q.reshape(out_f, in_f), scale
 
@@ -83,13 +89,13 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     if cols % PACK_FACTOR:
         raise ValueError(f"pack_int4: {cols} columns is not a multiple of {PACK_FACTOR}")
     u = (q.to(torch.int32) + 8).reshape(rows, cols // PACK_FACTOR, PACK_FACTOR)
-    shifts = torch.arange(PACK_FACTOR, dtype=torch.int32) * 4
+    shifts = torch.arange(PACK_FACTOR, dtype=torch.int32, device=q.device) * 4
     # bitwise-or of disjoint nibbles == sum; int32 wraps for the top nibble as intended
     return (u << shifts).sum(dim=-1, dtype=torch.int32)
 
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    shifts = torch.arange(PACK_FACTOR, dtype=torch.int32) * 4
+    shifts = torch.arange(PACK_FACTOR, dtype=torch.int32, device=packed.device) * 4
     u = (packed[..., None] >> shifts) & 0xF
     return (u.reshape(packed.shape[0], -1)[:, :cols] - 8).to(torch.int8)
 
