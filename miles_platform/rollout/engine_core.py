@@ -815,7 +815,23 @@ def _load_model(path: str, dtype: torch.dtype):
         tok = load_tokenizer(path)
     for p in model.parameters():
         p.requires_grad_(False)
+    _check_cache_kwarg(model)
     return model, tok
+
+
+def _check_cache_kwarg(model) -> None:
+    """The decode loop hands its KV cache to forward as `cache=` (transformers 5.2x). An older
+    transformers names it `past_key_values` and swallows `cache` into **kwargs, so every decode step
+    would silently run without context (wrong tokens and log-probs): refuse to start instead."""
+    import inspect
+
+    import transformers
+
+    if "cache" not in inspect.signature(type(model).forward).parameters:
+        raise MilesError(
+            f"transformers {transformers.__version__}: {type(model).__name__}.forward takes no `cache` "
+            "argument; the embedded engine needs the pinned transformers (pip install -e .)"
+        )
 
 
 def _read_state_dict(path) -> dict[str, torch.Tensor]:
