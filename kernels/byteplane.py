@@ -113,6 +113,27 @@ if HAVE_NUMBA:
             c += m
         return c
 
+    @_jit
+    def _sparse_xor_bits(out, bitmap, values, n, width, plane):
+        """out[i*width + plane] ^= next value for each marked i, walking only nonzero bitmap bytes.
+        Marks past n (the last byte's padding) are ignored, as `np.unpackbits(count=n)` does.
+        Returns the values used, or -1 (stopping) when the marks outnumber the stored values."""
+        c = 0
+        nv = values.size
+        for j in range(bitmap.size):
+            b = bitmap[j]
+            if b:
+                for t in range(8):
+                    if (b >> t) & 1:
+                        i = 8 * j + t
+                        if i >= n:
+                            break
+                        if c >= nv:
+                            return -1
+                        out[i * width + plane] ^= values[c]
+                        c += 1
+        return c
+
     _SPLIT = {2: _xs2, 4: _xs4, 8: _xs8}
     _MERGE = {2: _xm2, 4: _xm4, 8: _xm8}
 
@@ -217,8 +238,21 @@ def sparse_positions(bitmap, n: int) -> np.ndarray:
 
 
 def sparse_xor_(out: np.ndarray, bitmap, values, n: int, width: int, plane: int) -> None:
-    """In place: byte `plane` of element i of `out` (flat uint8, n*width) ^= the i-th marked value."""
+    """In place: byte `plane` of element i of `out` (flat uint8, n*width) ^= the i-th marked value.
+    A bitmap that marks a different number of elements (< n) than `values` holds raises ValueError;
+    `out` may then be partly updated (callers apply into a copy)."""
     values = np.frombuffer(values, np.uint8)
+    if HAVE_NUMBA:
+        bitmap = np.frombuffer(bitmap, np.uint8)
+        if bitmap.size != (n + 7) // 8:
+            raise ValueError(f"sparse plane: bitmap is {bitmap.size} bytes for {n} elements")
+        if out.size != n * width:
+            raise ValueError(f"sparse plane: {out.size} bytes is not {n} elements of {width}")
+        used = _sparse_xor_bits(out, bitmap, values, n, width, plane)
+        if used != values.size:  # -1: the bitmap marks more than stored
+            marked = int(sparse_positions(bitmap, n).size)
+            raise ValueError(f"sparse plane: bitmap marks {marked} bytes, {values.size} values stored")
+        return
     pos = sparse_positions(bitmap, n)
     if pos.size != values.size:
         raise ValueError(f"sparse plane: bitmap marks {pos.size} bytes, {values.size} values stored")
