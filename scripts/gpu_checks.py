@@ -27,6 +27,9 @@ Checks:
   fsdp2_backend_bf16_rules FSDPBackend with --fsdp-precision-rules (FSDP2 + bf16 autocast): forward
                            dtypes follow the plan, fp32 DTensor masters and grads, every param steps
   pytest_megatron_file     `pytest tests/test_megatron_backend.py` on this machine (info only)
+  broadcast                weights/transports/broadcast.py between a trainer-rank process and an
+                           EngineCore: NCCL on GPU 0 (skipped where NCCL refuses two ranks on one
+                           GPU), gloo without CUDA; the engine must hold exactly the sent weights
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ CHILDREN: dict[str, tuple[int, bool]] = {
     "fsdp": (180, True),
     "engine": (150, True),
     "pytest_megatron_file": (240, False),
+    "broadcast": (150, True),
 }
 
 
@@ -835,7 +839,128 @@ def check_pytest_megatron_file(work: Path) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------- broadcast
+
+
+def _expected_broadcast_state(ckpt: str) -> dict:
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(ckpt) / "model.safetensors"))
+    return {
+        k: v + 0.01 * (i + 1) if v.is_floating_point() else v
+        for i, (k, v) in enumerate(sorted(state.items()))
+    }
+
+
+def _ensure_ray_importable() -> None:
+    """broadcast.py imports ray for its endpoint helper only; the two functions used here do not
+    need it. Where the image lacks ray, an empty module stands in (in every process)."""
+    import types
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        sys.modules["ray"] = types.ModuleType("ray")
+
+
+def _trainer_rank(ckpt: str, port: int, backend: str, group_name: str, errq) -> None:
+    """Rank 0 of the weights group, in its own process: what TrainerActor.broadcast_weights does."""
+    try:
+        _ensure_ray_importable()
+        import torch
+
+        from miles_platform.weights.transports.broadcast import broadcast, new_weights_group
+
+        errq.put("imported")
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        group = new_weights_group("127.0.0.1", port, 0, 2, group_name, backend)
+        for _name, t in sorted(_expected_broadcast_state(ckpt).items()):
+            broadcast(group, t.to("cuda" if backend == "nccl" else "cpu").contiguous())
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        errq.put(None)
+    except BaseException as e:  # noqa: BLE001
+        errq.put(f"{type(e).__name__}: {e}")
+
+
+def check_broadcast(work: Path) -> dict:
+    """weights/transports/broadcast.py + EngineCore.update_weights_from_distributed between two
+    processes on this machine: NCCL with CUDA (both ranks on GPU 0), gloo without. Ray is not needed
+    by these two functions; where the image lacks it, an empty module stands in for the import."""
+    import multiprocessing as mp
+
+    import torch
+
+    _ensure_ray_importable()
+    from miles_platform.cluster.ports import free_port
+    from miles_platform.rollout.engine_core import EngineCore
+
+    tied, _ = _ckpts(work)
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(0)
+    expected = _expected_broadcast_state(tied)
+    names = sorted(expected)
+    core = EngineCore(tied, dtype="fp32")
+    port, group_name = free_port("127.0.0.1"), "miles_weights_check"
+    ctx = mp.get_context("spawn")
+    errq = ctx.Queue()
+    proc = ctx.Process(target=_trainer_rank, args=(tied, port, backend, group_name, errq), daemon=True)
+    t0 = time.monotonic()
+    proc.start()
+    try:
+        first = errq.get(timeout=90)  # "imported", or the trainer's early error: do not wait 120 s on it
+        if first != "imported":
+            raise RuntimeError(f"trainer rank failed before joining: {first}")
+        core.init_weights_update_group("127.0.0.1", port, 1, 2, group_name, backend)
+        version = core.update_weights_from_distributed(
+            names,
+            [str(expected[n].dtype).removeprefix("torch.") for n in names],
+            [list(expected[n].shape) for n in names],
+            group_name,
+            weight_version=1,
+        )
+        seconds = time.monotonic() - t0
+        proc.join(60)
+        trainer_error = errq.get(timeout=5) if not errq.empty() else "trainer rank gave no result"
+        got = core.get_weights()
+    except BaseException as e:  # noqa: BLE001
+        proc.kill()
+        msg = f"{type(e).__name__}: {e}"
+        skipped = cuda and "duplicate gpu" in msg.lower()
+        return {
+            "broadcast": {
+                "status": "skipped" if skipped else "error",
+                "reason": "NCCL refuses two ranks on one GPU; needs 2+ GPUs" if skipped else None,
+                "error": msg[:3000],
+                "backend": backend,
+                "ran_on_cuda": cuda,
+            }
+        }
+    finally:
+        core.stop()
+    compared = [n for n in names if n in got]
+    diff = max(_maxdiff(got[n], expected[n]) for n in compared)
+    ok = trainer_error is None and version == 1 and diff == 0.0 and len(compared) >= len(got)
+    return {
+        "broadcast": {
+            "status": _status(ok),
+            "backend": backend,
+            "ran_on_cuda": cuda,
+            "tensors": len(names),
+            "bytes": sum(t.numel() * t.element_size() for t in expected.values()),
+            "engine_version_after": version,
+            "max_abs_diff_engine_vs_trainer": diff,
+            "trainer_error": trainer_error,
+            "seconds_incl_group_setup": round(seconds, 2),
+        }
+    }
+
+
 CHILD_FNS = {
+    "broadcast": check_broadcast,
     "setup": make_checkpoints,
     "env": check_env,
     "megatron_local_spec": check_megatron_local_spec,
