@@ -157,9 +157,9 @@ def test_bad_input_is_400_and_engine_keeps_serving(engine, body, needle):
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
     assert (
-        _gen(engine.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["meta_info"][
-            "completion_tokens"
-        ]
+        _gen(engine.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "ignore_eos": True})[
+            "meta_info"
+        ]["completion_tokens"]
         == 2
     )
 

@@ -185,7 +185,9 @@ def test_pause_abort_returns_partial_output(engine):
         assert len(res["meta_info"]["output_token_logprobs"]) == len(res["output_ids"])
     httpx.post(f"{url}/continue_generation")
     assert (
-        _gen(url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"]
+        _gen(url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2, "ignore_eos": True})["meta_info"][
+            "completion_tokens"
+        ]
         == 2
     )
 
