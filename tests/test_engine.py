@@ -214,7 +214,11 @@ def test_cli_serve_engine_serves_and_stops_on_sigterm(tiny_hf_checkpoint):
                 pass
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        res = _gen(f"http://127.0.0.1:{port}", input_ids=[1, 2], sampling_params={"max_new_tokens": 3})
+        res = _gen(
+            f"http://127.0.0.1:{port}",
+            input_ids=[1, 2],
+            sampling_params={"max_new_tokens": 3, "ignore_eos": True},
+        )
         assert res["meta_info"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
