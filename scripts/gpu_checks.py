@@ -676,7 +676,6 @@ def check_fsdp(work: Path) -> dict:
     from miles_platform.models.checkpoint import load_hf_model
     from miles_platform.training.fsdp import shard_model, wrap_units
     from miles_platform.training.fsdp_backend import FSDPBackend
-    from miles_platform.training.precision import dtype_name, normalize_fqn
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -764,19 +763,10 @@ def check_fsdp(work: Path) -> dict:
         b.build(tied)  # rules set: goes through fsdp.shard_model (FSDP2) even at world size 1
         model = b.module
         plan = model.precision_plan
-        seen: dict[str, str] = {}
-
-        def hook(prefix):
-            def fn(mod, _args):
-                for name, p in mod.named_parameters(recurse=False):
-                    seen[normalize_fqn(f"{prefix}.{name}" if prefix else name)] = dtype_name(p.dtype)
-
-            return fn
-
-        handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()]
-        s = _one_step(b.named_parameters, b.logits, _batch(vocab, dev))
-        for h in handles:
-            h.remove()
+        tpf = _load_test_module("test_precision_fsdp")  # the same forward-dtype probe as its tests
+        seen, s = tpf._forward_param_dtypes(
+            model, lambda: _one_step(b.named_parameters, b.logits, _batch(vocab, dev))
+        )
         params = list(model.parameters())
         masters = sorted({str(p.dtype) for p in params})
         devs = sorted({p.device.type for p in params})
