@@ -205,11 +205,19 @@ class RLRun:
         if not (snapshot or resumed):
             return  # engines already hold v0
         weights = ray.get([t.get_hf_weights.remote() for t in trainers])[0]
+        hf_dir = self.paths.hf_export(self.cfg.run_name, version)
         if snapshot:
             session.transport.snapshot_base(weights, version)
+        elif self.cfg.update_weight_transfer_mode == "disk-delta":  # resumed: never republish a version
+            from miles_platform.training.export import export_hf_dir
+
+            if not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+                hf_dir = export_hf_dir(weights, self.cfg.hf_checkpoint, hf_dir)
+            session.transport.load_export(hf_dir, version)
         else:
-            hf_dir = self.paths.hf_export(self.cfg.run_name, version)
             session.update(weights, version, hf_dir if os.path.exists(hf_dir) else None)
+        if resumed and (self.cfg.ci_test or self.cfg.check_weight_update_equal):
+            self._check_weights_equal(session.engines, weights, version)
 
     def _loop(self, trainers, manager, session, engines, start, version, ctx_info) -> RunResult:
         import ray

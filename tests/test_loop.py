@@ -116,6 +116,26 @@ def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp
     assert rows == [(1, 0, 0), (2, 1, 1), (3, 2, 2), (4, 2, 2)]
 
 
+def test_disk_delta_run_resumes_past_versions_published_after_its_checkpoint(tiny_hf_checkpoint, tmp_path):
+    """A crash after v3 was published but before its checkpoint: the publication dir (append-only)
+    already holds v3 when the run resumes from v2. The engines get v2 without republishing it, and
+    the next version is published as v4 on top of v3; engines equal the trainer after it."""
+    from miles_platform.weights.disk_delta import read_index, read_latest
+
+    pub = str(tmp_path / "pub")
+    kw = dict(num_rollout=3, save_interval=2, ci_test=False, update_weight_transfer_mode="disk-delta",
+              update_weight_disk_dir=pub, check_weight_update_equal=True)  # fmt: skip
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, **kw)
+    train(cfg)  # v0 snapshot + v1, v2, v3 published
+    assert read_latest(pub) == 3
+    save = StoragePaths(cfg.storage_root).checkpoints("t")
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")  # the last checkpoint holds v2
+    res = train(_cfg(tiny_hf_checkpoint, tmp_path, **kw))
+    assert res.start_rollout_id == 2 and res.final_version == 4
+    assert read_latest(pub) == 4 and read_index(pub, 4)["base_version"] == 3
+
+
 def test_over_sampling_surplus_is_buffered_and_served_by_the_buffer_filter(tiny_hf_checkpoint, tmp_path):
     """Over-sampling keeps 4 groups for a batch of 2: the surplus waits in the buffer and the next rollout
     takes it through --buffer-filter-path instead of generating."""

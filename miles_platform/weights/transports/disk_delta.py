@@ -50,6 +50,15 @@ class DiskDeltaTransport(Transport):
             export_hf_dir({}, self.cfg.hf_checkpoint, d)
             os.remove(os.path.join(d, "model.safetensors"))
 
+    def load_export(self, hf_dir: str, version: int) -> None:
+        """A resumed run's first sync. The publication dir is append-only and may already hold
+        versions made after the checkpoint (before a crash), so the checkpoint's version is not
+        republished: engines load its HF export from disk. The next update publishes a new version
+        on top of LATEST, and each engine-local dir catches up to it from whatever it holds."""
+        for i, e in enumerate(self.engines):
+            self._materialize_base(i)  # config + tokenizer, for the patches to come
+            update_from_disk(e.url, hf_dir, version, self.cfg.api_key)
+
     def prepare(self, state, version, hf_dir):
         from miles_platform.weights.disk_delta import apply_publication
 
