@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from kernels import byteplane as bp
 from kernels import quant as kq
 from kernels import xor_delta as xd
 from miles_platform.weights import disk_delta as dd
@@ -144,6 +145,19 @@ def run(mb: int = 48) -> list[dict]:
     xor_ref_s = _best(lambda: [xd.xor_bytes_reference(p, f) for p, f in zip(prev, flat)])
     rows.append(_row("xor apply in place vs allocating reference", gb / xor_s, gb / xor_ref_s, "GB/s"))
     rows.append(_row("xor apply in place vs memcpy", gb / xor_s, gb / memcpy, "GB/s"))
+    planes = [torch.empty((4, p.numel() // 4), dtype=torch.uint8) for p in prev]
+    split_s = _best(lambda: [bp.xor_split(p, f, 4, out=o) for p, f, o in zip(prev, flat, planes)])
+    split_ref_s = _best(lambda: [bp.xor_split_reference(p, f, 4) for p, f in zip(prev, flat)])
+    rows.append(
+        _row("byte planes: xor+split fp32 (numba) vs torch reference", gb / split_s, gb / split_ref_s, "GB/s")
+    )
+    merged = [torch.empty_like(p) for p in prev]
+    merge_s = _best(lambda: [bp.xor_merge(p, o, 4, out=m) for p, o, m in zip(prev, planes, merged)])
+    merge_ref_s = _best(lambda: [bp.xor_merge_reference(p, o, 4) for p, o in zip(prev, planes)])
+    assert all(torch.equal(m, f) for m, f in zip(merged, flat))
+    rows.append(
+        _row("byte planes: merge+xor fp32 (numba) vs torch reference", gb / merge_s, gb / merge_ref_s, "GB/s")
+    )
     pos_s = _best(lambda: [xd.changed_positions(p, f, 4) for p, f in zip(prev, flat)], 1)
     pos_ref_s = _best(lambda: [xd.changed_positions_reference(p, f, 4) for p, f in zip(prev, flat)], 1)
     rows.append(_row("changed positions (int32 view) vs uint8 reference", gb / pos_s, gb / pos_ref_s, "GB/s"))
