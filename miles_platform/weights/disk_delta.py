@@ -4,8 +4,12 @@ Layout of a publication dir (shared storage, one writer, any number of readers):
 
     LATEST                      committed version, one integer line; replaced atomically, written last
     weight_vNNNNNN/index.json   version, base_version, kind, encoding, checksum, compression, tensors[]
-    weight_vNNNNNN/payload.bin  concatenated per-tensor frames (zstd or raw); index gives byte ranges
+    weight_vNNNNNN/payload.bin  per changed tensor, its sections (zstd frames or raw); index gives byte ranges
     .publish.lock               held (O_CREAT|O_EXCL, "pid host") while a publisher writes
+
+Snapshots and xor deltas go through the byte-plane filter (`kernels/byteplane.py`, format /2):
+byte k of every element in plane k, each plane stored as nothing (all zero), a bitmap + its
+nonzero bytes (sparse) or itself (dense); `delta_format.encode_planes` / `decode_planes`.
 
 Kinds: `snapshot` (every tensor's bytes; the first version and every `keyframe_interval`-th) and
 `delta` against `base_version`, encoded `xor` (bytewise XOR: compact, apply exactly once to the
