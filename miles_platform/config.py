@@ -255,6 +255,12 @@ class RunConfig:
         "xxh3-128", "weight-update", "checksum", choices=("xxh3-128", "blake3", "adler32")
     )
     disk_delta_keyframe_interval: int = _f(10, "weight-update", "full snapshot every N versions")
+    custom_update_weight_post_write_path: str | None = _f(
+        None,
+        "weight-update",
+        "disk-delta: <module>.<fn>(args, version_dir, engines) called once a version is written, before "
+        "engines pull it (e.g. commit an object-store-backed mount)",
+    )
     pause_generation_mode: str = _f(
         "retract",
         "weight-update",
@@ -371,6 +377,13 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         clean = {k.replace("-", "_"): v for k, v in data.items()}
+        for alias, name in ALIASES.items():
+            if alias in clean:
+                if name in clean and clean[name] != clean[alias]:
+                    raise ConfigError(
+                        f"{_flag(alias)} and {_flag(name)} are the same flag with different values"
+                    )
+                clean[name] = clean.pop(alias)
         unknown = sorted(set(clean) - names)
         if unknown:
             raise ConfigError(
@@ -425,6 +438,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Miles' own names for flags this project spelled differently first: both are accepted (CLI and YAML)
+ALIASES = {
+    "update_weight_delta_encoding": "disk_delta_encoding",
+    "update_weight_delta_checksum": "disk_delta_checksum",
+}
+
+
 def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Miles-style RL training (GRPO and friends).")
     parser.add_argument(
@@ -446,7 +466,7 @@ def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
             kw["type"] = _scalar_type(str(f.type))
         if meta["choices"]:
             kw["choices"] = meta["choices"]
-        g.add_argument(_flag(f.name), **kw)
+        g.add_argument(_flag(f.name), *[_flag(a) for a, n in ALIASES.items() if n == f.name], **kw)
     return parser
 
 

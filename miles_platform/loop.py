@@ -75,10 +75,12 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     filter_hub.load_dynamic_filter(cfg)
     filter_hub.load_rollout_sample_filter(cfg)
-    if cfg.custom_loss_function_path:
-        from miles_platform.plugins import load_function
+    from miles_platform.plugins import load_function
 
+    if cfg.custom_loss_function_path:
         load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
+    if cfg.custom_update_weight_post_write_path:
+        load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
 
 
 def _fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:

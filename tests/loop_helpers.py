@@ -38,3 +38,16 @@ def newest_first(args, rollout_id, buffer, num_samples):
         for s in group:
             s.metadata["picked_by"] = "newest_first"
     return picked
+
+
+def record_post_write(args, version_dir, engines):
+    """A `--custom-update-weight-post-write-path` for the tests: logs what it was handed and what a
+    reader of the publication dir sees at that moment."""
+    import os
+
+    from miles_platform.weights.disk_delta import read_latest
+
+    row = {"dir": os.path.basename(version_dir), "latest": read_latest(os.path.dirname(version_dir)),
+           "exists": os.path.isdir(version_dir), "engines": len(engines)}  # fmt: skip
+    with open(f"{args.update_weight_disk_dir}.post_write_hook.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")

@@ -70,13 +70,20 @@ def test_mooncake_handoff_and_weight_transport(tiny_hf_checkpoint, tmp_path, moo
 def test_disk_delta_weights_and_fully_async(tiny_hf_checkpoint, tmp_path):
     cfg = _cfg(tiny_hf_checkpoint, tmp_path, update_weight_transfer_mode="disk-delta",
                update_weight_disk_dir=str(tmp_path / "pub"), fully_async=True, max_weight_staleness=4,
-               check_weight_update_equal=True, ci_test=False)  # fmt: skip
+               check_weight_update_equal=True, ci_test=False,
+               custom_update_weight_post_write_path="loop_helpers.record_post_write")  # fmt: skip
     res = train(cfg)
     assert res.final_version == 2
     from miles_platform.weights.disk_delta import committed_versions
 
     assert committed_versions(str(tmp_path / "pub")) == [0, 1, 2]  # base snapshot, then one per update
     assert "rollout/staleness/max" in res.metrics[-1]
+    # the post-write hook saw each version once, committed, before the engines pulled it
+    with open(f"{cfg.update_weight_disk_dir}.post_write_hook.jsonl") as f:
+        calls = [json.loads(line) for line in f]
+    assert calls == [
+        {"dir": f"weight_v{v:06d}", "latest": v, "exists": True, "engines": 1} for v in (0, 1, 2)
+    ]
 
 
 def test_debug_rollout_data_roundtrip_fsdp2_two_ranks(tiny_hf_checkpoint, tmp_path):
@@ -92,6 +99,34 @@ def test_debug_rollout_data_roundtrip_fsdp2_two_ranks(tiny_hf_checkpoint, tmp_pa
                 run_name="replay", ci_test=False)  # fmt: skip
     res2 = train(cfg2)
     assert len(res2.metrics) == 2 and all(m["train/grad_norm"] > 0 for m in res2.metrics)
+
+
+def test_a_bad_post_write_hook_fails_before_anything_starts(tiny_hf_checkpoint, tmp_path):
+    with pytest.raises(ConfigError, match="custom-update-weight-post-write-path"):
+        validate_before_start(
+            _cfg(tiny_hf_checkpoint, tmp_path, custom_update_weight_post_write_path="loop_helpers.nope")
+        )
+    with pytest.raises(ConfigError, match="custom-update-weight-post-write-path"):  # takes 3 arguments
+        validate_before_start(
+            _cfg(
+                tiny_hf_checkpoint,
+                tmp_path,
+                custom_update_weight_post_write_path="loop_helpers.write_prompts",
+            )
+        )
+
+
+def test_miles_flag_names_for_delta_encoding_and_checksum():
+    from miles_platform.config import parse_run_config
+
+    cfg = parse_run_config(["--rollout-batch-size", "2", "--update-weight-delta-encoding", "overwrite",
+                            "--update-weight-delta-checksum", "blake3"])  # fmt: skip
+    assert (cfg.disk_delta_encoding, cfg.disk_delta_checksum) == ("overwrite", "blake3")
+    assert (
+        RunConfig.from_dict({"update-weight-delta-encoding": "overwrite"}).disk_delta_encoding == "overwrite"
+    )
+    with pytest.raises(ConfigError, match="same flag with different values"):
+        RunConfig.from_dict({"update_weight_delta_encoding": "overwrite", "disk_delta_encoding": "xor"})
 
 
 def test_flags_not_built_are_refused_not_ignored():

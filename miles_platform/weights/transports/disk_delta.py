@@ -29,6 +29,23 @@ class DiskDeltaTransport(Transport):
         self.local_root = cfg.update_weight_local_checkpoint_dir or os.path.join(
             self.pub_dir, "..", "engine-local"
         )
+        self.post_write_hook = None
+        if cfg.custom_update_weight_post_write_path:
+            from miles_platform.plugins import load_function
+
+            self.post_write_hook = load_function(
+                cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3
+            )
+
+    def _after_write(self, version: int) -> None:
+        """Miles' post-write hook: (args, version_dir, engines), once the version is committed and
+        before any engine pulls it (object-store-backed mounts make the files visible here)."""
+        if self.post_write_hook is not None:
+            from miles_platform.weights.disk_delta import version_dir_name
+
+            self.post_write_hook(
+                self.cfg, os.path.join(self.pub_dir, version_dir_name(version)), list(self.engines)
+            )
 
     def local_dir(self, i: int) -> str:
         return os.path.join(self.local_root, f"engine_{i:02d}")
@@ -38,6 +55,7 @@ class DiskDeltaTransport(Transport):
         from miles_platform.weights.disk_delta import apply_publication
 
         self.publisher.publish(state, version=version)
+        self._after_write(version)
         for i in range(len(self.engines)):
             self._materialize_base(i)
             apply_publication(self.pub_dir, self.local_dir(i), version=version)
@@ -63,6 +81,7 @@ class DiskDeltaTransport(Transport):
         from miles_platform.weights.disk_delta import apply_publication
 
         st = self.publisher.publish(state, version=version)
+        self._after_write(version)
         for i in range(len(self.engines)):
             apply_publication(self.pub_dir, self.local_dir(i), version=version)
         n = len(self.engines)
