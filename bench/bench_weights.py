@@ -10,6 +10,7 @@ lr 1e-6 (fp32 master weights, published as fp32 and as a bf16 export).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -138,6 +139,13 @@ def run(mb: int = 48) -> list[dict]:
                     _row(f"wire bytes {tag}: byte planes vs one zstd frame", st.wire_bytes / full,
                          st0.wire_bytes / full, "fraction of full")
                 )  # fmt: skip
+                workers = min(4, os.cpu_count() or 1)
+                if workers > 1:  # the same publication encoded on a thread pool
+                    stw, _, _ = _publish_best(a, b, encoding=enc, workers=workers)
+                    rows.append(
+                        _row(f"encode {tag}: {workers} encode workers vs 1", gbf / stw.encode_seconds,
+                             gbf / st.encode_seconds, "GB/s")
+                    )  # fmt: skip
     flat = [xd.tensor_bytes(v) for v in s1.values()]
     prev = [xd.tensor_bytes(v) for v in s0.values()]
     scratch = [p.clone() for p in prev]

@@ -255,6 +255,9 @@ class RunConfig:
         "xxh3-128", "weight-update", "checksum", choices=("xxh3-128", "blake3", "adler32")
     )
     disk_delta_keyframe_interval: int = _f(10, "weight-update", "full snapshot every N versions")
+    disk_delta_encode_workers: int = _f(
+        1, "weight-update", "threads encoding tensors in parallel (XOR, planes, zstd, checksums)"
+    )
     custom_update_weight_post_write_path: str | None = _f(
         None,
         "weight-update",
@@ -330,6 +333,9 @@ class RunConfig:
             raise ConfigError("--fully-async rejects --pause-generation-mode abort (use retract or in_place)")
         if self.update_weight_transfer_mode == "disk-delta" and not self.update_weight_disk_dir:
             raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir")
+        for name in ("disk_delta_keyframe_interval", "disk_delta_encode_workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         not_built = {
             "rollout_function_path": "--rollout-function-path",
             "custom_generate_function_path": "--custom-generate-function-path",

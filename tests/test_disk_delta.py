@@ -254,6 +254,30 @@ def test_odd_dtypes_and_empty_tensors_round_trip(tmp_path):
         assert all(torch.equal(raw(state[k]), raw(s1[k])) for k in s1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_encode_writes_the_same_publication(tmp_path, base_state, dtype):
+    """workers=3 encodes tensors on a thread pool: payload bytes and index entries are identical to
+    the one-thread publisher's, snapshot and delta, and the delta applies."""
+    s0 = {k: v.to(dtype) for k, v in base_state.items()}
+    s1 = _step(s0, 1)
+    dirs = {}
+    for workers in (1, 3):
+        d = tmp_path / f"w{workers}"
+        p = dd.DeltaPublisher(d, workers=workers)
+        p.publish(s0)
+        p.publish(s1)
+        dirs[workers] = d
+    for v in (0, 1):
+        a, b = (dirs[w] / dd.version_dir_name(v) for w in (1, 3))
+        assert (a / dd.PAYLOAD).read_bytes() == (b / dd.PAYLOAD).read_bytes()
+        assert dd.read_index(dirs[1], v)["tensors"] == dd.read_index(dirs[3], v)["tensors"]
+    engine = {k: v.clone() for k, v in s0.items()}
+    assert dd.apply_to_state_dict(dirs[3], engine, from_version=0) == 1
+    assert all(torch.equal(engine[k], s1[k]) for k in s1)
+    with pytest.raises(ValueError, match="encode-workers"):
+        dd.DeltaPublisher(tmp_path / "x", workers=0)
+
+
 def test_unknown_filter_is_refused(tmp_path, base_state):
     with pytest.raises(ValueError, match="disk-delta filter 'lz4'"):
         dd.DeltaPublisher(tmp_path, filter="lz4")

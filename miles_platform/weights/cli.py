@@ -34,7 +34,11 @@ def _print_stats(st: dd.PublishStats) -> None:
 
 def cmd_publish(a) -> int:
     pub = dd.DeltaPublisher(
-        a.out, encoding=a.encoding, checksum=a.checksum, keyframe_interval=a.keyframe_interval
+        a.out,
+        encoding=a.encoding,
+        checksum=a.checksum,
+        keyframe_interval=a.keyframe_interval,
+        workers=a.workers,
     )
     latest = dd.read_latest(a.out)
     base = load_hf_state(a.base)
@@ -89,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--encoding", default="xor", choices=dd.ENCODINGS)
     pp.add_argument("--checksum", default="xxh3-128", choices=CHECKSUM_ALGOS)
     pp.add_argument("--keyframe-interval", type=int, default=10)
+    pp.add_argument("--workers", type=int, default=1, help="threads encoding tensors in parallel")
     pp.add_argument("--version", type=int, default=None, help="version number (default: LATEST + 1)")
     pp.set_defaults(fn=cmd_publish)
     pa = sub.add_parser("apply", help="verify and patch a local HF checkpoint to a published version")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -54,12 +55,26 @@ class Codec:
     def __init__(self, compression: str, level: int = 1):
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
-        self.compression = compression
-        if compression == "zstd":
+        self.compression, self.level = compression, level
+        self._local = threading.local()  # zstd (de)compressor objects are not thread-safe: one per thread
+
+    @property
+    def _c(self):
+        c = getattr(self._local, "c", None)
+        if c is None:
             import zstandard
 
-            self._c = zstandard.ZstdCompressor(level=level, write_checksum=True)
-            self._d = zstandard.ZstdDecompressor()
+            c = self._local.c = zstandard.ZstdCompressor(level=self.level, write_checksum=True)
+        return c
+
+    @property
+    def _d(self):
+        d = getattr(self._local, "d", None)
+        if d is None:
+            import zstandard
+
+            d = self._local.d = zstandard.ZstdDecompressor()
+        return d
 
     def compress(self, buf: torch.Tensor) -> bytes:
         mv = memoryview(buf.numpy())

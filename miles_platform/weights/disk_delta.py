@@ -26,8 +26,11 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -374,6 +377,7 @@ class DeltaPublisher:
         zstd_level: int = 1,
         lock_wait_s: float = 0.0,
         filter: str = "byteplane",
+        workers: int = 1,
     ):
         if encoding not in ENCODINGS:
             raise ValueError(f"--disk-delta-encoding {encoding!r}: allowed {', '.join(ENCODINGS)}")
@@ -383,6 +387,8 @@ class DeltaPublisher:
             raise ValueError(f"disk-delta filter {filter!r}: allowed {', '.join(FILTERS)}")
         if keyframe_interval < 1:
             raise ValueError(f"--disk-delta-keyframe-interval must be >= 1, got {keyframe_interval}")
+        if workers < 1:
+            raise ValueError(f"--disk-delta-encode-workers must be >= 1, got {workers}")
         self.pub_dir = Path(pub_dir)
         self.encoding, self.algo, self.keyframe_interval = encoding, checksum, keyframe_interval
         self.codec = Codec(compression, zstd_level)
@@ -394,7 +400,8 @@ class DeltaPublisher:
         self._bufs: dict[str, torch.Tensor] = {}
         self._metas: dict[str, tuple[torch.dtype, list[int]]] = {}
         self._sums: dict[str, str] = {}
-        self._scratch = torch.empty(0, dtype=torch.uint8)  # byte planes, reused (no page faults)
+        self.workers = workers  # tensors encoded in parallel (numba, numpy, zstd release the GIL)
+        self._local = threading.local()  # per-thread byte-plane scratch, reused (no page faults)
 
     @property
     def latest_version(self) -> int | None:
@@ -468,24 +475,24 @@ class DeltaPublisher:
         tmp.mkdir()
         try:
             entries, sums, changed, n_changed, n_total = [], {}, set(), 0, 0
-            offset, encode_s = 0, 0.0
+            offset, write_s, t_start = 0, 0.0, time.perf_counter()
             with open(tmp / PAYLOAD, "wb") as f:
-                for name, buf in new.items():
-                    t0 = time.perf_counter()
-                    entry, frames, k, n = self._encode(name, buf, metas[name], kind)
-                    encode_s += time.perf_counter() - t0
+                for name, (entry, frames, k, n) in self._encoded(new, metas, kind):
                     if frames is not None:
                         length = sum(len(fr) for fr in frames)
                         entry["payload"] = {"file": PAYLOAD, "offset": offset, "length": length,
                                             "raw_length": entry.pop("_raw")} | entry.pop("_filter")  # fmt: skip
+                        t0 = time.perf_counter()
                         for fr in frames:
                             f.write(fr)
+                        write_s += time.perf_counter() - t0
                         offset += length
                         changed.add(name)
                     sums[name] = entry["checksum"] if entry["checksum"] else self._sums[name]
                     entry["checksum"] = sums[name]
                     entries.append(entry)
                     n_changed, n_total = n_changed + k, n_total + n
+                encode_s = time.perf_counter() - t_start - write_s
                 f.flush()
                 os.fsync(f.fileno())
             full = sum(b.numel() for b in new.values())
@@ -517,6 +524,32 @@ class DeltaPublisher:
         fsync_dir(self.pub_dir)
         return idx, sums, changed
 
+    def _encoded(self, new: dict, metas: dict, kind: str):
+        """(name, _encode result) in state order. With workers > 1, tensors are encoded on a thread
+        pool, at most 2 x workers in flight (bounded memory); frames that view a thread's scratch
+        are copied before that thread moves on."""
+        if self.workers == 1:
+            for name, buf in new.items():
+                yield name, self._encode(name, buf, metas[name], kind)
+            return
+
+        def job(name, buf):
+            entry, frames, k, n = self._encode(name, buf, metas[name], kind)
+            if frames is not None:
+                frames = [bytes(fr) if isinstance(fr, memoryview) else fr for fr in frames]
+            return entry, frames, k, n
+
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="disk-delta-encode") as pool:
+            pending: deque = deque()
+            for name, buf in new.items():
+                pending.append((name, pool.submit(job, name, buf)))
+                if len(pending) >= 2 * self.workers:
+                    done_name, fut = pending.popleft()
+                    yield done_name, fut.result()
+            while pending:
+                done_name, fut = pending.popleft()
+                yield done_name, fut.result()
+
     def _encode(self, name: str, buf: torch.Tensor, meta, kind: str):
         """-> (index entry, payload sections or None if unchanged, changed units, total units)."""
         dtype, shape = meta
@@ -535,10 +568,12 @@ class DeltaPublisher:
         )
         if planar:
             prev = None if kind == "snapshot" else self._bufs[name]
-            if self._scratch.numel() < buf.numel():
-                self._scratch = torch.empty(buf.numel(), dtype=torch.uint8)
-            # the sections may be views of the scratch: _write_version writes them before the next tensor
-            out = self._scratch[: buf.numel()].view(width, -1)
+            scratch = getattr(self._local, "scratch", None)
+            if scratch is None or scratch.numel() < buf.numel():
+                scratch = self._local.scratch = torch.empty(buf.numel(), dtype=torch.uint8)
+            # sections may be views of this thread's scratch: `_encoded` hands them out (copied when
+            # several threads encode) before this thread encodes its next tensor
+            out = scratch[: buf.numel()].view(width, -1)
             planes = bp.xor_split(
                 buf if prev is None else prev, None if prev is None else buf, width, out=out
             )

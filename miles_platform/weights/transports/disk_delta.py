@@ -25,6 +25,7 @@ class DiskDeltaTransport(Transport):
             encoding=cfg.disk_delta_encoding,
             checksum=cfg.disk_delta_checksum,
             keyframe_interval=cfg.disk_delta_keyframe_interval,
+            workers=cfg.disk_delta_encode_workers,
         )
         self.local_root = cfg.update_weight_local_checkpoint_dir or os.path.join(
             self.pub_dir, "..", "engine-local"
