@@ -33,6 +33,7 @@ class PublicationConfig(dg.Config):
     disk_delta_checksum: str = "xxh3-128"  # xxh3-128 | blake3 | adler32
     disk_delta_keyframe_interval: int = 10
     lock_wait_s: float = 300.0  # wait for a concurrent publication run of the same run
+    disk_delta_encode_workers: int = 1  # threads encoding tensors in parallel (same bytes as one)
 
 
 class QuantizeConfig(dg.Config):
@@ -84,6 +85,7 @@ def weight_publications(
             checksum=config.disk_delta_checksum,
             keyframe_interval=config.disk_delta_keyframe_interval,
             lock_wait_s=config.lock_wait_s,
+            workers=config.disk_delta_encode_workers,
         )
         try:
             st = pub.publish(state, version=version)

@@ -48,7 +48,9 @@ def test_sensor_publishes_each_version_once_and_quantizes(tiny_hf_checkpoint, tm
     assert [r.partition_key for r in res.run_requests] == keys[-1:]  # the newest pending version of the run
     kinds = []
     for key in keys:
-        r = dg.materialize([weight_publications], instance=instance, partition_key=key, resources=resources)
+        cfg = {"ops": {"weight_publications": {"config": {"disk_delta_encode_workers": 2}}}}
+        r = dg.materialize([weight_publications], instance=instance, partition_key=key, resources=resources,
+                           run_config=cfg)  # fmt: skip
         assert r.success
         kinds.append(_md(r, "kind"))
         checks = r.get_asset_check_evaluations()
