@@ -118,25 +118,10 @@ def _load_test_module(name: str):
 
 def make_checkpoints(work: Path) -> dict:
     """The two tiny checkpoints of tests/conftest.py (`tiny_hf_checkpoint`, tied) and
-    tests/test_megatron_backend.py (`untied`), built the same way."""
-    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-    from miles_platform.models.qwen3 import build_model, tiny_qwen3_config
-    from miles_platform.models.tokenizer import train_tokenizer
-
+    tests/test_megatron_backend.py (`untied`), by those files' own builders."""
     tied, untied = _ckpts(work)
-    corpus = [f"What is {a}+{b}? {a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
-    tok = train_tokenizer(corpus, vocab_size=128)
-    cfg = tiny_qwen3_config(
-        len(tok), hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, num_hidden_layers=2,
-    )  # fmt: skip
-    save_hf_checkpoint(build_model(cfg, seed=0), tok, tied)
-    tok = load_tokenizer(tied)
-    cfg = tiny_qwen3_config(
-        len(tok), hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, num_hidden_layers=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    save_hf_checkpoint(build_model(cfg, seed=2), tok, untied)
+    _load_test_module("conftest").save_tiny_checkpoint(tied)
+    _load_test_module("test_megatron_backend").save_untied_checkpoint(tied, untied)
     return {"setup": {"status": "pass", "tied": tied, "untied": untied}}
 
 

@@ -37,9 +37,9 @@ def _few_threads():
     yield
 
 
-@pytest.fixture(scope="session")
-def tiny_hf_checkpoint(tmp_path_factory):
-    """A random tiny Qwen3 checkpoint + our tokenizer, saved as an HF dir (fast: < 2 s)."""
+def save_tiny_checkpoint(path) -> str:
+    """A random tiny Qwen3 checkpoint + our tokenizer, saved as an HF dir at `path` (< 2 s). The
+    `tiny_hf_checkpoint` fixture; scripts/gpu_checks.py builds its checkpoint with this too."""
     from miles_platform.models.checkpoint import save_hf_checkpoint
     from miles_platform.models.qwen3 import build_model, tiny_qwen3_config
     from miles_platform.models.tokenizer import train_tokenizer
@@ -55,10 +55,14 @@ def tiny_hf_checkpoint(tmp_path_factory):
         head_dim=16,
         num_hidden_layers=2,
     )
-    model = build_model(cfg, seed=0)
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    save_hf_checkpoint(model, tok, path)
+    save_hf_checkpoint(build_model(cfg, seed=0), tok, path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """A random tiny Qwen3 checkpoint + our tokenizer, saved as an HF dir (fast: < 2 s)."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
 @pytest.fixture(scope="session")

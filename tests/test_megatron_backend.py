@@ -26,18 +26,24 @@ def _run(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def report(tiny_hf_checkpoint, tmp_path_factory):
+def save_untied_checkpoint(tied: str, path) -> str:
+    """GQA with 2 query groups and untied embeddings, the tokenizer of `tied` (scripts/gpu_checks.py
+    builds its untied checkpoint with this too)."""
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
     from miles_platform.models.qwen3 import build_model, tiny_qwen3_config
 
-    tok = load_tokenizer(tiny_hf_checkpoint)
+    tok = load_tokenizer(tied)
     cfg = tiny_qwen3_config(
         len(tok), hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, num_hidden_layers=2, tie_word_embeddings=False,
     )  # fmt: skip
-    untied = tmp_path_factory.mktemp("mb") / "untied"
-    save_hf_checkpoint(build_model(cfg, seed=2), tok, untied)
+    save_hf_checkpoint(build_model(cfg, seed=2), tok, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_hf_checkpoint, tmp_path_factory):
+    untied = save_untied_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("mb") / "untied")
     work = tmp_path_factory.mktemp("mb_work")
     return _run("cpu", str(work), tiny_hf_checkpoint, str(untied))
 
