@@ -194,12 +194,9 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--format", choices=("table", "csv", "json"), default="table")
     args = ap.parse_args(argv)
     paths = StoragePaths(args.storage_root)
-    if "://" not in paths.root and not os.path.isdir(paths.root):
-        print(
-            f"miles-platform query: error: storage root {paths.root} does not exist "
-            "(pass --storage-root or set MILES_STORAGE_ROOT)",
-            file=sys.stderr,
-        )
+    error = paths.missing_root_error("miles-platform query")
+    if error:
+        print(error, file=sys.stderr)
         return 2
     try:
         columns, rows = Catalog(paths).query(args.sql)

@@ -326,12 +326,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     if not args.target and not args.dataset_version:
         ap.error("give a target (partition key or path) or --dataset-version HASH")
     paths = StoragePaths(args.storage_root)
-    if "://" not in paths.root and not os.path.isdir(paths.root):
-        print(
-            f"miles-platform lineage: error: storage root {paths.root} does not exist "
-            "(pass --storage-root or set MILES_STORAGE_ROOT)",
-            file=sys.stderr,
-        )
+    error = paths.missing_root_error("miles-platform lineage")
+    if error:
+        print(error, file=sys.stderr)
         return 2
     try:
         if args.dataset_version:

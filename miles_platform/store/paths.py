@@ -44,6 +44,15 @@ class StoragePaths:
     def join(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
 
+    def missing_root_error(self, prog: str) -> str | None:
+        """The CLI error for a local root that does not exist (remote URIs are not checked)."""
+        if "://" in self.root or os.path.isdir(self.root):
+            return None
+        return (
+            f"{prog}: error: storage root {self.root} does not exist "
+            "(pass --storage-root or set MILES_STORAGE_ROOT)"
+        )
+
     @property
     def catalog(self) -> str:
         return self.join("catalog.duckdb")
