@@ -98,14 +98,16 @@ class Codec:
         return (z, "zstd") if len(z) < a.size else (memoryview(a), "none")
 
     def decode_section(self, frame: memoryview, comp: str, out: torch.Tensor) -> None:
+        """Decode one section stored as `comp` (a zstd publication holds raw sections too)."""
         if comp not in COMPRESSIONS:
             raise ValueError(f"unknown section compression {comp!r}")
-        (self if comp == self.compression else Codec(comp)).decompress_into(frame, out)
+        self.decompress_into(frame, out, comp)
 
-    def decompress_into(self, frame: memoryview, out: torch.Tensor) -> None:
-        """Decode one frame into `out` (uint8, exact length) or raise ValueError."""
+    def decompress_into(self, frame: memoryview, out: torch.Tensor, compression: str | None = None) -> None:
+        """Decode one frame (this codec's compression unless given) into `out` (uint8, exact
+        length) or raise ValueError."""
         dst = memoryview(out.numpy())
-        if self.compression == "none":
+        if (compression or self.compression) == "none":
             if len(frame) != len(dst):
                 raise ValueError(f"frame is {len(frame)} bytes, expected {len(dst)}")
             dst[:] = frame
