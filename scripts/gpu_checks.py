@@ -35,6 +35,7 @@ Checks:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -103,6 +104,7 @@ def _ckpts(work: Path) -> tuple[str, str]:
     return str(work / "ckpt" / "tiny"), str(work / "ckpt" / "untied")
 
 
+@functools.cache  # one module object per process: its helpers are called repeatedly
 def _load_test_module(name: str):
     import importlib.util
 
@@ -607,13 +609,6 @@ def _batch(vocab: int, dev: str):
     return ids.to(dev), pos.to(dev), mask.to(dev)
 
 
-def _nll(logits, ids, mask):
-    import torch
-
-    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
-
-
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -623,7 +618,9 @@ def _one_step(named_params, logits_fn, batch, lr=1e-2) -> dict:
     import torch
 
     ids, pos, mask = batch
-    loss = _nll(logits_fn(ids, pos), ids, mask)
+    loss = _load_test_module("test_megatron_backend")._nll(
+        logits_fn(ids, pos), ids, mask
+    )  # the parity test's loss
     loss.backward()
     params = dict(named_params())
     grad_dtypes = sorted({str(p.grad.dtype) for p in params.values() if p.grad is not None})
