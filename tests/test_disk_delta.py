@@ -143,7 +143,7 @@ def test_corrupt_publication_fails_closed(tmp_path, base_state, fault, compressi
     ],
 )
 def test_flipped_byte_names_the_tensor(tmp_path, base_state, pos, error):
-    _, pub, local = _publish_v0_v1(tmp_path, base_state, compression="none")
+    _, pub, local = _publish_v0_v1(tmp_path, base_state, compression="none", filter="byteplane")
     payload = pub / dd.version_dir_name(1) / dd.PAYLOAD
     _flip_byte(payload, pos % payload.stat().st_size)
     with pytest.raises(PublicationError, match=r"weight_v000001: tensor \S+: " + error):
@@ -174,29 +174,30 @@ def test_xor_applied_twice_or_to_wrong_base_is_refused(tmp_path, base_state):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_byteplane_filter_is_smaller_and_older_layouts_still_apply(tmp_path, base_state, dtype):
-    """The byte-plane filter (default) against one zstd frame per tensor (`filter="none"`, the layout
-    of format /1): same final bytes, fewer wire bytes on an optimizer-like step; a /1 dir applies."""
+    """The byte-plane filter against one zstd frame per tensor (`filter="none"`, the layout of format
+    /1) and the default lowbits filter: same final bytes; byte planes take the fewest wire bytes on
+    an optimizer-like step; a /1 dir (and a /2 one) still applies."""
     s0 = {k: v.to(dtype) for k, v in base_state.items()}
     g = torch.Generator().manual_seed(0)
     rel = 1e-4 if dtype == torch.float32 else 3e-3  # moves the low bits of most elements
     s1 = {k: (v.float() * (1 + rel * torch.randn(v.shape, generator=g))).to(dtype) for k, v in s0.items()}
     wire = {}
-    for filt in ("byteplane", "none"):
+    for filt in ("byteplane", "none", "lowbits"):
         pub = tmp_path / filt
         p = dd.DeltaPublisher(pub, filter=filt)
         p.publish(s0)
         wire[filt] = p.publish(s1).wire_bytes
-        if filt == "none":  # rewrite the indices as format /1 (what older publishers wrote)
-            for v in (0, 1):
-                f = pub / dd.version_dir_name(v) / dd.INDEX
-                f.write_text(f.read_text().replace(dd.FORMAT, "miles-disk-delta/1"))
+        old = {"none": "miles-disk-delta/1", "byteplane": "miles-disk-delta/2"}.get(filt)
+        for v in (0, 1) if old else ():  # rewrite the indices as older publishers wrote them
+            f = pub / dd.version_dir_name(v) / dd.INDEX
+            f.write_text(f.read_text().replace(dd.FORMAT, old))
         engine = {k: v.clone() for k, v in s0.items()}
         assert dd.apply_to_state_dict(pub, engine, from_version=0) == 1
         assert all(torch.equal(engine[k], s1[k]) for k in s1)
         fresh = {k: torch.zeros_like(v) for k, v in s0.items()}  # catch up from the v0 snapshot
         assert dd.apply_to_state_dict(pub, fresh, from_version=None) == 1
         assert all(torch.equal(fresh[k], s1[k]) for k in s1)
-    assert wire["byteplane"] < wire["none"]
+    assert wire["byteplane"] < wire["none"] and wire["byteplane"] < wire["lowbits"]
 
 
 def test_sparse_update_applies_by_scatter_and_fails_closed(tmp_path, base_state):
@@ -210,7 +211,7 @@ def test_sparse_update_applies_by_scatter_and_fails_closed(tmp_path, base_state)
         bump = (torch.rand(v.shape, generator=g) < 0.005) * 0.05 * v.float().abs().clamp(min=1e-3)
         s1[k] = (v.float() + bump).to(torch.bfloat16)
     pub = tmp_path / "pub"
-    p = dd.DeltaPublisher(pub)
+    p = dd.DeltaPublisher(pub, filter="byteplane")
     p.publish(s0)
     assert p.publish(s1).kind == "delta"
     idx = dd.read_index(pub, 1)
@@ -227,6 +228,58 @@ def test_sparse_update_applies_by_scatter_and_fails_closed(tmp_path, base_state)
     (pub / dd.version_dir_name(1) / dd.INDEX).write_text(json.dumps(idx))
     engine = {k: v.clone() for k, v in s0.items()}
     with pytest.raises(PublicationError, match=r"weight_v000001: tensor \S+: corrupt payload"):
+        dd.apply_to_state_dict(pub, engine, from_version=0)
+    assert all(torch.equal(engine[k], s0[k]) for k in s0)
+
+
+def _optimizer_step(master: dict, rel: float, dtype, seed: int = 0) -> dict:
+    """fp32 master weights moved by a relative ~rel, exported as `dtype` (fp32: the low mantissa bits
+    of most elements change; bf16: the few elements that cross a rounding boundary)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: (v.float() * (1 + rel * torch.randn(v.shape, generator=g))).to(dtype) for k, v in master.items()
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lowbits_default_applies_in_place_and_undoes_on_failure(tmp_path, base_state, dtype):
+    """The default filter packs xor deltas as low bits + exceptions (fp32: L > 0 with exceptions;
+    bf16: L = 0, the changed elements only) and replicas XOR them into their weights in place.
+    A corrupt exception stream in the LAST changed tensor fails closed after the earlier tensors
+    were already patched in place: they are XOR-ed back, so the engine's weights are bit-identical
+    to before, and the error names version and tensor."""
+    s0 = {k: v.to(dtype) for k, v in base_state.items()}
+    s1 = _optimizer_step(base_state, 1e-5, dtype)
+    pub = tmp_path / "pub"
+    p = dd.DeltaPublisher(pub)
+    p.publish(s0)
+    st = p.publish(s1)
+    assert st.kind == "delta" and st.wire_bytes < (0.5 if dtype == torch.float32 else 0.2) * st.full_bytes
+    idx = dd.read_index(pub, 1)
+    recs = [t for t in idx["tensors"] if t["payload"]]
+    assert recs and all(t["payload"]["filter"] == "lowbits" for t in recs)
+    low_bits = {t["payload"]["low_bits"] for t in recs}
+    assert (min(low_bits) > 0) if dtype == torch.float32 else (low_bits == {0})
+    engine = {k: v.clone() for k, v in s0.items()}
+    ptrs = {k: v.data_ptr() for k, v in engine.items()}
+    assert dd.apply_to_state_dict(pub, engine, from_version=0) == 1
+    assert all(torch.equal(engine[k], s1[k]) for k in s1)
+    assert {k: v.data_ptr() for k, v in engine.items()} == ptrs  # patched in place, no new tensors
+    # one exception fewer declared for the last changed tensor than its streams hold
+    last = next(t for t in reversed(idx["tensors"]) if t["payload"] and t["payload"]["exceptions"])
+    last["payload"]["exceptions"] -= 1
+    (pub / dd.version_dir_name(1) / dd.INDEX).write_text(json.dumps(idx))
+    engine = {k: v.clone() for k, v in s0.items()}
+    with pytest.raises(
+        PublicationError, match=rf"weight_v000001: tensor {last['name']}: corrupt payload \(lowbits"
+    ):
+        dd.apply_to_state_dict(pub, engine, from_version=0)
+    assert all(torch.equal(engine[k], s0[k]) for k in s0)
+    # a flipped byte in a packed low section: checksum mismatch, the same undo
+    last["payload"]["exceptions"] += 1
+    (pub / dd.version_dir_name(1) / dd.INDEX).write_text(json.dumps(idx))
+    _flip_byte(pub / dd.version_dir_name(1) / dd.PAYLOAD, last["payload"]["offset"])
+    with pytest.raises(PublicationError, match=rf"tensor {last['name']}: final xxh3-128 checksum mismatch"):
         dd.apply_to_state_dict(pub, engine, from_version=0)
     assert all(torch.equal(engine[k], s0[k]) for k in s0)
 
@@ -283,7 +336,7 @@ def test_unknown_filter_is_refused(tmp_path, base_state):
         dd.DeltaPublisher(tmp_path, filter="lz4")
     _, pub, local = _publish_v0_v1(tmp_path, base_state)
     f = pub / dd.version_dir_name(1) / dd.INDEX
-    f.write_text(f.read_text().replace('"filter": "byteplane"', '"filter": "bitshuffle"', 1))
+    f.write_text(f.read_text().replace('"filter": "lowbits"', '"filter": "bitshuffle"', 1))
     before = _snapshot(local)
     with pytest.raises(
         PublicationError, match=r"weight_v000001: tensor \S+: corrupt payload \(unknown payload filter"

@@ -3,12 +3,14 @@
 import zlib
 
 import blake3
+import numpy as np
 import pytest
 import torch
 import xxhash
 
 from kernels import byteplane as bp
 from kernels import logprob as lp
+from kernels import lowbits as lb
 from kernels import xor_delta as xd
 from miles_platform.weights.checksum import checksum
 
@@ -134,3 +136,94 @@ def test_checksums_each_algo():
         assert checksum(bytes(flipped), algo) != checksum(t, algo)
     with pytest.raises(ValueError, match="allowed"):
         checksum(t, "md5")
+
+
+def _lowbits_case(width: int, n: int, density: float, seed: int = 0):
+    """Words a and b = a ^ x, x nonzero with probability `density`, of random bit length."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 2 ** (8 * width) - 1, n, dtype=np.uint64, endpoint=True).astype(lb._UINT[width])
+    bits = rng.integers(1, 8 * width + 1, n).astype(np.uint64)
+    x = rng.integers(0, 2**63, n, dtype=np.uint64) >> (np.uint64(64) - np.minimum(bits, np.uint64(63)))
+    x = x * (rng.random(n) < density)
+    return a, a ^ x.astype(lb._UINT[width])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 3, 64, 65, 1000])
+def test_lowbits_matches_reference_and_applies(width, n):
+    """Every L (and the sampled choice) against the numpy reference, byte for byte: packed low bits,
+    positions as gaps or bitmap, high parts; applying the delta gives b, applying it again gives a."""
+    for density in (0.0, 0.01, 0.5, 1.0):
+        a, b = _lowbits_case(width, n, density)
+        for L in (*lb.low_bits_choices(width), None):
+            r = lb.encode(a, b, L)
+            low, pos, highs, changed = lb.encode_reference(a, b, r["low_bits"])
+            assert bytes(r["sections"][0]) == low and r["changed"] == changed == np.count_nonzero(a != b)
+            assert r["exceptions"] == pos.size and bytes(r["sections"][2]) == lb.highs_reference(highs)
+            if r["positions"] == "gaps":
+                assert bytes(r["sections"][1]) == lb.positions_gaps_reference(pos)
+            else:
+                assert bytes(r["sections"][1]) == lb.positions_bitmap_reference(pos, n)
+            secs = [bytes(s) for s in r["sections"]]
+            cur = a.copy()
+            args = (r["low_bits"], secs[0], secs[1], r["positions"], secs[2], r["exceptions"])
+            lb.apply_(cur, *args)
+            assert np.array_equal(cur, b) and np.array_equal(
+                lb.apply_reference(a, low, pos, highs, r["low_bits"]), b
+            )
+            lb.apply_(cur, *args)
+            assert np.array_equal(cur, a)
+
+
+def test_lowbits_choice_follows_the_bit_lengths():
+    """fp32-like deltas of ~10 bits pick a small L with exceptions; a sparse delta picks L = 0; noise
+    in every bit stores the words whole (L = 32, no exceptions)."""
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32)
+    short = a ^ rng.integers(0, 1 << 10, a.size, dtype=np.uint64).astype(np.uint32)
+    assert 8 <= lb.choose_low_bits(a, short) <= 12
+    sparse = a.copy()
+    sparse[::200] ^= np.uint32(3)
+    assert lb.choose_low_bits(a, sparse) == 0
+    noise = rng.integers(0, 2**32, a.size, dtype=np.uint64).astype(np.uint32)
+    r = lb.encode(a, noise)
+    assert r["low_bits"] == 32 and r["exceptions"] == 0
+
+
+@pytest.mark.parametrize(
+    "mutate, error",
+    [
+        (lambda s, e: (s[0], s[1] + b"\x01", s[2], e), "trailing bytes"),
+        (lambda s, e: (s[0], s[1][:-1], s[2], e), "positions are truncated"),
+        (lambda s, e: (s[0], s[1], s[2][:-1], e), "high parts are truncated"),
+        (lambda s, e: (s[0], s[1], b"\x00" * e, e), "high part is zero"),
+        (lambda s, e: (s[0], b"\x80" * 11, s[2], e), "positions are truncated or malformed"),
+        (lambda s, e: (s[0][:-1], s[1], s[2], e), "low section is"),
+        (lambda s, e: (s[0], s[1], s[2], e + 1), "positions are truncated|positions mark"),
+    ],
+)
+def test_lowbits_malformed_streams_are_refused_untouched(mutate, error):
+    a, b = _lowbits_case(4, 500, 0.02)
+    r = lb.encode(a, b, 8)
+    assert r["positions"] == "gaps" and r["exceptions"] > 2
+    low, positions, highs, e = mutate([bytes(s) for s in r["sections"]], r["exceptions"])
+    cur = a.copy()
+    with pytest.raises(ValueError, match=error):
+        lb.apply_(cur, 8, low, positions, "gaps", highs, e)
+    assert np.array_equal(cur, a)
+
+
+def test_lowbits_bitmap_past_the_end_or_miscounted_is_refused():
+    a, b = _lowbits_case(2, 999, 0.3)
+    r = lb.encode(a, b, 4)
+    assert r["positions"] == "bitmap"
+    low, bitmap, highs = (bytes(s) for s in r["sections"])
+    past = bitmap[:-1] + bytes([bitmap[-1] | 0x80])  # bit 999 of a 999-element tensor
+    for positions, e, error in (
+        (past, r["exceptions"] + 1, "past the tensor"),
+        (bitmap, r["exceptions"] - 1, "different count"),
+    ):
+        cur = a.copy()
+        with pytest.raises(ValueError, match=error):
+            lb.apply_(cur, 4, low, positions, "bitmap", highs, e)
+        assert np.array_equal(cur, a)

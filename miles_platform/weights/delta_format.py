@@ -15,15 +15,16 @@ import torch
 
 from miles_platform.errors import PublicationError
 
-FORMAT = "miles-disk-delta/2"
-READABLE_FORMATS = ("miles-disk-delta/1", FORMAT)  # /1: one frame per tensor, no byte-plane filter
+FORMAT = "miles-disk-delta/3"
+# /1: one frame per tensor, no filter; /2: byte-plane filter; /3: adds the lowbits filter for xor deltas
+READABLE_FORMATS = ("miles-disk-delta/1", "miles-disk-delta/2", FORMAT)
 INDEX, PAYLOAD, LATEST, LOCK = "index.json", "payload.bin", "LATEST", ".publish.lock"
 VERSION_FILE = "miles_weight_version.json"
 WEIGHTS_FILE = "model.safetensors"
 VERSION_META_KEY = "miles_weight_version"
 ENCODINGS = ("xor", "overwrite")
 COMPRESSIONS = ("zstd", "none")
-FILTERS = ("byteplane", "none")
+FILTERS = ("lowbits", "byteplane", "none")
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -279,3 +280,35 @@ def xor_sparse_planes(
         if data is not None:
             bp.sparse_xor_(o, data[0], data[1], n, width, k)
     return out
+
+
+# ---- the lowbits filter: an xor delta as packed low bits + exceptions (kernels/lowbits.py) ------
+
+
+def lowbits_sections(p: dict, region: memoryview, codec: Codec, n: int, width: int) -> tuple:
+    """(low, positions, highs) buffers of a lowbits record, every declared size checked against the
+    tensor and the sections required to cover the region exactly; ValueError otherwise."""
+    from kernels import lowbits as lb
+
+    L, secs = p.get("low_bits"), p.get("sections")
+    if L not in lb.low_bits_choices(width) or not isinstance(secs, list) or len(secs) != 3:
+        raise ValueError(f"bad lowbits record: low_bits {L!r}, {len(secs or [])} sections")
+    expect = [lb.low_len(n, L), None, None]
+    if p.get("positions") == "bitmap":
+        expect[1] = (n + 7) // 8
+    out, pos = [], 0
+    for sec, want in zip(secs, expect):
+        comp, length, raw = sec
+        if (want is not None and raw != want) or raw < 0 or length < 0 or pos + length > len(region):
+            raise ValueError(f"lowbits section declares {raw} bytes ({length} stored), expected {want}")
+        frame = region[pos : pos + length]
+        if comp == "none" and length == raw:
+            out.append(frame)
+        else:
+            buf = torch.empty(raw, dtype=torch.uint8)
+            codec.decode_section(frame, comp, buf)
+            out.append(memoryview(buf.numpy()))
+        pos += length
+    if pos != len(region):
+        raise ValueError(f"tensor region is {len(region)} bytes, its sections take {pos}")
+    return tuple(out)

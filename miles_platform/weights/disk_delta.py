@@ -7,9 +7,12 @@ Layout of a publication dir (shared storage, one writer, any number of readers):
     weight_vNNNNNN/payload.bin  per changed tensor, its sections (zstd frames or raw); index gives byte ranges
     .publish.lock               held (O_CREAT|O_EXCL, "pid host") while a publisher writes
 
-Snapshots and xor deltas go through the byte-plane filter (`kernels/byteplane.py`, format /2):
-byte k of every element in plane k, each plane stored as nothing (all zero), a bitmap + its
-nonzero bytes (sparse) or itself (dense); `delta_format.encode_planes` / `decode_planes`.
+Filters (format /3): xor deltas go through `lowbits` (default, `kernels/lowbits.py`): every
+element's XOR packed to its low L bits (L per tensor, from a sample) plus the positions and high parts
+of the few elements that need more; written and applied by vectorized loops at a fraction of
+memcpy's cost. Snapshots (and xor deltas under `filter="byteplane"`, the smallest wire) go through
+the byte-plane filter (`kernels/byteplane.py`): byte k of every element in plane k, each plane stored
+as nothing (all zero), a bitmap + its nonzero bytes (sparse) or itself (dense), zstd where it pays.
 
 Kinds: `snapshot` (every tensor's bytes; the first version and every `keyframe_interval`-th) and
 `delta` against `base_version`, encoded `xor` (bytewise XOR: compact, apply exactly once to the
@@ -34,9 +37,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kernels import byteplane as bp
+from kernels import lowbits as lb
 from kernels import xor_delta as xd
 from miles_platform.errors import PublicationError
 from miles_platform.store.atomic import fsync_dir, write_atomic
@@ -60,6 +65,7 @@ from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: t
     dtype_name,
     encode_planes,
     list_publications,
+    lowbits_sections,
     read_index,
     read_latest,
     version_dir_name,
@@ -74,7 +80,7 @@ class PublishStats:
     kind: str  # "snapshot" | "delta"
     wire_bytes: int  # payload bytes on disk (what a replica downloads)
     full_bytes: int  # bytes of the complete state
-    density: float  # changed bytes (xor) / changed elements (overwrite) as a fraction; 1.0 for snapshots
+    density: float  # changed elements (lowbits, overwrite) or bytes (byteplane / no filter); 1.0 snapshots
     seconds: float  # the whole publish: encode + write + fsync + rename + LATEST
     path: str = ""
     encode_seconds: float = 0.0  # in-memory part: XOR, planes, compression, checksums
@@ -103,10 +109,14 @@ def _chain(pub_dir, from_version: int | None, to_version: int) -> list[dict]:
 # ---- applying --------------------------------------------------------------------------------
 
 
-def _replay(pub_dir, chain: list[dict], bufs: dict, metas: dict, version: int | None) -> set[str]:
-    """Apply `chain` to byte buffers. Never mutates the input tensors: changed entries of `bufs` are
-    replaced with new tensors. Every step is verified (lineage, layout, final checksums) before the
-    next. Returns the names whose bytes changed."""
+def _replay(
+    pub_dir, chain: list[dict], bufs: dict, metas: dict, version: int | None, undo: list | None = None
+) -> set[str]:
+    """Apply `chain` to byte buffers. Every step is verified (lineage, layout, final checksums)
+    before the next. Returns the names whose bytes changed. Without `undo`, the input tensors are
+    never mutated: changed entries of `bufs` are replaced with new tensors. With a list, lowbits
+    deltas are XOR-ed into `bufs` in place and an undo callable is appended for each (calling them
+    in reverse order restores the inputs exactly; the caller does that on failure)."""
     changed: set[str] = set()
     verified: dict[str, str] = {}
     scratch = [torch.empty(0, dtype=torch.uint8)]  # byte planes of one tensor, reused
@@ -136,7 +146,7 @@ def _replay(pub_dir, chain: list[dict], bufs: dict, metas: dict, version: int | 
                 )
             if t["payload"] is not None:
                 try:
-                    bufs[name] = _decode_tensor(idx, t, payload, codec, bufs.get(name), scratch)
+                    bufs[name] = _decode_tensor(idx, t, payload, codec, bufs.get(name), scratch, undo)
                 except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
                     raise PublicationError(f"{where}: tensor {name}: corrupt payload ({e})") from e
                 step_changed.add(name)
@@ -164,14 +174,21 @@ def _read_payload(pub_dir, idx: dict) -> memoryview:
     if need == 0:
         return memoryview(b"")
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != idx["stats"]["wire_bytes"] or size < need:
+                raise PublicationError(
+                    f"publication {version_dir_name(idx['version'])}: {PAYLOAD} is {size} bytes, "
+                    f"index declares {idx['stats']['wire_bytes']} (truncated or partial copy)"
+                )
+            # into a private buffer, not an mmap: a file truncated under us must not become SIGBUS
+            data = np.empty(size, np.uint8)
+            if f.readinto(memoryview(data)) != size:
+                raise PublicationError(
+                    f"publication {version_dir_name(idx['version'])}: {PAYLOAD} shrank while read"
+                )
     except FileNotFoundError as e:
         raise PublicationError(f"publication {version_dir_name(idx['version'])}: missing {PAYLOAD}") from e
-    if len(data) != idx["stats"]["wire_bytes"] or len(data) < need:
-        raise PublicationError(
-            f"publication {version_dir_name(idx['version'])}: {PAYLOAD} is {len(data)} bytes, "
-            f"index declares {idx['stats']['wire_bytes']} (truncated or partial copy)"
-        )
     return memoryview(data)
 
 
@@ -182,12 +199,26 @@ def _decode_tensor(
     codec: Codec,
     cur: torch.Tensor | None,
     scratch: list | None = None,
+    undo: list | None = None,
 ):
     p = t["payload"]
     frame = payload[p["offset"] : p["offset"] + p["length"]]
     is_delta = idx["kind"] != "snapshot"
     if is_delta and (cur is None or cur.numel() != t["nbytes"]):
         raise ValueError("no local bytes of the declared size to apply a delta to")
+    if p.get("filter", "none") == "lowbits":
+        width = p.get("width")
+        if idx["kind"] != "delta" or idx["encoding"] != "xor" or width not in lb.WIDTHS:
+            raise ValueError(f"lowbits filter on a {idx['kind']} ({idx['encoding']}), width {width!r}")
+        if p["raw_length"] != t["nbytes"] or t["nbytes"] % width:
+            raise ValueError(f"lowbits payload of {p['raw_length']} bytes for a {t['nbytes']}-byte tensor")
+        low, positions, highs = lowbits_sections(p, frame, codec, t["nbytes"] // width, width)
+        args = (p["low_bits"], low, positions, p.get("positions"), highs, p.get("exceptions"))
+        out = cur if undo is not None else cur.clone()
+        lb.apply_(lb.words(out, width), *args)  # validates everything before touching `out`
+        if undo is not None:
+            undo.append(lambda: lb.apply_(lb.words(out, width), *args))  # XOR again: the old bytes
+        return out
     if p.get("filter", "none") == "byteplane":
         width = p.get("width")
         if idx["kind"] == "delta" and idx["encoding"] != "xor" or width not in bp.WIDTHS:
@@ -244,13 +275,23 @@ def apply_to_state_dict(
     the whole catch-up chain verified; on any failure `state` is untouched. Returns the version."""
     target = _target_version(pub_dir, to_version)
     chain = _chain(pub_dir, from_version, target)
+    # lowbits deltas are XOR-ed straight into the state's bytes (no copy of the model): views of
+    # contiguous CPU tensors, copies otherwise; any failure XORs them back before raising
     bufs = {k: xd.tensor_bytes(v) for k, v in state.items()}
     metas = {k: (v.dtype, list(v.shape)) for k, v in state.items()}
-    changed = _replay(pub_dir, chain, bufs, metas, from_version)
+    undo: list = []
+    try:
+        with torch.no_grad():
+            changed = _replay(pub_dir, chain, bufs, metas, from_version, undo)
+    except BaseException:
+        for fn in reversed(undo):
+            fn()
+        raise
     with torch.no_grad():
         for name in changed:
-            dtype, shape = metas[name]
-            state[name].copy_(bufs[name].view(dtype).reshape(shape))
+            if bufs[name].data_ptr() != state[name].data_ptr() or state[name].device.type != "cpu":
+                dtype, shape = metas[name]
+                state[name].copy_(bufs[name].view(dtype).reshape(shape))
     return target
 
 
@@ -294,7 +335,7 @@ def apply_publication(
     local.mkdir(parents=True, exist_ok=True)
     bufs = {k: xd.tensor_bytes(v) for k, v in tensors.items()}
     metas = {k: (v.dtype, list(v.shape)) for k, v in tensors.items()}
-    _replay(pub_dir, chain, bufs, metas, current)
+    _replay(pub_dir, chain, bufs, metas, current, undo=[])  # our own copies: patched in place
     out = {k: bufs[k].view(metas[k][0]).reshape(metas[k][1]) for k in bufs}
     meta.update({"format": "pt", VERSION_META_KEY: str(target)})
     tmp = local / f".{WEIGHTS_FILE}.tmp-{uuid.uuid4().hex[:8]}"
@@ -376,7 +417,7 @@ class DeltaPublisher:
         compression: str = "zstd",
         zstd_level: int = 1,
         lock_wait_s: float = 0.0,
-        filter: str = "byteplane",
+        filter: str = "lowbits",
         workers: int = 1,
     ):
         if encoding not in ENCODINGS:
@@ -392,7 +433,7 @@ class DeltaPublisher:
         self.pub_dir = Path(pub_dir)
         self.encoding, self.algo, self.keyframe_interval = encoding, checksum, keyframe_interval
         self.codec = Codec(compression, zstd_level)
-        self.filter = filter  # byteplane: xor deltas and snapshots as per-byte-position planes
+        self.filter = filter  # lowbits: xor deltas packed (snapshots as byte planes); byteplane: both planes
         self.lock_wait_s = lock_wait_s  # >0: wait for another publisher instead of failing at once
         self._loaded = False
         self._latest: int | None = None
@@ -561,8 +602,10 @@ class DeltaPublisher:
             "payload": None,
         }
         width = dtype.itemsize
+        if self.filter == "lowbits" and kind == "delta" and self.encoding == "xor" and width in lb.WIDTHS:
+            return self._encode_lowbits(entry, name, buf, width)
         planar = (
-            self.filter == "byteplane"
+            self.filter in ("byteplane", "lowbits")
             and width in bp.WIDTHS
             and (kind == "snapshot" or self.encoding == "xor")
         )
@@ -606,6 +649,22 @@ class DeltaPublisher:
             return entry, None, 0, n
         entry.update(checksum=checksum(buf, self.algo), _raw=raw.numel(), _filter={})
         return entry, [self.codec.compress(raw)], k, n
+
+    def _encode_lowbits(self, entry: dict, name: str, buf: torch.Tensor, width: int):
+        scratch = getattr(self._local, "lowbits", None)
+        if scratch is None:
+            scratch = self._local.lowbits = lb.Scratch()
+        # sections may view this thread's scratch (see `_encoded`)
+        r = lb.encode(lb.words(self._bufs[name], width), lb.words(buf, width), scratch=scratch)
+        n = buf.numel() // width
+        if r["changed"] == 0:
+            entry["checksum"] = None  # unchanged: reuse the previous final checksum
+            return entry, None, 0, n
+        sections = [memoryview(sec) for sec in r["sections"]]
+        meta = {"filter": "lowbits", "width": width, "low_bits": r["low_bits"], "exceptions": r["exceptions"],
+                "positions": r["positions"], "sections": [["none", len(m), len(m)] for m in sections]}  # fmt: skip
+        entry.update(checksum=checksum(buf, self.algo), _raw=buf.numel(), _filter=meta)
+        return entry, sections, r["changed"], n
 
 
 def publish_stats_dict(stats: PublishStats) -> dict:
