@@ -348,6 +348,71 @@ def _parse(positions, is_bitmap, highs, n, e, high_bits, pos_out, h_out):
 
 
 @_jit
+def _popcount64(w):
+    w = w - ((w >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    w = (w & np.uint64(0x3333333333333333)) + ((w >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    w = (w + (w >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return (w * np.uint64(0x0101010101010101)) >> np.uint64(56)
+
+
+@_jit
+def _check_bitmap_highs(positions, highs, n, e, high_bits):
+    """Validation of a bitmap-positioned delta without decoding it (branch-free counting): e marks,
+    none past n; e LEB128 highs, none ending in a zero byte (a zero or overlong value), none longer
+    than an element's high part, nothing trailing. 0 or an error code as `_parse`. (A value wider
+    than the element within that length XORs fewer bits: the final checksum refuses it.)"""
+    nw = positions.size // 8
+    words = positions[: 8 * nw].view(np.uint64)
+    c = np.uint64(0)
+    for j in range(nw):
+        c += _popcount64(words[j])
+    for t in range(8 * nw, positions.size):
+        c += _popcount64(np.uint64(positions[t]))
+    if c != np.uint64(e):
+        return 3
+    if n % 8 and positions[positions.size - 1] >> (n % 8):
+        return 2
+    terms, zero, run, longest = 0, 0, 0, 0
+    for j in range(highs.size):
+        b = highs[j]
+        term = b < 128
+        terms += term
+        zero |= b == 0
+        run = (run + 1) * (1 - term)  # continuation bytes in a row
+        longest = max(longest, run)
+    if zero or longest >= (high_bits + 6) // 7:
+        return 5
+    if highs.size and highs[highs.size - 1] >= 128:
+        return 4
+    if terms != e:
+        return 4 if terms < e else 6
+    return 0
+
+
+@_jit
+def _apply_bitmap(cur, positions, highs, sh):
+    """cur[i] ^= high << sh for each marked i, highs read as they come (validated beforehand)."""
+    c = 0
+    nw = positions.size // 8
+    words = positions[: 8 * nw].view(np.uint64)
+    for j in range(nw + 1):
+        w = words[j] if j < nw else np.uint64(0)
+        if j == nw:
+            for t in range(positions.size - 8 * nw):
+                w |= np.uint64(positions[8 * nw + t]) << np.uint64(8 * t)
+        while w:
+            i = 64 * j + trailing_zeros(w)
+            w &= w - np.uint64(1)
+            b = highs[c]
+            if b < 128:
+                h = np.uint64(b)
+                c += 1
+            else:
+                h, c = _read_varint(highs, c)
+            cur[i] ^= h << sh
+
+
+@_jit
 def _scatter_xor(cur, pos, h, sh):
     for c in range(pos.size):
         cur[pos[c]] ^= h[c] << sh
@@ -464,11 +529,18 @@ def apply_(cur: np.ndarray, low_bits: int, low, positions, positions_kind: str, 
         raise ValueError(f"lowbits: {exceptions!r} exceptions for {n} elements at L={low_bits}")
     if positions_kind == "bitmap" and positions.size != (n + 7) // 8:
         raise ValueError(f"lowbits: positions bitmap is {positions.size} bytes for {n} elements")
+    _, unpack = _pack_kernels(width, low_bits)
+    if positions_kind == "bitmap":  # dense exceptions: validated in place, then one walk
+        err = _check_bitmap_highs(positions, highs, n, e, 8 * width - low_bits)
+        if err:
+            raise ValueError(f"lowbits: {_PARSE_ERRORS[err]}")
+        unpack(cur, low)
+        _apply_bitmap(cur, positions, highs, np.uint64(low_bits))
+        return cur
     pos, h = np.empty(e, np.int64), np.empty(e, np.uint64)
-    err = _parse(positions, positions_kind == "bitmap", highs, n, e, 8 * width - low_bits, pos, h)
+    err = _parse(positions, False, highs, n, e, 8 * width - low_bits, pos, h)
     if err:
         raise ValueError(f"lowbits: {_PARSE_ERRORS[err]}")
-    _, unpack = _pack_kernels(width, low_bits)
     unpack(cur, low)
     if e:
         _scatter_xor(cur, pos, h, np.uint64(low_bits))
