@@ -217,35 +217,51 @@ def encode_planes(planes: torch.Tensor, codec: Codec) -> tuple[list, list[dict],
     return sections, metas, total
 
 
+class SectionReader:
+    """The consecutive sections of one tensor's payload region, each `[compression, stored bytes,
+    raw bytes]`: every declared size is checked (against the expected raw size, when one is given,
+    and the region) and `finish` requires the sections to cover the region exactly; any
+    inconsistency raises ValueError (the caller fails closed)."""
+
+    def __init__(self, region: memoryview, codec: Codec):
+        self.region, self.codec, self.pos = region, codec, 0
+
+    def take(self, sec, expect_raw: int | None, out: torch.Tensor | None = None):
+        """The next section decoded into `out` (returned), or as a uint8 array: a view of the region
+        when stored raw, else a fresh buffer."""
+        comp, length, raw = sec
+        bad_raw = (expect_raw is not None and raw != expect_raw) or raw < 0
+        if bad_raw or length < 0 or self.pos + length > len(self.region):
+            raise ValueError(f"section declares {raw} bytes ({length} stored), expected {expect_raw}")
+        frame = self.region[self.pos : self.pos + length]
+        self.pos += length
+        if out is None and comp == "none" and length == raw:
+            return np.frombuffer(frame, np.uint8)
+        buf = torch.empty(raw, dtype=torch.uint8) if out is None else out
+        self.codec.decode_section(frame, comp, buf)
+        return buf if out is not None else buf.numpy()
+
+    def finish(self) -> None:
+        if self.pos != len(self.region):
+            raise ValueError(f"tensor region is {len(self.region)} bytes, its sections take {self.pos}")
+
+
 def _plane_parts(plane_metas: list[dict], region: memoryview, codec: Codec, n: int, dense_out):
     """Walk a byteplane tensor record: yield (plane, mode, data) with data None (zero), the decoded
-    plane (dense: into `dense_out(k)`), or (bitmap, values) numpy arrays (sparse). Every section's
-    declared sizes are checked against the plane, and the sections must cover the region exactly;
-    any inconsistency raises ValueError (the caller fails closed)."""
-    pos = 0
-
-    def take(sec, expect_raw: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        nonlocal pos
-        comp, length, raw = sec
-        if raw != expect_raw or length < 0 or pos + length > len(region):
-            raise ValueError(f"section declares {raw} bytes ({length} stored), expected {expect_raw}")
-        buf = torch.empty(raw, dtype=torch.uint8) if out is None else out
-        codec.decode_section(region[pos : pos + length], comp, buf)
-        pos += length
-        return buf
-
+    plane (dense: into `dense_out(k)`), or (bitmap, values) numpy arrays (sparse); every section is
+    checked by a `SectionReader`."""
+    sections = SectionReader(region, codec)
     for k, pm in enumerate(plane_metas):
         mode, secs, nnz = pm["mode"], pm["sections"], pm["nnz"]
         if mode == "zero" and not secs:
             yield k, mode, None
         elif mode == "dense" and len(secs) == 1:
-            yield k, mode, take(secs[0], n, out=dense_out(k))
+            yield k, mode, sections.take(secs[0], n, out=dense_out(k))
         elif mode == "sparse" and len(secs) == 2:
-            yield k, mode, (take(secs[0], (n + 7) // 8).numpy(), take(secs[1], nnz).numpy())
+            yield k, mode, (sections.take(secs[0], (n + 7) // 8), sections.take(secs[1], nnz))
         else:
             raise ValueError(f"plane {k}: bad plane record {pm!r}")
-    if pos != len(region):
-        raise ValueError(f"tensor region is {len(region)} bytes, its sections take {pos}")
+    sections.finish()
 
 
 def decode_planes(
@@ -293,22 +309,8 @@ def lowbits_sections(p: dict, region: memoryview, codec: Codec, n: int, width: i
     L, secs = p.get("low_bits"), p.get("sections")
     if L not in lb.low_bits_choices(width) or not isinstance(secs, list) or len(secs) != 3:
         raise ValueError(f"bad lowbits record: low_bits {L!r}, {len(secs or [])} sections")
-    expect = [lb.low_len(n, L), None, None]
-    if p.get("positions") == "bitmap":
-        expect[1] = (n + 7) // 8
-    out, pos = [], 0
-    for sec, want in zip(secs, expect):
-        comp, length, raw = sec
-        if (want is not None and raw != want) or raw < 0 or length < 0 or pos + length > len(region):
-            raise ValueError(f"lowbits section declares {raw} bytes ({length} stored), expected {want}")
-        frame = region[pos : pos + length]
-        if comp == "none" and length == raw:
-            out.append(frame)
-        else:
-            buf = torch.empty(raw, dtype=torch.uint8)
-            codec.decode_section(frame, comp, buf)
-            out.append(memoryview(buf.numpy()))
-        pos += length
-    if pos != len(region):
-        raise ValueError(f"tensor region is {len(region)} bytes, its sections take {pos}")
-    return tuple(out)
+    bitmap = (n + 7) // 8 if p.get("positions") == "bitmap" else None
+    sections = SectionReader(region, codec)
+    out = tuple(sections.take(sec, want) for sec, want in zip(secs, (lb.low_len(n, L), bitmap, None)))
+    sections.finish()
+    return out
