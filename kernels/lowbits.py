@@ -225,13 +225,18 @@ def _pack_kernels(width: int, low_bits: int):
 
 
 @_jit
-def _popcount(bm):
+def _popcount64(w):
+    w = w - ((w >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    w = (w & np.uint64(0x3333333333333333)) + ((w >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    w = (w + (w >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return (w * np.uint64(0x0101010101010101)) >> np.uint64(56)
+
+
+@_jit
+def _popcount(words):
     c = 0
-    for j in range(bm.size):
-        w = bm[j]
-        while w:
-            w &= w - np.uint64(1)
-            c += 1
+    for j in range(words.size):
+        c += np.int64(_popcount64(words[j]))
     return c
 
 
@@ -296,44 +301,24 @@ def _read_varint(buf, p):
 
 
 @_jit
-def _parse(positions, is_bitmap, highs, n, e, high_bits, pos_out, h_out):
-    """Decode and validate the exception streams into pos_out/h_out (length e). Returns 0, or an
-    error code: 1 positions stream malformed, 2 position out of order or >= n, 3 count differs
-    from e, 4 highs stream malformed, 5 a high part is zero or too wide, 6 trailing bytes."""
-    if is_bitmap:
-        c = 0
-        nw = positions.size // 8
-        words = positions[: 8 * nw].view(np.uint64)
-        for j in range(nw + 1):
-            w = words[j] if j < nw else np.uint64(0)
-            if j == nw:  # the tail bytes
-                for t in range(positions.size - 8 * nw):
-                    w |= np.uint64(positions[8 * nw + t]) << np.uint64(8 * t)
-            while w:
-                i = 64 * j + trailing_zeros(w)
-                w &= w - np.uint64(1)
-                if i >= n:
-                    return 2
-                if c >= e:
-                    return 3
-                pos_out[c] = i
-                c += 1
-        if c != e:
-            return 3
-    else:
-        p, prev = 0, -1
-        for c in range(e):
-            d, p = _read_varint(positions, p)
-            if p < 0:
-                return 1
-            if d == 0 or d > np.uint64(n):
-                return 2
-            prev += np.int64(d)
-            if prev >= n:
-                return 2
-            pos_out[c] = prev
-        if p != positions.size:
-            return 6
+def _parse(positions, highs, n, e, high_bits, pos_out, h_out):
+    """Decode and validate gap-coded exception streams into pos_out/h_out (length e). Returns 0, or
+    an error code: 1 positions stream malformed, 2 position out of order or >= n, 3 count differs
+    from e, 4 highs stream malformed, 5 a high part is zero or too wide, 6 trailing bytes.
+    (Bitmap-positioned deltas: `_check_bitmap_highs` + `_apply_bitmap`, no arrays.)"""
+    p, prev = 0, -1
+    for c in range(e):
+        d, p = _read_varint(positions, p)
+        if p < 0:
+            return 1
+        if d == 0 or d > np.uint64(n):
+            return 2
+        prev += np.int64(d)
+        if prev >= n:
+            return 2
+        pos_out[c] = prev
+    if p != positions.size:
+        return 6
     p = 0
     for c in range(e):
         h, p = _read_varint(highs, p)
@@ -348,14 +333,6 @@ def _parse(positions, is_bitmap, highs, n, e, high_bits, pos_out, h_out):
 
 
 @_jit
-def _popcount64(w):
-    w = w - ((w >> np.uint64(1)) & np.uint64(0x5555555555555555))
-    w = (w & np.uint64(0x3333333333333333)) + ((w >> np.uint64(2)) & np.uint64(0x3333333333333333))
-    w = (w + (w >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
-    return (w * np.uint64(0x0101010101010101)) >> np.uint64(56)
-
-
-@_jit
 def _check_bitmap_highs(positions, highs, n, e, high_bits):
     """Validation of a bitmap-positioned delta without decoding it (branch-free counting): e marks,
     none past n; e LEB128 highs, none ending in a zero byte (a zero or overlong value), none longer
@@ -363,12 +340,10 @@ def _check_bitmap_highs(positions, highs, n, e, high_bits):
     than the element within that length XORs fewer bits: the final checksum refuses it.)"""
     nw = positions.size // 8
     words = positions[: 8 * nw].view(np.uint64)
-    c = np.uint64(0)
-    for j in range(nw):
-        c += _popcount64(words[j])
+    c = _popcount(words)
     for t in range(8 * nw, positions.size):
-        c += _popcount64(np.uint64(positions[t]))
-    if c != np.uint64(e):
+        c += np.int64(_popcount64(np.uint64(positions[t])))
+    if c != e:
         return 3
     if n % 8 and positions[positions.size - 1] >> (n % 8):
         return 2
@@ -538,7 +513,7 @@ def apply_(cur: np.ndarray, low_bits: int, low, positions, positions_kind: str, 
         _apply_bitmap(cur, positions, highs, np.uint64(low_bits))
         return cur
     pos, h = np.empty(e, np.int64), np.empty(e, np.uint64)
-    err = _parse(positions, False, highs, n, e, 8 * width - low_bits, pos, h)
+    err = _parse(positions, highs, n, e, 8 * width - low_bits, pos, h)
     if err:
         raise ValueError(f"lowbits: {_PARSE_ERRORS[err]}")
     unpack(cur, low)
