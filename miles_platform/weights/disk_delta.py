@@ -271,25 +271,24 @@ def apply_to_state_dict(
     to_version: int | None = None,
 ) -> int:
     """Bring an in-memory state dict (e.g. an engine's weights) from `from_version` (None: unknown,
-    catch up from a snapshot) to `to_version` (None: LATEST). Tensors are updated in place only after
-    the whole catch-up chain verified; on any failure `state` is untouched. Returns the version."""
+    catch up from a snapshot) to `to_version` (None: LATEST). Lowbits deltas are XOR-ed straight
+    into the state's bytes (views of contiguous CPU tensors; no copy of the model), everything else
+    is decoded aside and copied in once the whole chain verified; on any failure the in-place
+    patches are XOR-ed back, so `state` is bit-identical to before. Returns the version."""
     target = _target_version(pub_dir, to_version)
     chain = _chain(pub_dir, from_version, target)
-    # lowbits deltas are XOR-ed straight into the state's bytes (no copy of the model): views of
-    # contiguous CPU tensors, copies otherwise; any failure XORs them back before raising
     bufs = {k: xd.tensor_bytes(v) for k, v in state.items()}
     metas = {k: (v.dtype, list(v.shape)) for k, v in state.items()}
     undo: list = []
     try:
-        with torch.no_grad():
-            changed = _replay(pub_dir, chain, bufs, metas, from_version, undo)
+        changed = _replay(pub_dir, chain, bufs, metas, from_version, undo)
     except BaseException:
         for fn in reversed(undo):
             fn()
         raise
     with torch.no_grad():
         for name in changed:
-            if bufs[name].data_ptr() != state[name].data_ptr() or state[name].device.type != "cpu":
+            if bufs[name].data_ptr() != state[name].data_ptr():  # not patched in place
                 dtype, shape = metas[name]
                 state[name].copy_(bufs[name].view(dtype).reshape(shape))
     return target
