@@ -32,6 +32,15 @@ def _step(state: dict, seed: int, frac: float = 0.3) -> dict:
     return out
 
 
+def _optimizer_step(master: dict, rel: float, dtype, seed: int = 0) -> dict:
+    """fp32 master weights moved by a relative ~rel, exported as `dtype` (fp32: the low mantissa bits
+    of most elements change; bf16: the few elements that cross a rounding boundary)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: (v.float() * (1 + rel * torch.randn(v.shape, generator=g))).to(dtype) for k, v in master.items()
+    }
+
+
 def _local(tmp_path: Path, state: dict, name: str = "local") -> Path:
     d = tmp_path / name
     d.mkdir()
@@ -178,9 +187,7 @@ def test_byteplane_filter_is_smaller_and_older_layouts_still_apply(tmp_path, bas
     /1) and the default lowbits filter: same final bytes; byte planes take the fewest wire bytes on
     an optimizer-like step; a /1 dir (and a /2 one) still applies."""
     s0 = {k: v.to(dtype) for k, v in base_state.items()}
-    g = torch.Generator().manual_seed(0)
-    rel = 1e-4 if dtype == torch.float32 else 3e-3  # moves the low bits of most elements
-    s1 = {k: (v.float() * (1 + rel * torch.randn(v.shape, generator=g))).to(dtype) for k, v in s0.items()}
+    s1 = _optimizer_step(s0, 1e-4 if dtype == torch.float32 else 3e-3, dtype)  # low bits of most elements
     wire = {}
     for filt in ("byteplane", "none", "lowbits"):
         pub = tmp_path / filt
@@ -230,15 +237,6 @@ def test_sparse_update_applies_by_scatter_and_fails_closed(tmp_path, base_state)
     with pytest.raises(PublicationError, match=r"weight_v000001: tensor \S+: corrupt payload"):
         dd.apply_to_state_dict(pub, engine, from_version=0)
     assert all(torch.equal(engine[k], s0[k]) for k in s0)
-
-
-def _optimizer_step(master: dict, rel: float, dtype, seed: int = 0) -> dict:
-    """fp32 master weights moved by a relative ~rel, exported as `dtype` (fp32: the low mantissa bits
-    of most elements change; bf16: the few elements that cross a rounding boundary)."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        k: (v.float() * (1 + rel * torch.randn(v.shape, generator=g))).to(dtype) for k, v in master.items()
-    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
