@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from miles_platform.errors import CheckpointError, MilesError
+from miles_platform.rollout.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class _Request:
     min_version: int | None
     exact_version: int | None
     future: Future
-    generator: torch.Generator
+    seed: int  # of the counter-based sampler: draw k of this request is uniforms(seed, k)
     max_new_tokens: int
     created: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -188,7 +189,7 @@ class EngineCore:
         self,
         hf_checkpoint: str | os.PathLike,
         dtype: str | torch.dtype = "fp32",
-        max_batch_size: int = 32,
+        max_batch_size: int = 256,
         batch_wait_ms: float = 5.0,
         weight_version: int = 0,
         num_threads: int | None = None,
@@ -219,6 +220,7 @@ class EngineCore:
         self._paused = False
         self._stopping = False
         self._control: deque[tuple] = deque()  # (fn, Future) run on the scheduler thread
+        self._batch_submitted = False  # a multi-prompt request arrived: it is its own batch, no wait
         self._num_threads = num_threads
         # All torch compute (load, forward, weight copies) runs on the scheduler thread: a second
         # thread with its own OpenMP team would make libgomp throttle both (see docs/engine.md).
@@ -532,10 +534,7 @@ class EngineCore:
                     versions[name] = int(v)
                 except (TypeError, ValueError):
                     raise RequestError(f"{name}={v!r}: must be an integer policy version") from None
-        gen = torch.Generator()
-        gen.manual_seed(
-            params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(7))
-        )
+        seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(7))
         return _Request(
             rid=str(rid) if rid is not None else uuid.uuid4().hex,
             prompt_ids=list(input_ids),
@@ -544,7 +543,7 @@ class EngineCore:
             min_version=versions.get("min_weight_version"),
             exact_version=versions.get("exact_weight_version"),
             future=Future(),
-            generator=gen,
+            seed=seed % (1 << 64),
             max_new_tokens=min(params.max_new_tokens, self.context_length - len(input_ids)),
         )
 
@@ -562,6 +561,7 @@ class EngineCore:
                     self._finish(r, {"type": "length", "length": 0})
                 else:
                     self._waiting.append(r)
+            self._batch_submitted |= len(reqs) > 1
             self._cv.notify_all()
 
     # ---- scheduler ---------------------------------------------------------------------------------
@@ -587,11 +587,16 @@ class EngineCore:
                         fut.set_exception(e)
                 continue
             with self._cv:
-                if not len(self._batch) and len(self._waiting) < self.max_batch_size:
-                    # Collect requests that arrive together into one batch.
+                batched, self._batch_submitted = self._batch_submitted, False
+                if not len(self._batch) and len(self._waiting) < self.max_batch_size and not batched:
+                    # Collect single requests that arrive together into one batch (a client that
+                    # sent a batch has done that already).
                     deadline = time.monotonic() + self.batch_wait_s
                     while (
-                        len(self._waiting) < self.max_batch_size and not self._stopping and not self._control
+                        len(self._waiting) < self.max_batch_size
+                        and not self._stopping
+                        and not self._control
+                        and not self._batch_submitted
                     ):
                         left = deadline - time.monotonic()
                         if left <= 0:
@@ -675,7 +680,11 @@ class EngineCore:
         """Sample one token for `rows` of the batch, record log-probs, retire finished rows."""
         b = self._batch
         reqs = [b.reqs[i] for i in rows]
-        tokens = _sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        ps = [r.params for r in reqs]
+        tokens = sample_tokens(
+            logits, [p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps],
+            [p.min_p for p in ps], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+        ).tolist()  # fmt: skip
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
         self.stats["num_generated_tokens"] += len(tokens)
         done = set()
@@ -862,31 +871,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
         if e is not None:
             ids.update(e if isinstance(e, list | tuple) else [e])
     return ids
-
-
-def _sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> torch.Tensor:
-    """Greedy for temperature 0 (or top_k 1); otherwise temperature, top-k, top-p, min-p, then a draw
-    from each request's own generator so seeded requests do not depend on their batch mates."""
-    out = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if p.temperature > 0 and p.top_k != 1]
-    if not rows:
-        return out
-    ps = [params[i] for i in rows]
-    lg = logits[rows] / torch.tensor([p.temperature for p in ps])[:, None]
-    order = None
-    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in ps):
-        lg, order = lg.sort(dim=-1, descending=True)
-        probs = lg.softmax(-1)
-        ks = torch.tensor([p.top_k if p.top_k > 0 else lg.shape[-1] for p in ps])
-        remove = torch.arange(lg.shape[-1])[None, :] >= ks[:, None]
-        remove |= (probs.cumsum(-1) - probs) > torch.tensor([p.top_p for p in ps])[:, None]
-        remove |= probs < torch.tensor([p.min_p for p in ps])[:, None] * probs[:, :1]
-        lg = lg.masked_fill(remove, float("-inf"))
-    probs = lg.softmax(-1)
-    for j, i in enumerate(rows):
-        choice = torch.multinomial(probs[j], 1, generator=gens[i])
-        out[i] = order[j, choice] if order is not None else choice
-    return out
 
 
 def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
