@@ -149,7 +149,7 @@ class RLRun:
                 f"--global-batch-size {cfg.global_batch_size} must divide over {world} trainer ranks"
             )
         ctx = init_ray(cfg)
-        engines = router = groups = None
+        engines = router = groups = manager = None
         try:
             from miles_platform.cluster.ray_cluster import create_placement_groups
 
@@ -166,7 +166,7 @@ class RLRun:
                 self.reporter.log(
                     f"[resume] from {cfg.load or cfg.save} rollout {state['rollout_id']}, v{version}"
                 )
-            session = manager = None
+            session = None
             if not cfg.debug_train_only:
                 from miles_platform.rollout.engines import start_engines
 
@@ -174,7 +174,9 @@ class RLRun:
                 from miles_platform.rollout.manager import RolloutManager
                 from miles_platform.weights.update_session import UpdateSession
 
-                manager = RolloutManager(cfg, tok, src, router.url)
+                # one engine: talk to it directly (a router hop would add latency and nothing else)
+                url = engines[0].url if len(engines) == 1 else router.url
+                manager = RolloutManager(cfg, tok, src, url)
                 session = UpdateSession(cfg, self.paths, engines, trainers) if trainers else None
                 if session is not None:
                     self._initial_sync(trainers, session, version, resumed=state is not None)
@@ -187,6 +189,8 @@ class RLRun:
         finally:
             if self.worker is not None:
                 self.worker.stop()
+            if manager is not None:
+                manager.close()
             if router is not None:
                 router.stop()
             if engines:
@@ -348,7 +352,7 @@ class RLRun:
         res = evaluate(
             None, c.eval_datasets(), c.n_samples_per_eval_prompt, s["max_new_tokens"], s["temperature"],
             s["top_p"], s["top_k"], rm_type=c.rm_type or "math", args=c, seed=c.seed,
-            generate_fn=router_generate_fn(c, manager.tok, manager.url), input_key=c.input_key,
+            generate_fn=router_generate_fn(manager), input_key=c.input_key,
             label_key=c.label_key or "label",
         )  # fmt: skip
         out, rows = {}, []

@@ -15,8 +15,6 @@ import queue
 import threading
 import time
 
-import httpx
-
 from miles_platform.data.sample import Sample
 from miles_platform.rollout import filter_hub, rm_hub
 from miles_platform.rollout.manager import RolloutManager
@@ -56,28 +54,27 @@ class AsyncRolloutWorker:
 
     async def _main(self) -> None:
         inflight = max(1, self.cfg.rollout_batch_size)
-        async with httpx.AsyncClient(timeout=600) as client:
-            tasks: set[asyncio.Task] = set()
-            while not self._stop.is_set():
-                while len(tasks) < inflight and not self._stop.is_set():
-                    tasks.add(asyncio.create_task(self._one_group(client)))
-                done, tasks = await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    t.result()
-            for t in tasks:
-                t.cancel()
+        tasks: set[asyncio.Task] = set()
+        while not self._stop.is_set():
+            while len(tasks) < inflight and not self._stop.is_set():
+                tasks.add(asyncio.create_task(self._one_group()))
+            done, tasks = await asyncio.wait(tasks, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()
+        for t in tasks:
+            t.cancel()
 
-    async def _one_group(self, client) -> None:
+    async def _one_group(self) -> None:
+        """One group = one batched request (the run's connection pool, `RolloutManager.client`)."""
         with self._lock:
             rec = self.m.data_source.get_samples(1)[0]
         self._seq += 1
         prompt_ids = self.m.tok.encode(rec.prompt, add_special_tokens=False)
-        sem = asyncio.Semaphore(self.cfg.rollout_max_concurrency)
         seeds = [
             hash((self.cfg.seed, "async", self._seq, k)) % (2**31)
             for k in range(self.cfg.n_samples_per_prompt)
         ]
-        group = list(await asyncio.gather(*(self.m._one(client, sem, rec, prompt_ids, s, 0) for s in seeds)))
+        group = (await self.m.agenerate_groups([rec], [prompt_ids], [seeds]))[0]
         for k, s in enumerate(group):  # provisional index until the trainer assigns rollout ids
             s.index = self._seq * len(group) + k
         await asyncio.to_thread(rm_hub.compute_rewards, self.cfg, group)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 
 RETRYABLE_STATUS = (409, 503)
 
@@ -63,13 +64,17 @@ async def generate(
         for attempt in range(max_retries + 1):
             last_try = attempt == max_retries
             try:
-                resp = await client.post(f"{url.rstrip('/')}/generate", json=body, headers=_headers(api_key))
+                resp = await client.post(
+                    f"{url.rstrip('/')}/generate",
+                    content=orjson.dumps(body),
+                    headers={"Content-Type": "application/json", **_headers(api_key)},
+                )
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
                 if last_try:
                     raise
             else:
                 if resp.status_code < 300:
-                    return resp.json()
+                    return orjson.loads(resp.content)
                 if resp.status_code not in RETRYABLE_STATUS or last_try:
                     raise EngineHTTPError(url, resp.status_code, _parse(resp))
             await asyncio.sleep(delay)
@@ -94,3 +99,51 @@ def get(url: str, path: str, api_key: str | None = None, timeout: float = 60.0):
     if resp.status_code >= 300:
         raise EngineHTTPError(url + path, resp.status_code, _parse(resp))
     return _parse(resp)
+
+
+class EngineClient:
+    """One connection pool for a run: an `httpx.AsyncClient` on its own event-loop thread.
+
+    Synchronous callers use `generate(...)` (blocks); async code on another loop awaits
+    `agenerate(...)`. Both reuse the same keep-alive connections, so a rollout does not pay for
+    a new client (and its TLS context) or new TCP connections.
+    """
+
+    def __init__(
+        self, url: str, api_key: str | None = None, max_connections: int = 64, timeout: float = 600.0
+    ):
+        import threading
+
+        self.url, self.api_key = url.rstrip("/"), api_key
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
+        self._thread.start()
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+
+        async def make():
+            return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+        self._client = self.submit(make()).result()
+
+    def submit(self, coro):
+        """Schedule a coroutine on the client's loop; returns a concurrent.futures.Future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _generate(self, input_ids, sampling_params, **kw):
+        return generate(self.url, input_ids, sampling_params, api_key=self.api_key, client=self._client, **kw)
+
+    def generate(self, input_ids, sampling_params=None, **kw):
+        """Blocking POST /generate (a list of prompts -> a list of results)."""
+        return self.submit(self._generate(input_ids, sampling_params, **kw)).result()
+
+    async def agenerate(self, input_ids, sampling_params=None, **kw):
+        """Awaitable from any other event loop."""
+        return await asyncio.wrap_future(self.submit(self._generate(input_ids, sampling_params, **kw)))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self.submit(self._client.aclose()).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()

@@ -8,11 +8,9 @@ the filter.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
-import httpx
 import numpy as np
 
 from miles_platform.config import RunConfig
@@ -26,13 +24,18 @@ FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": 
 
 
 class RolloutManager:
-    def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, router_url: str):
-        self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, router_url.rstrip("/")
+    def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, url: str):
+        """`url`: the router, or the engine itself when there is only one (no hop that adds nothing)."""
+        self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")
+        self.client = engine_client.EngineClient(self.url, cfg.api_key, cfg.rollout_max_concurrency)
         self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
         # finished groups not trained on yet (over-sampling surplus; in fully async mode, the data
         # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
         self.buffer: list[list[Sample]] = []
         self.buffer_filter = filter_hub.load_buffer_filter(cfg)
+
+    def close(self) -> None:
+        self.client.close()
 
     def sampling_params(self) -> dict[str, Any]:
         c = self.cfg
@@ -62,7 +65,7 @@ class RolloutManager:
                     "the filter rejects almost everything (is the reward constant?)"
                 )
             records = self._within_prompt_len(self.data_source.get_samples(per_round), drops)
-            groups = asyncio.run(self._generate_groups(rollout_id, records, rounds))
+            groups = self._generate_groups(rollout_id, records, rounds)
             flat = [s for g in groups for s in g]
             for k, s in enumerate(flat):  # provisional ids (rewards such as `random` key on them)
                 s.rollout_id, s.index = rollout_id, (rounds - 1) * len(flat) + k
@@ -105,29 +108,43 @@ class RolloutManager:
         return samples
 
     # ------------------------------------------------------------------ generation
-    async def _generate_groups(
-        self, rollout_id: int, records: list[PromptRecord], rnd: int
-    ) -> list[list[Sample]]:
-        c = self.cfg
-        sem = asyncio.Semaphore(c.rollout_max_concurrency)
-        limits = httpx.Limits(max_connections=c.rollout_max_concurrency)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            tasks = []
-            for gi, rec in enumerate(records):
-                prompt_ids = self.tok.encode(rec.prompt, add_special_tokens=False)
-                for k in range(c.n_samples_per_prompt):
-                    seed = hash((c.seed, rollout_id, rnd, gi, k)) % (2**31)
-                    tasks.append(self._one(client, sem, rec, prompt_ids, seed, gi))
-            samples = await asyncio.gather(*tasks)
-        n = c.n_samples_per_prompt
-        return [list(samples[i : i + n]) for i in range(0, len(samples), n)]
+    def _generate_groups(self, rollout_id: int, records: list[PromptRecord], rnd: int) -> list[list[Sample]]:
+        """One batched `/generate` for every sample of the round (SGLang's list form)."""
+        c, n = self.cfg, self.cfg.n_samples_per_prompt
+        prompts = [self.tok.encode(rec.prompt, add_special_tokens=False) for rec in records]
+        seeds = [
+            [hash((c.seed, rollout_id, rnd, gi, k)) % (2**31) for k in range(n)] for gi in range(len(records))
+        ]
+        return self.generate_groups(records, prompts, seeds)
 
-    async def _one(self, client, sem, rec: PromptRecord, prompt_ids: list[int], seed: int, gi: int) -> Sample:
-        params = {**self.sampling_params(), "sampling_seed": seed}
-        async with sem:
-            out = await engine_client.generate(
-                self.url, prompt_ids, params, api_key=self.cfg.api_key, client=client
-            )
+    def generate_groups(
+        self, records: list[PromptRecord], prompts: list[list[int]], seeds: list[list[int]]
+    ) -> list[list[Sample]]:
+        """Group gi = len(seeds[gi]) samples of records[gi], all in one batched request."""
+        if not records:
+            return []
+        outs = self.client.generate(*self._batch(prompts, seeds))
+        return self._groups_from(records, prompts, seeds, outs)
+
+    async def agenerate_groups(self, records, prompts, seeds) -> list[list[Sample]]:
+        """`generate_groups` for code running on its own event loop (the fully async worker)."""
+        outs = await self.client.agenerate(*self._batch(prompts, seeds))
+        return self._groups_from(records, prompts, seeds, outs)
+
+    def _batch(self, prompts, seeds) -> tuple[list[list[int]], list[dict]]:
+        base = self.sampling_params()
+        ids = [p for p, ss in zip(prompts, seeds, strict=True) for _ in ss]
+        return ids, [{**base, "sampling_seed": s} for ss in seeds for s in ss]
+
+    def _groups_from(self, records, prompts, seeds, outs: list[dict]) -> list[list[Sample]]:
+        if len(outs) != sum(map(len, seeds)):
+            raise RuntimeError(f"/generate answered {len(outs)} results for {sum(map(len, seeds))} prompts")
+        groups, it = [], iter(outs)
+        for gi, (rec, p, ss) in enumerate(zip(records, prompts, seeds, strict=True)):
+            groups.append([self._to_sample(rec, p, next(it), gi) for _ in ss])
+        return groups
+
+    def _to_sample(self, rec: PromptRecord, prompt_ids: list[int], out: dict, gi: int) -> Sample:
         meta = out["meta_info"]
         lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
         ids = list(out.get("output_ids") or [x[1] for x in meta.get("output_token_logprobs") or []])
@@ -171,29 +188,17 @@ class RolloutManager:
         return m
 
 
-def router_generate_fn(cfg: RunConfig, tokenizer, url: str):
-    """An `evaluate(generate_fn=...)` that generates through the router (the engines under training)."""
+def router_generate_fn(manager: RolloutManager):
+    """An `evaluate(generate_fn=...)` that generates through the run's engines, one batched request."""
+    tok = manager.tok
 
     def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                  "stop_token_ids": [tokenizer.eos_token_id]}  # fmt: skip
-
-        async def one(client, sem, ids, k):
-            async with sem:
-                out = await engine_client.generate(
-                    url, ids, {**params, "sampling_seed": seed * 1000003 + k}, return_logprob=False,
-                    api_key=cfg.api_key, client=client,
-                )  # fmt: skip
-            return out.get("text", "")
-
-        async def run():
-            sem = asyncio.Semaphore(cfg.rollout_max_concurrency)
-            async with httpx.AsyncClient(timeout=600) as client:
-                ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-                tasks = [one(client, sem, x, i * n + k) for i, x in enumerate(ids) for k in range(n)]
-                texts = await asyncio.gather(*tasks)
-            return [list(texts[i * n : (i + 1) * n]) for i in range(len(prompts))]
-
-        return asyncio.run(run())
+                  "stop_token_ids": [tok.eos_token_id]}  # fmt: skip
+        ids = [tok.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
+        sps = [{**params, "sampling_seed": seed * 1000003 + k} for k in range(len(ids))]
+        outs = manager.client.generate(ids, sps, return_logprob=False) if ids else []
+        texts = [o.get("text", "") for o in outs]
+        return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     return generate_fn

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -158,6 +159,26 @@ class Router:
             )
         return error(503, "router: every worker failed this request", retryable=True)
 
+    async def generate(self, query: str, body: bytes, headers: dict) -> Response:
+        """POST /generate. A batch (SGLang's list form) is split into one contiguous chunk per
+        healthy worker, each chunk routed like any request (least loaded first), and the results
+        are joined in prompt order; a single prompt or a single worker is forwarded whole."""
+        healthy = sum(w.healthy for w in self.workers.values())
+        parsed = _batch_body(body) if healthy > 1 else None
+        if parsed is None:
+            return await self.proxy("POST", "/generate", query, body, headers)
+        req, n = parsed
+        bounds = [(n * i // healthy, n * (i + 1) // healthy) for i in range(min(healthy, n))]
+        resps = await asyncio.gather(
+            *(self.proxy("POST", "/generate", query, _slice_batch(req, a, b), headers) for a, b in bounds)
+        )
+        failed = [r for r in resps if r.status_code >= 300]
+        if failed:
+            return failed[0]
+        return Response(
+            orjson.dumps([x for r in resps for x in orjson.loads(r.body)]), media_type="application/json"
+        )
+
     async def broadcast(self, path: str, body: bytes, headers: dict) -> JSONResponse:
         async def one(w: Worker):
             try:
@@ -195,6 +216,37 @@ class Router:
             await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
             await self._notify()
             await asyncio.sleep(self.interval)
+
+
+_PER_PROMPT = ("input_ids", "text", "sampling_params", "rid")
+
+
+def _batch_body(body: bytes) -> tuple[dict, int] | None:
+    """(parsed body, number of prompts) for a well-formed batch of >= 2 prompts, else None (the
+    engine answers anything else itself, errors included)."""
+    try:
+        req = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(req, dict):
+        return None
+    ids, text = req.get("input_ids"), req.get("text")
+    if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        n = len(ids)
+    elif isinstance(text, list) and text:
+        n = len(text)
+    else:
+        return None
+    for k in ("sampling_params", "rid"):
+        if isinstance(req.get(k), list) and len(req[k]) != n:
+            return None
+    return (req, n) if n > 1 else None
+
+
+def _slice_batch(req: dict, a: int, b: int) -> bytes:
+    return orjson.dumps(
+        {k: v[a:b] if k in _PER_PROMPT and isinstance(v, list) else v for k, v in req.items()}
+    )
 
 
 def create_router_app(
@@ -246,6 +298,8 @@ def create_router_app(
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         if f"/{path}" in BROADCAST:
             return await router.broadcast(f"/{path}", body, headers)
+        if path == "generate" and request.method == "POST":
+            return await router.generate(request.url.query, body, headers)
         return await router.proxy(request.method, f"/{path}", request.url.query, body, headers)
 
     return app
