@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 import threading
+from decimal import Decimal
 
 from miles_platform.rollout.rm_hub.boxed import last_boxed, strip_boxed
 
 _SPACES = re.compile(r"\s+")
+_NUMBER = re.compile(r"-?\d+(\.\d+)?")
 
 
 def normalize(answer: str) -> str:
@@ -26,8 +28,11 @@ def normalize(answer: str) -> str:
 
 
 def math_equal(pred: str, gold: str) -> bool:
-    if normalize(pred) == normalize(gold):
+    p, g = normalize(pred), normalize(gold)
+    if p == g:
         return True
+    if _NUMBER.fullmatch(p) and _NUMBER.fullmatch(g):  # two plain numbers: no parser needed
+        return Decimal(p) == Decimal(g)
     from math_verify import parse, verify
 
     # math_verify times out with signal.alarm, which only works on the main thread
