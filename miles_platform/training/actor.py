@@ -194,7 +194,9 @@ class TrainerActor:
         self.model.train()
         steps = cfg.num_steps_per_rollout
         mine = [i for s in range(steps) for i in self._my_indices(s)]
-        old = self._all_log_probs(self.backend, batch, mine)
+        fused = self._old_log_probs_from_training_forward()
+        # fused: `old` is filled by the training forward itself (detached), micro-batch by micro-batch
+        old = {} if fused else self._all_log_probs(self.backend, batch, mine)
         rollout_lp = {i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in mine}
         if cfg.use_rollout_logprobs:
             old = dict(rollout_lp)
@@ -206,22 +208,14 @@ class TrainerActor:
         def add(k, v):
             metrics.setdefault(k, []).append(float(v))
 
-        have = [i for i in mine if len(batch.rollout_log_probs[i])]
-        if have and not cfg.use_rollout_logprobs:
-            from miles_platform.training.precision import alignment_metrics
-
-            m = alignment_metrics(
-                [old[i] for i in have],
-                [rollout_lp[i] for i in have],
-                [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in have],
-            )
-            for k, v in m.items():
-                add(k, v)
-            add("train/train_rollout_logprob_abs_diff", m["train/log_prob_mean_abs_diff"])
+        if not fused:
+            self._alignment_metrics(batch, mine, old, rollout_lp, add)
         for s in range(steps):
-            self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add)
+            self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add, fused)
             if self.critic is not None:
                 self._critic_step(batch, self._my_indices(s), values, returns, add)
+        if fused:
+            self._alignment_metrics(batch, mine, old, rollout_lp, add)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train/lr"] = self.sched.get_last_lr()[0]
         out["perf/actor_train_time"] = time.time() - t0
@@ -229,6 +223,37 @@ class TrainerActor:
         if self.world_size > 1:
             out = self._reduce_metrics(out)
         return out
+
+    def _old_log_probs_from_training_forward(self) -> bool:
+        """One optimizer step per rollout: the policy before the step is the one the training
+        forward runs, so its detached log-probs are the old log-probs (as TRL and verl do when
+        ppo_epochs == 1) and the separate no-grad pass is skipped. Kept where it is needed: several
+        steps, rollout log-probs as old, advantages that read old log-probs (a KL-shaped reward), and
+        the first step under --ci-test, whose step-0 checks compare two independent passes."""
+        c = self.cfg
+        return (
+            c.num_steps_per_rollout == 1
+            and not c.use_rollout_logprobs
+            and (c.kl_coef == 0 or c.advantage_estimator in ("grpo", "gspo"))
+            and not c.debug_skip_optimizer_step  # frozen weights: the gap between passes is the point
+            and not (c.ci_test and self.global_step == 0)
+        )
+
+    def _alignment_metrics(self, batch, mine, old, rollout_lp, add) -> None:
+        """Trainer-vs-engine log-prob agreement (train/train_rollout_logprob_abs_diff and friends)."""
+        have = [i for i in mine if len(batch.rollout_log_probs[i])]
+        if not have or self.cfg.use_rollout_logprobs:
+            return
+        from miles_platform.training.precision import alignment_metrics
+
+        m = alignment_metrics(
+            [old[i] for i in have],
+            [rollout_lp[i] for i in have],
+            [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in have],
+        )
+        for k, v in m.items():
+            add(k, v)
+        add("train/train_rollout_logprob_abs_diff", m["train/log_prob_mean_abs_diff"])
 
     def _advantages(self, batch, mine, old, ref, values=None):
         cfg = self.cfg
@@ -271,7 +296,7 @@ class TrainerActor:
                 add(k, val)
         add("train/critic_grad_norm", self.critic.step())
 
-    def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add):
+    def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add, fused: bool = False):
         cfg = self.cfg
         mbs = self._micro_batches(batch, idx)
         n_local = len(idx)
@@ -281,6 +306,8 @@ class TrainerActor:
         for k, mb in enumerate(mbs):
             need_ent = cfg.entropy_coef != 0
             lps, ents = self._response_log_probs(self.backend, batch, mb, with_entropy=need_ent)
+            if fused:
+                old.update(zip(mb, (lp.detach() for lp in lps), strict=True))
             mb_batch = {
                 "advantages": [adv[i] for i in mb],
                 "old_log_probs": [old[i] for i in mb],
