@@ -1,64 +1,124 @@
-"""End to end: seconds per rollout of the quickstart's GRPO recipe, split by phase.
+"""End to end: seconds per GRPO step of `loop.train` vs a bare single-process GRPO loop.
 
-`miles_platform.loop.train` runs DEMO_RL (16 prompts x 8 samples, 8-token responses, one
-optimizer step per rollout, --ci-test checks on) on Ray with the embedded engine, over the
-arithmetic prompts and a random tiny Qwen3 of the quickstart's shape (no SFT: timing only).
-Per-rollout metrics come from RunResult.metrics; the first rollout is warm-up and is dropped.
-Each row is one phase: ours = its mean seconds per rollout, baseline = the mean total seconds
-per rollout, ratio = the phase's share. "other" is the remainder (shard write, HF export,
-weight-equality check, checkpoint save, metrics table).
+Both start from the same short-SFT base (bench_rollout.sft_base: the quickstart's tiny Qwen3, whose
+answers end with EOS) on the same arithmetic prompts, with the quickstart's recipe `DEMO_RL`
+(16 prompts x 8 samples, T=1, <= 8 new tokens, lr 1e-4, token-mean loss, one optimizer step per
+rollout). The first step of each is warm-up and dropped.
+
+- ours: `miles_platform.loop.train` on Ray (trainer actor, embedded engine, batched requests,
+  rollout shards, HF export + weight update every step, --ci-test checks, metrics table).
+- baseline: the loop a user would write in one process: batched HF `generate`, the same math
+  reward, GRPO advantages, the same clipped policy loss (`loss.policy_loss_function`), AdamW.
+  No shards, no export, no engine sync: the bare minimum of work per step.
+
+Rows: seconds per step (ratio: ours / bare, goal <= 1.3), then each phase of ours as a share of
+its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import tempfile
+import time
 
 import numpy as np
+import torch
 
-from bench.bench_train import make_checkpoint
 from bench.common import main, row
 
-ROLLOUTS = 4  # 1 warm-up + 3 measured
+ROLLOUTS = 6  # 1 warm-up + 5 measured
 PHASES = ("perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time")
 
 
-def write_prompts(path: str, n: int = 512) -> str:
-    from miles_platform.data.tasks import all_problems, prompt_row
+def bare_grpo_loop(base: str, prompts_path: str, steps: int) -> list[float]:
+    """Seconds of each step of a plain single-process GRPO loop (see the module docstring)."""
+    from bench.bench_rollout import hf_generate
+    from miles_platform.config import RunConfig
+    from miles_platform.data.dataset import load_prompt_dataset
+    from miles_platform.data.sample import Sample
+    from miles_platform.models.checkpoint import load_hf_checkpoint
+    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.rollout import rm_hub
+    from miles_platform.training import loss as loss_hub
 
-    with open(path, "w") as f:
-        for p in all_problems("add2")[:: max(1, 8100 // n)][:n]:
-            f.write(json.dumps(prompt_row(p, "add2")) + "\n")
-    return path
+    cfg = RunConfig(**dict(DEMO_RL, run_name="bare"), hf_checkpoint=base, prompt_data=prompts_path).validate()
+    model, tok = load_hf_checkpoint(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    records = load_prompt_dataset(prompts_path, input_key="prompt", label_key="label")
+    n, b = cfg.n_samples_per_prompt, cfg.rollout_batch_size
+    rng = np.random.default_rng(0)
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        recs = [records[i] for i in rng.choice(len(records), b, replace=False) for _ in range(n)]
+        prompts = [tok.encode(r.prompt, add_special_tokens=False) for r in recs]
+        model.eval()
+        texts = hf_generate(model, tok, prompts, 1.0, step)
+        responses = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts]
+        samples = [Sample(index=i, group_index=i // n, response=t, label=r.label)
+                   for i, (r, t) in enumerate(zip(recs, texts, strict=True))]  # fmt: skip
+        rm_hub.compute_rewards(cfg, samples)
+        adv = loss_hub.group_normalize_rewards(torch.tensor([s.raw_reward for s in samples]), n, True)
+        model.train()
+        seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+        logits = model(input_ids=ids).logits.float()
+        lps = []
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            lsm = torch.log_softmax(logits[i, len(p) - 1 : len(p) + len(r) - 1], -1)
+            lps.append(lsm.gather(-1, torch.tensor(r)[:, None])[:, 0])
+        batch = {
+            "advantages": [torch.full_like(lp, float(a)) for lp, a in zip(lps, adv, strict=True)],
+            "old_log_probs": [lp.detach() for lp in lps],
+            "rollout_log_probs": [lp.detach() for lp in lps],
+            "ref_log_probs": None,
+            "loss_masks": [torch.ones_like(lp) for lp in lps],
+            "response_lengths": [len(r) for r in responses],
+        }
+        loss, _ = loss_hub.policy_loss_function(cfg, batch, lps)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def run(rollouts: int = ROLLOUTS) -> list[dict]:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from bench.bench_rollout import sft_base
     from miles_platform.config import RunConfig
     from miles_platform.loop import train
     from miles_platform.quickstart import DEMO_RL
 
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as d:
-        ckpt = make_checkpoint(os.path.join(d, "hf"))
+        base, data = sft_base(d)
         cfg = RunConfig(
-            **dict(DEMO_RL, run_name="bench_e2e"),
-            hf_checkpoint=ckpt,
-            prompt_data=write_prompts(os.path.join(d, "prompts.jsonl")),
-            num_rollout=rollouts,
-            storage_root=os.path.join(d, "root"),
-        ).validate()
+            **dict(DEMO_RL, run_name="bench_e2e"), hf_checkpoint=base, prompt_data=data["train"],
+            num_rollout=rollouts, storage_root=os.path.join(d, "root"),
+        ).validate()  # fmt: skip
         res = train(cfg)
+        bare = bare_grpo_loop(base, data["train"], rollouts)[1:]
     measured = res.metrics[1:] or res.metrics
     total = float(np.mean([m["perf/rollout_total_time"] for m in measured]))
-    unit = f"s/rollout (ratio: share of total; mean of {len(measured)} rollouts after 1 warm-up)"
-    rows, covered = [], 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rows = [row("e2e: s per GRPO step, loop.train vs bare single-process loop", total, float(np.mean(bare)),
+                f"s/step (ratio: ours / bare, goal <= 1.3; mean of {len(measured)} steps after 1 warm-up)",
+                peak_rss_mb=rss)]  # fmt: skip
+    unit = "s/step (ratio: share of our step)"
+    covered = 0.0
     for key in PHASES:
         s = float(np.mean([m.get(key, 0.0) for m in measured]))
         covered += s
         rows.append(row(f"e2e: {key}", s, total, unit))
     rows.append(row("e2e: other (shard, export, checks, save)", max(total - covered, 0.0), total, unit))
+    print(json.dumps({"ci_checks": res.ci_checks}))
     return rows
 
 
