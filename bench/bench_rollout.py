@@ -4,10 +4,12 @@ Model: the quickstart's tiny Qwen3 after a short SFT on the arithmetic task (so 
 EOS as in the demo); prompts: 16 training prompts x 8 samples, temperature 1, <= 8 new tokens, EOS
 stops. Everything runs in this one process, one torch thread, back to back:
 
-- ours: `RolloutManager` -> (router) -> embedded engine over loopback HTTP, one batched
-  `/generate` (SGLang's list form) per rollout, rewards included (the full `manager.generate`).
-- baseline: one batched HF `model.generate(do_sample=True)` of the same 128 sequences + the same
-  reward scoring, what a TRL-style trainer does.
+- generation rows: `RolloutManager.generate_groups` -> (router) -> embedded engine over loopback
+  HTTP, one batched `/generate` (SGLang's list form) per rollout, Samples back, vs one batched HF
+  `model.generate(do_sample=True)` of the same 128 sequences (what a TRL-style trainer does).
+- "incl. rewards" rows: the full `manager.generate` (rewards, filters, metrics) vs the same
+  `generate` + the same reward scoring. Reward time moves with how many sampled answers are
+  not plain numbers (math_verify parses those, ms each), so these rows are medians of 9.
 - the per-sample path (before batching): one `/generate` per sample through the router, each
   rollout with a new `httpx.AsyncClient`.
 - eval: greedy pass@1 of 512 held-out prompts through the engine (in-loop eval) vs a batched
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-from bench.common import best_of, main, row
+from bench.common import main, median_of, row
 
 PROMPTS, GROUP, NEW_TOKENS, EVAL_PROMPTS = 16, 8, 8, 512
 SFT_ITERS = 300
@@ -57,7 +59,7 @@ def hf_generate(model, tok, prompts: list[list[int]], temperature: float, seed: 
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :], att[i, width - len(p) :] = torch.tensor(p), 1
     torch.manual_seed(seed)
-    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    kw = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=att, max_new_tokens=NEW_TOKENS, pad_token_id=tok.pad_token_id,
@@ -131,7 +133,19 @@ def run() -> list[dict]:
             seeds = list(range(len(flat)))
             rid = iter(range(10**6))
 
-            def ours(m):
+            recs = [r for r in records]
+            group_seeds = [[next(rid) for _ in range(GROUP)] for _ in recs]
+            uniq = [tok.encode(r.prompt, add_special_tokens=False) for r in recs]
+
+            def gen_ours(m):  # the manager's generation: tokens in, Samples out, one batched request
+                groups = m.generate_groups(recs, uniq, [[s + next(rid) for s in g] for g in group_seeds])
+                assert sum(map(len, groups)) == PROMPTS * GROUP
+
+            def gen_base():
+                out = hf_generate(model, tok, prompts, 1.0, next(rid))
+                assert len(out) == PROMPTS * GROUP
+
+            def ours(m):  # the full rollout: + rewards, filters, metrics
                 samples, _ = m.generate(next(rid))
                 assert len(samples) == PROMPTS * GROUP
 
@@ -142,18 +156,28 @@ def run() -> list[dict]:
                 outs = _per_sample_rollout(cfg, direct, router.url, prompts, seeds)
                 _score(cfg, flat, [o["text"] for o in outs])
 
-            for f in (lambda: ours(direct), lambda: ours(routed), baseline, per_sample):
-                f()  # warm-up
-            t_direct, t_routed = best_of(lambda: ours(direct), 5), best_of(lambda: ours(routed), 5)
-            t_base, t_per = best_of(baseline, 5), best_of(per_sample, 3)
-            unit = f"s/rollout ({PROMPTS}x{GROUP}, T=1, <={NEW_TOKENS} tok, rewards incl.; ratio: x faster)"
+            for f in (lambda: gen_ours(direct), gen_base, lambda: ours(direct), lambda: ours(routed), baseline,
+                      per_sample):  # fmt: skip
+                for _ in range(3):
+                    f()  # warm-up (first calls allocate and fill caches)
+            unit = f"s/rollout ({PROMPTS}x{GROUP}, T=1, <={NEW_TOKENS} tok; ratio: x faster"
+            t_gen, t_gen_base = median_of(lambda: gen_ours(direct), 9), median_of(gen_base, 9)
+            t_gen_routed = median_of(lambda: gen_ours(routed), 9)
+            # with rewards the time moves with how many answers need math_verify: medians of 9
+            t_direct, t_routed = median_of(lambda: ours(direct), 9), median_of(lambda: ours(routed), 9)
+            t_base, t_per = median_of(baseline, 9), median_of(per_sample, 3)
             rss = _peak_rss_mb()
             rows += [
-                row("rollout: manager -> engine vs batched model.generate", t_direct, t_base, unit, peak_rss_mb=rss),
-                row("rollout: manager -> router -> engine vs batched model.generate", t_routed, t_base, unit,
-                    peak_rss_mb=rss),
-                row("rollout: manager -> engine vs per-sample requests (before)", t_direct, t_per, unit,
-                    peak_rss_mb=rss),
+                row("rollout generation: manager -> engine vs batched model.generate", t_gen, t_gen_base,
+                    unit + ")", peak_rss_mb=rss),
+                row("rollout generation: manager -> router -> engine vs batched model.generate", t_gen_routed,
+                    t_gen_base, unit + ")", peak_rss_mb=rss),
+                row("rollout incl. rewards: manager.generate vs model.generate + rm_hub", t_direct, t_base,
+                    unit + "; medians of 9)", peak_rss_mb=rss),
+                row("rollout incl. rewards: manager -> router -> engine vs model.generate + rm_hub", t_routed,
+                    t_base, unit + "; medians of 9)", peak_rss_mb=rss),
+                row("rollout incl. rewards: batched vs per-sample requests through the router (before)",
+                    t_direct, t_per, unit + "; medians)", peak_rss_mb=rss),
             ]  # fmt: skip
             for r in rows:  # ratio = x faster: baseline seconds / ours
                 r["ratio"] = r["baseline"] / r["ours"]
@@ -174,7 +198,7 @@ def run() -> list[dict]:
                 return evaluate(None, ev, generate_fn=gen, **kw)["eval"]["pass@1"]
 
             acc_ours, acc_base = eval_ours(), eval_base()
-            t_eval, t_eval_base = best_of(eval_ours, 3), best_of(eval_base, 3)
+            t_eval, t_eval_base = median_of(eval_ours, 5), median_of(eval_base, 5)
             r = row(f"eval: greedy pass@1 of {EVAL_PROMPTS} prompts, engine vs batched model.generate",
                     t_eval, t_eval_base, f"s (ratio: x faster; pass@1 {acc_ours:.3f} vs {acc_base:.3f})",
                     peak_rss_mb=_peak_rss_mb())  # fmt: skip

@@ -26,6 +26,16 @@ def best_of(fn: Callable[[], Any], repeats: int = 3) -> float:
     return best
 
 
+def median_of(fn: Callable[[], Any], repeats: int = 5) -> float:
+    """Median seconds of `repeats` calls (for work whose cost varies run to run, e.g. sampled text)."""
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def row(name: str, ours: float, baseline: float, unit: str, **extra: Any) -> dict[str, Any]:
     """One result row; ratio = ours / baseline (None if the baseline is zero)."""
     ours, baseline = float(ours), float(baseline)

@@ -63,6 +63,16 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.models.checkpoint import validate_hf_dir
 
     validate_hf_dir(cfg.hf_checkpoint)
+    if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
+        from miles_platform.rollout.engines import embedded_max_running_requests
+
+        other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") != "max-running-requests")
+        if other:
+            raise ConfigError(
+                f"--sglang-{other[0]} (and {len(other) - 1} more) would be ignored: the embedded engine takes "
+                "only --sglang-max-running-requests; use --rollout-engine sglang for the others"
+            )
+        embedded_max_running_requests(cfg)
     if cfg.load_debug_rollout_data:
         return
     if not cfg.prompt_data:

@@ -61,6 +61,25 @@ def test_generate_batch_logprobs_match_teacher_forced_forward(engine, reference)
         assert res["text"] == tok.decode(res["output_ids"], skip_special_tokens=True)
 
 
+def test_identical_prompts_share_one_prefill_and_sample_independently(engine, reference):
+    model, tok = reference
+    a, b = tok("What is 7+11?")["input_ids"], [5, 6, 7]
+    sp = {"max_new_tokens": 6, "temperature": 1.0}
+    seeds = [11, 12, 13, 14]
+    before = engine.core.stats["num_shared_prefill_rows"]
+    out = _gen(engine.url, input_ids=[a, a, b, a], sampling_params=[{**sp, "sampling_seed": s} for s in seeds],
+               return_logprob=True)  # fmt: skip
+    assert engine.core.stats["num_shared_prefill_rows"] - before == 2  # a's 2nd and 3rd copy
+    assert [r["meta_info"]["cached_tokens"] for r in out] == [0, len(a), 0, len(a)]
+    for prompt, seed, res in zip([a, a, b, a], seeds, out, strict=True):
+        alone = _gen(engine.url, input_ids=prompt, sampling_params={**sp, "sampling_seed": seed})
+        assert alone["output_ids"] == res["output_ids"]  # same seed, same tokens, batch or not
+        ref = _teacher_forced_logprobs(model, prompt, res["output_ids"])
+        got = torch.tensor([lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, ref, atol=1e-4)
+    assert len({tuple(r["output_ids"]) for r in out}) > 1  # different seeds, different draws
+
+
 def test_greedy_matches_hf_generate_and_text_input_works(engine, reference):
     model, tok = reference
     prompt = "What is 21+33?"

@@ -53,6 +53,12 @@ def test_bad_config_fails_before_any_engine_starts(tiny_hf_checkpoint, tmp_path)
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, custom_rm_path="no.such.module.fn"))
     with pytest.raises(ConfigError, match="global-batch-size"):
         RunConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=3).validate()
+    # --sglang-* flags: the embedded engine honours max-running-requests and refuses the rest
+    with pytest.raises(ConfigError, match="sglang-mem-fraction-static.*embedded engine"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"mem-fraction-static": "0.7"}))
+    with pytest.raises(ConfigError, match="sglang-max-running-requests"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"max-running-requests": "0"}))
+    validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"max-running-requests": "8"}))
 
 
 def test_mooncake_handoff_and_weight_transport(tiny_hf_checkpoint, tmp_path, mooncake_master, monkeypatch):

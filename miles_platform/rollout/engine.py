@@ -297,7 +297,7 @@ def start_engine_server(
     port: int = 0,
     api_key: str | None = None,
     dtype: str = "fp32",
-    max_batch_size: int = 256,
+    max_batch_size: int = 512,
     batch_wait_ms: float = 5.0,
     weight_version: int = 0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -362,7 +362,7 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--max-running-requests", type=int, default=256, help="max batch size")
+    ap.add_argument("--max-running-requests", type=int, default=512, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     ap.add_argument("--weight-version", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads of the engine")

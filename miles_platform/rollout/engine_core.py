@@ -16,6 +16,7 @@ validated (names, shapes) before any tensor is copied, so a failed update keeps 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -157,6 +158,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version_start: int | None = None
+    cached_tokens: int = 0
     finish_reason: dict | None = None
     text: str | None = None
 
@@ -189,7 +191,7 @@ class EngineCore:
         self,
         hf_checkpoint: str | os.PathLike,
         dtype: str | torch.dtype = "fp32",
-        max_batch_size: int = 256,
+        max_batch_size: int = 512,
         batch_wait_ms: float = 5.0,
         weight_version: int = 0,
         num_threads: int | None = None,
@@ -206,6 +208,7 @@ class EngineCore:
             "num_forward_calls": 0,
             "num_batched_forward_calls": 0,  # forwards that served more than one request
             "num_prefill_calls": 0,
+            "num_shared_prefill_rows": 0,  # prefill rows served by an identical row of the same step
             "num_decode_calls": 0,
             "max_batch_size_seen": 0,
             "num_generated_tokens": 0,
@@ -491,6 +494,7 @@ class EngineCore:
             min_weight_version=body.get("min_weight_version"),
             exact_weight_version=body.get("exact_weight_version"),
         )
+        sps = _parse_sampling_params(sps)
         reqs = []
         for i, (kind, p) in enumerate(prompts):
             rid = rids[i] if rids[i] is None or not is_batch or isinstance(body.get("rid"), list) else None
@@ -631,18 +635,31 @@ class EngineCore:
 
     @torch.no_grad()
     def _prefill(self, reqs: list[_Request]) -> None:
-        contexts = [r.prompt_ids + r.output_ids for r in reqs]  # retracted requests recompute their output
-        width = max(map(len, contexts))
-        ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        mask = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, c in enumerate(contexts):
+        contexts = [tuple(r.prompt_ids + r.output_ids) for r in reqs]  # retracted ones recompute output
+        # Identical contexts (the n samples of a GRPO group) are prefilled once and their KV rows
+        # copied: SGLang's prefix cache does the same; `cached_tokens` reports the hit.
+        unique = list(dict.fromkeys(contexts))
+        width = max(map(len, unique))
+        ids = torch.zeros(len(unique), width, dtype=torch.long)
+        mask = torch.zeros(len(unique), width, dtype=torch.long)
+        for i, c in enumerate(unique):
             ids[i, width - len(c) :] = torch.tensor(c)
             mask[i, width - len(c) :] = 1
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp_min(0), cache, prefill=True)
-        for r in reqs:
+        if len(unique) < len(reqs):
+            row = {c: i for i, c in enumerate(unique)}
+            inv = torch.tensor([row[c] for c in contexts])
+            logits, mask = logits[inv], mask[inv]
+            cache = _cache_from([(k[inv], v[inv]) for k, v in _cache_tensors(cache)], self.model.config)
+            self.stats["num_shared_prefill_rows"] += len(reqs) - len(unique)
+        first = set()
+        for r, c in zip(reqs, contexts, strict=True):
             if r.version_start is None:
                 r.version_start = self._weight_version
+            if c in first:
+                r.cached_tokens = len(c)
+            first.add(c)
         new = _Batch()
         new.reqs, new.cache, new.mask = reqs, cache, mask
         new.pos = torch.tensor([len(c) for c in contexts])
@@ -687,16 +704,28 @@ class EngineCore:
         ).tolist()  # fmt: skip
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
         self.stats["num_generated_tokens"] += len(tokens)
-        done = set()
+        done, finished = set(), []
         for i, r, t, lp in zip(rows, reqs, tokens, logprobs):
             r.output_ids.append(t)
             r.logprobs.append(lp)
             reason = self._finish_reason(r, t)
             if reason:
-                self._finish(r, reason)
+                finished.append((r, reason))
                 done.add(i)
+        self._decode_texts([r for r, _ in finished])
+        for r, reason in finished:
+            self._finish(r, reason)
         if done:
             self._batch = _select(b, [i for i in range(len(b)) if i not in done], self.model.config)
+
+    def _decode_texts(self, reqs: list[_Request]) -> None:
+        """Detokenize the requests that finished in one step with one batch_decode per setting."""
+        for skip in (True, False):
+            todo = [r for r in reqs if r.text is None and r.params.skip_special_tokens is skip]
+            if todo:
+                texts = self.tokenizer.batch_decode([r.output_ids for r in todo], skip_special_tokens=skip)
+                for r, text in zip(todo, texts, strict=True):
+                    r.text = text
 
     def _finish_reason(self, r: _Request, t: int) -> dict | None:
         p = r.params
@@ -727,7 +756,7 @@ class EngineCore:
             "finish_reason": reason,
             "prompt_tokens": len(r.prompt_ids),
             "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": r.cached_tokens,
             "weight_version": v,
             "weight_version_start": v if r.version_start is None else r.version_start,
             "weight_version_end": v,
@@ -785,6 +814,36 @@ class EngineCore:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
+
+
+def _parse_sampling_params(dicts: list) -> list[SamplingParams]:
+    """SamplingParams per prompt; a batch whose entries differ only in `sampling_seed` (a GRPO group,
+    a whole rollout) is parsed and validated once, the seed set per copy."""
+    parsed: dict = {}
+    out = []
+    for d in dicts:
+        if not isinstance(d, dict):
+            out.append(SamplingParams.from_dict(d))
+            continue
+        seed = d.get("sampling_seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise RequestError(f"sampling_params.sampling_seed={seed!r}: must be an integer or null")
+        try:
+            key = tuple(
+                sorted(
+                    (k, tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k != "sampling_seed"
+                )
+            )
+            hash(key)
+        except TypeError:  # an unhashable value: parse it alone (from_dict names what is wrong)
+            out.append(SamplingParams.from_dict(d))
+            continue
+        if key not in parsed:
+            parsed[key] = SamplingParams.from_dict({k: v for k, v in d.items() if k != "sampling_seed"})
+        p = copy.copy(parsed[key])
+        p.sampling_seed = seed
+        out.append(p)
+    return out
 
 
 def _parse_dtype(dtype) -> torch.dtype:

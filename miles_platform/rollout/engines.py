@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_platform.config import RunConfig
+from miles_platform.config import ConfigError, RunConfig
 from miles_platform.rollout.engine import EngineActor
 from miles_platform.weights.transports import EngineHandle
 
@@ -47,6 +47,7 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
             cfg.hf_checkpoint,
             api_key=cfg.api_key,
             dtype=cfg.rollout_dtype,
+            max_batch_size=embedded_max_running_requests(cfg),
             options={"runtime_env": env},
         )
         urls = ray.get([a.url.remote() for a in actors])
@@ -58,6 +59,19 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
         worker_urls=[h.url for h in handles],
     )
     return handles, router
+
+
+def embedded_max_running_requests(cfg: RunConfig) -> int:
+    """The embedded engine's batch cap: `--sglang-max-running-requests` as for SGLang (default 512)."""
+    args = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}
+    value = args.get("max-running-requests", 512)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise ConfigError(f"--sglang-max-running-requests {value!r}: must be an integer >= 1")
+    return n
 
 
 def stop_engines(handles: list[EngineHandle]) -> None:

@@ -144,17 +144,19 @@ class TrainerActor:
     def _response_log_probs(self, backend, batch: TrainBatch, idx: list[int], with_entropy: bool = False):
         """Per-sample log-probs of response tokens (fp32), from one padded forward."""
         ids, pos = self._pack(batch, idx)
-        logits = backend.logits(ids, pos).float()
-        # unscaled log-probs: the engines' contract (SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1)
+        logits = backend.logits(ids, pos).float()[:, :-1]
+        # unscaled log-probs: the engines' contract (SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1).
+        # One batched log-softmax-and-gather for every position (one autograd node, not one per
+        # sample), then each sample's response window: position j scores token j + 1.
+        lse = torch.logsumexp(logits, dim=-1)
+        token_lp = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse
+        ent = (lse - (logits.softmax(-1) * logits).sum(-1)) if with_entropy else None
         out, ents = [], []
         for r, i in enumerate(idx):
             total, resp = len(batch.tokens[i]), batch.response_lengths[i]
-            lg = logits[r, total - resp - 1 : total - 1]
-            tgt = ids[r, total - resp : total]
-            lsm = torch.log_softmax(lg, dim=-1)
-            out.append(lsm.gather(-1, tgt.unsqueeze(-1)).squeeze(-1))
+            out.append(token_lp[r, total - resp - 1 : total - 1])
             if with_entropy:
-                ents.append(-(lsm.exp() * lsm).sum(-1))
+                ents.append(ent[r, total - resp - 1 : total - 1])
         return out, ents
 
     def _micro_batches(self, batch: TrainBatch, idx: list[int]) -> list[list[int]]:
