@@ -11,8 +11,9 @@ rollout). The first step of each is warm-up and dropped.
   reward, GRPO advantages, the same clipped policy loss (`loss.policy_loss_function`), AdamW.
   No shards, no export, no engine sync: the bare minimum of work per step.
 
-Rows: seconds per step (ratio: ours / bare, goal <= 1.3), then each phase of ours as a share of
-its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
+Rows: seconds per step (ratio: ours / bare, goal <= 1.3); --fully-async (generation of the next
+rollout overlaps training) vs sync at the same samples per step; then each phase of ours as a
+share of its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
             num_rollout=rollouts, storage_root=os.path.join(d, "root"),
         ).validate()  # fmt: skip
         res = train(cfg)
+        cfg_async = RunConfig(
+            **dict(DEMO_RL, run_name="bench_e2e_async"), hf_checkpoint=base, prompt_data=data["train"],
+            num_rollout=rollouts, storage_root=os.path.join(d, "root_async"), fully_async=True,
+        ).validate()  # fmt: skip
+        res_async = train(cfg_async)
         bare = bare_grpo_loop(base, data["train"], rollouts)[1:]
     measured = res.metrics[1:] or res.metrics
     total = float(np.mean([m["perf/rollout_total_time"] for m in measured]))
@@ -111,6 +117,11 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
     rows = [row("e2e: s per GRPO step, loop.train vs bare single-process loop", total, float(np.mean(bare)),
                 f"s/step (ratio: ours / bare, goal <= 1.3; mean of {len(measured)} steps after 1 warm-up)",
                 peak_rss_mb=rss)]  # fmt: skip
+    t_async = float(
+        np.mean([m["perf/rollout_total_time"] for m in (res_async.metrics[1:] or res_async.metrics)])
+    )
+    rows.append(row("e2e: s per GRPO step, --fully-async vs sync (same samples per step)", t_async, total,
+                    "s/step (ratio: async / sync; < 1 = overlap pays)", peak_rss_mb=rss))  # fmt: skip
     unit = "s/step (ratio: share of our step)"
     covered = 0.0
     for key in PHASES:
