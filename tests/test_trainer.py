@@ -113,3 +113,38 @@ def test_kl_loss_against_frozen_reference(tiny_hf_checkpoint, tmp_path):
     ref = {k: v for k, v in actor.ref.export_hf_state_dict().items()}
     base = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "ck2"))).get_hf_weights()
     assert all(torch.equal(ref[k], base[k]) for k in base)  # the reference never trains
+
+
+def test_old_log_probs_from_the_training_forward_train_exactly_like_a_separate_pass(
+    tiny_hf_checkpoint, tmp_path, monkeypatch
+):
+    """One step per rollout: the fused path (old = the training forward's own log-probs, detached)
+    gives the same loss, metrics and weights as the separate no-grad pass it replaces."""
+    fused = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "a")))
+    separate = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "b")))
+    assert fused._old_log_probs_from_training_forward()
+    monkeypatch.setattr(separate, "_old_log_probs_from_training_forward", lambda: False)
+    calls = {"n": 0}
+    real = separate._all_log_probs
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(separate, "_all_log_probs", counting)
+    for rid in range(2):
+        ma, mb = fused.train(rid, _batch(rid)), separate.train(rid, _batch(rid))
+        for k in ("train/loss", "train/pg_loss", "train/ppo_kl", "train/train_rollout_logprob_abs_diff"):
+            assert abs(ma[k] - mb[k]) < 1e-6, (k, ma[k], mb[k])
+    assert calls["n"] == 2  # the separate path ran its extra forward each rollout
+    wa, wb = _weights(fused), _weights(separate)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    assert any(not torch.equal(wa[k], _weights(TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "c"))))[k])
+               for k in wa)  # fmt: skip
+    # --ci-test keeps the independent pass on the first step only
+    ci = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "d"), ci_test=True))
+    assert not ci._old_log_probs_from_training_forward()
+    ci.train(0, _batch(0))
+    assert ci._old_log_probs_from_training_forward()
+    several = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "e"), global_batch_size=2))
+    assert not several._old_log_probs_from_training_forward()  # 2 steps per rollout
