@@ -128,6 +128,8 @@ class RolloutManager:
 
     async def agenerate_groups(self, records, prompts, seeds) -> list[list[Sample]]:
         """`generate_groups` for code running on its own event loop (the fully async worker)."""
+        if not records:
+            return []
         outs = await self.client.agenerate(*self._batch(prompts, seeds))
         return self._groups_from(records, prompts, seeds, outs)
 
