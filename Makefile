@@ -35,7 +35,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: install lint
-	$(BIN)/python -m pytest -q -m "not gpu" -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=15
 
 ui: install
 	DAGSTER_HOME=$(abspath $(ROOT))/dagster MILES_STORAGE_ROOT=$(abspath $(ROOT)) \
