@@ -351,9 +351,33 @@ class RunConfig:
                     f"--{name.replace('_', '-')} {getattr(self, name)}: the trainer runs data-parallel only "
                     "(TP > 1 is supported by `miles-platform convert`, not by training yet)"
                 )
+        if not self.rollout_temperature > 0:
+            raise ConfigError(
+                f"--rollout-temperature {self.rollout_temperature}: training samples need a positive "
+                "temperature (the trainer scores log_softmax(logits / T)); greedy decoding is for eval "
+                "(--eval-temperature 0)"
+            )
+        if self.rollout_top_p < 1 and self.rollout_top_k <= 0:
+            raise ConfigError(
+                f"--rollout-top-p {self.rollout_top_p} needs a positive --rollout-top-k: sampling-support "
+                "replay records each token's support, which must be bounded (e.g. --rollout-top-k 64)"
+            )
+        if self.sampling_support_replay():
+            clash = [f for f, on in (("--use-kl-loss", self.use_kl_loss), (f"--kl-coef {self.kl_coef}", self.kl_coef != 0)) if on]  # fmt: skip
+            if clash:
+                raise ConfigError(
+                    f"{' and '.join(clash)} with sampling-support replay (--rollout-top-k "
+                    f"{self.rollout_top_k}, --rollout-top-p {self.rollout_top_p}): reference KL needs a "
+                    "full-vocabulary actor score and replay gives a support-normalized one; Miles rejects "
+                    "the combination too. Drop the KL or sample with --rollout-top-k -1 --rollout-top-p 1"
+                )
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
+
+    def sampling_support_replay(self) -> bool:
+        """Miles' sampling-support replay: on whenever rollouts sample from a truncated distribution."""
+        return self.rollout_top_p < 1 or self.rollout_top_k > 0
 
     # eval sampling inherits from rollout sampling, as in Miles
     def eval_sampling(self) -> dict[str, Any]:

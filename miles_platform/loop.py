@@ -261,13 +261,7 @@ class RLRun:
             if not trainers:  # --debug-rollout-only
                 self._finish_rollout(result, rollout_id, metrics, t0, version)
                 continue
-            batch = TrainBatch(
-                tokens=[s.tokens for s in samples],
-                response_lengths=[s.response_length for s in samples],
-                loss_masks=[list(s.loss_mask) for s in samples],
-                rewards=[s.raw_reward if s.raw_reward is not None else 0.0 for s in samples],
-                rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
-            )
+            batch = TrainBatch.from_samples(samples)
             handle = self._handoff(batch)
             metrics.update(ray.get([t.train.remote(rollout_id, handle) for t in trainers])[0])
             self._store.remove(handle)

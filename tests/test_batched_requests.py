@@ -17,7 +17,9 @@ from miles_platform.rollout.manager import RolloutManager, router_generate_fn
 from miles_platform.rollout.router import start_router
 
 # SGLang's GenerateReqInput / SamplingParams field names (the subset a batch may carry)
-SGLANG_BODY = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "stream"}
+# (+ return_sampling_mask: sglang-miles, SGLang PR #40932, for sampling-support replay)
+SGLANG_BODY = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "stream",
+               "return_sampling_mask"}  # fmt: skip
 SGLANG_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
                    "ignore_eos", "skip_special_tokens", "sampling_seed", "n"}  # fmt: skip
 
@@ -45,6 +47,9 @@ def stand_in_sglang(requests: list[dict]):
                     "completion_tokens": 2, "weight_version": "3"}  # fmt: skip
             if body.get("return_logprob"):
                 meta["output_token_logprobs"] = [[-0.5, t, None] for t in toks]
+            if body.get("return_sampling_mask"):
+                meta["output_token_sampling_mask"] = [sorted({t, 3, 4}) for t in toks]
+                meta["output_token_sampling_logprobs"] = [-0.25 for _ in toks]
             out.append({"text": "x" * len(toks), "meta_info": meta})
         return out
 
@@ -80,6 +85,27 @@ def test_manager_sends_one_sglang_batch_per_round(tiny_hf_checkpoint, tmp_path):
     s = groups[1][2]  # group 1, sample 2: token ids recovered from output_token_logprobs
     assert s.prompt == "1+1=" and s.response_tokens == [(prompts[1][-1] + 12 + k) % 7 + 3 for k in range(2)]
     assert s.rollout_log_probs == [-0.5, -0.5] and s.weight_version_start == s.weight_version_end == 3
+    assert "return_sampling_mask" not in seen[0] and s.rollout_sampling_support is None
+
+
+def test_top_k_rollouts_ask_sglang_for_the_sampling_support(tiny_hf_checkpoint, tmp_path):
+    seen: list[dict] = []
+    server = stand_in_sglang(seen)
+    tok = load_tokenizer(tiny_hf_checkpoint)
+    m = RolloutManager(
+        _cfg(tiny_hf_checkpoint, tmp_path, rollout_top_k=8, rollout_top_p=0.9), tok, None, server.url
+    )
+    try:
+        prompts = [tok.encode(r.prompt, add_special_tokens=False) for r in RECORDS]
+        groups = m.generate_groups(RECORDS, prompts, [[1, 2, 3, 4]] * 3)
+    finally:
+        m.close()
+        server.stop()
+    assert seen[0]["return_sampling_mask"] is True
+    assert all(p["top_k"] == 8 and p["top_p"] == 0.9 for p in seen[0]["sampling_params"])
+    s = groups[0][0]  # the support-normalized log-prob is the rollout log-prob (Miles)
+    assert s.rollout_log_probs == [-0.25, -0.25]
+    assert s.rollout_sampling_support == [sorted({t, 3, 4}) for t in s.response_tokens]
 
 
 def test_router_splits_a_batch_over_engines_in_prompt_order(tiny_hf_checkpoint, tmp_path):

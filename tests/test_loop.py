@@ -22,7 +22,11 @@ def _cfg(ckpt, tmp_path, **kw):
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, tmp_path, backend):
-    cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend, eval_interval=2,
+    # megatron also samples at T 0.7 from a top-k 8 / top-p 0.9 support (sampling-support replay)
+    sampling = (
+        dict(rollout_temperature=0.7, rollout_top_k=8, rollout_top_p=0.9) if backend == "megatron" else {}
+    )
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend, eval_interval=2, **sampling,
                eval_prompt_data=["heldout", _data(tmp_path)], save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"))  # fmt: skip
     res = train(cfg)
     assert "eval/heldout/pass@1" in res.metrics[1] and "eval/heldout/pass@1" not in res.metrics[0]
@@ -33,13 +37,18 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     paths = StoragePaths(cfg.storage_root)
     cols, rows = Catalog(paths).query("select rollout_id, count(*) from rollouts group by 1 order by 1")
     assert rows == [(0, 4), (1, 4)]
+    _, sup = Catalog(paths).query("select rollout_sampling_support, response_tokens from rollouts")
+    for support, resp in sup:
+        assert (support is None) == (backend == "fsdp")
+        if support is not None:
+            assert len(support) == len(resp) and all(t in s and len(s) <= 8 for t, s in zip(resp, support))
     _, pv = Catalog(paths).query("select version, parent_version from policy_versions order by 1")
     assert pv == [(1, 0), (2, 1)]
     _, ev = Catalog(paths).query("select version, dataset from evals where metric = 'pass@1'")
     assert ev == [(2, "heldout")]
     assert os.path.exists(os.path.join(paths.checkpoints("t"), "latest_checkpointed_iteration.txt"))
     # relaunching the same command with more rollouts resumes at rollout 2, version 2
-    cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend)
+    cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend, **sampling)
     res2 = train(cfg2)
     assert res2.start_rollout_id == 2 and res2.final_version == 3
     _, rows = Catalog(paths).query("select distinct rollout_id from rollouts order by 1")

@@ -26,6 +26,9 @@ class Sample:
     response: str = ""
     response_tokens: list[int] = field(default_factory=list)
     rollout_log_probs: list[float] = field(default_factory=list)
+    # sampling-support replay (top-k / top-p rollouts): per response token, the token ids it was
+    # drawn from; rollout_log_probs are then renormalized over that support. None: full vocabulary.
+    rollout_sampling_support: list[list[int]] | None = None
     loss_mask: list[int] = field(default_factory=list)
     label: str | None = None
     reward: float | dict[str, float] | None = None
@@ -84,5 +87,7 @@ class Sample:
         for k in ("prompt_tokens", "response_tokens", "rollout_log_probs", "loss_mask"):
             if row.get(k) is not None:
                 row[k] = list(row[k])
+        if row.get("rollout_sampling_support") is not None:
+            row["rollout_sampling_support"] = [[int(t) for t in s] for s in row["rollout_sampling_support"]]
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in row.items() if k in names})

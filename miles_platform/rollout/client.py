@@ -46,13 +46,17 @@ async def generate(
     backoff_s: float = 0.05,
     max_backoff_s: float = 2.0,
     client: httpx.AsyncClient | None = None,
+    return_sampling_mask: bool = False,
 ) -> dict | list[dict]:
-    """POST {url}/generate; returns SGLang's response (a list for a batch of prompts)."""
+    """POST {url}/generate; returns SGLang's response (a list for a batch of prompts).
+    `return_sampling_mask` asks for each token's sampling support (sampling-support replay)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": sampling_params or {},
         "return_logprob": return_logprob,
     }
+    if return_sampling_mask:
+        body["return_sampling_mask"] = True
     if min_weight_version is not None:
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:

@@ -5,10 +5,13 @@ the newly admitted requests (left-padded, merged into the running KV cache) or d
 for every running request. Finished rows leave the batch at once, so short and long requests share
 forward passes (continuous batching).
 
-Log-prob contract: `output_token_logprobs` holds log_softmax(logits) of the sampled token, from the
-unscaled fp32 logits of the very forward pass that sampled it (no temperature, no top-k/top-p
-renormalisation). This equals SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1 and equals SGLang's
-default at temperature 1. The trainer compares with log_softmax of its own unscaled logits.
+Log-prob contract (Miles' and SGLang's default, SGLANG_RETURN_ORIGINAL_LOGPROB=0):
+`output_token_logprobs` holds log_softmax(logits / T) of the sampled token over the full vocabulary,
+from the fp32 logits of the very forward pass that sampled it (greedy requests score at T = 1). With
+`return_sampling_mask` the response also carries, per generated token, the support it was drawn from
+after top-k / top-p / min-p (`output_token_sampling_mask`, ascending token ids) and the token's
+log-prob renormalized over that support (`output_token_sampling_logprobs`): Miles' sampling-support
+replay. The trainer scores log_softmax(z / T), over the same support when one was recorded.
 
 Weight updates take the step lock, so a forward pass never sees half-old, half-new weights; they are
 validated (names, shapes) before any tensor is copied, so a failed update keeps old weights and version.
@@ -31,7 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from miles_platform.errors import CheckpointError, MilesError
-from miles_platform.rollout.sampling import sample_tokens
+from miles_platform.rollout.sampling import draw
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,9 @@ class _Request:
     created: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    return_sampling_mask: bool = False
+    supports: list[list[int]] = field(default_factory=list)
+    support_logprobs: list[float] = field(default_factory=list)
     version_start: int | None = None
     cached_tokens: int = 0
     finish_reason: dict | None = None
@@ -284,11 +290,13 @@ class EngineCore:
         min_weight_version: int | None = None,
         exact_weight_version: int | None = None,
         rid: str | None = None,
+        return_sampling_mask: bool = False,
     ) -> Future:
         """Queue one request; the Future resolves to an SGLang-shaped dict {text, output_ids, meta_info}."""
         req = self._make_request(
-            input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid
-        )
+            input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid,
+            return_sampling_mask,
+        )  # fmt: skip
         self._enqueue([req])
         return req.future
 
@@ -307,9 +315,12 @@ class EngineCore:
         min_weight_version: int | None = None,
         exact_weight_version: int | None = None,
         timeout: float | None = None,
+        return_sampling_mask: bool = False,
     ) -> dict | list[dict]:
         """Blocking generate with the `/generate` semantics (a list of prompts returns a list)."""
         body = {"sampling_params": sampling_params, "return_logprob": return_logprob}
+        if return_sampling_mask:
+            body["return_sampling_mask"] = True
         body.update({"input_ids": input_ids} if input_ids is not None else {"text": text})
         if min_weight_version is not None:
             body["min_weight_version"] = min_weight_version
@@ -459,6 +470,7 @@ class EngineCore:
         "logprob_start_len",
         "top_logprobs_num",
         "return_text_in_logprobs",
+        "return_sampling_mask",
     }
 
     def _parse_generate_body(self, body: dict) -> tuple[list[_Request], bool]:
@@ -493,6 +505,7 @@ class EngineCore:
             return_logprob=bool(body.get("return_logprob", False)),
             min_weight_version=body.get("min_weight_version"),
             exact_weight_version=body.get("exact_weight_version"),
+            return_sampling_mask=bool(body.get("return_sampling_mask", False)),
         )
         sps = _parse_sampling_params(sps)
         reqs = []
@@ -506,8 +519,9 @@ class EngineCore:
         return reqs, is_batch
 
     def _make_request(
-        self, input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid
-    ) -> _Request:
+        self, input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid,
+        return_sampling_mask=False,
+    ) -> _Request:  # fmt: skip
         if text is not None:
             if not isinstance(text, str):
                 raise RequestError("text must be a string or a list of strings")
@@ -544,6 +558,7 @@ class EngineCore:
             prompt_ids=list(input_ids),
             params=params,
             return_logprob=bool(return_logprob),
+            return_sampling_mask=bool(return_sampling_mask),
             min_version=versions.get("min_weight_version"),
             exact_version=versions.get("exact_weight_version"),
             future=Future(),
@@ -698,16 +713,19 @@ class EngineCore:
         b = self._batch
         reqs = [b.reqs[i] for i in rows]
         ps = [r.params for r in reqs]
-        tokens = sample_tokens(
+        d = draw(
             logits, [p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps],
             [p.min_p for p in ps], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
-        ).tolist()  # fmt: skip
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        self.stats["num_generated_tokens"] += len(tokens)
+            [r.return_sampling_mask for r in reqs],
+        )  # fmt: skip
+        self.stats["num_generated_tokens"] += len(d.tokens)
         done, finished = set(), []
-        for i, r, t, lp in zip(rows, reqs, tokens, logprobs):
+        for j, (i, r, t, lp) in enumerate(zip(rows, reqs, d.tokens, d.logprobs)):
             r.output_ids.append(t)
             r.logprobs.append(lp)
+            if r.return_sampling_mask:
+                r.supports.append(d.supports[j])
+                r.support_logprobs.append(d.support_logprobs[j])
             reason = self._finish_reason(r, t)
             if reason:
                 finished.append((r, reason))
@@ -764,6 +782,9 @@ class EngineCore:
         }
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
+        if r.return_sampling_mask:
+            meta["output_token_sampling_mask"] = r.supports
+            meta["output_token_sampling_logprobs"] = r.support_logprobs
         self.stats["num_finished_requests"] += 1
         r.future.set_result({"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta})
 

@@ -33,6 +33,7 @@ class RolloutManager:
         # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
         self.buffer: list[list[Sample]] = []
         self.buffer_filter = filter_hub.load_buffer_filter(cfg)
+        self.replay = cfg.sampling_support_replay()
 
     def close(self) -> None:
         self.client.close()
@@ -123,14 +124,14 @@ class RolloutManager:
         """Group gi = len(seeds[gi]) samples of records[gi], all in one batched request."""
         if not records:
             return []
-        outs = self.client.generate(*self._batch(prompts, seeds))
+        outs = self.client.generate(*self._batch(prompts, seeds), return_sampling_mask=self.replay)
         return self._groups_from(records, prompts, seeds, outs)
 
     async def agenerate_groups(self, records, prompts, seeds) -> list[list[Sample]]:
         """`generate_groups` for code running on its own event loop (the fully async worker)."""
         if not records:
             return []
-        outs = await self.client.agenerate(*self._batch(prompts, seeds))
+        outs = await self.client.agenerate(*self._batch(prompts, seeds), return_sampling_mask=self.replay)
         return self._groups_from(records, prompts, seeds, outs)
 
     def _batch(self, prompts, seeds) -> tuple[list[list[int]], list[dict]]:
@@ -150,6 +151,16 @@ class RolloutManager:
         meta = out["meta_info"]
         lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
         ids = list(out.get("output_ids") or [x[1] for x in meta.get("output_token_logprobs") or []])
+        support = None
+        if self.replay:  # the support-normalized log-prob is the behaviour policy's (Miles)
+            support, lps = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
+            if support is None or lps is None or len(support) != len(ids) or len(lps) != len(ids):
+                raise RuntimeError(
+                    "sampling-support replay (--rollout-top-k > 0 or --rollout-top-p < 1): the engine "
+                    "returned no complete output_token_sampling_mask / output_token_sampling_logprobs; "
+                    "it needs SGLang with return_sampling_mask (sglang-miles) or the embedded engine"
+                )
+            support, lps = [list(map(int, s)) for s in support], [float(x) for x in lps]
         fin = (meta.get("finish_reason") or {}).get("type", "stop")
         return Sample(
             run=self.cfg.run_name,
@@ -159,6 +170,7 @@ class RolloutManager:
             response=out.get("text", ""),
             response_tokens=ids,
             rollout_log_probs=lps,
+            rollout_sampling_support=support,
             loss_mask=[1] * len(ids),
             label=rec.label,
             status=FINISH_STATUS.get(fin, Status.COMPLETED).value,

@@ -12,6 +12,7 @@ index whose cumulative probability exceeds u * total. Masked tokens (probability
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,7 +45,23 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))
 
 
-def sample_tokens(
+@dataclass
+class Draw:
+    """One sampling step for a batch: the tokens and what the trainer needs to replay the step.
+
+    `logprobs[i]`: log softmax(logits / T) of the drawn token over the full vocabulary (SGLang's
+    default, SGLANG_RETURN_ORIGINAL_LOGPROB=0; greedy rows score at T = 1, as SGLang does).
+    `supports[i]` (rows that asked): the ascending token ids left after top-k / top-p / min-p,
+    the set the token was drawn from; `support_logprobs[i]`: the drawn token's log-prob
+    renormalized over that support. A greedy row's support is its argmax alone (log-prob 0)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    supports: list[list[int] | None]
+    support_logprobs: list[float | None]
+
+
+def draw(
     logits: torch.Tensor,
     temperature: Sequence[float],
     top_p: Sequence[float],
@@ -52,23 +69,47 @@ def sample_tokens(
     min_p: Sequence[float],
     seeds: Sequence[int],
     steps: Sequence[int],
-) -> torch.Tensor:
+    want_support: Sequence[bool] | None = None,
+) -> Draw:
     """Next token per row of fp32 `logits` [B, V]; each sequence argument has one entry per row."""
-    out = logits.argmax(dim=-1)
+    n = logits.shape[0]
     temp = torch.tensor(temperature, dtype=torch.float32)
     tk = torch.tensor(top_k, dtype=torch.long)
+    scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+    out = logits.argmax(dim=-1)
     rows = ((temp > 0) & (tk != 1)).nonzero().flatten()
-    if not len(rows):
-        return out
     r = rows.tolist()
-    lg = logits[rows] / temp[rows, None]
-    tp = torch.tensor([top_p[i] for i in r], dtype=torch.float32)
-    mp = torch.tensor([min_p[i] for i in r], dtype=torch.float32)
-    if bool((tk[rows] > 0).any() or (tp < 1).any() or (mp > 0).any()):
-        lg = filter_logits(lg, tk[rows], tp, mp)
-    cdf = lg.softmax(-1).double().cumsum(-1)
-    u = uniforms([seeds[i] for i in r], [steps[i] for i in r]) * cdf[:, -1]
-    pick = torch.searchsorted(cdf, u[:, None], right=True)
-    last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)  # first index reaching the total: never masked
-    out[rows] = torch.minimum(pick, last)[:, 0]
-    return out
+    lg = None
+    if r:
+        lg = scaled[rows]
+        tp = torch.tensor([top_p[i] for i in r], dtype=torch.float32)
+        mp = torch.tensor([min_p[i] for i in r], dtype=torch.float32)
+        if bool((tk[rows] > 0).any() or (tp < 1).any() or (mp > 0).any()):
+            lg = filter_logits(lg, tk[rows], tp, mp)
+        cdf = lg.softmax(-1).double().cumsum(-1)
+        u = uniforms([seeds[i] for i in r], [steps[i] for i in r]) * cdf[:, -1]
+        pick = torch.searchsorted(cdf, u[:, None], right=True)
+        last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)  # first index reaching the total: never masked
+        out[rows] = torch.minimum(pick, last)[:, 0]
+    tokens = out.tolist()
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, out[:, None])[:, 0].tolist()
+    supports: list[list[int] | None] = [None] * n
+    support_lps: list[float | None] = [None] * n
+    if want_support is not None and any(want_support):
+        where = {row: j for j, row in enumerate(r)}
+        for i in range(n):
+            if not want_support[i]:
+                continue
+            if i not in where:  # greedy: the argmax alone
+                supports[i], support_lps[i] = [tokens[i]], 0.0
+                continue
+            row = lg[where[i]]
+            keep = torch.isfinite(row)
+            supports[i] = keep.nonzero().flatten().tolist()
+            support_lps[i] = float(row[tokens[i]] - torch.logsumexp(row[keep], dim=-1))
+    return Draw(tokens, logprobs, supports, support_lps)
+
+
+def sample_tokens(logits, temperature, top_p, top_k, min_p, seeds, steps) -> torch.Tensor:
+    """The drawn tokens alone, as a LongTensor (see `draw`)."""
+    return torch.tensor(draw(logits, temperature, top_p, top_k, min_p, seeds, steps).tokens, dtype=torch.long)

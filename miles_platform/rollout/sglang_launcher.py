@@ -194,8 +194,9 @@ class SGLangEngineActor:
         )
         os.makedirs(log_dir, exist_ok=True)
         log = open(os.path.join(log_dir, f"engine_{self.rank}_{port}.log"), "ab")  # noqa: SIM115
-        # log-probs of the unscaled logits: the trainer compares against those (docs/engine.md)
-        env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", **os.environ, **self.env}
+        # log-probs of the distribution sampled from, log_softmax(z / T): what the trainer scores
+        # (docs/algorithms.md); forced, as Miles forces it, so an inherited =1 cannot change the objective
+        env = {**os.environ, **self.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
         self.proc = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -41,6 +41,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("response_tokens", pa.list_(pa.int64())),
         ("response_length", pa.int64()),
         ("rollout_log_probs", pa.list_(pa.float64())),
+        ("rollout_sampling_support", pa.list_(pa.list_(pa.int64()))),
         ("loss_mask", pa.list_(pa.int64())),
         ("label", pa.string()),
         ("reward", pa.float64()),

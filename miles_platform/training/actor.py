@@ -39,9 +39,24 @@ class TrainBatch:
     loss_masks: list[list[int]]
     rewards: list[float]
     rollout_log_probs: list[list[float]]
+    # sampling-support replay: per sample, per response token, the token ids it was drawn from
+    # (None: sampled from the full vocabulary)
+    rollout_sampling_supports: list[list[list[int]] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def from_samples(cls, samples) -> TrainBatch:
+        supports = [s.rollout_sampling_support for s in samples]
+        return cls(
+            tokens=[s.tokens for s in samples],
+            response_lengths=[s.response_length for s in samples],
+            loss_masks=[list(s.loss_mask) for s in samples],
+            rewards=[s.raw_reward if s.raw_reward is not None else 0.0 for s in samples],
+            rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
+            rollout_sampling_supports=supports if any(x is not None for x in supports) else None,
+        )
 
 
 def iter_dir(save: str, rollout_id: int) -> str:
@@ -142,15 +157,18 @@ class TrainerActor:
         return ids, pos
 
     def _response_log_probs(self, backend, batch: TrainBatch, idx: list[int], with_entropy: bool = False):
-        """Per-sample log-probs of response tokens (fp32), from one padded forward."""
+        """Per-sample log-probs of response tokens (fp32), from one padded forward.
+
+        The engines' contract (Miles'): log softmax(z / T) with the rollout temperature, over the
+        recorded sampling support when top-k / top-p truncated it (sampling-support replay). One
+        batched log-softmax-and-gather for every position (one autograd node, not one per sample),
+        then each sample's response window: position j scores token j + 1."""
         ids, pos = self._pack(batch, idx)
-        logits = backend.logits(ids, pos).float()[:, :-1]
-        # unscaled log-probs: the engines' contract (SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1).
-        # One batched log-softmax-and-gather for every position (one autograd node, not one per
-        # sample), then each sample's response window: position j scores token j + 1.
-        lse = torch.logsumexp(logits, dim=-1)
-        token_lp = logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse
-        ent = (lse - (logits.softmax(-1) * logits).sum(-1)) if with_entropy else None
+        logits = backend.logits(ids, pos)[:, :-1]
+        support = self._support_index(batch, idx, ids.shape[1] - 1)
+        token_lp, ent = loss_hub.token_log_probs(
+            logits, ids[:, 1:], self.cfg.rollout_temperature, support, with_entropy
+        )
         out, ents = [], []
         for r, i in enumerate(idx):
             total, resp = len(batch.tokens[i]), batch.response_lengths[i]
@@ -158,6 +176,24 @@ class TrainerActor:
             if with_entropy:
                 ents.append(ent[r, total - resp - 1 : total - 1])
         return out, ents
+
+    @staticmethod
+    def _support_index(batch: TrainBatch, idx: list[int], width: int) -> torch.Tensor | None:
+        """[B, width, K] token ids of each response position's recorded support (-1 elsewhere)."""
+        sups = batch.rollout_sampling_supports
+        if sups is None or all(sups[i] is None for i in idx):
+            return None
+        k = max((len(t) for i in idx if sups[i] for t in sups[i]), default=1)
+        out = torch.full((len(idx), width, k), -1, dtype=torch.long)
+        for r, i in enumerate(idx):
+            if sups[i] is None:
+                continue
+            total, resp = len(batch.tokens[i]), batch.response_lengths[i]
+            if len(sups[i]) != resp:
+                raise ValueError(f"sample {i}: {len(sups[i])} sampling supports for {resp} response tokens")
+            for j, t in enumerate(sups[i]):
+                out[r, total - resp - 1 + j, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return out
 
     def _micro_batches(self, batch: TrainBatch, idx: list[int]) -> list[list[int]]:
         if self.cfg.use_dynamic_batch_size:

@@ -97,6 +97,40 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def token_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    support: torch.Tensor | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of `targets` under the policy that sampled them (Miles' contract).
+
+    logits [..., V], targets [...]: log softmax(z / T)[target]. `support` [..., K] (token ids, -1
+    padding; a row of -1 = no recorded support) is sampling-support replay: where a position has a
+    support, the softmax runs over those K ids only, so the trainer scores the same truncated
+    distribution top-k / top-p sampled from, with gradients through the actor's logits.
+    """
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = (lse - (z.softmax(-1) * z).sum(-1)) if with_entropy else None
+    if support is None:
+        return picked - lse, ent
+    valid = support >= 0
+    zs = z.gather(-1, support.clamp(min=0)).masked_fill(~valid, float("-inf"))
+    has = valid[..., 0]
+    lse_s = torch.logsumexp(zs, dim=-1)
+    lp = picked - torch.where(has, lse_s, lse)
+    if with_entropy:
+        ps = zs.softmax(-1).nan_to_num(0.0)
+        ent_s = lse_s - torch.where(valid, ps * zs, torch.zeros_like(zs)).sum(-1)
+        ent = torch.where(has, ent_s, ent)
+    return lp, ent
+
+
 # ---------------------------------------------------------------------------- advantages
 
 
