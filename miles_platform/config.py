@@ -351,6 +351,22 @@ class RunConfig:
                     f"--{name.replace('_', '-')} {getattr(self, name)}: the trainer runs data-parallel only "
                     "(TP > 1 is supported by `miles-platform convert`, not by training yet)"
                 )
+        if self.train_backend == "megatron":
+            # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
+            unsupported = [
+                (f"--train-forward-dtype {self.train_forward_dtype}", self.train_forward_dtype != "fp32"),
+                (f"--fsdp-master-dtype {self.fsdp_master_dtype}", self.fsdp_master_dtype != "fp32"),
+                (f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype}", self.fsdp_reduce_dtype != "fp32"),
+                ("--fsdp-precision-rules", bool(self.fsdp_precision_rules)),
+                ("--gradient-checkpointing", self.gradient_checkpointing),
+            ]
+            bad = [flag for flag, on in unsupported if on]
+            if bad:
+                raise ConfigError(
+                    f"{', '.join(bad)}: not supported by --train-backend megatron (it trains in fp32, "
+                    "without activation recompute); use --train-backend fsdp for mixed precision and "
+                    "recompute, or drop the flag"
+                )
         if not self.rollout_temperature > 0:
             raise ConfigError(
                 f"--rollout-temperature {self.rollout_temperature}: training samples need a positive "

@@ -42,7 +42,7 @@ set -x
   --rollout-temperature 1.0 \
   --advantage-estimator grpo \
   --lr 1e-6 \
-  --train-forward-dtype bf16 --rollout-dtype bf16 \
+  --train-forward-dtype fp32 --rollout-dtype fp32 \
   --actor-num-nodes 1 --actor-num-gpus-per-node 1 \
   --colocate --rollout-num-gpus-per-engine 1 \
   --sglang-mem-fraction-static 0.4 \

@@ -152,8 +152,20 @@ def test_step0_trainer_agrees_with_the_engine_that_sampled(
         (dict(rollout_top_p=0.9), "needs a positive --rollout-top-k"),
         (dict(rollout_top_k=5, use_kl_loss=True), "--use-kl-loss with sampling-support replay"),
         (dict(rollout_top_k=5, rollout_top_p=0.9, kl_coef=0.1), "--kl-coef 0.1 with sampling-support replay"),
+        # the megatron backend trains in fp32 without recompute: the precision flags are refused
+        (
+            dict(train_backend="megatron", train_forward_dtype="bf16", rollout_dtype="bf16"),
+            "--train-forward-dtype bf16: not supported by --train-backend megatron",
+        ),
+        (dict(train_backend="megatron", fsdp_master_dtype="bf16"), "--fsdp-master-dtype bf16"),
+        (dict(train_backend="megatron", fsdp_reduce_dtype="bf16"), "--fsdp-reduce-dtype bf16"),
+        (dict(train_backend="megatron", fsdp_precision_rules="module:*norm*=fp32"), "--fsdp-precision-rules"),
+        (
+            dict(train_backend="megatron", gradient_checkpointing=True),
+            "--gradient-checkpointing: not supported",
+        ),
     ],
 )
-def test_objectives_replay_cannot_compute_are_refused(kw, needle):
+def test_objectives_the_trainer_cannot_compute_are_refused(kw, needle):
     with pytest.raises(ConfigError, match=needle.replace("+", r"\+")):
         RunConfig(hf_checkpoint="x", rollout_batch_size=2, **kw).validate()
