@@ -120,7 +120,8 @@ class TrainerActor:
         ref.build(
             self.cfg.ref_load
             if self.cfg.ref_load and self.cfg.train_backend == "fsdp"
-            else self.cfg.hf_checkpoint
+            else self.cfg.hf_checkpoint,
+            trainable=False,
         )
         if self.cfg.ref_load and self.cfg.train_backend == "megatron":
             ref.load_model(self.cfg.ref_load)
@@ -305,6 +306,7 @@ class TrainerActor:
         tok_local = sum(sum(batch.loss_masks[i]) for i in idx)
         tok_global = self._all_reduce_sum(float(tok_local))
         self.opt.zero_grad(set_to_none=True)
+        self.backend.zero_grad()
         for k, mb in enumerate(mbs):
             need_ent = cfg.entropy_coef != 0
             lps, ents = self._response_log_probs(self.backend, batch, mb, with_entropy=need_ent)
@@ -332,6 +334,7 @@ class TrainerActor:
             if self.global_step == 0 and k == 0:
                 add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
                 add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
+        self.backend.finish_grad_sync()  # .grad = the average over data-parallel ranks
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.backend.parameters() if p.grad is not None], cfg.clip_grad
         )
