@@ -109,3 +109,10 @@ def test_two_ranks_train_like_one_rank(tiny_hf_checkpoint, tmp_path, backend):
     moved = [k for k in init if not torch.equal(init[k], res[1][0][f"policy/{k}"])]
     assert len(moved) >= len(init) // 2
 
+
+def test_ppo_critic_two_ranks_train_like_one_rank(tiny_hf_checkpoint, tmp_path):
+    """Critic grads are averaged over ranks and the advantage whitening uses global statistics:
+    the policy (whose advantages depend on both) and the critic match the 1-rank run."""
+    res = _train(tiny_hf_checkpoint, tmp_path, advantage_estimator="ppo", critic_lr=1e-2)
+    _assert_data_parallel_equals_single(res, "critic/")
+    _assert_data_parallel_equals_single(res, "policy/")

@@ -96,7 +96,7 @@ class TrainerActor:
         if cfg.advantage_estimator == "ppo" and cfg.loss_type == "policy_loss":
             from miles_platform.training.critic import Critic
 
-            self.critic = Critic(cfg, cfg.hf_checkpoint)
+            self.critic = Critic(cfg, cfg.hf_checkpoint, world_size)
         params = [p for p in self.backend.parameters() if p.requires_grad]
         if cfg.optimizer == "adam":
             self.opt = torch.optim.AdamW(
@@ -271,7 +271,9 @@ class TrainerActor:
             refs = [ref[i] if i in ref else torch.zeros(batch.response_lengths[i]) for i in idx]
         masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in idx]
         vals = [values[i] for i in idx] if values is not None else None
-        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks)
+        # group-based estimators see the whole batch on every rank; the others only this rank's share
+        dp_sum = self._all_reduce_tensor if self.world_size > 1 and not group_based else None
+        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks, dp_sum)
         returns = dict(zip(idx, rets, strict=True)) if rets is not None else None
         return dict(zip(idx, advs, strict=True)), returns
 
@@ -352,6 +354,11 @@ class TrainerActor:
         t = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t.item())
+
+    def _all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
 
     def _reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
         keys = sorted(m)
