@@ -111,7 +111,7 @@ class TrainerActor:
         if cfg.advantage_estimator == "ppo" and cfg.loss_type == "policy_loss":
             from miles_platform.training.critic import Critic
 
-            self.critic = Critic(cfg, cfg.hf_checkpoint)
+            self.critic = Critic(cfg, cfg.hf_checkpoint, world_size)
         params = [p for p in self.backend.parameters() if p.requires_grad]
         if cfg.optimizer == "adam":
             self.opt = torch.optim.AdamW(
@@ -135,7 +135,8 @@ class TrainerActor:
         ref.build(
             self.cfg.ref_load
             if self.cfg.ref_load and self.cfg.train_backend == "fsdp"
-            else self.cfg.hf_checkpoint
+            else self.cfg.hf_checkpoint,
+            trainable=False,
         )
         if self.cfg.ref_load and self.cfg.train_backend == "megatron":
             ref.load_model(self.cfg.ref_load)
@@ -306,7 +307,9 @@ class TrainerActor:
             refs = [ref[i] if i in ref else torch.zeros(batch.response_lengths[i]) for i in idx]
         masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in idx]
         vals = [values[i] for i in idx] if values is not None else None
-        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks)
+        # group-based estimators see the whole batch on every rank; the others only this rank's share
+        dp_sum = self._all_reduce_tensor if self.world_size > 1 and not group_based else None
+        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks, dp_sum)
         returns = dict(zip(idx, rets, strict=True)) if rets is not None else None
         return dict(zip(idx, advs, strict=True)), returns
 
@@ -341,6 +344,7 @@ class TrainerActor:
         tok_local = sum(sum(batch.loss_masks[i]) for i in idx)
         tok_global = self._all_reduce_sum(float(tok_local))
         self.opt.zero_grad(set_to_none=True)
+        self.backend.zero_grad()
         for k, mb in enumerate(mbs):
             need_ent = cfg.entropy_coef != 0
             lps, ents = self._response_log_probs(self.backend, batch, mb, with_entropy=need_ent)
@@ -368,6 +372,7 @@ class TrainerActor:
             if self.global_step == 0 and k == 0:
                 add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
                 add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
+        self.backend.finish_grad_sync()  # .grad = the average over data-parallel ranks
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.backend.parameters() if p.grad is not None], cfg.clip_grad
         )
@@ -385,6 +390,11 @@ class TrainerActor:
         t = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t.item())
+
+    def _all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
 
     def _reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
         keys = sorted(m)

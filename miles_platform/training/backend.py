@@ -26,8 +26,9 @@ class ModelBackend(ABC):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
 
     @abstractmethod
-    def build(self, hf_checkpoint: str) -> torch.nn.Module:
-        """Build the model initialised from an HF checkpoint dir; return the trainable module."""
+    def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
+        """Build the model initialised from an HF checkpoint dir; return the module.
+        `trainable=False` (the frozen reference): no gradient machinery is set up."""
 
     @abstractmethod
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,14 @@ class ModelBackend(ABC):
     @abstractmethod
     def load_model(self, ckpt_dir: str) -> None:
         """Read model weights written by save_model."""
+
+    def zero_grad(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Before a step's first backward, after the optimizer's zero_grad: clear any gradient
+        state the backend keeps outside `.grad`."""
+
+    def finish_grad_sync(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """After a step's last backward, before clipping: leave on each parameter's `.grad` the
+        average over data-parallel ranks. FSDP2 reduce-scatters inside backward: nothing to do."""
 
     def parameters(self):
         return self.module.parameters()

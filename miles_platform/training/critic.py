@@ -3,6 +3,11 @@
 The value of response token t is read at the position that predicts it (the same position
 the policy's log-prob of t comes from), so values, log-probs and advantages line up token by
 token. Value loss is Miles' clipped form: 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2).
+
+More than one rank: every rank holds the whole critic (it is not sharded) and trains on its own
+share of the batch; step() averages the gradients over ranks (one all-reduce of them all,
+flattened) before clipping, so the replicas stay identical. An explicit all-reduce rather
+than torch DDP: the critic's forward is two calls (trunk, head) that DDP would not see as one.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from miles_platform.config import RunConfig
@@ -19,8 +25,9 @@ VALUE_CLIP = 0.2
 
 
 class Critic(torch.nn.Module):
-    def __init__(self, cfg: RunConfig, hf_checkpoint: str):
+    def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1):
         super().__init__()
+        self.world_size = world_size
         lm = load_hf_model(hf_checkpoint)
         self.trunk = lm.model  # Qwen3Model: no lm_head, so no vocab-sized logits are computed
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
@@ -59,7 +66,19 @@ class Critic(torch.nn.Module):
             "train/value_clipfrac": float(sum(clipped)) / max(n, 1.0),
         }
 
+    def average_grads(self) -> None:
+        """The mean of every parameter's gradient over the ranks (a zero gradient where unset)."""
+        params = list(self.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        for p, g in zip(params, flat.split([q.numel() for q in params]), strict=True):
+            p.grad = g.view_as(p)
+
     def step(self) -> float:
+        if self.world_size > 1:
+            self.average_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -16,7 +16,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class FSDPBackend(ModelBackend):
     name = "fsdp"
 
-    def build(self, hf_checkpoint: str) -> torch.nn.Module:
+    def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         model = load_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing:

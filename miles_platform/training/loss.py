@@ -24,6 +24,7 @@ from miles_platform.plugins import load_function
 
 Tensors = list[torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+SumFn = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over data-parallel ranks
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -51,14 +52,23 @@ def get_reducer(args) -> Callable[[Tensors, Tensors], torch.Tensor]:
     return per_token_mean if getattr(args, "calculate_per_token_loss", False) else sum_of_sample_mean
 
 
-def masked_whiten(values: Tensors, loss_masks: Tensors, eps: float = 1e-8) -> Tensors:
-    """(x - mean) / sqrt(var + eps) over all masked tokens of the batch; unbiased var as in Miles."""
+def masked_whiten(
+    values: Tensors, loss_masks: Tensors, eps: float = 1e-8, all_reduce_sum: SumFn | None = None
+) -> Tensors:
+    """(x - mean) / sqrt(var + eps) over all masked tokens of the batch; unbiased var as in Miles.
+
+    `all_reduce_sum` (Miles' distributed_masked_whiten): the samples are this rank's share of
+    the batch; the sum, sum of squares and count are summed over data-parallel ranks first, so
+    every rank whitens with the statistics of the whole batch."""
     flat, mask = torch.cat(values), torch.cat(loss_masks).to(values[0].dtype)
-    n = mask.sum()
+    stats = torch.stack([(flat * mask).sum(), (flat**2 * mask).sum(), mask.sum()])
+    if all_reduce_sum is not None:
+        stats = all_reduce_sum(stats)
+    total, total_sq, n = stats.unbind()
     if n.item() == 0:
         raise ValueError("cannot whiten advantages: every token of the batch is masked out")
-    mean = (flat * mask).sum() / n
-    var = (flat**2 * mask).sum() / n - mean**2
+    mean = total / n
+    var = total_sq / n - mean**2
     if n.item() >= 2:
         var = var * n / (n - 1)
     whitened = (flat - mean) * torch.rsqrt(var + eps)
@@ -188,12 +198,15 @@ def compute_advantages_and_returns(
     ref_log_probs: Tensors | None,
     values: Tensors | None,
     loss_masks: Tensors,
+    all_reduce_sum: SumFn | None = None,
 ) -> tuple[Tensors, Tensors | None]:
     """Per-token advantages (and returns) for `--advantage-estimator`.
 
     `rewards` are the raw scalar rewards, one per sample, groups of `--n-samples-per-prompt`
     consecutive samples. Estimators that use a per-token KL penalty take it from
     `compute_approx_kl(log_probs, ref_log_probs, --kl-loss-type) * --kl-coef`.
+    `all_reduce_sum`: the samples are one data-parallel rank's share; whitening statistics
+    are summed over ranks with it (see masked_whiten).
     """
     est = args.advantage_estimator
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
@@ -210,13 +223,13 @@ def compute_advantages_and_returns(
             token_rewards = -args.kl_coef * k
             token_rewards[_last_masked_index(m)] += r
             returns.append(discounted_returns(token_rewards, args.gamma))
-        return masked_whiten(returns, masks), returns
+        return masked_whiten(returns, masks, all_reduce_sum=all_reduce_sum), returns
     if est == "reinforce_plus_plus_baseline":
         centered = group_normalize_rewards(rewards, n, std_normalize=False)
         advantages = [
             torch.full_like(k, float(s)) - args.kl_coef * k for s, k in zip(centered, kl, strict=True)
         ]
-        return masked_whiten(advantages, masks), advantages
+        return masked_whiten(advantages, masks, all_reduce_sum=all_reduce_sum), advantages
     if est == "ppo":
         if values is None:
             raise ConfigError("--advantage-estimator ppo needs critic values (per-token) for GAE")
@@ -227,7 +240,7 @@ def compute_advantages_and_returns(
             a, ret = gae(token_rewards, v.float().detach(), args.gamma, args.lambd)
             advantages.append(a)
             returns.append(ret)
-        return masked_whiten(advantages, masks), returns
+        return masked_whiten(advantages, masks, all_reduce_sum=all_reduce_sum), returns
     raise ConfigError(f"--advantage-estimator {est!r}: valid: {list(ADVANTAGE_ESTIMATORS)}")
 
 

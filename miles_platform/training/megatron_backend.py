@@ -5,6 +5,13 @@ otherwise (CPU, gloo). Weights come from the HF checkpoint through the architect
 or from a torch_dist checkpoint (`--ref-load`, warm start). Checkpoints are Megatron's
 torch_dist format (`dist_checkpointing`), resharded on load, so a TP=2 save loads at TP=1.
 
+Data parallelism (world size > 1): the TrainerActor has joined torch.distributed (gloo on
+CPU) from its `dist_init`; build() puts megatron's parallel_state on top of that group and wraps
+the trained model in megatron-core's own DistributedDataParallel. Backward accumulates into its
+contiguous fp32 grad buffer (`param.main_grad`); finish_grad_sync() runs `finalize_model_grads`
+(one all-reduce averaging over the data-parallel group) and points `.grad` at the buffer, so the
+actor's clipping and torch AdamW see the averaged gradients.
+
 The module-level functions (build_gpt_model, load_full_state, gather_full_state,
 save_torch_dist, load_torch_dist) are shared with `miles-platform convert`.
 """
@@ -176,17 +183,39 @@ def load_torch_dist(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> Path
     return p
 
 
+def wrap_data_parallel(model: torch.nn.Module):
+    """megatron-core DDP, configured for what runs here: the actor's torch AdamW over full
+    parameters (no distributed optimizer) and one blocking all-reduce after the last
+    micro-batch (no overlap: gloo on CPU has no side stream to overlap on; one bucket)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+    )
+    return DistributedDataParallel(model.config, ddp_config, model)
+
+
 class MegatronBackend(ModelBackend):
     name = "megatron"
+    ddp = None  # megatron DDP around self.module when it trains data-parallel
 
-    def build(self, hf_checkpoint: str) -> torch.nn.Module:
+    def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
         from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
 
         hf_config = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
         tp = int(getattr(self.cfg, "tensor_model_parallel_size", 1) or 1)
-        port = int(os.environ["MASTER_PORT"]) if self.world_size > 1 else None
+        if self.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(
+                f"MegatronBackend rank {self.rank} of {self.world_size}: join torch.distributed first "
+                "(TrainerActor does it from its dist_init)"
+            )
         megatron_shims.init_process_group(
-            self.rank, self.world_size, tp, master_port=port, seed=int(getattr(self.cfg, "seed", 1234))
+            self.rank, self.world_size, tp, seed=int(getattr(self.cfg, "seed", 1234))
         )
         self.hf_config = hf_config
         self.module, self.bridge = build_gpt_model(hf_config, tp)
@@ -195,8 +224,25 @@ class MegatronBackend(ModelBackend):
             load_torch_dist(self.module, ref_load)
         else:
             self.load_hf_state_dict(load_hf_model(hf_checkpoint).state_dict())
+        if trainable and ps.get_data_parallel_world_size() > 1:
+            # after the weights are in: DDP keeps param.data where it is (no distributed optimizer)
+            self.ddp = wrap_data_parallel(self.module)
         self.module.train()
         return self.module
+
+    def zero_grad(self) -> None:
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
+
+    def finish_grad_sync(self) -> None:
+        if self.ddp is None:
+            return
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp])
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.grad = p.main_grad  # a view of the averaged buffer, zeroed by zero_grad()
 
     @property
     def vocab_size(self) -> int:
