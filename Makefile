@@ -4,7 +4,6 @@ VENV      ?= .venv
 BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.installed
 ROOT      ?= .miles
-export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 

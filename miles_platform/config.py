@@ -14,6 +14,8 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,13 @@ class RunConfig:
         [], "cluster", "attach engines started elsewhere (host:port ...)", nargs="*"
     )
     sglang_router_port: int | None = _f(None, "cluster", "pin the router port (else a free one)")
-    api_key: str | None = _f(None, "cluster", "bearer token for engines and router")
+    api_key: str | None = _f(
+        None,
+        "cluster",
+        "bearer token for engines, router and weight updates (default: $MILES_API_KEY, "
+        "--api-key-file, else a fresh secret per run)",
+    )
+    api_key_file: str | None = _f(None, "cluster", "read --api-key from this file (keeps it out of argv)")
     object_store_backend: str = _f("ray", "cluster", "rollout data handoff", choices=("ray", "mooncake"))
     mooncake_store_init_kwargs: str | None = _f(
         None, "cluster", "JSON kwargs for the Mooncake store (env fallbacks apply)"
@@ -391,6 +399,25 @@ class RunConfig:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
 
+    def resolve_api_key(self) -> str:
+        """The run's secret, set on `api_key`: --api-key, else --api-key-file, else $MILES_API_KEY,
+        else a fresh random one. Every engine, router and weight-update call of the run carries it."""
+        if self.api_key and self.api_key_file:
+            raise ConfigError("--api-key and --api-key-file: give one")
+        if self.api_key_file:
+            try:
+                key = Path(self.api_key_file).read_text().strip()
+            except OSError as e:
+                raise ConfigError(
+                    f"--api-key-file {self.api_key_file}: cannot read it ({e.strerror})"
+                ) from None
+            if not key:
+                raise ConfigError(f"--api-key-file {self.api_key_file}: the file is empty")
+            self.api_key = key
+        elif not self.api_key:
+            self.api_key = os.environ.get("MILES_API_KEY") or secrets.token_urlsafe(32)
+        return self.api_key
+
     def sampling_support_replay(self) -> bool:
         """Miles' sampling-support replay: on whenever rollouts sample from a truncated distribution."""
         return self.rollout_top_p < 1 or self.rollout_top_k > 0
@@ -415,7 +442,16 @@ class RunConfig:
 
     def config_hash(self) -> str:
         """Content hash of the settings that change what is trained (paths of outputs excluded)."""
-        skip = {"save", "load", "storage_root", "log_interval", "ray_address", "api_key", "run_name"}
+        skip = {
+            "save",
+            "load",
+            "storage_root",
+            "log_interval",
+            "ray_address",
+            "api_key",
+            "api_key_file",
+            "run_name",
+        }
         payload = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -63,6 +63,7 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.models.checkpoint import validate_hf_dir
 
     validate_hf_dir(cfg.hf_checkpoint)
+    cfg.resolve_api_key()  # secure by default: no run is open to other local processes
     if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
         from miles_platform.rollout.engines import embedded_max_running_requests
 
@@ -186,6 +187,10 @@ class RLRun:
 
                 # one engine: talk to it directly (a router hop would add latency and nothing else)
                 url = engines[0].url if len(engines) == 1 else router.url
+                self.reporter.log(
+                    f"engines {' '.join(e.url for e in engines)} router {router.url}: every call needs the "
+                    "run's bearer token (--api-key / --api-key-file / $MILES_API_KEY, else generated)"
+                )
                 manager = RolloutManager(cfg, tok, src, url)
                 session = UpdateSession(cfg, self.paths, engines, trainers) if trainers else None
                 if session is not None:

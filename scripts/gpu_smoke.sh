@@ -14,7 +14,7 @@ DATA="${DATA:-}"
 ROOT="${ROOT:-$(mktemp -d /tmp/miles_gpu_smoke.XXXX)}"
 PY="${PY:-.venv/bin/python}"
 LOG="$ROOT/gpu_smoke.log"
-export RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false CUDA_DEVICE_MAX_CONNECTIONS=1
+export TOKENIZERS_PARALLELISM=false CUDA_DEVICE_MAX_CONNECTIONS=1
 
 nvidia-smi -L >/dev/null 2>&1 || { echo "gpu_smoke: no NVIDIA GPU visible (nvidia-smi -L failed)" >&2; exit 2; }
 "$PY" -c "import sglang, transformer_engine" 2>/dev/null \

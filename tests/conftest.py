@@ -11,7 +11,6 @@ import pytest
 
 from miles_platform.cluster.ports import free_port
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -99,7 +99,7 @@ def _pids_in_session(sid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def two_node_cluster():
     temp_dir = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # short: Ray socket paths have a length limit
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = dict(os.environ)  # Ray token auth stays on (the token is ~/.ray/auth_token)
     env.pop("RAY_ADDRESS", None)
     gcs, client, *rest = _free_ports(12)
     head_ports, worker_ports = rest[:5], rest[5:]

@@ -186,13 +186,24 @@ def test_bad_input_is_400_and_engine_keeps_serving(engine, body, needle):
 def test_api_key_and_request_size_limit(engine):
     guarded = start_engine_server(core=engine.core, api_key="s3cret", max_request_bytes=2000)
     try:
-        assert httpx.get(f"{guarded.url}/health").status_code == 401
+        assert httpx.get(f"{guarded.url}/health").status_code == 200  # liveness probes stay open
+        for path in ("/get_model_info", "/get_server_info", "/health_generate"):
+            assert httpx.get(f"{guarded.url}{path}").status_code == 401, path
+        hijack = {"model_path": "/tmp", "weight_version": 99}  # the hijack of issue 19: refused
+        assert httpx.post(f"{guarded.url}/update_weights_from_disk", json=hijack).status_code == 401
+        assert httpx.post(f"{guarded.url}/health", json={}).status_code in (401, 405)
         r = httpx.post(
             f"{guarded.url}/generate", json={"input_ids": [1, 2]}, headers={"Authorization": "Bearer no"}
         )
         assert r.status_code == 401
         auth = {"Authorization": "Bearer s3cret"}
-        assert httpx.get(f"{guarded.url}/health", headers=auth).status_code == 200
+        assert httpx.get(f"{guarded.url}/get_model_info", headers=auth).status_code == 200
+        lower = {"Authorization": "bearer s3cret"}  # the scheme is case-insensitive (RFC 7235)
+        assert httpx.get(f"{guarded.url}/get_model_info", headers=lower).status_code == 200
+        assert (
+            httpx.get(f"{guarded.url}/get_model_info", headers={"Authorization": "Basic s3cret"}).status_code
+            == 401
+        )
         r = httpx.post(f"{guarded.url}/generate", json={"input_ids": [1] * 1000}, headers=auth)
         assert r.status_code == 413
         ok = httpx.post(f"{guarded.url}/generate", json={"input_ids": [1, 2]}, headers=auth, timeout=30)

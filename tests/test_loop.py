@@ -2,12 +2,14 @@
 
 import json
 import os
+import re
 
+import httpx
 import pytest
 from loop_helpers import small_run_config, write_prompts
 
 from miles_platform.config import ConfigError, RunConfig
-from miles_platform.loop import train, validate_before_start
+from miles_platform.loop import Reporter, train, validate_before_start
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 
@@ -20,6 +22,25 @@ def _cfg(ckpt, tmp_path, **kw):
     return small_run_config(ckpt, tmp_path, **{"ci_test": True, "save_interval": 1, **kw})
 
 
+class _HijackProbe(Reporter):
+    """At the first rollout, tries what any local process could: swap the run's weights."""
+
+    def __init__(self):
+        self.urls, self.statuses = [], []
+
+    def log(self, msg: str) -> None:
+        if msg.startswith("engines "):
+            self.urls = re.findall(r"http://127\.0\.0\.1:\d+", msg)
+
+    def on_rollout(self, rollout_id, metrics) -> None:
+        if rollout_id == 0:
+            body = {"model_path": "/tmp", "weight_version": 999}
+            self.statuses = [
+                httpx.post(f"{u}/update_weights_from_disk", json=body, timeout=10).status_code
+                for u in self.urls
+            ]
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, tmp_path, backend):
     # megatron also samples at T 0.7 from a top-k 8 / top-p 0.9 support (sampling-support replay)
@@ -28,7 +49,11 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     )
     cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend, eval_interval=2, **sampling,
                eval_prompt_data=["heldout", _data(tmp_path)], save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"))  # fmt: skip
-    res = train(cfg)
+    rep = _HijackProbe()
+    res = train(cfg, rep)
+    # a default run (no --api-key) is closed to other local processes: the weight-swap hijack of
+    # issue 19, sent without the run's secret to the router and the engine, is refused
+    assert rep.statuses and set(rep.statuses) == {401}, rep.statuses
     assert "eval/heldout/pass@1" in res.metrics[1] and "eval/heldout/pass@1" not in res.metrics[0]
     assert os.path.exists(tmp_path / "hf" / "iter_1" / "model.safetensors")
     assert res.final_version == 2 and len(res.versions) == 2
@@ -197,3 +222,25 @@ def test_over_sampling_surplus_is_buffered_and_served_by_the_buffer_filter(tiny_
         "select rollout_id, count(*) filter (where metadata like '%newest_first%') from rollouts group by 1 order by 1"
     )
     assert rows == [(0, 0), (1, 4)]  # rollout 1 = the 2 buffered groups x 2 samples, picked by the filter
+
+
+def test_every_run_has_a_secret_and_keys_stay_out_of_argv(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.delenv("MILES_API_KEY", raising=False)
+    a, b = (_cfg(tiny_hf_checkpoint, tmp_path) for _ in range(2))
+    validate_before_start(a)
+    validate_before_start(b)
+    assert a.api_key and b.api_key and a.api_key != b.api_key and len(a.api_key) >= 32
+    assert a.config_hash() == b.config_hash()  # the secret is not part of what is trained
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    c = _cfg(tiny_hf_checkpoint, tmp_path, api_key_file=str(key_file))
+    validate_before_start(c)
+    assert c.api_key == "from-a-file"
+    monkeypatch.setenv("MILES_API_KEY", "from-env")
+    d = _cfg(tiny_hf_checkpoint, tmp_path)
+    validate_before_start(d)
+    assert d.api_key == "from-env"
+    with pytest.raises(ConfigError, match="--api-key-file .*cannot read"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, api_key_file=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="give one"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, api_key="x", api_key_file=str(key_file)))

@@ -88,8 +88,13 @@ def test_router_errors_auth_and_no_workers(tiny_hf_checkpoint):
     eng = start_engine_server(tiny_hf_checkpoint, api_key="engine-key")
     guarded = start_router(worker_urls=[eng.url], api_key="router-key", worker_api_key="engine-key")
     empty = start_router()
+    # a router that holds the worker key but asks none of its clients would hand it to any URL
+    # an anonymous /add_worker names: refused at start
+    with pytest.raises(ValueError, match="needs its own --api-key"):
+        start_router(worker_urls=[eng.url], worker_api_key="engine-key")
     try:
         assert httpx.get(f"{guarded.url}/list_workers").status_code == 401
+        assert httpx.post(f"{guarded.url}/add_worker", json={"url": "http://127.0.0.1:9"}).status_code == 401
         auth = {"Authorization": "Bearer router-key"}
         r = httpx.post(f"{guarded.url}/generate", json={"input_ids": [1, 2]}, headers=auth, timeout=30)
         assert r.status_code == 200, r.text

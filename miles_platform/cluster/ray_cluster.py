@@ -14,12 +14,14 @@ so the placement logic that runs on a laptop is the one that runs on a GPU clust
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from miles_platform.config import ConfigError, RunConfig
 
+log = logging.getLogger(__name__)
 ROLES = ("actor", "rollout")
 # Fraction of a bundle each process takes. Colocated roles share a bundle; Miles uses 0.4 / 0.2.
 ACTOR_SHARE = {True: 0.4, False: 0.8}
@@ -47,7 +49,9 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
     """Join `--ray-address` / `RAY_ADDRESS`, or start a private local cluster.
 
     A local start never attaches to someone else's `ray start` on this machine (`address="local"`),
-    has no dashboard, and offers `max(os.cpu_count(), CPUs the placement plan needs)` logical
+    advertises 127.0.0.1 as its node address, runs with Ray's token auth (Ray's default; the token
+    lives in ~/.ray/auth_token, so only this user's processes can submit work), has no dashboard,
+    and offers `max(os.cpu_count(), CPUs the placement plan needs)` logical
     CPUs so the plan fits even on a small laptop.
     """
     import ray
@@ -66,8 +70,14 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
         return RayContext(address=addr, started_local=False, connected=True)
     need = sum(p.num_bundles * p.bundle.get("CPU", 0.0) for p in plan_placement(cfg, use_gpu=False).values())
     num_cpus = max(os.cpu_count() or 1, int(-(-need // 1)))
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        log.warning(
+            "RAY_AUTH_MODE=disabled: the local Ray cluster accepts work from any process that reaches "
+            "its ports; unset it to keep Ray's token auth"
+        )
     ray.init(
         address="local",
+        _node_ip_address="127.0.0.1",
         num_cpus=num_cpus,
         include_dashboard=False,
         namespace=namespace,

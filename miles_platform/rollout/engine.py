@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import logging
+import os
 import signal
 import socket
 import threading
@@ -35,12 +37,18 @@ def error(status: int, message: str, **extra) -> JSONResponse:
 
 
 def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
-    """Bearer-token auth (401) and a request size limit (413), shared by engine and router."""
+    """Bearer-token auth (401) and a request size limit (413), shared by engine and router.
+
+    Every endpoint needs the key except `GET /health` (liveness probes; it reveals nothing). The
+    scheme is case-insensitive (RFC 7235) and the token is compared in constant time."""
+    want = api_key.encode() if api_key else None
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-            return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
+        if want and not (request.method == "GET" and request.url.path == "/health"):
+            scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), want):
+                return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_request_bytes:
             return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}")
@@ -360,7 +368,11 @@ def cli_main(argv: list[str]) -> int:
     )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("MILES_API_KEY"),
+        help="require Authorization: Bearer <key> (default: $MILES_API_KEY)",
+    )
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--max-running-requests", type=int, default=512, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)

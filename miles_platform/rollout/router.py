@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -325,6 +326,11 @@ def start_router(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> RouterServer:
     """Start the router in a background thread (port 0 = a free port)."""
+    if worker_api_key and not api_key:
+        raise ValueError(
+            "a router holding --worker-api-key needs its own --api-key: otherwise anyone could "
+            "/add_worker their own URL and receive the worker key"
+        )
     router = Router(
         list(worker_urls),
         max_concurrency_per_worker,
@@ -341,7 +347,11 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--worker-urls", nargs="*", default=[], help="engine URLs to start with")
-    ap.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> from clients")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("MILES_API_KEY"),
+        help="require Authorization: Bearer <key> from clients (default: $MILES_API_KEY)",
+    )
     ap.add_argument("--worker-api-key", default=None, help="bearer token sent to the engines")
     ap.add_argument("--max-concurrency-per-worker", type=int, default=64)
     ap.add_argument("--health-check-interval", type=float, default=5.0, help="seconds between /health probes")
