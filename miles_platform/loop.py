@@ -159,7 +159,18 @@ class RLRun:
             raise ConfigError(
                 f"--global-batch-size {cfg.global_batch_size} must divide over {world} trainer ranks"
             )
-        ctx = init_ray(cfg)
+        from miles_platform.store.run_lock import RunLock
+
+        # one writer per run, taken after validation and before anything starts
+        lock = None if "://" in self.paths.root else RunLock(self.paths.run_dir(cfg.run_name), cfg.run_name)
+        if lock is not None:
+            lock.acquire()
+        try:
+            ctx = init_ray(cfg)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         engines = router = groups = manager = None
         try:
             from miles_platform.cluster.ray_cluster import create_placement_groups
@@ -217,6 +228,8 @@ class RLRun:
 
                 remove_placement_groups(groups)
             shutdown_ray(ctx)
+            if lock is not None:
+                lock.release()
 
     def _initial_sync(self, trainers, session, version: int, resumed: bool) -> None:
         """Engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them first."""

@@ -244,3 +244,32 @@ def test_every_run_has_a_secret_and_keys_stay_out_of_argv(tiny_hf_checkpoint, tm
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, api_key_file=str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="give one"):
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, api_key="x", api_key_file=str(key_file)))
+
+
+def test_one_writer_per_run_and_a_dead_writers_lock_is_taken_over(tiny_hf_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    from miles_platform.loop import RLRun
+    from miles_platform.store.run_lock import RunLock, RunLocked
+
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=1, debug_rollout_only=True, ci_test=False)
+    run_dir = StoragePaths(cfg.storage_root).run_dir(cfg.run_name)
+    # another process holds the run (a live `train`): the second writer is refused before Ray starts
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from miles_platform.store.run_lock import RunLock; "
+         f"RunLock({run_dir!r}, 't').acquire(); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLocked, match=rf"run 't' is being written by pid {holder.pid} on "):
+            RLRun(cfg).run()
+    finally:
+        holder.kill()
+        holder.wait()
+    # kill -9 freed it: the next writer takes it over, and releases it when done
+    with RunLock(run_dir, "t"):
+        with pytest.raises(RunLocked):
+            RunLock(run_dir, "t").acquire()
+    RunLock(run_dir, "t").acquire().release()
