@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -49,6 +50,39 @@ def _f(default: Any, group: str, help: str, choices: tuple | None = None, nargs:
     if isinstance(default, list | dict):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+_POSITIVE = (1, None, False, "an integer >= 1")
+_NON_NEGATIVE = (0, None, False, ">= 0")
+_FRACTION = (0, 1, True, "in (0, 1]")
+_UNIT = (0, 1, False, "in [0, 1]")
+_FINITE = (-math.inf, None, True, "a finite number")
+# flag -> (low, high, low excluded, what the error says); None values are skipped
+_RANGES: dict[str, tuple] = {
+    **dict.fromkeys(
+        ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "save_interval",
+         "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "global_batch_size",
+         "num_steps_per_rollout", "over_sampling_batch_size", "rollout_max_prompt_len",
+         "rollout_max_concurrency", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
+         "micro_batch_size", "max_tokens_per_gpu", "update_weights_interval", "log_interval",
+         "async_buffer_capacity", "lr_decay_iters"),
+        _POSITIVE,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("num_rollout", "rollout_num_gpus", "lr_warmup_iters", "max_weight_staleness", "num_cpus_per_actor",
+         "lr", "min_lr", "weight_decay", "eps_clip", "eps_clip_high", "critic_lr", "eval_temperature"),
+        _NON_NEGATIVE,
+    ),  # fmt: skip
+    **dict.fromkeys(("rollout_top_p", "eval_top_p"), _FRACTION),
+    **dict.fromkeys(("gamma", "lambd"), _UNIT),
+    **dict.fromkeys(("kl_loss_coef", "kl_coef", "entropy_coef", "rollout_temperature"), _FINITE),
+    "adam_beta1": (0, 1, False, "in [0, 1)"),
+    "adam_beta2": (0, 1, False, "in [0, 1)"),
+    "adam_eps": (0, None, True, "> 0"),
+    "clip_grad": (0, None, True, "> 0"),
+    "tis_lower_bound": (0, None, False, ">= 0"),
+    "tis_upper_bound": (0, None, True, "> 0"),
+}
 
 
 @dataclass
@@ -319,6 +353,7 @@ class RunConfig:
     # ------------------------------------------------------------------
     def validate(self) -> RunConfig:
         """Derive the unset batch knob and reject contradictions. Returns self."""
+        self._check_ranges()
         derive_batch_knobs(self)
         if self.load_debug_rollout_data:
             self.debug_train_only = True
@@ -398,6 +433,29 @@ class RunConfig:
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
+
+    def _check_ranges(self) -> None:
+        """Every numeric flag in its range (NaN and inf included), with the flag named."""
+        for name, (lo, hi, lo_open, what) in _RANGES.items():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ConfigError(f"{_flag(name)} {v!r}: expected a number")
+            ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+            if not ok:
+                raise ConfigError(f"{_flag(name)} {v}: must be {what}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if getattr(self, name) >= 1:
+                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be in [0, 1)")
+        if self.rollout_top_k != -1 and self.rollout_top_k < 1:
+            raise ConfigError(f"--rollout-top-k {self.rollout_top_k}: must be -1 (off) or >= 1")
+        if self.eval_top_k is not None and self.eval_top_k != -1 and self.eval_top_k < 1:
+            raise ConfigError(f"--eval-top-k {self.eval_top_k}: must be -1 (off) or >= 1")
+        if self.tis_lower_bound > self.tis_upper_bound:
+            raise ConfigError(
+                f"--tis-lower-bound {self.tis_lower_bound} > --tis-upper-bound {self.tis_upper_bound}"
+            )
 
     def resolve_api_key(self) -> str:
         """The run's secret, set on `api_key`: --api-key, else --api-key-file, else $MILES_API_KEY,

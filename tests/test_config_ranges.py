@@ -1,0 +1,38 @@
+"""Every numeric flag is range-checked in RunConfig.validate (before Ray, before any write), with
+the flag named: the late or silent failures of issue 19 now fail in validation."""
+
+import pytest
+
+from miles_platform.config import ConfigError, RunConfig, parse_run_config
+
+BAD = [
+    ("--micro-batch-size", "0"),
+    ("--micro-batch-size", "-1"),
+    ("--update-weights-interval", "0"),
+    ("--rollout-temperature", "-1"),
+    ("--rollout-temperature", "nan"),
+    ("--rollout-top-p", "2"),
+    ("--rollout-top-k", "0"),
+    ("--lr", "nan"),
+    ("--lr", "inf"),
+    ("--num-rollout", "-3"),
+    ("--save-interval", "-1"),
+    ("--n-samples-per-prompt", "0"),
+    ("--clip-grad", "0"),
+    ("--adam-beta2", "1"),
+    ("--gamma", "1.5"),
+    ("--eval-top-p", "0"),
+    ("--tis-lower-bound", "3"),
+]
+
+
+@pytest.mark.parametrize("flag,value", BAD, ids=[f"{f}={v}" for f, v in BAD])
+def test_out_of_range_flags_are_refused_naming_the_flag(flag, value):
+    with pytest.raises(ConfigError, match=flag):
+        parse_run_config(["--rollout-batch-size", "2", flag, value]).validate()
+
+
+def test_defaults_and_edge_values_pass():
+    RunConfig(rollout_batch_size=2).validate()
+    RunConfig(rollout_batch_size=2, num_rollout=0, lr=0.0, rollout_top_p=1.0, gamma=1.0, eval_temperature=0.0,
+              rollout_top_k=1, tis_lower_bound=2.0, tis_upper_bound=2.0).validate()  # fmt: skip
