@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,8 +290,12 @@ class RunConfig:
 
     # --- debug ---
     debug_rollout_only: bool = _f(False, "debug", "generate and store rollouts, no training")
-    debug_train_only: bool = _f(False, "debug", "train on loaded rollouts, no engines")
-    save_debug_rollout_data: str | None = _f(None, "debug", "Parquet path template with {rollout_id}")
+    debug_train_only: bool = _f(
+        False, "debug", "train on loaded rollouts, no engines (needs --load-debug-rollout-data)"
+    )
+    save_debug_rollout_data: str | None = _f(
+        None, "debug", "Parquet path template with {rollout_id}, one file per rollout"
+    )
     load_debug_rollout_data: str | None = _f(
         None, "debug", "replay Parquet rollouts (implies --debug-train-only)"
     )
@@ -316,6 +321,13 @@ class RunConfig:
             self.debug_train_only = True
         if self.debug_rollout_only and self.debug_train_only:
             raise ConfigError("--debug-rollout-only and --debug-train-only exclude each other")
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            raise ConfigError(
+                "--debug-train-only needs --load-debug-rollout-data (the Parquet path template that "
+                "--save-debug-rollout-data wrote): no engines start, so there is nothing else to train on"
+            )
+        if self.save_debug_rollout_data:
+            _check_rollout_template("--save-debug-rollout-data", self.save_debug_rollout_data)
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
             raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
         if self.rollout_max_response_len is not None and self.rollout_max_response_len <= 0:
@@ -396,6 +408,20 @@ class RunConfig:
                 f"unknown config keys {unknown}; see `miles-platform train --help` for valid flags"
             )
         return cls(**clean)
+
+
+def _check_rollout_template(flag: str, template: str) -> None:
+    """A per-rollout path template: must name {rollout_id} (else every rollout overwrites one file)
+    and nothing else (str.format would fail on it mid-run)."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ConfigError(f"{flag} {template!r}: not a valid path template ({e})") from None
+    if "rollout_id" not in names or names - {"rollout_id"}:
+        raise ConfigError(
+            f"{flag} {template!r} must contain {{rollout_id}} and no other {{field}}: one file per rollout, "
+            "e.g. /tmp/rollout_{rollout_id}.parquet (a fixed path would be overwritten every rollout)"
+        )
 
 
 def derive_batch_knobs(cfg: RunConfig) -> None:
