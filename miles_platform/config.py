@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -410,6 +411,11 @@ class RunConfig:
         return cls(**clean)
 
 
+def _default(name: str) -> Any:
+    f = RunConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _check_rollout_template(flag: str, template: str) -> None:
     """A per-rollout path template: must name {rollout_id} (else every rollout overwrites one file)
     and nothing else (str.format would fail on it mid-run)."""
@@ -484,22 +490,40 @@ def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
     )
     groups = {g: parser.add_argument_group(f"{g} arguments") for g in GROUPS}
     for f in dataclasses.fields(RunConfig):
-        if f.name == "sglang_args":
-            continue
-        meta, g = f.metadata, groups[f.metadata["group"]]
-        kw: dict[str, Any] = {"help": meta["help"], "dest": f.name, "default": argparse.SUPPRESS}
-        if f.type in ("bool", bool):
-            g.add_argument(_flag(f.name), action="store_true", **kw)
-            continue
-        if meta["nargs"]:
-            kw["nargs"] = meta["nargs"]
-            kw["type"] = int if "int" in str(f.type) else str
-        else:
-            kw["type"] = _scalar_type(str(f.type))
-        if meta["choices"]:
-            kw["choices"] = meta["choices"]
-        g.add_argument(_flag(f.name), *[_flag(a) for a, n in ALIASES.items() if n == f.name], **kw)
+        if f.name != "sglang_args":
+            _add_flag(groups[f.metadata["group"]], f, argparse.SUPPRESS)
     return parser
+
+
+# The flags other commands share with `train` (one definition each, see `add_flags`)
+DATASET_FLAGS = ("input_key", "label_key", "metadata_key", "apply_chat_template")
+REWARD_FLAGS = ("rm_type", "rm_url", "custom_rm_path", "group_rm", "reward_key", "eval_reward_key")
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Sequence[str], **defaults: Any) -> None:
+    """Add RunConfig fields `names` to another command's parser with train's flag name, type,
+    choices and help. `defaults` replaces a field's default for that command; help then shows it."""
+    for name in names:
+        f = RunConfig.__dataclass_fields__[name]
+        _add_flag(parser, f, defaults.get(name, _default(name)), shown=name in defaults)
+
+
+def _add_flag(group, f: dataclasses.Field, default: Any, shown: bool = False) -> None:
+    """One RunConfig field as an argparse flag (its Miles name plus any ALIASES)."""
+    meta, text = f.metadata, f.metadata["help"]
+    text += " (default: %(default)s)" if shown else ""
+    kw: dict[str, Any] = {"help": text, "dest": f.name, "default": default}
+    if f.type in ("bool", bool):
+        group.add_argument(_flag(f.name), action="store_true", **kw)
+        return
+    if meta["nargs"]:
+        kw["nargs"] = meta["nargs"]
+        kw["type"] = int if "int" in str(f.type) else str
+    else:
+        kw["type"] = _scalar_type(str(f.type))
+    if meta["choices"]:
+        kw["choices"] = meta["choices"]
+    group.add_argument(_flag(f.name), *[_flag(a) for a, n in ALIASES.items() if n == f.name], **kw)
 
 
 def _scalar_type(t: str):

@@ -363,7 +363,8 @@ class RLRun:
             None, c.eval_datasets(), c.n_samples_per_eval_prompt, s["max_new_tokens"], s["temperature"],
             s["top_p"], s["top_k"], rm_type=c.rm_type or "math", args=c, seed=c.seed,
             generate_fn=router_generate_fn(manager), input_key=c.input_key,
-            label_key=c.label_key or "label",
+            label_key=c.label_key or "label", metadata_key=c.metadata_key,
+            apply_chat_template=c.apply_chat_template, tokenizer=manager.tok,
         )  # fmt: skip
         out, rows = {}, []
         for name, r in res.items():
