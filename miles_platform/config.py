@@ -158,7 +158,9 @@ class RunConfig:
     eval_temperature: float | None = _f(None, "eval", "inherits --rollout-temperature (pass@1 greedy uses 0)")
     eval_top_p: float | None = _f(None, "eval", "inherits --rollout-top-p")
     eval_top_k: int | None = _f(None, "eval", "inherits --rollout-top-k")
-    skip_eval_before_train: bool = _f(False, "eval", "skip the eval of the initial policy")
+    skip_eval_before_train: bool = _f(
+        False, "eval", "skip the eval of the initial policy (v0) before the first rollout of a fresh run"
+    )
 
     # --- algorithm ---
     loss_type: str = _f(
