@@ -17,6 +17,8 @@ import json
 import math
 import os
 import secrets
+import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,17 +62,46 @@ _FINITE = (-math.inf, None, True, "a finite number")
 # flag -> (low, high, low excluded, what the error says); None values are skipped
 _RANGES: dict[str, tuple] = {
     **dict.fromkeys(
-        ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "save_interval",
-         "num_epoch", "rollout_batch_size", "n_samples_per_prompt", "global_batch_size",
-         "num_steps_per_rollout", "over_sampling_batch_size", "rollout_max_prompt_len",
-         "rollout_max_concurrency", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
-         "micro_batch_size", "max_tokens_per_gpu", "update_weights_interval", "log_interval",
-         "async_buffer_capacity", "lr_decay_iters"),
+        (
+            "actor_num_nodes",
+            "actor_num_gpus_per_node",
+            "rollout_num_gpus_per_engine",
+            "save_interval",
+            "num_epoch",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "global_batch_size",
+            "num_steps_per_rollout",
+            "over_sampling_batch_size",
+            "rollout_max_prompt_len",
+            "rollout_max_concurrency",
+            "eval_interval",
+            "n_samples_per_eval_prompt",
+            "eval_max_response_len",
+            "micro_batch_size",
+            "max_tokens_per_gpu",
+            "update_weights_interval",
+            "log_interval",
+            "async_buffer_capacity",
+            "lr_decay_iters",
+        ),
         _POSITIVE,
     ),  # fmt: skip
     **dict.fromkeys(
-        ("num_rollout", "rollout_num_gpus", "lr_warmup_iters", "max_weight_staleness", "num_cpus_per_actor",
-         "lr", "min_lr", "weight_decay", "eps_clip", "eps_clip_high", "critic_lr", "eval_temperature"),
+        (
+            "num_rollout",
+            "rollout_num_gpus",
+            "lr_warmup_iters",
+            "max_weight_staleness",
+            "num_cpus_per_actor",
+            "lr",
+            "min_lr",
+            "weight_decay",
+            "eps_clip",
+            "eps_clip_high",
+            "critic_lr",
+            "eval_temperature",
+        ),
         _NON_NEGATIVE,
     ),  # fmt: skip
     **dict.fromkeys(("rollout_top_p", "eval_top_p"), _FRACTION),
@@ -198,7 +229,9 @@ class RunConfig:
     eval_temperature: float | None = _f(None, "eval", "inherits --rollout-temperature (pass@1 greedy uses 0)")
     eval_top_p: float | None = _f(None, "eval", "inherits --rollout-top-p")
     eval_top_k: int | None = _f(None, "eval", "inherits --rollout-top-k")
-    skip_eval_before_train: bool = _f(False, "eval", "skip the eval of the initial policy")
+    skip_eval_before_train: bool = _f(
+        False, "eval", "skip the eval of the initial policy (v0) before the first rollout of a fresh run"
+    )
 
     # --- algorithm ---
     loss_type: str = _f(
@@ -331,8 +364,12 @@ class RunConfig:
 
     # --- debug ---
     debug_rollout_only: bool = _f(False, "debug", "generate and store rollouts, no training")
-    debug_train_only: bool = _f(False, "debug", "train on loaded rollouts, no engines")
-    save_debug_rollout_data: str | None = _f(None, "debug", "Parquet path template with {rollout_id}")
+    debug_train_only: bool = _f(
+        False, "debug", "train on loaded rollouts, no engines (needs --load-debug-rollout-data)"
+    )
+    save_debug_rollout_data: str | None = _f(
+        None, "debug", "Parquet path template with {rollout_id}, one file per rollout"
+    )
     load_debug_rollout_data: str | None = _f(
         None, "debug", "replay Parquet rollouts (implies --debug-train-only)"
     )
@@ -359,6 +396,13 @@ class RunConfig:
             self.debug_train_only = True
         if self.debug_rollout_only and self.debug_train_only:
             raise ConfigError("--debug-rollout-only and --debug-train-only exclude each other")
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            raise ConfigError(
+                "--debug-train-only needs --load-debug-rollout-data (the Parquet path template that "
+                "--save-debug-rollout-data wrote): no engines start, so there is nothing else to train on"
+            )
+        if self.save_debug_rollout_data:
+            _check_rollout_template("--save-debug-rollout-data", self.save_debug_rollout_data)
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:
             raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
         if self.rollout_max_response_len is not None and self.rollout_max_response_len <= 0:
@@ -379,21 +423,9 @@ class RunConfig:
         for name in ("disk_delta_keyframe_interval", "disk_delta_encode_workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        not_built = {
-            "rollout_function_path": "--rollout-function-path",
-            "custom_generate_function_path": "--custom-generate-function-path",
-        }
-        for name, flag in not_built.items():
-            if getattr(self, name):
-                raise ConfigError(
-                    f"{flag} is not supported by this build yet (use --custom-rm-path, the filter hooks and --custom-loss-function-path)"
-                )
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} {getattr(self, name)}: the trainer runs data-parallel only "
-                    "(TP > 1 is supported by `miles-platform convert`, not by training yet)"
-                )
+        for name, why in REFUSED.items():
+            if getattr(self, name) != _default(name):
+                raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
@@ -532,6 +564,40 @@ class RunConfig:
         return cls(**clean)
 
 
+# Miles flags this build does not implement. Set to anything but the default they are an error, never
+# silently ignored (tests/test_config_flags.py fails on any field that nothing reads and nothing refuses).
+_NOT_BUILT = (
+    "not supported by this build yet (use --custom-rm-path, the filter hooks and --custom-loss-function-path)"
+)
+_DP_ONLY = "the trainer runs data-parallel only"
+REFUSED: dict[str, str] = {
+    "rollout_function_path": _NOT_BUILT,
+    "custom_generate_function_path": _NOT_BUILT,
+    "tensor_model_parallel_size": f"{_DP_ONLY} (TP > 1 is supported by `miles-platform convert`, not by training yet)",
+    "pipeline_model_parallel_size": _DP_ONLY,
+    "context_parallel_size": _DP_ONLY,
+}
+
+
+def _default(name: str) -> Any:
+    f = RunConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _check_rollout_template(flag: str, template: str) -> None:
+    """A per-rollout path template: must name {rollout_id} (else every rollout overwrites one file)
+    and nothing else (str.format would fail on it mid-run)."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ConfigError(f"{flag} {template!r}: not a valid path template ({e})") from None
+    if "rollout_id" not in names or names - {"rollout_id"}:
+        raise ConfigError(
+            f"{flag} {template!r} must contain {{rollout_id}} and no other {{field}}: one file per rollout, "
+            "e.g. /tmp/rollout_{rollout_id}.parquet (a fixed path would be overwritten every rollout)"
+        )
+
+
 def derive_batch_knobs(cfg: RunConfig) -> None:
     """rollout_batch_size * n_samples_per_prompt = global_batch_size * num_steps_per_rollout."""
     rbs, n, gbs, steps = (
@@ -592,22 +658,41 @@ def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
     )
     groups = {g: parser.add_argument_group(f"{g} arguments") for g in GROUPS}
     for f in dataclasses.fields(RunConfig):
-        if f.name == "sglang_args":
-            continue
-        meta, g = f.metadata, groups[f.metadata["group"]]
-        kw: dict[str, Any] = {"help": meta["help"], "dest": f.name, "default": argparse.SUPPRESS}
-        if f.type in ("bool", bool):
-            g.add_argument(_flag(f.name), action="store_true", **kw)
-            continue
-        if meta["nargs"]:
-            kw["nargs"] = meta["nargs"]
-            kw["type"] = int if "int" in str(f.type) else str
-        else:
-            kw["type"] = _scalar_type(str(f.type))
-        if meta["choices"]:
-            kw["choices"] = meta["choices"]
-        g.add_argument(_flag(f.name), *[_flag(a) for a, n in ALIASES.items() if n == f.name], **kw)
+        if f.name != "sglang_args":
+            _add_flag(groups[f.metadata["group"]], f, argparse.SUPPRESS)
     return parser
+
+
+# The flags other commands share with `train` (one definition each, see `add_flags`)
+DATASET_FLAGS = ("input_key", "label_key", "metadata_key", "apply_chat_template")
+REWARD_FLAGS = ("rm_type", "rm_url", "custom_rm_path", "group_rm", "reward_key", "eval_reward_key")
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Sequence[str], **defaults: Any) -> None:
+    """Add RunConfig fields `names` to another command's parser with train's flag name, type,
+    choices and help. `defaults` replaces a field's default for that command; help then shows it."""
+    for name in names:
+        f = RunConfig.__dataclass_fields__[name]
+        _add_flag(parser, f, defaults.get(name, _default(name)), shown=name in defaults)
+
+
+def _add_flag(group, f: dataclasses.Field, default: Any, shown: bool = False) -> None:
+    """One RunConfig field as an argparse flag (its Miles name plus any ALIASES)."""
+    meta, text = f.metadata, f.metadata["help"]
+    text += " [not supported by this build: refused if set]" if f.name in REFUSED else ""
+    text += " (default: %(default)s)" if shown else ""
+    kw: dict[str, Any] = {"help": text, "dest": f.name, "default": default}
+    if f.type in ("bool", bool):
+        group.add_argument(_flag(f.name), action="store_true", **kw)
+        return
+    if meta["nargs"]:
+        kw["nargs"] = meta["nargs"]
+        kw["type"] = int if "int" in str(f.type) else str
+    else:
+        kw["type"] = _scalar_type(str(f.type))
+    if meta["choices"]:
+        kw["choices"] = meta["choices"]
+    group.add_argument(_flag(f.name), *[_flag(a) for a, n in ALIASES.items() if n == f.name], **kw)
 
 
 def _scalar_type(t: str):

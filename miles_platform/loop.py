@@ -49,6 +49,7 @@ class RunResult:
     versions: list[dict[str, Any]] = field(default_factory=list)
     metrics: list[dict[str, float]] = field(default_factory=list)
     ci_checks: dict[str, float] = field(default_factory=dict)
+    eval_before_train: dict[str, float] = field(default_factory=dict)  # v0's eval, as in Miles
 
 
 class CITestFailure(AssertionError):
@@ -207,11 +208,14 @@ class RLRun:
                 if session is not None:
                     self._initial_sync(trainers, session, version, resumed=state is not None)
             ctx_info = {"data_version": data_version, "base_version": base_version}
+            initial_eval = self._eval_before_train(manager, start, version)
             if cfg.fully_async and manager is not None:
                 from miles_platform.rollout.async_worker import AsyncRolloutWorker
 
                 self.worker = AsyncRolloutWorker(manager, cfg.async_buffer_capacity).start()
-            return self._loop(trainers, manager, session, engines, start, version, ctx_info)
+            result = self._loop(trainers, manager, session, engines, start, version, ctx_info)
+            result.eval_before_train = initial_eval
+            return result
         finally:
             if self.worker is not None:
                 self.worker.stop()
@@ -363,6 +367,17 @@ class RLRun:
             c.eval_prompt_data and c.eval_interval and hf_dir is not None and version % c.eval_interval == 0
         )
 
+    def _eval_before_train(self, manager, start: int, version: int) -> dict[str, float]:
+        """Miles evaluates the initial policy before the first rollout of a fresh run when eval is
+        configured, unless --skip-eval-before-train. A resumed run does not evaluate again."""
+        c = self.cfg
+        if manager is None or start != 0 or not (c.eval_prompt_data and c.eval_interval):
+            return {}
+        if c.skip_eval_before_train:
+            self.reporter.log("--skip-eval-before-train: no eval of v0")
+            return {}
+        return self._evaluate(manager, version)
+
     def _evaluate(self, manager, version: int) -> dict[str, float]:
         """Miles' in-loop eval (--eval-interval) through the router, on the engines' current policy."""
         from miles_platform.rollout.evaluate import evaluate
@@ -375,7 +390,8 @@ class RLRun:
             None, c.eval_datasets(), c.n_samples_per_eval_prompt, s["max_new_tokens"], s["temperature"],
             s["top_p"], s["top_k"], rm_type=c.rm_type or "math", args=c, seed=c.seed,
             generate_fn=router_generate_fn(manager), input_key=c.input_key,
-            label_key=c.label_key or "label",
+            label_key=c.label_key or "label", metadata_key=c.metadata_key,
+            apply_chat_template=c.apply_chat_template, tokenizer=manager.tok,
         )  # fmt: skip
         out, rows = {}, []
         for name, r in res.items():

@@ -41,6 +41,7 @@ DEMO_RL = dict(
     ci_test=True,
     save_interval=100,
     eval_interval=10,  # the eval_on_new_policy sensor evaluates every 10th version
+    skip_eval_before_train=True,  # the summary evaluates the base checkpoint (v0) itself: once is enough
 )
 
 

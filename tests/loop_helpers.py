@@ -11,7 +11,8 @@ def write_prompts(tmp_path, n: int = 8) -> str:
     return str(p)
 
 
-def small_run_config(ckpt: str, tmp_path, **overrides) -> RunConfig:
+def small_run_kwargs(ckpt: str, tmp_path, **overrides) -> dict:
+    """The RunConfig keyword arguments of the small run, unvalidated (for tests of validation itself)."""
     base = dict(
         hf_checkpoint=ckpt,
         prompt_data=write_prompts(tmp_path),
@@ -28,7 +29,11 @@ def small_run_config(ckpt: str, tmp_path, **overrides) -> RunConfig:
         num_cpus_per_actor=0.5,
     )
     base.update(overrides)
-    return RunConfig(**base).validate()
+    return base
+
+
+def small_run_config(ckpt: str, tmp_path, **overrides) -> RunConfig:
+    return RunConfig(**small_run_kwargs(ckpt, tmp_path, **overrides)).validate()
 
 
 def newest_first(args, rollout_id, buffer, num_samples):

@@ -95,3 +95,66 @@ def test_cli_on_an_hf_checkpoint(tiny_hf_checkpoint, tiny_eval_data, capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and set(out["add"]) >= {"pass@1", "pass@k", "mean_reward"}
     assert 0.0 <= out["add"]["pass@1"] <= 1.0
+
+
+def test_cli_takes_and_honours_the_dataset_flags_train_takes(tiny_hf_checkpoint, tmp_path, capsys):
+    """Chat data: the error says to pass --apply-chat-template, and eval accepts it (and --metadata-key)."""
+    from miles_platform.errors import DataError
+
+    rows = [
+        {"messages": [{"role": "user", "content": "12+34="}], "answer": "46", "info": {"carry": False}},
+        {"messages": [{"role": "user", "content": "18+25="}], "answer": "43", "info": {"carry": True}},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--hf-checkpoint", tiny_hf_checkpoint, "--eval-prompt-data", "chat", str(path), "--input-key",
+            "messages", "--label-key", "answer", "--eval-max-response-len", "1", "--json"]  # fmt: skip
+    with pytest.raises(DataError, match="pass --apply-chat-template"):
+        cli_main(argv)
+    assert cli_main(argv + ["--apply-chat-template", "--metadata-key", "info"]) == 0
+    out = json.loads(capsys.readouterr().out)["chat"]
+    assert out["num_prompts"] == 2 and {"pass@1/carry=False", "pass@1/carry=True"} <= set(out)
+
+
+def test_evaluate_renders_chat_prompts_with_the_tokenizer(tiny_hf_checkpoint, tmp_path):
+    """What the loop's in-loop eval relies on: prompts reach generation rendered by the chat template."""
+    _, tok = load_hf_checkpoint(tiny_hf_checkpoint)
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": "12+34=", "label": "46", "meta": {"carry": False}}) + "\n")
+    seen = []
+
+    def fake_generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        seen.extend(prompts)
+        return [["46"] * n for _ in prompts]
+
+    res = evaluate(None, [("c", str(path))], generate_fn=fake_generate, metadata_key="meta",
+                   apply_chat_template=True, tokenizer=tok)["c"]  # fmt: skip
+    want = tok.apply_chat_template(
+        [{"role": "user", "content": "12+34="}], tokenize=False, add_generation_prompt=True
+    )
+    assert seen[0] == want != "12+34=" and res["pass@1"] == 1.0 and res["pass@1/carry=False"] == 1.0
+
+
+def _options_without_help(help_text: str) -> list[str]:
+    """Option entries of an argparse --help that carry no description."""
+    lines, bare = help_text.splitlines(), []
+    for i, line in enumerate(lines):
+        if not line.startswith("  -"):
+            continue
+        has_inline = len(line.strip().split("  ", 1)) == 2
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        has_next = nxt.startswith("   ") and nxt.strip() != ""  # option lines are indented by two
+        if not (has_inline or has_next):
+            bare.append(line.strip())
+    return bare
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_every_option_in_help_has_a_description(command, capsys):
+    from miles_platform.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert exc.value.code == 0 and _options_without_help(text) == []
+    assert "--apply-chat-template" in text and "--metadata-key" in text

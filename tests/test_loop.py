@@ -69,13 +69,18 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
             assert len(support) == len(resp) and all(t in s and len(s) <= 8 for t, s in zip(resp, support))
     _, pv = Catalog(paths).query("select version, parent_version from policy_versions order by 1")
     assert pv == [(1, 0), (2, 1)]
-    _, ev = Catalog(paths).query("select version, dataset from evals where metric = 'pass@1'")
-    assert ev == [(2, "heldout")]
+    # eval before train (Miles: unless --skip-eval-before-train): the initial policy is version 0
+    evals = "select version, partition_key, dataset from evals where metric = 'pass@1' order by version"
+    _, ev = Catalog(paths).query(evals)
+    assert ev == [(0, "t.v000000", "heldout"), (2, "t.v000002", "heldout")]
+    assert 0.0 <= res.eval_before_train["eval/heldout/pass@1"] <= 1.0
     assert os.path.exists(os.path.join(paths.checkpoints("t"), "latest_checkpointed_iteration.txt"))
-    # relaunching the same command with more rollouts resumes at rollout 2, version 2
-    cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend, **sampling)
+    # relaunching the same command with more rollouts resumes at rollout 2, version 2; no second v0 eval
+    cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend, eval_interval=2, **sampling,
+                eval_prompt_data=["heldout", _data(tmp_path)])  # fmt: skip
     res2 = train(cfg2)
     assert res2.start_rollout_id == 2 and res2.final_version == 3
+    assert Catalog(paths).query(evals)[1] == ev
     _, rows = Catalog(paths).query("select distinct rollout_id from rollouts order by 1")
     assert [r[0] for r in rows] == [0, 1, 2]
 
@@ -110,10 +115,13 @@ def test_mooncake_handoff_and_weight_transport(tiny_hf_checkpoint, tmp_path, moo
 def test_disk_delta_weights_and_fully_async(tiny_hf_checkpoint, tmp_path):
     cfg = _cfg(tiny_hf_checkpoint, tmp_path, update_weight_transfer_mode="disk-delta",
                update_weight_disk_dir=str(tmp_path / "pub"), fully_async=True, max_weight_staleness=4,
-               check_weight_update_equal=True, ci_test=False,
+               check_weight_update_equal=True, ci_test=False, eval_prompt_data=["heldout", _data(tmp_path)],
+               eval_interval=4, skip_eval_before_train=True,
                custom_update_weight_post_write_path="loop_helpers.record_post_write")  # fmt: skip
     res = train(cfg)
     assert res.final_version == 2
+    # eval is configured (next due at v4), and --skip-eval-before-train skipped the eval of v0
+    assert Catalog(StoragePaths(cfg.storage_root)).query("select count(*) from evals")[1] == [(0,)]
     from miles_platform.weights.disk_delta import committed_versions
 
     assert committed_versions(str(tmp_path / "pub")) == [0, 1, 2]  # base snapshot, then one per update

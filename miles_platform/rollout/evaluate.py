@@ -129,13 +129,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def load_eval_rows(path: str, input_key: str = "prompt", label_key: str = "label") -> list[dict]:
+def load_eval_rows(
+    path: str,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    apply_chat_template: bool = False,
+    tokenizer: Any | None = None,
+) -> list[dict]:
+    """Eval prompts, read exactly like training prompts (same keys, same chat template)."""
     from miles_platform.data.dataset import load_prompt_dataset
 
-    try:
-        records = load_prompt_dataset(path, input_key=input_key, label_key=label_key)
-    except TypeError:  # normalized parquet readers may not take keys
-        records = load_prompt_dataset(path)
+    records = load_prompt_dataset(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
     return [{"prompt": r.prompt, "label": r.label, "metadata": r.metadata} for r in records]
 
 
@@ -182,6 +187,9 @@ def evaluate(
     label_key: str = "label",
     max_prompts: int | None = None,
     breakdown_key: str | None = "carry",
+    metadata_key: str = "metadata",
+    apply_chat_template: bool = False,
+    tokenizer: Any | None = None,
 ) -> dict[str, dict[str, Any]]:
     """name -> {"pass@1" (greedy), "pass@k" (unbiased over n samples at `temperature`),
     "mean_reward" (over the n samples), "n", "k", "num_prompts"} and, when rows carry
@@ -190,7 +198,9 @@ def evaluate(
     `policy` is an HF dir or (model, tokenizer). `args` is a RunConfig-like object for the reward
     hub (rm_type, custom_rm_path, reward_key ...); without it one is built from `rm_type`.
     `generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed) -> list[list[str]]`
-    replaces local generation (e.g. the engine router).
+    replaces local generation (e.g. the engine router). `input_key` ... `apply_chat_template` read
+    the datasets as `train` reads prompts; the chat template is the policy's tokenizer's (or
+    `tokenizer`'s, which a caller passing `generate_fn` must give).
     """
     if args is None:
         args = SimpleNamespace(rm_type=rm_type, custom_rm_path=None, group_rm=False, reward_key=None)
@@ -198,19 +208,19 @@ def evaluate(
         if isinstance(policy, str):
             from miles_platform.models.checkpoint import load_hf_checkpoint
 
-            model, tokenizer = load_hf_checkpoint(policy)
+            model, tok = load_hf_checkpoint(policy)
         else:
-            model, tokenizer = policy
+            model, tok = policy
+        tokenizer = tok if tokenizer is None else tokenizer
 
         def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
-            return generate_local(
-                model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, n, seed
-            )
+            return generate_local(model, tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
 
     results: dict[str, dict[str, Any]] = {}
     k = n_samples_per_eval_prompt
     for name, path in datasets:
-        rows = load_eval_rows(path, input_key, label_key)[:max_prompts]
+        rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
+        rows = rows[:max_prompts]
         prompts = [r["prompt"] for r in rows]
         greedy = score(args, rows, generate_fn(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed))
         if temperature is not None and temperature <= 0:  # greedy samples are all the greedy answer
@@ -239,28 +249,39 @@ def evaluate(
 
 
 # ---------------------------------------------------------------- CLI
-def cli_main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`miles-platform eval`: the dataset and reward flags are train's own (config.add_flags)."""
+    from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, add_flags
+
     ap = argparse.ArgumentParser(prog="miles-platform eval", description=__doc__.splitlines()[0])
-    ap.add_argument("--hf-checkpoint", required=True)
-    ap.add_argument("--eval-prompt-data", nargs="+", required=True, metavar="NAME PATH")
-    ap.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
-    ap.add_argument("--eval-max-response-len", type=int, default=16)
-    ap.add_argument("--eval-temperature", type=float, default=1.0)
-    ap.add_argument("--eval-top-p", type=float, default=1.0)
-    ap.add_argument("--eval-top-k", type=int, default=-1)
-    ap.add_argument("--rm-type", default="math")
-    ap.add_argument("--custom-rm-path", default=None)
-    ap.add_argument("--input-key", default="prompt")
-    ap.add_argument("--label-key", default="label")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--hf-checkpoint", required=True, help="HF dir of the policy: weights, config, tokenizer")
+    ap.add_argument("--eval-prompt-data", nargs="+", required=True, metavar="NAME PATH",
+                    help="one or more `name path` pairs (JSONL or Parquet, any fsspec URI)")  # fmt: skip
+    add_flags(ap, ["n_samples_per_eval_prompt"])
+    sampled = "of the sampled responses (pass@k, mean reward; pass@1 is always greedy)"
+    ap.add_argument("--eval-max-response-len", type=int, default=16,
+                    help="max new tokens per response (default: %(default)s)")  # fmt: skip
+    ap.add_argument("--eval-temperature", type=float, default=1.0,
+                    help=f"temperature {sampled} (default: %(default)s)")  # fmt: skip
+    ap.add_argument("--eval-top-p", type=float, default=1.0, help=f"top-p {sampled} (default: %(default)s)")
+    ap.add_argument("--eval-top-k", type=int, default=-1,
+                    help=f"top-k {sampled}; -1 disables (default: %(default)s)")  # fmt: skip
+    add_flags(ap, REWARD_FLAGS, rm_type="math")
+    add_flags(ap, DATASET_FLAGS, input_key="prompt", label_key="label")  # the normalized eval_dataset columns
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    return ap
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    from miles_platform.rollout.rm_hub import validate_reward_config
+
+    ap = build_parser()
     a = ap.parse_args(argv)
     if len(a.eval_prompt_data) % 2:
         ap.error(f"--eval-prompt-data takes NAME PATH pairs, got {a.eval_prompt_data}")
+    validate_reward_config(a)
     it = iter(a.eval_prompt_data)
-    args = SimpleNamespace(
-        rm_type=a.rm_type, custom_rm_path=a.custom_rm_path, group_rm=False, reward_key=None
-    )
     res = evaluate(
         a.hf_checkpoint,
         list(zip(it, it)),
@@ -269,10 +290,12 @@ def cli_main(argv: list[str] | None = None) -> int:
         a.eval_temperature,
         a.eval_top_p,
         a.eval_top_k,
-        args=args,
+        args=a,
         seed=a.seed,
         input_key=a.input_key,
         label_key=a.label_key,
+        metadata_key=a.metadata_key,
+        apply_chat_template=a.apply_chat_template,
     )
     if a.json:
         print(json.dumps(res))

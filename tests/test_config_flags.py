@@ -1,0 +1,91 @@
+"""Flags mean what they say: contradictions are refused up front, and no RunConfig field is dead."""
+
+import ast
+import dataclasses
+import os
+import pathlib
+
+import pytest
+from loop_helpers import small_run_kwargs
+
+import miles_platform
+from miles_platform.config import REFUSED, ConfigError, RunConfig, parse_run_config
+from miles_platform.loop import train
+
+PKG = pathlib.Path(miles_platform.__file__).parent
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+# RunConfig fields nothing outside config.py reads because they are another field under a second
+# name that Miles documents too: field -> the field it stands for, and why. None today; the
+# spelling-only aliases (--update-weight-delta-*) are config.ALIASES, folded in before a field exists.
+DOCUMENTED_ALIASES: dict[str, str] = {}
+
+
+def test_debug_train_only_with_nothing_to_load_is_refused_up_front(tiny_hf_checkpoint, tmp_path):
+    """No engines and nothing to replay: refused at validation, not a crash on None mid-run."""
+    cfg = RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path, debug_train_only=True))
+    with pytest.raises(ConfigError, match="--debug-train-only needs --load-debug-rollout-data"):
+        train(cfg)
+    assert not os.path.exists(cfg.storage_root)
+    with pytest.raises(ConfigError, match="--debug-train-only needs --load-debug-rollout-data"):
+        parse_run_config(["--rollout-batch-size", "2", "--debug-train-only"])
+
+
+@pytest.mark.parametrize("template", ["/tmp/rollouts.parquet", "/tmp/r_{rank}_{rollout_id}.parquet"])
+def test_save_debug_rollout_data_template_must_name_each_rollout(template):
+    """A template without {rollout_id} would overwrite one file every rollout; a stray field would crash."""
+    with pytest.raises(ConfigError, match="--save-debug-rollout-data"):
+        parse_run_config(["--rollout-batch-size", "2", "--save-debug-rollout-data", template])
+    for ok in ("/tmp/r_{rollout_id}.parquet", "/tmp/r_{rollout_id:06d}.parquet"):
+        assert parse_run_config(["--rollout-batch-size", "2", "--save-debug-rollout-data", ok])
+
+
+def _fields_read_outside_config() -> set[str]:
+    """Field names used as `.name` or getattr(x, "name") anywhere in miles_platform/ except config.py,
+    plus the fields read by RunConfig accessors (eval_sampling ...) that code outside calls."""
+    config_py, read = PKG / "config.py", set()
+    for path in PKG.rglob("*.py"):
+        if path == config_py:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute):
+                read.add(node.attr)
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                read.add(node.args[1].value)
+    cls = next(n for n in ast.parse(config_py.read_text()).body if getattr(n, "name", "") == "RunConfig")
+    for fn in cls.body:  # validate() reads fields to check them, which is not honouring them
+        if isinstance(fn, ast.FunctionDef) and fn.name in read and fn.name != "validate":
+            read |= {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "self"}  # fmt: skip
+    return read & set(FIELDS)
+
+
+def test_every_run_config_field_is_honoured_or_refused():
+    dead = sorted(set(FIELDS) - _fields_read_outside_config() - set(REFUSED) - set(DOCUMENTED_ALIASES))
+    assert not dead, (
+        f"RunConfig fields read by nothing outside config.py: {dead}. Wire each one, refuse it in "
+        "config.REFUSED (with the reason) or remove it."
+    )
+    assert set(DOCUMENTED_ALIASES) <= set(FIELDS) and set(DOCUMENTED_ALIASES.values()) <= set(FIELDS)
+
+
+def _non_default(name: str):
+    f = FIELDS[name]
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    return "some.module.fn"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_flag_set_is_an_error_naming_it(name):
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ConfigError, match=flag):
+        RunConfig(rollout_batch_size=2, **{name: _non_default(name)}).validate()
+    RunConfig(rollout_batch_size=2).validate()  # at its default it is fine
