@@ -144,6 +144,9 @@ class RunConfig:
         "--api-key-file, else a fresh secret per run)",
     )
     api_key_file: str | None = _f(None, "cluster", "read --api-key from this file (keeps it out of argv)")
+    allow_config_change: bool = _f(
+        False, "checkpoint", "resume a run whose saved config differs in what is trained (logged)"
+    )
     object_store_backend: str = _f("ray", "cluster", "rollout data handoff", choices=("ray", "mooncake"))
     mooncake_store_init_kwargs: str | None = _f(
         None, "cluster", "JSON kwargs for the Mooncake store (env fallbacks apply)"
@@ -570,6 +573,38 @@ _NOT_BUILT = (
     "not supported by this build yet (use --custom-rm-path, the filter hooks and --custom-loss-function-path)"
 )
 _DP_ONLY = "the trainer runs data-parallel only"
+# What a resumed run may change without --allow-config-change: how long it runs, when it saves /
+# evaluates / logs, where its processes run, debug and CI switches. Anything else changes what
+# is trained (data, model, algorithm, batch, optimizer, sampling, precision, weight transport).
+RESUMABLE = frozenset(
+    {"ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
+     "colocate", "num_cpus_per_actor", "rollout_engine", "rollout_external_engine_addrs", "sglang_router_port",
+     "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
+     "load", "save", "save_interval", "save_hf", "num_rollout", "num_epoch", "rollout_max_concurrency",
+     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
+     "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
+     "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
+     "disk_delta_encode_workers", "check_weight_update_equal", "storage_root", "save_debug_rollout_data",
+     "ci_test", "ci_logprob_abs_diff_threshold", "log_interval", "sglang_args"}
+)  # fmt: skip
+
+
+def config_changes(saved: dict, now: RunConfig) -> list[str]:
+    """The flags that differ from a saved run's config in what is trained, as `--flag old -> new`."""
+    cur = json.loads(json.dumps(now.to_dict(), default=str))
+    return [
+        f"{_flag(k)} {saved[k]!r} -> {cur[k]!r}"
+        for k in sorted(cur)
+        if k in saved and k not in RESUMABLE and saved[k] != cur[k]
+    ]
+
+
+def saved_config(cfg: RunConfig) -> str:
+    """The config a checkpoint dir records (`run_config.json`), without the secret."""
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("api_key",)}
+    return json.dumps(d, default=str, sort_keys=True, indent=1)
+
+
 REFUSED: dict[str, str] = {
     "rollout_function_path": _NOT_BUILT,
     "custom_generate_function_path": _NOT_BUILT,

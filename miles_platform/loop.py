@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from miles_platform.cluster.ports import free_port
@@ -167,6 +168,7 @@ class RLRun:
         if lock is not None:
             lock.acquire()
         try:
+            self._check_resume_config()
             ctx = init_ray(cfg)
         except BaseException:
             if lock is not None:
@@ -234,6 +236,32 @@ class RLRun:
             shutdown_ray(ctx)
             if lock is not None:
                 lock.release()
+
+    def _check_resume_config(self) -> None:
+        """A resume must train what the saved run trained: differing flags (other than schedule,
+        eval, logging and placement ones, config.RESUMABLE) are refused unless --allow-config-change.
+        The checkpoint dir then records this run's config."""
+        from miles_platform.config import config_changes, saved_config
+        from miles_platform.store.atomic import write_atomic
+        from miles_platform.training.actor import read_latest
+
+        cfg = self.cfg
+        src = cfg.load or cfg.save
+        if not src or "://" in src:
+            return
+        rec = Path(src) / "run_config.json"
+        if read_latest(src) is not None and rec.is_file():
+            changes = config_changes(json.loads(rec.read_text()), cfg)
+            if changes and not cfg.allow_config_change:
+                raise ConfigError(
+                    f"resuming run {cfg.run_name!r} from {src} with a different config: {'; '.join(changes)}. "
+                    "Relaunch with the saved flags, a new --run-name, or --allow-config-change"
+                )
+            if changes:
+                self.reporter.log(f"[resume] --allow-config-change: {'; '.join(changes)}")
+        if cfg.save and "://" not in cfg.save:
+            Path(cfg.save).mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(cfg.save) / "run_config.json", saved_config(cfg))
 
     def _initial_sync(self, trainers, session, version: int, resumed: bool) -> None:
         """Engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them first."""

@@ -281,3 +281,34 @@ def test_one_writer_per_run_and_a_dead_writers_lock_is_taken_over(tiny_hf_checkp
         with pytest.raises(RunLocked):
             RunLock(run_dir, "t").acquire()
     RunLock(run_dir, "t").acquire().release()
+
+
+def test_a_resume_that_would_train_something_else_is_refused(tiny_hf_checkpoint, tmp_path):
+    from miles_platform.config import saved_config
+    from miles_platform.loop import RLRun
+
+    first = _cfg(tiny_hf_checkpoint, tmp_path, ci_test=False)
+    save = StoragePaths(first.storage_root).checkpoints("t")
+    os.makedirs(save)
+    first.save = save
+    with open(os.path.join(save, "run_config.json"), "w") as f:
+        f.write(saved_config(first))
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    # longer, with evals and more logging: the same run, resumed
+    more = _cfg(tiny_hf_checkpoint, tmp_path, ci_test=True, num_rollout=5, eval_interval=2, log_interval=3)
+    more.save = save
+    RLRun(more)._check_resume_config()
+    changed = _cfg(tiny_hf_checkpoint, tmp_path, lr=3e-4, rollout_temperature=0.7)
+    with pytest.raises(ConfigError, match=r"--lr 0.001 -> 0.0003; --rollout-temperature 1.0 -> 0.7"):
+        RLRun(changed).run()  # refused before Ray starts
+    allowed = _cfg(tiny_hf_checkpoint, tmp_path, lr=3e-4, allow_config_change=True)
+    allowed.save = save
+    logs = []
+    rep = Reporter()
+    rep.log = logs.append
+    RLRun(allowed, rep)._check_resume_config()
+    assert any("--allow-config-change: --lr 0.001 -> 0.0003" in m for m in logs)
+    with open(os.path.join(save, "run_config.json")) as f:
+        rec = json.load(f)
+    assert rec["lr"] == 3e-4 and "api_key" not in rec  # the checkpoint now records this config, no secret
