@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,10 @@ def _fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> No
         cfg.num_rollout = max(1, epochs * dataset_rows // cfg.rollout_batch_size)
 
 
+# staging names of the atomic writers (store/atomic.py, export, checkpoints, disk-delta publish)
+_TMP = re.compile(r"^\..*\.tmp-[0-9a-f]+$|^\.tmp-.+-[0-9a-f]{8}$")
+
+
 class RLRun:
     def __init__(self, cfg: RunConfig, reporter: Reporter | None = None):
         self.cfg = cfg
@@ -168,6 +173,7 @@ class RLRun:
         if lock is not None:
             lock.acquire()
         try:
+            self._remove_dead_writers_tmp()
             self._check_resume_config()
             ctx = init_ray(cfg)
         except BaseException:
@@ -236,6 +242,27 @@ class RLRun:
             shutdown_ray(ctx)
             if lock is not None:
                 lock.release()
+
+    def _remove_dead_writers_tmp(self) -> None:
+        """Holding the run lock, every `.tmp-*` under the run's dirs (checkpoint, HF export and
+        publication staging of a killed writer) is garbage nothing can observe: remove it."""
+        import shutil
+
+        cfg = self.cfg
+        roots = [self.paths.run_dir(cfg.run_name), cfg.save, cfg.update_weight_disk_dir]
+        seen = set()
+        for root in roots:
+            if not root or "://" in root or not os.path.isdir(root) or root in seen:
+                continue
+            seen.add(root)
+            for d in [
+                Path(root),
+                *(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")),
+            ]:
+                for p in d.iterdir():
+                    if _TMP.match(p.name):
+                        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                        self.reporter.log(f"[startup] removed {p} (left by a writer that died)")
 
     def _check_resume_config(self) -> None:
         """A resume must train what the saved run trained: differing flags (other than schedule,
@@ -372,10 +399,24 @@ class RLRun:
         return put_rollout_data(dataclasses.asdict(batch), self._store)
 
     def _recorded_max_version(self) -> int:
+        """The highest version any store knows: catalog rows, HF exports (`hf/v000006`, also a
+        half-written one) and the disk-delta publication's LATEST. A run killed between publishing
+        or exporting a version and recording it continues past it, so no number is reused and no
+        export is overwritten."""
         from miles_platform.store.tables import read_rows
 
         rows = read_rows(self.paths, "policy_versions", self.cfg.run_name)
-        return max((int(r["version"]) for r in rows), default=0)
+        known = [int(r["version"]) for r in rows]
+        hf = Path(self.paths.hf_export(self.cfg.run_name, 0)).parent
+        if "://" not in str(hf) and hf.is_dir():
+            known += [int(m.group(1)) for d in hf.iterdir() if (m := re.match(r"v(\d+)", d.name))]
+        pub = self.cfg.update_weight_disk_dir
+        if self.cfg.update_weight_transfer_mode == "disk-delta" and pub and "://" not in pub:
+            from miles_platform.weights.delta_format import read_latest
+
+            latest = read_latest(pub) if Path(pub).is_dir() else None
+            known += [latest] if latest is not None else []
+        return max(known, default=0)
 
     def _save_hf(self, rollout_id: int, hf_dir: str) -> None:
         """--save-hf: a copy of the saved policy in HF layout (template may use {rollout_id})."""

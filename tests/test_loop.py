@@ -312,3 +312,36 @@ def test_a_resume_that_would_train_something_else_is_refused(tiny_hf_checkpoint,
     with open(os.path.join(save, "run_config.json")) as f:
         rec = json.load(f)
     assert rec["lr"] == 3e-4 and "api_key" not in rec  # the checkpoint now records this config, no secret
+
+
+def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkpoint, tmp_path):
+    """kill -9 between publishing (or exporting) v6 and recording it: no catalog row for v6, but
+    LATEST and hf/v000006 exist. The resumed run numbers its next version 7, never a second v6."""
+    from miles_platform.loop import RLRun
+
+    pub = tmp_path / "pub"
+    cfg = _cfg(
+        tiny_hf_checkpoint,
+        tmp_path,
+        update_weight_transfer_mode="disk-delta",
+        update_weight_disk_dir=str(pub),
+    )
+    cfg.save = StoragePaths(cfg.storage_root).checkpoints("t")
+    run = RLRun(cfg)
+    assert run._recorded_max_version() == 0
+    os.makedirs(run.paths.hf_export("t", 5))
+    assert run._recorded_max_version() == 5
+    pub.mkdir()
+    (pub / "LATEST").write_text("6\n")
+    assert run._recorded_max_version() == 6
+    # half-written exports / checkpoints of the dead writer are removed at startup (under the lock)
+    hf = os.path.dirname(run.paths.hf_export("t", 8))
+    junk = [os.path.join(hf, ".v000008.tmp-ab12cd34"), os.path.join(cfg.save, ".iter_0000003.tmp-a1b2c3"),
+            str(pub / ".tmp-v000007-0123abcd")]  # fmt: skip
+    for j in junk:
+        os.makedirs(j)
+    keep = os.path.join(cfg.save, "iter_0000002")
+    os.makedirs(keep)
+    run._remove_dead_writers_tmp()
+    assert not any(os.path.exists(j) for j in junk) and os.path.isdir(keep)
+    assert run._recorded_max_version() == 6
