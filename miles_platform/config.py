@@ -744,9 +744,31 @@ def load_yaml(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--config {path}: file not found")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of flag -> value, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    for key, value in data.items():
+        name = ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        f = fields.get(name)
+        if f is None or value is None:
+            continue  # unknown keys: RunConfig.from_dict names them
+        t = str(f.type)
+        want = (
+            bool if t.startswith("bool")
+            else (int,) if t.startswith("int")
+            else (int, float) if t.startswith("float")
+            else None
+        )  # fmt: skip
+        bad = want is not None and (
+            not isinstance(value, want) or (want is not bool and isinstance(value, bool))
+        )
+        if bad:
+            kind = {bool: "true/false", (int,): "an integer", (int, float): "a number"}[want]
+            raise ConfigError(f"--config {path}: {key}: expected {kind}, got {value!r}")
     return data
 
 

@@ -36,3 +36,21 @@ def test_defaults_and_edge_values_pass():
     RunConfig(rollout_batch_size=2).validate()
     RunConfig(rollout_batch_size=2, num_rollout=0, lr=0.0, rollout_top_p=1.0, gamma=1.0, eval_temperature=0.0,
               rollout_top_k=1, tis_lower_bound=2.0, tis_upper_bound=2.0).validate()  # fmt: skip
+
+
+def test_yaml_errors_name_the_file_and_key(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=rf"--config {f}: not valid YAML"):
+        parse_run_config(["--config", str(f)])
+    f.write_text("rollout-batch-size: 2\nlr: fast\n")
+    with pytest.raises(ConfigError, match=rf"--config {f}: lr: expected a number, got 'fast'"):
+        parse_run_config(["--config", str(f)])
+    f.write_text("rollout_batch_size: 2.5\n")
+    with pytest.raises(ConfigError, match="rollout_batch_size: expected an integer"):
+        parse_run_config(["--config", str(f)])
+    f.write_text("rollout_batch_size: 2\nci_test: 'yes'\nlr: 1\n")
+    with pytest.raises(ConfigError, match="ci_test: expected true/false"):
+        parse_run_config(["--config", str(f)])
+    f.write_text("rollout_batch_size: 2\nci_test: true\nlr: 1\n")
+    assert parse_run_config(["--config", str(f)]).lr == 1

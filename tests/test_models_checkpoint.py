@@ -64,6 +64,18 @@ def test_missing_weights_is_named(task_ckpt, tmp_path):
         validate_hf_dir(bad)
 
 
+def test_truncated_or_foreign_weights_are_named(task_ckpt, tmp_path):
+    bad = _copy(task_ckpt[0], tmp_path)
+    w = bad / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors: truncated"):
+        validate_hf_dir(bad)
+    w.write_bytes(b"PK\x03\x04 not safetensors at all")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: (not a safetensors file|corrupt)"):
+        validate_hf_dir(bad)
+
+
 def test_unsupported_architecture_is_named(task_ckpt, tmp_path):
     bad = _copy(task_ckpt[0], tmp_path)
     cfg = json.loads((bad / "config.json").read_text())

@@ -34,8 +34,11 @@ def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dic
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"HF checkpoint {cfg_file}: invalid JSON ({e})") from e
-    if not list(p.glob("*.safetensors")):
+    weights = sorted(p.glob("*.safetensors"))
+    if not weights:
         raise CheckpointError(f"HF checkpoint {p}: no *.safetensors weights file")
+    for w in weights:
+        _check_safetensors(w)
     archs = cfg.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise CheckpointError(
@@ -46,6 +49,25 @@ def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dic
             f"HF checkpoint {p}: missing tokenizer files (tokenizer.json / tokenizer_config.json)"
         )
     return cfg
+
+
+def _check_safetensors(path: Path) -> None:
+    """Header and size of a safetensors file (8-byte header length, JSON header, data): a truncated
+    or foreign file fails here, in validation, not at the first load inside an actor."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise CheckpointError(f"HF checkpoint {path}: not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise CheckpointError(f"HF checkpoint {path}: corrupt safetensors header") from None
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        raise CheckpointError(f"HF checkpoint {path}: truncated ({size} bytes, the header needs {need})")
 
 
 def load_tokenizer(path: str | os.PathLike):
