@@ -354,6 +354,12 @@ class RunConfig:
 
     # --- async ---
     fully_async: bool = _f(False, "async", "background generation with a bounded buffer")
+    async_unused_samples_handler: str = _f(
+        "drop",
+        "async",
+        "a group too stale to train: drop it, or retry (its prompt goes back to the data source)",
+        choices=("drop", "retry"),
+    )
     max_weight_staleness: int | None = _f(
         None, "async", "drop groups whose oldest version lags the engine by more"
     )
@@ -419,6 +425,13 @@ class RunConfig:
             )
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ConfigError(f"--eps-clip-c must be > 1.0, got {self.eps_clip_c}")
+        if self.async_unused_samples_handler != "drop" and not (
+            self.fully_async and self.max_weight_staleness is not None
+        ):
+            raise ConfigError(
+                f"--async-unused-samples-handler {self.async_unused_samples_handler} acts on groups "
+                "--max-weight-staleness filters in a --fully-async run; set both or drop the flag"
+            )
         if self.fully_async and self.pause_generation_mode == "abort":
             raise ConfigError("--fully-async rejects --pause-generation-mode abort (use retract or in_place)")
         if self.update_weight_transfer_mode == "disk-delta" and not self.update_weight_disk_dir:

@@ -477,7 +477,7 @@ class RLRun:
     def _data_source_state(self, manager) -> dict:
         if self.worker is not None:
             return self.worker.data_source_state()
-        return manager.data_source.state_dict() if manager else {}
+        return manager.data_source.state_dict(manager.unfinished_records()) if manager else {}
 
     def _save_due(self, rollout_id: int) -> bool:
         c = self.cfg

@@ -52,3 +52,20 @@ def test_bad_state_and_empty_records():
         RolloutDataSource(RECORDS).load_state_dict({"epoch": 0, "offset": 99})
     with pytest.raises(ValueError, match="at least one"):
         RolloutDataSource([])
+
+
+def test_unfinished_prompts_are_checkpointed_and_served_first():
+    from miles_platform.data.dataset import PromptRecord
+    from miles_platform.data.source import RolloutDataSource
+
+    recs = [PromptRecord(id=str(i), prompt=f"{i}+{i}=", label=str(2 * i)) for i in range(5)]
+    ds = RolloutDataSource(recs)
+    taken = ds.get_samples(3)
+    state = ds.state_dict(unfinished=taken[1:])  # prompts 1 and 2 were in flight at the checkpoint
+    assert state["offset"] == 3 and [r["id"] for r in state["pending"]] == ["1", "2"]
+    resumed = RolloutDataSource(recs)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [r.id for r in resumed.get_samples(4)] == ["1", "2", "3", "4"]
+    assert resumed.state_dict() == {"epoch": 0, "offset": 5}  # old format when nothing is pending
+    resumed.put_back([recs[0]])  # --async-unused-samples-handler retry
+    assert [r.id for r in resumed.get_samples(2)] == ["0", "0"]  # then the next epoch starts

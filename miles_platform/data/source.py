@@ -6,6 +6,7 @@ the order depends only on (seed, epoch) and a resumed run replays nothing and sk
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -22,6 +23,9 @@ class RolloutDataSource:
         self.epoch = 0
         self.offset = 0  # position within the current epoch's order
         self._order = self._epoch_order(0)
+        # prompts handed out but never trained (an unfinished or buffered group at a checkpoint,
+        # a group retried by --async-unused-samples-handler retry): served again first
+        self.pending: list[PromptRecord] = []
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any | None = None) -> RolloutDataSource:
@@ -47,7 +51,8 @@ class RolloutDataSource:
 
     def get_samples(self, num_prompts: int) -> list[PromptRecord]:
         """The next `num_prompts` prompts, crossing into the next epoch when this one runs out."""
-        out: list[PromptRecord] = []
+        out: list[PromptRecord] = self.pending[:num_prompts]
+        del self.pending[:num_prompts]
         while len(out) < num_prompts:
             if self.offset == len(self._order):
                 self.epoch += 1
@@ -58,11 +63,20 @@ class RolloutDataSource:
             self.offset += take
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        """JSON-serializable position: saved with each checkpoint."""
-        return {"epoch": self.epoch, "offset": self.offset}
+    def put_back(self, records: list[PromptRecord]) -> None:
+        """Serve these prompts again, before the epoch order continues."""
+        self.pending.extend(records)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self, unfinished: list[PromptRecord] = ()) -> dict[str, Any]:
+        """JSON-serializable position, saved with each checkpoint. `unfinished`: prompts taken but
+        not trained yet (in flight or buffered); a resume serves them first, so no prompt is lost."""
+        state: dict[str, Any] = {"epoch": self.epoch, "offset": self.offset}
+        pending = [*self.pending, *unfinished]
+        if pending:
+            state["pending"] = [dataclasses.asdict(r) for r in pending]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if not 0 <= offset <= len(self.records):
             raise ValueError(
@@ -70,3 +84,4 @@ class RolloutDataSource:
             )
         self.epoch, self.offset = epoch, offset
         self._order = self._epoch_order(epoch)
+        self.pending = [PromptRecord(**r) for r in state.get("pending", [])]

@@ -80,6 +80,10 @@ class RolloutManager:
         metrics = self._metrics(samples, drops, time.time() - t0)
         return samples, metrics
 
+    def unfinished_records(self) -> list[PromptRecord]:
+        """The prompts of buffered groups (generated, not trained): a checkpoint puts them back."""
+        return [record_of(g) for g in self.buffer]
+
     def take_from_buffer(self, rollout_id: int, num: int) -> list[list[Sample]]:
         """Up to `num` groups from the buffer, chosen by --buffer-filter-path (which pops them)."""
         if not self.buffer or num <= 0:
@@ -200,6 +204,14 @@ class RolloutManager:
             m["rollout/zero_std_groups"] = float(np.mean(groups.std(axis=1) == 0))
         m.update({k: float(v) for k, v in filter_hub.drop_metrics(drops).items()})
         return m
+
+
+def record_of(group: list[Sample]) -> PromptRecord:
+    """The prompt a group answers (as the data source handed it out)."""
+    s = group[0]
+    meta = dict(s.metadata)
+    pid = meta.pop("prompt_id", None)
+    return PromptRecord(id=str(pid), prompt=s.prompt, label=s.label, metadata=meta)
 
 
 def router_generate_fn(manager: RolloutManager):
