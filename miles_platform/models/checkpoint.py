@@ -64,7 +64,14 @@ def _check_safetensors(path: Path) -> None:
             header = json.loads(f.read(n))
         except ValueError:
             raise CheckpointError(f"HF checkpoint {path}: corrupt safetensors header") from None
-    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    ends = []
+    for k, v in header.items() if isinstance(header, dict) else [(None, None)]:
+        if k == "__metadata__":
+            continue
+        offs = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)):
+            raise CheckpointError(f"HF checkpoint {path}: corrupt safetensors header (tensor {k!r})")
+        ends.append(offs[1])
     need = 8 + n + max(ends, default=0)
     if size < need:
         raise CheckpointError(f"HF checkpoint {path}: truncated ({size} bytes, the header needs {need})")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import threading
 import time
@@ -128,7 +129,7 @@ class SamplingParams:
             bad("max_new_tokens", "an integer >= 0")
         if self.max_new_tokens < 0:
             bad("max_new_tokens", "an integer >= 0")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature < math.inf:
             bad("temperature", "a number >= 0 (0 = greedy)")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             bad("top_p", "in (0, 1]")

@@ -138,9 +138,10 @@ def read_latest(pub_dir: str | os.PathLike) -> int | None:
     p = Path(pub_dir) / LATEST
     if not p.exists():
         return None
-    text = p.read_text().strip()
-    if not text.isdigit():
-        raise PublicationError(f"{p}: corrupt LATEST pointer {text[:40]!r}")
+    raw = p.read_bytes().strip()
+    if not raw.isdigit():  # bytes.isdigit: ASCII digits only (no UnicodeDecodeError, no '²')
+        raise PublicationError(f"{p}: corrupt LATEST pointer {raw[:40]!r}")
+    text = raw.decode()
     return int(text)
 
 
@@ -155,6 +156,8 @@ def read_index(pub_dir: str | os.PathLike, version: int) -> dict:
         raise PublicationError(f"{where}: missing {INDEX}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PublicationError(f"{where}: corrupt {INDEX} ({e})") from e
+    if not isinstance(idx, dict):
+        raise PublicationError(f"{where}: {INDEX} is not a JSON object")
     if idx.get("format") not in READABLE_FORMATS or idx.get("version") != version:
         raise PublicationError(
             f"{where}: {INDEX} declares format {idx.get('format')!r} version {idx.get('version')!r}"
