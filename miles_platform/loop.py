@@ -63,6 +63,9 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.models.checkpoint import validate_hf_dir
 
     validate_hf_dir(cfg.hf_checkpoint)
+    from miles_platform.weights.transports import check_engine_kind
+
+    check_engine_kind(cfg)
     if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
         from miles_platform.rollout.engines import embedded_max_running_requests
 
