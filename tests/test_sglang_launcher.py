@@ -22,6 +22,7 @@ from miles_platform.rollout.sglang_launcher import (
     build_sglang_command,
     launch_sglang_engines,
     probe_engine,
+    sglang_python,
 )
 
 FAKE_SERVER = textwrap.dedent(
@@ -115,6 +116,29 @@ def test_passthrough_overrides_and_rejections():
     assert "--tp-size" in build_sglang_command(_cfg(sglang_args={"tp-size": "1", "sp-degree": "2"}), port=1)
     with pytest.raises(ConfigError, match="--hf-checkpoint"):
         build_sglang_command(_cfg(hf_checkpoint=None), port=1)
+
+
+def test_rollout_dtype_reaches_sglang_as_dtype():
+    """SGLang's default --dtype auto serves the checkpoint's dtype; the trainer compares against
+    --rollout-dtype, so the launcher passes it on (and refuses a contradicting --sglang-dtype)."""
+    base = ["--rollout-batch-size", "4", "--rollout-engine", "sglang", "--hf-checkpoint", "/m"]
+    default = build_sglang_command(parse_run_config(base), port=1, python="python")
+    assert default[default.index("--dtype") + 1] == "float32"
+    bf16 = parse_run_config([*base, "--rollout-dtype", "bf16", "--train-forward-dtype", "bf16"])
+    cmd = build_sglang_command(bf16, port=1, python="python")
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd.count("--dtype") == 1
+    same = parse_run_config([*base, "--rollout-dtype", "bf16", "--train-forward-dtype", "bf16",
+                             "--sglang-dtype", "bfloat16"])  # fmt: skip
+    assert build_sglang_command(same, port=1).count("--dtype") == 1
+    with pytest.raises(ConfigError, match="--sglang-dtype half contradicts --rollout-dtype bf16"):
+        build_sglang_command(_cfg(rollout_dtype="bf16", sglang_args={"dtype": "half"}), port=1)
+
+
+def test_sglang_interpreter_from_environment(monkeypatch):
+    monkeypatch.delenv("MILES_SGLANG_PYTHON", raising=False)
+    assert sglang_python() == sys.executable
+    monkeypatch.setenv("MILES_SGLANG_PYTHON", "/opt/sglang-venv/bin/python")
+    assert sglang_python() == "/opt/sglang-venv/bin/python"
 
 
 @pytest.fixture
@@ -224,6 +248,7 @@ def test_ray_actor_launches_engine_on_rollout_bundle(fake_server_module, monkeyp
         argv = engines[0].server_info["argv"]
         assert argv[argv.index("--model-path") + 1] == "/models/qwen3-0.6b"
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
+        assert argv[argv.index("--dtype") + 1] == "float32"  # --rollout-dtype fp32
         assert argv[argv.index("--port") + 1] == engines[0].address.rsplit(":", 1)[1]
         assert probe_engine(engines[0].address).server_info["tp_size"] == 1
         assert ray.get(actors[0].stop.remote()) is not None
