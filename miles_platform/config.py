@@ -386,6 +386,9 @@ class RunConfig:
         False, "debug", "freeze weights: any log-prob gap is forward-path difference"
     )
     ci_test: bool = _f(False, "debug", "assert step-0 KL/clipfrac, log-prob agreement, weight equality")
+    ci_disable_weight_update_checker: bool = _f(
+        False, "debug", "--ci-test without the weight check (for SGLang models lacking get_weights_by_name)"
+    )
     ci_logprob_abs_diff_threshold: float = _f(
         0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff"
     )

@@ -67,6 +67,9 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     validate_hf_dir(cfg.hf_checkpoint)
     cfg.resolve_api_key()  # secure by default: no run is open to other local processes
+    from miles_platform.weights.transports import check_engine_kind
+
+    check_engine_kind(cfg)
     if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
         from miles_platform.rollout.engines import embedded_max_running_requests
 
@@ -95,6 +98,11 @@ def validate_before_start(cfg: RunConfig) -> None:
         load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
     if cfg.custom_update_weight_post_write_path:
         load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
+
+
+def _weight_check_on(cfg: RunConfig) -> bool:
+    """--check-weight-update-equal, or --ci-test unless --ci-disable-weight-update-checker (as Miles)."""
+    return cfg.check_weight_update_equal or (cfg.ci_test and not cfg.ci_disable_weight_update_checker)
 
 
 def _fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:
@@ -309,7 +317,7 @@ class RLRun:
             session.transport.load_export(hf_dir, version)
         else:
             session.update(weights, version, hf_dir if os.path.exists(hf_dir) else None)
-        if resumed and (self.cfg.ci_test or self.cfg.check_weight_update_equal):
+        if resumed and _weight_check_on(self.cfg):
             self._check_weights_equal(session.engines, weights, version)
 
     def _loop(self, trainers, manager, session, engines, start, version, ctx_info) -> RunResult:
@@ -351,7 +359,7 @@ class RLRun:
                 weights = ray.get([t.get_hf_weights.remote() for t in trainers])[0]
                 hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, self.paths.hf_export(run, version))
                 metrics.update(session.update(weights, version, hf_dir))
-                if cfg.ci_test or cfg.check_weight_update_equal:
+                if _weight_check_on(cfg):
                     self._check_weights_equal(engines, weights, version)
             ckpt = None
             if cfg.save and self._save_due(rollout_id):
@@ -608,18 +616,13 @@ class RLRun:
         return checks
 
     def _check_weights_equal(self, engines, weights, version: int) -> None:
-        import ray
-        import torch
+        """Every engine, embedded, external or SGLang, over HTTP (weights/equality.py)."""
+        from miles_platform.weights.equality import first_mismatch
 
         for e in engines:
-            if e.actor is None:
-                continue
-            got = ray.get(e.actor.get_weights.remote())
-            for name, t in weights.items():
-                if name not in got or not torch.equal(got[name].to(t.dtype), t):
-                    raise CITestFailure(
-                        f"--ci-test: engine {e.url} tensor {name} differs from trainer at v{version}"
-                    )
+            why = first_mismatch(e.url, weights, self.cfg.rollout_dtype, self.cfg.api_key)
+            if why:
+                raise CITestFailure(f"--check-weight-update-equal at v{version}: {why}")
 
     # ------------------------------------------------------------------ debug data
     def _save_debug(self, rollout_id: int, samples) -> None:

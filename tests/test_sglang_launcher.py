@@ -22,19 +22,29 @@ from miles_platform.rollout.sglang_launcher import (
     build_sglang_command,
     launch_sglang_engines,
     probe_engine,
+    sglang_python,
 )
 
 FAKE_SERVER = textwrap.dedent(
     """
-    import argparse, sys
-    import uvicorn
-    from fastapi import FastAPI
+    import argparse, os, sys
+    import torch, uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
 
     p = argparse.ArgumentParser()
     p.add_argument("--host"); p.add_argument("--port", type=int); p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--model-path")
+    p.add_argument("--model-path"); p.add_argument("--dtype", default="auto"); p.add_argument("--api-key")
     args, _ = p.parse_known_args()
     app = FastAPI()
+    weights = {}
+
+    @app.middleware("http")
+    async def auth(request, call_next):  # SGLang's --api-key guards every route but /health*
+        if args.api_key and not request.url.path.startswith("/health") \\
+                and request.headers.get("authorization") != f"Bearer {args.api_key}":
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
 
     @app.get("/health")
     def health():
@@ -43,6 +53,23 @@ FAKE_SERVER = textwrap.dedent(
     @app.get("/get_server_info")
     def server_info():
         return {"tp_size": args.tp_size, "model_path": args.model_path, "argv": sys.argv[1:]}
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        # SGLang 0.5.23: GetWeightsByNameReqInput(name, truncate_size=100) -> the model class's
+        # param.cpu().to(float32).tolist()[:truncate_size] (tied lm_head: embed_tokens); a class
+        # without get_weights_by_name (Qwen2/Qwen3) answers 400 "Get parameter by name failed"
+        body = await request.json()
+        if not weights:
+            from safetensors.torch import load_file
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+            weights.update((k, v.to(dtype)) for k, v in load_file(os.path.join(args.model_path, "model.safetensors")).items())
+        name = body["name"]
+        if name == "lm_head.weight" and name not in weights:
+            name = "model.embed_tokens.weight"
+        if name not in weights:
+            return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)
+        return weights[name].to(torch.float32).tolist()[: body.get("truncate_size", 100)]
 
     uvicorn.run(app, host=args.host, port=args.port, log_level="error")
     """
@@ -91,6 +118,29 @@ def test_passthrough_overrides_and_rejections():
         build_sglang_command(_cfg(hf_checkpoint=None), port=1)
 
 
+def test_rollout_dtype_reaches_sglang_as_dtype():
+    """SGLang's default --dtype auto serves the checkpoint's dtype; the trainer compares against
+    --rollout-dtype, so the launcher passes it on (and refuses a contradicting --sglang-dtype)."""
+    base = ["--rollout-batch-size", "4", "--rollout-engine", "sglang", "--hf-checkpoint", "/m"]
+    default = build_sglang_command(parse_run_config(base), port=1, python="python")
+    assert default[default.index("--dtype") + 1] == "float32"
+    bf16 = parse_run_config([*base, "--rollout-dtype", "bf16", "--train-forward-dtype", "bf16"])
+    cmd = build_sglang_command(bf16, port=1, python="python")
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd.count("--dtype") == 1
+    same = parse_run_config([*base, "--rollout-dtype", "bf16", "--train-forward-dtype", "bf16",
+                             "--sglang-dtype", "bfloat16"])  # fmt: skip
+    assert build_sglang_command(same, port=1).count("--dtype") == 1
+    with pytest.raises(ConfigError, match="--sglang-dtype half contradicts --rollout-dtype bf16"):
+        build_sglang_command(_cfg(rollout_dtype="bf16", sglang_args={"dtype": "half"}), port=1)
+
+
+def test_sglang_interpreter_from_environment(monkeypatch):
+    monkeypatch.delenv("MILES_SGLANG_PYTHON", raising=False)
+    assert sglang_python() == sys.executable
+    monkeypatch.setenv("MILES_SGLANG_PYTHON", "/opt/sglang-venv/bin/python")
+    assert sglang_python() == "/opt/sglang-venv/bin/python"
+
+
 @pytest.fixture
 def fake_server_module(tmp_path):
     (tmp_path / "fake_sglang.py").write_text(FAKE_SERVER)
@@ -132,6 +182,52 @@ def test_attach_external_engine_over_http(fake_server_module):
         proc.wait(timeout=10)
 
 
+def _start_fake(module_dir, *flags: str, api_key: str | None = None):
+    """The stand-in server as a process on a free loopback port, once it answers /health."""
+    port = free_port()
+    cmd = [sys.executable, str(module_dir / "fake_sglang.py"), "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    addr, deadline = f"127.0.0.1:{port}", time.monotonic() + 30
+    while True:
+        try:
+            probe_engine(addr, api_key, timeout_s=1)
+            return proc, addr
+        except ConfigError:
+            assert time.monotonic() < deadline and proc.poll() is None, "fake engine did not come up"
+            time.sleep(0.2)
+
+
+def test_weight_check_over_http_against_stand_in_sglang(fake_server_module, tiny_hf_checkpoint):
+    """--check-weight-update-equal reads an SGLang engine through /get_weights_by_name with the run's
+    bearer token: equal in the serving dtype passes, one changed tensor is named, a wrong dtype or a
+    missing token fails instead of passing silently."""
+    from safetensors.torch import load_file
+
+    from miles_platform.weights.equality import first_mismatch
+
+    proc, addr = _start_fake(fake_server_module, "--model-path", tiny_hf_checkpoint, "--dtype", "bfloat16",
+                             "--api-key", "s3cret", api_key="s3cret")  # fmt: skip
+    try:
+        url, weights = f"http://{addr}", load_file(f"{tiny_hf_checkpoint}/model.safetensors")
+        assert first_mismatch(url, weights, "bf16", api_key="s3cret") is None
+        changed = dict(weights)
+        changed["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"] + 0.25
+        why = first_mismatch(url, changed, "bf16", api_key="s3cret")
+        assert "model.layers.1.mlp.down_proj.weight differs" in why
+        assert "differs" in first_mismatch(url, weights, "fp32", api_key="s3cret")  # served bf16, not fp32
+        assert "401" in first_mismatch(url, weights, "bf16", api_key=None)
+        unknown = first_mismatch(
+            url, {"no.such.weight": weights["model.norm.weight"]}, "bf16", api_key="s3cret"
+        )
+        assert (
+            "did not return tensor no.such.weight" in unknown
+            and "--ci-disable-weight-update-checker" in unknown
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_ray_actor_launches_engine_on_rollout_bundle(fake_server_module, monkeypatch):
     """init_ray (local start) -> placement groups -> engine actor -> server process -> /health."""
     import ray
@@ -152,6 +248,7 @@ def test_ray_actor_launches_engine_on_rollout_bundle(fake_server_module, monkeyp
         argv = engines[0].server_info["argv"]
         assert argv[argv.index("--model-path") + 1] == "/models/qwen3-0.6b"
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.7"
+        assert argv[argv.index("--dtype") + 1] == "float32"  # --rollout-dtype fp32
         assert argv[argv.index("--port") + 1] == engines[0].address.rsplit(":", 1)[1]
         assert probe_engine(engines[0].address).server_info["tp_size"] == 1
         assert ray.get(actors[0].stop.remote()) is not None

@@ -201,6 +201,24 @@ def create_app(
             core.flush_cache()
         return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
 
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        """SGLang's request {"name", "truncate_size"} and answer (a bare list of values)."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        name = body.get("name") if isinstance(body, dict) else None
+        size = body.get("truncate_size", 100) if isinstance(body, dict) else None
+        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            return error(400, 'get_weights_by_name takes {"name": str, "truncate_size": int >= 1}')
+        try:
+            values = await asyncio.to_thread(core.get_weights_by_name, name, size)
+        except RequestError as e:
+            return error(400, f"get_weights_by_name: {e}")
+        except EngineStopped as e:
+            return error(503, str(e), retryable=True)
+        return Response(orjson.dumps(values), media_type="application/json")
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body, err = await json_body(request, max_request_bytes)

@@ -409,6 +409,16 @@ class EngineCore:
             lambda: {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
         )
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's `/get_weights_by_name`: the first `truncate_size` rows (elements of a 1-D tensor)
+        of one parameter, by HF name (tied names too), as float32 values in nested lists."""
+        if name not in self._params:
+            raise RequestError(
+                f"unknown parameter {name!r} (this model has e.g. {next(iter(self._params))!r})"
+            )
+        n = int(truncate_size)
+        return self._in_scheduler(lambda: self._params[name].detach()[:n].to("cpu", torch.float32).tolist())
+
     def pause_generation(self, mode: str = "abort") -> None:
         """abort: finish in-flight and queued requests with finish_reason abort; retract: drop their KV
         and requeue them (recomputed after continue); in_place: freeze them with their KV cache."""

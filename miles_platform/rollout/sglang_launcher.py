@@ -2,9 +2,13 @@
 engines started elsewhere (`--rollout-external-engine-addrs`).
 
 Command (Miles' convention): `--model-path` from `--hf-checkpoint`, `--tp-size` from
-`--rollout-num-gpus-per-engine`, `--host` 127.0.0.1 unless `--sglang-host`, a free `--port`,
-then every `--sglang-<flag> <value>` with the prefix stripped (bool True -> bare flag, False/None
--> omitted, list -> repeated values). A passthrough flag replaces our default for the same flag.
+`--rollout-num-gpus-per-engine`, `--dtype` from `--rollout-dtype`, `--host` 127.0.0.1 unless
+`--sglang-host`, a free `--port`, then every `--sglang-<flag> <value>` with the prefix stripped
+(bool True -> bare flag, False/None -> omitted, list -> repeated values). A passthrough flag
+replaces our default for the same flag.
+
+The interpreter is `$MILES_SGLANG_PYTHON` when set, else ours: SGLang pins torch, transformers and
+numba exactly, to versions other than ours, so it usually lives in a venv of its own (docs/engine.md).
 
 Either way the rest of the platform sees a list of `EngineInfo` (address + `/get_server_info`).
 """
@@ -23,6 +27,10 @@ from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError, RunConfig
 
 SGLANG_MODULE = "sglang.launch_server"
+# --rollout-dtype -> SGLang's --dtype; SGLang's own default ("auto") would serve the checkpoint's dtype
+SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_SGLANG_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+SGLANG_PYTHON_ENV = "MILES_SGLANG_PYTHON"
 # set per engine by the launcher; a passthrough for these would break placement / addressing
 RESERVED_PASSTHROUGH = ("port", "base-gpu-id", "nnodes", "node-rank")
 
@@ -66,6 +74,13 @@ def check_sglang_args(cfg: RunConfig) -> None:
     for key in RESERVED_PASSTHROUGH:
         if key in args:
             raise ConfigError(f"--sglang-{key} is set per engine by the launcher; remove it")
+    if "dtype" in args:
+        given = _SGLANG_DTYPE_ALIASES.get(str(args["dtype"]), str(args["dtype"]))
+        if given != SGLANG_DTYPES[cfg.rollout_dtype]:
+            raise ConfigError(
+                f"--sglang-dtype {args['dtype']} contradicts --rollout-dtype {cfg.rollout_dtype} "
+                f"(SGLang --dtype {SGLANG_DTYPES[cfg.rollout_dtype]}); set --rollout-dtype only"
+            )
     tp = int(args.get("tp-size", cfg.rollout_num_gpus_per_engine))
     sp = int(args.get("sp-degree", 1))
     if tp * sp != cfg.rollout_num_gpus_per_engine:
@@ -90,6 +105,7 @@ def build_sglang_command(
     ours: dict[str, Any] = {
         "model-path": cfg.hf_checkpoint,
         "tp-size": cfg.rollout_num_gpus_per_engine,
+        "dtype": SGLANG_DTYPES[cfg.rollout_dtype],
         "host": host,
         "port": port,
     }
@@ -100,6 +116,11 @@ def build_sglang_command(
     passthrough = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}
     merged = {**ours, **passthrough}
     return [python, "-m", module, *sglang_flags(merged)]
+
+
+def sglang_python() -> str:
+    """The interpreter that runs `-m sglang.launch_server`: $MILES_SGLANG_PYTHON, else this one."""
+    return os.environ.get(SGLANG_PYTHON_ENV) or sys.executable
 
 
 # ---------------------------------------------------------------------------- HTTP probes
@@ -186,7 +207,12 @@ class SGLangEngineActor:
         gpu_ids = ray.get_gpu_ids()
         base_gpu_id = int(gpu_ids[0]) if gpu_ids else None
         self.command = build_sglang_command(
-            self.cfg, port=port, host=host, base_gpu_id=base_gpu_id, module=self.module
+            self.cfg,
+            port=port,
+            host=host,
+            base_gpu_id=base_gpu_id,
+            python=sglang_python(),
+            module=self.module,
         )
         self.address = f"{host}:{port}"
         log_dir = os.environ.get("MILES_SGLANG_LOG_DIR") or os.path.join(
@@ -240,7 +266,10 @@ def launch_sglang_engines(
     from miles_platform.cluster.ray_cluster import create_role_actors
 
     check_sglang_args(cfg)
-    options = {"runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}
+    env_vars = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    if os.environ.get(SGLANG_PYTHON_ENV):  # the driver's choice reaches actors on any node
+        env_vars[SGLANG_PYTHON_ENV] = os.environ[SGLANG_PYTHON_ENV]
+    options = {"runtime_env": {"env_vars": env_vars}}
     actors = create_role_actors(
         SGLangEngineActor,
         cfg,

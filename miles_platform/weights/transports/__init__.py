@@ -29,6 +29,9 @@ TRANSPORTS = {
 # accepted by the flag parser, not built yet: say so before anything starts
 NOT_BUILT: dict[str, str] = {}
 
+# hand tensors to the embedded engine's Ray actor; SGLang and external engines take weights over HTTP only
+NEEDS_EMBEDDED_ACTOR = ("tensor", "mooncake")
+
 
 @dataclass
 class EngineHandle:
@@ -70,10 +73,30 @@ def full_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def check_engine_kind(cfg: RunConfig) -> None:
+    """Refuse a transport the run's engines cannot take, before anything starts (not at the first update)."""
+    mode = cfg.update_weight_transfer_mode
+    if mode not in NEEDS_EMBEDDED_ACTOR or cfg.debug_train_only or cfg.debug_rollout_only:
+        return
+    if cfg.rollout_external_engine_addrs:
+        engines = "--rollout-external-engine-addrs (engines started elsewhere)"
+    elif cfg.rollout_engine != "embedded":
+        engines = f"--rollout-engine {cfg.rollout_engine}"
+    else:
+        return
+    http = sorted(set(TRANSPORTS) - set(NEEDS_EMBEDDED_ACTOR))
+    raise ConfigError(
+        f"--update-weight-transfer-mode {mode} loads weights through the embedded engine's Ray actor, "
+        f"which {engines} does not have; use --update-weight-transfer-mode one of {http} (HTTP), "
+        "or --rollout-engine embedded"
+    )
+
+
 def get_transport(
     cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle], trainers: list | None = None
 ) -> Transport:
     """`trainers`: the TrainerActor handles, for transports the trainer drives (broadcast)."""
+    check_engine_kind(cfg)
     if cfg.update_weight_transfer_mode in NOT_BUILT:
         raise ConfigError(
             f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode}: "
