@@ -296,3 +296,48 @@ def test_running_exact_version_request_fails_409_when_weights_change(engine, oth
     r = asyncio.run(run())
     assert r.status_code == 409, r.text
     assert r.json()["error"]["exact_weight_version"] == 0 and r.json()["error"]["weight_version"] == 1
+
+
+def test_disk_updates_only_from_allowed_roots_and_only_forward(tiny_hf_checkpoint, other_checkpoint):
+    import os
+
+    srv = start_engine_server(tiny_hf_checkpoint, weight_roots=[os.path.dirname(other_checkpoint)])
+    try:
+        url = f"{srv.url}/update_weights_from_disk"
+        for outside in ("/etc", "/tmp", os.path.join(os.path.dirname(other_checkpoint), "..")):
+            r = httpx.post(url, json={"model_path": outside, "weight_version": 5}, timeout=30)
+            assert r.status_code == 403 and "outside the directories" in r.text, (outside, r.text)
+        ok = httpx.post(url, json={"model_path": other_checkpoint, "weight_version": 5}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        for back in (4, -1):
+            r = httpx.post(url, json={"model_path": other_checkpoint, "weight_version": back}, timeout=60)
+            assert r.status_code == 400 and "only move forward" in r.text
+        assert httpx.get(f"{srv.url}/get_model_info").json()["weight_version"] == 5
+    finally:
+        srv.stop()
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing(engine):
+    r = httpx.post(f"{engine.url}/generate", json={"text": "1+1=" * 2_000_000}, timeout=30)
+    assert r.status_code == 400 and "cannot fit the context length" in r.text
+    assert httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
+
+
+def test_weight_group_joins_to_a_dead_port_are_bounded_and_do_not_pile_up(engine, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from miles_platform.cluster.ports import free_port
+    from miles_platform.rollout import engine_core
+
+    monkeypatch.setattr(engine_core, "GROUP_JOIN_TIMEOUT_S", 2.0)
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "g", "backend": "gloo"}  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        t0 = time.monotonic()
+        rs = list(pool.map(lambda _: httpx.post(f"{engine.url}/init_weights_update_group", json=body, timeout=60),
+                           range(4)))  # fmt: skip
+        took = time.monotonic() - t0
+    msgs = [r.json()["message"] for r in rs]
+    assert all(r.status_code == 400 for r in rs), msgs
+    assert sum("another join is in progress" in m for m in msgs) >= 1, msgs
+    assert took < 30, took  # bounded by the join timeout, not 4 x 120 s

@@ -90,10 +90,20 @@ async def all_results(futures: list) -> list:
 
 
 def create_app(
-    core: EngineCore, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    core: EngineCore,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    weight_roots: list[str] | None = None,
 ) -> FastAPI:
+    """`weight_roots`: `/update_weights_from_disk` loads only directories under these (None: any;
+    `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter)."""
     app = FastAPI(title="miles-platform embedded engine")
     add_guards(app, api_key, max_request_bytes)
+    roots = None if weight_roots is None else [os.path.realpath(r).rstrip("/") for r in weight_roots]
+
+    def allowed(path: str) -> bool:
+        real = os.path.realpath(path)
+        return roots is None or any(real == r or real.startswith(r + "/") for r in roots)
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -101,7 +111,8 @@ def create_app(
         if err:
             return err
         try:
-            futures, is_batch = core.submit_json(body)
+            # parsing and tokenization off the event loop: a huge prompt cannot stall /health
+            futures, is_batch = await asyncio.to_thread(core.submit_json, body)
             results = await all_results(futures)
         except RequestError as e:
             return error(400, str(e))
@@ -154,6 +165,9 @@ def create_app(
         path = body.get("model_path") if isinstance(body, dict) else None
         if not path:
             return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+        if not isinstance(path, str) or not allowed(path):
+            msg = f"model_path {path!r} is outside the directories this engine loads weights from: {roots}"
+            return JSONResponse({"success": False, "message": msg}, status_code=403)
         try:
             version = await asyncio.to_thread(core.update_weights_from_disk, path, body.get("weight_version"))
         except (MilesError, ValueError, OSError) as e:
@@ -329,6 +343,7 @@ def start_engine_server(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     core: EngineCore | None = None,
     num_threads: int | None = None,
+    weight_roots: list[str] | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
     existing EngineCore (it is then not stopped with the server)."""
@@ -336,7 +351,8 @@ def start_engine_server(
     if core is None:
         core = EngineCore(hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version, num_threads)
     try:
-        thread = serve_in_thread(create_app(core, api_key, max_request_bytes), host, port, "engine-http")
+        app = create_app(core, api_key, max_request_bytes, weight_roots)
+        thread = serve_in_thread(app, host, port, "engine-http")
     except Exception:
         if owns:
             core.stop()
@@ -396,6 +412,13 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     ap.add_argument("--weight-version", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads of the engine")
+    ap.add_argument(
+        "--allow-weights-from",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="/update_weights_from_disk loads only under these dirs (default: --hf-checkpoint's parent)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = start_engine_server(
@@ -408,6 +431,7 @@ def cli_main(argv: list[str]) -> int:
         args.batch_wait_ms,
         args.weight_version,
         num_threads=args.num_threads,
+        weight_roots=args.allow_weights_from or [os.path.dirname(os.path.abspath(args.hf_checkpoint))],
     )
     print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
     wait_for_stop_signal()

@@ -191,6 +191,9 @@ def _version_violation(req: _Request, version: int) -> str | None:
     return None
 
 
+GROUP_JOIN_TIMEOUT_S = 30.0  # an engine joining a trainer's weight-broadcast group
+
+
 class EngineCore:
     """The in-process engine: `generate`, weight updates and pause/continue, thread-safe."""
 
@@ -224,6 +227,7 @@ class EngineCore:
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
         self._weight_groups: dict = {}  # group_name -> (process group, backend): broadcast updates
+        self._group_init = threading.Lock()  # one init_weights_update_group join at a time
         self._cv = threading.Condition()  # guards _waiting / _paused / _stopping
         self._waiting: deque[_Request] = deque()
         self._batch = _Batch()
@@ -248,6 +252,9 @@ class EngineCore:
             self.model, self.tokenizer = _load_model(self.model_path, self.dtype)
             self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
             self.vocab_size = int(self.model.config.vocab_size)
+            # the longest token's text: a prompt longer than context x this cannot fit (checked
+            # before tokenizing it, so a huge body costs a length check, not seconds of BPE)
+            self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) + 1
             self.eos_ids = _eos_ids(self.model, self.tokenizer)
             self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
         except BaseException as e:
@@ -341,8 +348,12 @@ class EngineCore:
 
     def update_weights_from_disk(self, path: str | os.PathLike, weight_version: int | None = None) -> int:
         """Load a full HF checkpoint dir (quantized ones via the dequantizing loader); returns the new version."""
-        state = _read_state_dict(path)
         version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        if version < 0 or version < self._weight_version:
+            raise RequestError(
+                f"weight_version {version}: versions only move forward (this engine serves v{self._weight_version})"
+            )
+        state = _read_state_dict(path)
         self._in_scheduler(
             lambda: self._swap(self._prepare_tensors(state, require_all=True, source=str(path)), version)
         )
@@ -364,7 +375,16 @@ class EngineCore:
 
         if backend not in ("gloo", "nccl"):
             raise RequestError(f"init_weights_update_group backend={backend!r}: must be gloo or nccl")
-        group = new_weights_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        # one join at a time, each bounded: calls to a dead port cannot pile up and block updates
+        if not self._group_init.acquire(blocking=False):
+            raise RequestError("init_weights_update_group: another join is in progress on this engine")
+        try:
+            group = new_weights_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend,
+                join_timeout_s=GROUP_JOIN_TIMEOUT_S,
+            )  # fmt: skip
+        finally:
+            self._group_init.release()
         self._weight_groups[group_name] = (group, backend)
 
     def update_weights_from_distributed(
@@ -536,6 +556,10 @@ class EngineCore:
         if text is not None:
             if not isinstance(text, str):
                 raise RequestError("text must be a string or a list of strings")
+            if len(text) > self.context_length * self._max_token_chars:  # checked before tokenizing
+                raise RequestError(
+                    f"text of {len(text)} characters cannot fit the context length of {self.context_length} tokens"
+                )
             input_ids = self.tokenizer(text)["input_ids"]
         if not isinstance(input_ids, list) or not input_ids:
             raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")

@@ -48,6 +48,7 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
             api_key=cfg.api_key,
             dtype=cfg.rollout_dtype,
             max_batch_size=embedded_max_running_requests(cfg),
+            weight_roots=engine_weight_roots(cfg),
             options={"runtime_env": env},
         )
         urls = ray.get([a.url.remote() for a in actors])
@@ -59,6 +60,25 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
         worker_urls=[h.url for h in handles],
     )
     return handles, router
+
+
+def engine_weight_roots(cfg: RunConfig) -> list[str]:
+    """Where a run's engines may load weights from over HTTP: the run's own dirs (HF exports,
+    disk-delta engine-local copies) and --hf-checkpoint's parent; nothing else on the host."""
+    import os
+
+    from miles_platform.store.paths import StoragePaths
+
+    roots = [
+        StoragePaths(cfg.storage_root).run_dir(cfg.run_name),
+        os.path.dirname(os.path.abspath(cfg.hf_checkpoint)),
+    ]
+    if cfg.update_weight_disk_dir:
+        roots.append(
+            cfg.update_weight_local_checkpoint_dir
+            or os.path.join(cfg.update_weight_disk_dir, "..", "engine-local")
+        )
+    return [r for r in roots if "://" not in r]
 
 
 def embedded_max_running_requests(cfg: RunConfig) -> int:

@@ -46,15 +46,17 @@ def new_weights_group(
     group_name: str,
     backend: str,
     timeout_s: float = TIMEOUT_S,
+    join_timeout_s: float | None = None,
 ):
-    """A standalone process group (own TCPStore, rank 0 hosts it); blocks until all ranks join."""
+    """A standalone process group (own TCPStore, rank 0 hosts it); blocks until all ranks join
+    (at most `join_timeout_s`, default `timeout_s`, the bound of each collective)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         master_address,
         int(master_port),
         world_size,
         is_master=(rank == 0),
-        timeout=timeout,
+        timeout=datetime.timedelta(seconds=join_timeout_s or timeout_s),
         wait_for_workers=False,
     )
     store = dist.PrefixStore(group_name, store)
