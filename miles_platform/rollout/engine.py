@@ -361,7 +361,7 @@ def start_engine_server(
 
 
 class EngineActor:
-    """Ray actor body: `make_engine_actor()` (or `ray.remote(EngineActor)`) turns it into an actor that
+    """Ray actor body: `ray.remote(EngineActor)` (as rollout/engines.py does) turns it into an actor that
     serves HTTP for the router and takes in-process weight updates from the trainer."""
 
     def __init__(self, hf_checkpoint: str, **kwargs):
@@ -386,13 +386,6 @@ class EngineActor:
 
     def shutdown(self) -> None:
         self._server.stop()
-
-
-def make_engine_actor(**ray_options):
-    """`ray.remote(EngineActor)` with options (num_cpus, num_gpus, ...); Ray is imported only here."""
-    import ray
-
-    return ray.remote(**ray_options)(EngineActor) if ray_options else ray.remote(EngineActor)
 
 
 def cli_main(argv: list[str]) -> int:

@@ -58,9 +58,6 @@ class StoragePaths:
         return self.join("catalog.duckdb")
 
     @property
-    def dagster_home(self) -> str:
-        return self.join("dagster")
-
     def dataset(self, name: str) -> str:
         return self.join("datasets", name, "data.parquet")
 

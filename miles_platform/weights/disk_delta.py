@@ -34,7 +34,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -664,7 +664,3 @@ class DeltaPublisher:
                 "positions": r["positions"], "sections": [["none", len(m), len(m)] for m in sections]}  # fmt: skip
         entry.update(checksum=checksum(buf, self.algo), _raw=buf.numel(), _filter=meta)
         return entry, sections, r["changed"], n
-
-
-def publish_stats_dict(stats: PublishStats) -> dict:
-    return asdict(stats)
