@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: the pinned CPU wheel, so nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[mooncake,ui-test]'
+	$(BIN)/pip install -q -e '.[mooncake,ui-test,trackers]'
 	touch $(STAMP)
 
 install: system-deps $(STAMP)

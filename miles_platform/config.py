@@ -39,6 +39,7 @@ GROUPS = (
     "weight-update",
     "async",
     "storage",
+    "logging",
     "debug",
 )
 
@@ -114,6 +115,9 @@ _RANGES: dict[str, tuple] = {
     "tis_lower_bound": (0, None, False, ">= 0"),
     "tis_upper_bound": (0, None, True, "> 0"),
 }
+
+
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass
@@ -371,6 +375,37 @@ class RunConfig:
     run_name: str = _f("run", "storage", "run name: partition keys are <run>.v<NNNNNN>")
     storage_root: str = _f(".miles", "storage", "storage root (local dir or any fsspec URI)")
 
+    # --- logging: experiment trackers (miles_platform/trackers.py) ---
+    use_wandb: bool = _f(False, "logging", "log each rollout's metrics to wandb (the `trackers` extra)")
+    wandb_project: str | None = _f(None, "logging", "wandb project")
+    wandb_group: str | None = _f(None, "logging", "wandb group and run name (default: --run-name)")
+    wandb_mode: str | None = _f(
+        None,
+        "logging",
+        "overrides WANDB_MODE; offline writes under --wandb-dir with no network",
+        choices=WANDB_MODES,
+    )
+    wandb_dir: str | None = _f(None, "logging", "dir wandb writes into (default: ./wandb)")
+    wandb_run_id: str | None = _f(None, "logging", "wandb run id: a relaunch with it continues that run")
+    disable_wandb_random_suffix: bool = _f(
+        False, "logging", "wandb group and name get a random suffix by default; this disables it"
+    )
+    use_tensorboard: bool = _f(False, "logging", "log each rollout's metrics as TensorBoard scalars")
+    tensorboard_dir: str | None = _f(
+        None, "logging", "TensorBoard event dir (default: <storage-root>/runs/<run>/tensorboard)"
+    )
+    custom_rollout_log_function_path: str | None = _f(
+        None,
+        "logging",
+        "<module>.<fn>(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, "
+        "per rollout; True skips the default logging of its rollout metrics",
+    )
+    custom_eval_rollout_log_function_path: str | None = _f(
+        None,
+        "logging",
+        "<module>.<fn>(rollout_id, args, data, extra_metrics) -> bool, per eval; True skips its default logging",
+    )
+
     # --- debug ---
     debug_rollout_only: bool = _f(False, "debug", "generate and store rollouts, no training")
     debug_train_only: bool = _f(
@@ -481,6 +516,8 @@ class RunConfig:
                     "full-vocabulary actor score and replay gives a support-normalized one; Miles rejects "
                     "the combination too. Drop the KL or sample with --rollout-top-k -1 --rollout-top-p 1"
                 )
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"--wandb-mode {self.wandb_mode!r}: must be one of {', '.join(WANDB_MODES)}")
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
@@ -560,6 +597,7 @@ class RunConfig:
             "api_key",
             "api_key_file",
             "run_name",
+            *LOGGING,
         }
         payload = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -589,6 +627,8 @@ _NOT_BUILT = (
     "not supported by this build yet (use --custom-rm-path, the filter hooks and --custom-loss-function-path)"
 )
 _DP_ONLY = "the trainer runs data-parallel only"
+# The tracker flags: where metrics go, never what is trained (outside config_hash, resumable)
+LOGGING = frozenset(f.name for f in dataclasses.fields(RunConfig) if f.metadata["group"] == "logging")
 # What a resumed run may change without --allow-config-change: how long it runs, when it saves /
 # evaluates / logs, where its processes run, debug and CI switches. Anything else changes what
 # is trained (data, model, algorithm, batch, optimizer, sampling, precision, weight transport).
@@ -601,7 +641,7 @@ RESUMABLE = frozenset(
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "storage_root", "save_debug_rollout_data",
-     "ci_test", "ci_logprob_abs_diff_threshold", "log_interval", "sglang_args"}
+     "ci_test", "ci_logprob_abs_diff_threshold", "log_interval", "sglang_args"} | LOGGING
 )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.trackers import Trackers, validate_trackers
 
 
 class Reporter:
@@ -80,6 +81,7 @@ def validate_before_start(cfg: RunConfig) -> None:
                 "only --sglang-max-running-requests; use --rollout-engine sglang for the others"
             )
         embedded_max_running_requests(cfg)
+    validate_trackers(cfg, StoragePaths(cfg.storage_root))
     if cfg.load_debug_rollout_data:
         return
     if not cfg.prompt_data:
@@ -124,6 +126,7 @@ class RLRun:
         self.paths = StoragePaths(cfg.storage_root)
         self.worker = None
         self._highest_version = 0
+        self.trackers = Trackers()  # the run's wandb / TensorBoard sinks, opened by run()
 
     # ------------------------------------------------------------------ setup
     def _load_data(self, tokenizer):
@@ -190,6 +193,7 @@ class RLRun:
             raise
         engines = router = groups = manager = None
         try:
+            self.trackers = Trackers(cfg, self.paths, self.reporter.log)
             from miles_platform.cluster.ray_cluster import create_placement_groups
 
             groups = create_placement_groups(cfg)
@@ -233,6 +237,7 @@ class RLRun:
             result.eval_before_train = initial_eval
             return result
         finally:
+            self.trackers.close(failed=sys.exc_info()[0] is not None)
             if self.worker is not None:
                 self.worker.stop()
             if manager is not None:
@@ -340,6 +345,7 @@ class RLRun:
                 samples, metrics = self.worker.get_rollout(rollout_id, version)
             else:
                 samples, metrics = manager.generate(rollout_id)
+            self.trackers.rollout_data(rollout_id, samples, metrics, t0)
             shard = write_rollout_shard(self.paths, run, rollout_id, samples)
             if cfg.save_debug_rollout_data:
                 self._save_debug(rollout_id, samples)
@@ -373,7 +379,7 @@ class RLRun:
             if ckpt and cfg.save_hf and hf_dir is not None:
                 self._save_hf(rollout_id, hf_dir)
             if manager is not None and self._eval_due(version, hf_dir):
-                metrics.update(self._evaluate(manager, version))
+                metrics.update(self._evaluate(manager, version, rollout_id))
             if hf_dir is not None:
                 info = self._record_version(run, version, parent, rollout_id, shard, hf_dir, ckpt, ctx_info)
                 result.versions.append(info)
@@ -453,9 +459,11 @@ class RLRun:
         if c.skip_eval_before_train:
             self.reporter.log("--skip-eval-before-train: no eval of v0")
             return {}
-        return self._evaluate(manager, version)
+        out = self._evaluate(manager, version, start)
+        self.trackers.log(start, out)
+        return out
 
-    def _evaluate(self, manager, version: int) -> dict[str, float]:
+    def _evaluate(self, manager, version: int, rollout_id: int) -> dict[str, float]:
         """Miles' in-loop eval (--eval-interval) through the router, on the engines' current policy."""
         from miles_platform.rollout.evaluate import evaluate
         from miles_platform.rollout.manager import router_generate_fn
@@ -479,7 +487,8 @@ class RLRun:
                                  "dataset": name, "metric": k, "value": v, "n_samples": r.get("n")})  # fmt: skip
         append_rows(self.paths, "evals", c.run_name, rows)
         out["perf/eval_time"] = time.time() - t0
-        self.reporter.log(f"eval v{version}: " + " ".join(f"{k}={v:.4g}" for k, v in out.items()))
+        if not self.trackers.eval_data(rollout_id, res, out):  # --custom-eval-rollout-log-function-path
+            self.reporter.log(f"eval v{version}: " + " ".join(f"{k}={v:.4g}" for k, v in out.items()))
         return out
 
     def _data_source_state(self, manager) -> dict:
@@ -575,6 +584,7 @@ class RLRun:
     def _report(self, rollout_id: int, metrics: dict[str, float], t0: float) -> None:
         metrics["perf/rollout_total_time"] = time.time() - t0
         self.reporter.on_rollout(rollout_id, metrics)
+        logged = self.trackers.log(rollout_id, metrics)  # less what a custom log function took over
         if rollout_id % self.cfg.log_interval == 0:
             keys = (
                 "rollout/raw_reward",
@@ -588,7 +598,7 @@ class RLRun:
                 "perf/actor_train_time",
                 "perf/update_weights_time",
             )
-            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+            shown = " ".join(f"{k}={logged[k]:.4g}" for k in keys if k in logged)
             self.reporter.log(f"rollout {rollout_id}: {shown}")
 
     # ------------------------------------------------------------------ --ci-test

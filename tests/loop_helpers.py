@@ -1,6 +1,7 @@
 """The small RL run the loop-level tests share: 8 addition prompts, 2 prompts x 2 samples, 2 rollouts."""
 
 import json
+import os
 
 from miles_platform.config import RunConfig
 
@@ -56,3 +57,32 @@ def record_post_write(args, version_dir, engines):
            "exists": os.path.isdir(version_dir), "engines": len(engines)}  # fmt: skip
     with open(f"{args.update_weight_disk_dir}.post_write_hook.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def record_rollout_log(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """A `--custom-rollout-log-function-path` for the tests: records what Miles' signature hands it,
+    adds a metric at rollout 0 and takes over (returns True) the default logging of rollout 1."""
+    row = {"rollout_id": rollout_id, "args": type(args).__name__, "run": args.run_name,
+           "samples": [type(s).__name__ for s in samples], "metrics": sorted(rollout_extra_metrics),
+           "rollout_time": rollout_time, "perf_rollout_time": rollout_extra_metrics.get("perf/rollout_time")}  # fmt: skip
+    os.makedirs(args.storage_root, exist_ok=True)
+    with open(f"{args.storage_root}/rollout_log_calls.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if rollout_id == 0:
+        rollout_extra_metrics["rollout/custom_reward_x2"] = 2 * rollout_extra_metrics["rollout/raw_reward"]
+    return rollout_id == 1
+
+
+def record_eval_log(rollout_id, args, data, extra_metrics):
+    """A `--custom-eval-rollout-log-function-path` for the tests: records its arguments and takes
+    over the default logging of the eval after rollout 1."""
+    row = {
+        "rollout_id": rollout_id,
+        "args": type(args).__name__,
+        "data": data,
+        "metrics": sorted(extra_metrics),
+    }
+    os.makedirs(args.storage_root, exist_ok=True)
+    with open(f"{args.storage_root}/eval_log_calls.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return rollout_id == 1
