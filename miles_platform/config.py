@@ -533,6 +533,14 @@ class RunConfig:
             ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
             if not ok:
                 raise ConfigError(f"{_flag(name)} {v}: must be {what}")
+        for f in dataclasses.fields(self):  # choices hold for YAML, Dagster and Python callers too
+            choices, v = f.metadata.get("choices"), getattr(self, f.name)
+            if (
+                choices
+                and v is not None
+                and not (v in choices if not isinstance(v, list) else set(v) <= set(choices))
+            ):
+                raise ConfigError(f"{_flag(f.name)} {v!r}: must be one of {', '.join(map(str, choices))}")
         for name in ("adam_beta1", "adam_beta2"):
             if getattr(self, name) >= 1:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be in [0, 1)")

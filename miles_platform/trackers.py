@@ -46,7 +46,13 @@ def load_log_functions(cfg: RunConfig) -> tuple[Callable[..., Any] | None, Calla
 
 
 def validate_trackers(cfg: RunConfig, paths) -> None:
-    """Before Ray starts: the packages are there, the dirs are local, the custom functions load."""
+    """Before Ray starts: the packages are there, the dirs are local, the custom functions load,
+    and no tracker flag is set without its tracker (it would do nothing: refused, not ignored)."""
+    inert = [f for f in _WANDB_FLAGS if not cfg.use_wandb and getattr(cfg, f) not in (None, False)]
+    inert += ["tensorboard_dir"] if cfg.tensorboard_dir and not cfg.use_tensorboard else []
+    if inert:
+        names = ", ".join("--" + f.replace("_", "-") for f in inert)
+        raise ConfigError(f"{names}: set without --use-wandb / --use-tensorboard, so nothing would be logged")
     load_log_functions(cfg)
     if cfg.use_wandb and cfg.wandb_mode != "disabled":
         try:
@@ -78,11 +84,6 @@ class Trackers:
         if cfg is None:
             return
         self._log_rollout, self._log_eval = load_log_functions(cfg)
-        inert = [f for f in _WANDB_FLAGS if not cfg.use_wandb and getattr(cfg, f) not in (None, False)]
-        inert += ["tensorboard_dir"] if cfg.tensorboard_dir and not cfg.use_tensorboard else []
-        if inert:
-            names = ", ".join("--" + f.replace("_", "-") for f in inert)
-            log(f"[trackers] {names} ignored: without --use-wandb / --use-tensorboard nothing is logged")
         try:
             if cfg.use_wandb and cfg.wandb_mode != "disabled":
                 self.sinks.append(_WandbSink(cfg))

@@ -54,3 +54,10 @@ def test_yaml_errors_name_the_file_and_key(tmp_path):
         parse_run_config(["--config", str(f)])
     f.write_text("rollout_batch_size: 2\nci_test: true\nlr: 1\n")
     assert parse_run_config(["--config", str(f)]).lr == 1
+
+
+def test_choices_hold_outside_argparse_too():
+    with pytest.raises(ConfigError, match="--advantage-estimator 'grpoo': must be one of"):
+        RunConfig(rollout_batch_size=2, advantage_estimator="grpoo").validate()
+    with pytest.raises(ConfigError, match="--train-forward-dtype 'fp64': must be one of fp32"):
+        RunConfig(rollout_batch_size=2, rollout_dtype="fp64", train_forward_dtype="fp64").validate()
