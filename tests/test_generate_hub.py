@@ -23,7 +23,7 @@ from miles_platform.loop import train, validate_before_start
 from miles_platform.models.checkpoint import load_tokenizer
 from miles_platform.plugins import load_generate_function, load_rollout_function
 from miles_platform.rollout.engine import serve_in_thread, start_engine_server
-from miles_platform.rollout.generate_hub.tool_call import qwen25_parser, tool_response_text
+from miles_platform.rollout.generate_hub.tool_call import TOOL_CALL_PARSERS, qwen25_parser, tool_response_text
 from miles_platform.rollout.manager import RolloutManager
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
@@ -200,6 +200,8 @@ def test_the_qwen25_parser_reads_tool_calls_as_sglang_does():
         "a": 3
     }  # left open
     assert parse("<tool_call>{not json}</tool_call>") == [] and parse("no call") == []
+    choices = RunConfig.__dataclass_fields__["generate_tool_call_parser"].metadata["choices"]
+    assert set(choices) == set(TOOL_CALL_PARSERS)  # the flag offers exactly the parsers there are
 
 
 # ---------------------------------------------------------------------------- loading and validation
@@ -356,3 +358,12 @@ def _shard_samples(cfg) -> list[Sample]:
     )
     names = set(Sample.__dataclass_fields__) | {"reward_json", "response_length"}
     return [Sample.from_row({k: v for k, v in zip(cols, r) if k in names}) for r in rows]
+
+
+def test_the_dagster_run_config_takes_the_new_flags():
+    """The rl_training op's config is built from RunConfig's fields (a dict field must be skipped)."""
+    from ops.training import RLTrainingConfig
+
+    fields = RLTrainingConfig.model_fields
+    assert {"custom_generate_function_path", "rollout_function_path", "generate_max_turns"} <= set(fields)
+    assert "custom_function_args" not in fields
