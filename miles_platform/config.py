@@ -85,6 +85,7 @@ _RANGES: dict[str, tuple] = {
             "log_interval",
             "async_buffer_capacity",
             "lr_decay_iters",
+            "generate_max_turns",
         ),
         _POSITIVE,
     ),  # fmt: skip
@@ -114,6 +115,7 @@ _RANGES: dict[str, tuple] = {
     "clip_grad": (0, None, True, "> 0"),
     "tis_lower_bound": (0, None, False, ">= 0"),
     "tis_upper_bound": (0, None, True, "> 0"),
+    "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
 }
 
 
@@ -193,12 +195,37 @@ class RunConfig:
     num_steps_per_rollout: int | None = _f(None, "rollout", "optimizer steps per rollout (derived)")
     over_sampling_batch_size: int | None = _f(None, "rollout", "prompts to sample per dynamic-sampling round")
     rollout_max_prompt_len: int | None = _f(None, "rollout", "drop prompts longer than this many tokens")
-    rollout_function_path: str | None = _f(None, "rollout", "custom rollout function <module>.<fn>")
+    rollout_function_path: str | None = _f(
+        None,
+        "rollout",
+        "replace the whole rollout: <module>.<fn>(args, rollout_id, data_source, evaluation=False) -> "
+        "RolloutFnTrainOutput | list[list[Sample]] (or a class, as Miles); see docs/rollout.md",
+    )
     custom_generate_function_path: str | None = _f(
-        None, "rollout", "custom per-sample generate <module>.<fn>"
+        None,
+        "rollout",
+        "per-sample generate <module>.<fn>: async fn(input: GenerateFnInput) -> GenerateFnOutput, or the "
+        "old form async fn(args, sample, sampling_params) -> Sample; built-ins: "
+        "miles_platform.rollout.generate_hub.{single_turn,multi_turn}.generate",
     )
     rollout_max_concurrency: int = _f(
-        64, "rollout", "max in-flight generate requests from the rollout manager"
+        64, "rollout", "max in-flight generate requests (per-sample generate functions: samples in flight)"
+    )
+    generate_max_turns: int = _f(16, "rollout", "multi_turn: max model turns per episode")
+    generate_tool_specs_path: str | None = _f(
+        None, "rollout", "multi_turn: <module>.<attr>, a list of OpenAI tool specs (or a fn returning one)"
+    )
+    generate_tool_call_parser: str | None = _f(
+        None,
+        "rollout",
+        "multi_turn: tool-call format in model text (SGLang parser names)",
+        choices=("qwen25", "qwen"),
+    )
+    generate_execute_tool_function_path: str | None = _f(
+        None, "rollout", "multi_turn: async <module>.<fn>(name: str, params: dict) -> str"
+    )
+    generate_tool_timeout: float = _f(
+        60.0, "rollout", "multi_turn: seconds one tool call may take; past it the episode ends as failed"
     )
 
     # --- sampling ---
@@ -433,6 +460,11 @@ class RunConfig:
     sglang_args: dict[str, Any] = field(
         default_factory=dict, metadata={"group": "cluster", "help": "", "choices": None, "nargs": None}
     )
+    # the flags a custom generate / rollout function registers with Miles' `fn.add_arguments(parser)`
+    # hook: parsed from the CLI (or YAML) and shown to the function as args.<name>
+    custom_function_args: dict[str, Any] = field(
+        default_factory=dict, metadata={"group": "rollout", "help": "", "choices": None, "nargs": None}
+    )
 
     # ------------------------------------------------------------------
     def validate(self) -> RunConfig:
@@ -480,6 +512,7 @@ class RunConfig:
         for name, why in REFUSED.items():
             if getattr(self, name) != _default(name):
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
+        self._check_generate_flags()
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
@@ -521,6 +554,26 @@ class RunConfig:
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
+
+    def _check_generate_flags(self) -> None:
+        """The multi-turn flags act through a generate function; a rollout function owns the whole
+        rollout, which the fully async worker would bypass. (Imports are checked before start.)"""
+        tool_flags = (
+            "generate_tool_specs_path",
+            "generate_tool_call_parser",
+            "generate_execute_tool_function_path",
+        )
+        given = [_flag(n) for n in tool_flags if getattr(self, n)]
+        if given and not self.custom_generate_function_path:
+            raise ConfigError(
+                f"{', '.join(given)}: read by a generate function; set --custom-generate-function-path "
+                "miles_platform.rollout.generate_hub.multi_turn.generate (or your own)"
+            )
+        if self.rollout_function_path and self.fully_async:
+            raise ConfigError(
+                "--rollout-function-path with --fully-async: the rollout function replaces the rollout the "
+                "fully async worker runs; drop one (a per-sample --custom-generate-function-path works with both)"
+            )
 
     def _check_ranges(self) -> None:
         """Every numeric flag in its range (NaN and inf included), with the flag named."""
@@ -631,9 +684,6 @@ class RunConfig:
 
 # Miles flags this build does not implement. Set to anything but the default they are an error, never
 # silently ignored (tests/test_config_flags.py fails on any field that nothing reads and nothing refuses).
-_NOT_BUILT = (
-    "not supported by this build yet (use --custom-rm-path, the filter hooks and --custom-loss-function-path)"
-)
 _DP_ONLY = "the trainer runs data-parallel only"
 # The tracker flags: where metrics go, never what is trained (outside config_hash, resumable)
 LOGGING = frozenset(f.name for f in dataclasses.fields(RunConfig) if f.metadata["group"] == "logging")
@@ -670,8 +720,6 @@ def saved_config(cfg: RunConfig) -> str:
 
 
 REFUSED: dict[str, str] = {
-    "rollout_function_path": _NOT_BUILT,
-    "custom_generate_function_path": _NOT_BUILT,
     "tensor_model_parallel_size": f"{_DP_ONLY} (TP > 1 is supported by `miles-platform convert`, not by training yet)",
     "pipeline_model_parallel_size": _DP_ONLY,
     "context_parallel_size": _DP_ONLY,
@@ -750,6 +798,9 @@ ALIASES = {
 }
 
 
+_DICT_FIELDS = ("sglang_args", "custom_function_args")  # filled by parse_run_config, not flags
+
+
 def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Miles-style RL training (GRPO and friends).")
     parser.add_argument(
@@ -757,7 +808,7 @@ def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
     )
     groups = {g: parser.add_argument_group(f"{g} arguments") for g in GROUPS}
     for f in dataclasses.fields(RunConfig):
-        if f.name != "sglang_args":
+        if f.name not in _DICT_FIELDS:
             _add_flag(groups[f.metadata["group"]], f, argparse.SUPPRESS)
     return parser
 
@@ -841,14 +892,42 @@ def parse_run_config(argv: list[str] | None = None, prog: str = "miles-platform 
     parser = build_parser(prog)
     args, rest = parser.parse_known_args(argv)
     sglang, leftover = _split_passthrough(rest)
-    if leftover:
-        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
     data: dict[str, Any] = {}
     if getattr(args, "config", None):
         data.update({k.replace("-", "_"): v for k, v in load_yaml(args.config).items()})
     data.update({k: v for k, v in vars(args).items() if k != "config"})
+    extra, leftover = _function_flags(data, leftover)
+    if leftover:
+        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
     data.setdefault("sglang_args", {}).update(sglang)
+    data.setdefault("custom_function_args", {}).update(extra)
     return RunConfig.from_dict(data).validate()
+
+
+def _function_flags(data: dict[str, Any], argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Miles' `add_arguments` hook: flags that --custom-generate-function-path / --rollout-function-path
+    register, from `argv` (CLI) or `data` (YAML keys, popped), CLI first. Returns (values, argv left).
+    A flag that is already a RunConfig field stays that field (a copy of Miles' multi_turn registering
+    --generate-max-turns means ours)."""
+    from miles_platform.plugins import GENERATE_FLAG, ROLLOUT_FLAG, function_flags_parser
+
+    paths = {
+        GENERATE_FLAG: data.get("custom_generate_function_path"),
+        ROLLOUT_FLAG: data.get("rollout_function_path"),
+    }
+    extra = function_flags_parser(paths)
+    if extra is None:
+        return {}, argv
+    actions = [a for a in extra._actions if a.dest not in RunConfig.__dataclass_fields__]
+    defaults = {a.dest: a.default for a in actions}
+    for a in extra._actions:  # tell given flags from defaults
+        a.default = argparse.SUPPRESS
+    given, left = extra.parse_known_args(argv)
+    values = {}
+    for dest, default in defaults.items():
+        values[dest] = getattr(given, dest) if hasattr(given, dest) else data.pop(dest, default)
+        data.pop(dest, None)
+    return values, left
 
 
 def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:

@@ -90,6 +90,9 @@ def validate_before_start(cfg: RunConfig) -> None:
         from miles_platform.rollout import rm_hub
 
         rm_hub.validate_reward_config(cfg)
+    from miles_platform.rollout import generate_hub
+
+    generate_hub.validate_config(cfg)
     from miles_platform.rollout import filter_hub
 
     filter_hub.load_dynamic_filter(cfg)

@@ -18,7 +18,7 @@ from miles_platform.loop import Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 
 DATA_VERSION_TAG = "dagster/data_version"
-SKIP = {"sglang_args"}
+SKIP = {"sglang_args", "custom_function_args"}  # dict fields: set from the CLI / YAML, not the Launchpad
 
 
 def _pydantic_fields() -> dict[str, Any]:

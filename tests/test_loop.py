@@ -197,8 +197,6 @@ def test_miles_flag_names_for_delta_encoding_and_checksum():
 
 
 def test_flags_not_built_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="custom-generate-function-path"):
-        RunConfig(rollout_batch_size=2, custom_generate_function_path="x.y").validate()
     with pytest.raises(ConfigError, match="tensor-model-parallel-size"):
         RunConfig(rollout_batch_size=2, tensor_model_parallel_size=2).validate()
 

@@ -7,6 +7,7 @@ errors) a bounded number of times with exponential backoff; anything else raises
 from __future__ import annotations
 
 import asyncio
+import weakref
 
 import httpx
 import orjson
@@ -61,6 +62,29 @@ async def generate(
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:
         body["exact_weight_version"] = exact_weight_version
+    return await post_generate(url, body, api_key, timeout, max_retries, backoff_s, max_backoff_s, client)
+
+
+# the pooled client of each EngineClient's event loop: `post_generate` called from code running
+# there (custom generate functions) shares the run's keep-alive connections
+_LOOP_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def post_generate(
+    url: str,
+    payload: dict,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    max_retries: int = 8,
+    backoff_s: float = 0.05,
+    max_backoff_s: float = 2.0,
+    client: httpx.AsyncClient | None = None,
+) -> dict | list[dict]:
+    """POST `payload` (SGLang's /generate body, as built by the caller) to {url}/generate, with
+    the retries of `generate`. `url` may end in /generate already (Miles' generate functions
+    post to `http://host:port/generate`)."""
+    url = url.rstrip("/").removesuffix("/generate")
+    client = client or _LOOP_CLIENTS.get(asyncio.get_running_loop())
     own = client is None
     client = client or httpx.AsyncClient(timeout=timeout)
     try:
@@ -69,8 +93,8 @@ async def generate(
             last_try = attempt == max_retries
             try:
                 resp = await client.post(
-                    f"{url.rstrip('/')}/generate",
-                    content=orjson.dumps(body),
+                    f"{url}/generate",
+                    content=orjson.dumps(payload),
                     headers={"Content-Type": "application/json", **_headers(api_key)},
                 )
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
@@ -142,6 +166,7 @@ class EngineClient:
             return httpx.AsyncClient(timeout=timeout, limits=limits)
 
         self._client = self.submit(make()).result()
+        _LOOP_CLIENTS[self._loop] = self._client
 
     def submit(self, coro):
         """Schedule a coroutine on the client's loop; returns a concurrent.futures.Future."""
@@ -161,6 +186,7 @@ class EngineClient:
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        _LOOP_CLIENTS.pop(self._loop, None)
         self.submit(self._client.aclose()).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

@@ -4,23 +4,36 @@ Runs in the driver. Generation goes over HTTP (SGLang's `/generate`) to the rout
 embedded CPU engine and real SGLang servers are one code path. Dynamic sampling draws
 `--over-sampling-batch-size` prompts per round until `--rollout-batch-size` groups survive
 the filter.
+
+Generation of a round: one batched `/generate` for all its samples (the default), or with
+--custom-generate-function-path the function once per sample, concurrently (at most
+--rollout-max-concurrency in flight) on the engine client's event loop. --rollout-function-path
+replaces `generate` as a whole.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from typing import Any
 
 import numpy as np
 
-from miles_platform.config import RunConfig
+from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.data.sample import Sample, Status
 from miles_platform.data.source import RolloutDataSource
+from miles_platform.plugins import GENERATE_FLAG, ROLLOUT_FLAG, load_generate_function, load_rollout_function
 from miles_platform.rollout import client as engine_client
-from miles_platform.rollout import filter_hub, rm_hub
-
-FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+from miles_platform.rollout import filter_hub, generate_hub, rm_hub
+from miles_platform.rollout.base_types import (
+    GenerateFnInput,
+    GenerateFnOutput,
+    GenerateState,
+    RolloutFnTrainOutput,
+)
+from miles_platform.rollout.generate_hub.endpoint import append_output, finish_status, truncate
 
 
 class RolloutManager:
@@ -34,6 +47,16 @@ class RolloutManager:
         self.buffer: list[list[Sample]] = []
         self.buffer_filter = filter_hub.load_buffer_filter(cfg)
         self.replay = cfg.sampling_support_replay()
+        # user code (generate / rollout functions) sees Miles-style args and the run's engine
+        self.args = generate_hub.function_args(cfg, self.url)
+        self.state = GenerateState(
+            self.args, tokenizer, self.url, cfg.api_key, self.replay, self.sampling_params()
+        )
+        path = cfg.custom_generate_function_path
+        self.generate_fn = load_generate_function(path) if path else None
+        path = cfg.rollout_function_path
+        self.rollout_fn = load_rollout_function(path).bind(self.args, data_source) if path else None
+        self._slots: asyncio.Semaphore | None = None  # per-sample generations in flight (client loop)
 
     def close(self) -> None:
         self.client.close()
@@ -52,6 +75,8 @@ class RolloutManager:
     # ------------------------------------------------------------------ public
     def generate(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
         """Samples of one rollout, in group order (n consecutive samples per prompt)."""
+        if self.rollout_fn is not None:
+            return self._generate_with_rollout_fn(rollout_id)
         c, t0 = self.cfg, time.time()
         want = c.rollout_batch_size
         per_round = c.over_sampling_batch_size or want
@@ -101,12 +126,14 @@ class RolloutManager:
         return kept
 
     def finalize(self, rollout_id: int, groups: list[list[Sample]]) -> list[Sample]:
-        """Run the per-sample filter, number the samples in group order, mask removed ones."""
+        """Run the per-sample filter, number the samples in group order, mask removed and failed ones."""
         filter_hub.apply_rollout_sample_filter(self.cfg, groups)
         samples: list[Sample] = []
         for gi, group in enumerate(groups):
             for s in group:
                 s.rollout_id, s.group_index, s.index = rollout_id, gi, len(samples)
+                if s.status == Status.FAILED.value:  # a broken tool is no signal about the policy
+                    s.remove_sample = True
                 if s.remove_sample:
                     s.loss_mask = [0] * len(s.response_tokens)
                 samples.append(s)
@@ -128,6 +155,8 @@ class RolloutManager:
         """Group gi = len(seeds[gi]) samples of records[gi], all in one batched request."""
         if not records:
             return []
+        if self.generate_fn is not None:
+            return self.client.submit(self._per_sample(records, prompts, seeds)).result()
         outs = self.client.generate(*self._batch(prompts, seeds), return_sampling_mask=self.replay)
         return self._groups_from(records, prompts, seeds, outs)
 
@@ -135,8 +164,54 @@ class RolloutManager:
         """`generate_groups` for code running on its own event loop (the fully async worker)."""
         if not records:
             return []
+        if self.generate_fn is not None:
+            return await asyncio.wrap_future(self.client.submit(self._per_sample(records, prompts, seeds)))
         outs = await self.client.agenerate(*self._batch(prompts, seeds), return_sampling_mask=self.replay)
         return self._groups_from(records, prompts, seeds, outs)
+
+    async def _per_sample(
+        self, records, prompts, seeds, evaluation: bool = False, params: dict | None = None
+    ) -> list[list[Sample]]:
+        """--custom-generate-function-path once per sample, concurrently, on the client's loop."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.cfg.rollout_max_concurrency)
+        base = params or self.sampling_params()
+
+        async def one(rec: PromptRecord, prompt_ids: list[int], gi: int, seed: int) -> Sample:
+            sample = self._new_sample(rec, prompt_ids, gi)
+            inp = GenerateFnInput(self.state, sample, {**base, "sampling_seed": seed}, evaluation)
+            async with self._slots:
+                try:
+                    out = await self.generate_fn(inp)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} raised on prompt "
+                        f"{rec.id!r}: {type(e).__name__}: {e}"
+                    ) from e
+            return self._generated(out, int(base.get("max_new_tokens", 0)))
+
+        try:  # the first failure cancels the rest
+            async with asyncio.TaskGroup() as tg:
+                tasks = [[tg.create_task(one(rec, p, gi, s)) for s in ss]
+                         for gi, (rec, p, ss) in enumerate(zip(records, prompts, seeds, strict=True))]  # fmt: skip
+        except ExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        return [[t.result() for t in group] for group in tasks]
+
+    def _generated(self, out: Any, budget: int) -> Sample:
+        """The one Sample a generate function made, checked, within the response budget."""
+        path = self.cfg.custom_generate_function_path
+        samples = out.samples if isinstance(out, GenerateFnOutput) else out
+        if isinstance(samples, list):
+            if len(samples) != 1:
+                raise ConfigError(
+                    f"{GENERATE_FLAG} {path!r} returned {len(samples)} samples for one: a generate function "
+                    "must give exactly one Sample here (the batch invariant counts samples per prompt)"
+                )
+            samples = samples[0]
+        s = generate_hub.check_sample(samples, GENERATE_FLAG, path)
+        truncate(s, budget, self.tok)
+        return s
 
     def _batch(self, prompts, seeds) -> tuple[list[list[int]], list[dict]]:
         base = self.sampling_params()
@@ -152,36 +227,61 @@ class RolloutManager:
         return groups
 
     def _to_sample(self, rec: PromptRecord, prompt_ids: list[int], out: dict, gi: int) -> Sample:
-        meta = out["meta_info"]
-        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
-        ids = list(out.get("output_ids") or [x[1] for x in meta.get("output_token_logprobs") or []])
-        support = None
-        if self.replay:  # the support-normalized log-prob is the behaviour policy's (Miles)
-            support, lps = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
-            if support is None or lps is None or len(support) != len(ids) or len(lps) != len(ids):
-                raise RuntimeError(
-                    "sampling-support replay (--rollout-top-k > 0 or --rollout-top-p < 1): the engine "
-                    "returned no complete output_token_sampling_mask / output_token_sampling_logprobs; "
-                    "it needs SGLang with return_sampling_mask (sglang-miles) or the embedded engine"
-                )
-            support, lps = [list(map(int, s)) for s in support], [float(x) for x in lps]
-        fin = (meta.get("finish_reason") or {}).get("type", "stop")
+        s = self._new_sample(rec, prompt_ids, gi)
+        s.status = finish_status(append_output(s, out, self.replay))
+        return s
+
+    def _new_sample(self, rec: PromptRecord, prompt_ids: list[int], gi: int) -> Sample:
+        """A sample of `rec` before generation: prompt set, response empty."""
         return Sample(
             run=self.cfg.run_name,
             group_index=gi,
             prompt=rec.prompt,
             prompt_tokens=list(prompt_ids),
-            response=out.get("text", ""),
-            response_tokens=ids,
-            rollout_log_probs=lps,
-            rollout_sampling_support=support,
-            loss_mask=[1] * len(ids),
             label=rec.label,
-            status=FINISH_STATUS.get(fin, Status.COMPLETED).value,
-            weight_version_start=int(meta.get("weight_version_start", meta.get("weight_version", 0)) or 0),
-            weight_version_end=int(meta.get("weight_version_end", meta.get("weight_version", 0)) or 0),
             metadata={**rec.metadata, "prompt_id": rec.id},
         )
+
+    # ------------------------------------------------------------------ --rollout-function-path
+    def _generate_with_rollout_fn(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        """The user's rollout: its groups are checked, unscored samples get the run's reward, and the
+        per-sample filter and numbering apply as for the default rollout."""
+        c, t0, path = self.cfg, time.time(), self.cfg.rollout_function_path
+        out = self.rollout_fn(rollout_id)
+        if inspect.isawaitable(out):
+            out = self.client.submit(_awaited(out)).result()
+        extra = {}
+        if isinstance(out, RolloutFnTrainOutput):
+            out, extra = out.samples, dict(out.metrics or {})
+        n, want = c.n_samples_per_prompt, c.rollout_batch_size
+        shape = (
+            [len(g) if isinstance(g, list) else type(g).__name__ for g in out]
+            if isinstance(out, list)
+            else None
+        )
+        if shape != [n] * want:
+            raise ConfigError(
+                f"{ROLLOUT_FLAG} {path!r} returned {shape or type(out).__name__} (group sizes): expected "
+                f"--rollout-batch-size={want} groups of --n-samples-per-prompt={n} Samples "
+                "(list[list[Sample]] or RolloutFnTrainOutput)"
+            )
+        groups = [[generate_hub.check_sample(s, ROLLOUT_FLAG, path) for s in g] for g in out]
+        for k, s in enumerate(s for g in groups for s in g):  # provisional ids (as the default rollout)
+            s.rollout_id, s.index = rollout_id, k
+        unscored = [s for g in groups for s in g if s.reward is None]
+        if unscored:
+            if not (c.rm_type or c.custom_rm_path):
+                raise ConfigError(
+                    f"{ROLLOUT_FLAG} {path!r} returned samples without a reward and no --rm-type or "
+                    "--custom-rm-path is set: score them in the function or configure a reward"
+                )
+            rm_hub.compute_rewards(c, unscored)
+        for s in (s for g in groups for s in g if s.raw_reward is None):
+            s.raw_reward = s.scalar_reward(c.reward_key)
+        samples = self.finalize(rollout_id, groups)
+        metrics = self._metrics(samples, {}, time.time() - t0)
+        metrics.update({k: float(v) for k, v in extra.items() if isinstance(v, int | float)})
+        return samples, metrics
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, samples: list[Sample], drops: dict[str, int], seconds: float) -> dict[str, float]:
@@ -193,6 +293,7 @@ class RolloutManager:
             "rollout/response_len/mean": float(lens.mean()),
             "rollout/response_len/max": float(lens.max()),
             "rollout/truncated": float(np.mean([s.status == Status.TRUNCATED.value for s in samples])),
+            "rollout/failed": float(np.mean([s.status == Status.FAILED.value for s in samples])),
             "rollout/log_probs": float(np.mean(lps)) if lps else 0.0,
             "rollout/num_samples": float(len(samples)),
             "rollout/buffer_size": float(len(self.buffer)),
@@ -203,6 +304,13 @@ class RolloutManager:
             groups = rewards.reshape(-1, n)
             m["rollout/zero_std_groups"] = float(np.mean(groups.std(axis=1) == 0))
         m.update({k: float(v) for k, v in filter_hub.drop_metrics(drops).items()})
+        turns = [s.metadata["turns"] for s in samples if isinstance(s.metadata.get("turns"), int)]
+        if turns:  # multi-turn episodes (Miles' multi_turn/ namespace)
+            m["multi_turn/turns/mean"] = float(np.mean(turns))
+            m["multi_turn/turns/max"] = float(max(turns))
+            m["multi_turn/tool_calls/mean"] = float(
+                np.mean([s.metadata.get("tool_call_count", 0) for s in samples])
+            )
         return m
 
 
@@ -215,12 +323,23 @@ def record_of(group: list[Sample]) -> PromptRecord:
 
 
 def router_generate_fn(manager: RolloutManager):
-    """An `evaluate(generate_fn=...)` that generates through the run's engines, one batched request."""
+    """An `evaluate(generate_fn=...)` that generates through the run's engines: one batched request,
+    or the run's --custom-generate-function-path per sample with `evaluation=True` (as Miles)."""
     tok = manager.tok
 
     def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                   "stop_token_ids": [tok.eos_token_id]}  # fmt: skip
+        if manager.generate_fn is not None and prompts:
+            records = [
+                PromptRecord(id=f"eval-{i}", prompt=p, label=None, metadata={}) for i, p in enumerate(prompts)
+            ]
+            ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+            seeds = [[seed * 1000003 + i * n + k for k in range(n)] for i in range(len(prompts))]
+            run = manager._per_sample(
+                records, ids, seeds, evaluation=True, params={**manager.sampling_params(), **params}
+            )
+            return [[s.response for s in g] for g in manager.client.submit(run).result()]
         ids = [tok.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
         sps = [{**params, "sampling_seed": seed * 1000003 + k} for k in range(len(ids))]
         outs = manager.client.generate(ids, sps, return_logprob=False) if ids else []
@@ -228,3 +347,7 @@ def router_generate_fn(manager: RolloutManager):
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     return generate_fn
+
+
+async def _awaited(awaitable):
+    return await awaitable

@@ -1,0 +1,106 @@
+"""SGLang `/generate` helpers shared by every generate function (Miles' generate_endpoint_utils).
+
+A trajectory is token-in, token-out: each turn sends `prompt_tokens + response_tokens` as
+`input_ids`, so what the engine scored is exactly what the trainer will see (no re-tokenizing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_platform.data.sample import Sample, Status
+from miles_platform.rollout import client as engine_client
+from miles_platform.rollout.base_types import GenerateState
+
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+async def post(url: str, payload: dict, api_key: str | None = None) -> dict | list[dict]:
+    """POST a `/generate` body to `url` (the router or an engine; a trailing /generate is fine),
+    with the run's retries, over the run's connection pool when called from a generate function."""
+    return await engine_client.post_generate(url, payload, api_key)
+
+
+def request_payload(
+    state: GenerateState, sample: Sample, sampling_params: dict[str, Any], evaluation: bool = False
+) -> dict | None:
+    """The next turn's body: the trajectory so far as input_ids, `max_new_tokens` capped by what is
+    left of the response budget (`sampling_params["max_new_tokens"]` covers the whole trajectory,
+    tool tokens included). None when nothing is left: the trajectory is truncated."""
+    left = int(sampling_params.get("max_new_tokens", 0)) - len(sample.response_tokens)
+    if left <= 0:
+        return None
+    body = {
+        "input_ids": list(sample.prompt_tokens) + list(sample.response_tokens),
+        "sampling_params": {**sampling_params, "max_new_tokens": left},
+        "return_logprob": True,
+    }
+    if state.sampling_support_replay and not evaluation:
+        body["return_sampling_mask"] = True
+    return body
+
+
+def append_output(sample: Sample, output: dict, replay: bool) -> str:
+    """Append one `/generate` answer to the sample: model tokens (loss mask 1) with the engine's
+    log-probs (the support-normalized ones and each token's support under replay), the text, the
+    weight versions. Returns the finish reason type ("stop", "length", "abort")."""
+    meta = output.get("meta_info") or {}
+    token_lps = meta.get("output_token_logprobs") or []
+    ids = [int(t) for t in output.get("output_ids") or [x[1] for x in token_lps]]
+    lps = [float(x[0]) for x in token_lps]
+    if len(lps) != len(ids):
+        raise RuntimeError(
+            f"/generate returned {len(ids)} tokens and {len(lps)} log-probs (return_logprob must be true)"
+        )
+    if replay:  # the support-normalized log-prob is the behaviour policy's (Miles)
+        support, lps = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
+        if support is None or lps is None or len(support) != len(ids) or len(lps) != len(ids):
+            raise RuntimeError(
+                "sampling-support replay (--rollout-top-k > 0 or --rollout-top-p < 1): the engine "
+                "returned no complete output_token_sampling_mask / output_token_sampling_logprobs; "
+                "it needs SGLang with return_sampling_mask (sglang-miles) or the embedded engine"
+            )
+        sample.rollout_sampling_support = (sample.rollout_sampling_support or []) + [
+            [int(t) for t in s] for s in support
+        ]
+        lps = [float(x) for x in lps]
+    first = not sample.response_tokens
+    sample.response_tokens = list(sample.response_tokens) + ids
+    sample.rollout_log_probs = list(sample.rollout_log_probs) + lps
+    sample.loss_mask = list(sample.loss_mask) + [1] * len(ids)
+    sample.response += output.get("text", "")
+    v_start = int(meta.get("weight_version_start", meta.get("weight_version", 0)) or 0)
+    v_end = int(meta.get("weight_version_end", meta.get("weight_version", 0)) or 0)
+    sample.weight_version_start = v_start if first else min(sample.weight_version_start, v_start)
+    sample.weight_version_end = max(sample.weight_version_end, v_end)
+    return (meta.get("finish_reason") or {}).get("type", "stop")
+
+
+def append_tool_tokens(sample: Sample, ids: list[int], text: str) -> None:
+    """Append tokens the model did not sample (tool output, chat markup): loss mask 0, log-prob 0,
+    and under replay the singleton support [token] (Miles: tool tokens have singleton support)."""
+    sample.response_tokens = list(sample.response_tokens) + list(ids)
+    sample.rollout_log_probs = list(sample.rollout_log_probs) + [0.0] * len(ids)
+    sample.loss_mask = list(sample.loss_mask) + [0] * len(ids)
+    if sample.rollout_sampling_support is not None:
+        sample.rollout_sampling_support = sample.rollout_sampling_support + [[int(t)] for t in ids]
+    sample.response += text
+
+
+def truncate(sample: Sample, max_len: int, tokenizer=None) -> None:
+    """Cut the response to `max_len` tokens, every per-token list with it; status truncated.
+    With a tokenizer the text is decoded again from the tokens kept."""
+    if len(sample.response_tokens) <= max_len:
+        return
+    sample.response_tokens = sample.response_tokens[:max_len]
+    sample.rollout_log_probs = sample.rollout_log_probs[:max_len]
+    sample.loss_mask = sample.loss_mask[:max_len]
+    if sample.rollout_sampling_support is not None:
+        sample.rollout_sampling_support = sample.rollout_sampling_support[:max_len]
+    if tokenizer is not None:
+        sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
+    sample.status = Status.TRUNCATED.value
+
+
+def finish_status(finish_type: str) -> str:
+    return FINISH_STATUS.get(finish_type, Status.COMPLETED).value

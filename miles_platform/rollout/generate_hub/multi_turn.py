@@ -1,0 +1,121 @@
+"""Multi-turn tool calling over `/generate` (Miles' generate_hub/multi_turn.py).
+
+One episode, token-in token-out:
+
+    tokens = prompt
+    for turn in range(--generate-max-turns):
+        model turn  <- /generate(tokens), max_new_tokens = what is left of --rollout-max-response-len
+        calls       <- --generate-tool-call-parser(model text); none: done
+        answers     <- --generate-execute-tool-function-path(name, params) for each call
+        tokens     += answers as the chat template renders them (+ the next assistant prompt)
+
+Model tokens keep the engine's log-probs (loss mask 1); tool tokens get loss mask 0, log-prob 0
+and, under sampling-support replay, the singleton support [token]. The trajectory never exceeds
+the response budget (status `truncated`); a tool that raises or times out
+(--generate-tool-timeout) ends the episode with status `failed`, which the rollout counts
+(`rollout/failed`) and keeps out of the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+from miles_platform.config import ConfigError
+from miles_platform.data.sample import Sample, Status
+from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
+from miles_platform.rollout.generate_hub import tool_call
+from miles_platform.rollout.generate_hub.endpoint import (
+    append_output,
+    append_tool_tokens,
+    finish_status,
+    post,
+    request_payload,
+    truncate,
+)
+from miles_platform.rollout.generate_hub.tool_call import ToolCall, ToolFailure
+
+Parser = Callable[[str], list[ToolCall]]
+
+
+async def generate(input: GenerateFnInput) -> GenerateFnOutput:
+    a = input.args
+    parser, execute = _tools(
+        a.generate_tool_specs_path, a.generate_tool_call_parser, a.generate_execute_tool_function_path
+    )
+    sample = await run_episode(input, parser, execute, a.generate_max_turns, a.generate_tool_timeout)
+    return GenerateFnOutput(samples=sample)
+
+
+def validate_args(args: Any) -> None:
+    """The three tool flags are set and load (called before any engine starts)."""
+    flags = {
+        tool_call.SPECS_FLAG: args.generate_tool_specs_path,
+        tool_call.PARSER_FLAG: args.generate_tool_call_parser,
+        tool_call.EXECUTE_FLAG: args.generate_execute_tool_function_path,
+    }
+    missing = [f for f, v in flags.items() if not v]
+    if missing:
+        raise ConfigError(f"--custom-generate-function-path multi_turn.generate needs {', '.join(missing)}")
+    _tools.cache_clear()  # a fresh import check, not a cached result
+    _tools(*flags.values())
+
+
+@lru_cache(maxsize=8)
+def _tools(specs_path: str, parser_name: str, execute_path: str) -> tuple[Parser, Callable[..., Any]]:
+    specs = tool_call.load_tool_specs(specs_path)
+    return tool_call.make_parser(parser_name, specs), tool_call.load_execute_tool(execute_path)
+
+
+async def run_episode(
+    input: GenerateFnInput,
+    parse: Parser,
+    execute: Callable[..., Any],
+    max_turns: int,
+    tool_timeout: float | None,
+) -> Sample:
+    """The episode loop. `parse(model_text) -> [ToolCall]` and `execute(name, params) -> str` are
+    arguments so a generate function can reuse the loop with its own parsing or tools."""
+    state, params = input.state, input.sampling_params
+    sample = copy.deepcopy(input.sample)
+    budget = int(params.get("max_new_tokens", 0))
+    turns = calls_made = 0
+    for turn in range(max_turns):
+        body = request_payload(state, sample, _turn_params(params, turn), input.evaluation)
+        if body is None:  # the budget is spent and the model was due another turn
+            sample.status = Status.TRUNCATED.value
+            break
+        out = await post(state.url, body, state.api_key)
+        finish = append_output(sample, out, "return_sampling_mask" in body)
+        turns += 1
+        sample.status = finish_status(finish)
+        if finish in ("length", "abort"):
+            break
+        calls = parse(out.get("text", ""))
+        if not calls:
+            break
+        try:
+            messages = await tool_call.execute_tool_calls(calls, execute, tool_timeout)
+        except ToolFailure as e:
+            sample.status = Status.FAILED.value
+            sample.metadata = {**sample.metadata, "tool_error": str(e)}
+            break
+        calls_made += len(calls)
+        text = tool_call.tool_response_text(state.tokenizer, messages)
+        append_tool_tokens(sample, state.tokenizer.encode(text, add_special_tokens=False), text)
+        if len(sample.response_tokens) >= budget:
+            truncate(sample, budget, state.tokenizer)
+            sample.status = Status.TRUNCATED.value
+            break
+    sample.metadata = {**sample.metadata, "turns": turns, "tool_call_count": calls_made}
+    return sample
+
+
+def _turn_params(params: dict[str, Any], turn: int) -> dict[str, Any]:
+    """Each turn its own seed (the embedded engine's draws are a function of seed and position)."""
+    seed = params.get("sampling_seed")
+    if seed is None or turn == 0:
+        return params
+    return {**params, "sampling_seed": (int(seed) + 1_000_003 * turn) % (2**31)}
