@@ -303,6 +303,7 @@ def test_one_writer_per_run_and_a_dead_writers_lock_is_taken_over(tiny_hf_checkp
 def test_a_resume_that_would_train_something_else_is_refused(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import saved_config
     from miles_platform.loop import RLRun
+    from miles_platform.store.run_state import check_resume_config
 
     first = _cfg(tiny_hf_checkpoint, tmp_path, ci_test=False)
     save = StoragePaths(first.storage_root).checkpoints("t")
@@ -315,7 +316,7 @@ def test_a_resume_that_would_train_something_else_is_refused(tiny_hf_checkpoint,
     # longer, with evals and more logging: the same run, resumed
     more = _cfg(tiny_hf_checkpoint, tmp_path, ci_test=True, num_rollout=5, eval_interval=2, log_interval=3)
     more.save = save
-    RLRun(more)._check_resume_config()
+    check_resume_config(more, print)
     changed = _cfg(tiny_hf_checkpoint, tmp_path, lr=3e-4, rollout_temperature=0.7)
     with pytest.raises(ConfigError, match=r"--lr 0.001 -> 0.0003; --rollout-temperature 1.0 -> 0.7"):
         RLRun(changed).run()  # refused before Ray starts
@@ -324,7 +325,7 @@ def test_a_resume_that_would_train_something_else_is_refused(tiny_hf_checkpoint,
     logs = []
     rep = Reporter()
     rep.log = logs.append
-    RLRun(allowed, rep)._check_resume_config()
+    check_resume_config(allowed, rep.log)
     assert any("--allow-config-change: --lr 0.001 -> 0.0003" in m for m in logs)
     with open(os.path.join(save, "run_config.json")) as f:
         rec = json.load(f)
@@ -335,6 +336,7 @@ def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkp
     """kill -9 between publishing (or exporting) v6 and recording it: no catalog row for v6, but
     LATEST and hf/v000006 exist. The resumed run numbers its next version 7, never a second v6."""
     from miles_platform.loop import RLRun
+    from miles_platform.store.run_state import recorded_max_version, remove_dead_writers_tmp
 
     pub = tmp_path / "pub"
     cfg = _cfg(
@@ -345,12 +347,12 @@ def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkp
     )
     cfg.save = StoragePaths(cfg.storage_root).checkpoints("t")
     run = RLRun(cfg)
-    assert run._recorded_max_version() == 0
+    assert recorded_max_version(cfg, run.paths) == 0
     os.makedirs(run.paths.hf_export("t", 5))
-    assert run._recorded_max_version() == 5
+    assert recorded_max_version(cfg, run.paths) == 5
     pub.mkdir()
     (pub / "LATEST").write_text("6\n")
-    assert run._recorded_max_version() == 6
+    assert recorded_max_version(cfg, run.paths) == 6
     # half-written exports / checkpoints of the dead writer are removed at startup (under the lock)
     hf = os.path.dirname(run.paths.hf_export("t", 8))
     junk = [os.path.join(hf, ".v000008.tmp-ab12cd34"), os.path.join(cfg.save, ".iter_0000003.tmp-a1b2c3"),
@@ -359,6 +361,6 @@ def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkp
         os.makedirs(j)
     keep = os.path.join(cfg.save, "iter_0000002")
     os.makedirs(keep)
-    run._remove_dead_writers_tmp()
+    remove_dead_writers_tmp(cfg, run.paths, print)
     assert not any(os.path.exists(j) for j in junk) and os.path.isdir(keep)
-    assert run._recorded_max_version() == 6
+    assert recorded_max_version(cfg, run.paths) == 6

@@ -67,6 +67,29 @@ class Node:
         return out | {"shown_above": self.shown_above, "truncated": self.truncated}
 
 
+def write_edges(
+    paths: StoragePaths, run: str, child: str, child_kind: str,
+    parents: list[tuple[str | None, str, str, str | None]],
+) -> None:  # fmt: skip
+    """Append `child`'s edges to the lineage table: one row per (parent, parent_kind, relation,
+    data_version); parents that are None (e.g. no --prompt-data) are skipped."""
+    from miles_platform.store.tables import append_rows
+
+    rows = [
+        {
+            "child": child,
+            "child_kind": child_kind,
+            "parent": p,
+            "parent_kind": pk,
+            "relation": rel,
+            "data_version": dv,
+        }  # fmt: skip
+        for p, pk, rel, dv in parents
+        if p is not None
+    ]
+    append_rows(paths, "lineage", run, rows)
+
+
 def _lit(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 

@@ -26,8 +26,7 @@ from miles_platform.config import RunConfig
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backend import get_backend_class
-
-LATEST = "latest_checkpointed_iteration.txt"
+from miles_platform.training.checkpoint import LATEST, iter_dir, read_latest  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -57,22 +56,6 @@ class TrainBatch:
             rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
             rollout_sampling_supports=supports if any(x is not None for x in supports) else None,
         )
-
-
-def iter_dir(save: str, rollout_id: int) -> str:
-    return os.path.join(save, f"iter_{rollout_id:07d}")
-
-
-def read_latest(save: str | None) -> int | None:
-    if not save:
-        return None
-    p = Path(save) / LATEST
-    if not p.exists():
-        return None
-    text = p.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{p}: expected an iteration number, got {text!r}")
-    return int(text)
 
 
 def lr_lambda(cfg: RunConfig, total_steps: int):

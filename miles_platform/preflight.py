@@ -1,0 +1,69 @@
+"""Everything checkable before any engine or actor starts (Ray included): a user's mistake costs
+one second, and nothing is written under the storage root until it passes."""
+
+from __future__ import annotations
+
+from miles_platform.config import ConfigError, RunConfig
+from miles_platform.store.paths import StoragePaths
+
+
+def validate_before_start(cfg: RunConfig) -> None:
+    """Config, checkpoint, secret, transport x engine, rewards, custom paths, trackers, data."""
+    cfg.validate()
+    if not cfg.hf_checkpoint:
+        raise ConfigError("--hf-checkpoint is required (HF dir with config, weights and tokenizer)")
+    from miles_platform.models.checkpoint import validate_hf_dir
+
+    validate_hf_dir(cfg.hf_checkpoint)
+    cfg.resolve_api_key()  # secure by default: no run is open to other local processes
+    from miles_platform.weights.transports import check_engine_kind
+
+    check_engine_kind(cfg)
+    if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
+        from miles_platform.rollout.engines import embedded_max_running_requests
+
+        other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") != "max-running-requests")
+        if other:
+            raise ConfigError(
+                f"--sglang-{other[0]} (and {len(other) - 1} more) would be ignored: the embedded engine takes "
+                "only --sglang-max-running-requests; use --rollout-engine sglang for the others"
+            )
+        embedded_max_running_requests(cfg)
+    from miles_platform.trackers import validate_trackers
+
+    validate_trackers(cfg, StoragePaths(cfg.storage_root))
+    if cfg.load_debug_rollout_data:
+        return
+    if not cfg.prompt_data:
+        raise ConfigError("--prompt-data is required (JSONL or Parquet of prompts)")
+    if cfg.loss_type != "sft_loss" and not cfg.debug_train_only:
+        from miles_platform.rollout import rm_hub
+
+        rm_hub.validate_reward_config(cfg)
+    from miles_platform.rollout import generate_hub
+
+    generate_hub.validate_config(cfg)
+    from miles_platform.rollout import filter_hub
+
+    filter_hub.load_dynamic_filter(cfg)
+    filter_hub.load_rollout_sample_filter(cfg)
+    from miles_platform.plugins import load_function
+
+    if cfg.custom_loss_function_path:
+        load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
+    if cfg.custom_update_weight_post_write_path:
+        load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
+
+
+def fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:
+    """--save defaults to the run's checkpoint dir; --num-rollout to --num-epoch passes over the data."""
+    if cfg.save is None:
+        cfg.save = paths.checkpoints(cfg.run_name)
+    if cfg.num_rollout is None:
+        epochs = cfg.num_epoch or 1
+        cfg.num_rollout = max(1, epochs * dataset_rows // cfg.rollout_batch_size)
+    world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+    if cfg.global_batch_size % world:
+        raise ConfigError(
+            f"--global-batch-size {cfg.global_batch_size} must divide over {world} trainer ranks"
+        )

@@ -1,0 +1,42 @@
+"""Miles' in-loop eval (--eval-interval, and v0 before training): the run's eval datasets through
+its own engines, on the policy they serve; one `evals` row per (dataset, metric)."""
+
+from __future__ import annotations
+
+import time
+
+from miles_platform.config import RunConfig
+from miles_platform.store.paths import StoragePaths, partition_key
+
+
+def eval_due(cfg: RunConfig, version: int, hf_dir: str | None) -> bool:
+    return bool(
+        cfg.eval_prompt_data and cfg.eval_interval and hf_dir is not None and version % cfg.eval_interval == 0
+    )
+
+
+def evaluate_policy(cfg: RunConfig, paths: StoragePaths, manager, version: int) -> tuple[dict, dict]:
+    """-> ({"eval/<dataset>/<metric>": value, "perf/eval_time": s}, per-dataset result dicts)."""
+    from miles_platform.rollout.evaluate import evaluate
+    from miles_platform.rollout.manager import router_generate_fn
+    from miles_platform.store.tables import append_rows
+
+    c, t0 = cfg, time.time()
+    s = c.eval_sampling()
+    res = evaluate(
+        None, c.eval_datasets(), c.n_samples_per_eval_prompt, s["max_new_tokens"], s["temperature"],
+        s["top_p"], s["top_k"], rm_type=c.rm_type or "math", args=c, seed=c.seed,
+        generate_fn=router_generate_fn(manager), input_key=c.input_key,
+        label_key=c.label_key or "label", metadata_key=c.metadata_key,
+        apply_chat_template=c.apply_chat_template, tokenizer=manager.tok,
+    )  # fmt: skip
+    out, rows = {}, []
+    for name, r in res.items():
+        for k, v in r.items():
+            if isinstance(v, float):
+                out[f"eval/{name}/{k}"] = v
+                rows.append({"version": version, "partition_key": partition_key(c.run_name, version),
+                             "dataset": name, "metric": k, "value": v, "n_samples": r.get("n")})  # fmt: skip
+    append_rows(paths, "evals", c.run_name, rows)
+    out["perf/eval_time"] = time.time() - t0
+    return out, res

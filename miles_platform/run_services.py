@@ -1,0 +1,122 @@
+"""The processes a training run needs, up in order and down in reverse: run lock, Ray, placement
+groups, trainer actors, engines + router, rollout manager, weight-update session, fully async
+worker, trackers. `RLRun` enters it and then only loops."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any
+
+from miles_platform.config import RunConfig
+from miles_platform.run_types import Reporter
+from miles_platform.store.paths import StoragePaths
+
+
+class RunServices(contextlib.AbstractContextManager):
+    """`with RunServices(cfg, paths, reporter, tok, src) as s:` -> s.trainers, s.engines, s.router,
+    s.manager, s.session, s.worker, s.trackers, s.state (the trainer checkpoint state or None).
+    Teardown runs in reverse order whatever failed, and releases the run lock last."""
+
+    def __init__(self, cfg: RunConfig, paths: StoragePaths, reporter: Reporter, tokenizer, data_source):
+        self.cfg, self.paths, self.reporter, self.tok, self.src = cfg, paths, reporter, tokenizer, data_source
+        self.trainers: list = []
+        self.engines = self.router = self.manager = self.session = self.worker = None
+        self.state: dict[str, Any] | None = None
+        self._lock = self._ray = self._groups = None
+        from miles_platform.trackers import Trackers
+
+        self.trackers = Trackers()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> RunServices:
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def _start(self) -> None:
+        import ray
+
+        from miles_platform.cluster.ray_cluster import create_placement_groups, init_ray, shutdown_ray
+        from miles_platform.store.run_lock import RunLock
+        from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
+        from miles_platform.trackers import Trackers
+
+        cfg, s, log = self.cfg, self._stack, self.reporter.log
+        if "://" not in self.paths.root:  # one writer per run, taken after validation
+            lock = RunLock(self.paths.run_dir(cfg.run_name), cfg.run_name).acquire()
+            s.callback(lock.release)
+        remove_dead_writers_tmp(cfg, self.paths, log)
+        check_resume_config(cfg, log)
+        s.callback(shutdown_ray, init_ray(cfg))
+        self.trackers = Trackers(cfg, self.paths, log)
+        s.push(lambda et, *_: self.trackers.close(failed=et is not None))
+        groups = create_placement_groups(cfg)
+        from miles_platform.cluster.ray_cluster import remove_placement_groups
+
+        s.callback(remove_placement_groups, groups)
+        if not cfg.debug_rollout_only:
+            self.trainers = self._start_trainers(groups)
+            self.state = ray.get([t.load.remote() for t in self.trainers])[0]
+        if self.state is not None and self.src is not None:
+            self.src.load_state_dict(self.state["data_source"])
+        if cfg.debug_train_only:
+            return
+        from miles_platform.rollout.engines import start_engines, stop_engines
+        from miles_platform.rollout.manager import RolloutManager
+        from miles_platform.weights.update_session import UpdateSession
+
+        self.engines, self.router = start_engines(cfg, groups)
+        s.callback(stop_engines, self.engines)
+        s.callback(self.router.stop)
+        log(
+            f"engines {' '.join(e.url for e in self.engines)} router {self.router.url}: every call needs "
+            "the run's bearer token (--api-key / --api-key-file / $MILES_API_KEY, else generated)"
+        )
+        # one engine: talk to it directly (a router hop would add latency and nothing else)
+        url = self.engines[0].url if len(self.engines) == 1 else self.router.url
+        self.manager = RolloutManager(cfg, self.tok, self.src, url)
+        s.callback(self.manager.close)
+        if self.trainers:
+            self.session = UpdateSession(cfg, self.paths, self.engines, self.trainers)
+
+    def start_async_worker(self) -> None:
+        """--fully-async: the background generator (started after the initial sync and eval)."""
+        if self.cfg.fully_async and self.manager is not None:
+            from miles_platform.rollout.async_worker import AsyncRolloutWorker
+
+            self.worker = AsyncRolloutWorker(self.manager, self.cfg.async_buffer_capacity).start()
+            self._stack.callback(self.worker.stop)
+
+    def __exit__(self, *exc) -> bool:
+        return bool(self._stack.__exit__(*exc))
+
+    def _start_trainers(self, groups) -> list:
+        import ray
+
+        from miles_platform.cluster.ports import free_port
+        from miles_platform.cluster.ray_cluster import create_role_actors
+        from miles_platform.training.actor import TrainerActor
+
+        cfg = self.cfg
+        world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+        dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
+        threads = os.environ.get("MILES_TRAIN_THREADS", "1")
+        env = {"env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads}}
+        actors = create_role_actors(
+            TrainerActor, cfg, groups, "actor", cfg, world_size=world, dist_init=dist_init,
+            options={"runtime_env": env},
+        )  # fmt: skip
+        ray.get([a.ready.remote() for a in actors])
+        return actors
+
+    def data_source_state(self) -> dict:
+        """The data-source position plus every prompt taken and not trained (checkpointed)."""
+        if self.worker is not None:
+            return self.worker.data_source_state()
+        m = self.manager
+        return m.data_source.state_dict(m.unfinished_records()) if m else {}

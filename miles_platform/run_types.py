@@ -1,0 +1,74 @@
+"""What a training run reports and returns: torch-free, so the Dagster layer imports it cheaply.
+
+`PolicyVersion` is the contract with the Dagster reporter (ops/training.py): one record per
+new policy version, the same fields the `policy_versions` table row and the lineage edges hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    run: str
+    version: int
+    partition_key: str
+    parent_version: int
+    parent_partition_key: str
+    rollout_id: int
+    checkpoint_path: str | None
+    hf_path: str
+    content_hash: str
+    config_hash: str
+    base_data_version: str | None
+    dataset_data_version: str | None
+    shard_path: str
+    shard_rows: int
+    mean_reward: float | None
+    base_checkpoint: str
+    prompt_data: str | None
+    eval_interval: int | None
+
+    # the `policy_versions` table's columns (store/tables.py)
+    ROW: ClassVar[tuple[str, ...]] = ("version", "partition_key", "parent_version", "rollout_id", "checkpoint_path", "hf_path",
+           "content_hash", "config_hash", "base_data_version", "dataset_data_version", "shard_path",
+           "shard_rows", "mean_reward")  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def row(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.ROW}
+
+
+class Reporter:
+    """Callbacks of a run. The Dagster op overrides them; the CLI prints."""
+
+    def log(self, msg: str) -> None:
+        print(msg, flush=True)
+
+    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_policy_version(self, info: dict[str, Any]) -> None:
+        """`info` is `PolicyVersion.to_dict()`."""
+
+
+@dataclass
+class RunResult:
+    run: str
+    start_rollout_id: int
+    last_rollout_id: int
+    final_version: int
+    final_hf_path: str | None
+    versions: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    ci_checks: dict[str, float] = field(default_factory=dict)
+    eval_before_train: dict[str, float] = field(default_factory=dict)  # v0's eval, as in Miles
+
+
+class CITestFailure(AssertionError):
+    """A --ci-test / --check-weight-update-equal invariant does not hold."""

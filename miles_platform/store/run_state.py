@@ -1,0 +1,87 @@
+"""A run's state on disk across crashes: stale staging dirs, the config a checkpoint was made
+with, and the highest version number any store knows. Called with the run lock held."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from miles_platform.config import ConfigError, RunConfig, config_changes, saved_config
+from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
+from miles_platform.store.paths import StoragePaths
+
+# staging names of the atomic writers (store/atomic.py, export, checkpoints, disk-delta publish)
+_TMP = re.compile(r"^\..*\.tmp-[0-9a-f]+$|^\.tmp-.+-[0-9a-f]{8}$")
+RUN_CONFIG = "run_config.json"
+
+
+def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[str], None]) -> None:
+    """Every `.tmp-*` under the run's dirs (checkpoint, HF export and publication staging of a
+    killed writer) is garbage nothing can observe: remove it. Needs the run lock."""
+    seen = set()
+    for root in (paths.run_dir(cfg.run_name), cfg.save, cfg.update_weight_disk_dir):
+        if not root or "://" in root or not os.path.isdir(root) or root in seen:
+            continue
+        seen.add(root)
+        subdirs = [p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")]
+        for d in [Path(root), *subdirs]:
+            for p in d.iterdir():
+                if _TMP.match(p.name):
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                    log(f"[startup] removed {p} (left by a writer that died)")
+
+
+def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> None:
+    """A resume must train what the saved run trained: differing flags (other than schedule, eval,
+    logging and placement ones, config.RESUMABLE) are refused unless --allow-config-change. The
+    checkpoint dir then records this run's config."""
+    from miles_platform.training.checkpoint import read_latest
+
+    src = cfg.load or cfg.save
+    if not src or "://" in src:
+        return
+    rec = Path(src) / RUN_CONFIG
+    if read_latest(src) is not None and rec.is_file():
+        changes = config_changes(json.loads(rec.read_text()), cfg)
+        if changes and not cfg.allow_config_change:
+            raise ConfigError(
+                f"resuming run {cfg.run_name!r} from {src} with a different config: {'; '.join(changes)}. "
+                "Relaunch with the saved flags, a new --run-name, or --allow-config-change"
+            )
+        if changes:
+            log(f"[resume] --allow-config-change: {'; '.join(changes)}")
+    if cfg.save and "://" not in cfg.save:
+        Path(cfg.save).mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(cfg.save) / RUN_CONFIG, saved_config(cfg))
+
+
+def recorded_max_version(cfg: RunConfig, paths: StoragePaths) -> int:
+    """The highest version any store knows: catalog rows, HF exports (`hf/v000006`) and the
+    disk-delta publication's LATEST. A run killed between publishing or exporting a version and
+    recording it continues past it, so no number is reused and no export is overwritten."""
+    from miles_platform.store.tables import read_rows
+
+    known = [int(r["version"]) for r in read_rows(paths, "policy_versions", cfg.run_name)]
+    hf = Path(paths.hf_export(cfg.run_name, 0)).parent
+    if "://" not in str(hf) and hf.is_dir():
+        known += [int(m.group(1)) for d in hf.iterdir() if (m := re.match(r"v(\d+)", d.name))]
+    pub = cfg.update_weight_disk_dir
+    if cfg.update_weight_transfer_mode == "disk-delta" and pub and "://" not in pub:
+        from miles_platform.weights.delta_format import read_latest
+
+        latest = read_latest(pub) if Path(pub).is_dir() else None
+        known += [latest] if latest is not None else []
+    return max(known, default=0)
+
+
+def save_hf_copy(cfg: RunConfig, rollout_id: int, hf_dir: str) -> None:
+    """--save-hf: a copy of the saved policy in HF layout (the template may use {rollout_id})."""
+    dest = cfg.save_hf.format(rollout_id=rollout_id)
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.copytree(hf_dir, tmp)
+    fsync_tree(tmp)
+    replace_dir(tmp, dest)

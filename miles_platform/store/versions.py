@@ -1,0 +1,40 @@
+"""The record of a new policy version: its `policy_versions` row and its lineage edges
+(previous version or base checkpoint, rollout shard, prompt data, base checkpoint)."""
+
+from __future__ import annotations
+
+from miles_platform.config import RunConfig
+from miles_platform.run_types import PolicyVersion
+from miles_platform.store.paths import StoragePaths, partition_key
+
+
+def record_policy_version(
+    cfg: RunConfig, paths: StoragePaths, version: int, parent_version: int, rollout_id: int,
+    shard, hf_dir: str, ckpt: str | None, base_version: str | None, data_version: str | None,
+) -> PolicyVersion:  # fmt: skip
+    from miles_platform.models.checkpoint import content_hash
+    from miles_platform.store.lineage import write_edges
+    from miles_platform.store.tables import append_rows
+
+    run = cfg.run_name
+    pv = PolicyVersion(
+        run=run, version=version, partition_key=partition_key(run, version), parent_version=parent_version,
+        parent_partition_key=partition_key(run, parent_version), rollout_id=rollout_id, checkpoint_path=ckpt,
+        hf_path=hf_dir, content_hash=content_hash(hf_dir), config_hash=cfg.config_hash(),
+        base_data_version=base_version, dataset_data_version=data_version, shard_path=shard.path,
+        shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=cfg.hf_checkpoint,
+        prompt_data=cfg.prompt_data, eval_interval=cfg.eval_interval,
+    )  # fmt: skip
+    append_rows(paths, "policy_versions", run, [pv.row()])
+    first = parent_version == 0
+    write_edges(
+        paths, run, pv.partition_key, "policy_version",
+        [
+            (cfg.hf_checkpoint if first else pv.parent_partition_key, "checkpoint" if first else "policy_version",
+             "trained_from", base_version if first else None),
+            (shard.path, "rollout_shard", "trained_on", None),
+            (cfg.prompt_data, "dataset", "prompt_data", data_version),
+            (cfg.hf_checkpoint, "checkpoint", "base_checkpoint", base_version),
+        ],
+    )  # fmt: skip
+    return pv

@@ -1,0 +1,47 @@
+"""--ci-test and --check-weight-update-equal, as in Miles: at step 0 the trainer's policy is the
+engine's, so PPO's KL and clip fraction are 0 and the two log-probs agree; after every update the
+engines hold exactly the trainer's weights (over HTTP, for embedded, external and SGLang engines)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from miles_platform.config import RunConfig
+from miles_platform.run_types import CITestFailure
+
+
+def weight_check_on(cfg: RunConfig) -> bool:
+    """--check-weight-update-equal, or --ci-test unless --ci-disable-weight-update-checker (as Miles)."""
+    return cfg.check_weight_update_equal or (cfg.ci_test and not cfg.ci_disable_weight_update_checker)
+
+
+def step0_checks(cfg: RunConfig, m: dict[str, float], log: Callable[[str], None]) -> dict[str, float]:
+    checks = {
+        "step0_ppo_kl": abs(m.get("train/step0_ppo_kl", 0.0)),
+        "step0_pg_clipfrac": m.get("train/step0_pg_clipfrac", 0.0),
+        "train_rollout_logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff", 0.0),
+    }
+    log(f"[ci-test] rollout 0: {json.dumps(checks)}")
+    if checks["step0_ppo_kl"] >= 1e-9:
+        raise CITestFailure(f"--ci-test: |train/ppo_kl| at step 0 = {checks['step0_ppo_kl']:.3g} >= 1e-9")
+    if checks["step0_pg_clipfrac"] >= 1e-10:
+        raise CITestFailure(
+            f"--ci-test: train/pg_clipfrac at step 0 = {checks['step0_pg_clipfrac']:.3g} >= 1e-10"
+        )
+    diff = checks["train_rollout_logprob_abs_diff"]
+    if not cfg.use_rollout_logprobs and diff >= cfg.ci_logprob_abs_diff_threshold:
+        raise CITestFailure(
+            f"--ci-test: trainer-vs-engine log-prob abs diff {diff:.3g} >= {cfg.ci_logprob_abs_diff_threshold}"
+        )
+    return checks
+
+
+def check_weights_equal(cfg: RunConfig, engines, weights, version: int) -> None:
+    """Every engine, embedded, external or SGLang, over HTTP (weights/equality.py)."""
+    from miles_platform.weights.equality import first_mismatch
+
+    for e in engines:
+        why = first_mismatch(e.url, weights, cfg.rollout_dtype, cfg.api_key)
+        if why:
+            raise CITestFailure(f"--check-weight-update-equal at v{version}: {why}")
