@@ -113,7 +113,8 @@ def run_quickstart(
 
     _log(f"running rl_training: {num_rollout} rollouts of GRPO")
     run = _fresh_run_name(root, DEMO_RL["run_name"])
-    rl = dict(DEMO_RL, run_name=run, seed=seed, num_rollout=num_rollout, storage_root=root, rollout_seed=seed)
+    # the storage root is the `storage` resource's (MILES_STORAGE_ROOT above), not run config
+    rl = dict(DEMO_RL, run_name=run, seed=seed, num_rollout=num_rollout, rollout_seed=seed)
     job = defs.get_job_def("rl_training")
     res = job.execute_in_process(run_config={"ops": {"rl_training_op": {"config": rl}}}, instance=instance)
     out = res.output_for_node("rl_training_op")

@@ -1,8 +1,10 @@
 """The `rl_training` job: one op that runs the Ray-hosted loop and reports materializations.
 
-Its run config is RunConfig (every Miles flag, snake_case). Unset `prompt_data` /
-`hf_checkpoint` / `eval_prompt_data` default to the latest `prompt_dataset` / `base_checkpoint` /
-`eval_dataset` materializations, so the UI's Launchpad needs no paths at all.
+Its run config is RunConfig (every Miles flag, snake_case) except `storage_root`: every op,
+asset and sensor writes and reads under the `storage` resource's root (env MILES_STORAGE_ROOT).
+Unset `prompt_data` / `hf_checkpoint` / `eval_prompt_data` default to the latest
+`prompt_dataset` / `base_checkpoint` / `eval_dataset` materializations, so the UI's Launchpad
+needs no paths at all.
 Each policy version adds a dynamic partition `<run>.v<NNNNNN>` and logs materializations of
 `rollout_shards` and `policy_versions` with lineage metadata; sensors react to those.
 """
@@ -16,9 +18,10 @@ from pydantic import create_model
 from miles_platform.config import RunConfig
 from miles_platform.loop import Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
+from resources.storage import StorageRootResource
 
 DATA_VERSION_TAG = "dagster/data_version"
-SKIP = {"sglang_args"}
+SKIP = {"sglang_args", "storage_root"}  # storage_root: the `storage` resource's, never per run
 
 
 def _pydantic_fields() -> dict[str, Any]:
@@ -107,9 +110,11 @@ class DagsterReporter(Reporter):
         )
 
 
-def run_config_from(config: dg.Config, instance: dg.DagsterInstance) -> RunConfig:
+def run_config_from(config: dg.Config, instance: dg.DagsterInstance, storage_root: str) -> RunConfig:
+    """The run's RunConfig: op config + the storage resource's root + paths of the latest assets."""
     data = config.model_dump()
     cfg = RunConfig.from_dict(data)
+    cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
     cfg.prompt_data = cfg.prompt_data or _latest_path(instance, "prompt_dataset")
     cfg.hf_checkpoint = cfg.hf_checkpoint or _latest_path(instance, "base_checkpoint")
     if not cfg.eval_prompt_data:
@@ -124,12 +129,16 @@ def run_config_from(config: dg.Config, instance: dg.DagsterInstance) -> RunConfi
     description="Run the Miles-style RL loop on Ray; report rollout_shards / policy_versions per version.",
     tags={"kind": "ray"},
 )
-def rl_training_op(context: dg.OpExecutionContext, config: RLTrainingConfig) -> dg.Output:  # type: ignore[valid-type]
+def rl_training_op(
+    context: dg.OpExecutionContext,
+    config: RLTrainingConfig,  # type: ignore[valid-type]
+    storage: StorageRootResource,
+) -> dg.Output:
     from miles_platform.loop import train
 
-    cfg = run_config_from(config, context.instance)
+    cfg = run_config_from(config, context.instance, storage.root)
     result: RunResult = train(cfg, DagsterReporter(context))
-    paths = StoragePaths(cfg.storage_root)
+    paths = storage.paths
     return dg.Output(
         {"run": result.run, "final_version": result.final_version, "final_hf_path": result.final_hf_path},
         metadata={
