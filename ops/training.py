@@ -1,10 +1,11 @@
 """The `rl_training` job: one op that runs the Ray-hosted loop and reports materializations.
 
-Its run config is RunConfig (every Miles flag, snake_case) except `storage_root`: every op,
-asset and sensor writes and reads under the `storage` resource's root (env MILES_STORAGE_ROOT).
-Unset `prompt_data` / `hf_checkpoint` / `eval_prompt_data` default to the latest
-`prompt_dataset` / `base_checkpoint` / `eval_dataset` materializations, so the UI's Launchpad
-needs no paths at all.
+Its run config is RunConfig (every Miles flag, snake_case, each with its `--help` text as the
+Launchpad description) except `storage_root`: every op, asset and sensor writes and reads under
+the `storage` resource's root (env MILES_STORAGE_ROOT). Unset `prompt_data` / `hf_checkpoint` /
+`eval_prompt_data` default to the latest `prompt_dataset` / `base_checkpoint` / `eval_dataset`
+materializations, so the Launchpad needs no paths at all. The whole pre-start validation (`validate_before_start`) runs before Ray
+starts: a bad config fails in about a second with the flag named.
 Each policy version adds a dynamic partition `<run>.v<NNNNNN>` and logs materializations of
 `rollout_shards` and `policy_versions` with lineage metadata; sensors react to those.
 """
@@ -13,15 +14,23 @@ import dataclasses
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
-from pydantic import create_model
+from pydantic import Field, create_model
 
 from miles_platform.config import RunConfig
+from miles_platform.errors import MilesError
 from miles_platform.loop import Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 from resources.storage import StorageRootResource
 
 DATA_VERSION_TAG = "dagster/data_version"
 SKIP = {"sglang_args", "storage_root"}  # storage_root: the `storage` resource's, never per run
+
+
+def _description(f: dataclasses.Field) -> str:
+    """The flag's `--help` text (and its allowed values), shown beside the field in the Launchpad."""
+    text = f"--{f.name.replace('_', '-')}: {f.metadata.get('help') or ''}".rstrip(": ")
+    choices = f.metadata.get("choices")
+    return f"{text} (one of: {', '.join(map(str, choices))})" if choices else text
 
 
 def _pydantic_fields() -> dict[str, Any]:
@@ -41,7 +50,7 @@ def _pydantic_fields() -> dict[str, Any]:
         else:
             typ = t
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out[f.name] = (typ, default)
+        out[f.name] = (typ, Field(default=default, description=_description(f)))
     return out
 
 
@@ -111,7 +120,10 @@ class DagsterReporter(Reporter):
 
 
 def run_config_from(config: dg.Config, instance: dg.DagsterInstance, storage_root: str) -> RunConfig:
-    """The run's RunConfig: op config + the storage resource's root + paths of the latest assets."""
+    """The run's RunConfig: op config + the storage resource's root + paths of the latest assets,
+    validated as `train` would before anything starts (a user mistake is a dg.Failure naming the flag)."""
+    from miles_platform.loop import validate_before_start
+
     data = config.model_dump()
     cfg = RunConfig.from_dict(data)
     cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
@@ -122,7 +134,11 @@ def run_config_from(config: dg.Config, instance: dg.DagsterInstance, storage_roo
         cfg.eval_prompt_data = ["eval", ev] if ev else []
     if cfg.prompt_data and cfg.prompt_data.endswith(".parquet") and cfg.input_key == "input":
         cfg.input_key, cfg.label_key = "prompt", cfg.label_key or "label"  # normalized dataset columns
-    return cfg.validate()
+    try:
+        validate_before_start(cfg)
+    except MilesError as e:
+        raise dg.Failure(description=f"rl_training config: {e}", allow_retries=False) from None
+    return cfg
 
 
 @dg.op(

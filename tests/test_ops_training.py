@@ -1,4 +1,7 @@
-"""The `rl_training` job run in process: where it writes."""
+"""The `rl_training` job run in process: where it writes, what the Launchpad shows, how fast a bad
+config fails."""
+
+import time
 
 import dagster as dg
 import pytest
@@ -6,7 +9,7 @@ from loop_helpers import small_run_kwargs
 
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.tables import read_rows
-from ops.training import rl_training
+from ops.training import RLTrainingConfig, rl_training
 from resources.storage import StorageRootResource
 
 
@@ -48,3 +51,27 @@ def test_job_writes_under_the_storage_resource_root_from_any_working_dir(short_r
     assert {r["rollout_id"] for r in read_rows(paths, "metrics", "t")} == {0, 1}
     assert list(elsewhere.iterdir()) == []  # nothing under the working dir's .miles
     assert result.output_for_node("rl_training_op")["final_hf_path"].startswith(str(root))
+
+
+def test_every_launchpad_field_has_the_flags_help_text():
+    fields = rl_training.nodes[0].definition.config_schema.config_type.fields
+    assert "storage_root" not in fields  # one root for every op, asset and sensor: the resource's
+    missing = sorted(name for name, f in fields.items() if not f.description)
+    assert missing == []
+    assert fields["rm_type"].description.startswith("--rm-type: built-in reward")
+    assert "(one of: embedded, sglang)" in fields["rollout_engine"].description
+    assert set(fields) == set(RLTrainingConfig.model_fields)
+
+
+def test_config_without_a_reward_fails_fast_naming_the_flag(tiny_hf_checkpoint, tmp_path):
+    kw = _job_kwargs(tiny_hf_checkpoint, tmp_path)
+    kw.pop("rm_type")
+    t0 = time.monotonic()
+    result = _execute(kw, tmp_path / "root", raise_on_error=False)
+    elapsed = time.monotonic() - t0
+    assert not result.success
+    failure = result.failure_data_for_node("rl_training_op")
+    message = failure.user_failure_data.description if failure.user_failure_data else failure.error.message
+    assert "--rm-type" in message and "--custom-rm-path" in message
+    assert elapsed < 10, f"took {elapsed:.1f} s: validation must run before Ray and the engines start"
+    assert not (tmp_path / "root" / "rollouts").exists()
