@@ -11,6 +11,7 @@ Each policy version adds a dynamic partition `<run>.v<NNNNNN>` and logs material
 """
 
 import dataclasses
+import math
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
@@ -66,57 +67,92 @@ def _latest_path(instance: dg.DagsterInstance, key: str) -> str | None:
     return None if md is None else str(md.value)
 
 
+def _plottable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's metrics as float metadata (the asset's Plots tab draws one line per key);
+    a non-finite value stays visible as text instead of breaking the plot."""
+    out: dict[str, Any] = {}
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[name] = float(value) if math.isfinite(value) else dg.MetadataValue.text(str(value))
+    return out
+
+
 class DagsterReporter(Reporter):
+    """Each policy version -> a dynamic partition plus `rollout_shards` and `policy_versions`
+    materializations. The loop reports a version just before that rollout's metrics, so the
+    `policy_versions` event waits for them (or for `flush`) to carry them as plottable floats."""
+
     def __init__(self, context: dg.OpExecutionContext):
         self.context = context
+        self._pending: dict[str, Any] | None = None
 
     def log(self, msg: str) -> None:
         self.context.log.info(msg)
 
     def on_policy_version(self, info: dict[str, Any]) -> None:
+        self.flush()
         ctx, key = self.context, info["partition_key"]
         ctx.instance.add_dynamic_partitions("policy_versions", [key])
-        lineage = {
-            "run": info["run"],
-            "version": info["version"],
-            "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
-            "config_hash": info["config_hash"],
-            "base_data_version": info["base_data_version"] or "",
-            "dataset_data_version": info["dataset_data_version"] or "",
-        }
-        if info.get("eval_interval"):
-            lineage["eval_interval"] = int(info["eval_interval"])  # read by the eval_on_new_policy sensor
         ctx.log_event(
             dg.AssetMaterialization(
                 asset_key="rollout_shards",
                 partition=key,
                 metadata={
-                    **lineage,
+                    **_lineage(info),
                     "path": dg.MetadataValue.path(info["shard_path"]),
                     "rows": info["shard_rows"],
                     "mean_reward": float(info["mean_reward"] or 0.0),
-                    "rollout_id": info["rollout_id"],
                 },
             )
         )
-        ctx.log_event(
+        self._pending = info
+
+    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        if self._pending is not None and self._pending["rollout_id"] == rollout_id:
+            self._log_policy_version(self._pending, metrics)
+            self._pending = None
+
+    def flush(self) -> None:
+        """Log a version whose rollout metrics never came (the run failed in between)."""
+        if self._pending is not None:
+            self._log_policy_version(self._pending, {})
+            self._pending = None
+
+    def _log_policy_version(self, info: dict[str, Any], metrics: dict[str, float]) -> None:
+        self.context.log_event(
             dg.AssetMaterialization(
                 asset_key="policy_versions",
-                partition=key,
+                partition=info["partition_key"],
                 metadata={
-                    **lineage,
+                    **_lineage(info),
                     "path": dg.MetadataValue.path(info["hf_path"]),
                     "hf_path": dg.MetadataValue.path(info["hf_path"]),
                     "checkpoint_path": dg.MetadataValue.path(info["checkpoint_path"] or ""),
                     "content_hash": info["content_hash"],
                     "shard_path": dg.MetadataValue.path(info["shard_path"]),
-                    "shard_rows": info["shard_rows"],
                     "mean_reward": float(info["mean_reward"] or 0.0),
-                    "rollout_id": info["rollout_id"],
+                    **_plottable(metrics),
                 },
                 tags={DATA_VERSION_TAG: info["content_hash"]},
             )
         )
+
+
+def _lineage(info: dict[str, Any]) -> dict[str, Any]:
+    """Metadata both training assets carry. Identifiers are text: numbers would be plotted."""
+    lineage: dict[str, Any] = {
+        "run": info["run"],
+        "version": dg.MetadataValue.text(str(info["version"])),
+        "rollout_id": dg.MetadataValue.text(str(info["rollout_id"])),
+        "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
+        "config_hash": info["config_hash"],
+        "base_data_version": info["base_data_version"] or "",
+        "dataset_data_version": info["dataset_data_version"] or "",
+    }
+    if info.get("eval_interval"):  # read by the eval_on_new_policy sensor
+        lineage["eval_interval"] = dg.MetadataValue.text(str(int(info["eval_interval"])))
+    return lineage
 
 
 def run_config_from(config: dg.Config, instance: dg.DagsterInstance, storage_root: str) -> RunConfig:
@@ -153,7 +189,11 @@ def rl_training_op(
     from miles_platform.loop import train
 
     cfg = run_config_from(config, context.instance, storage.root)
-    result: RunResult = train(cfg, DagsterReporter(context))
+    reporter = DagsterReporter(context)
+    try:
+        result: RunResult = train(cfg, reporter)
+    finally:
+        reporter.flush()
     paths = storage.paths
     return dg.Output(
         {"run": result.run, "final_version": result.final_version, "final_hf_path": result.final_hf_path},

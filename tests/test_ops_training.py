@@ -1,5 +1,5 @@
 """The `rl_training` job run in process: where it writes, what the Launchpad shows, how fast a bad
-config fails."""
+config fails, and what each policy_versions materialization carries for the UI's plots."""
 
 import time
 
@@ -75,3 +75,37 @@ def test_config_without_a_reward_fails_fast_naming_the_flag(tiny_hf_checkpoint, 
     assert "--rm-type" in message and "--custom-rm-path" in message
     assert elapsed < 10, f"took {elapsed:.1f} s: validation must run before Ray and the engines start"
     assert not (tmp_path / "root" / "rollouts").exists()
+
+
+PLOTTED = (
+    "rollout/raw_reward",
+    "rollout/response_len/mean",
+    "train/loss",
+    "train/pg_clipfrac",
+    "train/ppo_kl",
+    "train/grad_norm",
+    "perf/rollout_time",
+    "perf/actor_train_time",
+    "perf/update_weights_time",
+    "perf/rollout_total_time",
+)
+
+
+def test_policy_versions_carry_the_rollouts_training_metrics_as_floats(short_run):
+    _, instance, root, _ = short_run
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("policy_versions")), limit=10, ascending=True
+    ).records
+    assert [r.asset_materialization.partition for r in records] == ["t.v000001", "t.v000002"]
+    rows = read_rows(StoragePaths(str(root)), "metrics", "t")
+    for rollout_id, record in enumerate(records):
+        md = record.asset_materialization.metadata
+        for key in PLOTTED:
+            assert isinstance(md[key], dg.FloatMetadataValue), key
+        want = {r["name"]: r["value"] for r in rows if r["rollout_id"] == rollout_id}
+        assert md["train/loss"].value == pytest.approx(want["train/loss"])
+        assert md["rollout/raw_reward"].value == pytest.approx(want["rollout/raw_reward"])
+        # identifiers are text, not lines on the Plots tab
+        for key in ("version", "rollout_id", "eval_interval"):
+            assert key not in md or isinstance(md[key], dg.TextMetadataValue), key
+        assert "shard_rows" not in md

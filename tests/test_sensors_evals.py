@@ -61,8 +61,9 @@ def test_interval_two_evaluates_only_even_versions(instance):
     assert [r.partition_key for r in requests] == ["demo.v000002", "demo.v000004"]
 
 
-def test_interval_from_materialization_metadata_wins(instance):
-    _log_versions(instance, "demo", [1, 2, 3, 4, 5, 6], eval_interval=3)
+@pytest.mark.parametrize("interval", [3, dg.MetadataValue.text("3")])  # older instances: int; the op: text
+def test_interval_from_materialization_metadata_wins(instance, interval):
+    _log_versions(instance, "demo", [1, 2, 3, 4, 5, 6], eval_interval=interval)
     requests, _ = _tick(eval_on_new_policy, instance, None)
     assert [r.partition_key for r in requests] == ["demo.v000003", "demo.v000006"]
 
