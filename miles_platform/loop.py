@@ -449,7 +449,7 @@ class RLRun:
 
     def _evaluate(self, manager, version: int) -> dict[str, float]:
         """Miles' in-loop eval (--eval-interval) through the router, on the engines' current policy."""
-        from miles_platform.rollout.evaluate import evaluate
+        from miles_platform.rollout.evaluate import evals_table_rows, evaluate
         from miles_platform.rollout.manager import router_generate_fn
         from miles_platform.store.tables import append_rows
 
@@ -462,13 +462,8 @@ class RLRun:
             label_key=c.label_key or "label", metadata_key=c.metadata_key,
             apply_chat_template=c.apply_chat_template, tokenizer=manager.tok,
         )  # fmt: skip
-        out, rows = {}, []
-        for name, r in res.items():
-            for k, v in r.items():
-                if isinstance(v, float):
-                    out[f"eval/{name}/{k}"] = v
-                    rows.append({"version": version, "partition_key": partition_key(c.run_name, version),
-                                 "dataset": name, "metric": k, "value": v, "n_samples": r.get("n")})  # fmt: skip
+        out = {f"eval/{name}/{k}": v for name, r in res.items() for k, v in r.items() if isinstance(v, float)}
+        rows = evals_table_rows(partition_key(c.run_name, version), res, "loop", s)
         append_rows(self.paths, "evals", c.run_name, rows)
         out["perf/eval_time"] = time.time() - t0
         self.reporter.log(f"eval v{version}: " + " ".join(f"{k}={v:.4g}" for k, v in out.items()))

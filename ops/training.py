@@ -2,12 +2,17 @@
 
 Its run config is RunConfig (every Miles flag, snake_case, each with its `--help` text as the
 Launchpad description) except `storage_root`: every op, asset and sensor writes and reads under
-the `storage` resource's root (env MILES_STORAGE_ROOT). Unset `prompt_data` / `hf_checkpoint` /
-`eval_prompt_data` default to the latest `prompt_dataset` / `base_checkpoint` / `eval_dataset`
-materializations, so the Launchpad needs no paths at all. The whole pre-start validation (`validate_before_start`) runs before Ray
+the `storage` resource's root (env MILES_STORAGE_ROOT). Unset `prompt_data` / `hf_checkpoint`
+default to the latest `prompt_dataset` / `base_checkpoint` materializations, so the Launchpad
+needs no paths at all. The whole pre-start validation (`validate_before_start`) runs before Ray
 starts: a bad config fails in about a second with the flag named.
+
 Each policy version adds a dynamic partition `<run>.v<NNNNNN>` and logs materializations of
-`rollout_shards` and `policy_versions` with lineage metadata; sensors react to those.
+`rollout_shards` and `policy_versions` with lineage metadata and the rollout's training metrics;
+sensors react to those. The loop does not evaluate here: each `policy_versions` materialization
+carries the run's eval settings (`eval_config`: its eval and reward flags, `eval_prompt_data`
+when set, else the latest `eval_dataset` at eval time) and the `eval_on_new_policy` sensor
+launches `eval_results` with them, the one evaluator of record.
 """
 
 import dataclasses
@@ -83,8 +88,9 @@ class DagsterReporter(Reporter):
     materializations. The loop reports a version just before that rollout's metrics, so the
     `policy_versions` event waits for them (or for `flush`) to carry them as plottable floats."""
 
-    def __init__(self, context: dg.OpExecutionContext):
+    def __init__(self, context: dg.OpExecutionContext, eval_config: dict[str, Any] | None = None):
         self.context = context
+        self.eval_config = eval_config or {}
         self._pending: dict[str, Any] | None = None
 
     def log(self, msg: str) -> None:
@@ -132,6 +138,7 @@ class DagsterReporter(Reporter):
                     "content_hash": info["content_hash"],
                     "shard_path": dg.MetadataValue.path(info["shard_path"]),
                     "mean_reward": float(info["mean_reward"] or 0.0),
+                    "eval_config": dg.MetadataValue.json(self.eval_config),  # eval_results' run config
                     **_plottable(metrics),
                 },
                 tags={DATA_VERSION_TAG: info["content_hash"]},
@@ -155,9 +162,14 @@ def _lineage(info: dict[str, Any]) -> dict[str, Any]:
     return lineage
 
 
-def run_config_from(config: dg.Config, instance: dg.DagsterInstance, storage_root: str) -> RunConfig:
-    """The run's RunConfig: op config + the storage resource's root + paths of the latest assets,
-    validated as `train` would before anything starts (a user mistake is a dg.Failure naming the flag)."""
+def run_config_from(
+    config: dg.Config, instance: dg.DagsterInstance, storage_root: str
+) -> tuple[RunConfig, dict[str, Any]]:
+    """The run's RunConfig (op config + the storage resource's root + paths of the latest assets,
+    validated as `train` would before anything starts; a user mistake is a dg.Failure naming the
+    flag) and the `eval_results` config that evaluates its versions. The loop itself does not
+    evaluate under Dagster: eval_results, requested by the sensor, is the evaluator of record."""
+    from assets.evals import eval_config_for_run
     from miles_platform.loop import validate_before_start
 
     data = config.model_dump()
@@ -165,16 +177,15 @@ def run_config_from(config: dg.Config, instance: dg.DagsterInstance, storage_roo
     cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
     cfg.prompt_data = cfg.prompt_data or _latest_path(instance, "prompt_dataset")
     cfg.hf_checkpoint = cfg.hf_checkpoint or _latest_path(instance, "base_checkpoint")
-    if not cfg.eval_prompt_data:
-        ev = _latest_path(instance, "eval_dataset")
-        cfg.eval_prompt_data = ["eval", ev] if ev else []
     if cfg.prompt_data and cfg.prompt_data.endswith(".parquet") and cfg.input_key == "input":
         cfg.input_key, cfg.label_key = "prompt", cfg.label_key or "label"  # normalized dataset columns
     try:
         validate_before_start(cfg)
     except MilesError as e:
         raise dg.Failure(description=f"rl_training config: {e}", allow_retries=False) from None
-    return cfg
+    eval_config = eval_config_for_run(cfg)
+    cfg.eval_prompt_data = []  # no in-loop eval (and no v0 eval): one evaluator, one row per metric
+    return cfg, eval_config
 
 
 @dg.op(
@@ -188,8 +199,8 @@ def rl_training_op(
 ) -> dg.Output:
     from miles_platform.loop import train
 
-    cfg = run_config_from(config, context.instance, storage.root)
-    reporter = DagsterReporter(context)
+    cfg, eval_config = run_config_from(config, context.instance, storage.root)
+    reporter = DagsterReporter(context, eval_config)
     try:
         result: RunResult = train(cfg, reporter)
     finally:

@@ -30,14 +30,17 @@ def _job_kwargs(ckpt: str, tmp_path, **overrides) -> dict:
 
 @pytest.fixture(scope="module")
 def short_run(tiny_hf_checkpoint, tmp_path_factory):
-    """Two rollouts of the small run, launched from a working dir that is not the storage root."""
+    """Two rollouts of the small run, with eval every version, launched from a working dir that is
+    not the storage root."""
     tmp = tmp_path_factory.mktemp("job")
     root, elsewhere = tmp / "root", tmp / "elsewhere"
     elsewhere.mkdir()
+    kw = _job_kwargs(tiny_hf_checkpoint, tmp, eval_interval=1, rollout_temperature=0.8)
+    kw["eval_prompt_data"] = ["heldout", kw["prompt_data"]]
     instance = dg.DagsterInstance.ephemeral()
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(elsewhere)
-        result = _execute(_job_kwargs(tiny_hf_checkpoint, tmp), root, instance)
+        result = _execute(kw, root, instance)
     return result, instance, root, elsewhere
 
 
@@ -109,3 +112,33 @@ def test_policy_versions_carry_the_rollouts_training_metrics_as_floats(short_run
         for key in ("version", "rollout_id", "eval_interval"):
             assert key not in md or isinstance(md[key], dg.TextMetadataValue), key
         assert "shard_rows" not in md
+
+
+def test_eval_results_is_the_evaluator_of_record_one_row_per_metric(short_run):
+    """Under Dagster the loop does not evaluate; the sensor launches eval_results with the run's
+    eval settings, so each version has one row per metric, from the asset."""
+    from assets.evals import eval_results
+    from sensors.evals import plan_eval_requests
+
+    _, instance, root, _ = short_run
+    paths = StoragePaths(str(root))
+    assert read_rows(paths, "evals", "t") == []  # no in-loop eval (nor v0 eval)
+    requests, _, _ = plan_eval_requests(instance, None, default_interval=1)
+    assert [r.partition_key for r in requests] == ["t.v000001", "t.v000002"]
+    config = requests[0].run_config["ops"]["eval_results"]["config"]
+    assert config["eval_prompt_data"][0] == "heldout" and config["rm_type"] == "math"
+    assert (config["eval_temperature"], config["eval_max_response_len"]) == (0.8, 4)  # inherited from rollout
+    res = dg.materialize(
+        [eval_results],
+        instance=instance,
+        resources={"storage": StorageRootResource(root=str(root))},
+        partition_key="t.v000001",
+        run_config=requests[0].run_config,
+    )
+    assert res.success
+    rows = read_rows(paths, "evals", "t")
+    keys = [(r["version"], r["dataset"], r["metric"]) for r in rows]
+    assert len(keys) == len(set(keys)) and (1, "heldout", "pass@1") in keys
+    assert {(r["source"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) for r in rows} == {
+        ("asset", 0.8, 1.0, -1, 4)
+    }
