@@ -5,11 +5,14 @@ One partition per policy version `<run>.v<NNNNNN>`. The asset reads that version
 scores it with `miles_platform.rollout.evaluate` (the RL reward hub, so eval and training
 rewards mean the same thing), then records the numbers three ways:
 
-- the `evals` table (one row per dataset x metric), queryable with the DuckDB `evals` view;
+- the `evals` table (one row per dataset x metric, `source` "asset", with the sampling used),
+  queryable with the DuckDB `evals` view;
 - float materialization metadata `<dataset>/pass@1` ..., so the UI plots accuracy across versions;
 - a lineage row `eval:<partition>` --evaluates--> `<partition>` (+ one per dataset evaluated_on).
 
-The `eval_on_new_policy` sensor and the `nightly_eval` schedule (sensors/evals.py) request it.
+The `eval_on_new_policy` sensor and the `nightly_eval` schedule (sensors/evals.py) request it,
+with the training run's eval settings (`eval_config_for_run`): under Dagster it is the run's
+evaluator of record (the `rl_training` op turns the loop's own eval off).
 """
 
 import os
@@ -17,6 +20,7 @@ import os
 import dagster as dg
 
 from assets.partitions import policy_version_partitions
+from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, RunConfig
 from miles_platform.store.paths import StoragePaths, parse_partition_key
 from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
@@ -34,9 +38,15 @@ class EvalConfig(dg.Config):
     eval_top_p: float = 1.0
     eval_top_k: int = -1
     rm_type: str = "math"  # --rm-type of the reward hub
+    rm_url: str | None = None  # --rm-url for rm_type remote_rm
     custom_rm_path: str | None = None  # --custom-rm-path (dotted path), overrides rm_type
+    group_rm: bool = False  # --group-rm: custom_rm_path scores a whole group
+    reward_key: str | None = None  # key of a dict reward (--reward-key) ...
+    eval_reward_key: str | None = None  # ... or its eval override (--eval-reward-key)
     input_key: str = "prompt"  # normalized eval_dataset columns
     label_key: str = "label"
+    metadata_key: str = "metadata"
+    apply_chat_template: bool = False  # render prompts with the policy's chat template
     max_prompts: int | None = None  # evaluate only the first N prompts of each dataset
     seed: int = 0
 
@@ -85,22 +95,35 @@ def resolve_datasets(instance: dg.DagsterInstance, config: EvalConfig) -> list[t
     return [("eval", path)]
 
 
-def eval_rows(partition: str, results: dict[str, dict]) -> list[dict]:
-    """One `evals` table row per dataset x float metric (pass@1, pass@k, mean_reward, breakdowns)."""
-    run, version = parse_partition_key(partition)
-    return [
-        {
-            "version": version,
-            "partition_key": partition,
-            "dataset": name,
-            "metric": metric,
-            "value": float(value),
-            "n_samples": int(res["n"]),
-        }
-        for name, res in results.items()
-        for metric, value in res.items()
-        if isinstance(value, float)
-    ]
+def sampling_of(config: EvalConfig) -> dict:
+    """The sampling of pass@k / mean reward, as `evaluate` takes it and the `evals` rows record it."""
+    return {
+        "max_new_tokens": config.eval_max_response_len,
+        "temperature": config.eval_temperature,
+        "top_p": config.eval_top_p,
+        "top_k": config.eval_top_k,
+    }
+
+
+def eval_config_for_run(cfg: RunConfig) -> dict:
+    """The EvalConfig that evaluates a training run's versions as its own flags ask: eval sampling
+    (inheriting the rollout's as `train` does), reward and seed; its `--eval-prompt-data` (read with
+    the run's dataset keys) when given, else the latest `eval_dataset`. Under Dagster the
+    `eval_results` asset is the run's evaluator of record; the sensor passes this as run config."""
+    sampling = cfg.eval_sampling()
+    out = {
+        "n_samples_per_eval_prompt": cfg.n_samples_per_eval_prompt,
+        "eval_max_response_len": sampling["max_new_tokens"],
+        "eval_temperature": sampling["temperature"],
+        "eval_top_p": sampling["top_p"],
+        "eval_top_k": sampling["top_k"],
+        **{k: getattr(cfg, k) for k in REWARD_FLAGS},
+        "seed": cfg.seed,
+    }
+    if cfg.eval_prompt_data:  # read as `train` reads them (the normalized eval_dataset has its own keys)
+        out |= {k: getattr(cfg, k) for k in ("eval_prompt_data", *DATASET_FLAGS)}
+        out["label_key"] = cfg.label_key or "label"
+    return {k: v for k, v in out.items() if v is not None and k in EvalConfig.model_fields}
 
 
 @dg.asset(
@@ -115,31 +138,28 @@ def eval_results(
     """pass@1 (greedy), pass@k and mean reward of this policy version on each eval dataset."""
     from types import SimpleNamespace
 
-    from miles_platform.rollout.evaluate import evaluate
+    from miles_platform.rollout.evaluate import evals_table_rows, evaluate
 
     partition, paths = context.partition_key, storage.paths
     run, version = parse_partition_key(partition)
     hf_path = resolve_hf_path(context.instance, paths, partition)
     datasets = resolve_datasets(context.instance, config)
     context.log.info(f"evaluating {partition} ({hf_path}) on {', '.join(n for n, _ in datasets)}")
-    rm_args = SimpleNamespace(
-        rm_type=config.rm_type, custom_rm_path=config.custom_rm_path, group_rm=False, reward_key=None
-    )
+    rm_args = SimpleNamespace(**{k: getattr(config, k) for k in REWARD_FLAGS})
     results = evaluate(
         hf_path,
         datasets,
         n_samples_per_eval_prompt=config.n_samples_per_eval_prompt,
-        max_new_tokens=config.eval_max_response_len,
-        temperature=config.eval_temperature,
-        top_p=config.eval_top_p,
-        top_k=config.eval_top_k,
+        **sampling_of(config),
         args=rm_args,
         seed=config.seed,
         input_key=config.input_key,
         label_key=config.label_key,
+        metadata_key=config.metadata_key,
+        apply_chat_template=config.apply_chat_template,
         max_prompts=config.max_prompts,
     )
-    append_rows(paths, "evals", run, eval_rows(partition, results))
+    append_rows(paths, "evals", run, evals_table_rows(partition, results, "asset", sampling_of(config)))
     policy_hash = _md(_latest_materialization(context.instance, "policy_versions", partition), "content_hash")
     eval_data_version = _md(_latest_materialization(context.instance, "eval_dataset"), "content_hash")
     edges = [(partition, "policy_version", "evaluates", policy_hash)]
@@ -168,7 +188,9 @@ def eval_results(
     }
     metadata |= {
         "run": run,
-        "version": version,
+        "version": dg.MetadataValue.text(str(version)),  # text: an identifier, not a curve
+        "source": "asset",
+        "sampling": dg.MetadataValue.json(sampling_of(config)),
         "hf_path": dg.MetadataValue.path(hf_path),
         "datasets": dg.MetadataValue.json({name: path for name, path in datasets}),
         "num_prompts": dg.MetadataValue.json({name: res["num_prompts"] for name, res in results.items()}),
@@ -176,6 +198,22 @@ def eval_results(
         "summary": dg.MetadataValue.md(_summary(results)),
     }
     return dg.MaterializeResult(metadata=metadata)
+
+
+def eval_run_config(mat: dg.AssetMaterialization | None) -> dict:
+    """`eval_results` run config for a policy version: its training run's eval settings (the
+    `eval_config` metadata of its policy_versions materialization), else {} (EvalConfig defaults)."""
+    md = None if mat is None else mat.metadata.get("eval_config")
+    value = None if md is None else md.value
+    if not isinstance(value, dict):
+        return {}
+    config = {k: v for k, v in value.items() if k in EvalConfig.model_fields}
+    return {"ops": {"eval_results": {"config": config}}} if config else {}
+
+
+def run_config_for_version(instance: dg.DagsterInstance, partition: str) -> dict:
+    """What the sensor, the nightly schedule and the quickstart launch `eval_results[partition]` with."""
+    return eval_run_config(_latest_materialization(instance, "policy_versions", partition))
 
 
 def _summary(results: dict[str, dict]) -> str:

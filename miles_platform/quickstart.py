@@ -113,7 +113,8 @@ def run_quickstart(
 
     _log(f"running rl_training: {num_rollout} rollouts of GRPO")
     run = _fresh_run_name(root, DEMO_RL["run_name"])
-    rl = dict(DEMO_RL, run_name=run, seed=seed, num_rollout=num_rollout, storage_root=root, rollout_seed=seed)
+    # the storage root is the `storage` resource's (MILES_STORAGE_ROOT above), not run config
+    rl = dict(DEMO_RL, run_name=run, seed=seed, num_rollout=num_rollout, rollout_seed=seed)
     job = defs.get_job_def("rl_training")
     res = job.execute_in_process(run_config={"ops": {"rl_training_op": {"config": rl}}}, instance=instance)
     out = res.output_for_node("rl_training_op")
@@ -123,9 +124,12 @@ def run_quickstart(
     keys = [k for k in keys if k.startswith(out["run"] + ".v")]
     chosen = [k for i, k in enumerate(keys, 1) if i % eval_every == 0] + [final_key]  # as the sensor would
     evals: dict[str, float] = {}
-    for key in dict.fromkeys(chosen):
+    from assets.evals import run_config_for_version
+
+    for key in dict.fromkeys(chosen):  # with the run's eval settings, as the sensor launches them
         _log(f"materializing eval_results[{key}]")
-        _materialize_assets(defs, ["eval_results"], instance, partition_key=key)
+        cfg = run_config_for_version(instance, key)
+        _materialize_assets(defs, ["eval_results"], instance, partition_key=key, run_config=cfg or None)
         md = _metadata(instance, "eval_results", key)
         evals[key] = float(md.get("eval/pass@1", md.get("pass@1", 0.0)))
 

@@ -1,24 +1,43 @@
 """The `rl_training` job: one op that runs the Ray-hosted loop and reports materializations.
 
-Its run config is RunConfig (every Miles flag, snake_case). Unset `prompt_data` /
-`hf_checkpoint` / `eval_prompt_data` default to the latest `prompt_dataset` / `base_checkpoint` /
-`eval_dataset` materializations, so the UI's Launchpad needs no paths at all.
+Its run config is RunConfig (every Miles flag, snake_case, each with its `--help` text as the
+Launchpad description) except `storage_root`: every op, asset and sensor writes and reads under
+the `storage` resource's root (env MILES_STORAGE_ROOT). Unset `prompt_data` / `hf_checkpoint`
+default to the latest `prompt_dataset` / `base_checkpoint` materializations, so the Launchpad
+needs no paths at all. The whole pre-start validation (`validate_before_start`) runs before Ray
+starts: a bad config fails in about a second with the flag named.
+
 Each policy version adds a dynamic partition `<run>.v<NNNNNN>` and logs materializations of
-`rollout_shards` and `policy_versions` with lineage metadata; sensors react to those.
+`rollout_shards` and `policy_versions` with lineage metadata and the rollout's training metrics;
+sensors react to those. The loop does not evaluate here: each `policy_versions` materialization
+carries the run's eval settings (`eval_config`: its eval and reward flags, `eval_prompt_data`
+when set, else the latest `eval_dataset` at eval time) and the `eval_on_new_policy` sensor
+launches `eval_results` with them, the one evaluator of record.
 """
 
 import dataclasses
+import math
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
-from pydantic import create_model
+from pydantic import Field, create_model
 
 from miles_platform.config import RunConfig
+from miles_platform.errors import MilesError
 from miles_platform.loop import Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
+from resources.storage import StorageRootResource
 
 DATA_VERSION_TAG = "dagster/data_version"
-SKIP = {"sglang_args", "custom_function_args"}  # dict fields: set from the CLI / YAML, not the Launchpad
+# dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's
+SKIP = {"sglang_args", "custom_function_args", "storage_root"}
+
+
+def _description(f: dataclasses.Field) -> str:
+    """The flag's `--help` text (and its allowed values), shown beside the field in the Launchpad."""
+    text = f"--{f.name.replace('_', '-')}: {f.metadata.get('help') or ''}".rstrip(": ")
+    choices = f.metadata.get("choices")
+    return f"{text} (one of: {', '.join(map(str, choices))})" if choices else text
 
 
 def _pydantic_fields() -> dict[str, Any]:
@@ -38,7 +57,7 @@ def _pydantic_fields() -> dict[str, Any]:
         else:
             typ = t
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out[f.name] = (typ, default)
+        out[f.name] = (typ, Field(default=default, description=_description(f)))
     return out
 
 
@@ -54,82 +73,140 @@ def _latest_path(instance: dg.DagsterInstance, key: str) -> str | None:
     return None if md is None else str(md.value)
 
 
+def _plottable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's metrics as float metadata (the asset's Plots tab draws one line per key);
+    a non-finite value stays visible as text instead of breaking the plot."""
+    out: dict[str, Any] = {}
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[name] = float(value) if math.isfinite(value) else dg.MetadataValue.text(str(value))
+    return out
+
+
 class DagsterReporter(Reporter):
-    def __init__(self, context: dg.OpExecutionContext):
+    """Each policy version -> a dynamic partition plus `rollout_shards` and `policy_versions`
+    materializations. The loop reports a version just before that rollout's metrics, so the
+    `policy_versions` event waits for them (or for `flush`) to carry them as plottable floats."""
+
+    def __init__(self, context: dg.OpExecutionContext, eval_config: dict[str, Any] | None = None):
         self.context = context
+        self.eval_config = eval_config or {}
+        self._pending: dict[str, Any] | None = None
 
     def log(self, msg: str) -> None:
         self.context.log.info(msg)
 
     def on_policy_version(self, info: dict[str, Any]) -> None:
+        self.flush()
         ctx, key = self.context, info["partition_key"]
         ctx.instance.add_dynamic_partitions("policy_versions", [key])
-        lineage = {
-            "run": info["run"],
-            "version": info["version"],
-            "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
-            "config_hash": info["config_hash"],
-            "base_data_version": info["base_data_version"] or "",
-            "dataset_data_version": info["dataset_data_version"] or "",
-        }
-        if info.get("eval_interval"):
-            lineage["eval_interval"] = int(info["eval_interval"])  # read by the eval_on_new_policy sensor
         ctx.log_event(
             dg.AssetMaterialization(
                 asset_key="rollout_shards",
                 partition=key,
                 metadata={
-                    **lineage,
+                    **_lineage(info),
                     "path": dg.MetadataValue.path(info["shard_path"]),
                     "rows": info["shard_rows"],
                     "mean_reward": float(info["mean_reward"] or 0.0),
-                    "rollout_id": info["rollout_id"],
                 },
             )
         )
-        ctx.log_event(
+        self._pending = info
+
+    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        if self._pending is not None and self._pending["rollout_id"] == rollout_id:
+            self._log_policy_version(self._pending, metrics)
+            self._pending = None
+
+    def flush(self) -> None:
+        """Log a version whose rollout metrics never came (the run failed in between)."""
+        if self._pending is not None:
+            self._log_policy_version(self._pending, {})
+            self._pending = None
+
+    def _log_policy_version(self, info: dict[str, Any], metrics: dict[str, float]) -> None:
+        self.context.log_event(
             dg.AssetMaterialization(
                 asset_key="policy_versions",
-                partition=key,
+                partition=info["partition_key"],
                 metadata={
-                    **lineage,
+                    **_lineage(info),
                     "path": dg.MetadataValue.path(info["hf_path"]),
                     "hf_path": dg.MetadataValue.path(info["hf_path"]),
                     "checkpoint_path": dg.MetadataValue.path(info["checkpoint_path"] or ""),
                     "content_hash": info["content_hash"],
                     "shard_path": dg.MetadataValue.path(info["shard_path"]),
-                    "shard_rows": info["shard_rows"],
                     "mean_reward": float(info["mean_reward"] or 0.0),
-                    "rollout_id": info["rollout_id"],
+                    "eval_config": dg.MetadataValue.json(self.eval_config),  # eval_results' run config
+                    **_plottable(metrics),
                 },
                 tags={DATA_VERSION_TAG: info["content_hash"]},
             )
         )
 
 
-def run_config_from(config: dg.Config, instance: dg.DagsterInstance) -> RunConfig:
+def _lineage(info: dict[str, Any]) -> dict[str, Any]:
+    """Metadata both training assets carry. Identifiers are text: numbers would be plotted."""
+    lineage: dict[str, Any] = {
+        "run": info["run"],
+        "version": dg.MetadataValue.text(str(info["version"])),
+        "rollout_id": dg.MetadataValue.text(str(info["rollout_id"])),
+        "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
+        "config_hash": info["config_hash"],
+        "base_data_version": info["base_data_version"] or "",
+        "dataset_data_version": info["dataset_data_version"] or "",
+    }
+    if info.get("eval_interval"):  # read by the eval_on_new_policy sensor
+        lineage["eval_interval"] = dg.MetadataValue.text(str(int(info["eval_interval"])))
+    return lineage
+
+
+def run_config_from(
+    config: dg.Config, instance: dg.DagsterInstance, storage_root: str
+) -> tuple[RunConfig, dict[str, Any]]:
+    """The run's RunConfig (op config + the storage resource's root + paths of the latest assets,
+    validated as `train` would before anything starts; a user mistake is a dg.Failure naming the
+    flag) and the `eval_results` config that evaluates its versions. The loop itself does not
+    evaluate under Dagster: eval_results, requested by the sensor, is the evaluator of record."""
+    from assets.evals import eval_config_for_run
+    from miles_platform.loop import validate_before_start
+
     data = config.model_dump()
     cfg = RunConfig.from_dict(data)
+    cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
     cfg.prompt_data = cfg.prompt_data or _latest_path(instance, "prompt_dataset")
     cfg.hf_checkpoint = cfg.hf_checkpoint or _latest_path(instance, "base_checkpoint")
-    if not cfg.eval_prompt_data:
-        ev = _latest_path(instance, "eval_dataset")
-        cfg.eval_prompt_data = ["eval", ev] if ev else []
     if cfg.prompt_data and cfg.prompt_data.endswith(".parquet") and cfg.input_key == "input":
         cfg.input_key, cfg.label_key = "prompt", cfg.label_key or "label"  # normalized dataset columns
-    return cfg.validate()
+    try:
+        validate_before_start(cfg)
+    except MilesError as e:
+        raise dg.Failure(description=f"rl_training config: {e}", allow_retries=False) from None
+    eval_config = eval_config_for_run(cfg)
+    cfg.eval_prompt_data = []  # no in-loop eval (and no v0 eval): one evaluator, one row per metric
+    return cfg, eval_config
 
 
 @dg.op(
     description="Run the Miles-style RL loop on Ray; report rollout_shards / policy_versions per version.",
     tags={"kind": "ray"},
 )
-def rl_training_op(context: dg.OpExecutionContext, config: RLTrainingConfig) -> dg.Output:  # type: ignore[valid-type]
+def rl_training_op(
+    context: dg.OpExecutionContext,
+    config: RLTrainingConfig,  # type: ignore[valid-type]
+    storage: StorageRootResource,
+) -> dg.Output:
     from miles_platform.loop import train
 
-    cfg = run_config_from(config, context.instance)
-    result: RunResult = train(cfg, DagsterReporter(context))
-    paths = StoragePaths(cfg.storage_root)
+    cfg, eval_config = run_config_from(config, context.instance, storage.root)
+    reporter = DagsterReporter(context, eval_config)
+    try:
+        result: RunResult = train(cfg, reporter)
+    finally:
+        reporter.flush()
+    paths = storage.paths
     return dg.Output(
         {"run": result.run, "final_version": result.final_version, "final_hf_path": result.final_hf_path},
         metadata={

@@ -1,8 +1,10 @@
 """Evals on new policy versions (`eval_on_new_policy` sensor) and every night (`nightly_eval`).
 
 Both request `evaluate_policy` (`eval_job`), which materializes `eval_results` for one
-policy-version partition with the asset's default config (eval datasets = the latest
-`eval_dataset` materialization).
+policy-version partition with the training run's eval settings (the `eval_config` metadata the
+`rl_training` op puts on each `policy_versions` materialization; without it, EvalConfig's
+defaults; eval datasets = the run's `eval_prompt_data`, else the latest `eval_dataset`). Under
+Dagster the loop does not evaluate, so this is the one evaluator of record of a run.
 
 The sensor is cursor-based: the cursor is the storage id of the last `policy_versions`
 materialization it has looked at, so after downtime it resumes where it stopped and catches
@@ -23,6 +25,7 @@ import os
 
 import dagster as dg
 
+from assets.evals import eval_run_config, run_config_for_version
 from assets.partitions import policy_version_partitions
 from miles_platform.store.paths import parse_partition_key
 from sensors.policy_events import new_policy_versions
@@ -67,12 +70,19 @@ def plan_eval_requests(
     the next tick.
     """
     evaluated = set(instance.get_materialized_partitions(EVAL_RESULTS))
+    run_configs: dict[str, dict] = {}
 
     def due(key: str, mat: dg.AssetMaterialization) -> bool:
+        run_configs[key] = eval_run_config(mat)  # the training run's eval settings
         return _version(mat) % _interval(mat, default_interval) == 0
 
     keys, new_cursor, seen = new_policy_versions(instance, cursor, evaluated, max_runs_per_tick, due)
-    requests = [dg.RunRequest(run_key=k, partition_key=k, tags={"miles/trigger": "new_policy"}) for k in keys]
+    requests = [
+        dg.RunRequest(
+            run_key=k, partition_key=k, run_config=run_configs[k], tags={"miles/trigger": "new_policy"}
+        )
+        for k in keys
+    ]
     return requests, new_cursor, seen
 
 
@@ -129,6 +139,11 @@ def nightly_eval(context: dg.ScheduleEvaluationContext):
         return dg.SkipReason("no policy versions yet")
     day = context.scheduled_execution_time.strftime("%Y-%m-%d") if context.scheduled_execution_time else "now"
     return [
-        dg.RunRequest(run_key=f"nightly:{day}:{key}", partition_key=key, tags={"miles/trigger": "nightly"})
+        dg.RunRequest(
+            run_key=f"nightly:{day}:{key}",
+            partition_key=key,
+            run_config=run_config_for_version(context.instance, key),
+            tags={"miles/trigger": "nightly"},
+        )
         for _, key in sorted(latest.values(), key=lambda vk: vk[1])
     ]

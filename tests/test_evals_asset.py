@@ -76,6 +76,10 @@ def test_eval_results_rows_metadata_and_lineage(setup):
     assert {(r["partition_key"], r["version"], r["dataset"], r["n_samples"]) for r in rows} == {
         ("demo.v000001", 1, "eval", 2)
     }
+    # the writer and the sampling of pass@k / mean reward, on every row
+    assert {(r["source"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) for r in rows} == {
+        ("asset", 1.0, 1.0, -1, 4)
+    }
 
     mat = res.asset_materializations_for_node("eval_results")[0]
     assert mat.partition == "demo.v000001"
@@ -113,3 +117,22 @@ def test_missing_hf_export_fails_with_a_clear_message(setup):
     assert not res.success
     failure = next(e for e in res.all_events if e.event_type_value == "STEP_FAILURE")
     assert "no HF export" in str(failure.event_specific_data.error)
+
+
+def test_a_training_runs_eval_config_carries_its_eval_reward_and_dataset_flags():
+    from assets.evals import EvalConfig, eval_config_for_run
+    from miles_platform.config import RunConfig
+
+    cfg = RunConfig(rollout_batch_size=1, rollout_temperature=0.6, rollout_max_response_len=12, rm_type="dapo",
+                    reward_key="score", eval_top_k=5, input_key="question", seed=9)  # fmt: skip
+    got = eval_config_for_run(cfg)
+    assert got == {
+        "n_samples_per_eval_prompt": 1, "eval_max_response_len": 12, "eval_temperature": 0.6,
+        "eval_top_p": 1.0, "eval_top_k": 5, "rm_type": "dapo", "group_rm": False, "reward_key": "score",
+        "seed": 9,
+    }  # fmt: skip
+    # the run's own eval datasets are read with the run's dataset keys; EvalConfig takes it all
+    cfg.eval_prompt_data = ["mine", "/data/eval.jsonl"]
+    got = eval_config_for_run(cfg)
+    assert got["eval_prompt_data"] == ["mine", "/data/eval.jsonl"] and got["input_key"] == "question"
+    assert EvalConfig(**got).label_key == "label"

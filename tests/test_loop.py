@@ -73,6 +73,16 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     evals = "select version, partition_key, dataset from evals where metric = 'pass@1' order by version"
     _, ev = Catalog(paths).query(evals)
     assert ev == [(0, "t.v000000", "heldout"), (2, "t.v000002", "heldout")]
+    # each row names its writer and the sampling it used (eval inherits the rollout's)
+    _, src = Catalog(paths).query(
+        "select distinct source, temperature, top_p, top_k, max_new_tokens from evals"
+    )
+    want = (
+        sampling.get("rollout_temperature", 1.0),
+        sampling.get("rollout_top_p", 1.0),
+        sampling.get("rollout_top_k", -1),
+    )
+    assert src == [("loop", *want, 4)]
     assert 0.0 <= res.eval_before_train["eval/heldout/pass@1"] <= 1.0
     assert os.path.exists(os.path.join(paths.checkpoints("t"), "latest_checkpointed_iteration.txt"))
     # relaunching the same command with more rollouts resumes at rollout 2, version 2; no second v0 eval

@@ -97,6 +97,18 @@ def test_unknown_rm_type_lists_valid_types():
     validate_reward_config(cfg(rm_type="boxed_math"))
 
 
+def test_no_reward_is_refused_unless_every_prompt_names_one(tmp_path):
+    with pytest.raises(ConfigError, match=r"no reward: set --rm-type .* or --custom-rm-path"):
+        validate_reward_config(cfg())
+    rows = [{"input": "1+1=", "label": "2", "metadata": {"rm_type": "math"}}, {"input": "2+2=", "label": "4"}]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"record 1 has no metadata.rm_type"):
+        validate_reward_config(cfg(prompt_data=str(data), label_key="label"))
+    data.write_text(json.dumps(rows[0]) + "\n")  # Miles' per-sample dispatch: every row names its reward
+    validate_reward_config(cfg(prompt_data=str(data), label_key="label"))
+
+
 def test_compute_rewards_sets_reward_and_raw_reward():
     args = cfg(rm_type="dapo", reward_key="score")
     samples = [

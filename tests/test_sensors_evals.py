@@ -61,10 +61,25 @@ def test_interval_two_evaluates_only_even_versions(instance):
     assert [r.partition_key for r in requests] == ["demo.v000002", "demo.v000004"]
 
 
-def test_interval_from_materialization_metadata_wins(instance):
-    _log_versions(instance, "demo", [1, 2, 3, 4, 5, 6], eval_interval=3)
+@pytest.mark.parametrize("interval", [3, dg.MetadataValue.text("3")])  # older instances: int; the op: text
+def test_interval_from_materialization_metadata_wins(instance, interval):
+    _log_versions(instance, "demo", [1, 2, 3, 4, 5, 6], eval_interval=interval)
     requests, _ = _tick(eval_on_new_policy, instance, None)
     assert [r.partition_key for r in requests] == ["demo.v000003", "demo.v000006"]
+
+
+def test_requests_carry_the_training_runs_eval_settings(instance):
+    run_eval = {"eval_temperature": 0.7, "eval_max_response_len": 8, "rm_type": "f1", "unknown_key": 1}
+    _log_versions(instance, "demo", [1], eval_config=dg.MetadataValue.json(run_eval))
+    _log_versions(instance, "old", [1])  # logged before eval_config existed: EvalConfig defaults
+    requests, _ = _tick(eval_on_new_policy, instance, None)
+    configs = {r.partition_key: r.run_config for r in requests}
+    assert configs["demo.v000001"] == {
+        "ops": {
+            "eval_results": {"config": {"eval_temperature": 0.7, "eval_max_response_len": 8, "rm_type": "f1"}}
+        }
+    }
+    assert configs["old.v000001"] == {}
 
 
 def test_catch_up_is_bounded_per_tick_and_loses_nothing(instance):
@@ -87,7 +102,7 @@ def test_already_evaluated_version_is_not_requested_again(instance):
 
 def test_nightly_eval_requests_latest_version_of_each_run(tmp_path):
     instance = dg.DagsterInstance.local_temp(str(tmp_path))  # schedule contexts need an instance ref
-    _log_versions(instance, "a", [1, 2, 3])
+    _log_versions(instance, "a", [1, 2, 3], eval_config=dg.MetadataValue.json({"eval_top_k": 5}))
     _log_versions(instance, "b", [1])
     when = datetime(2026, 1, 2, 3, 0, tzinfo=UTC)
     repo = _defs(schedules=[nightly_eval]).get_repository_def()
@@ -96,6 +111,8 @@ def test_nightly_eval_requests_latest_version_of_each_run(tmp_path):
         requests = nightly_eval.evaluate_tick(ctx).run_requests
     assert {r.run_key for r in requests} == {"nightly:2026-01-02:a.v000003", "nightly:2026-01-02:b.v000001"}
     assert sorted(r.partition_key for r in requests) == ["a.v000003", "b.v000001"]
+    configs = {r.partition_key: r.run_config for r in requests}  # each run's own eval settings
+    assert configs == {"a.v000003": {"ops": {"eval_results": {"config": {"eval_top_k": 5}}}}, "b.v000001": {}}
     assert nightly_eval.cron_schedule == "0 3 * * *"
     assert nightly_eval.default_status == dg.DefaultScheduleStatus.STOPPED
     assert eval_on_new_policy.default_status == dg.DefaultSensorStatus.RUNNING

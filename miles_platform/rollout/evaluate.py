@@ -248,6 +248,30 @@ def evaluate(
     return results
 
 
+EVAL_SOURCES = ("loop", "asset")  # writers of the `evals` table
+
+
+def evals_table_rows(
+    partition_key: str, results: dict[str, dict[str, Any]], source: str, sampling: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """`evals` table rows of one `evaluate` call: one per dataset x float metric, each naming its
+    writer (`source`, one of EVAL_SOURCES) and the sampling of pass@k / mean reward: `sampling`
+    has max_new_tokens, temperature, top_p, top_k (RunConfig.eval_sampling's keys)."""
+    from miles_platform.store.paths import parse_partition_key
+
+    if source not in EVAL_SOURCES:
+        raise ValueError(f"evals source {source!r}: one of {EVAL_SOURCES}")
+    _, version = parse_partition_key(partition_key)
+    settings = {k: sampling[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens")}
+    return [
+        {"version": version, "partition_key": partition_key, "dataset": name, "metric": metric,
+         "value": float(value), "n_samples": int(res["n"]), "source": source, **settings}
+        for name, res in results.items()
+        for metric, value in res.items()
+        if isinstance(value, float)
+    ]  # fmt: skip
+
+
 # ---------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     """`miles-platform eval`: the dataset and reward flags are train's own (config.add_flags)."""

@@ -17,7 +17,7 @@ def eval_due(cfg: RunConfig, version: int, hf_dir: str | None) -> bool:
 
 def evaluate_policy(cfg: RunConfig, paths: StoragePaths, manager, version: int) -> tuple[dict, dict]:
     """-> ({"eval/<dataset>/<metric>": value, "perf/eval_time": s}, per-dataset result dicts)."""
-    from miles_platform.rollout.evaluate import evaluate
+    from miles_platform.rollout.evaluate import evals_table_rows, evaluate
     from miles_platform.rollout.manager import router_generate_fn
     from miles_platform.store.tables import append_rows
 
@@ -30,13 +30,9 @@ def evaluate_policy(cfg: RunConfig, paths: StoragePaths, manager, version: int) 
         label_key=c.label_key or "label", metadata_key=c.metadata_key,
         apply_chat_template=c.apply_chat_template, tokenizer=manager.tok,
     )  # fmt: skip
-    out, rows = {}, []
-    for name, r in res.items():
-        for k, v in r.items():
-            if isinstance(v, float):
-                out[f"eval/{name}/{k}"] = v
-                rows.append({"version": version, "partition_key": partition_key(c.run_name, version),
-                             "dataset": name, "metric": k, "value": v, "n_samples": r.get("n")})  # fmt: skip
-    append_rows(paths, "evals", c.run_name, rows)
+    out = {f"eval/{name}/{k}": v for name, r in res.items() for k, v in r.items() if isinstance(v, float)}
+    append_rows(
+        paths, "evals", c.run_name, evals_table_rows(partition_key(c.run_name, version), res, "loop", s)
+    )
     out["perf/eval_time"] = time.time() - t0
     return out, res

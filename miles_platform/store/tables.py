@@ -50,7 +50,13 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             ("dataset", pa.string()),
             ("metric", pa.string()),  # pass@1, pass@k, mean_reward, ...
             ("value", pa.float64()),
-            ("n_samples", pa.int64()),
+            ("n_samples", pa.int64()),  # responses per prompt (n, the k of pass@k)
+            ("source", pa.string()),  # the writer: "loop" (--eval-interval in train) | "asset" (eval_results)
+            # sampling of pass@k / mean_reward (pass@1 is always greedy)
+            ("temperature", pa.float64()),
+            ("top_p", pa.float64()),
+            ("top_k", pa.int64()),
+            ("max_new_tokens", pa.int64()),
             ("created_at", _TS),
         ]
     ),

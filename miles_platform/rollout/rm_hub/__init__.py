@@ -90,14 +90,33 @@ def _rm_type_of(args, sample: Sample) -> tuple[str | None, str]:
     return getattr(args, "rm_type", None), "--rm-type"
 
 
+def _check_every_prompt_names_a_reward(args) -> None:
+    """No --rm-type, no --custom-rm-path: only a dataset whose every row names its reward
+    (metadata.rm_type, Miles' per-sample dispatch) can train; else no sample would have a reward."""
+    from miles_platform.data.dataset import load_prompt_dataset
+
+    none = f"no reward: set --rm-type (one of {valid_rm_types()}) or --custom-rm-path"
+    data = getattr(args, "prompt_data", None)
+    if not data:
+        raise ConfigError(none)
+    records = load_prompt_dataset(
+        data, args.input_key, args.label_key, getattr(args, "metadata_key", "metadata")
+    )
+    unnamed = next((i for i, r in enumerate(records) if not r.metadata.get("rm_type")), None)
+    if unnamed is not None:
+        raise ConfigError(f"{none}; --prompt-data {data} record {unnamed} has no metadata.rm_type")
+
+
 def validate_reward_config(args) -> None:
-    """Fail before any engine starts: unknown --rm-type, missing --rm-url, bad custom paths."""
+    """Fail before any engine starts: no reward, unknown --rm-type, missing --rm-url, bad custom paths."""
     custom = getattr(args, "custom_rm_path", None)
     if custom:
         load_function(custom, "--custom-rm-path", required_params=2)
     elif getattr(args, "group_rm", False):
         raise ConfigError("--group-rm needs --custom-rm-path (a fn(args, samples) -> list of rewards)")
-    elif args.rm_type:
+    elif not args.rm_type:
+        _check_every_prompt_names_a_reward(args)
+    else:
         fn, _ = _resolve(args.rm_type)
         if fn is remote_rm and not getattr(args, "rm_url", None):
             raise ConfigError("--rm-type remote_rm needs --rm-url")

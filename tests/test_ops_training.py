@@ -1,0 +1,144 @@
+"""The `rl_training` job run in process: where it writes, what the Launchpad shows, how fast a bad
+config fails, and what each policy_versions materialization carries for the UI's plots."""
+
+import time
+
+import dagster as dg
+import pytest
+from loop_helpers import small_run_kwargs
+
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.tables import read_rows
+from ops.training import RLTrainingConfig, rl_training
+from resources.storage import StorageRootResource
+
+
+def _execute(kwargs: dict, root, instance=None, raise_on_error=True):
+    return rl_training.execute_in_process(
+        run_config={"ops": {"rl_training_op": {"config": kwargs}}},
+        instance=instance or dg.DagsterInstance.ephemeral(),
+        resources={"storage": StorageRootResource(root=str(root))},
+        raise_on_error=raise_on_error,
+    )
+
+
+def _job_kwargs(ckpt: str, tmp_path, **overrides) -> dict:
+    kw = small_run_kwargs(ckpt, tmp_path, **overrides)
+    kw.pop("storage_root")  # the resource's, not the run config's
+    return kw
+
+
+@pytest.fixture(scope="module")
+def short_run(tiny_hf_checkpoint, tmp_path_factory):
+    """Two rollouts of the small run, with eval every version, launched from a working dir that is
+    not the storage root."""
+    tmp = tmp_path_factory.mktemp("job")
+    root, elsewhere = tmp / "root", tmp / "elsewhere"
+    elsewhere.mkdir()
+    kw = _job_kwargs(tiny_hf_checkpoint, tmp, eval_interval=1, rollout_temperature=0.8)
+    kw["eval_prompt_data"] = ["heldout", kw["prompt_data"]]
+    instance = dg.DagsterInstance.ephemeral()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(elsewhere)
+        result = _execute(kw, root, instance)
+    return result, instance, root, elsewhere
+
+
+def test_job_writes_under_the_storage_resource_root_from_any_working_dir(short_run):
+    result, _, root, elsewhere = short_run
+    assert result.success
+    paths = StoragePaths(str(root))
+    versions = read_rows(paths, "policy_versions", "t")
+    assert [r["version"] for r in versions] == [1, 2]
+    assert all(r["hf_path"].startswith(str(root)) for r in versions)
+    assert {r["rollout_id"] for r in read_rows(paths, "metrics", "t")} == {0, 1}
+    assert list(elsewhere.iterdir()) == []  # nothing under the working dir's .miles
+    assert result.output_for_node("rl_training_op")["final_hf_path"].startswith(str(root))
+
+
+def test_every_launchpad_field_has_the_flags_help_text():
+    fields = rl_training.nodes[0].definition.config_schema.config_type.fields
+    assert "storage_root" not in fields  # one root for every op, asset and sensor: the resource's
+    missing = sorted(name for name, f in fields.items() if not f.description)
+    assert missing == []
+    assert fields["rm_type"].description.startswith("--rm-type: built-in reward")
+    assert "(one of: embedded, sglang)" in fields["rollout_engine"].description
+    assert set(fields) == set(RLTrainingConfig.model_fields)
+
+
+def test_config_without_a_reward_fails_fast_naming_the_flag(tiny_hf_checkpoint, tmp_path):
+    kw = _job_kwargs(tiny_hf_checkpoint, tmp_path)
+    kw.pop("rm_type")
+    t0 = time.monotonic()
+    result = _execute(kw, tmp_path / "root", raise_on_error=False)
+    elapsed = time.monotonic() - t0
+    assert not result.success
+    failure = result.failure_data_for_node("rl_training_op")
+    message = failure.user_failure_data.description if failure.user_failure_data else failure.error.message
+    assert "--rm-type" in message and "--custom-rm-path" in message
+    assert elapsed < 10, f"took {elapsed:.1f} s: validation must run before Ray and the engines start"
+    assert not (tmp_path / "root" / "rollouts").exists()
+
+
+PLOTTED = (
+    "rollout/raw_reward",
+    "rollout/response_len/mean",
+    "train/loss",
+    "train/pg_clipfrac",
+    "train/ppo_kl",
+    "train/grad_norm",
+    "perf/rollout_time",
+    "perf/actor_train_time",
+    "perf/update_weights_time",
+    "perf/rollout_total_time",
+)
+
+
+def test_policy_versions_carry_the_rollouts_training_metrics_as_floats(short_run):
+    _, instance, root, _ = short_run
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("policy_versions")), limit=10, ascending=True
+    ).records
+    assert [r.asset_materialization.partition for r in records] == ["t.v000001", "t.v000002"]
+    rows = read_rows(StoragePaths(str(root)), "metrics", "t")
+    for rollout_id, record in enumerate(records):
+        md = record.asset_materialization.metadata
+        for key in PLOTTED:
+            assert isinstance(md[key], dg.FloatMetadataValue), key
+        want = {r["name"]: r["value"] for r in rows if r["rollout_id"] == rollout_id}
+        assert md["train/loss"].value == pytest.approx(want["train/loss"])
+        assert md["rollout/raw_reward"].value == pytest.approx(want["rollout/raw_reward"])
+        # identifiers are text, not lines on the Plots tab
+        for key in ("version", "rollout_id", "eval_interval"):
+            assert key not in md or isinstance(md[key], dg.TextMetadataValue), key
+        assert "shard_rows" not in md
+
+
+def test_eval_results_is_the_evaluator_of_record_one_row_per_metric(short_run):
+    """Under Dagster the loop does not evaluate; the sensor launches eval_results with the run's
+    eval settings, so each version has one row per metric, from the asset."""
+    from assets.evals import eval_results
+    from sensors.evals import plan_eval_requests
+
+    _, instance, root, _ = short_run
+    paths = StoragePaths(str(root))
+    assert read_rows(paths, "evals", "t") == []  # no in-loop eval (nor v0 eval)
+    requests, _, _ = plan_eval_requests(instance, None, default_interval=1)
+    assert [r.partition_key for r in requests] == ["t.v000001", "t.v000002"]
+    config = requests[0].run_config["ops"]["eval_results"]["config"]
+    assert config["eval_prompt_data"][0] == "heldout" and config["rm_type"] == "math"
+    assert (config["eval_temperature"], config["eval_max_response_len"]) == (0.8, 4)  # inherited from rollout
+    res = dg.materialize(
+        [eval_results],
+        instance=instance,
+        resources={"storage": StorageRootResource(root=str(root))},
+        partition_key="t.v000001",
+        run_config=requests[0].run_config,
+    )
+    assert res.success
+    rows = read_rows(paths, "evals", "t")
+    keys = [(r["version"], r["dataset"], r["metric"]) for r in rows]
+    assert len(keys) == len(set(keys)) and (1, "heldout", "pass@1") in keys
+    assert {(r["source"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) for r in rows} == {
+        ("asset", 0.8, 1.0, -1, 4)
+    }
