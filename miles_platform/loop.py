@@ -212,12 +212,12 @@ class RLRun:
         """Metrics of one rollout: to the `metrics` table, the reporter, the trackers and the result."""
         from miles_platform.store.tables import append_rows
 
+        metrics["perf/rollout_total_time"] = time.time() - t0
         step = int(metrics.get("train/step", 0))
         rows = [
             {"rollout_id": rollout_id, "step": step, "name": k, "value": float(v)} for k, v in metrics.items()
         ]
         append_rows(self.paths, "metrics", self.cfg.run_name, rows)
-        metrics["perf/rollout_total_time"] = time.time() - t0
         self.reporter.on_rollout(rollout_id, metrics)
         logged = self.s.trackers.log(rollout_id, metrics)  # less what a custom log function took over
         if rollout_id % self.cfg.log_interval == 0:
