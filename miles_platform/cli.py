@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "weights": ("miles_platform.weights.cli", "disk-delta publish / apply for external fleets"),
     "quantize": ("miles_platform.weights.quantize", "fp8 / int4 quantized HF checkpoints"),
     "dtype-census": (
-        "miles_platform.training.precision",
+        "miles_platform.training.precision_census",
         "dtypes of every module input/output under a precision policy",
     ),
 }

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_platform.errors import MilesError
+from miles_platform.errors import ConfigError, MilesError  # noqa: F401 (ConfigError re-exported)
 
 GROUPS = (
     "cluster",
@@ -42,10 +42,6 @@ GROUPS = (
     "logging",
     "debug",
 )
-
-
-class ConfigError(MilesError, ValueError):
-    """A user mistake in the configuration: message names the flag and what is allowed."""
 
 
 def _f(default: Any, group: str, help: str, choices: tuple | None = None, nargs: str | None = None):

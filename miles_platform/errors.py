@@ -5,6 +5,10 @@ class MilesError(Exception):
     """Base of every error caused by user input (config, data, checkpoints, publications)."""
 
 
+class ConfigError(MilesError, ValueError):
+    """A user mistake in the configuration: message names the flag and what is allowed."""
+
+
 class DataError(MilesError, ValueError):
     """Bad dataset: message names file, line and key."""
 

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from miles_platform.config import ConfigError
+from miles_platform.errors import ConfigError
 
 GENERATE_FLAG = "--custom-generate-function-path"
 ROLLOUT_FLAG = "--rollout-function-path"

@@ -26,8 +26,7 @@ import pyarrow as pa
 
 from miles_platform.errors import MilesError
 from miles_platform.store.paths import StoragePaths
-from miles_platform.store.shards import ROLLOUT_SCHEMA
-from miles_platform.store.tables import TABLE_SCHEMAS
+from miles_platform.store.schemas import ROLLOUT_SCHEMA, TABLE_SCHEMAS
 
 VIEWS = ("rollouts", *TABLE_SCHEMAS)
 

@@ -57,7 +57,6 @@ class StoragePaths:
     def catalog(self) -> str:
         return self.join("catalog.duckdb")
 
-    @property
     def dataset(self, name: str) -> str:
         return self.join("datasets", name, "data.parquet")
 

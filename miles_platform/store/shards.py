@@ -28,32 +28,7 @@ from miles_platform.store.paths import StoragePaths
 
 SHARD_FILE = "part-0.parquet"
 
-# One explicit schema from Sample.to_row(): stable column types whatever the first row holds.
-ROLLOUT_SCHEMA = pa.schema(
-    [
-        ("run", pa.string()),
-        ("rollout_id", pa.int64()),
-        ("group_index", pa.int64()),
-        ("index", pa.int64()),
-        ("prompt", pa.string()),
-        ("prompt_tokens", pa.list_(pa.int64())),
-        ("response", pa.string()),
-        ("response_tokens", pa.list_(pa.int64())),
-        ("response_length", pa.int64()),
-        ("rollout_log_probs", pa.list_(pa.float64())),
-        ("rollout_sampling_support", pa.list_(pa.list_(pa.int64()))),
-        ("loss_mask", pa.list_(pa.int64())),
-        ("label", pa.string()),
-        ("reward", pa.float64()),
-        ("reward_json", pa.string()),
-        ("raw_reward", pa.float64()),
-        ("status", pa.string()),
-        ("weight_version_start", pa.int64()),
-        ("weight_version_end", pa.int64()),
-        ("metadata", pa.string()),
-        ("remove_sample", pa.bool_()),
-    ]
-)
+from miles_platform.store.schemas import ROLLOUT_SCHEMA  # noqa: E402,F401 (re-exported)
 
 
 @dataclass(frozen=True)

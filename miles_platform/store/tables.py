@@ -18,71 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.schemas import TABLE_SCHEMAS  # noqa: E402,F401 (re-exported)
 from miles_platform.store.shards import refresh_catalog_after_first_file, write_parquet_atomic
-
-_TS = pa.timestamp("us", tz="UTC")
-
-TABLE_SCHEMAS: dict[str, pa.Schema] = {
-    "policy_versions": pa.schema(
-        [
-            ("run", pa.string()),
-            ("version", pa.int64()),
-            ("partition_key", pa.string()),  # <run>.v<NNNNNN>
-            ("parent_version", pa.int64()),
-            ("rollout_id", pa.int64()),  # rollout that trained this version
-            ("checkpoint_path", pa.string()),
-            ("hf_path", pa.string()),
-            ("content_hash", pa.string()),  # of the weights
-            ("config_hash", pa.string()),  # RunConfig.hash
-            ("base_data_version", pa.string()),  # Dagster data version of the base checkpoint
-            ("dataset_data_version", pa.string()),  # ... of prompt_dataset
-            ("shard_path", pa.string()),
-            ("shard_rows", pa.int64()),
-            ("mean_reward", pa.float64()),
-            ("created_at", _TS),
-        ]
-    ),
-    "evals": pa.schema(
-        [
-            ("run", pa.string()),
-            ("version", pa.int64()),
-            ("partition_key", pa.string()),
-            ("dataset", pa.string()),
-            ("metric", pa.string()),  # pass@1, pass@k, mean_reward, ...
-            ("value", pa.float64()),
-            ("n_samples", pa.int64()),  # responses per prompt (n, the k of pass@k)
-            ("source", pa.string()),  # the writer: "loop" (--eval-interval in train) | "asset" (eval_results)
-            # sampling of pass@k / mean_reward (pass@1 is always greedy)
-            ("temperature", pa.float64()),
-            ("top_p", pa.float64()),
-            ("top_k", pa.int64()),
-            ("max_new_tokens", pa.int64()),
-            ("created_at", _TS),
-        ]
-    ),
-    "lineage": pa.schema(
-        [
-            ("run", pa.string()),
-            ("child", pa.string()),  # key: partition key, path or asset key
-            ("child_kind", pa.string()),  # policy_version, checkpoint, rollout_shard, dataset, ...
-            ("parent", pa.string()),
-            ("parent_kind", pa.string()),
-            ("relation", pa.string()),  # trained_from, trained_on, converted_from, ...
-            ("data_version", pa.string()),
-            ("created_at", _TS),
-        ]
-    ),
-    "metrics": pa.schema(
-        [
-            ("run", pa.string()),
-            ("rollout_id", pa.int64()),
-            ("step", pa.int64()),
-            ("name", pa.string()),  # Miles metric name: rollout/raw_reward, train/loss, ...
-            ("value", pa.float64()),
-            ("created_at", _TS),
-        ]
-    ),
-}
 
 
 def _check_rows(table: str, run: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

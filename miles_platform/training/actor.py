@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from miles_platform.config import RunConfig
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.training import loss as loss_hub
-from miles_platform.training.backend import get_backend_class
+from miles_platform.training.backends import get_backend_class
 from miles_platform.training.checkpoint import LATEST, iter_dir, read_latest  # noqa: F401 (re-exported)
 
 

@@ -63,17 +63,3 @@ class ModelBackend(ABC):
 
     def named_parameters(self):
         return self.module.named_parameters()
-
-
-def get_backend_class(name: str) -> type[ModelBackend]:
-    if name == "fsdp":
-        from miles_platform.training.fsdp_backend import FSDPBackend
-
-        return FSDPBackend
-    if name == "megatron":
-        from miles_platform.training.megatron_backend import MegatronBackend
-
-        return MegatronBackend
-    from miles_platform.config import ConfigError
-
-    raise ConfigError(f"--train-backend {name!r}: allowed values are fsdp, megatron")

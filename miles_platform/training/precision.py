@@ -480,10 +480,3 @@ def alignment_metrics(train_log_probs: Any, rollout_log_probs: Any, masks: Any) 
         "train/log_prob_max_abs_diff": float(delta.abs().max()),
         "train/ratio_abs_minus_1": float((torch.exp(delta) - 1).abs().mean()),
     }
-
-
-def cli_main(argv: list[str] | None = None) -> int:
-    """`miles-platform dtype-census` (lives in precision_census to keep this file about rules)."""
-    from miles_platform.training.precision_census import cli_main as census_main
-
-    return census_main(argv)

@@ -1,0 +1,98 @@
+"""Every table schema of the store, in one module: rollout shards and the append-only tables.
+Writers and the DuckDB catalog import them from here (no module needs another's writer for them)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+# One explicit schema from Sample.to_row(): stable column types whatever the first row holds.
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("run", pa.string()),
+        ("rollout_id", pa.int64()),
+        ("group_index", pa.int64()),
+        ("index", pa.int64()),
+        ("prompt", pa.string()),
+        ("prompt_tokens", pa.list_(pa.int64())),
+        ("response", pa.string()),
+        ("response_tokens", pa.list_(pa.int64())),
+        ("response_length", pa.int64()),
+        ("rollout_log_probs", pa.list_(pa.float64())),
+        ("rollout_sampling_support", pa.list_(pa.list_(pa.int64()))),
+        ("loss_mask", pa.list_(pa.int64())),
+        ("label", pa.string()),
+        ("reward", pa.float64()),
+        ("reward_json", pa.string()),
+        ("raw_reward", pa.float64()),
+        ("status", pa.string()),
+        ("weight_version_start", pa.int64()),
+        ("weight_version_end", pa.int64()),
+        ("metadata", pa.string()),
+        ("remove_sample", pa.bool_()),
+    ]
+)
+
+
+_TS = pa.timestamp("us", tz="UTC")
+
+TABLE_SCHEMAS: dict[str, pa.Schema] = {
+    "policy_versions": pa.schema(
+        [
+            ("run", pa.string()),
+            ("version", pa.int64()),
+            ("partition_key", pa.string()),  # <run>.v<NNNNNN>
+            ("parent_version", pa.int64()),
+            ("rollout_id", pa.int64()),  # rollout that trained this version
+            ("checkpoint_path", pa.string()),
+            ("hf_path", pa.string()),
+            ("content_hash", pa.string()),  # of the weights
+            ("config_hash", pa.string()),  # RunConfig.hash
+            ("base_data_version", pa.string()),  # Dagster data version of the base checkpoint
+            ("dataset_data_version", pa.string()),  # ... of prompt_dataset
+            ("shard_path", pa.string()),
+            ("shard_rows", pa.int64()),
+            ("mean_reward", pa.float64()),
+            ("created_at", _TS),
+        ]
+    ),
+    "evals": pa.schema(
+        [
+            ("run", pa.string()),
+            ("version", pa.int64()),
+            ("partition_key", pa.string()),
+            ("dataset", pa.string()),
+            ("metric", pa.string()),  # pass@1, pass@k, mean_reward, ...
+            ("value", pa.float64()),
+            ("n_samples", pa.int64()),  # responses per prompt (n, the k of pass@k)
+            ("source", pa.string()),  # the writer: "loop" (--eval-interval in train) | "asset" (eval_results)
+            # sampling of pass@k / mean_reward (pass@1 is always greedy)
+            ("temperature", pa.float64()),
+            ("top_p", pa.float64()),
+            ("top_k", pa.int64()),
+            ("max_new_tokens", pa.int64()),
+            ("created_at", _TS),
+        ]
+    ),
+    "lineage": pa.schema(
+        [
+            ("run", pa.string()),
+            ("child", pa.string()),  # key: partition key, path or asset key
+            ("child_kind", pa.string()),  # policy_version, checkpoint, rollout_shard, dataset, ...
+            ("parent", pa.string()),
+            ("parent_kind", pa.string()),
+            ("relation", pa.string()),  # trained_from, trained_on, converted_from, ...
+            ("data_version", pa.string()),
+            ("created_at", _TS),
+        ]
+    ),
+    "metrics": pa.schema(
+        [
+            ("run", pa.string()),
+            ("rollout_id", pa.int64()),
+            ("step", pa.int64()),
+            ("name", pa.string()),  # Miles metric name: rollout/raw_reward, train/loss, ...
+            ("value", pa.float64()),
+            ("created_at", _TS),
+        ]
+    ),
+}
