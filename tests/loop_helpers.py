@@ -86,3 +86,20 @@ def record_eval_log(rollout_id, args, data, extra_metrics):
     with open(f"{args.storage_root}/eval_log_calls.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     return rollout_id == 1
+
+
+def random_train_batch(seed: int = 0, rewards: list[float] | None = None):
+    """4 samples of random tokens (prompts of 3-4, responses of 2-5): the trainer tests' batch.
+    `rewards` default: random in [0, 1) from the same generator."""
+    import torch
+
+    from miles_platform.training.actor import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    toks, lens = [], []
+    for i in range(4):
+        p, r = 3 + i % 2, 2 + i
+        toks.append(torch.randint(3, 60, (p + r,), generator=g).tolist())
+        lens.append(r)
+    rewards = torch.rand(4, generator=g).tolist() if rewards is None else rewards
+    return TrainBatch(toks, lens, [[1] * n for n in lens], rewards, [[0.0] * n for n in lens])

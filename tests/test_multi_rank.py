@@ -31,16 +31,9 @@ def _cfg(ckpt: str, **kw):
 
 
 def _batch(seed: int):
-    from miles_platform.training.actor import TrainBatch
+    from loop_helpers import random_train_batch
 
-    g = torch.Generator().manual_seed(seed)
-    toks, lens = [], []
-    for i in range(4):
-        p, r = 3 + i % 2, 2 + i
-        toks.append(torch.randint(3, 60, (p + r,), generator=g).tolist())
-        lens.append(r)
-    rewards = torch.rand(4, generator=g).tolist()
-    return TrainBatch(toks, lens, [[1] * n for n in lens], rewards, [[0.0] * n for n in lens])
+    return random_train_batch(seed)
 
 
 def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: dict) -> None:

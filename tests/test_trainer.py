@@ -1,9 +1,10 @@
 """Trainer actor (in-process, no Ray): step-0 invariants, learning signal, exact resume."""
 
 import torch
+from loop_helpers import random_train_batch
 
 from miles_platform.config import RunConfig
-from miles_platform.training.actor import TrainBatch, TrainerActor, read_latest
+from miles_platform.training.actor import TrainerActor, read_latest
 
 
 def _cfg(ckpt, save, **kw):
@@ -22,19 +23,7 @@ def _cfg(ckpt, save, **kw):
 
 
 def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    toks, lens = [], []
-    for i in range(4):
-        p, r = 3 + i % 2, 2 + i
-        toks.append(torch.randint(3, 60, (p + r,), generator=g).tolist())
-        lens.append(r)
-    return TrainBatch(
-        tokens=toks,
-        response_lengths=lens,
-        loss_masks=[[1] * n for n in lens],
-        rewards=[1.0, 0.0, 0.0, 1.0],
-        rollout_log_probs=[[0.0] * n for n in lens],
-    )
+    return random_train_batch(seed, rewards=[1.0, 0.0, 0.0, 1.0])
 
 
 def _weights(actor):

@@ -531,6 +531,8 @@ class EngineCore:
         if len(sps) != n:
             raise RequestError(f"sampling_params has {len(sps)} entries for {n} prompts")
         rids = body.get("rid")
+        if isinstance(rids, list) and len(rids) != n:
+            raise RequestError(f"rid has {len(rids)} entries for {n} prompts")
         rids = rids if isinstance(rids, list) else [rids] * n
         kw = dict(
             return_logprob=bool(body.get("return_logprob", False)),
