@@ -17,7 +17,13 @@ from miles_platform.models.checkpoint import _check_safetensors
 from miles_platform.rollout.engine_core import EngineCore, RequestError
 from miles_platform.weights import delta_format
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomized: CI explores the same examples every run (no flaky red); raise max_examples locally to hunt
+FAST = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20)
 json_values = st.recursive(
     json_scalars,
