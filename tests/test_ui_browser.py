@@ -247,6 +247,7 @@ def test_policy_versions_lists_its_partitions(page, webserver):
 
 
 def test_materialize_eval_results_from_the_ui(page, webserver):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
     from playwright.sync_api import expect
 
     from miles_platform.store.paths import StoragePaths
@@ -257,8 +258,16 @@ def test_materialize_eval_results_from_the_ui(page, webserver):
     page.get_by_role("button", name="Materialize…").first.click()
     dialog = page.get_by_role("dialog")
     expect(dialog.get_by_text("Launch runs to materialize eval_results")).to_be_visible()
-    dialog.get_by_text("Select a partition or create one").click()
-    page.get_by_text(KEY, exact=True).filter(visible=True).first.click()  # the partition's checkbox row
+    # the partition's checkbox row; the first-visit newsletter dialog, dismissed by the locator
+    # handler, can close the picker while it opens: open it again then
+    for attempt in range(3):
+        dialog.get_by_text("Select a partition or create one").click()
+        try:
+            page.get_by_text(KEY, exact=True).filter(visible=True).first.click(timeout=20_000)
+            break
+        except PlaywrightTimeoutError:
+            if attempt == 2:
+                raise
     dialog.get_by_text("Launch runs to materialize eval_results").click()  # close the partition picker
     dialog.get_by_role("button", name="Launch 1 run").click()
 
