@@ -29,8 +29,8 @@ def _headers(api_key: str | None) -> dict:
 
 def _parse(resp: httpx.Response):
     try:
-        return resp.json()
-    except ValueError:
+        return orjson.loads(resp.content)  # ~10x the stdlib on big bodies (weight checks)
+    except orjson.JSONDecodeError:
         return resp.text
 
 

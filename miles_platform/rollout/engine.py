@@ -231,7 +231,9 @@ def create_app(
             return error(400, f"get_weights_by_name: {e}")
         except EngineStopped as e:
             return error(503, str(e), retryable=True)
-        return Response(orjson.dumps(values), media_type="application/json")
+        return Response(
+            orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
+        )
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):

@@ -429,15 +429,18 @@ class EngineCore:
             lambda: {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
         )
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
         """SGLang's `/get_weights_by_name`: the first `truncate_size` rows (elements of a 1-D tensor)
-        of one parameter, by HF name (tied names too), as float32 values in nested lists."""
+        of one parameter, by HF name (tied names too), as a float64 numpy array (every served value
+        exactly; the HTTP layer writes it as nested JSON lists, as SGLang does)."""
         if name not in self._params:
             raise RequestError(
                 f"unknown parameter {name!r} (this model has e.g. {next(iter(self._params))!r})"
             )
         n = int(truncate_size)
-        return self._in_scheduler(lambda: self._params[name].detach()[:n].to("cpu", torch.float32).tolist())
+        return self._in_scheduler(
+            lambda: self._params[name].detach()[:n].to("cpu", torch.float64).numpy().copy()
+        )
 
     def pause_generation(self, mode: str = "abort") -> None:
         """abort: finish in-flight and queued requests with finish_reason abort; retract: drop their KV

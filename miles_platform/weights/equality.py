@@ -8,6 +8,7 @@ a big one by a row prefix of every tensor, so the check stays a few MB of JSON p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from miles_platform.rollout.client import EngineHTTPError, post
@@ -46,7 +47,7 @@ def first_mismatch(
             )
         want = t.detach()[:n].to("cpu", dtype).to(torch.float32)
         try:
-            have = torch.tensor(got, dtype=torch.float32)
+            have = torch.from_numpy(np.asarray(got, dtype=np.float32))
         except (TypeError, ValueError):
             return (
                 f"engine {url} answered /get_weights_by_name for {name} with {str(got)[:200]!r}, not values"
