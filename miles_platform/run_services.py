@@ -24,7 +24,6 @@ class RunServices(contextlib.AbstractContextManager):
         self.trainers: list = []
         self.engines = self.router = self.manager = self.session = self.worker = None
         self.state: dict[str, Any] | None = None
-        self._lock = self._ray = self._groups = None
         from miles_platform.trackers import Trackers
 
         self.trackers = Trackers()
@@ -41,7 +40,12 @@ class RunServices(contextlib.AbstractContextManager):
     def _start(self) -> None:
         import ray
 
-        from miles_platform.cluster.ray_cluster import create_placement_groups, init_ray, shutdown_ray
+        from miles_platform.cluster.ray_cluster import (
+            create_placement_groups,
+            init_ray,
+            remove_placement_groups,
+            shutdown_ray,
+        )
         from miles_platform.store.run_lock import RunLock
         from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
         from miles_platform.trackers import Trackers
@@ -56,8 +60,6 @@ class RunServices(contextlib.AbstractContextManager):
         self.trackers = Trackers(cfg, self.paths, log)
         s.push(lambda et, *_: self.trackers.close(failed=et is not None))
         groups = create_placement_groups(cfg)
-        from miles_platform.cluster.ray_cluster import remove_placement_groups
-
         s.callback(remove_placement_groups, groups)
         if not cfg.debug_rollout_only:
             self.trainers = self._start_trainers(groups)
