@@ -62,6 +62,39 @@ def test_embedded_engine_answers_get_weights_by_name_like_sglang(tiny_hf_checkpo
         server.stop()
 
 
+def test_weights_checksum_covers_every_element_in_one_request(tiny_hf_checkpoint):
+    """Our `/weights_checksum` extension: one request for all tensors; a change in the last element
+    of one tensor (one ulp) is caught and then reported with values from `/get_weights_by_name`."""
+    from miles_platform.weights.checksum import checksum
+
+    server = start_engine_server(tiny_hf_checkpoint, api_key="s3cret", max_batch_size=4)
+    try:
+        url, auth = server.url, {"Authorization": "Bearer s3cret"}
+        weights = load_file(f"{tiny_hf_checkpoint}/model.safetensors")
+        r = httpx.post(f"{url}/weights_checksum", json={}, headers=auth)
+        served = r.json()
+        assert r.status_code == 200 and set(weights) <= set(served)
+        name = "model.layers.1.mlp.down_proj.weight"
+        assert served[name] == {
+            "dtype": "float32",
+            "shape": list(weights[name].shape),
+            "xxh3_128": checksum(weights[name]),
+        }
+        assert httpx.post(f"{url}/weights_checksum", json={}).status_code == 401
+        bad = httpx.post(f"{url}/weights_checksum", json={"names": ["no.such"]}, headers=auth)
+        assert bad.status_code == 400 and "no.such" in bad.json()["error"]["message"]
+        assert httpx.post(f"{url}/weights_checksum", json={"names": "x"}, headers=auth).status_code == 400
+
+        changed = weights[name].clone()
+        changed.view(-1)[-1] = torch.nextafter(changed.view(-1)[-1], torch.tensor(float("inf")))
+        server.core.update_weights_from_tensors({name: changed}, weight_version=1)
+        why = first_mismatch(url, weights, "fp32", api_key="s3cret")
+        assert why and f"tensor {name} differs" in why and "max abs diff" in why
+        assert first_mismatch(url, {**weights, name: changed}, "fp32", api_key="s3cret") is None
+    finally:
+        server.stop()
+
+
 def test_weight_check_catches_an_external_engine_that_kept_its_old_weights(tiny_hf_checkpoint, tmp_path):
     """An external engine acknowledges /update_weights_from_disk and advances its version but keeps
     the old weights. The check used to skip engines without a Ray actor and let this pass."""

@@ -235,6 +235,22 @@ def create_app(
             orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
         )
 
+    @app.post("/weights_checksum")
+    async def weights_checksum(request: Request):
+        """Our extension: {"names": [...]} (or {} for all) -> {name: {dtype, shape, xxh3_128}}."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        names = body.get("names") if isinstance(body, dict) else ...
+        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+            return error(400, 'weights_checksum takes {"names": [str, ...]} (or {} for every parameter)')
+        try:
+            return await asyncio.to_thread(core.weights_checksums, names)
+        except RequestError as e:
+            return error(400, f"weights_checksum: {e}")
+        except EngineStopped as e:
+            return error(503, str(e), retryable=True)
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body, err = await json_body(request, max_request_bytes)

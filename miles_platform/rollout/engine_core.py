@@ -442,6 +442,32 @@ class EngineCore:
             lambda: self._params[name].detach()[:n].to("cpu", torch.float64).numpy().copy()
         )
 
+    def weights_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
+        """Our extension to SGLang's API (`POST /weights_checksum`): {name: {"dtype", "shape",
+        "xxh3_128"}} of each parameter's bytes as served, every one (`names=None`) or those named.
+        One request answers what `/get_weights_by_name` needs one request per tensor for."""
+        from miles_platform.weights.checksum import checksum
+
+        names = list(self._params) if names is None else list(names)
+        unknown = [n for n in names if n not in self._params]
+        if unknown:
+            raise RequestError(
+                f"unknown parameter {unknown[0]!r} (this model has e.g. {next(iter(self._params))!r})"
+            )
+
+        def digest():
+            out = {}
+            for n in names:
+                t = self._params[n].detach()
+                out[n] = {
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "xxh3_128": checksum(t),
+                }
+            return out
+
+        return self._in_scheduler(digest)
+
     def pause_generation(self, mode: str = "abort") -> None:
         """abort: finish in-flight and queued requests with finish_reason abort; retract: drop their KV
         and requeue them (recomputed after continue); in_place: freeze them with their KV cache."""
