@@ -7,7 +7,7 @@ ROOT      ?= .miles
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install system-deps demo test lint ui bench clean
+.PHONY: install system-deps demo test test-fast lint ui bench clean
 
 # apt packages: libibverbs1 for Mooncake's TCP transfer engine, chromium for the UI test.
 system-deps:
@@ -33,8 +33,16 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# pytest-xdist: TEST_WORKERS processes (the 2 cores here; tests sharing a module fixture stay together)
+TEST_WORKERS ?= 2
+XDIST     := -n $(TEST_WORKERS) --dist loadgroup
+
 test: install lint
-	$(BIN)/python -m pytest -q -m "not gpu" --durations=15
+	$(BIN)/python -m pytest -q -m "not gpu" $(XDIST) --durations=15
+
+# the inner loop: everything but the ~15 s+ tests (whole runs, SFT bases, browser, gloo groups)
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not gpu and not slow" $(XDIST)
 
 ui: install
 	DAGSTER_HOME=$(abspath $(ROOT))/dagster MILES_STORAGE_ROOT=$(abspath $(ROOT)) \

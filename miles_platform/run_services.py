@@ -61,20 +61,26 @@ class RunServices(contextlib.AbstractContextManager):
         s.push(lambda et, *_: self.trackers.close(failed=et is not None))
         groups = create_placement_groups(cfg)
         s.callback(remove_placement_groups, groups)
+        # trainers and engines start side by side: the trainers' imports and model build overlap
+        # the engines' (each is seconds of CPU on its own process)
         if not cfg.debug_rollout_only:
-            self.trainers = self._start_trainers(groups)
+            self.trainers = self._create_trainers(groups)
+        if not cfg.debug_train_only:
+            from miles_platform.rollout.engines import start_engines, stop_engines
+
+            self.engines, self.router = start_engines(cfg, groups)
+            s.callback(stop_engines, self.engines)
+            s.callback(self.router.stop)
+        if self.trainers:
+            ray.get([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
         if self.state is not None and self.src is not None:
             self.src.load_state_dict(self.state["data_source"])
         if cfg.debug_train_only:
             return
-        from miles_platform.rollout.engines import start_engines, stop_engines
         from miles_platform.rollout.manager import RolloutManager
         from miles_platform.weights.update_session import UpdateSession
 
-        self.engines, self.router = start_engines(cfg, groups)
-        s.callback(stop_engines, self.engines)
-        s.callback(self.router.stop)
         log(
             f"engines {' '.join(e.url for e in self.engines)} router {self.router.url}: every call needs "
             "the run's bearer token (--api-key / --api-key-file / $MILES_API_KEY, else generated)"
@@ -97,8 +103,8 @@ class RunServices(contextlib.AbstractContextManager):
     def __exit__(self, *exc) -> bool:
         return bool(self._stack.__exit__(*exc))
 
-    def _start_trainers(self, groups) -> list:
-        import ray
+    def _create_trainers(self, groups) -> list:
+        """The trainer actors, created (not yet waited on: `.ready` does that)."""
 
         from miles_platform.cluster.ports import free_port
         from miles_platform.cluster.ray_cluster import create_role_actors
@@ -113,7 +119,6 @@ class RunServices(contextlib.AbstractContextManager):
             TrainerActor, cfg, groups, "actor", cfg, world_size=world, dist_init=dist_init,
             options={"runtime_env": env},
         )  # fmt: skip
-        ray.get([a.ready.remote() for a in actors])
         return actors
 
     def data_source_state(self) -> dict:

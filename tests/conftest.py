@@ -15,6 +15,43 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+# `make test` runs on pytest-xdist workers with --dist loadgroup. The longest files go first, so
+# no worker is left with a long file at the end (seconds on 2 cores, serial run of 2026-12-01).
+LONGEST_FIRST = {
+    "test_learning.py": 1000, "test_loop.py": 300, "test_ui_browser.py": 70, "test_multi_rank.py": 45,
+    "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
+    "test_trackers.py": 25, "test_ops_training.py": 25,
+}  # fmt: skip
+
+
+# `make test-fast` leaves these out (-m "not slow"): whole training runs, SFT bases, the browser,
+# multi-process gloo groups; each takes over ~15 s alone. `make test` runs everything.
+SLOW = {
+    "test_grpo_lifts_reward_and_heldout_accuracy", "test_materialize_eval_results_from_the_ui",
+    "test_asset_graph_shows_pipeline_and_edges", "test_policy_versions_lists_its_partitions",
+    "test_over_sampling_surplus_is_buffered_and_served_by_the_buffer_filter",
+    "test_debug_rollout_data_roundtrip_fsdp2_two_ranks", "test_converted_checkpoint_and_round_trip_check",
+    "test_loop_runs_versions_shards_checkpoints_and_resumes", "test_loop_updates_engines_by_broadcast",
+    "test_run_logs_to_wandb_offline_and_tensorboard_and_calls_custom_log_functions",
+    "test_disk_delta_weights_and_fully_async", "test_multi_turn_new_form_in_a_ci_test_run",
+    "test_nested_wrap_units_on_two_gloo_ranks", "test_two_ranks_train_like_one_rank",
+    "test_ppo_critic_two_ranks_train_like_one_rank", "test_tp2_save_loads_at_tp1",
+    "test_resume_after_a_crash_never_reuses_a_version_key",
+    "test_disk_delta_run_resumes_past_versions_published_after_its_checkpoint",
+    "test_mooncake_handoff_and_weight_transport",
+}  # fmt: skip
+
+
+def _shares_module_fixtures(item) -> bool:
+    """A file whose tests share a module-scoped fixture (an SFT base, a server) stays on one worker;
+    the others' tests spread over the workers one by one."""
+    return any(
+        item.session._fixturemanager.getfixturedefs(name, item)[-1].scope in ("module", "class")
+        for name in getattr(item, "fixturenames", ())
+        if item.session._fixturemanager.getfixturedefs(name, item)
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -26,6 +63,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        if getattr(item, "originalname", item.name) in SLOW:
+            item.add_marker(pytest.mark.slow)
+        if _shares_module_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    items.sort(key=lambda it: -LONGEST_FIRST.get(it.path.name, 0))  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_per_worker():
+    """Before any module fixture (an SFT base) runs: 1 torch thread per pytest-xdist worker."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -49,9 +49,10 @@ class SFTRecipe:
     num_epoch: float | None = None  # used when train_iters is None
     seed: int = 1234
     log_interval: int = 25
-    # torch intra-op threads during SFT (restored after); None keeps the process setting. One
-    # thread: the matmuls are tiny, and a 2-thread pool on a busy 2-core box is several x slower.
-    num_threads: int | None = 1
+    # torch intra-op threads during SFT (restored after); None keeps the process setting (torch's
+    # default: every core; the test suite pins 1 per worker). Same weights bit for bit at 1 or 2
+    # threads; on an idle 2-core box 2 threads are ~1.7x faster, on a busy one several x slower.
+    num_threads: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
