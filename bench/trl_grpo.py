@@ -52,6 +52,19 @@ def math_reward(completion: str, label: str) -> float:
     return 0.0
 
 
+def peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM). Not ru_maxrss: Linux carries that across fork + exec, so a
+    subprocess of a bigger driver would report the driver's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run(base: str, prompts: str, steps: int, seed: int, out_dir: str) -> dict:
     import torch
     import transformers
@@ -130,7 +143,7 @@ def run(base: str, prompts: str, steps: int, seed: int, out_dir: str) -> dict:
         "measured_steps": len(measured),
         "step_mean_reward": rewards,
         "final_mean_reward": rewards[-1] if rewards else None,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
         "torch_threads": torch.get_num_threads(),
         "activation_checkpointing": bool(getattr(trainer.model, "is_activation_checkpointing", False)),
         "loss_type": cfg.loss_type,
