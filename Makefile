@@ -7,7 +7,7 @@ ROOT      ?= .miles
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install system-deps demo test test-fast lint ui bench clean
+.PHONY: install system-deps demo test test-fast lint ui bench bench-trl-env clean
 
 # apt packages: libibverbs1 for Mooncake's TCP transfer engine, chromium for the UI test.
 system-deps:
@@ -51,5 +51,16 @@ ui: install
 bench: install
 	$(BIN)/python -m bench.run_all
 
+# TRL's GRPOTrainer, the e2e bench's further baseline, in its own venv (never .venv: its pins stay)
+TRL_VENV  ?= .venv-trl
+$(TRL_VENV)/.installed: requirements-trl.txt
+	$(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q --upgrade pip
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/pip install -q -r requirements-trl.txt
+	touch $@
+
+bench-trl-env: $(TRL_VENV)/.installed
+
 clean:
-	rm -rf $(VENV) $(ROOT) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TRL_VENV) $(ROOT) .pytest_cache .ruff_cache

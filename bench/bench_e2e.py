@@ -10,8 +10,12 @@ rollout). The first step of each is warm-up and dropped.
 - baseline: the loop a user would write in one process: batched HF `generate`, the same math
   reward, GRPO advantages, the same clipped policy loss (`loss.policy_loss_function`), AdamW.
   No shards, no export, no engine sync: the bare minimum of work per step.
+- TRL baseline: TRL's `GRPOTrainer` (bench/trl_grpo.py) on the same base, prompts and recipe, run
+  in its own venv (`make bench-trl-env` -> .venv-trl, or $MILES_TRL_PYTHON) as a subprocess, one
+  torch thread like ours. Without that venv its row says how to create it; the bench goes on.
 
-Rows: seconds per step (ratio: ours / bare, goal <= 1.3); --fully-async (generation of the next
+Rows: seconds per step (ratio: ours / bare, goal <= 1.3); ours vs TRL (ratio: ours / TRL, goal
+< 1.0); --fully-async (generation of the next
 rollout overlaps training) vs sync at the same samples per step; then each phase of ours as a
 share of its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
 """
@@ -21,15 +25,20 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.common import main, row
+from bench.common import error_row, main, row
 
 ROLLOUTS = 6  # 1 warm-up + 5 measured
+TRL_ROW = "e2e: s per GRPO step, loop.train vs TRL GRPOTrainer"
+TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
+TRL_TIMEOUT_S = 600
 PHASES = ("perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time")
 
 
@@ -90,6 +99,43 @@ def bare_grpo_loop(base: str, prompts_path: str, steps: int) -> list[float]:
     return times
 
 
+def trl_python() -> str | None:
+    """The TRL venv's interpreter: $MILES_TRL_PYTHON, else the repo's .venv-trl; None if neither exists."""
+    env = os.environ.get("MILES_TRL_PYTHON")
+    path = Path(env) if env else TRL_SCRIPT.parents[1] / ".venv-trl" / "bin" / "python"
+    return str(path) if path.exists() else None
+
+
+def trl_grpo_steps(python: str, base: str, prompts_path: str, steps: int) -> dict:
+    """bench/trl_grpo.py under the TRL venv: its JSON (per-step seconds, rewards, peak RSS, versions)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)  # the TRL venv's own packages only, never this repo's
+    cmd = [python, str(TRL_SCRIPT), "--base", base, "--prompts", prompts_path, "--steps", str(steps)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TRL_TIMEOUT_S)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{TRL_SCRIPT.name} exit {proc.returncode}: {tail[:200]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def trl_row(
+    python: str | None, base: str, prompts_path: str, steps: int, ours: float, ours_reward: float
+) -> dict:
+    """Ours vs TRL's GRPOTrainer, or a row saying why TRL could not be measured."""
+    if python is None:
+        return error_row(TRL_ROW, "unavailable: no TRL venv; `make bench-trl-env` creates .venv-trl "
+                                  "(or set MILES_TRL_PYTHON)")  # fmt: skip
+    try:
+        trl = trl_grpo_steps(python, base, prompts_path, steps)
+    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+        return error_row(TRL_ROW, str(e)[:240])
+    v = trl["versions"]
+    unit = (f"s/step (ratio: ours / TRL, goal < 1.0; mean of {trl['measured_steps']} steps after 1 warm-up; "
+            f"TRL {v['trl']}, transformers {v['transformers']}, threads={trl['torch_threads']})")  # fmt: skip
+    return row(TRL_ROW, ours, trl["mean_step_seconds"], unit, trl_peak_rss_mb=trl["peak_rss_mb"],
+               trl_final_mean_reward=trl["final_mean_reward"], ours_final_mean_reward=ours_reward)  # fmt: skip
+
+
 def run(rollouts: int = ROLLOUTS) -> list[dict]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from bench.bench_rollout import sft_base
@@ -111,12 +157,14 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
         ).validate()  # fmt: skip
         res_async = train(cfg_async)
         bare = bare_grpo_loop(base, data["train"], rollouts)[1:]
-    measured = res.metrics[1:] or res.metrics
-    total = float(np.mean([m["perf/rollout_total_time"] for m in measured]))
+        measured = res.metrics[1:] or res.metrics
+        total = float(np.mean([m["perf/rollout_total_time"] for m in measured]))
+        reward = float(res.metrics[-1].get("rollout/raw_reward", float("nan")))
+        vs_trl = trl_row(trl_python(), base, data["train"], rollouts, total, reward)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = [row("e2e: s per GRPO step, loop.train vs bare single-process loop", total, float(np.mean(bare)),
                 f"s/step (ratio: ours / bare, goal <= 1.3; mean of {len(measured)} steps after 1 warm-up)",
-                peak_rss_mb=rss)]  # fmt: skip
+                peak_rss_mb=rss), vs_trl]  # fmt: skip
     t_async = float(
         np.mean([m["perf/rollout_total_time"] for m in (res_async.metrics[1:] or res_async.metrics)])
     )
