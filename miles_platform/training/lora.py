@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from miles_platform.errors import ConfigError
+from miles_platform.rollout.lora_serving import read_adapter_dir  # noqa: F401 (re-exported)
 
 GROUPS = {
     "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -195,18 +196,6 @@ def write_adapter_dir(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return os.fspath(dest)
-
-
-def read_adapter_dir(path: str) -> tuple[dict[str, torch.Tensor], dict]:
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    for f in ("adapter_config.json", "adapter_model.safetensors"):
-        if not (p / f).is_file():
-            raise FileNotFoundError(f"LoRA adapter dir {path}: {f} missing (a PEFT adapter dir has both)")
-    return load_file(str(p / "adapter_model.safetensors")), json.loads(
-        (p / "adapter_config.json").read_text()
-    )
 
 
 def check_base(adapter_dir: str, base_path: str) -> None:
