@@ -19,10 +19,21 @@ rollout_shards = dg.AssetSpec(
     kinds={"parquet", "duckdb"},
 )
 
+lora_adapters = dg.AssetSpec(
+    "lora_adapters",
+    partitions_def=policy_version_partitions,
+    deps=["rollout_shards", "base_checkpoint"],
+    group_name="training",
+    description="A LoRA run's policy version (--lora-rank > 0): the PEFT adapter dir (lora_A / lora_B "
+    "only, loadable by peft.PeftModel.from_pretrained) trained on the rollout shard, applied to the "
+    "frozen base checkpoint it names by content hash. Never a merged copy.",
+    kinds={"pytorch", "safetensors"},
+)
+
 policy_versions = dg.AssetSpec(
     "policy_versions",
     partitions_def=policy_version_partitions,
-    deps=["rollout_shards", "base_checkpoint"],
+    deps=["rollout_shards", "base_checkpoint", "lora_adapters"],
     group_name="training",
     description="A policy version: HF export of the trained weights after one weight update, with lineage "
     "metadata (parent version, shard, dataset and base checkpoint data versions, config hash).",

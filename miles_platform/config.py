@@ -37,6 +37,7 @@ GROUPS = (
     "perf",
     "precision",
     "weight-update",
+    "lora",
     "async",
     "storage",
     "logging",
@@ -99,6 +100,7 @@ _RANGES: dict[str, tuple] = {
             "eps_clip_high",
             "critic_lr",
             "eval_temperature",
+            "lora_rank",
         ),
         _NON_NEGATIVE,
     ),  # fmt: skip
@@ -108,6 +110,8 @@ _RANGES: dict[str, tuple] = {
     "adam_beta1": (0, 1, False, "in [0, 1)"),
     "adam_beta2": (0, 1, False, "in [0, 1)"),
     "adam_eps": (0, None, True, "> 0"),
+    "lora_alpha": (0, None, True, "> 0"),
+    "lora_dropout": (0, 1, False, "in [0, 1)"),
     "clip_grad": (0, None, True, "> 0"),
     "tis_lower_bound": (0, None, False, ">= 0"),
     "tis_upper_bound": (0, None, True, "> 0"),
@@ -379,6 +383,29 @@ class RunConfig:
         False, "weight-update", "verify engine weights equal trainer weights after sync"
     )
 
+    # --- lora (docs/lora.md; PEFT adapters on the fsdp backend, Miles' flag names and defaults) ---
+    lora_rank: int = _f(0, "lora", "adapter rank; 0 = off (full fine-tuning), > 0 trains a LoRA adapter")
+    lora_alpha: int = _f(16, "lora", "adapter scaling factor (scale = alpha / rank)")
+    lora_dropout: float = _f(0.0, "lora", "dropout on the adapter path (RL normally uses 0)")
+    target_modules: str | None = _f(
+        None,
+        "lora",
+        "comma-separated: all-linear (alone), groups attn / mlp / unembed, HF leaf names (q_proj) or "
+        "scoped HF paths (model.layers.0.self_attn.q_proj), globs allowed; default attention + MLP",
+    )
+    exclude_modules: str | None = _f(
+        None, "lora", "comma-separated HF leaf names or scoped paths removed after --target-modules"
+    )
+    lora_adapter_path: str | None = _f(
+        None, "lora", "start from this PEFT adapter dir (its rank, alpha and targets must match the flags)"
+    )
+    lora_train_only: bool = _f(
+        False, "lora", "train the adapter, keep the rollout engines on the frozen base (no adapter sync)"
+    )
+    check_lora_weight_equal: bool = _f(
+        False, "lora", "after every adapter sync verify each engine-side adapter tensor by SHA-256"
+    )
+
     # --- async ---
     fully_async: bool = _f(False, "async", "background generation with a bounded buffer")
     async_unused_samples_handler: str = _f(
@@ -509,6 +536,7 @@ class RunConfig:
             if getattr(self, name) != _default(name):
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
         self._check_generate_flags()
+        self._check_lora_flags()
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
@@ -550,6 +578,51 @@ class RunConfig:
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
+
+    def _check_lora_flags(self) -> None:
+        """LoRA (docs/lora.md): the LoRA flags need --lora-rank > 0; the adapter trains on the fsdp backend
+        and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
+        given = [_flag(n) for n in LORA_FLAGS if getattr(self, n) != _default(n)]
+        if self.lora_rank == 0:
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)}: LoRA flags, but --lora-rank is 0 (LoRA off); set --lora-rank > 0 "
+                    "(e.g. --lora-rank 8) or drop them"
+                )
+            return
+        if self.lora_dropout >= 1:
+            raise ConfigError(f"--lora-dropout {self.lora_dropout}: must be in [0, 1)")
+        if self.train_backend != "fsdp":
+            raise ConfigError(
+                f"--lora-rank {self.lora_rank} with --train-backend {self.train_backend}: LoRA is built on the "
+                "fsdp backend (PEFT adapters) only; use --train-backend fsdp or --lora-rank 0"
+            )
+        mode = self.update_weight_transfer_mode
+        if mode not in ("tensor", "disk"):
+            raise ConfigError(
+                f"--update-weight-transfer-mode {mode} with --lora-rank {self.lora_rank}: adapters sync through "
+                "SGLang's /load_lora_adapter only (tensor: in-process to embedded engines; disk: the adapter "
+                "dir); as in Miles, disk-delta, mooncake and broadcast do not carry LoRA weights"
+            )
+        if self.check_lora_weight_equal and (
+            self.rollout_engine != "embedded" or self.rollout_external_engine_addrs
+        ):
+            raise ConfigError(
+                "--check-lora-weight-equal reads adapter checksums from the embedded engine "
+                "(/get_lora_adapter_checksums, not part of SGLang's API); use --rollout-engine embedded"
+            )
+        if self.check_lora_weight_equal and self.lora_train_only:
+            raise ConfigError(
+                "--check-lora-weight-equal with --lora-train-only: no adapter is synced to check"
+            )
+        if self.target_modules is not None and not self.target_modules.strip(" ,"):
+            raise ConfigError("--target-modules is empty; omit it for the default (attention + MLP)")
+        if self.lora_adapter_path and not os.path.isfile(
+            os.path.join(self.lora_adapter_path, "adapter_config.json")
+        ):
+            raise ConfigError(
+                f"--lora-adapter-path {self.lora_adapter_path}: no adapter_config.json there (a PEFT adapter dir)"
+            )
 
     def _check_generate_flags(self) -> None:
         """The multi-turn flags act through a generate function; a rollout function owns the whole
@@ -694,7 +767,7 @@ RESUMABLE = frozenset(
      "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
-     "disk_delta_encode_workers", "check_weight_update_equal", "storage_root", "save_debug_rollout_data",
+     "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
      "ci_test", "ci_logprob_abs_diff_threshold", "log_interval", "sglang_args"} | LOGGING
 )  # fmt: skip
 
@@ -714,6 +787,10 @@ def saved_config(cfg: RunConfig) -> str:
     d = {k: v for k, v in cfg.to_dict().items() if k not in ("api_key",)}
     return json.dumps(d, default=str, sort_keys=True, indent=1)
 
+
+# every LoRA flag but the rank: set while --lora-rank is 0 they are an error
+LORA_FLAGS = ("lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "lora_adapter_path",
+              "lora_train_only", "check_lora_weight_equal")  # fmt: skip
 
 REFUSED: dict[str, str] = {
     "tensor_model_parallel_size": f"{_DP_ONLY} (TP > 1 is supported by `miles-platform convert`, not by training yet)",

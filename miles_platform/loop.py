@@ -84,6 +84,7 @@ class RLRun:
         from miles_platform.store.shards import write_rollout_shard
         from miles_platform.training.actor import TrainBatch
         from miles_platform.training.export import export_hf_dir
+        from miles_platform.weights.lora_publish import publish_adapter
 
         cfg, s, run = self.cfg, self.s, self.cfg.run_name
         last = self.paths.hf_export(run, version)
@@ -106,15 +107,19 @@ class RLRun:
             metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples)))
             if cfg.ci_test and rollout_id == 0:
                 result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
-            hf_dir = None
+            hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
             if s.session is not None and (rollout_id + 1) % cfg.update_weights_interval == 0:
                 parent, version = version, max(version, self.highest) + 1
                 self.highest = version
-                weights = ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
-                hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, self.paths.hf_export(run, version))
-                metrics.update(s.session.update(weights, version, hf_dir))
-                if weight_check_on(cfg):
-                    check_weights_equal(cfg, s.engines, weights, version)
+                if cfg.lora_rank > 0:
+                    hf_dir, m = publish_adapter(cfg, self.paths, s, version, self.base_version)
+                    metrics.update(m)
+                else:
+                    weights = ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
+                    hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, self.paths.hf_export(run, version))
+                    metrics.update(s.session.update(weights, version, hf_dir))
+                    if weight_check_on(cfg):
+                        check_weights_equal(cfg, s.engines, weights, version)
             ckpt = self._save(rollout_id, version) if cfg.save and self._save_due(rollout_id) else None
             if ckpt and cfg.save_hf and hf_dir is not None:
                 save_hf_copy(cfg, rollout_id, hf_dir)
@@ -158,6 +163,13 @@ class RLRun:
         import ray
 
         cfg, s = self.cfg, self.s
+        if (
+            cfg.lora_rank > 0
+        ):  # the engines serve the base: load the run's adapter (v0: B = 0, or --lora-adapter-path)
+            from miles_platform.weights.lora_publish import publish_adapter
+
+            publish_adapter(cfg, self.paths, s, version, self.base_version)
+            return
         snapshot = cfg.update_weight_transfer_mode == "disk-delta" and not resumed
         if not (snapshot or resumed):
             return  # engines already hold v0
@@ -204,7 +216,7 @@ class RLRun:
                                    self.base_version, self.data_version)  # fmt: skip
         result.versions.append(pv.to_dict())
         self.reporter.on_policy_version(pv.to_dict())
-        result.final_hf_path = hf_dir
+        result.final_hf_path = pv.hf_path
 
     def _finish_rollout(
         self, result: RunResult, rollout_id: int, metrics: dict, t0: float, version: int

@@ -20,7 +20,7 @@ class PolicyVersion:
     parent_partition_key: str
     rollout_id: int
     checkpoint_path: str | None
-    hf_path: str
+    hf_path: str | None  # None for a LoRA version: see adapter_path + base_checkpoint
     content_hash: str
     config_hash: str
     base_data_version: str | None
@@ -31,11 +31,11 @@ class PolicyVersion:
     base_checkpoint: str
     prompt_data: str | None
     eval_interval: int | None
-
+    adapter_path: str | None = None  # a LoRA run's PEFT adapter dir of this version
     # the `policy_versions` table's columns (store/tables.py)
     ROW: ClassVar[tuple[str, ...]] = ("version", "partition_key", "parent_version", "rollout_id", "checkpoint_path", "hf_path",
            "content_hash", "config_hash", "base_data_version", "dataset_data_version", "shard_path",
-           "shard_rows", "mean_reward")  # fmt: skip
+           "shard_rows", "mean_reward", "adapter_path")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,6 +17,7 @@ launches `eval_results` with them, the one evaluator of record.
 
 import dataclasses
 import math
+import os
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
@@ -113,6 +114,22 @@ class DagsterReporter(Reporter):
                 },
             )
         )
+        if info.get("adapter_path"):  # a LoRA version: the adapter + the frozen base, no HF export
+            ctx.log_event(
+                dg.AssetMaterialization(
+                    asset_key="lora_adapters",
+                    partition=key,
+                    metadata={
+                        **_lineage(info),
+                        "path": dg.MetadataValue.path(info["adapter_path"]),
+                        "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"]),
+                        "shard_path": dg.MetadataValue.path(info["shard_path"]),
+                        "content_hash": info["content_hash"],
+                        "size_bytes": _dir_bytes(info["adapter_path"]),
+                    },
+                    tags={DATA_VERSION_TAG: info["content_hash"]},
+                )
+            )
         self._pending = info
 
     def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
@@ -133,8 +150,10 @@ class DagsterReporter(Reporter):
                 partition=info["partition_key"],
                 metadata={
                     **_lineage(info),
-                    "path": dg.MetadataValue.path(info["hf_path"]),
-                    "hf_path": dg.MetadataValue.path(info["hf_path"]),
+                    # a LoRA version points at its adapter and the base, not at a merged copy
+                    "path": dg.MetadataValue.path(info["hf_path"] or info["adapter_path"]),
+                    "hf_path": dg.MetadataValue.path(info["hf_path"] or ""),
+                    **_lora_metadata(info),
                     "checkpoint_path": dg.MetadataValue.path(info["checkpoint_path"] or ""),
                     "content_hash": info["content_hash"],
                     "shard_path": dg.MetadataValue.path(info["shard_path"]),
@@ -145,6 +164,17 @@ class DagsterReporter(Reporter):
                 tags={DATA_VERSION_TAG: info["content_hash"]},
             )
         )
+
+
+def _lora_metadata(info: dict[str, Any]) -> dict[str, Any]:
+    if not info.get("adapter_path"):
+        return {}
+    return {"adapter_path": dg.MetadataValue.path(info["adapter_path"]),
+            "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"])}  # fmt: skip
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
 
 
 def _lineage(info: dict[str, Any]) -> dict[str, Any]:

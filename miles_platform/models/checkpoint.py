@@ -140,10 +140,12 @@ def read_safetensors_dir(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def content_hash(path: str | os.PathLike) -> str:
-    """sha256 over the weights and config: the Dagster data version of a checkpoint."""
+    """sha256 over the weights and config: the Dagster data version of a checkpoint (or of a PEFT
+    adapter dir: adapter_model.safetensors + adapter_config.json)."""
     p = Path(path)
     h = hashlib.sha256()
-    for f in sorted(p.glob("*.safetensors")) + [p / "config.json"]:
+    configs = [p / "config.json"] if not (p / "adapter_config.json").exists() else [p / "adapter_config.json"]
+    for f in sorted(p.glob("*.safetensors")) + configs:
         h.update(f.name.encode())
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):

@@ -35,6 +35,7 @@ class GenerateState:
     # token's support (Sample.rollout_sampling_support); never for eval (as in Miles)
     sampling_support_replay: bool = False
     sampling_params: dict[str, Any] = field(default_factory=dict)  # the run's defaults
+    lora_path: str | None = None  # --lora-rank > 0: the run's adapter name, sent with every request
 
 
 @dataclass(frozen=True)

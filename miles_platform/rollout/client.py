@@ -48,9 +48,11 @@ async def generate(
     max_backoff_s: float = 2.0,
     client: httpx.AsyncClient | None = None,
     return_sampling_mask: bool = False,
+    lora_path: str | None = None,
 ) -> dict | list[dict]:
     """POST {url}/generate; returns SGLang's response (a list for a batch of prompts).
-    `return_sampling_mask` asks for each token's sampling support (sampling-support replay)."""
+    `return_sampling_mask` asks for each token's sampling support (sampling-support replay);
+    `lora_path` names the LoRA adapter that serves every prompt (SGLang's field)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": sampling_params or {},
@@ -58,6 +60,8 @@ async def generate(
     }
     if return_sampling_mask:
         body["return_sampling_mask"] = True
+    if lora_path is not None:
+        body["lora_path"] = lora_path
     if min_weight_version is not None:
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:
@@ -152,11 +156,17 @@ class EngineClient:
     """
 
     def __init__(
-        self, url: str, api_key: str | None = None, max_connections: int = 64, timeout: float = 600.0
+        self,
+        url: str,
+        api_key: str | None = None,
+        max_connections: int = 64,
+        timeout: float = 600.0,
+        lora_path: str | None = None,
     ):
+        """`lora_path`: a LoRA run's adapter name, sent with every generate of this client."""
         import threading
 
-        self.url, self.api_key = url.rstrip("/"), api_key
+        self.url, self.api_key, self.lora_path = url.rstrip("/"), api_key, lora_path
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
         self._thread.start()
@@ -173,6 +183,7 @@ class EngineClient:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _generate(self, input_ids, sampling_params, **kw):
+        kw.setdefault("lora_path", self.lora_path)
         return generate(self.url, input_ids, sampling_params, api_key=self.api_key, client=self._client, **kw)
 
     def generate(self, input_ids, sampling_params=None, **kw):

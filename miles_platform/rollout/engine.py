@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout.engine_core import EngineCore, EngineStopped, RequestError, VersionConflict
+from miles_platform.rollout.lora_serving import read_adapter_dir
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ def create_app(
             "paused": core.paused,
             "num_inflight": core.num_inflight(),
             "internal_states": [dict(core.stats)],
+            "lora_adapters": core.lora_adapters(),
             "version": "miles-platform-embedded",
         }
 
@@ -251,6 +253,53 @@ def create_app(
         except EngineStopped as e:
             return error(503, str(e), retryable=True)
 
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """SGLang's {"lora_name", "lora_path", "pinned"}; extension: "weight_version" (the adapter's
+        policy version, reported in meta_info of the requests it serves)."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        name, path = (
+            (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+        )
+        if not isinstance(name, str) or not isinstance(path, str):
+            return _lora_answer(core, False, "load_lora_adapter takes {lora_name: str, lora_path: str}", 400)
+        if not allowed(path):
+            msg = f"lora_path {path!r} is outside the directories this engine loads weights from: {roots}"
+            return _lora_answer(core, False, msg, 403)
+        try:
+            tensors, config = await asyncio.to_thread(read_adapter_dir, path)
+            await asyncio.to_thread(
+                core.load_lora_adapter, name, tensors, config, body.get("weight_version"), path
+            )
+        except (MilesError, ValueError, OSError, KeyError) as e:
+            return _lora_answer(core, False, f"load_lora_adapter {name!r} failed: {e}", 400)
+        return _lora_answer(core, True, "")
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        try:
+            await asyncio.to_thread(core.unload_lora_adapter, name)
+        except RequestError as e:
+            return _lora_answer(core, False, str(e), 400)
+        return _lora_answer(core, True, "")
+
+    @app.post("/get_lora_adapter_checksums")
+    async def get_lora_adapter_checksums(request: Request):
+        """Extension (not SGLang's): SHA-256 per served adapter tensor, for --check-lora-weight-equal."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        try:
+            return await asyncio.to_thread(core.get_lora_adapter_checksums, (body or {}).get("lora_name"))
+        except RequestError as e:
+            return error(400, str(e))
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body, err = await json_body(request, max_request_bytes)
@@ -273,6 +322,13 @@ def create_app(
         return Response("Cache flushed.", status_code=200)
 
     return app
+
+
+def _lora_answer(core: EngineCore, success: bool, message: str, status: int = 200) -> JSONResponse:
+    """SGLang's LoRA update answer: success, error_message, loaded_adapters (name -> path)."""
+    loaded = {n: a["lora_path"] for n, a in core.lora_adapters().items()}
+    body = {"success": success, "error_message": message, "loaded_adapters": loaded}
+    return JSONResponse(body, status_code=status)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -395,6 +451,11 @@ class EngineActor:
 
     def update_weights_from_disk(self, path: str, weight_version: int | None = None) -> int:
         return self._server.core.update_weights_from_disk(path, weight_version)
+
+    def load_lora_adapter(self, name: str, tensors: dict, config: dict, weight_version: int) -> int:
+        """In-process adapter update (`--update-weight-transfer-mode tensor` with --lora-rank > 0):
+        replaces the adapter of that name in one step."""
+        return self._server.core.load_lora_adapter(name, tensors, config, weight_version, replace=True)
 
     def get_weight_version(self) -> int:
         return self._server.core.weight_version

@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from miles_platform.errors import CheckpointError, MilesError
+from miles_platform.rollout.lora_serving import LoraSlots, parse_adapter
 from miles_platform.rollout.sampling import draw
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class _Request:
     supports: list[list[int]] = field(default_factory=list)
     support_logprobs: list[float] = field(default_factory=list)
     version_start: int | None = None
+    lora: str | None = None  # `lora_path`: the LoRA adapter this request is served with (None: the base)
     cached_tokens: int = 0
     finish_reason: dict | None = None
     text: str | None = None
@@ -257,6 +259,7 @@ class EngineCore:
             self._max_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1) + 1
             self.eos_ids = _eos_ids(self.model, self.tokenizer)
             self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
+            self._lora = LoraSlots(self.model)
         except BaseException as e:
             self._load_error = e
             self._ready.set()
@@ -324,9 +327,12 @@ class EngineCore:
         exact_weight_version: int | None = None,
         timeout: float | None = None,
         return_sampling_mask: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """Blocking generate with the `/generate` semantics (a list of prompts returns a list)."""
         body = {"sampling_params": sampling_params, "return_logprob": return_logprob}
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         if return_sampling_mask:
             body["return_sampling_mask"] = True
         body.update({"input_ids": input_ids} if input_ids is not None else {"text": text})
@@ -468,6 +474,89 @@ class EngineCore:
 
         return self._in_scheduler(digest)
 
+    # ---- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter, `lora_path`) ----------
+
+    def load_lora_adapter(
+        self, name: str, tensors: dict, config: dict, weight_version: int | None = None,
+        path: str | None = None, replace: bool = False,
+    ) -> int:  # fmt: skip
+        """Serve a PEFT LoRA adapter as `name` (requests select it with `lora_path`). `replace`: swap
+        an adapter of that name in one step (a weight update); else, as SGLang, a loaded name is an
+        error. Validated before anything changes. Returns the adapter's version."""
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name must be a non-empty string")
+        old = self._lora.adapters.get(name)
+        if weight_version is None:
+            version = old.version + 1 if old is not None else self._weight_version
+        else:
+            version = int(weight_version)
+        if old is not None and version < old.version:
+            raise RequestError(f"LoRA adapter {name!r}: weight_version {version} < served v{old.version}")
+
+        def load():
+            adapter = parse_adapter(name, tensors, config, self.model, self.dtype, version, path)
+            with self._step_lock:
+                self._lora.load(adapter, replace=replace)
+                b, keep = self._batch, []
+                for i, r in enumerate(b.reqs):  # exact/min constraints of running requests (as _swap)
+                    why = _version_violation(r, version) if r.lora == name else None
+                    if why:
+                        self._fail_version(r, why)
+                    else:
+                        keep.append(i)
+                if len(keep) != len(b):
+                    self._batch = _select(b, keep, self.model.config)
+                self.stats["num_lora_loads"] = self.stats.get("num_lora_loads", 0) + 1
+
+        try:
+            self._in_scheduler(load)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        return version
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name`. Requests still holding it fail when next scheduled (400), except
+        across a pause: an unload + load under the same name inside a pause is a seamless update."""
+
+        def unload():
+            with self._step_lock:
+                self._lora.unload(name)
+
+        try:
+            self._in_scheduler(unload)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+
+    def lora_adapters(self) -> dict[str, dict]:
+        return {n: {"lora_path": a.path, "weight_version": a.version, "rank": a.rank}
+                for n, a in sorted(self._lora.adapters.items())}  # fmt: skip
+
+    def get_lora_adapter_checksums(self, name: str) -> dict:
+        """SHA-256 of each served lora_A / lora_B tensor (in the serving dtype): --check-lora-weight-equal."""
+        a = self._lora.adapters.get(name)
+        if a is None:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self._lora.adapters)})")
+        return {"lora_name": name, "weight_version": a.version, "sha256": a.checksums()}
+
+    def _version_of(self, r: _Request) -> int:
+        """The policy version serving `r`: its adapter's (`lora_path`), else the base weights'."""
+        if r.lora is None:
+            return self._weight_version
+        a = self._lora.adapters.get(r.lora)
+        return a.version if a is not None else (r.version_start or 0)
+
+    def _fail_unloaded(self, r: _Request) -> None:
+        if not r.future.done():
+            r.future.set_exception(RequestError(f"lora_path {r.lora!r} was unloaded while the request ran"))
+
+    def _drop_unloaded(self) -> None:
+        b = self._batch
+        keep = [i for i, r in enumerate(b.reqs) if r.lora is None or r.lora in self._lora.adapters]
+        if len(keep) != len(b):
+            for i in set(range(len(b))) - set(keep):
+                self._fail_unloaded(b.reqs[i])
+            self._batch = _select(b, keep, self.model.config)
+
     def pause_generation(self, mode: str = "abort") -> None:
         """abort: finish in-flight and queued requests with finish_reason abort; retract: drop their KV
         and requeue them (recomputed after continue); in_place: freeze them with their KV cache."""
@@ -531,6 +620,7 @@ class EngineCore:
         "top_logprobs_num",
         "return_text_in_logprobs",
         "return_sampling_mask",
+        "lora_path",
     }
 
     def _parse_generate_body(self, body: dict) -> tuple[list[_Request], bool]:
@@ -570,6 +660,10 @@ class EngineCore:
             return_sampling_mask=bool(body.get("return_sampling_mask", False)),
         )
         sps = _parse_sampling_params(sps)
+        loras = body.get("lora_path")
+        loras = loras if isinstance(loras, list) else [loras] * n
+        if len(loras) != n or not all(x is None or isinstance(x, str) for x in loras):
+            raise RequestError(f"lora_path must be an adapter name, null, or a list of {n} of them")
         reqs = []
         for i, (kind, p) in enumerate(prompts):
             rid = rids[i] if rids[i] is None or not is_batch or isinstance(body.get("rid"), list) else None
@@ -578,6 +672,7 @@ class EngineCore:
                     p if kind == "ids" else None, sps[i], text=p if kind == "text" else None, rid=rid, **kw
                 )
             )
+            reqs[-1].lora = loras[i]
         return reqs, is_batch
 
     def _make_request(
@@ -637,12 +732,17 @@ class EngineCore:
             if self._stopping:
                 raise EngineStopped("engine stopped")
             for r in reqs:
-                why = _version_violation(r, self._weight_version)
+                if r.lora is not None and r.lora not in self._lora.adapters:
+                    raise RequestError(
+                        f"lora_path {r.lora!r} is not loaded (loaded: {sorted(self._lora.adapters)}); "
+                        "POST /load_lora_adapter first"
+                    )
+                why = _version_violation(r, self._version_of(r))
                 if why:
-                    raise VersionConflict(why, self._weight_version, r.min_version, r.exact_version)
+                    raise VersionConflict(why, self._version_of(r), r.min_version, r.exact_version)
             for r in reqs:
                 if r.max_new_tokens == 0:
-                    r.version_start = self._weight_version
+                    r.version_start = self._version_of(r)
                     self._finish(r, {"type": "length", "length": 0})
                 else:
                     self._waiting.append(r)
@@ -704,11 +804,15 @@ class EngineCore:
         with self._cv:
             while self._waiting and len(self._batch) + len(new) < self.max_batch_size:
                 r = self._waiting.popleft()
-                why = _version_violation(r, self._weight_version)
+                if r.lora is not None and r.lora not in self._lora.adapters:
+                    self._fail_unloaded(r)
+                    continue
+                why = _version_violation(r, self._version_of(r))
                 if why:
                     self._fail_version(r, why)
                 else:
                     new.append(r)
+        self._drop_unloaded()
         if new:
             self._prefill(new)
         elif len(self._batch):
@@ -716,18 +820,20 @@ class EngineCore:
 
     @torch.no_grad()
     def _prefill(self, reqs: list[_Request]) -> None:
-        contexts = [tuple(r.prompt_ids + r.output_ids) for r in reqs]  # retracted ones recompute output
+        # retracted ones recompute output; the adapter is part of the context (its KV differs)
+        contexts = [(r.lora, tuple(r.prompt_ids + r.output_ids)) for r in reqs]
         # Identical contexts (the n samples of a GRPO group) are prefilled once and their KV rows
         # copied: SGLang's prefix cache does the same; `cached_tokens` reports the hit.
         unique = list(dict.fromkeys(contexts))
-        width = max(map(len, unique))
+        width = max(len(c) for _, c in unique)
         ids = torch.zeros(len(unique), width, dtype=torch.long)
         mask = torch.zeros(len(unique), width, dtype=torch.long)
-        for i, c in enumerate(unique):
+        for i, (_, c) in enumerate(unique):
             ids[i, width - len(c) :] = torch.tensor(c)
             mask[i, width - len(c) :] = 1
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp_min(0), cache, prefill=True)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits = self._forward(ids, mask, pos, cache, prefill=True, loras=[lo for lo, _ in unique])
         if len(unique) < len(reqs):
             row = {c: i for i, c in enumerate(unique)}
             inv = torch.tensor([row[c] for c in contexts])
@@ -737,13 +843,13 @@ class EngineCore:
         first = set()
         for r, c in zip(reqs, contexts, strict=True):
             if r.version_start is None:
-                r.version_start = self._weight_version
+                r.version_start = self._version_of(r)
             if c in first:
-                r.cached_tokens = len(c)
+                r.cached_tokens = len(c[1])
             first.add(c)
         new = _Batch()
         new.reqs, new.cache, new.mask = reqs, cache, mask
-        new.pos = torch.tensor([len(c) for c in contexts])
+        new.pos = torch.tensor([len(c) for _, c in contexts])
         start = len(self._batch)
         self._batch = _merge(self._batch, new, self.model.config)
         self._advance(logits, rows=range(start, start + len(reqs)))
@@ -753,20 +859,23 @@ class EngineCore:
         b = self._batch
         ids = torch.tensor([[r.output_ids[-1]] for r in b.reqs])
         b.mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)
-        logits = self._forward(ids, b.mask, b.pos[:, None], b.cache, prefill=False)
+        logits = self._forward(
+            ids, b.mask, b.pos[:, None], b.cache, prefill=False, loras=[r.lora for r in b.reqs]
+        )
         b.pos = b.pos + 1
         self._advance(logits, rows=range(len(b)))
 
-    def _forward(self, ids, mask, pos, cache, prefill: bool) -> torch.Tensor:
+    def _forward(self, ids, mask, pos, cache, prefill: bool, loras: list[str | None]) -> torch.Tensor:
         # Without padding the causal mask is implied; passing None keeps SDPA on its fast path.
-        out = self.model(
-            input_ids=ids,
-            attention_mask=None if bool(mask.all()) else mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._lora.active(loras):
+            out = self.model(
+                input_ids=ids,
+                attention_mask=None if bool(mask.all()) else mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         s = self.stats
         s["num_forward_calls"] += 1
         s["num_prefill_calls" if prefill else "num_decode_calls"] += 1
@@ -834,7 +943,7 @@ class EngineCore:
         r.finish_reason = reason
         if r.text is None:
             r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
-        v = self._weight_version
+        v = self._version_of(r)
         meta = {
             "id": r.rid,
             "finish_reason": reason,
@@ -891,7 +1000,7 @@ class EngineCore:
             # exact/min constraints of requests already running may now be violated: fail them (409).
             b, keep = self._batch, []
             for i, r in enumerate(b.reqs):
-                why = _version_violation(r, version)
+                why = _version_violation(r, version) if r.lora is None else None
                 if why:
                     self._fail_version(r, why)
                 else:

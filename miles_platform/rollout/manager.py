@@ -34,13 +34,18 @@ from miles_platform.rollout.base_types import (
     RolloutFnTrainOutput,
 )
 from miles_platform.rollout.generate_hub.endpoint import append_output, finish_status, truncate
+from miles_platform.weights.transports.lora import lora_name
 
 
 class RolloutManager:
     def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, url: str):
         """`url`: the router, or the engine itself when there is only one (no hop that adds nothing)."""
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")
-        self.client = engine_client.EngineClient(self.url, cfg.api_key, cfg.rollout_max_concurrency)
+        # a LoRA run's requests are served with its adapter (--lora-train-only: the frozen base)
+        self.lora_path = lora_name(cfg) if cfg.lora_rank > 0 and not cfg.lora_train_only else None
+        self.client = engine_client.EngineClient(
+            self.url, cfg.api_key, cfg.rollout_max_concurrency, lora_path=self.lora_path
+        )
         self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
         # finished groups not trained on yet (over-sampling surplus; in fully async mode, the data
         # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
@@ -50,7 +55,7 @@ class RolloutManager:
         # user code (generate / rollout functions) sees Miles-style args and the run's engine
         self.args = generate_hub.function_args(cfg, self.url)
         self.state = GenerateState(
-            self.args, tokenizer, self.url, cfg.api_key, self.replay, self.sampling_params()
+            self.args, tokenizer, self.url, cfg.api_key, self.replay, self.sampling_params(), self.lora_path
         )
         path = cfg.custom_generate_function_path
         self.generate_fn = load_generate_function(path) if path else None

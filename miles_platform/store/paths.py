@@ -8,6 +8,7 @@ Layout (local dir by default, any fsspec URI works for data written through fssp
     <root>/rollouts/run=<run>/rollout_id=<NNNNNN>/part-*.parquet
     <root>/runs/<run>/checkpoints/iter_NNNNNNN/ + latest_checkpointed_iteration.txt
     <root>/runs/<run>/hf/v<NNNNNN>/            HF export of each policy version
+    <root>/runs/<run>/lora/v<NNNNNN>/          PEFT adapter of each version of a LoRA run (no base copy)
     <root>/runs/<run>/publications/            disk-delta weight_vNNNNNN/ + LATEST
     <root>/tables/<table>/run=<run>/part-*.parquet   policy_versions, evals, lineage, metrics rows
     <root>/dagster/                            DAGSTER_HOME of the quickstart instance
@@ -78,6 +79,9 @@ class StoragePaths:
 
     def hf_export(self, run: str, version: int) -> str:
         return self.join("runs", run, "hf", f"v{version:06d}")
+
+    def lora_adapter(self, run: str, version: int) -> str:
+        return self.join("runs", run, "lora", f"v{version:06d}")
 
     def publications(self, run: str) -> str:
         return self.join("runs", run, "publications")

@@ -53,6 +53,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             ("shard_rows", pa.int64()),
             ("mean_reward", pa.float64()),
             ("created_at", _TS),
+            ("adapter_path", pa.string()),  # LoRA runs: the version's PEFT adapter dir (hf_path null)
         ]
     ),
     "evals": pa.schema(

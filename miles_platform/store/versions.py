@@ -17,13 +17,16 @@ def record_policy_version(
     from miles_platform.store.tables import append_rows
 
     run = cfg.run_name
+    # a LoRA version is its adapter dir + the frozen base (by content hash), never a merged copy
+    lora = cfg.lora_rank > 0
+    adapter_dir, hf_dir = (hf_dir, None) if lora else (None, hf_dir)
     pv = PolicyVersion(
         run=run, version=version, partition_key=partition_key(run, version), parent_version=parent_version,
         parent_partition_key=partition_key(run, parent_version), rollout_id=rollout_id, checkpoint_path=ckpt,
-        hf_path=hf_dir, content_hash=content_hash(hf_dir), config_hash=cfg.config_hash(),
+        hf_path=hf_dir, content_hash=content_hash(adapter_dir or hf_dir), config_hash=cfg.config_hash(),
         base_data_version=base_version, dataset_data_version=data_version, shard_path=shard.path,
         shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=cfg.hf_checkpoint,
-        prompt_data=cfg.prompt_data, eval_interval=cfg.eval_interval,
+        prompt_data=cfg.prompt_data, eval_interval=cfg.eval_interval, adapter_path=adapter_dir,
     )  # fmt: skip
     append_rows(paths, "policy_versions", run, [pv.row()])
     first = parent_version == 0
@@ -35,6 +38,7 @@ def record_policy_version(
             (shard.path, "rollout_shard", "trained_on", None),
             (cfg.prompt_data, "dataset", "prompt_data", data_version),
             (cfg.hf_checkpoint, "checkpoint", "base_checkpoint", base_version),
+            *([(adapter_dir, "lora_adapter", "adapter", pv.content_hash)] if lora else []),
         ],
     )  # fmt: skip
     return pv

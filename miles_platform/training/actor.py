@@ -387,7 +387,16 @@ class TrainerActor:
 
     # ------------------------------------------------------------------ weights
     def get_hf_weights(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names (a LoRA trainer's merged weights: for exports on demand)."""
         return self.backend.export_hf_state_dict()
+
+    def get_lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """--lora-rank > 0: (lora_A / lora_B tensors, adapter_config.json), what a weight update ships."""
+        return self.backend.export_adapter()
+
+    def get_base_weights(self) -> dict[str, torch.Tensor]:
+        """--lora-rank > 0: the frozen base under HF names (the engines' base, for the weight check)."""
+        return self.backend.export_base_state_dict()
 
     # broadcast transport: rank 0 is rank 0 of a standalone group with the engines
     def weights_update_endpoint(self) -> dict:

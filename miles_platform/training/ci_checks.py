@@ -45,3 +45,42 @@ def check_weights_equal(cfg: RunConfig, engines, weights, version: int) -> None:
         why = first_mismatch(e.url, weights, cfg.rollout_dtype, cfg.api_key)
         if why:
             raise CITestFailure(f"--check-weight-update-equal at v{version}: {why}")
+
+
+def lora_check_on(cfg: RunConfig) -> bool:
+    """--check-lora-weight-equal, or any full weight check of a LoRA run (the adapter is the update)."""
+    return (
+        cfg.lora_rank > 0
+        and not cfg.lora_train_only
+        and (cfg.check_lora_weight_equal or weight_check_on(cfg))
+    )
+
+
+def check_lora_weights_equal(cfg: RunConfig, engines, adapter: dict, version: int) -> None:
+    """Every engine serves the run's adapter at `version`, each lora_A / lora_B tensor SHA-256-equal
+    to the trainer's (cast to the serving dtype), as Miles' --check-lora-weight-equal."""
+    from miles_platform.rollout.client import EngineHTTPError, post
+    from miles_platform.rollout.lora_serving import tensor_sha256
+    from miles_platform.weights.equality import SERVING_DTYPES
+    from miles_platform.weights.transports.lora import lora_name
+
+    dtype = SERVING_DTYPES[cfg.rollout_dtype]
+    want = {k: tensor_sha256(t.to(dtype)) for k, t in adapter.items()}
+    for e in engines:
+        try:
+            got = post(
+                e.url, "/get_lora_adapter_checksums", {"lora_name": lora_name(cfg)}, api_key=cfg.api_key
+            )
+        except EngineHTTPError as err:
+            raise CITestFailure(f"--check-lora-weight-equal at v{version}: engine {e.url}: {err}") from err
+        if got.get("weight_version") != version:
+            raise CITestFailure(
+                f"--check-lora-weight-equal at v{version}: engine {e.url} serves the adapter at "
+                f"v{got.get('weight_version')}"
+            )
+        bad = sorted(k for k in set(want) | set(got["sha256"]) if want.get(k) != got["sha256"].get(k))
+        if bad:
+            raise CITestFailure(
+                f"--check-lora-weight-equal at v{version}: engine {e.url}: {len(bad)} adapter tensors differ "
+                f"from the trainer's (SHA-256), e.g. {bad[:3]}"
+            )

@@ -24,8 +24,11 @@ CONFIG_FILES = (
 )
 
 
-def export_hf_dir(state: dict[str, torch.Tensor], template_dir: str, out_dir: str) -> str:
-    """Write `state` as model.safetensors next to the template's config + tokenizer, atomically."""
+def export_hf_dir(
+    state: dict[str, torch.Tensor], template_dir: str, out_dir: str, config_overrides: dict | None = None
+) -> str:
+    """Write `state` as model.safetensors next to the template's config + tokenizer, atomically.
+    `config_overrides`: keys replaced in config.json (a merged LoRA head is no longer tied)."""
     dest = Path(out_dir)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -35,6 +38,11 @@ def export_hf_dir(state: dict[str, torch.Tensor], template_dir: str, out_dir: st
             src = Path(template_dir) / name
             if src.exists():
                 shutil.copy2(src, tmp / name)
+        if config_overrides:
+            import json
+
+            conf = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps({**conf, **config_overrides}, indent=2))
         save_file(
             {k: v.contiguous() for k, v in state.items()},
             str(tmp / "model.safetensors"),

@@ -1,4 +1,7 @@
-"""Torch-native backend: the HF model itself; FSDP2 (`fully_shard`) when world_size > 1."""
+"""Torch-native backend: the HF model itself; FSDP2 (`fully_shard`) when world_size > 1.
+
+With --lora-rank > 0 the model is PEFT-wrapped (training/lora.py): only the adapter trains, the
+checkpoint holds the adapter and names the base by content hash, and engines get the adapter only."""
 
 from __future__ import annotations
 
@@ -19,8 +22,15 @@ class FSDPBackend(ModelBackend):
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         model = load_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
         model.config.use_cache = False
+        self.lora = trainable and self.cfg.lora_rank > 0
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if self.lora:
+            from miles_platform.training.lora import wrap_model
+
+            if self.cfg.gradient_checkpointing:
+                model.enable_input_require_grads()  # frozen embeddings: recompute needs a grad path
+            model = wrap_model(model, self.cfg)
         if self.world_size > 1 or self.cfg.fsdp_precision_rules:
             from miles_platform.training.fsdp import shard_model
 
@@ -43,17 +53,63 @@ class FSDPBackend(ModelBackend):
             )
         return out.logits
 
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def _full_state(self, keep=lambda name: True) -> dict[str, torch.Tensor]:
         sd = {}
         for name, t in self.module.state_dict().items():
+            if not keep(name):
+                continue
             if hasattr(t, "full_tensor"):  # DTensor under FSDP2
                 t = t.full_tensor()
             sd[name] = t.detach().to("cpu").clone()
+        return sd
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy under HF names; for LoRA the merged weights (base + scale * B @ A)."""
+        if self.lora:
+            from miles_platform.training.lora import merged_state_dict
+
+            return merged_state_dict(self.export_base_state_dict(), *self.export_adapter())
+        sd = self._full_state()
         if getattr(self.module.config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)
         return sd
 
+    # ---- LoRA ---------------------------------------------------------------------------------
+    def export_base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The frozen base under HF names (the PEFT wrapper's `base_layer` dropped)."""
+        from miles_platform.training.lora import is_adapter_param
+
+        sd = {}
+        for name, t in self._full_state(lambda n: not is_adapter_param(n)).items():
+            sd[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = t
+        if getattr(self.module.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(lora_A / lora_B tensors under PEFT's file keys, adapter_config.json): what engines get."""
+        from miles_platform.training.lora import adapter_config_dict, adapter_key, is_adapter_param
+
+        state = {adapter_key(n): t for n, t in self._full_state(is_adapter_param).items()}
+        return state, adapter_config_dict(self.module)
+
+    def load_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        from miles_platform.training.lora import ADAPTER_NAME, is_adapter_param
+
+        names = {n for n in self.module.state_dict() if is_adapter_param(n)}
+        full = {k.replace(".lora_A.", f".lora_A.{ADAPTER_NAME}.").replace(".lora_B.", f".lora_B.{ADAPTER_NAME}."): v
+                for k, v in state.items()}  # fmt: skip
+        if set(full) != names:
+            raise ValueError(
+                f"adapter mismatch: missing {sorted(names - set(full))[:3]} unexpected {sorted(set(full) - names)[:3]}"
+            )
+        _, unexpected = self.module.load_state_dict(full, strict=False)
+        if unexpected:
+            raise ValueError(f"adapter mismatch: unexpected {unexpected[:3]}")
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            raise ValueError("a LoRA trainer loads adapters (load_adapter), not full HF weights")
         missing, unexpected = self.module.load_state_dict(state, strict=False)
         missing = [
             m for m in missing if not (m == "lm_head.weight" and self.module.config.tie_word_embeddings)
@@ -62,9 +118,29 @@ class FSDPBackend(ModelBackend):
             raise ValueError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
 
     def save_model(self, ckpt_dir: str) -> None:
+        if self.lora:  # the adapter only; the base is named by content hash, never copied
+            from miles_platform.models.checkpoint import content_hash
+            from miles_platform.training.lora import write_adapter_dir
+
+            state, conf = self.export_adapter()
+            if self.rank == 0:
+                base = self.cfg.hf_checkpoint
+                write_adapter_dir(os.path.join(ckpt_dir, "adapter"), state, conf, base, content_hash(base))
+            return
         sd = self.export_hf_state_dict()
         if self.rank == 0:
             save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(ckpt_dir, "model.safetensors"))
 
     def load_model(self, ckpt_dir: str) -> None:
+        if self.lora:
+            from miles_platform.training.lora import check_base, read_adapter_dir
+
+            adapter = os.path.join(ckpt_dir, "adapter")
+            if not os.path.isdir(adapter):
+                raise ValueError(
+                    f"{ckpt_dir}: no adapter/ (saved by a full fine-tuning run?); resume with --lora-rank 0"
+                )
+            check_base(adapter, self.cfg.hf_checkpoint)
+            self.load_adapter(read_adapter_dir(adapter)[0])
+            return
         self.load_hf_state_dict(load_file(os.path.join(ckpt_dir, "model.safetensors")))

@@ -53,6 +53,7 @@ class UpdateSession:
             "perf/update_weights_load_time": t3 - t2,
             "perf/update_weights_resume_time": t4 - t3,
             "perf/update_weights_wire_bytes": float(stats.wire_bytes),
+            "perf/update_weights_full_bytes": float(stats.full_bytes),
             "perf/update_weights_density": stats.density,
             **stats.extra,
         }

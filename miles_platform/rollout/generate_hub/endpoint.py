@@ -37,6 +37,8 @@ def request_payload(
     }
     if state.sampling_support_replay and not evaluation:
         body["return_sampling_mask"] = True
+    if state.lora_path is not None:
+        body["lora_path"] = state.lora_path
     return body
 
 

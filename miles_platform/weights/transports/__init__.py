@@ -103,6 +103,8 @@ def get_transport(
             + NOT_BUILT[cfg.update_weight_transfer_mode]
         )
     spec = TRANSPORTS.get(cfg.update_weight_transfer_mode)
+    if cfg.lora_rank > 0:  # adapters only, over SGLang's LoRA API (config.py refused the other modes)
+        spec = "miles_platform.weights.transports.lora:LoraTransport"
     if spec is None:
         raise ConfigError(
             f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode!r}: allowed {sorted(TRANSPORTS)}"

@@ -1,0 +1,173 @@
+"""LoRA adapters served by the embedded engine, unmerged, several at once (SGLang's multi-LoRA).
+
+The base model stays as loaded. Each adapted `nn.Linear` gets a forward hook that adds, for the
+batch rows whose request named an adapter (`lora_path`), `scale * (x @ A^T) @ B^T` of that
+adapter: the same arithmetic, in the same order, as PEFT's LoRA layer, so engine log-probs
+match a PEFT-wrapped trainer. Rows of other adapters, or of none, are untouched: adapters never
+see each other's weights. Adapters are PEFT adapter dirs / tensors (`adapter_model.safetensors`
+keys `base_model.model.<module>.lora_{A,B}.weight`, `adapter_config.json`), immutable once loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_platform.errors import CheckpointError
+
+PREFIX = "base_model.model."
+# adapter_config.json settings the engine does not implement: refused, never silently ignored
+_UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "bias": "none", "fan_in_fan_out": False}
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    path: str | None
+    version: int
+    scale: float
+    rank: int
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [r, in], B [out, r])
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # file key -> served tensor (checksums)
+
+    def checksums(self) -> dict[str, str]:
+        """SHA-256 of every served tensor's bytes (Miles' --check-lora-weight-equal)."""
+        return {k: tensor_sha256(t) for k, t in sorted(self.tensors.items())}
+
+
+def read_adapter_dir(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, adapter_config.json) of a PEFT adapter dir."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (p / f).is_file():
+            raise FileNotFoundError(f"LoRA adapter dir {path}: {f} missing (a PEFT adapter dir has both)")
+    return load_file(str(p / "adapter_model.safetensors")), json.loads(
+        (p / "adapter_config.json").read_text()
+    )
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+def parse_adapter(
+    name: str, tensors: dict[str, torch.Tensor], config: dict, model: nn.Module, dtype: torch.dtype,
+    version: int, path: str | None = None,
+) -> LoraAdapter:  # fmt: skip
+    """Validate a PEFT LoRA adapter against the served model; errors name the adapter and the key."""
+    where = f"LoRA adapter {name!r}" + (f" ({path})" if path else "")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise CheckpointError(f"{where}: peft_type {config.get('peft_type')!r}, the engine serves LORA only")
+    for k, ok in _UNSUPPORTED.items():
+        if config.get(k, ok) not in (ok, [], {}):
+            raise CheckpointError(f"{where}: adapter_config {k}={config[k]!r} is not supported (need {ok!r})")
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    scale = alpha / r**0.5 if config.get("use_rslora") else alpha / r
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    modules, served = {}, {}
+    for key in tensors:
+        if not (
+            key.startswith(PREFIX) and (key.endswith(".lora_A.weight") or key.endswith(".lora_B.weight"))
+        ):
+            raise CheckpointError(
+                f"{where}: tensor {key!r} is not a LoRA factor (<prefix><module>.lora_A.weight)"
+            )
+    for key in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
+        module = key[len(PREFIX) : -len(".lora_A.weight")]
+        bkey = key.replace(".lora_A.", ".lora_B.")
+        if bkey not in tensors:
+            raise CheckpointError(f"{where}: {key} has no {bkey}")
+        lin = linears.get(module)
+        if lin is None:
+            raise CheckpointError(f"{where}: {key}: the served model has no linear module {module!r}")
+        a, b = tensors[key], tensors[bkey]
+        if tuple(a.shape) != (r, lin.in_features) or tuple(b.shape) != (lin.out_features, r):
+            raise CheckpointError(
+                f"{where}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "
+                f"({r}, {lin.in_features}) / ({lin.out_features}, {r})"
+            )
+        dev = lin.weight.device
+        a, b = a.detach().to(dev, dtype).contiguous(), b.detach().to(dev, dtype).contiguous()
+        modules[module], served[key], served[bkey] = (a, b), a, b
+    if len(served) != len(tensors):
+        orphans = sorted(set(tensors) - set(served))
+        raise CheckpointError(f"{where}: lora_B tensors without lora_A: {orphans[:3]}")
+    if not modules:
+        raise CheckpointError(f"{where}: no LoRA tensors")
+    return LoraAdapter(name, path, int(version), scale, r, modules, served)
+
+
+class LoraSlots:
+    """The adapters an engine holds, and the hooks that apply them per batch row."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.adapters: dict[str, LoraAdapter] = {}
+        self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self._groups: dict[str, list[tuple[torch.Tensor, LoraAdapter]]] = {}  # set per forward
+
+    def load(self, adapter: LoraAdapter, replace: bool = False) -> None:
+        if adapter.name in self.adapters and not replace:
+            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded; unload it first")
+        self.adapters[adapter.name] = adapter
+        self._sync_hooks()
+
+    def unload(self, name: str) -> LoraAdapter:
+        if name not in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self.adapters)})")
+        adapter = self.adapters.pop(name)
+        self._sync_hooks()
+        return adapter
+
+    def _sync_hooks(self) -> None:
+        wanted = {m for a in self.adapters.values() for m in a.modules}
+        modules = dict(self.model.named_modules())
+        for m in set(self._hooks) - wanted:
+            self._hooks.pop(m).remove()
+        for m in wanted - set(self._hooks):
+            self._hooks[m] = modules[m].register_forward_hook(self._hook(m))
+
+    @contextlib.contextmanager
+    def active(self, rows: list[str | None]) -> Iterator[None]:
+        """During one forward: batch row i uses adapter rows[i] (None: the base)."""
+        by_name: dict[str, list[int]] = {}
+        for i, name in enumerate(rows):
+            if name is not None:
+                by_name.setdefault(name, []).append(i)
+        groups: dict[str, list] = {}
+        for name, idx in by_name.items():
+            a = self.adapters[name]
+            for m in a.modules:
+                groups.setdefault(m, []).append((torch.tensor(idx), a, len(idx) == len(rows)))
+        self._groups = groups
+        try:
+            yield
+        finally:
+            self._groups = {}
+
+    def _hook(self, module: str):
+        def hook(_mod, inputs, out):
+            groups = self._groups.get(module)
+            if not groups:
+                return None
+            x = inputs[0]
+            for idx, a, whole in groups:
+                lora_a, lora_b = a.modules[module]
+                if whole:  # one adapter for the whole batch: PEFT's exact expression
+                    out = out + F.linear(F.linear(x, lora_a), lora_b) * a.scale
+                else:
+                    out = out.index_add(0, idx, F.linear(F.linear(x[idx], lora_a), lora_b) * a.scale)
+            return out
+
+        return hook

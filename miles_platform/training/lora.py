@@ -1,0 +1,249 @@
+"""LoRA on the fsdp backend with PEFT: target selection (Miles' groups and names), the adapter's
+PEFT-format files, and the merged export. The base stays frozen; only lora_A / lora_B train.
+
+Target selection follows Miles' `hf_lora_targets.py` for the Qwen3 / Llama layout:
+
+    attn     q_proj, k_proj, v_proj, o_proj
+    mlp      gate_proj, up_proj, down_proj
+    unembed  lm_head
+    default  attn + mlp (also what `all-linear` means; `all-linear` must stand alone)
+
+Anything else in `--target-modules` is an explicit target: an HF leaf name (`q_proj`), a scoped HF
+path (`model.layers.0.self_attn.q_proj`, matched as a path suffix) or a glob (`*.layers.1.*_proj`).
+Duplicates go, then `--exclude-modules` removes modules; an explicit target that an exclusion also
+names is an error (Miles'), while groups and defaults may be narrowed by exclusions.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from miles_platform.errors import ConfigError
+from miles_platform.rollout.lora_serving import read_adapter_dir  # noqa: F401 (re-exported)
+
+GROUPS = {
+    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "unembed": ("lm_head",),
+}
+DEFAULT_GROUPS = ("attn", "mlp")
+ADAPTER_NAME = "default"  # PEFT's adapter name inside the trainer
+BASE_FILE = "base_checkpoint.json"  # next to the adapter: which base it applies to, by content hash
+
+
+def _split(value: str | None) -> list[str]:
+    return [t.strip() for t in (value or "").split(",") if t.strip()]
+
+
+def _matches(name: str, target: str) -> bool:
+    if any(c in target for c in "*?["):
+        return fnmatch.fnmatchcase(name, target) or fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], target)
+    return name == target or name.endswith("." + target)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def resolve_target_modules(
+    model: nn.Module, target_modules: str | None, exclude_modules: str | None
+) -> list[str]:
+    """The full module names of `model` that get an adapter, sorted. Errors name the flag and value."""
+    linears = linear_module_names(model)
+    wanted = _split(target_modules) or ["all-linear"]
+    if "all-linear" in wanted and len(wanted) > 1:
+        raise ConfigError(f"--target-modules {target_modules!r}: all-linear must be used alone")
+    patterns: list[tuple[str, bool]] = []  # (pattern, explicit)
+    for t in wanted:
+        if t == "all-linear":
+            patterns += [(leaf, False) for g in DEFAULT_GROUPS for leaf in GROUPS[g]]
+        elif t in GROUPS:
+            patterns += [(leaf, False) for leaf in GROUPS[t]]
+        else:
+            patterns.append((t, True))
+    picked: dict[str, bool] = {}
+    for pat, explicit in patterns:
+        hits = [n for n in linears if _matches(n, pat)]
+        if explicit and not hits:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            raise ConfigError(
+                f"--target-modules {pat!r} matches no linear module of the model; its linear leaves are "
+                f"{leaves} (or use the groups {sorted(GROUPS)} / all-linear)"
+            )
+        for n in hits:
+            picked[n] = picked.get(n, False) or explicit
+    excluded = set()
+    for pat in _split(exclude_modules):
+        hits = [n for n in picked if _matches(n, pat)]
+        clash = [n for n in hits if picked[n]]
+        if clash:
+            raise ConfigError(
+                f"--exclude-modules {pat!r} removes {clash[:3]}, which --target-modules names explicitly; "
+                "drop one of the two"
+            )
+        excluded.update(hits)
+    out = sorted(set(picked) - excluded)
+    if not out:
+        raise ConfigError(
+            f"--target-modules {target_modules!r} --exclude-modules {exclude_modules!r}: no module is left to adapt"
+        )
+    return out
+
+
+def lora_config(cfg, targets: list[str]):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def check_adapter_matches(path: str, cfg, targets: list[str]) -> None:
+    """--lora-adapter-path: its rank, alpha and targets must be the flags' (Miles asks for them too)."""
+    saved = json.loads(Path(path, "adapter_config.json").read_text())
+    have = {
+        "rank": saved.get("r"),
+        "alpha": saved.get("lora_alpha"),
+        "targets": sorted(saved.get("target_modules") or []),
+    }
+    want = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": sorted(targets)}
+    bad = [f"{k}: adapter {have[k]!r}, flags {want[k]!r}" for k in want if have[k] != want[k]]
+    if saved.get("peft_type", "LORA") != "LORA" or saved.get("use_dora"):
+        bad.append(f"type: {saved.get('peft_type')} (dora={saved.get('use_dora')}), need plain LORA")
+    if bad:
+        raise ConfigError(
+            f"--lora-adapter-path {path}: does not match --lora-rank / --lora-alpha / --target-modules ("
+            + "; ".join(bad)
+            + ")"
+        )
+
+
+def wrap_model(model: nn.Module, cfg) -> nn.Module:
+    """The PEFT-wrapped model: fresh adapters (B = 0, so v0 is the base policy) or --lora-adapter-path's."""
+    from peft import PeftModel, get_peft_model
+
+    targets = resolve_target_modules(model, cfg.target_modules, cfg.exclude_modules)
+    if cfg.lora_adapter_path:
+        check_adapter_matches(cfg.lora_adapter_path, cfg, targets)
+        peft_model = PeftModel.from_pretrained(model, cfg.lora_adapter_path, is_trainable=True)
+        peft_model.peft_config[ADAPTER_NAME].lora_dropout = cfg.lora_dropout
+    else:
+        peft_model = get_peft_model(model, lora_config(cfg, targets))
+    bad = [n for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
+    if bad:
+        raise RuntimeError(f"LoRA: base parameters left trainable: {bad[:5]}")
+    return peft_model
+
+
+def adapter_key(param_name: str) -> str:
+    """Trainer parameter name -> PEFT file key (`...q_proj.lora_A.default.weight` -> `...lora_A.weight`)."""
+    return param_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_config_dict(peft_model) -> dict:
+    """adapter_config.json as PEFT writes it (`base_model_name_or_path` as given to PEFT)."""
+    conf = peft_model.peft_config[ADAPTER_NAME].to_dict()
+    conf["target_modules"] = sorted(conf["target_modules"])
+    for k, v in list(conf.items()):
+        if isinstance(v, set):
+            conf[k] = sorted(v)
+    return json.loads(json.dumps(conf, default=str))
+
+
+def write_adapter_dir(
+    out_dir: str, state: dict[str, torch.Tensor], config: dict, base_path: str, base_hash: str
+) -> str:
+    """A PEFT adapter dir (adapter_model.safetensors + adapter_config.json, loadable by
+    `peft.PeftModel.from_pretrained`) plus base_checkpoint.json naming the frozen base by content hash.
+    Written under a temp name and renamed: a reader never sees half an adapter."""
+    import shutil
+    import uuid
+
+    from safetensors.torch import save_file
+
+    from miles_platform.store.atomic import fsync_tree, replace_dir
+
+    dest = Path(out_dir)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        conf = {**config, "base_model_name_or_path": os.path.abspath(base_path)}
+        (tmp / "adapter_config.json").write_text(json.dumps(conf, indent=1, sort_keys=True))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})  # fmt: skip
+        (tmp / BASE_FILE).write_text(
+            json.dumps({"path": os.path.abspath(base_path), "content_hash": base_hash})
+        )
+        fsync_tree(tmp)
+        replace_dir(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return os.fspath(dest)
+
+
+def check_base(adapter_dir: str, base_path: str) -> None:
+    """An adapter applies to the base it was trained on: refuse another one (content hash)."""
+    from miles_platform.models.checkpoint import content_hash
+
+    f = Path(adapter_dir, BASE_FILE)
+    if not f.is_file():
+        return
+    want = json.loads(f.read_text())["content_hash"]
+    have = content_hash(base_path)
+    if have != want:
+        raise ValueError(
+            f"{adapter_dir}: adapter trained on base {want}, but --hf-checkpoint {base_path} has content "
+            f"hash {have}; resume with the base it was trained on"
+        )
+
+
+def merged_state_dict(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], config: dict) -> dict:
+    """W + scale * B @ A for every adapted module, under HF names (the merged HF export)."""
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    scale = alpha / (r**0.5) if config.get("use_rslora") else alpha / r
+    out = dict(base)
+    for key, a in adapter.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+        name = f"{module}.weight"
+        if name not in out:
+            if module == "lm_head" and "model.embed_tokens.weight" in out:
+                name = "lm_head.weight"  # tied: the merged head is a weight of its own
+                out[name] = out["model.embed_tokens.weight"]
+            else:
+                raise KeyError(f"adapter tensor {key}: base has no {name}")
+        w = out[name]
+        out[name] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out
+
+
+def export_merged_hf_dir(base_dir: str, adapter_dir: str, out_dir: str) -> str:
+    """The merged HF dir on demand: base + adapter as one ordinary HF checkpoint."""
+    from miles_platform.models.checkpoint import read_safetensors_dir
+    from miles_platform.training.export import export_hf_dir
+
+    check_base(adapter_dir, base_dir)
+    adapter, config = read_adapter_dir(adapter_dir)
+    merged = merged_state_dict(read_safetensors_dir(base_dir), adapter, config)
+    untie = "lm_head.weight" in merged and any(".lm_head.lora_" in k for k in adapter)
+    # a merged head differs from the embedding: the export is no longer tied
+    return export_hf_dir(merged, base_dir, out_dir, {"tie_word_embeddings": False} if untie else None)
