@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LONGEST_FIRST = {
     "test_learning.py": 1000, "test_loop.py": 300, "test_ui_browser.py": 70, "test_multi_rank.py": 45,
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
-    "test_trackers.py": 25, "test_ops_training.py": 25,
+    "test_trackers.py": 25, "test_ops_training.py": 25, "test_lora_loop.py": 60, "test_lora_assets.py": 25,
 }  # fmt: skip
 
 
@@ -38,7 +38,8 @@ SLOW = {
     "test_ppo_critic_two_ranks_train_like_one_rank", "test_tp2_save_loads_at_tp1",
     "test_resume_after_a_crash_never_reuses_a_version_key",
     "test_disk_delta_run_resumes_past_versions_published_after_its_checkpoint",
-    "test_mooncake_handoff_and_weight_transport",
+    "test_mooncake_handoff_and_weight_transport", "test_lora_run_syncs_adapters_only_and_resumes",
+    "test_lora_version_materializes_lora_adapters_and_points_policy_versions_at_it",
 }  # fmt: skip
 
 

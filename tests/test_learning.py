@@ -1,10 +1,12 @@
 """RL really learns: the demo recipe (SFT base with systematic carry errors, then GRPO) on fixed seeds.
 
-The shortened CI version of `make demo`: one SFT base (default recipe, ~1 CPU minute), then a
-short GRPO run per trainer backend. Asserts the training reward rises and held-out greedy
-accuracy improves, with the --ci-test checkers on (step-0 KL/clipfrac, trainer-vs-engine
-log-probs, engine weights equal to trainer weights after every sync).
+The shortened CI version of `make demo`: one SFT base (the default recipe cut to 600 iterations,
+~40 CPU seconds), then a short GRPO run per trainer backend. Asserts the training reward rises
+and held-out greedy accuracy improves, with the --ci-test checkers on (step-0 KL/clipfrac,
+trainer-vs-engine log-probs, engine weights equal to trainer weights after every sync).
 """
+
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +18,7 @@ from miles_platform.rollout.evaluate import evaluate
 from miles_platform.training.sft import default_sft_recipe, run_sft
 
 EVAL_PROMPTS = 200
+SFT_ITERS = 600
 ROLLOUTS = 20
 
 
@@ -23,7 +26,14 @@ ROLLOUTS = 20
 def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("learn")
     task = write_task_datasets(d / "task", seed=0)
-    run_sft(task["sft"], str(d / "base"), recipe=default_sft_recipe(), progress=False)
+    # 600 of the recipe's 1500 iterations: past the loss plateau (loss ~0.12 vs 0.08), the same
+    # systematic carry error (held-out ~57% vs ~62%), in 40% of the time
+    run_sft(
+        task["sft"],
+        str(d / "base"),
+        recipe=replace(default_sft_recipe(), train_iters=SFT_ITERS),
+        progress=False,
+    )
     acc = _greedy(str(d / "base"), task["eval"])
     assert 0.15 <= acc <= 0.70, f"SFT base must leave room for RL, got {acc:.1%}"
     return d, task, acc
