@@ -69,9 +69,19 @@ def _md(mat: dg.AssetMaterialization | None, key: str) -> str | None:
 
 
 def resolve_hf_path(instance: dg.DagsterInstance, paths: StoragePaths, partition: str) -> str:
-    """HF export of a policy version: its materialization's hf_path, else the path convention."""
+    """HF export of a policy version: its materialization's hf_path, else the path convention. A
+    LoRA version (adapter + frozen base, no HF export) is merged on demand, once, at the
+    convention's path: what eval_results and weight_publications read."""
     run, version = parse_partition_key(partition)
-    hf_path = _md(_latest_materialization(instance, "policy_versions", partition), "hf_path")
+    mat = _latest_materialization(instance, "policy_versions", partition)
+    hf_path = _md(mat, "hf_path")
+    adapter, base = _md(mat, "adapter_path"), _md(mat, "base_checkpoint")
+    if not hf_path and adapter and base:
+        hf_path = paths.hf_export(run, version)
+        if not os.path.isfile(os.path.join(hf_path, "config.json")):
+            from miles_platform.training.lora import export_merged_hf_dir
+
+            export_merged_hf_dir(base, adapter, hf_path)  # atomic: a tmp dir renamed into place
     hf_path = hf_path or paths.hf_export(run, version)
     if "://" not in hf_path and not os.path.isfile(os.path.join(hf_path, "config.json")):
         raise dg.Failure(
