@@ -20,6 +20,7 @@ validated (names, shapes) before any tensor is copied, so a failed update keeps 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import os
@@ -228,6 +229,8 @@ class EngineCore:
             "num_weight_updates": 0,
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
+        # request ids without `rid`: unique per engine process, cheaper than a uuid4 per request
+        self._rid_prefix, self._rid_counter = f"{uuid.uuid4().hex[:12]}-", itertools.count()
         self._weight_groups: dict = {}  # group_name -> (process group, backend): broadcast updates
         self._group_init = threading.Lock()  # one init_weights_update_group join at a time
         self._cv = threading.Condition()  # guards _waiting / _paused / _stopping
@@ -689,10 +692,10 @@ class EngineCore:
             input_ids = self.tokenizer(text)["input_ids"]
         if not isinstance(input_ids, list) or not input_ids:
             raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+        if set(map(type, input_ids)) != {int}:  # one C-level pass (bools and floats are not int)
             raise RequestError("input_ids must contain integers only")
-        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
+            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
             raise RequestError(f"input_ids {bad[:5]} out of vocabulary [0, {self.vocab_size})")
         if len(input_ids) >= self.context_length:
             raise RequestError(
@@ -715,7 +718,7 @@ class EngineCore:
                     raise RequestError(f"{name}={v!r}: must be an integer policy version") from None
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(7))
         return _Request(
-            rid=str(rid) if rid is not None else uuid.uuid4().hex,
+            rid=str(rid) if rid is not None else f"{self._rid_prefix}{next(self._rid_counter):x}",
             prompt_ids=list(input_ids),
             params=params,
             return_logprob=bool(return_logprob),

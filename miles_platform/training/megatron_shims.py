@@ -59,6 +59,12 @@ def apply_cpu_shims() -> bool:
         return original_preload(write_buckets, non_blocking=False)
 
     filesystem_async.FileSystemWriterAsync.preload_tensors = staticmethod(preload_tensors)
+    # The writer's results queue lives in a multiprocessing Manager started with "spawn": a fresh
+    # interpreter that re-imports the parent's __main__ (torch, dagster, ...), ~7 s before the first
+    # torch_dist save of a process. A forked Manager serves the same queue in ~0.1 s (the writer
+    # processes themselves are forked already); CPU only, where no CUDA context can be forked.
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = torch.multiprocessing.get_context("fork").Manager().Queue()
     _APPLIED = True
     return True
 
