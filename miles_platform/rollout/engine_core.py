@@ -35,6 +35,13 @@ import torch
 from transformers import DynamicCache
 
 from miles_platform.errors import CheckpointError, MilesError
+from miles_platform.rollout.engine_logprobs import (
+    LogprobOptions,
+    input_logprobs,
+    parse_logprob_options,
+    step_extras,
+    temperature_of,
+)
 from miles_platform.rollout.sampling import draw
 
 log = logging.getLogger(__name__)
@@ -168,6 +175,15 @@ class _Request:
     cached_tokens: int = 0
     finish_reason: dict | None = None
     text: str | None = None
+    # SGLang's log-prob extras (rollout/engine_logprobs.py): input scoring, top-k, chosen ids
+    lp_opts: LogprobOptions = field(default_factory=LogprobOptions)
+    input_meta: dict | None = None
+    output_top: list = field(default_factory=list)
+    output_token_ids: list = field(default_factory=list)
+
+    @property
+    def scores_input(self) -> bool:
+        return self.return_logprob and self.lp_opts.wants_input
 
 
 class _Batch:
@@ -224,6 +240,7 @@ class EngineCore:
             "num_generated_tokens": 0,
             "num_finished_requests": 0,
             "num_weight_updates": 0,
+            "num_scored_requests": 0,  # prefill-only scoring (input log-probs), e.g. an OPD teacher
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
         self._weight_groups: dict = {}  # group_name -> (process group, backend): broadcast updates
@@ -505,6 +522,7 @@ class EngineCore:
         "top_logprobs_num",
         "return_text_in_logprobs",
         "return_sampling_mask",
+        "token_ids_logprob",
     }
 
     def _parse_generate_body(self, body: dict) -> tuple[list[_Request], bool]:
@@ -517,8 +535,6 @@ class EngineCore:
             )
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded engine")
-        if body.get("top_logprobs_num"):
-            raise RequestError("top_logprobs_num is not supported by the embedded engine")
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise RequestError("give exactly one of `text` or `input_ids`")
@@ -544,19 +560,25 @@ class EngineCore:
             return_sampling_mask=bool(body.get("return_sampling_mask", False)),
         )
         sps = _parse_sampling_params(sps)
+        opts = parse_logprob_options(body, n, is_batch, self.vocab_size, _raise_request_error)
         reqs = []
         for i, (kind, p) in enumerate(prompts):
             rid = rids[i] if rids[i] is None or not is_batch or isinstance(body.get("rid"), list) else None
             reqs.append(
                 self._make_request(
-                    p if kind == "ids" else None, sps[i], text=p if kind == "text" else None, rid=rid, **kw
-                )
+                    p if kind == "ids" else None,
+                    sps[i],
+                    text=p if kind == "text" else None,
+                    rid=rid,
+                    lp_opts=opts[i],
+                    **kw,
+                )  # fmt: skip
             )
         return reqs, is_batch
 
     def _make_request(
         self, input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid,
-        return_sampling_mask=False,
+        return_sampling_mask=False, lp_opts: LogprobOptions | None = None,
     ) -> _Request:  # fmt: skip
         if text is not None:
             if not isinstance(text, str):
@@ -592,8 +614,14 @@ class EngineCore:
                     versions[name] = int(v)
                 except (TypeError, ValueError):
                     raise RequestError(f"{name}={v!r}: must be an integer policy version") from None
+        lp_opts = lp_opts or LogprobOptions()
+        if lp_opts.start_len >= len(input_ids):
+            raise RequestError(
+                f"logprob_start_len={lp_opts.start_len}: must be < the {len(input_ids)} input tokens"
+            )
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(7))
         return _Request(
+            lp_opts=lp_opts,
             rid=str(rid) if rid is not None else uuid.uuid4().hex,
             prompt_ids=list(input_ids),
             params=params,
@@ -615,7 +643,7 @@ class EngineCore:
                 if why:
                     raise VersionConflict(why, self._weight_version, r.min_version, r.exact_version)
             for r in reqs:
-                if r.max_new_tokens == 0:
+                if r.max_new_tokens == 0 and not r.scores_input:
                     r.version_start = self._weight_version
                     self._finish(r, {"type": "length", "length": 0})
                 else:
@@ -683,6 +711,10 @@ class EngineCore:
                     self._fail_version(r, why)
                 else:
                     new.append(r)
+        scoring = [r for r in new if r.scores_input and r.input_meta is None]
+        if scoring:  # prefill-only scoring (max_new_tokens 0) finishes here, without joining the batch
+            self._score_inputs(scoring)
+            new = [r for r in new if r.max_new_tokens > 0]
         if new:
             self._prefill(new)
         elif len(self._batch):
@@ -721,6 +753,19 @@ class EngineCore:
         start = len(self._batch)
         self._batch = _merge(self._batch, new, self.model.config)
         self._advance(logits, rows=range(start, start + len(reqs)))
+
+    def _score_inputs(self, reqs: list[_Request]) -> None:
+        """Input log-probs of `reqs` (logprob_start_len >= 0) in batched full forwards."""
+        metas = input_logprobs(
+            self.model, [r.prompt_ids for r in reqs], [r.lp_opts for r in reqs],
+            [r.params.temperature for r in reqs], self.tokenizer,
+        )  # fmt: skip
+        self.stats["num_forward_calls"] += 1
+        self.stats["num_scored_requests"] += len(reqs)
+        for r, meta in zip(reqs, metas, strict=True):
+            r.input_meta, r.version_start = meta, self._weight_version
+            if r.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
 
     @torch.no_grad()
     def _decode(self) -> None:
@@ -770,11 +815,24 @@ class EngineCore:
             if reason:
                 finished.append((r, reason))
                 done.add(i)
+        self._record_extras(logits, reqs)
         self._decode_texts([r for r, _ in finished])
         for r, reason in finished:
             self._finish(r, reason)
         if done:
             self._batch = _select(b, [i for i in range(len(b)) if i not in done], self.model.config)
+
+    def _record_extras(self, logits: torch.Tensor, reqs: list[_Request]) -> None:
+        """top_logprobs_num / token_ids_logprob of the token just drawn (rows that asked)."""
+        for j, r in enumerate(reqs):
+            if r.return_logprob and r.lp_opts.wants_extras:
+                t = temperature_of(r.params.temperature)
+                lp = torch.log_softmax(logits[j : j + 1].float() / t, dim=-1)
+                top, ids = step_extras(lp, r.lp_opts, self.tokenizer)
+                if top is not None:
+                    r.output_top += top
+                if ids is not None:
+                    r.output_token_ids += ids
 
     def _decode_texts(self, reqs: list[_Request]) -> None:
         """Detokenize the requests that finished in one step with one batch_decode per setting."""
@@ -822,6 +880,11 @@ class EngineCore:
         }
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
+            meta.update(r.input_meta or {})
+            if r.lp_opts.top_k > 0:
+                meta["output_top_logprobs"] = r.output_top
+            if r.lp_opts.token_ids:
+                meta["output_token_ids_logprobs"] = r.output_token_ids
         if r.return_sampling_mask:
             meta["output_token_sampling_mask"] = r.supports
             meta["output_token_sampling_logprobs"] = r.support_logprobs
@@ -875,6 +938,10 @@ class EngineCore:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
+
+
+def _raise_request_error(message: str):
+    raise RequestError(message)
 
 
 def _parse_sampling_params(dicts: list) -> list[SamplingParams]:
