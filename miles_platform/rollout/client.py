@@ -48,9 +48,11 @@ async def generate(
     max_backoff_s: float = 2.0,
     client: httpx.AsyncClient | None = None,
     return_sampling_mask: bool = False,
+    top_logprobs_num: int = 0,
 ) -> dict | list[dict]:
     """POST {url}/generate; returns SGLang's response (a list for a batch of prompts).
-    `return_sampling_mask` asks for each token's sampling support (sampling-support replay)."""
+    `return_sampling_mask` asks for each token's sampling support (sampling-support replay);
+    `top_logprobs_num` for the k most likely tokens at each generated position (top-k OPD)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": sampling_params or {},
@@ -58,6 +60,8 @@ async def generate(
     }
     if return_sampling_mask:
         body["return_sampling_mask"] = True
+    if top_logprobs_num:
+        body["top_logprobs_num"] = top_logprobs_num
     if min_weight_version is not None:
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:
