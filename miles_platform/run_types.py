@@ -31,6 +31,8 @@ class PolicyVersion:
     base_checkpoint: str
     prompt_data: str | None
     eval_interval: int | None
+    # on-policy distillation: [{"teacher": path or URL, "kind", "content_hash"}] (lineage `distilled_from`)
+    distilled_from: list[dict[str, Any]] = field(default_factory=list)
 
     # the `policy_versions` table's columns (store/tables.py)
     ROW: ClassVar[tuple[str, ...]] = ("version", "partition_key", "parent_version", "rollout_id", "checkpoint_path", "hf_path",
