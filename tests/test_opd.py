@@ -326,3 +326,48 @@ def test_a_teacher_that_prefers_a_token_raises_the_students_log_prob_of_it(tiny_
         client.close()
         student.stop()
         teacher.stop()
+
+
+MEGATRON_SCRIPT = """
+import json, sys, torch
+from miles_platform.config import RunConfig
+from miles_platform.data.sample import Sample
+from miles_platform.training.actor import TrainBatch, TrainerActor
+
+ckpt, other = sys.argv[1], sys.argv[2]
+gen = torch.Generator().manual_seed(0)
+samples = [Sample(prompt_tokens=torch.randint(0, 100, (4,), generator=gen).tolist(),
+                  response_tokens=torch.randint(0, 100, (5,), generator=gen).tolist(),
+                  rollout_log_probs=[0.0] * 5, loss_mask=[1] * 5, raw_reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
+out = {}
+for name, opd in (("grpo", {}), ("same", {"opd_teacher_load": ckpt}), ("other", {"opd_teacher_load": other})):
+    if opd:
+        opd = {"use_opd": True, "opd_type": "megatron", **opd}
+    cfg = RunConfig(hf_checkpoint=ckpt, train_backend="megatron", rollout_batch_size=2, n_samples_per_prompt=2,
+                    num_rollout=1, lr=1.0, optimizer="sgd", weight_decay=0.0, **opd).validate()
+    trainer = TrainerActor(cfg)
+    m = trainer.train(0, TrainBatch.from_samples(samples))
+    w = trainer.get_hf_weights()
+    out[name] = {"rkl": m.get("opd/reverse_kl"), "w": {k: v.flatten()[:64].tolist() for k, v in w.items()}}
+print(json.dumps(out))
+"""
+
+
+def test_the_in_trainer_teacher_on_the_megatron_backend(tiny_hf_checkpoint, other_checkpoint):
+    """--opd-type megatron on --train-backend megatron: the frozen teacher is used (a different one
+    gives a reverse KL), and the same checkpoint as teacher leaves the GRPO step exactly as it was."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-c", MEGATRON_SCRIPT, tiny_hf_checkpoint, other_checkpoint],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=repo)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["same"]["rkl"] == 0.0 and abs(out["other"]["rkl"]) > 1e-4  # two random tiny models: close
+    assert out["same"]["w"] == out["grpo"]["w"]
+    assert out["other"]["w"] != out["grpo"]["w"]
