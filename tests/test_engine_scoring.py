@@ -105,3 +105,41 @@ def test_bad_scoring_fields_are_a_400_naming_the_field(server, extra, match):
     with pytest.raises(EngineHTTPError, match=match) as e:
         _score(server.url, body)
     assert e.value.status == 400
+
+
+def test_the_router_splits_a_scoring_batch_with_its_per_prompt_fields(server, tiny_hf_checkpoint):
+    """Per-prompt logprob_start_len / token_ids_logprob lists are sliced with the prompts they belong to."""
+    from miles_platform.rollout.router import start_router
+
+    second = start_engine_server(tiny_hf_checkpoint, api_key="k")
+    router = start_router(worker_urls=[server.url, second.url], api_key="k", worker_api_key="k")
+    try:
+        prompts = [PROMPT, PROMPT[:4], PROMPT[1:], PROMPT[:3]]
+        body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                "logprob_start_len": [0, 1, 2, 1], "token_ids_logprob": [[3], [4, 5], [6], [7]],
+                "top_logprobs_num": [1, 2, 0, 3]}  # fmt: skip
+        direct, routed = _score(server.url, body), _score(router.url, body)
+        for d, r in zip(direct, routed, strict=True):
+            for f in ("input_token_logprobs", "input_token_ids_logprobs", "input_top_logprobs"):
+                assert _flat(r["meta_info"].get(f)) == pytest.approx(
+                    _flat(d["meta_info"].get(f)), abs=1e-5, nan_ok=True
+                ), f
+        assert second.core.stats["num_scored_requests"] > 0  # the batch really was split
+    finally:
+        router.stop()
+        second.stop()
+
+
+def _flat(entries) -> list:
+    """Nested [logprob, id, text] entries (None at position 0) as one flat list, None -> nan."""
+    if entries is None:
+        return []
+    out = []
+    for e in entries:
+        if isinstance(e, list) and e and isinstance(e[0], list):
+            out += _flat(e)
+        elif e is None:
+            out.append(float("nan"))
+        else:
+            out += [float("nan") if e[0] is None else e[0], e[1]]
+    return out
