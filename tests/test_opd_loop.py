@@ -50,3 +50,28 @@ def test_opd_run_with_ci_test_records_teacher_scores_metrics_and_lineage(
     assert cli_main([key, "--storage-root", cfg.storage_root]) == 0
     out = capsys.readouterr().out
     assert f"distilled_from: {want['teacher']}" in out, out
+
+
+def test_the_launchpad_runs_opd_and_policy_versions_name_the_teacher(tiny_hf_checkpoint, tmp_path):
+    """The rl_training job takes the OPD flags as run config; each policy_versions materialization
+    carries `distilled_from` (the teacher checkpoint and its content hash) in its metadata."""
+    import dagster as dg
+    from loop_helpers import small_run_kwargs
+
+    from ops.training import rl_training
+    from resources.storage import StorageRootResource
+
+    kw = small_run_kwargs(tiny_hf_checkpoint, tmp_path, num_rollout=1, rm_type=None, use_opd=True,
+                          opd_type="sglang", opd_teacher_hf_checkpoint=tiny_hf_checkpoint)  # fmt: skip
+    kw.pop("storage_root")
+    instance = dg.DagsterInstance.ephemeral()
+    result = rl_training.execute_in_process(
+        run_config={"ops": {"rl_training_op": {"config": kw}}}, instance=instance,
+        resources={"storage": StorageRootResource(root=str(tmp_path / "root"))},
+    )  # fmt: skip
+    assert result.success
+    flt = dg.AssetRecordsFilter(asset_key=dg.AssetKey("policy_versions"))
+    (record,) = instance.fetch_materializations(flt, limit=5).records
+    teachers = record.asset_materialization.metadata["distilled_from"].value
+    assert teachers == [{"teacher": os.path.abspath(tiny_hf_checkpoint), "kind": "checkpoint",
+                         "content_hash": content_hash(tiny_hf_checkpoint)}]  # fmt: skip
