@@ -33,6 +33,7 @@ GROUPS = (
     "reward",
     "eval",
     "algorithm",
+    "opd",
     "optimizer",
     "perf",
     "precision",
@@ -106,7 +107,10 @@ _RANGES: dict[str, tuple] = {
     ),  # fmt: skip
     **dict.fromkeys(("rollout_top_p", "eval_top_p"), _FRACTION),
     **dict.fromkeys(("gamma", "lambd"), _UNIT),
-    **dict.fromkeys(("kl_loss_coef", "kl_coef", "entropy_coef", "rollout_temperature"), _FINITE),
+    **dict.fromkeys(
+        ("kl_loss_coef", "kl_coef", "entropy_coef", "rollout_temperature", "opd_kl_coef"), _FINITE
+    ),
+    "opd_log_prob_top_k": _NON_NEGATIVE,
     "adam_beta1": (0, 1, False, "in [0, 1)"),
     "adam_beta2": (0, 1, False, "in [0, 1)"),
     "adam_eps": (0, None, True, "> 0"),
@@ -120,6 +124,9 @@ _RANGES: dict[str, tuple] = {
 
 
 WANDB_MODES = ("online", "offline", "disabled")
+OPD_TYPES = ("sglang", "megatron")
+OPD_TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
+OPD_REWARD_WEIGHT_MODES = ("student_p", "teacher_p", "none")
 
 
 @dataclass
@@ -299,6 +306,48 @@ class RunConfig:
     tis_lower_bound: float = _f(0.5, "algorithm", "IS lower bound")
     tis_upper_bound: float = _f(2.0, "algorithm", "IS upper bound")
     critic_lr: float | None = _f(None, "algorithm", "critic LR for ppo (defaults to --lr)")
+
+    # --- on-policy distillation (docs/opd.md) ---
+    use_opd: bool = _f(
+        False, "opd", "on-policy distillation: a teacher's reverse KL is subtracted from advantages"
+    )
+    opd_type: str | None = _f(
+        None,
+        "opd",
+        "where the teacher runs: sglang = an engine scoring rollouts (--opd-teacher-urls / --rm-url / "
+        "--opd-teacher-hf-checkpoint), megatron = frozen in the trainer (--opd-teacher-load; FSDP too)",
+        choices=OPD_TYPES,
+    )
+    opd_kl_coef: float = _f(1.0, "opd", "A_t - opd_kl_coef * reverse_KL_t")
+    opd_log_prob_top_k: int = _f(
+        0, "opd", "0 = sampled-token OPD; k > 0 = Rethinking-OPD top-k reverse KL (sglang only; paper: 16)"
+    )
+    opd_top_k_strategy: str = _f(
+        "only-student", "opd", "top-k token set per position", choices=OPD_TOP_K_STRATEGIES
+    )
+    opd_reward_weight_mode: str = _f(
+        "student_p", "opd", "weights of the top-k set's tokens", choices=OPD_REWARD_WEIGHT_MODES
+    )
+    opd_teacher_urls: list[str] = _f(
+        [],
+        "opd",
+        "NAME=URL ... teachers routed by sample.metadata[--opd-teacher-key]; `default` is the fallback "
+        "(without it an unknown name is an error); unset = one teacher at --rm-url",
+        nargs="*",
+    )
+    opd_teacher_key: str = _f("opd_teacher", "opd", "metadata key holding a sample's teacher name")
+    opd_teacher_load: str | None = _f(
+        None,
+        "opd",
+        "in-trainer teacher (required with --opd-type megatron): an HF dir, or a checkpoint dir of the "
+        "--train-backend's save layout (the student's architecture)",
+    )
+    opd_teacher_ckpt_step: int | None = _f(None, "opd", "checkpoint step of the teacher (Miles)")
+    opd_teacher_hf_checkpoint: str | None = _f(
+        None,
+        "opd",
+        "ours: the run starts an embedded teacher engine from this HF dir (sglang mode, one command)",
+    )
 
     # --- optimizer ---
     optimizer: str = _f("adam", "optimizer", "optimizer", choices=("adam", "sgd"))
@@ -537,6 +586,7 @@ class RunConfig:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
         self._check_generate_flags()
         self._check_lora_flags()
+        self._check_opd_flags()
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
@@ -622,6 +672,66 @@ class RunConfig:
         ):
             raise ConfigError(
                 f"--lora-adapter-path {self.lora_adapter_path}: no adapter_config.json there (a PEFT adapter dir)"
+            )
+
+    def _check_opd_flags(self) -> None:
+        """Miles' OPD rules (docs/opd.md): every --opd-* flag needs --use-opd; the teacher is an engine
+        (sglang) or frozen in the trainer (megatron), never both; top-k OPD is sglang only."""
+        opd = [f.name for f in dataclasses.fields(self) if f.name.startswith("opd_")]
+        set_ = [_flag(n) for n in opd if getattr(self, n) != _default(n)]
+        if not self.use_opd:
+            if set_:
+                raise ConfigError(
+                    f"{', '.join(set_)}: on-policy distillation flags; add --use-opd (or drop them)"
+                )
+            return
+        if self.opd_type is None:
+            raise ConfigError(
+                "--use-opd needs --opd-type sglang (a teacher engine) or megatron (in the trainer)"
+            )
+        if self.loss_type != "policy_loss":
+            raise ConfigError(
+                f"--use-opd shapes policy-loss advantages; --loss-type {self.loss_type} has none"
+            )
+        if self.sampling_support_replay():
+            raise ConfigError(
+                f"--use-opd with sampling-support replay (--rollout-top-k {self.rollout_top_k}, --rollout-top-p "
+                f"{self.rollout_top_p}): the reverse KL compares full-vocabulary log-probs and replay gives the "
+                "student a support-normalized one; sample with --rollout-top-k -1 --rollout-top-p 1"
+            )
+        from miles_platform.rollout.opd import parse_teacher_urls
+
+        urls = parse_teacher_urls(self.opd_teacher_urls)
+        if self.opd_type == "megatron":
+            wrong = [(f, on) for f, on in (("--opd-teacher-urls", bool(urls)), ("--opd-teacher-hf-checkpoint",
+                     bool(self.opd_teacher_hf_checkpoint)), (f"--opd-log-prob-top-k {self.opd_log_prob_top_k}",
+                     self.opd_log_prob_top_k > 0)) if on]  # fmt: skip
+            if wrong:
+                raise ConfigError(
+                    f"{', '.join(f for f, _ in wrong)}: sglang-mode OPD only (a teacher engine); "
+                    "--opd-type megatron loads the teacher in the trainer from --opd-teacher-load"
+                )
+            if not self.opd_teacher_load:
+                raise ConfigError("--opd-type megatron needs --opd-teacher-load (the teacher checkpoint)")
+            return
+        if self.opd_teacher_load:
+            raise ConfigError(
+                "--opd-teacher-load must not be set with --opd-type sglang (the teacher is an engine: "
+                "--opd-teacher-urls, --rm-url or --opd-teacher-hf-checkpoint); use --opd-type megatron"
+            )
+        sources = [f for f, on in (("--opd-teacher-urls", bool(urls)), ("--opd-teacher-hf-checkpoint",
+                   bool(self.opd_teacher_hf_checkpoint))) if on]  # fmt: skip
+        if len(sources) > 1:
+            raise ConfigError(f"{' and '.join(sources)}: give one teacher source")
+        if not sources and not self.rm_url:
+            raise ConfigError(
+                "--opd-type sglang needs a teacher: --rm-url http://HOST:PORT/generate (Miles), "
+                "--opd-teacher-urls NAME=URL ..., or --opd-teacher-hf-checkpoint DIR (started by the run)"
+            )
+        if not sources and self.rm_type == "remote_rm":
+            raise ConfigError(
+                "--rm-type remote_rm and --use-opd both read --rm-url: name the teacher with "
+                "--opd-teacher-urls default=URL"
             )
 
     def _check_generate_flags(self) -> None:
@@ -793,6 +903,7 @@ LORA_FLAGS = ("lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
               "lora_train_only", "check_lora_weight_equal")  # fmt: skip
 
 REFUSED: dict[str, str] = {
+    "opd_teacher_ckpt_step": "pass the checkpoint's iter_NNNNNNN dir itself as --opd-teacher-load",
     "tensor_model_parallel_size": f"{_DP_ONLY} (TP > 1 is supported by `miles-platform convert`, not by training yet)",
     "pipeline_model_parallel_size": _DP_ONLY,
     "context_parallel_size": _DP_ONLY,

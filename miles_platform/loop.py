@@ -213,7 +213,7 @@ class RLRun:
         from miles_platform.store.versions import record_policy_version
 
         pv = record_policy_version(self.cfg, self.paths, version, parent, rollout_id, shard, hf_dir, ckpt,
-                                   self.base_version, self.data_version)  # fmt: skip
+                                   self.base_version, self.data_version, self.s.teachers)  # fmt: skip
         result.versions.append(pv.to_dict())
         self.reporter.on_policy_version(pv.to_dict())
         result.final_hf_path = pv.hf_path

@@ -23,6 +23,7 @@ class RunServices(contextlib.AbstractContextManager):
         self.cfg, self.paths, self.reporter, self.tok, self.src = cfg, paths, reporter, tokenizer, data_source
         self.trainers: list = []
         self.engines = self.router = self.manager = self.session = self.worker = None
+        self.teachers: list[tuple[str, str, str | None]] = []  # OPD: (teacher, kind, content hash)
         self.state: dict[str, Any] | None = None
         from miles_platform.trackers import Trackers
 
@@ -74,6 +75,10 @@ class RunServices(contextlib.AbstractContextManager):
         if self.trainers:
             ray.get([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
+        if cfg.use_opd and cfg.opd_type == "megatron":  # the teacher is in the trainer
+            from miles_platform.rollout.opd import teacher_sources
+
+            self.teachers = teacher_sources(cfg, {})
         if self.state is not None and self.src is not None:
             self.src.load_state_dict(self.state["data_source"])
         if cfg.debug_train_only:
@@ -89,8 +94,28 @@ class RunServices(contextlib.AbstractContextManager):
         url = self.engines[0].url if len(self.engines) == 1 else self.router.url
         self.manager = RolloutManager(cfg, self.tok, self.src, url)
         s.callback(self.manager.close)
+        if cfg.use_opd and cfg.opd_type == "sglang":
+            self._start_opd_teachers(url)
         if self.trainers:
             self.session = UpdateSession(cfg, self.paths, self.engines, self.trainers)
+
+    def _start_opd_teachers(self, student_url: str) -> None:
+        """Sglang-mode OPD: the teacher engine the run starts (--opd-teacher-hf-checkpoint) or the
+        configured ones, and the scorer that sends them each rollout (rollout/opd.py)."""
+        from miles_platform.rollout.engines import start_teacher_engine, stop_engines
+        from miles_platform.rollout.opd import TeacherScorer, teacher_sources, teacher_urls
+
+        started = None
+        if self.cfg.opd_teacher_hf_checkpoint:
+            handle = start_teacher_engine(self.cfg)
+            self._stack.callback(stop_engines, [handle])
+            started = handle.url
+            self.reporter.log(f"[opd] teacher engine {self.cfg.opd_teacher_hf_checkpoint} on {started}")
+        urls = teacher_urls(self.cfg, started)
+        self.teachers = teacher_sources(self.cfg, urls)
+        self.manager.opd = TeacherScorer(
+            self.cfg, urls, student_url, self.manager.client, student_lora=self.manager.lora_path
+        )
 
     def start_async_worker(self) -> None:
         """--fully-async: the background generator (started after the initial sync and eval)."""

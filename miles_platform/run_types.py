@@ -32,6 +32,9 @@ class PolicyVersion:
     prompt_data: str | None
     eval_interval: int | None
     adapter_path: str | None = None  # a LoRA run's PEFT adapter dir of this version
+    # on-policy distillation: [{"teacher": path or URL, "kind", "content_hash"}] (lineage `distilled_from`)
+    distilled_from: list[dict[str, Any]] = field(default_factory=list)
+
     # the `policy_versions` table's columns (store/tables.py)
     ROW: ClassVar[tuple[str, ...]] = ("version", "partition_key", "parent_version", "rollout_id", "checkpoint_path", "hf_path",
            "content_hash", "config_hash", "base_data_version", "dataset_data_version", "shard_path",

@@ -188,6 +188,9 @@ def _lineage(info: dict[str, Any]) -> dict[str, Any]:
         "base_data_version": info["base_data_version"] or "",
         "dataset_data_version": info["dataset_data_version"] or "",
     }
+    teachers = info.get("distilled_from") or []
+    if teachers:  # on-policy distillation: the teacher checkpoint(s), by content hash
+        lineage["distilled_from"] = dg.MetadataValue.json(teachers)
     if info.get("eval_interval"):  # read by the eval_on_new_policy sensor
         lineage["eval_interval"] = dg.MetadataValue.text(str(int(info["eval_interval"])))
     return lineage

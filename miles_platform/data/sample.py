@@ -38,6 +38,10 @@ class Sample:
     weight_version_end: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     remove_sample: bool = False
+    # on-policy distillation (docs/opd.md): per response token, the teacher's log-prob of the token
+    # (sampled-token OPD) or the top-k reverse-KL estimate (--opd-log-prob-top-k > 0); None: not scored
+    teacher_log_probs: list[float] | None = None
+    opd_reverse_kl: list[float] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -87,6 +91,9 @@ class Sample:
         for k in ("prompt_tokens", "response_tokens", "rollout_log_probs", "loss_mask"):
             if row.get(k) is not None:
                 row[k] = list(row[k])
+        for k in ("teacher_log_probs", "opd_reverse_kl"):
+            if row.get(k) is not None:
+                row[k] = [float(x) for x in row[k]]
         if row.get("rollout_sampling_support") is not None:
             row["rollout_sampling_support"] = [[int(t) for t in s] for s in row["rollout_sampling_support"]]
         names = set(cls.__dataclass_fields__)

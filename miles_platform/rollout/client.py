@@ -49,10 +49,12 @@ async def generate(
     client: httpx.AsyncClient | None = None,
     return_sampling_mask: bool = False,
     lora_path: str | None = None,
+    top_logprobs_num: int = 0,
 ) -> dict | list[dict]:
     """POST {url}/generate; returns SGLang's response (a list for a batch of prompts).
     `return_sampling_mask` asks for each token's sampling support (sampling-support replay);
-    `lora_path` names the LoRA adapter that serves every prompt (SGLang's field)."""
+    `lora_path` names the LoRA adapter that serves every prompt (SGLang's field);
+    `top_logprobs_num` for the k most likely tokens at each generated position (top-k OPD)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": sampling_params or {},
@@ -62,6 +64,8 @@ async def generate(
         body["return_sampling_mask"] = True
     if lora_path is not None:
         body["lora_path"] = lora_path
+    if top_logprobs_num:
+        body["top_logprobs_num"] = top_logprobs_num
     if min_weight_version is not None:
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:

@@ -36,6 +36,13 @@ import torch
 from transformers import DynamicCache
 
 from miles_platform.errors import CheckpointError, MilesError
+from miles_platform.rollout.engine_logprobs import (
+    LogprobOptions,
+    input_logprobs,
+    parse_logprob_options,
+    step_extras,
+    temperature_of,
+)
 from miles_platform.rollout.lora_serving import LoraSlots, parse_adapter
 from miles_platform.rollout.sampling import draw
 
@@ -171,6 +178,15 @@ class _Request:
     cached_tokens: int = 0
     finish_reason: dict | None = None
     text: str | None = None
+    # SGLang's log-prob extras (rollout/engine_logprobs.py): input scoring, top-k, chosen ids
+    lp_opts: LogprobOptions = field(default_factory=LogprobOptions)
+    input_meta: dict | None = None
+    output_top: list = field(default_factory=list)
+    output_token_ids: list = field(default_factory=list)
+
+    @property
+    def scores_input(self) -> bool:
+        return self.return_logprob and self.lp_opts.wants_input
 
 
 class _Batch:
@@ -227,6 +243,7 @@ class EngineCore:
             "num_generated_tokens": 0,
             "num_finished_requests": 0,
             "num_weight_updates": 0,
+            "num_scored_requests": 0,  # prefill-only scoring (input log-probs), e.g. an OPD teacher
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
         # request ids without `rid`: unique per engine process, cheaper than a uuid4 per request
@@ -624,6 +641,7 @@ class EngineCore:
         "return_text_in_logprobs",
         "return_sampling_mask",
         "lora_path",
+        "token_ids_logprob",
     }
 
     def _parse_generate_body(self, body: dict) -> tuple[list[_Request], bool]:
@@ -636,8 +654,6 @@ class EngineCore:
             )
         if body.get("stream"):
             raise RequestError("stream=true is not supported by the embedded engine")
-        if body.get("top_logprobs_num"):
-            raise RequestError("top_logprobs_num is not supported by the embedded engine")
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise RequestError("give exactly one of `text` or `input_ids`")
@@ -667,20 +683,26 @@ class EngineCore:
         loras = loras if isinstance(loras, list) else [loras] * n
         if len(loras) != n or not all(x is None or isinstance(x, str) for x in loras):
             raise RequestError(f"lora_path must be an adapter name, null, or a list of {n} of them")
+        opts = parse_logprob_options(body, n, is_batch, self.vocab_size, _raise_request_error)
         reqs = []
         for i, (kind, p) in enumerate(prompts):
             rid = rids[i] if rids[i] is None or not is_batch or isinstance(body.get("rid"), list) else None
             reqs.append(
                 self._make_request(
-                    p if kind == "ids" else None, sps[i], text=p if kind == "text" else None, rid=rid, **kw
-                )
+                    p if kind == "ids" else None,
+                    sps[i],
+                    text=p if kind == "text" else None,
+                    rid=rid,
+                    lp_opts=opts[i],
+                    **kw,
+                )  # fmt: skip
             )
             reqs[-1].lora = loras[i]
         return reqs, is_batch
 
     def _make_request(
         self, input_ids, sampling_params, return_logprob, text, min_weight_version, exact_weight_version, rid,
-        return_sampling_mask=False,
+        return_sampling_mask=False, lp_opts: LogprobOptions | None = None,
     ) -> _Request:  # fmt: skip
         if text is not None:
             if not isinstance(text, str):
@@ -716,8 +738,14 @@ class EngineCore:
                     versions[name] = int(v)
                 except (TypeError, ValueError):
                     raise RequestError(f"{name}={v!r}: must be an integer policy version") from None
+        lp_opts = lp_opts or LogprobOptions()
+        if lp_opts.start_len >= len(input_ids):
+            raise RequestError(
+                f"logprob_start_len={lp_opts.start_len}: must be < the {len(input_ids)} input tokens"
+            )
         seed = params.sampling_seed if params.sampling_seed is not None else int.from_bytes(os.urandom(7))
         return _Request(
+            lp_opts=lp_opts,
             rid=str(rid) if rid is not None else f"{self._rid_prefix}{next(self._rid_counter):x}",
             prompt_ids=list(input_ids),
             params=params,
@@ -744,7 +772,7 @@ class EngineCore:
                 if why:
                     raise VersionConflict(why, self._version_of(r), r.min_version, r.exact_version)
             for r in reqs:
-                if r.max_new_tokens == 0:
+                if r.max_new_tokens == 0 and not r.scores_input:
                     r.version_start = self._version_of(r)
                     self._finish(r, {"type": "length", "length": 0})
                 else:
@@ -816,6 +844,10 @@ class EngineCore:
                 else:
                     new.append(r)
         self._drop_unloaded()
+        scoring = [r for r in new if r.scores_input and r.input_meta is None]
+        if scoring:  # prefill-only scoring (max_new_tokens 0) finishes here, without joining the batch
+            self._score_inputs(scoring)
+            new = [r for r in new if r.max_new_tokens > 0]
         if new:
             self._prefill(new)
         elif len(self._batch):
@@ -856,6 +888,28 @@ class EngineCore:
         start = len(self._batch)
         self._batch = _merge(self._batch, new, self.model.config)
         self._advance(logits, rows=range(start, start + len(reqs)))
+
+    def _score_inputs(self, reqs: list[_Request]) -> None:
+        """Input log-probs of `reqs` (logprob_start_len >= 0) in batched full forwards, one batch per
+        served adapter (`lora_path`; the base is None), each under its own adapter."""
+        by_lora: dict = {}
+        for r in reqs:
+            by_lora.setdefault(r.lora, []).append(r)
+        for lora, group in by_lora.items():
+            with self._lora.active([lora] * len(group)):  # one adapter for every row of each chunk
+                metas = input_logprobs(
+                    self.model, [r.prompt_ids for r in group], [r.lp_opts for r in group],
+                    [r.params.temperature for r in group], self.tokenizer,
+                )  # fmt: skip
+            self._finish_scored(group, metas)
+        self.stats["num_forward_calls"] += len(by_lora)
+
+    def _finish_scored(self, reqs: list[_Request], metas: list) -> None:
+        self.stats["num_scored_requests"] += len(reqs)
+        for r, meta in zip(reqs, metas, strict=True):
+            r.input_meta, r.version_start = meta, self._version_of(r)
+            if r.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
 
     @torch.no_grad()
     def _decode(self) -> None:
@@ -908,11 +962,24 @@ class EngineCore:
             if reason:
                 finished.append((r, reason))
                 done.add(i)
+        self._record_extras(logits, reqs)
         self._decode_texts([r for r, _ in finished])
         for r, reason in finished:
             self._finish(r, reason)
         if done:
             self._batch = _select(b, [i for i in range(len(b)) if i not in done], self.model.config)
+
+    def _record_extras(self, logits: torch.Tensor, reqs: list[_Request]) -> None:
+        """top_logprobs_num / token_ids_logprob of the token just drawn (rows that asked)."""
+        for j, r in enumerate(reqs):
+            if r.return_logprob and r.lp_opts.wants_extras:
+                t = temperature_of(r.params.temperature)
+                lp = torch.log_softmax(logits[j : j + 1].float() / t, dim=-1)
+                top, ids = step_extras(lp, r.lp_opts, self.tokenizer)
+                if top is not None:
+                    r.output_top += top
+                if ids is not None:
+                    r.output_token_ids += ids
 
     def _decode_texts(self, reqs: list[_Request]) -> None:
         """Detokenize the requests that finished in one step with one batch_decode per setting."""
@@ -960,6 +1027,11 @@ class EngineCore:
         }
         if r.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
+            meta.update(r.input_meta or {})
+            if r.lp_opts.top_k > 0:
+                meta["output_top_logprobs"] = r.output_top
+            if r.lp_opts.token_ids:
+                meta["output_token_ids_logprobs"] = r.output_token_ids
         if r.return_sampling_mask:
             meta["output_token_sampling_mask"] = r.supports
             meta["output_token_sampling_logprobs"] = r.support_logprobs
@@ -1013,6 +1085,10 @@ class EngineCore:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
+
+
+def _raise_request_error(message: str):
+    raise RequestError(message)
 
 
 def _parse_sampling_params(dicts: list) -> list[SamplingParams]:

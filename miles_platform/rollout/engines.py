@@ -62,6 +62,20 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
     return handles, router
 
 
+def start_teacher_engine(cfg: RunConfig) -> EngineHandle:
+    """--opd-teacher-hf-checkpoint: an embedded engine serving the teacher for the run (its own Ray
+    actor, outside the placement plan: it only prefills, once per rollout). It never loads weights."""
+    import ray
+
+    env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+    actor = (
+        ray.remote(EngineActor)
+        .options(num_cpus=0, runtime_env=env)
+        .remote(cfg.opd_teacher_hf_checkpoint, api_key=cfg.api_key, dtype=cfg.rollout_dtype, weight_roots=[])
+    )
+    return EngineHandle(url=ray.get(actor.url.remote()), actor=actor)
+
+
 def engine_weight_roots(cfg: RunConfig) -> list[str]:
     """Where a run's engines may load weights from over HTTP: the run's own dirs (HF exports,
     disk-delta engine-local copies) and --hf-checkpoint's parent; nothing else on the host."""

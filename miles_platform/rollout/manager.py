@@ -62,6 +62,10 @@ class RolloutManager:
         path = cfg.rollout_function_path
         self.rollout_fn = load_rollout_function(path).bind(self.args, data_source) if path else None
         self._slots: asyncio.Semaphore | None = None  # per-sample generations in flight (client loop)
+        # --use-opd --opd-type sglang: the run's TeacherScorer (set by RunServices), scores `finalize`d samples
+        self.opd = None
+        self._opd_metrics: dict[str, float] = {}
+        self.top_logprobs_num = student_top_k(cfg)
 
     def close(self) -> None:
         self.client.close()
@@ -142,6 +146,8 @@ class RolloutManager:
                 if s.remove_sample:
                     s.loss_mask = [0] * len(s.response_tokens)
                 samples.append(s)
+        if self.opd is not None:  # the teachers score what is trained, after every filter
+            self._opd_metrics = self.opd.score(samples)
         return samples
 
     # ------------------------------------------------------------------ generation
@@ -162,7 +168,11 @@ class RolloutManager:
             return []
         if self.generate_fn is not None:
             return self.client.submit(self._per_sample(records, prompts, seeds)).result()
-        outs = self.client.generate(*self._batch(prompts, seeds), return_sampling_mask=self.replay)
+        outs = self.client.generate(
+            *self._batch(prompts, seeds),
+            return_sampling_mask=self.replay,
+            top_logprobs_num=self.top_logprobs_num,
+        )
         return self._groups_from(records, prompts, seeds, outs)
 
     async def agenerate_groups(self, records, prompts, seeds) -> list[list[Sample]]:
@@ -171,7 +181,11 @@ class RolloutManager:
             return []
         if self.generate_fn is not None:
             return await asyncio.wrap_future(self.client.submit(self._per_sample(records, prompts, seeds)))
-        outs = await self.client.agenerate(*self._batch(prompts, seeds), return_sampling_mask=self.replay)
+        outs = await self.client.agenerate(
+            *self._batch(prompts, seeds),
+            return_sampling_mask=self.replay,
+            top_logprobs_num=self.top_logprobs_num,
+        )
         return self._groups_from(records, prompts, seeds, outs)
 
     async def _per_sample(
@@ -304,6 +318,8 @@ class RolloutManager:
             "rollout/buffer_size": float(len(self.buffer)),
             "perf/rollout_time": seconds,
         }
+        m.update(self._opd_metrics)
+        self._opd_metrics = {}
         n = self.cfg.n_samples_per_prompt
         if n > 1:
             groups = rewards.reshape(-1, n)
@@ -317,6 +333,14 @@ class RolloutManager:
                 np.mean([s.metadata.get("tool_call_count", 0) for s in samples])
             )
         return m
+
+
+def student_top_k(cfg: RunConfig) -> int:
+    """top_logprobs_num of rollout requests: k when top-k OPD reads the student's own top-k."""
+    from miles_platform.rollout.opd_topk import NEEDS_STUDENT_TOP
+
+    on = cfg.use_opd and cfg.opd_type == "sglang" and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
+    return cfg.opd_log_prob_top_k if on else 0
 
 
 def record_of(group: list[Sample]) -> PromptRecord:

@@ -219,7 +219,17 @@ class Router:
             await asyncio.sleep(self.interval)
 
 
-_PER_PROMPT = ("input_ids", "text", "sampling_params", "rid")
+# SGLang fields that are one value per prompt when given as a list (token_ids_logprob: a list of
+# lists; a flat list of ids is one value for every prompt)
+_PER_PROMPT = ("input_ids", "text", "sampling_params", "rid", "logprob_start_len", "top_logprobs_num")
+
+
+def _per_prompt(key: str, value) -> bool:
+    if key == "token_ids_logprob":
+        return (
+            isinstance(value, list) and bool(value) and all(x is None or isinstance(x, list) for x in value)
+        )
+    return key in _PER_PROMPT and isinstance(value, list)
 
 
 def _batch_body(body: bytes) -> tuple[dict, int] | None:
@@ -238,16 +248,14 @@ def _batch_body(body: bytes) -> tuple[dict, int] | None:
         n = len(text)
     else:
         return None
-    for k in ("sampling_params", "rid"):
-        if isinstance(req.get(k), list) and len(req[k]) != n:
+    for k, v in req.items():
+        if k not in ("input_ids", "text") and _per_prompt(k, v) and len(v) != n:
             return None
     return (req, n) if n > 1 else None
 
 
 def _slice_batch(req: dict, a: int, b: int) -> bytes:
-    return orjson.dumps(
-        {k: v[a:b] if k in _PER_PROMPT and isinstance(v, list) else v for k, v in req.items()}
-    )
+    return orjson.dumps({k: v[a:b] if _per_prompt(k, v) else v for k, v in req.items()})
 
 
 def create_router_app(

@@ -29,6 +29,8 @@ ROLLOUT_SCHEMA = pa.schema(
         ("weight_version_end", pa.int64()),
         ("metadata", pa.string()),
         ("remove_sample", pa.bool_()),
+        ("teacher_log_probs", pa.list_(pa.float64())),  # on-policy distillation (null: not scored)
+        ("opd_reverse_kl", pa.list_(pa.float64())),
     ]
 )
 

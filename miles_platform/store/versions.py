@@ -1,5 +1,6 @@
 """The record of a new policy version: its `policy_versions` row and its lineage edges
-(previous version or base checkpoint, rollout shard, prompt data, base checkpoint)."""
+(previous version or base checkpoint, rollout shard, prompt data, base checkpoint, and with
+on-policy distillation the teacher: `distilled_from`, by content hash)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from miles_platform.store.paths import StoragePaths, partition_key
 def record_policy_version(
     cfg: RunConfig, paths: StoragePaths, version: int, parent_version: int, rollout_id: int,
     shard, hf_dir: str, ckpt: str | None, base_version: str | None, data_version: str | None,
+    teachers: list[tuple[str, str, str | None]] = (),
 ) -> PolicyVersion:  # fmt: skip
     from miles_platform.models.checkpoint import content_hash
     from miles_platform.store.lineage import write_edges
@@ -27,6 +29,7 @@ def record_policy_version(
         base_data_version=base_version, dataset_data_version=data_version, shard_path=shard.path,
         shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=cfg.hf_checkpoint,
         prompt_data=cfg.prompt_data, eval_interval=cfg.eval_interval, adapter_path=adapter_dir,
+        distilled_from=[{"teacher": t, "kind": k, "content_hash": h} for t, k, h in teachers],
     )  # fmt: skip
     append_rows(paths, "policy_versions", run, [pv.row()])
     first = parent_version == 0
@@ -39,6 +42,7 @@ def record_policy_version(
             (cfg.prompt_data, "dataset", "prompt_data", data_version),
             (cfg.hf_checkpoint, "checkpoint", "base_checkpoint", base_version),
             *([(adapter_dir, "lora_adapter", "adapter", pv.content_hash)] if lora else []),
+            *((t, kind, "distilled_from", h) for t, kind, h in teachers),
         ],
     )  # fmt: skip
     return pv

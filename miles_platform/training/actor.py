@@ -27,6 +27,7 @@ from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backends import get_backend_class
 from miles_platform.training.checkpoint import LATEST, iter_dir, read_latest  # noqa: F401 (re-exported)
+from miles_platform.training.opd import OPDPenalty, build_teacher, in_trainer_teacher
 
 
 @dataclass
@@ -41,6 +42,9 @@ class TrainBatch:
     # sampling-support replay: per sample, per response token, the token ids it was drawn from
     # (None: sampled from the full vocabulary)
     rollout_sampling_supports: list[list[list[int]] | None] | None = None
+    # on-policy distillation, sglang mode (per sample, per response token; None: not scored)
+    teacher_log_probs: list[list[float] | None] | None = None
+    opd_reverse_kl: list[list[float] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,6 +52,8 @@ class TrainBatch:
     @classmethod
     def from_samples(cls, samples) -> TrainBatch:
         supports = [s.rollout_sampling_support for s in samples]
+        teacher = [s.teacher_log_probs for s in samples]
+        topk = [s.opd_reverse_kl for s in samples]
         return cls(
             tokens=[s.tokens for s in samples],
             response_lengths=[s.response_length for s in samples],
@@ -55,6 +61,8 @@ class TrainBatch:
             rewards=[s.raw_reward if s.raw_reward is not None else 0.0 for s in samples],
             rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
             rollout_sampling_supports=supports if any(x is not None for x in supports) else None,
+            teacher_log_probs=teacher if any(x is not None for x in teacher) else None,
+            opd_reverse_kl=topk if any(x is not None for x in topk) else None,
         )
 
 
@@ -90,6 +98,7 @@ class TrainerActor:
         self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
         self.model = self.backend.build(cfg.hf_checkpoint)
         self.ref = self._build_ref() if (cfg.use_kl_loss or cfg.kl_coef > 0) else None
+        self.teacher = build_teacher(cfg, rank, world_size) if in_trainer_teacher(cfg) else None
         self.critic = None
         if cfg.advantage_estimator == "ppo" and cfg.loss_type == "policy_loss":
             from miles_platform.training.critic import Critic
@@ -230,10 +239,17 @@ class TrainerActor:
         def add(k, v):
             metrics.setdefault(k, []).append(float(v))
 
+        opd = None
+        if cfg.use_opd:  # the teacher's signal; applied once the student's old log-probs exist
+            teacher = self._all_log_probs(self.teacher, batch, mine) if self.teacher is not None else None
+            opd = OPDPenalty(cfg, batch, teacher, add)
+            if not fused:
+                opd.apply(mine, adv, old)
+
         if not fused:
             self._alignment_metrics(batch, mine, old, rollout_lp, add)
         for s in range(steps):
-            self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add, fused)
+            self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add, fused, opd)
             if self.critic is not None:
                 self._critic_step(batch, self._my_indices(s), values, returns, add)
         if fused:
@@ -320,7 +336,7 @@ class TrainerActor:
                 add(k, val)
         add("train/critic_grad_norm", self.critic.step())
 
-    def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add, fused: bool = False):
+    def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add, fused: bool = False, opd=None):
         cfg = self.cfg
         mbs = self._micro_batches(batch, idx)
         n_local = len(idx)
@@ -333,6 +349,8 @@ class TrainerActor:
             lps, ents = self._response_log_probs(self.backend, batch, mb, with_entropy=need_ent)
             if fused:
                 old.update(zip(mb, (lp.detach() for lp in lps), strict=True))
+                if opd is not None:
+                    opd.apply(mb, adv, old)
             mb_batch = {
                 "advantages": [adv[i] for i in mb],
                 "old_log_probs": [old[i] for i in mb],

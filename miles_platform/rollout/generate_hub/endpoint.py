@@ -11,6 +11,7 @@ from typing import Any
 from miles_platform.data.sample import Sample, Status
 from miles_platform.rollout import client as engine_client
 from miles_platform.rollout.base_types import GenerateState
+from miles_platform.rollout.opd import STUDENT_TOP_KEY
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -66,6 +67,9 @@ def append_output(sample: Sample, output: dict, replay: bool) -> str:
             [int(t) for t in s] for s in support
         ]
         lps = [float(x) for x in lps]
+    top = meta.get("output_top_logprobs")
+    if top is not None:  # asked for by top-k OPD (rollout/opd.py reads and drops it)
+        sample.metadata[STUDENT_TOP_KEY] = list(sample.metadata.get(STUDENT_TOP_KEY, [])) + list(top)
     first = not sample.response_tokens
     sample.response_tokens = list(sample.response_tokens) + ids
     sample.rollout_log_probs = list(sample.rollout_log_probs) + lps

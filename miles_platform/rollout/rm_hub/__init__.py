@@ -114,6 +114,8 @@ def validate_reward_config(args) -> None:
         load_function(custom, "--custom-rm-path", required_params=2)
     elif getattr(args, "group_rm", False):
         raise ConfigError("--group-rm needs --custom-rm-path (a fn(args, samples) -> list of rewards)")
+    elif pure_opd(args):
+        pass  # pure on-policy distillation: reward 0, the teacher is the whole signal
     elif not args.rm_type:
         _check_every_prompt_names_a_reward(args)
     else:
@@ -135,8 +137,18 @@ async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
 
 
+def pure_opd(args) -> bool:
+    """--use-opd without --rm-type or --custom-rm-path: every sample's task reward is 0 (Miles' OPD
+    reward function returns 0), so the advantages are the teacher's reverse-KL penalty alone."""
+    return bool(
+        getattr(args, "use_opd", False) and not args.rm_type and not getattr(args, "custom_rm_path", None)
+    )
+
+
 async def async_rm(args, sample: Sample) -> Reward:
     """The reward of one sample (float, or a dict for multi-part rewards)."""
+    if pure_opd(args) and not (sample.metadata or {}).get("rm_type"):
+        return 0.0
     if getattr(args, "custom_rm_path", None):
         fn = load_function(args.custom_rm_path, "--custom-rm-path", required_params=2)
         return await _maybe_await(fn(args, sample))
