@@ -112,3 +112,19 @@ def test_lora_api_answers_like_sglang(engine, tiny_hf_checkpoint, tmp_path):
     with pytest.raises(Exception, match="expected"):
         engine.core.load_lora_adapter("bad", t, c)
     assert engine.core.lora_adapters() == {}
+
+
+def test_prefill_scoring_runs_under_the_requests_adapter(engine, tiny_hf_checkpoint, tmp_path):
+    """An OPD teacher (or the student's own top-k scoring) served with `lora_path`: the input
+    log-probs are the adapter's, equal to a PEFT forward, and a mixed batch keeps each row's policy."""
+    path = _random_adapter(tiny_hf_checkpoint, tmp_path / "s", ["q_proj", "down_proj"], seed=4)
+    post(engine.url, "/load_lora_adapter", {"lora_name": "s", "lora_path": path})
+    body = {"input_ids": [PROMPT, PROMPT], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}, "lora_path": ["s", None]}  # fmt: skip
+    with_lora, base = post(engine.url, "/generate", body)
+    for out, adapter in ((with_lora, path), (base, None)):
+        got = torch.tensor([e[0] for e in out["meta_info"]["input_token_logprobs"][1:]])
+        want = _peft_log_probs(tiny_hf_checkpoint, adapter, PROMPT[:1], PROMPT[1:])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    assert (torch.tensor([e[0] for e in with_lora["meta_info"]["input_token_logprobs"][1:]])
+            - torch.tensor([e[0] for e in base["meta_info"]["input_token_logprobs"][1:]])).abs().max() > 1e-3  # fmt: skip
