@@ -21,6 +21,7 @@ LONGEST_FIRST = {
     "test_learning.py": 1000, "test_loop.py": 300, "test_ui_browser.py": 70, "test_multi_rank.py": 45,
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
     "test_trackers.py": 25, "test_ops_training.py": 25, "test_lora_loop.py": 60, "test_lora_assets.py": 25,
+    "test_opd_loop.py": 50, "test_opd.py": 30,
 }  # fmt: skip
 
 
@@ -40,6 +41,8 @@ SLOW = {
     "test_disk_delta_run_resumes_past_versions_published_after_its_checkpoint",
     "test_mooncake_handoff_and_weight_transport", "test_lora_run_syncs_adapters_only_and_resumes",
     "test_lora_version_materializes_lora_adapters_and_points_policy_versions_at_it",
+    "test_opd_run_with_ci_test_records_teacher_scores_metrics_and_lineage",
+    "test_the_launchpad_runs_opd_and_policy_versions_name_the_teacher", "test_the_in_trainer_teacher_on_the_megatron_backend",
 }  # fmt: skip
 
 
