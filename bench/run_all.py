@@ -103,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--one", help="run one module in this process (used by the runner)")
     p.add_argument("--only", nargs="*", help="module names to run (default: all bench_*.py)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per module")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds per module (bench_e2e with TRL: ~270 s on a busy 2-core box)",
+    )
     p.add_argument("--out", default=str(RESULTS), help="results JSON path")
     a = p.parse_args(argv)
     if a.one:
