@@ -87,24 +87,18 @@ def _few_threads():
     yield
 
 
-def save_tiny_checkpoint(path) -> str:
-    """A random tiny Qwen3 checkpoint + our tokenizer, saved as an HF dir at `path` (< 2 s). The
-    `tiny_hf_checkpoint` fixture; scripts/gpu_checks.py builds its checkpoint with this too."""
+def save_tiny_checkpoint(path, family: str = "qwen3") -> str:
+    """A random tiny checkpoint of `family` (qwen3, qwen2, llama: miles_platform.models.families)
+    + our tokenizer, saved as an HF dir at `path` (< 2 s). The `tiny_hf_checkpoint` fixture (Qwen3);
+    scripts/gpu_checks.py builds its checkpoint with this too."""
     from miles_platform.models.checkpoint import save_hf_checkpoint
-    from miles_platform.models.qwen3 import build_model, tiny_qwen3_config
+    from miles_platform.models.families import build_model, tiny_config
     from miles_platform.models.tokenizer import train_tokenizer
 
     corpus = [f"What is {a}+{b}? {a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
     tok = train_tokenizer(corpus, vocab_size=128)
-    cfg = tiny_qwen3_config(
-        len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_hidden_layers=2,
-    )
+    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    cfg = tiny_config(family, len(tok), **dims, head_dim=16, num_hidden_layers=2)
     save_hf_checkpoint(build_model(cfg, seed=0), tok, path)
     return str(path)
 
