@@ -21,6 +21,7 @@ LONGEST_FIRST = {
     "test_learning.py": 1000, "test_loop.py": 300, "test_ui_browser.py": 70, "test_multi_rank.py": 45,
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
     "test_trackers.py": 25, "test_ops_training.py": 25, "test_lora_loop.py": 60, "test_lora_assets.py": 25,
+    "test_model_families_loop.py": 240, "test_model_families_megatron.py": 90,
 }  # fmt: skip
 
 
@@ -40,6 +41,8 @@ SLOW = {
     "test_disk_delta_run_resumes_past_versions_published_after_its_checkpoint",
     "test_mooncake_handoff_and_weight_transport", "test_lora_run_syncs_adapters_only_and_resumes",
     "test_lora_version_materializes_lora_adapters_and_points_policy_versions_at_it",
+    "test_family_loop_ci_disk_delta_and_resume", "test_hf_to_torch_dist_to_hf_is_bit_exact",
+    "test_megatron_logits_loss_grads_match_hf_in_fp32", "test_without_the_family_mapping_parity_fails",
 }  # fmt: skip
 
 
