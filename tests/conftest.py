@@ -22,6 +22,7 @@ LONGEST_FIRST = {
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
     "test_trackers.py": 25, "test_ops_training.py": 25, "test_lora_loop.py": 60, "test_lora_assets.py": 25,
     "test_opd_loop.py": 50, "test_opd.py": 30,
+    "test_model_families_loop.py": 240, "test_model_families_megatron.py": 90,
 }  # fmt: skip
 
 
@@ -43,6 +44,8 @@ SLOW = {
     "test_lora_version_materializes_lora_adapters_and_points_policy_versions_at_it",
     "test_opd_run_with_ci_test_records_teacher_scores_metrics_and_lineage",
     "test_the_launchpad_runs_opd_and_policy_versions_name_the_teacher", "test_the_in_trainer_teacher_on_the_megatron_backend",
+    "test_family_loop_ci_disk_delta_and_resume", "test_hf_to_torch_dist_to_hf_is_bit_exact",
+    "test_megatron_logits_loss_grads_match_hf_in_fp32", "test_without_the_family_mapping_parity_fails",
 }  # fmt: skip
 
 
@@ -90,24 +93,18 @@ def _few_threads():
     yield
 
 
-def save_tiny_checkpoint(path) -> str:
-    """A random tiny Qwen3 checkpoint + our tokenizer, saved as an HF dir at `path` (< 2 s). The
-    `tiny_hf_checkpoint` fixture; scripts/gpu_checks.py builds its checkpoint with this too."""
+def save_tiny_checkpoint(path, family: str = "qwen3") -> str:
+    """A random tiny checkpoint of `family` (qwen3, qwen2, llama: miles_platform.models.families)
+    + our tokenizer, saved as an HF dir at `path` (< 2 s). The `tiny_hf_checkpoint` fixture (Qwen3);
+    scripts/gpu_checks.py builds its checkpoint with this too."""
     from miles_platform.models.checkpoint import save_hf_checkpoint
-    from miles_platform.models.qwen3 import build_model, tiny_qwen3_config
+    from miles_platform.models.families import build_model, tiny_config
     from miles_platform.models.tokenizer import train_tokenizer
 
     corpus = [f"What is {a}+{b}? {a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
     tok = train_tokenizer(corpus, vocab_size=128)
-    cfg = tiny_qwen3_config(
-        len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_hidden_layers=2,
-    )
+    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    cfg = tiny_config(family, len(tok), **dims, head_dim=16, num_hidden_layers=2)
     save_hf_checkpoint(build_model(cfg, seed=0), tok, path)
     return str(path)
 

@@ -1,5 +1,7 @@
 """Bridge: HF <-> megatron names and layouts, without megatron or torch.distributed."""
 
+import re
+
 import pytest
 import torch
 
@@ -105,7 +107,11 @@ def test_missing_megatron_tensor_is_named():
         get_bridge(cfg).megatron_to_hf(mc, cfg)
 
 
-def test_unsupported_architecture_lists_supported():
-    assert "Qwen3ForCausalLM" in supported_architectures()
-    with pytest.raises(CheckpointError, match=r"LlamaForCausalLM.*Qwen3ForCausalLM"):
-        get_bridge({"architectures": ["LlamaForCausalLM"]})
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "GPT2LMHeadModel"])
+def test_unsupported_architecture_lists_supported(arch):
+    supported = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert supported_architectures() == supported
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"['{arch}'] has no megatron bridge; supported: {supported}")
+    ):
+        get_bridge({"architectures": [arch]})

@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 
 from miles_platform.errors import CheckpointError
+from miles_platform.models.families import SUPPORTED_ARCHITECTURES
 from miles_platform.store.atomic import fsync_tree, replace_dir
-
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
 def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dict:

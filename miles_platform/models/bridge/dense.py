@@ -1,0 +1,285 @@
+"""Dense decoder-only HF models (Qwen3, Qwen2, Llama) <-> megatron-core GPTModel.
+
+HF                                            megatron (local spec; TE spec name in brackets)
+model.embed_tokens.weight                     embedding.word_embeddings.weight
+model.layers.i.input_layernorm.weight         decoder.layers.i.input_layernorm.weight
+                                                [decoder.layers.i.self_attention.linear_qkv.layer_norm_weight]
+model.layers.i.self_attn.{q,k,v}_proj.weight  decoder.layers.i.self_attention.linear_qkv.weight
+model.layers.i.self_attn.{q,k,v}_proj.bias    decoder.layers.i.self_attention.linear_qkv.bias  (qkv_bias)
+model.layers.i.self_attn.{q,k}_norm.weight    decoder.layers.i.self_attention.{q,k}_layernorm.weight (qk_norm)
+model.layers.i.self_attn.o_proj.weight        decoder.layers.i.self_attention.linear_proj.weight
+model.layers.i.post_attention_layernorm.weight decoder.layers.i.pre_mlp_layernorm.weight
+                                                [decoder.layers.i.mlp.linear_fc1.layer_norm_weight]
+model.layers.i.mlp.{gate,up}_proj.weight      decoder.layers.i.mlp.linear_fc1.weight  ([gate; up])
+model.layers.i.mlp.down_proj.weight           decoder.layers.i.mlp.linear_fc2.weight
+model.norm.weight                             decoder.final_layernorm.weight
+lm_head.weight (untied only)                  output_layer.weight (untied only)
+
+linear_qkv rows (and its bias) are grouped per query group g: [q heads of g (q_per_group*head_dim);
+k_g (head_dim); v_g (head_dim)], which is what lets TP split it on dim 0 by whole groups.
+
+RoPE: `rope_type` default, or llama3 (Llama 3.1+) with megatron's built-in scaling, whose
+low/high frequency factors and original context are fixed at Llama's 1 / 4 / 8192; a config that
+asks for anything else is refused by name rather than served with other frequencies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from miles_platform.errors import CheckpointError
+from miles_platform.models.bridge.base import Bridge, hf_config_dict, padded_vocab
+
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+# megatron-core RotaryEmbedding._apply_scaling's fixed llama3 parameters
+MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def rope_params(c: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta + scaling of a config.json dict: transformers 5 writes `rope_parameters`, older
+    checkpoints (Llama 3.x as published) `rope_theta` + `rope_scaling`."""
+    out = dict(c.get("rope_scaling") or {})
+    out.update(c.get("rope_parameters") or {})
+    out.setdefault("rope_theta", c.get("rope_theta") or 10000.0)
+    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    return out
+
+
+class Dims:
+    """The HF config fields the mapping needs, checked against what megatron can represent."""
+
+    def __init__(self, hf_config: Any, family: str, qkv_bias: bool):
+        c = hf_config_dict(hf_config)
+        self.family = family
+        self.qkv_bias = qkv_bias
+        self.hidden = c["hidden_size"]
+        self.layers = c["num_hidden_layers"]
+        self.heads = c["num_attention_heads"]
+        self.groups = c.get("num_key_value_heads") or self.heads
+        self.head_dim = c.get("head_dim") or self.hidden // self.heads
+        self.ffn = c["intermediate_size"]
+        self.vocab = c["vocab_size"]
+        self.tied = bool(c.get("tie_word_embeddings", False))
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.max_pos = c.get("max_position_embeddings", 4096)
+        rope = rope_params(c)
+        self.rope_theta = rope["rope_theta"]
+        self.rope_scaling_factor: float | None = None
+        if rope["rope_type"] == "llama3":
+            fixed = {k: rope.get(k) for k in MEGATRON_LLAMA3_ROPE}
+            if fixed != MEGATRON_LLAMA3_ROPE:
+                raise CheckpointError(
+                    f"{family} config: llama3 rope with {fixed}; the megatron backend supports "
+                    f"{MEGATRON_LLAMA3_ROPE} (Llama 3.1-3.3); use --train-backend fsdp for this checkpoint"
+                )
+            self.rope_scaling_factor = float(rope["factor"])
+        elif rope["rope_type"] != "default":
+            raise CheckpointError(
+                f"{family} config: rope_type {rope['rope_type']!r} has no megatron mapping (supported: "
+                "default, llama3); use --train-backend fsdp for this checkpoint"
+            )
+        if c.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{family} config: hidden_act {c['hidden_act']!r}; the bridge maps silu")
+        if self.heads % self.groups:
+            raise CheckpointError(
+                f"{family} config: num_attention_heads {self.heads} not divisible by num_key_value_heads {self.groups}"
+            )
+        self.q_per_group = self.heads // self.groups
+
+
+def take(sd: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    if name not in sd:
+        raise CheckpointError(f"{where}: missing tensor {name!r}")
+    t = sd[name]
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(
+            f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config expects {tuple(shape)}"
+        )
+    return t
+
+
+class DenseBridge(Bridge):
+    """A dense GQA decoder with SwiGLU MLP and RMSNorm; subclasses name the family's differences."""
+
+    family = "dense"
+    qk_norm = False  # per-head RMSNorm on q and k (Qwen3)
+
+    def qkv_bias(self, c: dict[str, Any]) -> bool:
+        """Whether q/k/v projections carry biases; refuse what megatron's GPT layer cannot hold."""
+        if c.get("attention_bias") or c.get("mlp_bias"):
+            raise CheckpointError(
+                f"{self.family} config: attention_bias / mlp_bias = true (o_proj / MLP biases) has no "
+                "megatron mapping here; use --train-backend fsdp for this checkpoint"
+            )
+        return False
+
+    def dims(self, hf_config: Any) -> Dims:
+        c = hf_config_dict(hf_config)
+        return Dims(c, self.family, self.qkv_bias(c))
+
+    def transformer_config(self, hf_config: Any) -> dict[str, Any]:
+        d = self.dims(hf_config)
+        return dict(
+            num_layers=d.layers,
+            hidden_size=d.hidden,
+            ffn_hidden_size=d.ffn,
+            num_attention_heads=d.heads,
+            num_query_groups=d.groups,
+            kv_channels=d.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=d.eps,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=d.qkv_bias,
+            qk_layernorm=self.qk_norm,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            # fused kernels are CUDA/TE-only or change rounding; the torch paths match HF in fp32
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            gradient_accumulation_fusion=False,
+        )
+
+    def gpt_model_kwargs(self, hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
+        d = self.dims(hf_config)
+        kw = dict(
+            vocab_size=padded_vocab(d.vocab, tensor_model_parallel_size),
+            max_sequence_length=d.max_pos,
+            position_embedding_type="rope",
+            rotary_base=d.rope_theta,
+            share_embeddings_and_output_weights=d.tied,
+        )
+        if d.rope_scaling_factor is not None:
+            kw.update(rope_scaling=True, rope_scaling_factor=d.rope_scaling_factor)
+        return kw
+
+    def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
+        return dict(qk_layernorm=self.qk_norm)
+
+    def hf_to_megatron(self, hf_sd, config, *, fused_norms=False, padded_vocab_size=None):
+        d = self.dims(config)
+        where = "HF checkpoint"
+        used: set[str] = set()
+
+        def get(name, shape):
+            used.add(name)
+            return take(hf_sd, name, shape, where)
+
+        H, hd, g, qpg = d.hidden, d.head_dim, d.groups, d.q_per_group
+        out: dict[str, torch.Tensor] = {}
+        emb = get("model.embed_tokens.weight", (d.vocab, H))
+        out["embedding.word_embeddings.weight"] = _pad_rows(emb, padded_vocab_size)
+        for i in range(d.layers):
+            hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+            q = get(hp + "self_attn.q_proj.weight", (d.heads * hd, H)).reshape(g, qpg * hd, H)
+            k = get(hp + "self_attn.k_proj.weight", (g * hd, H)).reshape(g, hd, H)
+            v = get(hp + "self_attn.v_proj.weight", (g * hd, H)).reshape(g, hd, H)
+            out[mp + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
+            if d.qkv_bias:
+                qb = get(hp + "self_attn.q_proj.bias", (d.heads * hd,)).reshape(g, qpg * hd)
+                kb = get(hp + "self_attn.k_proj.bias", (g * hd,)).reshape(g, hd)
+                vb = get(hp + "self_attn.v_proj.bias", (g * hd,)).reshape(g, hd)
+                out[mp + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
+            if self.qk_norm:
+                out[mp + "self_attention.q_layernorm.weight"] = get(hp + "self_attn.q_norm.weight", (hd,))
+                out[mp + "self_attention.k_layernorm.weight"] = get(hp + "self_attn.k_norm.weight", (hd,))
+            out[mp + "self_attention.linear_proj.weight"] = get(
+                hp + "self_attn.o_proj.weight", (H, d.heads * hd)
+            )
+            gate = get(hp + "mlp.gate_proj.weight", (d.ffn, H))
+            up = get(hp + "mlp.up_proj.weight", (d.ffn, H))
+            out[mp + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+            out[mp + "mlp.linear_fc2.weight"] = get(hp + "mlp.down_proj.weight", (H, d.ffn))
+            in_norm = get(hp + "input_layernorm.weight", (H,))
+            mlp_norm = get(hp + "post_attention_layernorm.weight", (H,))
+            if fused_norms:
+                out[mp + "self_attention.linear_qkv.layer_norm_weight"] = in_norm
+                out[mp + "mlp.linear_fc1.layer_norm_weight"] = mlp_norm
+            else:
+                out[mp + "input_layernorm.weight"] = in_norm
+                out[mp + "pre_mlp_layernorm.weight"] = mlp_norm
+        out["decoder.final_layernorm.weight"] = get("model.norm.weight", (H,))
+        if not d.tied:
+            out["output_layer.weight"] = _pad_rows(get("lm_head.weight", (d.vocab, H)), padded_vocab_size)
+        else:
+            used.add("lm_head.weight")  # tied copies, if saved, are the embedding
+        extra = [k for k in hf_sd if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES)]
+        if extra:
+            raise CheckpointError(f"{where}: unexpected tensor(s) for this config: {sorted(extra)[:5]}")
+        return out
+
+    def megatron_to_hf(self, mcore_sd, config):
+        d = self.dims(config)
+        where = "megatron state"
+        H, hd, g, qpg = d.hidden, d.head_dim, d.groups, d.q_per_group
+        V = d.vocab
+
+        def get(name, shape):
+            return take(mcore_sd, name, shape, where)
+
+        def get_vocab(name):
+            if name not in mcore_sd:
+                raise CheckpointError(f"{where}: missing tensor {name!r}")
+            t = mcore_sd[name]
+            if t.dim() != 2 or t.shape[1] != H or t.shape[0] < V:
+                raise CheckpointError(
+                    f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config expects ({V}, {H})"
+                )
+            return t[:V]
+
+        def norm(fused: str, local: str):
+            return get(fused if fused in mcore_sd else local, (H,))
+
+        out: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": get_vocab("embedding.word_embeddings.weight")
+        }
+        for i in range(d.layers):
+            hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+            qkv = get(mp + "self_attention.linear_qkv.weight", (g * (qpg + 2) * hd, H)).reshape(
+                g, (qpg + 2) * hd, H
+            )
+            q, k, v = qkv.split([qpg * hd, hd, hd], dim=1)
+            out[hp + "self_attn.q_proj.weight"] = q.reshape(-1, H)
+            out[hp + "self_attn.k_proj.weight"] = k.reshape(-1, H)
+            out[hp + "self_attn.v_proj.weight"] = v.reshape(-1, H)
+            if d.qkv_bias:
+                b = get(mp + "self_attention.linear_qkv.bias", (g * (qpg + 2) * hd,)).reshape(g, -1)
+                qb, kb, vb = b.split([qpg * hd, hd, hd], dim=1)
+                out[hp + "self_attn.q_proj.bias"] = qb.reshape(-1)
+                out[hp + "self_attn.k_proj.bias"] = kb.reshape(-1)
+                out[hp + "self_attn.v_proj.bias"] = vb.reshape(-1)
+            if self.qk_norm:
+                out[hp + "self_attn.q_norm.weight"] = get(mp + "self_attention.q_layernorm.weight", (hd,))
+                out[hp + "self_attn.k_norm.weight"] = get(mp + "self_attention.k_layernorm.weight", (hd,))
+            out[hp + "self_attn.o_proj.weight"] = get(
+                mp + "self_attention.linear_proj.weight", (H, d.heads * hd)
+            )
+            gate, up = get(mp + "mlp.linear_fc1.weight", (2 * d.ffn, H)).chunk(2, dim=0)
+            out[hp + "mlp.gate_proj.weight"] = gate
+            out[hp + "mlp.up_proj.weight"] = up
+            out[hp + "mlp.down_proj.weight"] = get(mp + "mlp.linear_fc2.weight", (H, d.ffn))
+            out[hp + "input_layernorm.weight"] = norm(
+                mp + "self_attention.linear_qkv.layer_norm_weight", mp + "input_layernorm.weight"
+            )
+            out[hp + "post_attention_layernorm.weight"] = norm(
+                mp + "mlp.linear_fc1.layer_norm_weight", mp + "pre_mlp_layernorm.weight"
+            )
+        out["model.norm.weight"] = get("decoder.final_layernorm.weight", (H,))
+        if not d.tied:
+            out["lm_head.weight"] = get_vocab("output_layer.weight")
+        return {k: v.contiguous() for k, v in out.items()}
+
+
+def _pad_rows(t: torch.Tensor, rows: int | None) -> torch.Tensor:
+    if rows is None or rows == t.shape[0]:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)

@@ -1,0 +1,107 @@
+"""The dense model families the platform takes, and a tiny random config of each for tests.
+
+Every family is a real HF architecture (transformers' own classes serve as the reference on the
+HF side); a family's megatron mapping lives in `models/bridge/<family>.py`. Real checkpoints of
+these families load unchanged; `validate_hf_dir` refuses any other architecture with this list.
+
+family   HF architecture      what differs from Qwen3 on the megatron side
+qwen3    Qwen3ForCausalLM     (reference) q/k RMSNorm per head, no biases
+qwen2    Qwen2ForCausalLM     q/k/v biases (megatron `add_qkv_bias`), no q/k norm (Qwen2.5)
+llama    LlamaForCausalLM     no q/k norm, no biases, rope_type llama3 (Llama 3.1+) -> `rope_scaling`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architecture: str
+    config_class: str
+    tiny: dict[str, Any]  # what the tiny config sets beyond the shared dims
+
+
+# Llama 3.2's rope: theta 5e5, llama3 scaling (factor 32, low/high 1/4, original context 8192). With
+# theta 5e5 the slowest ~40% of the rotary frequencies of a tiny head are divided by 32, so the
+# tiny Llama exercises the scaling (at head_dim 16: 3 of 8 divided, 1 smoothed).
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen3", "Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 32, "rope_theta": 10000.0}),
+        Family(
+            "qwen2", "Qwen2ForCausalLM", "Qwen2Config", {"rope_theta": 10000.0, "use_sliding_window": False}
+        ),
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            "LlamaConfig",
+            # the real one's context: transformers wants max_position_embeddings > the original 8192
+            {"head_dim": 32, "rope_parameters": _LLAMA3_ROPE, "max_position_embeddings": 131072},
+        ),
+    )
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(f.architecture for f in FAMILIES.values())
+
+
+def family_of(hf_config: Any) -> Family | None:
+    """The family of an HF config (PretrainedConfig or config.json dict), or None."""
+    cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    archs = cfg.get("architectures") or []
+    return next((f for f in FAMILIES.values() if f.architecture in archs), None)
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    """A tiny random config of `family` (a few hundred thousand parameters at the defaults)."""
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r}: supported {sorted(FAMILIES)}")
+    import transformers
+
+    fam = FAMILIES[family]
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        torch_dtype="float32",
+        architectures=[fam.architecture],
+    )
+    cfg.update(fam.tiny)
+    cfg.update(overrides)
+    return getattr(transformers, fam.config_class)(**cfg)
+
+
+def build_model(config, seed: int = 0) -> torch.nn.Module:
+    """The family's HF model with random weights (eval mode). HF initializes biases to zero; the
+    tiny model draws them like the weights, so the bias mapping of every path carries real values."""
+    import transformers
+
+    fam = family_of(config)
+    arch = fam.architecture if fam else (config.architectures or ["Qwen3ForCausalLM"])[0]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, config.initializer_range)
+    model.eval()
+    return model
