@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +106,12 @@ def run_quickstart(
     _materialize_assets(
         defs, ["base_checkpoint"], instance, run_config={"ops": {"base_checkpoint": {"config": base_cfg}}}
     )
-    _log("materializing converted_checkpoint (HF -> megatron torch_dist, round-trip check)")
-    _materialize_assets(defs, ["converted_checkpoint"], instance)
+    # The conversion (two subprocesses, mostly megatron's import) runs beside the GRPO run: the
+    # rollout/train alternation keeps about one of two cores busy, and the RL run (fsdp) does not
+    # read the torch_dist checkpoint. It must succeed all the same: joined below.
+    _log("materializing converted_checkpoint (HF -> megatron torch_dist, round-trip check), beside training")
+    conversion = ThreadPoolExecutor(1, thread_name_prefix="conversion")
+    converted = conversion.submit(_materialize_assets, defs, ["converted_checkpoint"], instance)
     base_md = _metadata(instance, "base_checkpoint")
     base_path = str(base_md["path"])
     eval_path = str(_metadata(instance, "eval_dataset")["path"])
@@ -116,7 +121,15 @@ def run_quickstart(
     # the storage root is the `storage` resource's (MILES_STORAGE_ROOT above), not run config
     rl = dict(DEMO_RL, run_name=run, seed=seed, num_rollout=num_rollout, rollout_seed=seed)
     job = defs.get_job_def("rl_training")
-    res = job.execute_in_process(run_config={"ops": {"rl_training_op": {"config": rl}}}, instance=instance)
+    try:
+        res = job.execute_in_process(
+            run_config={"ops": {"rl_training_op": {"config": rl}}}, instance=instance
+        )
+    except BaseException:
+        conversion.shutdown(wait=True)  # the training error is the one to report
+        raise
+    converted.result()  # a failed conversion fails the demo too
+    conversion.shutdown()
     out = res.output_for_node("rl_training_op")
     final_key = f"{out['run']}.v{out['final_version']:06d}"
 

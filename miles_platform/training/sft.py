@@ -45,7 +45,7 @@ class SFTRecipe:
     clip_grad: float = 1.0
     global_batch_size: int = 128
     micro_batch_size: int = 128
-    train_iters: int | None = 1500
+    train_iters: int | None = 600  # past the loss plateau; docs/sft_base.md (1500 until 2026-12-01)
     num_epoch: float | None = None  # used when train_iters is None
     seed: int = 1234
     log_interval: int = 25
