@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +108,12 @@ def run_quickstart(
     )
     # The conversion (two subprocesses, mostly megatron's import) runs beside the GRPO run: the
     # rollout/train alternation keeps about one of two cores busy, and the RL run (fsdp) does not
-    # read the torch_dist checkpoint. It must succeed all the same: joined below.
+    # read the torch_dist checkpoint. Its own process: one Dagster materialization per process at
+    # a time (two threads of one process deadlock). It must succeed all the same: joined below.
     _log("materializing converted_checkpoint (HF -> megatron torch_dist, round-trip check), beside training")
-    conversion = ThreadPoolExecutor(1, thread_name_prefix="conversion")
-    converted = conversion.submit(_materialize_assets, defs, ["converted_checkpoint"], instance)
+    conversion = subprocess.Popen(
+        [sys.executable, "-m", "miles_platform.quickstart", "--storage-root", root, "--materialize", "converted_checkpoint"]
+    )  # fmt: skip
     base_md = _metadata(instance, "base_checkpoint")
     base_path = str(base_md["path"])
     eval_path = str(_metadata(instance, "eval_dataset")["path"])
@@ -126,10 +128,14 @@ def run_quickstart(
             run_config={"ops": {"rl_training_op": {"config": rl}}}, instance=instance
         )
     except BaseException:
-        conversion.shutdown(wait=True)  # the training error is the one to report
+        conversion.wait()  # the training error is the one to report
         raise
-    converted.result()  # a failed conversion fails the demo too
-    conversion.shutdown()
+    if conversion.wait() != 0:  # a failed conversion fails the demo too
+        from miles_platform.errors import MilesError
+
+        raise MilesError(
+            f"materializing converted_checkpoint failed (exit {conversion.returncode}; its log is above)"
+        )
     out = res.output_for_node("rl_training_op")
     final_key = f"{out['run']}.v{out['final_version']:06d}"
 
@@ -224,6 +230,20 @@ def print_summary(s: dict[str, Any]) -> None:
     print("see it in the UI: make ui  (http://127.0.0.1:3000)")
 
 
+def _materialize_one(root: str, key: str) -> int:
+    """One asset and its checks into the demo's instance (run beside training by run_quickstart)."""
+    root = os.path.abspath(root)
+    os.environ["DAGSTER_HOME"] = _dagster_home(root)
+    os.environ["MILES_STORAGE_ROOT"] = root
+    import dagster as dg
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import definitions
+
+    _materialize_assets(definitions.defs, [key], dg.DagsterInstance.get())
+    return 0
+
+
 def cli_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="miles-platform quickstart", description=__doc__.splitlines()[0])
     ap.add_argument("--storage-root", default=".miles")
@@ -233,7 +253,14 @@ def cli_main(argv: list[str]) -> int:
         "--eval-every", type=int, default=10, help="evaluate every N-th policy version (and the last)"
     )
     ap.add_argument("--sft-iters", type=int, default=None, help="override the SFT recipe's train iterations")
+    ap.add_argument("--materialize", metavar="ASSET", help=argparse.SUPPRESS)  # one asset (the demo's helper)
     args = ap.parse_args(argv)
+    if args.materialize:
+        return _materialize_one(args.storage_root, args.materialize)
     summary = run_quickstart(args.storage_root, args.num_rollout, args.seed, args.eval_every, args.sft_iters)
     print_summary(summary)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(sys.argv[1:]))
