@@ -33,9 +33,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# pytest-xdist: TEST_WORKERS processes (the 2 cores here; tests sharing a module fixture stay together)
+# pytest-xdist: TEST_WORKERS processes (the 2 cores here), one file per worker at a time
 TEST_WORKERS ?= 2
-XDIST     := -n $(TEST_WORKERS) --dist loadgroup
+XDIST     := -n $(TEST_WORKERS) --dist loadfile
 
 test: install lint
 	$(BIN)/python -m pytest -q -m "not gpu" $(XDIST) --durations=15

@@ -15,8 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-# `make test` runs on pytest-xdist workers with --dist loadgroup. The longest files go first, so
-# no worker is left with a long file at the end (seconds on 2 cores, serial run of 2026-12-01).
+# `make test` runs on pytest-xdist workers with --dist loadfile: a file's tests share its module
+# fixtures (an SFT base, a server) on one worker. (--dist loadgroup with xdist_group marks does not
+# group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
+# longest files go first, so no worker is left with a long file at the end (seconds on 2 cores).
 LONGEST_FIRST = {
     "test_learning.py": 1000, "test_loop.py": 300, "test_ui_browser.py": 70, "test_multi_rank.py": 45,
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
@@ -49,16 +51,6 @@ SLOW = {
 }  # fmt: skip
 
 
-def _shares_module_fixtures(item) -> bool:
-    """A file whose tests share a module-scoped fixture (an SFT base, a server) stays on one worker;
-    the others' tests spread over the workers one by one."""
-    return any(
-        item.session._fixturemanager.getfixturedefs(name, item)[-1].scope in ("module", "class")
-        for name in getattr(item, "fixturenames", ())
-        if item.session._fixturemanager.getfixturedefs(name, item)
-    )
-
-
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -72,8 +64,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if getattr(item, "originalname", item.name) in SLOW:
             item.add_marker(pytest.mark.slow)
-        if _shares_module_fixtures(item):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
     items.sort(key=lambda it: -LONGEST_FIRST.get(it.path.name, 0))  # stable: file order otherwise
 
 
