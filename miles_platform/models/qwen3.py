@@ -7,23 +7,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 
 def tiny_qwen3_config(vocab_size: int, **overrides) -> Qwen3Config:
-    cfg = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        attention_dropout=0.0,
-        torch_dtype="float32",
-    )
-    cfg.update(overrides)
-    return Qwen3Config(**cfg)
+    """The tiny Qwen3 of the demo and the tests: `models.families.tiny_config("qwen3", ...)`."""
+    from miles_platform.models.families import tiny_config
+
+    return tiny_config("qwen3", vocab_size, **overrides)
 
 
 def build_model(config: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
