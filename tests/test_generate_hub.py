@@ -7,6 +7,7 @@ get loss mask 0 and log-prob 0 (and the singleton support under replay)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -136,6 +137,18 @@ def test_a_three_turn_episode_matches_a_teacher_forced_forward(tiny_hf_checkpoin
     ) + [1] * len(turns[2])
     assert s.status == "completed" and s.metadata["turns"] == 3 and s.metadata["tool_call_count"] == 2
     assert metrics["multi_turn/turns/mean"] == 3 and metrics["rollout/failed"] == 0
+    assert metrics["multi_turn/with_tool_call"] == 1 and metrics["multi_turn/tool_calls/failed"] == 0
+    # every turn recorded: roles, spans over response_tokens, the calls with their results
+    assert [t["role"] for t in s.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    ends = list(itertools.accumulate(len(x) for x in (turns[0], tools[0], turns[1], tools[1], turns[2])))
+    assert [(t["start"], t["end"]) for t in s.turns] == list(zip([0, *ends[:-1]], ends))
+    for t in s.turns:
+        assert set(s.loss_mask[t["start"] : t["end"]]) == {int(t["role"] == "assistant")}
+    assert [c["result"] for t in s.turns if t["role"] == "tool" for c in t["tool_calls"]] == ["5", "12"]
+    assert s.turns[0]["tool_calls"] == [
+        {"name": "add", "arguments": '{"a": 2, "b": 3}', "result": None, "error": None}
+    ]
+    assert s.turns[-1]["finish_reason"] == "stop" and s.turns[-1]["tool_calls"] == []
     # every turn sent the trajectory so far, with what is left of the budget
     prefix = s.prompt_tokens + turns[0] + tools[0]
     assert seen[1]["input_ids"] == prefix and seen[1]["sampling_params"]["max_new_tokens"] == 200 - len(
@@ -174,6 +187,10 @@ def test_a_trajectory_past_the_response_budget_is_truncated(tiny_hf_checkpoint, 
         == first + 3
     )
     assert s.loss_mask == [1] * first + [0] * 3
+    assert [(t["role"], t["start"], t["end"]) for t in s.turns] == [
+        ("assistant", 0, first),
+        ("tool", first, first + 3),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -189,7 +206,9 @@ def test_a_tool_that_raises_or_times_out_fails_the_episode(tiny_hf_checkpoint, h
     )
     assert s.status == "failed" and why in s.metadata["tool_error"] and len(seen) == 1
     assert s.remove_sample and s.loss_mask == [0] * len(s.response_tokens)  # kept out of the loss
-    assert metrics["rollout/failed"] == 1.0
+    assert metrics["rollout/failed"] == 1.0 and metrics["multi_turn/tool_calls/failed"] == 1.0
+    [call] = s.turns[-1]["tool_calls"]
+    assert s.turns[-1]["role"] == "tool" and call["name"] == "add" and why in call["error"]
 
 
 def test_the_qwen25_parser_reads_tool_calls_as_sglang_does():
@@ -326,6 +345,19 @@ def test_multi_turn_new_form_in_a_ci_test_run(tiny_hf_checkpoint, tmp_path):
             for j in tool
         )
     assert any(0 in s.loss_mask and 1 in s.loss_mask for s in samples)
+    # the shard keeps every turn: tool calls per episode and per tool, in SQL over the rollouts view
+    _, rows = Catalog(StoragePaths(cfg.storage_root)).query(
+        "SELECT index, len(list_filter(turns, lambda t: t.role = 'tool')) AS tool_turns, "
+        "len(flatten(list_transform(list_filter(turns, lambda t: t.role = 'tool'), lambda t: t.tool_calls))) AS calls "
+        f"FROM rollouts WHERE run = '{cfg.run_name}' ORDER BY index"
+    )
+    assert [(r[1], r[2]) for r in rows] == [(s.metadata["tool_call_count"],) * 2 for s in samples]
+    _, per_tool = Catalog(StoragePaths(cfg.storage_root)).query(
+        "SELECT c.name, count(*), count(c.error) FROM (SELECT unnest(flatten(list_transform(turns, "
+        f"lambda t: t.tool_calls))) AS c FROM rollouts WHERE run = '{cfg.run_name}') WHERE c.result IS NOT NULL "
+        "GROUP BY 1"
+    )
+    assert per_tool == [("add", sum(s.metadata["tool_call_count"] for s in samples), 0)]
 
 
 def test_old_form_generate_runs_the_fully_async_rollout_and_the_eval(tiny_hf_checkpoint, tmp_path):

@@ -42,6 +42,10 @@ class Sample:
     # (sampled-token OPD) or the top-k reverse-KL estimate (--opd-log-prob-top-k > 0); None: not scored
     teacher_log_probs: list[float] | None = None
     opd_reverse_kl: list[float] | None = None
+    # multi-turn episodes: one entry per assistant or tool turn, in order (see TURN_KEYS); None for
+    # single-turn samples. Spans index response_tokens, so loss masks and log-probs of a turn are
+    # response_tokens[start:end] of the same row.
+    turns: list[dict[str, Any]] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -94,7 +98,49 @@ class Sample:
         for k in ("teacher_log_probs", "opd_reverse_kl"):
             if row.get(k) is not None:
                 row[k] = [float(x) for x in row[k]]
+        if row.get("turns") is not None:
+            row["turns"] = [_turn_from_row(t) for t in row["turns"]]
         if row.get("rollout_sampling_support") is not None:
             row["rollout_sampling_support"] = [[int(t) for t in s] for s in row["rollout_sampling_support"]]
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in row.items() if k in names})
+
+
+# A turn as stored (store/schemas.py TURN_TYPE): role "assistant" (the model's tokens) or "tool"
+# (what the tools answered, loss mask 0); tool_calls on an assistant turn are the calls the parser
+# read from it, on a tool turn the same calls with their result or error.
+TURN_KEYS = ("role", "text", "start", "end", "finish_reason", "tool_calls")
+TOOL_CALL_KEYS = ("name", "arguments", "result", "error")
+
+
+def make_turn(
+    role: str,
+    text: str,
+    start: int,
+    end: int,
+    finish_reason: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    calls = [
+        {
+            "name": str(c["name"]),
+            "arguments": c["arguments"] if isinstance(c["arguments"], str) else json.dumps(c["arguments"]),
+            "result": c.get("result"),
+            "error": c.get("error"),
+        }
+        for c in tool_calls or []
+    ]
+    return {
+        "role": role,
+        "text": text,
+        "start": int(start),
+        "end": int(end),
+        "finish_reason": finish_reason,
+        "tool_calls": calls,
+    }
+
+
+def _turn_from_row(t: dict[str, Any]) -> dict[str, Any]:
+    t = dict(t)
+    t["tool_calls"] = [dict(c) for c in t.get("tool_calls") or []]
+    return t

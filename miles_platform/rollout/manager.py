@@ -332,6 +332,14 @@ class RolloutManager:
             m["multi_turn/tool_calls/mean"] = float(
                 np.mean([s.metadata.get("tool_call_count", 0) for s in samples])
             )
+            m["multi_turn/with_tool_call"] = float(
+                np.mean([s.metadata.get("tool_call_count", 0) > 0 for s in samples])
+            )
+            calls = [
+                c for s in samples for t in s.turns or () if t["role"] == "tool" for c in t["tool_calls"]
+            ]
+            if calls:
+                m["multi_turn/tool_calls/failed"] = float(np.mean([c["error"] is not None for c in calls]))
         return m
 
 

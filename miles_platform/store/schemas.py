@@ -5,6 +5,21 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+# A multi-turn episode's turns (data/sample.py make_turn): spans index response_tokens.
+TOOL_CALL_TYPE = pa.struct(
+    [("name", pa.string()), ("arguments", pa.string()), ("result", pa.string()), ("error", pa.string())]
+)
+TURN_TYPE = pa.struct(
+    [
+        ("role", pa.string()),  # assistant | tool
+        ("text", pa.string()),
+        ("start", pa.int64()),
+        ("end", pa.int64()),
+        ("finish_reason", pa.string()),  # assistant turns: stop | length | abort
+        ("tool_calls", pa.list_(TOOL_CALL_TYPE)),
+    ]
+)
+
 # One explicit schema from Sample.to_row(): stable column types whatever the first row holds.
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -31,6 +46,7 @@ ROLLOUT_SCHEMA = pa.schema(
         ("remove_sample", pa.bool_()),
         ("teacher_log_probs", pa.list_(pa.float64())),  # on-policy distillation (null: not scored)
         ("opd_reverse_kl", pa.list_(pa.float64())),
+        ("turns", pa.list_(TURN_TYPE)),  # multi-turn episodes (null: single turn)
     ]
 )
 

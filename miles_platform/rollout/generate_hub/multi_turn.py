@@ -9,7 +9,9 @@ One episode, token-in token-out:
         answers     <- --generate-execute-tool-function-path(name, params) for each call
         tokens     += answers as the chat template renders them (+ the next assistant prompt)
 
-Model tokens keep the engine's log-probs (loss mask 1); tool tokens get loss mask 0, log-prob 0
+Every turn is recorded in `sample.turns` (role, text, token span, finish reason, the tool calls
+with their results or errors), so the rollout shard answers "how many tool calls per episode,
+and which tools fail" in SQL (docs/rollout.md). Model tokens keep the engine's log-probs (loss mask 1); tool tokens get loss mask 0, log-prob 0
 and, under sampling-support replay, the singleton support [token]. The trajectory never exceeds
 the response budget (status `truncated`); a tool that raises or times out
 (--generate-tool-timeout) ends the episode with status `failed`, which the rollout counts
@@ -24,7 +26,7 @@ from functools import lru_cache
 from typing import Any
 
 from miles_platform.config import ConfigError
-from miles_platform.data.sample import Sample, Status
+from miles_platform.data.sample import Sample, Status, make_turn
 from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
 from miles_platform.rollout.generate_hub import tool_call
 from miles_platform.rollout.generate_hub.endpoint import (
@@ -81,36 +83,65 @@ async def run_episode(
     state, params = input.state, input.sampling_params
     sample = copy.deepcopy(input.sample)
     budget = int(params.get("max_new_tokens", 0))
-    turns = calls_made = 0
+    turns, calls_made = [], 0
     for turn in range(max_turns):
         body = request_payload(state, sample, _turn_params(params, turn), input.evaluation)
         if body is None:  # the budget is spent and the model was due another turn
             sample.status = Status.TRUNCATED.value
             break
         out = await post(state.url, body, state.api_key)
+        start = len(sample.response_tokens)
         finish = append_output(sample, out, "return_sampling_mask" in body)
-        turns += 1
         sample.status = finish_status(finish)
-        if finish in ("length", "abort"):
-            break
-        calls = parse(out.get("text", ""))
+        text = out.get("text", "")
+        calls = [] if finish in ("length", "abort") else parse(text)
+        turns.append(make_turn("assistant", text, start, len(sample.response_tokens), finish, _calls(calls)))
         if not calls:
             break
+        start = len(sample.response_tokens)
         try:
             messages = await tool_call.execute_tool_calls(calls, execute, tool_timeout)
         except ToolFailure as e:
             sample.status = Status.FAILED.value
             sample.metadata = {**sample.metadata, "tool_error": str(e)}
+            done = _calls(calls[: len(e.done)], e.done)
+            turns.append(
+                make_turn("tool", "", start, start, tool_calls=done + _calls([e.call], error=str(e)))
+            )
+            calls_made += len(done) + 1
             break
         calls_made += len(calls)
         text = tool_call.tool_response_text(state.tokenizer, messages)
         append_tool_tokens(sample, state.tokenizer.encode(text, add_special_tokens=False), text)
+        turns.append(
+            make_turn("tool", text, start, len(sample.response_tokens), tool_calls=_calls(calls, messages))
+        )
         if len(sample.response_tokens) >= budget:
             truncate(sample, budget, state.tokenizer)
             sample.status = Status.TRUNCATED.value
+            _clip_turns(turns, budget)
             break
-    sample.metadata = {**sample.metadata, "turns": turns, "tool_call_count": calls_made}
+    model_turns = sum(t["role"] == "assistant" for t in turns)
+    sample.turns = turns
+    sample.metadata = {**sample.metadata, "turns": model_turns, "tool_call_count": calls_made}
     return sample
+
+
+def _calls(
+    calls: list[ToolCall], messages: list[dict[str, Any]] | None = None, error: str | None = None
+) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(calls):
+        result = messages[i]["content"] if messages is not None and i < len(messages) else None
+        out.append({"name": c.name, "arguments": c.arguments, "result": result, "error": error})
+    return out
+
+
+def _clip_turns(turns: list[dict[str, Any]], budget: int) -> None:
+    """After truncation: spans end at the budget; a turn wholly past it is dropped."""
+    turns[:] = [t for t in turns if t["start"] < budget or t["start"] == t["end"] == budget]
+    for t in turns:
+        t["end"] = min(t["end"], budget)
 
 
 def _turn_params(params: dict[str, Any], turn: int) -> dict[str, Any]:

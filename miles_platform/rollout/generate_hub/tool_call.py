@@ -33,7 +33,12 @@ class ToolCall:
 
 
 class ToolFailure(Exception):
-    """A tool raised, timed out or answered something other than a string: the episode fails."""
+    """A tool raised, timed out or answered something other than a string: the episode fails.
+    `done` holds the tool messages of the calls before the failing one, `call` is that one."""
+
+    def __init__(self, message: str, call: ToolCall | None = None, done: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.call, self.done = call, list(done or [])
 
 
 # ---------------------------------------------------------------- specs and parsers
@@ -128,11 +133,11 @@ async def execute_tool_calls(
         try:
             result = await asyncio.wait_for(execute(call.name, dict(call.arguments)), timeout)
         except TimeoutError:
-            raise ToolFailure(f"tool {call.name!r} timed out after {timeout} s") from None
+            raise ToolFailure(f"tool {call.name!r} timed out after {timeout} s", call, messages) from None
         except Exception as e:
-            raise ToolFailure(f"tool {call.name!r} raised {type(e).__name__}: {e}") from e
+            raise ToolFailure(f"tool {call.name!r} raised {type(e).__name__}: {e}", call, messages) from e
         if not isinstance(result, str):
-            raise ToolFailure(f"tool {call.name!r} returned {type(result).__name__}, not str")
+            raise ToolFailure(f"tool {call.name!r} returned {type(result).__name__}, not str", call, messages)
         messages.append({"role": "tool", "name": call.name, "content": result})
     return messages
 
