@@ -1114,6 +1114,21 @@ def _function_flags(data: dict[str, Any], argv: list[str]) -> tuple[dict[str, An
     return values, left
 
 
+def function_flag_values(data: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """The values of a generate/rollout function's own flags given as CLI tokens (the Dagster
+    Launchpad's `custom_function_flags`); a token no function registered is a ConfigError."""
+    try:
+        values, left = _function_flags(data, list(argv))
+    except SystemExit:  # argparse's own error (a bad value), already printed to stderr
+        raise ConfigError(f"custom_function_flags {argv}: a value the function's parser refuses") from None
+    if left:
+        raise ConfigError(
+            f"custom_function_flags: {' '.join(left)} not registered by the add_arguments of "
+            "--custom-generate-function-path / --rollout-function-path"
+        )
+    return values
+
+
 def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
     """`--sglang-foo-bar 1` -> {"foo-bar": "1"}; bare `--sglang-flag` -> True."""
     out: dict[str, Any] = {}

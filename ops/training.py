@@ -32,6 +32,8 @@ from resources.storage import StorageRootResource
 DATA_VERSION_TAG = "dagster/data_version"
 # dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's
 SKIP = {"sglang_args", "custom_function_args", "storage_root"}
+# ... except a generate/rollout function's own flags, which the Launchpad takes as CLI tokens
+FUNCTION_FLAGS = "custom_function_flags"
 
 
 def _description(f: dataclasses.Field) -> str:
@@ -59,6 +61,14 @@ def _pydantic_fields() -> dict[str, Any]:
             typ = t
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out[f.name] = (typ, Field(default=default, description=_description(f)))
+    out[FUNCTION_FLAGS] = (
+        list[str],
+        Field(
+            default=[],
+            description="the flags a --custom-generate-function-path / --rollout-function-path registers "
+            "with its add_arguments, as on the command line: ['--my-flag', 'value', ...]",
+        ),
+    )
     return out
 
 
@@ -204,10 +214,16 @@ def run_config_from(
     flag) and the `eval_results` config that evaluates its versions. The loop itself does not
     evaluate under Dagster: eval_results, requested by the sensor, is the evaluator of record."""
     from assets.evals import eval_config_for_run
+    from miles_platform.config import ConfigError, function_flag_values
     from miles_platform.loop import validate_before_start
 
     data = config.model_dump()
-    cfg = RunConfig.from_dict(data)
+    flags = data.pop(FUNCTION_FLAGS, [])
+    try:
+        data["custom_function_args"] = function_flag_values(data, flags)
+        cfg = RunConfig.from_dict(data)
+    except ConfigError as e:
+        raise dg.Failure(description=f"rl_training config: {e}", allow_retries=False) from None
     cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
     cfg.prompt_data = cfg.prompt_data or _latest_path(instance, "prompt_dataset")
     cfg.hf_checkpoint = cfg.hf_checkpoint or _latest_path(instance, "base_checkpoint")

@@ -37,7 +37,7 @@ SLOW = {
     "test_debug_rollout_data_roundtrip_fsdp2_two_ranks", "test_converted_checkpoint_and_round_trip_check",
     "test_loop_runs_versions_shards_checkpoints_and_resumes", "test_loop_updates_engines_by_broadcast",
     "test_run_logs_to_wandb_offline_and_tensorboard_and_calls_custom_log_functions",
-    "test_disk_delta_weights_and_fully_async", "test_multi_turn_new_form_in_a_ci_test_run",
+    "test_disk_delta_weights_and_fully_async", "test_multi_turn_from_the_launchpad_in_a_ci_test_run",
     "test_nested_wrap_units_on_two_gloo_ranks", "test_two_ranks_train_like_one_rank",
     "test_ppo_critic_two_ranks_train_like_one_rank", "test_tp2_save_loads_at_tp1",
     "test_resume_after_a_crash_never_reuses_a_version_key",

@@ -84,6 +84,7 @@ async def scripted_multi_turn(input: GenerateFnInput) -> GenerateFnOutput:
         input, scripted_calls(2), add, a.generate_max_turns, a.generate_tool_timeout
     )
     sample.metadata["generated_by"] = "scripted_multi_turn"
+    sample.metadata["my_episode_tag"] = a.my_episode_tag  # its own flag (add_arguments)
     return GenerateFnOutput(samples=sample)
 
 

@@ -316,10 +316,17 @@ def test_a_rollout_function_replaces_the_rollout(tiny_hf_checkpoint, tmp_path):
 
 
 # ---------------------------------------------------------------------------- real loop runs
-def test_multi_turn_new_form_in_a_ci_test_run(tiny_hf_checkpoint, tmp_path):
-    """The loop with real engines: 3-turn episodes (scripted tool calls, real tool, chat-template tool
-    tokens) under top-k replay; --ci-test holds: step-0 ppo_kl 0, trainer and engine log-probs agree."""
-    cfg = small_run_config(
+def test_multi_turn_from_the_launchpad_in_a_ci_test_run(tiny_hf_checkpoint, tmp_path):
+    """The rl_training job with a multi-turn config, as the Launchpad sends it (the function's own
+    flag as custom_function_flags), on real engines: 3-turn episodes (scripted tool calls, real
+    tool, chat-template tool tokens) under top-k replay; --ci-test holds (its checks raise: step-0
+    ppo_kl 0, trainer and engine log-probs agree); the shards keep the turns for DuckDB."""
+    import dagster as dg
+
+    from ops.training import rl_training
+    from resources.storage import StorageRootResource
+
+    kw = small_run_kwargs(
         tiny_hf_checkpoint,
         tmp_path,
         custom_generate_function_path="generate_fns.scripted_multi_turn",
@@ -329,13 +336,23 @@ def test_multi_turn_new_form_in_a_ci_test_run(tiny_hf_checkpoint, tmp_path):
         rollout_max_response_len=64,
         rollout_stop_token_ids=list(range(3, 64)),
         rollout_max_concurrency=2,
-        custom_function_args={"my_episode_tag": "ci"},
     )
-    res = train(cfg)
-    assert res.ci_checks["step0_ppo_kl"] < 1e-9 and res.ci_checks["train_rollout_logprob_abs_diff"] < 1e-4
+    root = kw.pop("storage_root")
+    instance = dg.DagsterInstance.ephemeral()
+    job_config = {**kw, "custom_function_flags": ["--my-episode-tag", "ci"]}
+    result = rl_training.execute_in_process(
+        run_config={"ops": {"rl_training_op": {"config": job_config}}},
+        instance=instance,
+        resources={"storage": StorageRootResource(root=root)},
+    )
+    assert result.success
+    cfg = RunConfig(**{**kw, "storage_root": root})
+    (record,) = instance.fetch_materializations(dg.AssetKey("policy_versions"), limit=5).records
+    assert record.asset_materialization.metadata["multi_turn/turns/max"].value == 3
     samples = _shard_samples(cfg)
     assert all(s.metadata["generated_by"] == "scripted_multi_turn" for s in samples)
-    assert max(s.metadata["turns"] for s in samples) == 3 and res.metrics[0]["multi_turn/turns/max"] == 3
+    assert max(s.metadata["turns"] for s in samples) == 3
+    assert all(s.metadata["my_episode_tag"] == "ci" for s in samples)
     for s in samples:
         n = len(s.response_tokens)
         assert len(s.loss_mask) == len(s.rollout_log_probs) == len(s.rollout_sampling_support) == n <= 64

@@ -80,6 +80,25 @@ def test_config_without_a_reward_fails_fast_naming_the_flag(tiny_hf_checkpoint, 
     assert not (tmp_path / "root" / "rollouts").exists()
 
 
+@pytest.mark.parametrize(
+    "generate,flags,needle",
+    [
+        ("generate_fns.scripted_multi_turn", ["--not-its-flag", "1"], "--not-its-flag 1 not registered"),
+        ("generate_fns.scripted_multi_turn", ["--my-turn-bonus", "lots"], "refuses"),
+        (None, ["--my-episode-tag", "x"], "not registered"),
+    ],
+)
+def test_function_flags_the_function_does_not_take_fail_fast(
+    tiny_hf_checkpoint, tmp_path, generate, flags, needle
+):
+    kw = _job_kwargs(tiny_hf_checkpoint, tmp_path, custom_generate_function_path=generate)
+    result = _execute({**kw, "custom_function_flags": flags}, tmp_path / "root", raise_on_error=False)
+    assert not result.success
+    failure = result.failure_data_for_node("rl_training_op")
+    assert needle in failure.user_failure_data.description
+    assert not (tmp_path / "root").exists()
+
+
 PLOTTED = (
     "rollout/raw_reward",
     "rollout/response_len/mean",

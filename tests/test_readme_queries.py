@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from miles_platform.data.sample import Sample
+from miles_platform.data.sample import Sample, make_turn
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.shards import write_rollout_shard
 from miles_platform.store.tables import append_rows
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/evals_lineage.md", "docs/data_and_store.md")
+DOCS = ("README.md", "docs/evals_lineage.md", "docs/data_and_store.md", "docs/rollout.md")
 KEY_COLUMNS = {"run", "version", "rollout_id", "partition_key", "dataset", "metric", "source"}
 KEY_COLUMNS |= {"temperature", "top_p", "top_k", "max_new_tokens", "n_samples"}
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -76,6 +76,19 @@ def store(tmp_path_factory):
         append_rows(
             paths, "metrics", run, [{"rollout_id": rid, "step": rid, "name": "train/loss", "value": r}]
         )
+    # run `tools`: multi-turn episodes, one with a failing tool call
+    ok = [{"name": "mul", "arguments": {"a": 12, "b": 34}, "result": "408"}]
+    bad = [{"name": "mul", "arguments": {"a": 1}, "error": "tool 'mul' raised KeyError: 'b'"}]
+    turns = [
+        [make_turn("assistant", "<tool_call>..", 0, 3, "stop", ok), make_turn("tool", "408", 3, 5, None, ok),
+         make_turn("assistant", "408", 5, 8, "stop")],
+        [make_turn("assistant", "<tool_call>..", 0, 3, "stop", bad), make_turn("tool", "", 3, 3, None, bad)],
+    ]  # fmt: skip
+    write_rollout_shard(paths, "tools", 0, [
+        Sample(run="tools", rollout_id=0, index=i, prompt="12*34=", label="408", reward=float(i == 0),
+               response_tokens=[1] * t[-1]["end"], turns=t, metadata={"tool_call_count": 1})
+        for i, t in enumerate(turns)
+    ])  # fmt: skip
     # demo v1: the loop's eval, then the asset's (newer); demo v2: the asset twice, the newer lower
     append_rows(paths, "evals", "demo", _eval_rows(1, "demo", 0.1, "loop", 1))
     append_rows(paths, "evals", "demo", _eval_rows(1, "demo", 0.2, "asset", 2))
@@ -113,6 +126,13 @@ def test_readme_reward_per_version_takes_the_newest_eval_of_its_own_run(store):
         ("other", 1, 0.75, 0.6),
         ("other", 2, 1.0, 0.7),
     ]
+
+
+def test_the_tool_queries_count_calls_and_failures(store):
+    [per_rollout] = [q for _, q in ALL if "with_tool_call" in q]
+    assert store.query(per_rollout)[1] == [(0, 1.0, 1.0)]  # one call in each of the two episodes
+    [failures] = [q for _, q in ALL if "an_error" in q]
+    assert store.query(failures)[1] == [("mul", 2, 1, "tool 'mul' raised KeyError: 'b'")]
 
 
 def test_learning_curve_has_one_row_per_version_with_the_newest_numbers(store):
