@@ -66,6 +66,17 @@ class RunServices(contextlib.AbstractContextManager):
         # the engines' (each is seconds of CPU on its own process)
         if not cfg.debug_rollout_only:
             self.trainers = self._create_trainers(groups)
+        teacher = None
+        if (
+            cfg.use_opd
+            and cfg.opd_type == "sglang"
+            and cfg.opd_teacher_hf_checkpoint
+            and not cfg.debug_train_only
+        ):
+            from miles_platform.rollout.engines import EngineHandle, create_teacher_engine, stop_engines
+
+            teacher = create_teacher_engine(cfg)  # beside the trainers and engines
+            s.callback(stop_engines, [EngineHandle(url="", actor=teacher)])
         if not cfg.debug_train_only:
             from miles_platform.rollout.engines import start_engines, stop_engines
 
@@ -95,21 +106,19 @@ class RunServices(contextlib.AbstractContextManager):
         self.manager = RolloutManager(cfg, self.tok, self.src, url)
         s.callback(self.manager.close)
         if cfg.use_opd and cfg.opd_type == "sglang":
-            self._start_opd_teachers(url)
+            self._start_opd_teachers(url, teacher)
         if self.trainers:
             self.session = UpdateSession(cfg, self.paths, self.engines, self.trainers)
 
-    def _start_opd_teachers(self, student_url: str) -> None:
-        """Sglang-mode OPD: the teacher engine the run starts (--opd-teacher-hf-checkpoint) or the
+    def _start_opd_teachers(self, student_url: str, teacher: Any = None) -> None:
+        """Sglang-mode OPD: the teacher engine the run started (--opd-teacher-hf-checkpoint) or the
         configured ones, and the scorer that sends them each rollout (rollout/opd.py)."""
-        from miles_platform.rollout.engines import start_teacher_engine, stop_engines
+        from miles_platform.rollout.engines import teacher_handle
         from miles_platform.rollout.opd import TeacherScorer, teacher_sources, teacher_urls
 
         started = None
-        if self.cfg.opd_teacher_hf_checkpoint:
-            handle = start_teacher_engine(self.cfg)
-            self._stack.callback(stop_engines, [handle])
-            started = handle.url
+        if teacher is not None:
+            started = teacher_handle(teacher).url
             self.reporter.log(f"[opd] teacher engine {self.cfg.opd_teacher_hf_checkpoint} on {started}")
         urls = teacher_urls(self.cfg, started)
         self.teachers = teacher_sources(self.cfg, urls)

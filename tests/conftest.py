@@ -83,6 +83,43 @@ def _few_threads():
     yield
 
 
+# One local Ray cluster per pytest worker, started by the first run that needs one and kept for
+# the next: `train` joins a driver connection that is already up and leaves it up (init_ray), so a
+# loop test pays for its actors and engines, not for starting and stopping Ray (~5-12 s each on 2
+# cores). 32 logical CPUs: every placement plan of the suite fits. Tests of Ray's own lifecycle
+# (joining a cluster, a private start) are marked `own_ray`: they get none and start their own.
+SHARED_RAY_CPUS = 32
+
+
+@pytest.fixture(autouse=True)
+def _one_ray_per_worker(request, monkeypatch):
+    ray = sys.modules.get("ray")
+    if request.node.get_closest_marker("own_ray"):
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+        yield
+        return
+    from miles_platform.cluster import ray_cluster
+
+    real = ray_cluster.init_ray
+
+    def init_shared(cfg, namespace=None, **init_kwargs):
+        import ray
+
+        if (
+            not ray.is_initialized()
+            and namespace is None
+            and not init_kwargs
+            and not ray_cluster.resolve_ray_address(cfg)
+        ):
+            ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=SHARED_RAY_CPUS,
+                     include_dashboard=False, log_to_driver=False)  # fmt: skip
+        return real(cfg, namespace, **init_kwargs)
+
+    monkeypatch.setattr(ray_cluster, "init_ray", init_shared)
+    yield
+
+
 def save_tiny_checkpoint(path, family: str = "qwen3") -> str:
     """A random tiny checkpoint of `family` (qwen3, qwen2, llama: miles_platform.models.families)
     + our tokenizer, saved as an HF dir at `path` (< 2 s). The `tiny_hf_checkpoint` fixture (Qwen3);

@@ -30,6 +30,8 @@ from miles_platform.cluster.ray_cluster import (
 )
 from miles_platform.config import ConfigError, RunConfig
 
+pytestmark = pytest.mark.own_ray  # starts, joins and stops Ray itself
+
 RAY_BIN = str(Path(sys.executable).with_name("ray"))
 
 

@@ -26,6 +26,8 @@ from miles_platform.cluster.object_store import (
 )
 from miles_platform.config import ConfigError, RunConfig
 
+pytestmark = pytest.mark.own_ray  # starts, joins and stops Ray itself
+
 
 def rollout_batch() -> dict:
     rng = np.random.default_rng(0)

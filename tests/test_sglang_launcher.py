@@ -75,6 +75,8 @@ FAKE_SERVER = textwrap.dedent(
     """
 )
 
+pytestmark = pytest.mark.own_ray  # starts, joins and stops Ray itself
+
 
 def _cfg(**kw) -> RunConfig:
     base = {

@@ -62,17 +62,23 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
     return handles, router
 
 
-def start_teacher_engine(cfg: RunConfig) -> EngineHandle:
-    """--opd-teacher-hf-checkpoint: an embedded engine serving the teacher for the run (its own Ray
-    actor, outside the placement plan: it only prefills, once per rollout). It never loads weights."""
+def create_teacher_engine(cfg: RunConfig) -> Any:
+    """--opd-teacher-hf-checkpoint: the embedded engine serving the teacher for the run (its own Ray
+    actor, outside the placement plan: it only prefills, once per rollout; it never loads weights).
+    Created, not waited on: it starts beside the run's trainers and engines (teacher_handle waits)."""
     import ray
 
     env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
-    actor = (
+    return (
         ray.remote(EngineActor)
         .options(num_cpus=0, runtime_env=env)
         .remote(cfg.opd_teacher_hf_checkpoint, api_key=cfg.api_key, dtype=cfg.rollout_dtype, weight_roots=[])
     )
+
+
+def teacher_handle(actor: Any) -> EngineHandle:
+    import ray
+
     return EngineHandle(url=ray.get(actor.url.remote()), actor=actor)
 
 
