@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 import torch
-from loop_helpers import small_run_config, small_run_kwargs
+from loop_helpers import small_run_config, small_run_kwargs, write_prompts
 
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.data.dataset import PromptRecord
@@ -93,7 +93,7 @@ def test_a_crashing_a_hung_and_a_raising_agent_fail_only_their_own_sample(
     tiny_hf_checkpoint, engine, tmp_path
 ):
     tok = load_tokenizer(tiny_hf_checkpoint)
-    cfg = _cfg(tiny_hf_checkpoint, tmp_path, custom_agent_function_timeout=4.0)
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, custom_agent_function_timeout=10.0)
     crash, hang = (PromptRecord(id=i, prompt="1+1=", label="2", metadata={}) for i in ("crash", "hang"))
     ok, crashed, hung = _run(cfg, tok, engine.url, [RECORD, crash, hang])[0]
     assert ok.status in ("completed", "truncated") and ok.metadata["turns"] == 3 and not ok.remove_sample
@@ -174,7 +174,9 @@ def test_a_template_that_rewrites_earlier_turns_fails_the_sample(tiny_hf_checkpo
 
 
 def test_agentic_flags_are_validated_before_start(tiny_hf_checkpoint, tmp_path):
-    base = ["--hf-checkpoint", tiny_hf_checkpoint, "--prompt-data", "p.jsonl", "--rollout-batch-size", "1"]
+    data = write_prompts(tmp_path)
+    base = ["--hf-checkpoint", tiny_hf_checkpoint, "--prompt-data", data, "--rollout-batch-size", "1",
+            "--input-key", "prompt", "--rm-type", "math", "--storage-root", str(tmp_path / "root")]  # fmt: skip
     agentic = [
         "--custom-generate-function-path",
         AGENTIC,
@@ -208,7 +210,7 @@ def test_agentic_flags_are_validated_before_start(tiny_hf_checkpoint, tmp_path):
 
 
 def test_agentic_ci_test_run_trains_on_session_samples(tiny_hf_checkpoint, tmp_path):
-    """The loop with a real engine: agent episodes in child processes, prompts as messages lists;
+    """The loop with a real engine: agent episodes over the session server, prompts as messages lists;
     --ci-test holds (step-0 ppo_kl 0, trainer and engine log-probs agree)."""
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}], "label": str(2 * i)})
@@ -217,6 +219,7 @@ def test_agentic_ci_test_run_trains_on_session_samples(tiny_hf_checkpoint, tmp_p
         tiny_hf_checkpoint, tmp_path, prompt_data=str(data), ci_test=True, num_rollout=1,
         custom_generate_function_path=AGENTIC, custom_agent_function_path="agent_fns.three_turns",
         use_session_server="v1", rollout_max_response_len=4, max_seq_len=200,
+        custom_agent_function_mode="inline",  # the child processes are tested above; here the loop
     )  # fmt: skip
     res = train(cfg)
     assert res.ci_checks["step0_ppo_kl"] < 1e-9 and res.ci_checks["train_rollout_logprob_abs_diff"] < 1e-4
