@@ -145,6 +145,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
                 raise ChatError(f"messages[{i}]: only text content parts are supported (no images, audio)")
         elif c is not None and not isinstance(c, str):
             raise ChatError(f"messages[{i}]: content must be a string or a list of text parts")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise ChatError(f"messages[{i}].tool_calls must be a list")
         for j, call in enumerate(m.get("tool_calls") or []):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
