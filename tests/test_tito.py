@@ -225,3 +225,24 @@ def test_agentic_ci_test_run_trains_on_session_samples(tiny_hf_checkpoint, tmp_p
     assert res.ci_checks["step0_ppo_kl"] < 1e-9 and res.ci_checks["train_rollout_logprob_abs_diff"] < 1e-4
     assert res.metrics[0]["multi_turn/turns/max"] == 3 and res.metrics[0]["rollout/failed"] == 0
     assert res.metrics[0]["rollout/raw_reward"] == 1.0  # the agent's reward, not the math rm's
+
+
+def test_the_abort_hook_runs_when_a_round_is_cancelled(tiny_hf_checkpoint, engine, tmp_path, monkeypatch):
+    """A sample whose generation raises cancels its round; the agent module's abort(args) runs."""
+    from miles_platform.rollout.generate_hub import agentic_tool_call
+
+    log = tmp_path / "abort.jsonl"
+    monkeypatch.setenv("AGENT_FNS_ABORT_LOG", str(log))
+
+    async def broken(input):
+        raise RuntimeError("session server unreachable")
+
+    monkeypatch.setattr(agentic_tool_call, "generate", broken)
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, custom_agent_function_mode="inline")
+    m = RolloutManager(cfg, load_tokenizer(tiny_hf_checkpoint), None, engine.url)
+    try:
+        with pytest.raises(RuntimeError, match="session server unreachable"):
+            m.generate_groups([RECORD], [[1]], [[1]])
+    finally:
+        m.close()
+    assert [json.loads(x) for x in log.read_text().splitlines()] == [{"run": "t"}]
