@@ -46,8 +46,15 @@ GROUPS = (
 )
 
 
-def _f(default: Any, group: str, help: str, choices: tuple | None = None, nargs: str | None = None):
-    meta = {"group": group, "help": help, "choices": choices, "nargs": nargs}
+def _f(
+    default: Any,
+    group: str,
+    help: str,
+    choices: tuple | None = None,
+    nargs: str | None = None,
+    const: Any = None,
+):
+    meta = {"group": group, "help": help, "choices": choices, "nargs": nargs, "const": const}
     if isinstance(default, list | dict):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -120,6 +127,9 @@ _RANGES: dict[str, tuple] = {
     "tis_lower_bound": (0, None, False, ">= 0"),
     "tis_upper_bound": (0, None, True, "> 0"),
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
+    "custom_agent_function_timeout": (0, None, True, "> 0 (seconds)"),
+    "max_seq_len": _POSITIVE,
+    "session_server_port": (0, 65535, False, "a port in [0, 65535] (0: a free one)"),
 }
 
 
@@ -234,6 +244,42 @@ class RunConfig:
     generate_tool_timeout: float = _f(
         60.0, "rollout", "multi_turn: seconds one tool call may take; past it the episode ends as failed"
     )
+    # agentic sessions (docs/rollout.md): generate_hub.agentic_tool_call + the TITO session server
+    custom_agent_function_path: str | None = _f(
+        None,
+        "rollout",
+        "agentic_tool_call: async <module>.<fn>(base_url, prompt, request_kwargs, metadata, **kwargs) -> dict | None",
+    )
+    custom_agent_function_mode: str = _f(
+        "subproc",
+        "rollout",
+        "agentic_tool_call: run each agent call in a child process of its own (subproc) or on the rollout's loop",
+        choices=("subproc", "inline"),
+    )
+    custom_agent_function_timeout: float = _f(
+        600.0,
+        "rollout",
+        "agentic_tool_call: seconds one agent call may take; past it it is stopped, the sample failed",
+    )
+    use_session_server: str | None = _f(
+        None,
+        "rollout",
+        "start the TITO session server: bare or v1 (linear, append-only); v2 (tree) is refused",
+        choices=("v1", "v2"),
+        nargs="?",
+        const="v1",
+    )
+    tito_model: str = _f(
+        "default",
+        "rollout",
+        "TITO family: its end-of-turn token joins turns (default: the tokenizer's EOS)",
+        choices=("default", "qwen3", "qwen25", "qwen2", "llama3"),
+    )
+    max_seq_len: int | None = _f(
+        None, "rollout", "session server: max tokens per session (prompt + all turns)"
+    )
+    session_server_ip: str = _f("127.0.0.1", "rollout", "session server bind address")
+    session_server_port: int = _f(0, "rollout", "session server port (0: a free one)")
 
     # --- sampling ---
     rollout_max_response_len: int = _f(
@@ -541,6 +587,8 @@ class RunConfig:
     # ------------------------------------------------------------------
     def validate(self) -> RunConfig:
         """Derive the unset batch knob and reject contradictions. Returns self."""
+        if isinstance(self.use_session_server, bool):  # YAML `use_session_server: true` is the bare flag
+            self.use_session_server = "v1" if self.use_session_server else None
         self._check_ranges()
         derive_batch_knobs(self)
         if self.load_debug_rollout_data:
@@ -748,11 +796,49 @@ class RunConfig:
                 f"{', '.join(given)}: read by a generate function; set --custom-generate-function-path "
                 "miles_platform.rollout.generate_hub.multi_turn.generate (or your own)"
             )
+        self._check_agentic_flags()
         if self.rollout_function_path and self.fully_async:
             raise ConfigError(
                 "--rollout-function-path with --fully-async: the rollout function replaces the rollout the "
                 "fully async worker runs; drop one (a per-sample --custom-generate-function-path works with both)"
             )
+
+    def _check_agentic_flags(self) -> None:
+        """--use-session-server (bare/v1; v2 refused), the agent flags only with the agentic wrapper,
+        the session flags only with the session server."""
+        from miles_platform.plugins import AGENTIC, MILES_BUILTINS
+
+        if self.use_session_server not in (None, "v1"):
+            raise ConfigError(
+                f"--use-session-server {self.use_session_server}: only v1 (the linear, append-only server; "
+                "pass the bare flag) is implemented; Miles' experimental v2 tree server is not"
+            )
+        path = self.custom_generate_function_path
+        agentic = MILES_BUILTINS.get(path, path) == AGENTIC
+        if agentic and not self.custom_agent_function_path:
+            raise ConfigError(f"--custom-generate-function-path {path} needs --custom-agent-function-path")
+        if agentic and not self.use_session_server:
+            raise ConfigError(f"--custom-generate-function-path {path} needs --use-session-server (v1)")
+        if agentic and self.apply_chat_template:
+            raise ConfigError(
+                "--apply-chat-template with agentic_tool_call: the session server renders the template; "
+                "Sample.prompt must stay a messages list (drop --apply-chat-template)"
+            )
+        agent_flags = (
+            "custom_agent_function_path",
+            "custom_agent_function_mode",
+            "custom_agent_function_timeout",
+        )
+        given = [_flag(n) for n in agent_flags if getattr(self, n) != _default(n)]
+        if given and not agentic:
+            raise ConfigError(
+                f"{', '.join(given)}: read by --custom-generate-function-path "
+                "miles.rollout.generate_hub.agentic_tool_call.generate; set it"
+            )
+        session_flags = ("tito_model", "max_seq_len", "session_server_ip", "session_server_port")
+        given = [_flag(n) for n in session_flags if getattr(self, n) != _default(n)]
+        if given and not self.use_session_server:
+            raise ConfigError(f"{', '.join(given)}: session server flags; set --use-session-server")
 
     def _check_ranges(self) -> None:
         """Every numeric flag in its range (NaN and inf included), with the flag named."""
@@ -1021,6 +1107,8 @@ def _add_flag(group, f: dataclasses.Field, default: Any, shown: bool = False) ->
         return
     if meta["nargs"]:
         kw["nargs"] = meta["nargs"]
+        if meta.get("const") is not None:  # a bare `--flag` (nargs "?") means this value
+            kw["const"] = meta["const"]
         kw["type"] = int if "int" in str(f.type) else str
     else:
         kw["type"] = _scalar_type(str(f.type))

@@ -21,8 +21,9 @@ ROLLOUT_FLAG = "--rollout-function-path"
 # Miles' built-in generate functions, as a Miles launch script names them -> ours
 MILES_BUILTINS = {
     f"miles.rollout.generate_hub.{m}.generate": f"miles_platform.rollout.generate_hub.{m}.generate"
-    for m in ("single_turn", "multi_turn")
+    for m in ("single_turn", "multi_turn", "agentic_tool_call")
 }
+AGENTIC = "miles_platform.rollout.generate_hub.agentic_tool_call.generate"
 
 
 def load_function(path: str, flag: str, required_params: int | None = None) -> Callable[..., Any]:

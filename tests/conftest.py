@@ -23,7 +23,7 @@ LONGEST_FIRST = {
     "test_learning.py": 1000, "test_loop.py": 300, "test_ui_browser.py": 70, "test_multi_rank.py": 45,
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
     "test_trackers.py": 25, "test_ops_training.py": 25, "test_lora_loop.py": 60, "test_lora_assets.py": 25,
-    "test_opd_loop.py": 50, "test_opd.py": 30,
+    "test_opd_loop.py": 50, "test_opd.py": 30, "test_tito.py": 60, "test_chat_endpoint.py": 20,
     "test_model_families_loop.py": 240, "test_model_families_megatron.py": 90,
 }  # fmt: skip
 
@@ -48,6 +48,7 @@ SLOW = {
     "test_the_launchpad_runs_opd_and_policy_versions_name_the_teacher", "test_the_in_trainer_teacher_on_the_megatron_backend",
     "test_family_loop_ci_disk_delta_and_resume", "test_hf_to_torch_dist_to_hf_is_bit_exact",
     "test_megatron_logits_loss_grads_match_hf_in_fp32", "test_without_the_family_mapping_parity_fails",
+    "test_agentic_ci_test_run_trains_on_session_samples",
 }  # fmt: skip
 
 

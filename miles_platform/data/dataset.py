@@ -91,7 +91,13 @@ def _parquet_rows(uri: str, required: list[str]) -> Iterator[tuple[str, dict]]:
         yield f"{uri}: row {i}", row
 
 
-def _render_prompt(value: Any, where: str, input_key: str, tokenizer: Any | None, chat: bool) -> str:
+def _render_prompt(
+    value: Any, where: str, input_key: str, tokenizer: Any | None, chat: bool, keep_messages: bool = False
+) -> str:
+    if keep_messages and isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        if not all(isinstance(m.get("role"), str) for m in value):
+            raise DataError(f"{where}: key {input_key!r}: every message needs a role")
+        return json.dumps(value, ensure_ascii=False)  # an OpenAI messages list, as JSON text
     if chat:
         if tokenizer is None:
             raise DataError("--apply-chat-template needs a tokenizer with a chat template")
@@ -137,8 +143,12 @@ def load_prompt_dataset(
     metadata_key: str = "metadata",
     apply_chat_template: bool = False,
     tokenizer: Any | None = None,
+    keep_messages: bool = False,
 ) -> list[PromptRecord]:
     """Read a JSONL or Parquet prompt dataset (local path or fsspec URI) into records.
+
+    `keep_messages`: a messages-list prompt stays messages, as its JSON text (the agentic wrapper
+    hands it to the agent; the session server renders the template).
 
     Ids: the row's `id` if it has one (must be unique), else a hash of the row content
     (duplicates of the same row get `-1`, `-2`, ... suffixes so ids stay unique).
@@ -160,7 +170,9 @@ def load_prompt_dataset(
         for key, flag in ((input_key, "--input-key"), (label_key, "--label-key")):
             if key is not None and row.get(key) is None:
                 raise DataError(f"{where}: missing key {key!r} ({flag}); keys present: {sorted(row)}")
-        prompt = _render_prompt(row[input_key], where, input_key, tokenizer, apply_chat_template)
+        prompt = _render_prompt(
+            row[input_key], where, input_key, tokenizer, apply_chat_template, keep_messages
+        )
         label = _label(row[label_key]) if label_key else None
         metadata = _metadata(row.get(metadata_key), where, metadata_key)
         if row.get("id") is not None:

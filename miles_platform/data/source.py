@@ -37,6 +37,9 @@ class RolloutDataSource:
             metadata_key=cfg.metadata_key,
             apply_chat_template=cfg.apply_chat_template,
             tokenizer=tokenizer,
+            keep_messages=bool(
+                getattr(cfg, "use_session_server", None)
+            ),  # agentic: Sample.prompt stays messages
         )
         return cls(records, rollout_shuffle=cfg.rollout_shuffle, rollout_seed=cfg.rollout_seed)
 

@@ -22,7 +22,7 @@ import threading
 import time
 
 from miles_platform.data.sample import Sample
-from miles_platform.rollout import filter_hub, rm_hub
+from miles_platform.rollout import filter_hub
 from miles_platform.rollout.manager import RolloutManager, record_of
 
 
@@ -93,7 +93,7 @@ class AsyncRolloutWorker:
         group = (await self.m.agenerate_groups([rec], [prompt_ids], [seeds]))[0]
         for k, s in enumerate(group):  # provisional index until the trainer assigns rollout ids
             s.index = seq * len(group) + k
-        await asyncio.to_thread(rm_hub.compute_rewards, self.cfg, group)
+        await asyncio.to_thread(self.m._score, group)  # an agent's own reward stays
         kept, drops = filter_hub.apply_dynamic_filter(self.cfg, [group])
         for k, v in drops.items():
             self.drops[k] = self.drops.get(k, 0) + v

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles_platform.errors import MilesError
+from miles_platform.rollout import chat
 from miles_platform.rollout.engine_core import EngineCore, EngineStopped, RequestError, VersionConflict
 from miles_platform.rollout.lora_serving import read_adapter_dir
 
@@ -122,6 +123,36 @@ def create_app(
         except EngineStopped as e:
             return error(503, str(e), retryable=True)
         return Response(orjson.dumps(results if is_batch else results[0]), media_type="application/json")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        """OpenAI-compatible chat (rollout/chat.py): the chat template renders the prompt, one
+        batched /generate serves the n choices, tool calls are parsed (qwen25) when tools are given."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        try:
+            req = chat.parse_request(body)
+            ids = await asyncio.to_thread(chat.render_prompt, core.tokenizer, req)
+            gen = chat.generate_body(req, ids, core.context_length)
+            futures, _ = await asyncio.to_thread(core.submit_json, gen)
+            results = await all_results(futures)
+            resp = chat.build_response(req, results, core.tokenizer, ids)
+        except (chat.ChatError, RequestError) as e:
+            return error(400, str(e))
+        except VersionConflict as e:
+            return JSONResponse({"error": e.info}, status_code=409)
+        except EngineStopped as e:
+            return error(503, str(e), retryable=True)
+        if req.stream:
+            return StreamingResponse(
+                iter(chat.sse_chunks(resp, req.include_usage)), media_type="text/event-stream"
+            )
+        return Response(orjson.dumps(resp), media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models():
+        return chat.models_list(core.model_path, core.context_length)
 
     @app.get("/health")
     async def health():

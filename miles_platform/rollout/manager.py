@@ -24,7 +24,14 @@ from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.data.sample import Sample, Status
 from miles_platform.data.source import RolloutDataSource
-from miles_platform.plugins import GENERATE_FLAG, ROLLOUT_FLAG, load_generate_function, load_rollout_function
+from miles_platform.plugins import (
+    AGENTIC,
+    GENERATE_FLAG,
+    MILES_BUILTINS,
+    ROLLOUT_FLAG,
+    load_generate_function,
+    load_rollout_function,
+)
 from miles_platform.rollout import client as engine_client
 from miles_platform.rollout import filter_hub, generate_hub, rm_hub
 from miles_platform.rollout.base_types import (
@@ -57,8 +64,11 @@ class RolloutManager:
         self.state = GenerateState(
             self.args, tokenizer, self.url, cfg.api_key, self.replay, self.sampling_params(), self.lora_path
         )
+        # --use-session-server: the TITO session server, on loopback in this process (rollout/sessions.py)
+        self.sessions = self._start_sessions() if cfg.use_session_server else None
         path = cfg.custom_generate_function_path
         self.generate_fn = load_generate_function(path) if path else None
+        self.agentic = MILES_BUILTINS.get(path, path) == AGENTIC
         path = cfg.rollout_function_path
         self.rollout_fn = load_rollout_function(path).bind(self.args, data_source) if path else None
         self._slots: asyncio.Semaphore | None = None  # per-sample generations in flight (client loop)
@@ -69,6 +79,17 @@ class RolloutManager:
 
     def close(self) -> None:
         self.client.close()
+        if self.sessions is not None:
+            self.sessions.stop()
+
+    def _start_sessions(self):
+        from miles_platform.rollout.sessions import start_session_server
+
+        srv = start_session_server(self.cfg, self.tok, self.url, self.replay, self.lora_path)
+        a = self.args  # Miles' names; the agentic wrapper reads session_server_url
+        a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
+        a.session_server_url = f"http://{'127.0.0.1' if srv.host == '0.0.0.0' else srv.host}:{srv.port}"
+        return srv
 
     def sampling_params(self) -> dict[str, Any]:
         c = self.cfg
@@ -104,7 +125,7 @@ class RolloutManager:
             flat = [s for g in groups for s in g]
             for k, s in enumerate(flat):  # provisional ids (rewards such as `random` key on them)
                 s.rollout_id, s.index = rollout_id, (rounds - 1) * len(flat) + k
-            rm_hub.compute_rewards(c, flat)
+            self._score(flat)
             survivors, d = filter_hub.apply_dynamic_filter(c, groups)
             for k, v in d.items():
                 drops[k] = drops.get(k, 0) + v
@@ -113,6 +134,13 @@ class RolloutManager:
         samples = self.finalize(rollout_id, kept[:want])
         metrics = self._metrics(samples, drops, time.time() - t0)
         return samples, metrics
+
+    def _score(self, samples: list[Sample]) -> None:
+        """The run's reward for every sample a generate function left unscored (an agent's reward stays)."""
+        preset = [s for s in samples if s.reward is not None] if self.generate_fn is not None else []
+        rm_hub.compute_rewards(self.cfg, [s for s in samples if not any(s is p for p in preset)])
+        for s in preset:
+            s.raw_reward = s.scalar_reward(self.cfg.reward_key)
 
     def unfinished_records(self) -> list[PromptRecord]:
         """The prompts of buffered groups (generated, not trained): a checkpoint puts them back."""
@@ -207,17 +235,22 @@ class RolloutManager:
                         f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} raised on prompt "
                         f"{rec.id!r}: {type(e).__name__}: {e}"
                     ) from e
-            return self._generated(out, int(base.get("max_new_tokens", 0)))
+            # agentic: max_new_tokens is per chat request; the session is bounded by --max-seq-len
+            return self._generated(out, None if self.agentic else int(base.get("max_new_tokens", 0)))
 
         try:  # the first failure cancels the rest
             async with asyncio.TaskGroup() as tg:
                 tasks = [[tg.create_task(one(rec, p, gi, s)) for s in ss]
                          for gi, (rec, p, ss) in enumerate(zip(records, prompts, seeds, strict=True))]  # fmt: skip
         except ExceptionGroup as eg:
+            if self.agentic:  # the episodes still running were cancelled: the agent's teardown hook
+                from miles_platform.rollout.generate_hub.agentic_tool_call import call_abort_hook
+
+                await call_abort_hook(self.args)
             raise eg.exceptions[0] from None
         return [[t.result() for t in group] for group in tasks]
 
-    def _generated(self, out: Any, budget: int) -> Sample:
+    def _generated(self, out: Any, budget: int | None) -> Sample:
         """The one Sample a generate function made, checked, within the response budget."""
         path = self.cfg.custom_generate_function_path
         samples = out.samples if isinstance(out, GenerateFnOutput) else out
@@ -229,7 +262,8 @@ class RolloutManager:
                 )
             samples = samples[0]
         s = generate_hub.check_sample(samples, GENERATE_FLAG, path)
-        truncate(s, budget, self.tok)
+        if budget is not None:
+            truncate(s, budget, self.tok)
         return s
 
     def _batch(self, prompts, seeds) -> tuple[list[list[int]], list[dict]]:

@@ -7,6 +7,8 @@ Built-ins, chosen with --custom-generate-function-path:
   miles_platform.rollout.generate_hub.multi_turn.generate   tool calling over /generate: --generate-max-turns,
                                                          --generate-tool-specs-path, --generate-tool-call-parser,
                                                          --generate-execute-tool-function-path
+  miles_platform.rollout.generate_hub.agentic_tool_call.generate  an OpenAI agent per sample in a TITO
+                                                         session: --custom-agent-function-path, --use-session-server
 (Miles' own dotted names, miles.rollout.generate_hub.*.generate, load these.) A user function in
 either of Miles' forms goes through the same loader (plugins.load_generate_function). The
 manager runs per-sample functions concurrently, at most --rollout-max-concurrency at a time.
@@ -22,6 +24,7 @@ from urllib.parse import urlsplit
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.sample import Sample
 from miles_platform.plugins import (
+    AGENTIC,
     GENERATE_FLAG,
     MILES_BUILTINS,
     ROLLOUT_FLAG,
@@ -43,10 +46,20 @@ def validate_config(cfg: RunConfig) -> None:
         load_generate_function(cfg.custom_generate_function_path)
     if cfg.rollout_function_path:
         load_rollout_function(cfg.rollout_function_path)
-    if MILES_BUILTINS.get(cfg.custom_generate_function_path, cfg.custom_generate_function_path) == MULTI_TURN:
+    path = MILES_BUILTINS.get(cfg.custom_generate_function_path, cfg.custom_generate_function_path)
+    if path == MULTI_TURN:
         from miles_platform.rollout.generate_hub import multi_turn
 
         multi_turn.validate_args(cfg)
+    if path == AGENTIC:
+        from miles_platform.rollout.generate_hub import agentic_tool_call
+
+        agentic_tool_call.validate_args(cfg)
+    if cfg.use_session_server:  # the chat template and --tito-model's end-of-turn token
+        from miles_platform.models.checkpoint import load_tokenizer
+        from miles_platform.rollout.tito import TitoTokenizer
+
+        TitoTokenizer(load_tokenizer(cfg.hf_checkpoint), cfg.tito_model)
 
 
 def function_args(cfg: RunConfig, url: str) -> Namespace:

@@ -1,0 +1,384 @@
+"""OpenAI-compatible chat completions over SGLang's `/generate` (SGLang's serving_chat, for the
+embedded engine and the TITO session server). Pure functions; engine.py and sessions.py route.
+
+    body --parse_request--> ChatRequest --render_prompt--> input_ids --generate_body--> /generate body
+    /generate answers --build_response--> chat.completion (or sse_chunks for stream=true)
+
+Field names follow SGLang's ChatCompletionRequest / ChatCompletionResponse
+(python/sglang/srt/entrypoints/openai/protocol.py): `max_completion_tokens` (or `max_tokens`),
+`temperature`, `top_p`, `top_k`, `min_p`, `n`, `stop`, `stop_token_ids`, `seed`, `logprobs`,
+`top_logprobs`, `tools`, `tool_choice`, `stream`, `return_meta_info` (the /generate `meta_info`
+per choice), `return_token_ids` / `return_prompt_token_ids`, `chat_template_kwargs`. Tool calls
+are read from the text with the qwen25 parser (SGLang's `--tool-call-parser qwen25`) when `tools`
+are given and `tool_choice` is not "none". What the embedded engine cannot do (penalties,
+constrained decoding, `tool_choice` required/named, images) is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_platform.rollout.generate_hub.tool_call import qwen25_parser
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# accepted and without effect here (OpenAI bookkeeping, SGLang routing hints)
+_IGNORED = {
+    "model", "user", "parallel_tool_calls", "stream_options", "store", "metadata", "service_tier",
+    "separate_reasoning", "stream_reasoning", "rid", "extra_key", "cache_salt", "priority",
+    "routed_dp_rank", "data_parallel_rank",
+}  # fmt: skip
+# SGLang fields the embedded engine does not implement: a 400 unless left at the default
+_UNSUPPORTED = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
+    "response_format": None, "regex": None, "ebnf": None, "json_schema": None, "stop_regex": None,
+    "min_tokens": 0, "continue_final_message": False, "return_hidden_states": False,
+    "return_routed_experts": False, "reasoning_effort": None, "custom_logit_processor": None,
+    "custom_params": None, "session_params": None, "session_id": None, "return_cached_tokens_details": False,
+    "logprob_start_len": None, "routed_experts_start_len": 0,
+}  # fmt: skip
+_FLAGS = ("logprobs", "stream", "return_meta_info", "return_token_ids", "return_prompt_token_ids",
+          "ignore_eos", "no_stop_trim")  # fmt: skip
+_KNOWN = {"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed", "top_logprobs",
+          "skip_special_tokens", "chat_template_kwargs", "lora_path", "input_ids", *_FLAGS,
+          *_IGNORED, *_UNSUPPORTED}  # fmt: skip
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+class ChatError(ValueError):
+    """A bad chat request: HTTP 400 with this message."""
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict[str, Any]]  # as sent (the session server compares these)
+    model: str = "default"
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = "auto"
+    sampling_params: dict[str, Any] = field(default_factory=dict)  # SGLang names; max_new_tokens may be None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    return_meta_info: bool = False
+    return_token_ids: bool = False
+    return_prompt_token_ids: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    lora_path: str | None = None
+    input_ids: list[int] | None = None  # SGLang: pre-tokenized prompt, bypasses the template
+
+    @property
+    def parses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body into a ChatRequest; ChatError (400) names the field."""
+    if not isinstance(body, dict):
+        raise ChatError("request body must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise ChatError(f"unknown chat completion fields {unknown}; see SGLang's ChatCompletionRequest")
+    for k, default in _UNSUPPORTED.items():
+        v = body.get(k)
+        if v is not None and v != default and not (k == "response_format" and v == {"type": "text"}):
+            raise ChatError(f"{k}={v!r} is not supported by the embedded engine (leave it unset)")
+    for k in _FLAGS:
+        if body.get(k) is not None and not isinstance(body[k], bool):
+            raise ChatError(f"{k} must be true or false, got {body[k]!r}")
+    req = ChatRequest(messages=_messages(body.get("messages")), model=str(body.get("model") or "default"))
+    req.tools = _tools(body.get("tools"))
+    req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
+    req.sampling_params = _sampling_params(body)
+    req.n = _int(body, "n", 1, 1, MAX_N)
+    req.logprobs = bool(body.get("logprobs"))
+    req.top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if req.top_logprobs and not req.logprobs:
+        raise ChatError("top_logprobs needs logprobs=true")
+    req.stream = bool(body.get("stream"))
+    opts = body.get("stream_options") or {}
+    req.include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    for k in ("return_meta_info", "return_token_ids", "return_prompt_token_ids"):
+        setattr(req, k, bool(body.get(k)))
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and not isinstance(kw, dict):
+        raise ChatError("chat_template_kwargs must be an object")
+    req.chat_template_kwargs = dict(kw or {})
+    lora = body.get("lora_path")
+    if lora is not None and not isinstance(lora, str):
+        raise ChatError("lora_path must be an adapter name (a string)")
+    req.lora_path = lora
+    ids = body.get("input_ids")
+    if ids is not None and (not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids)):
+        raise ChatError("input_ids must be a non-empty list of token ids")
+    req.input_ids = ids
+    return req
+
+
+def _int(body: dict, key: str, default: int, lo: int, hi: int | None = None) -> int:
+    v = body.get(key)
+    if v is None:
+        return default
+    if type(v) is not int or v < lo or (hi is not None and v > hi):
+        raise ChatError(f"{key}={v!r}: must be an integer in [{lo}, {hi if hi is not None else 'inf'}]")
+    return v
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ChatError(f"messages[{i}]: needs a role in {list(ROLES)}, got {m!r:.80}")
+        c = m.get("content")
+        if c is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ChatError(f"messages[{i}] ({m['role']}): content is required")
+        if isinstance(c, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in c):
+                raise ChatError(f"messages[{i}]: only text content parts are supported (no images, audio)")
+        elif c is not None and not isinstance(c, str):
+            raise ChatError(f"messages[{i}]: content must be a string or a list of text parts")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise ChatError(f"messages[{i}].tool_calls must be a list")
+        for j, call in enumerate(m.get("tool_calls") or []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ChatError(f"messages[{i}].tool_calls[{j}]: needs function.name and function.arguments")
+    return messages
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ChatError("tools must be a list of {type: function, function: {name, parameters}}")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ChatError(f"tools[{i}]: expected {{type: function, function: {{name, parameters}}}}")
+        if t.get("type", "function") != "function":
+            raise ChatError(f"tools[{i}]: type {t.get('type')!r}; only function tools are supported")
+    return tools or None
+
+
+def _tool_choice(choice: Any, tools: list | None) -> Any:
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in ("auto", "none"):
+        return choice
+    raise ChatError(
+        f"tool_choice={choice!r}: only 'auto' and 'none' are supported (required / a named function "
+        "need constrained decoding, which the embedded engine does not implement)"
+    )
+
+
+def _sampling_params(body: dict) -> dict[str, Any]:
+    """SGLang's to_sampling_params: max_completion_tokens or max_tokens -> max_new_tokens, seed ->
+    sampling_seed; unset values are left out (the engine's defaults) except max_new_tokens (None:
+    up to the context length)."""
+    max_new = body.get("max_completion_tokens")
+    max_new = body.get("max_tokens") if max_new is None else max_new
+    if max_new is not None and (type(max_new) is not int or max_new <= 0):
+        raise ChatError(f"max_tokens / max_completion_tokens={max_new!r}: must be a positive integer")
+    sp: dict[str, Any] = {"max_new_tokens": max_new}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                     ("min_p", "min_p"), ("stop_token_ids", "stop_token_ids"), ("seed", "sampling_seed"),
+                     ("ignore_eos", "ignore_eos"), ("skip_special_tokens", "skip_special_tokens"),
+                     ("no_stop_trim", "no_stop_trim")):  # fmt: skip
+        if body.get(src) is not None:
+            sp[dst] = body[src]
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ChatError(f"stop={body['stop']!r}: must be a non-empty string or a list of them")
+        sp["stop"] = stop
+    if sp.get("sampling_seed") is not None and type(sp["sampling_seed"]) is not int:
+        raise ChatError(f"seed={sp['sampling_seed']!r}: must be an integer")
+    return sp
+
+
+# ---------------------------------------------------------------------------- prompt
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them (SGLang's normalization): text parts joined, tool-call
+    arguments as objects, content None as ""."""
+    out = []
+    for m in messages:
+        m = copy.deepcopy(m)
+        if isinstance(m.get("content"), list):
+            m["content"] = " ".join(p.get("text", "") for p in m["content"])
+        if m.get("content") is None:
+            m["content"] = ""
+        for call in m.get("tool_calls") or []:
+            args = call.get("function", {}).get("arguments")
+            if isinstance(args, str):
+                try:
+                    call["function"]["arguments"] = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise ChatError(f"tool call arguments {args!r:.80} are not valid JSON") from None
+        out.append(m)
+    return out
+
+
+def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, kwargs: dict,
+                add_generation_prompt: bool) -> str:  # fmt: skip
+    """The served tokenizer's chat template over `messages` (and `tools`), as text."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatError("the served tokenizer has no chat template; use /generate with input_ids")
+    try:
+        return tokenizer.apply_chat_template(
+            template_messages(messages), tools=tools, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **kwargs,
+        )  # fmt: skip
+    except ChatError:
+        raise
+    except Exception as e:  # jinja errors: a message shape the template does not take
+        raise ChatError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+
+
+def render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
+    """The prompt's token ids: `input_ids` as given, else the chat template with the generation prompt."""
+    if req.input_ids is not None:
+        return list(req.input_ids)
+    text = render_text(tokenizer, req.messages, req.tools, req.chat_template_kwargs, True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def generate_body(req: ChatRequest, input_ids: list[int], context_length: int) -> dict[str, Any]:
+    """The /generate body for the request's n choices (SGLang's batch form when n > 1; each choice
+    its own seed, so seeded choices differ and stay reproducible)."""
+    sp = dict(req.sampling_params)
+    if sp.get("max_new_tokens") is None:
+        sp["max_new_tokens"] = max(0, context_length - len(input_ids))
+    body: dict[str, Any] = {"return_logprob": True}
+    if req.top_logprobs:
+        body["top_logprobs_num"] = req.top_logprobs
+    if req.lora_path is not None:
+        body["lora_path"] = req.lora_path
+    if req.n == 1:
+        return {**body, "input_ids": list(input_ids), "sampling_params": sp}
+    seed = sp.get("sampling_seed")
+    sps = [{**sp, "sampling_seed": None if seed is None else seed + i} for i in range(req.n)]
+    return {**body, "input_ids": [list(input_ids)] * req.n, "sampling_params": sps}
+
+
+# ---------------------------------------------------------------------------- response
+def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """qwen25: the text before the first <tool_call> is the content; each parsed block a call."""
+    calls = qwen25_parser(tools)(text)
+    if not calls:
+        return text, []
+    content = text[: text.find("<tool_call>")].strip()
+    return content, [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+        for i, c in enumerate(calls)
+    ]  # fmt: skip
+
+
+def assistant_message(req: ChatRequest, output: dict[str, Any]) -> tuple[dict[str, Any], str, Any]:
+    """(message, finish_reason, matched_stop) of one /generate answer."""
+    text = output.get("text", "")
+    fin = (output.get("meta_info") or {}).get("finish_reason") or {}
+    reason, matched = fin.get("type", "stop"), fin.get("matched")
+    calls: list[dict[str, Any]] = []
+    if req.parses_tools:
+        text, calls = parse_tool_calls(text, req.tools or [])
+    if calls and reason == "stop":  # SGLang: a stop with tool calls is finish_reason tool_calls
+        reason, matched = "tool_calls", None
+    msg = {"role": "assistant", "content": text or "", "reasoning_content": None, "tool_calls": calls or None}
+    return msg, reason, matched
+
+
+def _logprobs(output: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    meta = output.get("meta_info") or {}
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for j, (lp, tid, *_) in enumerate(meta.get("output_token_logprobs") or []):
+        token = tokenizer.decode([tid])
+        top = [
+            {"token": (t := tokenizer.decode([i])), "bytes": list(t.encode()), "logprob": float(v)}
+            for v, i, *_ in (tops[j] if j < len(tops) and tops[j] else [])
+        ]
+        content.append(
+            {"token": token, "bytes": list(token.encode()), "logprob": float(lp), "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+def build_response(
+    req: ChatRequest, outputs: list[dict[str, Any]], tokenizer: Any, prompt_ids: list[int]
+) -> dict[str, Any]:
+    """SGLang's ChatCompletionResponse from the /generate answers (one per choice)."""
+    choices = []
+    for i, out in enumerate(outputs):
+        msg, reason, matched = assistant_message(req, out)
+        choice: dict[str, Any] = {
+            "index": i, "message": msg, "finish_reason": reason, "matched_stop": matched,
+            "logprobs": _logprobs(out, tokenizer) if req.logprobs else None,
+        }  # fmt: skip
+        if req.return_token_ids:
+            choice["token_ids"] = list(out.get("output_ids") or [])
+        if req.return_prompt_token_ids:
+            choice["prompt_token_ids"] = list(prompt_ids)
+        if req.return_meta_info:
+            choice["meta_info"] = out.get("meta_info")
+        choices.append(choice)
+    meta0 = outputs[0].get("meta_info") or {}
+    completion = sum(len(o.get("output_ids") or []) for o in outputs)
+    return {
+        "id": f"chatcmpl-{meta0.get('id') or uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+        },
+        # SGLang's weight_version is a string (OpenAI's metadata is str -> str)
+        "metadata": {"weight_version": str(meta0.get("weight_version"))},
+    }
+
+
+def sse_chunks(response: dict[str, Any], include_usage: bool = False) -> list[str]:
+    """stream=true: the finished response as SSE `chat.completion.chunk`s (role, content and tool
+    calls, finish), the usage chunk when asked, then `[DONE]`. Generation is not incremental."""
+    head = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def chunk(choices, **extra) -> str:
+        return "data: " + json.dumps({**head, "choices": choices, **extra}) + "\n\n"
+
+    out = []
+    for c in response["choices"]:
+        i, msg = c["index"], c["message"]
+        out.append(
+            chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        )
+        delta: dict[str, Any] = {"content": msg["content"]}
+        if msg.get("tool_calls"):
+            delta["tool_calls"] = msg["tool_calls"]
+        out.append(chunk([{"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}]))
+        out.append(chunk([{"index": i, "delta": {}, "finish_reason": c["finish_reason"],
+                           "matched_stop": c["matched_stop"]}]))  # fmt: skip
+    if include_usage:
+        out.append(chunk([], usage=response["usage"]))
+    out.append("data: [DONE]\n\n")
+    return out
+
+
+def models_list(model_path: str, context_length: int) -> dict[str, Any]:
+    """GET /v1/models: SGLang's ModelList with the served model (its path is its id)."""
+    card = {"id": model_path, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+            "root": model_path, "parent": None, "max_model_len": context_length}  # fmt: skip
+    return {"object": "list", "data": [card]}
