@@ -128,6 +128,9 @@ _RANGES: dict[str, tuple] = {
     "tis_upper_bound": (0, None, True, "> 0"),
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
     "custom_agent_function_timeout": (0, None, True, "> 0 (seconds)"),
+    "rollout_health_check_interval": (0, None, True, "> 0 (seconds)"),
+    "rollout_health_check_timeout": (0, None, True, "> 0 (seconds)"),
+    "rollout_health_check_first_wait": (0, None, False, ">= 0 (seconds)"),
     "max_seq_len": _POSITIVE,
     "session_server_port": (0, 65535, False, "a port in [0, 65535] (0: a free one)"),
 }
@@ -160,6 +163,19 @@ class RunConfig:
         [], "cluster", "attach engines started elsewhere (host:port ...)", nargs="*"
     )
     sglang_router_port: int | None = _f(None, "cluster", "pin the router port (else a free one)")
+    use_fault_tolerance: bool = _f(
+        False,
+        "cluster",
+        "health-check every engine (/health_generate); one that fails or hangs is killed, restarted on "
+        "its bundle, loaded with the current version and put back behind the router",
+    )
+    rollout_health_check_interval: float = _f(30.0, "cluster", "seconds between engine health checks")
+    rollout_health_check_timeout: float = _f(
+        30.0, "cluster", "seconds an engine has to answer a health check before it is replaced"
+    )
+    rollout_health_check_first_wait: float = _f(
+        0.0, "cluster", "grace period in seconds before the first health check"
+    )
     api_key: str | None = _f(
         None,
         "cluster",
@@ -632,6 +648,7 @@ class RunConfig:
         for name, why in REFUSED.items():
             if getattr(self, name) != _default(name):
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
+        self._check_fault_tolerance()
         self._check_generate_flags()
         self._check_lora_flags()
         self._check_opd_flags()
@@ -840,6 +857,24 @@ class RunConfig:
         if given and not self.use_session_server:
             raise ConfigError(f"{', '.join(given)}: session server flags; set --use-session-server")
 
+    def _check_fault_tolerance(self) -> None:
+        if not self.use_fault_tolerance:
+            return
+        why = None
+        if self.debug_train_only:
+            why = "--debug-train-only starts no engines"
+        elif self.rollout_engine != "embedded" or self.rollout_external_engine_addrs:
+            why = "restarting an SGLang or external engine is not built (embedded engines only)"
+        elif self.update_weight_transfer_mode not in ("tensor", "disk"):
+            why = (
+                f"--update-weight-transfer-mode {self.update_weight_transfer_mode} keeps per-engine state "
+                "a restarted engine lacks; use tensor or disk (a restart loads the version's HF export)"
+            )
+        elif self.lora_rank > 0:
+            why = "a restarted engine would need the run's adapters re-loaded (not built)"
+        if why:
+            raise ConfigError(f"--use-fault-tolerance: {why}")
+
     def _check_ranges(self) -> None:
         """Every numeric flag in its range (NaN and inf included), with the flag named."""
         for name, (lo, hi, lo_open, what) in _RANGES.items():
@@ -958,7 +993,8 @@ LOGGING = frozenset(f.name for f in dataclasses.fields(RunConfig) if f.metadata[
 RESUMABLE = frozenset(
     {"ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
      "colocate", "num_cpus_per_actor", "rollout_engine", "rollout_external_engine_addrs", "sglang_router_port",
-     "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
+     "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
+     "rollout_health_check_first_wait", "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
      "load", "save", "save_interval", "save_hf", "num_rollout", "num_epoch", "rollout_max_concurrency",
      "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",

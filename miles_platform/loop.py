@@ -115,6 +115,8 @@ class RLRun:
                     hf_dir, m = publish_adapter(cfg, self.paths, s, version, self.base_version)
                     metrics.update(m)
                 else:
+                    if s.monitor is not None:  # --use-fault-tolerance: replace dead engines first
+                        s.monitor.check_once()
                     weights = ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
                     hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, self.paths.hf_export(run, version))
                     metrics.update(s.session.update(weights, version, hf_dir))
@@ -184,6 +186,10 @@ class RLRun:
                 hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
             s.session.transport.load_export(hf_dir, version)
         else:
+            if cfg.use_fault_tolerance and not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+                from miles_platform.training.export import export_hf_dir  # what a replacement loads
+
+                hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
             s.session.update(weights, version, hf_dir if os.path.exists(hf_dir) else None)
         if resumed and weight_check_on(cfg):
             check_weights_equal(cfg, s.engines, weights, version)
@@ -225,6 +231,8 @@ class RLRun:
         from miles_platform.store.tables import append_rows
 
         metrics["perf/rollout_total_time"] = time.time() - t0
+        if self.s.monitor is not None:  # --use-fault-tolerance: engines replaced so far in this process
+            metrics["rollout/engine_restarts"] = float(self.s.monitor.restarts)
         step = int(metrics.get("train/step", 0))
         rows = [
             {"rollout_id": rollout_id, "step": step, "name": k, "value": float(v)} for k, v in metrics.items()

@@ -22,7 +22,7 @@ class RunServices(contextlib.AbstractContextManager):
     def __init__(self, cfg: RunConfig, paths: StoragePaths, reporter: Reporter, tokenizer, data_source):
         self.cfg, self.paths, self.reporter, self.tok, self.src = cfg, paths, reporter, tokenizer, data_source
         self.trainers: list = []
-        self.engines = self.router = self.manager = self.session = self.worker = None
+        self.engines = self.router = self.manager = self.session = self.worker = self.monitor = None
         self.teachers: list[tuple[str, str, str | None]] = []  # OPD: (teacher, kind, content hash)
         self.state: dict[str, Any] | None = None
         from miles_platform.trackers import Trackers
@@ -102,13 +102,35 @@ class RunServices(contextlib.AbstractContextManager):
             "the run's bearer token (--api-key / --api-key-file / $MILES_API_KEY, else generated)"
         )
         # one engine: talk to it directly (a router hop would add latency and nothing else)
-        url = self.engines[0].url if len(self.engines) == 1 else self.router.url
+        # (--use-fault-tolerance: always the router, whose address outlives an engine's replacement)
+        direct = len(self.engines) == 1 and not cfg.use_fault_tolerance
+        url = self.engines[0].url if direct else self.router.url
         self.manager = RolloutManager(cfg, self.tok, self.src, url)
         s.callback(self.manager.close)
         if cfg.use_opd and cfg.opd_type == "sglang":
             self._start_opd_teachers(url, teacher)
         if self.trainers:
             self.session = UpdateSession(cfg, self.paths, self.engines, self.trainers)
+        if cfg.use_fault_tolerance:
+            self._start_health_monitor(groups)
+
+    def _start_health_monitor(self, groups) -> None:
+        import threading
+
+        from miles_platform.rollout.engines import restart_engine
+        from miles_platform.rollout.health import EngineHealthMonitor
+
+        session = self.session
+        self.monitor = EngineHealthMonitor(
+            self.cfg,
+            self.engines,
+            self.router.url,
+            restart=lambda i: restart_engine(self.cfg, groups, i),
+            served=session.served if session is not None else (lambda: (0, None)),
+            lock=session.lock if session is not None else threading.Lock(),
+            report=self.reporter.log,
+        ).start()
+        self._stack.callback(self.monitor.stop)
 
     def _start_opd_teachers(self, student_url: str, teacher: Any = None) -> None:
         """Sglang-mode OPD: the teacher engine the run started (--opd-teacher-hf-checkpoint) or the

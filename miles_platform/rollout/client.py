@@ -166,11 +166,15 @@ class EngineClient:
         max_connections: int = 64,
         timeout: float = 600.0,
         lora_path: str | None = None,
+        max_retries: int = 8,
     ):
-        """`lora_path`: a LoRA run's adapter name, sent with every generate of this client."""
+        """`lora_path`: a LoRA run's adapter name, sent with every generate of this client;
+        `max_retries` of a retryable answer (--use-fault-tolerance: long enough to outlast an
+        engine's replacement)."""
         import threading
 
         self.url, self.api_key, self.lora_path = url.rstrip("/"), api_key, lora_path
+        self.max_retries = max_retries
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
         self._thread.start()
@@ -188,6 +192,7 @@ class EngineClient:
 
     def _generate(self, input_ids, sampling_params, **kw):
         kw.setdefault("lora_path", self.lora_path)
+        kw.setdefault("max_retries", self.max_retries)
         return generate(self.url, input_ids, sampling_params, api_key=self.api_key, client=self._client, **kw)
 
     def generate(self, input_ids, sampling_params=None, **kw):

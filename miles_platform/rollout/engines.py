@@ -38,18 +38,8 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
         actors = actors or [None] * len(infos)
         handles = [EngineHandle(url=i.url, actor=a) for i, a in zip(infos, actors, strict=True)]
     else:
-        env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
         actors = create_role_actors(
-            RolloutEngineActor,
-            cfg,
-            groups,
-            "rollout",
-            cfg.hf_checkpoint,
-            api_key=cfg.api_key,
-            dtype=cfg.rollout_dtype,
-            max_batch_size=embedded_max_running_requests(cfg),
-            weight_roots=engine_weight_roots(cfg),
-            options={"runtime_env": env},
+            RolloutEngineActor, cfg, groups, "rollout", cfg.hf_checkpoint, **_embedded_kwargs(cfg)
         )
         urls = ray.get([a.url.remote() for a in actors])
         handles = [EngineHandle(url=u, actor=a) for u, a in zip(urls, actors, strict=True)]
@@ -60,6 +50,37 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
         worker_urls=[h.url for h in handles],
     )
     return handles, router
+
+
+def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    return dict(
+        api_key=cfg.api_key,
+        dtype=cfg.rollout_dtype,
+        max_batch_size=embedded_max_running_requests(cfg),
+        weight_roots=engine_weight_roots(cfg),
+        options={"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}},
+    )
+
+
+def restart_engine(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]], index: int) -> EngineHandle:
+    """A fresh embedded engine on the bundle of engine `index` (--use-fault-tolerance: the dead
+    one was killed first, so its resources are free). It serves --hf-checkpoint until loaded."""
+    import ray
+
+    from miles_platform.cluster.ray_cluster import (
+        ENGINE_SHARE,
+        bundle_actor_options,
+        cluster_has_gpus,
+        plan_placement,
+    )
+
+    pg, indices = groups["rollout"]
+    slot = indices[:: max(cfg.rollout_num_gpus_per_engine, 1)][index]
+    kwargs = _embedded_kwargs(cfg)
+    bundle = plan_placement(cfg, use_gpu=cluster_has_gpus())["rollout"].bundle
+    opts = bundle_actor_options(pg, slot, ENGINE_SHARE, bundle, **kwargs.pop("options"))
+    actor = ray.remote(RolloutEngineActor).options(**opts).remote(cfg.hf_checkpoint, rank=index, **kwargs)
+    return EngineHandle(url=ray.get(actor.url.remote()), actor=actor)
 
 
 def create_teacher_engine(cfg: RunConfig) -> Any:

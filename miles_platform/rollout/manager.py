@@ -50,8 +50,14 @@ class RolloutManager:
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")
         # a LoRA run's requests are served with its adapter (--lora-train-only: the frozen base)
         self.lora_path = lora_name(cfg) if cfg.lora_rank > 0 and not cfg.lora_train_only else None
+        from miles_platform.rollout.health import client_retries
+
         self.client = engine_client.EngineClient(
-            self.url, cfg.api_key, cfg.rollout_max_concurrency, lora_path=self.lora_path
+            self.url,
+            cfg.api_key,
+            cfg.rollout_max_concurrency,
+            lora_path=self.lora_path,
+            max_retries=client_retries(cfg),
         )
         self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
         # finished groups not trained on yet (over-sampling surplus; in fully async mode, the data

@@ -10,6 +10,7 @@ Timings per phase are reported as `perf/update_weights_*`.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -27,6 +28,13 @@ class UpdateSession:
         """`trainers`: TrainerActor handles, used by transports the trainer drives (broadcast)."""
         self.cfg, self.engines = cfg, engines
         self.transport = get_transport(cfg, paths, engines, trainers)
+        # what every engine serves: v0 is --hf-checkpoint; an engine restarted under
+        # --use-fault-tolerance loads this version's export, holding `lock` so no update interleaves
+        self.served_version, self.served_hf_dir = 0, None
+        self.lock = threading.Lock()
+
+    def served(self) -> tuple[int, str | None]:
+        return self.served_version, self.served_hf_dir
 
     def _broadcast(self, path: str, body: dict | None = None) -> None:
         for e in self.engines:
@@ -35,6 +43,12 @@ class UpdateSession:
     def update(
         self, state: dict[str, torch.Tensor], version: int, hf_dir: str | None = None
     ) -> dict[str, float]:
+        with self.lock:
+            out = self._update(state, version, hf_dir)
+            self.served_version, self.served_hf_dir = version, hf_dir
+            return out
+
+    def _update(self, state: dict[str, torch.Tensor], version: int, hf_dir: str | None) -> dict[str, float]:
         t0 = time.time()
         stats = self.transport.prepare(state, version, hf_dir)
         t1 = time.time()
