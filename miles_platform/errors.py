@@ -19,3 +19,7 @@ class CheckpointError(MilesError, ValueError):
 
 class PublicationError(MilesError, ValueError):
     """A weight publication that fails verification: message names version and tensor."""
+
+
+class ActorDied(MilesError, RuntimeError):
+    """A trainer or engine actor of a run died: the run stopped; relaunching resumes it."""

@@ -21,6 +21,7 @@ import sys
 import time
 
 from miles_platform.config import RunConfig, parse_run_config
+from miles_platform.errors import ActorDied
 from miles_platform.preflight import fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
@@ -71,7 +72,13 @@ class RLRun:
                 self._initial_sync(version, resumed=state is not None)
             initial_eval = self._eval_before_train(start, version)
             s.start_async_worker()
-            result = self._loop(start, version)
+            try:
+                result = self._loop(start, version)
+            except Exception as e:
+                died = _actor_died(cfg, e)
+                if died is None:
+                    raise
+                raise died from e
             result.eval_before_train = initial_eval
             return result
 
@@ -247,6 +254,25 @@ class RLRun:
         result.last_rollout_id, result.final_version = rollout_id, version
 
 
+def _actor_died(cfg: RunConfig, e: Exception) -> Exception | None:
+    """A Ray actor of the run died (a trainer rank, an engine without --use-fault-tolerance): one
+    message naming the actor and how to resume, instead of Ray's traceback."""
+    import ray
+
+    if not isinstance(e, ray.exceptions.RayActorError):
+        return None
+    text = str(e)
+    name = next((n for n in ("TrainerActor", "RolloutEngineActor", "EngineActor") if n in text), "an actor")
+    where = cfg.save or cfg.load
+    resume = (
+        f"relaunch the same command to resume from the last checkpoint under {where}"
+        if where
+        else "no --save: a relaunch starts over"
+    )
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    return ActorDied(f"{name} of run {cfg.run_name!r} died ({first[:200]}); the run stopped: {resume}")
+
+
 def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:
     return RLRun(cfg, reporter).run()
 
@@ -255,7 +281,7 @@ def cli_main(argv: list[str]) -> int:
     cfg = parse_run_config(argv)
     try:
         result = train(cfg)
-    except CITestFailure as e:
+    except (CITestFailure, ActorDied) as e:
         print(f"miles-platform train: {e}", file=sys.stderr)
         return 1
     out = {"run": result.run, "last_rollout_id": result.last_rollout_id, "final_version": result.final_version,

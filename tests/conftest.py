@@ -49,6 +49,7 @@ SLOW = {
     "test_family_loop_ci_disk_delta_and_resume", "test_hf_to_torch_dist_to_hf_is_bit_exact",
     "test_megatron_logits_loss_grads_match_hf_in_fp32", "test_without_the_family_mapping_parity_fails",
     "test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes",
+    "test_a_dead_trainer_stops_the_run_with_the_actor_and_the_resume_command",
     "test_agentic_ci_test_run_trains_on_session_samples",
 }  # fmt: skip
 

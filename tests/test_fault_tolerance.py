@@ -9,6 +9,7 @@ import pytest
 from loop_helpers import small_run_config, small_run_kwargs
 
 from miles_platform.config import ConfigError, RunConfig
+from miles_platform.errors import ActorDied
 from miles_platform.loop import RLRun
 from miles_platform.run_types import Reporter
 from miles_platform.store.catalog import Catalog
@@ -87,3 +88,26 @@ def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(tiny_hf_ch
         "select rollout_id, min(weight_version_start), max(weight_version_end) from rollouts group by 1 order by 1"
     )
     assert rows == [(0, 0, 0), (1, 1, 1), (2, 2, 2), (3, 3, 3)]
+
+
+class TrainerKiller(Reporter):
+    def __init__(self):
+        self.runner = None
+
+    def on_rollout(self, rollout_id, metrics):
+        if rollout_id == 0:
+            os.kill(_engine_pid(self.runner.s.trainers[0]), signal.SIGKILL)
+
+
+def test_a_dead_trainer_stops_the_run_with_the_actor_and_the_resume_command(tiny_hf_checkpoint, tmp_path):
+    cfg = small_run_config(
+        tiny_hf_checkpoint, tmp_path, num_rollout=3, save=str(tmp_path / "ckpt"), save_interval=1
+    )
+    rep = TrainerKiller()
+    rep.runner = RLRun(cfg, rep)
+    with pytest.raises(ActorDied) as e:
+        rep.runner.run()
+    msg = str(e.value)
+    assert (
+        "TrainerActor of run 't' died" in msg and f"resume from the last checkpoint under {cfg.save}" in msg
+    )
