@@ -307,7 +307,7 @@ def check_engine(work: Path) -> dict:
     import transformers
 
     from miles_platform.models.checkpoint import load_hf_checkpoint
-    from miles_platform.rollout import engine_core
+    from miles_platform.rollout import engine_batch, engine_core, engine_requests, engine_weights
     from miles_platform.rollout.engine_core import EngineCore
 
     cuda = torch.cuda.is_available()
@@ -315,7 +315,10 @@ def check_engine(work: Path) -> dict:
     params = list(inspect.signature(EngineCore.__init__).parameters)
     has_device = any(p in params for p in ("device", "device_id", "gpu_id"))
     cuda_lines = [
-        ln.strip() for ln in inspect.getsource(engine_core).splitlines() if "cuda" in ln and "#" not in ln
+        ln.strip()
+        for mod in (engine_core, engine_requests, engine_batch, engine_weights)
+        for ln in inspect.getsource(mod).splitlines()
+        if "cuda" in ln and "#" not in ln
     ]
     out = {}
     if not has_device:
@@ -324,7 +327,7 @@ def check_engine(work: Path) -> dict:
             "reason": "EngineCore has no device argument: it loads the model with the default (CPU) "
             "device and builds its input ids, masks and KV cache on the CPU",
             "EngineCore.__init__": params,
-            "cuda_mentions_in_engine_core": cuda_lines,
+            "cuda_mentions_in_engine_modules": cuda_lines,
         }
 
     eng = EngineCore(tied, dtype="fp32", max_batch_size=8)

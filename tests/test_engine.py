@@ -261,11 +261,11 @@ def test_engine_refuses_a_transformers_without_the_cache_argument():
     """transformers 5.17 names the KV cache `past_key_values` and silently drops `cache=`: decode
     would run without context. The engine refuses such a model at load instead."""
     from miles_platform.errors import MilesError
-    from miles_platform.rollout.engine_core import _check_cache_kwarg
+    from miles_platform.rollout.engine_weights import check_cache_kwarg
 
     class OldForward(torch.nn.Module):
         def forward(self, input_ids=None, past_key_values=None, **kwargs):
             return None
 
     with pytest.raises(MilesError, match="takes no `cache` argument"):
-        _check_cache_kwarg(OldForward())
+        check_cache_kwarg(OldForward())

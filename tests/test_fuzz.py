@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from miles_platform.data.dataset import load_prompt_dataset
 from miles_platform.errors import CheckpointError, DataError, PublicationError
 from miles_platform.models.checkpoint import _check_safetensors
-from miles_platform.rollout.engine_core import EngineCore, RequestError
+from miles_platform.rollout.engine_core import EngineCore
+from miles_platform.rollout.engine_requests import RequestError
 from miles_platform.weights import delta_format
 
 # derandomized: CI explores the same examples every run (no flaky red); raise max_examples locally to hunt
@@ -123,7 +124,7 @@ def test_generate_body_parser_accepts_or_gives_a_400_message(core, body, ids, sp
     for b in (body, {**body, "input_ids": ids, "sampling_params": sp}, {"text": text, "sampling_params": sp}):
         b = {k: v for k, v in b.items() if not (k == "text" and "input_ids" in b)}
         try:
-            reqs, _ = core._parse_generate_body(b)
+            reqs, _ = core.request_parser.parse_body(b)
         except RequestError as e:
             assert str(e)
             continue

@@ -167,16 +167,16 @@ def test_sft_from_a_family_checkpoint_lowers_the_loss_and_saves_it(family, famil
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_quantized_family_checkpoint_is_served_close_to_the_original(family, fmt, family_dirs, tmp_path):
-    """The engine's own loader (`_load_model`: dequantize into the family's HF model) on the output of
+    """The engine's own loader (`load_model`: dequantize into the family's HF model) on the output of
     `miles-platform quantize`; biases and norms are kept exact, projections quantized."""
     from miles_platform.models.checkpoint import load_hf_model
-    from miles_platform.rollout.engine_core import _load_model
+    from miles_platform.rollout.engine_weights import load_model
     from miles_platform.weights.quantize import quantize_checkpoint
 
     src = family_dirs[family]
     st = quantize_checkpoint(src, str(tmp_path / fmt), fmt)
     assert st.tensors_quantized == 2 * 7  # q, k, v, o, gate, up, down per layer
-    served, _ = _load_model(str(tmp_path / fmt), torch.float32)
+    served, _ = load_model(str(tmp_path / fmt), torch.float32)
     ref = load_hf_model(src)
     assert type(served) is type(ref)
     ref_sd, got_sd = ref.state_dict(), served.state_dict()

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout import chat
-from miles_platform.rollout.engine_core import EngineCore, EngineStopped, RequestError, VersionConflict
+from miles_platform.rollout.engine_core import EngineCore
+from miles_platform.rollout.engine_requests import EngineStopped, RequestError, VersionConflict
 from miles_platform.rollout.lora_serving import read_adapter_dir
 
 log = logging.getLogger(__name__)

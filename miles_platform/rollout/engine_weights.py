@@ -1,0 +1,352 @@
+"""The embedded engine's weights: loading a checkpoint at start, updating it in place (tensors, disk,
+broadcast; LoRA adapters) and reading back what is served (values, checksums).
+
+Weight updates take the step lock, so a forward pass never sees half-old, half-new weights; they are
+validated (names, shapes) before any tensor is copied, so a failed update keeps old weights and version.
+Requests already running whose exact / min weight_version the new version violates fail with 409.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from miles_platform.errors import CheckpointError, MilesError
+from miles_platform.rollout.engine_batch import keep_rows
+from miles_platform.rollout.engine_requests import RequestError, version_violation
+from miles_platform.rollout.lora_serving import parse_adapter
+
+GROUP_JOIN_TIMEOUT_S = 30.0  # an engine joining a trainer's weight-broadcast group
+
+
+class EngineWeightsMixin:
+    """EngineCore's weight API (SGLang's update / get-weights / LoRA endpoints). It uses the core's
+    `model`, `dtype`, `model_path`, `_params` (name -> served Parameter, tied names alias one),
+    `_lora`, `_weight_version`, `_weight_groups`, `_group_init`, `_step_lock`, `_batch`, `stats`,
+    `_in_scheduler` (all torch work runs on the scheduler thread) and `_fail_version`."""
+
+    # ---- base weights ------------------------------------------------------------------------------
+
+    def update_weights_from_tensors(
+        self, named_tensors: dict[str, torch.Tensor], weight_version: int
+    ) -> None:
+        """Copy (a subset of) parameters in, atomically between forward passes; set the version."""
+        self._in_scheduler(
+            lambda: self._swap(self._prepare_tensors(named_tensors, require_all=False), int(weight_version))
+        )
+
+    def update_weights_from_disk(self, path: str | os.PathLike, weight_version: int | None = None) -> int:
+        """Load a full HF checkpoint dir (quantized ones via the dequantizing loader); returns the new version."""
+        version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        if version < 0 or version < self._weight_version:
+            raise RequestError(
+                f"weight_version {version}: versions only move forward (this engine serves v{self._weight_version})"
+            )
+        state = read_state_dict(path)
+        self._in_scheduler(
+            lambda: self._swap(self._prepare_tensors(state, require_all=True, source=str(path)), version)
+        )
+        self.model_path = str(path)
+        return version
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
+        """Join the trainer's weight-broadcast group as rank `rank_offset` (SGLang's API). Blocks
+        until every rank joined; a second init under the same name replaces the group."""
+        from miles_platform.weights.transports.broadcast import new_weights_group
+
+        if backend not in ("gloo", "nccl"):
+            raise RequestError(f"init_weights_update_group backend={backend!r}: must be gloo or nccl")
+        # one join at a time, each bounded: calls to a dead port cannot pile up and block updates
+        if not self._group_init.acquire(blocking=False):
+            raise RequestError("init_weights_update_group: another join is in progress on this engine")
+        try:
+            group = new_weights_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend,
+                join_timeout_s=GROUP_JOIN_TIMEOUT_S,
+            )  # fmt: skip
+        finally:
+            self._group_init.release()
+        self._weight_groups[group_name] = (group, backend)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int | None = None,
+    ) -> int:
+        """Receive each tensor by broadcast from rank 0 in the order given, then load them atomically
+        (names and shapes are checked after receiving, so the group stays in step on a bad update).
+        Returns the new version. The receive runs on the caller's thread; the swap on the scheduler."""
+        from miles_platform.weights.transports.broadcast import broadcast, parse_dtype
+
+        if group_name not in self._weight_groups:
+            raise RequestError(
+                f"no weights update group {group_name!r}: call /init_weights_update_group first"
+            )
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise RequestError(
+                f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}"
+            )
+        try:
+            kinds = [parse_dtype(d) for d in dtypes]
+        except ValueError as e:
+            raise RequestError(f"update_weights_from_distributed: {e}") from e
+        group, backend = self._weight_groups[group_name]
+        device = "cuda" if backend == "nccl" else "cpu"
+        named = {}
+        for name, dtype, shape in zip(names, kinds, shapes, strict=True):
+            t = torch.empty([int(x) for x in shape], dtype=dtype, device=device)
+            broadcast(group, t)
+            named[name] = t
+        version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        self.update_weights_from_tensors(named, version)
+        return version
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of every parameter (tied ones once), for --check-weight-update-equal."""
+        return self._in_scheduler(
+            lambda: {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        )
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        """SGLang's `/get_weights_by_name`: the first `truncate_size` rows (elements of a 1-D tensor)
+        of one parameter, by HF name (tied names too), as a float64 numpy array (every served value
+        exactly; the HTTP layer writes it as nested JSON lists, as SGLang does)."""
+        if name not in self._params:
+            raise RequestError(
+                f"unknown parameter {name!r} (this model has e.g. {next(iter(self._params))!r})"
+            )
+        n = int(truncate_size)
+        return self._in_scheduler(
+            lambda: self._params[name].detach()[:n].to("cpu", torch.float64).numpy().copy()
+        )
+
+    def weights_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
+        """Our extension to SGLang's API (`POST /weights_checksum`): {name: {"dtype", "shape",
+        "xxh3_128"}} of each parameter's bytes as served, every one (`names=None`) or those named.
+        One request answers what `/get_weights_by_name` needs one request per tensor for."""
+        from miles_platform.weights.checksum import checksum
+
+        names = list(self._params) if names is None else list(names)
+        unknown = [n for n in names if n not in self._params]
+        if unknown:
+            raise RequestError(
+                f"unknown parameter {unknown[0]!r} (this model has e.g. {next(iter(self._params))!r})"
+            )
+
+        def digest():
+            out = {}
+            for n in names:
+                t = self._params[n].detach()
+                out[n] = {
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "xxh3_128": checksum(t),
+                }
+            return out
+
+        return self._in_scheduler(digest)
+
+    def _prepare_tensors(self, named: dict, require_all: bool, source: str = "tensors") -> dict:
+        unknown = [n for n in named if n not in self._params]
+        if unknown:
+            raise CheckpointError(
+                f"weights from {source}: unknown tensor names {unknown[:5]} (model has e.g. {next(iter(self._params))})"
+            )
+        if require_all:
+            covered = {id(self._params[n]) for n in named}
+            missing = [n for n, p in self.model.named_parameters() if id(p) not in covered]
+            if missing:
+                raise CheckpointError(f"weights from {source}: missing tensors {missing[:5]}")
+        out = {}
+        for n, t in named.items():
+            p = self._params[n]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(p.shape):
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise CheckpointError(
+                    f"weights from {source}: {n} has shape {shape}, model expects {tuple(p.shape)}"
+                )
+            out[n] = t.detach().to(device=p.device, dtype=p.dtype)
+        return out
+
+    def _swap(self, prepared: dict, version: int) -> None:
+        with self._step_lock, torch.no_grad():
+            for n, t in prepared.items():
+                self._params[n].copy_(t)
+            self._weight_version = version
+            self.stats["num_weight_updates"] += 1
+            self._fail_running_violations(version, lora=None)
+
+    def _fail_running_violations(self, version: int, lora: str | None) -> None:
+        """After `version` of the base weights (lora=None) or of adapter `lora` went live: fail the
+        running requests it serves whose exact/min constraint is now violated (409)."""
+        b, keep = self._batch, []
+        for i, r in enumerate(b.reqs):
+            why = version_violation(r, version) if r.lora == lora else None
+            if why:
+                self._fail_version(r, why)
+            else:
+                keep.append(i)
+        if len(keep) != len(b):
+            self._batch = keep_rows(b, keep, self.model.config)
+
+    # ---- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter, `lora_path`) ----------
+
+    def load_lora_adapter(
+        self, name: str, tensors: dict, config: dict, weight_version: int | None = None,
+        path: str | None = None, replace: bool = False,
+    ) -> int:  # fmt: skip
+        """Serve a PEFT LoRA adapter as `name` (requests select it with `lora_path`). `replace`: swap
+        an adapter of that name in one step (a weight update); else, as SGLang, a loaded name is an
+        error. Validated before anything changes. Returns the adapter's version."""
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name must be a non-empty string")
+        old = self._lora.adapters.get(name)
+        if weight_version is None:
+            version = old.version + 1 if old is not None else self._weight_version
+        else:
+            version = int(weight_version)
+        if old is not None and version < old.version:
+            raise RequestError(f"LoRA adapter {name!r}: weight_version {version} < served v{old.version}")
+
+        def load():
+            adapter = parse_adapter(name, tensors, config, self.model, self.dtype, version, path)
+            with self._step_lock:
+                self._lora.load(adapter, replace=replace)
+                self._fail_running_violations(version, lora=name)
+                self.stats["num_lora_loads"] = self.stats.get("num_lora_loads", 0) + 1
+
+        try:
+            self._in_scheduler(load)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        return version
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name`. Requests still holding it fail when next scheduled (400), except
+        across a pause: an unload + load under the same name inside a pause is a seamless update."""
+
+        def unload():
+            with self._step_lock:
+                self._lora.unload(name)
+
+        try:
+            self._in_scheduler(unload)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+
+    def lora_adapters(self) -> dict[str, dict]:
+        return {n: {"lora_path": a.path, "weight_version": a.version, "rank": a.rank}
+                for n, a in sorted(self._lora.adapters.items())}  # fmt: skip
+
+    def get_lora_adapter_checksums(self, name: str) -> dict:
+        """SHA-256 of each served lora_A / lora_B tensor (in the serving dtype): --check-lora-weight-equal."""
+        a = self._lora.adapters.get(name)
+        if a is None:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self._lora.adapters)})")
+        return {"lora_name": name, "weight_version": a.version, "sha256": a.checksums()}
+
+
+# ---- loading a checkpoint ------------------------------------------------------------------------------
+
+
+def parse_engine_dtype(dtype) -> torch.dtype:
+    """`--dtype` (fp32 / bf16, or a torch dtype) -> the dtype the engine serves in."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
+    if dtype not in table:
+        raise MilesError(f"--dtype {dtype!r}: must be one of fp32, bf16")
+    return table[dtype]
+
+
+def load_model(path: str, dtype: torch.dtype):
+    """(model, tokenizer) of an HF checkpoint dir, frozen; a quantized one is dequantized to `dtype`."""
+    from miles_platform.models.checkpoint import load_hf_checkpoint, load_tokenizer, validate_hf_dir
+
+    cfg = validate_hf_dir(path)
+    if not cfg.get("quantization_config"):
+        model, tok = load_hf_checkpoint(path, dtype)
+    else:  # build the bf16/fp32 model from config, then load the dequantized weights into it
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        state = read_state_dict(path)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"HF checkpoint {path}: dequantized weights missing {missing[:5]} / unexpected {unexpected[:5]}"
+            )
+        tok = load_tokenizer(path)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    check_cache_kwarg(model)
+    return model, tok
+
+
+def check_cache_kwarg(model) -> None:
+    """The decode loop hands its KV cache to forward as `cache=` (transformers 5.2x). An older
+    transformers names it `past_key_values` and swallows `cache` into **kwargs, so every decode step
+    would silently run without context (wrong tokens and log-probs): refuse to start instead."""
+    import inspect
+
+    import transformers
+
+    if "cache" not in inspect.signature(type(model).forward).parameters:
+        raise MilesError(
+            f"transformers {transformers.__version__}: {type(model).__name__}.forward takes no `cache` "
+            "argument; the embedded engine needs the pinned transformers (pip install -e .)"
+        )
+
+
+def read_state_dict(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint dir by name (dequantized when the checkpoint is quantized)."""
+    from safetensors.torch import load_file
+
+    from miles_platform.models.checkpoint import validate_hf_dir
+
+    cfg = validate_hf_dir(path, need_tokenizer=False)
+    if cfg.get("quantization_config"):
+        try:
+            from miles_platform.weights.quantize import load_dequantized_state_dict
+        except ImportError as e:
+            raise CheckpointError(
+                f"HF checkpoint {path} is quantized ({cfg['quantization_config'].get('quant_method', '?')}) "
+                f"but miles_platform.weights.quantize is not available ({e})"
+            ) from e
+        return load_dequantized_state_dict(str(path))
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Token ids that end a generation: generation config, model config and tokenizer together."""
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if e is not None:
+            ids.update(e if isinstance(e, list | tuple) else [e])
+    return ids
