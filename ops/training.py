@@ -238,21 +238,60 @@ def run_config_from(
     return cfg, eval_config
 
 
+# Launchpad presets (the partition picker of the job: "demo", "smoke"). Paths are left to the latest
+# prompt_dataset / base_checkpoint; each load of a preset names a fresh run (`demo-<time>`), while a
+# re-execution keeps its run's config and name, so it resumes from that run's checkpoint.
+SMOKE_RL = dict(
+    rm_type="math", input_key="prompt", label_key="label", rollout_batch_size=2, n_samples_per_prompt=2,
+    num_rollout=2, rollout_max_response_len=4, lr=1e-4, save_interval=2,
+)  # fmt: skip
+
+
+def preset_run_configs() -> dict[str, dict[str, Any]]:
+    """The op config of each preset: the quickstart's demo recipe (100 rollouts, eval every 10th
+    version) and a two-rollout smoke run (seconds, once Ray is up)."""
+    from miles_platform.quickstart import DEMO_RL
+
+    return {"demo": dict(DEMO_RL, num_rollout=100), "smoke": SMOKE_RL}
+
+
+PRESETS = tuple(preset_run_configs())
+
+
+@dg.static_partitioned_config(partition_keys=list(PRESETS))
+def rl_training_presets(preset: str) -> dict[str, Any]:
+    import time
+
+    config = dict(preset_run_configs()[preset], run_name=f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return {"ops": {"rl_training_op": {"config": config}}}
+
+
+# A failed step is retried in the same run: the loop resumes from the run's last checkpoint, and
+# versions made after it keep their keys (new ones continue after the highest), so no partition is
+# reported twice. Config errors and --ci-test failures are final (allow_retries=False).
+TRAINING_RETRY_POLICY = dg.RetryPolicy(max_retries=2, delay=5)
+
+
 @dg.op(
     description="Run the Miles-style RL loop on Ray; report rollout_shards / policy_versions per version.",
     tags={"kind": "ray"},
+    retry_policy=TRAINING_RETRY_POLICY,
 )
 def rl_training_op(
     context: dg.OpExecutionContext,
     config: RLTrainingConfig,  # type: ignore[valid-type]
     storage: StorageRootResource,
 ) -> dg.Output:
-    from miles_platform.loop import train
+    from miles_platform.loop import CITestFailure, train
 
     cfg, eval_config = run_config_from(config, context.instance, storage.root)
+    if context.retry_number:
+        context.log.info(f"retry {context.retry_number}: run {cfg.run_name} resumes from its last checkpoint")
     reporter = DagsterReporter(context, eval_config)
     try:
         result: RunResult = train(cfg, reporter)
+    except CITestFailure as e:  # deterministic: a retry would fail the same way
+        raise dg.Failure(description=f"--ci-test: {e}", allow_retries=False) from e
     finally:
         reporter.flush()
     paths = storage.paths
@@ -276,6 +315,11 @@ def _k8s_tags() -> dict[str, str]:
     return dict(TRAINING_OP_K8S_TAGS)
 
 
-@dg.job(description="Miles-style RL post-training (GRPO and friends) on Ray.", tags=_k8s_tags())
+@dg.job(
+    description="Miles-style RL post-training (GRPO and friends) on Ray. Presets: pick `demo` or `smoke` "
+    "in the Launchpad's partition picker.",
+    tags=_k8s_tags(),
+    config=rl_training_presets,
+)
 def rl_training():
     rl_training_op()
