@@ -16,20 +16,18 @@ launches `eval_results` with them, the one evaluator of record.
 """
 
 import dataclasses
-import math
-import os
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
 from pydantic import Field, create_model
 
+from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
 from miles_platform.errors import MilesError
 from miles_platform.loop import Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 from resources.storage import StorageRootResource
 
-DATA_VERSION_TAG = "dagster/data_version"
 # dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's
 SKIP = {"sglang_args", "custom_function_args", "storage_root"}
 # ... except a generate/rollout function's own flags, which the Launchpad takes as CLI tokens
@@ -84,17 +82,6 @@ def _latest_path(instance: dg.DagsterInstance, key: str) -> str | None:
     return None if md is None else str(md.value)
 
 
-def _plottable(metrics: dict[str, Any]) -> dict[str, Any]:
-    """A rollout's metrics as float metadata (the asset's Plots tab draws one line per key);
-    a non-finite value stays visible as text instead of breaking the plot."""
-    out: dict[str, Any] = {}
-    for name, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        out[name] = float(value) if math.isfinite(value) else dg.MetadataValue.text(str(value))
-    return out
-
-
 class DagsterReporter(Reporter):
     """Each policy version -> a dynamic partition plus `rollout_shards` and `policy_versions`
     materializations. The loop reports a version just before that rollout's metrics, so the
@@ -112,98 +99,21 @@ class DagsterReporter(Reporter):
         self.flush()
         ctx, key = self.context, info["partition_key"]
         ctx.instance.add_dynamic_partitions("policy_versions", [key])
-        ctx.log_event(
-            dg.AssetMaterialization(
-                asset_key="rollout_shards",
-                partition=key,
-                metadata={
-                    **_lineage(info),
-                    "path": dg.MetadataValue.path(info["shard_path"]),
-                    "rows": info["shard_rows"],
-                    "mean_reward": float(info["mean_reward"] or 0.0),
-                },
-            )
-        )
+        ctx.log_event(rollout_shard_event(info))
         if info.get("adapter_path"):  # a LoRA version: the adapter + the frozen base, no HF export
-            ctx.log_event(
-                dg.AssetMaterialization(
-                    asset_key="lora_adapters",
-                    partition=key,
-                    metadata={
-                        **_lineage(info),
-                        "path": dg.MetadataValue.path(info["adapter_path"]),
-                        "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"]),
-                        "shard_path": dg.MetadataValue.path(info["shard_path"]),
-                        "content_hash": info["content_hash"],
-                        "size_bytes": _dir_bytes(info["adapter_path"]),
-                    },
-                    tags={DATA_VERSION_TAG: info["content_hash"]},
-                )
-            )
+            ctx.log_event(lora_adapter_event(info))
         self._pending = info
 
     def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
         if self._pending is not None and self._pending["rollout_id"] == rollout_id:
-            self._log_policy_version(self._pending, metrics)
+            self.context.log_event(policy_version_event(self._pending, metrics, self.eval_config))
             self._pending = None
 
     def flush(self) -> None:
         """Log a version whose rollout metrics never came (the run failed in between)."""
         if self._pending is not None:
-            self._log_policy_version(self._pending, {})
+            self.context.log_event(policy_version_event(self._pending, {}, self.eval_config))
             self._pending = None
-
-    def _log_policy_version(self, info: dict[str, Any], metrics: dict[str, float]) -> None:
-        self.context.log_event(
-            dg.AssetMaterialization(
-                asset_key="policy_versions",
-                partition=info["partition_key"],
-                metadata={
-                    **_lineage(info),
-                    # a LoRA version points at its adapter and the base, not at a merged copy
-                    "path": dg.MetadataValue.path(info["hf_path"] or info["adapter_path"]),
-                    "hf_path": dg.MetadataValue.path(info["hf_path"] or ""),
-                    **_lora_metadata(info),
-                    "checkpoint_path": dg.MetadataValue.path(info["checkpoint_path"] or ""),
-                    "content_hash": info["content_hash"],
-                    "shard_path": dg.MetadataValue.path(info["shard_path"]),
-                    "mean_reward": float(info["mean_reward"] or 0.0),
-                    "eval_config": dg.MetadataValue.json(self.eval_config),  # eval_results' run config
-                    **_plottable(metrics),
-                },
-                tags={DATA_VERSION_TAG: info["content_hash"]},
-            )
-        )
-
-
-def _lora_metadata(info: dict[str, Any]) -> dict[str, Any]:
-    if not info.get("adapter_path"):
-        return {}
-    return {"adapter_path": dg.MetadataValue.path(info["adapter_path"]),
-            "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"])}  # fmt: skip
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-
-
-def _lineage(info: dict[str, Any]) -> dict[str, Any]:
-    """Metadata both training assets carry. Identifiers are text: numbers would be plotted."""
-    lineage: dict[str, Any] = {
-        "run": info["run"],
-        "version": dg.MetadataValue.text(str(info["version"])),
-        "rollout_id": dg.MetadataValue.text(str(info["rollout_id"])),
-        "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
-        "config_hash": info["config_hash"],
-        "base_data_version": info["base_data_version"] or "",
-        "dataset_data_version": info["dataset_data_version"] or "",
-    }
-    teachers = info.get("distilled_from") or []
-    if teachers:  # on-policy distillation: the teacher checkpoint(s), by content hash
-        lineage["distilled_from"] = dg.MetadataValue.json(teachers)
-    if info.get("eval_interval"):  # read by the eval_on_new_policy sensor
-        lineage["eval_interval"] = dg.MetadataValue.text(str(int(info["eval_interval"])))
-    return lineage
 
 
 def run_config_from(

@@ -4,7 +4,7 @@ import importlib
 
 import dagster as dg
 
-MODULES = ("evals", "publications", "scoreboard")
+MODULES = ("evals", "publications", "scoreboard", "catalog_runs")
 
 
 def _collect(kind):
