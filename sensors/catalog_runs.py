@@ -28,6 +28,7 @@ from assets.partitions import policy_version_partitions
 from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
 from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.run_health import saved_run_config
 from miles_platform.store.schemas import TABLE_SCHEMAS
 from miles_platform.store.tables import read_rows
 from resources.storage import StorageRootResource
@@ -52,19 +53,6 @@ def runs_trained_by_dagster_now(instance: dg.DagsterInstance) -> set[str]:
     return names
 
 
-def _saved_config(paths: StoragePaths, run: str, rows: list[dict]) -> RunConfig | None:
-    """The run's `run_config.json` (beside its checkpoints), None when there is none."""
-    dirs = [Path(r["checkpoint_path"]).parent for r in rows if r.get("checkpoint_path")]
-    for d in [*dirs, Path(paths.checkpoints(run))]:
-        f = d / "run_config.json"
-        if "://" not in str(d) and f.is_file():
-            try:
-                return RunConfig.from_dict(json.loads(f.read_text()))
-            except Exception:  # noqa: BLE001 - an older or hand-edited file: report without it
-                return None
-    return None
-
-
 def _run_context(paths: StoragePaths, run: str, rows: list[dict]) -> dict[str, Any]:
     lineage = read_rows(paths, "lineage", run)
     base = next((e["parent"] for e in lineage if e["relation"] == "base_checkpoint"), None)
@@ -77,7 +65,7 @@ def _run_context(paths: StoragePaths, run: str, rows: list[dict]) -> dict[str, A
     metrics: dict[int, dict[str, float]] = {}
     for m in read_rows(paths, "metrics", run):
         metrics.setdefault(m["rollout_id"], {})[m["name"]] = m["value"]
-    cfg = _saved_config(paths, run, rows)
+    cfg = saved_run_config(paths, run, rows)
     eval_config = eval_config_for_run(cfg) if cfg is not None else {}
     extra = dict(REPORTED_BY)
     if cfg is not None and cfg.eval_prompt_data and cfg.eval_interval:
