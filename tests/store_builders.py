@@ -72,3 +72,21 @@ def add_evals(
     """One eval per (version, pass@1, source), each newer than the one before."""
     for i, (version, pass1, source) in enumerate(scores):
         append_rows(paths, "evals", run, eval_rows(run, version, pass1, source, start_minute + i))
+
+
+def apply_sensor_tick(sensor, instance, root: str, cursor: str | None = None):
+    """One evaluation of `sensor`, applied to `instance` as the sensor daemon applies it
+    (dagster/_daemon/sensor.py: asset events reported, then dynamic partitions added)."""
+    import dagster as dg
+
+    from resources.storage import StorageRootResource
+
+    ctx = dg.build_sensor_context(
+        instance=instance, cursor=cursor, resources={"storage": StorageRootResource(root=str(root))}
+    )
+    data = sensor.evaluate_tick(ctx)
+    for event in data.asset_events:
+        instance.report_runless_asset_event(event)
+    for request in data.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return data

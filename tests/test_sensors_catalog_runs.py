@@ -3,7 +3,7 @@ materializations with the op's lineage metadata, once, and never for versions th
 
 import dagster as dg
 import pytest
-from store_builders import build_run
+from store_builders import apply_sensor_tick, build_run
 
 from assets.rollouts import policy_version_event
 from miles_platform.store.paths import StoragePaths
@@ -13,15 +13,7 @@ from sensors.evals import eval_on_new_policy
 
 
 def tick(instance, root, cursor, sensor=runs_from_catalog):
-    """One evaluation, applied to the instance as the sensor daemon applies it."""
-    storage = {"storage": StorageRootResource(root=str(root))}
-    ctx = dg.build_sensor_context(instance=instance, cursor=cursor, resources=storage)
-    data = sensor.evaluate_tick(ctx)
-    for event in data.asset_events:  # dagster/_daemon/sensor.py: events, then partitions
-        instance.report_runless_asset_event(event)
-    for request in data.dynamic_partitions_requests:
-        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
-    return data
+    return apply_sensor_tick(sensor, instance, root, cursor)
 
 
 def _records(instance, key):
