@@ -5,7 +5,16 @@ import importlib
 import dagster as dg
 
 # one module per domain; each is optional until it exists so the code location always loads
-DOMAINS = ("datasets", "checkpoints", "conversion", "rollouts", "evals", "weights")
+DOMAINS = (
+    "datasets",
+    "checkpoints",
+    "conversion",
+    "rollouts",
+    "run_health",
+    "evals",
+    "scoreboard",
+    "weights",
+)
 
 
 def _modules():

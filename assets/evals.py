@@ -136,25 +136,23 @@ def eval_config_for_run(cfg: RunConfig) -> dict:
     return {k: v for k, v in out.items() if v is not None and k in EvalConfig.model_fields}
 
 
-@dg.asset(
-    partitions_def=policy_version_partitions,
-    deps=["policy_versions", "eval_dataset"],
-    group_name="evals",
-    kinds={"pytorch", "duckdb"},
-)
-def eval_results(
-    context: dg.AssetExecutionContext, config: EvalConfig, storage: StorageRootResource
-) -> dg.MaterializeResult:
-    """pass@1 (greedy), pass@k and mean reward of this policy version on each eval dataset."""
+def evaluate_and_record(
+    paths: StoragePaths,
+    partition: str,
+    hf_path: str,
+    datasets: list[tuple[str, str]],
+    config: EvalConfig,
+    evaluates: tuple[str, str, str | None],
+    eval_data_version: str | None,
+) -> dict[str, dict]:
+    """Evaluate `hf_path` on `datasets` as `config` says; append the `evals` rows (source `asset`) and
+    the lineage rows `eval:<partition>` --evaluates--> `evaluates` (key, kind, data version) and
+    --evaluated_on--> each dataset. eval_results and the scoreboard's base eval both call it."""
     from types import SimpleNamespace
 
     from miles_platform.rollout.evaluate import evals_table_rows, evaluate
 
-    partition, paths = context.partition_key, storage.paths
-    run, version = parse_partition_key(partition)
-    hf_path = resolve_hf_path(context.instance, paths, partition)
-    datasets = resolve_datasets(context.instance, config)
-    context.log.info(f"evaluating {partition} ({hf_path}) on {', '.join(n for n, _ in datasets)}")
+    run, _ = parse_partition_key(partition)
     rm_args = SimpleNamespace(**{k: getattr(config, k) for k in REWARD_FLAGS})
     results = evaluate(
         hf_path,
@@ -170,9 +168,8 @@ def eval_results(
         max_prompts=config.max_prompts,
     )
     append_rows(paths, "evals", run, evals_table_rows(partition, results, "asset", sampling_of(config)))
-    policy_hash = _md(_latest_materialization(context.instance, "policy_versions", partition), "content_hash")
-    eval_data_version = _md(_latest_materialization(context.instance, "eval_dataset"), "content_hash")
-    edges = [(partition, "policy_version", "evaluates", policy_hash)]
+    key, kind, data_version = evaluates
+    edges = [(key, kind, "evaluates", data_version)]
     edges += [(path, "dataset", "evaluated_on", eval_data_version) for _, path in datasets]
     append_rows(
         paths,
@@ -189,6 +186,35 @@ def eval_results(
             }
             for parent, kind, relation, dv in edges
         ],
+    )
+    return results
+
+
+@dg.asset(
+    partitions_def=policy_version_partitions,
+    deps=["policy_versions", "eval_dataset"],
+    group_name="evals",
+    kinds={"pytorch", "duckdb"},
+)
+def eval_results(
+    context: dg.AssetExecutionContext, config: EvalConfig, storage: StorageRootResource
+) -> dg.MaterializeResult:
+    """pass@1 (greedy), pass@k and mean reward of this policy version on each eval dataset."""
+    partition, paths = context.partition_key, storage.paths
+    run, version = parse_partition_key(partition)
+    hf_path = resolve_hf_path(context.instance, paths, partition)
+    datasets = resolve_datasets(context.instance, config)
+    context.log.info(f"evaluating {partition} ({hf_path}) on {', '.join(n for n, _ in datasets)}")
+    policy_hash = _md(_latest_materialization(context.instance, "policy_versions", partition), "content_hash")
+    eval_data_version = _md(_latest_materialization(context.instance, "eval_dataset"), "content_hash")
+    results = evaluate_and_record(
+        paths,
+        partition,
+        hf_path,
+        datasets,
+        config,
+        (partition, "policy_version", policy_hash),
+        eval_data_version,
     )
     metadata: dict = {
         f"{name}/{metric}": float(value)

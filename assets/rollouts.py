@@ -5,9 +5,15 @@ their lineage: prompt data + base checkpoint -> rollout shards -> policy version
 publications, quantized weights.
 """
 
+import math
+import os
+from typing import Any
+
 import dagster as dg
 
 from assets.partitions import policy_version_partitions
+
+DATA_VERSION_TAG = "dagster/data_version"
 
 rollout_shards = dg.AssetSpec(
     "rollout_shards",
@@ -39,3 +45,109 @@ policy_versions = dg.AssetSpec(
     "metadata (parent version, shard, dataset and base checkpoint data versions, config hash).",
     kinds={"pytorch", "safetensors"},
 )
+
+
+# ------------------------------------------------------------------ their materializations
+# One policy version (`PolicyVersion.to_dict()`) -> the events the rl_training op logs and the
+# `runs_from_catalog` sensor reports for runs trained outside Dagster: the same metadata either way.
+
+
+def rollout_shard_event(info: dict[str, Any], extra: dict[str, Any] | None = None) -> dg.AssetMaterialization:
+    return dg.AssetMaterialization(
+        asset_key="rollout_shards",
+        partition=info["partition_key"],
+        metadata={
+            **_lineage(info),
+            "path": dg.MetadataValue.path(info["shard_path"]),
+            "rows": info["shard_rows"],
+            "mean_reward": float(info["mean_reward"] or 0.0),
+            **(extra or {}),
+        },
+    )
+
+
+def lora_adapter_event(info: dict[str, Any], extra: dict[str, Any] | None = None) -> dg.AssetMaterialization:
+    return dg.AssetMaterialization(
+        asset_key="lora_adapters",
+        partition=info["partition_key"],
+        metadata={
+            **_lineage(info),
+            "path": dg.MetadataValue.path(info["adapter_path"]),
+            "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"]),
+            "shard_path": dg.MetadataValue.path(info["shard_path"]),
+            "content_hash": info["content_hash"],
+            "size_bytes": _dir_bytes(info["adapter_path"]),
+            **(extra or {}),
+        },
+        tags={DATA_VERSION_TAG: info["content_hash"]},
+    )
+
+
+def policy_version_event(
+    info: dict[str, Any],
+    metrics: dict[str, float],
+    eval_config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> dg.AssetMaterialization:
+    """`metrics`: the training metrics of the rollout that made the version (plotted);
+    `eval_config`: the `eval_results` config that evaluates it (read by the eval sensor)."""
+    return dg.AssetMaterialization(
+        asset_key="policy_versions",
+        partition=info["partition_key"],
+        metadata={
+            **_lineage(info),
+            # a LoRA version points at its adapter and the base, not at a merged copy
+            "path": dg.MetadataValue.path(info["hf_path"] or info["adapter_path"]),
+            "hf_path": dg.MetadataValue.path(info["hf_path"] or ""),
+            **_lora_metadata(info),
+            "checkpoint_path": dg.MetadataValue.path(info["checkpoint_path"] or ""),
+            "content_hash": info["content_hash"],
+            "shard_path": dg.MetadataValue.path(info["shard_path"]),
+            "mean_reward": float(info["mean_reward"] or 0.0),
+            "eval_config": dg.MetadataValue.json(eval_config),  # eval_results' run config
+            **_plottable(metrics),
+            **(extra or {}),
+        },
+        tags={DATA_VERSION_TAG: info["content_hash"]},
+    )
+
+
+def _plottable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A rollout's metrics as float metadata (the asset's Plots tab draws one line per key);
+    a non-finite value stays visible as text instead of breaking the plot."""
+    out: dict[str, Any] = {}
+    for name, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        out[name] = float(value) if math.isfinite(value) else dg.MetadataValue.text(str(value))
+    return out
+
+
+def _lora_metadata(info: dict[str, Any]) -> dict[str, Any]:
+    if not info.get("adapter_path"):
+        return {}
+    return {"adapter_path": dg.MetadataValue.path(info["adapter_path"]),
+            "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"])}  # fmt: skip
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+
+
+def _lineage(info: dict[str, Any]) -> dict[str, Any]:
+    """Metadata both training assets carry. Identifiers are text: numbers would be plotted."""
+    lineage: dict[str, Any] = {
+        "run": info["run"],
+        "version": dg.MetadataValue.text(str(info["version"])),
+        "rollout_id": dg.MetadataValue.text(str(info["rollout_id"])),
+        "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
+        "config_hash": info["config_hash"],
+        "base_data_version": info["base_data_version"] or "",
+        "dataset_data_version": info["dataset_data_version"] or "",
+    }
+    teachers = info.get("distilled_from") or []
+    if teachers:  # on-policy distillation: the teacher checkpoint(s), by content hash
+        lineage["distilled_from"] = dg.MetadataValue.json(teachers)
+    if info.get("eval_interval"):  # read by the eval_on_new_policy sensor
+        lineage["eval_interval"] = dg.MetadataValue.text(str(int(info["eval_interval"])))
+    return lineage

@@ -16,20 +16,18 @@ launches `eval_results` with them, the one evaluator of record.
 """
 
 import dataclasses
-import math
-import os
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
 from pydantic import Field, create_model
 
+from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
 from miles_platform.errors import MilesError
 from miles_platform.loop import Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 from resources.storage import StorageRootResource
 
-DATA_VERSION_TAG = "dagster/data_version"
 # dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's
 SKIP = {"sglang_args", "custom_function_args", "storage_root"}
 # ... except a generate/rollout function's own flags, which the Launchpad takes as CLI tokens
@@ -84,17 +82,6 @@ def _latest_path(instance: dg.DagsterInstance, key: str) -> str | None:
     return None if md is None else str(md.value)
 
 
-def _plottable(metrics: dict[str, Any]) -> dict[str, Any]:
-    """A rollout's metrics as float metadata (the asset's Plots tab draws one line per key);
-    a non-finite value stays visible as text instead of breaking the plot."""
-    out: dict[str, Any] = {}
-    for name, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        out[name] = float(value) if math.isfinite(value) else dg.MetadataValue.text(str(value))
-    return out
-
-
 class DagsterReporter(Reporter):
     """Each policy version -> a dynamic partition plus `rollout_shards` and `policy_versions`
     materializations. The loop reports a version just before that rollout's metrics, so the
@@ -112,98 +99,21 @@ class DagsterReporter(Reporter):
         self.flush()
         ctx, key = self.context, info["partition_key"]
         ctx.instance.add_dynamic_partitions("policy_versions", [key])
-        ctx.log_event(
-            dg.AssetMaterialization(
-                asset_key="rollout_shards",
-                partition=key,
-                metadata={
-                    **_lineage(info),
-                    "path": dg.MetadataValue.path(info["shard_path"]),
-                    "rows": info["shard_rows"],
-                    "mean_reward": float(info["mean_reward"] or 0.0),
-                },
-            )
-        )
+        ctx.log_event(rollout_shard_event(info))
         if info.get("adapter_path"):  # a LoRA version: the adapter + the frozen base, no HF export
-            ctx.log_event(
-                dg.AssetMaterialization(
-                    asset_key="lora_adapters",
-                    partition=key,
-                    metadata={
-                        **_lineage(info),
-                        "path": dg.MetadataValue.path(info["adapter_path"]),
-                        "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"]),
-                        "shard_path": dg.MetadataValue.path(info["shard_path"]),
-                        "content_hash": info["content_hash"],
-                        "size_bytes": _dir_bytes(info["adapter_path"]),
-                    },
-                    tags={DATA_VERSION_TAG: info["content_hash"]},
-                )
-            )
+            ctx.log_event(lora_adapter_event(info))
         self._pending = info
 
     def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
         if self._pending is not None and self._pending["rollout_id"] == rollout_id:
-            self._log_policy_version(self._pending, metrics)
+            self.context.log_event(policy_version_event(self._pending, metrics, self.eval_config))
             self._pending = None
 
     def flush(self) -> None:
         """Log a version whose rollout metrics never came (the run failed in between)."""
         if self._pending is not None:
-            self._log_policy_version(self._pending, {})
+            self.context.log_event(policy_version_event(self._pending, {}, self.eval_config))
             self._pending = None
-
-    def _log_policy_version(self, info: dict[str, Any], metrics: dict[str, float]) -> None:
-        self.context.log_event(
-            dg.AssetMaterialization(
-                asset_key="policy_versions",
-                partition=info["partition_key"],
-                metadata={
-                    **_lineage(info),
-                    # a LoRA version points at its adapter and the base, not at a merged copy
-                    "path": dg.MetadataValue.path(info["hf_path"] or info["adapter_path"]),
-                    "hf_path": dg.MetadataValue.path(info["hf_path"] or ""),
-                    **_lora_metadata(info),
-                    "checkpoint_path": dg.MetadataValue.path(info["checkpoint_path"] or ""),
-                    "content_hash": info["content_hash"],
-                    "shard_path": dg.MetadataValue.path(info["shard_path"]),
-                    "mean_reward": float(info["mean_reward"] or 0.0),
-                    "eval_config": dg.MetadataValue.json(self.eval_config),  # eval_results' run config
-                    **_plottable(metrics),
-                },
-                tags={DATA_VERSION_TAG: info["content_hash"]},
-            )
-        )
-
-
-def _lora_metadata(info: dict[str, Any]) -> dict[str, Any]:
-    if not info.get("adapter_path"):
-        return {}
-    return {"adapter_path": dg.MetadataValue.path(info["adapter_path"]),
-            "base_checkpoint": dg.MetadataValue.path(info["base_checkpoint"])}  # fmt: skip
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-
-
-def _lineage(info: dict[str, Any]) -> dict[str, Any]:
-    """Metadata both training assets carry. Identifiers are text: numbers would be plotted."""
-    lineage: dict[str, Any] = {
-        "run": info["run"],
-        "version": dg.MetadataValue.text(str(info["version"])),
-        "rollout_id": dg.MetadataValue.text(str(info["rollout_id"])),
-        "parent_version": dg.MetadataValue.text(info["parent_partition_key"]),
-        "config_hash": info["config_hash"],
-        "base_data_version": info["base_data_version"] or "",
-        "dataset_data_version": info["dataset_data_version"] or "",
-    }
-    teachers = info.get("distilled_from") or []
-    if teachers:  # on-policy distillation: the teacher checkpoint(s), by content hash
-        lineage["distilled_from"] = dg.MetadataValue.json(teachers)
-    if info.get("eval_interval"):  # read by the eval_on_new_policy sensor
-        lineage["eval_interval"] = dg.MetadataValue.text(str(int(info["eval_interval"])))
-    return lineage
 
 
 def run_config_from(
@@ -238,21 +148,60 @@ def run_config_from(
     return cfg, eval_config
 
 
+# Launchpad presets (the partition picker of the job: "demo", "smoke"). Paths are left to the latest
+# prompt_dataset / base_checkpoint; each load of a preset names a fresh run (`demo-<time>`), while a
+# re-execution keeps its run's config and name, so it resumes from that run's checkpoint.
+SMOKE_RL = dict(
+    rm_type="math", input_key="prompt", label_key="label", rollout_batch_size=2, n_samples_per_prompt=2,
+    num_rollout=2, rollout_max_response_len=4, lr=1e-4, save_interval=2,
+)  # fmt: skip
+
+
+def preset_run_configs() -> dict[str, dict[str, Any]]:
+    """The op config of each preset: the quickstart's demo recipe (100 rollouts, eval every 10th
+    version) and a two-rollout smoke run (seconds, once Ray is up)."""
+    from miles_platform.quickstart import DEMO_RL
+
+    return {"demo": dict(DEMO_RL, num_rollout=100), "smoke": SMOKE_RL}
+
+
+PRESETS = tuple(preset_run_configs())
+
+
+@dg.static_partitioned_config(partition_keys=list(PRESETS))
+def rl_training_presets(preset: str) -> dict[str, Any]:
+    import time
+
+    config = dict(preset_run_configs()[preset], run_name=f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return {"ops": {"rl_training_op": {"config": config}}}
+
+
+# A failed step is retried in the same run: the loop resumes from the run's last checkpoint, and
+# versions made after it keep their keys (new ones continue after the highest), so no partition is
+# reported twice. Config errors and --ci-test failures are final (allow_retries=False).
+TRAINING_RETRY_POLICY = dg.RetryPolicy(max_retries=2, delay=5)
+
+
 @dg.op(
     description="Run the Miles-style RL loop on Ray; report rollout_shards / policy_versions per version.",
     tags={"kind": "ray"},
+    retry_policy=TRAINING_RETRY_POLICY,
 )
 def rl_training_op(
     context: dg.OpExecutionContext,
     config: RLTrainingConfig,  # type: ignore[valid-type]
     storage: StorageRootResource,
 ) -> dg.Output:
-    from miles_platform.loop import train
+    from miles_platform.loop import CITestFailure, train
 
     cfg, eval_config = run_config_from(config, context.instance, storage.root)
+    if context.retry_number:
+        context.log.info(f"retry {context.retry_number}: run {cfg.run_name} resumes from its last checkpoint")
     reporter = DagsterReporter(context, eval_config)
     try:
         result: RunResult = train(cfg, reporter)
+    except CITestFailure as e:  # deterministic: a retry would fail the same way
+        raise dg.Failure(description=f"--ci-test: {e}", allow_retries=False) from e
     finally:
         reporter.flush()
     paths = storage.paths
@@ -276,6 +225,11 @@ def _k8s_tags() -> dict[str, str]:
     return dict(TRAINING_OP_K8S_TAGS)
 
 
-@dg.job(description="Miles-style RL post-training (GRPO and friends) on Ray.", tags=_k8s_tags())
+@dg.job(
+    description="Miles-style RL post-training (GRPO and friends) on Ray. Presets: pick `demo` or `smoke` "
+    "in the Launchpad's partition picker.",
+    tags=_k8s_tags(),
+    config=rl_training_presets,
+)
 def rl_training():
     rl_training_op()

@@ -4,7 +4,7 @@ import importlib
 
 import dagster as dg
 
-MODULES = ("evals", "publications")
+MODULES = ("evals", "publications", "scoreboard", "catalog_runs", "run_health")
 
 
 def _collect(kind):

@@ -14,7 +14,9 @@ partitions that already have an `eval_results` materialization are skipped.
 
 Eval interval (Miles `--eval-interval`): version v is evaluated when v % interval == 0. The
 interval comes from the materialization metadata `eval_interval` when the training op logs
-it, else the sensor default (env MILES_EVAL_INTERVAL, default 1).
+it, else the sensor default (env MILES_EVAL_INTERVAL, default 1). Versions that
+`runs_from_catalog` reported with `evaluated_in_loop` (a `miles-platform train` run with
+--eval-interval and --eval-prompt-data) are left to the run's own evals.
 
 Default status: the sensor starts RUNNING (a user who trains from the UI expects eval numbers
 to appear without touching anything); the nightly schedule starts STOPPED (it spends compute
@@ -50,6 +52,11 @@ def _interval(mat: dg.AssetMaterialization, default: int) -> int:
     return value if value > 0 else default
 
 
+def _evaluated_in_loop(mat: dg.AssetMaterialization) -> bool:
+    md = mat.metadata.get("evaluated_in_loop")
+    return md is not None and str(md.value) == "true"
+
+
 def _version(mat: dg.AssetMaterialization) -> int:
     md = mat.metadata.get("version")
     if md is not None and isinstance(md.value, int):
@@ -73,6 +80,8 @@ def plan_eval_requests(
     run_configs: dict[str, dict] = {}
 
     def due(key: str, mat: dg.AssetMaterialization) -> bool:
+        if _evaluated_in_loop(mat):  # a run trained outside Dagster whose own loop evaluates it
+            return False
         run_configs[key] = eval_run_config(mat)  # the training run's eval settings
         return _version(mat) % _interval(mat, default_interval) == 0
 

@@ -103,3 +103,13 @@ def random_train_batch(seed: int = 0, rewards: list[float] | None = None):
         lens.append(r)
     rewards = torch.rand(4, generator=g).tolist() if rewards is None else rewards
     return TrainBatch(toks, lens, [[1] * n for n in lens], rewards, [[0.0] * n for n in lens])
+
+
+def crash_once_at_rollout_3(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    """A `--custom-rollout-log-function-path` that fails the run once, at rollout 3 (after the
+    version of rollout 2 was recorded past the rollout-1 checkpoint); the retry goes through."""
+    marker = os.path.join(args.storage_root, "crashed_once")
+    if rollout_id == 3 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("injected failure at rollout 3")
+    return False

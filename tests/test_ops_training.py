@@ -161,3 +161,86 @@ def test_eval_results_is_the_evaluator_of_record_one_row_per_metric(short_run):
     assert {(r["source"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) for r in rows} == {
         ("asset", 0.8, 1.0, -1, 4)
     }
+
+
+def _instance_with_inputs(tiny_hf_checkpoint, tmp_path) -> dg.DagsterInstance:
+    """An instance whose latest prompt_dataset / base_checkpoint are a prompt file and a checkpoint."""
+    from loop_helpers import write_prompts
+
+    instance = dg.DagsterInstance.ephemeral()
+    for key, path in (("prompt_dataset", write_prompts(tmp_path)), ("base_checkpoint", tiny_hf_checkpoint)):
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(key, metadata={"path": dg.MetadataValue.path(path)})
+        )
+    return instance
+
+
+def test_launchpad_presets_are_the_demo_recipe_and_a_smoke_run(tiny_hf_checkpoint, tmp_path):
+    from miles_platform.quickstart import DEMO_RL
+    from ops.training import run_config_from
+
+    assert rl_training.partitions_def.get_partition_keys() == ["demo", "smoke"]
+    instance = _instance_with_inputs(tiny_hf_checkpoint, tmp_path)
+    configs = {}
+    for preset in ("demo", "smoke"):
+        run_config = rl_training.partitioned_config.get_run_config_for_partition_key(preset)
+        assert dg.validate_run_config(rl_training, run_config)  # the Launchpad's schema accepts it
+        op_config = run_config["ops"]["rl_training_op"]["config"]
+        assert op_config["run_name"].startswith(f"{preset}-")  # a fresh run each time the preset loads
+        cfg, _ = run_config_from(RLTrainingConfig(**op_config), instance, str(tmp_path / "root"))
+        configs[preset] = (op_config, cfg)
+    demo, cfg = configs["demo"]
+    assert {k: v for k, v in demo.items() if k in DEMO_RL and k != "run_name"} == {
+        k: v for k, v in DEMO_RL.items() if k != "run_name"
+    }
+    assert (cfg.num_rollout, cfg.eval_interval, cfg.prompt_data) == (100, 10, instance_path(instance))
+    smoke = configs["smoke"][1]
+    assert smoke.num_rollout * smoke.rollout_batch_size * smoke.n_samples_per_prompt <= 8
+
+
+def instance_path(instance) -> str:
+    ev = instance.get_latest_materialization_event(dg.AssetKey("prompt_dataset"))
+    return ev.asset_materialization.metadata["path"].value
+
+
+def _materializations(instance, key: str) -> list[str]:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(key)), limit=100, ascending=True
+    ).records
+    return [r.asset_materialization.partition for r in records]
+
+
+def test_the_smoke_preset_trains_from_the_latest_assets(tiny_hf_checkpoint, tmp_path):
+    instance = _instance_with_inputs(tiny_hf_checkpoint, tmp_path)
+    t0 = time.monotonic()
+    result = rl_training.execute_in_process(
+        partition_key="smoke",
+        instance=instance,
+        resources={"storage": StorageRootResource(root=str(tmp_path / "root"))},
+    )
+    assert result.success
+    run = result.output_for_node("rl_training_op")["run"]
+    assert _materializations(instance, "policy_versions") == [f"{run}.v000001", f"{run}.v000002"]
+    print(f"smoke preset: {time.monotonic() - t0:.1f} s")
+
+
+def test_a_failed_step_is_retried_and_resumes_without_duplicate_partitions(tiny_hf_checkpoint, tmp_path):
+    """Rollout 3 fails once. The retry resumes from the rollout-1 checkpoint: v1-v3 keep their keys,
+    rollouts 2-3 make v4-v5; each partition is reported exactly once."""
+    root = tmp_path / "root"
+    kw = _job_kwargs(
+        tiny_hf_checkpoint, tmp_path, num_rollout=4, save_interval=2,
+        custom_rollout_log_function_path="loop_helpers.crash_once_at_rollout_3",
+    )  # fmt: skip
+    instance = dg.DagsterInstance.ephemeral()
+    result = _execute(kw, root, instance)
+    assert result.success
+    assert (root / "crashed_once").exists()
+    steps = [e for e in result.all_events if e.event_type_value in ("STEP_UP_FOR_RETRY", "STEP_RESTARTED")]
+    assert [e.event_type_value for e in steps] == ["STEP_UP_FOR_RETRY", "STEP_RESTARTED"]
+    keys = [f"t.v{v:06d}" for v in range(1, 6)]
+    assert _materializations(instance, "policy_versions") == keys
+    assert _materializations(instance, "rollout_shards") == keys
+    assert sorted(instance.get_dynamic_partitions("policy_versions")) == keys
+    rows = read_rows(StoragePaths(str(root)), "policy_versions", "t")
+    assert [(r["version"], r["rollout_id"]) for r in rows] == [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3)]

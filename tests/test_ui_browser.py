@@ -42,6 +42,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 KEY = "demo.v000001"
+CLI_RUN = "cli"  # trained outside Dagster
 PIPELINE = (
     "prompt_dataset",
     "base_checkpoint",
@@ -118,6 +119,29 @@ def _prepare_root(root: Path, tiny_hf_checkpoint: str) -> None:
                 "policy_versions", partition=KEY, metadata={"hf_path": dg.MetadataValue.path(hf)}
             )
         )
+        _cli_runs(paths, instance, tiny_hf_checkpoint)
+
+
+def _cli_runs(paths, instance, tiny_hf_checkpoint: str) -> None:
+    """Two runs trained with `miles-platform train` (store writers only, no Dagster events), their
+    loop's evals with the base (v0), reported by `runs_from_catalog` as the daemon would, and the
+    scoreboard built from them."""
+    import dagster as dg
+    from store_builders import add_evals, apply_sensor_tick, build_run
+
+    from assets.scoreboard import scoreboard
+    from resources.storage import StorageRootResource
+    from sensors.catalog_runs import runs_from_catalog
+
+    build_run(paths, CLI_RUN, tiny_hf_checkpoint, 3, rewards=[0.4, 0.6, 0.7])
+    build_run(paths, "sweep", tiny_hf_checkpoint, 2, rewards=[0.5, 0.5])
+    add_evals(paths, CLI_RUN, [(0, 0.602, "loop"), (1, 0.75, "loop"), (2, 0.898, "loop"), (3, 0.86, "loop")])
+    add_evals(paths, "sweep", [(0, 0.602, "loop"), (1, 0.7, "loop"), (2, 0.65, "loop")], start_minute=10)
+    assert apply_sensor_tick(runs_from_catalog, instance, paths.root).asset_events
+    res = dg.materialize(
+        [scoreboard], instance=instance, resources={"storage": StorageRootResource(root=paths.root)}
+    )
+    assert res.success
 
 
 def _graphql(base: str, query: str) -> dict:
@@ -294,3 +318,30 @@ def test_materialize_eval_results_from_the_ui(page, webserver):
         (KEY, "pass@k"),
         (KEY, "mean_reward"),
     }
+
+
+def test_scoreboard_shows_base_and_best_version_per_run(page, webserver):
+    from playwright.sync_api import expect
+
+    base, _ = webserver
+    page.goto(f"{base}/assets/scoreboard?view=events")
+    # the latest materialization's metadata: the summary (one line per run, base and best version)
+    expect(page.get_by_text("+29.6 pts").first).to_be_visible()
+    page.wait_for_timeout(500)
+    page.screenshot(path=str(DOCS / "ui_scoreboard.png"))
+    body = page.inner_text("body")
+    assert "cli.v000002" in body and "60.2%" in body and "89.8%" in body, body[-3000:]
+    assert "+9.8 pts" in body and "sweep.v000001" in body  # sweep: v1 70.0% over its base, apart from cli
+
+
+def test_a_cli_launched_runs_versions_appear_as_partitions(page, webserver):
+    from playwright.sync_api import expect
+
+    base, _ = webserver
+    page.goto(f"{base}/assets/policy_versions?view=partitions")
+    partition = page.get_by_text(f"{CLI_RUN}.v000003", exact=True).filter(visible=True).first
+    expect(partition).to_be_visible()
+    partition.click()
+    expect(page.get_by_text("runs_from_catalog").first).to_be_visible()  # reported_by
+    expect(page.get_by_text("cli.v000002").first).to_be_visible()  # its parent_version
+    page.screenshot(path=str(DOCS / "ui_cli_run_partitions.png"))

@@ -1,0 +1,231 @@
+"""Run-health checks over a storage root: the silent failures of a run, found in what it left.
+
+Each check reads the store through its writers' layout (shards, `policy_versions` rows, lineage,
+the run's `run_config.json`, HF exports) and returns a `Health`: passed, one line per problem
+(naming the run, version or rollout and what to look at), and numbers per run. Dagster wraps them
+as asset checks (assets/run_health.py); they need no Dagster.
+
+- contiguous_rollout_ids: every run's shards are rollouts 0..N-1 with no gap, and the shard each
+  version names exists.
+- expected_version_count: versions are numbered 1..N with no gap; every rollout due a weight
+  update (`(rollout_id + 1) % --update-weights-interval == 0`) up to the last one recorded trained
+  a version; a finished run (`--num-rollout` rollouts recorded) has num_rollout // interval of them.
+- async_staleness: with --max-weight-staleness, no sample of a version's rollout started more than
+  that many versions before the engine version it was trained at (the version's parent); the
+  largest staleness and in-generation span (weight_version_end - weight_version_start) per run.
+- hf_export_sanity: each version's HF export has config.json and safetensors with the key set and
+  parameter count of the run's base checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+import pyarrow.parquet as pq
+
+from miles_platform.config import RunConfig
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.shards import list_rollout_shards
+from miles_platform.store.tables import read_rows
+
+MAX_LINES = 20  # problems listed per check (the count says how many in all)
+
+
+@dataclass
+class Health:
+    problems: list[str] = field(default_factory=list)
+    per_run: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def _runs(paths: StoragePaths) -> list[str]:
+    runs = set()
+    for sub in ("rollouts", "tables/policy_versions"):
+        fs, root = fsspec.core.url_to_fs(paths.join(*sub.split("/")))
+        if fs.exists(root):
+            runs |= {p.rsplit("/run=", 1)[1] for p in fs.glob(f"{root}/run=*")}
+    return sorted(runs)
+
+
+def _versions(paths: StoragePaths, run: str) -> list[dict]:
+    return sorted(read_rows(paths, "policy_versions", run), key=lambda r: r["version"])
+
+
+def saved_run_config(paths: StoragePaths, run: str, rows: list[dict]) -> RunConfig | None:
+    """The run's `run_config.json` (beside its checkpoints); None when it has none."""
+    dirs = [Path(r["checkpoint_path"]).parent for r in rows if r.get("checkpoint_path")]
+    for d in [*dirs, Path(paths.checkpoints(run))]:
+        f = d / "run_config.json"
+        if "://" not in str(d) and f.is_file():
+            try:
+                return RunConfig.from_dict(json.loads(f.read_text()))
+            except Exception:  # noqa: BLE001 - an older or hand-edited file: checks that need it skip
+                return None
+    return None
+
+
+def contiguous_rollout_ids(paths: StoragePaths) -> Health:
+    out = Health()
+    for run in _runs(paths):
+        ids = list_rollout_shards(paths, run)
+        gaps = sorted(set(range(max(ids) + 1)) - set(ids)) if ids else []
+        if gaps:
+            out.problems.append(
+                f"run {run}: rollout shards missing for rollout ids {gaps[:10]} (of 0..{max(ids)})"
+            )
+        for r in _versions(paths, run):
+            fs, p = fsspec.core.url_to_fs(r["shard_path"] or "")
+            if not r["shard_path"] or not fs.exists(p):
+                out.problems.append(f"{r['partition_key']}: its shard {r['shard_path']} is missing")
+        out.per_run[run] = {
+            "shards": len(ids),
+            "max_rollout_id": max(ids) if ids else None,
+            "gaps": len(gaps),
+        }
+    return out
+
+
+def expected_version_count(paths: StoragePaths) -> Health:
+    out = Health()
+    for run in _runs(paths):
+        rows = _versions(paths, run)
+        cfg = saved_run_config(paths, run, rows)
+        if cfg is not None and cfg.debug_rollout_only:
+            continue  # no trainer: no versions by design
+        numbers = [r["version"] for r in rows]
+        missing = sorted(set(range(1, max(numbers, default=0) + 1)) - set(numbers))
+        if missing:
+            out.problems.append(
+                f"run {run}: versions {missing[:10]} missing (versions run 1..{max(numbers)})"
+            )
+        if len(set(numbers)) != len(numbers):
+            dupes = sorted({n for n in numbers if numbers.count(n) > 1})
+            out.problems.append(f"run {run}: version numbers recorded twice: {dupes[:10]}")
+        interval = cfg.update_weights_interval if cfg else 1
+        done = {m["rollout_id"] for m in read_rows(paths, "metrics", run)} | set(
+            list_rollout_shards(paths, run)
+        )
+        last = max(done, default=-1)
+        due = {r for r in range(last + 1) if (r + 1) % interval == 0}
+        trained = {r["rollout_id"] for r in rows}
+        lost = sorted(due - trained)
+        if lost:
+            out.problems.append(
+                f"run {run}: rollouts {lost[:10]} were due a weight update but trained no version"
+            )
+        expected = None
+        if cfg is not None and cfg.num_rollout and last + 1 >= cfg.num_rollout:
+            expected = cfg.num_rollout // interval
+            if len(trained & due) != expected:
+                out.problems.append(
+                    f"run {run}: finished ({cfg.num_rollout} rollouts) with {len(trained & due)} trained "
+                    f"versions, expected {expected} (--num-rollout // --update-weights-interval {interval})"
+                )
+        out.per_run[run] = {"versions": len(rows), "last_rollout_id": last, "expected": expected}
+    return out
+
+
+def async_staleness(paths: StoragePaths) -> Health:
+    out = Health()
+    for run in _runs(paths):
+        rows = _versions(paths, run)
+        cfg = saved_run_config(paths, run, rows)
+        bound = cfg.max_weight_staleness if cfg is not None else None
+        worst = span = 0
+        for r in rows:
+            fs, p = fsspec.core.url_to_fs(r["shard_path"] or "")
+            if not r["shard_path"] or not fs.exists(p):
+                continue  # contiguous_rollout_ids reports it
+            with fs.open(p, "rb") as f:
+                t = pq.read_table(f, columns=["weight_version_start", "weight_version_end"]).to_pylist()
+            starts = [s["weight_version_start"] for s in t if s["weight_version_start"] is not None]
+            ends = [s["weight_version_end"] for s in t if s["weight_version_end"] is not None]
+            stale = r["parent_version"] - min(starts) if starts else 0
+            worst = max(worst, stale)
+            span = max(span, max((e - s for s, e in zip(starts, ends, strict=False)), default=0))
+            if bound is not None and stale > bound:
+                out.problems.append(
+                    f"{r['partition_key']}: rollout {r['rollout_id']} has samples {stale} versions stale "
+                    f"(trained at v{r['parent_version']}, oldest sample from v{min(starts)}) > "
+                    f"--max-weight-staleness {bound}"
+                )
+        out.per_run[run] = {"max_weight_staleness": bound, "max_staleness": worst, "max_span": span}
+    return out
+
+
+def _safetensors_census(hf_dir: str) -> tuple[dict[str, int], str | None]:
+    """{tensor name: numel} of an HF dir's safetensors (headers only), or an error."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        return {}, "config.json missing"
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        return {}, "no *.safetensors"
+    out: dict[str, int] = {}
+    try:
+        for f in files:
+            with safe_open(str(f), framework="np") as st:
+                for k in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    numel = 1
+                    for d in st.get_slice(k).get_shape():
+                        numel *= d
+                    out[k] = numel
+    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file
+        return {}, f"unreadable safetensors: {str(e).splitlines()[0]}"
+    return out, None
+
+
+def hf_export_sanity(paths: StoragePaths) -> Health:
+    out = Health()
+    for run in _runs(paths):
+        rows = [r for r in _versions(paths, run) if r.get("hf_path")]  # LoRA versions: adapters, not checked
+        if not rows:
+            continue
+        edges = read_rows(paths, "lineage", run)
+        base = next((e["parent"] for e in edges if e["relation"] == "base_checkpoint" and e["parent"]), None)
+        ref, ref_name = ({}, None)
+        if base and "://" not in base:
+            ref, err = _safetensors_census(base)
+            ref_name = None if err else f"base checkpoint {base}"
+        checked = 0
+        for r in rows:
+            if "://" in r["hf_path"]:
+                continue
+            got, err = _safetensors_census(r["hf_path"])
+            checked += 1
+            if err:
+                out.problems.append(f"{r['partition_key']}: HF export {r['hf_path']}: {err}")
+                continue
+            if ref_name is None:  # no readable base: the run's first readable export is the reference
+                ref, ref_name = got, f"first export {r['partition_key']}"
+            if set(got) != set(ref):
+                extra, lost = sorted(set(got) - set(ref)), sorted(set(ref) - set(got))
+                out.problems.append(
+                    f"{r['partition_key']}: key set differs from the {ref_name}: missing {lost[:5]}, extra {extra[:5]}"
+                )
+            elif sum(got.values()) != sum(ref.values()):
+                out.problems.append(
+                    f"{r['partition_key']}: {sum(got.values())} parameters, the {ref_name} has {sum(ref.values())}"
+                )
+        out.per_run[run] = {
+            "exports_checked": checked,
+            "parameters": sum(ref.values()),
+            "reference": ref_name,
+        }
+    return out
+
+
+CHECKS = {
+    "contiguous_rollout_ids": ("rollout_shards", contiguous_rollout_ids),
+    "async_staleness": ("rollout_shards", async_staleness),
+    "expected_version_count": ("policy_versions", expected_version_count),
+    "hf_export_sanity": ("policy_versions", hf_export_sanity),
+}

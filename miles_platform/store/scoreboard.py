@@ -1,0 +1,100 @@
+"""The campaign's scoreboard: greedy pass@1 of every evaluated version of every run, with the base.
+
+Read from the catalog's `evals` view the way the README queries read it: the newest value per
+(run, version, dataset, metric), whichever writer (`loop` or `asset`) wrote it. Version 0 is the
+run's base checkpoint (the loop's eval before training, or the `scoreboard` asset's own eval of
+the base). Runs never mix: every row and every summary is per (run, dataset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles_platform.store.catalog import Catalog
+from miles_platform.store.paths import partition_key
+
+METRIC = "pass@1"  # greedy: comparable across versions whatever the sampling settings were
+
+NEWEST_PASS1 = f"""
+SELECT run, dataset, version, arg_max(value, created_at) AS pass_at_1,
+       arg_max(source, created_at) AS source, max(created_at) AS evaluated_at
+FROM evals WHERE metric = '{METRIC}'
+GROUP BY run, dataset, version ORDER BY run, dataset, version
+"""
+
+
+@dataclass
+class RunScore:
+    """One run on one eval dataset: its base, its best trained version, its latest."""
+
+    run: str
+    dataset: str
+    base: float | None  # pass@1 of version 0 (None: the base was not evaluated)
+    best_version: int | None  # the trained version (>= 1) with the highest pass@1; ties: the earliest
+    best: float | None
+    latest_version: int | None
+    latest: float | None
+    evaluated_versions: int  # trained versions with a pass@1
+
+    @property
+    def best_key(self) -> str | None:
+        return None if self.best_version is None else partition_key(self.run, self.best_version)
+
+    @property
+    def gain(self) -> float | None:
+        return None if self.best is None or self.base is None else self.best - self.base
+
+
+@dataclass
+class Scoreboard:
+    rows: list[dict] = field(default_factory=list)  # run, dataset, version, partition_key, pass_at_1, source
+    runs: list[RunScore] = field(default_factory=list)
+
+    def score(self, run: str, dataset: str = "eval") -> RunScore | None:
+        return next((s for s in self.runs if (s.run, s.dataset) == (run, dataset)), None)
+
+
+def read_scoreboard(catalog: Catalog) -> Scoreboard:
+    cols, raw = catalog.query(NEWEST_PASS1)
+    rows = [dict(zip(cols, r)) for r in raw]
+    for r in rows:
+        r["partition_key"] = partition_key(r["run"], r["version"])
+    board = Scoreboard(rows=rows)
+    for run, dataset in dict.fromkeys((r["run"], r["dataset"]) for r in rows):
+        mine = [r for r in rows if (r["run"], r["dataset"]) == (run, dataset)]
+        base = next((r["pass_at_1"] for r in mine if r["version"] == 0), None)
+        trained = [r for r in mine if r["version"] > 0]
+        best = max(trained, key=lambda r: (r["pass_at_1"], -r["version"]), default=None)
+        latest = trained[-1] if trained else None
+        board.runs.append(
+            RunScore(
+                run=run,
+                dataset=dataset,
+                base=base,
+                best_version=best and best["version"],
+                best=best and best["pass_at_1"],
+                latest_version=latest and latest["version"],
+                latest=latest and latest["pass_at_1"],
+                evaluated_versions=len(trained),
+            )
+        )
+    return board
+
+
+def runs_without_base(catalog: Catalog) -> list[str]:
+    """Runs with evaluated trained versions but no version-0 pass@1."""
+    _, rows = catalog.query(
+        f"SELECT run FROM evals WHERE metric = '{METRIC}' GROUP BY run "
+        "HAVING count(*) FILTER (WHERE version = 0) = 0 ORDER BY run"
+    )
+    return [r[0] for r in rows]
+
+
+def base_checkpoint_of(catalog: Catalog, run: str) -> str | None:
+    """The base checkpoint a run trained from (its `base_checkpoint` lineage edge)."""
+    lit = run.replace("'", "''")
+    _, rows = catalog.query(
+        f"SELECT parent FROM lineage WHERE run = '{lit}' AND relation = 'base_checkpoint' "
+        "AND parent IS NOT NULL ORDER BY created_at DESC LIMIT 1"
+    )
+    return rows[0][0] if rows else None

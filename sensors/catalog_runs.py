@@ -1,0 +1,151 @@
+"""Every run in Dagster: `runs_from_catalog` reports the versions of runs trained outside it.
+
+A run launched with `miles-platform train` (or as a Ray job on a cluster) writes the same
+`policy_versions` rows and lineage as the `rl_training` op, but no Dagster events. This sensor
+reads new rows from the catalog's tables and reports, per version, the dynamic partition and the
+`rollout_shards` / `policy_versions` (and for LoRA `lora_adapters`) materializations the op would
+have logged: the same lineage metadata (assets/rollouts.py builds both), the rollout's training
+metrics from the `metrics` table, the run's eval settings from its `run_config.json`, plus
+`reported_by: runs_from_catalog`.
+
+No duplicates: a partition that already has a `policy_versions` materialization (the op reported
+it) is skipped, and runs that an unfinished `rl_training` Dagster run is training are left alone
+until it ends (the op reports a version a rollout after writing its row). The cursor is, per run,
+the newest part file handled (`part-<time_ns>-...`: one writer per run, so names grow); a run
+being trained by Dagster keeps its cursor and is read again once that run ends.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import fsspec
+import pyarrow.parquet as pq
+
+from assets.evals import eval_config_for_run
+from assets.partitions import policy_version_partitions
+from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
+from miles_platform.config import RunConfig
+from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.run_health import saved_run_config
+from miles_platform.store.schemas import TABLE_SCHEMAS
+from miles_platform.store.tables import read_rows
+from resources.storage import StorageRootResource
+
+POLICY_VERSIONS = dg.AssetKey("policy_versions")
+TRAINING_JOB = "rl_training"
+UNFINISHED = [
+    dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING,
+]  # fmt: skip
+REPORTED_BY = {"reported_by": "runs_from_catalog"}
+MAX_VERSIONS_PER_TICK = 500
+
+
+def runs_trained_by_dagster_now(instance: dg.DagsterInstance) -> set[str]:
+    """Run names (`--run-name`) of the unfinished `rl_training` runs of this instance."""
+    default = RunConfig.__dataclass_fields__["run_name"].default
+    names = set()
+    for run in instance.get_runs(filters=dg.RunsFilter(job_name=TRAINING_JOB, statuses=UNFINISHED)):
+        config = (run.run_config or {}).get("ops", {}).get("rl_training_op", {}).get("config", {})
+        names.add(config.get("run_name") or default)
+    return names
+
+
+def _run_context(paths: StoragePaths, run: str, rows: list[dict]) -> dict[str, Any]:
+    lineage = read_rows(paths, "lineage", run)
+    base = next((e["parent"] for e in lineage if e["relation"] == "base_checkpoint"), None)
+    teachers: dict[str, list] = {}
+    for e in lineage:
+        if e["relation"] == "distilled_from":
+            teachers.setdefault(e["child"], []).append(
+                {"teacher": e["parent"], "kind": e["parent_kind"], "content_hash": e["data_version"]}
+            )
+    metrics: dict[int, dict[str, float]] = {}
+    for m in read_rows(paths, "metrics", run):
+        metrics.setdefault(m["rollout_id"], {})[m["name"]] = m["value"]
+    cfg = saved_run_config(paths, run, rows)
+    eval_config = eval_config_for_run(cfg) if cfg is not None else {}
+    extra = dict(REPORTED_BY)
+    if cfg is not None and cfg.eval_prompt_data and cfg.eval_interval:
+        extra["evaluated_in_loop"] = "true"  # the run's own evals are in `evals`: the sensor skips it
+    return {"base": base, "teachers": teachers, "metrics": metrics, "cfg": cfg, "eval_config": eval_config,
+            "extra": extra}  # fmt: skip
+
+
+def _events(row: dict, run: str, ctx: dict[str, Any]) -> list[dg.AssetMaterialization]:
+    cfg = ctx["cfg"]
+    info = {
+        **row,
+        "run": run,
+        "parent_partition_key": partition_key(run, row["parent_version"]),
+        "base_checkpoint": ctx["base"],
+        "prompt_data": cfg.prompt_data if cfg else None,
+        "eval_interval": cfg.eval_interval if cfg else None,
+        "distilled_from": ctx["teachers"].get(row["partition_key"], []),
+    }
+    metrics = ctx["metrics"].get(row["rollout_id"], {})
+    events = [rollout_shard_event(info, ctx["extra"])]
+    if info.get("adapter_path") and Path(info["adapter_path"]).is_dir() and ctx["base"]:
+        events.append(lora_adapter_event(info, ctx["extra"]))
+    return [*events, policy_version_event(info, metrics, ctx["eval_config"], ctx["extra"])]
+
+
+def plan_catalog_reports(
+    instance: dg.DagsterInstance, paths: StoragePaths, cursor: str | None, limit: int = MAX_VERSIONS_PER_TICK
+) -> tuple[list[dg.AssetMaterialization], list[str], str, list[str]]:
+    """(events, new partition keys, new cursor, runs left for later because Dagster trains them)."""
+    done: dict[str, str] = json.loads(cursor) if cursor else {}
+    fs, root = fsspec.core.url_to_fs(paths.table_dir("policy_versions"))
+    if not fs.exists(root):
+        return [], [], json.dumps(done), []
+    busy = runs_trained_by_dagster_now(instance)
+    reported = set(instance.get_materialized_partitions(POLICY_VERSIONS))
+    events, keys, waiting = [], [], []
+    for run_dir in sorted(fs.glob(f"{root}/run=*")):
+        run = run_dir.rsplit("/run=", 1)[1]
+        if run in busy:
+            waiting.append(run)
+            continue
+        files = sorted(
+            p for p in fs.glob(f"{run_dir}/part-*.parquet") if p.rsplit("/", 1)[1] > done.get(run, "")
+        )
+        rows_by_file = []
+        for p in files:
+            with fs.open(p, "rb") as f:
+                rows_by_file.append(
+                    (p, pq.read_table(f, schema=TABLE_SCHEMAS["policy_versions"]).to_pylist())
+                )
+        todo = [r for _, rows in rows_by_file for r in rows if r["partition_key"] not in reported]
+        ctx = _run_context(paths, run, todo) if todo else None
+        for p, rows in rows_by_file:
+            if len(keys) >= limit:
+                break
+            for row in rows:
+                if row["partition_key"] in reported or row["partition_key"] in keys:
+                    continue
+                events += _events(row, run, ctx)
+                keys.append(row["partition_key"])
+            done[run] = p.rsplit("/", 1)[1]
+    return events, keys, json.dumps(done, sort_keys=True), waiting
+
+
+@dg.sensor(
+    name="runs_from_catalog",
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Report the policy versions of runs trained outside Dagster (`miles-platform train`, Ray "
+    "jobs) as rollout_shards / policy_versions partitions, read from the catalog; never twice.",
+)
+def runs_from_catalog(context: dg.SensorEvaluationContext, storage: StorageRootResource) -> dg.SensorResult:
+    events, keys, cursor, waiting = plan_catalog_reports(context.instance, storage.paths, context.cursor)
+    if not keys:
+        why = f"; waiting for the Dagster run(s) training {', '.join(waiting)}" if waiting else ""
+        return dg.SensorResult(skip_reason=f"no versions trained outside Dagster{why}", cursor=cursor)
+    context.log.info(f"reporting {len(keys)} version(s): {keys[0]} .. {keys[-1]}")
+    return dg.SensorResult(
+        asset_events=events,
+        dynamic_partitions_requests=[policy_version_partitions.build_add_request(keys)],
+        cursor=cursor,
+    )

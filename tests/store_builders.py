@@ -1,0 +1,92 @@
+"""Stores written by the store's own writers, as a `miles-platform train` run leaves them, without
+training: rollout shards (`write_rollout_shard`), policy-version rows and lineage
+(`record_policy_version`, the loop's recorder), metrics rows, the run's `run_config.json` and
+HF exports copied from a real checkpoint. Tests break them on purpose afterwards."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from miles_platform.config import RunConfig, saved_config
+from miles_platform.data.sample import Sample
+from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.shards import write_rollout_shard
+from miles_platform.store.tables import append_rows
+from miles_platform.store.versions import record_policy_version
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8}
+
+
+def build_run(
+    paths: StoragePaths,
+    run: str,
+    base: str,
+    num_rollout: int,
+    rewards: list[float] | None = None,
+    staleness: int = 0,
+    **flags,
+) -> list[dict]:
+    """A finished run of `num_rollout` rollouts, one version per rollout (v = rollout id + 1), each
+    exported as a copy of `base`. `staleness`: samples started that many versions before the
+    engine's. Returns the PolicyVersion dicts, as the loop hands them to its reporter."""
+    cfg = RunConfig(run_name=run, hf_checkpoint=base, num_rollout=num_rollout, prompt_data="train.jsonl",
+                    rm_type="math", storage_root=paths.root, **flags)  # fmt: skip
+    cfg.save = paths.checkpoints(run)
+    Path(cfg.save).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.save) / "run_config.json").write_text(saved_config(cfg))
+    out = []
+    for rid in range(num_rollout):
+        reward = rewards[rid] if rewards else 0.5
+        start = max(0, rid - staleness)
+        samples = [
+            Sample(run=run, rollout_id=rid, index=i, prompt=f"{i}+{i}=", label=str(2 * i), reward=reward,
+                   response_tokens=[1] * (2 + i), weight_version_start=start, weight_version_end=rid)
+            for i in range(4)
+        ]  # fmt: skip
+        shard = write_rollout_shard(paths, run, rid, samples)
+        hf = paths.hf_export(run, rid + 1)
+        shutil.copytree(base, hf)
+        pv = record_policy_version(cfg, paths, rid + 1, rid, rid, shard, hf, None, "basehash", "datahash")
+        rows = [{"rollout_id": rid, "step": rid, "name": name, "value": value}
+                for name, value in (("rollout/raw_reward", reward), ("train/loss", 1.0 - reward))]  # fmt: skip
+        append_rows(paths, "metrics", run, rows)
+        out.append(pv.to_dict())
+    return out
+
+
+def eval_rows(run: str, version: int, pass1: float, source: str, minutes: int) -> list[dict]:
+    """The rows one eval of a version writes (pass@1, pass@k, mean_reward on dataset `eval`)."""
+    return [
+        {"version": version, "partition_key": partition_key(run, version), "dataset": "eval", "metric": m,
+         "value": v, "n_samples": 1, "source": source, "created_at": T0 + timedelta(minutes=minutes), **SAMPLING}
+        for m, v in (("pass@1", pass1), ("pass@k", pass1), ("mean_reward", pass1 / 2))
+    ]  # fmt: skip
+
+
+def add_evals(
+    paths: StoragePaths, run: str, scores: list[tuple[int, float, str]], start_minute: int = 0
+) -> None:
+    """One eval per (version, pass@1, source), each newer than the one before."""
+    for i, (version, pass1, source) in enumerate(scores):
+        append_rows(paths, "evals", run, eval_rows(run, version, pass1, source, start_minute + i))
+
+
+def apply_sensor_tick(sensor, instance, root: str, cursor: str | None = None):
+    """One evaluation of `sensor`, applied to `instance` as the sensor daemon applies it
+    (dagster/_daemon/sensor.py: asset events reported, then dynamic partitions added)."""
+    import dagster as dg
+
+    from resources.storage import StorageRootResource
+
+    ctx = dg.build_sensor_context(
+        instance=instance, cursor=cursor, resources={"storage": StorageRootResource(root=str(root))}
+    )
+    data = sensor.evaluate_tick(ctx)
+    for event in data.asset_events:
+        instance.report_runless_asset_event(event)
+    for request in data.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return data

@@ -1,0 +1,93 @@
+"""Run-health asset checks, executed by Dagster on real stores: green on a healthy run, red with
+the run and version named on a store broken on purpose (one breakage per check)."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from store_builders import build_run
+
+import definitions
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.run_health import CHECKS
+from resources.storage import StorageRootResource
+
+
+def run_checks(root) -> dict[str, dg.AssetCheckEvaluation]:
+    job = definitions.defs.get_repository_def().get_job("check_run_health")
+    res = job.execute_in_process(
+        instance=dg.DagsterInstance.ephemeral(), resources={"storage": StorageRootResource(root=str(root))}
+    )
+    assert res.success
+    return {e.check_name: e for e in res.get_asset_check_evaluations()}
+
+
+@pytest.fixture
+def healthy(tmp_path, tiny_hf_checkpoint):
+    paths = StoragePaths(str(tmp_path / "root"))
+    build_run(paths, "ok", tiny_hf_checkpoint, 3, fully_async=True, max_weight_staleness=1, staleness=1)
+    return paths
+
+
+def test_a_healthy_store_is_green(healthy):
+    results = run_checks(healthy.root)
+    assert set(results) == set(CHECKS)
+    assert {name: e.passed for name, e in results.items()} == dict.fromkeys(CHECKS, True)
+    assert "| ok | 3 | 2 | 0 |" in results["contiguous_rollout_ids"].metadata["per_run"].value
+
+
+def _break(paths: StoragePaths, how: str, tiny_hf_checkpoint: str) -> str:
+    if how == "contiguous_rollout_ids":  # a shard lost from the middle
+        shutil.rmtree(paths.rollout_shard_dir("ok", 1))
+        return "run ok: rollout shards missing for rollout ids [1]"
+    if how == "expected_version_count":  # the run's record of v2 lost: a gap, and rollout 1 untrained
+        d = Path(paths.table_dir("policy_versions", "ok"))
+        part = sorted(d.glob("part-*.parquet"))[1]
+        part.unlink()
+        return "run ok: versions [2] missing"
+    if how == "async_staleness":  # the same samples, judged by a tighter bound
+        f = Path(paths.checkpoints("ok")) / "run_config.json"
+        f.write_text(json.dumps(json.loads(f.read_text()) | {"max_weight_staleness": 0}))
+        return "ok.v000002: rollout 1 has samples 1 versions stale"
+    # hf_export_sanity: a version exported with a tensor missing
+    from safetensors.numpy import load_file, save_file
+
+    hf = paths.hf_export("ok", 3)
+    (st,) = Path(hf).glob("*.safetensors")
+    tensors = load_file(str(st))
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, str(st), metadata={"format": "pt"})
+    return f"ok.v000003: key set differs from the base checkpoint {tiny_hf_checkpoint}: missing ['{dropped}']"
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_a_store_broken_on_purpose_turns_its_check_red(healthy, tiny_hf_checkpoint, check):
+    needle = _break(healthy, check, tiny_hf_checkpoint)
+    results = run_checks(healthy.root)
+    e = results[check]
+    assert not e.passed and e.severity == dg.AssetCheckSeverity.ERROR
+    assert needle in e.metadata["details"].value, e.metadata["details"].value
+    others = {n: r.passed for n, r in results.items() if n != check}
+    if check == "expected_version_count":
+        assert others == dict.fromkeys(others, True)  # the shards and exports are all there
+
+
+def test_finished_run_with_too_few_versions_and_unreadable_export(tmp_path, tiny_hf_checkpoint):
+    paths = StoragePaths(str(tmp_path / "root"))
+    build_run(paths, "short", tiny_hf_checkpoint, 2, update_weights_interval=1)
+    f = Path(paths.checkpoints("short")) / "run_config.json"
+    f.write_text(json.dumps(json.loads(f.read_text()) | {"num_rollout": 2}))
+    # the last version's record lost: rollout 1 was due a weight update and trained none
+    d = Path(paths.table_dir("policy_versions", "short"))
+    sorted(d.glob("part-*.parquet"))[-1].unlink()
+    (st,) = Path(paths.hf_export("short", 1)).glob("*.safetensors")
+    st.write_bytes(st.read_bytes()[:100])  # truncated
+    results = run_checks(paths.root)
+    details = results["expected_version_count"].metadata["details"].value
+    assert "rollouts [1] were due a weight update but trained no version" in details
+    assert "finished (2 rollouts) with 1 trained versions, expected 2" in details
+    assert "short.v000001: HF export" in results["hf_export_sanity"].metadata["details"].value
+    assert os.path.exists(paths.hf_export("short", 1))

@@ -1,0 +1,125 @@
+"""The `scoreboard` asset on a real store of two runs and a real Dagster instance: per-run rows with
+the base (v0), the best version by the newest eval, the base evaluated once when no one did, and
+the sensor that rebuilds it when new evals rows land."""
+
+import json
+
+import dagster as dg
+import pytest
+from store_builders import add_evals, build_run
+
+from assets.scoreboard import scoreboard
+from miles_platform.store.catalog import Catalog
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.scoreboard import read_scoreboard
+from miles_platform.store.tables import read_rows
+from resources.storage import StorageRootResource
+from sensors.scoreboard import scoreboard_job, scoreboard_on_new_evals
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_hf_checkpoint):
+    """`cli`: versions 1-3, evaluated in its loop, v0 included, v2 re-evaluated lower by the asset.
+    `dag`: versions 1-2 evaluated by eval_results only (no base row), with its eval settings on
+    its policy_versions materializations, as the rl_training op logs them."""
+    tmp = tmp_path_factory.mktemp("scoreboard")
+    paths = StoragePaths(str(tmp / "root"))
+    build_run(paths, "cli", tiny_hf_checkpoint, 3)
+    build_run(paths, "dag", tiny_hf_checkpoint, 2)
+    add_evals(paths, "cli", [(0, 0.5, "loop"), (1, 0.6, "loop"), (2, 0.9, "loop"), (3, 0.8, "loop")])
+    add_evals(paths, "cli", [(2, 0.7, "asset")], start_minute=10)  # newest wins: v3 is cli's best
+    add_evals(paths, "dag", [(1, 0.9, "asset"), (2, 0.95, "asset")], start_minute=20)
+    data = tmp / "eval.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(3))
+    )
+    eval_config = {"eval_prompt_data": ["eval", str(data)], "eval_max_response_len": 3, "rm_type": "math"}
+    instance = dg.DagsterInstance.ephemeral()
+    for v in (1, 2):
+        key = f"dag.v{v:06d}"
+        instance.add_dynamic_partitions("policy_versions", [key])
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(
+                "policy_versions", partition=key, metadata={"eval_config": dg.MetadataValue.json(eval_config)}
+            )
+        )
+    return paths, instance
+
+
+def _materialize(paths, instance):
+    res = dg.materialize(
+        [scoreboard], instance=instance, resources={"storage": StorageRootResource(root=paths.root)}
+    )
+    assert res.success
+    return res.asset_materializations_for_node("scoreboard")[0].metadata
+
+
+def test_scoreboard_shows_base_and_best_version_per_run_never_mixing_runs(store):
+    paths, instance = store
+    md = _materialize(paths, instance)
+    runs = {r.data["run"]: r.data for r in md["runs"].value.records}
+    assert set(runs) == {"cli", "dag"}
+    assert (runs["cli"]["base_pass@1"], runs["cli"]["best_version"], runs["cli"]["best_pass@1"]) == (
+        0.5, "cli.v000003", 0.8,
+    )  # fmt: skip
+    assert runs["cli"]["gain"] == pytest.approx(0.3)
+    assert runs["dag"]["best_version"] == "dag.v000002" and runs["dag"]["evaluated_versions"] == 2
+    # dag's base was never evaluated: the asset evaluated its base checkpoint with dag's eval settings
+    base_rows = [r for r in read_rows(paths, "evals", "dag") if r["version"] == 0]
+    assert {(r["metric"], r["source"], r["max_new_tokens"]) for r in base_rows} >= {("pass@1", "asset", 3)}
+    assert isinstance(runs["dag"]["base_pass@1"], float)
+    versions = [(r.data["run"], r.data["version"], r.data["pass@1"]) for r in md["versions"].value.records]
+    assert [v for v in versions if v[0] == "cli"] == [
+        ("cli", "cli.v000000 (base)", 0.5), ("cli", "cli.v000001", 0.6),
+        ("cli", "cli.v000002", 0.7), ("cli", "cli.v000003", 0.8),
+    ]  # fmt: skip
+    assert len(versions) == len(set(versions)) == 7  # one line per run and version
+    text = md["scoreboard"].value
+    assert "| cli | eval | 50.0% | cli.v000003 | 80.0% | +30.0 pts |" in text
+    assert json.loads(json.dumps(md["best_versions"].value)) == {"cli": "cli.v000003", "dag": "dag.v000002"}
+
+    # materialized again: the base row is there, nothing is evaluated twice
+    n = len(read_rows(paths, "evals", "dag"))
+    _materialize(paths, instance)
+    assert len(read_rows(paths, "evals", "dag")) == n
+
+
+def test_a_base_that_is_gone_is_said_not_guessed(tmp_path, tiny_hf_checkpoint):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_hf_checkpoint, base)
+    paths = StoragePaths(str(tmp_path / "root"))
+    build_run(paths, "gone", str(base), 1)
+    add_evals(paths, "gone", [(1, 0.4, "asset")])
+    shutil.rmtree(base)
+    md = _materialize(paths, dg.DagsterInstance.ephemeral())
+    (row,) = [r.data for r in md["runs"].value.records]
+    assert (row["run"], row["base_pass@1"], row["best_version"]) == ("gone", None, "gone.v000001")
+    assert f"gone: base not evaluated: base checkpoint {base} not found" in md["scoreboard"].value
+    assert read_scoreboard(Catalog(paths)).score("gone").gain is None
+
+
+def _tick(instance, root, cursor):
+    defs = dg.Definitions(
+        assets=[scoreboard], jobs=[scoreboard_job], sensors=[scoreboard_on_new_evals],
+        resources={"storage": StorageRootResource(root=root)},
+    )  # fmt: skip
+    storage = {"storage": StorageRootResource(root=root)}
+    ctx = dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs, resources=storage)
+    data = scoreboard_on_new_evals.evaluate_tick(ctx)
+    return data.run_requests, data.cursor
+
+
+def test_sensor_asks_for_one_rebuild_per_batch_of_new_evals(tmp_path, tiny_hf_checkpoint):
+    paths = StoragePaths(str(tmp_path / "root"))
+    instance = dg.DagsterInstance.ephemeral()
+    assert _tick(instance, paths.root, None)[0] == []  # no evals yet
+    build_run(paths, "r", tiny_hf_checkpoint, 2)
+    add_evals(paths, "r", [(1, 0.5, "loop")])
+    requests, cursor = _tick(instance, paths.root, None)
+    assert len(requests) == 1 and requests[0].job_name in (None, "update_scoreboard")
+    assert _tick(instance, paths.root, cursor)[0] == []  # nothing new
+    add_evals(paths, "r", [(2, 0.6, "loop")], start_minute=5)
+    again, cursor2 = _tick(instance, paths.root, cursor)
+    assert len(again) == 1 and again[0].run_key != requests[0].run_key and cursor2 != cursor
