@@ -50,6 +50,9 @@ SLOW = {
     "test_megatron_logits_loss_grads_match_hf_in_fp32", "test_without_the_family_mapping_parity_fails",
     "test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes",
     "test_a_dead_trainer_stops_the_run_with_the_actor_and_the_resume_command",
+    "test_the_smoke_preset_trains_from_the_latest_assets",
+    "test_a_failed_step_is_retried_and_resumes_without_duplicate_partitions",
+    "test_scoreboard_shows_base_and_best_version_per_run", "test_a_cli_launched_runs_versions_appear_as_partitions",
     "test_agentic_ci_test_run_trains_on_session_samples",
 }  # fmt: skip
 
