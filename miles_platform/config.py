@@ -309,7 +309,9 @@ class RunConfig:
 
     # --- reward and filters ---
     rm_type: str | None = _f(
-        None, "reward", "built-in reward: math, dapo, deepscaler, f1, random, remote_rm, boxed_<type>"
+        None,
+        "reward",
+        "built-in reward: math, dapo, deepscaler, f1, final_answer, random, remote_rm, boxed_<type>",
     )
     rm_url: str | None = _f(None, "reward", "endpoint for --rm-type remote_rm")
     group_rm: bool = _f(False, "reward", "reward computed per group by --custom-rm-path")

@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_platform.data import tool_use
 from miles_platform.errors import DataError
 
 # difficulty -> (operation, digits of each operand)
@@ -148,6 +149,26 @@ def write_task_datasets(
     }
 
 
+def write_tool_datasets(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    eval_size: int = DEFAULT_EVAL_SIZE,
+    train_size: int = tool_use.DEFAULT_TRAIN_SIZE,
+    tool_share: float = tool_use.DEFAULT_TOOL_SHARE,
+) -> dict[str, str]:
+    """The tool-use task (`mul3`, data/tool_use.py): train.jsonl, eval.jsonl, sft.jsonl (transcripts
+    with `response_parts`) and tools.json (the calculator's OpenAI spec); return {split: path}."""
+    train, evals = tool_use.split_mul_problems(eval_size, train_size, seed)
+    out = Path(out_dir)
+    paths = {
+        "train": write_jsonl([tool_use.prompt_row(p) for p in train], out / "train.jsonl"),
+        "eval": write_jsonl([tool_use.prompt_row(p) for p in evals], out / "eval.jsonl"),
+        "sft": write_jsonl(tool_use.sft_rows(train, tool_share, seed), out / "sft.jsonl"),
+    }
+    paths["tools"] = write_jsonl([tool_use.TOOL_SPECS], out / "tools.json")  # one line: a JSON document
+    return paths
+
+
 def task_corpus(difficulty: str = DEFAULT_DIFFICULTY) -> list[str]:
     """Every prompt and answer of a task: the tokenizer's training text."""
     return [p.prompt + str(p.answer) for p in all_problems(difficulty)]
@@ -170,7 +191,12 @@ def cli_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="miles-platform make-data", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory (train.jsonl, eval.jsonl, sft.jsonl)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--difficulty", default=DEFAULT_DIFFICULTY, choices=sorted(DIFFICULTIES))
+    ap.add_argument(
+        "--difficulty",
+        default=DEFAULT_DIFFICULTY,
+        choices=sorted(DIFFICULTIES) + sorted(tool_use.TOOL_DIFFICULTIES),
+        help="mul3: the tool-use task (3-digit products, a calculator tool; data/tool_use.py)",
+    )
     ap.add_argument("--eval-size", type=int, default=DEFAULT_EVAL_SIZE, help="held-out eval prompts")
     ap.add_argument(
         "--carry-error-rate",
@@ -178,8 +204,20 @@ def cli_main(argv: list[str] | None = None) -> int:
         default=DEFAULT_CARRY_ERROR_RATE,
         help="fraction of SFT carry cases answered with the carry dropped",
     )
+    ap.add_argument(
+        "--tool-share",
+        type=float,
+        default=tool_use.DEFAULT_TOOL_SHARE,
+        help="mul3: fraction of SFT episodes that call the calculator (the rest guess)",
+    )
+    ap.add_argument(
+        "--train-size", type=int, default=tool_use.DEFAULT_TRAIN_SIZE, help="mul3: RL / SFT prompts"
+    )
     a = ap.parse_args(argv)
-    paths = write_task_datasets(a.out, a.seed, a.difficulty, a.eval_size, a.carry_error_rate)
+    if a.difficulty in tool_use.TOOL_DIFFICULTIES:
+        paths = write_tool_datasets(a.out, a.seed, a.eval_size, a.train_size, a.tool_share)
+    else:
+        paths = write_task_datasets(a.out, a.seed, a.difficulty, a.eval_size, a.carry_error_rate)
     for split, path in paths.items():
         with open(path) as f:
             n = sum(1 for _ in f)

@@ -56,3 +56,21 @@ def build_task_tokenizer(difficulties: Iterable[str] = ("add2", "sub2")) -> PreT
 
     corpus = [text for d in difficulties for text in task_corpus(d)]
     return train_tokenizer(corpus, vocab_size=256)
+
+
+def build_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """The tool-use task's tokenizer (miles_platform.data.tool_use): the same BPE trained on tool
+    episodes with 64 merges, so a calculator call is ~25 tokens, plus `<tool_call>` and `</tool_call>`
+    as single non-special tokens (the engine's text keeps them for the tool-call parser). The
+    arithmetic tokenizer above is a separate object and stays as it is (vocabulary and hashes)."""
+    from tokenizers import AddedToken
+
+    from miles_platform.data.tool_use import TOOL_TOKENS, tool_corpus
+
+    tok = train_tokenizer(tool_corpus(), vocab_size=len(SPECIAL_TOKENS) + 256 + 64)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return tok
+
+
+# `miles-platform sft --from-scratch --tokenizer NAME`: which task's tokenizer a new model gets
+TASK_TOKENIZERS = {"arithmetic": build_task_tokenizer, "tool_use": build_tool_tokenizer}

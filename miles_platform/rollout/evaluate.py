@@ -144,20 +144,24 @@ def load_eval_rows(
     return [{"prompt": r.prompt, "label": r.label, "metadata": r.metadata} for r in records]
 
 
-def score(args, rows: list[dict], responses: list[list[str]]) -> list[list[float]]:
+def _eval_sample(row: dict, r: str | Sample, gi: int, index: int) -> Sample:
+    """The Sample to grade: a generate function's own (status, metadata such as tool_call_count
+    kept) with the row's label and metadata, or one made from a response text."""
+    meta = dict(row.get("metadata") or {})
+    if isinstance(r, Sample):
+        r.group_index, r.index, r.label = gi, index, row["label"]
+        r.metadata = {**meta, **(r.metadata or {})}
+        return r
+    return Sample(group_index=gi, index=index, prompt=row["prompt"], response=r, label=row["label"],
+                  metadata=meta, status=Status.COMPLETED.value)  # fmt: skip
+
+
+def score(args, rows: list[dict], responses: list[list[str]] | list[list[Sample]]) -> list[list[float]]:
     """Rewards from the RL reward hub, one list per prompt."""
     from miles_platform.rollout.rm_hub import compute_rewards
 
     samples = [
-        Sample(
-            group_index=gi,
-            index=gi * len(resps) + j,
-            prompt=row["prompt"],
-            response=r,
-            label=row["label"],
-            metadata=dict(row.get("metadata") or {}),
-            status=Status.COMPLETED.value,
-        )
+        _eval_sample(row, r, gi, gi * len(resps) + j)
         for gi, (row, resps) in enumerate(zip(rows, responses, strict=True))
         for j, r in enumerate(resps)
     ]
@@ -198,7 +202,9 @@ def evaluate(
     `policy` is an HF dir or (model, tokenizer). `args` is a RunConfig-like object for the reward
     hub (rm_type, custom_rm_path, reward_key ...); without it one is built from `rm_type`.
     `generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed) -> list[list[str]]`
-    replaces local generation (e.g. the engine router). `input_key` ... `apply_chat_template` read
+    replaces local generation (e.g. the engine router); it may answer Samples instead of texts
+    (a custom generate function's, graded with their status; a multi-turn generator's add
+    "tool_call_share": greedy episodes with >= 1 tool call). `input_key` ... `apply_chat_template` read
     the datasets as `train` reads prompts; the chat template is the policy's tokenizer's (or
     `tokenizer`'s, which a caller passing `generate_fn` must give).
     """
@@ -222,7 +228,8 @@ def evaluate(
         rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
         rows = rows[:max_prompts]
         prompts = [r["prompt"] for r in rows]
-        greedy = score(args, rows, generate_fn(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed))
+        greedy_out = generate_fn(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed)
+        greedy = score(args, rows, greedy_out)
         if temperature is not None and temperature <= 0:  # greedy samples are all the greedy answer
             sampled = [g * k for g in greedy]
         else:
@@ -238,6 +245,9 @@ def evaluate(
             "k": k,
             "num_prompts": len(rows),
         }
+        share = tool_call_share(greedy_out)
+        if share is not None:
+            res["tool_call_share"] = share
         if breakdown_key and all(breakdown_key in (r.get("metadata") or {}) for r in rows):
             groups: dict[str, list[float]] = {}
             for r, g in zip(rows, greedy, strict=True):
@@ -246,6 +256,15 @@ def evaluate(
                 res[f"pass@1/{breakdown_key}={v}"] = sum(gs) / len(gs)
         results[name] = res
     return results
+
+
+def tool_call_share(responses: list[list[Any]]) -> float | None:
+    """Share of episodes with at least one tool call, when a multi-turn generate function made
+    them (its Samples carry metadata.tool_call_count); None for plain texts."""
+    flat = [r for rs in responses for r in rs]
+    if not flat or not all(isinstance(r, Sample) and "tool_call_count" in r.metadata for r in flat):
+        return None
+    return sum(1 for r in flat if r.metadata["tool_call_count"] > 0) / len(flat)
 
 
 EVAL_SOURCES = ("loop", "asset")  # writers of the `evals` table

@@ -401,7 +401,8 @@ def record_of(group: list[Sample]) -> PromptRecord:
 
 def router_generate_fn(manager: RolloutManager):
     """An `evaluate(generate_fn=...)` that generates through the run's engines: one batched request,
-    or the run's --custom-generate-function-path per sample with `evaluation=True` (as Miles)."""
+    or the run's --custom-generate-function-path per sample with `evaluation=True` (as Miles), whose
+    Samples it answers as they are (status, metadata such as multi-turn's tool_call_count)."""
     tok = manager.tok
 
     def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
@@ -416,7 +417,7 @@ def router_generate_fn(manager: RolloutManager):
             run = manager._per_sample(
                 records, ids, seeds, evaluation=True, params={**manager.sampling_params(), **params}
             )
-            return [[s.response for s in g] for g in manager.client.submit(run).result()]
+            return manager.client.submit(run).result()  # Samples: evaluate grades them with their status
         ids = [tok.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
         sps = [{**params, "sampling_seed": seed * 1000003 + k} for k in range(len(ids))]
         outs = manager.client.generate(ids, sps, return_logprob=False) if ids else []

@@ -27,7 +27,7 @@ import torch
 from miles_platform.errors import DataError, MilesError
 from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from miles_platform.models.qwen3 import build_model, num_parameters, tiny_qwen3_config
-from miles_platform.models.tokenizer import build_task_tokenizer
+from miles_platform.models.tokenizer import TASK_TOKENIZERS
 
 
 @dataclass
@@ -91,13 +91,21 @@ def load_sft_rows(path: str, input_key: str = "prompt", response_key: str = "res
 def tokenize_sft(
     rows: list[dict], tokenizer, input_key: str = "prompt", response_key: str = "response"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids [N, L] right-padded, loss_mask [N, L]) with the loss on response + EOS tokens."""
+    """(input_ids [N, L] right-padded, loss_mask [N, L]) with the loss on response + EOS tokens.
+
+    A multi-turn row (a tool episode) may carry `response_parts`: [[text, trained], ...] whose texts
+    join to the response; each part is tokenized on its own, as the multi-turn generator appends
+    turns, and parts with trained 0 (tool answers, chat markup) get no loss."""
     seqs, masks = [], []
-    for row in rows:
+    for i, row in enumerate(rows):
         p = tokenizer.encode(row[input_key], add_special_tokens=False)
-        r = tokenizer.encode(row[response_key], add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(p + r)
-        masks.append([0] * len(p) + [1] * len(r))
+        r, m = [], []
+        for text, trained in _response_parts(row, response_key, i):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            r += ids
+            m += [int(trained)] * len(ids)
+        seqs.append(p + r + [tokenizer.eos_token_id])
+        masks.append([0] * len(p) + m + [1])
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.float32)
@@ -105,6 +113,21 @@ def tokenize_sft(
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
     return ids, mask
+
+
+def _response_parts(row: dict, response_key: str, i: int) -> list[tuple[str, bool]]:
+    parts = row.get("response_parts")
+    if parts is None:
+        return [(row[response_key], True)]
+    ok = isinstance(parts, list) and all(
+        isinstance(x, list | tuple) and len(x) == 2 and isinstance(x[0], str) and x[1] in (0, 1)
+        for x in parts
+    )
+    if not ok or "".join(x[0] for x in parts) != row[response_key]:
+        raise DataError(
+            f"SFT row {i}: response_parts must be [[text, 0 or 1], ...] whose texts join to {response_key!r}"
+        )
+    return [(t, bool(m)) for t, m in parts]
 
 
 # ---------------------------------------------------------------- schedule
@@ -144,8 +167,10 @@ def run_sft(
     input_key: str = "prompt",
     response_key: str = "response",
     progress: bool | None = None,
+    tokenizer: str = "arithmetic",
 ) -> dict[str, Any]:
-    """SFT from scratch (task tokenizer + tiny Qwen3 of recipe.model) or from an HF dir.
+    """SFT from scratch (the `tokenizer` task's tokenizer, models.tokenizer.TASK_TOKENIZERS, + tiny
+    Qwen3 of recipe.model) or from an HF dir (its own tokenizer).
 
     Returns metrics: loss_curve [(step, loss)], final_loss, sft_seconds, sft_cpu_seconds, train_iters,
     num_parameters, num_samples, save (path or None). Saves an HF checkpoint when `save` is set.
@@ -159,7 +184,9 @@ def run_sft(
     if hf_checkpoint:
         model, tokenizer = load_hf_checkpoint(hf_checkpoint)
     else:
-        tokenizer = build_task_tokenizer()
+        if tokenizer not in TASK_TOKENIZERS:
+            raise MilesError(f"--tokenizer {tokenizer!r}: choose one of {sorted(TASK_TOKENIZERS)}")
+        tokenizer = TASK_TOKENIZERS[tokenizer]()
         model = build_model(tiny_qwen3_config(len(tokenizer), **recipe.model), seed=recipe.seed)
     rows = load_sft_rows(prompt_data, input_key, response_key)
     ids, mask = tokenize_sft(rows, tokenizer, input_key, response_key)
@@ -255,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-scratch", action="store_true", help="task tokenizer + tiny Qwen3 of the default recipe"
     )
     ap.add_argument("--prompt-data", required=True, help="SFT JSONL (prompt + response per row)")
+    ap.add_argument("--tokenizer", default="arithmetic", choices=("arithmetic", "tool_use"),
+                    help="--from-scratch: the task whose tokenizer the new model gets (default: %(default)s)")  # fmt: skip
     ap.add_argument("--save", required=True, help="HF checkpoint output dir")
     ap.add_argument("--loss-type", default="sft_loss", choices=("sft_loss",))
     ap.add_argument("--input-key", default="prompt")
@@ -297,7 +326,9 @@ def cli_main(argv: list[str] | None = None) -> int:
         recipe.train_iters, recipe.num_epoch = None, a.num_epoch
     elif a.train_iters is not None:
         recipe.train_iters = a.train_iters
-    m = run_sft(a.prompt_data, a.save, a.hf_checkpoint, recipe, a.input_key, a.response_key)
+    m = run_sft(
+        a.prompt_data, a.save, a.hf_checkpoint, recipe, a.input_key, a.response_key, tokenizer=a.tokenizer
+    )
     summary = {k: v for k, v in m.items() if k not in ("model", "tokenizer")}
     if a.json:
         print(json.dumps(summary))

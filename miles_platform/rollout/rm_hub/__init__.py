@@ -25,6 +25,7 @@ from miles_platform.rollout.rm_hub.boxed import last_boxed
 from miles_platform.rollout.rm_hub.dapo_rm import dapo_reward
 from miles_platform.rollout.rm_hub.deepscaler_rm import deepscaler_reward
 from miles_platform.rollout.rm_hub.f1_rm import f1_reward
+from miles_platform.rollout.rm_hub.final_answer_rm import final_answer_rm
 from miles_platform.rollout.rm_hub.math_rm import math_reward
 from miles_platform.rollout.rm_hub.random_rm import random_rm
 from miles_platform.rollout.rm_hub.remote_rm import RemoteRewardError, remote_rm
@@ -58,6 +59,7 @@ REWARDS: dict[str, RewardFn] = {
     "dapo": _graded(dapo_reward),
     "deepscaler": _graded(deepscaler_reward),
     "f1": _graded(f1_reward),
+    "final_answer": final_answer_rm,  # the last number after the last tool answer (multi-turn)
     "random": random_rm,
     "remote_rm": remote_rm,
 }
