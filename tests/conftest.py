@@ -24,7 +24,7 @@ LONGEST_FIRST = {
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
     "test_trackers.py": 25, "test_ops_training.py": 25, "test_lora_loop.py": 60, "test_lora_assets.py": 25,
     "test_opd_loop.py": 50, "test_opd.py": 30, "test_tito.py": 60, "test_chat_endpoint.py": 20,
-    "test_model_families_loop.py": 240, "test_model_families_megatron.py": 90,
+    "test_model_families_loop.py": 120, "test_model_families_megatron.py": 90,
 }  # fmt: skip
 
 

@@ -1,4 +1,7 @@
-"""Qwen2 and Llama through the whole loop, on both trainer backends: 3 GRPO rollouts with --ci-test
+"""Qwen2 and Llama through the whole loop, each family on one trainer backend and each backend with
+one family (Llama on fsdp, Qwen2 on megatron; the cross terms are the same bridge and the same
+trainer, and tests/test_model_families_megatron.py checks both families' megatron conversion and
+logits parity on their own): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
 trainer's after every sync, over HTTP), weights to the engine by disk-delta, resume from the
 checkpoint, and the publications applied to a fresh replica give the trainer's exported weights."""
@@ -20,8 +23,7 @@ def family_checkpoints(tmp_path_factory):
     return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama")}
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize(("family", "backend"), [("llama", "fsdp"), ("qwen2", "megatron")])
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
     from miles_platform.weights.disk_delta import apply_publication
