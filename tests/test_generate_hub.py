@@ -416,3 +416,20 @@ def test_the_dagster_run_config_takes_the_new_flags():
     fields = RLTrainingConfig.model_fields
     assert {"custom_generate_function_path", "rollout_function_path", "generate_max_turns"} <= set(fields)
     assert "custom_function_args" not in fields
+
+
+def test_rewards_a_generate_function_set_are_kept_and_group_rm_refuses_them(tiny_hf_checkpoint, tmp_path):
+    """The run's reward scores only samples a generate function left unscored; a group RM, which
+    scores whole groups, refuses a batch where some rewards were set by the function."""
+    from types import SimpleNamespace
+
+    cfg = small_run_config(tiny_hf_checkpoint, tmp_path)
+    samples = [
+        Sample(index=0, response="4", label="4", reward=0.25),
+        Sample(index=1, response="4", label="4"),
+    ]
+    RolloutManager._score(SimpleNamespace(cfg=cfg, generate_fn=object()), samples)
+    assert [s.reward for s in samples] == [0.25, 1.0] and [s.raw_reward for s in samples] == [0.25, 1.0]
+    group = RunConfig(**{**small_run_kwargs(tiny_hf_checkpoint, tmp_path), "group_rm": True})
+    with pytest.raises(ConfigError, match="--group-rm scores every sample of a group"):
+        RolloutManager._score(SimpleNamespace(cfg=group, generate_fn=object()), [Sample(reward=1.0)])

@@ -143,10 +143,16 @@ class RolloutManager:
 
     def _score(self, samples: list[Sample]) -> None:
         """The run's reward for every sample a generate function left unscored (an agent's reward stays)."""
-        preset = [s for s in samples if s.reward is not None] if self.generate_fn is not None else []
-        rm_hub.compute_rewards(self.cfg, [s for s in samples if not any(s is p for p in preset)])
-        for s in preset:
-            s.raw_reward = s.scalar_reward(self.cfg.reward_key)
+        preset = {id(s) for s in samples if s.reward is not None} if self.generate_fn is not None else set()
+        if preset and self.cfg.group_rm:  # the group RM scores whole groups: it cannot keep some
+            raise ConfigError(
+                "--group-rm scores every sample of a group, but the generate function (or agent) set "
+                f"the reward of {len(preset)} samples itself: drop --group-rm or the function's reward"
+            )
+        rm_hub.compute_rewards(self.cfg, [s for s in samples if id(s) not in preset])
+        for s in samples:
+            if id(s) in preset:
+                s.raw_reward = s.scalar_reward(self.cfg.reward_key)
 
     def unfinished_records(self) -> list[PromptRecord]:
         """The prompts of buffered groups (generated, not trained): a checkpoint puts them back."""
