@@ -61,9 +61,49 @@ def rollout_shard_event(info: dict[str, Any], extra: dict[str, Any] | None = Non
             "path": dg.MetadataValue.path(info["shard_path"]),
             "rows": info["shard_rows"],
             "mean_reward": float(info["mean_reward"] or 0.0),
+            **shard_summary(info["shard_path"]),
             **(extra or {}),
         },
     )
+
+
+PREVIEW_ROWS = 3
+
+
+def shard_summary(path: str) -> dict[str, Any]:
+    """What the asset page shows of a shard without a query: reward std, truncation share, response
+    lengths, and the first samples (prompt, response, reward, status) as a small table."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    cols = ["prompt", "response", "reward", "raw_reward", "status", "response_length"]
+    try:
+        with fsspec.open(path, "rb") as f:
+            rows = pq.read_table(f, columns=cols).to_pylist()
+    except Exception as e:  # a preview must never fail the version's materialization
+        return {"preview": dg.MetadataValue.text(f"preview unavailable: {type(e).__name__}: {e}")}
+    if not rows:
+        return {}
+    rewards = [float(r["raw_reward"] if r["raw_reward"] is not None else r["reward"] or 0.0) for r in rows]
+    mean = sum(rewards) / len(rewards)
+    lens = [int(r["response_length"] or 0) for r in rows]
+
+    def cell(text: Any, n: int = 80) -> str:
+        t = str(text).replace("|", "\\|").replace("\n", "\\n")
+        return t if len(t) <= n else t[: n - 1] + "…"
+
+    table = ["| prompt | response | reward | status |", "| --- | --- | --- | --- |"]
+    table += [
+        f"| {cell(r['prompt'])} | {cell(r['response'])} | {rw:.3g} | {r['status']} |"
+        for r, rw in zip(rows[:PREVIEW_ROWS], rewards, strict=False)
+    ]
+    return {
+        "reward_std": math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards)),
+        "truncated": sum(r["status"] == "truncated" for r in rows) / len(rows),
+        "response_len_mean": sum(lens) / len(lens),
+        "response_len_max": max(lens),
+        "preview": dg.MetadataValue.md("\n".join(table)),
+    }
 
 
 def lora_adapter_event(info: dict[str, Any], extra: dict[str, Any] | None = None) -> dg.AssetMaterialization:

@@ -244,3 +244,24 @@ def test_a_failed_step_is_retried_and_resumes_without_duplicate_partitions(tiny_
     assert sorted(instance.get_dynamic_partitions("policy_versions")) == keys
     rows = read_rows(StoragePaths(str(root)), "policy_versions", "t")
     assert [(r["version"], r["rollout_id"]) for r in rows] == [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3)]
+
+
+def test_rollout_shards_show_reward_spread_truncation_and_a_preview(short_run):
+    import pyarrow.parquet as pq
+
+    _, instance, root, _ = short_run
+    (record, *_) = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("rollout_shards")), limit=10, ascending=True
+    ).records
+    meta = record.asset_materialization.metadata
+    rows = pq.read_table(meta["path"].value).to_pylist()
+    rewards = [r["raw_reward"] for r in rows]
+    mean = sum(rewards) / len(rewards)
+    assert meta["reward_std"].value == pytest.approx(
+        (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5
+    )
+    assert meta["truncated"].value == pytest.approx(sum(r["status"] == "truncated" for r in rows) / len(rows))
+    assert meta["response_len_max"].value == max(r["response_length"] for r in rows)
+    preview = meta["preview"].value.splitlines()
+    assert preview[0] == "| prompt | response | reward | status |" and len(preview) == 2 + min(3, len(rows))
+    assert rows[0]["prompt"] in preview[2]
