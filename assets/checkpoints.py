@@ -70,9 +70,17 @@ def _train_sft(config: BaseCheckpointConfig, storage: StorageRootResource, dest:
             "sft_seed": recipe.seed,
             "sft_data": dg.MetadataValue.path(task["sft"]),
             "sft_recipe": dg.MetadataValue.json(recipe.to_dict()),
-            "sft_loss_curve": dg.MetadataValue.json([[s, round(v, 5)] for s, v in m["loss_curve"]]),
+            "sft_loss_curve": _loss_table(m["loss_curve"]),
         },
     }
+
+
+def _loss_table(curve: list[tuple[int, float]]) -> dg.TableMetadataValue:
+    """The SFT loss per logged step as a table (the asset page renders it as one, not JSON)."""
+    return dg.MetadataValue.table(
+        records=[dg.TableRecord({"step": int(s), "loss": round(float(v), 5)}) for s, v in curve],
+        schema=dg.TableSchema(columns=[dg.TableColumn("step", "int"), dg.TableColumn("loss", "float")]),
+    )
 
 
 def _register_existing(config: BaseCheckpointConfig, storage: StorageRootResource, dest: str) -> dict:

@@ -117,6 +117,11 @@ def test_base_checkpoint_asset_sft_mode(tmp_path):
     assert md["num_parameters"].value > 0 and md["bytes"].value > 0 and md["sft_seconds"].value > 0
     assert 0.0 <= md["eval/pass@1"].value <= 1.0
     assert len(md["content_hash"].value) == 32
+    curve = md["sft_loss_curve"].value  # a table the asset page renders: step, loss
+    assert [c.name for c in curve.schema.columns] == ["step", "loss"]
+    assert curve.records[-1].data["step"] == 2 and curve.records[-1].data["loss"] == pytest.approx(
+        md["sft_final_loss"].value, abs=1e-5
+    )
 
 
 def test_base_checkpoint_asset_registers_existing_and_refuses_bad_dirs(tiny_hf_checkpoint, tmp_path):
