@@ -59,16 +59,20 @@ def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> Non
 
 
 async def json_body(request: Request, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
-    """Parse a JSON body; returns (body, None) or (None, error response)."""
+    """Parse a JSON object body (every route takes one, as SGLang's); returns (body, None) or (None,
+    error response): 413 past the size limit, 400 for malformed JSON or a body that is not an object."""
     raw = await request.body()
     if len(raw) > max_request_bytes:
         return None, error(413, f"request body of {len(raw)} bytes exceeds the limit of {max_request_bytes}")
     if not raw:
         return {}, None
     try:
-        return orjson.loads(raw), None
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         return None, error(400, f"malformed JSON body: {e}")
+    if not isinstance(body, dict):
+        return None, error(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body, None
 
 
 async def all_results(futures: list) -> list:
