@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,7 +107,7 @@ def expected_version_count(paths: StoragePaths) -> Health:
                 f"run {run}: versions {missing[:10]} missing (versions run 1..{max(numbers)})"
             )
         if len(set(numbers)) != len(numbers):
-            dupes = sorted({n for n in numbers if numbers.count(n) > 1})
+            dupes = sorted(n for n, k in Counter(numbers).items() if k > 1)
             out.problems.append(f"run {run}: version numbers recorded twice: {dupes[:10]}")
         interval = cfg.update_weights_interval if cfg else 1
         done = {m["rollout_id"] for m in read_rows(paths, "metrics", run)} | set(
