@@ -27,13 +27,13 @@ def _greedy(hf_dir: str, eval_path: str) -> float:
     return res["eval"]["pass@1"]
 
 
-def _run(base: str, task: dict, root: str, seed: int, rollouts: int, lora: bool) -> dict:
+def _run(base: str, task: dict, root: str, seed: int, rollouts: int, lora: bool, lora_lr: float) -> dict:
     from miles_platform.config import RunConfig
     from miles_platform.loop import train
     from miles_platform.quickstart import DEMO_RL
     from miles_platform.training.lora import export_merged_hf_dir
 
-    extra = dict(lora_rank=8, lora_alpha=16, lr=1e-3, check_lora_weight_equal=True) if lora else {}
+    extra = dict(lora_rank=8, lora_alpha=16, lr=lora_lr, check_lora_weight_equal=True) if lora else {}
     cfg = RunConfig(**{**DEMO_RL, "save_interval": None, "eval_interval": None, **extra},
                     hf_checkpoint=base, prompt_data=task["train"], num_rollout=rollouts, seed=seed,
                     rollout_seed=seed, storage_root=root, num_cpus_per_actor=0.5).validate()  # fmt: skip
@@ -51,6 +51,9 @@ def _run(base: str, task: dict, root: str, seed: int, rollouts: int, lora: bool)
         "wire_bytes_per_update": m[0].get("perf/update_weights_wire_bytes"),
         "full_bytes_per_update": m[0].get("perf/update_weights_full_bytes")
         or m[0].get("perf/update_weights_wire_bytes"),
+        # memory, measured in the trainer actor: peak RSS of its process, optimizer state it holds
+        "trainer_peak_rss_mb": max(x.get("perf/actor_peak_rss_mb", 0.0) for x in m),
+        "optimizer_state_bytes": m[-1].get("perf/actor_optimizer_state_bytes"),
         "logprob_abs_diff_step0": res.ci_checks.get("train_rollout_logprob_abs_diff"),
         "reward_first5": sum(x["rollout/raw_reward"] for x in m[:5]) / 5,
         "reward_last5": sum(x["rollout/raw_reward"] for x in m[-5:]) / 5,
@@ -72,29 +75,45 @@ def _param_counts(base: str, lora: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rollouts", type=int, default=20)
-    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=1, help="seeds 1..N (with --first-seed: first..first+N-1)")
+    ap.add_argument("--first-seed", type=int, default=1)
+    ap.add_argument("--only", choices=["full", "lora"], default=None, help="one kind (an lr sweep)")
+    ap.add_argument("--lora-lr", type=float, default=1e-3, help="the adapter's learning rate")
+    ap.add_argument("--work", default=None, help="work dir; its task data and SFT base are reused when there")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     args = ap.parse_args()
     from miles_platform.data.tasks import write_task_datasets
     from miles_platform.training.sft import default_sft_recipe, run_sft
 
-    d = tempfile.mkdtemp(prefix="bench-lora-")
-    task = write_task_datasets(os.path.join(d, "task"), seed=0)
+    d = args.work or tempfile.mkdtemp(prefix="bench-lora-")
+    task = write_task_datasets(os.path.join(d, "task"), seed=0)  # deterministic: the same files again
     base = os.path.join(d, "base")
-    run_sft(task["sft"], base, recipe=default_sft_recipe(), progress=False)
+    if not os.path.exists(os.path.join(base, "config.json")):
+        run_sft(task["sft"], base, recipe=default_sft_recipe(), progress=False)
     base_acc = _greedy(base, task["eval"])
-    out = {"base_heldout_pass@1": base_acc, "rollouts": args.rollouts, "runs": []}
+    out = {"base_heldout_pass@1": base_acc, "rollouts": args.rollouts, "lora_lr": args.lora_lr, "runs": []}
     out["params"] = {"full": _param_counts(base, False), "lora": _param_counts(base, True)}
-    for seed in range(1, args.seeds + 1):
-        for lora in (False, True):
-            r = _run(base, task, os.path.join(d, f"root-{seed}-{int(lora)}"), seed, args.rollouts, lora)
+    kinds = {"full": (False,), "lora": (True,), None: (False, True)}[args.only]
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for lora in kinds:
+            root = os.path.join(d, f"root-{seed}-{'lora-' + str(args.lora_lr) if lora else 'full'}")
+            if os.path.exists(root):
+                import shutil
+
+                shutil.rmtree(root)
+            r = _run(base, task, root, seed, args.rollouts, lora, args.lora_lr)
             r.update(seed=seed, kind="lora-r8" if lora else "full", gain=r["heldout_pass@1"] - base_acc)
             print(json.dumps(r), flush=True)
             out["runs"].append(r)
     for kind in ("full", "lora-r8"):
         gains = [r["gain"] for r in out["runs"] if r["kind"] == kind]
+        if not gains:
+            continue
         out[f"mean_gain_{kind}"] = sum(gains) / len(gains)
-    out["lora_minus_full_gain_points"] = 100 * (out["mean_gain_lora-r8"] - out["mean_gain_full"])
+        for k in ("wall_s", "trainer_peak_rss_mb"):
+            out[f"mean_{k}_{kind}"] = sum(r[k] for r in out["runs"] if r["kind"] == kind) / len(gains)
+    if args.only is None:
+        out["lora_minus_full_gain_points"] = 100 * (out["mean_gain_lora-r8"] - out["mean_gain_full"])
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

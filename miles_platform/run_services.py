@@ -110,7 +110,9 @@ class RunServices(contextlib.AbstractContextManager):
         if cfg.use_opd and cfg.opd_type == "sglang":
             self._start_opd_teachers(url, teacher)
         if self.trainers:
-            self.session = UpdateSession(cfg, self.paths, self.engines, self.trainers)
+            self.session = UpdateSession(
+                cfg, self.paths, self.engines, self.trainers, adapter=self.manager.adapter
+            )
         if cfg.use_fault_tolerance:
             self._start_health_monitor(groups)
 
@@ -145,7 +147,7 @@ class RunServices(contextlib.AbstractContextManager):
         urls = teacher_urls(self.cfg, started)
         self.teachers = teacher_sources(self.cfg, urls)
         self.manager.opd = TeacherScorer(
-            self.cfg, urls, student_url, self.manager.client, student_lora=self.manager.lora_path
+            self.cfg, urls, student_url, self.manager.client, student_lora=self.manager.adapter
         )
 
     def start_async_worker(self) -> None:

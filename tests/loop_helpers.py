@@ -113,3 +113,9 @@ def crash_once_at_rollout_3(rollout_id, args, samples, rollout_extra_metrics, ro
         open(marker, "w").close()
         raise RuntimeError("injected failure at rollout 3")
     return False
+
+
+async def first_token_parity_rm(args, sample):
+    """A `--custom-rm-path` for the tests: a reward a tiny random policy gets about half the time,
+    so a group has reward variance and GRPO moves the weights."""
+    return float(bool(sample.response_tokens) and sample.response_tokens[0] % 2 == 0)

@@ -128,3 +128,36 @@ def test_prefill_scoring_runs_under_the_requests_adapter(engine, tiny_hf_checkpo
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
     assert (torch.tensor([e[0] for e in with_lora["meta_info"]["input_token_logprobs"][1:]])
             - torch.tensor([e[0] for e in base["meta_info"]["input_token_logprobs"][1:]])).abs().max() > 1e-3  # fmt: skip
+
+
+def test_unload_lets_requests_holding_the_adapter_finish_and_refuses_new_ones(
+    engine, tiny_hf_checkpoint, tmp_path
+):
+    """SGLang's unload semantics, which a LoRA run's immutable per-version names rely on: requests
+    already holding the adapter finish undisturbed (same tokens as alone), new ones are refused at once."""
+    import threading
+    import time
+
+    path = _random_adapter(tiny_hf_checkpoint, tmp_path / "a", ["q_proj", "down_proj"], seed=5)
+    post(engine.url, "/load_lora_adapter", {"lora_name": "old", "lora_path": path})
+    alone = _gen(engine.url, ["old"], seed=11, n_tokens=48)[0]
+    held: dict = {}
+    t = threading.Thread(target=lambda: held.update(out=_gen(engine.url, ["old"], seed=11, n_tokens=48)[0]))
+    t.start()
+    while not engine.core._lora_in_use("old"):
+        time.sleep(0.001)
+    with engine.core._step_lock:  # the scheduler holds still: the request is mid-generation
+        unloading = threading.Thread(
+            target=lambda: post(engine.url, "/unload_lora_adapter", {"lora_name": "old"})
+        )
+        unloading.start()
+        while "old" not in engine.core._lora_draining:
+            time.sleep(0.001)
+        with pytest.raises(EngineHTTPError, match="not loaded"):  # a new request naming it: refused
+            _gen(engine.url, ["old"])
+        assert "old" in engine.core.lora_adapters()  # but not unloaded under the running request
+    unloading.join(30)
+    t.join(30)
+    assert held["out"]["output_ids"] == alone["output_ids"], "the request holding the adapter finished on it"
+    assert held["out"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert engine.core.lora_adapters() == {}

@@ -23,6 +23,26 @@ from typing import Any
 from miles_platform.data.sample import Sample
 
 
+class AdapterName:
+    """The engine-side adapter name a LoRA run's requests carry (`lora_path`): `<run>@v<N>` of the
+    version the engines serve; None until the first adapter is loaded. One object per run, read at
+    request time by the rollout client, the generate state, the session server and OPD."""
+
+    def __init__(self, run: str):
+        self.run, self.current = run, None
+
+    def of(self, version: int) -> str:
+        return f"{self.run}@v{int(version)}"
+
+    def __repr__(self) -> str:
+        return f"AdapterName({self.current!r})"
+
+
+def resolve_lora(name) -> str | None:
+    """`lora_path` for a request: an AdapterName's current name, or the string given."""
+    return name.current if isinstance(name, AdapterName) else name
+
+
 @dataclass(frozen=True)
 class GenerateState:
     """What a generate function needs besides its sample: the run's args, tokenizer and engine."""
@@ -35,7 +55,13 @@ class GenerateState:
     # token's support (Sample.rollout_sampling_support); never for eval (as in Miles)
     sampling_support_replay: bool = False
     sampling_params: dict[str, Any] = field(default_factory=dict)  # the run's defaults
-    lora_path: str | None = None  # --lora-rank > 0: the run's adapter name, sent with every request
+    # --lora-rank > 0: the run's AdapterName (above); `lora_path` is the name
+    # of the version the engines serve now, to send with every request
+    adapter: Any = None
+
+    @property
+    def lora_path(self) -> str | None:
+        return None if self.adapter is None else self.adapter.current
 
 
 @dataclass(frozen=True)

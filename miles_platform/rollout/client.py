@@ -168,12 +168,13 @@ class EngineClient:
         lora_path: str | None = None,
         max_retries: int = 8,
     ):
-        """`lora_path`: a LoRA run's adapter name, sent with every generate of this client;
+        """`lora_path`: a LoRA run's adapter name (or its AdapterName, read at each request), sent
+        with every generate of this client;
         `max_retries` of a retryable answer (--use-fault-tolerance: long enough to outlast an
         engine's replacement)."""
         import threading
 
-        self.url, self.api_key, self.lora_path = url.rstrip("/"), api_key, lora_path
+        self.url, self.api_key, self._lora = url.rstrip("/"), api_key, lora_path
         self.max_retries = max_retries
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
@@ -185,6 +186,12 @@ class EngineClient:
 
         self._client = self.submit(make()).result()
         _LOOP_CLIENTS[self._loop] = self._client
+
+    @property
+    def lora_path(self) -> str | None:
+        from miles_platform.rollout.base_types import resolve_lora
+
+        return resolve_lora(self._lora)
 
     def submit(self, coro):
         """Schedule a coroutine on the client's loop; returns a concurrent.futures.Future."""

@@ -97,6 +97,7 @@ class EngineCore(EngineWeightsMixin):
             "num_generated_tokens": 0,
             "num_finished_requests": 0,
             "num_weight_updates": 0,
+            "num_pauses": 0,  # /pause_generation calls (a LoRA run's updates make none)
             "num_scored_requests": 0,  # prefill-only scoring (input log-probs), e.g. an OPD teacher
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
@@ -130,6 +131,7 @@ class EngineCore(EngineWeightsMixin):
             self.eos_ids = eos_ids(self.model, self.tokenizer)
             self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
             self._lora = LoraSlots(self.model)
+            self._lora_draining: set[str] = set()  # adapters being unloaded: no new requests
         except BaseException as e:
             self._load_error = e
             self._ready.set()
@@ -241,6 +243,7 @@ class EngineCore(EngineWeightsMixin):
         with self._step_lock:
             with self._cv:
                 self._paused = True
+                self.stats["num_pauses"] += 1
                 if mode == "abort":
                     queued = list(self._waiting)
                     self._waiting.clear()
@@ -286,10 +289,12 @@ class EngineCore(EngineWeightsMixin):
             if self._stopping:
                 raise EngineStopped("engine stopped")
             for r in reqs:
-                if r.lora is not None and r.lora not in self._lora.adapters:
+                if r.lora is not None and (
+                    r.lora not in self._lora.adapters or r.lora in self._lora_draining
+                ):
                     raise RequestError(
-                        f"lora_path {r.lora!r} is not loaded (loaded: {sorted(self._lora.adapters)}); "
-                        "POST /load_lora_adapter first"
+                        f"lora_path {r.lora!r} is not loaded (loaded: "
+                        f"{sorted(set(self._lora.adapters) - self._lora_draining)}); POST /load_lora_adapter first"
                     )
                 why = version_violation(r, self._version_of(r))
                 if why:

@@ -9,6 +9,7 @@ Requests already running whose exact / min weight_version the new version violat
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -234,18 +235,41 @@ class EngineWeightsMixin:
             raise RequestError(str(e)) from e
         return version
 
-    def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving `name`. Requests still holding it fail when next scheduled (400), except
-        across a pause: an unload + load under the same name inside a pause is a seamless update."""
+    def unload_lora_adapter(self, name: str, timeout_s: float = 600.0) -> None:
+        """Stop serving `name`, as SGLang's unload: requests naming it are refused from now on,
+        requests already holding it finish first (after `timeout_s` they fail, 400). While the engine
+        is paused the unload is immediate: an unload + load under one name inside a pause is a
+        seamless update."""
+        if name not in self._lora.adapters or name in self._lora_draining:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self._lora.adapters)})")
+        self._lora_draining.add(name)
+        deadline = time.monotonic() + timeout_s
 
-        def unload():
+        def drained() -> bool:
+            return self._paused or not self._lora_in_use(name) or time.monotonic() >= deadline
+
+        def unload() -> bool:  # on the scheduler thread: nothing can start holding `name` meanwhile
+            if not drained():
+                return False
             with self._step_lock:
                 self._lora.unload(name)
+            return True
 
         try:
-            self._in_scheduler(unload)
+            while True:
+                while not drained():
+                    time.sleep(0.005)
+                if self._in_scheduler(unload):
+                    return
         except ValueError as e:
             raise RequestError(str(e)) from e
+        finally:
+            self._lora_draining.discard(name)
+
+    def _lora_in_use(self, name: str) -> bool:
+        with self._cv:
+            waiting = any(r.lora == name for r in self._waiting)
+        return waiting or any(r.lora == name for r in list(self._batch.reqs))
 
     def lora_adapters(self) -> dict[str, dict]:
         return {n: {"lora_path": a.path, "weight_version": a.version, "rank": a.rank}

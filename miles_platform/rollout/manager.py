@@ -35,28 +35,29 @@ from miles_platform.plugins import (
 from miles_platform.rollout import client as engine_client
 from miles_platform.rollout import filter_hub, generate_hub, rm_hub
 from miles_platform.rollout.base_types import (
+    AdapterName,
     GenerateFnInput,
     GenerateFnOutput,
     GenerateState,
     RolloutFnTrainOutput,
 )
 from miles_platform.rollout.generate_hub.endpoint import append_output, finish_status, truncate
-from miles_platform.weights.transports.lora import lora_name
 
 
 class RolloutManager:
     def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, url: str):
         """`url`: the router, or the engine itself when there is only one (no hop that adds nothing)."""
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")
-        # a LoRA run's requests are served with its adapter (--lora-train-only: the frozen base)
-        self.lora_path = lora_name(cfg) if cfg.lora_rank > 0 and not cfg.lora_train_only else None
+        # a LoRA run's requests are served with its adapter, by the name of the version the engines
+        # serve (switched by each update); --lora-train-only: the frozen base
+        self.adapter = AdapterName(cfg.run_name) if cfg.lora_rank > 0 and not cfg.lora_train_only else None
         from miles_platform.rollout.health import client_retries
 
         self.client = engine_client.EngineClient(
             self.url,
             cfg.api_key,
             cfg.rollout_max_concurrency,
-            lora_path=self.lora_path,
+            lora_path=self.adapter,
             max_retries=client_retries(cfg),
         )
         self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
@@ -68,7 +69,7 @@ class RolloutManager:
         # user code (generate / rollout functions) sees Miles-style args and the run's engine
         self.args = generate_hub.function_args(cfg, self.url)
         self.state = GenerateState(
-            self.args, tokenizer, self.url, cfg.api_key, self.replay, self.sampling_params(), self.lora_path
+            self.args, tokenizer, self.url, cfg.api_key, self.replay, self.sampling_params(), self.adapter
         )
         # --use-session-server: the TITO session server, on loopback in this process (rollout/sessions.py)
         self.sessions = self._start_sessions() if cfg.use_session_server else None
@@ -91,7 +92,7 @@ class RolloutManager:
     def _start_sessions(self):
         from miles_platform.rollout.sessions import start_session_server
 
-        srv = start_session_server(self.cfg, self.tok, self.url, self.replay, self.lora_path)
+        srv = start_session_server(self.cfg, self.tok, self.url, self.replay, self.adapter)
         a = self.args  # Miles' names; the agentic wrapper reads session_server_url
         a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
         a.session_server_url = f"http://{'127.0.0.1' if srv.host == '0.0.0.0' else srv.host}:{srv.port}"

@@ -122,11 +122,11 @@ def response_tail(out: dict, field: str, sample: Sample, url: str) -> list:
 class TeacherScorer:
     """Scores a rollout's samples with their teachers; sets teacher_log_probs or opd_reverse_kl."""
 
-    def __init__(self, cfg, urls: dict[str, str], student_url: str, client, student_lora: str | None = None):
+    def __init__(self, cfg, urls: dict[str, str], student_url: str, client, student_lora=None):
         """`client`: the run's EngineClient (its event loop and connection pool); `student_lora`: the
-        LoRA adapter the student's rollouts were served with (its scoring must use it too)."""
+        LoRA adapter (name or AdapterName) the student's rollouts were served with (its scoring uses it too)."""
         self.cfg, self.urls, self.student_url, self.client = cfg, urls, student_url, client
-        self.student_lora = student_lora
+        self._student_lora = student_lora
         self.top_k, self.strategy = cfg.opd_log_prob_top_k, cfg.opd_top_k_strategy
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
@@ -179,8 +179,11 @@ class TeacherScorer:
         if strat in opd_topk.STUDENT_ON_TEACHER_IDS:
             want = [sorted({t for m in tops for t in m}) for tops in t_top]
             body = score_payload(samples, self.cfg.rollout_temperature, token_ids=want)
-            if self.student_lora is not None:
-                body["lora_path"] = self.student_lora
+            from miles_platform.rollout.base_types import resolve_lora
+
+            lora = resolve_lora(self._student_lora)
+            if lora is not None:
+                body["lora_path"] = lora
             souts = await self._post(self.student_url, body)
             s_on_t = [
                 maps(o, "input_token_ids_logprobs", s, self.student_url) for o, s in zip(souts, samples)

@@ -147,13 +147,20 @@ class SessionServer:
     """The sessions and the engine they generate with (`engine_url`: the router or the engine)."""
 
     def __init__(self, tokenizer: Any, engine_url: str, api_key: str | None, tito_model: str = "default",
-                 replay: bool = False, lora_path: str | None = None, max_seq_len: int | None = None,
+                 replay: bool = False, lora_path=None, max_seq_len: int | None = None,
                  context_length: int = 1 << 20):  # fmt: skip
+        """`lora_path`: a LoRA run's adapter name, or its AdapterName (the served version's name)."""
         self.tok, self.tito = tokenizer, TitoTokenizer(tokenizer, tito_model)
-        self.engine_url, self.api_key, self.replay, self.lora_path = engine_url, api_key, replay, lora_path
+        self.engine_url, self.api_key, self.replay, self._lora = engine_url, api_key, replay, lora_path
         self.max_seq_len, self.context_length = max_seq_len, context_length
         self.sessions: dict[str, Session] = {}
         self._http: httpx.AsyncClient | None = None
+
+    @property
+    def lora_path(self) -> str | None:
+        from miles_platform.rollout.base_types import resolve_lora
+
+        return resolve_lora(self._lora)
 
     def create(self, body: dict) -> Session:
         defaults = {k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None}
@@ -247,8 +254,9 @@ class SessionServer:
         body: dict[str, Any] = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
         if self.replay and not s.evaluation:
             body["return_sampling_mask"] = True
-        if self.lora_path is not None:
-            body["lora_path"] = self.lora_path
+        lora = self.lora_path
+        if lora is not None:
+            body["lora_path"] = lora
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=600.0)
         return await engine_client.post_generate(self.engine_url, body, self.api_key, client=self._http)
@@ -398,7 +406,7 @@ class SessionServerHandle(ServerHandle):
 
 
 def start_session_server(cfg: Any, tokenizer: Any, engine_url: str, replay: bool = False,
-                         lora_path: str | None = None, context_length: int = 1 << 20) -> SessionServerHandle:  # fmt: skip
+                         lora_path=None, context_length: int = 1 << 20) -> SessionServerHandle:  # fmt: skip
     """The run's session server (cfg: --session-server-ip/--session-server-port, --tito-model,
     --max-seq-len, --api-key) in a background thread; its /generate calls go to `engine_url`."""
     server = SessionServer(tokenizer, engine_url, cfg.api_key, cfg.tito_model, replay, lora_path,

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import resource
 import time
 import uuid
 from dataclasses import dataclass
@@ -257,6 +258,17 @@ class TrainerActor:
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train/lr"] = self.sched.get_last_lr()[0]
         out["perf/actor_train_time"] = time.time() - t0
+        # memory: the process's peak RSS (Linux reports KiB) and the optimizer state actually held
+        # (LoRA: the adapter's only)
+        out["perf/actor_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["perf/actor_optimizer_state_bytes"] = float(
+            sum(
+                t.numel() * t.element_size()
+                for st in self.opt.state.values()
+                for t in st.values()
+                if torch.is_tensor(t)
+            )  # fmt: skip
+        )
         out["train/step"] = self.global_step
         if self.world_size > 1:
             out = self._reduce_metrics(out)

@@ -59,18 +59,17 @@ def lora_check_on(cfg: RunConfig) -> bool:
 def check_lora_weights_equal(cfg: RunConfig, engines, adapter: dict, version: int) -> None:
     """Every engine serves the run's adapter at `version`, each lora_A / lora_B tensor SHA-256-equal
     to the trainer's (cast to the serving dtype), as Miles' --check-lora-weight-equal."""
+    from miles_platform.rollout.base_types import AdapterName
     from miles_platform.rollout.client import EngineHTTPError, post
     from miles_platform.rollout.lora_serving import tensor_sha256
     from miles_platform.weights.equality import SERVING_DTYPES
-    from miles_platform.weights.transports.lora import lora_name
 
+    name = AdapterName(cfg.run_name).of(version)  # the engine-side name of this version
     dtype = SERVING_DTYPES[cfg.rollout_dtype]
     want = {k: tensor_sha256(t.to(dtype)) for k, t in adapter.items()}
     for e in engines:
         try:
-            got = post(
-                e.url, "/get_lora_adapter_checksums", {"lora_name": lora_name(cfg)}, api_key=cfg.api_key
-            )
+            got = post(e.url, "/get_lora_adapter_checksums", {"lora_name": name}, api_key=cfg.api_key)
         except EngineHTTPError as err:
             raise CITestFailure(f"--check-lora-weight-equal at v{version}: engine {e.url}: {err}") from err
         if got.get("weight_version") != version:

@@ -1,7 +1,8 @@
 """The update session, one place for every backend and transport (Miles' update_weights()).
 
     prepare (transport: serialize / publish / engines pull; overlaps generation)
-    pause   (router -> every engine: /pause_generation, --pause-generation-mode)
+    pause   (router -> every engine: /pause_generation, --pause-generation-mode; not for LoRA,
+             whose versions are new adapter names: weights/transports/lora.py)
     activate(engines load the new weights, advance weight_version)
     resume  (/continue_generation)
 
@@ -23,11 +24,17 @@ from miles_platform.weights.transports import EngineHandle, get_transport
 
 class UpdateSession:
     def __init__(
-        self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle], trainers: list | None = None
+        self,
+        cfg: RunConfig,
+        paths: StoragePaths,
+        engines: list[EngineHandle],
+        trainers: list | None = None,
+        adapter=None,
     ):
-        """`trainers`: TrainerActor handles, used by transports the trainer drives (broadcast)."""
+        """`trainers`: TrainerActor handles, used by transports the trainer drives (broadcast);
+        `adapter`: a LoRA run's AdapterName."""
         self.cfg, self.engines = cfg, engines
-        self.transport = get_transport(cfg, paths, engines, trainers)
+        self.transport = get_transport(cfg, paths, engines, trainers, adapter=adapter)
         # what every engine serves: v0 is --hf-checkpoint; an engine restarted under
         # --use-fault-tolerance loads this version's export, holding `lock` so no update interleaves
         self.served_version, self.served_hf_dir = 0, None
@@ -52,13 +59,16 @@ class UpdateSession:
         t0 = time.time()
         stats = self.transport.prepare(state, version, hf_dir)
         t1 = time.time()
-        self._broadcast("/pause_generation", {"mode": self.cfg.pause_generation_mode})
+        pause = self.transport.pauses  # LoRA: a new adapter name per version, the engines never stop
+        if pause:
+            self._broadcast("/pause_generation", {"mode": self.cfg.pause_generation_mode})
         try:
             t2 = time.time()
             self.transport.activate(version)
             t3 = time.time()
         finally:
-            self._broadcast("/continue_generation")
+            if pause:
+                self._broadcast("/continue_generation")
         t4 = time.time()
         return {
             "perf/update_weights_time": t4 - t0,

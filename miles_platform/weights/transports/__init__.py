@@ -56,6 +56,7 @@ class TransferStats:
 class Transport(ABC):
     name = ""
     needs_trainers = False  # True: __init__ also takes `trainers=` (the TrainerActor handles)
+    pauses = True  # False: activate never disturbs generation (LoRA: a new adapter name per version)
 
     def __init__(self, cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle]):
         self.cfg, self.paths, self.engines = cfg, paths, engines
@@ -93,9 +94,14 @@ def check_engine_kind(cfg: RunConfig) -> None:
 
 
 def get_transport(
-    cfg: RunConfig, paths: StoragePaths, engines: list[EngineHandle], trainers: list | None = None
+    cfg: RunConfig,
+    paths: StoragePaths,
+    engines: list[EngineHandle],
+    trainers: list | None = None,
+    adapter=None,
 ) -> Transport:
-    """`trainers`: the TrainerActor handles, for transports the trainer drives (broadcast)."""
+    """`trainers`: the TrainerActor handles, for transports the trainer drives (broadcast);
+    `adapter`: a LoRA run's AdapterName (the name its requests carry, switched by each update)."""
     check_engine_kind(cfg)
     if cfg.update_weight_transfer_mode in NOT_BUILT:
         raise ConfigError(
@@ -104,7 +110,9 @@ def get_transport(
         )
     spec = TRANSPORTS.get(cfg.update_weight_transfer_mode)
     if cfg.lora_rank > 0:  # adapters only, over SGLang's LoRA API (config.py refused the other modes)
-        spec = "miles_platform.weights.transports.lora:LoraTransport"
+        from miles_platform.weights.transports.lora import LoraTransport
+
+        return LoraTransport(cfg, paths, engines, adapter=adapter)
     if spec is None:
         raise ConfigError(
             f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode!r}: allowed {sorted(TRANSPORTS)}"
