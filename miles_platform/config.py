@@ -364,6 +364,10 @@ class RunConfig:
         False, "algorithm", "token-mean over the batch instead of per-sample mean"
     )
     use_rollout_logprobs: bool = _f(False, "algorithm", "use engine log-probs as old log-probs")
+    use_rollout_routing_replay: bool = _f(
+        False, "algorithm",
+        "R3 (MoE): the engine returns each token's top-k experts, the trainer replays them in every forward",
+    )  # fmt: skip
     use_tis: bool = _f(False, "algorithm", "truncated importance sampling for train/rollout mismatch")
     tis_level: str = _f("token", "algorithm", "IS level", choices=("token", "sequence", "geometric"))
     tis_mode: str = _f("truncate", "algorithm", "IS mode", choices=("truncate", "clip", "mask"))
@@ -651,6 +655,7 @@ class RunConfig:
             if getattr(self, name) != _default(name):
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
         self._check_fault_tolerance()
+        self._check_routing_replay()
         self._check_generate_flags()
         self._check_lora_flags()
         self._check_opd_flags()
@@ -695,6 +700,20 @@ class RunConfig:
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
+
+    def _check_routing_replay(self) -> None:
+        """R3 (docs/moe.md): what can be checked without the checkpoint; preflight checks it is MoE."""
+        if not self.use_rollout_routing_replay:
+            return
+        why = None
+        if self.train_backend != "fsdp":
+            why = f"--train-backend {self.train_backend}: MoE trains on the fsdp backend only (no megatron MoE mapping)"
+        elif self.custom_generate_function_path or self.rollout_function_path or self.use_session_server:
+            why = "a custom generate / rollout function or the session server does not request routed experts"
+        elif self.use_rollout_logprobs or self.lora_rank > 0:
+            why = "--use-rollout-logprobs / LoRA with routing replay is not built"
+        if why:
+            raise ConfigError(f"--use-rollout-routing-replay: {why}")
 
     def _check_lora_flags(self) -> None:
         """LoRA (docs/lora.md): the LoRA flags need --lora-rank > 0; the adapter trains on the fsdp backend

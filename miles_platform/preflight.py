@@ -14,7 +14,8 @@ def validate_before_start(cfg: RunConfig) -> None:
         raise ConfigError("--hf-checkpoint is required (HF dir with config, weights and tokenizer)")
     from miles_platform.models.checkpoint import validate_hf_dir
 
-    validate_hf_dir(cfg.hf_checkpoint)
+    hf = validate_hf_dir(cfg.hf_checkpoint)
+    _check_moe(cfg, hf)
     cfg.resolve_api_key()  # secure by default: no run is open to other local processes
     from miles_platform.weights.transports import check_engine_kind
 
@@ -53,6 +54,23 @@ def validate_before_start(cfg: RunConfig) -> None:
         load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
     if cfg.custom_update_weight_post_write_path:
         load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
+
+
+def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
+    """MoE checkpoints train on the fsdp backend (no megatron expert mapping); R3 needs an MoE model."""
+    from miles_platform.models.families import is_moe_config
+
+    moe = is_moe_config(hf_config)
+    if moe and cfg.train_backend == "megatron" and not cfg.debug_rollout_only:
+        raise ConfigError(
+            f"--hf-checkpoint {cfg.hf_checkpoint} is {hf_config['architectures'][0]} (MoE): the megatron "
+            "mapping of experts and router is not built; use --train-backend fsdp"
+        )
+    if cfg.use_rollout_routing_replay and not moe:
+        raise ConfigError(
+            f"--use-rollout-routing-replay: --hf-checkpoint {cfg.hf_checkpoint} is "
+            f"{hf_config.get('architectures')} (dense): there are no expert routes to replay"
+        )
 
 
 def fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:

@@ -34,9 +34,7 @@ def _peft_log_probs(base, adapter_dir, prompt, output):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(output)[:, None])[:, 0]
 
 
-def test_lora_runs_train_concurrently_on_one_engine_and_never_see_each_other(
-    tiny_hf_checkpoint, tmp_path
-):
+def test_lora_runs_train_concurrently_on_one_engine_and_never_see_each_other(tiny_hf_checkpoint, tmp_path):
     """A third run beside them, `--lora-train-only`, trains its adapter while its rollouts stay on
     the frozen base of the same engine (no adapter synced, no lora_path sent)."""
     engine = start_engine_server(tiny_hf_checkpoint, api_key=KEY, num_threads=1, weight_roots=[str(tmp_path)])

@@ -50,13 +50,14 @@ def test_saved_checkpoint_validates(family, tmp_path):
     assert validate_hf_dir(path)["architectures"] == [FAMILIES[family].architecture]
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "MistralForCausalLM"])
 def test_other_architectures_refused_with_the_supported_list(arch, tiny_hf_checkpoint, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_hf_checkpoint, bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
-    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"}
+    assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
+                                            "Qwen3MoeForCausalLM"}  # fmt: skip
     msg = f"architecture ['{arch}'] is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
     with pytest.raises(CheckpointError, match=re.escape(msg)):
         validate_hf_dir(bad)

@@ -46,6 +46,9 @@ class Sample:
     # single-turn samples. Spans index response_tokens, so loss masks and log-probs of a turn are
     # response_tokens[start:end] of the same row.
     turns: list[dict[str, Any]] | None = None
+    # R3 (MoE, --use-rollout-routing-replay): the engine's top-k experts of every token but the
+    # last, [len(tokens) - 1][num_layers][top_k] (SGLang's routed_experts); None: not recorded
+    rollout_routed_experts: list[list[list[int]]] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -102,6 +105,10 @@ class Sample:
             row["turns"] = [_turn_from_row(t) for t in row["turns"]]
         if row.get("rollout_sampling_support") is not None:
             row["rollout_sampling_support"] = [[int(t) for t in s] for s in row["rollout_sampling_support"]]
+        if row.get("rollout_routed_experts") is not None:
+            row["rollout_routed_experts"] = [
+                [[int(e) for e in k] for k in t] for t in row["rollout_routed_experts"]
+            ]
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in row.items() if k in names})
 

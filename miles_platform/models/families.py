@@ -1,4 +1,4 @@
-"""The dense model families the platform takes, and a tiny random config of each for tests.
+"""The model families the platform takes, and a tiny random config of each for tests.
 
 Every family is a real HF architecture (transformers' own classes serve as the reference on the
 HF side); a family's megatron mapping lives in `models/bridge/<family>.py`. Real checkpoints of
@@ -8,6 +8,11 @@ family   HF architecture      what differs from Qwen3 on the megatron side
 qwen3    Qwen3ForCausalLM     (reference) q/k RMSNorm per head, no biases
 qwen2    Qwen2ForCausalLM     q/k/v biases (megatron `add_qkv_bias`), no q/k norm (Qwen2.5)
 llama    LlamaForCausalLM     no q/k norm, no biases, rope_type llama3 (Llama 3.1+) -> `rope_scaling`
+
+MoE (`MOE_FAMILIES`): on the fsdp backend and the embedded engine only (HF's MoE blocks; routing
+record / replay in `models/moe.py`); the megatron mapping of experts and router is not built and
+is refused by name (`models/bridge`).
+qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`num_experts`)
 """
 
 from __future__ import annotations
@@ -54,23 +59,39 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(f.architecture for f in FAMILIES.values())
+MOE_FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        # 4 experts, top-2, every layer sparse; ~430k parameters like the dense tiny models
+        {"head_dim": 32, "rope_theta": 10000.0, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 96, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    )
+}  # fmt: skip
+ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MOE_FAMILIES}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(f.architecture for f in ALL_FAMILIES.values())
 
 
 def family_of(hf_config: Any) -> Family | None:
     """The family of an HF config (PretrainedConfig or config.json dict), or None."""
     cfg = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
     archs = cfg.get("architectures") or []
-    return next((f for f in FAMILIES.values() if f.architecture in archs), None)
+    return next((f for f in ALL_FAMILIES.values() if f.architecture in archs), None)
+
+
+def is_moe_config(hf_config: Any) -> bool:
+    fam = family_of(hf_config)
+    return fam is not None and fam.name in MOE_FAMILIES
 
 
 def tiny_config(family: str, vocab_size: int, **overrides):
     """A tiny random config of `family` (a few hundred thousand parameters at the defaults)."""
-    if family not in FAMILIES:
-        raise ValueError(f"model family {family!r}: supported {sorted(FAMILIES)}")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"model family {family!r}: supported {sorted(ALL_FAMILIES)}")
     import transformers
 
-    fam = FAMILIES[family]
+    fam = ALL_FAMILIES[family]
     cfg = dict(
         vocab_size=vocab_size,
         hidden_size=128,

@@ -50,6 +50,7 @@ async def generate(
     return_sampling_mask: bool = False,
     lora_path: str | None = None,
     top_logprobs_num: int = 0,
+    return_routed_experts: bool = False,
 ) -> dict | list[dict]:
     """POST {url}/generate; returns SGLang's response (a list for a batch of prompts).
     `return_sampling_mask` asks for each token's sampling support (sampling-support replay);
@@ -66,6 +67,8 @@ async def generate(
         body["lora_path"] = lora_path
     if top_logprobs_num:
         body["top_logprobs_num"] = top_logprobs_num
+    if return_routed_experts:  # MoE, R3: meta_info.routed_experts (SGLang's)
+        body["return_routed_experts"] = True
     if min_weight_version is not None:
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:

@@ -20,6 +20,7 @@ extras (`engine_logprobs.py`), the sampler (`sampling.py`) and LoRA serving (`lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -132,6 +133,9 @@ class EngineCore(EngineWeightsMixin):
             self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
             self._lora = LoraSlots(self.model)
             self._lora_draining: set[str] = set()  # adapters being unloaded: no new requests
+            from miles_platform.models.moe import RoutingReplay
+
+            self._routes = RoutingReplay.of(self.model)  # MoE: return_routed_experts (None: dense)
         except BaseException as e:
             self._load_error = e
             self._ready.set()
@@ -296,6 +300,8 @@ class EngineCore(EngineWeightsMixin):
                         f"lora_path {r.lora!r} is not loaded (loaded: "
                         f"{sorted(set(self._lora.adapters) - self._lora_draining)}); POST /load_lora_adapter first"
                     )
+                if r.return_routed_experts and self._routes is None:
+                    raise RequestError("return_routed_experts: the served model is dense (no MoE router)")
                 why = version_violation(r, self._version_of(r))
                 if why:
                     raise VersionConflict(why, self._version_of(r), r.min_version, r.exact_version)
@@ -396,7 +402,14 @@ class EngineCore(EngineWeightsMixin):
             mask[i, width - len(c) :] = 1
         cache = DynamicCache(config=self.model.config)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        logits = self._forward(ids, mask, pos, cache, prefill=True, loras=[lo for lo, _ in unique])
+        with self._recording(reqs) as rec:
+            logits = self._forward(ids, mask, pos, cache, prefill=True, loras=[lo for lo, _ in unique])
+        if rec is not None:  # MoE routes of every context token, per unique row -> each request
+            routes = self._stack_routes(rec, len(unique), width)
+            row = {c: i for i, c in enumerate(unique)}
+            for r, c in zip(reqs, contexts, strict=True):
+                if r.return_routed_experts:
+                    r.routes = [routes[row[c], width - len(c[1]) :]]
         if len(unique) < len(reqs):
             row = {c: i for i, c in enumerate(unique)}
             inv = torch.tensor([row[c] for c in contexts])
@@ -444,11 +457,31 @@ class EngineCore(EngineWeightsMixin):
         b = self._batch
         ids = torch.tensor([[r.output_ids[-1]] for r in b.reqs])
         b.mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)
-        logits = self._forward(
-            ids, b.mask, b.pos[:, None], b.cache, prefill=False, loras=[r.lora for r in b.reqs]
-        )
+        with self._recording(b.reqs) as rec:
+            logits = self._forward(
+                ids, b.mask, b.pos[:, None], b.cache, prefill=False, loras=[r.lora for r in b.reqs]
+            )
+        if rec is not None:
+            routes = self._stack_routes(rec, len(b), 1)
+            for i, r in enumerate(b.reqs):
+                if r.return_routed_experts:
+                    r.routes.append(routes[i])
         b.pos = b.pos + 1
         self._advance(logits, rows=range(len(b)))
+
+    @contextlib.contextmanager
+    def _recording(self, reqs):
+        """Record MoE routes during a forward when a request of it asked (return_routed_experts)."""
+        if self._routes is None or not any(r.return_routed_experts for r in reqs):
+            yield None
+            return
+        with self._routes.record() as rec:
+            yield rec
+
+    @staticmethod
+    def _stack_routes(rec: list, rows: int, width: int):
+        """Per-layer [rows * width, k] indices -> int32 numpy [rows, width, num_layers, k]."""
+        return torch.stack(rec, dim=1).reshape(rows, width, len(rec), -1).to(torch.int32).numpy()
 
     def _forward(self, ids, mask, pos, cache, prefill: bool, loras: list[str | None]) -> torch.Tensor:
         # Without padding the causal mask is implied; passing None keeps SDPA on its fast path.
@@ -560,6 +593,14 @@ class EngineCore(EngineWeightsMixin):
                 meta["output_top_logprobs"] = r.output_top
             if r.lp_opts.token_ids:
                 meta["output_token_ids_logprobs"] = r.output_token_ids
+        if r.return_routed_experts and r.routes:
+            import numpy as np
+
+            from miles_platform.models.moe import encode_routes
+
+            # SGLang's shape: (prompt + output - 1, num_layers, top_k); the last token was never fed
+            n = len(r.prompt_ids) + len(r.output_ids) - 1
+            meta["routed_experts"] = encode_routes(np.concatenate(r.routes)[:n])
         if r.return_sampling_mask:
             meta["output_token_sampling_mask"] = r.supports
             meta["output_token_sampling_logprobs"] = r.support_logprobs

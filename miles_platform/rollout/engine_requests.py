@@ -191,6 +191,9 @@ class Request:
     input_meta: dict | None = None
     output_top: list = field(default_factory=list)
     output_token_ids: list = field(default_factory=list)
+    # SGLang's return_routed_experts (MoE, R3): per forwarded token, [num_layers, top_k] expert ids
+    return_routed_experts: bool = False
+    routes: list = field(default_factory=list)  # int32 arrays [tokens, num_layers, top_k], in order
 
     @property
     def scores_input(self) -> bool:
@@ -225,6 +228,7 @@ class RequestParser:
         "return_sampling_mask",
         "lora_path",
         "token_ids_logprob",
+        "return_routed_experts",
     }
 
     def __init__(self, tokenizer, context_length: int, vocab_size: int):
@@ -290,6 +294,7 @@ class RequestParser:
                 )  # fmt: skip
             )
             reqs[-1].lora = loras[i]
+            reqs[-1].return_routed_experts = bool(body.get("return_routed_experts", False))
         return reqs, is_batch
 
     def make_request(

@@ -83,6 +83,8 @@ class RolloutManager:
         self.opd = None
         self._opd_metrics: dict[str, float] = {}
         self.top_logprobs_num = student_top_k(cfg)
+        # --use-rollout-routing-replay: (num_layers, top_k) of the MoE model, to decode routed_experts
+        self.moe_shape = _moe_shape(cfg.hf_checkpoint) if cfg.use_rollout_routing_replay else None
 
     def close(self) -> None:
         self.client.close()
@@ -213,8 +215,9 @@ class RolloutManager:
             *self._batch(prompts, seeds),
             return_sampling_mask=self.replay,
             top_logprobs_num=self.top_logprobs_num,
+            return_routed_experts=self.moe_shape is not None,
         )
-        return self._groups_from(records, prompts, seeds, outs)
+        return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
     async def agenerate_groups(self, records, prompts, seeds) -> list[list[Sample]]:
         """`generate_groups` for code running on its own event loop (the fully async worker)."""
@@ -226,8 +229,9 @@ class RolloutManager:
             *self._batch(prompts, seeds),
             return_sampling_mask=self.replay,
             top_logprobs_num=self.top_logprobs_num,
+            return_routed_experts=self.moe_shape is not None,
         )
-        return self._groups_from(records, prompts, seeds, outs)
+        return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
     async def _per_sample(
         self, records, prompts, seeds, evaluation: bool = False, params: dict | None = None
@@ -284,18 +288,41 @@ class RolloutManager:
         ids = [p for p, ss in zip(prompts, seeds, strict=True) for _ in ss]
         return ids, [{**base, "sampling_seed": s} for ss in seeds for s in ss]
 
-    def _groups_from(self, records, prompts, seeds, outs: list[dict]) -> list[list[Sample]]:
+    def _groups_from(
+        self, records, prompts, seeds, outs: list[dict], routes: bool = False
+    ) -> list[list[Sample]]:
         if len(outs) != sum(map(len, seeds)):
             raise RuntimeError(f"/generate answered {len(outs)} results for {sum(map(len, seeds))} prompts")
         groups, it = [], iter(outs)
         for gi, (rec, p, ss) in enumerate(zip(records, prompts, seeds, strict=True)):
-            groups.append([self._to_sample(rec, p, next(it), gi) for _ in ss])
+            groups.append([self._to_sample(rec, p, next(it), gi, routes) for _ in ss])
         return groups
 
-    def _to_sample(self, rec: PromptRecord, prompt_ids: list[int], out: dict, gi: int) -> Sample:
+    def _to_sample(
+        self, rec: PromptRecord, prompt_ids: list[int], out: dict, gi: int, routes=False
+    ) -> Sample:
         s = self._new_sample(rec, prompt_ids, gi)
         s.status = finish_status(append_output(s, out, self.replay))
+        if routes:
+            s.rollout_routed_experts = self._routes_of(s, out)
         return s
+
+    def _routes_of(self, s: Sample, out: dict) -> list:
+        """R3: the answer's meta_info.routed_experts, checked: one row per token but the last."""
+        from miles_platform.models.moe import decode_routes
+
+        data = (out.get("meta_info") or {}).get("routed_experts")
+        if data is None:
+            raise RuntimeError(
+                "--use-rollout-routing-replay: the engine returned no meta_info.routed_experts (an SGLang "
+                "server needs --enable-return-routed-experts; the embedded engine returns them for MoE models)"
+            )
+        routes = decode_routes(data, *self.moe_shape)
+        if len(routes) != len(s.tokens) - 1:
+            raise RuntimeError(
+                f"routed_experts has {len(routes)} rows for {len(s.tokens)} tokens (expected tokens - 1)"
+            )
+        return routes.tolist()
 
     def _new_sample(self, rec: PromptRecord, prompt_ids: list[int], gi: int) -> Sample:
         """A sample of `rec` before generation: prompt set, response empty."""
@@ -436,3 +463,13 @@ def router_generate_fn(manager: RolloutManager):
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+def _moe_shape(hf_checkpoint: str) -> tuple[int, int]:
+    """(num_hidden_layers, num_experts_per_tok) of an MoE checkpoint's config.json."""
+    import json
+    import os
+
+    with open(os.path.join(hf_checkpoint, "config.json")) as f:
+        c = json.load(f)
+    return int(c["num_hidden_layers"]), int(c["num_experts_per_tok"])

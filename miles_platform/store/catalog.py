@@ -42,7 +42,8 @@ def _duck_type(t: pa.DataType) -> str:
         return "STRUCT(" + ", ".join(f'"{f.name}" {_duck_type(f.type)}' for f in t) + ")"
     if pa.types.is_timestamp(t):
         return "TIMESTAMP WITH TIME ZONE" if t.tz else "TIMESTAMP"
-    simple = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN"}
+    simple = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE",
+              pa.bool_(): "BOOLEAN"}  # fmt: skip
     return simple[t]
 
 

@@ -47,6 +47,8 @@ ROLLOUT_SCHEMA = pa.schema(
         ("teacher_log_probs", pa.list_(pa.float64())),  # on-policy distillation (null: not scored)
         ("opd_reverse_kl", pa.list_(pa.float64())),
         ("turns", pa.list_(TURN_TYPE)),  # multi-turn episodes (null: single turn)
+        # R3: per token but the last, per layer, the top-k experts the engine routed to (null: dense / off)
+        ("rollout_routed_experts", pa.list_(pa.list_(pa.list_(pa.int32())))),
     ]
 )
 

@@ -46,6 +46,8 @@ class TrainBatch:
     # on-policy distillation, sglang mode (per sample, per response token; None: not scored)
     teacher_log_probs: list[list[float] | None] | None = None
     opd_reverse_kl: list[list[float] | None] | None = None
+    # R3 (MoE): per sample, the engine's top-k experts per token, [tokens - 1][num_layers][top_k]
+    routed_experts: list[list | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -55,6 +57,7 @@ class TrainBatch:
         supports = [s.rollout_sampling_support for s in samples]
         teacher = [s.teacher_log_probs for s in samples]
         topk = [s.opd_reverse_kl for s in samples]
+        routes = [s.rollout_routed_experts for s in samples]
         return cls(
             tokens=[s.tokens for s in samples],
             response_lengths=[s.response_length for s in samples],
@@ -64,7 +67,24 @@ class TrainBatch:
             rollout_sampling_supports=supports if any(x is not None for x in supports) else None,
             teacher_log_probs=teacher if any(x is not None for x in teacher) else None,
             opd_reverse_kl=topk if any(x is not None for x in topk) else None,
+            routed_experts=routes if any(x is not None for x in routes) else None,
         )
+
+
+class _ReplayCounting:
+    """`RoutingReplay.replay(routes)` that adds the forward's flips / routed counts to `stats`."""
+
+    def __init__(self, rr, routes, stats: dict):
+        self.rr, self.routes, self.stats = rr, routes, stats
+
+    def __enter__(self):
+        self._cm = self.rr.replay(self.routes)
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        self.stats["flips"] += self.rr.flips
+        self.stats["routed"] += self.rr.routed
+        return self._cm.__exit__(*exc)
 
 
 def lr_lambda(cfg: RunConfig, total_steps: int):
@@ -91,6 +111,8 @@ class TrainerActor:
     def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1, dist_init: str | None = None):
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS", "1"))))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self._moe: set = set()  # the RoutingReplay of each MoE model this actor forwards (policy, reference)
+        self._moe_stats = {"flips": 0, "routed": 0}
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world_size)
         torch.manual_seed(cfg.seed + rank)
@@ -158,7 +180,8 @@ class TrainerActor:
         batched log-softmax-and-gather for every position (one autograd node, not one per sample),
         then each sample's response window: position j scores token j + 1."""
         ids, pos = self._pack(batch, idx)
-        logits = backend.logits(ids, pos)[:, :-1]
+        with self._routing(backend, batch, idx, ids.shape[1]):
+            logits = backend.logits(ids, pos)[:, :-1]
         support = self._support_index(batch, idx, ids.shape[1] - 1)
         token_lp, ent = loss_hub.token_log_probs(
             logits, ids[:, 1:], self.cfg.rollout_temperature, support, with_entropy
@@ -170,6 +193,43 @@ class TrainerActor:
             if with_entropy:
                 ents.append(ent[r, total - resp - 1 : total - 1])
         return out, ents
+
+    def _moe_metrics(self) -> dict[str, float]:
+        """MoE: expert load balance of the step's forwards (max / mean tokens per expert, 1 = even)
+        and, under R3, the routes the trainer would have chosen differently from the rollout."""
+        if not self._moe:
+            return {}
+        out = {"train/moe_load_balance": float(np.mean([rr.load_balance() for rr in self._moe]))}
+        if self.cfg.use_rollout_routing_replay:
+            s = self._moe_stats
+            out["train/moe_route_flips"] = float(s["flips"])
+            out["train/moe_route_flip_frac"] = s["flips"] / max(s["routed"], 1)
+        return out
+
+    def _routing(self, backend, batch: TrainBatch, idx: list[int], width: int):
+        """MoE: the forward's router hooks; with --use-rollout-routing-replay the routers take the
+        rollout's experts for every token the engine routed (R3), counting the routes that flip."""
+        import contextlib
+
+        from miles_platform.models.moe import RoutingReplay
+
+        rr = RoutingReplay.of(backend.module)
+        if rr is None:
+            return contextlib.nullcontext()
+        self._moe.add(rr)
+        if not self.cfg.use_rollout_routing_replay:
+            return contextlib.nullcontext()
+        routes = torch.full((len(idx), width, rr.num_layers, rr.top_k), -1, dtype=torch.long)
+        for r, i in enumerate(idx):
+            got = (batch.routed_experts or [None] * len(batch))[i]
+            n = len(batch.tokens[i]) - 1
+            if got is None or len(got) != n:
+                raise ValueError(
+                    f"--use-rollout-routing-replay: sample {i} has {'no' if got is None else len(got)} "
+                    f"routed-expert rows for its {n + 1} tokens (the engine returns tokens - 1)"
+                )
+            routes[r, :n] = torch.as_tensor(got, dtype=torch.long)
+        return _ReplayCounting(rr, routes.reshape(-1, rr.num_layers, rr.top_k), self._moe_stats)
 
     @staticmethod
     def _support_index(batch: TrainBatch, idx: list[int], width: int) -> torch.Tensor | None:
@@ -224,6 +284,9 @@ class TrainerActor:
 
             batch = TrainBatch(**get_rollout_data(batch))
         self.model.train()
+        self._moe_stats.update(flips=0, routed=0)
+        for rr in self._moe:
+            rr.load.zero_()
         steps = cfg.num_steps_per_rollout
         mine = [i for s in range(steps) for i in self._my_indices(s)]
         fused = self._old_log_probs_from_training_forward()
@@ -257,6 +320,7 @@ class TrainerActor:
             self._alignment_metrics(batch, mine, old, rollout_lp, add)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train/lr"] = self.sched.get_last_lr()[0]
+        out.update(self._moe_metrics())
         out["perf/actor_train_time"] = time.time() - t0
         # memory: the process's peak RSS (Linux reports KiB) and the optimizer state actually held
         # (LoRA: the adapter's only)

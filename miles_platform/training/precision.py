@@ -164,7 +164,7 @@ def _qwen_rules(policy: PrecisionPolicy) -> list[Rule]:
     return [Rule(policy.compute, module="model.embed_tokens"), Rule(policy.compute, cls="*RMSNorm")]
 
 
-MODEL_RULES = {"qwen3": _qwen_rules, "qwen2": _qwen_rules, "llama": _qwen_rules}
+MODEL_RULES = {"qwen3": _qwen_rules, "qwen2": _qwen_rules, "llama": _qwen_rules, "qwen3_moe": _qwen_rules}
 
 
 def model_rules(model: nn.Module, policy: PrecisionPolicy) -> list[Rule]:
