@@ -23,7 +23,7 @@ LONGEST_FIRST = {
     "test_learning.py": 1000, "test_loop.py": 300, "test_ui_browser.py": 70, "test_multi_rank.py": 45,
     "test_conversion_asset.py": 30, "test_generate_hub.py": 30, "test_broadcast_transport.py": 25,
     "test_trackers.py": 25, "test_ops_training.py": 25, "test_lora_loop.py": 60, "test_lora_assets.py": 25,
-    "test_lora_multi_run.py": 40, "test_moe_r3.py": 50,
+    "test_lora_multi_run.py": 40,
     "test_opd_loop.py": 50, "test_opd.py": 30, "test_tito.py": 60, "test_chat_endpoint.py": 20,
     "test_model_families_loop.py": 120, "test_model_families_megatron.py": 90,
 }  # fmt: skip
@@ -56,7 +56,6 @@ SLOW = {
     "test_scoreboard_shows_base_and_best_version_per_run", "test_a_cli_launched_runs_versions_appear_as_partitions",
     "test_agentic_ci_test_run_trains_on_session_samples",
     "test_lora_runs_train_concurrently_on_one_engine_and_never_see_each_other",
-    "test_an_r3_run_on_the_tiny_moe_stores_routes_and_holds_the_ci_checks",
 }  # fmt: skip
 
 

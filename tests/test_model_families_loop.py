@@ -1,5 +1,5 @@
-"""Qwen2 and Llama through the whole loop, each family on one trainer backend and each backend with
-one family (Llama on fsdp, Qwen2 on megatron; the cross terms are the same bridge and the same
+"""Qwen2, Llama and Qwen3-MoE through the whole loop, each family on one trainer backend and each backend
+with one family (Llama and Qwen3-MoE with R3 on fsdp, Qwen2 on megatron; the cross terms are the same bridge and the same
 trainer, and tests/test_model_families_megatron.py checks both families' megatron conversion and
 logits parity on their own): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
@@ -20,10 +20,13 @@ from miles_platform.store.paths import StoragePaths
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama")}
+    return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama", "qwen3_moe")}
 
 
-@pytest.mark.parametrize(("family", "backend"), [("llama", "fsdp"), ("qwen2", "megatron")])
+# Qwen3-MoE: fsdp only (megatron refuses MoE), with R3 on (docs/moe.md)
+@pytest.mark.parametrize(
+    ("family", "backend"), [("llama", "fsdp"), ("qwen2", "megatron"), ("qwen3_moe", "fsdp")]
+)
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
     from miles_platform.weights.disk_delta import apply_publication
@@ -33,10 +36,12 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
     def cfg(num_rollout):
         return small_run_config(ckpt, tmp_path, ci_test=True, save_interval=1, num_rollout=num_rollout,
                                 train_backend=backend, update_weight_transfer_mode="disk-delta",
-                                update_weight_disk_dir=pub, save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"))  # fmt: skip
+                                update_weight_disk_dir=pub, save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"),
+                                use_rollout_routing_replay=family == "qwen3_moe")  # fmt: skip
 
     res = train(cfg(2))
     assert res.final_version == 2
+    assert ("train/moe_route_flips" in res.metrics[0]) is (family == "qwen3_moe")
     assert res.ci_checks["step0_ppo_kl"] < 1e-9  # the run itself raises past 1e-9 / the diff bound
     assert res.ci_checks["train_rollout_logprob_abs_diff"] < cfg(2).ci_logprob_abs_diff_threshold
     res2 = train(cfg(3))  # the same command with one more rollout: resumes from iter_0000001
@@ -46,6 +51,18 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
         "select rollout_id, count(*) from rollouts group by 1 order by 1"
     )
     assert rows == [(0, 4), (1, 4), (2, 4)]
+    if (
+        family == "qwen3_moe"
+    ):  # R3: same weights, fp32 on both sides: the replayed routes are the trainer's own
+        assert all(
+            m["train/moe_route_flips"] == 0 and m["train/moe_load_balance"] >= 1.0 for m in res.metrics
+        )
+        # the routes are in the shard, one row per token but the last, per layer top-2, from DuckDB
+        _, shapes = Catalog(StoragePaths(cfg(3).storage_root)).query(
+            "select distinct len(rollout_routed_experts) = len(prompt_tokens) + len(response_tokens) - 1, "
+            "len(rollout_routed_experts[1]), len(rollout_routed_experts[1][1]) from rollouts"
+        )
+        assert shapes == [(True, 2, 2)], shapes
     # a fresh replica that applies the publications holds what the trainer exported at v3
     assert apply_publication(pub, tmp_path / "replica") == 3
     got, want = (

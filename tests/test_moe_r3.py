@@ -2,7 +2,8 @@
 (int32, (tokens - 1, layers, top_k), base64), equal to the routes HF's own forward takes; a trainer
 whose routes differ from the engine's (here: the engine's routers perturbed, as precision and kernel
 noise do on real hardware) is pulled back to the engine's log-probs by replaying the routes, and
-counts the flips; the megatron backend refuses MoE and R3 refuses a dense model before anything starts."""
+counts the flips; the megatron backend refuses MoE and R3 refuses a dense model before anything starts.
+An R3 run through the whole loop (disk-delta, resume, the routes in the shard): tests/test_model_families_loop.py."""
 
 import json
 import shutil
@@ -132,23 +133,3 @@ def test_megatron_refuses_moe_and_r3_refuses_a_dense_model_before_start(
         small_run_config(moe_ckpt, tmp_path, use_rollout_routing_replay=True, train_backend="megatron")
     assert not (tmp_path / "root").exists(), "nothing is written before validation passes"
     assert json.load(open(f"{moe_ckpt}/config.json"))["architectures"] == ["Qwen3MoeForCausalLM"]
-
-
-def test_an_r3_run_on_the_tiny_moe_stores_routes_and_holds_the_ci_checks(moe_ckpt, tmp_path):
-    from miles_platform.loop import train
-    from miles_platform.store.catalog import Catalog
-    from miles_platform.store.paths import StoragePaths
-
-    cfg = small_run_config(moe_ckpt, tmp_path, use_rollout_routing_replay=True, ci_test=True,
-                           custom_rm_path="loop_helpers.first_token_parity_rm")  # fmt: skip
-    res = train(cfg)
-    assert res.final_version == 2
-    assert res.ci_checks["step0_ppo_kl"] < 1e-9 and res.ci_checks["train_rollout_logprob_abs_diff"] < 1e-4
-    for m in res.metrics:  # same weights, fp32 on both sides: the replayed routes are the trainer's own
-        assert m["train/moe_route_flips"] == 0 and m["train/moe_load_balance"] >= 1.0
-    # the routes are in the shard, one row per token but the last, queryable from DuckDB
-    _, rows = Catalog(StoragePaths(cfg.storage_root)).query(
-        "select len(rollout_routed_experts) = len(prompt_tokens) + len(response_tokens) - 1, "
-        "len(rollout_routed_experts[1]), len(rollout_routed_experts[1][1]) from rollouts"
-    )
-    assert rows and all(r == (True, 2, 2) for r in rows), rows
