@@ -133,3 +133,26 @@ def test_megatron_refuses_moe_and_r3_refuses_a_dense_model_before_start(
         small_run_config(moe_ckpt, tmp_path, use_rollout_routing_replay=True, train_backend="megatron")
     assert not (tmp_path / "root").exists(), "nothing is written before validation passes"
     assert json.load(open(f"{moe_ckpt}/config.json"))["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_a_quantized_moe_checkpoint_is_served_close_to_the_original(moe_ckpt, fmt, tmp_path):
+    """On disk an MoE checkpoint holds one tensor per expert (HF's layout); the engine dequantizes
+    them and transformers' loader fuses them into the expert modules. Every expert is quantized."""
+    from miles_platform.rollout.engine_weights import load_model
+    from miles_platform.weights.quantize import quantize_checkpoint
+
+    st = quantize_checkpoint(moe_ckpt, str(tmp_path / fmt), fmt)
+    assert st.tensors_quantized >= 2 * 4 * 3  # 2 layers x 4 experts x gate / up / down at least
+    served, _ = load_model(str(tmp_path / fmt), torch.float32)
+    ref = load_hf_model(moe_ckpt)
+    ref_sd, got_sd = ref.state_dict(), served.state_dict()
+    assert sorted(got_sd) == sorted(ref_sd)
+    w = "model.layers.0.mlp.experts.gate_up_proj"
+    err, amax = float((got_sd[w] - ref_sd[w]).abs().max()), float(ref_sd[w].abs().max())
+    assert 0 < err < 0.15 * amax  # quantized, and not re-initialized (that would be ~amax)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lq, lr = (torch.log_softmax(m(ids).logits, -1) for m in (served, ref))
+    tok_q, tok_r = lq[:, :-1].gather(-1, ids[:, 1:, None]), lr[:, :-1].gather(-1, ids[:, 1:, None])
+    assert float((tok_q - tok_r).abs().max()) < {"fp8": 0.02, "int4": 0.1}[fmt]

@@ -318,6 +318,8 @@ def load_model(path: str, dtype: torch.dtype):
         state = read_state_dict(path)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:  # checkpoint names != module names (MoE: one tensor per expert on disk)
+            model, missing, unexpected = _load_converted(config, state, dtype), [], []
         if missing or unexpected:
             raise CheckpointError(
                 f"HF checkpoint {path}: dequantized weights missing {missing[:5]} / unexpected {unexpected[:5]}"
@@ -327,6 +329,23 @@ def load_model(path: str, dtype: torch.dtype):
         p.requires_grad_(False)
     check_cache_kwarg(model)
     return model, tok
+
+
+def _load_converted(config, state: dict, dtype: torch.dtype):
+    """The dequantized tensors under their checkpoint names, loaded by transformers' own loader
+    (which converts checkpoint layouts, e.g. per-expert MoE tensors into the fused expert modules)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="miles-dequant-") as tmp:
+        config.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in state.items()}, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        try:
+            return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
+        except Exception as e:
+            raise CheckpointError(f"dequantized weights do not load ({type(e).__name__}: {e})") from e
 
 
 def check_cache_kwarg(model) -> None:
