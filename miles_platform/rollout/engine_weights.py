@@ -341,7 +341,11 @@ def _load_converted(config, state: dict, dtype: torch.dtype):
 
     with tempfile.TemporaryDirectory(prefix="miles-dequant-") as tmp:
         config.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in state.items()}, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            f"{tmp}/model.safetensors",
+            metadata={"format": "pt"},
+        )
         try:
             return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         except Exception as e:
