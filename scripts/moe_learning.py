@@ -21,10 +21,9 @@ EVAL_PROMPTS = 200
 
 
 def _greedy(hf_dir: str, eval_path: str) -> float:
-    from miles_platform.rollout.evaluate import evaluate
+    from miles_platform.rollout.evaluate import greedy_pass_at_1
 
-    res = evaluate(hf_dir, [("eval", eval_path)], max_new_tokens=8, temperature=0.0, max_prompts=EVAL_PROMPTS)
-    return res["eval"]["pass@1"]
+    return greedy_pass_at_1(hf_dir, eval_path, EVAL_PROMPTS)
 
 
 def build_base(work: str) -> tuple[dict, str, dict]:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from miles_platform.config import RunConfig  # noqa: E402
 from miles_platform.loop import train  # noqa: E402
 from miles_platform.quickstart import DEMO_RL  # noqa: E402
-from miles_platform.rollout.evaluate import evaluate  # noqa: E402
+from miles_platform.rollout.evaluate import greedy_pass_at_1  # noqa: E402
 from miles_platform.run_types import Reporter  # noqa: E402
 
 
@@ -42,8 +42,7 @@ class Clock(Reporter):
 
 
 def greedy(hf_dir: str, eval_data: str, prompts: int | None) -> float:
-    res = evaluate(hf_dir, [("eval", eval_data)], max_new_tokens=8, temperature=0.0, max_prompts=prompts)
-    return float(res["eval"]["pass@1"])
+    return greedy_pass_at_1(hf_dir, eval_data, prompts)
 
 
 def demo_artifacts(root: str) -> dict[str, str]:

@@ -14,7 +14,7 @@ from miles_platform.config import RunConfig
 from miles_platform.data.tasks import write_task_datasets
 from miles_platform.loop import train
 from miles_platform.quickstart import DEMO_RL
-from miles_platform.rollout.evaluate import evaluate
+from miles_platform.rollout.evaluate import greedy_pass_at_1
 from miles_platform.training.sft import default_sft_recipe, run_sft
 
 EVAL_PROMPTS = 200
@@ -40,8 +40,7 @@ def base(tmp_path_factory):
 
 
 def _greedy(hf_dir: str, eval_path: str) -> float:
-    res = evaluate(hf_dir, [("eval", eval_path)], max_new_tokens=8, temperature=0.0, max_prompts=EVAL_PROMPTS)
-    return res["eval"]["pass@1"]
+    return greedy_pass_at_1(hf_dir, eval_path, EVAL_PROMPTS)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])

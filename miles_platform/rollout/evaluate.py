@@ -175,6 +175,16 @@ def score(args, rows: list[dict], responses: list[list[str]] | list[list[Sample]
     return out
 
 
+def greedy_pass_at_1(
+    policy: str, eval_path: str, max_prompts: int | None = None, max_new_tokens: int = 8
+) -> float:
+    """Held-out greedy pass@1 of an HF dir on one eval file (`--rm-type math`): the number the
+    learning tests, scripts and benches report."""
+    res = evaluate(policy, [("eval", eval_path)], max_new_tokens=max_new_tokens, temperature=0.0,
+                   max_prompts=max_prompts)  # fmt: skip
+    return float(res["eval"]["pass@1"])
+
+
 def evaluate(
     policy: str | tuple[Any, Any],
     datasets: list[tuple[str, str]],
