@@ -54,8 +54,10 @@ class RoutingReplay:
         self.num_experts = int(self.routers[0].num_experts)
         self._record: list | None = None
         self._replay: torch.Tensor | None = None
-        self.flips = self.routed = 0  # of the last replay: tokens x layers whose choice changed / replayed
-        self.load = torch.zeros(self.num_layers, self.num_experts)  # tokens per expert, last forward(s)
+        # since the last reset(): (token, layer) pairs replayed, those whose own choice differed, and
+        # tokens per expert of every forward
+        self.flips = self.routed = 0
+        self.load = torch.zeros(self.num_layers, self.num_experts)
         for layer, r in enumerate(self.routers):
             r.register_forward_hook(self._hook(layer))
 
@@ -67,6 +69,10 @@ class RoutingReplay:
             rr = cls(model) if is_moe(model) else None
             model.__dict__["_miles_routing_replay"] = rr
         return rr
+
+    def reset(self) -> None:
+        self.flips = self.routed = 0
+        self.load.zero_()
 
     @contextlib.contextmanager
     def record(self) -> Iterator[list]:
@@ -80,8 +86,7 @@ class RoutingReplay:
     @contextlib.contextmanager
     def replay(self, routes: torch.Tensor | None) -> Iterator[RoutingReplay]:
         """`routes`: `[B*T, num_layers, top_k]` (long), rows of -1 route as the model would."""
-        self._replay, self.flips, self.routed = routes, 0, 0
-        self.load = torch.zeros(self.num_layers, self.num_experts)
+        self._replay = routes
         try:
             yield self
         finally:
@@ -116,6 +121,6 @@ class RoutingReplay:
         return hook
 
     def load_balance(self) -> float:
-        """Max over mean tokens per expert of the last forward(s), averaged over layers (1 = even)."""
+        """Max over mean tokens per expert since reset(), averaged over layers (1 = even)."""
         per_layer = self.load.max(-1).values / self.load.mean(-1).clamp_min(1e-9)
         return float(per_layer.mean())

@@ -404,14 +404,13 @@ class EngineCore(EngineWeightsMixin):
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         with self._recording(reqs) as rec:
             logits = self._forward(ids, mask, pos, cache, prefill=True, loras=[lo for lo, _ in unique])
+        row = {c: i for i, c in enumerate(unique)}
         if rec is not None:  # MoE routes of every context token, per unique row -> each request
             routes = self._stack_routes(rec, len(unique), width)
-            row = {c: i for i, c in enumerate(unique)}
             for r, c in zip(reqs, contexts, strict=True):
                 if r.return_routed_experts:
                     r.routes = [routes[row[c], width - len(c[1]) :]]
         if len(unique) < len(reqs):
-            row = {c: i for i, c in enumerate(unique)}
             inv = torch.tensor([row[c] for c in contexts])
             logits, mask = logits[inv], mask[inv]
             cache = cache_from_tensors([(k[inv], v[inv]) for k, v in cache_tensors(cache)], self.model.config)

@@ -71,22 +71,6 @@ class TrainBatch:
         )
 
 
-class _ReplayCounting:
-    """`RoutingReplay.replay(routes)` that adds the forward's flips / routed counts to `stats`."""
-
-    def __init__(self, rr, routes, stats: dict):
-        self.rr, self.routes, self.stats = rr, routes, stats
-
-    def __enter__(self):
-        self._cm = self.rr.replay(self.routes)
-        return self._cm.__enter__()
-
-    def __exit__(self, *exc):
-        self.stats["flips"] += self.rr.flips
-        self.stats["routed"] += self.rr.routed
-        return self._cm.__exit__(*exc)
-
-
 def lr_lambda(cfg: RunConfig, total_steps: int):
     warm = cfg.lr_warmup_iters
     decay = cfg.lr_decay_iters or max(total_steps, 1)
@@ -112,7 +96,6 @@ class TrainerActor:
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS", "1"))))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._moe: set = set()  # the RoutingReplay of each MoE model this actor forwards (policy, reference)
-        self._moe_stats = {"flips": 0, "routed": 0}
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world_size)
         torch.manual_seed(cfg.seed + rank)
@@ -201,9 +184,9 @@ class TrainerActor:
             return {}
         out = {"train/moe_load_balance": float(np.mean([rr.load_balance() for rr in self._moe]))}
         if self.cfg.use_rollout_routing_replay:
-            s = self._moe_stats
-            out["train/moe_route_flips"] = float(s["flips"])
-            out["train/moe_route_flip_frac"] = s["flips"] / max(s["routed"], 1)
+            flips, routed = sum(rr.flips for rr in self._moe), sum(rr.routed for rr in self._moe)
+            out["train/moe_route_flips"] = float(flips)
+            out["train/moe_route_flip_frac"] = flips / max(routed, 1)
         return out
 
     def _routing(self, backend, batch: TrainBatch, idx: list[int], width: int):
@@ -229,7 +212,7 @@ class TrainerActor:
                     f"routed-expert rows for its {n + 1} tokens (the engine returns tokens - 1)"
                 )
             routes[r, :n] = torch.as_tensor(got, dtype=torch.long)
-        return _ReplayCounting(rr, routes.reshape(-1, rr.num_layers, rr.top_k), self._moe_stats)
+        return rr.replay(routes.reshape(-1, rr.num_layers, rr.top_k))
 
     @staticmethod
     def _support_index(batch: TrainBatch, idx: list[int], width: int) -> torch.Tensor | None:
@@ -284,9 +267,8 @@ class TrainerActor:
 
             batch = TrainBatch(**get_rollout_data(batch))
         self.model.train()
-        self._moe_stats.update(flips=0, routed=0)
-        for rr in self._moe:
-            rr.load.zero_()
+        for rr in self._moe:  # MoE metrics are per train call
+            rr.reset()
         steps = cfg.num_steps_per_rollout
         mine = [i for s in range(steps) for i in self._my_indices(s)]
         fused = self._old_log_probs_from_training_forward()
