@@ -75,6 +75,7 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
             "RAY_AUTH_MODE=disabled: the local Ray cluster accepts work from any process that reaches "
             "its ports; unset it to keep Ray's token auth"
         )
+    start_fork_server()
     ray.init(
         address="local",
         _node_ip_address="127.0.0.1",
@@ -93,6 +94,17 @@ def shutdown_ray(ctx: RayContext) -> None:
 
     if ctx.connected and ray.is_initialized():
         ray.shutdown()
+
+
+def start_fork_server() -> None:
+    """A local cluster's actors fork from one warm process (cluster/forkserver.py); not on a machine
+    with an NVIDIA device (CUDA does not survive fork) or with MILES_FORK_WORKERS=0."""
+    import glob
+
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        from miles_platform.cluster import forkserver
+
+        forkserver.start()
 
 
 # ---------------------------------------------------------------------------- placement plan
@@ -238,6 +250,10 @@ def bundle_actor_options(
         ),
     }
     opts.update(extra)
+    if "runtime_env" in opts:  # a local CPU cluster: the actor's worker is forked warm
+        from miles_platform.cluster import forkserver
+
+        opts["runtime_env"] = forkserver.runtime_env(opts["runtime_env"])
     return opts
 
 

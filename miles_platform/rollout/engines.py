@@ -89,7 +89,9 @@ def create_teacher_engine(cfg: RunConfig) -> Any:
     Created, not waited on: it starts beside the run's trainers and engines (teacher_handle waits)."""
     import ray
 
-    env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
+    from miles_platform.cluster import forkserver
+
+    env = forkserver.runtime_env({"env_vars": {"OMP_NUM_THREADS": "1"}})
     return (
         ray.remote(EngineActor)
         .options(num_cpus=0, runtime_env=env)

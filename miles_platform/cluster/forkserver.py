@@ -1,0 +1,316 @@
+"""Warm Ray workers on CPU: a fork server that imported torch, transformers and the trainer / engine
+modules once, and forks a process for each actor Ray starts on this node.
+
+Every trainer and engine actor is a fresh Ray worker process, and on this project's CPU machines
+each one paid ~8 s of CPU importing torch, transformers' model code, PEFT and megatron-core before
+running a line of ours (a tiny-model run is ~1 s of real work). With a local CPU cluster
+(`init_ray` starting one), the actors' runtime env points Ray's worker command at `fork_exec`
+(`py_executable`): that small launcher hands its argv, environment, working dir and stdio to this
+server over a Unix socket, the server forks, and the child runs Ray's `default_worker.py` as a
+normal worker would. The launcher stays as Ray's process handle: it forwards signals to the child,
+exits with the child's status, and the child dies when the launcher does.
+
+Not used on GPU machines (a forked process cannot initialise CUDA safely), when Ray is joined
+(`--ray-address`: the server runs on the driver's machine only), or with `MILES_FORK_WORKERS=0`. If
+the server is gone or not ready, the launcher execs the plain interpreter: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+# imported before the first fork (each optional: a missing extra is skipped)
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "safetensors.torch",
+    "transformers",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "peft",
+    "megatron.core",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "miles_platform.rollout.engine",
+    "miles_platform.training.actor",
+    "miles_platform.training.fsdp_backend",
+    "miles_platform.training.megatron_backend",
+)
+ENV_SWITCH = "MILES_FORK_WORKERS"
+
+
+def _send_msg(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    head = struct.pack("!I", len(data))
+    if fds:
+        socket.send_fds(sock, [head], fds)
+    else:
+        sock.sendall(head)
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("peer closed")
+        buf += chunk
+    return buf
+
+
+def _recv_msg(sock: socket.socket, maxfds: int = 0) -> tuple[dict, list[int]]:
+    fds: list[int] = []
+    if maxfds:
+        head, fds, _, _ = socket.recv_fds(sock, 4, maxfds)
+        if len(head) < 4:
+            head += _recv_exact(sock, 4 - len(head))
+    else:
+        head = _recv_exact(sock, 4)
+    (n,) = struct.unpack("!I", head)
+    return json.loads(_recv_exact(sock, n)), fds
+
+
+# ---------------------------------------------------------------------------------- the driver side
+
+
+@dataclass
+class ForkServer:
+    """A running server (started by `start`): its socket and the `py_executable` for actors."""
+
+    proc: subprocess.Popen
+    dir: str
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.dir, "sock")
+
+    @property
+    def py_executable(self) -> str:
+        return f"{sys.executable} -m miles_platform.cluster.fork_exec {self.dir}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.dir):
+                os.unlink(os.path.join(self.dir, name))
+            os.rmdir(self.dir)
+
+
+_current: ForkServer | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def start() -> ForkServer | None:
+    """This driver's server: started once per process (it imports in the background, beside Ray's
+    own start), then kept for every local cluster this process starts; it stops at exit."""
+    global _current
+    if not enabled() or not hasattr(os, "fork"):
+        return None
+    if current() is not None:
+        return _current
+    stop()
+    d = tempfile.mkdtemp(prefix="miles-fork-")  # 0700: only this user's processes reach the socket
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles_platform.cluster.forkserver", d], env=env, stdin=subprocess.DEVNULL
+    )
+    with open(os.path.join(d, "pid"), "w") as f:
+        f.write(str(proc.pid))
+    _current = ForkServer(proc, d)
+    import atexit
+
+    atexit.register(stop)
+    return _current
+
+
+def current() -> ForkServer | None:
+    return _current if _current is not None and _current.proc.poll() is None else None
+
+
+def stop() -> None:
+    global _current
+    if _current is not None:
+        _current.stop()
+        _current = None
+
+
+def runtime_env(base: dict | None = None) -> dict:
+    """An actor's runtime_env: `base` plus, when this driver's fork server runs, its launcher
+    (unless `base` names its own interpreter)."""
+    out = dict(base or {})
+    srv = current()
+    if srv is not None:
+        out.setdefault("py_executable", srv.py_executable)
+    return out
+
+
+# ---------------------------------------------------------------------------------- the server
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _child(conn: socket.socket, req: dict, fds: list[int], inherited: list) -> None:
+    """In the forked process: become the worker the launcher was asked to exec. `inherited`: the
+    server's own sockets and fds (the listener, other children's connections), closed here."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for obj in inherited:
+            with contextlib.suppress(OSError):
+                obj.close() if hasattr(obj, "close") else os.close(obj)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        for i, fd in enumerate(fds[:3]):
+            os.dup2(fd, i)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, int(req.get("nice", 0)))  # Ray's worker niceness
+        import threading
+
+        def _watch():  # the launcher died (Ray killed its process): so does the worker
+            with contextlib.suppress(OSError):
+                while conn.recv(64):
+                    pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=_watch, name="fork-exec-watch", daemon=True).start()
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.seed()  # a fresh process's RNG: children must not share the server's (random reseeds itself)
+            if req["env"].get("OMP_NUM_THREADS", "").isdigit():
+                torch.set_num_threads(max(1, int(req["env"]["OMP_NUM_THREADS"])))
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        import runpy
+
+        sys.argv = list(req["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(d: str) -> None:
+    _die_with_parent()
+    t0 = time.monotonic()
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the children's first collections do not touch (copy) the preloaded objects
+    path = os.path.join(d, "sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.chmod(path + ".tmp", 0o600)
+    listener.listen(128)
+    os.rename(path + ".tmp", path)  # the socket appears only once the imports are done
+    print(f"[forkserver] ready in {time.monotonic() - t0:.1f} s ({d})", file=sys.stderr, flush=True)
+
+    rd, wr = os.pipe()
+    os.set_blocking(rd, False)
+    os.set_blocking(wr, False)
+    signal.set_wakeup_fd(wr)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(rd, selectors.EVENT_READ, "sigchld")
+    children: dict[int, socket.socket] = {}
+    while not stopping:
+        for key, _ in sel.select(timeout=1.0):
+            if key.data == "accept":
+                conn, _ = listener.accept()
+                try:
+                    req, fds = _recv_msg(conn, maxfds=3)
+                except (EOFError, OSError, ValueError):
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    _child(conn, req, fds, [sel, listener, rd, wr, *children.values()])
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                sel.register(conn, selectors.EVENT_READ, pid)
+                with contextlib.suppress(OSError):
+                    _send_msg(conn, {"pid": pid})
+            elif key.data == "sigchld":
+                with contextlib.suppress(OSError):
+                    os.read(rd, 4096)
+            else:  # the launcher of a child closed its end: the child goes too
+                pid = key.data
+                with contextlib.suppress(OSError):
+                    if not key.fileobj.recv(64):
+                        sel.unregister(key.fileobj)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+        while children:  # reap, and tell each launcher its child's status
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError, KeyError, ValueError):
+                    sel.unregister(conn)
+                with contextlib.suppress(OSError):
+                    _send_msg(conn, {"status": os.waitstatus_to_exitcode(status)})
+                conn.close()
+    listener.close()
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
