@@ -119,3 +119,29 @@ async def first_token_parity_rm(args, sample):
     """A `--custom-rm-path` for the tests: a reward a tiny random policy gets about half the time,
     so a group has reward variance and GRPO moves the weights."""
     return float(bool(sample.response_tokens) and sample.response_tokens[0] % 2 == 0)
+
+
+def warm_python() -> list[str]:
+    """`python` for a test's subprocess script: a fork of this pytest process's fork server (torch,
+    transformers, PEFT and megatron-core already imported; cluster/forkserver.py), else the
+    interpreter. The script runs as it would under `python`: same env, args, cwd and exit status."""
+    from miles_platform.cluster import forkserver, ray_cluster
+
+    ray_cluster.start_fork_server("peft", "megatron")
+    return forkserver.warm_python()
+
+
+SPAWN_PRELOAD = ["torch", "torch.distributed", "miles_platform.training.actor", "megatron.core",
+                 "miles_platform.training.megatron_backend", "miles_platform.training.fsdp_backend"]  # fmt: skip
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
+    """`torch.multiprocessing.spawn` for gloo-rank tests (its `start_processes`), through the stdlib fork server with the
+    trainer's imports preloaded (each rank is a fork of it, not a fresh interpreter that imports
+    torch and megatron-core again); `fn` and `args` are pickled exactly as with spawn."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")

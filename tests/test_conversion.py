@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loop_helpers import warm_python
 from safetensors.torch import load_file
 
 from miles_platform.errors import CheckpointError
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _run_script(*args: str, timeout: int = 240) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, __file__, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
+        [*warm_python(), __file__, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

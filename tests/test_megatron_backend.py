@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loop_helpers import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -20,7 +21,7 @@ TOL = 1e-5
 def _run(*args: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, __file__, *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO
+        [*warm_python(), __file__, *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

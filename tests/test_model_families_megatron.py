@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loop_helpers import warm_python
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def report(request, tiny_hf_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"mf_{family}")
     hf = save_family_checkpoint(family, tiny_hf_checkpoint, work / "hf")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, family, hf, str(work)], capture_output=True, text=True,
+    proc = subprocess.run([*warm_python(), __file__, family, hf, str(work)], capture_output=True, text=True,
                           env=env, timeout=400, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return family, hf, work, json.loads(proc.stdout.strip().splitlines()[-1])

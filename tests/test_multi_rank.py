@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from loop_helpers import spawn_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_platform.cluster.ports import free_port
@@ -71,7 +71,7 @@ def _train(ckpt: str, tmp_path: Path, **overrides) -> dict[int, list[dict[str, t
         out = tmp_path / f"world{world}"
         out.mkdir()
         args = (world, free_port(), ckpt, str(out), overrides)
-        runs[world] = (out, mp.spawn(_worker, args=args, nprocs=world, join=False))
+        runs[world] = (out, spawn_ranks(_worker, args, world, join=False))
     result = {}
     for world, (out, ctx) in runs.items():
         while not ctx.join():

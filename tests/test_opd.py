@@ -359,12 +359,13 @@ def test_the_in_trainer_teacher_on_the_megatron_backend(tiny_hf_checkpoint, othe
     import json
     import os
     import subprocess
-    import sys
     from pathlib import Path
+
+    from loop_helpers import warm_python
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, "-c", MEGATRON_SCRIPT, tiny_hf_checkpoint, other_checkpoint],
+    proc = subprocess.run([*warm_python(), "-c", MEGATRON_SCRIPT, tiny_hf_checkpoint, other_checkpoint],
                           capture_output=True, text=True, env=env, timeout=300, cwd=repo)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

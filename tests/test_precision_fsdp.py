@@ -12,7 +12,7 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+from loop_helpers import spawn_ranks
 
 from miles_platform.cluster.ports import free_port
 
@@ -110,7 +110,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_nested_wrap_units_on_two_gloo_ranks(tmp_path):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in ranks:
         assert "error" not in res, res.get("error")

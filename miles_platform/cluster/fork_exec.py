@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
     except (EOFError, OSError, ValueError, KeyError):
         return 1
     if status < 0:  # killed by a signal: so is the stand-in
-        signal.signal(-status, signal.SIG_DFL)
+        if -status not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     return status
 

@@ -42,16 +42,18 @@ PRELOAD = (
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
-    "peft",
-    "megatron.core",
     "fastapi",
     "uvicorn",
     "httpx",
     "miles_platform.rollout.engine",
     "miles_platform.training.actor",
     "miles_platform.training.fsdp_backend",
-    "miles_platform.training.megatron_backend",
 )
+# what only some runs use (several CPU-seconds each): preloaded when the run asks for it
+EXTRAS = {
+    "peft": ("peft",),
+    "megatron": ("megatron.core", "miles_platform.training.megatron_backend"),
+}
 ENV_SWITCH = "MILES_FORK_WORKERS"
 
 
@@ -126,9 +128,10 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def start() -> ForkServer | None:
+def start(extras: tuple[str, ...] = ()) -> ForkServer | None:
     """This driver's server: started once per process (it imports in the background, beside Ray's
-    own start), then kept for every local cluster this process starts; it stops at exit."""
+    own start), then kept for every local cluster this process starts; it stops at exit. `extras`:
+    keys of EXTRAS to preload too (a later run needing others imports them in its own worker)."""
     global _current
     if not enabled() or not hasattr(os, "fork"):
         return None
@@ -138,7 +141,9 @@ def start() -> ForkServer | None:
     d = tempfile.mkdtemp(prefix="miles-fork-")  # 0700: only this user's processes reach the socket
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "miles_platform.cluster.forkserver", d], env=env, stdin=subprocess.DEVNULL
+        [sys.executable, "-m", "miles_platform.cluster.forkserver", d, *extras],
+        env=env,
+        stdin=subprocess.DEVNULL,
     )
     with open(os.path.join(d, "pid"), "w") as f:
         f.write(str(proc.pid))
@@ -199,6 +204,10 @@ def _child(conn: socket.socket, req: dict, fds: list[int], inherited: list) -> N
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
+        extra_path = [
+            p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path
+        ]
+        sys.path[1:1] = extra_path  # what the interpreter would have put there at start
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, int(req.get("nice", 0)))  # Ray's worker niceness
         import threading
@@ -217,11 +226,7 @@ def _child(conn: socket.socket, req: dict, fds: list[int], inherited: list) -> N
                 torch.set_num_threads(max(1, int(req["env"]["OMP_NUM_THREADS"])))
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        import runpy
-
-        sys.argv = list(req["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        _run_like_python(list(req["argv"]))
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -230,16 +235,56 @@ def _child(conn: socket.socket, req: dict, fds: list[int], inherited: list) -> N
 
         traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
+        _finalize()
         os._exit(code)
 
 
-def serve(d: str) -> None:
+def _finalize() -> None:
+    """What the interpreter does at exit before tearing down: join non-daemon threads, run the
+    atexit handlers (multiprocessing's stop its managers and children, for one), flush stdio."""
+    import atexit
+    import threading
+
+    with contextlib.suppress(BaseException):
+        threading._shutdown()
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _run_like_python(argv: list[str]) -> None:
+    """`python <argv>` in this process: `script.py args`, `-m module args` or `-c code args`."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def warm_python() -> list[str]:
+    """The command that runs `python <args>` as a fork of this process's server when it runs (the
+    same interpreter, environment and working dir, torch & co. already imported), else `python`."""
+    srv = current()
+    if srv is None:
+        return [sys.executable]
+    return [sys.executable, "-m", "miles_platform.cluster.fork_exec", srv.dir]
+
+
+def serve(d: str, extras: list[str]) -> None:
     _die_with_parent()
     t0 = time.monotonic()
-    for name in PRELOAD:
+    for name in PRELOAD + tuple(m for e in extras for m in EXTRAS[e]):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     import gc
@@ -313,4 +358,4 @@ def serve(d: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])

@@ -75,7 +75,9 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
             "RAY_AUTH_MODE=disabled: the local Ray cluster accepts work from any process that reaches "
             "its ports; unset it to keep Ray's token auth"
         )
-    start_fork_server()
+    start_fork_server(
+        *(["peft"] if cfg.lora_rank else []), *(["megatron"] if cfg.train_backend == "megatron" else [])
+    )
     ray.init(
         address="local",
         _node_ip_address="127.0.0.1",
@@ -96,15 +98,16 @@ def shutdown_ray(ctx: RayContext) -> None:
         ray.shutdown()
 
 
-def start_fork_server() -> None:
+def start_fork_server(*extras: str) -> None:
     """A local cluster's actors fork from one warm process (cluster/forkserver.py); not on a machine
-    with an NVIDIA device (CUDA does not survive fork) or with MILES_FORK_WORKERS=0."""
+    with an NVIDIA device (CUDA does not survive fork) or with MILES_FORK_WORKERS=0. `extras`:
+    forkserver.EXTRAS the run needs ("peft", "megatron")."""
     import glob
 
     if not glob.glob("/dev/nvidia[0-9]*"):
         from miles_platform.cluster import forkserver
 
-        forkserver.start()
+        forkserver.start(tuple(extras))
 
 
 # ---------------------------------------------------------------------------- placement plan

@@ -1,0 +1,134 @@
+"""The fork server (cluster/forkserver.py): Ray actors on a local CPU cluster start as forks of one
+warm process, and behave as the plain workers they replace (env, threads, RNG, exit status,
+signals, death with the launcher); without a server the launcher execs the interpreter."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from miles_platform.cluster import forkserver
+
+SCRIPT = """
+import atexit, os, sys, time
+atexit.register(lambda: print("atexit ran", flush=True))
+print("pid", os.getpid(), "ppid", os.getppid(), "warm", "torch" in sys.modules, "env", os.environ.get("PROBE"),
+      "argv", *sys.argv[1:], "nice", os.getpriority(os.PRIO_PROCESS, 0), flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(60)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = forkserver.start(
+        ("peft", "megatron")
+    )  # this pytest process's server (the shared Ray fixture uses it too)
+    if srv is None:
+        pytest.skip("fork server disabled (MILES_FORK_WORKERS=0)")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(srv.socket_path):
+        assert srv.proc.poll() is None and time.monotonic() < deadline, "fork server did not come up"
+        time.sleep(0.1)
+    return srv
+
+
+def _launch(srv_dir, script, *args, env=None, **kw):
+    cmd = [sys.executable, "-m", "miles_platform.cluster.fork_exec", str(srv_dir), str(script), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})), **kw)
+
+
+def _fields(line):
+    f = line.split()
+    head, i, j = f[: f.index("argv")], f.index("argv"), f.index("nice")
+    return dict(zip(head[0::2], head[1::2], strict=True)) | {"argv": f[i + 1 : j], "nice": f[j + 1]}
+
+
+def test_a_launched_script_is_a_warm_fork_with_the_launchers_env_args_nice_and_exit_status(server, tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    p = _launch(server.dir, script, "run", "3", env={"PROBE": "x1"}, preexec_fn=lambda: os.nice(5))
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 3, out
+    f = _fields(out)
+    assert int(f["ppid"]) == server.proc.pid and f["warm"] == "True"  # forked, torch already imported
+    assert f["env"] == "x1" and f["argv"] == ["run", "3"]
+    assert int(f["nice"]) >= 5  # the niceness Ray gave the launcher
+    assert (
+        out.splitlines()[-1] == "atexit ran"
+    )  # an interpreter's exit (multiprocessing stops its managers there)
+
+
+def test_signals_reach_the_fork_and_it_dies_with_its_launcher(server, tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    p = _launch(server.dir, script, "sleep", "0")
+    child = int(_fields(p.stdout.readline())["pid"])
+    p.send_signal(signal.SIGTERM)  # forwarded; the launcher then ends as the child did
+    assert p.wait(30) == -signal.SIGTERM
+    _gone(child)
+    p = _launch(server.dir, script, "sleep", "0")
+    child = int(_fields(p.stdout.readline())["pid"])
+    p.kill()  # SIGKILL of Ray's process handle: the forked worker must not outlive it
+    p.wait(30)
+    _gone(child)
+    p = _launch(server.dir, script, "sleep", "0")
+    child = int(_fields(p.stdout.readline())["pid"])
+    os.kill(child, signal.SIGKILL)  # the worker killed: its launcher reports the same death
+    assert p.wait(30) == -signal.SIGKILL
+
+
+def _gone(pid, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} still alive")
+
+
+def test_without_a_server_the_launcher_execs_the_interpreter(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(SCRIPT)
+    p = _launch(tmp_path, script, "run", "4")  # no socket, no pid file: plain exec, same pid
+    out, _ = p.communicate(timeout=60)
+    f = _fields(out)
+    assert p.returncode == 4 and int(f["pid"]) == p.pid and f["warm"] == "False"
+
+
+def test_ray_actors_fork_from_the_server_with_their_runtime_env_and_own_rng(server):
+    import ray
+
+    from miles_platform.cluster import ray_cluster
+    from miles_platform.config import RunConfig
+
+    ray_cluster.init_ray(RunConfig())
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def info(self):
+            import torch
+
+            return os.getppid(), os.environ.get("PROBE"), torch.get_num_threads(), torch.initial_seed()
+
+        def pid(self):
+            return os.getpid()
+
+    env = forkserver.runtime_env({"env_vars": {"PROBE": "y", "OMP_NUM_THREADS": "1"}})
+    a, b = (Probe.options(runtime_env=env).remote() for _ in range(2))
+    (ppa, pa, ta, sa), (ppb, _, _, sb) = ray.get([a.info.remote(), b.info.remote()])
+    assert ppa == ppb == server.proc.pid and pa == "y" and ta == 1
+    assert sa != sb  # each fork reseeds: no two actors share torch's default generator
+    pid = ray.get(a.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(a.info.remote(), timeout=60)
+    pid_b = ray.get(b.pid.remote())
+    ray.kill(b)
+    _gone(pid_b, timeout=30)
