@@ -33,9 +33,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# pytest-xdist: TEST_WORKERS processes (the 2 cores here), one file per worker at a time
+# pytest-xdist: TEST_WORKERS processes (the 2 cores here), one file per worker at a time, in the
+# order tests/conftest.py gives (longest files first; xdist's default reorders by test count)
 TEST_WORKERS ?= 2
-XDIST     := -n $(TEST_WORKERS) --dist loadfile
+XDIST     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install lint
 	$(BIN)/python -m pytest -q -m "not gpu" $(XDIST) --durations=15
