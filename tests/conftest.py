@@ -18,7 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # `make test` runs on pytest-xdist workers with --dist loadfile: a file's tests share its module
 # fixtures (an SFT base, a server) on one worker. (--dist loadgroup with xdist_group marks does not
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
-# longest files go first, so no worker is left with a long file at the end (seconds on 2 cores).
+# longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
+# `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
 LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
     "test_learning.py": 124, "test_ui_browser.py": 108, "test_model_families_loop.py": 94, "test_loop.py": 89,
     "test_multi_rank.py": 60, "test_model_families_megatron.py": 45, "test_cluster_ray.py": 48,
