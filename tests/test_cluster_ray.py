@@ -101,7 +101,14 @@ def _pids_in_session(sid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def two_node_cluster():
     temp_dir = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # short: Ray socket paths have a length limit
-    env = dict(os.environ)  # Ray token auth stays on (the token is ~/.ray/auth_token)
+    # Ray token auth stays on (the token is ~/.ray/auth_token). A process that joins a cluster sends
+    # the token only in token mode, which Ray turns on in a process that starts a local cluster: this
+    # held only when another test had started one in this worker first. Turn it on as Ray does
+    # there (RAY_AUTH_MODE=token for this process and its children, and its cached config)
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    _enable_token_auth()
+    env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     gcs, client, *rest = _free_ports(12)
     head_ports, worker_ports = rest[:5], rest[5:]
