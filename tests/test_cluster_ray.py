@@ -137,14 +137,15 @@ def _wait_nodes(address: str, n: int, env: dict, procs: list, timeout: float = 6
 
     probe = (
         f"import ray, json; ray.init(address={address!r}, log_to_driver=False); "
-        "print(json.dumps(sum(1 for x in ray.nodes() if x['Alive'])))"
+        "print('ALIVE_NODES', json.dumps(sum(1 for x in ray.nodes() if x['Alive'])))"
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("`ray start` exited early; see its log under --temp-dir")
         r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
-        if r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1]) >= n:
+        alive = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("ALIVE_NODES ")]
+        if r.returncode == 0 and alive and json.loads(alive[-1]) >= n:  # Ray may log to stdout too
             return
         time.sleep(1.0)
     raise TimeoutError(f"Ray cluster at {address} did not reach {n} nodes")
