@@ -6,6 +6,11 @@ zero-row SELECT before that, so queries never fail and the DuckDB CLI opens the 
 
 Each view carries a comment with the hash of its SQL: readers open read-only and only take a
 short write connection when a view is missing or stale (e.g. its first file just appeared).
+
+An object-store root (s3://...) has no catalog file (DuckDB cannot write one there): each query
+builds the same views in an in-memory database that reads the Parquet through the root's fsspec
+filesystem (`register_filesystem`: no httpfs extension, nothing downloaded), so every query sees
+the files as they are on the store, from any host.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import pyarrow as pa
 
 from miles_platform.errors import MilesError
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.remote import filesystem, is_remote
 from miles_platform.store.schemas import ROLLOUT_SCHEMA, TABLE_SCHEMAS
 
 VIEWS = ("rollouts", *TABLE_SCHEMAS)
@@ -66,12 +72,8 @@ def _connect(path: str, read_only: bool, attempts: int = 40) -> duckdb.DuckDBPyC
 
 class Catalog:
     def __init__(self, paths: StoragePaths):
-        if "://" in paths.root:
-            raise CatalogError(
-                f"the DuckDB catalog needs a local storage root, got {paths.root!r}; "
-                "query remote Parquet with DuckDB's httpfs directly"
-            )
         self.paths = paths
+        self.remote = is_remote(paths.root)  # in-memory views per query, no catalog file
         self.path = paths.catalog
 
     # ------------------------------------------------------------- views
@@ -90,8 +92,9 @@ class Catalog:
 
     def view_sql(self) -> dict[str, str]:
         views = {}
+        fs = filesystem(self.paths.root)[0] if self.remote else None
         for name, (pattern, schema, hive_types) in self._sources().items():
-            if glob.glob(pattern):
+            if fs.glob(filesystem(pattern)[1]) if fs is not None else glob.glob(pattern):
                 lit = pattern.replace("'", "''")
                 views[name] = (
                     f"SELECT * FROM read_parquet('{lit}', hive_partitioning = true, "
@@ -106,6 +109,8 @@ class Catalog:
         return hashlib.sha256(sql.encode()).hexdigest()[:16]
 
     def is_fresh(self) -> bool:
+        if self.remote:
+            return True  # nothing stored: views are built per query
         if not os.path.exists(self.path):
             return False
         want = {n: self._signature(s) for n, s in self.view_sql().items()}
@@ -127,6 +132,8 @@ class Catalog:
         best_effort: if another process holds the catalog, skip instead of raising (writers
         of shards and tables call it this way: data on disk is the truth, views are derived).
         """
+        if self.remote:
+            return False
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         try:
             con = _connect(self.path, read_only=False, attempts=5 if best_effort else 40)
@@ -151,8 +158,10 @@ class Catalog:
     # ------------------------------------------------------------- queries
     def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run read-only SQL against the views: (column names, rows)."""
-        self.ensure_fresh()
-        con = _connect(self.path, read_only=True)
+        con = self._remote_connection() if self.remote else None
+        if con is None:
+            self.ensure_fresh()
+            con = _connect(self.path, read_only=True)
         try:
             cur = con.execute(sql)
             columns = [d[0] for d in cur.description] if cur.description else []
@@ -162,6 +171,18 @@ class Catalog:
         finally:
             con.close()
         return columns, rows
+
+    def _remote_connection(self) -> duckdb.DuckDBPyConnection:
+        """An in-memory database with the views over the object store's Parquet."""
+        con = duckdb.connect(":memory:")
+        try:
+            con.register_filesystem(filesystem(self.paths.root)[0])
+            for name, sql in self.view_sql().items():
+                con.execute(f'CREATE VIEW "{name}" AS {sql}')
+        except BaseException:
+            con.close()
+            raise
+        return con
 
 
 # ----------------------------------------------------------------- CLI

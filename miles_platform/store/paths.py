@@ -1,6 +1,6 @@
 """Every path under one storage root. One obvious place: nothing else joins root paths by hand.
 
-Layout (local dir by default, any fsspec URI works for data written through fsspec):
+Layout (local dir by default, or an object-store URI such as s3://bucket/root: store/remote.py):
 
     <root>/catalog.duckdb                      DuckDB catalog (views over the Parquet below)
     <root>/datasets/<name>/data.parquet        normalized prompt / eval datasets
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from miles_platform.store.remote import is_remote  # also: object-store listings are never cached
 
 TABLES = ("policy_versions", "evals", "lineage", "metrics")
 
@@ -39,7 +41,7 @@ class StoragePaths:
     root: str = ".miles"
 
     def __post_init__(self):
-        if "://" not in self.root:
+        if not is_remote(self.root):
             object.__setattr__(self, "root", os.path.abspath(self.root))
 
     def join(self, *parts: str) -> str:
@@ -47,7 +49,7 @@ class StoragePaths:
 
     def missing_root_error(self, prog: str) -> str | None:
         """The CLI error for a local root that does not exist (remote URIs are not checked)."""
-        if "://" in self.root or os.path.isdir(self.root):
+        if is_remote(self.root) or os.path.isdir(self.root):
             return None
         return (
             f"{prog}: error: storage root {self.root} does not exist "
