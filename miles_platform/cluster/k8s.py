@@ -3,11 +3,16 @@
 No dagster import here (the engine stays Dagster-free): these are plain dicts that the op author
 attaches, e.g. `@op(tags=TRAINING_OP_K8S_TAGS)`. Under `k8s_job_executor` each step runs in its own
 pod and these tags size the training step's pod; under the default executor they size the run pod.
+
+`ray_cluster_spec` is the KubeRay cluster both deploy/kuberay manifests carry (the long-lived
+RayCluster and each per-run RayJob's `rayClusterSpec`); `rayjob_manifest` builds a per-run RayJob.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 
 IMAGE = "ghcr.io/miles-platform/miles-platform:0.1.0"  # the image deploy/Dockerfile builds
 NAMESPACE = "miles"
@@ -49,3 +54,137 @@ K8S_JOB_EXECUTOR_CONFIG: dict = {
     "env_secrets": [POSTGRES_SECRET],
     "step_k8s_config": {"container_config": {"resources": {"requests": {"cpu": "1", "memory": "4Gi"}}}},
 }
+
+
+# --- KubeRay (deploy/kuberay/) ---
+RAY_VERSION = "2.60.0"  # the ray[default] pin in pyproject.toml: KubeRay's `rayVersion`
+# KubeRay's MaxRayJobNameLength: the RayCluster it creates is `<name>-<5 chars>` and a RayCluster
+# name may have 53 (its Services append suffixes within the 63 of a DNS label).
+RAYJOB_NAME_MAX_LEN = 47
+MOONCAKE_MASTER = "miles-mooncake-master.miles.svc.cluster.local:50051"
+_RAY_ENV = [
+    {"name": "MILES_STORAGE_ROOT", "value": STORAGE_ROOT},
+    {"name": "RAY_AUTH_MODE", "value": "disabled"},  # as the image's ENV: in-cluster clients need no token
+]
+
+
+def _head_group(image: str) -> dict:
+    return {
+        "serviceType": "ClusterIP",
+        "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},  # nothing scheduled on the head
+        "template": {"spec": {"containers": [{
+            "name": "ray-head",
+            "image": image,
+            "env": list(_RAY_ENV),
+            "ports": [
+                {"containerPort": 6379, "name": "gcs"},
+                {"containerPort": 8265, "name": "dashboard"},
+                {"containerPort": 10001, "name": "client"},
+            ],
+            "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "16Gi"}},
+        }]}},
+    }  # fmt: skip
+
+
+def _gpu_worker_group(image: str, replicas: int, min_replicas: int, max_replicas: int) -> dict:
+    gpus = str(GPUS_PER_TRAINING_POD)
+    return {
+        "groupName": "gpu",
+        "replicas": replicas,
+        "minReplicas": min_replicas,
+        "maxReplicas": max_replicas,
+        "rayStartParams": {"num-gpus": gpus},
+        "template": {"spec": {
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [{
+                "name": "ray-worker",
+                "image": image,
+                "env": [*_RAY_ENV, {"name": "MOONCAKE_PROTOCOL", "value": "tcp"},
+                        {"name": "MOONCAKE_MASTER", "value": MOONCAKE_MASTER}],
+                "resources": {
+                    "requests": {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": gpus},
+                    "limits": {"memory": "512Gi", "nvidia.com/gpu": gpus},
+                },
+                "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+            }],
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}}],
+        }},
+    }  # fmt: skip
+
+
+def ray_cluster_spec(image: str = IMAGE, *, replicas: int, min_replicas: int, max_replicas: int) -> dict:
+    """A RayCluster `spec`: CPU-only head (ports 6379/8265/10001) and one group of 8-GPU workers."""
+    if not 0 <= min_replicas <= replicas <= max_replicas:
+        raise ValueError(
+            f"worker replicas: need 0 <= min_replicas ({min_replicas}) <= replicas ({replicas}) "
+            f"<= max_replicas ({max_replicas})"
+        )
+    return {
+        "rayVersion": RAY_VERSION,
+        "headGroupSpec": _head_group(image),
+        "workerGroupSpecs": [_gpu_worker_group(image, replicas, min_replicas, max_replicas)],
+    }
+
+
+def rayjob_name(run_name: str) -> str:
+    """The RayJob name for a run: a DNS-1035 label of at most 47 characters, as KubeRay requires.
+
+    A run name that already is one is kept. Otherwise it is lowercased, each run of other characters
+    becomes `-`, `run-` goes in front of a leading digit, it is cut to fit, and 8 hex digits of the
+    run name's sha256 go at the end, so that e.g. `Demo_1` and `demo.1` get different RayJobs.
+    """
+    if re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", run_name) and len(run_name) <= RAYJOB_NAME_MAX_LEN:
+        return run_name
+    base = re.sub(r"[^a-z0-9]+", "-", run_name.lower()).strip("-")
+    if not base:
+        raise ValueError(
+            f"run name {run_name!r}: no letter or digit to build a Kubernetes name from; "
+            "pass --run-name with letters, digits and '-'"
+        )
+    if base[0].isdigit():
+        base = f"run-{base}"
+    digest = hashlib.sha256(run_name.encode()).hexdigest()[:8]
+    return f"{base[: RAYJOB_NAME_MAX_LEN - len(digest) - 1].rstrip('-')}-{digest}"
+
+
+def rayjob_manifest(
+    run_name: str,
+    entrypoint: str,
+    *,
+    namespace: str = NAMESPACE,
+    image: str = IMAGE,
+    num_gpu_workers: int = 1,
+    ttl_seconds: int = 600,
+    active_deadline_seconds: int = 24 * 3600,
+) -> dict:
+    """A KubeRay RayJob (ray.io/v1) that runs `entrypoint` on a Ray cluster of its own.
+
+    KubeRay creates the cluster, submits `entrypoint` as a Ray job once it is up (the driver joins
+    through the RAY_ADDRESS the job gets, so no --ray-address), and deletes the cluster
+    `ttl_seconds` after the job ends; `active_deadline_seconds` fails a job that runs longer.
+    K8sJobMode: the submitter is a k8s Job that follows the driver's logs, so `kubectl logs
+    job/<name>` keeps them after the cluster is gone (HTTPMode has no such pod).
+    """
+    if num_gpu_workers < 1:
+        raise ValueError(f"num_gpu_workers={num_gpu_workers}: a run needs at least one GPU worker")
+    if ttl_seconds < 0 or active_deadline_seconds <= 0:
+        raise ValueError(
+            f"ttl_seconds={ttl_seconds}, active_deadline_seconds={active_deadline_seconds}: "
+            "KubeRay needs ttl_seconds >= 0 and active_deadline_seconds > 0"
+        )
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": rayjob_name(run_name), "namespace": namespace},
+        "spec": {
+            "entrypoint": entrypoint,
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": ttl_seconds,
+            "activeDeadlineSeconds": active_deadline_seconds,
+            # fixed size: no autoscaler, every worker the run's placement needs from the start
+            "rayClusterSpec": ray_cluster_spec(
+                image, replicas=num_gpu_workers, min_replicas=num_gpu_workers, max_replicas=num_gpu_workers
+            ),
+        },
+    }
