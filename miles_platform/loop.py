@@ -16,7 +16,6 @@ checks before them in `preflight.py`, the records in `store/`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -25,6 +24,7 @@ from miles_platform.errors import ActorDied
 from miles_platform.preflight import fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.remote import exists  # a local path or an object-store URI
 from miles_platform.training.ci_checks import check_weights_equal, step0_checks, weight_check_on
 
 __all__ = ["CITestFailure", "PolicyVersion", "RLRun", "Reporter", "RunResult", "train", "validate_before_start"]  # fmt: skip
@@ -95,7 +95,7 @@ class RLRun:
 
         cfg, s, run = self.cfg, self.s, self.cfg.run_name
         last = self.paths.hf_export(run, version)
-        result = RunResult(run, start, start - 1, version, last if os.path.exists(last) else None)
+        result = RunResult(run, start, start - 1, version, last if exists(last) else None)
         for rollout_id in range(start, cfg.num_rollout):
             t0 = time.time()
             if cfg.load_debug_rollout_data:
@@ -189,15 +189,15 @@ class RLRun:
         elif cfg.update_weight_transfer_mode == "disk-delta":  # resumed: never republish a version
             from miles_platform.training.export import export_hf_dir
 
-            if not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+            if not exists(f"{hf_dir}/model.safetensors"):
                 hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
             s.session.transport.load_export(hf_dir, version)
         else:
-            if cfg.use_fault_tolerance and not os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+            if cfg.use_fault_tolerance and not exists(f"{hf_dir}/model.safetensors"):
                 from miles_platform.training.export import export_hf_dir  # what a replacement loads
 
                 hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
-            s.session.update(weights, version, hf_dir if os.path.exists(hf_dir) else None)
+            s.session.update(weights, version, hf_dir if exists(hf_dir) else None)
         if resumed and weight_check_on(cfg):
             check_weights_equal(cfg, s.engines, weights, version)
 

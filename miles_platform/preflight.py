@@ -12,6 +12,7 @@ def validate_before_start(cfg: RunConfig) -> None:
     cfg.validate()
     if not cfg.hf_checkpoint:
         raise ConfigError("--hf-checkpoint is required (HF dir with config, weights and tokenizer)")
+    check_object_store(cfg)
     from miles_platform.models.checkpoint import validate_hf_dir
 
     hf = validate_hf_dir(cfg.hf_checkpoint)
@@ -54,6 +55,42 @@ def validate_before_start(cfg: RunConfig) -> None:
         load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
     if cfg.custom_update_weight_post_write_path:
         load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
+
+
+def check_object_store(cfg: RunConfig) -> None:
+    """What an object-store --storage-root / --save / --load / --update-weight-disk-dir supports
+    (store/remote.py, docs/data_and_store.md); the rest is refused here with its flag named."""
+    from miles_platform.store.remote import is_remote
+
+    for flag, value in (
+        ("--hf-checkpoint", cfg.hf_checkpoint),
+        ("--update-weight-local-checkpoint-dir", cfg.update_weight_local_checkpoint_dir),
+        ("--save-debug-rollout-data", cfg.save_debug_rollout_data),
+        ("--load-debug-rollout-data", cfg.load_debug_rollout_data),
+    ):
+        if is_remote(value):
+            raise ConfigError(f"{flag} {value}: must be a local path (object stores serve --storage-root, "
+                              "--save, --load and --update-weight-disk-dir)")  # fmt: skip
+    root = cfg.storage_root
+    if not is_remote(root):
+        return
+    if cfg.lora_rank > 0:
+        raise ConfigError(
+            f"--lora-rank {cfg.lora_rank} with --storage-root {root}: LoRA adapter versions are written "
+            "and served from a local dir; use a local --storage-root for LoRA runs"
+        )
+    if cfg.save_hf:
+        raise ConfigError(
+            f"--save-hf {cfg.save_hf} with --storage-root {root}: the copy of an object-store export is not "
+            f"built; every version is already an HF dir under {root}/runs/<run>/hf/"
+        )
+    external = cfg.rollout_external_engine_addrs or cfg.rollout_engine != "embedded"
+    if external and cfg.update_weight_transfer_mode in ("disk", "disk-delta"):
+        raise ConfigError(
+            f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode} with --storage-root {root}: "
+            "SGLang engines load HF exports from a local path and those are on the object store; use "
+            "--rollout-engine embedded (downloads them) or --update-weight-transfer-mode broadcast"
+        )
 
 
 def _check_moe(cfg: RunConfig, hf_config: dict) -> None:

@@ -47,14 +47,14 @@ class RunServices(contextlib.AbstractContextManager):
             remove_placement_groups,
             shutdown_ray,
         )
-        from miles_platform.store.run_lock import RunLock
+        from miles_platform.store.run_lock import RunLock, local_run_dir
         from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
         from miles_platform.trackers import Trackers
 
         cfg, s, log = self.cfg, self._stack, self.reporter.log
-        if "://" not in self.paths.root:  # one writer per run, taken after validation
-            lock = RunLock(self.paths.run_dir(cfg.run_name), cfg.run_name).acquire()
-            s.callback(lock.release)
+        # one writer per run, taken after validation (an object-store root: on this host only)
+        lock = RunLock(local_run_dir(self.paths, cfg.run_name), cfg.run_name).acquire()
+        s.callback(lock.release)
         remove_dead_writers_tmp(cfg, self.paths, log)
         check_resume_config(cfg, log)
         s.callback(shutdown_ray, init_ray(cfg))
@@ -172,7 +172,11 @@ class RunServices(contextlib.AbstractContextManager):
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
         threads = os.environ.get("MILES_TRAIN_THREADS", "1")
-        env = {"env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads}}
+        from miles_platform.rollout.engines import run_storage_env
+
+        env = {
+            "env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads, **run_storage_env(cfg)}
+        }
         actors = create_role_actors(
             TrainerActor, cfg, groups, "actor", cfg, world_size=world, dist_init=dist_init,
             options={"runtime_env": env},

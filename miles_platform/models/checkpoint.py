@@ -138,9 +138,25 @@ def read_safetensors_dir(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
+_REMOTE_HASHES: dict[str, str] = {}  # object-store dirs this process uploaded -> their content hash
+
+
+def remember_content_hash(url: str, digest: str) -> None:
+    _REMOTE_HASHES[str(url).rstrip("/")] = digest
+
+
 def content_hash(path: str | os.PathLike) -> str:
     """sha256 over the weights and config: the Dagster data version of a checkpoint (or of a PEFT
-    adapter dir: adapter_model.safetensors + adapter_config.json)."""
+    adapter dir: adapter_model.safetensors + adapter_config.json). An object-store dir: the hash
+    remembered when this process uploaded it, else computed over a download."""
+    from miles_platform.store import remote
+
+    if remote.is_remote(path):
+        known = _REMOTE_HASHES.get(str(path).rstrip("/"))
+        if known is not None:
+            return known
+        with remote.local_dir(str(path), want=lambda rel: "/" not in rel) as d:
+            return content_hash(d)
     p = Path(path)
     h = hashlib.sha256()
     configs = [p / "config.json"] if not (p / "adapter_config.json").exists() else [p / "adapter_config.json"]

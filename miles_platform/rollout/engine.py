@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 import os
+import posixpath
 import signal
 import socket
 import threading
@@ -96,6 +97,13 @@ async def all_results(futures: list) -> list:
     return [f.result() for f in futures]
 
 
+def _weight_root(path: str) -> str:
+    if "://" in path:
+        scheme, _, rest = path.partition("://")
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}".rstrip("/")
+    return os.path.realpath(path).rstrip("/")
+
+
 def create_app(
     core: EngineCore,
     api_key: str | None = None,
@@ -106,10 +114,10 @@ def create_app(
     `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter)."""
     app = FastAPI(title="miles-platform embedded engine")
     add_guards(app, api_key, max_request_bytes)
-    roots = None if weight_roots is None else [os.path.realpath(r).rstrip("/") for r in weight_roots]
+    roots = None if weight_roots is None else [_weight_root(r) for r in weight_roots]
 
     def allowed(path: str) -> bool:
-        real = os.path.realpath(path)
+        real = _weight_root(path)  # an object-store URI is compared as written, less . and ..
         return roots is None or any(real == r or real.startswith(r + "/") for r in roots)
 
     @app.post("/generate")

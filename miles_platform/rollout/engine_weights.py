@@ -45,7 +45,10 @@ class EngineWeightsMixin:
             raise RequestError(
                 f"weight_version {version}: versions only move forward (this engine serves v{self._weight_version})"
             )
-        state = read_state_dict(path)
+        from miles_platform.store.remote import local_dir
+
+        with local_dir(str(path)) as local:  # an object-store export: downloaded, read, removed
+            state = read_state_dict(local)
         self._in_scheduler(
             lambda: self._swap(self._prepare_tensors(state, require_all=True, source=str(path)), version)
         )

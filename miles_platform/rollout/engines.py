@@ -58,8 +58,16 @@ def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
         dtype=cfg.rollout_dtype,
         max_batch_size=embedded_max_running_requests(cfg),
         weight_roots=engine_weight_roots(cfg),
-        options={"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}},
+        options={"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", **run_storage_env(cfg)}}},
     )
+
+
+def run_storage_env(cfg: RunConfig) -> dict[str, str]:
+    """The object-store endpoint and credentials of this driver, for actors that read or write the
+    run's remote dirs (Ray's workers on another node do not have the driver's environment)."""
+    from miles_platform.store.remote import storage_env
+
+    return storage_env(cfg.storage_root, cfg.save, cfg.load, cfg.update_weight_disk_dir)
 
 
 def restart_engine(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]], index: int) -> EngineHandle:
@@ -107,21 +115,19 @@ def teacher_handle(actor: Any) -> EngineHandle:
 
 def engine_weight_roots(cfg: RunConfig) -> list[str]:
     """Where a run's engines may load weights from over HTTP: the run's own dirs (HF exports,
-    disk-delta engine-local copies) and --hf-checkpoint's parent; nothing else on the host."""
+    disk-delta engine-local copies) and --hf-checkpoint's parent; nothing else on the host or store."""
     import os
 
     from miles_platform.store.paths import StoragePaths
+    from miles_platform.weights.transports.disk_delta import engine_local_root
 
     roots = [
-        StoragePaths(cfg.storage_root).run_dir(cfg.run_name),
+        StoragePaths(cfg.storage_root).run_dir(cfg.run_name),  # an object-store root: downloaded from
         os.path.dirname(os.path.abspath(cfg.hf_checkpoint)),
     ]
     if cfg.update_weight_disk_dir:
-        roots.append(
-            cfg.update_weight_local_checkpoint_dir
-            or os.path.join(cfg.update_weight_disk_dir, "..", "engine-local")
-        )
-    return [r for r in roots if "://" not in r]
+        roots.append(engine_local_root(cfg))
+    return roots
 
 
 def embedded_max_running_requests(cfg: RunConfig) -> int:

@@ -223,8 +223,10 @@ def evaluate(
     if generate_fn is None:
         if isinstance(policy, str):
             from miles_platform.models.checkpoint import load_hf_checkpoint
+            from miles_platform.store.remote import local_dir
 
-            model, tok = load_hf_checkpoint(policy)
+            with local_dir(policy) as d:  # an object-store export (s3://.../hf/vN): downloaded first
+                model, tok = load_hf_checkpoint(d)
         else:
             model, tok = policy
         tokenizer = tok if tokenizer is None else tokenizer

@@ -4,7 +4,9 @@ The lock is an OS advisory lock (`fcntl.flock`) on an open file, so it dies with
 lock left by a killed run is free again at once, and the next writer takes it over (the file's
 contents, the holder's host / pid / start time, are only read to name the holder in the error).
 A second `train` of the same run under the same storage root is refused before Ray starts.
-Remote storage roots (`s3://...`) are not locked: the lock needs a local filesystem.
+An object-store root (`s3://...`) has no lock file: the lock is then taken on this host's local
+dir for the run (store/remote.py `mirror_path`), which refuses a second writer on the same host
+only; one writer per run across hosts is the operator's to keep (docs/data_and_store.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ import time
 from pathlib import Path
 
 from miles_platform.config import ConfigError
+
+
+def local_run_dir(paths, run: str) -> str:
+    """Where the run's lock file lives: its run dir, or this host's dir for a remote one."""
+    from miles_platform.store.remote import is_remote, mirror_path
+
+    d = paths.run_dir(run)
+    return mirror_path(d) if is_remote(d) else d
 
 
 class RunLocked(ConfigError):

@@ -22,6 +22,10 @@ RUN_CONFIG = "run_config.json"
 def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[str], None]) -> None:
     """Every `.tmp-*` under the run's dirs (checkpoint, HF export and publication staging of a
     killed writer) is garbage nothing can observe: remove it. Needs the run lock."""
+    from miles_platform.store import remote
+
+    if any(remote.is_remote(r) for r in (paths.root, cfg.save, cfg.update_weight_disk_dir)):
+        remote.remove_dead_staging(log)  # object stores hold no temp names: uploads stage here
     seen = set()
     for root in (paths.run_dir(cfg.run_name), cfg.save, cfg.update_weight_disk_dir):
         if not root or "://" in root or not os.path.isdir(root) or root in seen:
@@ -39,14 +43,19 @@ def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> None:
     """A resume must train what the saved run trained: differing flags (other than schedule, eval,
     logging and placement ones, config.RESUMABLE) are refused unless --allow-config-change. The
     checkpoint dir then records this run's config."""
+    from miles_platform.store import remote
     from miles_platform.training.checkpoint import read_latest
 
     src = cfg.load or cfg.save
-    if not src or "://" in src:
+    if not src:
         return
-    rec = Path(src) / RUN_CONFIG
-    if read_latest(src) is not None and rec.is_file():
-        changes = config_changes(json.loads(rec.read_text()), cfg)
+    if remote.is_remote(src):
+        saved = remote.read_bytes(remote.join(src, RUN_CONFIG))
+    else:
+        rec = Path(src) / RUN_CONFIG
+        saved = rec.read_bytes() if rec.is_file() else None
+    if read_latest(src) is not None and saved is not None:
+        changes = config_changes(json.loads(saved), cfg)
         if changes and not cfg.allow_config_change:
             raise ConfigError(
                 f"resuming run {cfg.run_name!r} from {src} with a different config: {'; '.join(changes)}. "
@@ -54,7 +63,9 @@ def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> None:
             )
         if changes:
             log(f"[resume] --allow-config-change: {'; '.join(changes)}")
-    if cfg.save and "://" not in cfg.save:
+    if cfg.save and remote.is_remote(cfg.save):
+        remote.write_bytes(remote.join(cfg.save, RUN_CONFIG), saved_config(cfg))  # one PUT: atomic
+    elif cfg.save:
         Path(cfg.save).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.save) / RUN_CONFIG, saved_config(cfg))
 
@@ -63,17 +74,21 @@ def recorded_max_version(cfg: RunConfig, paths: StoragePaths) -> int:
     """The highest version any store knows: catalog rows, HF exports (`hf/v000006`) and the
     disk-delta publication's LATEST. A run killed between publishing or exporting a version and
     recording it continues past it, so no number is reused and no export is overwritten."""
+    from miles_platform.store import remote
     from miles_platform.store.tables import read_rows
 
     known = [int(r["version"]) for r in read_rows(paths, "policy_versions", cfg.run_name)]
-    hf = Path(paths.hf_export(cfg.run_name, 0)).parent
-    if "://" not in str(hf) and hf.is_dir():
-        known += [int(m.group(1)) for d in hf.iterdir() if (m := re.match(r"v(\d+)", d.name))]
+    hf = paths.hf_export(cfg.run_name, 0).rsplit("/", 1)[0]
+    if remote.is_remote(hf):  # any prefix, even an export whose upload died: never reused
+        names = remote.listdir(hf)
+    else:
+        names = [d.name for d in Path(hf).iterdir()] if Path(hf).is_dir() else []
+    known += [int(m.group(1)) for n in names if (m := re.match(r"v(\d+)", n))]
     pub = cfg.update_weight_disk_dir
-    if cfg.update_weight_transfer_mode == "disk-delta" and pub and "://" not in pub:
+    if cfg.update_weight_transfer_mode == "disk-delta" and pub:
         from miles_platform.weights.delta_format import read_latest
 
-        latest = read_latest(pub) if Path(pub).is_dir() else None
+        latest = read_latest(pub) if remote.is_remote(pub) or Path(pub).is_dir() else None
         known += [latest] if latest is not None else []
     return max(known, default=0)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from miles_platform.config import RunConfig
+from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backends import get_backend_class
@@ -520,12 +521,36 @@ class TrainerActor:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
-        """Write iter_NNNNNNN atomically, then latest_checkpointed_iteration.txt (rank 0, last)."""
+        """Write iter_NNNNNNN atomically, then latest_checkpointed_iteration.txt (rank 0, last).
+        An object-store --save: each rank stages its files locally and uploads them into the iter
+        dir, rank 0's trainer_state.json after every rank's, then the pointer (store/remote.py)."""
         save = self.cfg.save
+        if remote.is_remote(save):
+            with remote.staging_dir() as tmp:
+                self._write_checkpoint(tmp, rollout_id, extra_state)
+                final = iter_dir(save, rollout_id)
+                remote.upload_dir(tmp, final, exclude=["trainer_state.json"])
+                if self.world_size > 1:
+                    dist.barrier()
+                if self.rank == 0:  # the iter dir's marker once every rank's files are up, then the pointer
+                    remote.upload_dir(tmp, final, only=["trainer_state.json"])
+                    remote.write_bytes(remote.join(save, LATEST), str(rollout_id))
+            return final
         final = iter_dir(save, rollout_id)
         tmp = os.path.join(save, f".iter_{rollout_id:07d}.tmp-{uuid.uuid4().hex[:6]}")
         if self.world_size > 1:
             tmp = self._broadcast_str(tmp)
+        self._write_checkpoint(tmp, rollout_id, extra_state)
+        if self.rank == 0:
+            fsync_tree(tmp)
+            replace_dir(tmp, final)
+            write_atomic(os.path.join(save, LATEST), str(rollout_id))  # the pointer, last
+        if self.world_size > 1:
+            dist.barrier()
+        return final
+
+    def _write_checkpoint(self, tmp: str, rollout_id: int, extra_state: dict | None) -> None:
+        """This rank's files into `tmp`; after a barrier, rank 0's trainer_state.json."""
         os.makedirs(tmp, exist_ok=True)
         self.backend.save_model(tmp)
         save_file(self._optimizer_tensors(), os.path.join(tmp, f"optimizer_rank{self.rank:03d}.safetensors"))
@@ -551,20 +576,19 @@ class TrainerActor:
                 **(extra_state or {}),
             }
             Path(tmp, "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
-            fsync_tree(tmp)
-            replace_dir(tmp, final)
-            write_atomic(os.path.join(save, LATEST), str(rollout_id))  # the pointer, last
-        if self.world_size > 1:
-            dist.barrier()
-        return final
 
     def load(self) -> dict | None:
-        """Resume from --load (or --save) if a checkpoint exists. Returns trainer_state or None."""
+        """Resume from --load (or --save) if a checkpoint exists. Returns trainer_state or None.
+        An object-store checkpoint is downloaded (this rank's files) to a local dir first."""
         root = self.cfg.load or self.cfg.save
         it = read_latest(root)
         if it is None:
             return None
-        d = iter_dir(root, it)
+        mine = f"_rank{self.rank:03d}."
+        with remote.local_dir(iter_dir(root, it), want=lambda rel: "_rank" not in rel or mine in rel) as d:
+            return self._load_checkpoint(d)
+
+    def _load_checkpoint(self, d: str) -> dict:
         state = json.loads(Path(d, "trainer_state.json").read_text())
         if state.get("world_size", 1) != self.world_size:
             raise ValueError(

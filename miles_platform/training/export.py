@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_tree, replace_dir
 
 CONFIG_FILES = (
@@ -28,7 +29,18 @@ def export_hf_dir(
     state: dict[str, torch.Tensor], template_dir: str, out_dir: str, config_overrides: dict | None = None
 ) -> str:
     """Write `state` as model.safetensors next to the template's config + tokenizer, atomically.
-    `config_overrides`: keys replaced in config.json (a merged LoRA head is no longer tied)."""
+    `config_overrides`: keys replaced in config.json (a merged LoRA head is no longer tied).
+    An object-store `out_dir` is staged locally and uploaded with model.safetensors last (what
+    readers check for), and its content hash remembered (no download to hash it again)."""
+    if remote.is_remote(out_dir):
+        from miles_platform.models.checkpoint import content_hash, remember_content_hash
+
+        with remote.staging_dir() as d:
+            local = export_hf_dir(state, template_dir, os.path.join(d, "export"), config_overrides)
+            h = content_hash(local)
+            remote.upload_dir(local, out_dir, last=["model.safetensors"])
+        remember_content_hash(out_dir, h)
+        return str(out_dir)
     dest = Path(out_dir)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"

@@ -1,4 +1,5 @@
 """On-disk layout of a disk-delta publication dir: names, index reading, payload codec, atomic IO.
+The readers take a local dir or an object-store URI (s3://...: read through fsspec).
 
 See `miles_platform.weights.disk_delta` for the format description, publishing and applying.
 """
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from miles_platform.errors import PublicationError
+from miles_platform.store import remote
 
 FORMAT = "miles-disk-delta/3"
 # /1: one frame per tensor, no filter; /2: byte-plane filter; /3: adds the lowbits filter for xor deltas
@@ -133,12 +135,21 @@ class Codec:
 # ---- reading a publication dir ----------------------------------------------------------------
 
 
+def _read_file(pub_dir: str | os.PathLike, *parts: str) -> tuple[str, bytes | None]:
+    """(path, bytes or None if absent) of a file of a local or object-store publication dir."""
+    if remote.is_remote(pub_dir):
+        url = remote.join(str(pub_dir), *parts)
+        return url, remote.read_bytes(url)
+    p = Path(pub_dir).joinpath(*parts)
+    return str(p), (p.read_bytes() if p.is_file() else None)
+
+
 def read_latest(pub_dir: str | os.PathLike) -> int | None:
     """The committed version named by LATEST, or None for an empty publication dir."""
-    p = Path(pub_dir) / LATEST
-    if not p.exists():
+    p, raw = _read_file(pub_dir, LATEST)
+    if raw is None:
         return None
-    raw = p.read_bytes().strip()
+    raw = raw.strip()
     if not raw.isdigit():  # bytes.isdigit: ASCII digits only (no UnicodeDecodeError, no '²')
         raise PublicationError(f"{p}: corrupt LATEST pointer {raw[:40]!r}")
     text = raw.decode()
@@ -146,14 +157,14 @@ def read_latest(pub_dir: str | os.PathLike) -> int | None:
 
 
 def read_index(pub_dir: str | os.PathLike, version: int) -> dict:
-    d = Path(pub_dir) / version_dir_name(version)
     where = f"publication {version_dir_name(version)} in {pub_dir}"
-    if not d.is_dir():
+    if not remote.is_remote(pub_dir) and not (Path(pub_dir) / version_dir_name(version)).is_dir():
         raise PublicationError(f"{where}: missing version directory")
+    _, raw = _read_file(pub_dir, version_dir_name(version), INDEX)
+    if raw is None:
+        raise PublicationError(f"{where}: missing {INDEX}")
     try:
-        idx = json.loads((d / INDEX).read_text())
-    except FileNotFoundError as e:
-        raise PublicationError(f"{where}: missing {INDEX}") from e
+        idx = json.loads(raw.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PublicationError(f"{where}: corrupt {INDEX} ({e})") from e
     if not isinstance(idx, dict):
@@ -170,8 +181,13 @@ def committed_versions(pub_dir: str | os.PathLike) -> list[int]:
     if latest is None:
         return []
     out = []
-    for d in Path(pub_dir).glob("weight_v*"):
-        v = d.name.removeprefix("weight_v")
+    names = (
+        remote.listdir(str(pub_dir))
+        if remote.is_remote(pub_dir)
+        else [d.name for d in Path(pub_dir).glob("weight_v*")]
+    )
+    for name in names:
+        v = name.removeprefix("weight_v") if name.startswith("weight_v") else ""
         if v.isdigit() and int(v) <= latest:
             out.append(int(v))
     return sorted(out)

@@ -44,6 +44,7 @@ from kernels import byteplane as bp
 from kernels import lowbits as lb
 from kernels import xor_delta as xd
 from miles_platform.errors import PublicationError
+from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_dir, write_atomic
 from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
 from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: the format's public names)
@@ -170,12 +171,17 @@ def _read_payload(pub_dir, idx: dict) -> memoryview:
     need = max(
         (t["payload"]["offset"] + t["payload"]["length"] for t in idx["tensors"] if t["payload"]), default=0
     )
-    path = Path(pub_dir) / version_dir_name(idx["version"]) / PAYLOAD
     if need == 0:
         return memoryview(b"")
+    if remote.is_remote(pub_dir):
+        fs, path = remote.filesystem(remote.join(str(pub_dir), version_dir_name(idx["version"]), PAYLOAD))
+        opener, size_of = (lambda: fs.open(path, "rb")), (lambda f: f.size)
+    else:
+        path = Path(pub_dir) / version_dir_name(idx["version"]) / PAYLOAD
+        opener, size_of = (lambda: open(path, "rb")), (lambda f: os.fstat(f.fileno()).st_size)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with opener() as f:
+            size = size_of(f)
             if size != idx["stats"]["wire_bytes"] or size < need:
                 raise PublicationError(
                     f"publication {version_dir_name(idx['version'])}: {PAYLOAD} is {size} bytes, "
@@ -429,7 +435,10 @@ class DeltaPublisher:
             raise ValueError(f"--disk-delta-keyframe-interval must be >= 1, got {keyframe_interval}")
         if workers < 1:
             raise ValueError(f"--disk-delta-encode-workers must be >= 1, got {workers}")
-        self.pub_dir = Path(pub_dir)
+        # an object-store dir: versions are written in this host's local dir, then uploaded (payload,
+        # index.json, LATEST last) and removed here; readers read the store (store/remote.py)
+        self.url = str(pub_dir) if remote.is_remote(pub_dir) else None
+        self.pub_dir = Path(remote.mirror_path(self.url) if self.url else pub_dir)
         self.encoding, self.algo, self.keyframe_interval = encoding, checksum, keyframe_interval
         self.codec = Codec(compression, zstd_level)
         self.filter = filter  # lowbits: xor deltas packed (snapshots as byte planes); byteplane: both planes
@@ -445,13 +454,18 @@ class DeltaPublisher:
 
     @property
     def latest_version(self) -> int | None:
-        return self._latest if self._loaded else read_latest(self.pub_dir)
+        return self._latest if self._loaded else read_latest(self.source)
+
+    @property
+    def source(self) -> str | Path:
+        """Where readers find the publication: the object-store URI or the local dir."""
+        return self.url or self.pub_dir
 
     def _load(self, latest: int | None) -> None:
         self._bufs, self._metas, self._sums, self._chain_len = {}, {}, {}, 0
         if latest is not None:
-            chain = _chain(self.pub_dir, None, latest)
-            _replay(self.pub_dir, chain, self._bufs, self._metas, None)
+            chain = _chain(self.source, None, latest)
+            _replay(self.source, chain, self._bufs, self._metas, None)
             self._sums = {t["name"]: t["checksum"] for t in chain[-1]["tensors"]}
             self._chain_len = len(chain) - 1
             if chain[-1]["checksum"] != self.algo:
@@ -463,16 +477,20 @@ class DeltaPublisher:
             v = d.name.removeprefix("weight_v")
             if v.isdigit() and (latest is None or int(v) > latest):
                 shutil.rmtree(d, ignore_errors=True)  # renamed but never committed: no reader uses it
+        for name in remote.listdir(self.url) if self.url else []:
+            v = name.removeprefix("weight_v")
+            if name.startswith("weight_v") and v.isdigit() and (latest is None or int(v) > latest):
+                remote.remove(remote.join(self.url, name))  # an upload that died before LATEST named it
 
     def publish(self, state: dict[str, torch.Tensor], version: int | None = None) -> PublishStats:
         t0 = time.perf_counter()
         self.pub_dir.mkdir(parents=True, exist_ok=True)
         with _PublishLock(self.pub_dir, self.lock_wait_s):
-            disk_latest = read_latest(self.pub_dir)
+            disk_latest = read_latest(self.source)
             if self._loaded and disk_latest != self._latest:
                 self._loaded = False
                 raise PublicationError(
-                    f"{self.pub_dir}: LATEST moved to v{disk_latest} (expected v{self._latest}): "
+                    f"{self.source}: LATEST moved to v{disk_latest} (expected v{self._latest}): "
                     "another publisher wrote this dir; refusing to publish"
                 )
             if not self._loaded:
@@ -481,7 +499,7 @@ class DeltaPublisher:
             base = self._latest
             version = (0 if base is None else base + 1) if version is None else int(version)
             if base is not None and version <= base:
-                raise PublicationError(f"{self.pub_dir}: v{version} <= latest published v{base}")
+                raise PublicationError(f"{self.source}: v{version} <= latest published v{base}")
             new = {k: xd.tensor_bytes(v) for k, v in state.items()}
             metas = {k: (v.dtype, list(v.shape)) for k, v in state.items()}
             layout_same = metas == self._metas
@@ -491,6 +509,10 @@ class DeltaPublisher:
                 else "snapshot"
             )
             idx, sums, changed = self._write_version(version, base, kind, new, metas)
+            if self.url:
+                local = self.pub_dir / version_dir_name(version)
+                remote.upload_dir(str(local), remote.join(self.url, local.name), last=[INDEX])
+                shutil.rmtree(local, ignore_errors=True)
             self._write_latest(version)
             # commit succeeded: advance the in-memory base
             if kind == "delta":
@@ -503,11 +525,14 @@ class DeltaPublisher:
         s = idx["stats"]
         return PublishStats(
             version, idx["base_version"], kind, s["wire_bytes"], s["full_bytes"], s["density"],
-            time.perf_counter() - t0, str(self.pub_dir / version_dir_name(version)), idx["_encode_s"],
+            time.perf_counter() - t0, str(remote.join(str(self.source), version_dir_name(version))), idx["_encode_s"],
         )  # fmt: skip
 
     def _write_latest(self, version: int) -> None:
-        write_atomic(self.pub_dir / LATEST, f"{version}\n".encode())
+        if self.url:
+            remote.write_bytes(remote.join(self.url, LATEST), f"{version}\n")  # one PUT: atomic
+        else:
+            write_atomic(self.pub_dir / LATEST, f"{version}\n".encode())
 
     def _write_version(self, version, base, kind, new, metas):
         final = self.pub_dir / version_dir_name(version)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from miles_platform.rollout.client import post
+from miles_platform.store.remote import size
 from miles_platform.weights.transports import TransferStats, Transport
 
 
@@ -27,7 +26,7 @@ class DiskTransport(Transport):
         if hf_dir is None:
             raise RuntimeError("disk transport needs the HF export of the version")
         self._path = hf_dir
-        n = os.path.getsize(os.path.join(hf_dir, "model.safetensors"))
+        n = size(f"{hf_dir}/model.safetensors")  # a local path or an object-store URI
         return TransferStats(wire_bytes=n * len(self.engines), full_bytes=n * len(self.engines))
 
     def activate(self, version):

@@ -12,6 +12,17 @@ from miles_platform.weights.transports import TransferStats, Transport
 from miles_platform.weights.transports.disk import update_from_disk
 
 
+def engine_local_root(cfg) -> str:
+    """The engines' local checkpoint dirs: --update-weight-local-checkpoint-dir, else beside the
+    publication dir (an object-store one: beside this host's dir for it, store/remote.py)."""
+    from miles_platform.store.remote import is_remote, mirror_path
+
+    pub = cfg.update_weight_disk_dir
+    return cfg.update_weight_local_checkpoint_dir or os.path.join(
+        mirror_path(pub) if is_remote(pub) else pub, "..", "engine-local"
+    )
+
+
 class DiskDeltaTransport(Transport):
     name = "disk-delta"
 
@@ -27,9 +38,7 @@ class DiskDeltaTransport(Transport):
             keyframe_interval=cfg.disk_delta_keyframe_interval,
             workers=cfg.disk_delta_encode_workers,
         )
-        self.local_root = cfg.update_weight_local_checkpoint_dir or os.path.join(
-            self.pub_dir, "..", "engine-local"
-        )
+        self.local_root = engine_local_root(cfg)
         self.post_write_hook = None
         if cfg.custom_update_weight_post_write_path:
             from miles_platform.plugins import load_function
