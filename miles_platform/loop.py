@@ -278,7 +278,18 @@ def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:
 
 
 def cli_main(argv: list[str]) -> int:
+    from miles_platform.cluster.ray_jobs import add_launch_flags, split_launch_flags, submit_cli
+    from miles_platform.config import build_parser
+
+    opts, argv = split_launch_flags(argv)
+    if "-h" in argv or "--help" in argv:
+        parser = build_parser()
+        add_launch_flags(parser)
+        parser.print_help()
+        return 0
     cfg = parse_run_config(argv)
+    if opts.submit is not None:
+        return submit_cli(cfg, opts)
     try:
         result = train(cfg)
     except (CITestFailure, ActorDied) as e:

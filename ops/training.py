@@ -32,6 +32,9 @@ from resources.storage import StorageRootResource
 SKIP = {"sglang_args", "custom_function_args", "storage_root"}
 # ... except a generate/rollout function's own flags, which the Launchpad takes as CLI tokens
 FUNCTION_FLAGS = "custom_function_flags"
+# ... and where the run runs (not RunConfig: not part of what is trained)
+LAUNCHER, RAY_JOB_ADDRESS, RAY_JOB_RUNTIME_ENV = "launcher", "ray_job_address", "ray_job_runtime_env_json"
+LAUNCHERS = ("in_process", "ray_job")
 
 
 def _description(f: dataclasses.Field) -> str:
@@ -66,6 +69,27 @@ def _pydantic_fields() -> dict[str, Any]:
             description="the flags a --custom-generate-function-path / --rollout-function-path registers "
             "with its add_arguments, as on the command line: ['--my-flag', 'value', ...]",
         ),
+    )
+    out[LAUNCHER] = (
+        str,
+        Field(
+            default="in_process",
+            description="where the loop runs (one of: in_process, ray_job): in this Dagster run's process, "
+            "or submitted to a Ray cluster as a Ray job (`train --submit`) that outlives this run; "
+            "relaunching the run attaches to its live job, cancelling this run stops it",
+        ),
+    )
+    out[RAY_JOB_ADDRESS] = (
+        str,
+        Field(
+            default="",
+            description="launcher ray_job: the Ray Jobs (dashboard) address, http://<head>:8265; "
+            "empty = $RAY_API_SERVER_ADDRESS, then $RAY_ADDRESS",
+        ),
+    )
+    out[RAY_JOB_RUNTIME_ENV] = (
+        str,
+        Field(default="", description="launcher ray_job: Ray runtime-env fields for the job, as JSON"),
     )
     return out
 
@@ -129,6 +153,8 @@ def run_config_from(
 
     data = config.model_dump()
     flags = data.pop(FUNCTION_FLAGS, [])
+    for key in (LAUNCHER, RAY_JOB_ADDRESS, RAY_JOB_RUNTIME_ENV):
+        data.pop(key, None)
     try:
         data["custom_function_args"] = function_flag_values(data, flags)
         cfg = RunConfig.from_dict(data)
@@ -192,9 +218,14 @@ def rl_training_op(
     config: RLTrainingConfig,  # type: ignore[valid-type]
     storage: StorageRootResource,
 ) -> dg.Output:
+    from dagster._core.errors import DagsterExecutionInterruptedError
+
     from miles_platform.loop import CITestFailure, train
 
+    ray_job = ray_job_options(config)
     cfg, eval_config = run_config_from(config, context.instance, storage.root)
+    if ray_job is not None:
+        return train_as_ray_job(context, cfg, eval_config, storage.paths, *ray_job)
     if context.retry_number:
         context.log.info(f"retry {context.retry_number}: run {cfg.run_name} resumes from its last checkpoint")
     reporter = DagsterReporter(context, eval_config)
@@ -202,6 +233,8 @@ def rl_training_op(
         result: RunResult = train(cfg, reporter)
     except CITestFailure as e:  # deterministic: a retry would fail the same way
         raise dg.Failure(description=f"--ci-test: {e}", allow_retries=False) from e
+    except (DagsterExecutionInterruptedError, KeyboardInterrupt):
+        raise _cancelled(f"run {cfg.run_name} stopped; its last checkpoint resumes it") from None
     finally:
         reporter.flush()
     paths = storage.paths
@@ -213,6 +246,105 @@ def rl_training_op(
             "final_version": result.final_version,
             "final_hf_path": result.final_hf_path or "",
             "checkpoints": paths.checkpoints(cfg.run_name),
+        },
+    )
+
+
+def _cancelled(what: str) -> dg.Failure:
+    """A cancelled run ends, never retried: Dagster applies the retry policy to an interrupt too,
+    which would resume (or resubmit) the run the user just stopped."""
+    return dg.Failure(description=f"run cancelled: {what}", allow_retries=False)
+
+
+def ray_job_options(config: dg.Config) -> tuple[str, dict[str, Any]] | None:
+    """(Ray Jobs address, runtime env) for `launcher: ray_job`; None for in_process."""
+    from miles_platform.cluster.ray_jobs import parse_runtime_env, resolve_job_address
+    from miles_platform.config import ConfigError
+
+    launcher = getattr(config, LAUNCHER)
+    if launcher not in LAUNCHERS:
+        raise dg.Failure(description=f"rl_training config: launcher {launcher!r}: one of {', '.join(LAUNCHERS)}",
+                         allow_retries=False)  # fmt: skip
+    if launcher == "in_process":
+        return None
+    try:
+        address = resolve_job_address(getattr(config, RAY_JOB_ADDRESS) or None, flag=RAY_JOB_ADDRESS)
+        env = parse_runtime_env(getattr(config, RAY_JOB_RUNTIME_ENV), flag=RAY_JOB_RUNTIME_ENV)
+    except ConfigError as e:
+        raise dg.Failure(description=f"rl_training config: {e}", allow_retries=False) from None
+    return address, env
+
+
+def train_as_ray_job(
+    context: dg.OpExecutionContext,
+    cfg: RunConfig,
+    eval_config: dict[str, Any],
+    paths: StoragePaths,
+    address: str,
+    runtime_env: dict[str, Any],
+) -> dg.Output:
+    """`launcher: ray_job`: submit the run as a Ray job (or attach to its live one) with Dagster
+    Pipes: dagster-ray's PipesRayJobMessageReader tails the job's log into this run's log, and on
+    every poll the run's new versions are reconciled from the catalog into `policy_versions` /
+    `rollout_shards` materializations (Pipes cannot report partitioned ones). Killing this process
+    leaves the job running; cancelling the run stops it."""
+    from dagster._core.errors import DagsterExecutionInterruptedError
+    from dagster_ray.core.pipes import PipesRayJobMessageReader
+
+    from miles_platform.cluster.ray_jobs import job_client, stop_job, submit_or_attach, wait_for_job
+    from miles_platform.store.tables import read_rows
+    from sensors.catalog_runs import run_version_reports
+
+    client = job_client(address)
+    reader = PipesRayJobMessageReader()
+    with dg.open_pipes_session(context=context, message_reader=reader,
+                               context_injector=dg.PipesEnvContextInjector()) as session:  # fmt: skip
+        launched = submit_or_attach(
+            client, cfg, runtime_env=runtime_env, env_vars=session.get_bootstrap_env_vars(),
+            metadata={"dagster_run_id": context.run_id, "dagster_job": context.job_name},
+        )  # fmt: skip
+        job_id = launched.job_id
+        verb = "attached to the running" if launched.attached else "submitted"
+        context.log.info(f"{verb} Ray job {job_id} at {address} (run {cfg.run_name})")
+        session.report_launched({"extras": {"ray_job_id": job_id, "ray_address": client.get_address()}})
+        extra = {"reported_by": "rl_training", "ray_job_id": job_id}
+
+        def reconcile(complete: bool) -> None:
+            events, keys = run_version_reports(context.instance, paths, cfg.run_name, eval_config=eval_config,
+                                               extra=extra, complete=complete)  # fmt: skip
+            if keys:
+                context.instance.add_dynamic_partitions("policy_versions", keys)
+                for e in events:
+                    context.log_event(e)
+
+        try:
+            status = wait_for_job(client, job_id, poll_s=2.0, on_poll=lambda: reconcile(False))
+        except (DagsterExecutionInterruptedError, KeyboardInterrupt):
+            context.log.warning(f"run cancelled: stopping Ray job {job_id}")
+            stopped = stop_job(client, job_id)
+            reconcile(True)
+            raise _cancelled(f"Ray job {job_id} {stopped}") from None
+        reconcile(True)
+    info = client.get_job_info(job_id)
+    if status != "SUCCEEDED":
+        raise dg.Failure(
+            description=f"Ray job {job_id} {status}: {info.message or ''}",
+            metadata={"ray_job_id": job_id, "ray_address": address},
+            allow_retries=status == "FAILED",  # a retry resubmits and resumes from the last checkpoint
+        )
+    versions = {r["partition_key"]: r for r in read_rows(paths, "policy_versions", cfg.run_name)}
+    final = max(versions.values(), key=lambda r: r["version"], default=None)
+    final_hf = (final or {}).get("hf_path") or ""
+    return dg.Output(
+        {"run": cfg.run_name, "final_version": final["version"] if final else 0, "final_hf_path": final_hf},
+        metadata={
+            "run": cfg.run_name,
+            "versions": len(versions),
+            "final_version": final["version"] if final else 0,
+            "final_hf_path": final_hf,
+            "checkpoints": paths.checkpoints(cfg.run_name),
+            "ray_job_id": job_id,
+            "ray_job_attached": launched.attached,
         },
     )
 

@@ -53,7 +53,13 @@ def runs_trained_by_dagster_now(instance: dg.DagsterInstance) -> set[str]:
     return names
 
 
-def _run_context(paths: StoragePaths, run: str, rows: list[dict]) -> dict[str, Any]:
+def _run_context(
+    paths: StoragePaths,
+    run: str,
+    rows: list[dict],
+    eval_config: dict[str, Any] | None = None,
+    extra: dict[str, str] | None = None,
+) -> dict[str, Any]:
     lineage = read_rows(paths, "lineage", run)
     base = next((e["parent"] for e in lineage if e["relation"] == "base_checkpoint"), None)
     teachers: dict[str, list] = {}
@@ -66,8 +72,9 @@ def _run_context(paths: StoragePaths, run: str, rows: list[dict]) -> dict[str, A
     for m in read_rows(paths, "metrics", run):
         metrics.setdefault(m["rollout_id"], {})[m["name"]] = m["value"]
     cfg = saved_run_config(paths, run, rows)
-    eval_config = eval_config_for_run(cfg) if cfg is not None else {}
-    extra = dict(REPORTED_BY)
+    if eval_config is None:
+        eval_config = eval_config_for_run(cfg) if cfg is not None else {}
+    extra = dict(REPORTED_BY if extra is None else extra)
     if cfg is not None and cfg.eval_prompt_data and cfg.eval_interval:
         extra["evaluated_in_loop"] = "true"  # the run's own evals are in `evals`: the sensor skips it
     return {"base": base, "teachers": teachers, "metrics": metrics, "cfg": cfg, "eval_config": eval_config,
@@ -129,6 +136,30 @@ def plan_catalog_reports(
                 keys.append(row["partition_key"])
             done[run] = p.rsplit("/", 1)[1]
     return events, keys, json.dumps(done, sort_keys=True), waiting
+
+
+def run_version_reports(
+    instance: dg.DagsterInstance,
+    paths: StoragePaths,
+    run: str,
+    *,
+    eval_config: dict[str, Any],
+    extra: dict[str, str],
+    complete: bool,
+) -> tuple[list[dg.AssetMaterialization], list[str]]:
+    """The events and new partition keys of one run's versions that have no `policy_versions`
+    materialization yet: how the `rl_training` op reports a run it launched as a Ray job. Until
+    the run is `complete`, a version waits for its rollout's metrics (written just after it)."""
+    reported = set(instance.get_materialized_partitions(POLICY_VERSIONS))
+    latest = {r["partition_key"]: r for r in read_rows(paths, "policy_versions", run)}  # a resume's row wins
+    rows = [r for k, r in latest.items() if k not in reported]
+    if not rows:
+        return [], []
+    ctx = _run_context(paths, run, rows, eval_config, extra)
+    if not complete:
+        rows = [r for r in rows if r["rollout_id"] in ctx["metrics"]]
+    rows.sort(key=lambda r: r["version"])
+    return [e for r in rows for e in _events(r, run, ctx)], [r["partition_key"] for r in rows]
 
 
 @dg.sensor(

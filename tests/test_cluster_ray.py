@@ -1,11 +1,15 @@
-"""Ray placement against a real two-node cluster started on loopback (no mocks).
+"""A real two-node Ray cluster started on loopback (no mocks): placement of a joined run, and runs
+submitted as Ray jobs (`train --submit`, the `rl_training` op's `launcher: ray_job`) that outlive
+their launcher, attach on relaunch, reconcile into Dagster partitions and stop on cancel.
 
 The cluster is private to this test: its own --temp-dir and ports, `ray start --block` in its own
-session so teardown kills exactly our processes (never a global `ray stop`).
+session so teardown kills exactly our processes (never a global `ray stop`). The head runs the
+dashboard (the Job Submission API) on 127.0.0.1, behind Ray's token auth.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -99,7 +103,8 @@ def _pids_in_session(sid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster():
+def cluster():
+    """{"gcs": GCS address, "jobs": Ray Jobs HTTP address} of a head + worker on loopback."""
     temp_dir = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # short: Ray socket paths have a length limit
     # Ray token auth stays on (the token is ~/.ray/auth_token). A process that joins a cluster sends
     # the token only in token mode, which Ray turns on in a process that starts a local cluster: this
@@ -110,21 +115,30 @@ def two_node_cluster():
     _enable_token_auth()
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    gcs, client, *rest = _free_ports(12)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # a job's `python`
+    gcs, client, dashboard, *rest = _free_ports(13)
     head_ports, worker_ports = rest[:5], rest[5:]
     worker_ports[4] = head_ports[4] + 30
     procs: list[subprocess.Popen] = []
     log = open(Path(temp_dir) / "test-ray.log", "w")  # noqa: SIM115
     try:
         head = [RAY_BIN, "start", "--head", "--port", str(gcs), "--ray-client-server-port", str(client)]
-        head += ["--include-dashboard", "false", "--temp-dir", temp_dir] + _node_args(head_ports)
+        head += [
+            "--include-dashboard",
+            "true",
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dashboard),
+        ]
+        head += ["--temp-dir", temp_dir] + _node_args(head_ports)
         procs.append(subprocess.Popen(head, env=env, stdout=log, stderr=log, start_new_session=True))
-        address = f"127.0.0.1:{gcs}"
-        _wait_nodes(address, 1, env, procs)
+        address, jobs = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
+        _wait_nodes(jobs, 1, procs)
         worker = [RAY_BIN, "start", "--address", address] + _node_args(worker_ports)
         procs.append(subprocess.Popen(worker, env=env, stdout=log, stderr=log, start_new_session=True))
-        _wait_nodes(address, 2, env, procs)
-        yield address
+        _wait_nodes(jobs, 2, procs)
+        yield {"gcs": address, "jobs": jobs}
     finally:
         for p in reversed(procs):
             _kill_tree(p, temp_dir)
@@ -132,23 +146,32 @@ def two_node_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _wait_nodes(address: str, n: int, env: dict, procs: list, timeout: float = 60.0) -> None:
-    import json
+@pytest.fixture(scope="module")
+def two_node_cluster(cluster):
+    return cluster["gcs"]
 
-    probe = (
-        f"import ray, json; ray.init(address={address!r}, log_to_driver=False); "
-        "print('ALIVE_NODES', json.dumps(sum(1 for x in ray.nodes() if x['Alive'])))"
-    )
+
+def _wait_nodes(jobs_address: str, n: int, procs: list, timeout: float = 90.0) -> None:
+    """Until the dashboard's state API lists `n` alive nodes (HTTP with this user's Ray token: no
+    Ray import per probe)."""
+    import urllib.error
+    import urllib.request
+
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    req = urllib.request.Request(f"{jobs_address}/api/v0/nodes", headers={"Authorization": f"Bearer {token}"})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("`ray start` exited early; see its log under --temp-dir")
-        r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
-        alive = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("ALIVE_NODES ")]
-        if r.returncode == 0 and alive and json.loads(alive[-1]) >= n:  # Ray may log to stdout too
-            return
-        time.sleep(1.0)
-    raise TimeoutError(f"Ray cluster at {address} did not reach {n} nodes")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                nodes = json.loads(r.read())["data"]["result"]["result"]
+            if sum(x["state"] == "ALIVE" for x in nodes) >= n:
+                return
+        except (OSError, urllib.error.URLError, KeyError, ValueError):
+            pass  # the dashboard is not up yet
+        time.sleep(0.5)
+    raise TimeoutError(f"Ray cluster at {jobs_address} did not reach {n} nodes")
 
 
 class RankProbe:
@@ -244,3 +267,143 @@ def test_placement_plan_gpu_and_cpu_counterparts():
     assert colo["rollout"].shared_with == "actor" and colo["rollout"].num_bundles == 4  # forced to world size
     with pytest.raises(ConfigError, match="--rollout-num-gpus-per-engine"):
         plan_placement(RunConfig(rollout_num_gpus=3, rollout_num_gpus_per_engine=2), use_gpu=False)
+
+
+# ---------------------------------------------------------------------------- runs as Ray jobs
+
+REPO = Path(__file__).resolve().parent.parent
+DAGSTER_RUN = str(Path(__file__).with_name("ray_job_dagster_run.py"))
+
+
+def _job_run_kwargs(ckpt: str, tmp_path, run: str, num_rollout: int) -> dict:
+    from loop_helpers import small_run_kwargs
+
+    kw = small_run_kwargs(ckpt, tmp_path, run_name=run, num_rollout=num_rollout, save_interval=5)
+    kw.pop("storage_root")  # the Dagster resource's / --storage-root
+    return kw
+
+
+def _wait_for(pred, timeout: float, what: str, procs: list) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        dead = [p for p in procs if p.poll() is not None]
+        assert not dead, f"launcher exited ({dead[0].returncode}) before {what}"
+        time.sleep(0.5)
+    raise TimeoutError(f"no {what} within {timeout} s")
+
+
+def _dagster_run(kw: dict, root, home, log_path) -> subprocess.Popen:
+    env = {**os.environ, "DAGSTER_HOME": str(home), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen([sys.executable, DAGSTER_RUN, json.dumps(kw), str(root)], env=env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def _versions(root, run: str) -> list[dict]:
+    from miles_platform.store.paths import StoragePaths
+    from miles_platform.store.tables import read_rows
+
+    return read_rows(StoragePaths(str(root)), "policy_versions", run)
+
+
+N_DG = 60  # ~0.3 s a version here: the relaunch (~10 s to start) finds the job still running
+
+
+def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_cancels(
+    cluster, tiny_hf_checkpoint, tmp_path
+):
+    """The Dagster run worker is killed -9 mid-run: the Ray job trains on; relaunching the Dagster
+    run attaches to it (no second job, no second writer) and reports every version once, with
+    lineage and metrics. Cancelling a Dagster run (SIGINT, as Dagster's cancel interrupts the run
+    worker) stops its Ray job, and the versions made before the stop are reported."""
+    from collections import Counter
+
+    import dagster as dg
+
+    from miles_platform.cluster.ray_jobs import job_client, run_jobs
+
+    root, home = tmp_path / "root", tmp_path / "dagster"
+    home.mkdir()
+    client = job_client(cluster["jobs"])
+    kw = dict(_job_run_kwargs(tiny_hf_checkpoint, tmp_path, "dg", N_DG), launcher="ray_job",
+              ray_job_address=cluster["jobs"])  # fmt: skip
+
+    first = _dagster_run(kw, root, home, tmp_path / "first.log")
+    try:
+        _wait_for(lambda: _versions(root, "dg"), 240, "first policy version", [first])
+    finally:
+        first.kill()
+        first.wait()
+    jobs = run_jobs(client, "dg", str(root))
+    assert [(j.submission_id, j.status) for j in jobs] == [("miles-dg-1", "RUNNING")]  # trains on
+    assert len(_versions(root, "dg")) < N_DG
+
+    second = _dagster_run(kw, root, home, tmp_path / "second.log")
+    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    log = (tmp_path / "second.log").read_text()
+    assert "attached to the running Ray job miles-dg-1" in log
+    assert [(j.submission_id, j.status) for j in run_jobs(client, "dg", str(root))] == [
+        ("miles-dg-1", "SUCCEEDED")
+    ]
+    instance = dg.DagsterInstance.from_config(str(home))
+    key = dg.AssetKey("policy_versions")
+    records = instance.fetch_materializations(key, limit=1000).records
+    counts = Counter(r.asset_materialization.partition for r in records)
+    assert set(counts) == {f"dg.v{v:06d}" for v in range(1, N_DG + 1)} and set(counts.values()) == {1}
+    rows = {r["partition_key"]: r for r in _versions(root, "dg")}
+    by_key = {r.asset_materialization.partition: r.asset_materialization.metadata for r in records}
+    md = by_key["dg.v000002"]
+    assert md["parent_version"].value == "dg.v000001" and md["ray_job_id"].value == "miles-dg-1"
+    assert md["config_hash"].value == rows["dg.v000002"]["config_hash"]
+    assert "train/loss" in md and "eval_config" in md  # the rollout's metrics, the eval settings
+    shards = instance.fetch_materializations(dg.AssetKey("rollout_shards"), limit=1000).records
+    assert Counter(r.asset_materialization.partition for r in shards) == counts
+
+    cancel_kw = dict(kw, run_name="dg-cancel", num_rollout=500)
+    third = _dagster_run(cancel_kw, root, home, tmp_path / "third.log")
+    _wait_for(lambda: "Running entrypoint" in (tmp_path / "third.log").read_text(), 120, "job start", [third])
+    third.send_signal(signal.SIGINT)
+    third.wait(timeout=120)
+    assert "stopping Ray job miles-dg-cancel-1" in (tmp_path / "third.log").read_text()
+    assert [j.status for j in run_jobs(client, "dg-cancel", str(root))] == ["STOPPED"]
+    made = {r["partition_key"] for r in _versions(root, "dg-cancel")}
+    reported = {k for k in instance.get_materialized_partitions(key) if k.startswith("dg-cancel.")}
+    assert len(made) < 500 and reported == made  # what it made before the stop, each reported once
+    assert "RETRY" not in (tmp_path / "third.log").read_text()  # a cancelled run is not retried
+
+
+def test_train_submit_attaches_streams_the_log_and_ctrl_c_stops_the_job(
+    cluster, tiny_hf_checkpoint, tmp_path
+):
+    from miles_platform.cluster.ray_jobs import job_client, run_jobs
+
+    kw = _job_run_kwargs(tiny_hf_checkpoint, tmp_path, "cli", 500)
+    argv = [str(Path(sys.executable).with_name("miles-platform")), "train", "--submit", cluster["jobs"],
+            "--storage-root", str(tmp_path / "root")]  # fmt: skip
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("RAY_ADDRESS", None)
+    r = subprocess.run([*argv, "--no-wait"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1])["job_id"] == "miles-cli-1"
+
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # the job's own log, streamed
+            seen.append(line)
+            if line.startswith("Running entrypoint for job miles-cli-1"):
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    text = "".join(seen) + rest
+    assert "attached to the running Ray job miles-cli-1" in text
+    assert proc.returncode == 130, text[-2000:]
+    client = job_client(cluster["jobs"])
+    assert [j.status for j in run_jobs(client, "cli", str(tmp_path / "root"))] == ["STOPPED"]
