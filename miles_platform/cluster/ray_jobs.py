@@ -3,7 +3,7 @@
 
 A submitted run is the same run as a local one. The submitter validates the config first (a
 mistake costs a second and submits nothing), makes its local paths absolute, and submits the
-entrypoint `python -m miles_platform.cluster.ray_jobs` with the RunConfig as JSON in the job's
+entrypoint `python -m miles_platform.cluster.job_driver` with the RunConfig as JSON in the job's
 runtime env (MILES_RUN_CONFIG). On the cluster that driver joins through the RAY_ADDRESS the job
 supervisor sets and trains exactly as `train` does, printing its log lines (and, under Dagster,
 Pipes messages) to the job's log. The job belongs to the cluster: closing the terminal or killing
@@ -36,7 +36,7 @@ from typing import Any
 from miles_platform.config import ConfigError, RunConfig
 
 CONFIG_ENV = "MILES_RUN_CONFIG"
-ENTRYPOINT = "python -m miles_platform.cluster.ray_jobs"
+ENTRYPOINT = "python -m miles_platform.cluster.job_driver"
 META_RUN, META_ROOT, META_HASH = "miles_run", "miles_storage_root", "miles_config_hash"
 ACTIVE = ("PENDING", "RUNNING")
 # RunConfig fields that name local files or dirs: made absolute before submitting (the job's working
@@ -256,7 +256,7 @@ EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
 
 def submit_cli(cfg: RunConfig, opts: LaunchOptions) -> int:
     """`train --submit`: submit (or attach), stream the log, stop the job on Ctrl-C."""
-    from miles_platform.loop import validate_before_start
+    from miles_platform.preflight import validate_before_start
 
     address = resolve_job_address(opts.submit)
     validate_before_start(cfg)  # the user's mistake fails here, before anything is submitted
@@ -277,58 +277,3 @@ def submit_cli(cfg: RunConfig, opts: LaunchOptions) -> int:
     print(f"miles-platform train: Ray job {launched.job_id} {status}: {info.message or ''}".rstrip(": "),
           file=sys.stderr)  # fmt: skip
     return EXIT_CODES.get(status, 1)
-
-
-# ---------------------------------------------------------------------------- the job's driver
-
-
-class _PipesReporter:
-    """The driver's Reporter under Dagster Pipes: log lines go to the Dagster run's log and each
-    new policy version is announced as a custom message (the op reconciles the materializations
-    from the catalog: Pipes cannot report partitioned ones in this Dagster version)."""
-
-    def __init__(self, pipes):
-        self.pipes = pipes
-
-    def log(self, msg: str) -> None:
-        self.pipes.log.info(msg)
-
-    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def on_policy_version(self, info: dict[str, Any]) -> None:
-        self.pipes.report_custom_message({"policy_version": info["partition_key"]})
-
-
-def driver_main() -> int:
-    """The entrypoint of a submitted run, on the cluster."""
-    from miles_platform.errors import MilesError
-    from miles_platform.loop import ActorDied, CITestFailure, Reporter, train
-
-    text = os.environ.get(CONFIG_ENV)
-    if not text:
-        print(f"miles_platform.cluster.ray_jobs: {CONFIG_ENV} is not set (submit with `train --submit`)",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    try:
-        cfg = RunConfig.from_dict(json.loads(text)).validate()
-        if os.environ.get("DAGSTER_PIPES_CONTEXT"):
-            from dagster_pipes import open_dagster_pipes
-
-            with open_dagster_pipes() as pipes:
-                result = train(cfg, _PipesReporter(pipes))  # type: ignore[arg-type]
-        else:
-            result = train(cfg, Reporter())
-    except (CITestFailure, ActorDied) as e:
-        print(f"miles-platform train: {e}", file=sys.stderr)
-        return 1
-    except MilesError as e:
-        print(f"miles-platform train: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({"run": result.run, "last_rollout_id": result.last_rollout_id,
-                      "final_version": result.final_version, "final_hf_path": result.final_hf_path}))  # fmt: skip
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(driver_main())

@@ -1,0 +1,69 @@
+"""The driver of a run submitted as a Ray job (cluster/ray_jobs.py): the job's entrypoint
+`python -m miles_platform.cluster.job_driver`, on the cluster.
+
+It reads the validated RunConfig from $MILES_RUN_CONFIG, joins the cluster through the RAY_ADDRESS
+the job supervisor sets, and trains as `miles-platform train` does; its log lines (and under
+Dagster, Pipes messages) go to the job's log, which `train --submit` and the `rl_training` op tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from miles_platform.cluster.ray_jobs import CONFIG_ENV
+from miles_platform.config import RunConfig
+
+
+class _PipesReporter:
+    """The driver's Reporter under Dagster Pipes: log lines go to the Dagster run's log and each
+    new policy version is announced as a custom message (the op reconciles the materializations
+    from the catalog: Pipes cannot report partitioned ones in this Dagster version)."""
+
+    def __init__(self, pipes):
+        self.pipes = pipes
+
+    def log(self, msg: str) -> None:
+        self.pipes.log.info(msg)
+
+    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_policy_version(self, info: dict[str, Any]) -> None:
+        self.pipes.report_custom_message({"policy_version": info["partition_key"]})
+
+
+def driver_main() -> int:
+    """The entrypoint of a submitted run, on the cluster."""
+    from miles_platform.errors import MilesError
+    from miles_platform.loop import ActorDied, CITestFailure, Reporter, train
+
+    text = os.environ.get(CONFIG_ENV)
+    if not text:
+        print(f"miles_platform.cluster.job_driver: {CONFIG_ENV} is not set (submit with `train --submit`)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        cfg = RunConfig.from_dict(json.loads(text)).validate()
+        if os.environ.get("DAGSTER_PIPES_CONTEXT"):
+            from dagster_pipes import open_dagster_pipes
+
+            with open_dagster_pipes() as pipes:
+                result = train(cfg, _PipesReporter(pipes))  # type: ignore[arg-type]
+        else:
+            result = train(cfg, Reporter())
+    except (CITestFailure, ActorDied) as e:
+        print(f"miles-platform train: {e}", file=sys.stderr)
+        return 1
+    except MilesError as e:
+        print(f"miles-platform train: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"run": result.run, "last_rollout_id": result.last_rollout_id,
+                      "final_version": result.final_version, "final_hf_path": result.final_hf_path}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(driver_main())
