@@ -1,0 +1,190 @@
+"""An s3:// storage root end to end, against a local S3 server (moto) on 127.0.0.1: a GRPO run
+with checkpoints and disk-delta publication on the store, a resume from the store with nothing
+left on local disk, then the store's contents (nothing partial), `miles-platform query` over
+its Parquet and `miles-platform weights` reading its publication."""
+
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import redirect_stdout
+
+import pytest
+from loop_helpers import small_run_config
+
+from miles_platform.cluster.ports import free_port
+from miles_platform.config import ConfigError
+from miles_platform.loop import train, validate_before_start
+from miles_platform.store.paths import StoragePaths
+
+pytest.importorskip("moto.server", reason="moto[server] not installed")
+pytest.importorskip("s3fs", reason="s3fs not installed")
+
+BUCKET = "miles"
+ROOT = f"s3://{BUCKET}/root"
+PUB = f"{ROOT}/runs/t/publications"
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """moto's S3 server on a free loopback port, in its own process (in this one it would share
+    the GIL with the test's DuckDB and s3fs threads); the AWS env vars are the tests' to set."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
+            time.sleep(0.1)
+        yield {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, tmp_path, tiny_hf_checkpoint):
+    """The env pointing s3fs at the server, a fresh bucket, and a local cache dir of this test's.
+    This worker's Ray (and its fork server) is started first, without that env: the trainer and
+    engine actors reach the store only if the run hands them the driver's endpoint and credentials."""
+    from miles_platform.cluster import ray_cluster
+
+    assert not {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(os.environ)
+    ray_cluster.init_ray(small_run_config(tiny_hf_checkpoint, tmp_path))
+    for k, v in s3_server.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    if fs.exists(BUCKET):
+        fs.rm(BUCKET, recursive=True)
+    fs.mkdir(BUCKET)
+    return fs
+
+
+def _cfg(ckpt, tmp_path, num_rollout):
+    return small_run_config(
+        ckpt, tmp_path, storage_root=ROOT, num_rollout=num_rollout, save_interval=2,
+        update_weight_transfer_mode="disk-delta", update_weight_disk_dir=PUB, check_weight_update_equal=True,
+        eval_prompt_data=["heldout", str(tmp_path / "train.jsonl")], eval_interval=2,
+        custom_rm_path="loop_helpers.first_token_parity_rm",  # reward variance: the weights move
+    )  # fmt: skip
+
+
+def _query(sql: str) -> list[dict]:
+    from miles_platform.store.catalog import cli_main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli_main([sql, "--storage-root", ROOT, "--format", "json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_a_run_on_s3_checkpoints_publishes_resumes_from_the_store_and_is_queryable(
+    tiny_hf_checkpoint, tmp_path, s3
+):
+    res = train(_cfg(tiny_hf_checkpoint, tmp_path, 2))
+    assert res.final_version == 2 and res.final_hf_path == f"{ROOT}/runs/t/hf/v000002"
+    assert s3.cat_file(f"{BUCKET}/root/runs/t/checkpoints/latest_checkpointed_iteration.txt") == b"1"
+
+    # a fresh host: nothing of the first run on local disk; the resume reads everything from S3.
+    # On the store, what a writer killed mid-upload leaves: part of checkpoint iter_0000003 (no
+    # trainer_state.json, no pointer) and the payload of publication v3 (no index.json, no LATEST)
+    shutil.rmtree(tmp_path / "cache")
+    s3.pipe_file(f"{BUCKET}/root/runs/t/checkpoints/iter_0000003/model.safetensors", b"torn")
+    s3.pipe_file(f"{BUCKET}/root/runs/t/publications/weight_v000003/payload.bin", b"torn")
+    res = train(_cfg(tiny_hf_checkpoint, tmp_path, 4))
+    assert res.start_rollout_id == 2 and res.final_version == 4
+    assert [v["version"] for v in res.versions] == [3, 4]
+
+    keys = [k.removeprefix(f"{BUCKET}/root/") for k in s3.find(BUCKET)]
+    assert not [k for k in keys if ".tmp-" in k], "a temp name was left on the store"
+    ckpt = "runs/t/checkpoints"
+    assert s3.cat_file(f"{BUCKET}/root/{ckpt}/latest_checkpointed_iteration.txt") == b"3"
+    for it in (1, 3):
+        assert f"{ckpt}/iter_{it:07d}/trainer_state.json" in keys
+        assert s3.size(f"{BUCKET}/root/{ckpt}/iter_{it:07d}/model.safetensors") > 1000  # iter 3: rewritten
+    assert f"{ckpt}/run_config.json" in keys
+    for v in (1, 2, 3, 4):
+        assert f"runs/t/hf/v{v:06d}/model.safetensors" in keys
+        assert f"runs/t/hf/v{v:06d}/config.json" in keys
+    assert [f"rollouts/run=t/rollout_id={i:06d}/part-0.parquet" for i in range(4)] == sorted(
+        k for k in keys if k.startswith("rollouts/")
+    )
+    for table in ("policy_versions", "metrics", "lineage", "evals"):
+        assert any(k.startswith(f"tables/{table}/run=t/part-") for k in keys), table
+    pub = sorted(k.removeprefix("runs/t/publications/") for k in keys if "/publications/" in k)
+    assert pub == ["LATEST"] + [
+        f"weight_v{v:06d}/{f}" for v in range(5) for f in ("index.json", "payload.bin")
+    ]
+    assert not os.path.exists("s3:") and not os.path.exists(tmp_path / "s3:")  # no URI used as a path
+
+    # DuckDB over the store's Parquet, through the CLI's query path (no catalog file on S3)
+    rows = _query("select rollout_id, count(*) n from rollouts where run = 't' group by 1 order by 1")
+    assert rows == [{"rollout_id": i, "n": 4} for i in range(4)]
+    rows = _query(
+        "select p.version, p.rollout_id, p.hf_path, count(r.index) n from policy_versions p "
+        "join rollouts r on r.run = p.run and r.rollout_id = p.rollout_id group by all order by 1"
+    )
+    assert [(r["version"], r["rollout_id"], r["n"]) for r in rows] == [(v, v - 1, 4) for v in (1, 2, 3, 4)]
+    assert rows[-1]["hf_path"] == f"{ROOT}/runs/t/hf/v000004"
+    evals = _query("select version, value from evals where metric = 'pass@1' order by 1")
+    assert [r["version"] for r in evals] == [0, 2, 4]
+
+    # `miles-platform eval` of the v4 export on S3 (downloaded): the loop's greedy pass@1 of v4
+    from miles_platform.rollout.evaluate import cli_main as eval_cli
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert eval_cli(["--hf-checkpoint", f"{ROOT}/runs/t/hf/v000004", "--eval-prompt-data", "heldout",
+                         str(tmp_path / "train.jsonl"), "--eval-max-response-len", "4", "--json",
+                         "--custom-rm-path", "loop_helpers.first_token_parity_rm"]) == 0  # fmt: skip
+    heldout = json.loads(out.getvalue())["heldout"]
+    assert heldout["num_prompts"] == 8 and heldout["pass@1"] == evals[-1]["value"]
+
+    # `miles-platform weights` reads the publication on S3; applied, it equals the HF export of v4
+    from miles_platform.store.remote import local_dir
+    from miles_platform.weights.cli import cli_main as weights_cli
+    from miles_platform.weights.cli import load_hf_state
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert weights_cli(["list", "--pub", PUB]) == 0
+        assert weights_cli(["apply", "--pub", PUB, "--checkpoint", str(tmp_path / "replica")]) == 0
+    assert f"{PUB}: LATEST v4" in out.getvalue() and "at v4 (verified)" in out.getvalue()
+    replica = load_hf_state(str(tmp_path / "replica"))
+    with local_dir(f"{ROOT}/runs/t/hf/v000004") as d:
+        export = load_hf_state(d)
+    assert replica.keys() == export.keys() and all((replica[k] == export[k]).all() for k in export)
+
+
+def test_what_an_object_store_root_cannot_do_is_refused_before_start(tiny_hf_checkpoint, tmp_path):
+    for kw, flag in (
+        (dict(lora_rank=4, lora_alpha=8), "--lora-rank 4 with --storage-root s3://"),
+        (dict(save_hf=str(tmp_path / "copy")), "--save-hf .* with --storage-root s3://"),
+        (
+            dict(rollout_engine="sglang", update_weight_transfer_mode="disk"),
+            "--update-weight-transfer-mode disk with --storage-root s3://.*SGLang engines",
+        ),
+    ):
+        cfg = small_run_config(tiny_hf_checkpoint, tmp_path, storage_root=ROOT, **kw)
+        with pytest.raises(ConfigError, match=flag):
+            validate_before_start(cfg)
+    cfg = small_run_config(tiny_hf_checkpoint, tmp_path, storage_root=str(tmp_path / "root"),
+                           update_weight_local_checkpoint_dir="s3://b/engine-local")  # fmt: skip
+    with pytest.raises(ConfigError, match="--update-weight-local-checkpoint-dir"):
+        validate_before_start(cfg)
+    assert StoragePaths(ROOT).missing_root_error("miles-platform query") is None
