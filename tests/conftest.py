@@ -22,7 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
 LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
     "test_learning.py": 124, "test_ui_browser.py": 108, "test_model_families_loop.py": 94, "test_loop.py": 89,
-    "test_multi_rank.py": 60, "test_model_families_megatron.py": 45, "test_cluster_ray.py": 48,
+    "test_multi_rank.py": 60, "test_model_families_megatron.py": 45,
+    "test_cluster_ray.py": 165,  # alone, 2026-12-02: with the Ray-job runs (dashboard, 3 submitted runs)
     "test_kernels.py": 41, "test_generate_hub.py": 37, "test_opd_loop.py": 36, "test_sglang_launcher.py": 31,
     "test_conversion_asset.py": 31, "test_ops_training.py": 30, "test_engine_control.py": 29,
     "test_fault_tolerance.py": 26, "test_opd.py": 24, "test_tito.py": 23, "test_engine.py": 23,
@@ -36,6 +37,8 @@ LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2
 # `make test-fast` leaves these out (-m "not slow"): whole training runs, SFT bases, the browser,
 # multi-process gloo groups; each takes over ~15 s alone. `make test` runs everything.
 SLOW = {
+    "test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_cancels",
+    "test_train_submit_attaches_streams_the_log_and_ctrl_c_stops_the_job",
     "test_grpo_lifts_reward_and_heldout_accuracy", "test_materialize_eval_results_from_the_ui",
     "test_asset_graph_shows_pipeline_and_edges", "test_policy_versions_lists_its_partitions",
     "test_over_sampling_surplus_is_buffered_and_served_by_the_buffer_filter",
