@@ -133,6 +133,8 @@ def test_a_run_on_s3_checkpoints_publishes_resumes_from_the_store_and_is_queryab
     assert not os.path.exists("s3:") and not os.path.exists(tmp_path / "s3:")  # no URI used as a path
 
     # DuckDB over the store's Parquet, through the CLI's query path (no catalog file on S3)
+    assert StoragePaths(ROOT).missing_root_error("miles-platform query") is None
+    assert "s3://miles/typo does not exist" in StoragePaths("s3://miles/typo").missing_root_error("q")
     rows = _query("select rollout_id, count(*) n from rollouts where run = 't' group by 1 order by 1")
     assert rows == [{"rollout_id": i, "n": 4} for i in range(4)]
     rows = _query(
@@ -187,4 +189,3 @@ def test_what_an_object_store_root_cannot_do_is_refused_before_start(tiny_hf_che
                            update_weight_local_checkpoint_dir="s3://b/engine-local")  # fmt: skip
     with pytest.raises(ConfigError, match="--update-weight-local-checkpoint-dir"):
         validate_before_start(cfg)
-    assert StoragePaths(ROOT).missing_root_error("miles-platform query") is None

@@ -179,9 +179,12 @@ class Catalog:
             con.register_filesystem(filesystem(self.paths.root)[0])
             for name, sql in self.view_sql().items():
                 con.execute(f'CREATE VIEW "{name}" AS {sql}')
-        except BaseException:
+        except Exception as e:  # the store's (botocore, aiohttp) errors: one line naming the root
             con.close()
-            raise
+            raise CatalogError(
+                f"cannot read storage root {self.paths.root} ({type(e).__name__}: {e}); check "
+                "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION"
+            ) from None
         return con
 
 

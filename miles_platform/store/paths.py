@@ -48,8 +48,21 @@ class StoragePaths:
         return "/".join([self.root.rstrip("/"), *parts])
 
     def missing_root_error(self, prog: str) -> str | None:
-        """The CLI error for a local root that does not exist (remote URIs are not checked)."""
-        if is_remote(self.root) or os.path.isdir(self.root):
+        """The CLI error for a root that does not exist (an object-store one: nothing under it) or
+        that the object store refuses (endpoint, credentials)."""
+        if is_remote(self.root):
+            from miles_platform.store.remote import exists
+
+            try:
+                found = exists(self.root)
+            except Exception as e:  # botocore's and aiohttp's errors: one line, the env to check
+                return (
+                    f"{prog}: error: cannot read storage root {self.root} ({type(e).__name__}: {e}); "
+                    "check AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION"
+                )
+            if found:
+                return None
+        elif os.path.isdir(self.root):
             return None
         return (
             f"{prog}: error: storage root {self.root} does not exist "

@@ -25,6 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from miles_platform.data.sample import Sample
 from miles_platform.store.atomic import fsync_dir
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.remote import is_remote
 
 SHARD_FILE = "part-0.parquet"
 
@@ -39,6 +40,16 @@ class ShardInfo:
     mean_reward: float | None
 
 
+# object stores whose objects appear only once their upload completed: written in place, one PUT
+# (no temp object to copy and delete, none left behind by a crash)
+WHOLE_OBJECT_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")
+
+
+def _whole_object(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in WHOLE_OBJECT_PROTOCOLS for p in protocols)
+
+
 def _replace(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
     """Atomic rename (os.replace locally; object stores make the upload itself atomic)."""
     if isinstance(fs, LocalFileSystem):
@@ -48,12 +59,17 @@ def _replace(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
 
 
 def write_parquet_atomic(table: pa.Table, path: str) -> int:
-    """Write `table` to `path` (local path or fsspec URI) via temp name + fsync + rename.
+    """Write `table` to `path` (local path or fsspec URI) via temp name + fsync + rename (an object
+    store's single upload is atomic by itself: written in place, WHOLE_OBJECT_PROTOCOLS).
 
     Returns the file size in bytes. On any failure the temp file is removed and `path` is
     left as it was (absent, or the previous complete file).
     """
     fs, fpath = fsspec.core.url_to_fs(path)
+    if _whole_object(fs):
+        with fs.open(fpath, "wb") as f:
+            pq.write_table(table, f)
+        return int(fs.size(fpath))
     parent, _, name = fpath.rpartition("/")
     fs.makedirs(parent, exist_ok=True)
     # hidden and not ending in .parquet: no glob of readers ever matches it
@@ -110,7 +126,7 @@ def write_rollout_shard(paths: StoragePaths, run: str, rollout_id: int, samples:
             )
     samples = [s if s.run else replace(s, run=run) for s in samples]
     path = shard_path(paths, run, rollout_id)
-    first = not _has_parquet(paths.rollouts)
+    first = not is_remote(paths.root) and not _has_parquet(paths.rollouts)  # remote: no catalog file
     size = write_parquet_atomic(samples_to_table(samples), path)
     if first:
         refresh_catalog_after_first_file(paths)
@@ -145,7 +161,7 @@ def refresh_catalog_after_first_file(paths: StoragePaths) -> None:
 
     Best effort and local roots only: the files are the truth, the views are derived.
     """
-    if "://" in paths.root:
+    if is_remote(paths.root):
         return
     from miles_platform.store.catalog import Catalog
 

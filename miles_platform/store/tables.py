@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.remote import is_remote
 from miles_platform.store.schemas import TABLE_SCHEMAS  # noqa: E402,F401 (re-exported)
 from miles_platform.store.shards import refresh_catalog_after_first_file, write_parquet_atomic
 
@@ -45,7 +46,7 @@ def append_rows(paths: StoragePaths, table: str, run: str, rows: list[dict[str, 
     if not rows:
         return None
     data = pa.Table.from_pylist(_check_rows(table, run, rows), schema=TABLE_SCHEMAS[table])
-    first = not _has_rows_dir(paths.table_dir(table))
+    first = not is_remote(paths.root) and not _has_rows_dir(paths.table_dir(table))  # remote: no catalog file
     path = f"{paths.table_dir(table, run)}/part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
     write_parquet_atomic(data, path)
     if first:
