@@ -285,8 +285,7 @@ def cli_main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         parser = build_parser()
         add_launch_flags(parser)
-        parser.print_help()
-        return 0
+        parser.parse_args(["--help"])  # prints the help and exits 0, as argparse does
     cfg = parse_run_config(argv)
     if opts.submit is not None:
         return submit_cli(cfg, opts)

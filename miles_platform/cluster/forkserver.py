@@ -191,6 +191,10 @@ def _child(conn: socket.socket, req: dict, fds: list[int], inherited: list) -> N
     code = 1
     try:
         signal.set_wakeup_fd(-1)
+        # A process group of its own, as Ray gives each worker: the raylet's per-worker cleanup
+        # kills a dead worker's group, which would otherwise be the driver's (a Ray job's driver)
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
         for obj in inherited:
             with contextlib.suppress(OSError):
                 obj.close() if hasattr(obj, "close") else os.close(obj)

@@ -67,6 +67,8 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
                 f"--ray-address {addr}: cannot join the Ray cluster ({e}); check `ray status --address {addr}` "
                 "or unset --ray-address / RAY_ADDRESS to start a local cluster"
             ) from e
+        if _nodes_all_on_this_machine():  # e.g. the driver of a Ray job on a one-machine cluster
+            start_fork_server(*_fork_extras(cfg))
         return RayContext(address=addr, started_local=False, connected=True)
     need = sum(p.num_bundles * p.bundle.get("CPU", 0.0) for p in plan_placement(cfg, use_gpu=False).values())
     num_cpus = max(os.cpu_count() or 1, int(-(-need // 1)))
@@ -75,9 +77,7 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
             "RAY_AUTH_MODE=disabled: the local Ray cluster accepts work from any process that reaches "
             "its ports; unset it to keep Ray's token auth"
         )
-    start_fork_server(
-        *(["peft"] if cfg.lora_rank else []), *(["megatron"] if cfg.train_backend == "megatron" else [])
-    )
+    start_fork_server(*_fork_extras(cfg))
     ray.init(
         address="local",
         _node_ip_address="127.0.0.1",
@@ -88,6 +88,26 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
         **init_kwargs,
     )
     return RayContext(address=None, started_local=True, connected=True)
+
+
+def _fork_extras(cfg: RunConfig) -> list[str]:
+    return [*(["peft"] if cfg.lora_rank else []), *(["megatron"] if cfg.train_backend == "megatron" else [])]
+
+
+def _nodes_all_on_this_machine() -> bool:
+    """Every alive node of the joined cluster has this machine's node IP (a loopback `ray start`
+    head + workers): its actors can fork from this driver's fork server. Never for a Ray client
+    (`ray://`) connection or a cluster that spans machines."""
+    import ray
+
+    try:
+        if ray.util.client.ray.is_connected():
+            return False
+        me = ray.util.get_node_ip_address()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+    except Exception:  # noqa: BLE001 - an optimization only: when in doubt, start actors cold
+        return False
+    return bool(nodes) and all(n.get("NodeManagerAddress") == me for n in nodes)
 
 
 def shutdown_ray(ctx: RayContext) -> None:
