@@ -38,7 +38,7 @@ LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2
 # multi-process gloo groups; each takes over ~15 s alone. `make test` runs everything.
 SLOW = {
     "test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_cancels",
-    "test_train_submit_attaches_streams_the_log_and_ctrl_c_stops_the_job",
+    "test_train_submit_on_an_s3_root_attaches_streams_resumes_and_ctrl_c_stops",
     "test_grpo_lifts_reward_and_heldout_accuracy", "test_materialize_eval_results_from_the_ui",
     "test_asset_graph_shows_pipeline_and_edges", "test_policy_versions_lists_its_partitions",
     "test_over_sampling_surplus_is_buffered_and_served_by_the_buffer_filter",
@@ -182,6 +182,31 @@ def mooncake_master(tmp_path_factory):
         from miles_platform.cluster.object_store import close_stores
 
         close_stores()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """moto's S3 server on a free loopback port, in its own process (in this one it would share the
+    GIL with the test's DuckDB and s3fs threads); the AWS env vars are the tests' to set. Used by
+    tests/test_object_store_root.py and test_cluster_ray.py."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
+            time.sleep(0.1)
+        yield {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
         log.close()

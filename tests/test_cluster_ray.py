@@ -375,35 +375,70 @@ def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_ca
     assert "RETRY" not in (tmp_path / "third.log").read_text()  # a cancelled run is not retried
 
 
-def test_train_submit_attaches_streams_the_log_and_ctrl_c_stops_the_job(
-    cluster, tiny_hf_checkpoint, tmp_path
+def _stream_until(proc: subprocess.Popen, marker: str) -> list[str]:
+    seen = []
+    for line in proc.stdout:  # the job's own log, streamed
+        seen.append(line)
+        if marker in line:
+            break
+    return seen
+
+
+def test_train_submit_on_an_s3_root_attaches_streams_resumes_and_ctrl_c_stops(
+    cluster, s3_server, tiny_hf_checkpoint, tmp_path, monkeypatch
 ):
+    """`train --submit` of a run whose storage root is on S3 (moto on 127.0.0.1): submitted with
+    --no-wait, the same command attaches and streams it to the end; its shards, checkpoints and
+    disk-delta publication are on the store; the command with more rollouts is a second job that
+    resumes from the store's checkpoint, and Ctrl-C stops it. DuckDB then queries the store."""
+    import fsspec
+
     from miles_platform.cluster.ray_jobs import job_client, run_jobs
 
-    kw = _job_run_kwargs(tiny_hf_checkpoint, tmp_path, "cli", 500)
+    for k, v in s3_server.items():
+        monkeypatch.setenv(k, v)  # this process reads the store; the job gets them in its runtime env
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    if not fs.exists("jobs"):
+        fs.mkdir("jobs")
+    root = "s3://jobs/root"
+    kw = _job_run_kwargs(tiny_hf_checkpoint, tmp_path, "s3", 4)
+    kw.update(save_interval=2, update_weight_transfer_mode="disk-delta",
+              update_weight_disk_dir=f"{root}/runs/s3/publications")  # fmt: skip
     argv = [str(Path(sys.executable).with_name("miles-platform")), "train", "--submit", cluster["jobs"],
-            "--storage-root", str(tmp_path / "root")]  # fmt: skip
+            "--storage-root", root, "--submit-runtime-env-json", json.dumps({"env_vars": s3_server})]  # fmt: skip
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("RAY_ADDRESS", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "RAY_ADDRESS"}
+    env["TOKENIZERS_PARALLELISM"] = "false"
     r = subprocess.run([*argv, "--no-wait"], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.splitlines()[-1])["job_id"] == "miles-cli-1"
+    assert json.loads(r.stdout.splitlines()[-1])["job_id"] == "miles-s3-1"
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "attached to the running Ray job miles-s3-1" in r.stderr and "rollout 3:" in r.stdout
+    keys = [k.removeprefix("jobs/root/") for k in fs.find("jobs/root")]
+    assert fs.cat_file("jobs/root/runs/s3/checkpoints/latest_checkpointed_iteration.txt") == b"3"
+    assert any(k.startswith("rollouts/run=s3/rollout_id=000003/") for k in keys)
+    assert int(fs.cat_file("jobs/root/runs/s3/publications/LATEST")) == 4
+    assert not [k for k in keys if ".tmp-" in k]
 
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
+    more = [*argv[: argv.index("--num-rollout") + 1], "500", *argv[argv.index("--num-rollout") + 2 :]]
+    proc = subprocess.Popen(more, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for line in proc.stdout:  # the job's own log, streamed
-            seen.append(line)
-            if line.startswith("Running entrypoint for job miles-cli-1"):
-                break
+        seen = _stream_until(proc, "[resume] from")
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
     text = "".join(seen) + rest
-    assert "attached to the running Ray job miles-cli-1" in text
+    assert "submitted Ray job miles-s3-2" in text and f"[resume] from {root}/runs/s3/checkpoints" in text
     assert proc.returncode == 130, text[-2000:]
     client = job_client(cluster["jobs"])
-    assert [j.status for j in run_jobs(client, "cli", str(tmp_path / "root"))] == ["STOPPED"]
+    assert [j.status for j in run_jobs(client, "s3", root)] == ["SUCCEEDED", "STOPPED"]
+
+    q = subprocess.run([argv[0], "query", "--storage-root", root, "--format", "json",
+                        "SELECT count(*) AS n, min(version) AS lo FROM policy_versions WHERE run = 's3'"],
+                       env={**env, **s3_server}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert q.returncode == 0, q.stderr
+    row = json.loads(q.stdout)[0]
+    assert row["n"] >= 4 and row["lo"] == 1

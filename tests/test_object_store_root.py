@@ -7,17 +7,11 @@ import io
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from contextlib import redirect_stdout
 
 import pytest
 from loop_helpers import small_run_config
 
-from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError
 from miles_platform.loop import train, validate_before_start
 from miles_platform.store.paths import StoragePaths
@@ -28,30 +22,6 @@ pytest.importorskip("s3fs", reason="s3fs not installed")
 BUCKET = "miles"
 ROOT = f"s3://{BUCKET}/root"
 PUB = f"{ROOT}/runs/t/publications"
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    """moto's S3 server on a free loopback port, in its own process (in this one it would share
-    the GIL with the test's DuckDB and s3fs threads); the AWS env vars are the tests' to set."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=log, start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
-            time.sleep(0.1)
-        yield {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-        log.close()
 
 
 @pytest.fixture
