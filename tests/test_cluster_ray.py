@@ -309,15 +309,15 @@ def _versions(root, run: str) -> list[dict]:
     return read_rows(StoragePaths(str(root)), "policy_versions", run)
 
 
-N_DG = 60  # ~0.3 s a version here: the relaunch (~10 s to start) finds the job still running
+N_DG = 20  # the first launcher dies as the job's driver starts; the relaunch (~10 s) finds it running
 
 
 def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_cancels(
     cluster, tiny_hf_checkpoint, tmp_path
 ):
-    """The Dagster run worker is killed -9 mid-run: the Ray job trains on; relaunching the Dagster
-    run attaches to it (no second job, no second writer) and reports every version once, with
-    lineage and metrics. Cancelling a Dagster run (SIGINT, as Dagster's cancel interrupts the run
+    """The Dagster run worker is killed -9 once its Ray job runs: the job trains on; relaunching
+    the Dagster run attaches to it (no second job, no second writer) and reports every version
+    once, with lineage and metrics. Cancelling a Dagster run (SIGINT, as Dagster's cancel interrupts the run
     worker) stops its Ray job, and the versions made before the stop are reported."""
     from collections import Counter
 
@@ -333,7 +333,9 @@ def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_ca
 
     first = _dagster_run(kw, root, home, tmp_path / "first.log")
     try:
-        _wait_for(lambda: _versions(root, "dg"), 240, "first policy version", [first])
+        _wait_for(
+            lambda: "Running entrypoint" in (tmp_path / "first.log").read_text(), 120, "job start", [first]
+        )
     finally:
         first.kill()
         first.wait()
@@ -364,7 +366,8 @@ def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_ca
 
     cancel_kw = dict(kw, run_name="dg-cancel", num_rollout=500)
     third = _dagster_run(cancel_kw, root, home, tmp_path / "third.log")
-    _wait_for(lambda: "Running entrypoint" in (tmp_path / "third.log").read_text(), 120, "job start", [third])
+    _wait_for(lambda: "submitted Ray job miles-dg-cancel-1" in (tmp_path / "third.log").read_text(), 120,
+              "submission", [third])  # fmt: skip
     third.send_signal(signal.SIGINT)
     third.wait(timeout=120)
     assert "stopping Ray job miles-dg-cancel-1" in (tmp_path / "third.log").read_text()
@@ -384,13 +387,14 @@ def _stream_until(proc: subprocess.Popen, marker: str) -> list[str]:
     return seen
 
 
-def test_train_submit_on_an_s3_root_attaches_streams_resumes_and_ctrl_c_stops(
+def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
     cluster, s3_server, tiny_hf_checkpoint, tmp_path, monkeypatch
 ):
     """`train --submit` of a run whose storage root is on S3 (moto on 127.0.0.1): submitted with
     --no-wait, the same command attaches and streams it to the end; its shards, checkpoints and
-    disk-delta publication are on the store; the command with more rollouts is a second job that
-    resumes from the store's checkpoint, and Ctrl-C stops it. DuckDB then queries the store."""
+    disk-delta publication are on the store; the command with more rollouts is a second job, and
+    Ctrl-C stops it. DuckDB then queries the store. (Resuming from the store, torn uploads and
+    reading it back: tests/test_object_store_root.py.)"""
     import fsspec
 
     from miles_platform.cluster.ray_jobs import job_client, run_jobs
@@ -401,7 +405,7 @@ def test_train_submit_on_an_s3_root_attaches_streams_resumes_and_ctrl_c_stops(
     if not fs.exists("jobs"):
         fs.mkdir("jobs")
     root = "s3://jobs/root"
-    kw = _job_run_kwargs(tiny_hf_checkpoint, tmp_path, "s3", 4)
+    kw = _job_run_kwargs(tiny_hf_checkpoint, tmp_path, "s3", 2)
     kw.update(save_interval=2, update_weight_transfer_mode="disk-delta",
               update_weight_disk_dir=f"{root}/runs/s3/publications")  # fmt: skip
     argv = [str(Path(sys.executable).with_name("miles-platform")), "train", "--submit", cluster["jobs"],
@@ -415,23 +419,23 @@ def test_train_submit_on_an_s3_root_attaches_streams_resumes_and_ctrl_c_stops(
     assert json.loads(r.stdout.splitlines()[-1])["job_id"] == "miles-s3-1"
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "attached to the running Ray job miles-s3-1" in r.stderr and "rollout 3:" in r.stdout
+    assert "attached to the running Ray job miles-s3-1" in r.stderr and "rollout 1:" in r.stdout
     keys = [k.removeprefix("jobs/root/") for k in fs.find("jobs/root")]
-    assert fs.cat_file("jobs/root/runs/s3/checkpoints/latest_checkpointed_iteration.txt") == b"3"
-    assert any(k.startswith("rollouts/run=s3/rollout_id=000003/") for k in keys)
-    assert int(fs.cat_file("jobs/root/runs/s3/publications/LATEST")) == 4
+    assert fs.cat_file("jobs/root/runs/s3/checkpoints/latest_checkpointed_iteration.txt") == b"1"
+    assert any(k.startswith("rollouts/run=s3/rollout_id=000001/") for k in keys)
+    assert int(fs.cat_file("jobs/root/runs/s3/publications/LATEST")) == 2
     assert not [k for k in keys if ".tmp-" in k]
 
     more = [*argv[: argv.index("--num-rollout") + 1], "500", *argv[argv.index("--num-rollout") + 2 :]]
     proc = subprocess.Popen(more, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        seen = _stream_until(proc, "[resume] from")
+        seen = _stream_until(proc, "submitted Ray job miles-s3-2")
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
     text = "".join(seen) + rest
-    assert "submitted Ray job miles-s3-2" in text and f"[resume] from {root}/runs/s3/checkpoints" in text
+    assert "stopping Ray job miles-s3-2" in text
     assert proc.returncode == 130, text[-2000:]
     client = job_client(cluster["jobs"])
     assert [j.status for j in run_jobs(client, "s3", root)] == ["SUCCEEDED", "STOPPED"]
@@ -441,4 +445,4 @@ def test_train_submit_on_an_s3_root_attaches_streams_resumes_and_ctrl_c_stops(
                        env={**env, **s3_server}, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert q.returncode == 0, q.stderr
     row = json.loads(q.stdout)[0]
-    assert row["n"] >= 4 and row["lo"] == 1
+    assert row["n"] >= 2 and row["lo"] == 1

@@ -263,11 +263,15 @@ def submit_cli(cfg: RunConfig, opts: LaunchOptions) -> int:
     client = job_client(address)
     launched = submit_or_attach(client, cfg, runtime_env=opts.runtime_env)
     verb = "attached to the running" if launched.attached else "submitted"
-    print(f"miles-platform train: {verb} Ray job {launched.job_id} at {address}", file=sys.stderr, flush=True)
-    if opts.no_wait:
-        print(json.dumps({"job_id": launched.job_id, "address": address, "attached": launched.attached}))
-        return 0
-    try:
+    try:  # from here on, Ctrl-C stops the job
+        print(
+            f"miles-platform train: {verb} Ray job {launched.job_id} at {address}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if opts.no_wait:
+            print(json.dumps({"job_id": launched.job_id, "address": address, "attached": launched.attached}))
+            return 0
         stream_logs(client, launched.job_id)
         status = wait_for_job(client, launched.job_id, poll_s=0.5)
     except KeyboardInterrupt:
