@@ -95,7 +95,9 @@ class RLRun:
 
         cfg, s, run = self.cfg, self.s, self.cfg.run_name
         last = self.paths.hf_export(run, version)
-        result = RunResult(run, start, start - 1, version, last if exists(last) else None)
+        result = RunResult(
+            run, start, start - 1, version, last if exists(f"{last}/model.safetensors") else None
+        )
         for rollout_id in range(start, cfg.num_rollout):
             t0 = time.time()
             if cfg.load_debug_rollout_data:
@@ -197,7 +199,7 @@ class RLRun:
                 from miles_platform.training.export import export_hf_dir  # what a replacement loads
 
                 hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
-            s.session.update(weights, version, hf_dir if exists(hf_dir) else None)
+            s.session.update(weights, version, hf_dir if exists(f"{hf_dir}/model.safetensors") else None)
         if resumed and weight_check_on(cfg):
             check_weights_equal(cfg, s.engines, weights, version)
 

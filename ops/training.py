@@ -225,7 +225,7 @@ def rl_training_op(
     ray_job = ray_job_options(config)
     cfg, eval_config = run_config_from(config, context.instance, storage.root)
     if ray_job is not None:
-        return train_as_ray_job(context, cfg, eval_config, storage.paths, *ray_job)
+        return train_as_ray_job(context, cfg, eval_config, storage.paths, *ray_job, api_key=config.api_key)
     if context.retry_number:
         context.log.info(f"retry {context.retry_number}: run {cfg.run_name} resumes from its last checkpoint")
     reporter = DagsterReporter(context, eval_config)
@@ -282,6 +282,7 @@ def train_as_ray_job(
     paths: StoragePaths,
     address: str,
     runtime_env: dict[str, Any],
+    api_key: str | None = None,
 ) -> dg.Output:
     """`launcher: ray_job`: submit the run as a Ray job (or attach to its live one) with Dagster
     Pipes: dagster-ray's PipesRayJobMessageReader tails the job's log into this run's log, and on
@@ -291,7 +292,13 @@ def train_as_ray_job(
     from dagster._core.errors import DagsterExecutionInterruptedError
     from dagster_ray.core.pipes import PipesRayJobMessageReader
 
-    from miles_platform.cluster.ray_jobs import job_client, stop_job, submit_or_attach, wait_for_job
+    from miles_platform.cluster.ray_jobs import (
+        FINAL_EXIT_CODES,
+        job_client,
+        stop_job,
+        submit_or_attach,
+        wait_for_job,
+    )
     from miles_platform.store.tables import read_rows
     from sensors.catalog_runs import run_version_reports
 
@@ -301,12 +308,9 @@ def train_as_ray_job(
                                context_injector=dg.PipesEnvContextInjector()) as session:  # fmt: skip
         launched = submit_or_attach(
             client, cfg, runtime_env=runtime_env, env_vars=session.get_bootstrap_env_vars(),
-            metadata={"dagster_run_id": context.run_id, "dagster_job": context.job_name},
+            metadata={"dagster_run_id": context.run_id, "dagster_job": context.job_name}, api_key=api_key,
         )  # fmt: skip
         job_id = launched.job_id
-        verb = "attached to the running" if launched.attached else "submitted"
-        context.log.info(f"{verb} Ray job {job_id} at {address} (run {cfg.run_name})")
-        session.report_launched({"extras": {"ray_job_id": job_id, "ray_address": client.get_address()}})
         extra = {"reported_by": "rl_training", "ray_job_id": job_id}
 
         def reconcile(complete: bool) -> None:
@@ -317,20 +321,29 @@ def train_as_ray_job(
                 for e in events:
                     context.log_event(e)
 
-        try:
+        try:  # from here on a cancel stops the job, whatever else fails while stopping
+            verb = "attached to the running" if launched.attached else "submitted"
+            context.log.info(f"{verb} Ray job {job_id} at {address} (run {cfg.run_name})")
+            session.report_launched({"extras": {"ray_job_id": job_id, "ray_address": client.get_address()}})
             status = wait_for_job(client, job_id, poll_s=2.0, on_poll=lambda: reconcile(False))
         except (DagsterExecutionInterruptedError, KeyboardInterrupt):
-            context.log.warning(f"run cancelled: stopping Ray job {job_id}")
-            stopped = stop_job(client, job_id)
-            reconcile(True)
-            raise _cancelled(f"Ray job {job_id} {stopped}") from None
+            stopped = "stop requested"
+            try:
+                context.log.warning(f"run cancelled: stopping Ray job {job_id}")
+                stopped = stop_job(client, job_id)
+                reconcile(True)
+            finally:
+                raise _cancelled(f"Ray job {job_id} {stopped}") from None  # noqa: B012 - final, always
         reconcile(True)
     info = client.get_job_info(job_id)
     if status != "SUCCEEDED":
+        code = info.driver_exit_code
         raise dg.Failure(
-            description=f"Ray job {job_id} {status}: {info.message or ''}",
+            description=f"Ray job {job_id} {status} (driver exit code {code}): {info.message or ''}",
             metadata={"ray_job_id": job_id, "ray_address": address},
-            allow_retries=status == "FAILED",  # a retry resubmits and resumes from the last checkpoint
+            # a retry resubmits and resumes from the last checkpoint; not after a config error or
+            # a --ci-test failure (they would fail the same way) nor after a stop
+            allow_retries=status == "FAILED" and code not in FINAL_EXIT_CODES,
         )
     versions = {r["partition_key"]: r for r in read_rows(paths, "policy_versions", cfg.run_name)}
     final = max(versions.values(), key=lambda r: r["version"], default=None)

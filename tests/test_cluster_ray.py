@@ -309,7 +309,7 @@ def _versions(root, run: str) -> list[dict]:
     return read_rows(StoragePaths(str(root)), "policy_versions", run)
 
 
-N_DG = 20  # the first launcher dies as the job's driver starts; the relaunch (~10 s) finds it running
+N_DG = 30  # the first launcher dies as the job's driver starts; the relaunch (~10 s) finds it running
 
 
 def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_cancels(
@@ -318,7 +318,7 @@ def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_ca
     """The Dagster run worker is killed -9 once its Ray job runs: the job trains on; relaunching
     the Dagster run attaches to it (no second job, no second writer) and reports every version
     once, with lineage and metrics. Cancelling a Dagster run (SIGINT, as Dagster's cancel interrupts the run
-    worker) stops its Ray job, and the versions made before the stop are reported."""
+    worker) stops its Ray job and is not retried."""
     from collections import Counter
 
     import dagster as dg

@@ -139,3 +139,41 @@ def test_a_cancelled_in_process_run_is_not_retried(tiny_hf_checkpoint, tmp_path,
     result = _execute(kw, tmp_path / "root")
     assert not result.success and "run cancelled" in _failure(result)
     assert not any(e.event_type_value == "STEP_UP_FOR_RETRY" for e in result.all_events)
+
+
+class _RecordingJobs:
+    """Stands in for the Jobs API's two calls, to see what a submission sends."""
+
+    def __init__(self):
+        self.submitted: dict = {}
+
+    def list_jobs(self):
+        return []
+
+    def submit_job(self, **kw):
+        self.submitted = kw
+        return kw["submission_id"]
+
+
+def test_a_resolved_api_key_never_travels_in_the_job(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """Validation resolves the run's key (file, $MILES_API_KEY, or generated); the job's runtime
+    env (readable by whoever lists jobs) carries only a key the user gave as --api-key."""
+    import json
+
+    from miles_platform.cluster.ray_jobs import submit_or_attach
+    from miles_platform.preflight import validate_before_start
+
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-from-file\n")
+    monkeypatch.setenv("MILES_API_KEY", "s3cret-from-env")
+    for given in ({"api_key_file": str(key_file)}, {}, {"api_key": "given-on-cli"}):
+        cfg = RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path, **given))
+        user_key = cfg.api_key
+        validate_before_start(cfg)
+        assert cfg.api_key  # resolved
+        jobs = _RecordingJobs()
+        assert submit_or_attach(jobs, cfg, api_key=user_key).job_id == "miles-t-1"
+        sent = json.loads(jobs.submitted["runtime_env"]["env_vars"][CONFIG_ENV])
+        assert sent["api_key"] == given.get("api_key")
+        assert "s3cret" not in json.dumps(jobs.submitted)
+        RunConfig.from_dict(sent).validate()  # the driver's own validation accepts it

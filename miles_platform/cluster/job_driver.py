@@ -54,7 +54,10 @@ def driver_main() -> int:
                 result = train(cfg, _PipesReporter(pipes))  # type: ignore[arg-type]
         else:
             result = train(cfg, Reporter())
-    except (CITestFailure, ActorDied) as e:
+    except CITestFailure as e:
+        print(f"miles-platform train: {e}", file=sys.stderr)
+        return 3  # deterministic: ray_jobs.FINAL_EXIT_CODES
+    except ActorDied as e:
         print(f"miles-platform train: {e}", file=sys.stderr)
         return 1
     except MilesError as e:

@@ -143,9 +143,15 @@ def _have_token() -> bool:
     return bool(os.environ.get("RAY_AUTH_TOKEN")) or os.path.isfile(path)
 
 
-def submittable_config(cfg: RunConfig) -> RunConfig:
-    """A copy with local paths absolute (URIs and absolute paths unchanged)."""
+def submittable_config(cfg: RunConfig, api_key: str | None = None) -> RunConfig:
+    """A copy with local paths absolute (URIs and absolute paths unchanged), a remote storage root
+    without a trailing `/`, and `api_key` as the user gave it (`--api-key`, else None): never the
+    key validation resolved from `--api-key-file` / $MILES_API_KEY or generated, which would sit in
+    the job's runtime env for anyone who can list jobs; the driver resolves its own."""
     data = cfg.to_dict()
+    data["api_key"] = api_key
+    if "://" in (data.get("storage_root") or ""):
+        data["storage_root"] = data["storage_root"].rstrip("/")
     for name in PATH_FIELDS:
         v = data.get(name)
         if isinstance(v, str) and v and "://" not in v:
@@ -158,10 +164,10 @@ def submittable_config(cfg: RunConfig) -> RunConfig:
     return RunConfig.from_dict(data)
 
 
-def run_jobs(client, run: str, storage_root: str) -> list:
+def run_jobs(client, run: str, storage_root: str, jobs: list | None = None) -> list:
     """This run's jobs on the cluster (JobDetails), oldest first."""
     jobs = [
-        j for j in client.list_jobs()
+        j for j in (client.list_jobs() if jobs is None else jobs)
         if (j.metadata or {}).get(META_RUN) == run and (j.metadata or {}).get(META_ROOT) == storage_root
     ]  # fmt: skip
     return sorted(jobs, key=lambda j: j.start_time or 0)
@@ -180,10 +186,13 @@ def submit_or_attach(
     runtime_env: dict[str, Any] | None = None,
     env_vars: dict[str, str] | None = None,
     metadata: dict[str, str] | None = None,
+    api_key: str | None = None,
 ) -> Launched:
-    """Attach to the run's live job, or submit a new one. `cfg` must be validated already."""
-    cfg = submittable_config(cfg)
-    jobs = run_jobs(client, cfg.run_name, cfg.storage_root)
+    """Attach to the run's live job, or submit a new one. `cfg` must be validated already;
+    `api_key`: the one the user gave (see submittable_config)."""
+    cfg = submittable_config(cfg, api_key)
+    all_jobs = client.list_jobs()
+    jobs = run_jobs(client, cfg.run_name, cfg.storage_root, all_jobs)
     live = [j for j in jobs if j.status in ACTIVE]  # JobStatus is a str enum
     if live:
         job = live[-1]
@@ -203,17 +212,27 @@ def submit_or_attach(
         META_ROOT: cfg.storage_root,
         META_HASH: cfg.config_hash(),
     }
-    taken = {j.submission_id for j in jobs}
+    taken = {j.submission_id for j in all_jobs}  # every job's: the same run name under another root
     n = len(jobs) + 1
     while f"miles-{cfg.run_name}-{n}" in taken:
         n += 1
-    job_id = client.submit_job(
-        entrypoint=ENTRYPOINT,
-        submission_id=f"miles-{cfg.run_name}-{n}",
-        runtime_env=env,
-        metadata={k: str(v) for k, v in meta.items()},
-        entrypoint_num_cpus=0,  # the driver only coordinates; trainer and engines are its actors
-    )
+    try:
+        job_id = client.submit_job(
+            entrypoint=ENTRYPOINT,
+            submission_id=f"miles-{cfg.run_name}-{n}",
+            runtime_env=env,
+            metadata={k: str(v) for k, v in meta.items()},
+            entrypoint_num_cpus=0,  # the driver only coordinates; trainer and engines are its actors
+        )
+    except RuntimeError as e:  # another launcher of this run submitted that id just now
+        if "already exists" not in str(e):
+            raise
+        live = [j for j in run_jobs(client, cfg.run_name, cfg.storage_root) if j.status in ACTIVE]
+        if not live:
+            raise ConfigError(
+                f"run {cfg.run_name!r}: Ray job id miles-{cfg.run_name}-{n} is taken ({e})"
+            ) from None
+        return Launched(live[-1].submission_id, attached=True)
     return Launched(job_id, attached=False)
 
 
@@ -252,6 +271,9 @@ def stream_logs(client, job_id: str, out=None) -> None:
 
 
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
+# the driver's exit codes that a retry would only repeat: a config error (incl. another writer of
+# the run) and a --ci-test failure; an actor that died or an unexpected error may pass on a retry
+FINAL_EXIT_CODES = (2, 3)
 
 
 def submit_cli(cfg: RunConfig, opts: LaunchOptions) -> int:
@@ -259,9 +281,10 @@ def submit_cli(cfg: RunConfig, opts: LaunchOptions) -> int:
     from miles_platform.preflight import validate_before_start
 
     address = resolve_job_address(opts.submit)
+    given_key = cfg.api_key
     validate_before_start(cfg)  # the user's mistake fails here, before anything is submitted
     client = job_client(address)
-    launched = submit_or_attach(client, cfg, runtime_env=opts.runtime_env)
+    launched = submit_or_attach(client, cfg, runtime_env=opts.runtime_env, api_key=given_key)
     verb = "attached to the running" if launched.attached else "submitted"
     try:  # from here on, Ctrl-C stops the job
         print(

@@ -18,6 +18,7 @@ import contextlib
 import os
 import posixpath
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 
@@ -64,7 +65,8 @@ def staging_dir() -> Iterator[str]:
     """A fresh local dir under the cache, removed on exit (a killed process's: remove_dead_staging)."""
     root = os.path.join(cache_dir(), "staging")
     os.makedirs(root, exist_ok=True)
-    d = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
+    # <pid>-<host>-: a cache dir shared between hosts never has one host remove another's live dir
+    d = tempfile.mkdtemp(prefix=f"{os.getpid()}-{socket.gethostname()}-", dir=root)
     try:
         yield d
     finally:
@@ -74,9 +76,10 @@ def staging_dir() -> Iterator[str]:
 def remove_dead_staging(log: Callable[[str], None] = print) -> None:
     """Staging dirs of processes of this host that died mid-upload or mid-download."""
     root = os.path.join(cache_dir(), "staging")
+    host = socket.gethostname()
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        pid = name.split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        pid, _, rest = name.partition("-")
+        if pid.isdigit() and rest.startswith(f"{host}-") and not _alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             log(f"[startup] removed {os.path.join(root, name)} (left by a writer that died)")
 
@@ -173,6 +176,9 @@ def upload_dir(
         for f in files
     )
     rels = [r for r in rels if r not in exclude and (only is None or r in only)]
+    missing = [r for r in [*last, *(only or ())] if r not in rels and r not in exclude]
+    if missing:  # a marker that is not there must not be "uploaded" as if it were
+        raise FileNotFoundError(f"{local}: {', '.join(missing)} missing; nothing uploaded to {url}")
     for rel in [r for r in rels if r not in last] + [r for r in last if r in rels]:
         fs.put_file(os.path.join(local, rel), f"{root}/{rel}")
 

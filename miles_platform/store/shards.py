@@ -66,9 +66,10 @@ def write_parquet_atomic(table: pa.Table, path: str) -> int:
     left as it was (absent, or the previous complete file).
     """
     fs, fpath = fsspec.core.url_to_fs(path)
-    if _whole_object(fs):
-        with fs.open(fpath, "wb") as f:
-            pq.write_table(table, f)
+    if _whole_object(fs):  # encode in memory, then one put: a failed write uploads nothing (a file
+        buf = pa.BufferOutputStream()  # object's close() would finish the upload even mid-error)
+        pq.write_table(table, buf)
+        fs.pipe_file(fpath, buf.getvalue().to_pybytes())
         return int(fs.size(fpath))
     parent, _, name = fpath.rpartition("/")
     fs.makedirs(parent, exist_ok=True)
