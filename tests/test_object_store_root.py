@@ -88,6 +88,11 @@ def test_a_run_on_s3_checkpoints_publishes_resumes_from_the_store_and_is_queryab
         assert f"{ckpt}/iter_{it:07d}/trainer_state.json" in keys
         assert s3.size(f"{BUCKET}/root/{ckpt}/iter_{it:07d}/model.safetensors") > 1000  # iter 3: rewritten
     assert f"{ckpt}/run_config.json" in keys
+    from miles_platform.store.run_health import saved_run_config
+    from miles_platform.store.tables import read_rows
+
+    saved = saved_run_config(StoragePaths(ROOT), "t", read_rows(StoragePaths(ROOT), "policy_versions", "t"))
+    assert saved is not None and saved.num_rollout == 4  # what sensors read for an s3 run's eval config
     for v in (1, 2, 3, 4):
         assert f"runs/t/hf/v{v:06d}/model.safetensors" in keys
         assert f"runs/t/hf/v{v:06d}/config.json" in keys

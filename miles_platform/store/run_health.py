@@ -60,15 +60,23 @@ def _versions(paths: StoragePaths, run: str) -> list[dict]:
 
 
 def saved_run_config(paths: StoragePaths, run: str, rows: list[dict]) -> RunConfig | None:
-    """The run's `run_config.json` (beside its checkpoints); None when it has none."""
-    dirs = [Path(r["checkpoint_path"]).parent for r in rows if r.get("checkpoint_path")]
-    for d in [*dirs, Path(paths.checkpoints(run))]:
-        f = d / "run_config.json"
-        if "://" not in str(d) and f.is_file():
-            try:
-                return RunConfig.from_dict(json.loads(f.read_text()))
-            except Exception:  # noqa: BLE001 - an older or hand-edited file: checks that need it skip
-                return None
+    """The run's `run_config.json` (beside its checkpoints, local or on an object store); None
+    when it has none."""
+    from miles_platform.store import remote
+
+    dirs = [r["checkpoint_path"].rstrip("/").rpartition("/")[0] for r in rows if r.get("checkpoint_path")]
+    for d in [*dirs, paths.checkpoints(run)]:
+        f = f"{d}/run_config.json"
+        if "://" in f:
+            data = remote.read_bytes(f)
+        else:
+            data = Path(f).read_bytes() if Path(f).is_file() else None
+        if data is None:
+            continue
+        try:
+            return RunConfig.from_dict(json.loads(data))
+        except Exception:  # noqa: BLE001 - an older or hand-edited file: checks that need it skip
+            return None
     return None
 
 
