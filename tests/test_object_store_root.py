@@ -76,12 +76,14 @@ def test_a_run_on_s3_checkpoints_publishes_resumes_from_the_store_and_is_queryab
     shutil.rmtree(tmp_path / "cache")
     s3.pipe_file(f"{BUCKET}/root/runs/t/checkpoints/iter_0000003/model.safetensors", b"torn")
     s3.pipe_file(f"{BUCKET}/root/runs/t/publications/weight_v000003/payload.bin", b"torn")
+    s3.pipe_file(f"{BUCKET}/root/runs/t/publications/weight_v000009/payload.bin", b"torn")  # above LATEST
     res = train(_cfg(tiny_hf_checkpoint, tmp_path, 4))
     assert res.start_rollout_id == 2 and res.final_version == 4
     assert [v["version"] for v in res.versions] == [3, 4]
 
     keys = [k.removeprefix(f"{BUCKET}/root/") for k in s3.find(BUCKET)]
     assert not [k for k in keys if ".tmp-" in k], "a temp name was left on the store"
+    assert not [k for k in keys if "weight_v000009" in k], "a torn publication above LATEST was left"
     ckpt = "runs/t/checkpoints"
     assert s3.cat_file(f"{BUCKET}/root/{ckpt}/latest_checkpointed_iteration.txt") == b"3"
     for it in (1, 3):
