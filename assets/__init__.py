@@ -14,6 +14,7 @@ DOMAINS = (
     "evals",
     "scoreboard",
     "weights",
+    "diffusion",
 )
 
 

@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "datasets -> SFT base -> GRPO -> evals, as Dagster materializations",
     ),
     "train": ("miles_platform.loop", "run the RL loop (Miles flags or --config run.yaml), no Dagster needed"),
+    "train-diffusion": (
+        "miles_platform.diffusion.loop",
+        "diffusion RL (Flow-GRPO / DiffusionNFT) on a DiT pipeline, Miles-diffusion flags",
+    ),
     "sft": (
         "miles_platform.training.sft",
         "supervised fine-tuning (--loss-type sft_loss) of an HF checkpoint",

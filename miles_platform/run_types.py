@@ -59,6 +59,9 @@ class Reporter:
     def on_policy_version(self, info: dict[str, Any]) -> None:
         """`info` is `PolicyVersion.to_dict()`."""
 
+    def on_eval(self, partition_key: str, metrics: dict[str, float], images: dict[str, str]) -> None:
+        """A run's own eval of a version (diffusion: `images` names each eval set's sample grid PNG)."""
+
 
 @dataclass
 class RunResult:

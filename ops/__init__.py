@@ -1,11 +1,8 @@
-"""Dagster ops and jobs: the Ray-hosted training job."""
+"""Dagster ops and jobs: the Ray-hosted training jobs (LLM RL and diffusion RL)."""
 
 
 def all_jobs():
-    try:
-        from ops.training import rl_training
-    except ModuleNotFoundError as e:
-        if e.name != "ops.training":
-            raise
-        return []
-    return [rl_training]
+    from ops.diffusion import diffusion_training
+    from ops.training import rl_training
+
+    return [rl_training, diffusion_training]

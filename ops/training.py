@@ -44,10 +44,14 @@ def _description(f: dataclasses.Field) -> str:
     return f"{text} (one of: {', '.join(map(str, choices))})" if choices else text
 
 
-def _pydantic_fields() -> dict[str, Any]:
+def _pydantic_fields(
+    config_cls: type = RunConfig, skip: frozenset | set = SKIP, launch: bool = True
+) -> dict[str, Any]:
+    """Op config fields of a run-config dataclass: one per flag, its `--help` as the description;
+    `launch`: plus the function-flag and launcher fields of `rl_training`."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(RunConfig):
-        if f.name in SKIP:
+    for f in dataclasses.fields(config_cls):
+        if f.name in skip or not f.init:
             continue
         t = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type).split(" ")[0], None)
         tstr = str(f.type)
@@ -62,6 +66,8 @@ def _pydantic_fields() -> dict[str, Any]:
             typ = t
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out[f.name] = (typ, Field(default=default, description=_description(f)))
+    if not launch:
+        return out
     out[FUNCTION_FLAGS] = (
         list[str],
         Field(

@@ -45,11 +45,15 @@ MAX_VERSIONS_PER_TICK = 500
 
 def runs_trained_by_dagster_now(instance: dg.DagsterInstance) -> set[str]:
     """Run names (`--run-name`) of the unfinished `rl_training` runs of this instance."""
-    default = RunConfig.__dataclass_fields__["run_name"].default
+    from miles_platform.diffusion.config import DiffusionRunConfig
+
     names = set()
-    for run in instance.get_runs(filters=dg.RunsFilter(job_name=TRAINING_JOB, statuses=UNFINISHED)):
-        config = (run.run_config or {}).get("ops", {}).get("rl_training_op", {}).get("config", {})
-        names.add(config.get("run_name") or default)
+    for job, op, cls in ((TRAINING_JOB, "rl_training_op", RunConfig),
+                         ("diffusion_training", "diffusion_training_op", DiffusionRunConfig)):  # fmt: skip
+        default = cls.__dataclass_fields__["run_name"].default
+        for run in instance.get_runs(filters=dg.RunsFilter(job_name=job, statuses=UNFINISHED)):
+            config = (run.run_config or {}).get("ops", {}).get(op, {}).get("config", {})
+            names.add(config.get("run_name") or default)
     return names
 
 
@@ -77,6 +81,10 @@ def _run_context(
     extra = dict(REPORTED_BY if extra is None else extra)
     if cfg is not None and cfg.eval_prompt_data and cfg.eval_interval:
         extra["evaluated_in_loop"] = "true"  # the run's own evals are in `evals`: the sensor skips it
+    from miles_platform.diffusion.loop import DIFFUSION_CONFIG
+
+    if Path(paths.run_dir(run), DIFFUSION_CONFIG).is_file():  # a diffusion run evaluates itself
+        extra.update(task="diffusion", evaluated_in_loop="true")
     return {"base": base, "teachers": teachers, "metrics": metrics, "cfg": cfg, "eval_config": eval_config,
             "extra": extra}  # fmt: skip
 

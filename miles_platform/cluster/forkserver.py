@@ -53,6 +53,7 @@ PRELOAD = (
 EXTRAS = {
     "peft": ("peft",),
     "megatron": ("megatron.core", "miles_platform.training.megatron_backend"),
+    "diffusion": ("diffusers", "miles_platform.diffusion.engine", "miles_platform.diffusion.trainer"),
 }
 ENV_SWITCH = "MILES_FORK_WORKERS"
 

@@ -45,14 +45,17 @@ def resolve_ray_address(cfg: RunConfig) -> str | None:
     return addr
 
 
-def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -> RayContext:
+def init_ray(
+    cfg: RunConfig, namespace: str | None = None, *, cpus_needed: float | None = None, **init_kwargs: Any
+) -> RayContext:
     """Join `--ray-address` / `RAY_ADDRESS`, or start a private local cluster.
 
     A local start never attaches to someone else's `ray start` on this machine (`address="local"`),
     advertises 127.0.0.1 as its node address, runs with Ray's token auth (Ray's default; the token
     lives in ~/.ray/auth_token, so only this user's processes can submit work), has no dashboard,
     and offers `max(os.cpu_count(), CPUs the placement plan needs)` logical
-    CPUs so the plan fits even on a small laptop.
+    CPUs so the plan fits even on a small laptop. `cpus_needed`: a run without an LLM placement
+    plan (diffusion) says how many CPUs its actors take.
     """
     import ray
 
@@ -70,7 +73,11 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
         if _nodes_all_on_this_machine():  # e.g. the driver of a Ray job on a one-machine cluster
             start_fork_server(*_fork_extras(cfg))
         return RayContext(address=addr, started_local=False, connected=True)
-    need = sum(p.num_bundles * p.bundle.get("CPU", 0.0) for p in plan_placement(cfg, use_gpu=False).values())
+    need = cpus_needed
+    if need is None:
+        need = sum(
+            p.num_bundles * p.bundle.get("CPU", 0.0) for p in plan_placement(cfg, use_gpu=False).values()
+        )
     num_cpus = max(os.cpu_count() or 1, int(-(-need // 1)))
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         log.warning(
@@ -91,7 +98,10 @@ def init_ray(cfg: RunConfig, namespace: str | None = None, **init_kwargs: Any) -
 
 
 def _fork_extras(cfg: RunConfig) -> list[str]:
-    return [*(["peft"] if cfg.lora_rank else []), *(["megatron"] if cfg.train_backend == "megatron" else [])]
+    lora, backend = getattr(cfg, "lora_rank", 0), getattr(cfg, "train_backend", "fsdp")
+    diffusion = getattr(cfg, "diffusion_task", None)
+    return [*(["peft"] if lora else []), *(["megatron"] if backend == "megatron" else []),
+            *(["diffusion"] if diffusion else [])]  # fmt: skip
 
 
 def _nodes_all_on_this_machine() -> bool:

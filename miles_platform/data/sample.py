@@ -49,6 +49,11 @@ class Sample:
     # R3 (MoE, --use-rollout-routing-replay): the engine's top-k experts of every token but the
     # last, [len(tokens) - 1][num_layers][top_k] (SGLang's routed_experts); None: not recorded
     rollout_routed_experts: list[list[list[int]]] | None = None
+    # diffusion runs (miles_platform/diffusion): the generated image as PNG, and per recorded
+    # denoising transition its step index and the engine's log-prob; None for LLM samples
+    image_png: bytes | None = None
+    diffusion_steps: list[int] | None = None
+    diffusion_log_probs: list[float] | None = None
 
     @property
     def tokens(self) -> list[int]:

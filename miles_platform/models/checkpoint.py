@@ -159,6 +159,13 @@ def content_hash(path: str | os.PathLike) -> str:
             return content_hash(d)
     p = Path(path)
     h = hashlib.sha256()
+    if (p / "model_index.json").exists():  # a diffusers-layout pipeline (DiT): every component
+        files = [p / "model_index.json", *sorted(f for f in p.rglob("*") if f.suffix in (".safetensors", ".json")
+                                                 and f.name != "model_index.json")]  # fmt: skip
+        for f in files:
+            h.update(str(f.relative_to(p)).encode())
+            h.update(f.read_bytes())
+        return h.hexdigest()[:32]
     configs = [p / "config.json"] if not (p / "adapter_config.json").exists() else [p / "adapter_config.json"]
     for f in sorted(p.glob("*.safetensors")) + configs:
         h.update(f.name.encode())

@@ -84,8 +84,8 @@ def recorded_max_version(cfg: RunConfig, paths: StoragePaths) -> int:
     else:
         names = [d.name for d in Path(hf).iterdir()] if Path(hf).is_dir() else []
     known += [int(m.group(1)) for n in names if (m := re.match(r"v(\d+)", n))]
-    pub = cfg.update_weight_disk_dir
-    if cfg.update_weight_transfer_mode == "disk-delta" and pub:
+    pub = getattr(cfg, "update_weight_disk_dir", None)  # a diffusion run publishes no disk-delta
+    if getattr(cfg, "update_weight_transfer_mode", None) == "disk-delta" and pub:
         from miles_platform.weights.delta_format import read_latest
 
         latest = read_latest(pub) if remote.is_remote(pub) or Path(pub).is_dir() else None

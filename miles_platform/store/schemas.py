@@ -49,6 +49,10 @@ ROLLOUT_SCHEMA = pa.schema(
         ("turns", pa.list_(TURN_TYPE)),  # multi-turn episodes (null: single turn)
         # R3: per token but the last, per layer, the top-k experts the engine routed to (null: dense / off)
         ("rollout_routed_experts", pa.list_(pa.list_(pa.list_(pa.int32())))),
+        # diffusion runs: the image (PNG bytes) and per recorded transition its step and log-prob
+        ("image_png", pa.binary()),
+        ("diffusion_steps", pa.list_(pa.int64())),
+        ("diffusion_log_probs", pa.list_(pa.float64())),
     ]
 )
 

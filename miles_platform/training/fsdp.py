@@ -127,7 +127,8 @@ def shard_model(model: nn.Module, cfg: Any, mesh=None, *, gather_dtype: str | No
     (or a resolved `PrecisionPolicy`); `gather_dtype` defaults to the master dtype.
     """
     policy = cfg if isinstance(cfg, PrecisionPolicy) else PrecisionPolicy.from_config(cfg, gather_dtype)
-    model.to(DTYPES[policy.master])
+    if any(p.dtype != DTYPES[policy.master] for p in model.parameters()):  # (diffusers warns on a no-op .to)
+        model.to(DTYPES[policy.master])
     plan = compile_policy(model, policy)
     if mesh is None:
         _ensure_process_group()

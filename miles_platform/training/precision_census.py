@@ -68,6 +68,8 @@ def dtype_census(model: nn.Module, run_forward, expected: str) -> Census:
     handles = [
         m.register_forward_hook(hook(n or "<root>"), with_kwargs=True) for n, m in model.named_modules()
     ]
+    # before the forward: FSDP2 leaves the root unit unsharded after it (in the gather dtype)
+    master = Counter(dtype_name(p.dtype) for p in model.parameters())
     try:
         run_forward()
     finally:
@@ -81,7 +83,6 @@ def dtype_census(model: nn.Module, run_forward, expected: str) -> Census:
         other.update(d for d in dts if d not in floats)
         if any(d in floats and d != expected for d in dts):
             offenders.append(name)
-    master = Counter(dtype_name(p.dtype) for p in model.parameters())
     return Census(activations, other, master, offenders, seen, expected)
 
 
