@@ -7,7 +7,7 @@ ROOT      ?= .miles
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install system-deps demo test test-fast lint ui bench bench-trl-env clean
+.PHONY: install system-deps demo demo-diffusion test test-fast lint ui bench bench-trl-env clean
 
 # apt packages: libibverbs1 for Mooncake's TCP transfer engine, chromium for the UI test.
 system-deps:
@@ -28,6 +28,10 @@ install: system-deps $(STAMP)
 
 demo: install
 	$(BIN)/miles-platform quickstart --storage-root $(ROOT)
+
+# the diffusion campaign: attribute task -> tiny DiT SFT base -> Flow-GRPO -> held-out evals
+demo-diffusion: install
+	$(BIN)/miles-platform quickstart --task diffusion --storage-root $(ROOT)
 
 lint: install
 	$(BIN)/ruff check .

@@ -190,7 +190,8 @@ class DiffusionRun:
             self._serve(version, hf_dir)
             metrics["perf/update_weights_time"] = time.time() - t1
             ckpt = self._save(rollout_id, version) if cfg.save and self._save_due(rollout_id) else None
-            if cfg.eval_interval and self.evals and (rollout_id + 1) % cfg.eval_interval == 0:
+            last = rollout_id + 1 == cfg.num_rollout  # the final policy is always evaluated
+            if cfg.eval_interval and self.evals and (version % cfg.eval_interval == 0 or last):
                 metrics.update(self._evaluate(version))
             self._record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
             self._finish(result, rollout_id, metrics, t0, version)

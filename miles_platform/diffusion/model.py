@@ -85,7 +85,9 @@ class PromptEncoder(nn.Module):
 
 
 def build_tiny_dit(seed: int, text_encoder: PromptEncoder | None = None):
-    """SD3Transformer2DModel sized for CPU: 16x16x3 pixels, patch 2 (64 tokens), 4 layers of width 64."""
+    """SD3Transformer2DModel sized for CPU: 16x16x3 pixels, patch 2 (64 tokens), 2 joint blocks of
+    width 64 (2 heads x 32), 0.29M parameters. Measured on 2 cores: 2 layers learn the task in ~1k
+    steps at ~47 ms/step (batch 32); 4 layers take 2.4x per step, patch 4 learns slower per step."""
     from diffusers.models import SD3Transformer2DModel
 
     enc = text_encoder or PromptEncoder()
@@ -96,7 +98,7 @@ def build_tiny_dit(seed: int, text_encoder: PromptEncoder | None = None):
             patch_size=2,
             in_channels=3,
             out_channels=3,
-            num_layers=4,
+            num_layers=2,
             attention_head_dim=32,
             num_attention_heads=2,
             joint_attention_dim=enc.dim,
@@ -193,7 +195,11 @@ def load_pipeline(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
 
 
 def velocity(
-    transformer: nn.Module, latents: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, pooled: torch.Tensor
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    cond: torch.Tensor,
+    pooled: torch.Tensor,
 ) -> torch.Tensor:
     """v = eps - x0 predicted at noise level `sigma` [B] (SD3: timestep = sigma * 1000)."""
     timestep = sigma.to(latents.dtype).expand(latents.shape[0]) * NUM_TRAIN_TIMESTEPS
@@ -248,13 +254,16 @@ def train_sft_base(
     *,
     seed: int = 0,
     steps: int = 1200,
-    batch_size: int = 64,
+    batch_size: int = 32,
     lr: float = 2e-3,
     n_sft: int = task.DEFAULT_N_SFT,
     error_rate: float = task.DEFAULT_ERROR_RATE,
     flow_shift: float = DEFAULT_FLOW_SHIFT,
     eval_samples_per_prompt: int = 16,
     log: Callable[[str], None] = print,
+    sft_data: str | os.PathLike | None = None,
+    eval_data: str | os.PathLike | None = None,
+    error: str = task.DEFAULT_ERROR,
 ) -> dict:
     """Flow-matching SFT of a fresh tiny DiT on `sft_examples(n_sft, seed, error_rate)`; save the
     pipeline to `out_dir`; return steps, seconds, final_loss and base_eval_reward (ODE, 10 steps,
@@ -262,7 +271,10 @@ def train_sft_base(
     t0 = time.perf_counter()
     enc = PromptEncoder(seed=seed)
     transformer = build_tiny_dit(seed, enc)
-    prompts, images = task.sft_examples(n_sft, seed, error_rate)
+    if sft_data is not None:  # the diffusion_sft_dataset asset's file (its lineage), else generated
+        prompts, images = task.read_sft_parquet(sft_data)
+    else:
+        prompts, images = task.sft_examples(n_sft, seed, error_rate, error)
     x_all = torch.from_numpy(np.ascontiguousarray(images))
     with torch.no_grad():
         cond_all, pooled_all = enc(prompts)
@@ -270,7 +282,8 @@ def train_sft_base(
     warmup = max(1, steps // 20)
     # short warmup, then cosine to 10%: the tiny model converges in ~1k steps
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(i, steps) / steps)))
+        opt,
+        lambda i: min(1.0, (i + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(i, steps) / steps))),
     )
     g = torch.Generator().manual_seed(seed + 17)
     transformer.train()
@@ -293,9 +306,20 @@ def train_sft_base(
             log(f"sft step {step}/{steps} loss {ema_loss:.4f} ({time.perf_counter() - t0:.0f}s)")
     transformer.eval()
     pipe = DiTPipeline(transformer, enc, flow_shift)
-    eval_prompts = [p for p in task.eval_prompts() for _ in range(eval_samples_per_prompt)]
-    base_eval = eval_reward(pipe, eval_prompts, seed=seed + 1000)
+    held_out = task.eval_prompts() if eval_data is None else _jsonl_prompts(eval_data)
+    eval_prompts = [p for p in dict.fromkeys(held_out) for _ in range(eval_samples_per_prompt)]
+    samples = sample_ode(pipe, eval_prompts, seed + 1000)
+    base_eval = float(task.attribute_rewards(eval_prompts, samples).mean())
     seconds = time.perf_counter() - t0
     save_pipeline(pipe, out_dir)
-    log(f"sft base: {steps} steps in {seconds:.0f}s, loss {ema_loss:.4f}, held-out ODE reward {base_eval:.3f}")
-    return {"steps": steps, "seconds": seconds, "final_loss": ema_loss, "base_eval_reward": base_eval}
+    log(
+        f"sft base: {steps} steps in {seconds:.0f}s, loss {ema_loss:.4f}, held-out ODE reward {base_eval:.3f}"
+    )
+    grid = task.image_grid(samples[:: max(1, len(samples) // 32)][:32], nrow=8)
+    return {"steps": steps, "seconds": seconds, "final_loss": ema_loss, "base_eval_reward": base_eval,
+            "samples_png": grid}  # fmt: skip
+
+
+def _jsonl_prompts(path: str | os.PathLike) -> list[str]:
+    with open(path) as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]

@@ -7,10 +7,15 @@ Splits, all from the 16 colour x quadrant combinations:
   train  12 combinations (RL prompts)
   eval   the 4 held out on a Latin-square diagonal, so every colour and every quadrant still
          appears in training; the eval measures compositional generalisation
-  sft    train combinations with images. `error_rate` of them are mirrored left-right (the
-         square lands in the wrong column, colour right): the SFT base then puts the square in
-         the wrong column about that often, which is exactly what the reward sees and RL fixes,
-         like the dropped carry of the arithmetic task (data/tasks.py).
+  sft    train combinations with images. `error_rate` of them are wrong in one systematic way,
+         like the dropped carry of the arithmetic task (data/tasks.py), so the SFT base makes
+         that error about that often; the reward sees it and RL fixes it:
+           dim     (the default) the square is drawn dark, its colour channels at DIM_LEVEL
+                   instead of full intensity. The fix is one prompt-independent direction, so
+                   it carries over to the held-out combinations.
+           mirror  the image is mirrored left-right (wrong column). RL fixes it on the train
+                   combinations, but the tiny DiT learns it per combination: held-out
+                   combinations get worse (measured, docs/diffusion.md).
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from miles_platform.errors import DataError
 from miles_platform.store.atomic import write_atomic
 
 IMAGE_SIZE = 16
-SQUARE = 5  # side in pixels; it jitters inside its 8x8 quadrant, never crossing into another
+SQUARE = 5  # side in pixels
+# the square's corner jitters by 0/1 px inside a 1-px margin of its 8x8 quadrant: a wider jitter
+# (0..3 px) makes the SFT base blurry within the CPU budget, while this one keeps samples crisp
+MARGIN = 1
 BACKGROUND = -1.0
 COLOURS: dict[str, tuple[float, float, float]] = {
     "red": (1.0, -1.0, -1.0),
@@ -41,8 +49,18 @@ ROWS = ("top", "bottom")
 COLUMNS = ("left", "right")
 POSITIONS = tuple(f"{r} {c}" for r in ROWS for c in COLUMNS)
 # held out: one combination per colour and per quadrant (a Latin-square diagonal)
-EVAL_COMBINATIONS = (("red", "top left"), ("green", "top right"), ("blue", "bottom left"), ("yellow", "bottom right"))
+EVAL_COMBINATIONS = (
+    ("red", "top left"),
+    ("green", "top right"),
+    ("blue", "bottom left"),
+    ("yellow", "bottom right"),
+)
 DEFAULT_ERROR_RATE = 0.65
+ERROR_KINDS = ("dim", "mirror")
+DEFAULT_ERROR = "dim"
+DIM_LEVEL = float(
+    np.float32(96 / 127.5) - np.float32(1.0)
+)  # ~-0.247, exact in a PNG; the reward counts a dim square ~a quarter
 DEFAULT_N_SFT = 2048
 TASK_NAME = "coloured_square"
 
@@ -86,26 +104,37 @@ def render(attrs: dict[str, str], rng: np.random.Generator) -> np.ndarray:
     """[3, 16, 16] float32 in [-1, 1]: the square at a random offset inside its quadrant."""
     half = IMAGE_SIZE // 2
     qr, qc = _quadrant(attrs["position"])
-    y, x = (int(v) for v in rng.integers(0, half - SQUARE + 1, size=2))
+    y, x = (int(v) for v in rng.integers(MARGIN, half - SQUARE - MARGIN + 1, size=2))
     img = np.full((3, IMAGE_SIZE, IMAGE_SIZE), BACKGROUND, dtype=np.float32)
     y0, x0 = qr * half + y, qc * half + x
-    img[:, y0 : y0 + SQUARE, x0 : x0 + SQUARE] = np.asarray(COLOURS[attrs["colour"]], np.float32)[:, None, None]
+    img[:, y0 : y0 + SQUARE, x0 : x0 + SQUARE] = np.asarray(COLOURS[attrs["colour"]], np.float32)[
+        :, None, None
+    ]
     return img
 
 
 def sft_examples(
-    n: int, seed: int, error_rate: float = DEFAULT_ERROR_RATE
+    n: int, seed: int, error_rate: float = DEFAULT_ERROR_RATE, error: str = DEFAULT_ERROR
 ) -> tuple[list[str], np.ndarray]:
-    """`n` (prompt, image) pairs over the train prompts; `error_rate` of images mirrored left-right."""
+    """`n` (prompt, image) pairs over the train prompts; `error_rate` of the images wrong by `error`."""
     if not 0.0 <= error_rate <= 1.0:
         raise DataError(f"error_rate must be in [0, 1], got {error_rate}")
+    if error not in ERROR_KINDS:
+        raise DataError(f"error {error!r}: one of {', '.join(ERROR_KINDS)}")
     rng = np.random.default_rng(seed)
     pool = train_prompts()
     prompts = [pool[i] for i in rng.integers(0, len(pool), size=n)]
-    images = np.stack([render(parse_prompt(p), rng) for p in prompts]) if n else np.zeros((0, 3, 16, 16), np.float32)
+    images = (
+        np.stack([render(parse_prompt(p), rng) for p in prompts])
+        if n
+        else np.zeros((0, 3, 16, 16), np.float32)
+    )
     # mirroring the whole image keeps the jitter distribution and the colour; only the column is wrong
     wrong = rng.random(n) < error_rate
-    images[wrong] = images[wrong][..., ::-1]
+    if error == "mirror":
+        images[wrong] = images[wrong][..., ::-1]
+    else:  # dim: every "on" channel of the square (value 1) drawn at DIM_LEVEL
+        images[wrong] = np.where(images[wrong] > 0, np.float32(DIM_LEVEL), images[wrong])
     return prompts, images
 
 
@@ -204,7 +233,9 @@ def image_grid(images: Any, nrow: int = 8, scale: int = 4, pad: int = 1) -> byte
     grid = np.full((3, nrows * (h + pad) + pad, ncol * (w + pad) + pad), 0.0, np.float32)  # grey gaps
     for i in range(b):
         r, c = divmod(i, ncol)
-        grid[:, pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w] = x[i]
+        grid[
+            :, pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w
+        ] = x[i]
     return to_png(grid.repeat(scale, axis=1).repeat(scale, axis=2))
 
 
@@ -213,7 +244,11 @@ def image_grid(images: Any, nrow: int = 8, scale: int = 4, pad: int = 1) -> byte
 
 def _prompt_row(prompt: str, split: str) -> dict:
     attrs = parse_prompt(prompt)
-    return {"prompt": prompt, "label": json.dumps(attrs, sort_keys=True), "metadata": {"task": TASK_NAME, "split": split}}
+    return {
+        "prompt": prompt,
+        "label": json.dumps(attrs, sort_keys=True),
+        "metadata": {"task": TASK_NAME, "split": split},
+    }
 
 
 def _jsonl(rows: list[dict]) -> str:
@@ -234,6 +269,7 @@ def write_diffusion_data(
     n_train: int = 256,
     n_eval: int = 32,
     error_rate: float = DEFAULT_ERROR_RATE,
+    error: str = DEFAULT_ERROR,
 ) -> dict[str, str]:
     """train.jsonl, eval.jsonl ({"prompt", "label": JSON of the attributes, "metadata"}) and
     sft.parquet (prompt: string, image_png: binary 16x16 RGB) under `out_dir`; return {split: path}."""
@@ -243,12 +279,24 @@ def write_diffusion_data(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed + 1)
-    paths = {"train": str(out / "train.jsonl"), "eval": str(out / "eval.jsonl"), "sft": str(out / "sft.parquet")}
-    write_atomic(paths["train"], _jsonl([_prompt_row(p, "train") for p in _repeat_shuffled(train_prompts(), n_train, rng)]))
-    write_atomic(paths["eval"], _jsonl([_prompt_row(p, "eval") for p in _repeat_shuffled(eval_prompts(), n_eval, rng)]))
-    prompts, images = sft_examples(n_sft, seed, error_rate)
+    paths = {
+        "train": str(out / "train.jsonl"),
+        "eval": str(out / "eval.jsonl"),
+        "sft": str(out / "sft.parquet"),
+    }
+    write_atomic(
+        paths["train"],
+        _jsonl([_prompt_row(p, "train") for p in _repeat_shuffled(train_prompts(), n_train, rng)]),
+    )
+    write_atomic(
+        paths["eval"], _jsonl([_prompt_row(p, "eval") for p in _repeat_shuffled(eval_prompts(), n_eval, rng)])
+    )
+    prompts, images = sft_examples(n_sft, seed, error_rate, error)
     table = pa.table(
-        {"prompt": pa.array(prompts, pa.string()), "image_png": pa.array([to_png(im) for im in images], pa.binary())}
+        {
+            "prompt": pa.array(prompts, pa.string()),
+            "image_png": pa.array([to_png(im) for im in images], pa.binary()),
+        }
     )
     buf = io.BytesIO()
     pq.write_table(table, buf)
