@@ -2,7 +2,8 @@
 
 Its op config is DiffusionRunConfig (Miles-diffusion flag names, snake_case) less `storage_root`
 (the `storage` resource's). Unset `prompt_data` / `hf_checkpoint` / `eval_prompt_data` default to
-the latest `diffusion_prompt_dataset` / `diffusion_base_checkpoint` / `diffusion_eval_dataset`.
+the latest `diffusion_prompt_dataset` / `diffusion_base_checkpoint` / `diffusion_eval_dataset`;
+unset `save` is `<root>/runs/<run>/checkpoints` (a retry resumes there).
 
 Each policy version adds its `<run>.v<NNNNNN>` partition and logs `rollout_shards` and
 `policy_versions` materializations (the same assets, partitions and lineage as LLM runs, with
@@ -85,6 +86,10 @@ def diffusion_config_from(
     data["storage_root"] = StoragePaths(storage_root).root
     data["prompt_data"] = data.get("prompt_data") or _latest_path(instance, "diffusion_prompt_dataset")
     data["hf_checkpoint"] = data.get("hf_checkpoint") or _latest_path(instance, "diffusion_base_checkpoint")
+    # checkpoints under the run by default: a retried or re-executed run resumes from them
+    data["save"] = data.get("save") or StoragePaths(storage_root).checkpoints(
+        data.get("run_name") or "diffusion"
+    )
     if not data.get("eval_prompt_data"):
         eval_path = _latest_path(instance, "diffusion_eval_dataset")
         data["eval_prompt_data"] = ["heldout", eval_path] if eval_path else []

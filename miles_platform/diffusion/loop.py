@@ -248,7 +248,7 @@ class DiffusionRun:
             grid_dir = os.path.join(self.paths.run_dir(cfg.run_name), "evals", f"v{version:06d}")
             os.makedirs(grid_dir, exist_ok=True)
             grids[name] = os.path.join(grid_dir, f"{name}.png")
-            write_atomic(grids[name], image_grid(torch.stack([im for _, im, _ in shown]), nrow=8))
+            write_atomic(grids[name], image_grid(torch.stack(_grid_images(shown)), nrow=8))
             rows.append({"version": version, "partition_key": key, "dataset": name, "metric": "mean_reward",
                          "value": m[f"eval/{name}/mean_reward"], "n_samples": cfg.n_samples_per_eval_prompt,
                          "source": "loop", "temperature": None, "top_p": None, "top_k": None,
@@ -282,6 +282,16 @@ class DiffusionRun:
             self.reporter.log(f"rollout {rollout_id}: {shown}")
         result.metrics.append(metrics)
         result.last_rollout_id, result.final_version = rollout_id, version
+
+
+def _grid_images(shown: list, per_prompt: int = 8) -> list:
+    """One row per distinct eval prompt: its first `per_prompt` samples (fixed seeds, so the rows of
+    two versions compare image by image)."""
+    rows: dict[str, list] = {}
+    for prompt, image, _ in shown:
+        if len(rows.setdefault(prompt, [])) < per_prompt:
+            rows[prompt].append(image)
+    return [im for ims in rows.values() for im in ims]
 
 
 def _quiet(fn) -> None:
