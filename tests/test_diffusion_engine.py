@@ -205,3 +205,19 @@ def test_bf16_dtype_census_keeps_fp32_only_where_the_rules_say(base):
 def test_contradictory_flags_are_refused_at_parse_time(base, extra, msg):
     with pytest.raises(ConfigError, match=msg):
         _cfg(base, *extra)
+
+
+def test_preflight_checks_strategy_flags_and_prompts_before_anything_starts(base, tmp_path):
+    from miles_platform.diffusion.loop import preflight
+    from miles_platform.store.paths import StoragePaths
+
+    data = task.write_diffusion_data(tmp_path / "data", n_sft=8)
+    root = tmp_path / "root"
+    cfg = _cfg(base, "--diffusion-sde-window-range", "6,2", "--prompt-data", data["train"])
+    with pytest.raises(ConfigError, match="--diffusion-sde-window-range"):
+        preflight(cfg, StoragePaths(str(root)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a cat on a mat"}\n')
+    with pytest.raises(ConfigError, match="--prompt-data.*cat on a mat"):
+        preflight(_cfg(base, "--prompt-data", str(bad)), StoragePaths(str(root)))
+    assert not root.exists()

@@ -62,8 +62,8 @@ def preflight(cfg: DiffusionRunConfig, paths: StoragePaths) -> tuple[list, dict[
         from miles_platform.training.precision import compile_policy
 
         compile_policy(pipe.transformer, precision_policy(cfg))
-    records = load_prompt_dataset(cfg.prompt_data, input_key=cfg.input_key, label_key="label")
-    evals = {name: load_prompt_dataset(path, input_key=cfg.input_key, label_key="label")
+    records = load_prompt_dataset(cfg.prompt_data, input_key=cfg.input_key)
+    evals = {name: load_prompt_dataset(path, input_key=cfg.input_key)
              for name, path in cfg.eval_datasets()}  # fmt: skip
     if not cfg.custom_rm_path:
         from miles_platform.diffusion.task import parse_prompt
@@ -79,9 +79,14 @@ def preflight(cfg: DiffusionRunConfig, paths: StoragePaths) -> tuple[list, dict[
                     raise ConfigError(
                         f"{where}: {e} (--rm-type image_attributes reads these attributes)"
                     ) from None
-    step_strategy(cfg), reward_function(cfg), backend_for(cfg.diffusion_sde_type, cfg.sde_step_backend_path)
+    strategy = step_strategy(cfg)
+    if strategy is not None:  # its flags (window range, candidates) fail here, not mid-run
+        strategy(cfg, None, cfg.diffusion_num_steps, cfg.rollout_seed)
+    reward_function(cfg), backend_for(cfg.diffusion_sde_type, cfg.sde_step_backend_path)
     if cfg.loss_type == "nft":
-        nft_strategy(cfg)
+        import torch
+
+        nft_strategy(cfg)(cfg, cfg.diffusion_num_steps, torch.Generator().manual_seed(0))
     if cfg.num_rollout is None:
         cfg.num_rollout = max(1, cfg.num_epoch * len(records) // cfg.rollout_batch_size)
     return records, evals
