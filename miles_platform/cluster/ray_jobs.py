@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -258,8 +260,10 @@ def stop_job(client, job_id: str, timeout_s: float = 60.0) -> str:
         time.sleep(0.5)
 
 
-def stream_logs(client, job_id: str, out=None) -> None:
-    """Copy the job's log to `out` (stdout) until the job ends."""
+def stream_logs(client, job_id: str, out=None) -> threading.Thread:
+    """Copy the job's log to `out` (stdout) until the job ends, in a daemon thread: the main thread
+    keeps Ctrl-C (a SIGINT inside asyncio.run waits for the log websocket to close, which can take
+    minutes on a loaded head)."""
     out = out or sys.stdout
 
     async def tail() -> None:
@@ -267,7 +271,13 @@ def stream_logs(client, job_id: str, out=None) -> None:
             out.write(chunk)
             out.flush()
 
-    asyncio.run(tail())
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the status poll, not the log, decides the outcome
+            asyncio.run(tail())
+
+    thread = threading.Thread(target=run, name=f"logs-{job_id}", daemon=True)
+    thread.start()
+    return thread
 
 
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
@@ -295,8 +305,9 @@ def submit_cli(cfg: RunConfig, opts: LaunchOptions) -> int:
         if opts.no_wait:
             print(json.dumps({"job_id": launched.job_id, "address": address, "attached": launched.attached}))
             return 0
-        stream_logs(client, launched.job_id)
+        logs = stream_logs(client, launched.job_id)
         status = wait_for_job(client, launched.job_id, poll_s=0.5)
+        logs.join(timeout=10)  # the log's tail after the job ended
     except KeyboardInterrupt:
         print(f"\nmiles-platform train: stopping Ray job {launched.job_id}", file=sys.stderr, flush=True)
         status = stop_job(client, launched.job_id)
