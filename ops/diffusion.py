@@ -40,28 +40,8 @@ def image_markdown(png: bytes, caption: str = "") -> dg.MetadataValue:
 class DiffusionReporter(DagsterReporter):
     """DagsterReporter with the diffusion marker on every event, plus `eval_results` with images."""
 
-    def on_policy_version(self, info: dict[str, Any]) -> None:
-        from assets.rollouts import rollout_shard_event
-
-        self.flush()
-        ctx, key = self.context, info["partition_key"]
-        ctx.instance.add_dynamic_partitions("policy_versions", [key])
-        ctx.log_event(rollout_shard_event(info, DIFFUSION_EXTRA))
-        self._pending = info
-
-    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
-        from assets.rollouts import policy_version_event
-
-        if self._pending is not None and self._pending["rollout_id"] == rollout_id:
-            self.context.log_event(policy_version_event(self._pending, metrics, {}, DIFFUSION_EXTRA))
-            self._pending = None
-
-    def flush(self) -> None:
-        from assets.rollouts import policy_version_event
-
-        if self._pending is not None:
-            self.context.log_event(policy_version_event(self._pending, {}, {}, DIFFUSION_EXTRA))
-            self._pending = None
+    def __init__(self, context: dg.OpExecutionContext):
+        super().__init__(context, {}, DIFFUSION_EXTRA)
 
     def on_eval(self, partition_key: str, metrics: dict[str, float], grids: dict[str, str]) -> None:
         if partition_key.endswith(".v000000"):  # v0 is the base checkpoint, not a partition of the run
@@ -116,7 +96,7 @@ def diffusion_training_op(
     from miles_platform.run_types import CITestFailure
 
     cfg = diffusion_config_from(config, context.instance, storage.root)
-    reporter = DiffusionReporter(context, {})
+    reporter = DiffusionReporter(context)
     try:
         result = train_diffusion(cfg, reporter)
     except CITestFailure as e:

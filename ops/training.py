@@ -115,11 +115,18 @@ def _latest_path(instance: dg.DagsterInstance, key: str) -> str | None:
 class DagsterReporter(Reporter):
     """Each policy version -> a dynamic partition plus `rollout_shards` and `policy_versions`
     materializations. The loop reports a version just before that rollout's metrics, so the
-    `policy_versions` event waits for them (or for `flush`) to carry them as plottable floats."""
+    `policy_versions` event waits for them (or for `flush`) to carry them as plottable floats.
+    `extra`: metadata on every event (a diffusion run's `task: diffusion`)."""
 
-    def __init__(self, context: dg.OpExecutionContext, eval_config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        context: dg.OpExecutionContext,
+        eval_config: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ):
         self.context = context
         self.eval_config = eval_config or {}
+        self.extra = extra
         self._pending: dict[str, Any] | None = None
 
     def log(self, msg: str) -> None:
@@ -129,20 +136,20 @@ class DagsterReporter(Reporter):
         self.flush()
         ctx, key = self.context, info["partition_key"]
         ctx.instance.add_dynamic_partitions("policy_versions", [key])
-        ctx.log_event(rollout_shard_event(info))
+        ctx.log_event(rollout_shard_event(info, self.extra))
         if info.get("adapter_path"):  # a LoRA version: the adapter + the frozen base, no HF export
-            ctx.log_event(lora_adapter_event(info))
+            ctx.log_event(lora_adapter_event(info, self.extra))
         self._pending = info
 
     def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
         if self._pending is not None and self._pending["rollout_id"] == rollout_id:
-            self.context.log_event(policy_version_event(self._pending, metrics, self.eval_config))
+            self.context.log_event(policy_version_event(self._pending, metrics, self.eval_config, self.extra))
             self._pending = None
 
     def flush(self) -> None:
         """Log a version whose rollout metrics never came (the run failed in between)."""
         if self._pending is not None:
-            self.context.log_event(policy_version_event(self._pending, {}, self.eval_config))
+            self.context.log_event(policy_version_event(self._pending, {}, self.eval_config, self.extra))
             self._pending = None
 
 
