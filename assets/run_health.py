@@ -2,7 +2,7 @@
 
 They look at every run of the storage root, so one red check names the run and the version or
 rollout that broke. `check_run_health` (sensors/run_health.py) runs them after each `rl_training`
-run ends and after `runs_from_catalog` reports versions; the asset pages' **Checks** tab runs them
+run ends and after `runs_from_catalog` reports the versions that end a CLI run; the asset pages' **Checks** tab runs them
 on demand.
 """
 
@@ -17,6 +17,8 @@ DESCRIPTIONS = {
     "expected_version_count": "versions 1..N with no gap, one per rollout due a weight update; a finished "
     "run has --num-rollout // --update-weights-interval",
     "hf_export_sanity": "each version's HF export has the base checkpoint's key set and parameter count",
+    "prompt_coverage": "a run that drew a full epoch of --prompt-data trained every prompt (but those the "
+    "filters dropped), and none in more epochs than were started",
 }
 
 
@@ -50,6 +52,6 @@ def _build(name: str, asset: str, check) -> dg.AssetChecksDefinition:
     return _check
 
 
-contiguous_rollout_ids, async_staleness, expected_version_count, hf_export_sanity = (
+contiguous_rollout_ids, async_staleness, expected_version_count, hf_export_sanity, prompt_coverage = (
     _build(name, asset, fn) for name, (asset, fn) in CHECKS.items()
 )

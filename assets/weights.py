@@ -9,15 +9,20 @@ there already fails with a message. The `publish_on_new_policy` sensor requests 
 
 `quantized_weights[<run>.vNNNNNN|fp8|int4]` writes an fp8 (128x128 block) or int4 (pack-quantized)
 checkpoint next to the export (`<hf_export>-<fmt>`), reloads it the way engines do
-(`load_dequantized_state_dict`) and checks the block/group error against the format's bound.
+(`load_dequantized_state_dict`) and checks the block/group error against the format's bound. It
+then scores greedy pass@1 of the version and of the weights engines will serve, on the same eval
+prompts in the same process: `eval/<dataset>/pass@1` (quantized), `.../pass@1_full_precision` and
+`.../pass@1_delta`.
 """
 
 import time
+from types import SimpleNamespace
 
 import dagster as dg
 
-from assets.evals import resolve_hf_path
+from assets.evals import EvalConfig, resolve_datasets, resolve_hf_path, run_config_for_version
 from assets.partitions import policy_version_partitions, quantized_partitions
+from miles_platform.config import REWARD_FLAGS
 from miles_platform.store.paths import parse_partition_key
 from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
@@ -38,6 +43,9 @@ class PublicationConfig(dg.Config):
 
 class QuantizeConfig(dg.Config):
     group_size: int = 128  # int4 group size (clamped to the smallest in_features)
+    # greedy pass@1 of the quantized weights next to the version's own, on the first N prompts of
+    # each eval dataset (the run's eval settings); 0: no eval
+    eval_max_prompts: int = 100
 
 
 def _local(paths_root: str, what: str) -> None:
@@ -132,6 +140,52 @@ def weight_publications(
     )
 
 
+def quantized_vs_full_precision(
+    instance: dg.DagsterInstance, partition: str, hf: str, served: dict, max_prompts: int
+) -> dict:
+    """Greedy pass@1 of the version (`hf`) and of its dequantized weights (`served`), per eval
+    dataset, as metadata; {"eval_skipped": why} when there is no eval dataset."""
+    from miles_platform.models.checkpoint import load_hf_checkpoint
+    from miles_platform.rollout.evaluate import evaluate
+
+    config = (
+        run_config_for_version(instance, partition).get("ops", {}).get("eval_results", {}).get("config", {})
+    )
+    config = EvalConfig(**{**config, "n_samples_per_eval_prompt": 1, "max_prompts": max_prompts})
+    try:
+        datasets = resolve_datasets(instance, config)
+    except dg.Failure as e:
+        return {"eval_skipped": e.description or str(e)}
+    full, tok = load_hf_checkpoint(hf)
+    quant, _ = load_hf_checkpoint(hf)
+    state = quant.state_dict()
+    unknown = sorted(set(served) - set(state))
+    if unknown:
+        raise dg.Failure(f"the quantized checkpoint has tensors the model does not: {unknown[:5]}")
+    quant.load_state_dict({k: v.to(state[k].dtype) for k, v in served.items()}, strict=False)
+    kw = dict(n_samples_per_eval_prompt=1, temperature=0.0, max_new_tokens=config.eval_max_response_len,
+              args=SimpleNamespace(**{k: getattr(config, k) for k in REWARD_FLAGS}), seed=config.seed, input_key=config.input_key,
+              label_key=config.label_key, metadata_key=config.metadata_key,
+              apply_chat_template=config.apply_chat_template, max_prompts=max_prompts)  # fmt: skip
+    t0 = time.perf_counter()
+    ref, got = evaluate((full, tok), datasets, **kw), evaluate((quant, tok), datasets, **kw)
+    out: dict = {"eval_seconds": time.perf_counter() - t0}
+    rows = [
+        "| dataset | pass@1 quantized | pass@1 full precision | delta | prompts |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name in got:
+        q, f = got[name]["pass@1"], ref[name]["pass@1"]
+        out |= {
+            f"eval/{name}/pass@1": q,
+            f"eval/{name}/pass@1_full_precision": f,
+            f"eval/{name}/pass@1_delta": q - f,
+        }
+        rows.append(f"| {name} | {q:.3f} | {f:.3f} | {q - f:+.3f} | {got[name]['num_prompts']} |")
+    out["eval"] = dg.MetadataValue.md("\n".join(rows))
+    return out
+
+
 def quantized_path(hf_export: str, fmt: str) -> str:
     return f"{hf_export.rstrip('/')}-{fmt}"
 
@@ -191,6 +245,11 @@ def quantized_weights(
         },  # fmt: skip
         description=f"max |w - dequant| / block amax of every quantized tensor <= {bound:.4f} ({fmt})",
     )
+    evals = (
+        quantized_vs_full_precision(context.instance, partition, hf, served, config.eval_max_prompts)
+        if config.eval_max_prompts > 0
+        else {"eval_skipped": "eval_max_prompts is 0"}
+    )
     run, _ = parse_partition_key(partition)
     append_rows(paths, "lineage", run, [
         {"child": f"quantized:{partition}:{fmt}", "child_kind": "quantized_weights", "parent": partition,
@@ -208,6 +267,7 @@ def quantized_weights(
             "max_rel_error": worst,
             "tensors_quantized": st.tensors_quantized,
             "group_size": group if fmt == "int4" else 128,
+            **evals,
         },
         check_results=[check],
     )

@@ -6,7 +6,9 @@ reads new rows from the catalog's tables and reports, per version, the dynamic p
 `rollout_shards` / `policy_versions` (and for LoRA `lora_adapters`) materializations the op would
 have logged: the same lineage metadata (assets/rollouts.py builds both), the rollout's training
 metrics from the `metrics` table, the run's eval settings from its `run_config.json`, plus
-`reported_by: runs_from_catalog`.
+`reported_by: runs_from_catalog`. When the versions it reports end a run (its --num-rollout-th
+rollout is recorded), it requests `check_run_health` for it, as `run_health_after_training` does
+for runs Dagster launched.
 
 No duplicates: a partition that already has a `policy_versions` materialization (the op reported
 it) is skipped, and runs that an unfinished `rl_training` Dagster run is training are left alone
@@ -28,10 +30,11 @@ from assets.partitions import policy_version_partitions
 from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
 from miles_platform.store.paths import StoragePaths, partition_key
-from miles_platform.store.run_health import saved_run_config
+from miles_platform.store.run_health import run_finished, saved_run_config
 from miles_platform.store.schemas import TABLE_SCHEMAS
 from miles_platform.store.tables import read_rows
 from resources.storage import StorageRootResource
+from sensors.run_health import run_health_job
 
 POLICY_VERSIONS = dg.AssetKey("policy_versions")
 TRAINING_JOB = "rl_training"
@@ -173,6 +176,7 @@ def run_version_reports(
 @dg.sensor(
     name="runs_from_catalog",
     minimum_interval_seconds=30,
+    jobs=[run_health_job],
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Report the policy versions of runs trained outside Dagster (`miles-platform train`, Ray "
     "jobs) as rollout_shards / policy_versions partitions, read from the catalog; never twice.",
@@ -186,5 +190,25 @@ def runs_from_catalog(context: dg.SensorEvaluationContext, storage: StorageRootR
     return dg.SensorResult(
         asset_events=events,
         dynamic_partitions_requests=[policy_version_partitions.build_add_request(keys)],
+        run_requests=health_requests(storage.paths, keys),
         cursor=cursor,
     )
+
+
+def health_requests(paths: StoragePaths, keys: list[str]) -> list[dg.RunRequest]:
+    """A `check_run_health` run for each run whose reported versions end it (its --num-rollout-th
+    rollout is recorded): what `run_health_after_training` does for Dagster-launched runs. One per
+    (run, last version): a resumed run that trains on is checked again when it ends."""
+    last: dict[str, str] = {}
+    for k in keys:
+        run = k.rsplit(".v", 1)[0]
+        last[run] = max(last.get(run, k), k)
+    return [
+        dg.RunRequest(
+            run_key=f"health:{key}",
+            job_name="check_run_health",
+            tags={"miles/trigger": "catalog_run_ended", "miles/run": run},
+        )  # fmt: skip
+        for run, key in sorted(last.items())
+        if run_finished(paths, run)
+    ]

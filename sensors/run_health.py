@@ -1,9 +1,10 @@
 """Run the run-health asset checks (assets/run_health.py) when an `rl_training` run ends.
 
-`check_run_health` executes the four checks on `rollout_shards` / `policy_versions` over the whole
+`check_run_health` executes the five checks on `rollout_shards` / `policy_versions` over the whole
 storage root; `run_health_after_training` requests it once per finished run (success or failure:
-run_key `health:<run id>`). Runs trained outside Dagster are checked from the asset pages'
-**Checks** tab (or by launching `check_run_health`).
+run_key `health:<run id>`). Runs trained outside Dagster (`miles-platform train`, Ray jobs) are
+checked when `runs_from_catalog` reports the versions that end them (sensors/catalog_runs.py);
+one that crashed is checked from the asset pages' **Checks** tab (or by launching `check_run_health`).
 """
 
 import dagster as dg
@@ -14,7 +15,7 @@ run_health_job = dg.define_asset_job(
     "check_run_health",
     selection=dg.AssetSelection.checks_for_assets("rollout_shards", "policy_versions"),
     description="Run-health checks of every run in the store: contiguous rollout ids, expected version "
-    "count, async staleness, HF export sanity.",
+    "count, async staleness, HF export sanity, prompt coverage per epoch.",
 )
 
 

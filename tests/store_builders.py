@@ -30,10 +30,11 @@ def build_run(
     **flags,
 ) -> list[dict]:
     """A finished run of `num_rollout` rollouts, one version per rollout (v = rollout id + 1), each
-    exported as a copy of `base`. `staleness`: samples started that many versions before the
+    exported as a copy of `base`; each rollout trains the 4 prompts `i+i=` (one sample each). `staleness`: samples started that many versions before the
     engine's. Returns the PolicyVersion dicts, as the loop hands them to its reporter."""
-    cfg = RunConfig(run_name=run, hf_checkpoint=base, num_rollout=num_rollout, prompt_data="train.jsonl",
-                    rm_type="math", storage_root=paths.root, **flags)  # fmt: skip
+    flags.setdefault("prompt_data", "train.jsonl")
+    cfg = RunConfig(run_name=run, hf_checkpoint=base, num_rollout=num_rollout, rm_type="math",
+                    storage_root=paths.root, **flags)  # fmt: skip
     cfg.save = paths.checkpoints(run)
     Path(cfg.save).mkdir(parents=True, exist_ok=True)
     (Path(cfg.save) / "run_config.json").write_text(saved_config(cfg))
@@ -42,7 +43,7 @@ def build_run(
         reward = rewards[rid] if rewards else 0.5
         start = max(0, rid - staleness)
         samples = [
-            Sample(run=run, rollout_id=rid, index=i, prompt=f"{i}+{i}=", label=str(2 * i), reward=reward,
+            Sample(run=run, rollout_id=rid, group_index=i, index=i, prompt=f"{i}+{i}=", label=str(2 * i), reward=reward,
                    response_tokens=[1] * (2 + i), weight_version_start=start, weight_version_end=rid)
             for i in range(4)
         ]  # fmt: skip

@@ -109,10 +109,15 @@ def cluster():
     # Ray token auth stays on (the token is ~/.ray/auth_token). A process that joins a cluster sends
     # the token only in token mode, which Ray turns on in a process that starts a local cluster: this
     # held only when another test had started one in this worker first. Turn it on as Ray does
-    # there (RAY_AUTH_MODE=token for this process and its children, and its cached config)
-    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    # there (RAY_AUTH_MODE=token for this process and its children, and its cached config), with the
+    # token Ray generates on a fresh machine
+    from ray._private.authentication.authentication_token_setup import (
+        _enable_token_auth,
+        ensure_token_if_auth_enabled,
+    )
 
     _enable_token_auth()
+    ensure_token_if_auth_enabled()
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # a job's `python`
@@ -157,13 +162,14 @@ def _wait_nodes(jobs_address: str, n: int, procs: list, timeout: float = 90.0) -
     import urllib.error
     import urllib.request
 
-    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
-    req = urllib.request.Request(f"{jobs_address}/api/v0/nodes", headers={"Authorization": f"Bearer {token}"})
+    token_path = Path.home() / ".ray" / "auth_token"  # on a fresh machine, `ray start --head` writes it
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("`ray start` exited early; see its log under --temp-dir")
         try:
+            headers = {"Authorization": f"Bearer {token_path.read_text().strip()}"}
+            req = urllib.request.Request(f"{jobs_address}/api/v0/nodes", headers=headers)
             with urllib.request.urlopen(req, timeout=5) as r:
                 nodes = json.loads(r.read())["data"]["result"]["result"]
             if sum(x["state"] == "ALIVE" for x in nodes) >= n:
@@ -431,7 +437,15 @@ def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
     try:
         seen = _stream_until(proc, "submitted Ray job miles-s3-2")
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
+        t0 = time.monotonic()
+        try:
+            rest, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rest = proc.communicate()[0]
+            pytest.fail(
+                f"no exit {time.monotonic() - t0:.0f} s after Ctrl-C:\n" + ("".join(seen) + rest)[-4000:]
+            )
     finally:
         proc.kill()
     text = "".join(seen) + rest

@@ -25,10 +25,18 @@ def run_checks(root) -> dict[str, dg.AssetCheckEvaluation]:
     return {e.check_name: e for e in res.get_asset_check_evaluations()}
 
 
+def prompt_file(path: Path, n: int) -> str:
+    """The builder's prompts `i+i=` for i < n, as --prompt-data."""
+    path.write_text("".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(n)))
+    return str(path)
+
+
 @pytest.fixture
 def healthy(tmp_path, tiny_hf_checkpoint):
     paths = StoragePaths(str(tmp_path / "root"))
-    build_run(paths, "ok", tiny_hf_checkpoint, 3, fully_async=True, max_weight_staleness=1, staleness=1)
+    data = prompt_file(tmp_path / "train.jsonl", 4)  # each rollout is one epoch of the 4 prompts
+    build_run(paths, "ok", tiny_hf_checkpoint, 3, fully_async=True, max_weight_staleness=1, staleness=1,
+              prompt_data=data, rollout_batch_size=4, n_samples_per_prompt=1, global_batch_size=4)  # fmt: skip
     return paths
 
 
@@ -37,6 +45,7 @@ def test_a_healthy_store_is_green(healthy):
     assert set(results) == set(CHECKS)
     assert {name: e.passed for name, e in results.items()} == dict.fromkeys(CHECKS, True)
     assert "| ok | 3 | 2 | 0 |" in results["contiguous_rollout_ids"].metadata["per_run"].value
+    assert "| ok | 4 | 4 | 3.0 | 3 |  |" in results["prompt_coverage"].metadata["per_run"].value
 
 
 def _break(paths: StoragePaths, how: str, tiny_hf_checkpoint: str) -> str:
@@ -48,6 +57,11 @@ def _break(paths: StoragePaths, how: str, tiny_hf_checkpoint: str) -> str:
         part = sorted(d.glob("part-*.parquet"))[1]
         part.unlink()
         return "run ok: versions [2] missing"
+    if how == "prompt_coverage":  # the data grew a prompt the run never trained in 3 epochs
+        f = Path(paths.checkpoints("ok")) / "run_config.json"
+        data = prompt_file(Path(paths.root).parent / "train5.jsonl", 5)
+        f.write_text(json.dumps(json.loads(f.read_text()) | {"prompt_data": data}))
+        return "run ok: 1 of 5 prompts never trained after 12 groups drawn from 5 prompts (0 dropped by filters): ['4+4=']"
     if how == "async_staleness":  # the same samples, judged by a tighter bound
         f = Path(paths.checkpoints("ok")) / "run_config.json"
         f.write_text(json.dumps(json.loads(f.read_text()) | {"max_weight_staleness": 0}))
@@ -91,3 +105,32 @@ def test_finished_run_with_too_few_versions_and_unreadable_export(tmp_path, tiny
     assert "finished (2 rollouts) with 1 trained versions, expected 2" in details
     assert "short.v000001: HF export" in results["hf_export_sanity"].metadata["details"].value
     assert os.path.exists(paths.hf_export("short", 1))
+
+
+def test_prompt_coverage_sees_a_replayed_epoch_and_forgives_filtered_prompts(tmp_path, tiny_hf_checkpoint):
+    """A run over 8 prompts that trained the first 4 in each of 3 rollouts (an epoch replayed from the
+    start, twice) is red on both counts; the same groups with 4 prompts dropped by the dynamic
+    filter each rollout are green; a run without readable prompt data is listed as not checked."""
+    paths = StoragePaths(str(tmp_path / "root"))
+    data = prompt_file(tmp_path / "train8.jsonl", 8)
+    kw = dict(prompt_data=data, rollout_batch_size=4, n_samples_per_prompt=1, global_batch_size=4)
+    build_run(paths, "replay", tiny_hf_checkpoint, 3, **kw)
+    build_run(paths, "filtered", tiny_hf_checkpoint, 3, **kw)
+    from miles_platform.store.tables import append_rows
+
+    drops = [
+        {"rollout_id": r, "step": r, "name": "rollout/dynamic_filter/drop_zero_std", "value": 4.0}
+        for r in range(3)
+    ]
+    append_rows(paths, "metrics", "filtered", drops)
+    build_run(paths, "nodata", tiny_hf_checkpoint, 2)  # prompt_data "train.jsonl": not here
+    e = run_checks(paths.root)["prompt_coverage"]
+    details, table = e.metadata["details"].value, e.metadata["per_run"].value
+    assert not e.passed
+    assert "run replay: 4 of 8 prompts never trained after 12 groups drawn from 8 prompts" in details
+    assert (
+        "run replay: prompt '0+0=' trained 3 times, but at most 2 epochs of the data were started" in details
+    )
+    assert "run filtered" not in details
+    assert "| filtered | 8 | 4 | 3.0 | 3 |  |" in table
+    assert "| nodata | None | None | None | None | --prompt-data train.jsonl unreadable here |" in table

@@ -96,3 +96,56 @@ def test_eval_sensor_leaves_versions_evaluated_in_their_own_loop(tmp_path, tiny_
     with dg.partition_loading_context(dynamic_partitions_store=instance):
         requests = eval_on_new_policy.evaluate_tick(ctx).run_requests
     assert [r.partition_key for r in requests] == ["plain.v000001", "plain.v000002"]
+
+
+def test_a_cli_run_that_ends_is_health_checked_once_and_an_unfinished_one_is_not(store, tiny_hf_checkpoint):
+    """The versions that end a CLI run come with a `check_run_health` request (run key per run and
+    last version); a run still short of its --num-rollout gets none; the request's job checks."""
+    import json
+    from pathlib import Path
+
+    paths, _ = store
+    build_run(paths, "going", tiny_hf_checkpoint, 2)
+    f = Path(paths.checkpoints("going")) / "run_config.json"
+    f.write_text(json.dumps(json.loads(f.read_text()) | {"num_rollout": 5}))  # 2 of 5 rollouts so far
+    instance = dg.DagsterInstance.ephemeral()
+    data = tick(instance, paths.root, None)
+    assert [(r.run_key, r.job_name, r.tags["miles/run"]) for r in data.run_requests] == [
+        ("health:cli.v000003", "check_run_health", "cli")
+    ]
+    assert tick(instance, paths.root, data.cursor).run_requests in (None, [])  # nothing new reported
+
+    import definitions
+
+    job = definitions.defs.get_repository_def().get_job(data.run_requests[0].job_name)
+    res = job.execute_in_process(
+        instance=instance, resources={"storage": StorageRootResource(root=paths.root)}
+    )
+    assert res.success and {e.check_name for e in res.get_asset_check_evaluations()} >= {
+        "contiguous_rollout_ids",
+        "expected_version_count",
+        "prompt_coverage",
+    }
+
+
+def test_run_health_sensors_request_a_check_when_an_rl_training_run_ends():
+    """run_health_after_training / ..._failed_training: one `check_run_health` run per ended
+    rl_training run, keyed by its run id."""
+    from sensors.run_health import run_health_after_failed_training, run_health_after_training
+
+    instance = dg.DagsterInstance.ephemeral()
+    for sensor, status in ((run_health_after_training, dg.DagsterRunStatus.SUCCESS),
+                           (run_health_after_failed_training, dg.DagsterRunStatus.FAILURE)):  # fmt: skip
+        run = instance.add_run(
+            dg.DagsterRun(job_name="rl_training", run_id=f"r-{status.value}", status=status)
+        )
+        ctx = dg.build_run_status_sensor_context(
+            sensor_name=sensor.name, dagster_instance=instance, dagster_run=run,
+            dagster_event=dg.DagsterEvent(
+                event_type_value=("PIPELINE_SUCCESS" if status == dg.DagsterRunStatus.SUCCESS else "PIPELINE_FAILURE"),
+                job_name="rl_training"),
+        )  # fmt: skip
+        ctx = ctx.for_run_failure() if status == dg.DagsterRunStatus.FAILURE else ctx
+        req = sensor(ctx)
+        assert req.run_key == f"health:r-{status.value}" and req.tags["miles/trigger"] == "training_ended"
+        assert sensor.job_name == "check_run_health"

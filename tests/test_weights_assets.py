@@ -76,3 +76,24 @@ def test_sensor_publishes_each_version_once_and_quantizes(tiny_hf_checkpoint, tm
         assert r.success
         assert all(c.passed for c in r.get_asset_check_evaluations())
         assert _md(r, "compression_ratio") > 1 and 0 < _md(r, "max_rel_error") < 0.08
+        assert "materialize eval_dataset" in _md(r, "eval_skipped")  # no eval data yet: said, not faked
+
+    # with an eval dataset: greedy pass@1 of the quantized weights next to the version's own, the
+    # latter exactly what evaluating the export gives
+    from miles_platform.rollout.evaluate import evaluate
+
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}=", "label": "{2 * i}"}}\n' for i in range(6)))
+    instance.report_runless_asset_event(dg.AssetMaterialization("eval_dataset", metadata={"path": str(data)}))
+    pk = dg.MultiPartitionKey({"policy_version": keys[1], "format": "int4"})
+    cfg = {"ops": {"quantized_weights": {"config": {"eval_max_prompts": 4}}}}
+    r = dg.materialize(
+        [quantized_weights], instance=instance, partition_key=pk, resources=resources, run_config=cfg
+    )
+    want = evaluate(
+        paths.hf_export(run, 1), [("eval", str(data))], temperature=0.0, max_new_tokens=16, max_prompts=4
+    )
+    assert _md(r, "eval/eval/pass@1_full_precision") == want["eval"]["pass@1"]
+    q = _md(r, "eval/eval/pass@1")
+    assert 0 <= q <= 1 and _md(r, "eval/eval/pass@1_delta") == q - want["eval"]["pass@1"]
+    assert "| eval |" in _md(r, "eval") and "| 4 |" in _md(r, "eval")

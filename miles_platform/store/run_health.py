@@ -15,6 +15,12 @@ as asset checks (assets/run_health.py); they need no Dagster.
   largest staleness and in-generation span (weight_version_end - weight_version_start) per run.
 - hf_export_sanity: each version's HF export has config.json and safetensors with the key set and
   parameter count of the run's base checkpoint.
+- prompt_coverage: the data source's epochs, seen in the trained groups. Each epoch serves every
+  prompt of --prompt-data once, so a run that drew a full epoch (trained + dynamically dropped
+  groups, beyond one --over-sampling-batch-size of buffer) trained every prompt but the dropped
+  ones, and no prompt was trained in more epochs than were started. A resume that replays an epoch
+  or a data-order bug turns it red. Runs whose --rollout-function-path draws prompts its own way,
+  or whose prompt data cannot be read here, are listed as not checked.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ import fsspec
 import pyarrow.parquet as pq
 
 from miles_platform.config import RunConfig
+from miles_platform.rollout.filter_hub import DROP_METRIC_PREFIX  # groups drawn, not trained
 from miles_platform.store.paths import StoragePaths
-from miles_platform.store.shards import list_rollout_shards
+from miles_platform.store.shards import list_rollout_shards, shard_path
 from miles_platform.store.tables import read_rows
 
 MAX_LINES = 20  # problems listed per check (the count says how many in all)
@@ -80,6 +87,18 @@ def saved_run_config(paths: StoragePaths, run: str, rows: list[dict]) -> RunConf
     return None
 
 
+def last_rollout_id(paths: StoragePaths, run: str) -> int:
+    """The newest rollout the run recorded (metrics or a shard); -1 for none."""
+    done = {m["rollout_id"] for m in read_rows(paths, "metrics", run)} | set(list_rollout_shards(paths, run))
+    return max(done, default=-1)
+
+
+def run_finished(paths: StoragePaths, run: str) -> bool:
+    """The run recorded its `--num-rollout`th rollout (by its saved run_config.json)."""
+    cfg = saved_run_config(paths, run, _versions(paths, run))
+    return cfg is not None and bool(cfg.num_rollout) and last_rollout_id(paths, run) + 1 >= cfg.num_rollout
+
+
 def contiguous_rollout_ids(paths: StoragePaths) -> Health:
     out = Health()
     for run in _runs(paths):
@@ -118,10 +137,7 @@ def expected_version_count(paths: StoragePaths) -> Health:
             dupes = sorted(n for n, k in Counter(numbers).items() if k > 1)
             out.problems.append(f"run {run}: version numbers recorded twice: {dupes[:10]}")
         interval = cfg.update_weights_interval if cfg else 1
-        done = {m["rollout_id"] for m in read_rows(paths, "metrics", run)} | set(
-            list_rollout_shards(paths, run)
-        )
-        last = max(done, default=-1)
+        last = last_rollout_id(paths, run)
         due = {r for r in range(last + 1) if (r + 1) % interval == 0}
         trained = {r["rollout_id"] for r in rows}
         lost = sorted(due - trained)
@@ -232,9 +248,86 @@ def hf_export_sanity(paths: StoragePaths) -> Health:
     return out
 
 
+def _prompt_multiplicity(cfg: RunConfig) -> Counter | None:
+    """{prompt text: times it is in --prompt-data} (raw, before any chat template), or None
+    when the data cannot be read here."""
+    from miles_platform.data.dataset import load_prompt_dataset
+
+    try:
+        records = load_prompt_dataset(cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
+                                      metadata_key=cfg.metadata_key, apply_chat_template=False)  # fmt: skip
+    except Exception:  # noqa: BLE001 - a relative path, a moved file, messages that need a template
+        return None
+    return Counter(r.prompt if isinstance(r.prompt, str) else json.dumps(r.prompt) for r in records)
+
+
+def prompt_coverage(paths: StoragePaths) -> Health:
+    out = Health()
+    for run in _runs(paths):
+        rows = _versions(paths, run)
+        cfg = saved_run_config(paths, run, rows)
+        why = None
+        if cfg is None:
+            why = "no run_config.json"
+        elif cfg.rollout_function_path:
+            why = "--rollout-function-path draws its own prompts"
+        data = None if why else _prompt_multiplicity(cfg)
+        if why is None and data is None:
+            why = f"--prompt-data {cfg.prompt_data} unreadable here"
+        if why:
+            out.per_run[run] = {"dataset_prompts": None, "trained_prompts": None, "epochs_drawn": None,
+                                "most_trained": None, "not_checked": why}  # fmt: skip
+            continue
+        groups: dict[tuple[int, int], str] = {}  # (rollout, group) -> its prompt
+        for rid in list_rollout_shards(paths, run):
+            with fsspec.open(shard_path(paths, run, rid), "rb") as fh:
+                t = pq.read_table(fh, columns=["group_index", "prompt"]).to_pylist()
+            for s in t:
+                groups.setdefault((rid, s["group_index"]), s["prompt"])
+        dropped = sum(
+            int(m["value"])
+            for m in read_rows(paths, "metrics", run)
+            if m["name"].startswith(DROP_METRIC_PREFIX)
+        )
+        n = sum(data.values())
+        trained = Counter(groups.values())
+        drawn = len(groups) + dropped
+        slack = cfg.over_sampling_batch_size or cfg.rollout_batch_size  # generated, still buffered
+        epochs = -(-(drawn + slack) // n)  # epochs started, at most
+        # a chat template renders the stored prompt: match by count, not by text
+        by_text = {k for k in trained if k in data} == set(trained)
+        if by_text:
+            never = sorted(k for k in data if k not in trained)
+            over = sorted((k for k, c in trained.items() if c > epochs * data[k]), key=lambda k: -trained[k])
+        else:
+            never = [None] * max(0, len(data) - len(trained))
+            most = epochs * max(data.values())
+            over = sorted((k for k, c in trained.items() if c > most), key=lambda k: -trained[k])
+        if drawn >= n + slack and len(never) > dropped:
+            shown = [p for p in never if p is not None][:5]
+            out.problems.append(
+                f"run {run}: {len(never)} of {len(data)} prompts never trained after {drawn} groups drawn "
+                f"from {n} prompts ({dropped} dropped by filters){': ' + repr(shown) if shown else ''}"
+            )
+        for k in over[:5]:
+            out.problems.append(
+                f"run {run}: prompt {k!r} trained {trained[k]} times, but at most {epochs} epochs of "
+                f"the data were started (the data order repeats prompts: a resume that replayed an epoch?)"
+            )
+        out.per_run[run] = {
+            "dataset_prompts": n,
+            "trained_prompts": len(trained),
+            "epochs_drawn": round(drawn / n, 2),
+            "most_trained": max(trained.values(), default=0),
+            "not_checked": "",
+        }
+    return out
+
+
 CHECKS = {
     "contiguous_rollout_ids": ("rollout_shards", contiguous_rollout_ids),
     "async_staleness": ("rollout_shards", async_staleness),
     "expected_version_count": ("policy_versions", expected_version_count),
     "hf_export_sanity": ("policy_versions", hf_export_sanity),
+    "prompt_coverage": ("rollout_shards", prompt_coverage),
 }
