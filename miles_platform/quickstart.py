@@ -177,9 +177,14 @@ def run_quickstart(
 
     _log(f"materializing weight_publications[{final_key}] and quantized_weights[{final_key}, fp8|int4]")
     _materialize_assets(defs, ["weight_publications"], instance, partition_key=final_key)
+    quantized: dict[str, dict[str, float]] = {}
     for fmt in ("fp8", "int4"):
         mk = dg.MultiPartitionKey({"policy_version": final_key, "format": fmt})
         _materialize_assets(defs, ["quantized_weights"], instance, partition_key=mk)
+        md = _metadata(instance, "quantized_weights", mk)
+        quantized[fmt] = {
+            k.removeprefix("eval/eval/"): float(v) for k, v in md.items() if k.startswith("eval/eval/")
+        }
 
     from miles_platform.rollout.evaluate import evaluate
 
@@ -211,6 +216,7 @@ def run_quickstart(
         "final_policy_version": final_key,
         "eval_dataset": eval_path,
         "eval_per_version": evals,
+        "quantized_eval": quantized,  # greedy pass@1 of the final version's fp8 / int4 weights vs its own
         "raw_reward_curve": [[int(r), float(v)] for r, v in curve],
         "storage_root": root,
     }
@@ -321,6 +327,10 @@ def print_summary(s: dict[str, Any]) -> None:
     print("\n=== miles-platform quickstart ===")
     print(f"base   eval accuracy (greedy pass@1): {s['base_eval_accuracy']:.1%}")
     print(f"final  eval accuracy (greedy pass@1): {s['final_eval_accuracy']:.1%}")
+    for fmt, q in s.get("quantized_eval", {}).items():
+        if "pass@1" in q:
+            print(f"final  {fmt:<5} weights (quantized_weights): {q['pass@1']:.1%} "
+                  f"(full precision {q['pass@1_full_precision']:.1%}, same eval prompts)")  # fmt: skip
     print(f"policy versions: {s['num_policy_versions']}   rollout rows: {s['num_rollout_rows']}")
     print(f"final policy: {s['final_policy_version']} -> {s['final_checkpoint']}")
     print(f"wall time: {s['wall_seconds']:.0f} s   summary: {s['storage_root']}/quickstart_summary.json")
