@@ -40,6 +40,9 @@ class BaseCheckpointConfig(dg.Config):
     eval_prompts: int = 500  # held-out prompts for the greedy accuracy in metadata (0 = skip)
 
 
+PLATEAU_LOSS = 0.5  # docs/sft_base.md: the SFT loss sits at ~0.78 until the model learns to add
+
+
 def _task_dir(storage: StorageRootResource) -> str:
     return os.path.dirname(storage.paths.dataset("sft_task"))
 
@@ -57,6 +60,13 @@ def _train_sft(config: BaseCheckpointConfig, storage: StorageRootResource, dest:
         recipe = dataclasses.replace(recipe, train_iters=config.train_iters)
     log.info(f"SFT base: {recipe.train_iters} iters on {task['sft']} (seed {recipe.seed})")
     m = run_sft(task["sft"], dest, recipe=recipe, progress=False)
+    exit_step = next((int(step) for step, loss in m["loss_curve"] if loss < PLATEAU_LOSS), None)
+    if exit_step is None:
+        log.warning(
+            f"SFT base: the loss never fell below {PLATEAU_LOSS} in {recipe.train_iters} iterations (final "
+            f"{m['final_loss']:.3f}): the base is still on the plateau where it has not learned addition; "
+            "train longer (config train_iters, `quickstart --sft-iters`) or take another seed"
+        )
     return {
         "model": m["model"],
         "tokenizer": m["tokenizer"],
@@ -67,6 +77,8 @@ def _train_sft(config: BaseCheckpointConfig, storage: StorageRootResource, dest:
             "sft_cpu_seconds": round(m["sft_cpu_seconds"], 2),
             "sft_final_loss": round(m["final_loss"], 5),
             "sft_train_iters": m["train_iters"],
+            # the first logged step below the loss plateau (None: never left it; the base cannot add)
+            "sft_plateau_exit_step": dg.MetadataValue.text(str(exit_step)),
             "sft_seed": recipe.seed,
             "sft_data": dg.MetadataValue.path(task["sft"]),
             "sft_recipe": dg.MetadataValue.json(recipe.to_dict()),

@@ -45,7 +45,9 @@ class SFTRecipe:
     clip_grad: float = 1.0
     global_batch_size: int = 128
     micro_batch_size: int = 128
-    train_iters: int | None = 600  # past the loss plateau; docs/sft_base.md (1500 until 2026-12-01)
+    # past the loss plateau, whose exit step depends on the CPU's kernels as much as on the seed
+    # (docs/sft_base.md: 250-675 on one VM, 575-950 on an AVX-512 one; 600 until 2026-12-02)
+    train_iters: int | None = 1200
     num_epoch: float | None = None  # used when train_iters is None
     seed: int = 1234
     log_interval: int = 25
