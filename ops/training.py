@@ -16,6 +16,7 @@ launches `eval_results` with them, the one evaluator of record.
 """
 
 import dataclasses
+import os
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
@@ -376,10 +377,13 @@ def train_as_ray_job(
 
 
 def _k8s_tags() -> dict[str, str]:
-    try:
-        from miles_platform.cluster.k8s import TRAINING_OP_K8S_TAGS
-    except ImportError:
+    """The training pod's `dagster-k8s/config` (GPU requests) when this code location runs in a
+    Kubernetes pod (the K8sRunLauncher of deploy/ reads it); none on a local instance, where the tag
+    would only clutter every Launchpad run."""
+    if not os.environ.get("KUBERNETES_SERVICE_HOST"):  # set in every pod by Kubernetes
         return {}
+    from miles_platform.cluster.k8s import TRAINING_OP_K8S_TAGS
+
     return dict(TRAINING_OP_K8S_TAGS)
 
 

@@ -73,6 +73,15 @@ def test_training_op_tags_parse_as_gpu_request():
     assert json.loads(TRAINING_OP_K8S_TAGS["dagster-k8s/config"])["container_config"]["resources"]
 
 
+def test_the_training_job_carries_the_gpu_tags_in_a_pod_only(monkeypatch):
+    from ops.training import _k8s_tags, rl_training
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert _k8s_tags() == {} and "dagster-k8s/config" not in rl_training.tags  # a local instance
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert _k8s_tags() == TRAINING_OP_K8S_TAGS
+
+
 def test_k8s_job_executor_opt_in_config_validates():
     from dagster import job, op
     from dagster._config import validate_config

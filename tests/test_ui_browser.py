@@ -345,3 +345,71 @@ def test_a_cli_launched_runs_versions_appear_as_partitions(page, webserver):
     expect(page.get_by_text("runs_from_catalog").first).to_be_visible()  # reported_by
     expect(page.get_by_text("cli.v000002").first).to_be_visible()  # its parent_version
     page.screenshot(path=str(DOCS / "ui_cli_run_partitions.png"))
+
+
+def test_policy_versions_plot_the_training_curves(page, webserver):
+    """The asset's Overview > Metadata > Plots: each version's training metrics (from the rollout
+    that trained it) are numeric metadata, so Dagster draws them as curves over the partitions."""
+    from playwright.sync_api import expect
+
+    base, _ = webserver
+    page.goto(f"{base}/assets/policy_versions")  # Overview > Metadata > Plots
+    page.get_by_text("Plots", exact=True).first.click()
+    for metric in ("train/loss", "rollout/raw_reward", "mean_reward"):
+        expect(page.get_by_text(metric, exact=True).first).to_be_visible()
+    page.wait_for_timeout(1000)
+    page.screenshot(path=str(DOCS / "ui_policy_versions_plots.png"))
+    body = page.inner_text("body")
+    assert "shard_rows" not in body  # identifiers and counts are not plotted
+
+
+RUNS_OF_JOB = (
+    """{ runsOrError(filter: {pipelineName: "rl_training"}) { ... on Runs { results { runId status } } } }"""
+)
+RUN_EVENTS = """{ logsForRun(runId: "%s") { ... on EventConnection { events { __typename
+  ... on MessageEvent { timestamp }
+  ... on ExecutionStepFailureEvent { error { message } failureMetadata { description } } } } } }"""
+
+
+def test_the_launchpad_rejects_a_run_without_a_reward_naming_the_flag(page, webserver, tiny_hf_checkpoint):
+    """A newcomer launches rl_training from the Launchpad with a model and prompts but no reward:
+    the run fails in its first seconds (validation before Ray starts), naming --rm-type."""
+    from playwright.sync_api import expect
+
+    base, root = webserver
+    page.goto(f"{base}/locations/miles_platform/jobs/rl_training/playground")
+    editor = page.locator(".CodeMirror").first
+    expect(editor).to_be_visible()
+    yaml = (
+        "ops:\n  rl_training_op:\n    config:\n"
+        f"      hf_checkpoint: {tiny_hf_checkpoint}\n      prompt_data: {root / 'eval.jsonl'}\n"
+        "      run_name: no-reward\n      rollout_batch_size: 2\n      global_batch_size: 2\n"
+        "      input_key: prompt\n      label_key: label\n"
+    )  # everything a run needs but a reward
+    page.evaluate("(text) => document.querySelector('.CodeMirror').CodeMirror.setValue(text)", yaml)
+    page.get_by_role("button", name="Launch Run").first.click()
+    # no preset picked (they are the job's "partitions"): the Launchpad asks once
+    page.get_by_role("dialog").get_by_role("button", name="Confirm").click()
+
+    deadline, run = time.time() + 300, None  # the run's subprocess imports dagster + our code
+    while time.time() < deadline:
+        runs = _graphql(base, RUNS_OF_JOB)["runsOrError"]["results"]
+        run = runs[0] if runs else None
+        if run and run["status"] in ("SUCCESS", "FAILURE", "CANCELED"):
+            break
+        time.sleep(1)
+    assert run is not None, "the Launchpad launched no rl_training run"
+    assert run["status"] == "FAILURE", run
+    events = _graphql(base, RUN_EVENTS % run["runId"])["logsForRun"]["events"]
+    start = next(int(e["timestamp"]) for e in events if e["__typename"] == "ExecutionStepStartEvent")
+    failure = next(e for e in events if e["__typename"] == "ExecutionStepFailureEvent")
+    end = next(int(e["timestamp"]) for e in events if e["__typename"] == "ExecutionStepFailureEvent")
+    said = (failure.get("failureMetadata") or {}).get("description") or (failure.get("error") or {}).get(
+        "message"
+    )
+    assert "--rm-type" in (said or ""), failure
+    assert (end - start) / 1000 < 5, f"the step took {(end - start) / 1000:.1f} s to refuse the config"
+    assert not (root / "runs" / "no-reward").exists() and not (root / "rollouts" / "run=no-reward").exists()
+    page.goto(f"{base}/runs/{run['runId']}")
+    expect(page.get_by_text("--rm-type").first).to_be_visible()
+    page.screenshot(path=str(DOCS / "ui_launchpad_rejects_no_reward.png"))
