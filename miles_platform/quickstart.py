@@ -121,13 +121,13 @@ def run_quickstart(
     instance = dg.DagsterInstance.get()
 
     _log("materializing prompt_dataset, eval_dataset")
-    _materialize_assets(defs, ["prompt_dataset", "eval_dataset"], instance)
+    _run_job(defs, "build_datasets", instance)
     base_cfg: dict[str, Any] = {"mode": "sft", "seed": seed}
     if sft_iters:
         base_cfg["train_iters"] = sft_iters
     _log("materializing base_checkpoint (SFT)")
-    _materialize_assets(
-        defs, ["base_checkpoint"], instance, run_config={"ops": {"base_checkpoint": {"config": base_cfg}}}
+    _run_job(
+        defs, "build_base_checkpoint", instance, run_config={"ops": {"base_checkpoint": {"config": base_cfg}}}
     )
     # The conversion (two subprocesses, mostly megatron's import) runs beside the GRPO run: the
     # rollout/train alternation keeps about one of two cores busy, and the RL run (fsdp) does not
@@ -135,7 +135,7 @@ def run_quickstart(
     # a time (two threads of one process deadlock). It must succeed all the same: joined below.
     _log("materializing converted_checkpoint (HF -> megatron torch_dist, round-trip check), beside training")
     conversion = subprocess.Popen(
-        [sys.executable, "-m", "miles_platform.quickstart", "--storage-root", root, "--materialize", "converted_checkpoint"]
+        [sys.executable, "-m", "miles_platform.quickstart", "--storage-root", root, "--run-job", "convert_checkpoint"]
     )  # fmt: skip
     base_md = _metadata(instance, "base_checkpoint")
     base_path = str(base_md["path"])
@@ -171,16 +171,16 @@ def run_quickstart(
     for key in dict.fromkeys(chosen):  # with the run's eval settings, as the sensor launches them
         _log(f"materializing eval_results[{key}]")
         cfg = run_config_for_version(instance, key)
-        _materialize_assets(defs, ["eval_results"], instance, partition_key=key, run_config=cfg or None)
+        _run_job(defs, "evaluate_policy", instance, partition_key=key, run_config=cfg or None)
         md = _metadata(instance, "eval_results", key)
         evals[key] = float(md.get("eval/pass@1", md.get("pass@1", 0.0)))
 
     _log(f"materializing weight_publications[{final_key}] and quantized_weights[{final_key}, fp8|int4]")
-    _materialize_assets(defs, ["weight_publications"], instance, partition_key=final_key)
+    _run_job(defs, "publish_weights", instance, partition_key=final_key)
     quantized: dict[str, dict[str, float]] = {}
     for fmt in ("fp8", "int4"):
         mk = dg.MultiPartitionKey({"policy_version": final_key, "format": fmt})
-        _materialize_assets(defs, ["quantized_weights"], instance, partition_key=mk)
+        _run_job(defs, "quantize_weights", instance, partition_key=mk)
         md = _metadata(instance, "quantized_weights", mk)
         quantized[fmt] = {
             k.removeprefix("eval/eval/"): float(v) for k, v in md.items() if k.startswith("eval/eval/")
@@ -239,12 +239,10 @@ def run_diffusion_quickstart(
 
     defs, instance = definitions.defs, dg.DagsterInstance.get()
     _log("materializing diffusion_prompt_dataset, diffusion_eval_dataset, diffusion_sft_dataset")
-    _materialize_assets(
-        defs, ["diffusion_prompt_dataset", "diffusion_eval_dataset", "diffusion_sft_dataset"], instance
-    )
+    _run_job(defs, "build_diffusion_data", instance)
     _log("materializing diffusion_base_checkpoint (flow-matching SFT of the tiny DiT)")
-    _materialize_assets(defs, ["diffusion_base_checkpoint"], instance,
-                        run_config={"ops": {"diffusion_base_checkpoint": {"config": {"seed": seed}}}})  # fmt: skip
+    _run_job(defs, "build_diffusion_base", instance,
+             run_config={"ops": {"diffusion_base_checkpoint": {"config": {"seed": seed}}}})  # fmt: skip
     run = _fresh_run_name(root, DEMO_DIFFUSION["run_name"])
     cfg = dict(
         DEMO_DIFFUSION,
@@ -306,20 +304,14 @@ def print_diffusion_summary(s: dict[str, Any]) -> None:
     )
 
 
-def _materialize_assets(defs, keys, instance, partition_key=None, run_config=None):
-    import dagster as dg
-
-    sel = dg.AssetSelection.assets(*keys) | dg.AssetSelection.checks_for_assets(*keys)
-    result = dg.materialize(
-        list(defs.assets) + list(defs.asset_checks or []),
-        selection=sel,
-        instance=instance,
-        resources=defs.resources,
-        partition_key=partition_key,
-        run_config=run_config,
+def _run_job(defs, name: str, instance, partition_key=None, run_config=None):
+    """One of the code location's named jobs (ops/asset_jobs.py, the sensors' jobs): the run shows
+    under that name in the UI and can be re-executed there."""
+    result = defs.resolve_job_def(name).execute_in_process(
+        instance=instance, partition_key=partition_key, run_config=run_config
     )
     if not result.success:
-        raise RuntimeError(f"materializing {keys} failed")
+        raise RuntimeError(f"job {name} failed")
     return result
 
 
@@ -345,8 +337,8 @@ def print_summary(s: dict[str, Any]) -> None:
     print("see it in the UI: make ui  (http://127.0.0.1:3000)")
 
 
-def _materialize_one(root: str, key: str) -> int:
-    """One asset and its checks into the demo's instance (run beside training by run_quickstart)."""
+def _run_one_job(root: str, name: str) -> int:
+    """One named job into the demo's instance (run beside training by run_quickstart)."""
     root = os.path.abspath(root)
     os.environ["DAGSTER_HOME"] = _dagster_home(root)
     os.environ["MILES_STORAGE_ROOT"] = root
@@ -355,7 +347,7 @@ def _materialize_one(root: str, key: str) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import definitions
 
-    _materialize_assets(definitions.defs, [key], dg.DagsterInstance.get())
+    _run_job(definitions.defs, name, dg.DagsterInstance.get())
     return 0
 
 
@@ -368,14 +360,14 @@ def cli_main(argv: list[str]) -> int:
         "--eval-every", type=int, default=10, help="evaluate every N-th policy version (and the last)"
     )
     ap.add_argument("--sft-iters", type=int, default=None, help="override the SFT recipe's train iterations")
-    ap.add_argument("--materialize", metavar="ASSET", help=argparse.SUPPRESS)  # one asset (the demo's helper)
+    ap.add_argument("--run-job", metavar="JOB", help=argparse.SUPPRESS)  # one named job (the demo's helper)
     ap.add_argument("--task", choices=("llm", "diffusion"), default="llm",
                     help="llm: arithmetic GRPO (the default demo); diffusion: Flow-GRPO on a tiny DiT")  # fmt: skip
     ap.add_argument("--loss-type", choices=("policy_loss", "nft"), default="policy_loss",
                     help="--task diffusion: Flow-GRPO (policy_loss) or DiffusionNFT (nft)")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.materialize:
-        return _materialize_one(args.storage_root, args.materialize)
+    if args.run_job:
+        return _run_one_job(args.storage_root, args.run_job)
     if args.task == "diffusion":
         n = args.num_rollout if "--num-rollout" in argv else DIFFUSION_ROLLOUTS
         print_diffusion_summary(run_diffusion_quickstart(args.storage_root, n, args.seed, args.loss_type))
