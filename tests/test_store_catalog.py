@@ -119,3 +119,23 @@ def test_query_while_another_reader_holds_the_catalog(root_with_rollouts):
         assert cat.query("SELECT count(*) FROM rollouts")[1] == [(3,)]
     finally:
         other.close()
+
+
+def test_the_duckdb_shell_opens_the_catalog_as_the_readme_shows(root_with_rollouts):
+    """`duckdb -readonly <root>/catalog.duckdb "<sql>"`: the pinned duckdb-cli shell reads the file
+    our duckdb 2.x writes (it is created in CATALOG_STORAGE_VERSION), views and all, also after
+    the writers have reopened and refreshed it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shell = Path(sys.executable).with_name("duckdb")
+    assert shell.exists(), "duckdb-cli is a dependency: `make install` puts the shell in .venv/bin"
+    paths = StoragePaths(root_with_rollouts)
+    append_rows(paths, "metrics", "r", [{"rollout_id": 0, "step": 0, "name": "train/loss", "value": 0.5}])
+    Catalog(paths).refresh()  # the writers' reopen + CREATE OR REPLACE keeps the file's format
+    out = subprocess.run([str(shell), "-readonly", "-csv", paths.catalog, SQL + "; SELECT name FROM metrics"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["index,response,reward", "0,resp 0,0.0", "1,resp 1,0.5", "2,resp 2,1.0",
+                                       "name", "train/loss"]  # fmt: skip

@@ -56,3 +56,23 @@ def test_apply_failure_is_one_line_and_leaves_checkpoint(tiny_hf_checkpoint, tmp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "weight_v000001" in err and "tensor" in err
     assert {f.name: f.read_bytes() for f in local.iterdir()} == before
+
+
+def test_list_without_pub_finds_every_runs_publications_under_the_storage_root(
+    tiny_hf_checkpoint, tmp_path, capsys
+):
+    from miles_platform.store.paths import StoragePaths
+
+    paths = StoragePaths(str(tmp_path / "root"))
+    assert main(["weights", "list", "--storage-root", paths.root]) == 1
+    assert "no publications under" in capsys.readouterr().err
+    for run in ("a", "b"):
+        t1, _ = _target(tiny_hf_checkpoint, tmp_path / run, 1)
+        pub = paths.publications(run)
+        assert (
+            main(["weights", "publish", "--base", tiny_hf_checkpoint, "--target", str(t1), "--out", pub]) == 0
+        )
+    capsys.readouterr()
+    assert main(["weights", "list", "--storage-root", paths.root]) == 0
+    out = capsys.readouterr().out
+    assert f"{paths.publications('a')}: LATEST v1" in out and f"{paths.publications('b')}: LATEST v1" in out

@@ -58,6 +58,33 @@ def _empty_select(schema: pa.Schema) -> str:
     return f"SELECT {cols} WHERE false"
 
 
+# The catalog file's on-disk format: the newest the `duckdb` shell on PyPI (duckdb-cli 1.5.6, which
+# reads storage versions up to 1.5) can open, so `duckdb -readonly <root>/catalog.duckdb` works
+# beside our duckdb 2.x (whose default format it cannot read). DuckDB keeps a file's version when
+# it reopens it.
+CATALOG_STORAGE_VERSION = "v1.4.0"
+
+
+def _create(path: str) -> None:
+    """A new, empty catalog file in CATALOG_STORAGE_VERSION (written beside it, then renamed in)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    for f in (tmp, f"{tmp}.wal"):
+        if os.path.exists(f):
+            os.remove(f)
+    con = duckdb.connect(":memory:")
+    try:
+        con.execute(f"ATTACH '{tmp}' AS new_catalog (STORAGE_VERSION '{CATALOG_STORAGE_VERSION}')")
+        con.execute("DETACH new_catalog")
+    finally:
+        con.close()
+    try:
+        os.link(tmp, path)  # never replaces a catalog another process created meanwhile
+    except FileExistsError:
+        pass
+    finally:
+        os.remove(tmp)
+
+
 def _connect(path: str, read_only: bool, attempts: int = 40) -> duckdb.DuckDBPyConnection:
     """Connect, retrying briefly while another process holds the file lock."""
     for i in range(attempts):
@@ -135,6 +162,8 @@ class Catalog:
         if self.remote:
             return False
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if not os.path.exists(self.path):
+            _create(self.path)
         try:
             con = _connect(self.path, read_only=False, attempts=5 if best_effort else 40)
         except CatalogError:

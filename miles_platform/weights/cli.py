@@ -2,7 +2,7 @@
 
     miles-platform weights publish --base HF_DIR --target HF_DIR --out PUB_DIR [--encoding xor|overwrite]
     miles-platform weights apply --pub PUB_DIR --checkpoint LOCAL_HF_DIR [--version N]
-    miles-platform weights list --pub PUB_DIR
+    miles-platform weights list [--pub PUB_DIR | --storage-root ROOT]
 
 Verification failures raise PublicationError: the dispatcher prints one line and exits 2, and
 the local checkpoint is left byte-identical.
@@ -11,6 +11,9 @@ the local checkpoint is left byte-identical.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 
 from miles_platform.errors import PublicationError
 from miles_platform.weights import disk_delta as dd
@@ -63,9 +66,30 @@ def cmd_apply(a) -> int:
     return 0
 
 
+def _default_publications(storage_root: str) -> list[str]:
+    """Every run's publication dir under the storage root that has a LATEST."""
+    from miles_platform.store.paths import StoragePaths
+
+    runs = Path(StoragePaths(storage_root).join("runs"))
+    return sorted(str(d) for d in runs.glob("*/publications") if (d / "LATEST").is_file())
+
+
 def cmd_list(a) -> int:
-    rows = dd.list_publications(a.pub)
-    print(f"{a.pub}: LATEST v{dd.read_latest(a.pub)}")
+    pubs = [a.pub] if a.pub else _default_publications(a.storage_root)
+    if not pubs:
+        print(f"no publications under {a.storage_root}/runs/*/publications (pass --pub DIR for another one)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    for i, pub in enumerate(pubs):
+        if i:
+            print()
+        _list_one(pub)
+    return 0
+
+
+def _list_one(pub: str) -> None:
+    rows = dd.list_publications(pub)
+    print(f"{pub}: LATEST v{dd.read_latest(pub)}")
     print(
         f"{'version':>8} {'kind':>8} {'base':>5} {'encoding':>9} {'wire_bytes':>12} {'full_bytes':>12} density"
     )
@@ -78,7 +102,6 @@ def cmd_list(a) -> int:
             f"{r['version']:>8} {r['kind']:>8} {base:>5} {r['encoding']:>9} "
             f"{r['wire_bytes']:>12} {r['full_bytes']:>12} {r['density']:.4f}"
         )
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--version", type=int, default=None, help="default: LATEST")
     pa.set_defaults(fn=cmd_apply)
     pl = sub.add_parser("list", help="committed versions with kind, base, wire bytes, density")
-    pl.add_argument("--pub", required=True)
+    pl.add_argument(
+        "--pub",
+        default=None,
+        help="publication dir (weight_vNNNNNN/ + LATEST); default: every run's under --storage-root",
+    )
+    pl.add_argument("--storage-root", default=os.environ.get("MILES_STORAGE_ROOT", ".miles"),
+                    help="storage root whose runs/<run>/publications are listed without --pub (default: .miles)")  # fmt: skip
     pl.set_defaults(fn=cmd_list)
     return p
 
