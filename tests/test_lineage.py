@@ -194,10 +194,16 @@ def test_what_was_trained_on_this_dataset_version(store):
 
 def test_cli_text_json_and_errors(store, capsys):
     paths, base, *_ = store
-    assert cli_main(["demo.v000002", "--storage-root", paths.root]) == 0
+    assert cli_main(["demo.v000002", "--storage-root", paths.root]) == 0  # compact by default
     text = capsys.readouterr().out
-    assert "upstream (what it came from):" in text and "trained_from: demo.v000001" in text
-    assert "rows=4" in text and "mean_reward=0.75" in text
+    assert (
+        "upstream (what it came from):" in text and "trained from: demo.v000001  (1 earlier version)" in text
+    )
+    assert "mean_reward=0.75" in text and "rollout shards: 2 (one per version" in text
+    assert " rows=4" not in text  # the shards' details are the full tree's
+    assert cli_main(["demo.v000002", "--storage-root", paths.root, "--full"]) == 0
+    text = capsys.readouterr().out
+    assert "trained_from: demo.v000001" in text and " rows=4" in text and "mean_reward=0.75" in text
 
     assert cli_main(["demo.v000001", "--storage-root", paths.root, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -208,7 +214,7 @@ def test_cli_text_json_and_errors(store, capsys):
         "other.v000001"
     ]
 
-    assert cli_main(["demo.v000002", "--storage-root", paths.root, "--depth", "1"]) == 0
+    assert cli_main(["demo.v000002", "--storage-root", paths.root, "--full", "--depth", "1"]) == 0
     assert "raise --depth" in capsys.readouterr().out
 
     assert cli_main(["nope.v000009", "--storage-root", paths.root]) == 2

@@ -1,6 +1,7 @@
 """Lineage: trace a policy version (or checkpoint, dataset, eval ...) up- and downstream.
 
-    miles-platform lineage demo.v000003            # tree: parents, shards, data, checkpoints; evals, ...
+    miles-platform lineage demo.v000003            # compact: the version chain as a range, data and base once
+    miles-platform lineage demo.v000003 --full     # the whole tree: parents, shards, data, checkpoints; evals, ...
     miles-platform lineage /path/to/base/ckpt      # what was trained from / converted from it
     miles-platform lineage --dataset-version HASH  # which policy versions trained on that data
     miles-platform lineage demo.v000003 --json     # the same, for machines
@@ -318,6 +319,74 @@ def format_trace(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _range(ids: list[str]) -> str:
+    return ids[0] if len(ids) == 1 else f"{ids[0]} .. {ids[-1]}"
+
+
+def format_compact(paths: StoragePaths, target: str) -> str:
+    """The default view: the node, its own inputs, the chain of versions it was trained from as one
+    range, every dataset / checkpoint that chain used once (with how many versions used it), the
+    shards as a count, and what came from the node and from its chain downstream, by kind."""
+    g = LineageGraph(paths)
+    node = g.resolve(target)
+    if node is None:
+        trace(paths, target)  # raises the LineageError with the hint
+    kind = g.kinds.get(node, "unknown")
+    head = _label({"id": node, "kind": kind, "relations": [], "data_version": None, "info": g.info(node, kind),
+                   "shown_above": False, "truncated": False})  # fmt: skip
+    lines = [head]
+    info = g.info(node, kind)
+    lines += [f"  {k}: {info[k]}" for k in ("hf_path", "checkpoint_path") if k in info]
+
+    chain, inputs, shards, cur = [], {}, 0, node  # walk trained_from to the first version
+    while True:
+        prev = None
+        for e in g.parents(cur):
+            if e.relation == "trained_from" and g.kinds.get(e.parent) == "policy_version":
+                prev = e.parent
+            elif g.kinds.get(e.parent) == "rollout_shard":
+                shards += 1
+            else:
+                slot = inputs.setdefault(
+                    (e.relation, e.parent), {"kind": g.kinds.get(e.parent), "dv": None, "n": 0}
+                )
+                slot["n"] += 1
+                slot["dv"] = slot["dv"] or e.data_version
+        if prev is None or prev in chain:
+            break
+        chain.append(prev)
+        cur = prev
+    lines += ["", "upstream (what it came from):"]
+    if chain:
+        lines.append(
+            f"  trained from: {_range(chain)}  ({len(chain)} earlier version{'s' * (len(chain) > 1)})"
+        )
+    for (relation, parent), slot in sorted(inputs.items()):
+        dv = f"  data_version={_fmt(slot['dv'])}" if slot["dv"] else ""
+        used = f"  (used by {slot['n']} versions)" if slot["n"] > 1 else ""
+        lines.append(f"  {relation}: {parent}  [{slot['kind']}]{dv}{used}")
+    if shards:
+        lines.append(f"  rollout shards: {shards} (one per version; `--full` lists them)")
+    if not (chain or inputs or shards):
+        lines.append("  (none)")
+
+    below: dict[str, list[str]] = {}
+    for n in [node, *chain]:
+        for e in g.children(n):
+            if e.relation == "trained_from" and g.kinds.get(e.child) == "policy_version" and n != node:
+                continue  # the chain itself
+            below.setdefault(g.kinds.get(e.child) or "unknown", []).append(e.child)
+    lines += ["", "downstream (what came from it and its chain):"]
+    for k, ids in sorted(below.items()):
+        ids = sorted(set(ids))
+        shown = ", ".join(ids) if len(ids) <= 3 else f"{ids[0]} .. {ids[-1]} ({len(ids)})"
+        lines.append(f"  {k}: {shown}")
+    if not below:
+        lines.append("  (none)")
+    lines.append("\n(the full tree: --full; machine-readable: --json)")
+    return "\n".join(lines)
+
+
 def format_dataset_versions(data_version: str, rows: list[dict[str, Any]]) -> str:
     if not rows:
         return f"no policy version was trained on dataset version {data_version}"
@@ -338,12 +407,21 @@ def cli_main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("target", nargs="?", help="policy-version partition key <run>.v<NNNNNN>, or a path / id")
     ap.add_argument("--storage-root", default=os.environ.get("MILES_STORAGE_ROOT", ".miles"))
-    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--json", action="store_true", help="machine-readable output (the full tree)")
+    ap.add_argument(
+        "--full",
+        action="store_true",
+        help="the whole tree, every node (default: a compact view: the "
+        "version chain as a range, each dataset and base once, downstream by kind)",
+    )
     ap.add_argument(
         "--dataset-version", metavar="HASH", help="list policy versions trained on this data version"
     )
     ap.add_argument(
-        "--depth", type=int, default=DEFAULT_DEPTH, help=f"levels up and down (default {DEFAULT_DEPTH})"
+        "--depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"levels up and down of --full / --json (default {DEFAULT_DEPTH})",
     )
     args = ap.parse_args(argv)
     if not args.target and not args.dataset_version:
@@ -363,7 +441,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                 text = format_trace(out["trace"]) + "\n\n" + text
         else:
             out = trace(paths, args.target, args.depth)
-            text = format_trace(out)
+            text = format_trace(out) if args.full else format_compact(paths, args.target)
     except CatalogError as e:
         print(f"miles-platform lineage: error: {e}", file=sys.stderr)
         return 2
