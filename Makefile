@@ -49,9 +49,10 @@ test: install lint
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not gpu and not slow" $(XDIST)
 
+# dagster dev against the demo instance; Ctrl-C (or SIGTERM to make) stops every process it started
 ui: install
 	DAGSTER_HOME=$(abspath $(ROOT))/dagster MILES_STORAGE_ROOT=$(abspath $(ROOT)) \
-	  $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	  $(BIN)/python scripts/ui.py -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: install
 	$(BIN)/python -m bench.run_all
