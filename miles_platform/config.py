@@ -311,11 +311,14 @@ class RunConfig:
     rm_type: str | None = _f(
         None,
         "reward",
-        "built-in reward: math, dapo, deepscaler, f1, final_answer, random, remote_rm, boxed_<type>",
+        "built-in reward: math, dapo, deepscaler, f1, final_answer, random, remote_rm, boxed_<type> "
+        "(required unless --custom-rm-path or per-sample metadata.rm_type gives the reward)",
     )
     rm_url: str | None = _f(None, "reward", "endpoint for --rm-type remote_rm")
     group_rm: bool = _f(False, "reward", "reward computed per group by --custom-rm-path")
-    custom_rm_path: str | None = _f(None, "reward", "custom reward <module>.<fn>")
+    custom_rm_path: str | None = _f(
+        None, "reward", "custom reward <module>.<fn> (this or --rm-type is required)"
+    )
     reward_key: str | None = _f(None, "reward", "key of a dict reward used for training")
     eval_reward_key: str | None = _f(
         None, "reward", "key of a dict reward used for eval (defaults to --reward-key)"
