@@ -16,6 +16,7 @@ evaluator of record (the `rl_training` op turns the loop's own eval off).
 """
 
 import os
+from types import SimpleNamespace
 
 import dagster as dg
 
@@ -136,6 +137,11 @@ def eval_config_for_run(cfg: RunConfig) -> dict:
     return {k: v for k, v in out.items() if v is not None and k in EvalConfig.model_fields}
 
 
+def reward_args(config: EvalConfig) -> SimpleNamespace:
+    """The reward hub's view of an EvalConfig (rm_type, custom_rm_path, reward keys ...)."""
+    return SimpleNamespace(**{k: getattr(config, k) for k in REWARD_FLAGS})
+
+
 def evaluate_and_record(
     paths: StoragePaths,
     partition: str,
@@ -148,18 +154,15 @@ def evaluate_and_record(
     """Evaluate `hf_path` on `datasets` as `config` says; append the `evals` rows (source `asset`) and
     the lineage rows `eval:<partition>` --evaluates--> `evaluates` (key, kind, data version) and
     --evaluated_on--> each dataset. eval_results and the scoreboard's base eval both call it."""
-    from types import SimpleNamespace
-
     from miles_platform.rollout.evaluate import evals_table_rows, evaluate
 
     run, _ = parse_partition_key(partition)
-    rm_args = SimpleNamespace(**{k: getattr(config, k) for k in REWARD_FLAGS})
     results = evaluate(
         hf_path,
         datasets,
         n_samples_per_eval_prompt=config.n_samples_per_eval_prompt,
         **sampling_of(config),
-        args=rm_args,
+        args=reward_args(config),
         seed=config.seed,
         input_key=config.input_key,
         label_key=config.label_key,

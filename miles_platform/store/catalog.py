@@ -81,8 +81,12 @@ def _create(path: str) -> None:
         os.link(tmp, path)  # never replaces a catalog another process created meanwhile
     except FileExistsError:
         pass
+    except OSError:  # a filesystem without hard links
+        if not os.path.exists(path):
+            os.replace(tmp, path)
     finally:
-        os.remove(tmp)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _connect(path: str, read_only: bool, attempts: int = 40) -> duckdb.DuckDBPyConnection:
