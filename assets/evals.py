@@ -84,7 +84,8 @@ def resolve_hf_path(instance: dg.DagsterInstance, paths: StoragePaths, partition
 
             export_merged_hf_dir(base, adapter, hf_path)  # atomic: a tmp dir renamed into place
     hf_path = hf_path or paths.hf_export(run, version)
-    if "://" not in hf_path and not os.path.isfile(os.path.join(hf_path, "config.json")):
+    exported = any(os.path.isfile(os.path.join(hf_path, f)) for f in ("config.json", "model_index.json"))
+    if "://" not in hf_path and not exported:  # an HF dir, or a diffusers pipeline (diffusion runs)
         raise dg.Failure(
             f"policy version {partition}: no HF export at {hf_path} (config.json missing); "
             "materialize policy_versions with an hf_path or export the version there"

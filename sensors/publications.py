@@ -43,9 +43,6 @@ def plan_publish_requests(
         newest[run] = max(v, newest.get(run, -1))
 
     def publishable(key: str, mat: dg.AssetMaterialization) -> bool:
-        task = mat.metadata.get("task")
-        if task is not None and task.value == "diffusion":  # DiT pipelines: no disk-delta publication (yet)
-            return False
         run, v = parse_partition_key(key)
         return v > newest.get(run, -1)
 

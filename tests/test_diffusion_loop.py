@@ -94,13 +94,40 @@ def test_flow_grpo_lifts_the_held_out_reward(campaign):
     assert evals[6] - evals[0] >= 0.15, evals
 
 
-def test_sensors_leave_diffusion_versions_to_the_loop(campaign):
+def test_versions_publish_as_disk_deltas_that_a_replica_pipeline_applies(campaign, tmp_path):
+    """As for LLM runs: the eval sensor leaves the versions to the loop's evals, the publication
+    sensor asks for the newest one; each version publishes (its DiT: snapshot, then deltas) with
+    the checksum check green, and a copy of the base pipeline patched to the last one holds
+    exactly that version's transformer weights."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from assets.weights import weight_publications
+    from miles_platform.weights import disk_delta as dd
     from sensors.evals import plan_eval_requests
     from sensors.publications import plan_publish_requests
 
-    _, instance, _ = campaign
+    _, instance, root = campaign
+    paths = StoragePaths(str(root))
     assert plan_eval_requests(instance, None)[0] == []
-    assert plan_publish_requests(instance, None)[0] == []
+    assert [r.partition_key for r in plan_publish_requests(instance, None)[0]] == ["d.v000006"]
+    kinds = []
+    for v in range(1, 7):
+        r = dg.materialize([weight_publications], instance=instance, partition_key=f"d.v{v:06d}",
+                           resources={"storage": StorageRootResource(root=str(root))})  # fmt: skip
+        assert r.success and [c.passed for c in r.get_asset_check_evaluations()] == [True]
+        kinds.append(_latest(instance, "weight_publications", f"d.v{v:06d}").metadata["kind"].value)
+    assert kinds == ["snapshot"] + ["delta"] * 5
+    replica = tmp_path / "replica"
+    shutil.copytree(paths.model("diffusion_base"), replica)
+    assert dd.apply_publication(paths.publications("d"), replica) == 6 and dd.read_local_version(replica) == 6
+    got = load_file(str(dd.weights_file(replica)))
+    want = load_file(str(dd.weights_file(paths.hf_export("d", 6))))
+    base = load_file(str(dd.weights_file(paths.model("diffusion_base"))))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert any(not torch.equal(base[k], want[k]) for k in want)  # it did change the weights
 
 
 def test_rollouts_are_images_duckdb_queries_and_lineage_traces(campaign):

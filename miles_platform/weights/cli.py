@@ -21,9 +21,11 @@ from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
 
 
 def load_hf_state(hf_dir: str) -> dict:
+    """The tensors a publication of this export carries: an HF dir's weights, or a diffusers
+    pipeline's DiT (disk_delta.weights_file)."""
     from miles_platform.models.checkpoint import read_safetensors_dir
 
-    return read_safetensors_dir(hf_dir)
+    return read_safetensors_dir(dd.weights_file(hf_dir).parent)
 
 
 def _print_stats(st: dd.PublishStats) -> None:

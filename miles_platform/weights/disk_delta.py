@@ -300,12 +300,25 @@ def apply_to_state_dict(
     return target
 
 
+PIPELINE_WEIGHTS = ("transformer", "diffusion_pytorch_model.safetensors")  # a diffusers pipeline's DiT
+
+
+def weights_file(local_dir: str | os.PathLike) -> Path:
+    """The one weights file a publication patches: an HF dir's model.safetensors, or in a
+    diffusers pipeline dir (model_index.json) its DiT's transformer/diffusion_pytorch_model.safetensors
+    (the policy; the frozen text encoder is not published)."""
+    local = Path(local_dir)
+    if (local / "model_index.json").exists():
+        return local.joinpath(*PIPELINE_WEIGHTS)
+    return local / WEIGHTS_FILE
+
+
 def read_local_version(local_hf_dir: str | os.PathLike) -> int | None:
     """The publication version of a local HF checkpoint: safetensors metadata (authoritative, swapped
     atomically with the weights), else miles_weight_version.json, else None (unknown)."""
     from safetensors import safe_open
 
-    f = Path(local_hf_dir) / WEIGHTS_FILE
+    f = weights_file(local_hf_dir)
     if f.exists():
         with safe_open(str(f), "pt") as sf:
             v = (sf.metadata() or {}).get(VERSION_META_KEY)
@@ -318,7 +331,7 @@ def read_local_version(local_hf_dir: str | os.PathLike) -> int | None:
 def apply_publication(
     pub_dir: str | os.PathLike, local_hf_dir: str | os.PathLike, version: int | None = None
 ) -> int:
-    """Patch a local HF checkpoint dir (model.safetensors; absent: materialized from the nearest
+    """Patch a local HF checkpoint dir (its `weights_file`; absent: materialized from the nearest
     snapshot, config/tokenizer are the caller's) to `version` (None: LATEST). All
     verification happens before the new weights file is renamed over the old one, so on failure
     the local checkpoint is byte-identical. Returns the applied version."""
@@ -326,7 +339,7 @@ def apply_publication(
     from safetensors.torch import load_file, save_file
 
     local = Path(local_hf_dir)
-    wf = local / WEIGHTS_FILE
+    wf = weights_file(local)
     target = _target_version(pub_dir, version)
     current = read_local_version(local) if wf.exists() else None
     if current == target:
@@ -337,13 +350,13 @@ def apply_publication(
         with safe_open(str(wf), "pt") as sf:
             meta = dict(sf.metadata() or {})
         tensors = load_file(str(wf))
-    local.mkdir(parents=True, exist_ok=True)
+    wf.parent.mkdir(parents=True, exist_ok=True)
     bufs = {k: xd.tensor_bytes(v) for k, v in tensors.items()}
     metas = {k: (v.dtype, list(v.shape)) for k, v in tensors.items()}
     _replay(pub_dir, chain, bufs, metas, current, undo=[])  # our own copies: patched in place
     out = {k: bufs[k].view(metas[k][0]).reshape(metas[k][1]) for k in bufs}
     meta.update({"format": "pt", VERSION_META_KEY: str(target)})
-    tmp = local / f".{WEIGHTS_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = wf.parent / f".{wf.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         save_file(out, str(tmp), metadata=meta)
         with open(tmp, "rb") as fh:
@@ -351,7 +364,7 @@ def apply_publication(
         os.replace(tmp, wf)
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(local)
+    fsync_dir(wf.parent)
     write_atomic(local / VERSION_FILE, json.dumps({"version": target, "publication": str(pub_dir)}).encode())
     return target
 
