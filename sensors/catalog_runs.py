@@ -29,7 +29,7 @@ from assets.evals import eval_config_for_run
 from assets.partitions import policy_version_partitions
 from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
-from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.paths import StoragePaths, parse_partition_key, partition_key
 from miles_platform.store.run_health import run_finished, saved_run_config
 from miles_platform.store.schemas import TABLE_SCHEMAS
 from miles_platform.store.tables import read_rows
@@ -201,8 +201,8 @@ def health_requests(paths: StoragePaths, keys: list[str]) -> list[dg.RunRequest]
     (run, last version): a resumed run that trains on is checked again when it ends."""
     last: dict[str, str] = {}
     for k in keys:
-        run = k.rsplit(".v", 1)[0]
-        last[run] = max(last.get(run, k), k)
+        run, _ = parse_partition_key(k)
+        last[run] = max(last.get(run, k), k)  # zero-padded: the newest version sorts last
     return [
         dg.RunRequest(
             run_key=f"health:{key}",
