@@ -597,6 +597,12 @@ class RunConfig:
     ci_logprob_abs_diff_threshold: float = _f(
         0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff"
     )
+    ci_fault_hooks: str | None = _f(
+        None,
+        "debug",
+        "JSON array of fault requests ({hook_name, action: {kind}, rollout_id}); "
+        "miles_platform/fault_hooks.py lists the hooks and actions",
+    )
     log_interval: int = _f(1, "debug", "print metrics every N rollouts")
 
     # passthrough: --sglang-<flag> value, prefix stripped when launching SGLang
@@ -658,6 +664,9 @@ class RunConfig:
             if getattr(self, name) != _default(name):
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
         self._check_fault_tolerance()
+        from miles_platform.fault_hooks import parse_fault_hooks
+
+        parse_fault_hooks(self.ci_fault_hooks)
         self._check_routing_replay()
         self._check_generate_flags()
         self._check_lora_flags()
@@ -982,6 +991,7 @@ class RunConfig:
             "api_key",
             "api_key_file",
             "run_name",
+            "ci_fault_hooks",
             *LOGGING,
         }
         payload = {k: v for k, v in self.to_dict().items() if k not in skip}
@@ -1024,7 +1034,7 @@ RESUMABLE = frozenset(
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
-     "ci_test", "ci_logprob_abs_diff_threshold", "log_interval", "sglang_args"} | LOGGING
+     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args"} | LOGGING
 )  # fmt: skip
 
 

@@ -44,6 +44,7 @@ class RLRun:
     def run(self) -> RunResult:
         from miles_platform.models.checkpoint import content_hash, load_tokenizer
         from miles_platform.run_services import RunServices
+        from miles_platform.store.run_health import last_rollout_id
         from miles_platform.store.run_state import recorded_max_version
 
         cfg = self.cfg
@@ -64,10 +65,13 @@ class RLRun:
             # versions a crashed run made after its last checkpoint keep their numbers: new ones continue
             # after the highest any store knows, branching from the checkpoint's (no key is reused)
             self.highest = max(version, recorded_max_version(cfg, self.paths))
+            self.config_changed_from = (
+                None  # the saved config hash, when --allow-config-change allowed a change
+            )
             if state is not None:
-                self.reporter.log(
-                    f"[resume] from {cfg.load or cfg.save} rollout {state['rollout_id']}, v{version}"
-                )
+                self._record_resume(int(state["rollout_id"]), version, state.get("config_hash"))
+            elif self.highest or last_rollout_id(self.paths, cfg.run_name) >= 0:  # rows but no checkpoint
+                self._record_resume(-1, 0, None)
             if s.session is not None:
                 self._initial_sync(version, resumed=state is not None)
             initial_eval = self._eval_before_train(start, version)
@@ -82,6 +86,25 @@ class RLRun:
             result.eval_before_train = initial_eval
             return result
 
+    def _record_resume(self, rid: int, version: int, saved_config_hash: str | None) -> None:
+        """A relaunch from the checkpoint of rollout `rid` (-1: none, start over): versions and
+        metrics made after it are abandoned from here on (store/run_events.py), the reporter flags
+        their partitions, and an allowed config change goes into the next version's lineage."""
+        from miles_platform.store.paths import partition_key
+        from miles_platform.store.run_events import record_resume
+
+        cfg = self.cfg
+        lost = record_resume(self.paths, cfg.run_name, rid, version, self.highest, self.s.config_changes)
+        where = (
+            f"from {cfg.load or cfg.save} rollout {rid}, v{version}" if rid >= 0 else "without a checkpoint"
+        )
+        self.reporter.log(f"[resume] {where}" + (
+            f"; v{lost[0]}..v{lost[-1]}, made after it by a run that stopped, are abandoned" if lost else ""))  # fmt: skip
+        if lost:
+            self.reporter.on_versions_abandoned([partition_key(cfg.run_name, v) for v in lost], rid, version)
+        if self.s.config_changes:
+            self.config_changed_from = saved_config_hash or "unknown"
+
     def _loop(self, start: int, version: int) -> RunResult:
         import ray
 
@@ -90,6 +113,7 @@ class RLRun:
         from miles_platform.store.run_state import save_hf_copy
         from miles_platform.store.shards import write_rollout_shard
         from miles_platform.training.actor import TrainBatch
+        from miles_platform.training.checkpoint import iter_dir
         from miles_platform.training.export import export_hf_dir
         from miles_platform.weights.lora_publish import publish_adapter
 
@@ -98,8 +122,10 @@ class RLRun:
         result = RunResult(
             run, start, start - 1, version, last if exists(f"{last}/model.safetensors") else None
         )
+        hook = s.hooks
         for rollout_id in range(start, cfg.num_rollout):
-            t0 = time.time()
+            t0, hook.rollout_id = time.time(), rollout_id
+            hook.fire("orchestrator_step_start")
             if cfg.load_debug_rollout_data:
                 samples, metrics = load_debug_rollout(cfg, rollout_id), {}
             elif s.worker is not None:
@@ -110,14 +136,18 @@ class RLRun:
             shard = write_rollout_shard(self.paths, run, rollout_id, samples)
             if cfg.save_debug_rollout_data:
                 save_debug_rollout(cfg, rollout_id, samples)
+            hook.fire("rollout_end")
             if not s.trainers:  # --debug-rollout-only
                 self._finish_rollout(result, rollout_id, metrics, t0, version)
                 continue
+            hook.fire("trainer_controller_step_start")
             metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples)))
+            hook.fire("trainer_controller_step_end")
             if cfg.ci_test and rollout_id == 0:
                 result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
             hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
             if s.session is not None and (rollout_id + 1) % cfg.update_weights_interval == 0:
+                hook.fire("weight_update_start")
                 parent, version = version, max(version, self.highest) + 1
                 self.highest = version
                 if cfg.lora_rank > 0:
@@ -131,14 +161,26 @@ class RLRun:
                     metrics.update(s.session.update(weights, version, hf_dir))
                     if weight_check_on(cfg):
                         check_weights_equal(cfg, s.engines, weights, version)
-            ckpt = self._save(rollout_id, version) if cfg.save and self._save_due(rollout_id) else None
-            if ckpt and cfg.save_hf and hf_dir is not None:
-                save_hf_copy(cfg, rollout_id, hf_dir)
-            if s.manager is not None and eval_due(cfg, version, hf_dir):
-                metrics.update(self._evaluate(version, rollout_id))
+            # the version's row first (naming the checkpoint the rollout will save, when one is due),
+            # then its eval and the rollout's metrics, the checkpoint last: a crash anywhere before the
+            # checkpoint is complete abandons all of them on resume (store/run_events.py), none is lost
+            save_due = bool(cfg.save) and self._save_due(rollout_id)
             if hf_dir is not None:
+                ckpt = iter_dir(cfg.save, rollout_id) if save_due else None
                 self._record_version(result, version, parent, rollout_id, shard, hf_dir, ckpt)
+                hook.fire("version_recorded")
+            if s.manager is not None and eval_due(cfg, version, hf_dir):
+                hook.fire("eval_start")
+                metrics.update(self._evaluate(version, rollout_id))
             self._finish_rollout(result, rollout_id, metrics, t0, version)
+            hook.fire("metrics_recorded")
+            if save_due:
+                hook.fire("save_start")
+                self._save(rollout_id, version)
+                hook.fire("save_end")
+                if cfg.save_hf and hf_dir is not None:
+                    save_hf_copy(cfg, rollout_id, hf_dir)
+            hook.fire("orchestrator_step_end")
         return result
 
     def _train(self, rollout_id: int, batch) -> dict[str, float]:
@@ -173,6 +215,8 @@ class RLRun:
         """Engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them first."""
         import ray
 
+        from miles_platform.weights.delta_format import read_latest
+
         cfg, s = self.cfg, self.s
         if (
             cfg.lora_rank > 0
@@ -181,14 +225,19 @@ class RLRun:
 
             publish_adapter(cfg, self.paths, s, version, self.base_version)
             return
-        snapshot = cfg.update_weight_transfer_mode == "disk-delta" and not resumed
-        if not (snapshot or resumed):
+        delta = cfg.update_weight_transfer_mode == "disk-delta"
+        # a run started over (no checkpoint) after a crash may find its publication begun: append to it
+        published = delta and not resumed and read_latest(cfg.update_weight_disk_dir) is not None
+        snapshot = delta and not resumed and not published
+        if not (snapshot or resumed or published):
             return  # engines already hold v0
         weights = ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
         hf_dir = self.paths.hf_export(cfg.run_name, version)
         if snapshot:
             s.session.transport.snapshot_base(weights, version)
-        elif cfg.update_weight_transfer_mode == "disk-delta":  # resumed: never republish a version
+        elif published:  # engines hold v0 = --hf-checkpoint; the next version goes on top of LATEST
+            s.session.transport.load_export(cfg.hf_checkpoint, version)
+        elif delta:  # resumed: never republish a version
             from miles_platform.training.export import export_hf_dir
 
             if not exists(f"{hf_dir}/model.safetensors"):
@@ -228,7 +277,9 @@ class RLRun:
         from miles_platform.store.versions import record_policy_version
 
         pv = record_policy_version(self.cfg, self.paths, version, parent, rollout_id, shard, hf_dir, ckpt,
-                                   self.base_version, self.data_version, self.s.teachers)  # fmt: skip
+                                   self.base_version, self.data_version, self.s.teachers,
+                                   config_changed_from=self.config_changed_from)  # fmt: skip
+        self.config_changed_from = None  # on the first version after the change only
         result.versions.append(pv.to_dict())
         self.reporter.on_policy_version(pv.to_dict())
         result.final_hf_path = pv.hf_path

@@ -25,6 +25,10 @@ class RunServices(contextlib.AbstractContextManager):
         self.engines = self.router = self.manager = self.session = self.worker = self.monitor = None
         self.teachers: list[tuple[str, str, str | None]] = []  # OPD: (teacher, kind, content hash)
         self.state: dict[str, Any] | None = None
+        self.config_changes: list[str] = []  # flags a resume changed under --allow-config-change
+        from miles_platform.fault_hooks import FaultHooks, parse_fault_hooks
+
+        self.hooks = FaultHooks(parse_fault_hooks(cfg.ci_fault_hooks), reporter.log)
         from miles_platform.trackers import Trackers
 
         self.trackers = Trackers()
@@ -56,7 +60,7 @@ class RunServices(contextlib.AbstractContextManager):
         lock = RunLock(local_run_dir(self.paths, cfg.run_name), cfg.run_name).acquire()
         s.callback(lock.release)
         remove_dead_writers_tmp(cfg, self.paths, log)
-        check_resume_config(cfg, log)
+        self.config_changes = check_resume_config(cfg, log)
         s.callback(shutdown_ray, init_ray(cfg))
         self.trackers = Trackers(cfg, self.paths, log)
         s.push(lambda et, *_: self.trackers.close(failed=et is not None))
@@ -111,7 +115,12 @@ class RunServices(contextlib.AbstractContextManager):
             self._start_opd_teachers(url, teacher)
         if self.trainers:
             self.session = UpdateSession(
-                cfg, self.paths, self.engines, self.trainers, adapter=self.manager.adapter
+                cfg,
+                self.paths,
+                self.engines,
+                self.trainers,
+                adapter=self.manager.adapter,
+                hook=self.hooks.fire,
             )
         if cfg.use_fault_tolerance:
             self._start_health_monitor(groups)

@@ -62,6 +62,10 @@ class Reporter:
     def on_eval(self, partition_key: str, metrics: dict[str, float], images: dict[str, str]) -> None:
         """A run's own eval of a version (diffusion: `images` names each eval set's sample grid PNG)."""
 
+    def on_versions_abandoned(self, partition_keys: list[str], rollout_id: int, version: int) -> None:
+        """A resume from the checkpoint of (rollout_id, version) abandoned these versions, made
+        after that checkpoint by the run that crashed (store/run_events.py)."""
+
 
 @dataclass
 class RunResult:

@@ -147,6 +147,18 @@ class DagsterReporter(Reporter):
             self.context.log_event(policy_version_event(self._pending, metrics, self.eval_config, self.extra))
             self._pending = None
 
+    def on_versions_abandoned(self, partition_keys: list[str], rollout_id: int, version: int) -> None:
+        """Versions a crashed attempt made after its last checkpoint: an observation on each of their
+        `policy_versions` partitions says so (the catalog's status column says it too)."""
+        known = set(self.context.instance.get_dynamic_partitions("policy_versions"))
+        for key in partition_keys:
+            if key in known:
+                self.context.log_event(dg.AssetObservation(
+                    asset_key="policy_versions", partition=key,
+                    metadata={"status": "abandoned", "resumed_from_rollout": rollout_id,
+                              "resumed_from_version": version},
+                ))  # fmt: skip
+
     def flush(self) -> None:
         """Log a version whose rollout metrics never came (the run failed in between)."""
         if self._pending is not None:

@@ -30,6 +30,7 @@ from assets.partitions import policy_version_partitions
 from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
 from miles_platform.store.paths import StoragePaths, parse_partition_key, partition_key
+from miles_platform.store.run_events import committed_rows, is_abandoned, resume_events
 from miles_platform.store.run_health import run_finished, saved_run_config
 from miles_platform.store.schemas import TABLE_SCHEMAS
 from miles_platform.store.tables import read_rows
@@ -135,6 +136,9 @@ def plan_catalog_reports(
                 rows_by_file.append(
                     (p, pq.read_table(f, schema=TABLE_SCHEMAS["policy_versions"]).to_pylist())
                 )
+        resumes = resume_events(paths, run)  # versions a resume abandoned are never reported
+        rows_by_file = [(p, [r for r in rows if not is_abandoned("policy_versions", r, resumes)])
+                        for p, rows in rows_by_file]  # fmt: skip
         todo = [r for _, rows in rows_by_file for r in rows if r["partition_key"] not in reported]
         ctx = _run_context(paths, run, todo) if todo else None
         for p, rows in rows_by_file:
@@ -162,7 +166,8 @@ def run_version_reports(
     materialization yet: how the `rl_training` op reports a run it launched as a Ray job. Until
     the run is `complete`, a version waits for its rollout's metrics (written just after it)."""
     reported = set(instance.get_materialized_partitions(POLICY_VERSIONS))
-    latest = {r["partition_key"]: r for r in read_rows(paths, "policy_versions", run)}  # a resume's row wins
+    committed = committed_rows(paths, "policy_versions", run)  # a resume abandons versions: never reported
+    latest = {r["partition_key"]: r for r in committed}  # a resume's row wins
     rows = [r for k, r in latest.items() if k not in reported]
     if not rows:
         return [], []

@@ -218,12 +218,34 @@ def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp
     save = StoragePaths(cfg.storage_root).checkpoints("t")
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("1")  # as if the run had crashed before saving rollout 2: v3 exists, its checkpoint does not
-    res = train(_cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False))
+    # relaunched with another learning rate, allowed: the change is recorded with the resume
+    res = train(_cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False, lr=2e-3,
+                     allow_config_change=True))  # fmt: skip
     assert res.start_rollout_id == 2 and res.final_version == 4
-    _, rows = Catalog(StoragePaths(cfg.storage_root)).query(
-        "select version, parent_version, rollout_id from policy_versions order by version"
+    cat = Catalog(StoragePaths(cfg.storage_root))
+    _, rows = cat.query(
+        "select version, parent_version, rollout_id, status from policy_versions order by version"
     )
-    assert rows == [(1, 0, 0), (2, 1, 1), (3, 2, 2), (4, 2, 2)]
+    # v3 was made after the checkpoint the resume started from: abandoned, its number never reused
+    assert rows == [
+        (1, 0, 0, "committed"),
+        (2, 1, 1, "committed"),
+        (3, 2, 2, "abandoned"),
+        (4, 2, 2, "committed"),
+    ]
+    _, m = cat.query(
+        "select rollout_id, status, count(*) from metrics where name = 'train/loss' group by 1, 2 order by 1, 2"
+    )
+    assert m == [(0, "committed", 1), (1, "committed", 1), (2, "abandoned", 1), (2, "committed", 1)]
+    _, ev = cat.query("select rollout_id, version, detail from run_events where event = 'resume'")
+    assert [(r, v) for r, v, _ in ev] == [(1, 2)]
+    detail = json.loads(ev[0][2])
+    assert detail["abandoned_versions"] == [3] and detail["config_changes"] == ["--lr 0.001 -> 0.002"]
+    # and in lineage: the first version after the change names the config it changed from
+    _, edges = cat.query(
+        "select child, parent, data_version from lineage where relation = 'config_changed_from'"
+    )
+    assert edges == [("t.v000004", f"config:{cfg.config_hash()}", cfg.config_hash())]
 
 
 def test_disk_delta_run_resumes_past_versions_published_after_its_checkpoint(tiny_hf_checkpoint, tmp_path):

@@ -7,6 +7,7 @@ from miles_platform import cli
 from miles_platform.data.sample import Sample
 from miles_platform.store.catalog import VIEWS, Catalog, CatalogError
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.run_events import KEYED_BY
 from miles_platform.store.shards import ROLLOUT_SCHEMA, write_rollout_shard
 from miles_platform.store.tables import TABLE_SCHEMAS, append_rows
 
@@ -15,8 +16,9 @@ def test_empty_root_has_typed_empty_views(tmp_path):
     cat = Catalog(StoragePaths(str(tmp_path)))
     cols, rows = cat.query("SELECT * FROM rollouts")
     assert cols == ROLLOUT_SCHEMA.names and rows == []
-    for table, schema in TABLE_SCHEMAS.items():
-        assert cat.query(f"SELECT * FROM {table}") == (schema.names, [])
+    for table, schema in TABLE_SCHEMAS.items():  # + the derived status (committed | abandoned)
+        status = ["status"] if table in KEYED_BY else []
+        assert cat.query(f"SELECT * FROM {table}") == (schema.names + status, [])
     # typed: arithmetic and list functions work on the empty views too
     assert cat.query("SELECT avg(reward), max(len(response_tokens)) FROM rollouts")[1] == [(None, None)]
 

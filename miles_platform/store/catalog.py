@@ -1,6 +1,7 @@
 """The DuckDB catalog: `<root>/catalog.duckdb` with views over the Parquet under the root.
 
-Views: rollouts, policy_versions, evals, lineage, metrics. A view is `read_parquet` over an
+Views: rollouts, policy_versions, evals, lineage, metrics, run_events (policy_versions, metrics and
+evals carry a `status` column: committed | abandoned, store/run_events.py). A view is `read_parquet` over an
 absolute glob (hive partitioning, union_by_name) once its first file exists, and a typed
 zero-row SELECT before that, so queries never fail and the DuckDB CLI opens the file as is.
 
@@ -32,6 +33,7 @@ import pyarrow as pa
 from miles_platform.errors import MilesError
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import filesystem, is_remote
+from miles_platform.store.run_events import KEYED_BY
 from miles_platform.store.schemas import ROLLOUT_SCHEMA, TABLE_SCHEMAS
 
 VIEWS = ("rollouts", *TABLE_SCHEMAS)
@@ -133,6 +135,15 @@ class Catalog:
                 )
             else:
                 views[name] = _empty_select(schema)
+        # status: 'abandoned' for rows a resume left behind (past its checkpoint, made before it),
+        # else 'committed' -- the rule of store/run_events.py, in SQL
+        events = views["run_events"]
+        for name, key in KEYED_BY.items():
+            views[name] = (
+                f"SELECT t.*, CASE WHEN EXISTS (SELECT 1 FROM ({events}) e WHERE e.event = 'resume' "
+                f"AND e.run = t.run AND t.{key} > e.{key} AND t.created_at < e.created_at) "
+                f"THEN 'abandoned' ELSE 'committed' END AS status FROM ({views[name]}) t"
+            )
         return views
 
     @staticmethod

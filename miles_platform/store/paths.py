@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from miles_platform.store.remote import is_remote  # also: object-store listings are never cached
 
-TABLES = ("policy_versions", "evals", "lineage", "metrics")
+TABLES = ("policy_versions", "evals", "lineage", "metrics", "run_events")
 
 
 def partition_key(run: str, version: int) -> str:

@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from miles_platform.config import RunConfig
 from miles_platform.rollout.filter_hub import DROP_METRIC_PREFIX  # groups drawn, not trained
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.run_events import abandoned_numbers, committed_rows, resume_events
 from miles_platform.store.shards import list_rollout_shards, shard_path
 from miles_platform.store.tables import read_rows
 
@@ -128,7 +129,9 @@ def expected_version_count(paths: StoragePaths) -> Health:
         if cfg is not None and cfg.debug_rollout_only:
             continue  # no trainer: no versions by design
         numbers = [r["version"] for r in rows]
-        missing = sorted(set(range(1, max(numbers, default=0) + 1)) - set(numbers))
+        # numbers a resume abandoned (made after the last checkpoint, some never recorded) are no gap
+        gone = abandoned_numbers(resume_events(paths, run))
+        missing = sorted(set(range(1, max(numbers, default=0) + 1)) - set(numbers) - gone)
         if missing:
             out.problems.append(
                 f"run {run}: versions {missing[:10]} missing (versions run 1..{max(numbers)})"
@@ -139,7 +142,7 @@ def expected_version_count(paths: StoragePaths) -> Health:
         interval = cfg.update_weights_interval if cfg else 1
         last = last_rollout_id(paths, run)
         due = {r for r in range(last + 1) if (r + 1) % interval == 0}
-        trained = {r["rollout_id"] for r in rows}
+        trained = {r["rollout_id"] for r in committed_rows(paths, "policy_versions", run, rows)}
         lost = sorted(due - trained)
         if lost:
             out.problems.append(
@@ -286,7 +289,7 @@ def prompt_coverage(paths: StoragePaths) -> Health:
                 groups.setdefault((rid, s["group_index"]), s["prompt"])
         dropped = sum(
             int(m["value"])
-            for m in read_rows(paths, "metrics", run)
+            for m in committed_rows(paths, "metrics", run)
             if m["name"].startswith(DROP_METRIC_PREFIX)
         )
         n = sum(data.values())

@@ -39,16 +39,17 @@ def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[
                     log(f"[startup] removed {p} (left by a writer that died)")
 
 
-def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> None:
+def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> list[str]:
     """A resume must train what the saved run trained: differing flags (other than schedule, eval,
     logging and placement ones, config.RESUMABLE) are refused unless --allow-config-change. The
-    checkpoint dir then records this run's config."""
+    checkpoint dir then records this run's config. Returns the changes allowed (`--lr a -> b`)."""
     from miles_platform.store import remote
     from miles_platform.training.checkpoint import read_latest
 
     src = cfg.load or cfg.save
+    changes: list[str] = []
     if not src:
-        return
+        return changes
     if remote.is_remote(src):
         saved = remote.read_bytes(remote.join(src, RUN_CONFIG))
     else:
@@ -68,6 +69,7 @@ def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> None:
     elif cfg.save:
         Path(cfg.save).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.save) / RUN_CONFIG, saved_config(cfg))
+    return changes
 
 
 def recorded_max_version(cfg: RunConfig, paths: StoragePaths) -> int:

@@ -120,4 +120,19 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             ("created_at", _TS),
         ]
     ),
+    # what happened to a run besides its rows: a resume (from which checkpoint, which versions it
+    # abandoned, which flags it changed under --allow-config-change)
+    "run_events": pa.schema(
+        [
+            ("run", pa.string()),
+            ("event", pa.string()),  # resume
+            (
+                "rollout_id",
+                pa.int64(),
+            ),  # the checkpoint's rollout: rows of later rollouts made before are abandoned
+            ("version", pa.int64()),  # the checkpoint's version: later versions made before are abandoned
+            ("detail", pa.string()),  # JSON: abandoned_versions, config_changes, pid, host
+            ("created_at", _TS),
+        ]
+    ),
 }

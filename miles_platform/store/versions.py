@@ -12,8 +12,10 @@ from miles_platform.store.paths import StoragePaths, partition_key
 def record_policy_version(
     cfg: RunConfig, paths: StoragePaths, version: int, parent_version: int, rollout_id: int,
     shard, hf_dir: str, ckpt: str | None, base_version: str | None, data_version: str | None,
-    teachers: list[tuple[str, str, str | None]] = (),
+    teachers: list[tuple[str, str, str | None]] = (), config_changed_from: str | None = None,
 ) -> PolicyVersion:  # fmt: skip
+    """`config_changed_from`: the config hash of the checkpoint this version's run resumed from
+    under --allow-config-change (an edge `config_changed_from`; the flags are in run_events)."""
     from miles_platform.models.checkpoint import content_hash
     from miles_platform.store.lineage import write_edges
     from miles_platform.store.tables import append_rows
@@ -43,6 +45,8 @@ def record_policy_version(
             (cfg.hf_checkpoint, "checkpoint", "base_checkpoint", base_version),
             *([(adapter_dir, "lora_adapter", "adapter", pv.content_hash)] if lora else []),
             *((t, kind, "distilled_from", h) for t, kind, h in teachers),
+            *([(f"config:{config_changed_from}", "run_config", "config_changed_from", config_changed_from)]
+              if config_changed_from else []),
         ],
     )  # fmt: skip
     return pv

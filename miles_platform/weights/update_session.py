@@ -30,10 +30,12 @@ class UpdateSession:
         engines: list[EngineHandle],
         trainers: list | None = None,
         adapter=None,
+        hook=None,
     ):
         """`trainers`: TrainerActor handles, used by transports the trainer drives (broadcast);
-        `adapter`: a LoRA run's AdapterName."""
-        self.cfg, self.engines = cfg, engines
+        `adapter`: a LoRA run's AdapterName; `hook(name)`: the run's --ci-fault-hooks, fired after
+        each phase (weight_update_prepared / _paused / _activated)."""
+        self.cfg, self.engines, self.hook = cfg, engines, hook or (lambda name: None)
         self.transport = get_transport(cfg, paths, engines, trainers, adapter=adapter)
         # what every engine serves: v0 is --hf-checkpoint; an engine restarted under
         # --use-fault-tolerance loads this version's export, holding `lock` so no update interleaves
@@ -58,13 +60,16 @@ class UpdateSession:
     def _update(self, state: dict[str, torch.Tensor], version: int, hf_dir: str | None) -> dict[str, float]:
         t0 = time.time()
         stats = self.transport.prepare(state, version, hf_dir)
+        self.hook("weight_update_prepared")
         t1 = time.time()
         pause = self.transport.pauses  # LoRA: a new adapter name per version, the engines never stop
         if pause:
             self._broadcast("/pause_generation", {"mode": self.cfg.pause_generation_mode})
         try:
+            self.hook("weight_update_paused")
             t2 = time.time()
             self.transport.activate(version)
+            self.hook("weight_update_activated")
             t3 = time.time()
         finally:
             if pause:

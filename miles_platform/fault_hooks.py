@@ -1,0 +1,153 @@
+"""`--ci-fault-hooks`: faults injected at named points of the train loop, as Miles' fault suite does.
+
+    --ci-fault-hooks '[{"request_id": "k", "hook_name": "weight_update_prepared",
+                        "action": {"kind": "kill_process"}, "rollout_id": 3}]'
+
+A request waits at its hook (in the driver, the process that records every row) and runs its
+action the first time the hook is reached in its rollout (any rollout when `rollout_id` is
+absent). The hooks, in the order one rollout reaches them:
+
+    orchestrator_step_start         before the rollout is generated
+    rollout_end                     the rollout shard is written
+    trainer_controller_step_start   before the trainer ranks train on it
+    trainer_controller_step_end     trained, nothing published
+    weight_update_start             before the HF export of the new version
+    weight_update_prepared          exported; the transport prepared it (disk-delta: published)
+    weight_update_paused            engines paused, the new weights not loaded
+    weight_update_activated         engines serve the new version, still paused
+    version_recorded                the version's catalog row and lineage are written
+    eval_start                      before the in-loop eval
+    metrics_recorded                the rollout's metrics are written
+    save_start / save_end           around the trainer checkpoint (when one is due)
+    orchestrator_step_end           the rollout is done
+
+Actions: kill_process (SIGKILL), exit_process (`exit_code`, default 1, no cleanup), segfault_process
+(SIGSEGV), stop_process (SIGSTOP: a hung driver), sleep (`seconds`), sleep_forever, observe (a log
+line), raise (a `FaultInjected` exception). Miles' cell and API-server actions have no counterpart
+here and are refused by name.
+
+The flag changes nothing that is trained: a relaunch without it resumes the same run
+(config.RESUMABLE) and the config hash ignores it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_platform.errors import ConfigError, MilesError
+
+HOOKS = (
+    "orchestrator_step_start", "rollout_end", "trainer_controller_step_start", "trainer_controller_step_end",
+    "weight_update_start", "weight_update_prepared", "weight_update_paused", "weight_update_activated",
+    "version_recorded", "eval_start", "metrics_recorded", "save_start", "save_end", "orchestrator_step_end",
+)  # fmt: skip
+ACTIONS = ("kill_process", "exit_process", "segfault_process", "stop_process", "sleep", "sleep_forever",
+           "observe", "raise")  # fmt: skip
+# Miles' actions that act on cells, threads or the API server: no counterpart in this loop
+NOT_HERE = ("freeze_process", "deadlock_thread", "stop_cell", "start_cell", "api_server_fault",
+            "restart_rollout_cell")  # fmt: skip
+
+
+class FaultInjected(MilesError):
+    """A `raise` fault hook fired."""
+
+
+@dataclass
+class FaultRequest:
+    hook_name: str
+    kind: str
+    rollout_id: int | None = None
+    request_id: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+    fired: bool = False
+
+
+def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
+    """The flag's JSON (or a YAML list) -> requests; any mistake is a ConfigError naming the entry."""
+    if value in (None, "", []):
+        return []
+    flag = "--ci-fault-hooks"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: not JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(value, list):
+        raise ConfigError(f"{flag}: expected a JSON array of hook requests, got {type(value).__name__}")
+    out = []
+    for i, r in enumerate(value):
+        where = f"{flag} entry {i}"
+        if not isinstance(r, dict):
+            raise ConfigError(f"{where}: expected an object, got {type(r).__name__}")
+        unknown = set(r) - {"request_id", "hook_name", "action", "rollout_id"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+        hook, action = r.get("hook_name"), r.get("action")
+        if hook not in HOOKS:
+            raise ConfigError(f"{where}: hook_name {hook!r}; choose one of {', '.join(HOOKS)}")
+        if not isinstance(action, dict) or "kind" not in action:
+            raise ConfigError(f'{where}: action must be an object with a "kind"')
+        kind = action["kind"]
+        if kind in NOT_HERE:
+            raise ConfigError(f"{where}: action {kind!r} acts on Miles cells or threads, which this loop "
+                              f"does not have; choose one of {', '.join(ACTIONS)}")  # fmt: skip
+        if kind not in ACTIONS:
+            raise ConfigError(f"{where}: action kind {kind!r}; choose one of {', '.join(ACTIONS)}")
+        params = {k: v for k, v in action.items() if k != "kind"}
+        allowed = {"sleep": {"seconds"}, "exit_process": {"exit_code"}, "raise": {"message"},
+                   "observe": {"message"}}.get(kind, set())  # fmt: skip
+        if set(params) - allowed:
+            raise ConfigError(f"{where}: action {kind!r} takes {sorted(allowed) or 'no parameters'}, "
+                              f"got {sorted(params)}")  # fmt: skip
+        if kind == "sleep" and not (
+            isinstance(params.get("seconds"), int | float) and params["seconds"] >= 0
+        ):
+            raise ConfigError(f'{where}: sleep needs "seconds" >= 0')
+        code = params.get("exit_code", 1)
+        if kind == "exit_process" and (isinstance(code, bool) or not isinstance(code, int)):
+            raise ConfigError(f'{where}: "exit_code" must be an integer')
+        rid = r.get("rollout_id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or rid < 0):
+            raise ConfigError(f"{where}: rollout_id must be an integer >= 0, got {rid!r}")
+        out.append(FaultRequest(hook, kind, rid, str(r.get("request_id", f"hook-{i}")), params))
+    return out
+
+
+class FaultHooks:
+    """The run's requests; `fire(hook)` at each point (the loop sets `rollout_id` per rollout)."""
+
+    def __init__(self, requests: list[FaultRequest], log: Callable[[str], None] = print):
+        self.requests, self.log, self.rollout_id = requests, log, -1
+
+    def fire(self, hook: str) -> None:
+        for r in self.requests:
+            if r.fired or r.hook_name != hook or r.rollout_id not in (None, self.rollout_id):
+                continue
+            r.fired = True
+            self.log(f"[ci-fault-hooks] {r.request_id}: {r.kind} at {hook}, rollout {self.rollout_id}")
+            _act(r)
+
+
+def _act(r: FaultRequest) -> None:
+    if r.kind == "kill_process":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif r.kind == "segfault_process":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif r.kind == "stop_process":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif r.kind == "exit_process":
+        os._exit(int(r.params.get("exit_code", 1)))
+    elif r.kind == "sleep":
+        time.sleep(float(r.params["seconds"]))
+    elif r.kind == "sleep_forever":
+        while True:
+            time.sleep(3600)
+    elif r.kind == "raise":
+        raise FaultInjected(r.params.get("message") or f"fault hook {r.request_id} at {r.hook_name}")
+    # observe: the log line is the action

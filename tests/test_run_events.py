@@ -1,0 +1,129 @@
+"""Committed / abandoned rows after a resume (store/run_events.py) and the --ci-fault-hooks parser."""
+
+import json
+import time
+
+import pytest
+
+from miles_platform.errors import ConfigError
+from miles_platform.fault_hooks import HOOKS, FaultHooks, FaultInjected, parse_fault_hooks
+from miles_platform.store.catalog import Catalog
+from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.run_events import committed_rows, record_resume, resume_events
+from miles_platform.store.tables import append_rows, read_rows
+
+
+def _version(paths, run, v, parent, rid):
+    append_rows(paths, "policy_versions", run, [{"version": v, "parent_version": parent, "rollout_id": rid,
+                                                 "partition_key": partition_key(run, v)}])  # fmt: skip
+    append_rows(
+        paths, "metrics", run, [{"rollout_id": rid, "step": rid, "name": "train/loss", "value": float(v)}]
+    )
+    append_rows(paths, "evals", run, [{"version": v, "partition_key": partition_key(run, v), "dataset": "d",
+                                       "metric": "pass@1", "value": 0.5}])  # fmt: skip
+    time.sleep(0.002)  # distinct created_at
+
+
+def test_a_resume_abandons_what_the_crashed_attempt_made_after_its_checkpoint(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    for v in range(1, 5):  # attempt 1: rollouts 0..3 -> v1..v4; its last checkpoint holds rollout 1 (v2)
+        _version(paths, "r", v, v - 1, v - 1)
+    append_rows(
+        paths, "policy_versions", "other", [{"version": 9, "rollout_id": 9}]
+    )  # another run: untouched
+    # v5 was exported (hf/v000005) but its row never written: abandoned too, though not in the table
+    assert record_resume(paths, "r", 1, 2, 5, ["--lr 0.001 -> 0.002"]) == [3, 4, 5]
+    for v, rid in ((6, 2), (7, 3)):  # attempt 2 redoes rollouts 2 and 3, branching from v2
+        _version(paths, "r", v, 2 if v == 6 else 6, rid)
+    cat = Catalog(paths)
+    _, rows = cat.query("select run, version, status from policy_versions order by run, version")
+    assert rows == [("other", 9, "committed"), ("r", 1, "committed"), ("r", 2, "committed"), ("r", 3, "abandoned"),
+                    ("r", 4, "abandoned"), ("r", 6, "committed"), ("r", 7, "committed")]  # fmt: skip
+    _, m = cat.query("select rollout_id, value, status from metrics where run = 'r' order by created_at")
+    assert m == [(0, 1.0, "committed"), (1, 2.0, "committed"), (2, 3.0, "abandoned"), (3, 4.0, "abandoned"),
+                 (2, 6.0, "committed"), (3, 7.0, "committed")]  # fmt: skip
+    _, e = cat.query("select version from evals where run = 'r' and status = 'abandoned' order by 1")
+    assert e == [(3,), (4,)]
+    # the Python readers apply the same rule
+    assert [r["version"] for r in committed_rows(paths, "policy_versions", "r")] == [1, 2, 6, 7]
+    assert [r["value"] for r in committed_rows(paths, "metrics", "r")] == [1.0, 2.0, 6.0, 7.0]
+    ev = resume_events(paths, "r")
+    assert len(ev) == 1 and json.loads(ev[0]["detail"])["config_changes"] == ["--lr 0.001 -> 0.002"]
+    # a second crash (after v7, before its checkpoint) and resume from rollout 2 (v6): only v7 goes;
+    # numbers an earlier resume abandoned are not listed again
+    assert record_resume(paths, "r", 2, 6, 7, []) == [7]
+    assert [r["version"] for r in committed_rows(paths, "policy_versions", "r")] == [1, 2, 6]
+    _, n = cat.query("select count(*) from run_events")
+    assert n == [(2,)]
+
+
+def test_a_run_never_resumed_has_every_row_committed(tmp_path):
+    paths = StoragePaths(str(tmp_path))
+    _version(paths, "r", 1, 0, 0)
+    assert committed_rows(paths, "policy_versions", "r") == read_rows(paths, "policy_versions", "r")
+    _, rows = Catalog(paths).query("select status from policy_versions union all select status from metrics")
+    assert rows == [("committed",), ("committed",)]
+
+
+def test_fault_hook_requests_are_checked_and_fire_once_in_their_rollout():
+    reqs = parse_fault_hooks(json.dumps([
+        {"request_id": "a", "hook_name": "rollout_end", "action": {"kind": "raise", "message": "boom"}, "rollout_id": 2},
+        {"hook_name": "save_end", "action": {"kind": "sleep", "seconds": 0}},
+    ]))  # fmt: skip
+    logged = []
+    hooks = FaultHooks(reqs, logged.append)
+    hooks.rollout_id = 1
+    hooks.fire("rollout_end")  # not its rollout
+    hooks.fire("save_end")  # any rollout: fires
+    hooks.fire("save_end")  # once
+    hooks.rollout_id = 2
+    with pytest.raises(FaultInjected, match="boom"):
+        hooks.fire("rollout_end")
+    hooks.fire("rollout_end")
+    assert logged == ["[ci-fault-hooks] hook-1: sleep at save_end, rollout 1",
+                      "[ci-fault-hooks] a: raise at rollout_end, rollout 2"]  # fmt: skip
+    assert parse_fault_hooks(None) == [] and len(HOOKS) == len(set(HOOKS))
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("[{", "not JSON"),
+        ('{"hook_name": "save_end"}', "expected a JSON array"),
+        (
+            '[{"hook_name": "nowhere", "action": {"kind": "kill_process"}}]',
+            "hook_name 'nowhere'; choose one of",
+        ),
+        (
+            '[{"hook_name": "save_end", "action": {"kind": "stop_cell", "cell_id": "x"}}]',
+            "acts on Miles cells",
+        ),
+        ('[{"hook_name": "save_end", "action": {"kind": "explode"}}]', "action kind 'explode'"),
+        ('[{"hook_name": "save_end", "action": {"kind": "sleep"}}]', 'sleep needs "seconds"'),
+        ('[{"hook_name": "save_end", "action": {"kind": "kill_process", "x": 1}}]', "takes no parameters"),
+        (
+            '[{"hook_name": "save_end", "action": {"kind": "kill_process"}, "rollout_id": -1}]',
+            "rollout_id must be",
+        ),
+        ('[{"hook_name": "save_end", "action": "kill", "when": 1}]', r"unknown key\(s\) \['when'\]"),
+    ],
+)
+def test_bad_fault_hooks_are_refused_by_validate(value, match, tiny_hf_checkpoint, tmp_path):
+    from loop_helpers import small_run_kwargs
+
+    from miles_platform.config import RunConfig
+
+    with pytest.raises(ConfigError, match=match):
+        RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path, ci_fault_hooks=value)).validate()
+
+
+def test_fault_hooks_change_neither_the_config_hash_nor_what_a_resume_compares(tiny_hf_checkpoint, tmp_path):
+    from loop_helpers import small_run_kwargs
+
+    from miles_platform.config import RunConfig, config_changes, saved_config
+
+    a = RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path)).validate()
+    hooks = '[{"hook_name": "save_end", "action": {"kind": "kill_process"}}]'
+    b = RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path, ci_fault_hooks=hooks)).validate()
+    assert a.config_hash() == b.config_hash()
+    assert config_changes(json.loads(saved_config(b)), a) == []
