@@ -7,6 +7,7 @@ import dagster as dg
 import pytest
 from loop_helpers import small_run_kwargs
 
+from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.tables import read_rows
 from ops.training import RLTrainingConfig, rl_training
@@ -244,6 +245,15 @@ def test_a_failed_step_is_retried_and_resumes_without_duplicate_partitions(tiny_
     assert sorted(instance.get_dynamic_partitions("policy_versions")) == keys
     rows = read_rows(StoragePaths(str(root)), "policy_versions", "t")
     assert [(r["version"], r["rollout_id"]) for r in rows] == [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3)]
+    # v3 was made after the rollout-1 checkpoint: the retry abandoned it, and its partition says so
+    obs = instance.fetch_observations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("policy_versions")), limit=10
+    ).records
+    assert [(o.partition_key, o.asset_observation.metadata["status"].value) for o in obs] == [
+        ("t.v000003", "abandoned")
+    ]
+    _, st = Catalog(StoragePaths(str(root))).query("select version, status from policy_versions order by 1")
+    assert [v for v, s in st if s == "abandoned"] == [3]
 
 
 def test_rollout_shards_show_reward_spread_truncation_and_a_preview(short_run):
