@@ -21,6 +21,7 @@ import dagster as dg
 
 from assets.evals import EvalConfig, resolve_datasets, resolve_hf_path, reward_args, run_config_for_version
 from assets.partitions import policy_version_partitions, quantized_partitions
+from miles_platform.errors import PublicationError
 from miles_platform.store.paths import parse_partition_key
 from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
@@ -96,7 +97,7 @@ def weight_publications(
         try:
             st = pub.publish(state, version=version)
             seconds, encode_seconds = st.seconds, st.encode_seconds
-        except dd.PublicationError as e:
+        except PublicationError as e:
             raise dg.Failure(f"{partition}: {e}") from e
     idx = dd.read_index(pub_dir, version)
     s = idx["stats"]

@@ -25,7 +25,7 @@ from miles_platform.preflight import fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import exists  # a local path or an object-store URI
-from miles_platform.training.ci_checks import check_weights_equal, step0_checks, weight_check_on
+from miles_platform.training.ci_checks import step0_checks
 
 __all__ = ["CITestFailure", "PolicyVersion", "RLRun", "Reporter", "RunResult", "train", "validate_before_start"]  # fmt: skip
 
@@ -43,9 +43,10 @@ class RLRun:
 
     def run(self) -> RunResult:
         from miles_platform.models.checkpoint import content_hash, load_tokenizer
-        from miles_platform.run_services import RunServices
-        from miles_platform.store.run_health import last_rollout_id
-        from miles_platform.store.run_state import recorded_max_version
+        from miles_platform.rollout.loop_eval import eval_before_train
+        from miles_platform.run_services import RunServices, actor_died
+        from miles_platform.store.run_state import note_resume, recorded_max_version
+        from miles_platform.weights.sync import initial_sync
 
         cfg = self.cfg
         validate_before_start(cfg)
@@ -65,57 +66,32 @@ class RLRun:
             # versions a crashed run made after its last checkpoint keep their numbers: new ones continue
             # after the highest any store knows, branching from the checkpoint's (no key is reused)
             self.highest = max(version, recorded_max_version(cfg, self.paths))
-            self.config_changed_from = (
-                None  # the saved config hash, when --allow-config-change allowed a change
-            )
-            if state is not None:
-                self._record_resume(int(state["rollout_id"]), version, state.get("config_hash"))
-            elif self.highest or last_rollout_id(self.paths, cfg.run_name) >= 0:  # rows but no checkpoint
-                self._record_resume(-1, 0, None)
+            # a relaunch abandons what a stopped run made after the checkpoint (store/run_events.py);
+            # an allowed config change goes into the next version's lineage
+            self.config_changed_from = note_resume(cfg, self.paths, self.reporter, state, self.highest,
+                                                   s.config_changes)  # fmt: skip
             if s.session is not None:
-                self._initial_sync(version, resumed=state is not None)
-            initial_eval = self._eval_before_train(start, version)
+                initial_sync(cfg, self.paths, s, version, state is not None, self.base_version)
+            initial_eval = eval_before_train(cfg, self.paths, s, self.reporter, start, version)
             s.start_async_worker()
             try:
                 result = self._loop(start, version)
             except Exception as e:
-                died = _actor_died(cfg, e)
+                died = actor_died(cfg, e)
                 if died is None:
                     raise
                 raise died from e
             result.eval_before_train = initial_eval
             return result
 
-    def _record_resume(self, rid: int, version: int, saved_config_hash: str | None) -> None:
-        """A relaunch from the checkpoint of rollout `rid` (-1: none, start over): versions and
-        metrics made after it are abandoned from here on (store/run_events.py), the reporter flags
-        their partitions, and an allowed config change goes into the next version's lineage."""
-        from miles_platform.store.paths import partition_key
-        from miles_platform.store.run_events import record_resume
-
-        cfg = self.cfg
-        lost = record_resume(self.paths, cfg.run_name, rid, version, self.highest, self.s.config_changes)
-        where = (
-            f"from {cfg.load or cfg.save} rollout {rid}, v{version}" if rid >= 0 else "without a checkpoint"
-        )
-        self.reporter.log(f"[resume] {where}" + (
-            f"; v{lost[0]}..v{lost[-1]}, made after it by a run that stopped, are abandoned" if lost else ""))  # fmt: skip
-        if lost:
-            self.reporter.on_versions_abandoned([partition_key(cfg.run_name, v) for v in lost], rid, version)
-        if self.s.config_changes:
-            self.config_changed_from = saved_config_hash or "unknown"
-
     def _loop(self, start: int, version: int) -> RunResult:
-        import ray
-
-        from miles_platform.rollout.loop_eval import eval_due
+        from miles_platform.rollout.loop_eval import eval_due, evaluate_and_log
         from miles_platform.store.debug_rollouts import load_debug_rollout, save_debug_rollout
         from miles_platform.store.run_state import save_hf_copy
         from miles_platform.store.shards import write_rollout_shard
         from miles_platform.training.actor import TrainBatch
         from miles_platform.training.checkpoint import iter_dir
-        from miles_platform.training.export import export_hf_dir
-        from miles_platform.weights.lora_publish import publish_adapter
+        from miles_platform.weights.sync import publish_version
 
         cfg, s, run = self.cfg, self.s, self.cfg.run_name
         last = self.paths.hf_export(run, version)
@@ -150,17 +126,8 @@ class RLRun:
                 hook.fire("weight_update_start")
                 parent, version = version, max(version, self.highest) + 1
                 self.highest = version
-                if cfg.lora_rank > 0:
-                    hf_dir, m = publish_adapter(cfg, self.paths, s, version, self.base_version)
-                    metrics.update(m)
-                else:
-                    if s.monitor is not None:  # --use-fault-tolerance: replace dead engines first
-                        s.monitor.check_once()
-                    weights = ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
-                    hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, self.paths.hf_export(run, version))
-                    metrics.update(s.session.update(weights, version, hf_dir))
-                    if weight_check_on(cfg):
-                        check_weights_equal(cfg, s.engines, weights, version)
+                hf_dir, m = publish_version(cfg, self.paths, s, version, self.base_version)
+                metrics.update(m)
             # the version's row first (naming the checkpoint the rollout will save, when one is due),
             # then its eval and the rollout's metrics, the checkpoint last: a crash anywhere before the
             # checkpoint is complete abandons all of them on resume (store/run_events.py), none is lost
@@ -171,7 +138,7 @@ class RLRun:
                 hook.fire("version_recorded")
             if s.manager is not None and eval_due(cfg, version, hf_dir):
                 hook.fire("eval_start")
-                metrics.update(self._evaluate(version, rollout_id))
+                metrics.update(evaluate_and_log(cfg, self.paths, s, self.reporter, version, rollout_id))
             self._finish_rollout(result, rollout_id, metrics, t0, version)
             hook.fire("metrics_recorded")
             if save_due:
@@ -211,68 +178,6 @@ class RLRun:
             c.save_interval and (rollout_id + 1) % c.save_interval == 0
         )
 
-    def _initial_sync(self, version: int, resumed: bool) -> None:
-        """Engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them first."""
-        import ray
-
-        from miles_platform.weights.delta_format import read_latest
-
-        cfg, s = self.cfg, self.s
-        if (
-            cfg.lora_rank > 0
-        ):  # the engines serve the base: load the run's adapter (v0: B = 0, or --lora-adapter-path)
-            from miles_platform.weights.lora_publish import publish_adapter
-
-            publish_adapter(cfg, self.paths, s, version, self.base_version)
-            return
-        delta = cfg.update_weight_transfer_mode == "disk-delta"
-        # a run started over (no checkpoint) after a crash may find its publication begun: append to it
-        published = delta and not resumed and read_latest(cfg.update_weight_disk_dir) is not None
-        snapshot = delta and not resumed and not published
-        if not (snapshot or resumed or published):
-            return  # engines already hold v0
-        weights = ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
-        hf_dir = self.paths.hf_export(cfg.run_name, version)
-        if snapshot:
-            s.session.transport.snapshot_base(weights, version)
-        elif published:  # engines hold v0 = --hf-checkpoint; the next version goes on top of LATEST
-            s.session.transport.load_export(cfg.hf_checkpoint, version)
-        elif delta:  # resumed: never republish a version
-            from miles_platform.training.export import export_hf_dir
-
-            if not exists(f"{hf_dir}/model.safetensors"):
-                hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
-            s.session.transport.load_export(hf_dir, version)
-        else:
-            if cfg.use_fault_tolerance and not exists(f"{hf_dir}/model.safetensors"):
-                from miles_platform.training.export import export_hf_dir  # what a replacement loads
-
-                hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
-            s.session.update(weights, version, hf_dir if exists(f"{hf_dir}/model.safetensors") else None)
-        if resumed and weight_check_on(cfg):
-            check_weights_equal(cfg, s.engines, weights, version)
-
-    def _eval_before_train(self, start: int, version: int) -> dict[str, float]:
-        """Miles evaluates the initial policy before the first rollout of a fresh run when eval is
-        configured, unless --skip-eval-before-train. A resumed run does not evaluate again."""
-        c = self.cfg
-        if self.s.manager is None or start != 0 or not (c.eval_prompt_data and c.eval_interval):
-            return {}
-        if c.skip_eval_before_train:
-            self.reporter.log("--skip-eval-before-train: no eval of v0")
-            return {}
-        out = self._evaluate(version, start)
-        self.s.trackers.log(start, out)
-        return out
-
-    def _evaluate(self, version: int, rollout_id: int) -> dict[str, float]:
-        from miles_platform.rollout.loop_eval import evaluate_policy
-
-        out, res = evaluate_policy(self.cfg, self.paths, self.s.manager, version)
-        if not self.s.trackers.eval_data(rollout_id, res, out):  # --custom-eval-rollout-log-function-path
-            self.reporter.log(f"eval v{version}: " + " ".join(f"{k}={v:.4g}" for k, v in out.items()))
-        return out
-
     def _record_version(self, result: RunResult, version, parent, rollout_id, shard, hf_dir, ckpt) -> None:
         from miles_platform.store.versions import record_policy_version
 
@@ -305,25 +210,6 @@ class RLRun:
             self.reporter.log(f"rollout {rollout_id}: {shown}")
         result.metrics.append(metrics)
         result.last_rollout_id, result.final_version = rollout_id, version
-
-
-def _actor_died(cfg: RunConfig, e: Exception) -> Exception | None:
-    """A Ray actor of the run died (a trainer rank, an engine without --use-fault-tolerance): one
-    message naming the actor and how to resume, instead of Ray's traceback."""
-    import ray
-
-    if not isinstance(e, ray.exceptions.RayActorError):
-        return None
-    text = str(e)
-    name = next((n for n in ("TrainerActor", "RolloutEngineActor", "EngineActor") if n in text), "an actor")
-    where = cfg.save or cfg.load
-    resume = (
-        f"relaunch the same command to resume from the last checkpoint under {where}"
-        if where
-        else "no --save: a relaunch starts over"
-    )
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
-    return ActorDied(f"{name} of run {cfg.run_name!r} died ({first[:200]}); the run stopped: {resume}")
 
 
 def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:

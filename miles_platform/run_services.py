@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from miles_platform.config import RunConfig
+from miles_platform.errors import ActorDied
 from miles_platform.run_types import Reporter
 from miles_platform.store.paths import StoragePaths
 
@@ -198,3 +199,22 @@ class RunServices(contextlib.AbstractContextManager):
             return self.worker.data_source_state()
         m = self.manager
         return m.data_source.state_dict(m.unfinished_records()) if m else {}
+
+
+def actor_died(cfg: RunConfig, e: Exception) -> Exception | None:
+    """A Ray actor of the run died (a trainer rank, an engine without --use-fault-tolerance): one
+    message naming the actor and how to resume, instead of Ray's traceback."""
+    import ray
+
+    if not isinstance(e, ray.exceptions.RayActorError):
+        return None
+    text = str(e)
+    name = next((n for n in ("TrainerActor", "RolloutEngineActor", "EngineActor") if n in text), "an actor")
+    where = cfg.save or cfg.load
+    resume = (
+        f"relaunch the same command to resume from the last checkpoint under {where}"
+        if where
+        else "no --save: a relaunch starts over"
+    )
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    return ActorDied(f"{name} of run {cfg.run_name!r} died ({first[:200]}); the run stopped: {resume}")

@@ -7,7 +7,7 @@ from miles_platform import cli
 from miles_platform.data.sample import Sample
 from miles_platform.store.catalog import VIEWS, Catalog, CatalogError
 from miles_platform.store.paths import StoragePaths
-from miles_platform.store.run_events import KEYED_BY
+from miles_platform.store.schemas import KEYED_BY
 from miles_platform.store.shards import ROLLOUT_SCHEMA, write_rollout_shard
 from miles_platform.store.tables import TABLE_SCHEMAS, append_rows
 

@@ -124,3 +124,45 @@ class RoutingReplay:
         """Max over mean tokens per expert since reset(), averaged over layers (1 = even)."""
         per_layer = self.load.max(-1).values / self.load.mean(-1).clamp_min(1e-9)
         return float(per_layer.mean())
+
+
+def upcycle_dense_to_moe(
+    dense_dir: str, out_dir: str, num_experts: int = 4, top_k: int = 2, router_std: float = 0.02, seed: int = 0
+) -> str:
+    """Sparse upcycling: a Qwen3 HF checkpoint -> a Qwen3-MoE one whose every expert is a copy of
+    the dense MLP and whose routers are random (normal, `router_std`). With `norm_topk_prob` the
+    top-k gate values sum to one, so the MoE computes the dense model's function (to float rounding)
+    and keeps what it learned, errors included; experts diverge once training routes gradients to
+    them. Tokenizer copied. Returns `out_dir`."""
+    from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from miles_platform.models.families import build_model, tiny_config
+
+    dense, tok = load_hf_checkpoint(dense_dir)
+    c = dense.config
+    if c.architectures != ["Qwen3ForCausalLM"]:
+        raise ValueError(f"{dense_dir}: upcycling takes a Qwen3ForCausalLM, got {c.architectures}")
+    moe_cfg = tiny_config(
+        "qwen3_moe", c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, intermediate_size=c.intermediate_size, moe_intermediate_size=c.intermediate_size,
+        num_experts=num_experts, num_experts_per_tok=top_k, rope_theta=c.rope_parameters["rope_theta"],
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+    )  # fmt: skip
+    moe = build_model(moe_cfg, seed=seed)
+    src, dst = dense.state_dict(), moe.state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in dst.items():
+            if ".mlp.experts.gate_up_proj" in name:  # [E, 2I, H]: gate rows, then up rows
+                pre = name.split(".mlp.")[0]
+                both = torch.cat([src[f"{pre}.mlp.gate_proj.weight"], src[f"{pre}.mlp.up_proj.weight"]], 0)
+                t.copy_(both.expand_as(t))
+            elif ".mlp.experts.down_proj" in name:  # [E, H, I]
+                t.copy_(src[f"{name.split('.mlp.')[0]}.mlp.down_proj.weight"].expand_as(t))
+            elif ".mlp.gate.weight" in name:  # the router
+                t.copy_(torch.randn(t.shape, generator=gen) * router_std)
+            else:
+                t.copy_(src[name])
+    return str(save_hf_checkpoint(moe, tok, out_dir))

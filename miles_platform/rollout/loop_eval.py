@@ -39,3 +39,28 @@ def evaluate_policy(cfg: RunConfig, paths: StoragePaths, manager, version: int) 
     )
     out["perf/eval_time"] = time.time() - t0
     return out, res
+
+
+def evaluate_and_log(
+    cfg: RunConfig, paths: StoragePaths, services, reporter, version: int, rollout_id: int
+) -> dict:
+    """evaluate_policy, then to the trackers (or --custom-eval-rollout-log-function-path) and the log."""
+    out, res = evaluate_policy(cfg, paths, services.manager, version)
+    if not services.trackers.eval_data(rollout_id, res, out):
+        reporter.log(f"eval v{version}: " + " ".join(f"{k}={v:.4g}" for k, v in out.items()))
+    return out
+
+
+def eval_before_train(
+    cfg: RunConfig, paths: StoragePaths, services, reporter, start: int, version: int
+) -> dict:
+    """Miles evaluates the initial policy before the first rollout of a fresh run when eval is
+    configured, unless --skip-eval-before-train. A resumed run does not evaluate again."""
+    if services.manager is None or start != 0 or not (cfg.eval_prompt_data and cfg.eval_interval):
+        return {}
+    if cfg.skip_eval_before_train:
+        reporter.log("--skip-eval-before-train: no eval of v0")
+        return {}
+    out = evaluate_and_log(cfg, paths, services, reporter, version, start)
+    services.trackers.log(start, out)
+    return out

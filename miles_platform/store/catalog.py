@@ -33,8 +33,7 @@ import pyarrow as pa
 from miles_platform.errors import MilesError
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import filesystem, is_remote
-from miles_platform.store.run_events import KEYED_BY
-from miles_platform.store.schemas import ROLLOUT_SCHEMA, TABLE_SCHEMAS
+from miles_platform.store.schemas import KEYED_BY, ROLLOUT_SCHEMA, TABLE_SCHEMAS
 
 VIEWS = ("rollouts", *TABLE_SCHEMAS)
 

@@ -25,9 +25,7 @@ import socket
 from typing import Any
 
 from miles_platform.store.paths import StoragePaths
-
-# table -> the column compared with the resume event's (rollout_id or version)
-KEYED_BY = {"policy_versions": "version", "metrics": "rollout_id", "evals": "version"}
+from miles_platform.store.schemas import KEYED_BY
 
 
 def resume_events(paths: StoragePaths, run: str) -> list[dict[str, Any]]:

@@ -107,3 +107,30 @@ def save_hf_copy(cfg: RunConfig, rollout_id: int, hf_dir: str) -> None:
     shutil.copytree(hf_dir, tmp)
     fsync_tree(tmp)
     replace_dir(tmp, dest)
+
+
+def note_resume(
+    cfg, paths: StoragePaths, reporter, state: dict | None, highest: int, changes: list[str]
+) -> str | None:
+    """A launch of `train` that finds a checkpoint (`state`), or rows of a run that stopped before
+    its first one: record the resume event, log what it abandons, flag those versions to the
+    reporter. Returns the saved config hash when --allow-config-change let flags change (the next
+    version's lineage edge `config_changed_from`), else None. A first launch records nothing."""
+    from miles_platform.store.paths import partition_key
+    from miles_platform.store.run_events import record_resume
+    from miles_platform.store.run_health import last_rollout_id
+
+    run = cfg.run_name
+    if state is not None:
+        rid, version = int(state["rollout_id"]), int(state["weight_version"])
+        where = f"from {cfg.load or cfg.save} rollout {rid}, v{version}"
+    elif highest or last_rollout_id(paths, run) >= 0:  # rows, but no checkpoint: start over
+        rid, version, where = -1, 0, "without a checkpoint"
+    else:
+        return None
+    lost = record_resume(paths, run, rid, version, highest, changes)
+    tail = f"; v{lost[0]}..v{lost[-1]}, made after it by a run that stopped, are abandoned" if lost else ""
+    reporter.log(f"[resume] {where}{tail}")
+    if lost:
+        reporter.on_versions_abandoned([partition_key(run, v) for v in lost], rid, version)
+    return (state.get("config_hash") or "unknown") if changes and state is not None else None

@@ -136,3 +136,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
         ]
     ),
 }
+
+# rows a resume can abandon (store/run_events.py): table -> the column compared with the resume
+# event's (a later version, or a later rollout's metrics)
+KEYED_BY = {"policy_versions": "version", "metrics": "rollout_id", "evals": "version"}

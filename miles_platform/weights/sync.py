@@ -1,0 +1,81 @@
+"""The loop's two weight steps: the engines' first sync and each new version's publication.
+
+`initial_sync`: engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them
+first, a disk-delta run publishes its v0 snapshot (or, started over after a crash, appends to
+the publication it finds), a LoRA run loads its adapter.
+
+`publish_version`: the trainer's weights as the run's next version, through the run's transport
+(HF export first, so a replacement engine or a reader can load it), with the `--ci-test` /
+`--check-weight-update-equal` check after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_platform.config import RunConfig
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.remote import exists  # a local path or an object-store URI
+from miles_platform.training.ci_checks import check_weights_equal, weight_check_on
+
+
+def _trainer_weights(s) -> dict:
+    import ray
+
+    return ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
+
+
+def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: bool, base_version) -> None:
+    """`s`: the run's RunServices (trainers, engines, session)."""
+    from miles_platform.training.export import export_hf_dir
+    from miles_platform.weights.delta_format import read_latest
+
+    if (
+        cfg.lora_rank > 0
+    ):  # the engines serve the base: load the run's adapter (v0: B = 0, or --lora-adapter-path)
+        from miles_platform.weights.lora_publish import publish_adapter
+
+        publish_adapter(cfg, paths, s, version, base_version)
+        return
+    delta = cfg.update_weight_transfer_mode == "disk-delta"
+    # a run started over (no checkpoint) after a crash may find its publication begun: append to it
+    published = delta and not resumed and read_latest(cfg.update_weight_disk_dir) is not None
+    snapshot = delta and not resumed and not published
+    if not (snapshot or resumed or published):
+        return  # engines already hold v0
+    weights = _trainer_weights(s)
+    hf_dir = paths.hf_export(cfg.run_name, version)
+    if snapshot:
+        s.session.transport.snapshot_base(weights, version)
+    elif published:  # engines hold v0 = --hf-checkpoint; the next version goes on top of LATEST
+        s.session.transport.load_export(cfg.hf_checkpoint, version)
+    elif delta:  # resumed: never republish a version
+        if not exists(f"{hf_dir}/model.safetensors"):
+            hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
+        s.session.transport.load_export(hf_dir, version)
+    else:
+        if cfg.use_fault_tolerance and not exists(f"{hf_dir}/model.safetensors"):
+            hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)  # what a replacement loads
+        s.session.update(weights, version, hf_dir if exists(f"{hf_dir}/model.safetensors") else None)
+    if resumed and weight_check_on(cfg):
+        check_weights_equal(cfg, s.engines, weights, version)
+
+
+def publish_version(
+    cfg: RunConfig, paths: StoragePaths, s, version: int, base_version
+) -> tuple[str, dict[str, Any]]:
+    """-> (the version's policy dir: its HF export, or a LoRA run's adapter dir; update metrics)."""
+    from miles_platform.training.export import export_hf_dir
+
+    if cfg.lora_rank > 0:
+        from miles_platform.weights.lora_publish import publish_adapter
+
+        return publish_adapter(cfg, paths, s, version, base_version)
+    if s.monitor is not None:  # --use-fault-tolerance: replace dead engines first
+        s.monitor.check_once()
+    weights = _trainer_weights(s)
+    hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, paths.hf_export(cfg.run_name, version))
+    metrics = s.session.update(weights, version, hf_dir)
+    if weight_check_on(cfg):
+        check_weights_equal(cfg, s.engines, weights, version)
+    return hf_dir, metrics
