@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
 LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
-    "test_learning.py": 124, "test_ui_browser.py": 108, "test_model_families_loop.py": 94, "test_loop.py": 89,
+    "test_learning.py": 175, "test_ui_browser.py": 108, "test_model_families_loop.py": 94, "test_loop.py": 89,
     "test_multi_rank.py": 60, "test_model_families_megatron.py": 45,
     "test_cluster_ray.py": 165,  # alone, 2026-12-02: with the Ray-job runs (dashboard, 3 submitted runs)
     "test_kernels.py": 41, "test_generate_hub.py": 37, "test_opd_loop.py": 36, "test_sglang_launcher.py": 31,
@@ -42,6 +42,7 @@ SLOW = {
     "test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_cancels",
     "test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops",
     "test_grpo_lifts_reward_and_heldout_accuracy", "test_materialize_eval_results_from_the_ui",
+    "test_grpo_with_routing_replay_lifts_an_upcycled_moe",
     "test_asset_graph_shows_pipeline_and_edges", "test_policy_versions_lists_its_partitions",
     "test_over_sampling_surplus_is_buffered_and_served_by_the_buffer_filter",
     "test_debug_rollout_data_roundtrip_fsdp2_two_ranks", "test_converted_checkpoint_and_round_trip_check",
