@@ -127,7 +127,12 @@ class RoutingReplay:
 
 
 def upcycle_dense_to_moe(
-    dense_dir: str, out_dir: str, num_experts: int = 4, top_k: int = 2, router_std: float = 0.02, seed: int = 0
+    dense_dir: str,
+    out_dir: str,
+    num_experts: int = 4,
+    top_k: int = 2,
+    router_std: float = 0.02,
+    seed: int = 0,
 ) -> str:
     """Sparse upcycling: a Qwen3 HF checkpoint -> a Qwen3-MoE one whose every expert is a copy of
     the dense MLP and whose routers are random (normal, `router_std`). With `norm_topk_prob` the
