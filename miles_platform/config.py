@@ -109,6 +109,7 @@ _RANGES: dict[str, tuple] = {
             "critic_lr",
             "eval_temperature",
             "lora_rank",
+            "moe_aux_loss_coeff",
         ),
         _NON_NEGATIVE,
     ),  # fmt: skip
@@ -370,6 +371,17 @@ class RunConfig:
     use_rollout_routing_replay: bool = _f(
         False, "algorithm",
         "R3 (MoE): the engine returns each token's top-k experts, the trainer replays them in every forward",
+    )  # fmt: skip
+    # MoE (docs/moe.md): Miles' --moe-* flags that mean something for HF's MoE blocks at EP=1
+    moe_aux_loss_coeff: float = _f(
+        0.0,
+        "algorithm",
+        "MoE: coefficient of the load-balancing loss (Switch / megatron's aux_loss) added to the policy loss",
+    )
+    moe_router_freeze_gate: bool = _f(False, "algorithm", "MoE: the routers' weights are not trained")
+    moe_router_dtype: str | None = _f(
+        None, "algorithm", "MoE: router weights and compute in fp32 (with an fp32 forward; any --fsdp-master-dtype)",
+        choices=("fp32",),
     )  # fmt: skip
     use_tis: bool = _f(False, "algorithm", "truncated importance sampling for train/rollout mismatch")
     tis_level: str = _f("token", "algorithm", "IS level", choices=("token", "sequence", "geometric"))
@@ -668,6 +680,7 @@ class RunConfig:
 
         parse_fault_hooks(self.ci_fault_hooks)
         self._check_routing_replay()
+        self._check_moe_flags()
         self._check_generate_flags()
         self._check_lora_flags()
         self._check_opd_flags()
@@ -726,6 +739,21 @@ class RunConfig:
             why = "--use-rollout-logprobs / LoRA with routing replay is not built"
         if why:
             raise ConfigError(f"--use-rollout-routing-replay: {why}")
+
+    def moe_flags(self) -> list[str]:
+        """The --moe-* flags set (they need an MoE --hf-checkpoint: preflight checks it)."""
+        return [_flag(n) for n in ("moe_aux_loss_coeff", "moe_router_freeze_gate", "moe_router_dtype")
+                if getattr(self, n) != _default(n)]  # fmt: skip
+
+    def _check_moe_flags(self) -> None:
+        if self.moe_router_dtype and (self.train_forward_dtype, self.rollout_dtype) != ("fp32", "fp32"):
+            raise ConfigError(
+                f"--moe-router-dtype {self.moe_router_dtype} with --train-forward-dtype {self.train_forward_dtype} / "
+                f"--rollout-dtype {self.rollout_dtype}: routers compute in the forward's dtype, in trainer and "
+                "engine alike; only an fp32 forward has fp32 routers"
+            )
+        if self.moe_flags() and self.lora_rank > 0:
+            raise ConfigError(f"{', '.join(self.moe_flags())} with LoRA: MoE + LoRA is not built")
 
     def _check_lora_flags(self) -> None:
         """LoRA (docs/lora.md): the LoRA flags need --lora-rank > 0; the adapter trains on the fsdp backend

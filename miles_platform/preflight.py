@@ -103,6 +103,11 @@ def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
             f"--hf-checkpoint {cfg.hf_checkpoint} is {hf_config['architectures'][0]} (MoE): the megatron "
             "mapping of experts and router is not built; use --train-backend fsdp"
         )
+    if cfg.moe_flags() and not moe:
+        raise ConfigError(
+            f"{', '.join(cfg.moe_flags())}: --hf-checkpoint {cfg.hf_checkpoint} is "
+            f"{hf_config.get('architectures')} (dense): it has no experts or routers"
+        )
     if cfg.use_rollout_routing_replay and not moe:
         raise ConfigError(
             f"--use-rollout-routing-replay: --hf-checkpoint {cfg.hf_checkpoint} is "

@@ -156,3 +156,87 @@ def test_a_quantized_moe_checkpoint_is_served_close_to_the_original(moe_ckpt, fm
         lq, lr = (torch.log_softmax(m(ids).logits, -1) for m in (served, ref))
     tok_q, tok_r = lq[:, :-1].gather(-1, ids[:, 1:, None]), lr[:, :-1].gather(-1, ids[:, 1:, None])
     assert float((tok_q - tok_r).abs().max()) < {"fp8": 0.02, "int4": 0.1}[fmt]
+
+
+def _moe_actor(ckpt, **kw):
+    from miles_platform.training.actor import TrainerActor
+
+    return TrainerActor(RunConfig(hf_checkpoint=ckpt, rollout_batch_size=4, n_samples_per_prompt=1, lr=1e-2, micro_batch_size=4, weight_decay=0.0,
+                                  advantage_estimator="reinforce_plus_plus", **kw).validate())  # fmt: skip
+
+
+def test_moe_aux_loss_is_megatrons_switch_loss_over_the_real_tokens(moe_ckpt):
+    """--moe-aux-loss-coeff: the trainer's load-balancing term equals megatron's formula computed here
+    from HF's own router logits over the unpadded tokens, and joins the loss with its coefficient."""
+    from loop_helpers import random_train_batch
+
+    batch = random_train_batch(rewards=[1.0, 0.0, 1.0, 0.0])
+    actor = _moe_actor(moe_ckpt, moe_aux_loss_coeff=0.5)
+    idx = list(range(4))
+    with torch.enable_grad():
+        actor._response_log_probs(actor.backend, batch, idx)
+    got = float(actor.moe_aux)
+    # independently: HF's router logits of the same padded forward, real tokens only
+    ids, pos = actor._pack(batch, idx)
+    out = actor.backend.module(input_ids=ids, position_ids=pos, output_router_logits=True)
+    real = (torch.arange(ids.shape[1])[None] < torch.tensor([len(t) for t in batch.tokens])[:, None]).reshape(
+        -1
+    )
+    terms = []
+    for logits in out.router_logits:
+        p = torch.softmax(logits[real].float(), -1)
+        chosen = p.topk(2, -1).indices
+        tokens = torch.bincount(chosen.reshape(-1), minlength=4).float()
+        n = p.shape[0]
+        terms.append(4 / (2 * n * n) * (p.sum(0) * tokens).sum())
+    want = float(torch.stack(terms).mean())
+    assert got == pytest.approx(want, rel=1e-5) and 1.0 <= got <= 2.0  # 1 = perfectly even, k=2 of 4: <= 2
+    m = actor.train(0, batch)
+    assert m["train/moe_aux_loss"] == pytest.approx(got, rel=1e-4)
+    # the term joins the loss: with equal rewards (zero advantages) the policy loss has no gradient,
+    # so only the aux loss moves the routers
+    flat = random_train_batch(rewards=[1.0] * 4)
+    for coeff, moved in ((0.0, False), (0.5, True)):
+        a = _moe_actor(moe_ckpt, moe_aux_loss_coeff=coeff)
+        before = {
+            k: v.clone() for k, v in a.backend.module.state_dict().items() if k.endswith("mlp.gate.weight")
+        }
+        a.train(0, flat)
+        after = a.backend.module.state_dict()
+        assert any(not torch.equal(v, after[k]) for k, v in before.items()) == moved, coeff
+
+
+def test_moe_router_freeze_gate_trains_the_experts_not_the_routers(moe_ckpt):
+    from loop_helpers import random_train_batch
+
+    actor = _moe_actor(moe_ckpt, moe_router_freeze_gate=True)
+    before = {k: v.clone() for k, v in actor.backend.module.state_dict().items()}
+    actor.train(0, random_train_batch(rewards=[1.0, 0.0, 1.0, 0.0]))
+    after = actor.backend.module.state_dict()
+    gates = [k for k in before if k.endswith("mlp.gate.weight")]
+    experts = [k for k in before if ".mlp.experts." in k]
+    assert gates and experts
+    assert all(torch.equal(before[k], after[k]) for k in gates)
+    assert any(not torch.equal(before[k], after[k]) for k in experts)
+
+
+def test_moe_flags_are_refused_where_they_mean_nothing(moe_ckpt, tiny_hf_checkpoint, tmp_path):
+    from miles_platform.preflight import validate_before_start
+
+    with pytest.raises(ConfigError, match="--moe-aux-loss-coeff, --moe-router-freeze-gate: .*dense"):
+        validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, moe_aux_loss_coeff=0.01,
+                                               moe_router_freeze_gate=True))  # fmt: skip
+    with pytest.raises(ConfigError, match="--moe-aux-loss-coeff -1"):
+        small_run_config(moe_ckpt, tmp_path, moe_aux_loss_coeff=-1.0)
+    with pytest.raises(ConfigError, match="--moe-router-dtype fp32 with --train-forward-dtype bf16"):
+        small_run_config(moe_ckpt, tmp_path, moe_router_dtype="fp32", train_forward_dtype="bf16",
+                         rollout_dtype="bf16")  # fmt: skip
+    small_run_config(moe_ckpt, tmp_path, moe_router_dtype="fp32")  # an fp32 forward: its routers are fp32
+    assert not (tmp_path / "root").exists()
+
+
+def test_moe_router_dtype_fp32_keeps_routers_fp32_under_a_bf16_master(moe_ckpt):
+    a = _moe_actor(moe_ckpt, fsdp_master_dtype="bf16", moe_router_dtype="fp32")
+    dtypes = {k: v.dtype for k, v in a.backend.module.state_dict().items()}
+    assert {d for k, d in dtypes.items() if k.endswith("mlp.gate.weight")} == {torch.float32}
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16

@@ -54,6 +54,8 @@ class RoutingReplay:
         self.num_experts = int(self.routers[0].num_experts)
         self._record: list | None = None
         self._replay: torch.Tensor | None = None
+        self._aux_mask: torch.Tensor | None = None  # set by aux_loss(): [B*T] bool, the real tokens
+        self._aux: list[torch.Tensor] = []
         # since the last reset(): (token, layer) pairs replayed, those whose own choice differed, and
         # tokens per expert of every forward
         self.flips = self.routed = 0
@@ -92,6 +94,24 @@ class RoutingReplay:
         finally:
             self._replay = None
 
+    @contextlib.contextmanager
+    def aux_loss(self, mask: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+        """Collect the load-balancing loss of one forward over the tokens of `mask` ([B*T] bool):
+        the yielded list holds, after it, one term per layer (megatron's switch_load_balancing_loss
+        with coefficient 1: E / (k T^2) * sum_e (sum_t p_te) * tokens_e, 1.0 when perfectly even)."""
+        self._aux_mask, self._aux = mask, []
+        try:
+            yield self._aux
+        finally:
+            self._aux_mask = None
+
+    def _aux_term(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        m = self._aux_mask
+        probs = F.softmax(logits[m].float(), dim=-1)  # [T, E]
+        tokens = torch.bincount(idx[m].reshape(-1), minlength=self.num_experts)[: self.num_experts].float()
+        n = probs.shape[0]
+        return self.num_experts / (self.top_k * max(n, 1) ** 2) * (probs.sum(0) * tokens).sum()
+
     def _hook(self, layer: int):
         def hook(mod, _inputs, out):
             logits, scores, idx = out
@@ -113,6 +133,8 @@ class RoutingReplay:
                 if getattr(mod, "norm_topk_prob", False):
                     vals = vals / vals.sum(-1, keepdim=True)
                 scores = vals.to(logits.dtype)
+            if self._aux_mask is not None:
+                self._aux.append(self._aux_term(logits, idx))
             self.load[layer] += torch.bincount(idx.detach().reshape(-1), minlength=self.num_experts)[
                 : self.num_experts
             ].float()

@@ -164,7 +164,10 @@ class TrainerActor:
         batched log-softmax-and-gather for every position (one autograd node, not one per sample),
         then each sample's response window: position j scores token j + 1."""
         ids, pos = self._pack(batch, idx)
-        with self._routing(backend, batch, idx, ids.shape[1]):
+        with (
+            self._routing(backend, batch, idx, ids.shape[1]),
+            self._aux_loss(backend, batch, idx, ids.shape[1]),
+        ):
             logits = backend.logits(ids, pos)[:, :-1]
         support = self._support_index(batch, idx, ids.shape[1] - 1)
         token_lp, ent = loss_hub.token_log_probs(
@@ -214,6 +217,28 @@ class TrainerActor:
                 )
             routes[r, :n] = torch.as_tensor(got, dtype=torch.long)
         return rr.replay(routes.reshape(-1, rr.num_layers, rr.top_k))
+
+    def _aux_loss(self, backend, batch: TrainBatch, idx: list[int], width: int):
+        """--moe-aux-loss-coeff: the policy's training forward collects its load-balancing loss
+        over the real (unpadded) tokens into `self.moe_aux` (mean over layers)."""
+        import contextlib
+
+        from miles_platform.models.moe import RoutingReplay
+
+        self.moe_aux = None
+        rr = RoutingReplay.of(backend.module) if self.cfg.moe_aux_loss_coeff else None
+        if rr is None or backend is not self.backend or not torch.is_grad_enabled():
+            return contextlib.nullcontext()
+        lens = torch.tensor([len(batch.tokens[i]) for i in idx])
+        mask = (torch.arange(width)[None, :] < lens[:, None]).reshape(-1)
+
+        @contextlib.contextmanager
+        def collect():
+            with rr.aux_loss(mask) as terms:
+                yield
+            self.moe_aux = torch.stack(terms).mean()
+
+        return collect()
 
     @staticmethod
     def _support_index(batch: TrainBatch, idx: list[int], width: int) -> torch.Tensor | None:
@@ -419,6 +444,9 @@ class TrainerActor:
                 "response_lengths": [batch.response_lengths[i] for i in mb],
             }
             loss, m = self.loss_fn(cfg, mb_batch, lps, ents if need_ent else None)
+            if self.moe_aux is not None:  # --moe-aux-loss-coeff
+                loss = loss + cfg.moe_aux_loss_coeff * self.moe_aux
+                m = {**m, "moe_aux_loss": float(self.moe_aux)}
             # scale micro-batch means to the global-batch reduction (ranks' grads are averaged)
             if cfg.calculate_per_token_loss:
                 mb_tokens = sum(sum(batch.loss_masks[i]) for i in mb)

@@ -23,6 +23,14 @@ class FSDPBackend(ModelBackend):
         model = load_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
         model.config.use_cache = False
         self.lora = trainable and self.cfg.lora_rank > 0
+        if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:
+            from miles_platform.models.moe import routers
+
+            for r in routers(model):
+                if self.cfg.moe_router_dtype == "fp32":  # router weights in fp32 whatever --fsdp-master-dtype
+                    r.to(torch.float32)
+                if trainable and self.cfg.moe_router_freeze_gate:  # routers stay as loaded
+                    r.requires_grad_(False)
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if self.lora:
