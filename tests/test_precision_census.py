@@ -58,3 +58,16 @@ def test_bad_checkpoint_and_bad_rule_are_one_line_errors(tmp_path, qwen3_dir, ca
     args = ["dtype-census", "--hf-checkpoint", str(qwen3_dir), "--forward-dtype", "bf16"]
     assert main([*args, "--fsdp-precision-rules", "module:model.nope=fp32"]) == 2
     assert "matches nothing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3_moe"])
+def test_every_family_keeps_the_activation_path_in_the_compute_dtype(family, tmp_path, capsys):
+    """precision.MODEL_RULES for each supported family (docs/precision.md): the aligned bf16 policy
+    leaves no float activation outside bf16 -- the MoE's routers, experts and gates included."""
+    from conftest import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / family, family)
+    out = census(capsys, "--hf-checkpoint", ckpt, "--forward-dtype", "bf16", "--master-dtype", "fp32", "--gather-dtype", "fp32")  # fmt: skip
+    assert out["offenders"] == [], out["offenders"]
+    assert list(out["activations"]) == ["bf16"] and out["activations"]["bf16"] > 50
+    assert set(out["master_weights"]) == {"fp32"}

@@ -164,7 +164,14 @@ def _qwen_rules(policy: PrecisionPolicy) -> list[Rule]:
     return [Rule(policy.compute, module="model.embed_tokens"), Rule(policy.compute, cls="*RMSNorm")]
 
 
-MODEL_RULES = {"qwen3": _qwen_rules, "qwen2": _qwen_rules, "llama": _qwen_rules, "qwen3_moe": _qwen_rules}
+def _qwen_moe_rules(policy: PrecisionPolicy) -> list[Rule]:
+    # the experts hold their weights as raw [E, out, in] parameters indexed per expert and fed to
+    # F.linear / grouped matmuls that CPU autocast does not cover (measured: their activations stayed
+    # in the gather dtype); gathered at the compute dtype they match the engine's bf16 experts
+    return [*_qwen_rules(policy), Rule(policy.compute, cls="*Experts")]
+
+
+MODEL_RULES = {"qwen3": _qwen_rules, "qwen2": _qwen_rules, "llama": _qwen_rules, "qwen3_moe": _qwen_moe_rules}
 
 
 def model_rules(model: nn.Module, policy: PrecisionPolicy) -> list[Rule]:
