@@ -45,9 +45,10 @@ XDIST     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: install lint
 	$(BIN)/python -m pytest -q -m "not gpu" $(XDIST) --durations=15
 
-# the inner loop: everything but the ~15 s+ tests (whole runs, SFT bases, browser, gloo groups)
+# the inner loop: tests/unit + tests/dagster without the ~15 s+ tests (SFT bases, gloo groups, whole
+# runs); tests/e2e (the loop, learning, crash matrix, cluster, browser) and tests/gpu only in `make test`
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not gpu and not slow" $(XDIST)
+	$(BIN)/python -m pytest -q -m "not gpu and not slow" $(XDIST) tests/unit tests/dagster
 
 # dagster dev against the demo instance; Ctrl-C (or SIGTERM to make) stops every process it started
 ui: install

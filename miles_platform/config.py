@@ -1045,7 +1045,7 @@ class RunConfig:
 
 
 # Miles flags this build does not implement. Set to anything but the default they are an error, never
-# silently ignored (tests/test_config_flags.py fails on any field that nothing reads and nothing refuses).
+# silently ignored (tests/unit/config/test_config_flags.py fails on any field that nothing reads and nothing refuses).
 _DP_ONLY = "the trainer runs data-parallel only"
 # The tracker flags: where metrics go, never what is trained (outside config_hash, resumable)
 LOGGING = frozenset(f.name for f in dataclasses.fields(RunConfig) if f.metadata["group"] == "logging")

@@ -12,7 +12,7 @@ makes the script testable anywhere; only a report with `"cuda": true` is GPU evi
 
 Checks:
   env                      torch / CUDA / megatron-core / transformers versions, TF32 flags, TE import
-  megatron_local_spec      tests/test_megatron_backend.py `_compare`, `_resume`, `_shims` in-process:
+  megatron_local_spec      tests/unit/training/test_megatron_backend.py `_compare`, `_resume`, `_shims` in-process:
                            MegatronBackend (local spec unless TE imports) vs the HF model on the device
   megatron_test_run        the same file's subprocess machinery `_run("cpu", ...)` exactly as its
                            fixture calls it ("cpu" there names the local-spec checks, not the device)
@@ -26,7 +26,7 @@ Checks:
                            one AdamW step vs the unsharded model on the device
   fsdp2_backend_bf16_rules FSDPBackend with --fsdp-precision-rules (FSDP2 + bf16 autocast): forward
                            dtypes follow the plan, fp32 DTensor masters and grads, every param steps
-  pytest_megatron_file     `pytest tests/test_megatron_backend.py` on this machine (info only)
+  pytest_megatron_file     `pytest tests/unit/training/test_megatron_backend.py` on this machine (info only)
   broadcast                weights/transports/broadcast.py between a trainer-rank process and an
                            EngineCore: NCCL on GPU 0 (skipped where NCCL refuses two ranks on one
                            GPU), gloo without CUDA; the engine must hold exactly the sent weights
@@ -48,12 +48,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (str(REPO), str(REPO / "tests")):  # the package; the test helpers (loop_helpers, conftest)
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
-MEGATRON_TOL = 1e-5  # tests/test_megatron_backend.py TOL (local spec, fp32)
+MEGATRON_TOL = 1e-5  # tests/unit/training/test_megatron_backend.py TOL (local spec, fp32)
 TE_TOL = 1e-4  # the same file's TE-spec bound
-ENGINE_TOL = 1e-4  # tests/test_engine.py teacher-forced bound
+ENGINE_TOL = 1e-4  # tests/unit/rollout/test_engine.py teacher-forced bound
 
 # child process -> (timeout_s, needs the tiny checkpoints); started in this order, --jobs at a time
 CHILDREN: dict[str, tuple[int, bool]] = {
@@ -108,7 +109,9 @@ def _ckpts(work: Path) -> tuple[str, str]:
 def _load_test_module(name: str):
     import importlib.util
 
-    path = REPO / "tests" / f"{name}.py"
+    path = REPO / "tests" / f"{name}.py"  # conftest.py and the helpers; test files sit in tiers below
+    if not path.exists():
+        (path,) = (REPO / "tests").glob(f"**/{name}.py")
     spec = importlib.util.spec_from_file_location(f"_gpu_checks_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -120,7 +123,7 @@ def _load_test_module(name: str):
 
 def make_checkpoints(work: Path) -> dict:
     """The two tiny checkpoints of tests/conftest.py (`tiny_hf_checkpoint`, tied) and
-    tests/test_megatron_backend.py (`untied`), by those files' own builders."""
+    tests/unit/training/test_megatron_backend.py (`untied`), by those files' own builders."""
     tied, untied = _ckpts(work)
     _load_test_module("conftest").save_tiny_checkpoint(tied)
     _load_test_module("test_megatron_backend").save_untied_checkpoint(tied, untied)
@@ -177,7 +180,7 @@ def check_env(work: Path) -> dict:
 
 
 def _judge_megatron(r: dict, tol: float) -> list[str]:
-    """The assertions of tests/test_megatron_backend.py, as a list of what failed."""
+    """The assertions of tests/unit/training/test_megatron_backend.py, as a list of what failed."""
     bad = []
     for ck in ("tied", "untied"):
         if ck not in r:
@@ -257,7 +260,7 @@ def check_megatron_local_spec(work: Path) -> dict:
 
 
 def check_megatron_test_run(work: Path) -> dict:
-    """tests/test_megatron_backend.py's fixture path: `_run("cpu", work, tied, untied)` (a subprocess
+    """tests/unit/training/test_megatron_backend.py's fixture path: `_run("cpu", work, tied, untied)` (a subprocess
     of that file with PYTHONPATH=<repo>, gloo/nccl world size 1; dev = cuda when available)."""
     import torch
 
@@ -272,7 +275,7 @@ def check_megatron_test_run(work: Path) -> dict:
     s = r["shims"]
     if s["active"] != (not cuda):
         bad.append(f"shims.active={s['active']} with cuda={cuda}")
-    want_device = "cuda" if cuda else "cpu"  # tests/test_megatron_backend.py::test_cpu_shims
+    want_device = "cuda" if cuda else "cpu"  # tests/unit/training/test_megatron_backend.py::test_cpu_shims
     test_cpu_shims_would_pass = (
         s["active"] == (not cuda) and s["buffer_device"] == want_device and s["idempotent"]
     )
@@ -795,7 +798,7 @@ def check_pytest_megatron_file(work: Path) -> dict:
         "-rA",
         "-p",
         "no:cacheprovider",
-        "tests/test_megatron_backend.py",
+        "tests/unit/training/test_megatron_backend.py",
     ]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=230)

@@ -5,7 +5,7 @@
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VERSION`)
 # are installed into /tmp/site without an index, ahead of the interpreter's own packages. A .pth file
 # in the interpreter's site-packages does the same for subprocesses that reset PYTHONPATH
-# (tests/test_megatron_backend.py::_run does): meant for a throwaway GPU machine.
+# (tests/unit/training/test_megatron_backend.py::_run does): meant for a throwaway GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-python3}"

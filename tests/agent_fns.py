@@ -1,4 +1,4 @@
-"""--custom-agent-function-path agents for the tests (tests/test_tito.py): each speaks OpenAI chat
+"""--custom-agent-function-path agents for the tests (tests/unit/rollout/test_tito.py): each speaks OpenAI chat
 to its TITO session with the real `openai` client."""
 
 from __future__ import annotations
@@ -48,6 +48,6 @@ async def raises(base_url, prompt, request_kwargs, metadata, **kwargs):
 
 
 async def abort(args):
-    """The optional teardown hook: records that it ran (tests/test_tito.py)."""
+    """The optional teardown hook: records that it ran (tests/unit/rollout/test_tito.py)."""
     with open(os.environ["AGENT_FNS_ABORT_LOG"], "a") as f:
         f.write(json.dumps({"run": args.run_name}) + "\n")

@@ -198,7 +198,7 @@ def mooncake_master(tmp_path_factory):
 def s3_server(tmp_path_factory):
     """moto's S3 server on a free loopback port, in its own process (in this one it would share the
     GIL with the test's DuckDB and s3fs threads); the AWS env vars are the tests' to set. Used by
-    tests/test_object_store_root.py and test_cluster_ray.py."""
+    tests/e2e/test_object_store_root.py and test_cluster_ray.py."""
     port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -1,5 +1,5 @@
 """Runs the `rl_training` job with `launcher: ray_job` in this process against the Dagster instance
-of $DAGSTER_HOME (tests/test_cluster_ray.py kills or interrupts this process mid-run).
+of $DAGSTER_HOME (tests/e2e/test_cluster_ray.py kills or interrupts this process mid-run).
 
 usage: ray_job_dagster_run.py CONFIG_JSON STORAGE_ROOT
 """

@@ -111,7 +111,7 @@ def tool_call_text(p: MulProblem) -> str:
 def tool_response_text(result: str) -> str:
     """What follows the tool-call turn: the tool message and the next assistant prompt, as
     multi_turn appends them with the platform's chat template (generate_hub.tool_call.tool_response_text;
-    tests/test_tool_use.py checks the two agree)."""
+    tests/unit/rollout/test_tool_use.py checks the two agree)."""
     return f"<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n"
 
 

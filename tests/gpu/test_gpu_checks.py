@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_checks.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_checks.py"
 
 
 @pytest.mark.gpu

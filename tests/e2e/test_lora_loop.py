@@ -20,7 +20,7 @@ def _cfg(ckpt, tmp_path, **kw):
                                                "lora_alpha": 8, "check_lora_weight_equal": True, **kw})  # fmt: skip
 
 
-# the disk transport (SGLang's /load_lora_adapter over HTTP) runs in tests/test_lora_multi_run.py,
+# the disk transport (SGLang's /load_lora_adapter over HTTP) runs in tests/e2e/test_lora_multi_run.py,
 # against a shared engine with --ci-test and every rollout re-scored against PEFT
 @pytest.mark.parametrize("mode", ["tensor"])
 def test_lora_run_syncs_adapters_only_and_resumes(tiny_hf_checkpoint, tmp_path, mode):

@@ -12,7 +12,7 @@ import pytest
 
 from miles_platform.config import parse_run_config
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_smoke.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_smoke.sh"
 
 
 def _train_argv() -> list[str]:

@@ -33,7 +33,7 @@ from miles_platform.cluster.k8s import (
 )
 from miles_platform.config import parse_run_config
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 KUBERAY = DEPLOY / "kuberay"
 
 

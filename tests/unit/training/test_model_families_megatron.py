@@ -17,8 +17,8 @@ import torch
 from loop_helpers import warm_python
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
-TOL = 1e-5  # fp32 parity (as tests/test_megatron_backend.py)
+REPO = Path(__file__).resolve().parents[3]
+TOL = 1e-5  # fp32 parity (as tests/unit/training/test_megatron_backend.py)
 FAMILIES = ["qwen2", "llama"]
 
 
@@ -49,7 +49,7 @@ def report(request, tiny_hf_checkpoint, tmp_path_factory):
     family = request.param
     work = tmp_path_factory.mktemp(f"mf_{family}")
     hf = save_family_checkpoint(family, tiny_hf_checkpoint, work / "hf")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     proc = subprocess.run([*warm_python(), __file__, family, hf, str(work)], capture_output=True, text=True,
                           env=env, timeout=400, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -23,7 +23,7 @@ from miles_platform.cluster.ports import free_port
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # screenshots: docs/ when MILES_UI_SCREENSHOTS=1 (to refresh the README images), else a temp dir
 DOCS = (
     REPO / "docs"

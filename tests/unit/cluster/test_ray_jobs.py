@@ -1,6 +1,6 @@
 """Launching runs as Ray jobs, the parts that need no cluster: launcher flags, addresses, the
 submitted config, and how fast and how clearly a bad launch fails (before anything is submitted).
-The submit / attach / cancel path against a real cluster is in tests/test_cluster_ray.py."""
+The submit / attach / cancel path against a real cluster is in tests/e2e/test_cluster_ray.py."""
 
 import time
 

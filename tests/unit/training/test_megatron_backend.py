@@ -14,12 +14,12 @@ import pytest
 import torch
 from loop_helpers import warm_python
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TOL = 1e-5
 
 
 def _run(*args: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     proc = subprocess.run(
         [*warm_python(), __file__, *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO
     )

@@ -68,7 +68,9 @@ def _launch(config: Path, ray_address: str, hooks: list | None, log: Path) -> in
         f.flush()
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+            ),
         }
         return subprocess.run(
             argv, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300, check=False

@@ -363,7 +363,7 @@ def test_the_in_trainer_teacher_on_the_megatron_backend(tiny_hf_checkpoint, othe
 
     from loop_helpers import warm_python
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
     proc = subprocess.run([*warm_python(), "-c", MEGATRON_SCRIPT, tiny_hf_checkpoint, other_checkpoint],
                           capture_output=True, text=True, env=env, timeout=300, cwd=repo)  # fmt: skip

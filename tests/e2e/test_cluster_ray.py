@@ -277,8 +277,8 @@ def test_placement_plan_gpu_and_cpu_counterparts():
 
 # ---------------------------------------------------------------------------- runs as Ray jobs
 
-REPO = Path(__file__).resolve().parent.parent
-DAGSTER_RUN = str(Path(__file__).with_name("ray_job_dagster_run.py"))
+REPO = Path(__file__).resolve().parents[2]
+DAGSTER_RUN = str(Path(__file__).resolve().parents[1] / "ray_job_dagster_run.py")
 
 
 def _job_run_kwargs(ckpt: str, tmp_path, run: str, num_rollout: int) -> dict:
@@ -400,7 +400,7 @@ def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
     --no-wait, the same command attaches and streams it to the end; its shards, checkpoints and
     disk-delta publication are on the store; the command with more rollouts is a second job, and
     Ctrl-C stops it. DuckDB then queries the store. (Resuming from the store, torn uploads and
-    reading it back: tests/test_object_store_root.py.)"""
+    reading it back: tests/e2e/test_object_store_root.py.)"""
     import fsspec
 
     from miles_platform.cluster.ray_jobs import job_client, run_jobs

@@ -1,5 +1,5 @@
 """HF <-> torch_dist conversion: TP=2 save -> TP=1 load bit-exact, bad input refused (TP=1 round
-trip through the CLI: tests/test_conversion_asset.py).
+trip through the CLI: tests/dagster/test_conversion_asset.py).
 
 Anything that initializes torch.distributed runs in a subprocess (this file run as a script),
 so the pytest process stays clean.
@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 from miles_platform.errors import CheckpointError
 from miles_platform.weights import conversion
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run_script(*args: str, timeout: int = 240) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     proc = subprocess.run(
         [*warm_python(), __file__, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
     )

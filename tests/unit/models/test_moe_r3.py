@@ -3,7 +3,7 @@
 whose routes differ from the engine's (here: the engine's routers perturbed, as precision and kernel
 noise do on real hardware) is pulled back to the engine's log-probs by replaying the routes, and
 counts the flips; the megatron backend refuses MoE and R3 refuses a dense model before anything starts.
-An R3 run through the whole loop (disk-delta, resume, the routes in the shard): tests/test_model_families_loop.py."""
+An R3 run through the whole loop (disk-delta, resume, the routes in the shard): tests/e2e/test_model_families_loop.py."""
 
 import json
 import shutil

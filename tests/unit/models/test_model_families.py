@@ -193,7 +193,7 @@ def test_quantized_family_checkpoint_is_served_close_to_the_original(family, fmt
     tok_q, tok_r = lq[:, :-1].gather(-1, ids[:, 1:, None]), lr[:, :-1].gather(-1, ids[:, 1:, None])
     assert (
         float((tok_q - tok_r).abs().max()) < {"fp8": 0.02, "int4": 0.1}[fmt]
-    )  # tests/test_quant.py's bounds
+    )  # tests/unit/models/test_quant.py's bounds
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

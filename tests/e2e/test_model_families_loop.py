@@ -1,6 +1,6 @@
 """Qwen2, Llama and Qwen3-MoE through the whole loop, each family on one trainer backend and each backend
 with one family (Llama and Qwen3-MoE with R3 on fsdp, Qwen2 on megatron; the cross terms are the same bridge and the same
-trainer, and tests/test_model_families_megatron.py checks both families' megatron conversion and
+trainer, and tests/unit/training/test_model_families_megatron.py checks both families' megatron conversion and
 logits parity on their own): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
 trainer's after every sync, over HTTP), weights to the engine by disk-delta, resume from the

@@ -18,7 +18,7 @@ from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.shards import write_rollout_shard
 from miles_platform.store.tables import append_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 DOCS = ("README.md", "docs/evals_lineage.md", "docs/data_and_store.md", "docs/rollout.md")
 KEY_COLUMNS = {"run", "version", "rollout_id", "partition_key", "dataset", "metric", "source"}
 KEY_COLUMNS |= {"temperature", "top_p", "top_k", "max_new_tokens", "n_samples"}
