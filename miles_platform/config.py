@@ -145,6 +145,12 @@ OPD_REWARD_WEIGHT_MODES = ("student_p", "teacher_p", "none")
 
 @dataclass
 class RunConfig:
+    """Every flag of `miles-platform train`, under Miles' names and defaults (snake_case), in
+    argparse groups (`_f(default, group, help, choices)`). `validate()` range-checks every number,
+    derives the batch knobs and refuses contradictions before anything starts; `config_hash()` is
+    what is trained (outputs, secrets, logging and fault hooks excluded); `RESUMABLE` lists the
+    flags a resume may change, `REFUSED` the flags refused with a reason."""
+
     # --- cluster ---
     ray_address: str | None = _f(
         None, "cluster", "join an existing Ray cluster (else RAY_ADDRESS, else start a local one)"

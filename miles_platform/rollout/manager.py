@@ -45,6 +45,12 @@ from miles_platform.rollout.generate_hub.endpoint import append_output, finish_s
 
 
 class RolloutManager:
+    """Miles' rollout manager, in the driver: draws prompt groups from the data source, sends
+    them to the engines (one batched SGLang `/generate` per round, or a custom / multi-turn
+    generate function per sample), scores rewards, applies the dynamic and buffer filters and
+    over-sampling, and returns one rollout's `Sample`s with their metrics. Holds one HTTP
+    connection pool for the run."""
+
     def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, url: str):
         """`url`: the router, or the engine itself when there is only one (no hop that adds nothing)."""
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")

@@ -66,6 +66,11 @@ class Worker:
 
 
 class Router:
+    """SGLang-router-compatible front of a run's engines: forwards `/generate` (a batch split
+    across workers by load), broadcasts control calls (pause / continue / weight updates) to every
+    worker, `/add_worker` / `/remove_worker`; bearer token on every route but `/health`, and a
+    worker key never forwarded to a worker added without the router's own key."""
+
     def __init__(
         self,
         worker_urls: list[str] = (),

@@ -103,6 +103,10 @@ def _connect(path: str, read_only: bool, attempts: int = 40) -> duckdb.DuckDBPyC
 
 
 class Catalog:
+    """The DuckDB views over a storage root's Parquet (module docstring): `query(sql)` read-only,
+    `refresh()` / `ensure_fresh()` recreate stale views under a short write lock; an object-store
+    root builds the same views in memory per query."""
+
     def __init__(self, paths: StoragePaths):
         self.paths = paths
         self.remote = is_remote(paths.root)  # in-memory views per query, no catalog file

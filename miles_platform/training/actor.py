@@ -9,7 +9,6 @@ weights that engines load. The model itself comes from a ModelBackend (fsdp | me
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import resource
@@ -30,6 +29,7 @@ from miles_platform.training import loss as loss_hub
 from miles_platform.training.backends import get_backend_class
 from miles_platform.training.checkpoint import LATEST, iter_dir, read_latest  # noqa: F401 (re-exported)
 from miles_platform.training.opd import OPDPenalty, build_teacher, in_trainer_teacher
+from miles_platform.training.schedule import lr_multiplier
 
 
 @dataclass
@@ -73,21 +73,8 @@ class TrainBatch:
 
 
 def lr_lambda(cfg: RunConfig, total_steps: int):
-    warm = cfg.lr_warmup_iters
-    decay = cfg.lr_decay_iters or max(total_steps, 1)
-    floor = cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0
-
-    def f(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if cfg.lr_decay_style == "constant":
-            return 1.0
-        frac = min(max(step - warm, 0) / max(decay - warm, 1), 1.0)
-        if cfg.lr_decay_style == "linear":
-            return floor + (1 - floor) * (1 - frac)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    return f
+    return lr_multiplier(cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_style,
+                         cfg.lr_decay_iters or max(total_steps, 1))  # fmt: skip
 
 
 class TrainerActor:

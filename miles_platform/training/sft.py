@@ -28,6 +28,7 @@ from miles_platform.errors import DataError, MilesError
 from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from miles_platform.models.qwen3 import build_model, num_parameters, tiny_qwen3_config
 from miles_platform.models.tokenizer import TASK_TOKENIZERS
+from miles_platform.training.schedule import lr_multiplier
 
 
 @dataclass
@@ -134,22 +135,8 @@ def _response_parts(row: dict, response_key: str, i: int) -> list[tuple[str, boo
 
 # ---------------------------------------------------------------- schedule
 def lr_lambda(recipe: SFTRecipe, total_iters: int):
-    """Multiplier on recipe.lr at step t: linear warmup, then constant / linear / cosine to min_lr."""
-    warm, floor = recipe.lr_warmup_iters, recipe.min_lr / recipe.lr if recipe.lr else 0.0
-    if recipe.lr_decay_style not in ("constant", "linear", "cosine"):
-        raise MilesError(f"--lr-decay-style {recipe.lr_decay_style!r}: choose constant, linear or cosine")
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if recipe.lr_decay_style == "constant":
-            return 1.0
-        frac = min(1.0, (step - warm) / max(1, total_iters - warm))
-        if recipe.lr_decay_style == "linear":
-            return floor + (1.0 - floor) * (1.0 - frac)
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
-
-    return f
+    """Multiplier on recipe.lr at step t: the trainers' one schedule (training/schedule.py)."""
+    return lr_multiplier(recipe.lr, recipe.min_lr, recipe.lr_warmup_iters, recipe.lr_decay_style, total_iters)
 
 
 def _progress(total: int, enabled: bool | None):
