@@ -22,7 +22,7 @@ import time
 def _run(root: str, data: dict, base: str, seed: int, loss: str, rollouts: int) -> dict:
     from miles_platform.diffusion.config import DiffusionRunConfig
     from miles_platform.diffusion.loop import train_diffusion
-    from miles_platform.quickstart import DEMO_DIFFUSION
+    from miles_platform.recipes import DEMO_DIFFUSION
 
     kw = dict(DEMO_DIFFUSION, run_name=f"{loss}-{seed}", num_rollout=rollouts, seed=seed, rollout_seed=seed,
               hf_checkpoint=base, prompt_data=data["train"], eval_prompt_data=["heldout", data["eval"]],

@@ -49,7 +49,7 @@ def bare_grpo_loop(base: str, prompts_path: str, steps: int) -> list[float]:
     from miles_platform.data.dataset import load_prompt_dataset
     from miles_platform.data.sample import Sample
     from miles_platform.models.checkpoint import load_hf_checkpoint
-    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.recipes import DEMO_RL
     from miles_platform.rollout import rm_hub
     from miles_platform.training import loss as loss_hub
 
@@ -141,7 +141,7 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
     from bench.bench_rollout import sft_base
     from miles_platform.config import RunConfig
     from miles_platform.loop import train
-    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.recipes import DEMO_RL
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as d:

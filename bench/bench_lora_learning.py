@@ -30,7 +30,7 @@ def _greedy(hf_dir: str, eval_path: str) -> float:
 def _run(base: str, task: dict, root: str, seed: int, rollouts: int, lora: bool, lora_lr: float) -> dict:
     from miles_platform.config import RunConfig
     from miles_platform.loop import train
-    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.recipes import DEMO_RL
     from miles_platform.training.lora import export_merged_hf_dir
 
     extra = dict(lora_rank=8, lora_alpha=16, lr=lora_lr, check_lora_weight_equal=True) if lora else {}

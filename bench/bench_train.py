@@ -55,7 +55,7 @@ def make_batch(vocab: int, seed: int = 0):
 
 def run_config(ckpt: str, backend: str):
     from miles_platform.config import RunConfig
-    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.recipes import DEMO_RL
 
     keys = (
         "lr",

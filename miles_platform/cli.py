@@ -12,7 +12,7 @@ from miles_platform.errors import MilesError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": (
-        "miles_platform.quickstart",
+        "ops.quickstart",
         "datasets -> SFT base -> GRPO -> evals, as Dagster materializations",
     ),
     "train": ("miles_platform.loop", "run the RL loop (Miles flags or --config run.yaml), no Dagster needed"),

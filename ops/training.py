@@ -212,7 +212,7 @@ SMOKE_RL = dict(
 def preset_run_configs() -> dict[str, dict[str, Any]]:
     """The op config of each preset: the quickstart's demo recipe (100 rollouts, eval every 10th
     version) and a two-rollout smoke run (seconds, once Ray is up)."""
-    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.recipes import DEMO_RL
 
     return {"demo": dict(DEMO_RL, num_rollout=100), "smoke": SMOKE_RL}
 

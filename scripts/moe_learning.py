@@ -65,7 +65,7 @@ def main() -> None:
     args = ap.parse_args()
     from miles_platform.config import RunConfig
     from miles_platform.loop import train
-    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.recipes import DEMO_RL
 
     work = args.work or tempfile.mkdtemp(prefix="moe-learning-")
     task, base, info = build_base(work)

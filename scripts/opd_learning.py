@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles_platform.config import RunConfig  # noqa: E402
 from miles_platform.loop import train  # noqa: E402
-from miles_platform.quickstart import DEMO_RL  # noqa: E402
+from miles_platform.recipes import DEMO_RL  # noqa: E402
 from miles_platform.rollout.evaluate import greedy_pass_at_1  # noqa: E402
 from miles_platform.run_types import Reporter  # noqa: E402
 
@@ -49,7 +49,7 @@ def demo_artifacts(root: str) -> dict[str, str]:
     """Base, teacher and data of a quickstart run under `root` (run it when absent)."""
     summary = Path(root, "quickstart_summary.json")
     if not summary.exists():
-        from miles_platform.quickstart import run_quickstart
+        from ops.quickstart import run_quickstart
 
         run_quickstart(root, num_rollout=100, seed=1234, eval_every=10, sft_iters=None)
     s = json.loads(summary.read_text())

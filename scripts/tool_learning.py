@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles_platform.config import RunConfig  # noqa: E402
 from miles_platform.loop import train  # noqa: E402
-from miles_platform.quickstart import DEMO_RL  # noqa: E402
+from miles_platform.recipes import DEMO_RL  # noqa: E402
 from miles_platform.run_types import Reporter  # noqa: E402
 
 TOOL_FLAGS = dict(

@@ -177,7 +177,7 @@ def _instance_with_inputs(tiny_hf_checkpoint, tmp_path) -> dg.DagsterInstance:
 
 
 def test_launchpad_presets_are_the_demo_recipe_and_a_smoke_run(tiny_hf_checkpoint, tmp_path):
-    from miles_platform.quickstart import DEMO_RL
+    from miles_platform.recipes import DEMO_RL
     from ops.training import run_config_from
 
     assert rl_training.partitions_def.get_partition_keys() == ["demo", "smoke"]

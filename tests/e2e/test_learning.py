@@ -13,7 +13,7 @@ import pytest
 from miles_platform.config import RunConfig
 from miles_platform.data.tasks import write_task_datasets
 from miles_platform.loop import train
-from miles_platform.quickstart import DEMO_RL
+from miles_platform.recipes import DEMO_RL
 from miles_platform.rollout.evaluate import greedy_pass_at_1
 from miles_platform.training.sft import default_sft_recipe, run_sft
 

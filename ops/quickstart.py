@@ -7,7 +7,8 @@
     summary                        base vs final accuracy, versions, rows, a DuckDB query
 
 Everything lands in a persistent Dagster instance under <root>/dagster, so `make ui` shows the
-history afterwards. The Dagster layer is imported here only, never by the engine modules.
+history afterwards. It lives in the Dagster layer (`ops/`): the engine never imports Dagster; the
+`miles-platform` CLI dispatches `quickstart` here lazily.
 """
 
 from __future__ import annotations
@@ -21,52 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The demo's GRPO recipe (see README "Making RL learn"): fitted to the tiny model.
-DEMO_RL = dict(
-    run_name="demo",
-    rm_type="math",
-    input_key="prompt",
-    label_key="label",
-    rollout_batch_size=16,
-    n_samples_per_prompt=8,
-    num_steps_per_rollout=1,
-    rollout_temperature=1.0,
-    rollout_max_response_len=8,
-    rollout_shuffle=True,
-    lr=1e-4,
-    eps_clip=0.2,
-    weight_decay=0.0,
-    calculate_per_token_loss=True,
-    micro_batch_size=128,
-    advantage_estimator="grpo",
-    ci_test=True,
-    save_interval=100,
-    eval_interval=10,  # the eval_on_new_policy sensor evaluates every 10th version
-    skip_eval_before_train=True,  # the summary evaluates the base checkpoint (v0) itself: once is enough
-)
-
-
-# The diffusion demo's Flow-GRPO recipe (docs/diffusion.md): fitted to the tiny DiT
-DEMO_DIFFUSION = dict(
-    run_name="diffusion-demo",
-    diffusion_task="t2i",
-    rollout_batch_size=16,
-    n_samples_per_prompt=8,
-    rollout_microgroup_size=8,
-    num_steps_per_rollout=1,
-    diffusion_num_steps=10,
-    diffusion_noise_level=0.7,
-    diffusion_step_strategy_path="sde_window",
-    diffusion_num_sde_steps=3,
-    micro_batch_size=128,
-    lr=3e-4,
-    rollout_shuffle=True,
-    eval_interval=5,
-    n_samples_per_eval_prompt=8,
-    ci_test=True,
-    save_interval=100,
-)
-DIFFUSION_ROLLOUTS = 20
+from miles_platform.recipes import DEMO_DIFFUSION, DEMO_RL, DIFFUSION_ROLLOUTS  # noqa: F401 (re-exported)
 
 
 def _dagster_home(root: str) -> str:
@@ -114,7 +70,6 @@ def run_quickstart(
     os.environ["MILES_STORAGE_ROOT"] = root
     import dagster as dg
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import definitions  # the code location: same assets, jobs and resources the UI loads
 
     defs = definitions.defs
@@ -135,7 +90,7 @@ def run_quickstart(
     # a time (two threads of one process deadlock). It must succeed all the same: joined below.
     _log("materializing converted_checkpoint (HF -> megatron torch_dist, round-trip check), beside training")
     conversion = subprocess.Popen(
-        [sys.executable, "-m", "miles_platform.quickstart", "--storage-root", root, "--run-job", "convert_checkpoint"]
+        [sys.executable, "-m", "ops.quickstart", "--storage-root", root, "--run-job", "convert_checkpoint"]
     )  # fmt: skip
     base_md = _metadata(instance, "base_checkpoint")
     base_path = str(base_md["path"])
@@ -234,7 +189,6 @@ def run_diffusion_quickstart(
     os.environ["MILES_STORAGE_ROOT"] = root
     import dagster as dg
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import definitions
 
     defs, instance = definitions.defs, dg.DagsterInstance.get()
@@ -344,7 +298,6 @@ def _run_one_job(root: str, name: str) -> int:
     os.environ["MILES_STORAGE_ROOT"] = root
     import dagster as dg
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import definitions
 
     _run_job(definitions.defs, name, dg.DagsterInstance.get())
