@@ -122,10 +122,12 @@ def _load_test_module(name: str):
 
 
 def make_checkpoints(work: Path) -> dict:
-    """The two tiny checkpoints of tests/conftest.py (`tiny_hf_checkpoint`, tied) and
-    tests/unit/training/test_megatron_backend.py (`untied`), by those files' own builders."""
+    """The two tiny checkpoints of the test suite: `tiny_hf_checkpoint` (tied, models.families'
+    builder) and tests/unit/training/test_megatron_backend.py's `untied` one, by that file's builder."""
+    from miles_platform.models.families import save_tiny_checkpoint
+
     tied, untied = _ckpts(work)
-    _load_test_module("conftest").save_tiny_checkpoint(tied)
+    save_tiny_checkpoint(tied)
     _load_test_module("test_megatron_backend").save_untied_checkpoint(tied, untied)
     return {"setup": {"status": "pass", "tied": tied, "untied": untied}}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from miles_platform.cluster.ports import free_port
+from miles_platform.models.families import save_tiny_checkpoint  # noqa: F401 (tests import it from here)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,22 +143,6 @@ def _one_ray_per_worker(request, monkeypatch):
 
     monkeypatch.setattr(ray_cluster, "init_ray", init_shared)
     yield
-
-
-def save_tiny_checkpoint(path, family: str = "qwen3") -> str:
-    """A random tiny checkpoint of `family` (qwen3, qwen2, llama: miles_platform.models.families)
-    + our tokenizer, saved as an HF dir at `path` (< 2 s). The `tiny_hf_checkpoint` fixture (Qwen3);
-    scripts/gpu_checks.py builds its checkpoint with this too."""
-    from miles_platform.models.checkpoint import save_hf_checkpoint
-    from miles_platform.models.families import build_model, tiny_config
-    from miles_platform.models.tokenizer import train_tokenizer
-
-    corpus = [f"What is {a}+{b}? {a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
-    tok = train_tokenizer(corpus, vocab_size=128)
-    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
-    cfg = tiny_config(family, len(tok), **dims, head_dim=16, num_hidden_layers=2)
-    save_hf_checkpoint(build_model(cfg, seed=0), tok, path)
-    return str(path)
 
 
 @pytest.fixture(scope="session")

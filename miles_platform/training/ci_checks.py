@@ -62,10 +62,10 @@ def check_lora_weights_equal(cfg: RunConfig, engines, adapter: dict, version: in
     from miles_platform.rollout.base_types import AdapterName
     from miles_platform.rollout.client import EngineHTTPError, post
     from miles_platform.rollout.lora_serving import tensor_sha256
-    from miles_platform.weights.equality import SERVING_DTYPES
+    from miles_platform.training.precision import DTYPES
 
     name = AdapterName(cfg.run_name).of(version)  # the engine-side name of this version
-    dtype = SERVING_DTYPES[cfg.rollout_dtype]
+    dtype = DTYPES[cfg.rollout_dtype]
     want = {k: tensor_sha256(t.to(dtype)) for k, t in adapter.items()}
     for e in engines:
         try:

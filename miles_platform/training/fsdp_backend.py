@@ -12,8 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.training.backend import ModelBackend
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from miles_platform.training.precision import DTYPES
 
 
 class FSDPBackend(ModelBackend):

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from miles_platform.rollout.client import EngineHTTPError, post
+from miles_platform.training.precision import DTYPES  # the one dtype-name table
 
 MAX_CHECKED_ELEMENTS = 1 << 20  # per tensor (~20 MB of JSON at worst)
-SERVING_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def checked_rows(t: torch.Tensor) -> int:
@@ -61,7 +61,7 @@ def first_mismatch(
     timeout: float = 120.0,
 ) -> str | None:
     """None when the engine at `url` holds `weights` (in `rollout_dtype`), else what differs first."""
-    dtype = SERVING_DTYPES[rollout_dtype]
+    dtype = DTYPES[rollout_dtype]
     served, bad = _checksum_mismatch(url, weights, dtype, api_key, timeout)
     if served and not bad:
         return None
