@@ -19,7 +19,7 @@ from miles_platform.store.paths import StoragePaths
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        (dict(update_weight_transfer_mode="disk-delta", update_weight_disk_dir="/tmp/x"), "disk-delta keeps"),
+        (dict(update_weight_transfer_mode="mooncake"), "mooncake keeps per-engine state"),
         (dict(update_weight_transfer_mode="broadcast"), "broadcast keeps per-engine state"),
         (dict(rollout_engine="sglang"), "embedded engines only"),
         (dict(rollout_external_engine_addrs=["127.0.0.1:1"]), "embedded engines only"),
@@ -59,10 +59,17 @@ class Saboteur(Reporter):
         self.last = metrics
 
 
-def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(tiny_hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("transport", ["tensor", "disk-delta"])
+def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(
+    tiny_hf_checkpoint, tmp_path, transport
+):
+    # disk-delta: the engine-local dirs live with the driver, so a replacement loads the served
+    # version's export and the next publication patches its dir from there
+    delta = dict(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(tmp_path / "pub"),
+                 check_weight_update_equal=True) if transport == "disk-delta" else {}  # fmt: skip
     cfg = small_run_config(
         tiny_hf_checkpoint, tmp_path, num_rollout=4, use_fault_tolerance=True, ci_test=True,
-        rollout_health_check_interval=0.3, rollout_health_check_timeout=2.0,
+        rollout_health_check_interval=0.3, rollout_health_check_timeout=2.0, **delta,
     )  # fmt: skip
     rep = Saboteur()
     rep.runner = RLRun(cfg, rep)
