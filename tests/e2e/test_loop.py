@@ -26,7 +26,7 @@ class _HijackProbe(Reporter):
     """At the first rollout, tries what any local process could: swap the run's weights."""
 
     def __init__(self):
-        self.urls, self.statuses = [], []
+        self.urls, self.statuses, self.binds = [], [], {}
 
     def log(self, msg: str) -> None:
         if msg.startswith("engines "):
@@ -39,6 +39,13 @@ class _HijackProbe(Reporter):
                 httpx.post(f"{u}/update_weights_from_disk", json=body, timeout=10).status_code
                 for u in self.urls
             ]
+            # what `ss -ltnp` shows for the run's engine and router ports: loopback only
+            import psutil
+
+            ports = {int(u.rsplit(":", 1)[1]) for u in self.urls}
+            for c in psutil.net_connections("tcp"):
+                if c.status == psutil.CONN_LISTEN and c.laddr.port in ports:
+                    self.binds.setdefault(c.laddr.port, set()).add(c.laddr.ip)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
@@ -54,6 +61,10 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     # a default run (no --api-key) is closed to other local processes: the weight-swap hijack of
     # issue 19, sent without the run's secret to the router and the engine, is refused
     assert rep.statuses and set(rep.statuses) == {401}, rep.statuses
+    # every engine and router port listens on 127.0.0.1, and nowhere else
+    assert len(rep.binds) == len(rep.urls) >= 2 and all(ips == {"127.0.0.1"} for ips in rep.binds.values()), (
+        rep.binds
+    )
     assert "eval/heldout/pass@1" in res.metrics[1] and "eval/heldout/pass@1" not in res.metrics[0]
     assert os.path.exists(tmp_path / "hf" / "iter_1" / "model.safetensors")
     assert res.final_version == 2 and len(res.versions) == 2
