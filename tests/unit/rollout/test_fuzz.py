@@ -220,3 +220,42 @@ def test_the_http_api_answers_bad_requests_with_a_4xx_never_a_500(served, where,
     ok = httpx.post(engine.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
                     headers={"Authorization": f"Bearer {KEY}"}, timeout=60)  # fmt: skip
     assert ok.status_code == 200, ok.text[:300]
+
+
+CONTROL_ROUTES = ["/pause_generation", "/continue_generation", "/flush_cache", "/init_weights_update_group",
+                  "/add_worker", "/remove_worker"]  # fmt: skip
+near_pause = st.fixed_dictionaries(
+    {}, optional={"mode": st.sampled_from(["abort", "retract", "in_place"]) | json_values}
+)
+
+
+@FAST
+@given(
+    where=st.sampled_from(["engine", "router"]),
+    route=st.sampled_from(CONTROL_ROUTES),
+    body=json_values | near_pause | st.binary(max_size=64),
+)
+def test_the_control_routes_answer_bad_requests_with_a_4xx_and_the_engine_recovers(
+    served, where, route, body
+):
+    """The routes that change state (pause / continue / flush, weight-group joins, worker changes):
+    any body is served or refused with a 4xx and a reason, never a 500; after a continue the engine
+    generates again (a pause by a fuzzed body is undone the normal way)."""
+    import httpx
+
+    engine, router = served
+    url = (engine if where == "engine" else router).url
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(url + route, content=content, timeout=60, headers=h)
+    assert r.status_code < 500 or r.status_code == 503, (route, body, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert r.text.strip(), (route, body, r.status_code)
+    assert httpx.post(router.url + "/continue_generation", json={}, headers=h, timeout=60).status_code == 200
+    urls = httpx.get(router.url + "/list_workers", headers=h, timeout=10).json()["urls"]
+    assert engine.url in urls, urls  # still routed
+    for u in set(urls) - {engine.url}:  # a fuzzed body that named an http:// url added it: undo
+        httpx.post(router.url + "/remove_worker", json={"url": u}, headers=h, timeout=10)
+    ok = httpx.post(router.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                    headers=h, timeout=60)  # fmt: skip
+    assert ok.status_code == 200, ok.text[:300]
