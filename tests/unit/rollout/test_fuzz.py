@@ -138,7 +138,7 @@ def test_generate_body_parser_accepts_or_gives_a_400_message(core, body, ids, sp
 # ------------------------------------------------------------------ the HTTP API, engine and router
 KEY = "fuzz-key"
 # every route a client may send a body to, less those that change the engine's state for the
-# examples after them (pause / continue / flush) or dial out (init_weights_update_group)
+# examples after them (pause / continue / flush, joins, workers: CONTROL_ROUTES, fuzzed below with a reset)
 ROUTES = ["/generate", "/v1/chat/completions", "/update_weights_from_disk", "/update_weights_from_distributed",
           "/get_weights_by_name", "/weights_checksum", "/load_lora_adapter", "/unload_lora_adapter",
           "/get_lora_adapter_checksums"]  # fmt: skip
