@@ -124,7 +124,7 @@ def _load_test_module(name: str):
 def make_checkpoints(work: Path) -> dict:
     """The two tiny checkpoints of the test suite: `tiny_hf_checkpoint` (tied, models.families'
     builder) and tests/unit/training/test_megatron_backend.py's `untied` one, by that file's builder."""
-    from miles_platform.models.families import save_tiny_checkpoint
+    from miles_platform.models.tiny import save_tiny_checkpoint
 
     tied, untied = _ckpts(work)
     save_tiny_checkpoint(tied)

@@ -1,0 +1,21 @@
+"""The tiny random checkpoints the test suite and scripts/gpu_checks.py run on (product API, not
+a test file: a model family's config from `families.tiny_config` + a small trained tokenizer)."""
+
+from __future__ import annotations
+
+from miles_platform.models.families import build_model, tiny_config
+
+
+def save_tiny_checkpoint(path, family: str = "qwen3") -> str:
+    """A random tiny checkpoint of `family` (qwen3, qwen2, llama, qwen3_moe) + a 128-token BPE
+    tokenizer trained on addition strings, saved as an HF dir at `path` (< 2 s): what the test
+    suite (`tiny_hf_checkpoint`) and scripts/gpu_checks.py run on."""
+    from miles_platform.models.checkpoint import save_hf_checkpoint
+    from miles_platform.models.tokenizer import train_tokenizer
+
+    corpus = [f"What is {a}+{b}? {a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
+    tok = train_tokenizer(corpus, vocab_size=128)
+    dims = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    cfg = tiny_config(family, len(tok), **dims, head_dim=16, num_hidden_layers=2)
+    save_hf_checkpoint(build_model(cfg, seed=0), tok, path)
+    return str(path)
