@@ -19,25 +19,16 @@ from miles_platform.errors import PublicationError
 from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_dir, write_atomic
 from miles_platform.weights.checksum import checksum
-from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: the format's public names)
-    COMPRESSIONS,
-    ENCODINGS,
-    FILTERS,
-    FORMAT,
-    INDEX,
+from miles_platform.weights.delta_format import (
     LATEST,
-    LOCK,
     PAYLOAD,
     VERSION_FILE,
     VERSION_META_KEY,
     WEIGHTS_FILE,
     Codec,
-    committed_versions,
     decode_planes,
     dtype_from_name,
     dtype_name,
-    encode_planes,
-    list_publications,
     lowbits_sections,
     read_index,
     read_latest,

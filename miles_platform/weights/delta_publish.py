@@ -26,8 +26,7 @@ from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_dir, write_atomic
 from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
 from miles_platform.weights.delta_apply import _chain, _replay
-from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: the format's public names)
-    COMPRESSIONS,
+from miles_platform.weights.delta_format import (
     ENCODINGS,
     FILTERS,
     FORMAT,
@@ -35,21 +34,11 @@ from miles_platform.weights.delta_format import (  # noqa: F401  (re-exported: t
     LATEST,
     LOCK,
     PAYLOAD,
-    VERSION_FILE,
-    VERSION_META_KEY,
-    WEIGHTS_FILE,
     Codec,
-    committed_versions,
-    decode_planes,
-    dtype_from_name,
     dtype_name,
     encode_planes,
-    list_publications,
-    lowbits_sections,
-    read_index,
     read_latest,
     version_dir_name,
-    xor_sparse_planes,
 )
 
 
