@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -44,6 +45,7 @@ from miles_platform.rollout.engine_requests import (
     Request,
     RequestError,
     RequestParser,
+    RunningRequest,
     SamplingParams,
     VersionConflict,
     version_violation,
@@ -69,7 +71,14 @@ class EngineCore(EngineWeightsMixin):
     `batch_wait_ms` so single requests that arrive together share one prefill; then one `_step` under
     `_step_lock`: admit waiting requests up to `max_batch_size` and prefill them into the running
     batch, or else decode one token for every running request. Rows leave the batch as they finish.
-    `_step_lock` (forward passes, weight swaps, pause) is taken before `_cv` (the queue and flags)."""
+    `_step_lock` (forward passes, weight swaps, pause) is taken before `_cv` (the queue and flags).
+
+    Test hook: `step_hook`, when set, is called as `step_hook(core)` on the scheduler thread after
+    every step, outside `_step_lock`, so a test sees the engine at an exact state (`running()`) instead
+    of sleeping. It may pause or update weights there (they run at once, between steps; not unload,
+    which waits for steps), or block to hold the scheduler still while another thread acts. An
+    exception in it fails the running requests as a failed step does. None (the default) costs one
+    attribute check per step; it is Python-only, no HTTP route reaches it."""
 
     def __init__(
         self,
@@ -112,6 +121,7 @@ class EngineCore(EngineWeightsMixin):
         self._control: deque[tuple] = deque()  # (fn, Future) run on the scheduler thread
         self._batch_submitted = False  # a multi-prompt request arrived: it is its own batch, no wait
         self._num_threads = num_threads
+        self.step_hook: Callable[[EngineCore], None] | None = None  # tests only; see the class docstring
         # All torch compute (load, forward, weight copies) runs on the scheduler thread: a second
         # thread with its own OpenMP team would make libgomp throttle both (see docs/engine.md).
         self._ready, self._load_error = threading.Event(), None
@@ -164,6 +174,15 @@ class EngineCore(EngineWeightsMixin):
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def running(self) -> list[RunningRequest]:
+        """The running batch, in batch order: exact inside `step_hook`; from another thread a snapshot
+        that may be a step old."""
+        return [RunningRequest(r.rid, r.lora, len(r.output_ids)) for r in list(self._batch.reqs)]
+
+    def served_loras(self) -> list[str]:
+        """The LoRA adapters a new request may name: loaded and not being unloaded."""
+        return sorted(set(self._lora.adapters) - self._lora_draining)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
@@ -297,8 +316,8 @@ class EngineCore(EngineWeightsMixin):
                     r.lora not in self._lora.adapters or r.lora in self._lora_draining
                 ):
                     raise RequestError(
-                        f"lora_path {r.lora!r} is not loaded (loaded: "
-                        f"{sorted(set(self._lora.adapters) - self._lora_draining)}); POST /load_lora_adapter first"
+                        f"lora_path {r.lora!r} is not loaded (loaded: {self.served_loras()}); "
+                        "POST /load_lora_adapter first"
                     )
                 if r.return_routed_experts and self._routes is None:
                     raise RequestError("return_routed_experts: the served model is dense (no MoE router)")
@@ -354,8 +373,11 @@ class EngineCore(EngineWeightsMixin):
                         self._cv.wait(left)
             try:
                 with self._step_lock:
-                    if not self._paused and not self._stopping:
+                    stepped = not self._paused and not self._stopping
+                    if stepped:
                         self._step()
+                if stepped and self.step_hook is not None:
+                    self.step_hook(self)
             except Exception as e:  # a bug or OOM must fail the requests, not hang them
                 log.exception("engine step failed")
                 with self._step_lock:

@@ -200,6 +200,15 @@ class Request:
         return self.return_logprob and self.lp_opts.wants_input
 
 
+@dataclass(frozen=True)
+class RunningRequest:
+    """A read-only view of one request of the running batch (`EngineCore.running()`)."""
+
+    rid: str
+    lora: str | None  # the adapter serving it (`lora_path`); None: the base weights
+    output_tokens: int  # generated so far
+
+
 def version_violation(req: Request, version: int) -> str | None:
     """Why `version` cannot serve `req` (its exact / min weight_version), or None if it can."""
     if req.exact_version is not None and version != req.exact_version:

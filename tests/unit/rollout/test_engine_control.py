@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 import torch
+from engine_hooks import HoldScheduler, every_request_has_tokens
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
@@ -106,40 +107,36 @@ def test_weight_version_constraints_409_and_client_retry(engine, other_checkpoin
     assert ok["meta_info"]["weight_version_start"] == ok["meta_info"]["weight_version_end"] == 0
 
     async def wait_for_v1():
-        task = asyncio.create_task(client.generate(url, [1, 2], {"max_new_tokens": 2}, min_weight_version=1))
-        await asyncio.sleep(0.15)
-        assert not task.done()  # retrying on 409
-        r = await asyncio.to_thread(
-            httpx.post, f"{url}/update_weights_from_disk", json={"model_path": other_checkpoint}, timeout=60
-        )
-        assert r.status_code == 200
-        return await task
+        statuses: list[int] = []
+        refused = asyncio.Event()  # set on the client's second 409: it got one and came back
+
+        async def count_409(resp):
+            statuses.append(resp.status_code)
+            if statuses.count(409) >= 2:
+                refused.set()
+
+        async with httpx.AsyncClient(timeout=60, event_hooks={"response": [count_409]}) as ac:
+            task = asyncio.create_task(
+                client.generate(url, [1, 2], {"max_new_tokens": 2}, min_weight_version=1, client=ac)
+            )
+            await asyncio.wait_for(refused.wait(), 30)
+            assert not task.done()  # retrying on 409
+            r = await asyncio.to_thread(
+                httpx.post,
+                f"{url}/update_weights_from_disk",
+                json={"model_path": other_checkpoint},
+                timeout=60,
+            )
+            assert r.status_code == 200
+            return await task
 
     res = asyncio.run(wait_for_v1())
     assert res["meta_info"]["weight_version"] == res["meta_info"]["weight_version_start"] == 1
 
 
-def _slow_down(core, seconds=0.003):
-    """Make each forward pass take >= `seconds`, so a pause reliably lands mid-generation."""
-    forward = core._forward
-
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return forward(*args, **kwargs)
-
-    core._forward = slow
-
-
-def _running_with_output(core) -> int:
-    """Requests in the engine's running batch that have produced at least one token (a racy read
-    of the scheduler's state from the test thread: a list copy, never a mutation)."""
-    reqs = list(getattr(core._batch, "reqs", None) or [])
-    return sum(1 for r in reqs if len(r.output_ids) > 0)
-
-
-def _start_long_requests(url, core, n=3, max_new_tokens=150):
-    """Fire n long greedy requests; return (loop, tasks) once every one of them has produced tokens
-    (a total token count alone can be reached by one request while another is still queued)."""
+def _start_long_requests(url, held: HoldScheduler, n=3, max_new_tokens=150):
+    """Fire n long greedy requests; return (loop, tasks) once `held` holds the scheduler (with
+    `every_request_has_tokens(n)`: each request mid-generation)."""
     loop = asyncio.new_event_loop()
     ac = httpx.AsyncClient(timeout=60)
     tasks = [
@@ -155,11 +152,7 @@ def _start_long_requests(url, core, n=3, max_new_tokens=150):
         )
         for i in range(n)
     ]
-    loop.run_until_complete(asyncio.sleep(0.02))
-    deadline = time.monotonic() + 10
-    while _running_with_output(core) < n:
-        loop.run_until_complete(asyncio.sleep(0.005))
-        assert time.monotonic() < deadline
+    loop.run_until_complete(asyncio.to_thread(held.wait))  # the loop sends the requests meanwhile
     return loop, tasks
 
 
@@ -176,9 +169,9 @@ def _finish(loop, tasks):
 
 def test_pause_abort_returns_partial_output(engine):
     url = engine.url
-    _slow_down(engine.core)
-    loop, tasks = _start_long_requests(url, engine.core)
-    assert httpx.post(f"{url}/pause_generation", json={"mode": "abort"}).status_code == 200
+    with HoldScheduler(engine.core, every_request_has_tokens(3)) as held:
+        loop, tasks = _start_long_requests(url, held)
+        assert httpx.post(f"{url}/pause_generation", json={"mode": "abort"}).status_code == 200
     for res in _finish(loop, tasks):
         assert res["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < res["meta_info"]["completion_tokens"] < 150
@@ -204,10 +197,11 @@ def test_pause_retract_and_in_place_resume_to_the_same_result(engine, mode):
         )
         for i in range(3)
     ]
-    _slow_down(engine.core)
-    loop, tasks = _start_long_requests(url, engine.core)
-    assert httpx.post(f"{url}/pause_generation", json={"mode": mode}).status_code == 200
-    stats = _stats(url)
+    with HoldScheduler(engine.core, every_request_has_tokens(3)) as held:
+        loop, tasks = _start_long_requests(url, held)
+        assert httpx.post(f"{url}/pause_generation", json={"mode": mode}).status_code == 200
+        stats = _stats(url)
+    # released: a paused scheduler must now make no progress (an absence, so it takes a wait)
     loop.run_until_complete(asyncio.sleep(0.1))
     frozen = _stats(url)
     assert frozen["num_generated_tokens"] == stats["num_generated_tokens"]  # paused means no progress
@@ -275,25 +269,22 @@ def test_quantized_checkpoint_is_served_dequantized(engine, tiny_hf_checkpoint, 
 
 def test_running_exact_version_request_fails_409_when_weights_change(engine, other_checkpoint):
     url = engine.url
-    _slow_down(engine.core)
     # ignore_eos: the request must still be running when the update lands (a random model may stop early)
     body = {
         "input_ids": [1, 2, 3],
         "exact_weight_version": 0,
         "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
     }
-    new_model, _ = load_hf_checkpoint(other_checkpoint)  # loaded up front so the update is prompt
+    new_model, _ = load_hf_checkpoint(other_checkpoint)
     named = {n: p.detach().clone() for n, p in new_model.named_parameters()}
 
-    async def run():
-        async with httpx.AsyncClient(timeout=60) as ac:
-            task = asyncio.create_task(ac.post(f"{url}/generate", json=body))
-            while engine.core.stats["num_generated_tokens"] < 3:
-                await asyncio.sleep(0.005)
-            await asyncio.to_thread(engine.core.update_weights_from_tensors, named, 1)
-            return await task
+    def update_mid_generation(core):  # on the scheduler thread, between two decode steps
+        if core.weight_version == 0 and any(r.output_tokens >= 3 for r in core.running()):
+            core.update_weights_from_tensors(named, 1)
 
-    r = asyncio.run(run())
+    engine.core.step_hook = update_mid_generation
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    engine.core.step_hook = None
     assert r.status_code == 409, r.text
     assert r.json()["error"]["exact_weight_version"] == 0 and r.json()["error"]["weight_version"] == 1
 

@@ -4,6 +4,7 @@ other's weights, and the API answers as SGLang does."""
 
 import pytest
 import torch
+from engine_hooks import HoldScheduler, until
 
 from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.rollout.client import EngineHTTPError, post
@@ -136,23 +137,24 @@ def test_unload_lets_requests_holding_the_adapter_finish_and_refuses_new_ones(
     """SGLang's unload semantics, which a LoRA run's immutable per-version names rely on: requests
     already holding the adapter finish undisturbed (same tokens as alone), new ones are refused at once."""
     import threading
-    import time
 
     path = _random_adapter(tiny_hf_checkpoint, tmp_path / "a", ["q_proj", "down_proj"], seed=5)
     post(engine.url, "/load_lora_adapter", {"lora_name": "old", "lora_path": path})
     alone = _gen(engine.url, ["old"], seed=11, n_tokens=48)[0]
     held: dict = {}
     t = threading.Thread(target=lambda: held.update(out=_gen(engine.url, ["old"], seed=11, n_tokens=48)[0]))
-    t.start()
-    while not engine.core._lora_in_use("old"):
-        time.sleep(0.001)
-    with engine.core._step_lock:  # the scheduler holds still: the request is mid-generation
+
+    def mid_generation(core):  # the request holding "old" has generated and is still running
+        return any(r.lora == "old" and r.output_tokens > 0 for r in core.running())
+
+    with HoldScheduler(engine.core, mid_generation) as scheduler:  # no step runs until the block exits
+        t.start()
+        scheduler.wait()
         unloading = threading.Thread(
             target=lambda: post(engine.url, "/unload_lora_adapter", {"lora_name": "old"})
         )
         unloading.start()
-        while "old" not in engine.core._lora_draining:
-            time.sleep(0.001)
+        until(lambda: "old" not in engine.core.served_loras())  # the unload has begun draining
         with pytest.raises(EngineHTTPError, match="not loaded"):  # a new request naming it: refused
             _gen(engine.url, ["old"])
         assert "old" in engine.core.lora_adapters()  # but not unloaded under the running request
