@@ -1,9 +1,11 @@
 """Supervised fine-tuning (`--loss-type sft_loss`): the starting policy for RL.
 
-Loss is token-mean cross-entropy over response tokens only (response = answer + EOS); the prompt
-is context. AdamW, warmup then constant/linear/cosine decay, grad-norm clip, micro-batches with
-gradient accumulation up to `--global-batch-size`. Same seed, same data, same threads -> same
-weights, bit for bit.
+As in Miles, SFT is the RL trainer with another loss: `run_sft` drives a `TrainerActor` in this
+process (fsdp or megatron backend, `--train-backend`), one optimizer step per global batch of
+rows. Loss is token-mean cross-entropy over the trained response tokens (answer + EOS; a tool
+episode's tool answers are context), AdamW, the trainers' one LR schedule (training/schedule.py),
+grad-norm clip, micro-batches with gradient accumulation up to `--global-batch-size`. Same seed,
+same data, same threads -> same weights, bit for bit.
 
 `default_sft_recipe()` is the demo's SFT base: small and short enough for 2 CPU cores, and on the
 dropped-carry SFT split it leaves a policy that is right on non-carry sums and systematically
@@ -18,17 +20,20 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from miles_platform.config import RunConfig
 from miles_platform.errors import DataError, MilesError
 from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from miles_platform.models.qwen3 import build_model, num_parameters, tiny_qwen3_config
 from miles_platform.models.tokenizer import TASK_TOKENIZERS
-from miles_platform.training.schedule import lr_multiplier
+from miles_platform.training.actor import TrainBatch, TrainerActor
 
 
 @dataclass
@@ -56,6 +61,7 @@ class SFTRecipe:
     # default: every core; the test suite pins 1 per worker). Same weights bit for bit at 1 or 2
     # threads; on an idle 2-core box 2 threads are ~1.7x faster, on a busy one several x slower.
     num_threads: int | None = None
+    train_backend: str = "fsdp"  # the RL trainer's backend: fsdp | megatron
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -133,20 +139,6 @@ def _response_parts(row: dict, response_key: str, i: int) -> list[tuple[str, boo
     return [(t, bool(m)) for t, m in parts]
 
 
-# ---------------------------------------------------------------- schedule
-def lr_lambda(recipe: SFTRecipe, total_iters: int):
-    """Multiplier on recipe.lr at step t: the trainers' one schedule (training/schedule.py)."""
-    return lr_multiplier(recipe.lr, recipe.min_lr, recipe.lr_warmup_iters, recipe.lr_decay_style, total_iters)
-
-
-def _progress(total: int, enabled: bool | None):
-    from tqdm import tqdm
-
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(total=total, desc="sft", disable=not enabled, leave=False)
-
-
 # ---------------------------------------------------------------- training
 def run_sft(
     prompt_data: str,
@@ -159,10 +151,12 @@ def run_sft(
     tokenizer: str = "arithmetic",
 ) -> dict[str, Any]:
     """SFT from scratch (the `tokenizer` task's tokenizer, models.tokenizer.TASK_TOKENIZERS, + tiny
-    Qwen3 of recipe.model) or from an HF dir (its own tokenizer).
+    Qwen3 of recipe.model) or from an HF dir (its own tokenizer), trained by the RL trainer itself
+    (TrainerActor with `--loss-type sft_loss`, in this process) on `recipe.train_backend`.
 
     Returns metrics: loss_curve [(step, loss)], final_loss, sft_seconds, sft_cpu_seconds, train_iters,
-    num_parameters, num_samples, save (path or None). Saves an HF checkpoint when `save` is set.
+    num_parameters, num_samples, save (path or None), and the trained HF `model` + `tokenizer`.
+    Saves an HF checkpoint when `save` is set.
     """
     recipe = recipe or default_sft_recipe()
     if recipe.global_batch_size % recipe.micro_batch_size:
@@ -170,47 +164,110 @@ def run_sft(
             f"--global-batch-size {recipe.global_batch_size} must be a multiple of "
             f"--micro-batch-size {recipe.micro_batch_size}"
         )
-    if hf_checkpoint:
-        model, tokenizer = load_hf_checkpoint(hf_checkpoint)
-    else:
-        if tokenizer not in TASK_TOKENIZERS:
-            raise MilesError(f"--tokenizer {tokenizer!r}: choose one of {sorted(TASK_TOKENIZERS)}")
-        tokenizer = TASK_TOKENIZERS[tokenizer]()
-        model = build_model(tiny_qwen3_config(len(tokenizer), **recipe.model), seed=recipe.seed)
+    if recipe.train_backend not in ("fsdp", "megatron"):
+        raise MilesError(f"--train-backend {recipe.train_backend!r}: choose fsdp or megatron")
+    if not hf_checkpoint and tokenizer not in TASK_TOKENIZERS:
+        raise MilesError(f"--tokenizer {tokenizer!r}: choose one of {sorted(TASK_TOKENIZERS)}")
     rows = load_sft_rows(prompt_data, input_key, response_key)
-    ids, mask = tokenize_sft(rows, tokenizer, input_key, response_key)
     iters = recipe.train_iters
     if iters is None:
         epochs = recipe.num_epoch or 1.0
         iters = max(1, math.ceil(epochs * len(rows) / recipe.global_batch_size))
 
-    prev_threads = torch.get_num_threads()
-    if recipe.num_threads:
-        torch.set_num_threads(recipe.num_threads)
-    try:
-        metrics = _train(model, ids, mask, recipe, iters, progress)
-    finally:
-        torch.set_num_threads(prev_threads)
+    with tempfile.TemporaryDirectory(prefix="miles-sft-init-") as tmp:
+        if hf_checkpoint:
+            init = str(hf_checkpoint)
+            model, tok = load_hf_checkpoint(init)
+        else:  # the trainer starts from an HF dir: write the fresh model to one
+            tok = TASK_TOKENIZERS[tokenizer]()
+            model = build_model(tiny_qwen3_config(len(tok), **recipe.model), seed=recipe.seed)
+            init = str(save_hf_checkpoint(model, tok, Path(tmp) / "init"))
+        ids, mask = tokenize_sft(rows, tok, input_key, response_key)
+        prev_threads = torch.get_num_threads()
+        try:
+            actor = TrainerActor(sft_run_config(recipe, init, iters))
+            torch.set_num_threads(recipe.num_threads or prev_threads)  # the actor pins its own
+            metrics = _train(actor, ids, mask, recipe, iters, progress)
+        finally:
+            torch.set_num_threads(prev_threads)
+        _load_trained(model, actor.get_hf_weights())
+    model.eval()
     metrics.update(
         num_parameters=num_parameters(model), num_samples=len(rows), recipe=recipe.to_dict(), save=None
     )
     if save:
-        metrics["save"] = str(save_hf_checkpoint(model, tokenizer, save))
-    metrics["model"], metrics["tokenizer"] = model, tokenizer
+        metrics["save"] = str(save_hf_checkpoint(model, tok, save))
+    metrics["model"], metrics["tokenizer"] = model, tok
     return metrics
 
 
-def _train(model, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress) -> dict:
-    torch.manual_seed(recipe.seed)
-    gen = torch.Generator().manual_seed(recipe.seed)
-    model.train()
-    opt = torch.optim.AdamW(
-        model.parameters(),
+def sft_run_config(recipe: SFTRecipe, hf_checkpoint: str, iters: int) -> RunConfig:
+    """The trainer's RunConfig for an SFT recipe: one optimizer step per "rollout" of
+    global_batch_size rows, token-mean NLL over the global batch (`--calculate-per-token-loss`)."""
+    gbs = recipe.global_batch_size
+    return RunConfig(
+        hf_checkpoint=hf_checkpoint,
+        train_backend=recipe.train_backend,
+        loss_type="sft_loss",
+        calculate_per_token_loss=True,
+        rollout_batch_size=gbs,
+        n_samples_per_prompt=1,
+        global_batch_size=gbs,
+        micro_batch_size=recipe.micro_batch_size,
+        num_rollout=iters,
         lr=recipe.lr,
-        betas=(recipe.adam_beta1, recipe.adam_beta2),
+        min_lr=recipe.min_lr,
+        lr_warmup_iters=recipe.lr_warmup_iters,
+        lr_decay_style=recipe.lr_decay_style,
         weight_decay=recipe.weight_decay,
+        adam_beta1=recipe.adam_beta1,
+        adam_beta2=recipe.adam_beta2,
+        clip_grad=recipe.clip_grad,
+        seed=recipe.seed,
+    ).validate()
+
+
+def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor) -> TrainBatch:
+    """Right-padded (ids, loss mask per token) -> the trainer's TrainBatch: the response starts at
+    the first trained token (never token 0: it has no prediction); untrained tokens inside it (tool
+    answers) get mask 0; the padding after the last trained token (EOS) is dropped."""
+    tokens, lengths, masks = [], [], []
+    for row_ids, row_mask in zip(ids.tolist(), mask.tolist(), strict=True):
+        trained = [j for j, m in enumerate(row_mask) if m and j > 0]
+        first, last = trained[0], trained[-1]
+        tokens.append(row_ids[: last + 1])
+        lengths.append(last + 1 - first)
+        masks.append([int(m) for m in row_mask[first : last + 1]])
+    n = len(tokens)
+    return TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=masks,
+                      rewards=[0.0] * n, rollout_log_probs=[[] for _ in range(n)])  # fmt: skip
+
+
+def _load_trained(model, state: dict[str, torch.Tensor]) -> None:
+    """The trainer's HF-named weights into the HF model; every parameter must come back (a tied
+    lm_head is the embedding)."""
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(torch.float32) for k, v in state.items()}, strict=False
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe, iters))
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise MilesError(
+            f"SFT trainer weights do not match the model: missing {missing}, unexpected {unexpected}"
+        )
+
+
+def _progress(total: int, enabled: bool | None):
+    from tqdm import tqdm
+
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(total=total, desc="sft", disable=not enabled, leave=False)
+
+
+def _train(
+    actor: TrainerActor, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress
+) -> dict:
+    gen = torch.Generator().manual_seed(recipe.seed)
     curve: list[tuple[int, float]] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
     bar = _progress(iters, progress)
@@ -220,26 +277,16 @@ def _train(model, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iter
     for step in range(iters):
         if pos + recipe.global_batch_size > n_rows:  # new epoch: reshuffle
             perm, pos = torch.randperm(n_rows, generator=gen), 0
-        batch = perm[pos : pos + recipe.global_batch_size]
+        rows = perm[pos : pos + recipe.global_batch_size]
         pos += recipe.global_batch_size
-        n_tokens = mask[batch, 1:].sum()
-        total = 0.0
-        for mb in batch.split(recipe.micro_batch_size):
-            loss = _sft_loss(model, ids[mb], mask[mb]) / n_tokens
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        window.append(total)
+        m = actor.train(step, sft_train_batch(ids[rows], mask[rows]))
+        window.append(m["train/loss"])
         if (step + 1) % recipe.log_interval == 0 or step == iters - 1:
             curve.append((step + 1, sum(window) / len(window)))
-            bar.set_postfix(loss=f"{curve[-1][1]:.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            bar.set_postfix(loss=f"{curve[-1][1]:.4f}", lr=f"{m['train/lr']:.2e}")
             window = []
         bar.update(1)
     bar.close()
-    model.eval()
     return {
         "loss_curve": curve,
         "final_loss": curve[-1][1],
@@ -247,18 +294,6 @@ def _train(model, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iter
         "sft_cpu_seconds": time.process_time() - cpu0,  # load-independent: the machine is shared
         "train_iters": iters,
     }
-
-
-def _sft_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of next-token predictions where the target token is a response token.
-
-    Right padding needs no attention mask: causal attention never looks at later pad tokens.
-    """
-    logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-    nll = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
-    )
-    return (nll * mask[:, 1:].reshape(-1)).sum()
 
 
 # ---------------------------------------------------------------- CLI
@@ -275,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--from-scratch: the task whose tokenizer the new model gets (default: %(default)s)")  # fmt: skip
     ap.add_argument("--save", required=True, help="HF checkpoint output dir")
     ap.add_argument("--loss-type", default="sft_loss", choices=("sft_loss",))
+    ap.add_argument("--train-backend", default=d.train_backend, choices=("fsdp", "megatron"))
     ap.add_argument("--input-key", default="prompt")
     ap.add_argument("--response-key", default="response", help="key of the target response text")
     ap.add_argument("--lr", type=float, default=d.lr)
@@ -310,6 +346,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         global_batch_size=a.global_batch_size,
         micro_batch_size=a.micro_batch_size,
         seed=a.seed,
+        train_backend=a.train_backend,
     )
     if a.num_epoch is not None:
         recipe.train_iters, recipe.num_epoch = None, a.num_epoch

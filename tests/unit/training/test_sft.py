@@ -1,4 +1,8 @@
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -6,7 +10,8 @@ import torch
 from miles_platform.data.tasks import write_task_datasets
 from miles_platform.errors import MilesError
 from miles_platform.models.checkpoint import load_hf_checkpoint
-from miles_platform.training.sft import SFTRecipe, cli_main, default_sft_recipe, lr_lambda, run_sft
+from miles_platform.training.schedule import lr_multiplier
+from miles_platform.training.sft import SFTRecipe, cli_main, default_sft_recipe, run_sft
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 
@@ -60,15 +65,15 @@ def test_sft_continues_from_an_existing_hf_dir(sft_data, tiny_hf_checkpoint, tmp
 
 
 def test_lr_schedule_warms_up_then_decays():
-    r = SFTRecipe(lr=1.0, min_lr=0.1, lr_warmup_iters=10, lr_decay_style="cosine")
-    f = lr_lambda(r, 110)
+    """The trainers' one schedule (SFT and RL): warmup, then cosine / linear / constant to min_lr."""
+    f = lr_multiplier(1.0, 0.1, 10, "cosine", 110)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
-    lin = lr_lambda(dataclasses.replace(r, lr_decay_style="linear"), 110)
+    lin = lr_multiplier(1.0, 0.1, 10, "linear", 110)
     assert lin(60) == pytest.approx(0.55) and lin(110) == pytest.approx(0.1)
-    assert lr_lambda(dataclasses.replace(r, lr_decay_style="constant"), 110)(100) == 1.0
+    assert lr_multiplier(1.0, 0.1, 10, "constant", 110)(100) == 1.0
     with pytest.raises(MilesError, match="lr-decay-style"):
-        lr_lambda(dataclasses.replace(r, lr_decay_style="step"), 10)
+        lr_multiplier(1.0, 0.1, 10, "step", 10)
 
 
 def test_bad_batch_sizes_are_refused(sft_data):
@@ -86,3 +91,62 @@ def test_cli_from_scratch(sft_data, tmp_path, capsys):
     assert rc == 0 and "sft: 2 iters" in capsys.readouterr().out
     assert (tmp_path / "b" / "model.safetensors").exists() and (tmp_path / "b" / "tokenizer.json").exists()
     assert default_sft_recipe().train_iters > 0
+
+
+def test_sft_on_megatron_matches_fsdp(sft_data, tiny_hf_checkpoint, tmp_path):
+    """SFT is the RL trainer with sft_loss, so it runs on either backend: the megatron run (the CLI,
+    in a subprocess: megatron's parallel state is per process) follows the fsdp run's loss curve
+    and ends at the same weights up to float32 reassociation."""
+    argv = ["--prompt-data", sft_data, "--hf-checkpoint", tiny_hf_checkpoint, "--train-iters", "6",
+            "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "3e-3", "--json"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "miles_platform.cli", "sft", "--train-backend", "megatron",
+         "--save", str(tmp_path / "mg"), *argv],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mg = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert mg["recipe"]["train_backend"] == "megatron"
+    recipe = dataclasses.replace(default_sft_recipe(), train_iters=6, global_batch_size=16,
+                                 micro_batch_size=8, lr=3e-3)  # fmt: skip
+    fs = run_sft(sft_data, hf_checkpoint=tiny_hf_checkpoint, recipe=recipe, progress=False)
+    assert mg["final_loss"] == pytest.approx(fs["final_loss"], abs=1e-4)
+    before, _ = load_hf_checkpoint(tiny_hf_checkpoint)
+    after, _ = load_hf_checkpoint(tmp_path / "mg")
+    moved = 0.0
+    for k, v in after.state_dict().items():
+        assert (v - fs["model"].state_dict()[k]).abs().max() < 1e-4, k
+        moved = max(moved, float((v - before.state_dict()[k]).abs().max()))
+    assert moved > 1e-3  # the megatron run trained: its weights left the start
+
+
+def test_trainer_sft_loss_is_the_token_mean_nll_of_the_trained_tokens(sft_data, tiny_hf_checkpoint):
+    """The TrainBatch run_sft hands the trainer (response from the first trained token, untrained
+    tool-answer tokens masked, padding dropped) gives the trainer's first-step loss equal to the
+    padded-batch token-mean cross-entropy over exactly the trained target tokens."""
+    from miles_platform.training.actor import TrainerActor
+    from miles_platform.training.sft import load_sft_rows, sft_run_config, sft_train_batch, tokenize_sft
+
+    model, tok = load_hf_checkpoint(tiny_hf_checkpoint)
+    rows = load_sft_rows(sft_data)[:7]
+    rows.append({"prompt": "12*3=", "response": "36+1", "response_parts": [["36", 1], ["+", 0], ["1", 1]]})
+    ids, mask = tokenize_sft(rows, tok)
+    batch = sft_train_batch(ids, mask)
+    last = batch.loss_masks[-1]
+    assert last[0] == 1 and 0 in last and last[-1] == 1  # trained, tool answer, trained ... EOS
+    assert all(len(m) == n for m, n in zip(batch.loss_masks, batch.response_lengths, strict=True))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        want = float((nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum())
+    recipe = dataclasses.replace(default_sft_recipe(), global_batch_size=8, micro_batch_size=8)
+    prev = torch.get_num_threads()
+    try:
+        actor = TrainerActor(sft_run_config(recipe, tiny_hf_checkpoint, 1))
+        got = actor.train(0, batch)["train/loss"]
+    finally:
+        torch.set_num_threads(prev)
+    assert got == pytest.approx(want, abs=1e-5)
