@@ -5,7 +5,8 @@
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VERSION`)
 # are installed into /tmp/site without an index, ahead of the interpreter's own packages. A .pth file
 # in the interpreter's site-packages does the same for subprocesses that reset PYTHONPATH
-# (tests/unit/training/test_megatron_backend.py::_run does): meant for a throwaway GPU machine.
+# (tests/megatron_parity.py's `run` does): meant for a throwaway GPU machine. pytest must be
+# importable (the checks are pytest files); pytest-xdist is used when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-python3}"

@@ -139,7 +139,7 @@ def _main(family: str, hf: str, work: str) -> None:
     from contextlib import redirect_stdout
     from io import StringIO
 
-    from test_megatron_backend import _compare
+    from megatron_parity import compare
 
     from miles_platform.training import megatron_shims
     from miles_platform.weights import conversion
@@ -155,7 +155,7 @@ def _main(family: str, hf: str, work: str) -> None:
         with redirect_stdout(buf):
             assert conversion.cli_main(argv) == 0
         report[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
-    report["parity"], _, _ = _compare(hf, w)
+    report["parity"], _, _ = compare(hf, w)
     report["control"] = _control(family, hf)
     megatron_shims.destroy_process_group()
     print(json.dumps(report))

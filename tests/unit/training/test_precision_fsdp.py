@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from loop_helpers import spawn_ranks
+from precision_probe import forward_param_dtypes
 
 from miles_platform.cluster.ports import free_port
 
@@ -34,26 +35,6 @@ def _tiny_qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
-def _forward_param_dtypes(model, run) -> dict[str, str]:
-    """Dtype of every parameter as its module sees it at forward time (after FSDP's unshard)."""
-    from miles_platform.training.precision import dtype_name, normalize_fqn
-
-    seen: dict[str, str] = {}
-
-    def hook(prefix):
-        def fn(mod, _args):
-            for name, p in mod.named_parameters(recurse=False):
-                seen[normalize_fqn(f"{prefix}.{name}" if prefix else name)] = dtype_name(p.dtype)
-
-        return fn
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()]
-    out = run()
-    for h in handles:
-        h.remove()
-    return seen, out
-
-
 def _scenario(cfg_kwargs: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
@@ -71,7 +52,7 @@ def _scenario(cfg_kwargs: dict) -> dict:
         with forward_autocast(cfg):
             return model(input_ids=ids, labels=ids, use_cache=False)
 
-    forward, out = _forward_param_dtypes(model, run)
+    forward, out = forward_param_dtypes(model, run)
     out.loss.backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
