@@ -106,7 +106,7 @@ def run() -> list[dict]:
     from miles_platform.data.source import RolloutDataSource
     from miles_platform.models.checkpoint import load_hf_checkpoint
     from miles_platform.recipes import DEMO_RL
-    from miles_platform.rollout.engine import start_engine_server
+    from miles_platform.rollout.engine_server import start_engine_server
     from miles_platform.rollout.evaluate import evaluate
     from miles_platform.rollout.manager import RolloutManager, router_generate_fn
     from miles_platform.rollout.router import start_router

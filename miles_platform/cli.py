@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write deterministic verifiable-task datasets (train / eval / sft)",
     ),
     "serve-engine": (
-        "miles_platform.rollout.engine",
+        "miles_platform.rollout.engine_server",
         "start the embedded engine (SGLang HTTP API) on an HF checkpoint",
     ),
     "serve-router": ("miles_platform.rollout.router", "start the router in front of engines"),

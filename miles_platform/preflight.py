@@ -22,7 +22,7 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     check_engine_kind(cfg)
     if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
-        from miles_platform.rollout.engines import embedded_max_running_requests
+        from miles_platform.rollout.engine_fleet import embedded_max_running_requests
 
         other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") != "max-running-requests")
         if other:

@@ -78,12 +78,12 @@ class RunServices(contextlib.AbstractContextManager):
             and cfg.opd_teacher_hf_checkpoint
             and not cfg.debug_train_only
         ):
-            from miles_platform.rollout.engines import EngineHandle, create_teacher_engine, stop_engines
+            from miles_platform.rollout.engine_fleet import EngineHandle, create_teacher_engine, stop_engines
 
             teacher = create_teacher_engine(cfg)  # beside the trainers and engines
             s.callback(stop_engines, [EngineHandle(url="", actor=teacher)])
         if not cfg.debug_train_only:
-            from miles_platform.rollout.engines import start_engines, stop_engines
+            from miles_platform.rollout.engine_fleet import start_engines, stop_engines
 
             self.engines, self.router = start_engines(cfg, groups)
             s.callback(stop_engines, self.engines)
@@ -129,7 +129,7 @@ class RunServices(contextlib.AbstractContextManager):
     def _start_health_monitor(self, groups) -> None:
         import threading
 
-        from miles_platform.rollout.engines import restart_engine
+        from miles_platform.rollout.engine_fleet import restart_engine
         from miles_platform.rollout.health import EngineHealthMonitor
 
         session = self.session
@@ -147,7 +147,7 @@ class RunServices(contextlib.AbstractContextManager):
     def _start_opd_teachers(self, student_url: str, teacher: Any = None) -> None:
         """Sglang-mode OPD: the teacher engine the run started (--opd-teacher-hf-checkpoint) or the
         configured ones, and the scorer that sends them each rollout (rollout/opd.py)."""
-        from miles_platform.rollout.engines import teacher_handle
+        from miles_platform.rollout.engine_fleet import teacher_handle
         from miles_platform.rollout.opd import TeacherScorer, teacher_sources, teacher_urls
 
         started = None
@@ -182,7 +182,7 @@ class RunServices(contextlib.AbstractContextManager):
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
         threads = os.environ.get("MILES_TRAIN_THREADS", "1")
-        from miles_platform.rollout.engines import run_storage_env
+        from miles_platform.rollout.engine_fleet import run_storage_env
 
         env = {
             "env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads, **run_storage_env(cfg)}

@@ -45,7 +45,7 @@ PRELOAD = (
     "fastapi",
     "uvicorn",
     "httpx",
-    "miles_platform.rollout.engine",
+    "miles_platform.rollout.engine_server",
     "miles_platform.training.actor",
     "miles_platform.training.fsdp_backend",
 )

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from safetensors.torch import load_file, save
 
 from miles_platform.diffusion.family import TINY_DIT, dit_forward, engine_cast
-from miles_platform.rollout.engine import (
+from miles_platform.rollout.engine_server import (
     DEFAULT_MAX_REQUEST_BYTES,
     ServerHandle,
     _weight_root,

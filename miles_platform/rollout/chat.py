@@ -1,5 +1,5 @@
 """OpenAI-compatible chat completions over SGLang's `/generate` (SGLang's serving_chat, for the
-embedded engine and the TITO session server). Pure functions; engine.py and sessions.py route.
+embedded engine and the TITO session server). Pure functions; engine_server.py and sessions.py route.
 
     body --parse_request--> ChatRequest --render_prompt--> input_ids --generate_body--> /generate body
     /generate answers --build_response--> chat.completion (or sse_chunks for stream=true)

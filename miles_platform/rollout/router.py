@@ -23,7 +23,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from miles_platform.rollout.engine import (
+from miles_platform.rollout.engine_server import (
     DEFAULT_MAX_REQUEST_BYTES,
     ServerHandle,
     ServerThread,

@@ -35,7 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 from miles_platform.data.sample import make_turn
 from miles_platform.rollout import chat
 from miles_platform.rollout import client as engine_client
-from miles_platform.rollout.engine import (
+from miles_platform.rollout.engine_server import (
     DEFAULT_MAX_REQUEST_BYTES,
     ServerHandle,
     add_guards,

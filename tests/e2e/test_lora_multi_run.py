@@ -16,7 +16,7 @@ from loop_helpers import small_run_config
 
 from miles_platform.loop import train
 from miles_platform.models.checkpoint import load_hf_model
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.shards import read_rollout_shard
 

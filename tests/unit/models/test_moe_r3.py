@@ -19,7 +19,7 @@ from miles_platform.data.sample import Sample
 from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.models.moe import RoutingReplay, decode_routes
 from miles_platform.rollout.client import EngineHTTPError, post
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 
 PROMPTS = [[5, 9, 17, 33, 41, 7], [12, 4, 99, 3], [60, 61, 62, 63, 64]]
 

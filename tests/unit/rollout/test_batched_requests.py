@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from miles_platform.config import RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.models.checkpoint import load_tokenizer
-from miles_platform.rollout.engine import serve_in_thread, start_engine_server
+from miles_platform.rollout.engine_server import serve_in_thread, start_engine_server
 from miles_platform.rollout.manager import RolloutManager, router_generate_fn
 from miles_platform.rollout.router import start_router
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles_platform.models.checkpoint import load_hf_checkpoint
-from miles_platform.rollout.engine import create_app, serve_in_thread, start_engine_server
+from miles_platform.rollout.engine_server import create_app, serve_in_thread, start_engine_server
 from miles_platform.rollout.router import start_router
 
 KEY = "chat-secret"

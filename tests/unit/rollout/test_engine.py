@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles_platform.models.checkpoint import load_hf_checkpoint
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_cli_serve_engine_serves_and_stops_on_sigterm(tiny_hf_checkpoint):
     import sys
     import time
 
-    from miles_platform.rollout.engine import bind_socket
+    from miles_platform.rollout.engine_server import bind_socket
 
     with bind_socket("127.0.0.1", 0) as s:
         port = s.getsockname()[1]

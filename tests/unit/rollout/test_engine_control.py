@@ -15,7 +15,7 @@ from miles_platform.errors import CheckpointError
 from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from miles_platform.models.qwen3 import build_model
 from miles_platform.rollout import client
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
@@ -226,7 +226,7 @@ def test_bad_pause_mode_is_400(engine):
 
 
 def test_engine_actor_body_serves_http_and_takes_tensor_updates(tiny_hf_checkpoint, other_checkpoint):
-    from miles_platform.rollout.engine import EngineActor
+    from miles_platform.rollout.engine_server import EngineActor
 
     actor = EngineActor(tiny_hf_checkpoint)  # what ray.remote(EngineActor) runs inside the actor
     try:

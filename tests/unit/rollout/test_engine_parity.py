@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from miles_platform.config import ConfigError
 from miles_platform.loop import CITestFailure, train, validate_before_start
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.weights.equality import first_mismatch
 
 

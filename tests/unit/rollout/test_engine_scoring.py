@@ -10,7 +10,7 @@ import torch
 from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.rollout import client
 from miles_platform.rollout.client import EngineHTTPError
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 
 PROMPT = [5, 9, 17, 22, 30, 41]
 

@@ -183,7 +183,7 @@ near_chat = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def served(tiny_hf_checkpoint):
-    from miles_platform.rollout.engine import start_engine_server
+    from miles_platform.rollout.engine_server import start_engine_server
     from miles_platform.rollout.router import start_router
 
     engine = start_engine_server(tiny_hf_checkpoint, api_key=KEY, weight_roots=[])

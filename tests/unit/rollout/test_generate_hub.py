@@ -23,7 +23,7 @@ from miles_platform.data.source import RolloutDataSource
 from miles_platform.loop import train, validate_before_start
 from miles_platform.models.checkpoint import load_tokenizer
 from miles_platform.plugins import load_generate_function, load_rollout_function
-from miles_platform.rollout.engine import serve_in_thread, start_engine_server
+from miles_platform.rollout.engine_server import serve_in_thread, start_engine_server
 from miles_platform.rollout.generate_hub.tool_call import TOOL_CALL_PARSERS, qwen25_parser, tool_response_text
 from miles_platform.rollout.manager import RolloutManager
 from miles_platform.store.catalog import Catalog

@@ -8,7 +8,7 @@ from engine_hooks import HoldScheduler, until
 
 from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.rollout.client import EngineHTTPError, post
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.rollout.lora_serving import read_adapter_dir, tensor_sha256
 
 PROMPT = [5, 9, 17, 33, 41]

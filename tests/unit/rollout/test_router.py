@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.rollout.router import start_router
 
 

@@ -18,7 +18,7 @@ from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.loop import train, validate_before_start
 from miles_platform.models.checkpoint import load_tokenizer
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.rollout.manager import RolloutManager
 
 KEY = "tito-secret"

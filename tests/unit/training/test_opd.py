@@ -13,7 +13,7 @@ from miles_platform.data.sample import Sample
 from miles_platform.models.checkpoint import load_hf_model, load_tokenizer, save_hf_checkpoint
 from miles_platform.rollout import client as engine_client
 from miles_platform.rollout.client import EngineClient
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.rollout.generate_hub.endpoint import append_output
 from miles_platform.rollout.opd import TeacherRoutingError, TeacherScorer, route, teacher_urls
 from miles_platform.rollout.opd_topk import position_reverse_kl, selected_token_ids

@@ -7,7 +7,7 @@ import torch
 from loop_helpers import small_run_config
 
 from miles_platform.loop import train
-from miles_platform.rollout.engine import start_engine_server
+from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.weights.transports.broadcast import (
     broadcast,
     dtype_name,

@@ -479,7 +479,7 @@ def start_engine_server(
 
 
 class EngineActor:
-    """Ray actor body: `ray.remote(EngineActor)` (as rollout/engines.py does) turns it into an actor that
+    """Ray actor body: `ray.remote(EngineActor)` (as rollout/engine_fleet.py does) turns it into an actor that
     serves HTTP for the router and takes in-process weight updates from the trainer."""
 
     def __init__(self, hf_checkpoint: str, **kwargs):

@@ -1,11 +1,12 @@
-"""Start the rollout side of a run: engines (embedded Ray actors, SGLang, or external) + the router."""
+"""A run's engine fleet: start, restart and stop its engines (embedded Ray actors, SGLang, or external)
+with the router in front of them, and its OPD teacher engine (`run_services` calls these)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from miles_platform.config import ConfigError, RunConfig
-from miles_platform.rollout.engine import EngineActor
+from miles_platform.rollout.engine_server import EngineActor
 from miles_platform.weights.transports import EngineHandle
 
 
