@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from miles_platform.cluster.ports import free_port
-from miles_platform.models.tiny import save_tiny_checkpoint  # noqa: F401 (tests import it from here)
+from miles_platform.models.tiny import save_tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

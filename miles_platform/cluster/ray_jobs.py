@@ -249,11 +249,21 @@ def wait_for_job(client, job_id: str, poll_s: float = 2.0, on_poll: Callable[[],
         time.sleep(poll_s)
 
 
+RESTOP_S = 2.0  # Ctrl-C's stop request is repeated this often until the job ends
+
+
 def stop_job(client, job_id: str, timeout_s: float = 60.0) -> str:
-    """Stop the job and wait (bounded) for it to end; returns its last status name."""
-    client.stop_job(job_id)
+    """Stop the job and wait (bounded) for it to end; returns its last status name.
+
+    The stop is asked again every `RESTOP_S` until the job ends: Ray's stop is fire-and-forget and
+    answers False (doing nothing) while the job's supervisor is not up yet, e.g. a job still setting
+    up its runtime env when Ctrl-C came."""
     deadline = time.monotonic() + timeout_s
+    asked = -RESTOP_S
     while True:
+        if time.monotonic() - asked >= RESTOP_S:
+            client.stop_job(job_id)
+            asked = time.monotonic()
         status = client.get_job_status(job_id)
         if status.is_terminal() or time.monotonic() > deadline:
             return status.value

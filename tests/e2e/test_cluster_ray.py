@@ -441,10 +441,13 @@ def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
         try:
             rest, _ = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
+            with open(f"/proc/{proc.pid}/status") as f:  # was SIGINT blocked or ignored in the CLI?
+                sig = [line for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
             proc.kill()
             rest = proc.communicate()[0]
             pytest.fail(
-                f"no exit {time.monotonic() - t0:.0f} s after Ctrl-C:\n" + ("".join(seen) + rest)[-4000:]
+                f"no exit {time.monotonic() - t0:.0f} s after Ctrl-C ({''.join(sig)}):\n"
+                + ("".join(seen) + rest)[-4000:]
             )
     finally:
         proc.kill()

@@ -8,11 +8,11 @@ checkpoint, and the publications applied to a fresh replica give the trainer's e
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
 from loop_helpers import small_run_config
 from safetensors.torch import load_file
 
 from miles_platform.loop import train
+from miles_platform.models.tiny import save_tiny_checkpoint
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 

@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge import get_bridge
 from miles_platform.models.checkpoint import SUPPORTED_ARCHITECTURES, validate_hf_dir
 from miles_platform.models.families import FAMILIES, build_model, tiny_config
 from miles_platform.models.qwen3 import num_parameters
+from miles_platform.models.tiny import save_tiny_checkpoint
 
 FAMILY_NAMES = sorted(FAMILIES)
 

@@ -11,13 +11,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
 from loop_helpers import small_run_config
 
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.sample import Sample
 from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.models.moe import RoutingReplay, decode_routes
+from miles_platform.models.tiny import save_tiny_checkpoint
 from miles_platform.rollout.client import EngineHTTPError, post
 from miles_platform.rollout.engine_server import start_engine_server
 

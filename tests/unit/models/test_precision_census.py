@@ -64,7 +64,7 @@ def test_bad_checkpoint_and_bad_rule_are_one_line_errors(tmp_path, qwen3_dir, ca
 def test_every_family_keeps_the_activation_path_in_the_compute_dtype(family, tmp_path, capsys):
     """precision.MODEL_RULES for each supported family (docs/precision.md): the aligned bf16 policy
     leaves no float activation outside bf16 -- the MoE's routers, experts and gates included."""
-    from conftest import save_tiny_checkpoint
+    from miles_platform.models.tiny import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint(tmp_path / family, family)
     out = census(capsys, "--hf-checkpoint", ckpt, "--forward-dtype", "bf16", "--master-dtype", "fp32", "--gather-dtype", "fp32")  # fmt: skip

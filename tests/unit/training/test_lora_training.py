@@ -133,7 +133,7 @@ def test_resume_restores_adapter_and_optimizer_exactly(tiny_hf_checkpoint, tmp_p
 
 
 def test_resume_refuses_another_base(tiny_hf_checkpoint, tmp_path):
-    from conftest import save_tiny_checkpoint
+    from miles_platform.models.tiny import save_tiny_checkpoint
 
     save = str(tmp_path / "ck")
     a = TrainerActor(_cfg(tiny_hf_checkpoint, save))
