@@ -739,8 +739,8 @@ class RunConfig:
         why = None
         if self.train_backend != "fsdp":
             why = f"--train-backend {self.train_backend}: MoE trains on the fsdp backend only (no megatron MoE mapping)"
-        elif self.custom_generate_function_path or self.rollout_function_path or self.use_session_server:
-            why = "a custom generate / rollout function or the session server does not request routed experts"
+        elif self.use_session_server:
+            why = "--use-session-server (agentic chat sessions) does not record routed experts yet"
         elif self.use_rollout_logprobs or self.lora_rank > 0:
             why = "--use-rollout-logprobs / LoRA with routing replay is not built"
         if why:

@@ -58,6 +58,9 @@ class GenerateState:
     # --lora-rank > 0: the run's AdapterName (above); `lora_path` is the name
     # of the version the engines serve now, to send with every request
     adapter: Any = None
+    # --use-rollout-routing-replay: (num_layers, top_k) of the MoE model; `request_payload` asks for
+    # `return_routed_experts` and `append_output` records them on the sample (never for eval)
+    moe_shape: tuple[int, int] | None = None
 
     @property
     def lora_path(self) -> str | None:

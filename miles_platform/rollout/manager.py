@@ -74,8 +74,17 @@ class RolloutManager:
         self.replay = cfg.sampling_support_replay()
         # user code (generate / rollout functions) sees Miles-style args and the run's engine
         self.args = generate_hub.function_args(cfg, self.url)
+        # --use-rollout-routing-replay: (num_layers, top_k) of the MoE model, to decode routed_experts
+        self.moe_shape = _moe_shape(cfg.hf_checkpoint) if cfg.use_rollout_routing_replay else None
         self.state = GenerateState(
-            self.args, tokenizer, self.url, cfg.api_key, self.replay, self.sampling_params(), self.adapter
+            self.args,
+            tokenizer,
+            self.url,
+            cfg.api_key,
+            self.replay,
+            self.sampling_params(),
+            self.adapter,
+            moe_shape=self.moe_shape,
         )
         # --use-session-server: the TITO session server, on loopback in this process (rollout/sessions.py)
         self.sessions = self._start_sessions() if cfg.use_session_server else None
@@ -89,8 +98,6 @@ class RolloutManager:
         self.opd = None
         self._opd_metrics: dict[str, float] = {}
         self.top_logprobs_num = student_top_k(cfg)
-        # --use-rollout-routing-replay: (num_layers, top_k) of the MoE model, to decode routed_experts
-        self.moe_shape = _moe_shape(cfg.hf_checkpoint) if cfg.use_rollout_routing_replay else None
 
     def close(self) -> None:
         self.client.close()
@@ -259,7 +266,8 @@ class RolloutManager:
                         f"{rec.id!r}: {type(e).__name__}: {e}"
                     ) from e
             # agentic: max_new_tokens is per chat request; the session is bounded by --max-seq-len
-            return self._generated(out, None if self.agentic else int(base.get("max_new_tokens", 0)))
+            budget = None if self.agentic else int(base.get("max_new_tokens", 0))
+            return self._generated(out, budget, evaluation)
 
         try:  # the first failure cancels the rest
             async with asyncio.TaskGroup() as tg:
@@ -273,8 +281,9 @@ class RolloutManager:
             raise eg.exceptions[0] from None
         return [[t.result() for t in group] for group in tasks]
 
-    def _generated(self, out: Any, budget: int | None) -> Sample:
-        """The one Sample a generate function made, checked, within the response budget."""
+    def _generated(self, out: Any, budget: int | None, evaluation: bool = False) -> Sample:
+        """The one Sample a generate function made, checked (with its routes under R3, when
+        training), within the response budget."""
         path = self.cfg.custom_generate_function_path
         samples = out.samples if isinstance(out, GenerateFnOutput) else out
         if isinstance(samples, list):
@@ -287,6 +296,8 @@ class RolloutManager:
         s = generate_hub.check_sample(samples, GENERATE_FLAG, path)
         if budget is not None:
             truncate(s, budget, self.tok)
+        if self.moe_shape is not None and not evaluation:
+            generate_hub.check_routes(s, GENERATE_FLAG, path, self.moe_shape)
         return s
 
     def _batch(self, prompts, seeds) -> tuple[list[list[int]], list[dict]]:
@@ -308,27 +319,8 @@ class RolloutManager:
         self, rec: PromptRecord, prompt_ids: list[int], out: dict, gi: int, routes=False
     ) -> Sample:
         s = self._new_sample(rec, prompt_ids, gi)
-        s.status = finish_status(append_output(s, out, self.replay))
-        if routes:
-            s.rollout_routed_experts = self._routes_of(s, out)
+        s.status = finish_status(append_output(s, out, self.replay, self.moe_shape if routes else None))
         return s
-
-    def _routes_of(self, s: Sample, out: dict) -> list:
-        """R3: the answer's meta_info.routed_experts, checked: one row per token but the last."""
-        from miles_platform.models.moe import decode_routes
-
-        data = (out.get("meta_info") or {}).get("routed_experts")
-        if data is None:
-            raise RuntimeError(
-                "--use-rollout-routing-replay: the engine returned no meta_info.routed_experts (an SGLang "
-                "server needs --enable-return-routed-experts; the embedded engine returns them for MoE models)"
-            )
-        routes = decode_routes(data, *self.moe_shape)
-        if len(routes) != len(s.tokens) - 1:
-            raise RuntimeError(
-                f"routed_experts has {len(routes)} rows for {len(s.tokens)} tokens (expected tokens - 1)"
-            )
-        return routes.tolist()
 
     def _new_sample(self, rec: PromptRecord, prompt_ids: list[int], gi: int) -> Sample:
         """A sample of `rec` before generation: prompt set, response empty."""
@@ -364,7 +356,7 @@ class RolloutManager:
                 f"--rollout-batch-size={want} groups of --n-samples-per-prompt={n} Samples "
                 "(list[list[Sample]] or RolloutFnTrainOutput)"
             )
-        groups = [[generate_hub.check_sample(s, ROLLOUT_FLAG, path) for s in g] for g in out]
+        groups = [[generate_hub.check_sample(s, ROLLOUT_FLAG, path, self.moe_shape) for s in g] for g in out]
         for k, s in enumerate(s for g in groups for s in g):  # provisional ids (as the default rollout)
             s.rollout_id, s.index = rollout_id, k
         unscored = [s for g in groups for s in g if s.reward is None]

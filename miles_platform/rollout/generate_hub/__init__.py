@@ -81,8 +81,9 @@ def function_args(cfg: RunConfig, url: str) -> Namespace:
     return ns
 
 
-def check_sample(s: Any, flag: str, path: str) -> Sample:
-    """A Sample a user function returned, with every per-token list as long as the response."""
+def check_sample(s: Any, flag: str, path: str, moe_shape: tuple[int, int] | None = None) -> Sample:
+    """A Sample a user function returned, with every per-token list as long as the response.
+    With `moe_shape` (R3, a training rollout) its `rollout_routed_experts` are checked too."""
     if not isinstance(s, Sample):
         raise ConfigError(f"{flag} {path!r} returned a {type(s).__name__}, not a Sample")
     n = len(s.response_tokens)
@@ -97,4 +98,40 @@ def check_sample(s: Any, flag: str, path: str) -> Sample:
             + ("" if s.prompt_tokens else " and no prompt_tokens")
             + ": every per-token list must have one entry per response token"
         )
+    if moe_shape is not None:
+        check_routes(s, flag, path, moe_shape)
     return s
+
+
+def check_routes(s: Sample, flag: str, path: str, moe_shape: tuple[int, int]) -> None:
+    """R3: the sample carries the engine's routes, `[rows][num_layers][top_k]`, for every position
+    the engine was fed. Positions after the last one fed (tool output appended after the final
+    turn) get rows of -1, which the trainer routes itself: they only predict tokens no engine
+    sampled, so those must have loss mask 0."""
+    how = (
+        "record them: post the body of generate_hub.endpoint.request_payload (it sets "
+        "return_routed_experts) and pass moe_shape=endpoint.routes_shape(state, body) to append_output"
+    )
+    routes, n = s.rollout_routed_experts, len(s.tokens) - 1
+    if routes is None:
+        raise ConfigError(f"--use-rollout-routing-replay: {flag} {path!r} returned a Sample without "
+                          f"rollout_routed_experts; {how}")  # fmt: skip
+    layers, top_k = moe_shape
+    bad = [i for i, r in enumerate(routes) if len(r) != layers or any(len(x) != top_k for x in r)]
+    if len(routes) > n or bad:
+        raise ConfigError(
+            f"--use-rollout-routing-replay: {flag} {path!r} returned rollout_routed_experts of "
+            f"{len(routes)} rows for {n + 1} tokens"
+            + (f", row {bad[0]} not [{layers}][{top_k}]" if bad else "")
+            + f" (expected at most tokens - 1 rows of [num_layers][top_k]); {how}"
+        )
+    first_unrouted = len(routes) + 1 - len(s.prompt_tokens)  # response index of the first such token
+    if any(s.loss_mask[max(first_unrouted, 0) :]):
+        raise ConfigError(
+            f"--use-rollout-routing-replay: {flag} {path!r} returned rollout_routed_experts for "
+            f"{len(routes)} of {n} positions, but a token after them has loss mask 1 (the engine "
+            f"sampled it, so it was fed everything before it); {how}"
+        )
+    s.rollout_routed_experts = list(routes) + [
+        [[-1] * top_k for _ in range(layers)] for _ in range(n - len(routes))
+    ]

@@ -40,13 +40,25 @@ def request_payload(
         body["return_sampling_mask"] = True
     if state.lora_path is not None:
         body["lora_path"] = state.lora_path
+    if state.moe_shape is not None and not evaluation:
+        body["return_routed_experts"] = True
     return body
 
 
-def append_output(sample: Sample, output: dict, replay: bool) -> str:
+def routes_shape(state: GenerateState, body: dict) -> tuple[int, int] | None:
+    """`append_output`'s `moe_shape` for the answer to `body`: the model's when it asked for routes."""
+    return state.moe_shape if body.get("return_routed_experts") else None
+
+
+def append_output(
+    sample: Sample, output: dict, replay: bool, moe_shape: tuple[int, int] | None = None
+) -> str:
     """Append one `/generate` answer to the sample: model tokens (loss mask 1) with the engine's
     log-probs (the support-normalized ones and each token's support under replay), the text, the
-    weight versions. Returns the finish reason type ("stop", "length", "abort")."""
+    weight versions. With `moe_shape` (R3: the request set return_routed_experts) the answer's
+    `routed_experts` become the sample's `rollout_routed_experts`: the request fed the whole
+    trajectory, so they cover every token of it but the last. Returns the finish reason type
+    ("stop", "length", "abort")."""
     meta = output.get("meta_info") or {}
     token_lps = meta.get("output_token_logprobs") or []
     ids = [int(t) for t in output.get("output_ids") or [x[1] for x in token_lps]]
@@ -75,6 +87,8 @@ def append_output(sample: Sample, output: dict, replay: bool) -> str:
     sample.rollout_log_probs = list(sample.rollout_log_probs) + lps
     sample.loss_mask = list(sample.loss_mask) + [1] * len(ids)
     sample.response += output.get("text", "")
+    if moe_shape is not None:
+        sample.rollout_routed_experts = _routes(meta, moe_shape, len(sample.tokens))
     v_start = int(meta.get("weight_version_start", meta.get("weight_version", 0)) or 0)
     v_end = int(meta.get("weight_version_end", meta.get("weight_version", 0)) or 0)
     sample.weight_version_start = v_start if first else min(sample.weight_version_start, v_start)
@@ -82,9 +96,29 @@ def append_output(sample: Sample, output: dict, replay: bool) -> str:
     return (meta.get("finish_reason") or {}).get("type", "stop")
 
 
+def _routes(meta: dict, moe_shape: tuple[int, int], n_tokens: int) -> list:
+    """R3: the answer's meta_info.routed_experts, checked: one row per token fed (all but the last)."""
+    from miles_platform.models.moe import decode_routes
+
+    data = meta.get("routed_experts")
+    if data is None:
+        raise RuntimeError(
+            "--use-rollout-routing-replay: the engine returned no meta_info.routed_experts (an SGLang "
+            "server needs --enable-return-routed-experts; the embedded engine returns them for MoE models)"
+        )
+    routes = decode_routes(data, *moe_shape)
+    if len(routes) != n_tokens - 1:
+        raise RuntimeError(
+            f"routed_experts has {len(routes)} rows for {n_tokens} tokens (expected tokens - 1)"
+        )
+    return routes.tolist()
+
+
 def append_tool_tokens(sample: Sample, ids: list[int], text: str) -> None:
     """Append tokens the model did not sample (tool output, chat markup): loss mask 0, log-prob 0,
-    and under replay the singleton support [token] (Miles: tool tokens have singleton support)."""
+    and under replay the singleton support [token] (Miles: tool tokens have singleton support).
+    Routed experts (R3) are left as they are: the next turn's answer covers these tokens, and
+    tokens no request ever fed are routed by the trainer (`check_sample`)."""
     sample.response_tokens = list(sample.response_tokens) + list(ids)
     sample.rollout_log_probs = list(sample.rollout_log_probs) + [0.0] * len(ids)
     sample.loss_mask = list(sample.loss_mask) + [0] * len(ids)
@@ -103,6 +137,8 @@ def truncate(sample: Sample, max_len: int, tokenizer=None) -> None:
     sample.loss_mask = sample.loss_mask[:max_len]
     if sample.rollout_sampling_support is not None:
         sample.rollout_sampling_support = sample.rollout_sampling_support[:max_len]
+    if sample.rollout_routed_experts is not None:  # one row per token but the last
+        sample.rollout_routed_experts = sample.rollout_routed_experts[: len(sample.tokens) - 1]
     if tokenizer is not None:
         sample.response = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
     sample.status = Status.TRUNCATED.value

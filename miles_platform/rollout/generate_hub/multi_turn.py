@@ -35,6 +35,7 @@ from miles_platform.rollout.generate_hub.endpoint import (
     finish_status,
     post,
     request_payload,
+    routes_shape,
     truncate,
 )
 from miles_platform.rollout.generate_hub.tool_call import ToolCall, ToolFailure
@@ -91,7 +92,7 @@ async def run_episode(
             break
         out = await post(state.url, body, state.api_key)
         start = len(sample.response_tokens)
-        finish = append_output(sample, out, "return_sampling_mask" in body)
+        finish = append_output(sample, out, "return_sampling_mask" in body, routes_shape(state, body))
         sample.status = finish_status(finish)
         text = out.get("text", "")
         calls = [] if finish in ("length", "abort") else parse(text)

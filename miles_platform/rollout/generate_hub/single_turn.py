@@ -10,7 +10,13 @@ import copy
 
 from miles_platform.data.sample import Status
 from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
-from miles_platform.rollout.generate_hub.endpoint import append_output, finish_status, post, request_payload
+from miles_platform.rollout.generate_hub.endpoint import (
+    append_output,
+    finish_status,
+    post,
+    request_payload,
+    routes_shape,
+)
 
 
 async def generate(input: GenerateFnInput) -> GenerateFnOutput:
@@ -20,5 +26,6 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         sample.status = Status.TRUNCATED.value
         return GenerateFnOutput(samples=sample)
     out = await post(state.url, body, state.api_key)
-    sample.status = finish_status(append_output(sample, out, "return_sampling_mask" in body))
+    replay = "return_sampling_mask" in body
+    sample.status = finish_status(append_output(sample, out, replay, routes_shape(state, body)))
     return GenerateFnOutput(samples=sample)
