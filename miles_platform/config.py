@@ -739,8 +739,6 @@ class RunConfig:
         why = None
         if self.train_backend != "fsdp":
             why = f"--train-backend {self.train_backend}: MoE trains on the fsdp backend only (no megatron MoE mapping)"
-        elif self.use_session_server:
-            why = "--use-session-server (agentic chat sessions) does not record routed experts yet"
         elif self.use_rollout_logprobs or self.lora_rank > 0:
             why = "--use-rollout-logprobs / LoRA with routing replay is not built"
         if why:

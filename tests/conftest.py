@@ -73,6 +73,7 @@ SLOW = {
     "test_flow_grpo_lifts_the_held_out_reward", "test_cli_resumes_the_run_from_its_checkpoint",
     "test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing",
     "test_a_multi_turn_generate_function_trains_with_r3_in_a_ci_test_run",
+    "test_agentic_sessions_record_the_routes_of_the_whole_session",
 }  # fmt: skip
 
 

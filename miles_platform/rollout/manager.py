@@ -107,7 +107,9 @@ class RolloutManager:
     def _start_sessions(self):
         from miles_platform.rollout.sessions import start_session_server
 
-        srv = start_session_server(self.cfg, self.tok, self.url, self.replay, self.adapter)
+        srv = start_session_server(
+            self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape
+        )
         a = self.args  # Miles' names; the agentic wrapper reads session_server_url
         a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
         a.session_server_url = f"http://{'127.0.0.1' if srv.host == '0.0.0.0' else srv.host}:{srv.port}"

@@ -72,6 +72,7 @@ class Session:
     log_probs: list[float] = field(default_factory=list)  # per token after the prompt
     loss_mask: list[int] = field(default_factory=list)
     support: list[list[int]] | None = None  # sampling-support replay
+    routes: Any = None  # R3: int32 [len(tokens) - 1, num_layers, top_k], the latest answer's routed_experts
     turns: list[dict[str, Any]] = field(default_factory=list)  # make_turn entries over the response
     calls: list[Call] = field(default_factory=list)
     failure: str | None = None
@@ -91,6 +92,8 @@ class Session:
         )
         if self.support is not None:
             self.support = self.support[:n]
+        if self.routes is not None:
+            self.routes = self.routes[: max(c.start - 1, 0)]
         self.turns = self.turns[: c.num_turns]
         if not self.calls:
             self.prompt_ids, self.tokens = [], []
@@ -108,12 +111,20 @@ class Session:
             "response_log_probs": list(self.log_probs),
             "loss_mask": list(self.loss_mask),
             "sampling_support": self.support,
+            # R3: SGLang's encoding (base64 int32), one row per token but the last; None: not recorded
+            "routed_experts": None if self.routes is None else _encode_routes(self.routes),
             "turns": self.turns,
             "finish_reason": self.calls[-1].finish_reason if self.calls else None,
             "weight_version_start": min((a for a, _ in v), default=0),
             "weight_version_end": max((b for _, b in v), default=0),
             "messages": self.history(len(self.calls)),
         }
+
+
+def _encode_routes(routes: Any) -> str:
+    from miles_platform.models.moe import encode_routes
+
+    return encode_routes(routes)
 
 
 def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -148,11 +159,14 @@ class SessionServer:
 
     def __init__(self, tokenizer: Any, engine_url: str, api_key: str | None, tito_model: str = "default",
                  replay: bool = False, lora_path=None, max_seq_len: int | None = None,
-                 context_length: int = 1 << 20):  # fmt: skip
-        """`lora_path`: a LoRA run's adapter name, or its AdapterName (the served version's name)."""
+                 context_length: int = 1 << 20, moe_shape: tuple[int, int] | None = None):  # fmt: skip
+        """`lora_path`: a LoRA run's adapter name, or its AdapterName (the served version's name).
+        `moe_shape` (R3): the MoE model's (num_layers, top_k); training sessions then ask every
+        call for `return_routed_experts` and the record carries the routes of the whole session."""
         self.tok, self.tito = tokenizer, TitoTokenizer(tokenizer, tito_model)
         self.engine_url, self.api_key, self.replay, self._lora = engine_url, api_key, replay, lora_path
         self.max_seq_len, self.context_length = max_seq_len, context_length
+        self.moe_shape = moe_shape
         self.sessions: dict[str, Session] = {}
         self._http: httpx.AsyncClient | None = None
 
@@ -254,6 +268,8 @@ class SessionServer:
         body: dict[str, Any] = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
         if self.replay and not s.evaluation:
             body["return_sampling_mask"] = True
+        if self.moe_shape is not None and not s.evaluation:
+            body["return_routed_experts"] = True
         lora = self.lora_path
         if lora is not None:
             body["lora_path"] = lora
@@ -276,6 +292,20 @@ class SessionServer:
             lps, sup = [float(x[0]) for x in meta.get("output_token_logprobs") or []], None
         if len(lps) != len(out_ids) or (sup is not None and len(sup) != len(out_ids)):
             raise chat.ChatError(f"the engine returned {len(out_ids)} tokens and {len(lps)} log-probs")
+        routes = None
+        if self.moe_shape is not None and not s.evaluation:  # R3: this call fed the whole session
+            from miles_platform.models.moe import decode_routes
+
+            if meta.get("routed_experts") is None:
+                raise chat.ChatError(
+                    "--use-rollout-routing-replay: the engine returned no meta_info.routed_experts"
+                )
+            routes = decode_routes(meta["routed_experts"], *self.moe_shape)
+            if len(routes) != len(plan["input"]) + len(out_ids) - 1:
+                raise chat.ChatError(
+                    f"routed_experts has {len(routes)} rows for {len(plan['input']) + len(out_ids)} tokens "
+                    "(expected tokens - 1)"
+                )
         if not s.calls:
             s.prompt_ids, s.tokens = list(plan["prompt"]), list(plan["prompt"])
             s.tools = plan["tools"]
@@ -298,6 +328,8 @@ class SessionServer:
                 s.support += [[t] for t in plan["suffix"]]
         a = len(s.tokens) - base
         s.tokens += out_ids
+        if routes is not None:
+            s.routes = routes
         s.log_probs += lps
         s.loss_mask += [1] * len(out_ids)
         if s.support is not None:
@@ -406,11 +438,12 @@ class SessionServerHandle(ServerHandle):
 
 
 def start_session_server(cfg: Any, tokenizer: Any, engine_url: str, replay: bool = False,
-                         lora_path=None, context_length: int = 1 << 20) -> SessionServerHandle:  # fmt: skip
+                         lora_path=None, context_length: int = 1 << 20,
+                         moe_shape: tuple[int, int] | None = None) -> SessionServerHandle:  # fmt: skip
     """The run's session server (cfg: --session-server-ip/--session-server-port, --tito-model,
     --max-seq-len, --api-key) in a background thread; its /generate calls go to `engine_url`."""
     server = SessionServer(tokenizer, engine_url, cfg.api_key, cfg.tito_model, replay, lora_path,
-                           cfg.max_seq_len, context_length)  # fmt: skip
+                           cfg.max_seq_len, context_length, moe_shape)  # fmt: skip
     app = create_session_app(server, cfg.api_key)
     return SessionServerHandle(
         server, serve_in_thread(app, cfg.session_server_ip, cfg.session_server_port, "sessions")

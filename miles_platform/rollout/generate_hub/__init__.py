@@ -113,6 +113,8 @@ def check_routes(s: Sample, flag: str, path: str, moe_shape: tuple[int, int]) ->
         "return_routed_experts) and pass moe_shape=endpoint.routes_shape(state, body) to append_output"
     )
     routes, n = s.rollout_routed_experts, len(s.tokens) - 1
+    if routes is None and not any(s.loss_mask):  # nothing trained (e.g. a session with no call)
+        routes = []
     if routes is None:
         raise ConfigError(f"--use-rollout-routing-replay: {flag} {path!r} returned a Sample without "
                           f"rollout_routed_experts; {how}")  # fmt: skip

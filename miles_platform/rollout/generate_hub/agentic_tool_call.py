@@ -144,6 +144,10 @@ def assemble(
     sample.loss_mask = [int(x) for x in record["loss_mask"]]
     if state.sampling_support_replay and record.get("sampling_support") is not None:
         sample.rollout_sampling_support = [list(x) for x in record["sampling_support"]]
+    if state.moe_shape is not None and record.get("routed_experts") is not None:  # R3
+        from miles_platform.models.moe import decode_routes
+
+        sample.rollout_routed_experts = decode_routes(record["routed_experts"], *state.moe_shape).tolist()
     sample.turns = record["turns"] or None
     sample.weight_version_start = int(record["weight_version_start"])
     sample.weight_version_end = int(record["weight_version_end"])

@@ -153,3 +153,44 @@ def test_a_multi_turn_generate_function_trains_with_r3_in_a_ci_test_run(moe, tmp
         "bool_or(list_contains(loss_mask, 0)) FROM rollouts"
     )
     assert rows == [(True, 2, True)], rows  # tool turns in the trajectories, their routes recorded
+
+
+def test_agentic_sessions_record_the_routes_of_the_whole_session(moe, tmp_path):
+    """The session server under R3: an OpenAI-client agent's 3-turn episode (chat markup and tool
+    messages between the model's turns) assembles into a Sample whose routes are HF's own over
+    the whole trajectory; then a `--ci-test` loop run on such samples replays them with 0 flips."""
+    import json
+
+    from loop_helpers import small_run_config
+
+    from miles_platform.data.dataset import PromptRecord
+    from miles_platform.loop import train
+    from miles_platform.rollout.manager import RolloutManager
+
+    ckpt, url, tok = moe
+    agentic = dict(custom_generate_function_path="miles.rollout.generate_hub.agentic_tool_call.generate",
+                   custom_agent_function_path="agent_fns.three_turns", custom_agent_function_mode="inline",
+                   use_session_server="v1", use_rollout_routing_replay=True, max_seq_len=200,
+                   api_key="r3-secret")  # fmt: skip
+    cfg = small_run_config(ckpt, tmp_path, rollout_max_response_len=6, rollout_batch_size=1,
+                           n_samples_per_prompt=1, **agentic)  # fmt: skip
+    prompt = [{"role": "user", "content": "What is 2+3+7?"}]
+    m = RolloutManager(cfg, tok, None, url)
+    try:
+        [[s]] = m.generate_groups([PromptRecord(id="p0", prompt=json.dumps(prompt), label="12", metadata={})],
+                                  [[1]], [[11]])  # fmt: skip
+    finally:
+        m.close()
+    assert s.metadata["turns"] == 3 and 0 in s.loss_mask, s.metadata.get("agent_error")
+    routes = np.array(s.rollout_routed_experts)
+    assert routes.shape == (len(s.tokens) - 1, 2, 2)
+    assert (np.sort(routes, -1) == _hf_routes(ckpt, s.tokens)).all()
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+{i}="}], "label": str(2 * i)})
+                            + "\n" for i in range(4)))  # fmt: skip
+    cfg = small_run_config(ckpt, tmp_path, prompt_data=str(data), ci_test=True, num_rollout=1,
+                           rollout_max_response_len=4, **agentic)  # fmt: skip
+    res = train(cfg)
+    assert res.metrics[0]["multi_turn/turns/max"] == 3
+    assert res.metrics[0]["train/moe_route_flips"] == 0
