@@ -94,15 +94,12 @@ def check_object_store(cfg: RunConfig) -> None:
 
 
 def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
-    """MoE checkpoints train on the fsdp backend (no megatron expert mapping); R3 needs an MoE model."""
+    """MoE on megatron: EP=1, what the bridge maps (docs/moe.md); R3 and --moe-* flags need an MoE model."""
     from miles_platform.models.families import is_moe_config
 
     moe = is_moe_config(hf_config)
     if moe and cfg.train_backend == "megatron" and not cfg.debug_rollout_only:
-        raise ConfigError(
-            f"--hf-checkpoint {cfg.hf_checkpoint} is {hf_config['architectures'][0]} (MoE): the megatron "
-            "mapping of experts and router is not built; use --train-backend fsdp"
-        )
+        _check_megatron_moe(cfg, hf_config)
     if cfg.moe_flags() and not moe:
         raise ConfigError(
             f"{', '.join(cfg.moe_flags())}: --hf-checkpoint {cfg.hf_checkpoint} is "
@@ -112,6 +109,24 @@ def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
         raise ConfigError(
             f"--use-rollout-routing-replay: --hf-checkpoint {cfg.hf_checkpoint} is "
             f"{hf_config.get('architectures')} (dense): there are no expert routes to replay"
+        )
+
+
+def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:
+    """The bridge's own refusals (e.g. dense layers between the sparse ones), and the --moe-* flag
+    the megatron backend does not implement, before Ray."""
+    from miles_platform.errors import CheckpointError
+    from miles_platform.models.bridge import get_bridge
+
+    try:
+        get_bridge(hf_config).transformer_config(hf_config)
+    except CheckpointError as e:
+        raise ConfigError(f"--hf-checkpoint {cfg.hf_checkpoint} with --train-backend megatron: {e}") from e
+    if cfg.moe_aux_loss_coeff:
+        raise ConfigError(
+            f"--moe-aux-loss-coeff {cfg.moe_aux_loss_coeff} with --train-backend megatron: the term is collected "
+            "from HF's router modules (models/moe.py), not from megatron's TopKRouter; use --train-backend fsdp "
+            "or drop the flag"
         )
 
 

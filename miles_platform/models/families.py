@@ -9,9 +9,9 @@ qwen3    Qwen3ForCausalLM     (reference) q/k RMSNorm per head, no biases
 qwen2    Qwen2ForCausalLM     q/k/v biases (megatron `add_qkv_bias`), no q/k norm (Qwen2.5)
 llama    LlamaForCausalLM     no q/k norm, no biases, rope_type llama3 (Llama 3.1+) -> `rope_scaling`
 
-MoE (`MOE_FAMILIES`): on the fsdp backend and the embedded engine only (HF's MoE blocks; routing
-record / replay in `models/moe.py`); the megatron mapping of experts and router is not built and
-is refused by name (`models/bridge`).
+MoE (`MOE_FAMILIES`): the fsdp backend and the embedded engine run HF's MoE blocks (routing record /
+replay in `models/moe.py`); the megatron backend maps them to TopKRouter + SequentialMLP experts at
+expert parallel 1, without R3 (`models/bridge/qwen3_moe.py`, docs/moe.md).
 qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`num_experts`)
 """
 

@@ -58,6 +58,7 @@ def build_gpt_model(
 
     bridge = get_bridge(hf_config)
     use_te = te_available() if use_te is None else use_te
+    megatron_shims.apply_no_te_shims()
     cfg = TransformerConfig(
         **bridge.transformer_config(hf_config),
         tensor_model_parallel_size=tensor_model_parallel_size,
@@ -224,6 +225,10 @@ class MegatronBackend(ModelBackend):
             load_torch_dist(self.module, ref_load)
         else:
             self.load_hf_state_dict(load_hf_model(hf_checkpoint).state_dict())
+        if trainable and getattr(self.cfg, "moe_router_freeze_gate", False):
+            for name, p in self.module.named_parameters():  # MoE routers stay as loaded
+                if name.endswith("mlp.router.weight"):
+                    p.requires_grad_(False)
         if trainable and ps.get_data_parallel_world_size() > 1:
             # after the weights are in: DDP keeps param.data where it is (no distributed optimizer)
             self.ddp = wrap_data_parallel(self.module)

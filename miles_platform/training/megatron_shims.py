@@ -12,6 +12,11 @@ checkpointing otherwise do not need. Each shim below is a no-op when CUDA is ava
   failure flag that `dist_checkpointing.save` all-reduces: on a machine without CUDA (where the
   call could only raise) it answers "cpu".
 
+Without transformer-engine (any machine, CUDA or not), `moe/moe_utils.py` leaves the names it
+imports from TE undefined (its `except ImportError` only sets HAVE_TE = False), and the MoE
+router's `router_gating_linear` reads `te_general_gemm`: `apply_no_te_shims` defines them as None,
+which selects the torch paths.
+
 Process groups: `init_process_group` (gloo; world size 1 picks a free port on 127.0.0.1) and
 `destroy_process_group` wrap torch.distributed and megatron's parallel_state together.
 dist_checkpointing.save forks writer processes, so entry points that save need an
@@ -31,9 +36,29 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# what megatron/core/transformer/moe/moe_utils.py imports from transformer_engine
+_TE_MOE_NAMES = (
+    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
+    "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+    "fused_unpermute", "te_general_gemm",
+)  # fmt: skip
+
+
+def apply_no_te_shims() -> None:
+    """Define moe_utils' TE names as None when TE did not import (see the module docstring)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        return
+    for name in _TE_MOE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU. Idempotent; returns True when shims are active (no CUDA)."""
     global _APPLIED
+    apply_no_te_shims()
     if cuda_available():
         return False
     if _APPLIED:

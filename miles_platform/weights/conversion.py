@@ -228,7 +228,7 @@ def torch_dist_to_hf(
     try:
         model, bridge = mb.build_gpt_model(cfg, 1, params_dtype=_checkpoint_dtype(ckpt_dir, cfg))
         mb.load_torch_dist(model, ckpt_dir)
-        hf_sd = bridge.megatron_to_hf(mb.gather_full_state(model), cfg)
+        hf_sd = bridge.checkpoint_layout(bridge.megatron_to_hf(mb.gather_full_state(model), cfg), cfg)
     finally:
         megatron_shims.destroy_process_group()
     dest = Path(save)

@@ -300,12 +300,22 @@ def _wait_for(pred, timeout: float, what: str, procs: list) -> None:
     raise TimeoutError(f"no {what} within {timeout} s")
 
 
+def _as_from_a_terminal() -> None:
+    """Popen's preexec_fn for a command the test Ctrl-C's: SIGINT and SIGQUIT at their defaults, as
+    an interactive shell starts a command. A child inherits ignored signals, and in a full `make
+    test` worker they were ignored at fork time (measured in the CLI: SigIgn 0x81001006, SIGINT and
+    SIGQUIT, the pair C's system() ignores process-wide while it runs; the call was not traced), so
+    the CLI never saw the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def _dagster_run(kw: dict, root, home, log_path) -> subprocess.Popen:
     env = {**os.environ, "DAGSTER_HOME": str(home), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen([sys.executable, DAGSTER_RUN, json.dumps(kw), str(root)], env=env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_as_from_a_terminal)  # fmt: skip
 
 
 def _versions(root, run: str) -> list[dict]:
@@ -433,7 +443,8 @@ def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
     assert not [k for k in keys if ".tmp-" in k]
 
     more = [*argv[: argv.index("--num-rollout") + 1], "500", *argv[argv.index("--num-rollout") + 2 :]]
-    proc = subprocess.Popen(more, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(more, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_as_from_a_terminal)  # fmt: skip
     try:
         seen = _stream_until(proc, "submitted Ray job miles-s3-2")
         proc.send_signal(signal.SIGINT)

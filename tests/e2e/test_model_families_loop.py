@@ -1,7 +1,7 @@
 """Qwen2, Llama and Qwen3-MoE through the whole loop, each family on one trainer backend and each backend
-with one family (Llama and Qwen3-MoE with R3 on fsdp, Qwen2 on megatron; the cross terms are the same bridge and the same
-trainer, and tests/unit/training/test_model_families_megatron.py checks both families' megatron conversion and
-logits parity on their own): 3 GRPO rollouts with --ci-test
+with one family (Llama and Qwen3-MoE with R3 on fsdp, Qwen2 and Qwen3-MoE without R3 on megatron; the cross terms are
+the same bridge and the same trainer, and tests/unit/training/test_model_families_megatron.py / test_moe_megatron.py
+check the families' megatron conversion and logits parity on their own): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
 trainer's after every sync, over HTTP), weights to the engine by disk-delta, resume from the
 checkpoint, and the publications applied to a fresh replica give the trainer's exported weights."""
@@ -23,25 +23,27 @@ def family_checkpoints(tmp_path_factory):
     return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama", "qwen3_moe")}
 
 
-# Qwen3-MoE: fsdp only (megatron refuses MoE), with R3 on (docs/moe.md)
+# Qwen3-MoE with R3 on fsdp; on megatron without (R3 replays into HF's routers only: docs/moe.md)
 @pytest.mark.parametrize(
-    ("family", "backend"), [("llama", "fsdp"), ("qwen2", "megatron"), ("qwen3_moe", "fsdp")]
+    ("family", "backend"),
+    [("llama", "fsdp"), ("qwen2", "megatron"), ("qwen3_moe", "fsdp"), ("qwen3_moe", "megatron")],
 )
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
     from miles_platform.weights.disk_delta import apply_publication
 
     ckpt, pub = family_checkpoints[family], str(tmp_path / "pub")
+    r3 = family == "qwen3_moe" and backend == "fsdp"
 
     def cfg(num_rollout):
         return small_run_config(ckpt, tmp_path, ci_test=True, save_interval=1, num_rollout=num_rollout,
                                 train_backend=backend, update_weight_transfer_mode="disk-delta",
                                 update_weight_disk_dir=pub, save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"),
-                                use_rollout_routing_replay=family == "qwen3_moe")  # fmt: skip
+                                use_rollout_routing_replay=r3)  # fmt: skip
 
     res = train(cfg(2))
     assert res.final_version == 2
-    assert ("train/moe_route_flips" in res.metrics[0]) is (family == "qwen3_moe")
+    assert ("train/moe_route_flips" in res.metrics[0]) is r3
     assert res.ci_checks["step0_ppo_kl"] < 1e-9  # the run itself raises past 1e-9 / the diff bound
     assert res.ci_checks["train_rollout_logprob_abs_diff"] < cfg(2).ci_logprob_abs_diff_threshold
     res2 = train(cfg(3))  # the same command with one more rollout: resumes from iter_0000001
@@ -51,9 +53,7 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
         "select rollout_id, count(*) from rollouts group by 1 order by 1"
     )
     assert rows == [(0, 4), (1, 4), (2, 4)]
-    if (
-        family == "qwen3_moe"
-    ):  # R3: same weights, fp32 on both sides: the replayed routes are the trainer's own
+    if r3:  # same weights, fp32 on both sides: the replayed routes are the trainer's own
         assert all(
             m["train/moe_route_flips"] == 0 and m["train/moe_load_balance"] >= 1.0 for m in res.metrics
         )

@@ -55,7 +55,13 @@ class Bridge(ABC):
 
     @abstractmethod
     def megatron_to_hf(self, mcore_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-        """Full megatron state dict (local or TE names) -> HF state dict under checkpoint names."""
+        """Full megatron state dict (local or TE names) -> HF state dict under the module names of
+        transformers' model (`model.state_dict()`: what engines load and the fsdp backend exports)."""
+
+    def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+        """megatron_to_hf's state dict as `save_pretrained` lays it out on disk; the same dict for the
+        families whose module names are their checkpoint names (the dense ones)."""
+        return hf_sd
 
 
 def register_bridge(*architectures: str):

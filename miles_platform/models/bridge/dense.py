@@ -165,6 +165,26 @@ class DenseBridge(Bridge):
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
         return dict(qk_layernorm=self.qk_norm)
 
+    # the TE spec fuses pre_mlp_layernorm into linear_fc1; an MoE layer keeps it (the router reads it)
+    mlp_norm_fuses = True
+
+    def mlp_to_megatron(self, hf_sd, get, d: Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
+        """One layer's MLP: HF `hp` prefix -> megatron `mp` prefix. `get(name, shape)` takes a tensor."""
+        gate = get(hp + "mlp.gate_proj.weight", (d.ffn, d.hidden))
+        up = get(hp + "mlp.up_proj.weight", (d.ffn, d.hidden))
+        return {
+            mp + "mlp.linear_fc1.weight": torch.cat([gate, up], dim=0),
+            mp + "mlp.linear_fc2.weight": get(hp + "mlp.down_proj.weight", (d.hidden, d.ffn)),
+        }
+
+    def mlp_to_hf(self, get, d: Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
+        gate, up = get(mp + "mlp.linear_fc1.weight", (2 * d.ffn, d.hidden)).chunk(2, dim=0)
+        return {
+            hp + "mlp.gate_proj.weight": gate,
+            hp + "mlp.up_proj.weight": up,
+            hp + "mlp.down_proj.weight": get(mp + "mlp.linear_fc2.weight", (d.hidden, d.ffn)),
+        }
+
     def hf_to_megatron(self, hf_sd, config, *, fused_norms=False, padded_vocab_size=None):
         d = self.dims(config)
         where = "HF checkpoint"
@@ -195,17 +215,16 @@ class DenseBridge(Bridge):
             out[mp + "self_attention.linear_proj.weight"] = get(
                 hp + "self_attn.o_proj.weight", (H, d.heads * hd)
             )
-            gate = get(hp + "mlp.gate_proj.weight", (d.ffn, H))
-            up = get(hp + "mlp.up_proj.weight", (d.ffn, H))
-            out[mp + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-            out[mp + "mlp.linear_fc2.weight"] = get(hp + "mlp.down_proj.weight", (H, d.ffn))
+            out.update(self.mlp_to_megatron(hf_sd, get, d, hp, mp))
             in_norm = get(hp + "input_layernorm.weight", (H,))
             mlp_norm = get(hp + "post_attention_layernorm.weight", (H,))
             if fused_norms:
                 out[mp + "self_attention.linear_qkv.layer_norm_weight"] = in_norm
-                out[mp + "mlp.linear_fc1.layer_norm_weight"] = mlp_norm
             else:
                 out[mp + "input_layernorm.weight"] = in_norm
+            if fused_norms and self.mlp_norm_fuses:
+                out[mp + "mlp.linear_fc1.layer_norm_weight"] = mlp_norm
+            else:
                 out[mp + "pre_mlp_layernorm.weight"] = mlp_norm
         out["decoder.final_layernorm.weight"] = get("model.norm.weight", (H,))
         if not d.tied:
@@ -263,10 +282,7 @@ class DenseBridge(Bridge):
             out[hp + "self_attn.o_proj.weight"] = get(
                 mp + "self_attention.linear_proj.weight", (H, d.heads * hd)
             )
-            gate, up = get(mp + "mlp.linear_fc1.weight", (2 * d.ffn, H)).chunk(2, dim=0)
-            out[hp + "mlp.gate_proj.weight"] = gate
-            out[hp + "mlp.up_proj.weight"] = up
-            out[hp + "mlp.down_proj.weight"] = get(mp + "mlp.linear_fc2.weight", (H, d.ffn))
+            out.update(self.mlp_to_hf(get, d, hp, mp))
             out[hp + "input_layernorm.weight"] = norm(
                 mp + "self_attention.linear_qkv.layer_norm_weight", mp + "input_layernorm.weight"
             )

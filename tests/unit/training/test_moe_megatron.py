@@ -1,0 +1,229 @@
+"""Qwen3-MoE on megatron-core (EP=1, local spec, gloo, CPU): HF -> torch_dist (TP=2) -> HF bit-exact
+in HF's on-disk layout (one tensor per expert), and logits, loss and gradients of the megatron GPTModel
+(TopKRouter + SequentialMLP experts) equal transformers' own Qwen3MoeForCausalLM in fp32. Controls: the
+routing mapping is what makes it pass (norm_topk_prob flipped is far off), every expert is routed to,
+and both HF layouts (module's fused 3-D experts, checkpoint's per-expert tensors) map to the same
+megatron state. --moe-router-freeze-gate trains the experts, not the routers. Refusals before Ray:
+R3 and --moe-aux-loss-coeff on megatron, and a config with dense layers between the sparse ones.
+
+Everything touching torch.distributed runs in a subprocess (this file as a script).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from loop_helpers import small_run_config, warm_python
+from safetensors.torch import load_file
+
+from miles_platform.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[3]
+TOL = 1e-5  # fp32 parity, as the dense families (test_model_families_megatron.py)
+
+
+def save_moe_checkpoint(tok_dir: str, path: Path, **overrides) -> str:
+    """The tiny Qwen3-MoE (4 experts, top-2, every layer sparse) at GQA with 2 query groups (TP=2 splits
+    whole groups), untied embeddings, norm weights drawn away from 1, sharp attention (q/k scaled) and
+    routers drawn at std 0.5 instead of HF's zero init, so the top-2 choice differs between tokens and
+    the gate values are far from uniform; experts scaled up 5x so what they add shows in the logits."""
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+    from miles_platform.models.families import build_model, tiny_config
+
+    tok = load_tokenizer(tok_dir)
+    cfg = tiny_config("qwen3_moe", len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, moe_intermediate_size=16, num_hidden_layers=2, tie_word_embeddings=False,
+                      **overrides)  # fmt: skip
+    model = build_model(cfg, seed=5)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(10.0)
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5, generator=g)
+            if ".mlp.experts." in name:
+                p.mul_(5.0)  # the experts' output is not lost next to the residual stream
+    save_hf_checkpoint(model, tok, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_hf_checkpoint, tmp_path_factory):
+    work = tmp_path_factory.mktemp("moe_megatron")
+    hf = save_moe_checkpoint(tiny_hf_checkpoint, work / "hf")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    proc = subprocess.run([*warm_python(), __file__, hf, str(work)], capture_output=True, text=True,
+                          env=env, timeout=400, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return hf, work, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_hf_to_torch_dist_to_hf_is_bit_exact_in_the_per_expert_layout(report):
+    hf, work, r = report
+    assert len(list((work / "td" / "release").glob("*.distcp"))) == 2  # TP=2: one file per rank
+    a, b = load_file(f"{hf}/model.safetensors"), load_file(str(work / "back" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in a and "model.layers.0.mlp.gate.weight" in a
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    assert r["to_torch_dist"]["content_hash"] and r["to_hf"]["tensors"] == len(a)
+
+
+def test_megatron_moe_logits_loss_grads_match_hf_in_fp32(report):
+    _, _, r = report
+    p = r["parity"]
+    assert p["logits_max_abs_diff"] < TOL and p["loss_abs_diff"] < TOL and p["grad_max_abs_diff"] < TOL, p
+    # every HF parameter (routers and fused experts included) has its gradient compared
+    assert p["grads_compared"] == p["hf_params"] and p["export_identical"]
+    assert r["experts_routed_per_layer"] == [4, 4]  # every expert's mapping is exercised
+
+
+def test_both_hf_expert_layouts_map_to_the_same_megatron_state(report):
+    assert report[2]["layouts"] == {"same_names": True, "same_tensors": True}
+
+
+def test_without_the_routing_mapping_parity_fails(report):
+    """megatron with norm_topk_prob flipped (moe_router_pre_softmax the other way): gates that do not
+    sum to one, far outside the bound; with the bridge's mapping, within it."""
+    c = report[2]["control"]
+    assert c["mapped_logits_max_abs_diff"] < TOL
+    assert c["flipped_logits_max_abs_diff"] > 1000 * TOL, c
+
+
+def test_router_freeze_gate_trains_the_experts_not_the_routers(report):
+    f = report[2]["freeze"]
+    assert f["frozen"] == 2 and f["router_max_change"] == 0.0 and f["expert_max_change"] > 1e-4, f
+
+
+def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_hf_checkpoint, tmp_path):
+    from miles_platform.preflight import validate_before_start
+
+    hf = save_moe_checkpoint(tiny_hf_checkpoint, tmp_path / "moe")
+    validate_before_start(small_run_config(hf, tmp_path, train_backend="megatron"))
+    validate_before_start(
+        small_run_config(hf, tmp_path, train_backend="megatron", moe_router_freeze_gate=True)
+    )
+    with pytest.raises(ConfigError, match="--moe-aux-loss-coeff 0.01 with --train-backend megatron"):
+        validate_before_start(
+            small_run_config(hf, tmp_path, train_backend="megatron", moe_aux_loss_coeff=0.01)
+        )
+    with pytest.raises(
+        ConfigError, match="--use-rollout-routing-replay: --train-backend megatron.*TopKRouter"
+    ):
+        small_run_config(hf, tmp_path, use_rollout_routing_replay=True, train_backend="megatron")
+    mixed = save_moe_checkpoint(tiny_hf_checkpoint, tmp_path / "mixed", mlp_only_layers=[1])
+    with pytest.raises(ConfigError, match=r"layers \[1\] are dense MLPs.*--train-backend fsdp"):
+        validate_before_start(small_run_config(mixed, tmp_path, train_backend="megatron"))
+    validate_before_start(
+        small_run_config(mixed, tmp_path, train_backend="fsdp")
+    )  # fsdp runs HF's own blocks
+    assert not (tmp_path / "root").exists(), "nothing is written before validation passes"
+
+
+# ---------------------------------------------------------------- subprocess side
+
+
+def _routing_checks(hf_path: str) -> dict:
+    """Experts HF routes to; the two HF layouts through the bridge; megatron vs HF logits with the
+    mapping and with norm_topk_prob flipped."""
+    from miles_platform.models.bridge import get_bridge
+    from miles_platform.models.checkpoint import load_hf_model, read_safetensors_dir, validate_hf_dir
+    from miles_platform.models.moe import RoutingReplay
+    from miles_platform.training import megatron_backend as mb
+
+    hf, cfg = load_hf_model(hf_path), validate_hf_dir(hf_path)
+    T = 64
+    ids = torch.randint(0, hf.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(T).expand(2, T)
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    with torch.no_grad(), RoutingReplay.of(hf).record() as rec:
+        want = hf(input_ids=ids, position_ids=pos).logits
+    bridge = get_bridge(cfg)
+    rows = bridge.gpt_model_kwargs(cfg)["vocab_size"]
+    module_sd = bridge.hf_to_megatron(dict(hf.state_dict()), cfg, padded_vocab_size=rows)
+    disk_sd = bridge.hf_to_megatron(read_safetensors_dir(hf_path), cfg, padded_vocab_size=rows)
+
+    def diff(c) -> float:
+        model, _ = mb.build_gpt_model(c)
+        mb.load_full_state(model, module_sd)
+        with torch.no_grad():
+            got = model(ids, pos, causal[None, None])[..., : c["vocab_size"]]
+        return (got - want).abs().max().item()
+
+    return dict(
+        experts_routed_per_layer=[int(r.unique().numel()) for r in rec],
+        layouts=dict(
+            same_names=sorted(module_sd) == sorted(disk_sd),
+            same_tensors=all(torch.equal(module_sd[k], disk_sd[k]) for k in module_sd),
+        ),
+        control=dict(
+            mapped_logits_max_abs_diff=diff(cfg),
+            flipped_logits_max_abs_diff=diff({**cfg, "norm_topk_prob": not cfg["norm_topk_prob"]}),
+        ),
+    )
+
+
+def _freeze(hf_path: str) -> dict:
+    """One AdamW step of a --moe-router-freeze-gate backend on the parity loss."""
+    from types import SimpleNamespace
+
+    from megatron_parity import nll
+
+    from miles_platform.training.megatron_backend import MegatronBackend
+
+    b = MegatronBackend(SimpleNamespace(tensor_model_parallel_size=1, seed=7, ref_load=None,
+                                        moe_router_freeze_gate=True))  # fmt: skip
+    b.build(hf_path)
+    before = b.export_hf_state_dict()
+    ids = torch.randint(0, b.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    nll(b.logits(ids, torch.arange(12).expand(2, 12)), ids, torch.ones(2, 12)).backward()
+    opt = torch.optim.AdamW([p for p in b.parameters() if p.requires_grad], lr=1e-2)
+    opt.step()
+    after = b.export_hf_state_dict()
+
+    def change(suffix: str) -> float:
+        return max((after[k] - before[k]).abs().max().item() for k in before if k.endswith(suffix))
+
+    return dict(
+        frozen=sum(not p.requires_grad for p in b.parameters()),
+        router_max_change=change("mlp.gate.weight"),
+        expert_max_change=change("mlp.experts.gate_up_proj"),
+    )
+
+
+def _main(hf: str, work: str) -> None:
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from megatron_parity import compare
+
+    from miles_platform.training import megatron_shims
+    from miles_platform.weights import conversion
+
+    torch.set_num_threads(1)
+    report, w = {}, Path(work)
+    for name, argv in (
+        ("to_torch_dist", ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", str(w / "td"),
+                           "--tensor-model-parallel-size", "2"]),
+        ("to_hf", ["torch-dist-to-hf", "--load", str(w / "td"), "--hf-checkpoint", hf, "--save", str(w / "back")]),
+    ):  # fmt: skip
+        buf = StringIO()
+        with redirect_stdout(buf):
+            assert conversion.cli_main(argv) == 0
+        report[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
+    report["parity"], _, _ = compare(hf, w)
+    report.update(_routing_checks(hf))
+    report["freeze"] = _freeze(hf)
+    megatron_shims.destroy_process_group()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])
