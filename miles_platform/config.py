@@ -462,6 +462,7 @@ class RunConfig:
     tensor_model_parallel_size: int = _f(1, "perf", "megatron TP")
     pipeline_model_parallel_size: int = _f(1, "perf", "megatron PP")
     context_parallel_size: int = _f(1, "perf", "CP")
+    expert_model_parallel_size: int = _f(1, "perf", "megatron EP (MoE)")
     gradient_checkpointing: bool = _f(False, "perf", "activation recompute (FSDP)")
 
     # --- precision ---
@@ -1099,6 +1100,7 @@ REFUSED: dict[str, str] = {
     "tensor_model_parallel_size": f"{_DP_ONLY} (TP > 1 is supported by `miles-platform convert`, not by training yet)",
     "pipeline_model_parallel_size": _DP_ONLY,
     "context_parallel_size": _DP_ONLY,
+    "expert_model_parallel_size": "MoE experts train at expert parallel 1, every rank holding every expert (docs/moe.md)",
 }
 
 
