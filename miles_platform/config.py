@@ -110,6 +110,7 @@ _RANGES: dict[str, tuple] = {
             "eval_temperature",
             "lora_rank",
             "moe_aux_loss_coeff",
+            "moe_z_loss_coeff",
         ),
         _NON_NEGATIVE,
     ),  # fmt: skip
@@ -383,6 +384,11 @@ class RunConfig:
         0.0,
         "algorithm",
         "MoE: coefficient of the load-balancing loss (Switch / megatron's aux_loss) added to the policy loss",
+    )
+    moe_z_loss_coeff: float = _f(
+        0.0,
+        "algorithm",
+        "MoE: coefficient of the router z-loss (megatron's: mean logsumexp(router logits)^2)",
     )
     moe_router_freeze_gate: bool = _f(False, "algorithm", "MoE: the routers' weights are not trained")
     moe_router_dtype: str | None = _f(
@@ -750,7 +756,7 @@ class RunConfig:
 
     def moe_flags(self) -> list[str]:
         """The --moe-* flags set (they need an MoE --hf-checkpoint: preflight checks it)."""
-        return [_flag(n) for n in ("moe_aux_loss_coeff", "moe_router_freeze_gate", "moe_router_dtype")
+        return [_flag(n) for n in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_freeze_gate", "moe_router_dtype")
                 if getattr(self, n) != _default(n)]  # fmt: skip
 
     def _check_moe_flags(self) -> None:

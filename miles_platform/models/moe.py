@@ -56,6 +56,7 @@ class RoutingReplay:
         self._replay: torch.Tensor | None = None
         self._aux_mask: torch.Tensor | None = None  # set by aux_loss(): [B*T] bool, the real tokens
         self._aux: list[torch.Tensor] = []
+        self.z_terms: list[torch.Tensor] = []  # filled beside _aux: one router z-loss term per layer
         # since the last reset(): (token, layer) pairs replayed, those whose own choice differed, and
         # tokens per expert of every forward
         self.flips = self.routed = 0
@@ -98,8 +99,10 @@ class RoutingReplay:
     def aux_loss(self, mask: torch.Tensor) -> Iterator[list[torch.Tensor]]:
         """Collect the load-balancing loss of one forward over the tokens of `mask` ([B*T] bool):
         the yielded list holds, after it, one term per layer (megatron's switch_load_balancing_loss
-        with coefficient 1: E / (k T^2) * sum_e (sum_t p_te) * tokens_e, 1.0 when perfectly even)."""
-        self._aux_mask, self._aux = mask, []
+        with coefficient 1: E / (k T^2) * sum_e (sum_t p_te) * tokens_e, 1.0 when perfectly even);
+        `z_terms` then holds one router z-loss term per layer (megatron's z_loss_func with
+        coefficient 1: mean over the tokens of logsumexp(router logits)^2)."""
+        self._aux_mask, self._aux, self.z_terms = mask, [], []
         try:
             yield self._aux
         finally:
@@ -135,6 +138,7 @@ class RoutingReplay:
                 scores = vals.to(logits.dtype)
             if self._aux_mask is not None:
                 self._aux.append(self._aux_term(logits, idx))
+                self.z_terms.append(torch.logsumexp(logits[self._aux_mask].float(), dim=-1).square().mean())
             self.load[layer] += torch.bincount(idx.detach().reshape(-1), minlength=self.num_experts)[
                 : self.num_experts
             ].float()

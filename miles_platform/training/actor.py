@@ -206,14 +206,16 @@ class TrainerActor:
         return rr.replay(routes.reshape(-1, rr.num_layers, rr.top_k))
 
     def _aux_loss(self, backend, batch: TrainBatch, idx: list[int], width: int):
-        """--moe-aux-loss-coeff: the policy's training forward collects its load-balancing loss
-        over the real (unpadded) tokens into `self.moe_aux` (mean over layers)."""
+        """--moe-aux-loss-coeff / --moe-z-loss-coeff: the policy's training forward collects its
+        load-balancing loss and router z-loss over the real (unpadded) tokens into `self.moe_aux`
+        and `self.moe_z` (each the mean over layers)."""
         import contextlib
 
         from miles_platform.models.moe import RoutingReplay
 
-        self.moe_aux = None
-        rr = RoutingReplay.of(backend.module) if self.cfg.moe_aux_loss_coeff else None
+        self.moe_aux = self.moe_z = None
+        wanted = self.cfg.moe_aux_loss_coeff or self.cfg.moe_z_loss_coeff
+        rr = RoutingReplay.of(backend.module) if wanted else None
         if rr is None or backend is not self.backend or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         lens = torch.tensor([len(batch.tokens[i]) for i in idx])
@@ -223,7 +225,7 @@ class TrainerActor:
         def collect():
             with rr.aux_loss(mask) as terms:
                 yield
-            self.moe_aux = torch.stack(terms).mean()
+            self.moe_aux, self.moe_z = torch.stack(terms).mean(), torch.stack(rr.z_terms).mean()
 
         return collect()
 
@@ -431,9 +433,9 @@ class TrainerActor:
                 "response_lengths": [batch.response_lengths[i] for i in mb],
             }
             loss, m = self.loss_fn(cfg, mb_batch, lps, ents if need_ent else None)
-            if self.moe_aux is not None:  # --moe-aux-loss-coeff
-                loss = loss + cfg.moe_aux_loss_coeff * self.moe_aux
-                m = {**m, "moe_aux_loss": float(self.moe_aux)}
+            if self.moe_aux is not None:  # --moe-aux-loss-coeff / --moe-z-loss-coeff
+                loss = loss + cfg.moe_aux_loss_coeff * self.moe_aux + cfg.moe_z_loss_coeff * self.moe_z
+                m = {**m, "moe_aux_loss": float(self.moe_aux), "moe_z_loss": float(self.moe_z)}
             # scale micro-batch means to the global-batch reduction (ranks' grads are averaged)
             if cfg.calculate_per_token_loss:
                 mb_tokens = sum(sum(batch.loss_masks[i]) for i in mb)

@@ -239,3 +239,50 @@ def test_moe_router_dtype_fp32_keeps_routers_fp32_under_a_bf16_master(moe_ckpt):
     dtypes = {k: v.dtype for k, v in a.backend.module.state_dict().items()}
     assert {d for k, d in dtypes.items() if k.endswith("mlp.gate.weight")} == {torch.float32}
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+
+
+def test_moe_z_loss_is_megatrons_router_z_loss_over_the_real_tokens(moe_ckpt):
+    """--moe-z-loss-coeff: the trainer's router z-loss equals megatron's z_loss_func (mean over the
+    tokens of logsumexp(router logits)^2, here averaged over layers) computed from HF's own router
+    logits over the unpadded tokens; it is reported and, alone (zero advantages), moves the routers."""
+    from loop_helpers import random_train_batch
+
+    batch = random_train_batch(rewards=[1.0, 0.0, 1.0, 0.0])
+    actor = _moe_actor(moe_ckpt, moe_z_loss_coeff=0.1)
+    idx = list(range(4))
+    with torch.enable_grad():
+        actor._response_log_probs(actor.backend, batch, idx)
+    got = float(actor.moe_z)
+    ids, pos = actor._pack(batch, idx)
+    out = actor.backend.module(input_ids=ids, position_ids=pos, output_router_logits=True)
+    lens = torch.tensor([len(t) for t in batch.tokens])
+    real = (torch.arange(ids.shape[1])[None] < lens[:, None]).reshape(-1)
+    want = float(
+        torch.stack([torch.logsumexp(x[real].float(), -1).square().mean() for x in out.router_logits]).mean()
+    )
+    assert got == pytest.approx(want, rel=1e-5) and got > 0
+    m = actor.train(0, batch)
+    assert m["train/moe_z_loss"] == pytest.approx(got, rel=1e-4)
+    flat = random_train_batch(rewards=[1.0] * 4)
+    for coeff, moved in ((0.0, False), (0.1, True)):
+        a = _moe_actor(moe_ckpt, moe_z_loss_coeff=coeff)
+        before = {
+            k: v.clone() for k, v in a.backend.module.state_dict().items() if k.endswith("mlp.gate.weight")
+        }
+        a.train(0, flat)
+        after = a.backend.module.state_dict()
+        assert any(not torch.equal(v, after[k]) for k, v in before.items()) == moved, coeff
+    with pytest.raises(ConfigError, match="--moe-z-loss-coeff -1"):
+        RunConfig(hf_checkpoint=moe_ckpt, moe_z_loss_coeff=-1.0).validate()
+
+
+def test_moe_z_loss_is_refused_where_it_is_not_collected(moe_ckpt, tiny_hf_checkpoint, tmp_path):
+    from miles_platform.preflight import validate_before_start
+
+    with pytest.raises(ConfigError, match="--moe-z-loss-coeff 0.01 with --train-backend megatron"):
+        validate_before_start(
+            small_run_config(moe_ckpt, tmp_path, train_backend="megatron", moe_z_loss_coeff=0.01)
+        )
+    with pytest.raises(ConfigError, match="--moe-z-loss-coeff: .*dense"):
+        validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, moe_z_loss_coeff=0.01))
+    assert not (tmp_path / "root").exists()
