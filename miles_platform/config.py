@@ -940,12 +940,6 @@ class RunConfig:
             why = "--debug-train-only starts no engines"
         elif self.rollout_engine != "embedded" or self.rollout_external_engine_addrs:
             why = "restarting an SGLang or external engine is not built (embedded engines only)"
-        elif self.update_weight_transfer_mode not in ("tensor", "disk", "disk-delta"):
-            why = (
-                f"--update-weight-transfer-mode {self.update_weight_transfer_mode} keeps per-engine state "
-                "a restarted engine lacks (a weight group, a transfer session); use tensor, disk or "
-                "disk-delta (a restart loads the served version's HF export)"
-            )
         elif self.lora_rank > 0:
             why = "a restarted engine would need the run's adapters re-loaded (not built)"
         if why:

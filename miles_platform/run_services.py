@@ -141,6 +141,7 @@ class RunServices(contextlib.AbstractContextManager):
             served=session.served if session is not None else (lambda: (0, None)),
             lock=session.lock if session is not None else threading.Lock(),
             report=self.reporter.log,
+            replaced=session.transport.engine_replaced if session is not None else None,
         ).start()
         self._stack.callback(self.monitor.stop)
 

@@ -55,11 +55,15 @@ class EngineHealthMonitor:
         served: Callable[[], tuple[int, str | None]],
         lock: threading.Lock,
         report: Callable[[str], None],
+        replaced: Callable[[int], None] | None = None,
     ):
         """`engines` is the run's list (replaced in place, so the update session and the weight
         checks see the new engine); `restart(i)` starts engine i afresh; `served()` is the
-        (version, HF export dir) the run's engines serve; `lock` is the update session's."""
+        (version, HF export dir) the run's engines serve; `lock` is the update session's;
+        `replaced(i)` runs (under the lock) once engine i's replacement serves: the transport
+        forgets what it held for the old engine (a broadcast group is joined again)."""
         self.cfg, self.engines, self.router_url = cfg, engines, router_url
+        self.replaced = replaced or (lambda i: None)
         self.restart, self.served, self.lock, self.report = restart, served, lock, report
         self.restarts = 0
         self.errors: list[str] = []
@@ -137,6 +141,7 @@ class EngineHealthMonitor:
                 update_from_disk(new.url, hf_dir, version, key)
             post(self.router_url, "/add_worker", {"url": new.url}, api_key=key, timeout=10)
             self.engines[i] = new
+            self.replaced(i)
             self.restarts += 1
         self.report(
             f"[fault-tolerance] engine {i} replaced by {new.url} serving v{version} in {time.time() - t0:.1f} s"

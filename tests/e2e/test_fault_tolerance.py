@@ -2,6 +2,7 @@
 the health monitor, replaced on its bundle with the version the run serves, and the run finishes
 with every rollout, the trainer and engine weights equal at each update (--ci-test)."""
 
+import json
 import os
 import signal
 
@@ -19,8 +20,6 @@ from miles_platform.store.paths import StoragePaths
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        (dict(update_weight_transfer_mode="mooncake"), "mooncake keeps per-engine state"),
-        (dict(update_weight_transfer_mode="broadcast"), "broadcast keeps per-engine state"),
         (dict(rollout_engine="sglang"), "embedded engines only"),
         (dict(rollout_external_engine_addrs=["127.0.0.1:1"]), "embedded engines only"),
         (dict(lora_rank=8), "adapters"),
@@ -59,17 +58,27 @@ class Saboteur(Reporter):
         self.last = metrics
 
 
-@pytest.mark.parametrize("transport", ["tensor", "disk-delta"])
+@pytest.mark.parametrize("transport", ["tensor", "disk-delta", "broadcast", "mooncake"])
 def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(
-    tiny_hf_checkpoint, tmp_path, transport
+    tiny_hf_checkpoint, tmp_path, transport, request, monkeypatch
 ):
     # disk-delta: the engine-local dirs live with the driver, so a replacement loads the served
-    # version's export and the next publication patches its dir from there
-    delta = dict(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(tmp_path / "pub"),
-                 check_weight_update_equal=True) if transport == "disk-delta" else {}  # fmt: skip
+    # version's export and the next publication patches its dir from there; broadcast: the group
+    # with the dead rank is dropped and every rank joins a fresh one at the next update; mooncake:
+    # the replacement reads the store like any engine
+    kw = {"tensor": {}, "broadcast": dict(update_weight_transfer_mode="broadcast")}.get(transport)
+    if transport == "disk-delta":
+        kw = dict(update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(tmp_path / "pub"))
+    if transport == "mooncake":
+        master = request.getfixturevalue("mooncake_master")
+        monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+        flag = json.dumps({"protocol": "tcp", "master_server_address": master, "local_hostname": "127.0.0.1",
+                           "global_segment_size": "64mb", "local_buffer_size": "64mb"})  # fmt: skip
+        kw = dict(update_weight_transfer_mode="mooncake", mooncake_store_init_kwargs=flag)
     cfg = small_run_config(
         tiny_hf_checkpoint, tmp_path, num_rollout=4, use_fault_tolerance=True, ci_test=True,
-        rollout_health_check_interval=0.3, rollout_health_check_timeout=2.0, **delta,
+        rollout_health_check_interval=0.3, rollout_health_check_timeout=2.0,
+        check_weight_update_equal=transport != "tensor", **kw,
     )  # fmt: skip
     rep = Saboteur()
     rep.runner = RLRun(cfg, rep)

@@ -69,6 +69,11 @@ class Transport(ABC):
     def activate(self, version: int) -> None:
         """Inside the pause: every engine loads the prepared weights and reports `version`."""
 
+    def engine_replaced(self, i: int) -> None:
+        """--use-fault-tolerance replaced engine i (`self.engines[i]` is the new one, serving the
+        run's version): drop what the transport held for the old one. Stateless by default."""
+        return None
+
 
 def full_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())

@@ -135,6 +135,11 @@ class BroadcastTransport(Transport):
         self._post_all("/init_weights_update_group", bodies, call)
         self.group_ready = True
 
+    def engine_replaced(self, i: int) -> None:
+        """The group has a dead rank and the new engine is in none: the next activate has every
+        rank join a fresh group (a second init under the same name replaces it, on both sides)."""
+        self.group_ready = False
+
     def prepare(self, state, version, hf_dir):
         self.meta = {
             "names": list(state),
