@@ -27,7 +27,7 @@ LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2
     "test_cluster_ray.py": 165,  # alone, 2026-12-02: with the Ray-job runs (dashboard, 3 submitted runs)
     "test_kernels.py": 41, "test_generate_hub.py": 37, "test_opd_loop.py": 36, "test_sglang_launcher.py": 31,
     "test_conversion_asset.py": 31, "test_ops_training.py": 30, "test_engine_control.py": 29,
-    "test_fault_tolerance.py": 26, "test_opd.py": 24, "test_tito.py": 23, "test_engine.py": 23,
+    "test_fault_tolerance.py": 45, "test_opd.py": 24, "test_tito.py": 23, "test_engine.py": 23,
     "test_trackers.py": 21, "test_r3_generate_hub.py": 36, "test_lora_loop.py": 21, "test_precision_fsdp.py": 20, "test_conversion.py": 18,
     "test_disk_delta.py": 18, "test_megatron_backend.py": 17, "test_broadcast_transport.py": 16,
     "test_object_store.py": 15, "test_fuzz.py": 15, "test_forkserver.py": 15, "test_lora_multi_run.py": 14,

@@ -71,6 +71,9 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
     )
     assert sorted(got) == sorted(want) and any(k.endswith("q_proj.bias") for k in got) is (family == "qwen2")
     start = load_file(f"{ckpt}/model.safetensors")
-    assert any(not torch.equal(start[k], want[k]) for k in want)  # training moved the weights
+    # training moved the weights (names both hold: an MoE checkpoint keeps HF's per-expert tensors
+    # on disk, the export the fused experts of the module; the rest is named alike)
+    common = [k for k in want if k in start]
+    assert len(common) >= len(want) // 2 and any(not torch.equal(start[k], want[k]) for k in common)
     for k in want:
         assert torch.equal(got[k].to(want[k].dtype), want[k]), k
