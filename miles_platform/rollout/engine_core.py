@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ from concurrent.futures import Future
 import torch
 from transformers import DynamicCache
 
+from miles_platform.errors import ConfigError
 from miles_platform.rollout.engine_batch import (
     Batch,
     cache_from_tensors,
@@ -41,6 +43,7 @@ from miles_platform.rollout.engine_batch import (
 )
 from miles_platform.rollout.engine_logprobs import input_logprobs, step_extras, temperature_of
 from miles_platform.rollout.engine_requests import (
+    EnginePaused,
     EngineStopped,
     Request,
     RequestError,
@@ -55,6 +58,20 @@ from miles_platform.rollout.lora_serving import LoraSlots
 from miles_platform.rollout.sampling import draw
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PAUSE_WAIT_TIMEOUT_S = 600.0
+# above a Miles rollout round sent as one batch (512 prompts x 16 samples), so a pause for a weight
+# update never refuses one; a run whose trainer died stops there instead of piling requests up
+DEFAULT_PAUSE_MAX_QUEUED_REQUESTS = 16384
+
+
+def check_pause_limits(pause_wait_timeout_s: float, pause_max_queued_requests: int) -> None:
+    """Refuse limits that bound nothing, naming the flag (`serve-engine` checks before it loads)."""
+    t, n = pause_wait_timeout_s, pause_max_queued_requests
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise ConfigError(f"--pause-wait-timeout-s {t!r}: must be a number > 0 (seconds)")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"--pause-max-queued-requests {n!r}: must be an integer >= 1")
 
 
 class EngineCore(EngineWeightsMixin):
@@ -73,6 +90,11 @@ class EngineCore(EngineWeightsMixin):
     batch, or else decode one token for every running request. Rows leave the batch as they finish.
     `_step_lock` (forward passes, weight swaps, pause) is taken before `_cv` (the queue and flags).
 
+    Pause: while paused nothing steps; requests queue (at most `pause_max_queued_requests`, beyond
+    that EnginePaused at once) and every request the pause holds (queued, retracted, frozen in place)
+    fails with EnginePaused (HTTP 503, retryable) once it has waited `pause_wait_timeout_s`: a run
+    whose trainer died mid-update does not leave its clients hanging.
+
     Test hook: `step_hook`, when set, is called as `step_hook(core)` on the scheduler thread after
     every step, outside `_step_lock`, so a test sees the engine at an exact state (`running()`) instead
     of sleeping. It may pause or update weights there (they run at once, between steps; not unload,
@@ -88,10 +110,16 @@ class EngineCore(EngineWeightsMixin):
         batch_wait_ms: float = 5.0,
         weight_version: int = 0,
         num_threads: int | None = None,
+        pause_wait_timeout_s: float = DEFAULT_PAUSE_WAIT_TIMEOUT_S,
+        pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
     ):
         """`num_threads`: torch intra-op threads of the scheduler thread (None: the process setting).
         With libgomp, two threads that both run multi-threaded torch ops oversubscribe the CPUs and
-        throttle each other badly; see docs/engine.md."""
+        throttle each other badly; see docs/engine.md. `pause_wait_timeout_s` and
+        `pause_max_queued_requests` bound what a pause holds (class docstring)."""
+        check_pause_limits(pause_wait_timeout_s, pause_max_queued_requests)
+        self.pause_wait_timeout_s = float(pause_wait_timeout_s)
+        self.pause_max_queued_requests = int(pause_max_queued_requests)
         self.model_path = str(hf_checkpoint)
         self.dtype = parse_engine_dtype(dtype)
         self.max_batch_size = int(max_batch_size)
@@ -108,6 +136,8 @@ class EngineCore(EngineWeightsMixin):
             "num_finished_requests": 0,
             "num_weight_updates": 0,
             "num_pauses": 0,  # /pause_generation calls (a LoRA run's updates make none)
+            "num_pause_timeouts": 0,  # requests failed after waiting pause_wait_timeout_s
+            "num_pause_queue_full": 0,  # requests refused: pause_max_queued_requests were waiting
             "num_scored_requests": 0,  # prefill-only scoring (input log-probs), e.g. an OPD teacher
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
@@ -117,6 +147,7 @@ class EngineCore(EngineWeightsMixin):
         self._waiting: deque[Request] = deque()
         self._batch = Batch()
         self._paused = False
+        self._paused_at = 0.0  # time.monotonic() of the pause in force
         self._stopping = False
         self._control: deque[tuple] = deque()  # (fn, Future) run on the scheduler thread
         self._batch_submitted = False  # a multi-prompt request arrived: it is its own batch, no wait
@@ -265,6 +296,8 @@ class EngineCore(EngineWeightsMixin):
             raise RequestError(f"pause_generation mode={mode!r}: must be one of abort, retract, in_place")
         with self._step_lock:
             with self._cv:
+                if not self._paused:
+                    self._paused_at = time.monotonic()
                 self._paused = True
                 self.stats["num_pauses"] += 1
                 if mode == "abort":
@@ -311,6 +344,8 @@ class EngineCore(EngineWeightsMixin):
         with self._cv:
             if self._stopping:
                 raise EngineStopped("engine stopped")
+            if self._paused:
+                self._check_room(reqs)
             for r in reqs:
                 if r.lora is not None and (
                     r.lora not in self._lora.adapters or r.lora in self._lora_draining
@@ -333,6 +368,62 @@ class EngineCore(EngineWeightsMixin):
             self._batch_submitted |= len(reqs) > 1
             self._cv.notify_all()
 
+    # ---- pause bounds ------------------------------------------------------------------------------
+
+    def _check_room(self, reqs: list[Request]) -> None:
+        """Under `_cv`, paused: refuse the whole submission when it would queue more than
+        `pause_max_queued_requests` (requests that finish at once take no room)."""
+        queued = sum(not (r.max_new_tokens == 0 and not r.scores_input) for r in reqs)
+        if queued and len(self._waiting) + queued > self.pause_max_queued_requests:
+            self.stats["num_pause_queue_full"] += queued
+            paused_for = time.monotonic() - self._paused_at
+            raise EnginePaused(
+                f"the engine has been paused for {paused_for:.1f} s and {len(self._waiting)} requests "
+                f"already wait for /continue_generation (--pause-max-queued-requests "
+                f"{self.pause_max_queued_requests}); retry later",
+                paused_for,
+            )
+
+    def _held_since(self, r: Request) -> float:
+        """When `r` started waiting on the pause in force: its arrival, or the pause if it came first."""
+        return max(r.created, self._paused_at)
+
+    def _pause_wait_left(self) -> float | None:
+        """Under `_cv`: seconds until the first request the pause holds runs out of patience (None:
+        not paused, or it holds none). The queue is in arrival order (retracted requests, held since
+        the pause, at its head) and batch rows are held since the pause, so the head is the first."""
+        if not self._paused or not (self._waiting or len(self._batch)):
+            return None
+        first = self._paused_at if len(self._batch) else self._held_since(self._waiting[0])
+        return first + self.pause_wait_timeout_s - time.monotonic()
+
+    def _expire_paused(self) -> None:
+        """On the scheduler thread: fail every request the pause has held for `pause_wait_timeout_s`
+        (queued or frozen in the batch) with EnginePaused."""
+        with self._step_lock, self._cv:
+            if not self._paused:
+                return
+            now = time.monotonic()
+            limit, expired = self.pause_wait_timeout_s, []
+            while self._waiting and now - self._held_since(self._waiting[0]) >= limit:
+                expired.append(self._waiting.popleft())
+            if len(self._batch) and now - self._paused_at >= limit:  # rows admitted before the pause
+                expired += self._batch.reqs
+                self._batch = Batch()
+            paused_for = now - self._paused_at
+            msg = (
+                f"the engine has been paused for {paused_for:.1f} s (no /continue_generation within "
+                f"--pause-wait-timeout-s {limit:g}); retry once it continues"
+            )
+            for r in expired:
+                if not r.future.done():
+                    self.stats["num_pause_timeouts"] += 1
+                    r.future.set_exception(EnginePaused(msg, paused_for))
+        if expired:
+            log.warning(
+                "engine paused for %.1f s: %d waiting requests failed (503)", paused_for, len(expired)
+            )
+
     # ---- scheduler ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -343,7 +434,10 @@ class EngineCore(EngineWeightsMixin):
                     and not self._control
                     and (self._paused or (not self._waiting and not len(self._batch)))
                 ):
-                    self._cv.wait()
+                    left = self._pause_wait_left()
+                    if left is not None and left <= 0:
+                        break
+                    self._cv.wait(left)
                 if self._stopping:
                     return
                 control = list(self._control)
@@ -354,6 +448,9 @@ class EngineCore(EngineWeightsMixin):
                         fut.set_result(fn())
                     except BaseException as e:
                         fut.set_exception(e)
+                continue
+            if self._paused:  # woken by the first held request's deadline
+                self._expire_paused()
                 continue
             with self._cv:
                 batched, self._batch_submitted = self._batch_submitted, False

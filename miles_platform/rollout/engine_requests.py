@@ -43,6 +43,21 @@ class EngineStopped(Exception):
     """The engine is shutting down (HTTP 503, retryable elsewhere)."""
 
 
+class EnginePaused(Exception):
+    """A paused engine gave up on a request (HTTP 503, retryable): it waited for
+    /continue_generation longer than `--pause-wait-timeout-s`, or `--pause-max-queued-requests`
+    requests were waiting already. `info` is the error body."""
+
+    def __init__(self, message: str, paused_for_s: float):
+        super().__init__(message)
+        self.info = {
+            "message": message,
+            "type": "engine_paused",
+            "retryable": True,
+            "paused_for_s": round(paused_for_s, 3),
+        }
+
+
 # SGLang sampling fields we accept only at their defaults (the embedded engine does not implement them).
 _UNSUPPORTED_DEFAULTS = {
     "frequency_penalty": 0.0,

@@ -26,8 +26,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout import chat
-from miles_platform.rollout.engine_core import EngineCore
-from miles_platform.rollout.engine_requests import EngineStopped, RequestError, VersionConflict
+from miles_platform.rollout.engine_core import (
+    DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
+    DEFAULT_PAUSE_WAIT_TIMEOUT_S,
+    EngineCore,
+    check_pause_limits,
+)
+from miles_platform.rollout.engine_requests import EnginePaused, EngineStopped, RequestError, VersionConflict
 from miles_platform.rollout.lora_serving import read_adapter_dir
 
 log = logging.getLogger(__name__)
@@ -133,6 +138,8 @@ def create_app(
             return error(400, str(e))
         except VersionConflict as e:
             return JSONResponse({"error": e.info}, status_code=409)
+        except EnginePaused as e:  # paused past --pause-wait-timeout-s, or its queue is full
+            return JSONResponse({"error": e.info}, status_code=503)
         except EngineStopped as e:
             return error(503, str(e), retryable=True)
         return Response(orjson.dumps(results if is_batch else results[0]), media_type="application/json")
@@ -155,6 +162,8 @@ def create_app(
             return error(400, str(e))
         except VersionConflict as e:
             return JSONResponse({"error": e.info}, status_code=409)
+        except EnginePaused as e:  # paused past --pause-wait-timeout-s, or its queue is full
+            return JSONResponse({"error": e.info}, status_code=503)
         except EngineStopped as e:
             return error(503, str(e), retryable=True)
         if req.stream:
@@ -197,6 +206,8 @@ def create_app(
             "context_length": core.context_length,
             "weight_version": core.weight_version,
             "paused": core.paused,
+            "pause_wait_timeout_s": core.pause_wait_timeout_s,
+            "pause_max_queued_requests": core.pause_max_queued_requests,
             "num_inflight": core.num_inflight(),
             "internal_states": [dict(core.stats)],
             "lora_adapters": core.lora_adapters(),
@@ -462,12 +473,17 @@ def start_engine_server(
     core: EngineCore | None = None,
     num_threads: int | None = None,
     weight_roots: list[str] | None = None,
+    pause_wait_timeout_s: float = DEFAULT_PAUSE_WAIT_TIMEOUT_S,
+    pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
-    existing EngineCore (it is then not stopped with the server)."""
+    existing EngineCore (it is then not stopped with the server; the pause limits are its own)."""
     owns = core is None
     if core is None:
-        core = EngineCore(hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version, num_threads)
+        core = EngineCore(
+            hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version, num_threads,
+            pause_wait_timeout_s, pause_max_queued_requests,
+        )  # fmt: skip
     try:
         app = create_app(core, api_key, max_request_bytes, weight_roots)
         thread = serve_in_thread(app, host, port, "engine-http")
@@ -529,6 +545,18 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--weight-version", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads of the engine")
     ap.add_argument(
+        "--pause-wait-timeout-s",
+        type=float,
+        default=DEFAULT_PAUSE_WAIT_TIMEOUT_S,
+        help="a request held by /pause_generation longer than this gets 503 (retryable)",
+    )
+    ap.add_argument(
+        "--pause-max-queued-requests",
+        type=int,
+        default=DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
+        help="while paused, requests beyond this many queued get 503 at once",
+    )
+    ap.add_argument(
         "--allow-weights-from",
         nargs="+",
         default=None,
@@ -536,6 +564,10 @@ def cli_main(argv: list[str]) -> int:
         help="/update_weights_from_disk loads only under these dirs (default: --hf-checkpoint's parent)",
     )
     args = ap.parse_args(argv)
+    try:  # before the model loads
+        check_pause_limits(args.pause_wait_timeout_s, args.pause_max_queued_requests)
+    except MilesError as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = start_engine_server(
         args.hf_checkpoint,
@@ -548,6 +580,8 @@ def cli_main(argv: list[str]) -> int:
         args.weight_version,
         num_threads=args.num_threads,
         weight_roots=args.allow_weights_from or [os.path.dirname(os.path.abspath(args.hf_checkpoint))],
+        pause_wait_timeout_s=args.pause_wait_timeout_s,
+        pause_max_queued_requests=args.pause_max_queued_requests,
     )
     print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
     wait_for_stop_signal()

@@ -5,7 +5,9 @@
 every worker; any other path is proxied to the least-loaded healthy worker, at most
 `max_concurrency_per_worker` requests each (others wait). A background task probes `/health` every
 `health_check_interval_s`; a failing worker (or one that refuses a proxied connection) leaves the
-rotation and comes back when it answers again. A request whose worker dies is retried elsewhere.
+rotation and comes back when it answers again. A request whose worker dies is retried elsewhere;
+a worker's own answer (any status: a paused engine's 503 `engine_paused`, a 409) is passed through
+for the client to retry, and the worker, alive, stays in rotation.
 """
 
 from __future__ import annotations

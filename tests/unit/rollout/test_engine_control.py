@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import torch
-from engine_hooks import HoldScheduler, every_request_has_tokens
+from engine_hooks import HoldScheduler, every_request_has_tokens, until
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
@@ -332,3 +332,118 @@ def test_weight_group_joins_to_a_dead_port_are_bounded_and_do_not_pile_up(engine
     assert all(r.status_code == 400 for r in rs), msgs
     assert sum("another join is in progress" in m for m in msgs) >= 1, msgs
     assert took < 30, took  # bounded by the join timeout, not 4 x 120 s
+
+
+@pytest.fixture()
+def impatient_engine(tiny_hf_checkpoint):
+    """An engine that holds a request on a pause for 0.5 s at most."""
+    srv = start_engine_server(tiny_hf_checkpoint, pause_wait_timeout_s=0.5)
+    yield srv
+    srv.stop()
+
+
+def _paused_503(resp, limit_s: float) -> dict:
+    assert resp.status_code == 503, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == "engine_paused" and err["retryable"], err
+    assert err["paused_for_s"] >= limit_s and "has been paused for" in err["message"], err
+    return err
+
+
+def test_a_request_waiting_on_a_paused_engine_gets_503_after_the_limit(impatient_engine):
+    url = impatient_engine.url
+    body = {"input_ids": [1, 2, 3], "sampling_params": GREEDY}
+    # frozen in place mid-generation: held since the pause
+    with HoldScheduler(impatient_engine.core, every_request_has_tokens(3)) as held:
+        loop, tasks = _start_long_requests(url, held)
+        t0 = time.monotonic()
+        assert httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    resps = loop.run_until_complete(asyncio.gather(*tasks))
+    took = time.monotonic() - t0
+    loop.close()
+    for r in resps:
+        assert "--pause-wait-timeout-s 0.5" in _paused_503(r, 0.5)["message"]
+    assert 0.5 <= took < 5, took
+    # a new request on the still-paused engine: held since it arrived
+    t0 = time.monotonic()
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    took = time.monotonic() - t0
+    _paused_503(r, 0.5)
+    assert 0.5 <= took < 5, took
+    assert _stats(url)["num_pause_timeouts"] == 4
+    # the engine still serves once continued (nothing was left in its batch or queue)
+    assert httpx.post(f"{url}/continue_generation").status_code == 200
+    assert _gen(url, **body)["meta_info"]["completion_tokens"] > 0
+    assert httpx.get(f"{url}/get_server_info").json()["num_inflight"] == 0
+
+
+def test_waiters_beyond_the_bound_get_503_at_once_and_continue_releases_the_rest(tiny_hf_checkpoint):
+    srv = start_engine_server(tiny_hf_checkpoint, pause_wait_timeout_s=60, pause_max_queued_requests=2)
+    url, core = srv.url, srv.core
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    loop = asyncio.new_event_loop()
+    try:
+        assert httpx.post(f"{url}/pause_generation", json={"mode": "abort"}).status_code == 200
+        ac = httpx.AsyncClient(timeout=60)
+        waiters = [loop.create_task(ac.post(f"{url}/generate", json=body)) for _ in range(2)]
+        loop.run_until_complete(asyncio.to_thread(until, lambda: core.num_inflight() == 2))
+        t0 = time.monotonic()
+        over = [httpx.post(f"{url}/generate", json=body, timeout=60),  # a third prompt
+                httpx.post(f"{url}/generate", json={**body, "input_ids": [[1, 2], [3, 4]]}, timeout=60)]  # fmt: skip
+        took = time.monotonic() - t0
+        for r in over:
+            err = _paused_503(r, 0.0)
+            assert (
+                "2 requests already wait" in err["message"]
+                and "--pause-max-queued-requests 2" in err["message"]
+            )
+        assert took < 5, took  # at once, not after the 60 s wait
+        assert not any(t.done() for t in waiters)
+        assert httpx.post(f"{url}/continue_generation").status_code == 200
+        done = loop.run_until_complete(asyncio.gather(*waiters))
+        assert [r.status_code for r in done] == [200, 200], [r.text for r in done]
+        assert all(r.json()["meta_info"]["completion_tokens"] == 4 for r in done)
+        loop.run_until_complete(ac.aclose())
+        assert _stats(url)["num_pause_queue_full"] == 3 and _stats(url)["num_pause_timeouts"] == 0
+    finally:
+        loop.close()
+        srv.stop()
+
+
+def test_the_router_passes_a_paused_engines_503_through_and_keeps_the_worker(impatient_engine):
+    from miles_platform.rollout.router import start_router
+
+    rt = start_router(worker_urls=[impatient_engine.url])
+    try:
+        assert httpx.post(f"{rt.url}/pause_generation", json={"mode": "abort"}).status_code == 200
+        r = httpx.post(
+            f"{rt.url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": GREEDY}, timeout=60
+        )
+        _paused_503(r, 0.5)  # the engine's answer, for the client to retry (client.RETRYABLE_STATUS)
+        (worker,) = httpx.get(f"{rt.url}/list_workers").json()["workers"]
+        assert worker["healthy"] and worker["failures"] == 0, worker  # alive: not taken out of rotation
+        assert httpx.post(f"{rt.url}/continue_generation").status_code == 200
+        ok = httpx.post(
+            f"{rt.url}/generate", json={"input_ids": [1, 2, 3], "sampling_params": GREEDY}, timeout=60
+        )
+        assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] > 0
+    finally:
+        rt.stop()
+
+
+@pytest.mark.parametrize(
+    "flag,value", [("--pause-wait-timeout-s", "0"), ("--pause-wait-timeout-s", "nan"),
+                   ("--pause-wait-timeout-s", "-1"), ("--pause-max-queued-requests", "0")],
+)  # fmt: skip
+def test_pause_limits_are_validated_before_the_engine_loads(flag, value, capsys, tmp_path):
+    from miles_platform.errors import ConfigError
+    from miles_platform.rollout.engine_core import EngineCore
+    from miles_platform.rollout.engine_server import cli_main
+
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error, before the checkpoint is read
+        cli_main(["--hf-checkpoint", str(tmp_path / "never-read"), flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and flag in err and "must be" in err, err
+    number = float(value) if "timeout" in flag else int(value)
+    with pytest.raises(ConfigError, match=flag):  # the Python API too, before it loads anything
+        EngineCore(str(tmp_path / "never-read"), **{flag.removeprefix("--").replace("-", "_"): number})
