@@ -17,6 +17,7 @@ qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,3 +127,36 @@ def build_model(config, seed: int = 0) -> torch.nn.Module:
                 p.normal_(0.0, config.initializer_range)
     model.eval()
     return model
+
+
+_PER_EXPERT = re.compile(
+    r"^(?P<pre>.*\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fuse_checkpoint_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An MoE checkpoint's per-expert tensors (HF's on-disk layout, what `save_pretrained` and the
+    published Qwen3-MoE checkpoints hold: `mlp.experts.e.{gate,up,down}_proj.weight`) as the fused
+    parameters transformers 5's modules hold (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows
+    first, and `mlp.experts.down_proj` [E, H, I]); any other state is returned as it is."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        groups.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = t
+    for pre, projs in groups.items():
+        n = {len(v) for v in projs.values()}
+        experts = sorted(projs.get("down_proj", {}))
+        if len(projs) != 3 or len(n) != 1 or experts != list(range(len(experts))):
+            raise ValueError(
+                f"{pre}*: per-expert tensors are incomplete ({ {p: len(v) for p, v in projs.items()} })"
+            )
+        gate, up, down = (
+            torch.stack([projs[p][e] for e in experts]) for p in ("gate_proj", "up_proj", "down_proj")
+        )
+        out[f"{pre}gate_up_proj"] = torch.cat([gate, up], dim=1)
+        out[f"{pre}down_proj"] = down
+    return out

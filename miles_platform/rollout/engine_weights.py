@@ -321,8 +321,6 @@ def load_model(path: str, dtype: torch.dtype):
         state = read_state_dict(path)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
-        if missing or unexpected:  # checkpoint names != module names (MoE: one tensor per expert on disk)
-            model, missing, unexpected = _load_converted(config, state, dtype), [], []
         if missing or unexpected:
             raise CheckpointError(
                 f"HF checkpoint {path}: dequantized weights missing {missing[:5]} / unexpected {unexpected[:5]}"
@@ -332,27 +330,6 @@ def load_model(path: str, dtype: torch.dtype):
         p.requires_grad_(False)
     check_cache_kwarg(model)
     return model, tok
-
-
-def _load_converted(config, state: dict, dtype: torch.dtype):
-    """The dequantized tensors under their checkpoint names, loaded by transformers' own loader
-    (which converts checkpoint layouts, e.g. per-expert MoE tensors into the fused expert modules)."""
-    import tempfile
-
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    with tempfile.TemporaryDirectory(prefix="miles-dequant-") as tmp:
-        config.save_pretrained(tmp)
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
-            f"{tmp}/model.safetensors",
-            metadata={"format": "pt"},
-        )
-        try:
-            return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
-        except Exception as e:
-            raise CheckpointError(f"dequantized weights do not load ({type(e).__name__}: {e})") from e
 
 
 def check_cache_kwarg(model) -> None:
@@ -371,10 +348,12 @@ def check_cache_kwarg(model) -> None:
 
 
 def read_state_dict(path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint dir by name (dequantized when the checkpoint is quantized)."""
+    """Every tensor of an HF checkpoint dir by module name (dequantized when the checkpoint is
+    quantized; an MoE checkpoint's per-expert tensors fused as transformers' modules hold them)."""
     from safetensors.torch import load_file
 
     from miles_platform.models.checkpoint import validate_hf_dir
+    from miles_platform.models.families import fuse_checkpoint_experts
 
     cfg = validate_hf_dir(path, need_tokenizer=False)
     if cfg.get("quantization_config"):
@@ -385,11 +364,11 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
                 f"HF checkpoint {path} is quantized ({cfg['quantization_config'].get('quant_method', '?')}) "
                 f"but miles_platform.weights.quantize is not available ({e})"
             ) from e
-        return load_dequantized_state_dict(str(path))
+        return fuse_checkpoint_experts(load_dequantized_state_dict(str(path)))
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    return state
+    return fuse_checkpoint_experts(state)
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -137,7 +137,7 @@ def test_r3_refuses_a_dense_model_and_the_megatron_backend_before_start(
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_a_quantized_moe_checkpoint_is_served_close_to_the_original(moe_ckpt, fmt, tmp_path):
     """On disk an MoE checkpoint holds one tensor per expert (HF's layout); the engine dequantizes
-    them and transformers' loader fuses them into the expert modules. Every expert is quantized."""
+    them and fuses them into the expert modules (`fuse_checkpoint_experts`). Every expert is quantized."""
     from miles_platform.rollout.engine_weights import load_model
     from miles_platform.weights.quantize import quantize_checkpoint
 
@@ -155,6 +155,32 @@ def test_a_quantized_moe_checkpoint_is_served_close_to_the_original(moe_ckpt, fm
         lq, lr = (torch.log_softmax(m(ids).logits, -1) for m in (served, ref))
     tok_q, tok_r = lq[:, :-1].gather(-1, ids[:, 1:, None]), lr[:, :-1].gather(-1, ids[:, 1:, None])
     assert float((tok_q - tok_r).abs().max()) < {"fp8": 0.02, "int4": 0.1}[fmt]
+
+
+def test_the_engine_loads_an_moe_checkpoint_in_hfs_on_disk_layout_from_disk(moe_ckpt, tmp_path):
+    """`update_weights_from_disk` of a Qwen3-MoE dir as transformers saves it (and Qwen3-30B-A3B
+    ships): one tensor per expert. The engine fuses them as transformers' own loader does, and then
+    serves exactly the weights transformers loads from that dir."""
+    from safetensors.torch import load_file
+
+    from miles_platform.models.families import fuse_checkpoint_experts
+
+    other = _perturbed_copy(moe_ckpt, tmp_path / "other", scale=0.5)  # the routers differ: a real update
+    on_disk = load_file(f"{other}/model.safetensors")
+    assert any(".mlp.experts.3.down_proj.weight" in k for k in on_disk)  # HF's per-expert layout
+    want = load_hf_model(other).state_dict()
+    assert fuse_checkpoint_experts(on_disk).keys() <= want.keys()
+    server = start_engine_server(moe_ckpt, num_threads=1, weight_roots=[str(tmp_path)])
+    try:
+        out = post(server.url, "/update_weights_from_disk", {"model_path": other, "weight_version": 1})
+        assert out["success"] and out["weight_version"] == 1, out
+        got = server.core.model.state_dict()
+    finally:
+        server.stop()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="per-expert tensors are incomplete"):
+        fuse_checkpoint_experts({k: v for k, v in on_disk.items() if ".experts.1.up_proj" not in k})
 
 
 def _moe_actor(ckpt, **kw):
