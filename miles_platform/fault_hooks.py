@@ -3,9 +3,10 @@
     --ci-fault-hooks '[{"request_id": "k", "hook_name": "weight_update_prepared",
                         "action": {"kind": "kill_process"}, "rollout_id": 3}]'
 
-A request waits at its hook (in the driver, the process that records every row) and runs its
-action the first time the hook is reached in its rollout (any rollout when `rollout_id` is
-absent). The hooks, in the order one rollout reaches them:
+A request waits at its hook (in the driver, the process that records every row, or inside the
+trainer ranks for the rank hooks below) and runs its action the first time the hook is reached in
+its rollout (any rollout when `rollout_id` is absent). The driver's hooks, in the order one
+rollout reaches them:
 
     orchestrator_step_start         before the rollout is generated
     rollout_end                     the rollout shard is written
@@ -20,6 +21,17 @@ absent). The hooks, in the order one rollout reaches them:
     metrics_recorded                the rollout's metrics are written
     save_start / save_end           around the trainer checkpoint (when one is due)
     orchestrator_step_end           the rollout is done
+
+Inside each trainer rank (`training/actor.py`, the rank's own process: `kill_process` there kills
+the rank, and the driver stops with `ActorDied` naming it and the resume command), Miles' names:
+
+    trainer_weight_update_before_all_gather   before the rank gathers the full HF weights of a
+                                              weight update (the initial sync's included)
+    trainer_step_before_allreduce             a step's gradients computed, before their
+                                              data-parallel all-reduce and the optimizer step
+
+The rollout of a rank's hook is the one it last trained (-1 before the first); a request for a
+rank hook may name one rank (`"target": {"rank": 0}`; default: every rank).
 
 Actions: kill_process (SIGKILL), exit_process (`exit_code`, default 1, no cleanup), segfault_process
 (SIGSEGV), stop_process (SIGSTOP: a hung driver), sleep (`seconds`), sleep_forever, observe (a log
@@ -37,7 +49,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from miles_platform.errors import ConfigError, MilesError
@@ -47,6 +59,8 @@ HOOKS = (
     "weight_update_start", "weight_update_prepared", "weight_update_paused", "weight_update_activated",
     "version_recorded", "eval_start", "metrics_recorded", "save_start", "save_end", "orchestrator_step_end",
 )  # fmt: skip
+# fired inside the trainer ranks (their own processes), not by the driver
+RANK_HOOKS = ("trainer_weight_update_before_all_gather", "trainer_step_before_allreduce")
 ACTIONS = ("kill_process", "exit_process", "segfault_process", "stop_process", "sleep", "sleep_forever",
            "observe", "raise")  # fmt: skip
 # Miles' actions that act on cells, threads or the API server: no counterpart in this loop
@@ -65,7 +79,12 @@ class FaultRequest:
     rollout_id: int | None = None
     request_id: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+    rank: int | None = None  # a rank hook's target rank (None: every rank)
     fired: bool = False
+
+    def describe(self) -> str:
+        at = f", rollout {self.rollout_id}" if self.rollout_id is not None else ""
+        return f"{self.request_id} ({self.kind} at {self.hook_name}{at})"
 
 
 def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
@@ -85,12 +104,12 @@ def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
         where = f"{flag} entry {i}"
         if not isinstance(r, dict):
             raise ConfigError(f"{where}: expected an object, got {type(r).__name__}")
-        unknown = set(r) - {"request_id", "hook_name", "action", "rollout_id"}
+        unknown = set(r) - {"request_id", "hook_name", "action", "rollout_id", "target"}
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
         hook, action = r.get("hook_name"), r.get("action")
-        if hook not in HOOKS:
-            raise ConfigError(f"{where}: hook_name {hook!r}; choose one of {', '.join(HOOKS)}")
+        if hook not in HOOKS + RANK_HOOKS:
+            raise ConfigError(f"{where}: hook_name {hook!r}; choose one of {', '.join(HOOKS + RANK_HOOKS)}")
         if not isinstance(action, dict) or "kind" not in action:
             raise ConfigError(f'{where}: action must be an object with a "kind"')
         kind = action["kind"]
@@ -115,23 +134,52 @@ def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
         rid = r.get("rollout_id")
         if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or rid < 0):
             raise ConfigError(f"{where}: rollout_id must be an integer >= 0, got {rid!r}")
-        out.append(FaultRequest(hook, kind, rid, str(r.get("request_id", f"hook-{i}")), params))
+        rank = _target_rank(r.get("target"), hook, where)
+        out.append(FaultRequest(hook, kind, rid, str(r.get("request_id", f"hook-{i}")), params, rank))
     return out
 
 
-class FaultHooks:
-    """The run's requests; `fire(hook)` at each point (the loop sets `rollout_id` per rollout)."""
+def _target_rank(target: Any, hook: str, where: str) -> int | None:
+    """Miles' `target`: here only `{"rank": N}` of a rank hook (no cells to name)."""
+    if target is None:
+        return None
+    if hook not in RANK_HOOKS:
+        raise ConfigError(f"{where}: target names a trainer rank; {hook} runs in the driver (no target)")
+    if not isinstance(target, dict) or set(target) != {"rank"}:
+        raise ConfigError(f'{where}: target must be {{"rank": N}} (this loop has no cells), got {target!r}')
+    rank = target.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ConfigError(f"{where}: target rank must be an integer >= 0, got {rank!r}")
+    return rank
 
-    def __init__(self, requests: list[FaultRequest], log: Callable[[str], None] = print):
-        self.requests, self.log, self.rollout_id = requests, log, -1
+
+class FaultHooks:
+    """One process's requests; `fire(hook)` at each point (the loop, or the trainer rank, sets
+    `rollout_id` per rollout). The driver's (`rank` None) fire the driver hooks; a trainer rank's
+    fire the rank hooks that target it."""
+
+    def __init__(
+        self, requests: list[FaultRequest], log: Callable[[str], None] = print, rank: int | None = None
+    ):
+        self.log, self.rollout_id, self.rank = log, -1, rank
+        names = HOOKS if rank is None else RANK_HOOKS
+        # copies: whether a request fired is this process's state
+        self.requests = [replace(r) for r in requests if r.hook_name in names and r.rank in (None, rank)]
+        self.in_ranks = [r for r in requests if r.hook_name in RANK_HOOKS] if rank is None else []
 
     def fire(self, hook: str) -> None:
         for r in self.requests:
             if r.fired or r.hook_name != hook or r.rollout_id not in (None, self.rollout_id):
                 continue
             r.fired = True
-            self.log(f"[ci-fault-hooks] {r.request_id}: {r.kind} at {hook}, rollout {self.rollout_id}")
+            where = "" if self.rank is None else f" in TrainerActor rank {self.rank}"
+            self.log(f"[ci-fault-hooks] {r.request_id}: {r.kind} at {hook}, rollout {self.rollout_id}{where}")
             _act(r)
+
+    def due_in_ranks(self) -> list[FaultRequest]:
+        """The driver's view: rank-hook requests that may have fired in this rollout (a dead rank's
+        message names them)."""
+        return [r for r in self.in_ranks if r.rollout_id in (None, self.rollout_id)]
 
 
 def _act(r: FaultRequest) -> None:

@@ -77,7 +77,7 @@ class RLRun:
             try:
                 result = self._loop(start, version)
             except Exception as e:
-                died = actor_died(cfg, e)
+                died = actor_died(cfg, e, s.hooks.due_in_ranks())
                 if died is None:
                     raise
                 raise died from e

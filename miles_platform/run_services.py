@@ -202,9 +202,11 @@ class RunServices(contextlib.AbstractContextManager):
         return m.data_source.state_dict(m.unfinished_records()) if m else {}
 
 
-def actor_died(cfg: RunConfig, e: Exception) -> Exception | None:
+def actor_died(cfg: RunConfig, e: Exception, injected: list | None = None) -> Exception | None:
     """A Ray actor of the run died (a trainer rank, an engine without --use-fault-tolerance): one
-    message naming the actor and how to resume, instead of Ray's traceback."""
+    message naming the actor and how to resume, instead of Ray's traceback. `injected`: the
+    --ci-fault-hooks rank requests due in this rollout (`FaultHooks.due_in_ranks`), named for a
+    trainer so an injected death reads as one."""
     import ray
 
     if not isinstance(e, ray.exceptions.RayActorError):
@@ -218,4 +220,8 @@ def actor_died(cfg: RunConfig, e: Exception) -> Exception | None:
         else "no --save: a relaunch starts over"
     )
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
-    return ActorDied(f"{name} of run {cfg.run_name!r} died ({first[:200]}); the run stopped: {resume}")
+    due = ""
+    if injected and name == "TrainerActor":
+        due = (f"; --ci-fault-hooks due in the trainer ranks: {', '.join(r.describe() for r in injected)} "
+               "(a relaunch that keeps them fires them again)")  # fmt: skip
+    return ActorDied(f"{name} of run {cfg.run_name!r} died ({first[:200]}){due}; the run stopped: {resume}")

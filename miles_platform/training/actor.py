@@ -77,6 +77,13 @@ def lr_lambda(cfg: RunConfig, total_steps: int):
                          cfg.lr_decay_iters or max(total_steps, 1))  # fmt: skip
 
 
+def _rank_log(line: str) -> None:
+    """A rank's fault-hook line: its stderr (the Ray worker log), flushed before the action runs."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
 class TrainerActor:
     """Trainer rank. In the loop it is wrapped with `ray.remote`; tests may use it directly."""
 
@@ -114,6 +121,10 @@ class TrainerActor:
         self.global_step = 0
         self.loss_fn = loss_hub.get_loss_function(cfg)
         self._weight_groups: dict = {}  # group_name -> (process group, backend), broadcast transport
+        from miles_platform.fault_hooks import FaultHooks, parse_fault_hooks
+
+        # --ci-fault-hooks' rank hooks, fired in this process (kill_process kills this rank)
+        self.hooks = FaultHooks(parse_fault_hooks(cfg.ci_fault_hooks), _rank_log, rank=rank)
 
     # ------------------------------------------------------------------ setup
     def _build_ref(self):
@@ -281,6 +292,7 @@ class TrainerActor:
             from miles_platform.cluster.object_store import get_rollout_data
 
             batch = TrainBatch(**get_rollout_data(batch))
+        self.hooks.rollout_id = rollout_id
         self.model.train()
         for rr in self._moe:  # MoE metrics are per train call
             rr.reset()
@@ -449,6 +461,7 @@ class TrainerActor:
             if self.global_step == 0 and k == 0:
                 add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
                 add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
+        self.hooks.fire("trainer_step_before_allreduce")
         self.backend.finish_grad_sync()  # .grad = the average over data-parallel ranks
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.backend.parameters() if p.grad is not None], cfg.clip_grad
@@ -482,10 +495,12 @@ class TrainerActor:
     # ------------------------------------------------------------------ weights
     def get_hf_weights(self) -> dict[str, torch.Tensor]:
         """The policy under HF names (a LoRA trainer's merged weights: for exports on demand)."""
+        self.hooks.fire("trainer_weight_update_before_all_gather")
         return self.backend.export_hf_state_dict()
 
     def get_lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
         """--lora-rank > 0: (lora_A / lora_B tensors, adapter_config.json), what a weight update ships."""
+        self.hooks.fire("trainer_weight_update_before_all_gather")
         return self.backend.export_adapter()
 
     def get_base_weights(self) -> dict[str, torch.Tensor]:
@@ -514,6 +529,7 @@ class TrainerActor:
         broadcasts each tensor in `names` order (default: export order). Returns the metadata."""
         from miles_platform.weights.transports.broadcast import broadcast, dtype_name
 
+        self.hooks.fire("trainer_weight_update_before_all_gather")
         state = self.backend.export_hf_state_dict()
         if self.rank != 0:
             return {}

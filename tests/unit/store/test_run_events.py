@@ -127,3 +127,45 @@ def test_fault_hooks_change_neither_the_config_hash_nor_what_a_resume_compares(t
     b = RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path, ci_fault_hooks=hooks)).validate()
     assert a.config_hash() == b.config_hash()
     assert config_changes(json.loads(saved_config(b)), a) == []
+
+
+def test_rank_hooks_fire_only_in_their_ranks_and_the_driver_names_those_due():
+    from miles_platform.fault_hooks import RANK_HOOKS
+
+    reqs = parse_fault_hooks(json.dumps([
+        {"request_id": "k", "hook_name": "trainer_step_before_allreduce", "action": {"kind": "raise"},
+         "rollout_id": 1, "target": {"rank": 1}},
+        {"request_id": "g", "hook_name": "trainer_weight_update_before_all_gather", "action": {"kind": "observe"}},
+        {"request_id": "d", "hook_name": "save_end", "action": {"kind": "observe"}},
+    ]))  # fmt: skip
+    logged = []
+    driver, rank0, rank1 = (FaultHooks(reqs, logged.append, rank=r) for r in (None, 0, 1))
+    assert [r.request_id for r in driver.requests] == ["d"]  # the driver never fires a rank hook
+    assert [r.request_id for r in rank0.requests] == ["g"] and [r.request_id for r in rank1.requests] == [
+        "k",
+        "g",
+    ]
+    for h in (driver, rank0, rank1):
+        h.rollout_id = 1
+    driver.fire("trainer_step_before_allreduce")
+    rank0.fire("trainer_step_before_allreduce")  # targets rank 1 only
+    with pytest.raises(FaultInjected):
+        rank1.fire("trainer_step_before_allreduce")
+    assert logged == [
+        "[ci-fault-hooks] k: raise at trainer_step_before_allreduce, rollout 1 in TrainerActor rank 1"
+    ]
+    assert [r.describe() for r in driver.due_in_ranks()] == [
+        "k (raise at trainer_step_before_allreduce, rollout 1)", "g (observe at trainer_weight_update_before_all_gather)"]  # fmt: skip
+    driver.rollout_id = 2
+    assert [r.request_id for r in driver.due_in_ranks()] == ["g"]
+    assert set(RANK_HOOKS).isdisjoint(HOOKS)
+    for bad, match in [
+        ({"hook_name": "save_end", "target": {"rank": 0}}, "runs in the driver"),
+        ({"hook_name": "trainer_step_before_allreduce", "target": {"cell_id": "c"}}, "no cells"),
+        (
+            {"hook_name": "trainer_step_before_allreduce", "target": {"rank": -1}},
+            "rank must be an integer >= 0",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_fault_hooks([{**bad, "action": {"kind": "kill_process"}}])

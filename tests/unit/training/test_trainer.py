@@ -137,3 +137,39 @@ def test_old_log_probs_from_the_training_forward_train_exactly_like_a_separate_p
     assert ci._old_log_probs_from_training_forward()
     several = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "e"), global_batch_size=2))
     assert not several._old_log_probs_from_training_forward()  # 2 steps per rollout
+
+
+def test_rank_fault_hooks_fire_inside_the_rank_with_its_rollout_id(tiny_hf_checkpoint, tmp_path, capsys):
+    import json
+
+    import pytest
+
+    from miles_platform.fault_hooks import FaultInjected
+
+    hooks = [
+        {"request_id": "g", "hook_name": "trainer_weight_update_before_all_gather",
+         "action": {"kind": "raise", "message": "gather"}, "rollout_id": 0},
+        {"request_id": "s", "hook_name": "trainer_step_before_allreduce",
+         "action": {"kind": "raise", "message": "step"}, "rollout_id": 1},
+        {"request_id": "r1", "hook_name": "trainer_step_before_allreduce", "action": {"kind": "raise"},
+         "target": {"rank": 1}},  # another rank's
+    ]  # fmt: skip
+    actor = TrainerActor(_cfg(tiny_hf_checkpoint, str(tmp_path / "ck"), ci_fault_hooks=json.dumps(hooks)))
+    _weights(actor)  # rollout -1 (the initial sync): nothing due
+    actor.train(0, _batch())  # "s" is rollout 1's, "r1" rank 1's
+    with pytest.raises(FaultInjected, match="gather"):
+        actor.get_hf_weights()  # rollout 0's weight update
+    before = _weights(actor)  # once only
+    with pytest.raises(FaultInjected, match="step"):
+        actor.train(1, _batch(1))
+    after = _weights(actor)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # it fired before the optimizer step
+    err = capsys.readouterr().err
+    assert (
+        "[ci-fault-hooks] g: raise at trainer_weight_update_before_all_gather, rollout 0 in TrainerActor rank 0"
+        in err
+    )
+    assert (
+        "[ci-fault-hooks] s: raise at trainer_step_before_allreduce, rollout 1 in TrainerActor rank 0" in err
+    )
+    assert "r1:" not in err
