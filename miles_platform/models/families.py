@@ -160,3 +160,24 @@ def fuse_checkpoint_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.T
         out[f"{pre}gate_up_proj"] = torch.cat([gate, up], dim=1)
         out[f"{pre}down_proj"] = down
     return out
+
+
+def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `fuse_checkpoint_experts`: fused expert parameters as HF's per-expert
+    checkpoint tensors (what the run's HF exports and publications hold, and SGLang's Qwen3-MoE
+    loader reads); any other state is returned as it is."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj") and t.dim() == 3:
+            pre = name[: -len("gate_up_proj")]
+            gates, ups = t.chunk(2, dim=1)  # [E, I, H] each: gate rows, then up rows
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"] = gates[e].contiguous()
+                out[f"{pre}{e}.up_proj.weight"] = ups[e].contiguous()
+        elif name.endswith("mlp.experts.down_proj") and t.dim() == 3:
+            pre = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from miles_platform.models.families import split_fused_experts
 from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_tree, replace_dir
 
@@ -55,8 +56,8 @@ def export_hf_dir(
 
             conf = json.loads((tmp / "config.json").read_text())
             (tmp / "config.json").write_text(json.dumps({**conf, **config_overrides}, indent=2))
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
+        save_file(  # in HF's checkpoint layout: an MoE's experts one tensor each, as SGLang reads them
+            {k: v.contiguous() for k, v in split_fused_experts(state).items()},
             str(tmp / "model.safetensors"),
             metadata={"format": "pt"},
         )

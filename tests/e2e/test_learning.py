@@ -96,6 +96,6 @@ def test_grpo_with_routing_replay_lifts_an_upcycled_moe(base):
     final_acc = _greedy(res.final_hf_path, task["eval"])
     print(f"upcycled MoE + R3: held-out greedy {moe_acc:.1%} -> {final_acc:.1%} (dense base {base_acc:.1%})")
     assert final_acc >= moe_acc + 0.20, f"held-out greedy {moe_acc:.1%} -> {final_acc:.1%}"
-    w = load_file(f"{res.final_hf_path}/model.safetensors")
-    fused = w["model.layers.0.mlp.experts.gate_up_proj"]  # [experts, 2 x intermediate, hidden]
-    assert any((fused[e] != fused[0]).any() for e in range(1, fused.shape[0])), "the experts did not diverge"
+    w = load_file(f"{res.final_hf_path}/model.safetensors")  # HF's layout: one tensor per expert
+    gates = [w[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] for e in range(4)]
+    assert any((g != gates[0]).any() for g in gates[1:]), "the experts did not diverge"

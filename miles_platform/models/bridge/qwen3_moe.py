@@ -123,18 +123,6 @@ class Qwen3MoeBridge(DenseBridge):
 
     def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         """The fused expert parameters split into HF's per-expert checkpoint tensors."""
-        out = {}
-        for name, t in hf_sd.items():
-            if name.endswith("mlp.experts.gate_up_proj"):
-                pre = name[: -len("gate_up_proj")]
-                gates, ups = t.chunk(2, dim=1)  # [E, I, H] each: gate rows, then up rows
-                for e in range(t.shape[0]):
-                    out[f"{pre}{e}.gate_proj.weight"] = gates[e].contiguous()
-                    out[f"{pre}{e}.up_proj.weight"] = ups[e].contiguous()
-            elif name.endswith("mlp.experts.down_proj"):
-                pre = name[: -len("down_proj")]
-                for e, down in enumerate(t):
-                    out[f"{pre}{e}.down_proj.weight"] = down.contiguous()
-            else:
-                out[name] = t
-        return out
+        from miles_platform.models.families import split_fused_experts
+
+        return split_fused_experts(hf_sd)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from miles_platform.models.families import split_fused_experts
 from miles_platform.weights.transports import TransferStats, Transport
 from miles_platform.weights.transports.disk import update_from_disk
 
@@ -64,7 +65,7 @@ class DiskDeltaTransport(Transport):
         """First update: publish the base snapshot and materialize it in every engine-local dir."""
         from miles_platform.weights.disk_delta import apply_publication
 
-        self.publisher.publish(state, version=version)
+        self.publisher.publish(split_fused_experts(state), version=version)
         self._after_write(version)
         for i in range(len(self.engines)):
             self._materialize_base(i)
@@ -90,7 +91,7 @@ class DiskDeltaTransport(Transport):
     def prepare(self, state, version, hf_dir):
         from miles_platform.weights.disk_delta import apply_publication
 
-        st = self.publisher.publish(state, version=version)
+        st = self.publisher.publish(split_fused_experts(state), version=version)  # the export's layout
         self._after_write(version)
         for i in range(len(self.engines)):
             apply_publication(self.pub_dir, self.local_dir(i), version=version)
