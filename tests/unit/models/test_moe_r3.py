@@ -163,13 +163,15 @@ def test_the_engine_loads_an_moe_checkpoint_in_hfs_on_disk_layout_from_disk(moe_
     serves exactly the weights transformers loads from that dir."""
     from safetensors.torch import load_file
 
-    from miles_platform.models.families import fuse_checkpoint_experts
+    from miles_platform.models.families import fuse_checkpoint_experts, split_fused_experts
 
     other = _perturbed_copy(moe_ckpt, tmp_path / "other", scale=0.5)  # the routers differ: a real update
     on_disk = load_file(f"{other}/model.safetensors")
     assert any(".mlp.experts.3.down_proj.weight" in k for k in on_disk)  # HF's per-expert layout
     want = load_hf_model(other).state_dict()
     assert fuse_checkpoint_experts(on_disk).keys() <= want.keys()
+    back = split_fused_experts(fuse_checkpoint_experts(on_disk))  # what exports write: the disk layout
+    assert back.keys() == on_disk.keys() and all(torch.equal(back[k], on_disk[k]) for k in on_disk)
     server = start_engine_server(moe_ckpt, num_threads=1, weight_roots=[str(tmp_path)])
     try:
         out = post(server.url, "/update_weights_from_disk", {"model_path": other, "weight_version": 1})
