@@ -152,6 +152,43 @@ class RoutingReplay:
         return float(per_layer.mean())
 
 
+class MegatronExpertLoad:
+    """Tokens per expert of megatron-core's `TopKRouter`s (the megatron backend's MoE layers):
+    `load_balance()` as RoutingReplay's, from each router's routing map. No replay (R3 on megatron
+    is refused before start), so `flips` and `routed` stay 0."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter" and hasattr(m, "topk")]
+        if not self.routers:
+            raise ValueError("not a megatron MoE model: no TopKRouter modules")
+        self.num_layers, self.num_experts = len(self.routers), int(self.routers[0].config.num_moe_experts)
+        self.flips = self.routed = 0
+        self.load = torch.zeros(self.num_layers, self.num_experts)
+        for layer, r in enumerate(self.routers):
+            r.register_forward_hook(self._hook(layer))
+
+    @classmethod
+    def of(cls, model: nn.Module) -> MegatronExpertLoad | None:
+        got = model.__dict__.get("_miles_expert_load", ...)
+        if got is ...:
+            has = any(type(m).__name__ == "TopKRouter" for m in model.modules())
+            got = cls(model) if has else None
+            model.__dict__["_miles_expert_load"] = got
+        return got
+
+    def _hook(self, layer: int):
+        def hook(mod, _inputs, out):
+            _probs, routing_map = out  # [tokens, experts] bool: the experts each token goes to
+            self.load[layer] += routing_map.detach().sum(0).float().cpu()
+
+        return hook
+
+    def reset(self) -> None:
+        self.load.zero_()
+
+    load_balance = RoutingReplay.load_balance
+
+
 def upcycle_dense_to_moe(
     dense_dir: str,
     out_dir: str,

@@ -196,10 +196,13 @@ class TrainerActor:
         rollout's experts for every token the engine routed (R3), counting the routes that flip."""
         import contextlib
 
-        from miles_platform.models.moe import RoutingReplay
+        from miles_platform.models.moe import MegatronExpertLoad, RoutingReplay
 
         rr = RoutingReplay.of(backend.module)
-        if rr is None:
+        if rr is None:  # the megatron backend's MoE layers: expert load only (no R3 there)
+            load = MegatronExpertLoad.of(backend.module)
+            if load is not None:
+                self._moe.add(load)
             return contextlib.nullcontext()
         self._moe.add(rr)
         if not self.cfg.use_rollout_routing_replay:

@@ -44,6 +44,9 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
     res = train(cfg(2))
     assert res.final_version == 2
     assert ("train/moe_route_flips" in res.metrics[0]) is r3
+    moe = family == "qwen3_moe"  # expert load on both backends (megatron: its TopKRouters' routing maps)
+    assert all(("train/moe_load_balance" in m) is moe for m in res.metrics)
+    assert not moe or all(1.0 <= m["train/moe_load_balance"] <= 2.0 for m in res.metrics)  # k=2 of 4: <= 2
     assert res.ci_checks["step0_ppo_kl"] < 1e-9  # the run itself raises past 1e-9 / the diff bound
     assert res.ci_checks["train_rollout_logprob_abs_diff"] < cfg(2).ci_logprob_abs_diff_threshold
     res2 = train(cfg(3))  # the same command with one more rollout: resumes from iter_0000001
