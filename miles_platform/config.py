@@ -133,6 +133,8 @@ _RANGES: dict[str, tuple] = {
     "rollout_health_check_interval": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_timeout": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_first_wait": (0, None, False, ">= 0 (seconds)"),
+    "pause_wait_timeout_s": (0, None, True, "> 0 (seconds)"),
+    "pause_max_queued_requests": _POSITIVE,
     "max_seq_len": _POSITIVE,
     "session_server_port": (0, 65535, False, "a port in [0, 65535] (0: a free one)"),
 }
@@ -183,6 +185,13 @@ class RunConfig:
     )
     rollout_health_check_first_wait: float = _f(
         0.0, "cluster", "grace period in seconds before the first health check"
+    )
+    # defaults: rollout.engine_core.DEFAULT_PAUSE_* (not imported here: it loads torch)
+    pause_wait_timeout_s: float = _f(
+        600.0, "cluster", "embedded engines: a request /pause_generation holds longer than this gets 503"
+    )
+    pause_max_queued_requests: int = _f(
+        16384, "cluster", "embedded engines: while paused, a request beyond this many queued gets 503 at once"
     )
     api_key: str | None = _f(
         None,
@@ -689,6 +698,11 @@ class RunConfig:
             if getattr(self, name) != _default(name):
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: {why}")
         self._check_fault_tolerance()
+        pause = [_flag(n) for n in ("pause_wait_timeout_s", "pause_max_queued_requests")
+                 if getattr(self, n) != _default(n)]  # fmt: skip
+        if pause and (self.rollout_engine != "embedded" or self.rollout_external_engine_addrs):
+            raise ConfigError(f"{', '.join(pause)}: bounds of the embedded engine's pause (SGLang has "
+                              "none); use --rollout-engine embedded or drop the flag")  # fmt: skip
         from miles_platform.fault_hooks import parse_fault_hooks
 
         parse_fault_hooks(self.ci_fault_hooks)
@@ -1065,7 +1079,7 @@ RESUMABLE = frozenset(
     {"ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
      "colocate", "num_cpus_per_actor", "rollout_engine", "rollout_external_engine_addrs", "sglang_router_port",
      "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
-     "rollout_health_check_first_wait", "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
+     "rollout_health_check_first_wait", "pause_wait_timeout_s", "pause_max_queued_requests", "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
      "load", "save", "save_interval", "save_hf", "num_rollout", "num_epoch", "rollout_max_concurrency",
      "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",

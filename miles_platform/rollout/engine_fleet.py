@@ -59,6 +59,8 @@ def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
         dtype=cfg.rollout_dtype,
         max_batch_size=embedded_max_running_requests(cfg),
         weight_roots=engine_weight_roots(cfg),
+        pause_wait_timeout_s=cfg.pause_wait_timeout_s,
+        pause_max_queued_requests=cfg.pause_max_queued_requests,
         options={"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", **run_storage_env(cfg)}}},
     )
 

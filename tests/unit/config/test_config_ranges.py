@@ -23,6 +23,9 @@ BAD = [
     ("--gamma", "1.5"),
     ("--eval-top-p", "0"),
     ("--tis-lower-bound", "3"),
+    ("--pause-wait-timeout-s", "0"),
+    ("--pause-wait-timeout-s", "nan"),
+    ("--pause-max-queued-requests", "0"),
 ]
 
 
@@ -61,3 +64,18 @@ def test_choices_hold_outside_argparse_too():
         RunConfig(rollout_batch_size=2, advantage_estimator="grpoo").validate()
     with pytest.raises(ConfigError, match="--train-forward-dtype 'fp64': must be one of fp32"):
         RunConfig(rollout_batch_size=2, rollout_dtype="fp64", train_forward_dtype="fp64").validate()
+
+
+def test_the_pause_bounds_reach_the_embedded_engines_and_only_them():
+    from miles_platform.rollout import engine_core
+    from miles_platform.rollout.engine_fleet import _embedded_kwargs
+
+    cfg = RunConfig(rollout_batch_size=2).validate()  # the same defaults as the engine's own
+    assert (cfg.pause_wait_timeout_s, cfg.pause_max_queued_requests) == (
+        engine_core.DEFAULT_PAUSE_WAIT_TIMEOUT_S, engine_core.DEFAULT_PAUSE_MAX_QUEUED_REQUESTS)  # fmt: skip
+    kw = _embedded_kwargs(
+        RunConfig(rollout_batch_size=2, hf_checkpoint="/m/ckpt", pause_wait_timeout_s=5.0).validate()
+    )
+    assert kw["pause_wait_timeout_s"] == 5.0 and kw["pause_max_queued_requests"] == 16384
+    with pytest.raises(ConfigError, match="--pause-wait-timeout-s: bounds of the embedded engine's pause"):
+        RunConfig(rollout_batch_size=2, rollout_engine="sglang", pause_wait_timeout_s=5.0).validate()
