@@ -758,12 +758,7 @@ class RunConfig:
         if not self.use_rollout_routing_replay:
             return
         why = None
-        if self.train_backend != "fsdp":
-            why = (
-                f"--train-backend {self.train_backend}: replaying routes into megatron's TopKRouter is not built "
-                "(MoE trains on megatron without R3); use --train-backend fsdp"
-            )
-        elif self.use_rollout_logprobs or self.lora_rank > 0:
+        if self.use_rollout_logprobs or self.lora_rank > 0:
             why = "--use-rollout-logprobs / LoRA with routing replay is not built"
         if why:
             raise ConfigError(f"--use-rollout-routing-replay: {why}")

@@ -11,7 +11,7 @@ llama    LlamaForCausalLM     no q/k norm, no biases, rope_type llama3 (Llama 3.
 
 MoE (`MOE_FAMILIES`): the fsdp backend and the embedded engine run HF's MoE blocks (routing record /
 replay in `models/moe.py`); the megatron backend maps them to TopKRouter + SequentialMLP experts at
-expert parallel 1, without R3 (`models/bridge/qwen3_moe.py`, docs/moe.md).
+expert parallel 1, R3 through its routers' replay hook (`models/bridge/qwen3_moe.py`, docs/moe.md).
 qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`num_experts`)
 """
 

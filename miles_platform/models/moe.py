@@ -88,8 +88,9 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def replay(self, routes: torch.Tensor | None) -> Iterator[RoutingReplay]:
-        """`routes`: `[B*T, num_layers, top_k]` (long), rows of -1 route as the model would."""
-        self._replay = routes
+        """`routes`: `[B, T, num_layers, top_k]` or `[B*T, ...]` (long), rows of -1 route as the
+        model would."""
+        self._replay = None if routes is None else routes.reshape(-1, *routes.shape[-2:])
         try:
             yield self
         finally:
@@ -152,29 +153,46 @@ class RoutingReplay:
         return float(per_layer.mean())
 
 
-class MegatronExpertLoad:
-    """Tokens per expert of megatron-core's `TopKRouter`s (the megatron backend's MoE layers):
-    `load_balance()` as RoutingReplay's, from each router's routing map. No replay (R3 on megatron
-    is refused before start), so `flips` and `routed` stay 0."""
+class MegatronRoutingReplay:
+    """The megatron backend's MoE routing (megatron-core's `TopKRouter`s): tokens per expert from
+    each router's routing map (`load_balance()` as RoutingReplay's), and R3: `replay(routes)` makes
+    every router take the recorded experts, through the router's own replay hook (megatron's
+    `router_replay.get_replay_topk`, called by its top-k routing with the scores it ranks). As
+    RoutingReplay: rows of -1 route as the model would, the gate values are the router's own scores
+    gathered at the replayed experts (softmax over them when megatron softmaxes after the top-k, i.e.
+    HF's norm_topk_prob), and `flips` / `routed` count (token, layer) pairs replayed and changed.
+    Megatron routes tokens sequence-first: `[T * B]`, where HF's are batch-first."""
 
     def __init__(self, model: nn.Module):
         self.routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter" and hasattr(m, "topk")]
         if not self.routers:
             raise ValueError("not a megatron MoE model: no TopKRouter modules")
-        self.num_layers, self.num_experts = len(self.routers), int(self.routers[0].config.num_moe_experts)
+        self.num_layers, self.top_k = len(self.routers), int(self.routers[0].topk)
+        self.num_experts = int(self.routers[0].config.num_moe_experts)
         self.flips = self.routed = 0
         self.load = torch.zeros(self.num_layers, self.num_experts)
+        self._replay: torch.Tensor | None = None  # [T * B, num_layers, top_k]
         for layer, r in enumerate(self.routers):
             r.register_forward_hook(self._hook(layer))
+            r.router_replay = _LayerReplay(self, layer)
 
     @classmethod
-    def of(cls, model: nn.Module) -> MegatronExpertLoad | None:
-        got = model.__dict__.get("_miles_expert_load", ...)
+    def of(cls, model: nn.Module) -> MegatronRoutingReplay | None:
+        got = model.__dict__.get("_miles_megatron_routing", ...)
         if got is ...:
             has = any(type(m).__name__ == "TopKRouter" for m in model.modules())
             got = cls(model) if has else None
-            model.__dict__["_miles_expert_load"] = got
+            model.__dict__["_miles_megatron_routing"] = got
         return got
+
+    @contextlib.contextmanager
+    def replay(self, routes: torch.Tensor | None) -> Iterator[MegatronRoutingReplay]:
+        """`routes`: `[B, T, num_layers, top_k]` (long), batch-first as the samples are."""
+        self._replay = None if routes is None else routes.transpose(0, 1).reshape(-1, *routes.shape[2:])
+        try:
+            yield self
+        finally:
+            self._replay = None
 
     def _hook(self, layer: int):
         def hook(mod, _inputs, out):
@@ -184,9 +202,35 @@ class MegatronExpertLoad:
         return hook
 
     def reset(self) -> None:
+        self.flips = self.routed = 0
         self.load.zero_()
 
     load_balance = RoutingReplay.load_balance
+
+
+class _LayerReplay:
+    """One router's `router_replay` (megatron's RouterReplay interface: `get_replay_topk`)."""
+
+    def __init__(self, owner: MegatronRoutingReplay, layer: int):
+        self.owner, self.layer = owner, layer
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        routes = self.owner._replay
+        if routes is None:
+            return probs, idx
+        want = routes[:, self.layer].to(idx.device)
+        if want.shape != idx.shape:
+            raise ValueError(
+                f"routing replay: layer {self.layer} routes {tuple(idx.shape)} tokens x top-k, the replayed "
+                f"routes {tuple(want.shape)}"
+            )
+        use = (want >= 0).all(-1)
+        same = (idx.sort(-1).values == want.sort(-1).values).all(-1)
+        self.owner.flips += int((use & ~same).sum())
+        self.owner.routed += int(use.sum())
+        idx = torch.where(use[:, None], want, idx)
+        return scores.gather(1, idx), idx
 
 
 def upcycle_dense_to_moe(

@@ -196,13 +196,10 @@ class TrainerActor:
         rollout's experts for every token the engine routed (R3), counting the routes that flip."""
         import contextlib
 
-        from miles_platform.models.moe import MegatronExpertLoad, RoutingReplay
+        from miles_platform.models.moe import MegatronRoutingReplay, RoutingReplay
 
-        rr = RoutingReplay.of(backend.module)
-        if rr is None:  # the megatron backend's MoE layers: expert load only (no R3 there)
-            load = MegatronExpertLoad.of(backend.module)
-            if load is not None:
-                self._moe.add(load)
+        rr = RoutingReplay.of(backend.module) or MegatronRoutingReplay.of(backend.module)
+        if rr is None:
             return contextlib.nullcontext()
         self._moe.add(rr)
         if not self.cfg.use_rollout_routing_replay:
@@ -217,7 +214,7 @@ class TrainerActor:
                     f"routed-expert rows for its {n + 1} tokens (the engine returns tokens - 1)"
                 )
             routes[r, :n] = torch.as_tensor(got, dtype=torch.long)
-        return rr.replay(routes.reshape(-1, rr.num_layers, rr.top_k))
+        return rr.replay(routes)  # [B, T, layers, top_k]: each kind flattens its tokens its own way
 
     def _aux_loss(self, backend, batch: TrainBatch, idx: list[int], width: int):
         """--moe-aux-loss-coeff / --moe-z-loss-coeff: the policy's training forward collects its

@@ -1,5 +1,5 @@
 """Qwen2, Llama and Qwen3-MoE through the whole loop, each family on one trainer backend and each backend
-with one family (Llama and Qwen3-MoE with R3 on fsdp, Qwen2 and Qwen3-MoE without R3 on megatron; the cross terms are
+with one family (Llama and Qwen3-MoE with R3 on fsdp, Qwen2 and Qwen3-MoE with R3 on megatron; the cross terms are
 the same bridge and the same trainer, and tests/unit/training/test_model_families_megatron.py / test_moe_megatron.py
 check the families' megatron conversion and logits parity on their own): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
@@ -33,13 +33,14 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
     from miles_platform.weights.disk_delta import apply_publication
 
     ckpt, pub = family_checkpoints[family], str(tmp_path / "pub")
-    r3 = family == "qwen3_moe" and backend == "fsdp"
+    r3 = family == "qwen3_moe"  # R3 on both backends (megatron: through its TopKRouters' replay hook)
 
     def cfg(num_rollout):
         return small_run_config(ckpt, tmp_path, ci_test=True, save_interval=1, num_rollout=num_rollout,
                                 train_backend=backend, update_weight_transfer_mode="disk-delta",
                                 update_weight_disk_dir=pub, save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"),
-                                use_rollout_routing_replay=r3)  # fmt: skip
+                                use_rollout_routing_replay=r3,
+                                micro_batch_size=4)  # fmt: skip  # 4 rows per forward: megatron routes them seq-first
 
     res = train(cfg(2))
     assert res.final_version == 2

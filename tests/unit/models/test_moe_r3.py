@@ -121,15 +121,13 @@ def test_routing_replay_pulls_the_trainer_back_to_the_engines_log_probs(moe_ckpt
     assert gap[True] < gap[False] / 10, gap
 
 
-def test_r3_refuses_a_dense_model_and_the_megatron_backend_before_start(
-    moe_ckpt, tiny_hf_checkpoint, tmp_path
-):
+def test_r3_refuses_a_dense_model_and_lora_before_start(moe_ckpt, tiny_hf_checkpoint, tmp_path):
     from miles_platform.preflight import validate_before_start
 
     with pytest.raises(ConfigError, match="dense"):
         validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, use_rollout_routing_replay=True))
-    with pytest.raises(ConfigError, match="--use-rollout-routing-replay: --train-backend megatron"):
-        small_run_config(moe_ckpt, tmp_path, use_rollout_routing_replay=True, train_backend="megatron")
+    with pytest.raises(ConfigError, match="--use-rollout-routing-replay: --use-rollout-logprobs / LoRA"):
+        small_run_config(moe_ckpt, tmp_path, use_rollout_routing_replay=True, lora_rank=4)
     assert not (tmp_path / "root").exists(), "nothing is written before validation passes"
     assert json.load(open(f"{moe_ckpt}/config.json"))["architectures"] == ["Qwen3MoeForCausalLM"]
 
