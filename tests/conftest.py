@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
-LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
+LONGEST_FIRST = {
+    "test_diffusion_crash.py": 38,  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
     "test_learning.py": 175, "test_ui_browser.py": 108, "test_model_families_loop.py": 94, "test_loop.py": 89,
     "test_multi_rank.py": 60, "test_model_families_megatron.py": 45,
     "test_cluster_ray.py": 165,  # alone, 2026-12-02: with the Ray-job runs (dashboard, 3 submitted runs)
@@ -40,6 +41,7 @@ LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2
 # `make test-fast` leaves these out (-m "not slow"): whole training runs, SFT bases, the browser,
 # multi-process gloo groups; each takes over ~15 s alone. `make test` runs everything.
 SLOW = {
+    "test_kill_9_of_train_diffusion_then_relaunch_abandons_past_the_checkpoint_and_reuses_no_version",
     "test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_cancels",
     "test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops",
     "test_grpo_lifts_reward_and_heldout_accuracy", "test_materialize_eval_results_from_the_ui",

@@ -23,6 +23,13 @@ from miles_platform.errors import ConfigError
 GROUPS = ("cluster", "checkpoint", "rollout", "sampling", "reward", "eval", "algorithm", "optimizer",
           "precision", "storage", "logging", "debug")  # fmt: skip
 SDE_TYPES = ("sde", "cps", "ode")
+# the --ci-fault-hooks (fault_hooks.py's names) the diffusion loop fires, in its order; it has no
+# engine pause (weight_update_paused) and no trainer ranks of its own (the rank hooks)
+DIFFUSION_HOOKS = (
+    "orchestrator_step_start", "rollout_end", "trainer_controller_step_start", "trainer_controller_step_end",
+    "weight_update_start", "weight_update_prepared", "weight_update_activated", "version_recorded",
+    "eval_start", "metrics_recorded", "save_start", "save_end", "orchestrator_step_end",
+)  # fmt: skip
 LOSS_TYPES = ("policy_loss", "nft")
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 SDE_WINDOW = "miles.rollout.step_strategy_hub.sde_window"  # Miles' dotted names map to ours
@@ -175,6 +182,12 @@ class DiffusionRunConfig:
     debug_rollout_only: bool = _f(False, "debug", "rollout, no training")
     debug_skip_optimizer_step: bool = _f(False, "debug", "no optimizer step: weights never drift")
     ci_test: bool = _f(False, "debug", "assert the step-0 train/rollout contract (ratio 1)")
+    ci_fault_hooks: str | None = _f(
+        None,
+        "debug",
+        "JSON array of fault requests ({hook_name, action: {kind}, rollout_id}), as `train`'s; "
+        "the hooks this loop fires: miles_platform/diffusion/loop.py DIFFUSION_HOOKS",
+    )
 
     # what shared store code reads of a RunConfig
     lora_rank: int = dataclasses.field(default=0, init=False, repr=False, metadata={"internal": True})
@@ -213,11 +226,22 @@ class DiffusionRunConfig:
                 f"--diffusion-guidance-scale {self.diffusion_guidance_scale}: the tiny DiT family is trained "
                 "without classifier-free guidance (no unconditional branch); only 1.0"
             )
+        self._check_fault_hooks()
         if self.debug_rollout_only and self.debug_skip_optimizer_step:
             raise ConfigError(
                 "--debug-rollout-only and --debug-skip-optimizer-step: the first trains nothing"
             )
         return self
+
+    def _check_fault_hooks(self) -> None:
+        from miles_platform.fault_hooks import parse_fault_hooks
+
+        for i, r in enumerate(parse_fault_hooks(self.ci_fault_hooks)):
+            if r.hook_name not in DIFFUSION_HOOKS:
+                raise ConfigError(
+                    f"--ci-fault-hooks entry {i}: hook_name {r.hook_name!r} is never reached by train-diffusion "
+                    f"(no trainer ranks, no weight transport); choose one of {', '.join(DIFFUSION_HOOKS)}"
+                )
 
     def _check_numbers(self) -> None:
         import math
@@ -311,7 +335,8 @@ class DiffusionRunConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
 
     def config_hash(self) -> str:
-        skip = {"save", "load", "storage_root", "log_interval", "ray_address", "api_key", "run_name"}
+        skip = {"save", "load", "storage_root", "log_interval", "ray_address", "api_key", "run_name",
+                "ci_fault_hooks"}  # fmt: skip
         payload = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

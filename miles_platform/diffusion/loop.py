@@ -100,12 +100,15 @@ class DiffusionRun:
         from miles_platform.cluster.ray_cluster import init_ray, shutdown_ray
         from miles_platform.data.dataset import content_hash as data_hash
         from miles_platform.data.source import RolloutDataSource
+        from miles_platform.fault_hooks import FaultHooks, parse_fault_hooks
         from miles_platform.models.checkpoint import content_hash
         from miles_platform.store.run_lock import RunLock, local_run_dir
+        from miles_platform.store.run_state import remove_dead_writers_tmp
 
         cfg = self.cfg
         records, self.evals = preflight(cfg, self.paths)
         cfg.resolve_api_key()
+        self.hooks = FaultHooks(parse_fault_hooks(cfg.ci_fault_hooks), self.reporter.log)
         self.src = RolloutDataSource(
             records, rollout_shuffle=cfg.rollout_shuffle, rollout_seed=cfg.rollout_seed
         )
@@ -113,6 +116,8 @@ class DiffusionRun:
         with contextlib.ExitStack() as stack:
             lock = RunLock(local_run_dir(self.paths, cfg.run_name), cfg.run_name).acquire()
             stack.callback(lock.release)
+            # the run lock is held: a `.tmp-*` staging dir (checkpoint, export) is a dead writer's
+            remove_dead_writers_tmp(cfg, self.paths, self.reporter.log)
             self._write_config()
             stack.callback(shutdown_ray, init_ray(cfg, cpus_needed=2))
             self._start_actors(stack)
@@ -157,49 +162,70 @@ class DiffusionRun:
     def _loop(self) -> RunResult:
         import ray
 
-        from miles_platform.store.run_state import recorded_max_version
+        from miles_platform.store.run_state import note_resume, recorded_max_version
         from miles_platform.store.shards import write_rollout_shard
         from miles_platform.training.checkpoint import iter_dir, read_latest
 
-        cfg, run = self.cfg, self.cfg.run_name
-        start, version = 0, 0
+        cfg, run, hook = self.cfg, self.cfg.run_name, self.hooks
+        start, version, state = 0, 0, None
         latest = read_latest(cfg.load or cfg.save) if self.trainer is not None else None
         if latest is not None:
             state = ray.get(self.trainer.load.remote(iter_dir(cfg.load or cfg.save, latest)))
             start, version = state["rollout_id"] + 1, int(state["weight_version"])
             self.src.load_state_dict(state["data_source"])
-            self.reporter.log(
-                f"[resume] from {cfg.load or cfg.save} rollout {state['rollout_id']}, v{version}"
-            )
-            self._serve(version, ray.get(self.trainer.export.remote(self.paths.hf_export(run, version))))
+        # new versions continue past the highest any store knows (catalog, hf/ exports): a number a
+        # crashed process used is never reused; what it made after the checkpoint is abandoned
         highest = max(version, recorded_max_version(cfg, self.paths))
+        note_resume(cfg, self.paths, self.reporter, state, highest, [])
+        if state is not None:
+            self._serve(version, ray.get(self.trainer.export.remote(self.paths.hf_export(run, version))))
         result = RunResult(run, start, start - 1, version, None)
         if start == 0 and self.evals and not cfg.skip_eval_before_train:
             result.eval_before_train = self._evaluate(version)
         for rollout_id in range(start, cfg.num_rollout):
-            t0 = time.time()
+            t0, hook.rollout_id = time.time(), rollout_id
+            hook.fire("orchestrator_step_start")
             samples, traj, metrics = self.rollout.generate(
                 rollout_id, self.src.get_samples(cfg.rollout_batch_size), run
             )
             shard = write_rollout_shard(self.paths, run, rollout_id, samples)
+            hook.fire("rollout_end")
             if self.trainer is None:
                 self._finish(result, rollout_id, metrics, t0, version)
+                hook.fire("metrics_recorded")
+                hook.fire("orchestrator_step_end")
                 continue
+            hook.fire("trainer_controller_step_start")
             metrics.update(ray.get(self.trainer.train.remote(rollout_id, traj.to_dict())))
+            hook.fire("trainer_controller_step_end")
             if cfg.ci_test and rollout_id == start:
                 result.ci_checks = self._ci_check(metrics)
+            hook.fire("weight_update_start")
             parent, version = version, max(version, highest) + 1
             highest = version
             t1 = time.time()
             hf_dir = ray.get(self.trainer.export.remote(self.paths.hf_export(run, version)))
+            hook.fire("weight_update_prepared")
             self._serve(version, hf_dir)
+            hook.fire("weight_update_activated")
             metrics["perf/update_weights_time"] = time.time() - t1
-            ckpt = self._save(rollout_id, version) if cfg.save and self._save_due(rollout_id) else None
+            # the row (naming the checkpoint due), its eval and the metrics first, the checkpoint
+            # last: a crash before the checkpoint is complete leaves rows the relaunch abandons
+            save_due = bool(cfg.save) and self._save_due(rollout_id)
+            ckpt = iter_dir(cfg.save, rollout_id) if save_due else None
+            self._record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
+            hook.fire("version_recorded")
             last = rollout_id + 1 == cfg.num_rollout  # the final policy is always evaluated
             if cfg.eval_interval and self.evals and (version % cfg.eval_interval == 0 or last):
+                hook.fire("eval_start")
                 metrics.update(self._evaluate(version))
-            self._record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
             self._finish(result, rollout_id, metrics, t0, version)
+            hook.fire("metrics_recorded")
+            if save_due:
+                hook.fire("save_start")
+                self._save(rollout_id, version)
+                hook.fire("save_end")
+            hook.fire("orchestrator_step_end")
         return result
 
     def _serve(self, version: int, hf_dir: str) -> None:

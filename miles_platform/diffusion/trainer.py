@@ -229,7 +229,8 @@ class DiffusionTrainer:
         from miles_platform.training.checkpoint import LATEST, iter_dir
 
         final = iter_dir(save_dir, rollout_id)
-        tmp = f"{final}.tmp-{os.getpid()}"
+        # a staging name store/run_state.remove_dead_writers_tmp knows: a killed save's is removed
+        tmp = os.path.join(save_dir, f".{os.path.basename(final)}.tmp-{os.getpid():x}")
         os.makedirs(tmp, exist_ok=True)
         save_file(_full_state(self.model), f"{tmp}/model.safetensors")
         if self.ema is not None:

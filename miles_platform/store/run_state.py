@@ -24,10 +24,11 @@ def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[
     killed writer) is garbage nothing can observe: remove it. Needs the run lock."""
     from miles_platform.store import remote
 
-    if any(remote.is_remote(r) for r in (paths.root, cfg.save, cfg.update_weight_disk_dir)):
+    pub = getattr(cfg, "update_weight_disk_dir", None)  # a diffusion run publishes no disk-delta
+    if any(remote.is_remote(r) for r in (paths.root, cfg.save, pub)):
         remote.remove_dead_staging(log)  # object stores hold no temp names: uploads stage here
     seen = set()
-    for root in (paths.run_dir(cfg.run_name), cfg.save, cfg.update_weight_disk_dir):
+    for root in (paths.run_dir(cfg.run_name), cfg.save, pub):
         if not root or "://" in root or not os.path.isdir(root) or root in seen:
             continue
         seen.add(root)
