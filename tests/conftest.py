@@ -21,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
-LONGEST_FIRST = {
-    "test_diffusion_crash.py": 38,  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
+LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
+    "test_diffusion_crash.py": 38,  # alone, 2026-12-03: 4 `train-diffusion` processes, 3 SIGKILLed
     "test_learning.py": 175, "test_ui_browser.py": 108, "test_model_families_loop.py": 94, "test_loop.py": 89,
     "test_multi_rank.py": 60, "test_model_families_megatron.py": 45,
     "test_cluster_ray.py": 165,  # alone, 2026-12-02: with the Ray-job runs (dashboard, 3 submitted runs)
@@ -34,7 +34,7 @@ LONGEST_FIRST = {
     "test_object_store.py": 15, "test_fuzz.py": 15, "test_forkserver.py": 15, "test_lora_multi_run.py": 14,
     "test_diffusion_loop.py": 85,  # alone, 2026-12-02: 600-step DiT SFT + 6 rollouts on Ray + a CLI resume
     "test_object_store_root.py": 50,
-    "test_crash_matrix.py": 107,  # alone, 2026-12-02: 15 `train` processes, 14 of them SIGKILLed  # alone, 2026-12-02: 46-68 s on a shared 2-core box (Ray start 15-25 s of it)
+    "test_crash_matrix.py": 107,  # alone, 2026-12-02: 15 `train` processes, 14 of them SIGKILLed
 }  # fmt: skip
 
 
