@@ -42,6 +42,22 @@ def decode_routes(data: str, num_layers: int, top_k: int) -> np.ndarray:
     return flat.reshape(-1, num_layers, top_k)
 
 
+def _replayed(counter, layer: int, idx: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """The experts a router takes under replay: the recorded ones (`want`, `[tokens, top_k]`) where a
+    row is recorded (>= 0), its own (`idx`) elsewhere; counts on `counter` the (token, layer) pairs
+    replayed (`routed`) and those whose own choice differed (`flips`)."""
+    if want.shape != idx.shape:
+        raise ValueError(
+            f"routing replay: layer {layer} routes {tuple(idx.shape)} tokens x top-k, the replayed "
+            f"routes {tuple(want.shape)}"
+        )
+    use = (want >= 0).all(-1)
+    same = (idx.sort(-1).values == want.sort(-1).values).all(-1)
+    counter.flips += int((use & ~same).sum())
+    counter.routed += int(use.sum())
+    return torch.where(use[:, None], want, idx)
+
+
 class RoutingReplay:
     """Forward hooks on every router of `model`: `record()` collects each layer's top-k indices of
     one forward; `replay(routes)` makes the routers use the given ones and counts route flips."""
@@ -123,16 +139,7 @@ class RoutingReplay:
                 self._record[layer] = idx.detach()
             want = None if self._replay is None else self._replay[:, layer]
             if want is not None:
-                if want.shape != idx.shape:
-                    raise ValueError(
-                        f"routing replay: layer {layer} routes {tuple(idx.shape)} tokens x top-k, the replayed "
-                        f"routes {tuple(want.shape)}"
-                    )
-                use = (want >= 0).all(-1)
-                same = (idx.sort(-1).values == want.sort(-1).values).all(-1)
-                self.flips += int((use & ~same).sum())
-                self.routed += int(use.sum())
-                idx = torch.where(use[:, None], want, idx)
+                idx = _replayed(self, layer, idx, want)
                 vals = F.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
                 if getattr(mod, "norm_topk_prob", False):
                     vals = vals / vals.sum(-1, keepdim=True)
@@ -219,17 +226,7 @@ class _LayerReplay:
         routes = self.owner._replay
         if routes is None:
             return probs, idx
-        want = routes[:, self.layer].to(idx.device)
-        if want.shape != idx.shape:
-            raise ValueError(
-                f"routing replay: layer {self.layer} routes {tuple(idx.shape)} tokens x top-k, the replayed "
-                f"routes {tuple(want.shape)}"
-            )
-        use = (want >= 0).all(-1)
-        same = (idx.sort(-1).values == want.sort(-1).values).all(-1)
-        self.owner.flips += int((use & ~same).sum())
-        self.owner.routed += int(use.sum())
-        idx = torch.where(use[:, None], want, idx)
+        idx = _replayed(self.owner, self.layer, idx, routes[:, self.layer].to(idx.device))
         return scores.gather(1, idx), idx
 
 
