@@ -183,6 +183,15 @@ def test_the_engine_loads_an_moe_checkpoint_in_hfs_on_disk_layout_from_disk(moe_
         fuse_checkpoint_experts({k: v for k, v in on_disk.items() if ".experts.1.up_proj" not in k})
 
 
+def _routers_move(ckpt, batch, **kw) -> bool:
+    """Whether one training step on `batch` changes any router weight."""
+    a = _moe_actor(ckpt, **kw)
+    before = {k: v.clone() for k, v in a.backend.module.state_dict().items() if k.endswith("mlp.gate.weight")}
+    a.train(0, batch)
+    after = a.backend.module.state_dict()
+    return any(not torch.equal(v, after[k]) for k, v in before.items())
+
+
 def _moe_actor(ckpt, **kw):
     from miles_platform.training.actor import TrainerActor
 
@@ -222,13 +231,7 @@ def test_moe_aux_loss_is_megatrons_switch_loss_over_the_real_tokens(moe_ckpt):
     # so only the aux loss moves the routers
     flat = random_train_batch(rewards=[1.0] * 4)
     for coeff, moved in ((0.0, False), (0.5, True)):
-        a = _moe_actor(moe_ckpt, moe_aux_loss_coeff=coeff)
-        before = {
-            k: v.clone() for k, v in a.backend.module.state_dict().items() if k.endswith("mlp.gate.weight")
-        }
-        a.train(0, flat)
-        after = a.backend.module.state_dict()
-        assert any(not torch.equal(v, after[k]) for k, v in before.items()) == moved, coeff
+        assert _routers_move(moe_ckpt, flat, moe_aux_loss_coeff=coeff) == moved, coeff
 
 
 def test_moe_router_freeze_gate_trains_the_experts_not_the_routers(moe_ckpt):
@@ -291,13 +294,7 @@ def test_moe_z_loss_is_megatrons_router_z_loss_over_the_real_tokens(moe_ckpt):
     assert m["train/moe_z_loss"] == pytest.approx(got, rel=1e-4)
     flat = random_train_batch(rewards=[1.0] * 4)
     for coeff, moved in ((0.0, False), (0.1, True)):
-        a = _moe_actor(moe_ckpt, moe_z_loss_coeff=coeff)
-        before = {
-            k: v.clone() for k, v in a.backend.module.state_dict().items() if k.endswith("mlp.gate.weight")
-        }
-        a.train(0, flat)
-        after = a.backend.module.state_dict()
-        assert any(not torch.equal(v, after[k]) for k, v in before.items()) == moved, coeff
+        assert _routers_move(moe_ckpt, flat, moe_z_loss_coeff=coeff) == moved, coeff
     with pytest.raises(ConfigError, match="--moe-z-loss-coeff -1"):
         RunConfig(hf_checkpoint=moe_ckpt, moe_z_loss_coeff=-1.0).validate()
 
