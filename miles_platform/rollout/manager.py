@@ -98,6 +98,8 @@ class RolloutManager:
         self.opd = None
         self._opd_metrics: dict[str, float] = {}
         self.top_logprobs_num = student_top_k(cfg)
+        # the run's and the in-loop eval's graders load now, not inside the first step that needs them
+        rm_hub.warm_up_rewards(cfg.rm_type or ("math" if cfg.eval_interval else None))
 
     def close(self) -> None:
         self.client.close()

@@ -207,3 +207,20 @@ def test_remote_rm_unreachable_names_url():
     args = SimpleNamespace(rm_type="remote_rm", rm_url="http://127.0.0.1:9/none", custom_rm_path=None)
     with pytest.raises(RemoteRewardError, match="127.0.0.1:9"):
         asyncio.run(async_rm(args, Sample()))
+
+
+@pytest.mark.parametrize(
+    ("rm_types", "loads"),
+    [(("math",), True), (("boxed_math",), True), (("deepscaler", None), True), (("f1", "dapo", None), False)],
+)
+def test_warm_up_rewards_loads_the_symbolic_grader_only_when_the_run_grades_with_it(rm_types, loads):
+    # a fresh interpreter: this one may have imported math_verify already
+    import subprocess
+
+    code = (
+        "import sys; from miles_platform.rollout.rm_hub import warm_up_rewards; "
+        f"assert 'math_verify' not in sys.modules; warm_up_rewards(*{rm_types!r}); "
+        "print('math_verify' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(loads)
