@@ -40,8 +40,7 @@ def math_equal(pred: str, gold: str) -> bool:
         return Decimal(p) == Decimal(g)
     from math_verify import parse, verify
 
-    # math_verify times out with signal.alarm, which only works on the main thread
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    timeout = _timeout()
     try:
         gold_parsed = parse(_as_latex(gold), parsing_timeout=timeout)
         pred_parsed = parse(_as_latex(pred), parsing_timeout=timeout)
@@ -57,7 +56,18 @@ def warm_up() -> None:
     CPU) so that the first answer that is not a plain number does not stall a training step."""
     from math_verify import parse, verify
 
-    verify(parse("$x+1$"), parse("$1+x$"))
+    timeout = _timeout()
+    verify(
+        parse("$x+1$", parsing_timeout=timeout),
+        parse("$1+x$", parsing_timeout=timeout),
+        timeout_seconds=timeout,
+    )
+
+
+def _timeout() -> int | None:
+    """math_verify times out with signal.alarm, which only works on the main thread (a run driven
+    from a thread, as in concurrent LoRA runs, grades without the alarm)."""
+    return 5 if threading.current_thread() is threading.main_thread() else None
 
 
 def _as_latex(answer: str) -> str:

@@ -224,3 +224,22 @@ def test_warm_up_rewards_loads_the_symbolic_grader_only_when_the_run_grades_with
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(loads)
+
+
+def test_warm_up_and_grading_work_off_the_main_thread():
+    # a run driven from a thread (concurrent LoRA runs in one process) has no signal.alarm
+    from miles_platform.rollout.rm_hub import math_rm, warm_up_rewards
+
+    errors, results = [], []
+
+    def work():
+        try:
+            warm_up_rewards("math")
+            results.append(math_rm.math_equal.__wrapped__("\\frac{1}{2}", "0.5"))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors and results == [True]
