@@ -1,7 +1,7 @@
 """HTTP client helpers for engines and the router (SGLang API).
 
-`generate` retries the retryable answers (409 weight-version conflict, 503 unavailable, connection
-errors) a bounded number of times with exponential backoff; anything else raises `EngineHTTPError`.
+`generate` retries the retryable answers (409 weight-version conflict, 503 unavailable, the
+router's 502/504 for a worker that failed or hung mid-request, connection errors) a bounded number of times with exponential backoff; anything else raises `EngineHTTPError`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import weakref
 import httpx
 import orjson
 
-RETRYABLE_STATUS = (409, 503)
+RETRYABLE_STATUS = (409, 502, 503, 504)
 
 
 class EngineHTTPError(Exception):

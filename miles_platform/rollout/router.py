@@ -160,7 +160,19 @@ class Router:
                 )
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout):
                 await self._release(w, ok=False)
-                continue  # the worker died: try another one
+                continue  # the worker died before answering: try another one
+            except httpx.TimeoutException as e:
+                # it took the request and hung: out of rotation until a probe answers; not retried
+                # here (it may still be generating), the caller's retry policy decides
+                await self._release(w, ok=False)
+                return error(
+                    504,
+                    f"router: worker {w.url} did not answer within {self.request_timeout}s ({type(e).__name__})",
+                    retryable=True,
+                )
+            except httpx.HTTPError as e:
+                await self._release(w, ok=False)
+                return error(502, f"router: worker {w.url}: {type(e).__name__}: {e}", retryable=True)
             await self._release(w, ok=True)
             return Response(
                 resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
@@ -339,6 +351,7 @@ def start_router(
     health_check_interval_s: float = 5.0,
     queue_timeout_s: float = 600.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    request_timeout_s: float = 3600.0,
 ) -> RouterServer:
     """Start the router in a background thread (port 0 = a free port)."""
     if worker_api_key and not api_key:
@@ -351,6 +364,7 @@ def start_router(
         max_concurrency_per_worker,
         health_check_interval_s,
         queue_timeout_s=queue_timeout_s,
+        request_timeout_s=request_timeout_s,
         worker_api_key=worker_api_key,
     )
     app = create_router_app(router, api_key, max_request_bytes)
@@ -370,7 +384,15 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--worker-api-key", default=None, help="bearer token sent to the engines")
     ap.add_argument("--max-concurrency-per-worker", type=int, default=64)
     ap.add_argument("--health-check-interval", type=float, default=5.0, help="seconds between /health probes")
+    ap.add_argument(
+        "--request-timeout-secs",
+        type=float,
+        default=3600.0,
+        help="a worker that has not answered a request by then is taken out of rotation (HTTP 504)",
+    )
     args = ap.parse_args(argv)
+    if args.request_timeout_secs <= 0:
+        ap.error("--request-timeout-secs must be > 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = start_router(
         args.host,
@@ -380,6 +402,7 @@ def cli_main(argv: list[str]) -> int:
         args.worker_api_key,
         args.max_concurrency_per_worker,
         args.health_check_interval,
+        request_timeout_s=args.request_timeout_secs,
     )
     print(f"serve-router: {server.url} workers={args.worker_urls}", flush=True)
     wait_for_stop_signal()

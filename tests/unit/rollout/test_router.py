@@ -109,3 +109,43 @@ def test_router_errors_auth_and_no_workers(tiny_hf_checkpoint):
     finally:
         for s in (guarded, empty, eng):
             s.stop()
+
+
+def test_a_worker_that_takes_a_request_and_hangs_gets_504_and_leaves_rotation():
+    import socket
+    import threading
+
+    # a "worker" that accepts connections and never answers
+    hung = socket.create_server(("127.0.0.1", 0))
+    conns = []
+    stop = threading.Event()
+
+    def accept():
+        hung.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conns.append(hung.accept()[0])
+            except TimeoutError:
+                continue
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    router = start_router(worker_urls=[url], health_check_interval_s=60, request_timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(f"{router.url}/generate", json={"input_ids": [1, 2]}, timeout=30)
+        assert r.status_code == 504 and r.json()["error"]["retryable"], r.text
+        assert url in r.json()["error"]["message"] and time.monotonic() - t0 < 5
+        w = _workers(router)[url]
+        assert not w["healthy"] and w["inflight"] == 0, w
+        # out of rotation: the next request is refused at once, not after another timeout
+        r = httpx.post(f"{router.url}/generate", json={"input_ids": [1, 2]}, timeout=30)
+        assert r.status_code == 503 and "no healthy worker" in r.text
+    finally:
+        router.stop()
+        stop.set()
+        acceptor.join()
+        for c in conns:
+            c.close()
+        hung.close()
