@@ -1084,17 +1084,18 @@ RESUMABLE = frozenset(
 )  # fmt: skip
 
 
-def config_changes(saved: dict, now: RunConfig) -> list[str]:
-    """The flags that differ from a saved run's config in what is trained, as `--flag old -> new`."""
+def config_changes(saved: dict, now, resumable: frozenset[str] = RESUMABLE) -> list[str]:
+    """The flags that differ from a saved run's config in what is trained, as `--flag old -> new`
+    (`now`: a RunConfig or a DiffusionRunConfig with its own `resumable` set)."""
     cur = json.loads(json.dumps(now.to_dict(), default=str))
     return [
         f"{_flag(k)} {saved[k]!r} -> {cur[k]!r}"
         for k in sorted(cur)
-        if k in saved and k not in RESUMABLE and saved[k] != cur[k]
+        if k in saved and k not in resumable and saved[k] != cur[k]
     ]
 
 
-def saved_config(cfg: RunConfig) -> str:
+def saved_config(cfg) -> str:
     """The config a checkpoint dir records (`run_config.json`), without the secret."""
     d = {k: v for k, v in cfg.to_dict().items() if k not in ("api_key",)}
     return json.dumps(d, default=str, sort_keys=True, indent=1)

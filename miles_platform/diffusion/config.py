@@ -45,6 +45,15 @@ NFT_STRATEGIES = {
     "drop_final_steps": "miles_platform.diffusion.step_strategy.drop_final_steps",
 }
 
+# what a resumed run may change without --allow-config-change (as `train`'s config.RESUMABLE):
+# how long it runs, when it saves / evaluates / logs, where it runs, the secret, CI switches
+RESUMABLE = frozenset(
+    {"ray_address", "save", "save_interval", "load", "no_save_optim", "no_load_optim", "allow_config_change",
+     "num_rollout", "num_epoch", "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt",
+     "diffusion_eval_num_steps", "skip_eval_before_train", "storage_root", "api_key", "log_interval", "ci_test",
+     "ci_fault_hooks"}
+)  # fmt: skip
+
 
 @dataclass
 class DiffusionRunConfig:
@@ -64,6 +73,9 @@ class DiffusionRunConfig:
     save_interval: int | None = _f(None, "checkpoint", "save every N rollouts (and at the end)")
     load: str | None = _f(None, "checkpoint", "resume from this checkpoint dir (default: --save)")
     no_save_optim: bool = _f(False, "checkpoint", "skip AdamW state in checkpoints")
+    allow_config_change: bool = _f(
+        False, "checkpoint", "resume a run whose saved config differs in what is trained (logged)"
+    )
     no_load_optim: bool = _f(False, "checkpoint", "resume with a fresh optimizer")
     # --- rollout ---
     prompt_data: str | None = _f(None, "rollout", "JSONL/Parquet prompts (required)")

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from miles_platform.diffusion.config import DiffusionRunConfig, parse_diffusion_config
+from miles_platform.diffusion.config import RESUMABLE, DiffusionRunConfig, parse_diffusion_config
 from miles_platform.errors import ConfigError
 from miles_platform.run_types import CITestFailure, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths, partition_key
@@ -103,7 +103,7 @@ class DiffusionRun:
         from miles_platform.fault_hooks import FaultHooks, parse_fault_hooks
         from miles_platform.models.checkpoint import content_hash
         from miles_platform.store.run_lock import RunLock, local_run_dir
-        from miles_platform.store.run_state import remove_dead_writers_tmp
+        from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
 
         cfg = self.cfg
         records, self.evals = preflight(cfg, self.paths)
@@ -118,6 +118,8 @@ class DiffusionRun:
             stack.callback(lock.release)
             # the run lock is held: a `.tmp-*` staging dir (checkpoint, export) is a dead writer's
             remove_dead_writers_tmp(cfg, self.paths, self.reporter.log)
+            # a resume trains what the checkpoint's run trained, or says which flags changed
+            self.config_changes = check_resume_config(cfg, self.reporter.log, RESUMABLE)
             self._write_config()
             stack.callback(shutdown_ray, init_ray(cfg, cpus_needed=2))
             self._start_actors(stack)
@@ -176,7 +178,9 @@ class DiffusionRun:
         # new versions continue past the highest any store knows (catalog, hf/ exports): a number a
         # crashed process used is never reused; what it made after the checkpoint is abandoned
         highest = max(version, recorded_max_version(cfg, self.paths))
-        note_resume(cfg, self.paths, self.reporter, state, highest, [])
+        self.config_changed_from = note_resume(
+            cfg, self.paths, self.reporter, state, highest, self.config_changes
+        )
         if state is not None:
             self._serve(version, ray.get(self.trainer.export.remote(self.paths.hf_export(run, version))))
         result = RunResult(run, start, start - 1, version, None)
@@ -293,7 +297,9 @@ class DiffusionRun:
         from miles_platform.store.versions import record_policy_version
 
         pv = record_policy_version(self.cfg, self.paths, version, parent, rollout_id, shard, hf_dir, ckpt,
-                                   self.base_version, self.data_version)  # fmt: skip
+                                   self.base_version, self.data_version,
+                                   config_changed_from=self.config_changed_from)  # fmt: skip
+        self.config_changed_from = None  # on the first version after the change only
         result.versions.append(pv.to_dict())
         self.reporter.on_policy_version(pv.to_dict())
         result.final_hf_path = pv.hf_path

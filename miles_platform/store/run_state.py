@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from miles_platform.config import ConfigError, RunConfig, config_changes, saved_config
+from miles_platform.config import RESUMABLE, ConfigError, RunConfig, config_changes, saved_config
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.store.paths import StoragePaths
 
@@ -40,10 +40,11 @@ def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[
                     log(f"[startup] removed {p} (left by a writer that died)")
 
 
-def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> list[str]:
+def check_resume_config(cfg, log: Callable[[str], None], resumable: frozenset[str] = RESUMABLE) -> list[str]:
     """A resume must train what the saved run trained: differing flags (other than schedule, eval,
-    logging and placement ones, config.RESUMABLE) are refused unless --allow-config-change. The
-    checkpoint dir then records this run's config. Returns the changes allowed (`--lr a -> b`)."""
+    logging and placement ones, `resumable`: config.RESUMABLE, or diffusion.config's for
+    train-diffusion) are refused unless --allow-config-change. The checkpoint dir then records
+    this run's config. Returns the changes allowed (`--lr a -> b`)."""
     from miles_platform.store import remote
     from miles_platform.training.checkpoint import read_latest
 
@@ -57,7 +58,7 @@ def check_resume_config(cfg: RunConfig, log: Callable[[str], None]) -> list[str]
         rec = Path(src) / RUN_CONFIG
         saved = rec.read_bytes() if rec.is_file() else None
     if read_latest(src) is not None and saved is not None:
-        changes = config_changes(json.loads(saved), cfg)
+        changes = config_changes(json.loads(saved), cfg, resumable)
         if changes and not cfg.allow_config_change:
             raise ConfigError(
                 f"resuming run {cfg.run_name!r} from {src} with a different config: {'; '.join(changes)}. "
