@@ -32,12 +32,15 @@ def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[
         if not root or "://" in root or not os.path.isdir(root) or root in seen:
             continue
         seen.add(root)
-        subdirs = [p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")]
-        for d in [Path(root), *subdirs]:
-            for p in d.iterdir():
-                if _TMP.match(p.name):
+        # at any depth (a diffusion eval grid stages in runs/<run>/evals/v000003/); hidden dirs that
+        # are not staging are not entered
+        for d, dirs, files in os.walk(root):
+            for name in [*files, *dirs]:
+                if _TMP.match(name):
+                    p = Path(d) / name
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
                     log(f"[startup] removed {p} (left by a writer that died)")
+            dirs[:] = [n for n in dirs if not n.startswith(".")]
 
 
 def check_resume_config(cfg, log: Callable[[str], None], resumable: frozenset[str] = RESUMABLE) -> list[str]:

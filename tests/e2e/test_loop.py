@@ -404,6 +404,17 @@ def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkp
         os.makedirs(j)
     keep = os.path.join(cfg.save, "iter_0000002")
     os.makedirs(keep)
+    # an atomic file write's staging two levels down (a diffusion eval grid) and a file that only
+    # looks alike
+    grid = os.path.join(run.paths.run_dir("t"), "evals", "v000003")
+    os.makedirs(grid)
+    junk_file, keep_file = (
+        os.path.join(grid, ".heldout.png.tmp-9f8e7d"),
+        os.path.join(grid, "heldout.png.tmp"),
+    )
+    for f in (junk_file, keep_file):
+        open(f, "w").close()
     remove_dead_writers_tmp(cfg, run.paths, print)
-    assert not any(os.path.exists(j) for j in junk) and os.path.isdir(keep)
+    assert not any(os.path.exists(j) for j in [*junk, junk_file]) and os.path.isdir(keep)
+    assert os.path.isfile(keep_file)
     assert recorded_max_version(cfg, run.paths) == 6
