@@ -113,8 +113,7 @@ def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
 
 
 def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:
-    """The bridge's own refusals (e.g. dense layers between the sparse ones), and the --moe-* flag
-    the megatron backend does not implement, before Ray."""
+    """The bridge's own refusals (e.g. dense layers between the sparse ones), before Ray."""
     from miles_platform.errors import CheckpointError
     from miles_platform.models.bridge import get_bridge
 
@@ -122,15 +121,6 @@ def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:
         get_bridge(hf_config).transformer_config(hf_config)
     except CheckpointError as e:
         raise ConfigError(f"--hf-checkpoint {cfg.hf_checkpoint} with --train-backend megatron: {e}") from e
-    for flag, v in (
-        ("--moe-aux-loss-coeff", cfg.moe_aux_loss_coeff),
-        ("--moe-z-loss-coeff", cfg.moe_z_loss_coeff),
-    ):
-        if v:
-            raise ConfigError(
-                f"{flag} {v} with --train-backend megatron: the term is collected from HF's router modules "
-                "(models/moe.py), not from megatron's TopKRouter; use --train-backend fsdp or drop the flag"
-            )
 
 
 def fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:

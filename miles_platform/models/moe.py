@@ -58,7 +58,48 @@ def _replayed(counter, layer: int, idx: torch.Tensor, want: torch.Tensor) -> tor
     return torch.where(use[:, None], want, idx)
 
 
-class RoutingReplay:
+def balance_loss(logits: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Megatron's switch_load_balancing_loss with coefficient 1 over the given tokens' router
+    logits (`[T, E]`): E / (k T^2) * sum_e (sum_t p_te) * tokens_e; 1.0 when perfectly even."""
+    probs = F.softmax(logits.float(), dim=-1)
+    n, e = probs.shape
+    return e / (top_k * max(n, 1) ** 2) * (probs.sum(0) * tokens_per_expert.float()).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Megatron's z_loss_func with coefficient 1: mean over the tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class _AuxLoss:
+    """`aux_loss(mask)` of both routing kinds: the routers' hooks append one load-balancing and one
+    z-loss term per layer, over the tokens of the mask, while it is open."""
+
+    _aux_mask: torch.Tensor | None = None  # [tokens] bool in the kind's token order, the real tokens
+    _aux: list
+    z_terms: list
+
+    def _token_order(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.reshape(-1)
+
+    @contextlib.contextmanager
+    def aux_loss(self, mask: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+        """Collect the load-balancing loss of one forward over the tokens of `mask` (`[B, T]` bool,
+        batch-first as the samples): the yielded list holds, after it, one `balance_loss` term per
+        layer; `z_terms` then holds one `z_loss` term per layer."""
+        self._aux_mask, self._aux, self.z_terms = self._token_order(mask), [], []
+        try:
+            yield self._aux
+        finally:
+            self._aux_mask = None
+
+    def _add_aux_terms(self, logits: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+        real = logits.reshape(-1, logits.shape[-1])[self._aux_mask]
+        self._aux.append(balance_loss(real, tokens_per_expert, self.top_k))
+        self.z_terms.append(z_loss(real))
+
+
+class RoutingReplay(_AuxLoss):
     """Forward hooks on every router of `model`: `record()` collects each layer's top-k indices of
     one forward; `replay(routes)` makes the routers use the given ones and counts route flips."""
 
@@ -70,7 +111,6 @@ class RoutingReplay:
         self.num_experts = int(self.routers[0].num_experts)
         self._record: list | None = None
         self._replay: torch.Tensor | None = None
-        self._aux_mask: torch.Tensor | None = None  # set by aux_loss(): [B*T] bool, the real tokens
         self._aux: list[torch.Tensor] = []
         self.z_terms: list[torch.Tensor] = []  # filled beside _aux: one router z-loss term per layer
         # since the last reset(): (token, layer) pairs replayed, those whose own choice differed, and
@@ -112,26 +152,6 @@ class RoutingReplay:
         finally:
             self._replay = None
 
-    @contextlib.contextmanager
-    def aux_loss(self, mask: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-        """Collect the load-balancing loss of one forward over the tokens of `mask` ([B*T] bool):
-        the yielded list holds, after it, one term per layer (megatron's switch_load_balancing_loss
-        with coefficient 1: E / (k T^2) * sum_e (sum_t p_te) * tokens_e, 1.0 when perfectly even);
-        `z_terms` then holds one router z-loss term per layer (megatron's z_loss_func with
-        coefficient 1: mean over the tokens of logsumexp(router logits)^2)."""
-        self._aux_mask, self._aux, self.z_terms = mask, [], []
-        try:
-            yield self._aux
-        finally:
-            self._aux_mask = None
-
-    def _aux_term(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        m = self._aux_mask
-        probs = F.softmax(logits[m].float(), dim=-1)  # [T, E]
-        tokens = torch.bincount(idx[m].reshape(-1), minlength=self.num_experts)[: self.num_experts].float()
-        n = probs.shape[0]
-        return self.num_experts / (self.top_k * max(n, 1) ** 2) * (probs.sum(0) * tokens).sum()
-
     def _hook(self, layer: int):
         def hook(mod, _inputs, out):
             logits, scores, idx = out
@@ -145,8 +165,10 @@ class RoutingReplay:
                     vals = vals / vals.sum(-1, keepdim=True)
                 scores = vals.to(logits.dtype)
             if self._aux_mask is not None:
-                self._aux.append(self._aux_term(logits, idx))
-                self.z_terms.append(torch.logsumexp(logits[self._aux_mask].float(), dim=-1).square().mean())
+                chosen = idx[self._aux_mask].reshape(-1)
+                self._add_aux_terms(
+                    logits, torch.bincount(chosen, minlength=self.num_experts)[: self.num_experts]
+                )
             self.load[layer] += torch.bincount(idx.detach().reshape(-1), minlength=self.num_experts)[
                 : self.num_experts
             ].float()
@@ -160,7 +182,7 @@ class RoutingReplay:
         return float(per_layer.mean())
 
 
-class MegatronRoutingReplay:
+class MegatronRoutingReplay(_AuxLoss):
     """The megatron backend's MoE routing (megatron-core's `TopKRouter`s): tokens per expert from
     each router's routing map (`load_balance()` as RoutingReplay's), and R3: `replay(routes)` makes
     every router take the recorded experts, through the router's own replay hook (megatron's
@@ -168,6 +190,9 @@ class MegatronRoutingReplay:
     RoutingReplay: rows of -1 route as the model would, the gate values are the router's own scores
     gathered at the replayed experts (softmax over them when megatron softmaxes after the top-k, i.e.
     HF's norm_topk_prob), and `flips` / `routed` count (token, layer) pairs replayed and changed.
+    `aux_loss(mask)` as RoutingReplay's, from the logits each router's `routing` is given and the
+    experts its routing map sends each token to (megatron's own aux loss stays off: its terms
+    enter through an autograd side door over every token, padding included, with a global scale).
     Megatron routes tokens sequence-first: `[T * B]`, where HF's are batch-first."""
 
     def __init__(self, model: nn.Module):
@@ -179,9 +204,11 @@ class MegatronRoutingReplay:
         self.flips = self.routed = 0
         self.load = torch.zeros(self.num_layers, self.num_experts)
         self._replay: torch.Tensor | None = None  # [T * B, num_layers, top_k]
+        self._aux, self.z_terms = [], []
         for layer, r in enumerate(self.routers):
             r.register_forward_hook(self._hook(layer))
             r.router_replay = _LayerReplay(self, layer)
+            r.routing = self._routing(r.routing)  # TopKRouter.forward calls self.routing(logits, ...)
 
     @classmethod
     def of(cls, model: nn.Module) -> MegatronRoutingReplay | None:
@@ -200,6 +227,18 @@ class MegatronRoutingReplay:
             yield self
         finally:
             self._replay = None
+
+    def _token_order(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.transpose(0, 1).reshape(-1)  # [B, T] -> megatron's [T * B]
+
+    def _routing(self, routing):
+        def wrapped(logits, *args, **kwargs):
+            probs, routing_map = routing(logits, *args, **kwargs)
+            if self._aux_mask is not None:
+                self._add_aux_terms(logits, routing_map[self._aux_mask].sum(0))
+            return probs, routing_map
+
+        return wrapped
 
     def _hook(self, layer: int):
         def hook(mod, _inputs, out):

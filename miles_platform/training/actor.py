@@ -222,15 +222,17 @@ class TrainerActor:
         and `self.moe_z` (each the mean over layers)."""
         import contextlib
 
-        from miles_platform.models.moe import RoutingReplay
+        from miles_platform.models.moe import MegatronRoutingReplay, RoutingReplay
 
         self.moe_aux = self.moe_z = None
         wanted = self.cfg.moe_aux_loss_coeff or self.cfg.moe_z_loss_coeff
-        rr = RoutingReplay.of(backend.module) if wanted else None
+        rr = (
+            (RoutingReplay.of(backend.module) or MegatronRoutingReplay.of(backend.module)) if wanted else None
+        )
         if rr is None or backend is not self.backend or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         lens = torch.tensor([len(batch.tokens[i]) for i in idx])
-        mask = (torch.arange(width)[None, :] < lens[:, None]).reshape(-1)
+        mask = torch.arange(width)[None, :] < lens[:, None]  # [B, T]
 
         @contextlib.contextmanager
         def collect():

@@ -23,7 +23,7 @@ def family_checkpoints(tmp_path_factory):
     return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama", "qwen3_moe")}
 
 
-# Qwen3-MoE with R3 on fsdp; on megatron without (R3 replays into HF's routers only: docs/moe.md)
+# Qwen3-MoE with R3, the aux loss and the z-loss on both backends (docs/moe.md)
 @pytest.mark.parametrize(
     ("family", "backend"),
     [("llama", "fsdp"), ("qwen2", "megatron"), ("qwen3_moe", "fsdp"), ("qwen3_moe", "megatron")],
@@ -39,7 +39,8 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
         return small_run_config(ckpt, tmp_path, ci_test=True, save_interval=1, num_rollout=num_rollout,
                                 train_backend=backend, update_weight_transfer_mode="disk-delta",
                                 update_weight_disk_dir=pub, save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"),
-                                use_rollout_routing_replay=r3,
+                                use_rollout_routing_replay=r3, moe_aux_loss_coeff=0.01 if r3 else 0.0,
+                                moe_z_loss_coeff=1e-3 if r3 else 0.0,
                                 micro_batch_size=4)  # fmt: skip  # 4 rows per forward: megatron routes them seq-first
 
     res = train(cfg(2))
@@ -48,6 +49,11 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
     moe = family == "qwen3_moe"  # expert load on both backends (megatron: its TopKRouters' routing maps)
     assert all(("train/moe_load_balance" in m) is moe for m in res.metrics)
     assert not moe or all(1.0 <= m["train/moe_load_balance"] <= 2.0 for m in res.metrics)  # k=2 of 4: <= 2
+    # the aux and z-loss terms join the loss on both backends (their formulas: test_moe_r3 / test_moe_megatron)
+    assert all(("train/moe_aux_loss" in m) is moe and ("train/moe_z_loss" in m) is moe for m in res.metrics)
+    assert not moe or all(
+        1.0 <= m["train/moe_aux_loss"] <= 2.0 and m["train/moe_z_loss"] > 0 for m in res.metrics
+    )
     assert res.ci_checks["step0_ppo_kl"] < 1e-9  # the run itself raises past 1e-9 / the diff bound
     assert res.ci_checks["train_rollout_logprob_abs_diff"] < cfg(2).ci_logprob_abs_diff_threshold
     res2 = train(cfg(3))  # the same command with one more rollout: resumes from iter_0000001

@@ -3,9 +3,9 @@ in HF's on-disk layout (one tensor per expert), and logits, loss and gradients o
 (TopKRouter + SequentialMLP experts) equal transformers' own Qwen3MoeForCausalLM in fp32. Controls: the
 routing mapping is what makes it pass (norm_topk_prob flipped is far off), every expert is routed to,
 and both HF layouts (module's fused 3-D experts, checkpoint's per-expert tensors) map to the same
-megatron state. --moe-router-freeze-gate trains the experts, not the routers. Refusals before Ray:
---moe-aux-loss-coeff and --expert-model-parallel-size > 1 on megatron, and a config with dense
-layers between the sparse ones.
+megatron state. --moe-router-freeze-gate trains the experts, not the routers; --moe-aux-loss-coeff and
+--moe-z-loss-coeff are the fsdp backend's formulas over the real tokens. Refusals before Ray:
+--expert-model-parallel-size > 1 on megatron, and a config with dense layers between the sparse ones.
 
 Everything touching torch.distributed runs in a subprocess (this file as a script).
 """
@@ -103,6 +103,18 @@ def test_router_freeze_gate_trains_the_experts_not_the_routers(report):
     assert f["frozen"] == 2 and f["router_max_change"] == 0.0 and f["expert_max_change"] > 1e-4, f
 
 
+def test_aux_and_z_loss_on_megatron_are_the_fsdp_formulas_over_the_real_tokens(report):
+    """The megatron trainer's load-balancing and z-loss terms equal the formulas computed from
+    transformers' own router logits of the same batch (the fsdp backend's test computes the same),
+    are reported, and alone (zero advantages) move the routers; without them nothing does."""
+    a = report[2]["aux"]
+    assert a["got"]["aux"] == pytest.approx(a["want"]["aux"], rel=1e-5) and 1.0 <= a["got"]["aux"] <= 2.0, a
+    assert a["got"]["z"] == pytest.approx(a["want"]["z"], rel=1e-5) and a["got"]["z"] > 0, a
+    assert a["reported"] == pytest.approx(a["got"], rel=1e-4), a
+    moved = a["routers_moved"]
+    assert moved["none"] == 0.0 and moved["aux"] > 1e-4 and moved["z"] > 1e-4, moved
+
+
 def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_hf_checkpoint, tmp_path):
     from miles_platform.preflight import validate_before_start
 
@@ -111,10 +123,11 @@ def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_h
     validate_before_start(
         small_run_config(hf, tmp_path, train_backend="megatron", moe_router_freeze_gate=True)
     )
-    with pytest.raises(ConfigError, match="--moe-aux-loss-coeff 0.01 with --train-backend megatron"):
-        validate_before_start(
-            small_run_config(hf, tmp_path, train_backend="megatron", moe_aux_loss_coeff=0.01)
+    validate_before_start(
+        small_run_config(
+            hf, tmp_path, train_backend="megatron", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001
         )
+    )
     validate_before_start(
         small_run_config(hf, tmp_path, use_rollout_routing_replay=True, train_backend="megatron")
     )
@@ -202,6 +215,54 @@ def _freeze(hf_path: str) -> dict:
     )
 
 
+def _aux(hf_path: str) -> dict:
+    """--moe-aux-loss-coeff / --moe-z-loss-coeff through a megatron TrainerActor: its terms, the same
+    formulas from transformers' own router logits of the same padded batch (real tokens only), the
+    reported metrics, and whether one step with zero advantages moves the routers."""
+    from loop_helpers import random_train_batch
+
+    from miles_platform.config import RunConfig
+    from miles_platform.models.checkpoint import load_hf_model
+    from miles_platform.training.actor import TrainerActor
+
+    def actor(**kw):
+        return TrainerActor(RunConfig(hf_checkpoint=hf_path, train_backend="megatron", rollout_batch_size=4,
+                                      n_samples_per_prompt=1, lr=1e-2, micro_batch_size=4, weight_decay=0.0,
+                                      advantage_estimator="reinforce_plus_plus", **kw).validate())  # fmt: skip
+
+    def routers(a):
+        return {k: v.clone() for k, v in a.backend.module.state_dict().items() if k.endswith("router.weight")}
+
+    batch, idx = random_train_batch(rewards=[1.0, 0.0, 1.0, 0.0]), list(range(4))
+    a = actor(moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1)
+    with torch.enable_grad():
+        a._response_log_probs(a.backend, batch, idx)
+    got = dict(aux=float(a.moe_aux), z=float(a.moe_z))
+    ids, pos = a._pack(batch, idx)
+    real = (torch.arange(ids.shape[1])[None] < torch.tensor([len(t) for t in batch.tokens])[:, None]).reshape(
+        -1
+    )
+    with torch.no_grad():
+        out = load_hf_model(hf_path)(input_ids=ids, position_ids=pos, output_router_logits=True)
+    aux, z = [], []
+    for logits in out.router_logits:
+        p = torch.softmax(logits[real].float(), -1)
+        tokens = torch.bincount(p.topk(2, -1).indices.reshape(-1), minlength=4).float()
+        aux.append(4 / (2 * p.shape[0] ** 2) * (p.sum(0) * tokens).sum())
+        z.append(torch.logsumexp(logits[real].float(), -1).square().mean())
+    m = a.train(0, batch)
+    moved = {}
+    flat = random_train_batch(rewards=[1.0] * 4)  # zero advantages: the policy loss has no gradient
+    for name, kw in (("none", {}), ("aux", dict(moe_aux_loss_coeff=0.5)), ("z", dict(moe_z_loss_coeff=0.1))):
+        b = actor(**kw)
+        before = routers(b)
+        b.train(0, flat)
+        after = routers(b)
+        moved[name] = max((after[k] - v).abs().max().item() for k, v in before.items())
+    return dict(got=got, want=dict(aux=float(torch.stack(aux).mean()), z=float(torch.stack(z).mean())),
+                reported=dict(aux=m["train/moe_aux_loss"], z=m["train/moe_z_loss"]), routers_moved=moved)  # fmt: skip
+
+
 def _main(hf: str, work: str) -> None:
     from contextlib import redirect_stdout
     from io import StringIO
@@ -225,6 +286,7 @@ def _main(hf: str, work: str) -> None:
     report["parity"], _, _ = compare(hf, w)
     report.update(_routing_checks(hf))
     report["freeze"] = _freeze(hf)
+    report["aux"] = _aux(hf)
     megatron_shims.destroy_process_group()
     print(json.dumps(report))
 
