@@ -29,6 +29,9 @@ the rank, and the driver stops with `ActorDied` naming it and the resume command
                                               weight update (the initial sync's included)
     trainer_step_before_allreduce             a step's gradients computed, before their
                                               data-parallel all-reduce and the optimizer step
+    trainer_weight_update_before_send         the sending rank (rank 0 of the broadcast transport,
+                                              the only one that sends from a rank), weights
+                                              gathered, the engines waiting in the group
 
 The rollout of a rank's hook is the one it last trained (-1 before the first); a request for a
 rank hook may name one rank (`"target": {"rank": 0}`; default: every rank).
@@ -60,7 +63,8 @@ HOOKS = (
     "version_recorded", "eval_start", "metrics_recorded", "save_start", "save_end", "orchestrator_step_end",
 )  # fmt: skip
 # fired inside the trainer ranks (their own processes), not by the driver
-RANK_HOOKS = ("trainer_weight_update_before_all_gather", "trainer_step_before_allreduce")
+RANK_HOOKS = ("trainer_weight_update_before_all_gather", "trainer_step_before_allreduce",
+              "trainer_weight_update_before_send")  # fmt: skip
 ACTIONS = ("kill_process", "exit_process", "segfault_process", "stop_process", "sleep", "sleep_forever",
            "observe", "raise")  # fmt: skip
 # Miles' actions that act on cells, threads or the API server: no counterpart in this loop

@@ -1,5 +1,6 @@
 """kill -9 of a trainer rank at a --ci-fault-hooks point inside the rank (Miles'
-`trainer_step_before_allreduce`), then the same command again (issue 19).
+`trainer_step_before_allreduce`, and `trainer_weight_update_before_send` of the broadcast
+transport), then the same command again (issue 19).
 
 The first `train` process loses its TrainerActor mid-step in rollout 1 and exits 1 with one message
 naming the actor, the hook due in it and the resume command; the relaunch (the same config, without
@@ -24,13 +25,15 @@ from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 
 NUM_ROLLOUT = 3
-KILL = {"request_id": "rank-kill", "hook_name": "trainer_step_before_allreduce",
-        "action": {"kind": "kill_process"}, "rollout_id": 1}  # fmt: skip
 
 
-def _run_kwargs(ckpt, tmp_path, root):
+def _kill(hook: str) -> dict:
+    return {"request_id": "rank-kill", "hook_name": hook, "action": {"kind": "kill_process"}, "rollout_id": 1}
+
+
+def _run_kwargs(ckpt, tmp_path, root, **extra):
     kw = small_run_kwargs(ckpt, tmp_path, storage_root=str(root), num_rollout=NUM_ROLLOUT, save_interval=1,
-                          rm_type=None, custom_rm_path="loop_helpers.first_token_parity_rm")  # fmt: skip
+                          rm_type=None, custom_rm_path="loop_helpers.first_token_parity_rm", **extra)  # fmt: skip
     kw["save"] = str(StoragePaths(str(root)).checkpoints("t"))
     return kw
 
@@ -59,12 +62,21 @@ def _launch(config: Path, ray_address: str, hooks: list | None, log: Path) -> tu
 
 
 def test_rank_hooks_are_miles_names():
-    assert "trainer_step_before_allreduce" in RANK_HOOKS
+    assert {"trainer_step_before_allreduce", "trainer_weight_update_before_send"} <= set(RANK_HOOKS)
 
 
+# the rank dies mid-step (before the all-reduce), or in the broadcast transport's sending rank with
+# the engines waiting in the weight group (the only transport that sends from a rank)
 @pytest.mark.slow
-def test_kill_9_of_a_trainer_rank_before_allreduce_stops_the_run_and_the_relaunch_resumes(
-    tiny_hf_checkpoint, tmp_path
+@pytest.mark.parametrize(
+    ("hook", "transport"),
+    [
+        ("trainer_step_before_allreduce", {}),
+        ("trainer_weight_update_before_send", {"update_weight_transfer_mode": "broadcast"}),
+    ],
+)
+def test_kill_9_of_a_trainer_rank_at_a_rank_hook_stops_the_run_and_the_relaunch_resumes(
+    tiny_hf_checkpoint, tmp_path, hook, transport
 ):
     import ray
 
@@ -72,25 +84,28 @@ def test_kill_9_of_a_trainer_rank_before_allreduce_stops_the_run_and_the_relaunc
     from miles_platform.config import RunConfig
     from miles_platform.loop import train
 
-    ref = train(RunConfig(**_run_kwargs(tiny_hf_checkpoint, tmp_path, tmp_path / "ref")).validate())
+    ref = train(
+        RunConfig(**_run_kwargs(tiny_hf_checkpoint, tmp_path, tmp_path / "ref", **transport)).validate()
+    )
     assert ref.final_version == NUM_ROLLOUT and any(m["train/grad_norm"] > 0 for m in ref.metrics)
     ray_cluster.init_ray(RunConfig(**_run_kwargs(tiny_hf_checkpoint, tmp_path, tmp_path / "ref")))  # joined
     address = ray.get_runtime_context().gcs_address
 
     root = tmp_path / "root"
-    kw = _run_kwargs(tiny_hf_checkpoint, tmp_path, root)
+    kw = _run_kwargs(tiny_hf_checkpoint, tmp_path, root, **transport)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(kw))
     log = tmp_path / "launches.log"
 
-    rc, out = _launch(config, address, [KILL], log)
+    rc, out = _launch(config, address, [_kill(hook)], log)
     assert rc == 1, f"exited {rc}:\n{out[-3000:]}"
     assert "TrainerActor of run 't' died" in out, out[-3000:]
-    assert "rank-kill (kill_process at trainer_step_before_allreduce, rollout 1)" in out, out[-3000:]
+    assert f"rank-kill (kill_process at {hook}, rollout 1)" in out, out[-3000:]
     assert f"relaunch the same command to resume from the last checkpoint under {kw['save']}" in out
     assert "Traceback" not in out, out[-3000:]  # one message, not Ray's traceback
     cat = Catalog(StoragePaths(str(root)))
-    # the rank died inside rollout 1's step: rollout 0 is recorded and checkpointed, rollout 1 is not
+    # the rank died inside rollout 1's step or its weight update: rollout 0 is recorded and
+    # checkpointed, rollout 1 is not
     _, rows = cat.query("select rollout_id from policy_versions order by rollout_id")
     assert [r[0] for r in rows] == [0], rows
 

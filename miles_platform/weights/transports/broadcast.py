@@ -108,10 +108,11 @@ class BroadcastTransport(Transport):
                 e.url: pool.submit(post, e.url, path, b, api_key=self.cfg.api_key, timeout=timeout)
                 for e, b in zip(self.engines, bodies, strict=True)
             }
-            errors = []
+            errors, trainer_error = [], None
             try:
                 ray.get(trainer_calls, timeout=timeout)
             except Exception as e:  # reported once the engines answered (or timed out)
+                trainer_error = e
                 errors.append(f"trainer: {e}")
             for url, f in futs.items():
                 try:
@@ -120,6 +121,10 @@ class BroadcastTransport(Transport):
                     errors.append(f"{url}{path}: {e}")
         if errors:
             self.group_ready = False  # a half-done collective leaves the group unusable: rejoin next time
+            if isinstance(trainer_error, ray.exceptions.RayActorError):
+                # a dead trainer rank: the engines' failures (peer reset) follow from it; the run
+                # stops with the message that names the actor (run_services.actor_died)
+                raise trainer_error
             raise RuntimeError(f"broadcast weight update {path} failed: " + "; ".join(errors))
 
     def _init_group(self) -> None:

@@ -169,3 +169,15 @@ def test_rank_hooks_fire_only_in_their_ranks_and_the_driver_names_those_due():
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_fault_hooks([{**bad, "action": {"kind": "kill_process"}}])
+
+
+def test_the_send_hook_is_refused_where_no_rank_sends(tiny_hf_checkpoint):
+    from miles_platform.config import RunConfig
+
+    hooks = json.dumps([{"request_id": "s", "hook_name": "trainer_weight_update_before_send",
+                         "action": {"kind": "kill_process"}}])  # fmt: skip
+    kw = dict(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=2, ci_fault_hooks=hooks)
+    RunConfig(**kw, update_weight_transfer_mode="broadcast").validate()
+    for mode in ("tensor", "mooncake"):
+        with pytest.raises(ConfigError, match=f"--ci-fault-hooks s: .*broadcast.*'{mode}'"):
+            RunConfig(**kw, update_weight_transfer_mode=mode).validate()
