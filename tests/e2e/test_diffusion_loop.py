@@ -7,7 +7,6 @@ two rollouts of Flow-GRPO with --ci-test), then the CLI resuming that run's chec
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import dagster as dg
@@ -161,30 +160,28 @@ def test_cli_resumes_the_run_from_its_checkpoint(campaign):
                                                                                    "num_rollout")],
             "--num-rollout", "7"]  # fmt: skip
     # a resume that would train something else is refused before Ray, the flags named
-    t0 = time.monotonic()
     proc = subprocess.run([*args, "--lr", "1e-4", "--diffusion-clip-range", "0.001"], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 2 and time.monotonic() - t0 < 20, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]  # a ConfigError: the CLI's exit before Ray
     assert "--diffusion-clip-range 0.0001 -> 0.001; --lr 0.0003 -> 0.0001" in proc.stderr
     assert "--allow-config-change" in proc.stderr and "Ray" not in proc.stdout
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    # allowed: the resume goes on, logged, listed in run_events, and the next version's lineage names
+    # the saved config
+    saved = json.loads((Path(paths.checkpoints("d")) / "run_config.json").read_text())
+    old_hash = DiffusionRunConfig.from_dict(saved).config_hash()
+    proc = subprocess.run([*args, "--lr", "1e-4", "--allow-config-change"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[resume] from" in proc.stdout and "rollout 5, v6" in proc.stdout
+    assert "[resume] --allow-config-change: --lr 0.0003 -> 0.0001" in proc.stdout
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["final_version"] == 7 and out["last_rollout_id"] == 6
     assert [r["version"] for r in read_rows(paths, "policy_versions", "d")] == list(range(1, 8))
-    # allowed: logged, recorded in run_events, and the next version's lineage names the old config
-    saved = json.loads((Path(paths.checkpoints("d")) / "run_config.json").read_text())
-    old_hash = DiffusionRunConfig.from_dict(saved).config_hash()
-    proc = subprocess.run([*args[:-1], "8", "--lr", "1e-4", "--allow-config-change"], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[resume] --allow-config-change: --lr 0.0003 -> 0.0001" in proc.stdout
     assert json.loads((Path(paths.checkpoints("d")) / "run_config.json").read_text())["lr"] == 1e-4
     resume = [r for r in read_rows(paths, "run_events", "d") if r["event"] == "resume"][-1]
     assert "--lr 0.0003 -> 0.0001" in json.dumps(resume, default=str)
     edges = [e for e in read_rows(paths, "lineage", "d") if e.get("relation") == "config_changed_from"]
-    assert [(e["child"], e["parent"]) for e in edges] == [("d.v000008", f"config:{old_hash}")], edges
+    assert [(e["child"], e["parent"]) for e in edges] == [("d.v000007", f"config:{old_hash}")], edges
 
 
 def test_a_bad_flag_fails_before_ray_with_the_flag_named(tmp_path):
