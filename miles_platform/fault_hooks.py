@@ -36,6 +36,12 @@ the rank, and the driver stops with `ActorDied` naming it and the resume command
 The rollout of a rank's hook is the one it last trained (-1 before the first); a request for a
 rank hook may name one rank (`"target": {"rank": 0}`; default: every rank).
 
+A driver hook's request may instead act on a rollout engine (`"target": {"engine": N}`, the N-th
+embedded engine of the run, its current replacement after a restart): at the hook the driver
+sends the action to that engine's process (kill_process, segfault_process, stop_process: SIGKILL,
+SIGSEGV, SIGSTOP; exit_process: the engine exits with `exit_code`), which is how the
+--use-fault-tolerance tests kill and hang engines at chosen points of a run.
+
 Actions: kill_process (SIGKILL), exit_process (`exit_code`, default 1, no cleanup), segfault_process
 (SIGSEGV), stop_process (SIGSTOP: a hung driver), sleep (`seconds`), sleep_forever, observe (a log
 line), raise (a `FaultInjected` exception). Miles' cell and API-server actions have no counterpart
@@ -67,6 +73,8 @@ RANK_HOOKS = ("trainer_weight_update_before_all_gather", "trainer_step_before_al
               "trainer_weight_update_before_send")  # fmt: skip
 ACTIONS = ("kill_process", "exit_process", "segfault_process", "stop_process", "sleep", "sleep_forever",
            "observe", "raise")  # fmt: skip
+# what the driver can do to an engine's process (signals, or an exit inside it)
+ENGINE_ACTIONS = ("kill_process", "segfault_process", "stop_process", "exit_process")
 # Miles' actions that act on cells, threads or the API server: no counterpart in this loop
 NOT_HERE = ("freeze_process", "deadlock_thread", "stop_cell", "start_cell", "api_server_fault",
             "restart_rollout_cell")  # fmt: skip
@@ -84,11 +92,13 @@ class FaultRequest:
     request_id: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     rank: int | None = None  # a rank hook's target rank (None: every rank)
+    engine: int | None = None  # a driver hook's target engine (None: the driver itself)
     fired: bool = False
 
     def describe(self) -> str:
         at = f", rollout {self.rollout_id}" if self.rollout_id is not None else ""
-        return f"{self.request_id} ({self.kind} at {self.hook_name}{at})"
+        on = f" of engine {self.engine}" if self.engine is not None else ""
+        return f"{self.request_id} ({self.kind}{on} at {self.hook_name}{at})"
 
 
 def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
@@ -138,23 +148,34 @@ def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
         rid = r.get("rollout_id")
         if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or rid < 0):
             raise ConfigError(f"{where}: rollout_id must be an integer >= 0, got {rid!r}")
-        rank = _target_rank(r.get("target"), hook, where)
-        out.append(FaultRequest(hook, kind, rid, str(r.get("request_id", f"hook-{i}")), params, rank))
+        rank, engine = _target(r.get("target"), hook, kind, where)
+        out.append(FaultRequest(hook, kind, rid, str(r.get("request_id", f"hook-{i}")), params, rank, engine))
     return out
 
 
-def _target_rank(target: Any, hook: str, where: str) -> int | None:
-    """Miles' `target`: here only `{"rank": N}` of a rank hook (no cells to name)."""
+def _target(target: Any, hook: str, kind: str, where: str) -> tuple[int | None, int | None]:
+    """Miles' `target`: `{"rank": N}` of a rank hook, or `{"engine": N}` of a driver hook (no cells
+    to name). -> (rank, engine)."""
     if target is None:
-        return None
-    if hook not in RANK_HOOKS:
+        return None, None
+    if not isinstance(target, dict) or len(target) != 1 or set(target) - {"rank", "engine"}:
+        raise ConfigError(
+            f'{where}: target must be {{"rank": N}} or {{"engine": N}} (this loop has no cells), got {target!r}'
+        )
+    ((key, n),) = target.items()
+    if key == "rank" and hook not in RANK_HOOKS:
         raise ConfigError(f"{where}: target names a trainer rank; {hook} runs in the driver (no target)")
-    if not isinstance(target, dict) or set(target) != {"rank"}:
-        raise ConfigError(f'{where}: target must be {{"rank": N}} (this loop has no cells), got {target!r}')
-    rank = target.get("rank")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        raise ConfigError(f"{where}: target rank must be an integer >= 0, got {rank!r}")
-    return rank
+    if key == "engine" and hook in RANK_HOOKS:
+        raise ConfigError(f"{where}: target names an engine; {hook} runs in a trainer rank")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ConfigError(f"{where}: target {key} must be an integer >= 0, got {n!r}")
+    if key == "engine" and kind not in ENGINE_ACTIONS:
+        raise ConfigError(f"{where}: action {kind!r} on an engine; choose one of {', '.join(ENGINE_ACTIONS)}")
+    return (n, None) if key == "rank" else (None, n)
+
+
+def engine_targets(requests: list[FaultRequest]) -> list[FaultRequest]:
+    return [r for r in requests if r.engine is not None]
 
 
 class FaultHooks:
@@ -166,6 +187,8 @@ class FaultHooks:
         self, requests: list[FaultRequest], log: Callable[[str], None] = print, rank: int | None = None
     ):
         self.log, self.rollout_id, self.rank = log, -1, rank
+        # the driver's: runs an engine-targeted request's action in that engine (run_services sets it)
+        self.on_engine: Callable[[FaultRequest], None] | None = None
         names = HOOKS if rank is None else RANK_HOOKS
         # copies: whether a request fired is this process's state
         self.requests = [replace(r) for r in requests if r.hook_name in names and r.rank in (None, rank)]
@@ -177,13 +200,28 @@ class FaultHooks:
                 continue
             r.fired = True
             where = "" if self.rank is None else f" in TrainerActor rank {self.rank}"
-            self.log(f"[ci-fault-hooks] {r.request_id}: {r.kind} at {hook}, rollout {self.rollout_id}{where}")
-            _act(r)
+            on = "" if r.engine is None else f" of engine {r.engine}"
+            self.log(
+                f"[ci-fault-hooks] {r.request_id}: {r.kind}{on} at {hook}, rollout {self.rollout_id}{where}"
+            )
+            if r.engine is None:
+                _act(r)
+            elif self.on_engine is None:
+                raise FaultInjected(f"{r.describe()}: this run has no embedded engines to act on")
+            else:
+                self.on_engine(r)
 
     def due_in_ranks(self) -> list[FaultRequest]:
         """The driver's view: rank-hook requests that may have fired in this rollout (a dead rank's
         message names them)."""
         return [r for r in self.in_ranks if r.rollout_id in (None, self.rollout_id)]
+
+
+ENGINE_SIGNALS = {
+    "kill_process": signal.SIGKILL,
+    "segfault_process": signal.SIGSEGV,
+    "stop_process": signal.SIGSTOP,
+}
 
 
 def _act(r: FaultRequest) -> None:

@@ -21,6 +21,7 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.weights.transports import check_engine_kind
 
     check_engine_kind(cfg)
+    _check_engine_faults(cfg)
     if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
         from miles_platform.rollout.engine_fleet import embedded_max_running_requests
 
@@ -110,6 +111,25 @@ def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
             f"--use-rollout-routing-replay: --hf-checkpoint {cfg.hf_checkpoint} is "
             f"{hf_config.get('architectures')} (dense): there are no expert routes to replay"
         )
+
+
+def _check_engine_faults(cfg: RunConfig) -> None:
+    """--ci-fault-hooks aimed at an engine (`"target": {"engine": N}`): the run's own embedded
+    engines, an index it has."""
+    from miles_platform.cluster.ray_cluster import rollout_num_devices
+    from miles_platform.fault_hooks import engine_targets, parse_fault_hooks
+
+    reqs = engine_targets(parse_fault_hooks(cfg.ci_fault_hooks))
+    if not reqs:
+        return
+    if cfg.rollout_engine != "embedded" or cfg.rollout_external_engine_addrs or cfg.debug_train_only:
+        raise ConfigError(f"--ci-fault-hooks {reqs[0].request_id}: an engine target acts on the run's embedded "
+                          "engine processes; this run has none (SGLang, external engines or --debug-train-only)")  # fmt: skip
+    n = rollout_num_devices(cfg) // cfg.rollout_num_gpus_per_engine
+    bad = [r for r in reqs if r.engine >= n]
+    if bad:
+        raise ConfigError(f"--ci-fault-hooks {bad[0].request_id}: engine {bad[0].engine}, but the run has {n} "
+                          f"engine(s) (0..{n - 1})")  # fmt: skip
 
 
 def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:

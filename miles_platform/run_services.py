@@ -88,6 +88,16 @@ class RunServices(contextlib.AbstractContextManager):
             self.engines, self.router = start_engines(cfg, groups)
             s.callback(stop_engines, self.engines)
             s.callback(self.router.stop)
+            if self.engines[0].actor is not None:  # --ci-fault-hooks on an engine: its current actor
+                from miles_platform.rollout.engine_fleet import fault_in_engine
+
+                def on_engine(r) -> None:
+                    pid = fault_in_engine(self.engines[r.engine], r)
+                    log(
+                        f"[ci-fault-hooks] {r.request_id}: engine {r.engine} ({self.engines[r.engine].url}, pid {pid})"
+                    )
+
+                self.hooks.on_engine = on_engine
         if self.trainers:
             ray.get([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]

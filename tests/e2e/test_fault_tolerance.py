@@ -1,5 +1,5 @@
-"""--use-fault-tolerance: an engine that dies (SIGKILL) or hangs (SIGSTOP) mid-run is detected by
-the health monitor, replaced on its bundle with the version the run serves, and the run finishes
+"""--use-fault-tolerance: an engine that dies (SIGKILL) or hangs (SIGSTOP) mid-run (--ci-fault-hooks
+aimed at the engine) is detected by the health monitor, replaced on its bundle with the version the run serves, and the run finishes
 with every rollout, the trainer and engine weights equal at each update (--ci-test)."""
 
 import json
@@ -41,21 +41,25 @@ def _engine_pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
 
 
-class Saboteur(Reporter):
-    """After rollout 0 SIGKILLs the engine process; after rollout 2 SIGSTOPs its replacement."""
-
+class Logs(Reporter):
     def __init__(self):
-        self.runner, self.logs, self.victims = None, [], []
+        self.logs = []
 
     def log(self, msg: str) -> None:
         self.logs.append(msg)
 
     def on_rollout(self, rollout_id, metrics):
-        if rollout_id in (0, 2):
-            pid = _engine_pid(self.runner.s.engines[0].actor)
-            self.victims.append(pid)
-            os.kill(pid, signal.SIGKILL if rollout_id == 0 else signal.SIGSTOP)
         self.last = metrics
+
+
+# --ci-fault-hooks on the engine: SIGKILL once rollout 0 is recorded (v1 loaded), SIGSTOP of its
+# replacement once rollout 2 is
+FAULTS = [
+    {"request_id": "kill-engine", "hook_name": "metrics_recorded", "action": {"kind": "kill_process"},
+     "rollout_id": 0, "target": {"engine": 0}},
+    {"request_id": "hang-engine", "hook_name": "metrics_recorded", "action": {"kind": "stop_process"},
+     "rollout_id": 2, "target": {"engine": 0}},
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk-delta", "broadcast", "mooncake"])
@@ -78,18 +82,19 @@ def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(
     cfg = small_run_config(
         tiny_hf_checkpoint, tmp_path, num_rollout=4, use_fault_tolerance=True, ci_test=True,
         rollout_health_check_interval=0.3, rollout_health_check_timeout=2.0,
-        check_weight_update_equal=transport != "tensor", **kw,
+        check_weight_update_equal=transport != "tensor", ci_fault_hooks=json.dumps(FAULTS), **kw,
     )  # fmt: skip
-    rep = Saboteur()
-    rep.runner = RLRun(cfg, rep)
+    rep = Logs()
     try:
-        res = rep.runner.run()
+        res = RLRun(cfg, rep).run()
     finally:
-        for pid in rep.victims:  # never leave a stopped process behind
+        victims = [int(m.rsplit("pid ", 1)[1].rstrip(")")) for m in rep.logs if ": engine 0 (" in m]
+        for pid in victims:  # never leave a stopped process behind
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    assert len(victims) == 2 and victims[0] != victims[1], rep.logs  # the second: the replacement
     assert [v["version"] for v in res.versions] == [1, 2, 3, 4]
     said = [m for m in rep.logs if m.startswith("[fault-tolerance]")]
     assert rep.last["rollout/engine_restarts"] == 2.0, said

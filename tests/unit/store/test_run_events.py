@@ -181,3 +181,51 @@ def test_the_send_hook_is_refused_where_no_rank_sends(tiny_hf_checkpoint):
     for mode in ("tensor", "mooncake"):
         with pytest.raises(ConfigError, match=f"--ci-fault-hooks s: .*broadcast.*'{mode}'"):
             RunConfig(**kw, update_weight_transfer_mode=mode).validate()
+
+
+def test_engine_targets_parse_and_are_refused_where_no_engine_process_is_the_runs(
+    tiny_hf_checkpoint, tmp_path
+):
+    from loop_helpers import small_run_config
+
+    from miles_platform.fault_hooks import engine_targets
+    from miles_platform.preflight import validate_before_start
+
+    req = {"request_id": "e", "hook_name": "metrics_recorded", "action": {"kind": "stop_process"},
+           "rollout_id": 2, "target": {"engine": 1}}  # fmt: skip
+    (r,) = parse_fault_hooks([req])
+    assert (r.engine, r.rank) == (1, None) and engine_targets([r]) == [r]
+    assert r.describe() == "e (stop_process of engine 1 at metrics_recorded, rollout 2)"
+    calls = []
+    hooks = FaultHooks([r], calls.append)
+    hooks.on_engine = lambda q: calls.append(("engine", q.engine))
+    hooks.rollout_id = 2
+    hooks.fire("metrics_recorded")  # the driver does not stop itself: the engine's action runs
+    assert calls == [
+        "[ci-fault-hooks] e: stop_process of engine 1 at metrics_recorded, rollout 2",
+        ("engine", 1),
+    ]
+    for bad, match in [
+        ({**req, "action": {"kind": "sleep", "seconds": 1}}, "action 'sleep' on an engine; choose one of"),
+        (
+            {**req, "hook_name": "trainer_step_before_allreduce"},
+            "target names an engine; .* runs in a trainer rank",
+        ),
+        ({**req, "target": {"engine": -1}}, "target engine must be an integer >= 0"),
+        ({**req, "target": {"engine": 0, "rank": 0}}, "target must be"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_fault_hooks([bad])
+    hooks_json = json.dumps([req])
+    validate_before_start(
+        small_run_config(tiny_hf_checkpoint, tmp_path, rollout_num_gpus=2, ci_fault_hooks=hooks_json)
+    )
+    with pytest.raises(
+        ConfigError, match=r"--ci-fault-hooks e: engine 1, but the run has 1 engine\(s\) \(0..0\)"
+    ):
+        validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, ci_fault_hooks=hooks_json))
+    with pytest.raises(ConfigError, match="--ci-fault-hooks e: an engine target .* has none"):
+        validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, ci_fault_hooks=hooks_json,
+                                               rollout_external_engine_addrs=["127.0.0.1:1"],
+                                               update_weight_transfer_mode="disk"))  # fmt: skip
+    assert not (tmp_path / "root").exists()
