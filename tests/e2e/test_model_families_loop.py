@@ -1,7 +1,6 @@
-"""Qwen2, Llama and Qwen3-MoE through the whole loop, each family on one trainer backend and each backend
-with one family (Llama and Qwen3-MoE with R3 on fsdp, Qwen2 and Qwen3-MoE with R3 on megatron; the cross terms are
-the same bridge and the same trainer, and tests/unit/training/test_model_families_megatron.py / test_moe_megatron.py
-check the families' megatron conversion and logits parity on their own): 3 GRPO rollouts with --ci-test
+"""Qwen2, Llama and Qwen3-MoE through the whole loop on both trainer backends (Qwen3-MoE with R3, the
+aux loss and the z-loss on both; tests/unit/training/test_model_families_megatron.py /
+test_moe_megatron.py check the families' megatron conversion and logits parity on their own): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
 trainer's after every sync, over HTTP), weights to the engine by disk-delta, resume from the
 checkpoint, and the publications applied to a fresh replica give the trainer's exported weights."""
@@ -26,7 +25,7 @@ def family_checkpoints(tmp_path_factory):
 # Qwen3-MoE with R3, the aux loss and the z-loss on both backends (docs/moe.md)
 @pytest.mark.parametrize(
     ("family", "backend"),
-    [("llama", "fsdp"), ("qwen2", "megatron"), ("qwen3_moe", "fsdp"), ("qwen3_moe", "megatron")],
+    [(f, b) for f in ("llama", "qwen2", "qwen3_moe") for b in ("fsdp", "megatron")],
 )
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
