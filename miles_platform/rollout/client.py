@@ -79,6 +79,8 @@ async def generate(
 # the pooled client of each EngineClient's event loop: `post_generate` called from code running
 # there (custom generate functions) shares the run's keep-alive connections
 _LOOP_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# retried /generate attempts per pooled client (EngineClient.retries)
+_RETRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 async def post_generate(
@@ -116,6 +118,8 @@ async def post_generate(
                     return orjson.loads(resp.content)
                 if resp.status_code not in RETRYABLE_STATUS or last_try:
                     raise EngineHTTPError(url, resp.status_code, _parse(resp))
+            if not own:
+                _RETRIES[client] = _RETRIES.get(client, 0) + 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_backoff_s)
         raise AssertionError("unreachable")
@@ -189,6 +193,12 @@ class EngineClient:
 
         self._client = self.submit(make()).result()
         _LOOP_CLIENTS[self._loop] = self._client
+
+    @property
+    def retries(self) -> int:
+        """/generate attempts retried so far (a retryable answer or a lost connection), user
+        generate functions' calls on this client's loop included."""
+        return _RETRIES.get(self._client, 0)
 
     @property
     def lora_path(self) -> str | None:

@@ -66,6 +66,7 @@ class RolloutManager:
             lora_path=self.adapter,
             max_retries=client_retries(cfg),
         )
+        self._retries_seen = 0  # EngineClient.retries at the last rollout's metrics
         self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
         # finished groups not trained on yet (over-sampling surplus; in fully async mode, the data
         # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
@@ -396,6 +397,10 @@ class RolloutManager:
         }
         m.update(self._opd_metrics)
         self._opd_metrics = {}
+        if self.cfg.use_fault_tolerance:  # requests in flight on a dead or hung engine: retried, counted
+            retries = self.client.retries
+            m["rollout/generate_retries"] = float(retries - self._retries_seen)
+            self._retries_seen = retries
         n = self.cfg.n_samples_per_prompt
         if n > 1:
             groups = rewards.reshape(-1, n)
