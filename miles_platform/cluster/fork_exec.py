@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 
-from miles_platform.cluster.forkserver import _recv_msg, _send_msg
+from miles_platform.cluster.forkserver import INHERITED, _recv_msg, _send_msg
 
 WAIT_FOR_SERVER_S = 60.0  # the server is importing (started beside Ray): wait rather than duplicate
 
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
         s,
         {
             "argv": worker_argv,
-            "env": dict(os.environ),
+            "env": {**os.environ, INHERITED: d},  # the child knows its server (forkserver.start)
             "cwd": os.getcwd(),
             "nice": os.getpriority(os.PRIO_PROCESS, 0),
         },

@@ -132,3 +132,18 @@ def test_ray_actors_fork_from_the_server_with_their_runtime_env_and_own_rng(serv
     pid_b = ray.get(b.pid.remote())
     ray.kill(b)
     _gone(pid_b, timeout=30)
+
+
+def test_a_driver_forked_from_a_server_forks_its_actors_from_it_and_leaves_it_running(server, tmp_path):
+    # a test's `train` launched with warm_python: its init_ray adopts the server it was forked from
+    # instead of starting (and importing torch & co. into) one of its own
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os\nfrom miles_platform.cluster import forkserver\n"
+        "s = forkserver.start()\nprint(os.environ['MILES_FORK_SERVER'], s.dir, s.proc is None, forkserver.warm_python()[-1])\n"
+    )
+    p = _launch(server.dir, script)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    assert out.split() == [server.dir, server.dir, "True", server.dir]
+    assert server.proc.poll() is None and os.path.exists(server.socket_path)  # not stopped at its exit
