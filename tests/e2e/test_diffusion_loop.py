@@ -11,6 +11,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from loop_helpers import warm_python
 
 from miles_platform.diffusion.config import DiffusionRunConfig
 from miles_platform.store.catalog import Catalog
@@ -154,7 +155,7 @@ def test_cli_resumes_the_run_from_its_checkpoint(campaign):
     paths = StoragePaths(str(root))
     base = str(paths.model("diffusion_base"))
     data = paths.join("datasets", "diffusion")
-    args = [sys.executable, "-m", "miles_platform.cli", "train-diffusion", "--storage-root", str(root),
+    args = [*warm_python(), "-m", "miles_platform.cli", "train-diffusion", "--storage-root", str(root),
             "--hf-checkpoint", base, "--prompt-data", f"{data}/train.jsonl", "--save", paths.checkpoints("d"),
             *[f"--{k.replace('_', '-')}={v}" for k, v in RUN.items() if k not in ("ci_test", "eval_interval",
                                                                                    "num_rollout")],
