@@ -17,6 +17,13 @@ import re
 IMAGE = "ghcr.io/miles-platform/miles-platform:0.1.0"  # the image deploy/Dockerfile builds
 NAMESPACE = "miles"
 POSTGRES_SECRET = "dagster-postgresql-secret"  # key: postgresql-password (the Dagster chart's name)
+# Ray token auth in the cluster: one Secret, two keys of the same token: `auth_token` (what
+# KubeRay's `authOptions.secretName` reads and sets on every Ray container) and `RAY_AUTH_TOKEN`
+# (the Dagster pods, which get the Secret as env vars and join with RAY_AUTH_MODE=token):
+#   T=$(openssl rand -hex 32); kubectl create secret generic miles-ray-auth -n miles \
+#     --from-literal=auth_token=$T --from-literal=RAY_AUTH_TOKEN=$T
+RAY_AUTH_SECRET = "miles-ray-auth"
+RAY_AUTH_ENV = "RAY_AUTH_MODE=token"  # Dagster's env_vars form
 STORAGE_ROOT = "s3://miles-platform/storage"  # MILES_STORAGE_ROOT in every pod
 
 GPUS_PER_TRAINING_POD = 8
@@ -33,7 +40,14 @@ TRAINING_OP_K8S_CONFIG: dict = {
             "requests": {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": str(GPUS_PER_TRAINING_POD)},
             "limits": {"memory": "256Gi", "nvidia.com/gpu": str(GPUS_PER_TRAINING_POD)},
         },
-        "env": [{"name": "MILES_STORAGE_ROOT", "value": STORAGE_ROOT}],
+        "env": [
+            {"name": "MILES_STORAGE_ROOT", "value": STORAGE_ROOT},
+            {"name": "RAY_AUTH_MODE", "value": "token"},  # its own Ray, or KubeRay's: token auth
+            {
+                "name": "RAY_AUTH_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": RAY_AUTH_SECRET, "key": "auth_token"}},
+            },
+        ],
     },
     "pod_spec_config": {
         "node_selector": {"nvidia.com/gpu.present": "true"},
@@ -51,7 +65,8 @@ K8S_JOB_EXECUTOR_CONFIG: dict = {
     "job_namespace": NAMESPACE,
     "max_concurrent": 4,
     "image_pull_policy": "IfNotPresent",
-    "env_secrets": [POSTGRES_SECRET],
+    "env_secrets": [POSTGRES_SECRET, RAY_AUTH_SECRET],
+    "env_vars": [RAY_AUTH_ENV],
     "step_k8s_config": {"container_config": {"resources": {"requests": {"cpu": "1", "memory": "4Gi"}}}},
 }
 
@@ -62,10 +77,7 @@ RAY_VERSION = "2.60.0"  # the ray[default] pin in pyproject.toml: KubeRay's `ray
 # name may have 53 (its Services append suffixes within the 63 of a DNS label).
 RAYJOB_NAME_MAX_LEN = 47
 MOONCAKE_MASTER = "miles-mooncake-master.miles.svc.cluster.local:50051"
-_RAY_ENV = [
-    {"name": "MILES_STORAGE_ROOT", "value": STORAGE_ROOT},
-    {"name": "RAY_AUTH_MODE", "value": "disabled"},  # as the image's ENV: in-cluster clients need no token
-]
+_RAY_ENV = [{"name": "MILES_STORAGE_ROOT", "value": STORAGE_ROOT}]  # token auth: authOptions below
 
 
 def _head_group(image: str) -> dict:
@@ -113,7 +125,8 @@ def _gpu_worker_group(image: str, replicas: int, min_replicas: int, max_replicas
 
 
 def ray_cluster_spec(image: str = IMAGE, *, replicas: int, min_replicas: int, max_replicas: int) -> dict:
-    """A RayCluster `spec`: CPU-only head (ports 6379/8265/10001) and one group of 8-GPU workers."""
+    """A RayCluster `spec`: CPU-only head (ports 6379/8265/10001), one group of 8-GPU workers, Ray's
+    token auth from RAY_AUTH_SECRET."""
     if not 0 <= min_replicas <= replicas <= max_replicas:
         raise ValueError(
             f"worker replicas: need 0 <= min_replicas ({min_replicas}) <= replicas ({replicas}) "
@@ -121,6 +134,9 @@ def ray_cluster_spec(image: str = IMAGE, *, replicas: int, min_replicas: int, ma
         )
     return {
         "rayVersion": RAY_VERSION,
+        # Ray's token auth (KubeRay >= 1.5.1): every Ray container gets RAY_AUTH_MODE=token and the
+        # token of RAY_AUTH_SECRET (key auth_token); a RayJob's submitter too
+        "authOptions": {"mode": "token", "secretName": RAY_AUTH_SECRET},
         "headGroupSpec": _head_group(image),
         "workerGroupSpecs": [_gpu_worker_group(image, replicas, min_replicas, max_replicas)],
     }

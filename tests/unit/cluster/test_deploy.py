@@ -23,9 +23,11 @@ from miles_platform.cluster.k8s import (
     GPUS_PER_TRAINING_POD,
     IMAGE,
     K8S_JOB_EXECUTOR_CONFIG,
+    RAY_AUTH_SECRET,
     RAY_VERSION,
     RAYJOB_NAME_MAX_LEN,
     STORAGE_ROOT,
+    TRAINING_OP_K8S_CONFIG,
     TRAINING_OP_K8S_TAGS,
     ray_cluster_spec,
     rayjob_manifest,
@@ -133,6 +135,28 @@ def test_manifests_share_image_and_storage():
     for p in pods:
         env = {e["name"]: e["value"] for e in p["spec"]["containers"][0]["env"]}
         assert env["MILES_STORAGE_ROOT"] == STORAGE_ROOT
+
+    # Ray's token auth everywhere: KubeRay's authOptions on both clusters, the Dagster pods join with
+    # the same Secret's token; nothing turns it off (the image included)
+    for cluster in (ray["spec"], rayjob["spec"]["rayClusterSpec"]):
+        assert cluster["authOptions"] == {"mode": "token", "secretName": RAY_AUTH_SECRET}
+    assert RAY_AUTH_SECRET in instance["run_launcher"]["config"]["env_secrets"]
+    assert "RAY_AUTH_MODE=token" in instance["run_launcher"]["config"]["env_vars"]
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    assert {"name": RAY_AUTH_SECRET} in launcher["envSecrets"] and "RAY_AUTH_MODE=token" in launcher[
+        "envVars"
+    ]
+    assert {"name": RAY_AUTH_SECRET} in dep["envSecrets"]
+    assert {"name": "RAY_AUTH_MODE", "value": "token"} in dep["env"]
+    assert RAY_AUTH_SECRET in K8S_JOB_EXECUTOR_CONFIG["env_secrets"]
+    step_env = TRAINING_OP_K8S_CONFIG["container_config"]["env"]
+    assert {"name": "RAY_AUTH_MODE", "value": "token"} in step_env
+    assert any(
+        e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == RAY_AUTH_SECRET for e in step_env
+    )
+    for f in DEPLOY.rglob("*"):
+        if f.is_file() and (f.suffix in (".yaml", ".yml") or f.name == "Dockerfile"):
+            assert "RAY_AUTH_MODE=disabled" not in f.read_text() and "value: disabled" not in f.read_text(), f
 
 
 # --- KubeRay: the vendored CRD schemas (deploy/kuberay/crds/README.md) as the API server applies them
@@ -290,8 +314,10 @@ def _set(path: str, value):
             m = m[int(p)] if p.isdigit() else m[p]
         if value is _DELETE:
             del m[last]
+        elif isinstance(m, list) and int(last) == len(m):  # one past the end: append
+            m.append(value)
         else:
-            m[last] = value
+            m[int(last) if isinstance(m, list) else last] = value
 
     return mutate
 
@@ -324,7 +350,9 @@ _JOB_HEAD_C = "spec.rayClusterSpec.headGroupSpec.template.spec.containers.0"
         ("rayjob.yaml", _rename(f"{_JOB_HEAD_C}.name", "nmae"), ".nmae: unknown field"),
         ("rayjob.yaml", _rename("spec.shutdownAfterJobFinishes", "shutdownAfterJobFinish"), "unknown field"),
         ("rayjob.yaml", _rename("spec.rayClusterSpec", "rayClusterSpecs"), "unknown field"),
-        ("rayjob.yaml", _set(f"{_JOB_HEAD_C}.env.1.name", "MILES_STORAGE_ROOT"), "duplicate ['name']"),
+        ("rayjob.yaml", _set(f"{_JOB_HEAD_C}.env.1", {"name": "MILES_STORAGE_ROOT", "value": "x"}),
+         "duplicate ['name']"),
+        ("rayjob.yaml", _set("spec.rayClusterSpec.authOptions.mode", "tokens"), "is not one of"),
         ("rayjob.yaml", _set("spec.rayClusterSpec.headGroupSpec", _DELETE), "'headGroupSpec' is a required"),
         ("rayjob.yaml", _set("spec.managedBy", "ray.io/kuberay-operator"), "CEL rules"),
         ("rayjob.yaml", _set("metadata.name", "GRPO_demo"), "DNS-1035"),
