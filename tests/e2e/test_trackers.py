@@ -40,7 +40,21 @@ def wandb_records(path: Path):
             yield rec
 
 
-def wandb_run(wandb_dir: Path) -> dict:
+def wandb_run(wandb_dir: Path, wait_s: float = 20.0) -> dict:
+    """The parsed offline run, once its file holds the run and exit records: wandb-core writes
+    the file from its own process, and under load (a full `make test`) a read right after
+    `finish()` once found no `run` record yet."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = _wandb_run_once(wandb_dir)
+        if ("run" in out and out["exit_code"] is not None) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _wandb_run_once(wandb_dir: Path) -> dict:
     (path,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
     out = {"bytes": path.read_bytes(), "history": [], "config": {}, "exit_code": None}
     for r in wandb_records(path):
