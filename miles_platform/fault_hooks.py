@@ -39,7 +39,7 @@ rank hook may name one rank (`"target": {"rank": 0}`; default: every rank).
 A driver hook's request may instead act on a rollout engine (`"target": {"engine": N}`, the N-th
 embedded engine of the run, its current replacement after a restart): at the hook the driver
 sends the action to that engine's process (kill_process, segfault_process, stop_process: SIGKILL,
-SIGSEGV, SIGSTOP; exit_process: the engine exits with `exit_code`), which is how the
+SIGSEGV, SIGSTOP), which is how the
 --use-fault-tolerance tests kill and hang engines at chosen points of a run.
 
 Actions: kill_process (SIGKILL), exit_process (`exit_code`, default 1, no cleanup), segfault_process
@@ -73,8 +73,8 @@ RANK_HOOKS = ("trainer_weight_update_before_all_gather", "trainer_step_before_al
               "trainer_weight_update_before_send")  # fmt: skip
 ACTIONS = ("kill_process", "exit_process", "segfault_process", "stop_process", "sleep", "sleep_forever",
            "observe", "raise")  # fmt: skip
-# what the driver can do to an engine's process (signals, or an exit inside it)
-ENGINE_ACTIONS = ("kill_process", "segfault_process", "stop_process", "exit_process")
+# what the driver can do to an engine's process: a signal (ENGINE_SIGNALS)
+ENGINE_ACTIONS = ("kill_process", "segfault_process", "stop_process")
 # Miles' actions that act on cells, threads or the API server: no counterpart in this loop
 NOT_HERE = ("freeze_process", "deadlock_thread", "stop_cell", "start_cell", "api_server_fault",
             "restart_rollout_cell")  # fmt: skip

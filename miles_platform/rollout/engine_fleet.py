@@ -159,39 +159,23 @@ def stop_engines(handles: list[EngineHandle]) -> None:
         ray.kill(h.actor)
 
 
-def fault_in_engine(handle: EngineHandle, request) -> int | None:
-    """--ci-fault-hooks `"target": {"engine": N}`: do the request's action to that engine's process
-    (fault_hooks.ENGINE_ACTIONS). On the driver's node the signal is sent from here, so the engine is
-    dead or stopped when the hook returns; elsewhere the engine signals itself. -> the engine's pid
-    (None for exit_process)."""
+def fault_in_engine(handle: EngineHandle, request) -> int:
+    """--ci-fault-hooks `"target": {"engine": N}`: send the request's signal to that engine's process
+    (fault_hooks.ENGINE_SIGNALS). On the driver's node it is sent from here, so the engine is dead or
+    stopped when the hook returns; elsewhere the engine signals itself. -> the engine's pid."""
     import os
 
     import ray
 
     from miles_platform.fault_hooks import ENGINE_SIGNALS
 
-    actor = handle.actor
-    if request.kind == "exit_process":
-        code = int(request.params.get("exit_code", 1))
-        call = actor.__ray_call__.remote(lambda self, c: os._exit(c), code)
-        with _suppress_death():
-            ray.get(call, timeout=60)  # returns once the process is gone
-        return None
     sig = ENGINE_SIGNALS[request.kind]
     pid, node = ray.get(
-        actor.__ray_call__.remote(lambda self: (os.getpid(), ray.get_runtime_context().get_node_id())),
+        handle.actor.__ray_call__.remote(lambda self: (os.getpid(), ray.get_runtime_context().get_node_id())),
         timeout=60,
     )
     if node == ray.get_runtime_context().get_node_id():
         os.kill(pid, sig)
     else:
-        actor.__ray_call__.remote(lambda self, s: os.kill(os.getpid(), s), sig)
+        handle.actor.__ray_call__.remote(lambda self, s: os.kill(os.getpid(), s), sig)
     return pid
-
-
-def _suppress_death():
-    import contextlib
-
-    import ray
-
-    return contextlib.suppress(ray.exceptions.RayActorError)

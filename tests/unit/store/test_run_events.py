@@ -207,6 +207,7 @@ def test_engine_targets_parse_and_are_refused_where_no_engine_process_is_the_run
     ]
     for bad, match in [
         ({**req, "action": {"kind": "sleep", "seconds": 1}}, "action 'sleep' on an engine; choose one of"),
+        ({**req, "action": {"kind": "exit_process"}}, "action 'exit_process' on an engine; choose one of"),
         (
             {**req, "hook_name": "trainer_step_before_allreduce"},
             "target names an engine; .* runs in a trainer rank",
