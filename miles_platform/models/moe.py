@@ -192,7 +192,8 @@ class MegatronRoutingReplay(_AuxLoss):
     HF's norm_topk_prob), and `flips` / `routed` count (token, layer) pairs replayed and changed.
     `aux_loss(mask)` as RoutingReplay's, from the logits each router's `routing` is given and the
     experts its routing map sends each token to (megatron's own aux loss stays off: its terms
-    enter through an autograd side door over every token, padding included, with a global scale).
+    enter through an autograd side door, MoEAuxLossAutoScaler, whose scale a training loop sets, and
+    count padded tokens unless GPTModel gets a padding mask).
     Megatron routes tokens sequence-first: `[T * B]`, where HF's are batch-first."""
 
     def __init__(self, model: nn.Module):
