@@ -705,17 +705,7 @@ class RunConfig:
                               "none); use --rollout-engine embedded or drop the flag")  # fmt: skip
         from miles_platform.fault_hooks import parse_fault_hooks
 
-        sends = [
-            r
-            for r in parse_fault_hooks(self.ci_fault_hooks)
-            if r.hook_name == "trainer_weight_update_before_send"
-        ]
-        if sends and (self.update_weight_transfer_mode != "broadcast" or self.lora_rank > 0):
-            raise ConfigError(
-                f"--ci-fault-hooks {sends[0].request_id}: trainer_weight_update_before_send fires in the rank "
-                "that sends the weights, which only --update-weight-transfer-mode broadcast has (full weights, "
-                f"not LoRA); this run's transport is {self.update_weight_transfer_mode!r}"
-            )
+        parse_fault_hooks(self.ci_fault_hooks)  # where each request can fire: preflight._check_fault_targets
         self._check_routing_replay()
         self._check_moe_flags()
         self._check_generate_flags()

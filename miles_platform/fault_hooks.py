@@ -174,10 +174,6 @@ def _target(target: Any, hook: str, kind: str, where: str) -> tuple[int | None, 
     return (n, None) if key == "rank" else (None, n)
 
 
-def engine_targets(requests: list[FaultRequest]) -> list[FaultRequest]:
-    return [r for r in requests if r.engine is not None]
-
-
 class FaultHooks:
     """One process's requests; `fire(hook)` at each point (the loop, or the trainer rank, sets
     `rollout_id` per rollout). The driver's (`rank` None) fire the driver hooks; a trainer rank's

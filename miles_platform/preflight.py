@@ -21,7 +21,7 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.weights.transports import check_engine_kind
 
     check_engine_kind(cfg)
-    _check_engine_faults(cfg)
+    _check_fault_targets(cfg)
     if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
         from miles_platform.rollout.engine_fleet import embedded_max_running_requests
 
@@ -113,20 +113,30 @@ def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
         )
 
 
-def _check_engine_faults(cfg: RunConfig) -> None:
-    """--ci-fault-hooks aimed at an engine (`"target": {"engine": N}`): the run's own embedded
-    engines, an index it has."""
+def _check_fault_targets(cfg: RunConfig) -> None:
+    """--ci-fault-hooks requests this run's processes can fire: trainer_weight_update_before_send
+    only where a rank sends weights (the broadcast transport, full weights), an engine target
+    (`"target": {"engine": N}`) only on the run's own embedded engines, at an index it has."""
     from miles_platform.cluster.ray_cluster import rollout_num_devices
-    from miles_platform.fault_hooks import engine_targets, parse_fault_hooks
+    from miles_platform.fault_hooks import parse_fault_hooks
 
-    reqs = engine_targets(parse_fault_hooks(cfg.ci_fault_hooks))
-    if not reqs:
+    reqs = parse_fault_hooks(cfg.ci_fault_hooks)
+    sends = [r for r in reqs if r.hook_name == "trainer_weight_update_before_send"]
+    if sends and (cfg.update_weight_transfer_mode != "broadcast" or cfg.lora_rank > 0):
+        raise ConfigError(
+            f"--ci-fault-hooks {sends[0].request_id}: trainer_weight_update_before_send fires in the rank "
+            "that sends the weights, which only --update-weight-transfer-mode broadcast has (full weights, "
+            f"not LoRA); this run's transport is {cfg.update_weight_transfer_mode!r}"
+        )
+    engines = [r for r in reqs if r.engine is not None]
+    if not engines:
         return
     if cfg.rollout_engine != "embedded" or cfg.rollout_external_engine_addrs or cfg.debug_train_only:
-        raise ConfigError(f"--ci-fault-hooks {reqs[0].request_id}: an engine target acts on the run's embedded "
-                          "engine processes; this run has none (SGLang, external engines or --debug-train-only)")  # fmt: skip
+        raise ConfigError(f"--ci-fault-hooks {engines[0].request_id}: an engine target acts on the run's "
+                          "embedded engine processes; this run has none (SGLang, external engines or "
+                          "--debug-train-only)")  # fmt: skip
     n = rollout_num_devices(cfg) // cfg.rollout_num_gpus_per_engine
-    bad = [r for r in reqs if r.engine >= n]
+    bad = [r for r in engines if r.engine >= n]
     if bad:
         raise ConfigError(f"--ci-fault-hooks {bad[0].request_id}: engine {bad[0].engine}, but the run has {n} "
                           f"engine(s) (0..{n - 1})")  # fmt: skip

@@ -171,16 +171,20 @@ def test_rank_hooks_fire_only_in_their_ranks_and_the_driver_names_those_due():
             parse_fault_hooks([{**bad, "action": {"kind": "kill_process"}}])
 
 
-def test_the_send_hook_is_refused_where_no_rank_sends(tiny_hf_checkpoint):
-    from miles_platform.config import RunConfig
+def test_the_send_hook_is_refused_where_no_rank_sends(tiny_hf_checkpoint, tmp_path):
+    from loop_helpers import small_run_config
+
+    from miles_platform.preflight import validate_before_start
 
     hooks = json.dumps([{"request_id": "s", "hook_name": "trainer_weight_update_before_send",
                          "action": {"kind": "kill_process"}}])  # fmt: skip
-    kw = dict(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=2, ci_fault_hooks=hooks)
-    RunConfig(**kw, update_weight_transfer_mode="broadcast").validate()
+    validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, ci_fault_hooks=hooks,
+                                           update_weight_transfer_mode="broadcast"))  # fmt: skip
     for mode in ("tensor", "mooncake"):
         with pytest.raises(ConfigError, match=f"--ci-fault-hooks s: .*broadcast.*'{mode}'"):
-            RunConfig(**kw, update_weight_transfer_mode=mode).validate()
+            validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, ci_fault_hooks=hooks,
+                                                   update_weight_transfer_mode=mode))  # fmt: skip
+    assert not (tmp_path / "root").exists()
 
 
 def test_engine_targets_parse_and_are_refused_where_no_engine_process_is_the_runs(
@@ -188,13 +192,12 @@ def test_engine_targets_parse_and_are_refused_where_no_engine_process_is_the_run
 ):
     from loop_helpers import small_run_config
 
-    from miles_platform.fault_hooks import engine_targets
     from miles_platform.preflight import validate_before_start
 
     req = {"request_id": "e", "hook_name": "metrics_recorded", "action": {"kind": "stop_process"},
            "rollout_id": 2, "target": {"engine": 1}}  # fmt: skip
     (r,) = parse_fault_hooks([req])
-    assert (r.engine, r.rank) == (1, None) and engine_targets([r]) == [r]
+    assert (r.engine, r.rank) == (1, None)
     assert r.describe() == "e (stop_process of engine 1 at metrics_recorded, rollout 2)"
     calls = []
     hooks = FaultHooks([r], calls.append)
