@@ -160,9 +160,9 @@ def start(extras: tuple[str, ...] = ()) -> ForkServer | None:
     if current() is not None:
         return _current
     stop()
-    inherited = os.environ.get(INHERITED)
-    if inherited and ForkServer(None, inherited).alive():
-        _current = ForkServer(None, inherited)
+    inherited = ForkServer(None, os.environ[INHERITED]) if os.environ.get(INHERITED) else None
+    if inherited is not None and inherited.alive():
+        _current = inherited
         return _current
     d = tempfile.mkdtemp(prefix="miles-fork-")  # 0700: only this user's processes reach the socket
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
