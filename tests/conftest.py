@@ -148,8 +148,7 @@ def _one_ray_per_worker(request, monkeypatch):
             and not ray_cluster.resolve_ray_address(cfg)
         ):
             ray_cluster.start_fork_server("peft", "megatron")  # one server for every test
-            ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=SHARED_RAY_CPUS,
-                     include_dashboard=False, log_to_driver=False)  # fmt: skip
+            ray_cluster.start_local_ray(SHARED_RAY_CPUS)
         return real(cfg, namespace, **init_kwargs)
 
     monkeypatch.setattr(ray_cluster, "init_ray", init_shared)

@@ -14,6 +14,7 @@ so the placement logic that runs on a laptop is the one that runs on a GPU clust
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -51,11 +52,11 @@ def init_ray(
     """Join `--ray-address` / `RAY_ADDRESS`, or start a private local cluster.
 
     A local start never attaches to someone else's `ray start` on this machine (`address="local"`),
-    advertises 127.0.0.1 as its node address, runs with Ray's token auth (Ray's default; the token
-    lives in ~/.ray/auth_token, so only this user's processes can submit work), has no dashboard,
-    and offers `max(os.cpu_count(), CPUs the placement plan needs)` logical
-    CPUs so the plan fits even on a small laptop. `cpus_needed`: a run without an LLM placement
-    plan (diffusion) says how many CPUs its actors take.
+    advertises 127.0.0.1 as its node address and listens on it only (`start_local_ray`), runs with
+    Ray's token auth (Ray's default; the token lives in ~/.ray/auth_token, so only this user's
+    processes can submit work), has no dashboard, and offers `max(os.cpu_count(), CPUs the
+    placement plan needs)` logical CPUs so the plan fits even on a small laptop. `cpus_needed`: a
+    run without an LLM placement plan (diffusion) says how many CPUs its actors take.
     """
     import ray
 
@@ -85,16 +86,44 @@ def init_ray(
             "its ports; unset it to keep Ray's token auth"
         )
     start_fork_server(*_fork_extras(cfg))
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        namespace=namespace,
-        log_to_driver=False,
-        **init_kwargs,
-    )
+    start_local_ray(num_cpus, namespace=namespace, **init_kwargs)
     return RayContext(address=None, started_local=True, connected=True)
+
+
+def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
+    """Start a private one-machine Ray cluster whose every server listens on 127.0.0.1 only.
+
+    `ray.init(_node_ip_address="127.0.0.1")` alone does not do it: Ray swaps a loopback node address
+    for the host's outward IP (`services.resolve_ip_for_localhost`), and its GCS, raylet, workers and
+    agents then listen on `::` / 0.0.0.0 / that IP. Ray's single-machine mode (what it runs on macOS
+    and Windows: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) keeps 127.0.0.1, and then Ray's C++ servers
+    bind loopback (`listen_to_localhost_only`). The mode is set while the cluster starts, so its
+    processes inherit it, and restored after, so a later join of a real cluster is unaffected.
+    """
+    import ray
+
+    with _single_machine_mode():
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus,
+                 include_dashboard=False, log_to_driver=False, **init_kwargs)  # fmt: skip
+
+
+_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _single_machine_mode():
+    from ray._private import ray_constants  # read once at import; the env var alone is too late
+
+    env, const = os.environ.get(_SINGLE_MACHINE_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_SINGLE_MACHINE_ENV], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = const
+        if env is None:
+            os.environ.pop(_SINGLE_MACHINE_ENV, None)
+        else:
+            os.environ[_SINGLE_MACHINE_ENV] = env
 
 
 def _fork_extras(cfg: RunConfig) -> list[str]:
