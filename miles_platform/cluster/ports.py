@@ -6,6 +6,9 @@ host (Ray's workers open many) takes its local port, and the kernel hands freed 
 so between "free now" and the listener's bind another socket can take it (the likely cause of a gloo
 rendezvous failing with EADDRINUSE in a full test run, 2026-12-03). Below the range only another
 listener that picked the same port at random can.
+
+`tcp_store` and `gloo_on_loopback` keep torch.distributed's listeners (the rendezvous store, gloo's
+pairs) on the group's own address instead of every interface.
 """
 
 from __future__ import annotations
@@ -48,3 +51,56 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float, **kw):
+    """torch's `TCPStore` whose server (the master's) listens on `host` only.
+
+    Given any host, TCPStore binds its own server to every interface (`::`, measured with torch
+    2.13); a socket bound to (`host`, `port`) here and handed over (`master_listen_fd`) keeps a
+    run's rendezvous on 127.0.0.1 (or on the one address a GPU group names). Clients just connect.
+    `kw`: TCPStore's own (`wait_for_workers`, ...).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, int(port), world_size, False, timeout=timeout, **kw)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+        sock.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(
+            host, int(port), world_size, True, timeout=timeout, master_listen_fd=sock.fileno(), **kw
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the fd now
+    return store
+
+
+def gloo_on_loopback(host: str) -> None:
+    """Make gloo's own listeners (one per process, for its pairs) bind the loopback interface when
+    the group's rendezvous is on loopback: gloo otherwise binds the address the host name resolves
+    to, a LAN address on many machines (127.0.0.1 on this project's VMs). A `GLOO_SOCKET_IFNAME`
+    the user set wins."""
+    import ipaddress
+    import os
+
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not ipaddress.ip_address(host).is_loopback:
+        return
+    try:
+        import psutil
+
+        names = [
+            n for n, addrs in psutil.net_if_addrs().items() if any(a.address == "127.0.0.1" for a in addrs)
+        ]
+    except Exception:  # noqa: BLE001 - no interface table: gloo's default
+        return
+    if names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]

@@ -64,8 +64,13 @@ def init_ray(
         return RayContext(address=None, started_local=False, connected=False)
     addr = resolve_ray_address(cfg)
     if addr:
+        # a cluster reached on loopback may be one started in single-machine mode (start_local_ray),
+        # whose nodes are at 127.0.0.1: a driver outside that mode looks for its raylet at the
+        # host's IP and waits forever (measured); in it, it joins either kind
+        mode = _single_machine_mode() if _is_loopback_address(addr) else contextlib.nullcontext()
         try:
-            ray.init(address=addr, namespace=namespace, log_to_driver=False, **init_kwargs)
+            with mode:
+                ray.init(address=addr, namespace=namespace, log_to_driver=False, **init_kwargs)
         except (ConnectionError, RuntimeError) as e:
             raise ConfigError(
                 f"--ray-address {addr}: cannot join the Ray cluster ({e}); check `ray status --address {addr}` "
@@ -108,6 +113,21 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
 
 
 _SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _is_loopback_address(addr: str) -> bool:
+    """`127.0.0.1:6379`, `localhost:6379`, `[::1]:6379` (a GCS address; never a `ray://` one)."""
+    import ipaddress
+
+    if "://" in addr:
+        return False
+    host = addr.rsplit(":", 1)[0].strip("[]") if ":" in addr else addr
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import RunConfig
 from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
@@ -92,7 +93,10 @@ class TrainerActor:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._moe: set = set()  # the RoutingReplay of each MoE model this actor forwards (policy, reference)
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world_size)
+            host, port = (dist_init or "").removeprefix("tcp://").rsplit(":", 1)
+            gloo_on_loopback(host)
+            store = tcp_store(host, int(port), world_size, rank == 0, timeout_s=1800.0)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)

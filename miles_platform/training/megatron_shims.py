@@ -17,8 +17,8 @@ imports from TE undefined (its `except ImportError` only sets HAVE_TE = False), 
 router's `router_gating_linear` reads `te_general_gemm`: `apply_no_te_shims` defines them as None,
 which selects the torch paths.
 
-Process groups: `init_process_group` (gloo; world size 1 picks a free port on 127.0.0.1) and
-`destroy_process_group` wrap torch.distributed and megatron's parallel_state together.
+Process groups: `init_process_group` (gloo; world size 1 meets in a HashStore, more ranks at a
+TCPStore that listens on 127.0.0.1 only, `cluster.ports.tcp_store`) and `destroy_process_group` wrap torch.distributed and megatron's parallel_state together.
 dist_checkpointing.save forks writer processes, so entry points that save need an
 `if __name__ == "__main__"` guard.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_platform.cluster.ports import free_port
+from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 
 _APPLIED = False
 
@@ -125,26 +125,25 @@ def init_process_group(
 
     apply_cpu_shims()
     if not dist.is_initialized():
-        if master_port is None:
-            if world_size != 1:
-                raise ValueError("init_process_group: world_size > 1 needs an agreed master_port")
-            master_port = free_port()
+        if master_port is None and world_size != 1:
+            raise ValueError("init_process_group: world_size > 1 needs an agreed master_port")
         backend = "nccl" if cuda_available() else "gloo"
         if cuda_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{master_port}",
-            rank=rank,
-            world_size=world_size,
-        )
+        else:
+            gloo_on_loopback("127.0.0.1")
+        if world_size == 1:  # nobody to meet: no rendezvous server at all
+            store = dist.HashStore()
+        else:
+            store = tcp_store("127.0.0.1", master_port, world_size, rank == 0, timeout_s=1800.0)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
     init_rng(seed)
 
 
 def init_single_process_group(tensor_model_parallel_size: int = 1, seed: int = 1234) -> None:
-    """World size 1 on a free TCP port of 127.0.0.1."""
+    """World size 1: no rendezvous server, no port."""
     init_process_group(0, 1, tensor_model_parallel_size, seed=seed)
 
 

@@ -81,7 +81,7 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     ports = {port for _, port in rep.binds}
     assert {int(u.rsplit(":", 1)[1]) for u in rep.urls} <= ports and len(rep.urls) >= 2, (rep.urls, rep.binds)
     assert {"gcs_server", "raylet"} <= {name for name, _ in rep.binds}, rep.binds
-    assert set(rep.binds.values()) == {"127.0.0.1"}, rep.binds
+    assert not {k: ip for k, ip in rep.binds.items() if ip != "127.0.0.1"}, rep.binds
     assert "eval/heldout/pass@1" in res.metrics[1] and "eval/heldout/pass@1" not in res.metrics[0]
     assert os.path.exists(tmp_path / "hf" / "iter_1" / "model.safetensors")
     assert res.final_version == 2 and len(res.versions) == 2

@@ -23,7 +23,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from miles_platform.cluster.ports import free_port
+from miles_platform.cluster.ports import free_port, gloo_on_loopback, tcp_store
 from miles_platform.rollout.client import post
 from miles_platform.weights.transports import TransferStats, Transport, full_bytes
 
@@ -51,14 +51,10 @@ def new_weights_group(
     """A standalone process group (own TCPStore, rank 0 hosts it); blocks until all ranks join
     (at most `join_timeout_s`, default `timeout_s`, the bound of each collective)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address,
-        int(master_port),
-        world_size,
-        is_master=(rank == 0),
-        timeout=datetime.timedelta(seconds=join_timeout_s or timeout_s),
-        wait_for_workers=False,
-    )
+    if backend == "gloo":
+        gloo_on_loopback(master_address)
+    store = tcp_store(master_address, int(master_port), world_size, rank == 0,
+                      timeout_s=join_timeout_s or timeout_s, wait_for_workers=False)  # fmt: skip
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)

@@ -3,6 +3,8 @@ inside it) and hands out a port a listener can bind at once; distinct draws rare
 
 import socket
 
+import pytest
+
 from miles_platform.cluster.ports import LOWEST, ephemeral_range, free_port
 
 
@@ -34,3 +36,35 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch):
         monkeypatch.setattr(ports, "ephemeral_range", lambda: (65535, 65535))
         monkeypatch.setattr(ports, "LOWEST", 1024)
         assert ports.free_port() not in (taken,)
+
+
+def _listening(port: int) -> set[str]:
+    import os
+
+    import psutil
+
+    return {
+        c.laddr.ip
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid == os.getpid()
+    }
+
+
+def test_a_rendezvous_store_listens_on_its_host_only():
+    import torch.distributed as dist
+
+    from miles_platform.cluster.ports import tcp_store
+
+    # torch's own TCPStore server listens on every interface, whatever host it is given
+    plain = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    assert _listening(plain.port) == {"::"}
+    port = free_port()
+    master = tcp_store("127.0.0.1", port, 2, True, timeout_s=10, wait_for_workers=False)
+    assert _listening(port) == {"127.0.0.1"}
+    client = tcp_store("127.0.0.1", port, 2, False, timeout_s=10)
+    client.set("k", "v")
+    assert master.get("k") == b"v"
+    # a port another listener holds: a clear OSError, no store, no socket left behind
+    with pytest.raises(OSError):
+        tcp_store("127.0.0.1", port, 2, True, timeout_s=1, wait_for_workers=False)
+    assert _listening(port) == {"127.0.0.1"}
