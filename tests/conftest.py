@@ -21,20 +21,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
-LONGEST_FIRST = {  # seconds per file in `make test` (2 workers), fresh clone, 2026-12-02
-    "test_diffusion_crash.py": 38,  # alone, 2026-12-03: 4 `train-diffusion` processes, 3 SIGKILLed
-    "test_learning.py": 175, "test_ui_browser.py": 108, "test_model_families_loop.py": 94, "test_loop.py": 89,
-    "test_multi_rank.py": 60, "test_model_families_megatron.py": 45,
-    "test_cluster_ray.py": 165,  # alone, 2026-12-02: with the Ray-job runs (dashboard, 3 submitted runs)
-    "test_kernels.py": 41, "test_generate_hub.py": 37, "test_opd_loop.py": 36, "test_sglang_launcher.py": 31,
-    "test_conversion_asset.py": 31, "test_ops_training.py": 30, "test_engine_control.py": 29,
-    "test_fault_tolerance.py": 45, "test_opd.py": 24, "test_tito.py": 23, "test_engine.py": 23,
-    "test_trackers.py": 21, "test_r3_generate_hub.py": 36, "test_lora_loop.py": 21, "test_precision_fsdp.py": 20, "test_conversion.py": 18,
-    "test_disk_delta.py": 18, "test_megatron_backend.py": 17, "test_broadcast_transport.py": 16,
-    "test_object_store.py": 15, "test_fuzz.py": 15, "test_forkserver.py": 15, "test_lora_multi_run.py": 14,
-    "test_diffusion_loop.py": 85,  # alone, 2026-12-02: 600-step DiT SFT + 6 rollouts on Ray + a CLI resume
-    "test_object_store_root.py": 50,
-    "test_crash_matrix.py": 107,  # alone, 2026-12-02: 15 `train` processes, 14 of them SIGKILLed
+LONGEST_FIRST = {  # seconds per file in `make test` (2 workers, --durations=0), fresh clone, 2026-12-04
+    "test_learning.py": 166, "test_cluster_ray.py": 117, "test_crash_matrix.py": 88,
+    "test_ui_browser.py": 82, "test_diffusion_loop.py": 80, "test_fault_tolerance.py": 62,
+    "test_loop.py": 56, "test_model_families_loop.py": 34, "test_fuzz.py": 29,
+    "test_trainer_fault_hooks.py": 22, "test_diffusion_crash.py": 21,
+    "test_model_families_megatron.py": 19, "test_sglang_launcher.py": 19, "test_kernels.py": 18,
+    "test_tito.py": 17, "test_ops_training.py": 17, "test_multi_rank.py": 16, "test_sft.py": 16,
+    "test_conversion_asset.py": 15, "test_engine_control.py": 15, "test_object_store_root.py": 14,
+    "test_lora_loop.py": 14, "test_lora_multi_run.py": 13, "test_opd_loop.py": 12,
+    "test_gpu_checks.py": 12, "test_engine.py": 12, "test_conversion.py": 11,
+    "test_object_store.py": 11,
 }  # fmt: skip
 
 
