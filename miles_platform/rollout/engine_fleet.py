@@ -3,6 +3,7 @@ with the router in front of them, and its OPD teacher engine (`run_services` cal
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from miles_platform.config import ConfigError, RunConfig
@@ -146,17 +147,24 @@ def embedded_max_running_requests(cfg: RunConfig) -> int:
     return n
 
 
-def stop_engines(handles: list[EngineHandle]) -> None:
+SHUTDOWN_WAIT_S = 15.0  # all engines together: a server stops in ~1 s (its thread join is bounded by 10)
+
+
+def stop_engines(handles: list[EngineHandle], wait_s: float = SHUTDOWN_WAIT_S) -> None:
+    """Ask every engine to stop its server at once, wait for them together (at most `wait_s`: a
+    hung or stopped engine never answers), then kill every actor."""
     import ray
 
-    for h in handles:
-        if h.actor is None:
-            continue
-        try:
-            ray.get(h.actor.shutdown.remote(), timeout=30)
-        except Exception:  # the actor may already be gone; killing it below is what matters
-            pass
-        ray.kill(h.actor)
+    actors = [h.actor for h in handles if h.actor is not None]
+    refs = []
+    for a in actors:
+        with contextlib.suppress(Exception):  # the actor may already be gone; the kill is what matters
+            refs.append(a.shutdown.remote())
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    for a in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(a)
 
 
 def fault_in_engine(handle: EngineHandle, request) -> int:
