@@ -67,7 +67,9 @@ def synthetic_table(rollout_id: int, n: int, seed: int) -> pa.Table:
         "metadata": pa.array(['{"task": "arithmetic"}'] * n),
         "remove_sample": pa.array(np.zeros(n, dtype=bool)),
     }
-    return pa.table([cols[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
+    # the columns a single-turn GRPO run leaves null (sampling support, OPD, turns, routing replay,
+    # diffusion), null here as in its real shards
+    return pa.table([cols.get(f.name, pa.nulls(n, f.type)) for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
 
 
 def build_store(root: str, rows: int, rollouts: int) -> tuple[StoragePaths, str]:

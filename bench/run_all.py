@@ -2,7 +2,10 @@
 
 Each module runs as `python -m bench.<name> --json` (its rows as a JSON list on the last stdout
 line); a module without that flag is run through `--one <name>` here, which imports it and calls
-`run()`. A module that fails or times out becomes an error row and the suite goes on.
+`run()`. A module that fails or times out becomes an error row and the suite goes on. A module with
+neither (the multi-seed learning studies: bench_lora_learning, bench_diffusion_learning,
+bench_diffusion_precision, each minutes to hours and run by hand as their docstrings say) is not
+part of `make bench`; the runner names them at the end with their command line.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -23,15 +27,38 @@ from bench.common import error_row, print_table
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results.json"
-ENV = {"RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-
-
-def discover() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("bench_*.py"))
+# Ray's token auth stays on here as everywhere (docs/RELIABILITY.md)
+ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
 def _speaks_json(name: str) -> bool:
     return "--json" in (BENCH_DIR / f"{name}.py").read_text()
+
+
+def _has_run(name: str) -> bool:
+    return re.search(r"^def run\(", (BENCH_DIR / f"{name}.py").read_text(), re.M) is not None
+
+
+def _all_modules() -> list[str]:
+    return sorted(p.stem for p in BENCH_DIR.glob("bench_*.py"))
+
+
+def discover() -> list[str]:
+    """The modules that report rows (`--json` or `run()`): what `make bench` runs."""
+    return [n for n in _all_modules() if _speaks_json(n) or _has_run(n)]
+
+
+def standalone() -> list[tuple[str, str]]:
+    """(name, command line from its docstring) of every bench module `make bench` does not run."""
+    out = []
+    for n in _all_modules():
+        if n in discover():
+            continue
+        m = re.search(
+            r"^\s+(PYTHONPATH=\S+ python -m bench\.\S+.*)$", (BENCH_DIR / f"{n}.py").read_text(), re.M
+        )
+        out.append((n, m.group(1).strip() if m else f"PYTHONPATH=. python -m bench.{n} --help"))
+    return out
 
 
 def _last_json_list(stdout: str) -> list[dict] | None:
@@ -114,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.one:
         run_one(a.one)
         return 0
+    unknown = sorted(set(a.only or ()) - set(discover()))
+    if unknown:
+        p.error(
+            f"not a row-reporting bench module: {', '.join(unknown)} (choose from {', '.join(discover())})"
+        )
     names = a.only or discover()
     t0 = time.perf_counter()
     rows, timings = [], {}
@@ -138,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     errors = sum(1 for r in rows if r.get("error"))
     if errors:
         print(f"{errors} row(s) could not be measured: see their unit column")
+    if not a.only:
+        print("\nnot run by `make bench` (multi-seed studies, run by hand; docs/BENCHMARKS.md):")
+        for name, cmd in standalone():
+            print(f"  {name}: {cmd}")
     return 0  # benchmarks never gate anything
 
 
