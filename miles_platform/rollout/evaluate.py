@@ -280,23 +280,32 @@ def tool_call_share(responses: list[list[Any]]) -> float | None:
 
 
 EVAL_SOURCES = ("loop", "asset")  # writers of the `evals` table
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}  # evaluate()'s one greedy answer per prompt
+
+
+def is_greedy_metric(metric: str) -> bool:
+    """pass@1, its breakdowns (pass@1/carry=True ...) and tool_call_share come from the greedy answers."""
+    return metric == "pass@1" or metric.startswith("pass@1/") or metric == "tool_call_share"
 
 
 def evals_table_rows(
     partition_key: str, results: dict[str, dict[str, Any]], source: str, sampling: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """`evals` table rows of one `evaluate` call: one per dataset x float metric, each naming its
-    writer (`source`, one of EVAL_SOURCES) and the sampling of pass@k / mean reward: `sampling`
-    has max_new_tokens, temperature, top_p, top_k (RunConfig.eval_sampling's keys)."""
+    writer (`source`, one of EVAL_SOURCES) and the sampling that made it: `sampling` (max_new_tokens,
+    temperature, top_p, top_k: RunConfig.eval_sampling's keys) with n samples for pass@k and mean
+    reward; temperature 0, top_p 1, top_k -1 and one sample for the greedy metrics."""
     from miles_platform.store.paths import parse_partition_key
 
     if source not in EVAL_SOURCES:
         raise ValueError(f"evals source {source!r}: one of {EVAL_SOURCES}")
     _, version = parse_partition_key(partition_key)
     settings = {k: sampling[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens")}
+    greedy = {**settings, **GREEDY}
     return [
         {"version": version, "partition_key": partition_key, "dataset": name, "metric": metric,
-         "value": float(value), "n_samples": int(res["n"]), "source": source, **settings}
+         "value": float(value), "source": source,
+         **({"n_samples": 1, **greedy} if is_greedy_metric(metric) else {"n_samples": int(res["n"]), **settings})}
         for name, res in results.items()
         for metric, value in res.items()
         if isinstance(value, float)

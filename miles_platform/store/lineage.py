@@ -1,7 +1,7 @@
 """Lineage: trace a policy version (or checkpoint, dataset, eval ...) up- and downstream.
 
     miles-platform lineage demo.v000003            # compact: the version chain as a range, data and base once
-    miles-platform lineage demo.v000003 --full     # the whole tree: parents, shards, data, checkpoints; evals, ...
+    miles-platform lineage demo.v000003 --full     # node by node, --depth levels: parents, shards, data, checkpoints; evals, ...
     miles-platform lineage /path/to/base/ckpt      # what was trained from / converted from it
     miles-platform lineage --dataset-version HASH  # which policy versions trained on that data
     miles-platform lineage demo.v000003 --json     # the same, for machines
@@ -411,8 +411,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--full",
         action="store_true",
-        help="the whole tree, every node (default: a compact view: the "
-        "version chain as a range, each dataset and base once, downstream by kind)",
+        help="the tree node by node, --depth levels up and down (default: a compact view: "
+        "the version chain as a range, each dataset and base once, downstream by kind)",
     )
     ap.add_argument(
         "--dataset-version", metavar="HASH", help="list policy versions trained on this data version"

@@ -73,13 +73,15 @@ def test_eval_results_rows_metadata_and_lineage(setup):
     got = {r["metric"]: r["value"] for r in rows}
     assert {"pass@1", "pass@k", "mean_reward"} <= set(got)
     assert all(got[m] == pytest.approx(want[m]) for m in ("pass@1", "pass@k", "mean_reward"))
-    assert {(r["partition_key"], r["version"], r["dataset"], r["n_samples"]) for r in rows} == {
-        ("demo.v000001", 1, "eval", 2)
-    }
-    # the writer and the sampling of pass@k / mean reward, on every row
-    assert {(r["source"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) for r in rows} == {
-        ("asset", 1.0, 1.0, -1, 4)
-    }
+    assert {(r["partition_key"], r["version"], r["dataset"]) for r in rows} == {("demo.v000001", 1, "eval")}
+    # every row names its writer and the sampling that made it: the 2 samples at temperature 1 of
+    # pass@k / mean reward, the one greedy answer of pass@1 and its breakdowns
+    sampling = {r["metric"]: (r["source"], r["n_samples"], r["temperature"], r["top_p"], r["top_k"],
+                              r["max_new_tokens"]) for r in rows}  # fmt: skip
+    greedy = {m for m in sampling if m.startswith("pass@1")}
+    assert "pass@1" in greedy and set(sampling) - greedy == {"pass@k", "mean_reward"}
+    assert {sampling[m] for m in greedy} == {("asset", 1, 0.0, 1.0, -1, 4)}
+    assert {sampling["pass@k"], sampling["mean_reward"]} == {("asset", 2, 1.0, 1.0, -1, 4)}
 
     mat = res.asset_materializations_for_node("eval_results")[0]
     assert mat.partition == "demo.v000001"
