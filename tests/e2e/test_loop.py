@@ -103,8 +103,12 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     assert ev == [(0, "t.v000000", "heldout"), (2, "t.v000002", "heldout")]
     # each row names its writer and the sampling it used (eval inherits the rollout's)
     _, src = Catalog(paths).query(
-        "select distinct source, temperature, top_p, top_k, max_new_tokens from evals"
+        "select distinct source, temperature, top_p, top_k, max_new_tokens from evals where metric in ('pass@k', 'mean_reward')"
     )
+    _, greedy = Catalog(paths).query(
+        "select distinct source, n_samples, temperature, top_p, top_k, max_new_tokens from evals where metric like 'pass@1%'"
+    )
+    assert greedy == [("loop", 1, 0.0, 1.0, -1, 4)]  # pass@1 is the greedy answer
     want = (
         sampling.get("rollout_temperature", 1.0),
         sampling.get("rollout_top_p", 1.0),
