@@ -31,6 +31,12 @@ SQL = (
 )
 
 
+# the columns a single-turn GRPO run at T=1 leaves null (sampling support, OPD, turns, routing
+# replay, diffusion), null here as in its real shards; a new schema column fails until it is placed
+NULL_COLUMNS = ("rollout_sampling_support", "teacher_log_probs", "opd_reverse_kl", "turns",
+                "rollout_routed_experts", "image_png", "diffusion_steps", "diffusion_log_probs")  # fmt: skip
+
+
 def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
@@ -67,9 +73,13 @@ def synthetic_table(rollout_id: int, n: int, seed: int) -> pa.Table:
         "metadata": pa.array(['{"task": "arithmetic"}'] * n),
         "remove_sample": pa.array(np.zeros(n, dtype=bool)),
     }
-    # the columns a single-turn GRPO run leaves null (sampling support, OPD, turns, routing replay,
-    # diffusion), null here as in its real shards
-    return pa.table([cols.get(f.name, pa.nulls(n, f.type)) for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
+    missing = set(ROLLOUT_SCHEMA.names) - set(cols) - set(NULL_COLUMNS)
+    assert not missing and set(cols) <= set(ROLLOUT_SCHEMA.names), (
+        missing,
+        set(cols) - set(ROLLOUT_SCHEMA.names),
+    )
+    cols.update({c: pa.nulls(n, ROLLOUT_SCHEMA.field(c).type) for c in NULL_COLUMNS})
+    return pa.table([cols[f.name] for f in ROLLOUT_SCHEMA], schema=ROLLOUT_SCHEMA)
 
 
 def build_store(root: str, rows: int, rollouts: int) -> tuple[StoragePaths, str]:

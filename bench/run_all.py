@@ -57,7 +57,14 @@ def standalone() -> list[tuple[str, str]]:
         m = re.search(
             r"^\s+(PYTHONPATH=\S+ python -m bench\.\S+.*)$", (BENCH_DIR / f"{n}.py").read_text(), re.M
         )
-        out.append((n, m.group(1).strip() if m else f"PYTHONPATH=. python -m bench.{n} --help"))
+        out.append(
+            (
+                n,
+                m.group(1).strip()
+                if m
+                else f"python -m bench.{n} --help (its docstring has no command line)",
+            )
+        )
     return out
 
 

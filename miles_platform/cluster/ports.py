@@ -13,6 +13,7 @@ pairs) on the group's own address instead of every interface.
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -70,29 +71,69 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s:
         return dist.TCPStore(host, int(port), world_size, False, timeout=timeout, **kw)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    fd = None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, int(port)))
         sock.listen(socket.SOMAXCONN)
-        store = dist.TCPStore(
-            host, int(port), world_size, True, timeout=timeout, master_listen_fd=sock.fileno(), **kw
-        )
+        # torch owns the fd it is given (it closes it itself, also when its constructor fails after
+        # taking it), so it gets a dup of ours and ours is closed here in any case: one close each
+        fd = os.dup(sock.fileno())
+        return dist.TCPStore(host, int(port), world_size, True, timeout=timeout, master_listen_fd=fd, **kw)
     except BaseException:
-        sock.close()
+        if fd is not None and _same_open_file(fd, sock.fileno()):
+            os.close(
+                fd
+            )  # torch failed before it took the fd (while ours is open, no other file has its inode)
         raise
-    sock.detach()  # the store owns the fd now
-    return store
+    finally:
+        sock.close()
+
+
+def _same_open_file(fd: int, other: int) -> bool:
+    try:
+        a, b = os.fstat(fd), os.fstat(other)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def is_loopback_host(host: str) -> bool:
+    """`host` (an address, `[::1]`, or a name such as localhost) is on loopback: every address it
+    resolves to is. A name that does not resolve is not."""
+    import ipaddress
+
+    h = host.strip("[]")
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        pass
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addrs)
+
+
+_IFNAME_SET_HERE: str | None = None  # the GLOO_SOCKET_IFNAME gloo_on_loopback set (not the user's)
 
 
 def gloo_on_loopback(host: str) -> None:
     """Make gloo's own listeners (one per process, for its pairs) bind the loopback interface when
     the group's rendezvous is on loopback: gloo otherwise binds the address the host name resolves
-    to, a LAN address on many machines (127.0.0.1 on this project's VMs). A `GLOO_SOCKET_IFNAME`
-    the user set wins."""
-    import ipaddress
-    import os
+    to, a LAN address on many machines (127.0.0.1 on this project's VMs). It sets
+    `GLOO_SOCKET_IFNAME` for the process (megatron makes its subgroups later, each reading it); a
+    later group whose rendezvous is not on loopback clears what it set. A `GLOO_SOCKET_IFNAME` the
+    user set wins either way."""
+    global _IFNAME_SET_HERE
 
-    if os.environ.get("GLOO_SOCKET_IFNAME") or not ipaddress.ip_address(host).is_loopback:
+    current = os.environ.get("GLOO_SOCKET_IFNAME")
+    if current and current != _IFNAME_SET_HERE:
+        return  # the user's
+    if not is_loopback_host(host):
+        if current:  # ours, from an earlier loopback group: this one's pairs go where gloo picks
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        _IFNAME_SET_HERE = None
         return
     try:
         import psutil
@@ -103,4 +144,4 @@ def gloo_on_loopback(host: str) -> None:
     except Exception:  # noqa: BLE001 - no interface table: gloo's default
         return
     if names:
-        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+        os.environ["GLOO_SOCKET_IFNAME"] = _IFNAME_SET_HERE = names[0]

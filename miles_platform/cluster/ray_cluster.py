@@ -116,22 +116,27 @@ _SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _is_loopback_address(addr: str) -> bool:
-    """`127.0.0.1:6379`, `localhost:6379`, `[::1]:6379` (a GCS address; never a `ray://` one)."""
+    """`127.0.0.1:6379`, `localhost:6379`, `[::1]:6379`, `::1`, a name that resolves to loopback
+    only (a GCS address; never a `ray://` one, nor `auto`)."""
     import ipaddress
 
-    if "://" in addr:
+    from miles_platform.cluster.ports import is_loopback_host
+
+    if "://" in addr or addr == "auto":
         return False
-    host = addr.rsplit(":", 1)[0].strip("[]") if ":" in addr else addr
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
+    try:  # a bare IPv6 address: its colons are not a port
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
     except ValueError:
-        return False
+        pass
+    host = addr.rsplit(":", 1)[0] if ":" in addr else addr
+    return is_loopback_host(host)
 
 
 @contextlib.contextmanager
 def _single_machine_mode():
+    """Ray's single-machine mode while ray.init starts or joins a cluster: the processes it starts
+    inherit the env var. Process-wide for that moment, so a subprocess another thread starts
+    meanwhile inherits it too (ray.init runs on the driver's main thread before any actor)."""
     from ray._private import ray_constants  # read once at import; the env var alone is too late
 
     env, const = os.environ.get(_SINGLE_MACHINE_ENV), ray_constants.ENABLE_RAY_CLUSTER

@@ -160,11 +160,13 @@ def stop_engines(handles: list[EngineHandle], wait_s: float = SHUTDOWN_WAIT_S) -
     for a in actors:
         with contextlib.suppress(Exception):  # the actor may already be gone; the kill is what matters
             refs.append(a.shutdown.remote())
-    if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-    for a in actors:
-        with contextlib.suppress(Exception):
-            ray.kill(a)
+    try:
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    finally:  # a wait that raises (Ray going down, Ctrl-C) still kills every actor
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
 
 
 def fault_in_engine(handle: EngineHandle, request) -> int:

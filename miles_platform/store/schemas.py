@@ -88,9 +88,14 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             ("dataset", pa.string()),
             ("metric", pa.string()),  # pass@1, pass@k, mean_reward, ...
             ("value", pa.float64()),
-            ("n_samples", pa.int64()),  # responses per prompt (n, the k of pass@k)
+            (
+                "n_samples",
+                pa.int64(),
+            ),  # responses per prompt behind this metric: k (pass@k, mean_reward), 1 (greedy)
             ("source", pa.string()),  # the writer: "loop" (--eval-interval in train) | "asset" (eval_results)
-            # sampling of pass@k / mean_reward (pass@1 is always greedy)
+            # the sampling behind this metric: the eval's for pass@k / mean_reward; temperature 0,
+            # top_p 1, top_k -1 for the greedy pass@1, its breakdowns and tool_call_share (since
+            # 2026-12-04; older rows carry the eval's sampling on every metric)
             ("temperature", pa.float64()),
             ("top_p", pa.float64()),
             ("top_k", pa.int64()),

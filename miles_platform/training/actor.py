@@ -93,7 +93,12 @@ class TrainerActor:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._moe: set = set()  # the RoutingReplay of each MoE model this actor forwards (policy, reference)
         if world_size > 1 and not dist.is_initialized():
-            host, port = (dist_init or "").removeprefix("tcp://").rsplit(":", 1)
+            host, _, port = (dist_init or "").removeprefix("tcp://").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"TrainerActor: world_size {world_size} needs dist_init tcp://HOST:PORT, got {dist_init!r}"
+                )
+            host = host.strip("[]")  # tcp://[::1]:port
             gloo_on_loopback(host)
             store = tcp_store(host, int(port), world_size, rank == 0, timeout_s=1800.0)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)

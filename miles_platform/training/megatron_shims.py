@@ -130,11 +130,10 @@ def init_process_group(
         backend = "nccl" if cuda_available() else "gloo"
         if cuda_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        else:
-            gloo_on_loopback("127.0.0.1")
-        if world_size == 1:  # nobody to meet: no rendezvous server at all
+        if world_size == 1:  # nobody to meet: no rendezvous server, no gloo pairs
             store = dist.HashStore()
         else:
+            gloo_on_loopback("127.0.0.1")  # gloo itself on CPU; megatron's gloo subgroups on GPU too
             store = tcp_store("127.0.0.1", master_port, world_size, rank == 0, timeout_s=1800.0)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():

@@ -2,6 +2,7 @@
 aimed at the engine) is detected by the health monitor, replaced on its bundle with the version the run serves, and the run finishes
 with every rollout, the trainer and engine weights equal at each update (--ci-test)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -140,8 +141,9 @@ def test_a_dead_trainer_stops_the_run_with_the_actor_and_the_resume_command(tiny
 
 def test_stopping_the_engines_waits_for_them_together_and_a_hung_one_does_not_hold_it(tiny_hf_checkpoint):
     """A run's teardown asks every engine to stop at once and waits a bounded time for all of
-    them: a SIGSTOPped engine costs that bound once (it was 30 s per engine, one after the other),
-    and every actor, the hung one included, is gone afterwards."""
+    them: two SIGSTOPped engines of three cost that bound once (it was 30 s per engine, one after
+    the other; one bound each would be 2 x 3 s here), and every actor, the hung ones included, is
+    gone afterwards."""
     import time
 
     import psutil
@@ -152,17 +154,31 @@ def test_stopping_the_engines_waits_for_them_together_and_a_hung_one_does_not_ho
     from miles_platform.rollout.engine_fleet import RolloutEngineActor, stop_engines
     from miles_platform.weights.transports import EngineHandle
 
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     init_ray(RunConfig())
     cls = ray.remote(num_cpus=0.1, runtime_env=forkserver.runtime_env())(RolloutEngineActor)
-    actors = [cls.remote(tiny_hf_checkpoint) for _ in range(2)]
+    actors = [cls.remote(tiny_hf_checkpoint) for _ in range(3)]
     urls = ray.get([a.url.remote() for a in actors], timeout=120)
     pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors], timeout=60)
-    os.kill(pids[0], signal.SIGSTOP)
-    t0 = time.monotonic()
-    stop_engines([EngineHandle(url=u, actor=a) for u, a in zip(urls, actors, strict=True)], wait_s=3.0)
-    took = time.monotonic() - t0
-    assert 3.0 <= took < 8.0, took  # the hung one's bound, once; the others stopped meanwhile
-    deadline = time.monotonic() + 30
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if psutil.pid_exists(p)]
-        time.sleep(0.2)
+    procs = [psutil.Process(p) for p in pids]  # is_running() below is safe against pid reuse
+    try:
+        os.kill(pids[0], signal.SIGSTOP)
+        os.kill(pids[2], signal.SIGSTOP)
+        t0 = time.monotonic()
+        stop_engines([EngineHandle(url=u, actor=a) for u, a in zip(urls, actors, strict=True)], wait_s=3.0)
+        took = time.monotonic() - t0
+        assert 3.0 <= took < 5.5, took  # one bound for both hung engines, not one each
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if alive(p)]
+            time.sleep(0.2)
+    finally:
+        for proc in procs:  # a failed assertion must not leave a stopped process behind
+            with contextlib.suppress(psutil.Error):
+                if proc.is_running():
+                    proc.kill()

@@ -158,3 +158,35 @@ def test_every_option_in_help_has_a_description(command, capsys):
     text = capsys.readouterr().out
     assert exc.value.code == 0 and _options_without_help(text) == []
     assert "--apply-chat-template" in text and "--metadata-key" in text
+
+
+def test_evals_rows_record_the_sampling_behind_each_metric():
+    """pass@1, its breakdowns and tool_call_share come from the one greedy answer per prompt;
+    pass@k and mean_reward from the k samples at the eval's sampling."""
+    from miles_platform.rollout.evaluate import evals_table_rows, is_greedy_metric
+
+    res = {"heldout": {"pass@1": 0.5, "pass@k": 0.75, "mean_reward": 0.4, "pass@1/carry=True": 0.25,
+                       "tool_call_share": 0.9, "n": 4, "k": 4, "num_prompts": 8}}  # fmt: skip
+    sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 8, "max_new_tokens": 6}
+    rows = {r["metric"]: r for r in evals_table_rows("t.v000003", res, "asset", sampling)}
+    assert set(rows) == {"pass@1", "pass@k", "mean_reward", "pass@1/carry=True", "tool_call_share"}
+    for m in ("pass@1", "pass@1/carry=True", "tool_call_share"):
+        r = rows[m]
+        assert (r["n_samples"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) == (
+            1,
+            0.0,
+            1.0,
+            -1,
+            6,
+        )
+    for m in ("pass@k", "mean_reward"):
+        r = rows[m]
+        assert (r["n_samples"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) == (
+            4,
+            0.7,
+            0.9,
+            8,
+            6,
+        )
+    assert {r["version"] for r in rows.values()} == {3} and {r["source"] for r in rows.values()} == {"asset"}
+    assert not is_greedy_metric("pass@10") and not is_greedy_metric("pass@k")
