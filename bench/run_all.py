@@ -50,21 +50,14 @@ def discover() -> list[str]:
 
 def standalone() -> list[tuple[str, str]]:
     """(name, command line from its docstring) of every bench module `make bench` does not run."""
-    out = []
+    runs, out = set(discover()), []
     for n in _all_modules():
-        if n in discover():
+        if n in runs:
             continue
-        m = re.search(
-            r"^\s+(PYTHONPATH=\S+ python -m bench\.\S+.*)$", (BENCH_DIR / f"{n}.py").read_text(), re.M
-        )
-        out.append(
-            (
-                n,
-                m.group(1).strip()
-                if m
-                else f"python -m bench.{n} --help (its docstring has no command line)",
-            )
-        )
+        text = (BENCH_DIR / f"{n}.py").read_text()
+        m = re.search(r"^\s+(PYTHONPATH=\S+ python -m bench\.\S+.*)$", text, re.M)
+        cmd = m.group(1).strip() if m else f"python -m bench.{n} --help (its docstring has no command line)"
+        out.append((n, cmd))
     return out
 
 

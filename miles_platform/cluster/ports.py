@@ -81,10 +81,9 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout_s:
         fd = os.dup(sock.fileno())
         return dist.TCPStore(host, int(port), world_size, True, timeout=timeout, master_listen_fd=fd, **kw)
     except BaseException:
+        # torch failed before it took the fd (while ours is open, no other file has its inode)
         if fd is not None and _same_open_file(fd, sock.fileno()):
-            os.close(
-                fd
-            )  # torch failed before it took the fd (while ours is open, no other file has its inode)
+            os.close(fd)
         raise
     finally:
         sock.close()

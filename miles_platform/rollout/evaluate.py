@@ -301,11 +301,17 @@ def evals_table_rows(
         raise ValueError(f"evals source {source!r}: one of {EVAL_SOURCES}")
     _, version = parse_partition_key(partition_key)
     settings = {k: sampling[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens")}
-    greedy = {**settings, **GREEDY}
+
+    def made_by(metric: str, n: int) -> dict[str, Any]:
+        return (
+            {"n_samples": 1, **settings, **GREEDY}
+            if is_greedy_metric(metric)
+            else {"n_samples": n, **settings}
+        )
+
     return [
         {"version": version, "partition_key": partition_key, "dataset": name, "metric": metric,
-         "value": float(value), "source": source,
-         **({"n_samples": 1, **greedy} if is_greedy_metric(metric) else {"n_samples": int(res["n"]), **settings})}
+         "value": float(value), "source": source, **made_by(metric, int(res["n"]))}
         for name, res in results.items()
         for metric, value in res.items()
         if isinstance(value, float)
