@@ -154,9 +154,9 @@ def test_stopping_the_engines_waits_for_them_together_and_a_hung_one_does_not_ho
     from miles_platform.rollout.engine_fleet import RolloutEngineActor, stop_engines
     from miles_platform.weights.transports import EngineHandle
 
-    def alive(pid: int) -> bool:
+    def alive(proc: psutil.Process) -> bool:  # is_running() is safe against pid reuse
         try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
 
@@ -165,7 +165,7 @@ def test_stopping_the_engines_waits_for_them_together_and_a_hung_one_does_not_ho
     actors = [cls.remote(tiny_hf_checkpoint) for _ in range(3)]
     urls = ray.get([a.url.remote() for a in actors], timeout=120)
     pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors], timeout=60)
-    procs = [psutil.Process(p) for p in pids]  # is_running() below is safe against pid reuse
+    procs = [psutil.Process(p) for p in pids]
     try:
         os.kill(pids[0], signal.SIGSTOP)
         os.kill(pids[2], signal.SIGSTOP)
@@ -174,11 +174,11 @@ def test_stopping_the_engines_waits_for_them_together_and_a_hung_one_does_not_ho
         took = time.monotonic() - t0
         assert 3.0 <= took < 5.5, took  # one bound for both hung engines, not one each
         deadline = time.monotonic() + 30
-        while any(alive(p) for p in pids):
-            assert time.monotonic() < deadline, [p for p in pids if alive(p)]
+        while any(alive(p) for p in procs):
+            assert time.monotonic() < deadline, [p.pid for p in procs if alive(p)]
             time.sleep(0.2)
     finally:
         for proc in procs:  # a failed assertion must not leave a stopped process behind
             with contextlib.suppress(psutil.Error):
-                if proc.is_running():
+                if alive(proc):
                     proc.kill()

@@ -52,8 +52,6 @@ def _listening(port: int) -> set[str]:
 
 
 def _fds() -> set[int]:
-    import os
-
     return {int(f) for f in os.listdir("/proc/self/fd")}
 
 
@@ -83,8 +81,6 @@ def test_a_store_that_fails_after_torch_took_its_socket_closes_it_once():
     """torch closes the fd it was handed when its constructor fails later (here: no worker joins
     within the timeout); tcp_store closes only its own. A second close of the same fd number would
     close whatever another thread opened under that number meanwhile."""
-    import os
-
     from torch.distributed import DistStoreError
 
     from miles_platform.cluster.ports import tcp_store
