@@ -128,6 +128,13 @@ _RANGES: dict[str, tuple] = {
     "clip_grad": (0, None, True, "> 0"),
     "tis_lower_bound": (0, None, False, ">= 0"),
     "tis_upper_bound": (0, None, True, "> 0"),
+    "tis_clip": (0, None, True, "> 0"),
+    "tis_clip_low": (0, None, False, ">= 0"),
+    "rs_lower_bound": (0, None, False, ">= 0"),
+    "rs_upper_bound": (0, None, True, "> 0"),
+    "rs_veto_threshold": (0, 1, True, "in (0, 1]"),
+    "opsm_delta": _FINITE,
+    "value_clip": (0, None, True, "> 0"),
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
     "custom_agent_function_timeout": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_interval": (0, None, True, "> 0 (seconds)"),
@@ -404,12 +411,39 @@ class RunConfig:
         None, "algorithm", "MoE: router weights and compute in fp32 (with an fp32 forward; any --fsdp-master-dtype)",
         choices=("fp32",),
     )  # fmt: skip
-    use_tis: bool = _f(False, "algorithm", "truncated importance sampling for train/rollout mismatch")
-    tis_level: str = _f("token", "algorithm", "IS level", choices=("token", "sequence", "geometric"))
-    tis_mode: str = _f("truncate", "algorithm", "IS mode", choices=("truncate", "clip", "mask"))
-    tis_lower_bound: float = _f(0.5, "algorithm", "IS lower bound")
-    tis_upper_bound: float = _f(2.0, "algorithm", "IS upper bound")
+    use_tis: bool = _f(
+        False, "algorithm", "importance sampling for the train/rollout mismatch (docs/algorithms.md)"
+    )
+    tis_clip: float = _f(2.0, "algorithm", "built-in TIS: upper clamp of exp(old - rollout)")
+    tis_clip_low: float = _f(0.0, "algorithm", "built-in TIS: lower clamp of exp(old - rollout)")
+    custom_tis_function_path: str | None = _f(
+        None, "algorithm", "TIS/RS <module>.<fn> with Miles' signature; Miles' mis.py path selects MIS"
+    )
+    get_mismatch_metrics: bool = _f(False, "algorithm", "log the mis_* train/rollout mismatch metrics only")
+    # MIS (Miles' mis.py, training/mis.py): setting any of these selects it
+    tis_level: str = _f("token", "algorithm", "MIS: IS level", choices=("token", "sequence", "geometric"))
+    tis_mode: str = _f("truncate", "algorithm", "MIS: IS mode", choices=("truncate", "clip", "mask"))
+    tis_lower_bound: float | None = _f(0.5, "algorithm", "MIS: IS lower bound (unset: 1 / upper)")
+    tis_upper_bound: float = _f(2.0, "algorithm", "MIS: IS upper bound")
+    use_rs: bool = _f(False, "algorithm", "MIS: rejection sampling of tokens / sequences out of bounds")
+    rs_level: str = _f("token", "algorithm", "MIS: RS level", choices=("token", "sequence", "geometric"))
+    rs_lower_bound: float | None = _f(None, "algorithm", "MIS: RS lower bound (unset: the IS one)")
+    rs_upper_bound: float | None = _f(None, "algorithm", "MIS: RS upper bound (unset: the IS one)")
+    rs_veto_threshold: float | None = _f(
+        None, "algorithm", "MIS: reject a sequence with a token ratio below it"
+    )
+    tis_batch_normalize: bool = _f(False, "algorithm", "MIS: divide IS weights by their batch mean")
+    use_opsm: bool = _f(False, "algorithm", "off-policy sequence masking of negative-advantage tokens")
+    opsm_delta: float = _f(1e-4, "algorithm", "OPSM: masked mean of (old - new) log-prob above which to mask")
+    use_unbiased_kl: bool = _f(False, "algorithm", "KL loss weighted by pi / pi_old (DeepSeek-V3.2)")
+    normalize_advantages: bool = _f(
+        False, "algorithm", "whiten advantages over the batch (after OPD); needed by reinforce_plus_plus*"
+    )
+    disable_rewards_normalization: bool = _f(
+        False, "algorithm", "grpo / gspo / reinforce_plus_plus_baseline: no group mean (or std) removed"
+    )
     critic_lr: float | None = _f(None, "algorithm", "critic LR for ppo (defaults to --lr)")
+    value_clip: float = _f(0.2, "algorithm", "ppo critic: clip of v - v_old in the value loss")
 
     # --- on-policy distillation (docs/opd.md) ---
     use_opd: bool = _f(
@@ -711,6 +745,7 @@ class RunConfig:
         self._check_generate_flags()
         self._check_lora_flags()
         self._check_opd_flags()
+        self._check_algorithm_flags()
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
@@ -752,6 +787,40 @@ class RunConfig:
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
+
+    def _check_algorithm_flags(self) -> None:
+        """Miles' rules for estimators and corrections (docs/algorithms.md), and no flag that would
+        be accepted without effect."""
+        if self.advantage_estimator.startswith("reinforce_plus_plus") and not self.normalize_advantages:
+            raise ConfigError(
+                f"--advantage-estimator {self.advantage_estimator} needs --normalize-advantages (Miles "
+                "requires advantage whitening for both REINFORCE++ estimators)"
+            )
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ConfigError(
+                "--use-rollout-logprobs with --use-tis: the ratio's old policy is already the rollout's, "
+                "so there is no mismatch left to weight (Miles refuses the pair); drop one"
+            )
+        mis = [_flag(n) for n in MIS_FLAGS if getattr(self, n) != _default(n)]
+        vanilla = [_flag(n) for n in ("tis_clip", "tis_clip_low") if getattr(self, n) != _default(n)]
+        unused = [
+            (vanilla + mis + ([_flag("custom_tis_function_path")] if self.custom_tis_function_path else []),
+             not (self.use_tis or self.get_mismatch_metrics), "act only with --use-tis (or --get-mismatch-metrics)"),
+            (mis, self.get_mismatch_metrics and not self.use_tis, "weight the loss: they need --use-tis"),
+            (vanilla, bool(mis or self.custom_tis_function_path),
+             "bound the built-in TIS, which the MIS flags or --custom-tis-function-path replace"),
+            ([_flag(n) for n in ("rs_level", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold")
+              if getattr(self, n) != _default(n)], not self.use_rs, "are bounds of --use-rs"),
+            (["--use-unbiased-kl"], self.use_unbiased_kl and not self.use_kl_loss, "weights the KL loss: add --use-kl-loss"),
+            (["--opsm-delta"], self.opsm_delta != _default("opsm_delta") and not self.use_opsm, "needs --use-opsm"),
+            (["--value-clip"], self.value_clip != _default("value_clip") and self.advantage_estimator != "ppo",
+             "clips the PPO critic: only with --advantage-estimator ppo"),
+            (["--tis-batch-normalize"], self.tis_batch_normalize and self.tis_level == "geometric",
+             "normalizes token or sequence weights (as Miles), not --tis-level geometric"),
+        ]  # fmt: skip
+        for flags, bad, why in unused:
+            if flags and bad:
+                raise ConfigError(f"{', '.join(flags)}: {why}")
 
     def _check_routing_replay(self) -> None:
         """R3 (docs/moe.md): what can be checked without the checkpoint; preflight checks it is MoE."""
@@ -980,10 +1049,11 @@ class RunConfig:
             raise ConfigError(f"--rollout-top-k {self.rollout_top_k}: must be -1 (off) or >= 1")
         if self.eval_top_k is not None and self.eval_top_k != -1 and self.eval_top_k < 1:
             raise ConfigError(f"--eval-top-k {self.eval_top_k}: must be -1 (off) or >= 1")
-        if self.tis_lower_bound > self.tis_upper_bound:
-            raise ConfigError(
-                f"--tis-lower-bound {self.tis_lower_bound} > --tis-upper-bound {self.tis_upper_bound}"
-            )
+        for lo, hi in (("tis_lower_bound", "tis_upper_bound"), ("rs_lower_bound", "rs_upper_bound"),
+                       ("tis_clip_low", "tis_clip")):  # fmt: skip
+            a, b = getattr(self, lo), getattr(self, hi)
+            if a is not None and b is not None and a > b:
+                raise ConfigError(f"{_flag(lo)} {a} > {_flag(hi)} {b}")
 
     def resolve_api_key(self) -> str:
         """The run's secret, set on `api_key`: --api-key, else --api-key-file, else $MILES_API_KEY,
@@ -1104,6 +1174,10 @@ def saved_config(cfg) -> str:
 # every LoRA flag but the rank: set while --lora-rank is 0 they are an error
 LORA_FLAGS = ("lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "lora_adapter_path",
               "lora_train_only", "check_lora_weight_equal")  # fmt: skip
+
+# Miles' mis.py flags (training/mis.py): any of them set selects the MIS correction
+MIS_FLAGS = ("tis_level", "tis_mode", "tis_lower_bound", "tis_upper_bound", "use_rs", "rs_level",
+             "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold", "tis_batch_normalize")  # fmt: skip
 
 REFUSED: dict[str, str] = {
     "opd_teacher_ckpt_step": "pass the checkpoint's iter_NNNNNNN dir itself as --opd-teacher-load",

@@ -22,6 +22,11 @@ ROLLOUT_FLAG = "--rollout-function-path"
 MILES_BUILTINS = {
     f"miles.rollout.generate_hub.{m}.generate": f"miles_platform.rollout.generate_hub.{m}.generate"
     for m in ("single_turn", "multi_turn", "agentic_tool_call")
+} | {  # Miles' MIS example (docs/algorithms.md): one function here, no context parallelism
+    f"examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_{v}": (
+        "miles_platform.training.mis.compute_mis_weights_with_cp"
+    )
+    for v in ("with_cp", "fsdp")
 }
 AGENTIC = "miles_platform.rollout.generate_hub.agentic_tool_call.generate"
 

@@ -310,11 +310,17 @@ class TrainerActor:
         steps = cfg.num_steps_per_rollout
         mine = [i for s in range(steps) for i in self._my_indices(s)]
         fused = self._old_log_probs_from_training_forward()
-        # fused: `old` is filled by the training forward itself (detached), micro-batch by micro-batch
-        old = {} if fused else self._all_log_probs(self.backend, batch, mine)
         rollout_lp = {i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in mine}
+        # `scored`: the trainer's log-probs before the step (fused: filled by the training forward
+        # itself, detached, micro-batch by micro-batch); `old`: the ratio's old policy (the rollout's
+        # with --use-rollout-logprobs, when the trainer pass runs only for --get-mismatch-metrics)
         if cfg.use_rollout_logprobs:
+            scored = (
+                self._all_log_probs(self.backend, batch, mine) if cfg.get_mismatch_metrics else rollout_lp
+            )
             old = dict(rollout_lp)
+        else:
+            scored = old = {} if fused else self._all_log_probs(self.backend, batch, mine)
         ref = self._all_log_probs(self.ref, batch, mine) if self.ref is not None else None
         values = self._critic_values(batch, mine) if self.critic is not None else None
         adv, returns = self._advantages(batch, mine, old, ref, values)
@@ -329,11 +335,13 @@ class TrainerActor:
             opd = OPDPenalty(cfg, batch, teacher, add)
             if not fused:
                 opd.apply(mine, adv, old)
+        if cfg.normalize_advantages:  # after OPD, as Miles; never fused with OPD (see above)
+            self._whiten(batch, mine, adv)
 
         if not fused:
-            self._alignment_metrics(batch, mine, old, rollout_lp, add)
+            self._alignment_metrics(batch, mine, scored, rollout_lp, add)
         for s in range(steps):
-            self._train_step(batch, self._my_indices(s), old, ref, rollout_lp, adv, add, fused, opd)
+            self._train_step(batch, self._my_indices(s), scored, ref, rollout_lp, adv, add, fused, opd)
             if self.critic is not None:
                 self._critic_step(batch, self._my_indices(s), values, returns, add)
         if fused:
@@ -370,6 +378,7 @@ class TrainerActor:
             and not c.use_rollout_logprobs
             and (c.kl_coef == 0 or c.advantage_estimator in ("grpo", "gspo"))
             and not c.debug_skip_optimizer_step  # frozen weights: the gap between passes is the point
+            and not (c.use_opd and c.normalize_advantages)  # whitening needs every OPD-shaped advantage
             and not (c.ci_test and self.global_step == 0)
         )
 
@@ -390,11 +399,12 @@ class TrainerActor:
         add("train/train_rollout_logprob_abs_diff", m["train/log_prob_mean_abs_diff"])
 
     def _advantages(self, batch, mine, old, ref, values=None):
+        """The estimator's advantages and returns of this rank's samples (before OPD and whitening)."""
         cfg = self.cfg
         if cfg.loss_type == "sft_loss":
             return {i: torch.zeros(batch.response_lengths[i]) for i in mine}, None
         group_based = cfg.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
-        idx = list(range(len(batch))) if group_based else mine
+        idx = list(range(len(batch))) if group_based else mine  # a group's statistics need all of it
         rewards = torch.tensor([batch.rewards[i] for i in idx], dtype=torch.float32)
         lps = [old[i] if i in old else torch.zeros(batch.response_lengths[i]) for i in idx]
         refs = None
@@ -402,11 +412,18 @@ class TrainerActor:
             refs = [ref[i] if i in ref else torch.zeros(batch.response_lengths[i]) for i in idx]
         masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in idx]
         vals = [values[i] for i in idx] if values is not None else None
-        # group-based estimators see the whole batch on every rank; the others only this rank's share
-        dp_sum = self._all_reduce_tensor if self.world_size > 1 and not group_based else None
-        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks, dp_sum)
-        returns = dict(zip(idx, rets, strict=True)) if rets is not None else None
-        return dict(zip(idx, advs, strict=True)), returns
+        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks)
+        keep = set(mine)
+        pick = lambda xs: {i: x for i, x in zip(idx, xs, strict=True) if i in keep}  # noqa: E731
+        return pick(advs), pick(rets)
+
+    def _whiten(self, batch, mine, adv) -> None:
+        """--normalize-advantages: every rank whitens its share with the whole batch's statistics
+        (the ranks' shares partition the rollout)."""
+        masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mine]
+        dp_sum = self._all_reduce_tensor if self.world_size > 1 else None
+        whitened = loss_hub.normalize_advantages([adv[i] for i in mine], masks, dp_sum)
+        adv.update(zip(mine, whitened, strict=True))
 
     # ------------------------------------------------------------------ critic (ppo)
     def _critic_forward(self, batch, mb):
@@ -422,22 +439,33 @@ class TrainerActor:
         return out
 
     def _critic_step(self, batch, idx, old_values, returns, add):
-        mbs = self._micro_batches(batch, idx)
-        for mb in mbs:
+        tok_global = self._all_reduce_sum(self._token_count(batch, idx))
+        for mb in self._micro_batches(batch, idx):
             v = self._critic_forward(batch, mb)
             masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mb]
-            loss, m = self.critic.value_loss(v, [old_values[i] for i in mb], [returns[i] for i in mb], masks)
-            (loss * len(mb) / len(idx)).backward()
+            rets = [returns[i] for i in mb]
+            loss, m = loss_hub.value_loss(self.cfg, v, [old_values[i] for i in mb], rets, masks)
+            (loss * self._mb_scale(batch, mb, len(idx), tok_global)).backward()
             for k, val in m.items():
-                add(k, val)
+                add(f"train/{k}", val)
         add("train/critic_grad_norm", self.critic.step())
+
+    @staticmethod
+    def _token_count(batch, idx) -> float:
+        """Loss tokens of `idx`, a fully masked sample counting as one (Miles' normalizer)."""
+        return float(sum(max(sum(batch.loss_masks[i]), 1) for i in idx))
+
+    def _mb_scale(self, batch, mb, n_local: int, tok_global: float) -> float:
+        """A micro-batch mean's weight in the global-batch reduction (ranks' grads are averaged)."""
+        if self.cfg.calculate_per_token_loss:
+            return self._token_count(batch, mb) * self.world_size / max(tok_global, 1.0)
+        return len(mb) / n_local
 
     def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add, fused: bool = False, opd=None):
         cfg = self.cfg
         mbs = self._micro_batches(batch, idx)
         n_local = len(idx)
-        tok_local = sum(sum(batch.loss_masks[i]) for i in idx)
-        tok_global = self._all_reduce_sum(float(tok_local))
+        tok_global = self._all_reduce_sum(self._token_count(batch, idx))
         self.opt.zero_grad(set_to_none=True)
         self.backend.zero_grad()
         for k, mb in enumerate(mbs):
@@ -459,13 +487,7 @@ class TrainerActor:
             if self.moe_aux is not None:  # --moe-aux-loss-coeff / --moe-z-loss-coeff
                 loss = loss + cfg.moe_aux_loss_coeff * self.moe_aux + cfg.moe_z_loss_coeff * self.moe_z
                 m = {**m, "moe_aux_loss": float(self.moe_aux), "moe_z_loss": float(self.moe_z)}
-            # scale micro-batch means to the global-batch reduction (ranks' grads are averaged)
-            if cfg.calculate_per_token_loss:
-                mb_tokens = sum(sum(batch.loss_masks[i]) for i in mb)
-                scale = mb_tokens * self.world_size / max(tok_global, 1.0)
-            else:
-                scale = len(mb) / n_local
-            (loss * scale).backward()
+            (loss * self._mb_scale(batch, mb, n_local, tok_global)).backward()
             for key, v in m.items():
                 name = key if "/" in key else f"train/{key}"
                 add(name, v)

@@ -21,8 +21,6 @@ from safetensors.torch import load_file, save_file
 from miles_platform.config import RunConfig
 from miles_platform.models.checkpoint import load_hf_model
 
-VALUE_CLIP = 0.2
-
 
 class Critic(torch.nn.Module):
     def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1):
@@ -50,21 +48,6 @@ class Critic(torch.nn.Module):
         h = self.trunk(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids)).last_hidden_state
         v = self.head(h.float()).squeeze(-1)
         return [v[r, total - resp - 1 : total - 1] for r, (total, resp) in enumerate(spans)]
-
-    @staticmethod
-    def value_loss(values, old_values, returns, masks) -> tuple[torch.Tensor, dict[str, float]]:
-        losses, clipped, n = [], [], 0.0
-        for v, vo, ret, m in zip(values, old_values, returns, masks, strict=True):
-            vc = vo + (v - vo).clamp(-VALUE_CLIP, VALUE_CLIP)
-            a, b = (v - ret) ** 2, (vc - ret) ** 2
-            losses.append((0.5 * torch.maximum(a, b) * m).sum() / m.sum().clamp_min(1.0))
-            clipped.append(((b > a).float() * m).sum())
-            n += float(m.sum())
-        loss = torch.stack(losses).mean()
-        return loss, {
-            "train/value_loss": float(loss.detach()),
-            "train/value_clipfrac": float(sum(clipped)) / max(n, 1.0),
-        }
 
     def average_grads(self) -> None:
         """The mean of every parameter's gradient over the ranks (a zero gradient where unset)."""

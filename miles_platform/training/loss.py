@@ -1,15 +1,21 @@
-"""Loss hub: advantage estimators, PPO-family policy loss, KL, entropy, TIS, reductions.
+"""Loss hub: advantage estimators, PPO-family policy loss, KL, entropy, TIS / MIS, reductions.
 
 Pure torch on lists of per-sample 1-D tensors over response tokens, each with a 0/1
-`loss_mask`. Formulas follow Miles (`miles/utils/ppo_utils.py`, `loss_hub/advantages.py`):
+`loss_mask`. Formulas and defaults follow Miles (`loss_hub/advantages.py`, `math_utils.py`,
+`losses.py`, `corrections.py`); docs/algorithms.md lists each with its flags.
 
-  ratio    = exp(log_probs - old_log_probs)          (gspo: exp(masked mean per sample))
+  ratio    = exp(clamp(log_probs - old_log_probs, -20, 20))   (gspo: the masked mean per sample)
   pg_loss  = max(-ratio * A, -clamp(ratio, 1 - eps_clip, 1 + eps_clip_high) * A)
              dual clip (--eps-clip-c): for A < 0, min(pg_loss, -eps_clip_c * A)
   ppo_kl   = old_log_probs - log_probs
-  loss     = pg_loss [* tis weights] - entropy_coef * entropy + kl_loss_coef * KL(pi || ref)
-  reduce   = mean over each sample's tokens, then over samples (--calculate-per-token-loss:
-             sum over all tokens / number of tokens)
+  loss     = pg_loss [* IS weights] [* OPSM mask] - entropy_coef * entropy + kl_loss_coef * KL(pi || ref)
+  reduce   = sum over each sample's tokens / its loss-token count, mean over samples
+             (--calculate-per-token-loss: sum over all tokens / sum of max(count, 1) per sample)
+
+Guards (Miles'): log-ratios are clamped to [-20, 20] before exp; at tokens with loss mask 0 every
+input (log-probs, advantages, weights) is replaced by 0 before it is used, and non-finite values
+at trained tokens become 0, so one -inf or NaN at a masked token cannot make the loss or its
+gradient non-finite.
 """
 
 from __future__ import annotations
@@ -25,30 +31,68 @@ from miles_platform.plugins import load_function
 Tensors = list[torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 SumFn = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over data-parallel ranks
+Reducer = Callable[..., torch.Tensor]  # (values, loss_masks, denominators=None) -> scalar
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LOG_RATIO_CLAMP = 20.0  # Miles' _LOG_RATIO_EXP_CLAMP: exp(20) is finite in fp32, exp(89) is not
+
+
+# ---------------------------------------------------------------------------- guards
+
+
+def safe_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """NaN -> 0, +-inf -> +-20, then clamp to [-20, 20] (the argument of every exp here)."""
+    c = LOG_RATIO_CLAMP
+    return torch.nan_to_num(log_ratio.float(), nan=0.0, posinf=c, neginf=-c).clamp(-c, c)
+
+
+def at_active(x: torch.Tensor, mask: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """x at tokens with loss mask > 0, 0 elsewhere (a select: no gradient reaches masked tokens,
+    whatever they hold); `finite` also turns NaN / +-inf at active tokens into 0 (Miles' guard on
+    ppo_kl, advantages and KL)."""
+    if finite:
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # ---------------------------------------------------------------------------- reductions
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp_min(1)
+    return (at_active(x, mask) * mask).sum() / mask.sum().clamp_min(1)
 
 
-def sum_of_sample_mean(values: Tensors, loss_masks: Tensors) -> torch.Tensor:
-    """Mean over tokens within each sample, then mean over samples (Miles' default)."""
-    per_sample = [masked_mean(v, m) for v, m in zip(values, loss_masks, strict=True)]
-    return torch.stack(per_sample).mean()
+def sample_token_counts(loss_masks: Tensors) -> torch.Tensor:
+    """Each sample's loss-token count, at least 1: Miles' per-token normalizer counts a fully
+    masked sample (remove_sample) as one token."""
+    return torch.stack([m.sum() for m in loss_masks]).clamp_min(1)
 
 
-def per_token_mean(values: Tensors, loss_masks: Tensors) -> torch.Tensor:
-    """Sum over all tokens of the batch / number of tokens (--calculate-per-token-loss)."""
-    return masked_mean(torch.cat(values), torch.cat(loss_masks))
+def sum_of_sample_mean(
+    values: Tensors, loss_masks: Tensors, denominators: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sum over each sample's loss tokens / its token count, then the mean over samples (Miles'
+    default). `denominators`: per-sample counts to divide by instead (the original masks' when
+    rejection sampling removed tokens from `loss_masks`: rejected tokens leave the numerator only)."""
+    if denominators is None:
+        denominators = torch.stack([m.sum() for m in loss_masks])
+    sums = torch.stack([(at_active(v, m) * m).sum() for v, m in zip(values, loss_masks, strict=True)])
+    return (sums / denominators.clamp_min(1)).mean()
 
 
-def get_reducer(args) -> Callable[[Tensors, Tensors], torch.Tensor]:
+def per_token_mean(
+    values: Tensors, loss_masks: Tensors, denominators: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sum over all loss tokens of the batch / the sum of max(token count, 1) per sample
+    (--calculate-per-token-loss, Miles' normalizer)."""
+    if denominators is None:
+        denominators = torch.stack([m.sum() for m in loss_masks])
+    total = sum((at_active(v, m) * m).sum() for v, m in zip(values, loss_masks, strict=True))
+    return total / denominators.clamp_min(1).sum()
+
+
+def get_reducer(args) -> Reducer:
     return per_token_mean if getattr(args, "calculate_per_token_loss", False) else sum_of_sample_mean
 
 
@@ -60,7 +104,8 @@ def masked_whiten(
     `all_reduce_sum` (Miles' distributed_masked_whiten): the samples are this rank's share of
     the batch; the sum, sum of squares and count are summed over data-parallel ranks first, so
     every rank whitens with the statistics of the whole batch."""
-    flat, mask = torch.cat(values), torch.cat(loss_masks).to(values[0].dtype)
+    masks = [m.to(values[0].dtype) for m in loss_masks]
+    flat, mask = torch.cat([at_active(v, m) for v, m in zip(values, masks, strict=True)]), torch.cat(masks)
     stats = torch.stack([(flat * mask).sum(), (flat**2 * mask).sum(), mask.sum()])
     if all_reduce_sum is not None:
         stats = all_reduce_sum(stats)
@@ -71,7 +116,7 @@ def masked_whiten(
     var = total_sq / n - mean**2
     if n.item() >= 2:
         var = var * n / (n - 1)
-    whitened = (flat - mean) * torch.rsqrt(var + eps)
+    whitened = (torch.cat(values).float() - mean) * torch.rsqrt(var + eps)
     return list(torch.split(whitened, [v.numel() for v in values]))
 
 
@@ -79,12 +124,17 @@ def masked_whiten(
 
 
 def compute_approx_kl(
-    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_loss_type: str
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    kl_loss_type: str,
+    importance_ratio: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token KL(pi || ref) estimators (Schulman, http://joschu.net/blog/kl-approx.html).
 
     k1 = r, k2 = r^2 / 2, k3 = low_var_kl = exp(-r) - 1 + r with r = log pi - log ref;
-    low_var_kl is additionally clamped to [-10, 10].
+    low_var_kl takes r through safe_log_ratio first and clamps the result to [-10, 10].
+    `importance_ratio` (--use-unbiased-kl): the estimate is weighted by pi_theta / pi_old
+    (DeepSeek-V3.2), before low_var_kl's clamp.
     """
     log_ratio = log_probs.float() - ref_log_probs.float()
     if kl_loss_type == "k1":
@@ -92,9 +142,14 @@ def compute_approx_kl(
     elif kl_loss_type == "k2":
         kl = log_ratio**2 / 2.0
     elif kl_loss_type in ("k3", "low_var_kl"):
-        kl = (-log_ratio).exp() - 1 + log_ratio
+        neg = -log_ratio
+        if kl_loss_type == "low_var_kl":
+            neg = safe_log_ratio(neg)
+        kl = neg.exp() - 1 - neg
     else:
         raise ConfigError(f"--kl-loss-type {kl_loss_type!r}: valid: {list(KL_TYPES)}")
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
     if kl_loss_type == "low_var_kl":
         kl = kl.clamp(min=-10, max=10)
     return kl
@@ -145,14 +200,27 @@ def token_log_probs(
 
 
 def group_normalize_rewards(rewards: torch.Tensor, n: int, std_normalize: bool) -> torch.Tensor:
-    """GRPO: (r - group mean) / (group std + 1e-6); groups are consecutive runs of n samples."""
+    """(r - group mean) [/ (group std + 1e-6) when the std is > 0]; groups are consecutive runs
+    of n samples (Miles' rollout-side reward normalization)."""
     if rewards.numel() % n:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of --n-samples-per-prompt={n}")
     grouped = rewards.float().view(-1, n)
     centered = grouped - grouped.mean(dim=-1, keepdim=True)
     if std_normalize and n > 1:
-        centered = centered / (grouped.std(dim=-1, keepdim=True) + 1e-6)
+        std = grouped.std(dim=-1, keepdim=True)
+        centered = torch.where(std > 0, centered / (std + 1e-6), centered)
     return centered.flatten()
+
+
+def normalized_rewards(args, rewards: torch.Tensor) -> torch.Tensor:
+    """The scalar rewards the estimator sees: grpo / gspo / reinforce_plus_plus_baseline subtract
+    the group mean (grpo / gspo also divide by the std unless --disable-grpo-std-normalization),
+    unless --disable-rewards-normalization; the other estimators take the raw rewards."""
+    est = args.advantage_estimator
+    if est not in ("grpo", "gspo", "reinforce_plus_plus_baseline") or args.disable_rewards_normalization:
+        return rewards.float()
+    std = est != "reinforce_plus_plus_baseline" and not args.disable_grpo_std_normalization
+    return group_normalize_rewards(rewards, getattr(args, "n_samples_per_prompt", 1), std)
 
 
 def _kl_for_rewards(args, log_probs: Tensors, ref_log_probs: Tensors | None) -> Tensors:
@@ -191,6 +259,28 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: 
     return adv, adv + values
 
 
+def gae_over_trainable_tokens(
+    reward: float,
+    kl_penalty: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lambd: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE on the loss-mask-1 tokens only (Miles): a masked token (a tool answer) is no MDP
+    transition, so it carries no reward, KL shaping or value, and the carry crosses it without a
+    gamma * lambda decay. The reward lands on the last trainable token; advantages and returns are
+    0 at masked tokens, and a fully masked sample gets zeros (its reward is dropped)."""
+    idx = (mask > 0).nonzero(as_tuple=True)[0]
+    adv, ret = torch.zeros_like(values), torch.zeros_like(values)
+    if idx.numel():
+        token_rewards = kl_penalty[idx].clone()
+        token_rewards[-1] += reward
+        a, r = gae(token_rewards, values[idx], gamma, lambd)
+        adv[idx], ret[idx] = a, r
+    return adv, ret
+
+
 def compute_advantages_and_returns(
     args,
     rewards: torch.Tensor,
@@ -198,23 +288,19 @@ def compute_advantages_and_returns(
     ref_log_probs: Tensors | None,
     values: Tensors | None,
     loss_masks: Tensors,
-    all_reduce_sum: SumFn | None = None,
-) -> tuple[Tensors, Tensors | None]:
-    """Per-token advantages (and returns) for `--advantage-estimator`.
+) -> tuple[Tensors, Tensors]:
+    """Per-token advantages and returns of `--advantage-estimator`, before OPD and whitening
+    (`normalize_advantages` whitens with --normalize-advantages, after the OPD penalty, as Miles).
 
     `rewards` are the raw scalar rewards, one per sample, groups of `--n-samples-per-prompt`
     consecutive samples. Estimators that use a per-token KL penalty take it from
     `compute_approx_kl(log_probs, ref_log_probs, --kl-loss-type) * --kl-coef`.
-    `all_reduce_sum`: the samples are one data-parallel rank's share; whitening statistics
-    are summed over ranks with it (see masked_whiten).
     """
     est = args.advantage_estimator
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    rewards = normalized_rewards(args, torch.as_tensor(rewards, dtype=torch.float32))
     masks = [m.float() for m in loss_masks]
-    n = getattr(args, "n_samples_per_prompt", 1)
     if est in ("grpo", "gspo"):
-        scores = group_normalize_rewards(rewards, n, not args.disable_grpo_std_normalization)
-        advantages = [torch.full_like(m, float(s)) for s, m in zip(scores, masks, strict=True)]
+        advantages = [torch.full_like(m, float(s)) for s, m in zip(rewards, masks, strict=True)]
         return advantages, [a.clone() for a in advantages]
     kl = _kl_for_rewards(args, log_probs, ref_log_probs)
     if est == "reinforce_plus_plus":
@@ -223,25 +309,32 @@ def compute_advantages_and_returns(
             token_rewards = -args.kl_coef * k
             token_rewards[_last_masked_index(m)] += r
             returns.append(discounted_returns(token_rewards, args.gamma))
-        return masked_whiten(returns, masks, all_reduce_sum=all_reduce_sum), returns
+        return [r.clone() for r in returns], returns
     if est == "reinforce_plus_plus_baseline":
-        centered = group_normalize_rewards(rewards, n, std_normalize=False)
         advantages = [
-            torch.full_like(k, float(s)) - args.kl_coef * k for s, k in zip(centered, kl, strict=True)
+            torch.full_like(k, float(s)) - args.kl_coef * k for s, k in zip(rewards, kl, strict=True)
         ]
-        return masked_whiten(advantages, masks, all_reduce_sum=all_reduce_sum), advantages
+        return advantages, [a.clone() for a in advantages]
     if est == "ppo":
         if values is None:
             raise ConfigError("--advantage-estimator ppo needs critic values (per-token) for GAE")
-        advantages, returns = [], []
-        for r, k, v, m in zip(rewards, kl, values, masks, strict=True):
-            token_rewards = -args.kl_coef * k
-            token_rewards[_last_masked_index(m)] += r
-            a, ret = gae(token_rewards, v.float().detach(), args.gamma, args.lambd)
-            advantages.append(a)
-            returns.append(ret)
-        return masked_whiten(advantages, masks, all_reduce_sum=all_reduce_sum), returns
+        pairs = [
+            gae_over_trainable_tokens(
+                float(r), -args.kl_coef * k, v.float().detach(), m, args.gamma, args.lambd
+            )
+            for r, k, v, m in zip(rewards, kl, values, masks, strict=True)
+        ]
+        return [a for a, _ in pairs], [r for _, r in pairs]
     raise ConfigError(f"--advantage-estimator {est!r}: valid: {list(ADVANTAGE_ESTIMATORS)}")
+
+
+def normalize_advantages(
+    advantages: Tensors, loss_masks: Tensors, all_reduce_sum: SumFn | None = None
+) -> Tensors:
+    """--normalize-advantages: whiten over every loss token of the batch, any estimator (Miles).
+    `all_reduce_sum`: the samples are one data-parallel rank's share; the statistics are summed
+    over ranks with it (see masked_whiten)."""
+    return masked_whiten(advantages, [m.float() for m in loss_masks], all_reduce_sum=all_reduce_sum)
 
 
 # ---------------------------------------------------------------------------- policy loss
@@ -260,72 +353,99 @@ def compute_policy_loss(
     """Clipped surrogate per token -> (pg_losses, clipfrac, ppo_kl), each a list per sample.
 
     `sequence_level` (gspo): the ratio of a sample is exp(masked mean of its log-ratios),
-    shared by all its tokens.
+    shared by all its tokens. ppo_kl and advantages are 0 at masked tokens (and where not
+    finite); the ratio is exp of the log-ratio clamped to [-20, 20].
     """
     eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
-    ppo_kl = []
-    for lp, old, m in zip(log_probs, old_log_probs, loss_masks, strict=True):
-        kl = old.detach() - lp
-        ppo_kl.append(masked_mean(kl, m.float()).expand_as(kl) if sequence_level else kl)
+    ppo_kl, adv = [], []
+    for lp, old, a, m in zip(log_probs, old_log_probs, advantages, loss_masks, strict=True):
+        kl = at_active(old.detach().float(), m) - at_active(lp.float(), m)
+        if sequence_level:
+            kl = masked_mean(kl, m).expand_as(kl)
+        ppo_kl.append(at_active(kl, m, finite=True))
+        adv.append(at_active(a.detach().float(), m, finite=True))
     sizes = [k.numel() for k in ppo_kl]
-    kl_flat, adv = torch.cat(ppo_kl), torch.cat(advantages).detach()
-    ratio = (-kl_flat).exp()
-    loss1 = -ratio * adv
-    loss2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * adv
+    kl_flat, adv_flat = torch.cat(ppo_kl), torch.cat(adv)
+    ratio = safe_log_ratio(-kl_flat).exp()
+    loss1 = -ratio * adv_flat
+    loss2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * adv_flat
     pg = torch.maximum(loss1, loss2)
     clipfrac = (loss2 > loss1).float()
     if eps_clip_c is not None:
         if eps_clip_c <= 1.0:
             raise ConfigError(f"--eps-clip-c must be > 1.0, got {eps_clip_c}")
-        pg = torch.where(adv < 0, torch.minimum(pg, -eps_clip_c * adv), pg)
+        pg = torch.where(adv_flat < 0, torch.minimum(pg, -eps_clip_c * adv_flat), pg)
     split = lambda t: list(torch.split(t, sizes))  # noqa: E731
     return split(pg), split(clipfrac), split(kl_flat)
 
 
-def compute_tis_weights(
-    args, log_probs_old: Tensors, rollout_log_probs: Tensors, loss_masks: Tensors
-) -> tuple[Tensors, dict[str, torch.Tensor]]:
-    """Importance weights pi_old / pi_rollout for the train/rollout engine mismatch.
+def opsm_mask(
+    args, log_probs: Tensors, old_log_probs: Tensors, advantages: Tensors, loss_masks: Tensors
+) -> tuple[Tensors, torch.Tensor]:
+    """Off-policy sequence masking (--use-opsm): a token whose advantage is negative in a sample
+    whose masked mean of (old - new) log-prob exceeds --opsm-delta is dropped (mask 0). Returns
+    the masks and the mean over samples of the dropped share of each sample's loss tokens."""
+    out, fracs = [], []
+    for lp, old, a, m in zip(log_probs, old_log_probs, advantages, loss_masks, strict=True):
+        seq_kl = masked_mean(at_active(old.detach().float(), m) - at_active(lp.detach().float(), m), m)
+        drop = ((at_active(a.float(), m, finite=True) < 0) & (seq_kl > args.opsm_delta)).float()
+        out.append(1 - drop)
+        fracs.append(drop.sum() / m.sum().clamp_min(1))
+    return out, torch.stack(fracs).mean()
 
-    level  token: per token; sequence: exp(sum of log-ratios); geometric: exp(mean of log-ratios)
-    mode   truncate: min(w, upper); clip: clamp(w, lower, upper); mask: w inside [lower, upper], else 0
-    """
-    lo, hi, level, mode = args.tis_lower_bound, args.tis_upper_bound, args.tis_level, args.tis_mode
-    raw, weights = [], []
-    for old, roll, m in zip(log_probs_old, rollout_log_probs, loss_masks, strict=True):
-        log_ratio = (old.detach().float() - roll.float()) * m
-        if level == "token":
-            w = log_ratio.exp()
-        elif level == "sequence":
-            w = log_ratio.sum().exp().expand_as(log_ratio)
-        elif level == "geometric":
-            w = (log_ratio.sum() / m.sum().clamp_min(1)).exp().expand_as(log_ratio)
-        else:
-            raise ConfigError(f"--tis-level {level!r}: valid: token, sequence, geometric")
-        raw.append(w)
-        if mode == "truncate":
-            weights.append(w.clamp(max=hi))
-        elif mode == "clip":
-            weights.append(w.clamp(min=lo, max=hi))
-        elif mode == "mask":
-            weights.append(w * ((w >= lo) & (w <= hi)).float())
-        else:
-            raise ConfigError(f"--tis-mode {mode!r}: valid: truncate, clip, mask")
-    mask = torch.cat(loss_masks).float()
-    before, after = torch.cat(raw), torch.cat(weights)
-    abs_diff = torch.cat(
-        [(o.detach().float() - r.float()).abs() for o, r in zip(log_probs_old, rollout_log_probs)]
-    )
-    valid = mask > 0
-    metrics = {
-        "train_rollout_logprob_abs_diff": masked_mean(abs_diff, mask),
-        "tis_weight_before_bound": masked_mean(before, mask),
-        "tis": masked_mean(after, mask),
-        "tis_min": after[valid].min() if valid.any() else after.new_zeros(()),
-        "tis_max": after[valid].max() if valid.any() else after.new_zeros(()),
-        "tis_clipfrac": masked_mean((before != after).float(), mask),
-    }
-    return weights, metrics
+
+def vanilla_tis_function(
+    args,
+    *,
+    pg_loss: torch.Tensor,
+    train_log_probs: Tensors,
+    rollout_log_probs: Tensors,
+    loss_masks: Tensors,
+    **_,
+) -> tuple[torch.Tensor, Tensors, dict[str, torch.Tensor]]:
+    """Miles' built-in TIS: w = exp(old - rollout) clamped to [--tis-clip-low, --tis-clip],
+    multiplied into the per-token pg loss. Metrics are per token (reduced like the loss): `tis`
+    the ratio before the clamp, `tis_clipfrac`, `tis_abs` = |ratio - 1|."""
+    tis = safe_log_ratio(torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).exp()
+    weights = tis.clamp(min=args.tis_clip_low, max=args.tis_clip)
+    metrics = {"tis": tis, "tis_clipfrac": (weights != tis).float(), "tis_abs": (tis - 1).abs()}
+    return pg_loss * weights, loss_masks, metrics
+
+
+def mis_selected(args) -> bool:
+    """The MIS flags (Miles' mis.py: --tis-level/-mode/-lower-bound/-upper-bound, --use-rs,
+    --rs-*, --tis-batch-normalize) select the MIS correction, as its dotted path does."""
+    from miles_platform.config import MIS_FLAGS, _default
+
+    return any(getattr(args, n) != _default(n) for n in MIS_FLAGS)
+
+
+def get_tis_function(args) -> Callable[..., tuple[torch.Tensor, Tensors, dict[str, torch.Tensor]]]:
+    """--custom-tis-function-path (Miles' signature: fn(args, *, pg_loss, train_log_probs,
+    rollout_log_probs, loss_masks, total_lengths, response_lengths, **kwargs) -> (pg_loss,
+    modified_masks, metrics)); else MIS when its flags are set or only mismatch metrics are
+    asked for (--get-mismatch-metrics without --use-tis); else Miles' vanilla TIS."""
+    path = getattr(args, "custom_tis_function_path", None)
+    if path:
+        return load_function(path, "--custom-tis-function-path")
+    if mis_selected(args) or not args.use_tis:
+        from miles_platform.training.mis import compute_mis_weights_with_cp
+
+        return compute_mis_weights_with_cp
+    return vanilla_tis_function
+
+
+def _ess_ratio(ppo_kl: Tensors, masks: Tensors, per_token: bool) -> torch.Tensor:
+    """Effective sample size of the per-token weights exp(-ppo_kl), per sample:
+    (sum w)^2 / (n sum w^2); mean over samples (per-token mode: weighted by n)."""
+    ess, n = [], []
+    for k, m in zip(ppo_kl, masks, strict=True):
+        w = at_active(safe_log_ratio(-k.detach()).exp(), m) * m
+        cnt = m.sum().clamp_min(1)
+        ess.append(w.sum() ** 2 / (cnt * (w * w).sum().clamp_min(1e-8)))
+        n.append(cnt)
+    ess_t, n_t = torch.stack(ess), torch.stack(n)
+    return (ess_t * n_t).sum() / n_t.sum() if per_token else ess_t.mean()
 
 
 def policy_loss_function(
@@ -333,14 +453,17 @@ def policy_loss_function(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO/GSPO objective of one micro-batch -> (loss, detached metrics).
 
-    batch: "advantages", "old_log_probs", "rollout_log_probs", "ref_log_probs" (optional),
-    "loss_masks" — lists with one 1-D tensor per sample. `log_probs` (and `entropy`) carry grad.
+    batch: "advantages", "old_log_probs" (the trainer's), "rollout_log_probs", "ref_log_probs"
+    (optional), "loss_masks" — lists with one 1-D tensor per sample. `log_probs` (and `entropy`)
+    carry grad.
     """
     masks = [m.float() for m in batch["loss_masks"]]
+    counts = torch.stack([m.sum() for m in masks])  # denominators: rejection leaves them as they are
     reduce = get_reducer(args)
-    old = (
-        batch["rollout_log_probs"] if getattr(args, "use_rollout_logprobs", False) else batch["old_log_probs"]
-    )
+    scored, rollout = batch["old_log_probs"], batch["rollout_log_probs"]
+    old = rollout if getattr(args, "use_rollout_logprobs", False) else scored
+    sizes = [m.numel() for m in masks]
+    split = lambda t: list(torch.split(t, sizes))  # noqa: E731
     pg, clipfrac, ppo_kl = compute_policy_loss(
         log_probs,
         old,
@@ -351,14 +474,29 @@ def policy_loss_function(
         args.eps_clip_c,
         sequence_level=args.advantage_estimator == "gspo",
     )
+    pg_flat = torch.cat(pg)
     metrics: dict[str, torch.Tensor] = {}
-    if getattr(args, "use_tis", False):
-        weights, tis_metrics = compute_tis_weights(
-            args, batch["old_log_probs"], batch["rollout_log_probs"], masks
+    if getattr(args, "use_opsm", False):
+        keep, metrics["opsm_clipfrac"] = opsm_mask(args, log_probs, old, batch["advantages"], masks)
+        pg_flat = pg_flat * torch.cat(keep)
+    pg_masks = masks
+    if getattr(args, "use_tis", False) or getattr(args, "get_mismatch_metrics", False):
+        pg_flat, pg_masks, tis_metrics = get_tis_function(args)(
+            args,
+            pg_loss=pg_flat,
+            train_log_probs=[at_active(s.detach().float(), m) for s, m in zip(scored, masks, strict=True)],
+            rollout_log_probs=[at_active(r.float(), m) for r, m in zip(rollout, masks, strict=True)],
+            loss_masks=masks,
+            total_lengths=batch.get("total_lengths"),
+            response_lengths=sizes,
+            parallel_state=None,
+            max_seq_lens=None,
         )
-        pg = [p * w for p, w in zip(pg, weights, strict=True)]
-        metrics.update(tis_metrics)
-    pg_loss = reduce(pg, masks)
+        pg_masks = [torch.as_tensor(m).float() for m in pg_masks]
+        metrics["ois"] = reduce([safe_log_ratio(-k.detach()).exp() for k in ppo_kl], masks).detach()
+        for key, value in tis_metrics.items():
+            metrics[key] = reduce(split(value.detach().float()), masks).detach()
+    pg_loss = reduce(split(pg_flat), pg_masks, counts)
     loss = pg_loss
     entropy_loss = reduce(entropy, masks) if entropy is not None else pg_loss.new_zeros(())
     if getattr(args, "entropy_coef", 0.0):
@@ -370,13 +508,21 @@ def policy_loss_function(
     if getattr(args, "use_kl_loss", False):
         if ref is None:
             raise ConfigError("--use-kl-loss needs ref_log_probs (a reference model: --ref-load)")
-        kl = [compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref, strict=True)]
+        kl = []
+        for lp, r, o, m in zip(log_probs, ref, old, masks, strict=True):
+            lp_a = at_active(lp.float(), m)
+            ratio = None
+            if getattr(args, "use_unbiased_kl", False):  # pi_theta / pi_old, with its gradient
+                ratio = safe_log_ratio(lp_a - at_active(o.detach().float(), m)).exp()
+            k = compute_approx_kl(lp_a, at_active(r.float(), m), args.kl_loss_type, ratio)
+            kl.append(at_active(k, m, finite=True))
         kl_loss = reduce(kl, masks)
         loss = loss + args.kl_loss_coef * kl_loss
     metrics.update(
         pg_loss=pg_loss.detach(),
         pg_clipfrac=reduce(clipfrac, masks).detach(),
         ppo_kl=reduce(ppo_kl, masks).detach(),
+        ess_ratio=_ess_ratio(ppo_kl, masks, getattr(args, "calculate_per_token_loss", False)),
         kl_loss=kl_loss.detach(),
         entropy_loss=entropy_loss.detach(),
         loss=loss.detach(),
@@ -391,6 +537,23 @@ def sft_loss_function(
     masks = [m.float() for m in batch["loss_masks"]]
     loss = -get_reducer(args)(log_probs, masks)
     return loss, {"loss": loss.detach()}
+
+
+def value_loss(
+    args, values: Tensors, old_values: Tensors, returns: Tensors, loss_masks: Tensors
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO critic loss (Miles): max((v - R)^2, (v_old + clamp(v - v_old, +-value_clip) - R)^2),
+    reduced like the policy loss; value_clipfrac = share of tokens with |v - v_old| > value_clip."""
+    reduce, clip = get_reducer(args), args.value_clip
+    masks = [m.float() for m in loss_masks]
+    losses, clipped = [], []
+    for v, vo, ret in zip(values, old_values, returns, strict=True):
+        vo, ret = vo.detach().float(), ret.detach().float()
+        v_clipped = vo + (v.float() - vo).clamp(-clip, clip)
+        losses.append(torch.maximum((v_clipped - ret) ** 2, (v.float() - ret) ** 2))
+        clipped.append(((v.detach().float() - vo).abs() > clip).float())
+    loss = reduce(losses, masks)
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": reduce(clipped, masks).detach()}
 
 
 LOSSES: dict[str, LossFn] = {"policy_loss": policy_loss_function, "sft_loss": sft_loss_function}

@@ -38,7 +38,7 @@ def test_out_of_range_flags_are_refused_naming_the_flag(flag, value):
 def test_defaults_and_edge_values_pass():
     RunConfig(rollout_batch_size=2).validate()
     RunConfig(rollout_batch_size=2, num_rollout=0, lr=0.0, rollout_top_p=1.0, gamma=1.0, eval_temperature=0.0,
-              rollout_top_k=1, tis_lower_bound=2.0, tis_upper_bound=2.0).validate()  # fmt: skip
+              rollout_top_k=1, use_tis=True, tis_lower_bound=2.0, tis_upper_bound=2.0).validate()  # fmt: skip
 
 
 def test_yaml_errors_name_the_file_and_key(tmp_path):

@@ -196,7 +196,7 @@ def _moe_actor(ckpt, **kw):
     from miles_platform.training.actor import TrainerActor
 
     return TrainerActor(RunConfig(hf_checkpoint=ckpt, rollout_batch_size=4, n_samples_per_prompt=1, lr=1e-2, micro_batch_size=4, weight_decay=0.0,
-                                  advantage_estimator="reinforce_plus_plus", **kw).validate())  # fmt: skip
+                                  advantage_estimator="reinforce_plus_plus", normalize_advantages=True, **kw).validate())  # fmt: skip
 
 
 def test_moe_aux_loss_is_megatrons_switch_loss_over_the_real_tokens(moe_ckpt):

@@ -14,15 +14,16 @@ from miles_platform.training.loss import (
     compute_advantages_and_returns,
     compute_approx_kl,
     compute_policy_loss,
-    compute_tis_weights,
     entropy_from_logits,
     gae,
     get_loss_function,
+    normalize_advantages,
     per_token_mean,
     policy_loss_function,
     sft_loss_function,
     sum_of_sample_mean,
 )
+from miles_platform.training.mis import compute_mis_weights
 
 T = torch.tensor
 
@@ -86,15 +87,16 @@ def test_gae_three_tokens():
     assert close(ret, T([0.71712, 0.846, 1.0]))
 
 
-def test_ppo_estimator_whitens_advantages_keeps_returns():
+def test_ppo_estimator_gae_then_whitening_only_when_asked():
     args = cfg(advantage_estimator="ppo", gamma=0.9, lambd=0.8)
     adv, ret = compute_advantages_and_returns(
         args, T([1.0]), [torch.zeros(3)], None, [T([0.5, 0.6, 0.7])], ones(3)
     )
     assert close(ret[0], T([0.71712, 0.846, 1.0]))
+    assert close(adv[0], T([0.21712, 0.246, 0.3]))  # Miles whitens only with --normalize-advantages
     # whiten [0.21712, 0.246, 0.3]: mean 0.254373, deviations [-0.037253, -0.008373, 0.045627],
     # unbiased var 0.0035397 / 2 -> std 0.042070
-    assert close(adv[0], T([-0.88550, -0.19903, 1.08455]), tol=1e-4)
+    assert close(normalize_advantages(adv, ones(3))[0], T([-0.88550, -0.19903, 1.08455]), tol=1e-4)
     with pytest.raises(ConfigError, match="ppo needs critic values"):
         compute_advantages_and_returns(args, T([1.0]), [torch.zeros(3)], None, None, ones(3))
 
@@ -102,10 +104,17 @@ def test_ppo_estimator_whitens_advantages_keeps_returns():
 def test_reinforce_plus_plus_returns_with_kl_penalty():
     # k1 KL = [0.1, 0.2, 0.0], kl_coef 0.1 -> token rewards [-0.01, -0.02, 0 + 1.0]; gamma 0.5:
     # G2 = 1.0; G1 = -0.02 + 0.5*1.0 = 0.48; G0 = -0.01 + 0.5*0.48 = 0.23
-    args = cfg(advantage_estimator="reinforce_plus_plus", kl_coef=0.1, kl_loss_type="k1", gamma=0.5)
+    args = cfg(
+        advantage_estimator="reinforce_plus_plus",
+        kl_coef=0.1,
+        kl_loss_type="k1",
+        gamma=0.5,
+        normalize_advantages=True,
+    )
     lp, ref = [T([0.1, 0.2, 0.0]) - 1.0], [T([0.0, 0.0, 0.0]) - 1.0]
     adv, ret = compute_advantages_and_returns(args, T([1.0]), lp, ref, None, ones(3))
-    assert close(ret[0], T([0.23, 0.48, 1.0]))
+    assert close(ret[0], T([0.23, 0.48, 1.0])) and close(adv[0], ret[0])
+    adv = normalize_advantages(adv, ones(3))
     assert close(adv[0].mean(), 0.0) and close(adv[0].std(), 1.0, tol=1e-4)
     # reward lands on the last *unmasked* token
     _, ret = compute_advantages_and_returns(args, T([1.0]), lp, ref, None, [T([1.0, 1.0, 0.0])])
@@ -113,14 +122,14 @@ def test_reinforce_plus_plus_returns_with_kl_penalty():
 
 
 def test_reinforce_plus_plus_baseline():
-    args = cfg(advantage_estimator="reinforce_plus_plus_baseline", n_samples_per_prompt=4)
-    lp = [torch.zeros(1)] * 4
-    adv, unwhitened = compute_advantages_and_returns(
-        args, T([1.0, 0, 0, 0]), lp, None, None, ones(1, 1, 1, 1)
+    args = cfg(
+        advantage_estimator="reinforce_plus_plus_baseline", n_samples_per_prompt=4, normalize_advantages=True
     )
-    assert close(torch.cat(unwhitened), T([0.75, -0.25, -0.25, -0.25]))  # group mean 0.25 removed
+    lp = [torch.zeros(1)] * 4
+    adv, _ = compute_advantages_and_returns(args, T([1.0, 0, 0, 0]), lp, None, None, ones(1, 1, 1, 1))
+    assert close(torch.cat(adv), T([0.75, -0.25, -0.25, -0.25]))  # group mean 0.25 removed
     # whitened: mean 0, unbiased std 0.5 -> [1.5, -0.5, -0.5, -0.5]
-    assert close(torch.cat(adv), T([1.5, -0.5, -0.5, -0.5]), tol=1e-4)
+    assert close(torch.cat(normalize_advantages(adv, ones(1, 1, 1, 1))), T([1.5, -0.5, -0.5, -0.5]), tol=1e-4)
 
 
 # ---------------------------------------------------------------------------- policy loss
@@ -168,8 +177,9 @@ def test_gspo_sequence_ratio():
     pg, clip, kl = compute_policy_loss(
         lp, [torch.zeros(3)], [T([1.0, 1.0, 1.0])], [T([1.0, 1.0, 0.0])], eps_clip=0.2, sequence_level=True
     )
-    assert close(pg[0], T([-1.2, -1.2, -1.2])) and clip[0].tolist() == [1.0, 1.0, 1.0]
-    assert close(kl[0], T([-0.202733] * 3))  # -ln(1.5)/2
+    # the masked token carries no advantage and no ppo_kl (Miles' torch.where on inactive tokens)
+    assert close(pg[0], T([-1.2, -1.2, 0.0])) and clip[0].tolist() == [1.0, 1.0, 0.0]
+    assert close(kl[0], T([-0.202733, -0.202733, 0.0]))  # -ln(1.5)/2
 
 
 # ---------------------------------------------------------------------------- KL / entropy / reductions
@@ -188,6 +198,9 @@ def test_low_var_kl_is_clamped():
     # r = -20: k3 = e^20 - 1 - 20 (huge); low_var_kl caps at 10
     assert compute_approx_kl(T([-20.0]), T([0.0]), "k3").item() > 1e8
     assert compute_approx_kl(T([-20.0]), T([0.0]), "low_var_kl").item() == 10.0
+    # a -inf or NaN log-prob: the log-ratio is clamped first (Miles' _safe_clamp_log_ratio)
+    assert compute_approx_kl(T([-math.inf]), T([0.0]), "low_var_kl").item() == 10.0
+    assert compute_approx_kl(T([math.nan]), T([0.0]), "low_var_kl").item() == 0.0
     with pytest.raises(ConfigError, match="k4"):
         compute_approx_kl(T([0.0]), T([0.0]), "k4")
 
@@ -205,33 +218,40 @@ def test_reductions():
     assert close(per_token_mean(vals, masks), 7 / 3)  # (1 + 2 + 4) / 3
 
 
-# ---------------------------------------------------------------------------- TIS
+# ---------------------------------------------------------------------------- MIS (Miles' mis.py)
 
 
 def _tis(mode, level, w):
     args = cfg(use_tis=True, tis_mode=mode, tis_level=level, tis_lower_bound=0.5, tis_upper_bound=2.0)
-    old = [torch.log(T(w))]
-    return compute_tis_weights(args, old, [torch.zeros(len(w))], ones(len(w)))
+    train = [torch.log(T(w))]
+    weights, masks, metrics = compute_mis_weights(
+        args, train_log_probs=train, rollout_log_probs=[torch.zeros(len(w))], loss_masks=ones(len(w))
+    )
+    return weights, masks, {k: v[0] for k, v in metrics.items()}
 
 
-def test_tis_token_truncate_clip_mask():
-    w, m = _tis("truncate", "token", [0.4, 1.0, 3.0])
-    assert close(w[0], T([0.4, 1.0, 2.0]))  # only the upper bound
-    assert close(m["tis_clipfrac"], 1 / 3) and close(m["tis"], 3.4 / 3)
-    assert close(m["tis_weight_before_bound"], 4.4 / 3)
-    # mean |log ratio| = (0.916291 + 0 + 1.098612) / 3
-    assert close(m["train_rollout_logprob_abs_diff"], 0.671634)
+def test_mis_token_truncate_clip_mask():
+    w, keep, m = _tis("truncate", "token", [0.4, 1.0, 3.0])
+    assert close(w[0], T([0.4, 1.0, 2.0])) and keep[0].tolist() == [1, 1, 1]  # only the upper bound
+    assert m["tis_truncate_fraction"].tolist() == [0, 0, 1]
+    assert close(m["tis_weight_before_bound"], T([0.4, 1.0, 3.0]))
     assert close(_tis("clip", "token", [0.4, 1.0, 3.0])[0][0], T([0.5, 1.0, 2.0]))
-    w, m = _tis("mask", "token", [0.4, 1.0, 3.0])
-    assert close(w[0], T([0.0, 1.0, 0.0])) and close(m["tis_clipfrac"], 2 / 3)
-    assert m["tis_min"] == 0.0 and m["tis_max"] == 1.0
+    w, keep, m = _tis("mask", "token", [0.4, 1.0, 3.0])
+    # mask mode keeps the weight and rejects the token (the mask), as Miles' mis.py
+    assert close(w[0], T([0.4, 1.0, 3.0])) and keep[0].tolist() == [0, 1, 0]
+    assert m["tis_mask_fraction_low"].tolist() == [1, 0, 0] and m["tis_mask_fraction_high"].tolist() == [
+        0,
+        0,
+        1,
+    ]
+    assert close(m["is_ratio_min_final"], T([0.4] * 3)) and close(m["is_ratio_max_final"], T([3.0] * 3))
 
 
-def test_tis_sequence_and_geometric():
+def test_mis_sequence_and_geometric():
     # product 0.4 * 1.0 * 3.0 = 1.2; geometric mean 1.2 ** (1/3) = 1.062659
     assert close(_tis("truncate", "sequence", [0.4, 1.0, 3.0])[0][0], T([1.2] * 3))
     assert close(_tis("truncate", "geometric", [0.4, 1.0, 3.0])[0][0], T([1.062659] * 3))
-    assert close(_tis("mask", "sequence", [0.4, 1.0, 9.0])[0][0], T([0.0] * 3))  # 3.6 > 2
+    assert _tis("mask", "sequence", [0.4, 1.0, 9.0])[1][0].tolist() == [0, 0, 0]  # 3.6 > 2: rejected
 
 
 # ---------------------------------------------------------------------------- composed losses
@@ -262,11 +282,15 @@ def test_policy_loss_function_composes_terms():
 
 
 def test_policy_loss_with_tis_and_rollout_logprobs():
-    args = cfg(use_tis=True, tis_mode="truncate", tis_upper_bound=1.5)
     lp = [torch.full((2,), math.log(0.5))]
-    loss, m = policy_loss_function(args, _batch(), lp)
-    # TIS weight pi_old / pi_rollout = 2 -> truncated to 1.5; pg = -1 * 1.5
-    assert close(loss, -1.5) and close(m["tis"], 1.5) and close(m["tis_clipfrac"], 1.0)
+    # Miles' built-in TIS: weight pi_old / pi_rollout = 2 -> clamped to --tis-clip 1.5; pg = -1 * 1.5;
+    # `tis` is the ratio before the clamp, reduced like the loss
+    loss, m = policy_loss_function(cfg(use_tis=True, tis_clip=1.5), _batch(), lp)
+    assert close(loss, -1.5) and close(m["tis"], 2.0) and close(m["tis_clipfrac"], 1.0)
+    assert close(m["tis_abs"], 1.0) and close(m["ois"], 1.0)
+    # an MIS flag selects MIS (truncate at --tis-upper-bound)
+    loss, m = policy_loss_function(cfg(use_tis=True, tis_upper_bound=1.5), _batch(), lp)
+    assert close(loss, -1.5) and close(m["mis_tis_truncate_fraction"], 1.0) and "tis" not in m
     loss, m = policy_loss_function(cfg(use_rollout_logprobs=True), _batch(), lp)
     # old := rollout (0.25): ratio 2 -> clipped at 1.2
     assert close(loss, -1.2) and close(m["pg_clipfrac"], 1.0) and close(m["ppo_kl"], -0.693147)

@@ -228,7 +228,7 @@ def _aux(hf_path: str) -> dict:
     def actor(**kw):
         return TrainerActor(RunConfig(hf_checkpoint=hf_path, train_backend="megatron", rollout_batch_size=4,
                                       n_samples_per_prompt=1, lr=1e-2, micro_batch_size=4, weight_decay=0.0,
-                                      advantage_estimator="reinforce_plus_plus", **kw).validate())  # fmt: skip
+                                      advantage_estimator="reinforce_plus_plus", normalize_advantages=True, **kw).validate())  # fmt: skip
 
     def routers(a):
         return {k: v.clone() for k, v in a.backend.module.state_dict().items() if k.endswith("router.weight")}
