@@ -135,6 +135,7 @@ _RANGES: dict[str, tuple] = {
     "rs_veto_threshold": (0, 1, True, "in (0, 1]"),
     "opsm_delta": _FINITE,
     "value_clip": (0, None, True, "> 0"),
+    "max_nonfinite_steps": _NON_NEGATIVE,
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
     "custom_agent_function_timeout": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_interval": (0, None, True, "> 0 (seconds)"),
@@ -444,6 +445,9 @@ class RunConfig:
     )
     critic_lr: float | None = _f(None, "algorithm", "critic LR for ppo (defaults to --lr)")
     value_clip: float = _f(0.2, "algorithm", "ppo critic: clip of v - v_old in the value loss")
+    max_nonfinite_steps: int = _f(
+        3, "algorithm", "optimizer steps skipped for a NaN / inf loss or gradient before the run stops"
+    )
 
     # --- on-policy distillation (docs/opd.md) ---
     use_opd: bool = _f(
@@ -1150,7 +1154,8 @@ RESUMABLE = frozenset(
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
-     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args"} | LOGGING
+     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args",
+     "max_nonfinite_steps"} | LOGGING
 )  # fmt: skip
 
 

@@ -21,5 +21,10 @@ class PublicationError(MilesError, ValueError):
     """A weight publication that fails verification: message names version and tensor."""
 
 
+class NonFiniteTraining(MilesError, RuntimeError):
+    """The trainer met a NaN / inf loss or gradient more often than --max-nonfinite-steps allows:
+    the run stopped before publishing the rollout's version; the checkpoint before it is intact."""
+
+
 class ActorDied(MilesError, RuntimeError):
     """A trainer or engine actor of a run died: the run stopped; relaunching resumes it."""

@@ -20,7 +20,7 @@ import sys
 import time
 
 from miles_platform.config import RunConfig, parse_run_config
-from miles_platform.errors import ActorDied
+from miles_platform.errors import ActorDied, NonFiniteTraining
 from miles_platform.preflight import fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
@@ -40,6 +40,7 @@ class RLRun:
 
     def __init__(self, cfg: RunConfig, reporter: Reporter | None = None):
         self.cfg, self.reporter, self.paths = cfg, reporter or Reporter(), StoragePaths(cfg.storage_root)
+        self.nonfinite: list[int] = []  # the rollout of each optimizer step skipped for a NaN / inf
 
     def run(self) -> RunResult:
         from miles_platform.models.checkpoint import content_hash, load_tokenizer
@@ -119,6 +120,7 @@ class RLRun:
             hook.fire("trainer_controller_step_start")
             metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples)))
             hook.fire("trainer_controller_step_end")
+            self._check_finite(rollout_id, metrics)
             if cfg.ci_test and rollout_id == 0:
                 result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
             hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
@@ -149,6 +151,25 @@ class RLRun:
                     save_hf_copy(cfg, rollout_id, hf_dir)
             hook.fire("orchestrator_step_end")
         return result
+
+    def _check_finite(self, rollout_id: int, metrics: dict) -> None:
+        """Skipped steps (NaN / inf loss or gradient) are logged with their rollout; past
+        --max-nonfinite-steps in the run, it stops before this rollout's version is published."""
+        skipped = int(metrics.get("train/nonfinite_steps", 0))
+        if not skipped:
+            return
+        self.nonfinite += [rollout_id] * skipped
+        self.reporter.log(
+            f"rollout {rollout_id}: {skipped} optimizer step(s) skipped: non-finite loss or gradient"
+        )
+        if len(self.nonfinite) > self.cfg.max_nonfinite_steps:
+            raise NonFiniteTraining(
+                f"{len(self.nonfinite)} optimizer steps had a non-finite loss or gradient (rollouts "
+                f"{sorted(set(self.nonfinite))}), more than --max-nonfinite-steps {self.cfg.max_nonfinite_steps}: "
+                "the run stopped before publishing rollout "
+                f"{rollout_id}'s version. Look at those rollouts' samples (rollouts table) and the loss "
+                "settings; relaunching resumes from the last checkpoint"
+            )
 
     def _train(self, rollout_id: int, batch) -> dict[str, float]:
         """Rollout data to the trainer ranks through the object store (`--object-store-backend`)."""
@@ -230,7 +251,7 @@ def cli_main(argv: list[str]) -> int:
         return submit_cli(cfg, opts)
     try:
         result = train(cfg)
-    except (CITestFailure, ActorDied) as e:
+    except (CITestFailure, ActorDied, NonFiniteTraining) as e:
         print(f"miles-platform train: {e}", file=sys.stderr)
         return 1
     out = {"run": result.run, "last_rollout_id": result.last_rollout_id, "final_version": result.final_version,

@@ -2,6 +2,7 @@
 
     python scripts/tool_learning.py --root /tmp/tool-bench --seeds 1 2 3
     python scripts/tool_learning.py --root /tmp/tool-bench --base DIR --seeds 1
+    python scripts/tool_learning.py --root /tmp/tool-bench --seeds 1 --advantage-estimator ppo
 
 Without --base it writes the `mul3` task under <root>/data (`miles-platform make-data --difficulty
 mul3`) and SFTs the base on its transcripts (<root>/base: about 30% of the episodes call the tool and
@@ -82,7 +83,8 @@ def rl_run(a, seed: int, work: str) -> dict:
     kw = {**DEMO_RL, **TOOL_FLAGS, "ci_test": False, "save_interval": None, "skip_eval_before_train": False}
     kw.update(run_name=f"tool-s{seed}", seed=seed, rollout_seed=seed, num_rollout=a.num_rollout, lr=a.lr,
               hf_checkpoint=a.base, prompt_data=a.prompt_data, eval_prompt_data=[EVAL, a.eval_data],
-              eval_interval=a.eval_every, eval_temperature=0.0, storage_root=os.path.join(work, f"s{seed}"))  # fmt: skip
+              eval_interval=a.eval_every, eval_temperature=0.0, storage_root=os.path.join(work, f"s{seed}"),
+              advantage_estimator=a.advantage_estimator, critic_lr=a.critic_lr)  # fmt: skip
     cfg = RunConfig(**kw).validate()
     clock = Clock()
     res = train(cfg, clock)
@@ -114,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=DEMO_RL["lr"])
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget of one RL run")
     ap.add_argument("--eval-every", type=int, default=10, help="in-loop eval every N versions")
+    ap.add_argument(
+        "--advantage-estimator",
+        default="grpo",
+        choices=("grpo", "ppo"),
+        help="ppo: GAE on a critic over the model's tokens only (tool answers are masked)",
+    )
+    ap.add_argument("--critic-lr", type=float, help="ppo: the critic's LR (default --lr)")
     a = ap.parse_args(argv)
     task_and_base(a)
     work = os.path.join(a.root, f"runs-{int(time.time())}")

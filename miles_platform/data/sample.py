@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -54,6 +55,18 @@ class Sample:
     image_png: bytes | None = None
     diffusion_steps: list[int] | None = None
     diffusion_log_probs: list[float] | None = None
+
+    def nonfinite_field(self) -> str | None:
+        """The first training input of this sample that is NaN or infinite (the reward, or a
+        log-prob at a trained token), or None. Such a sample is removed from the loss."""
+        if self.raw_reward is not None and not math.isfinite(self.raw_reward):
+            return "raw_reward"
+        mask = self.loss_mask or [1] * len(self.rollout_log_probs)
+        for name in ("rollout_log_probs", "teacher_log_probs", "opd_reverse_kl"):
+            values = getattr(self, name)
+            if values and any(m and not math.isfinite(v) for v, m in zip(values, mask, strict=False)):
+                return name
+        return None
 
     @property
     def tokens(self) -> list[int]:

@@ -209,6 +209,10 @@ class RolloutManager:
                 samples.append(s)
         if self.opd is not None:  # the teachers score what is trained, after every filter
             self._opd_metrics = self.opd.score(samples)
+        for s in samples:  # one NaN reward or log-prob must not reach the weights: out of the loss
+            if (bad := s.nonfinite_field()) is not None:
+                s.remove_sample, s.loss_mask = True, [0] * len(s.response_tokens)
+                s.metadata["nonfinite"] = bad
         return samples
 
     # ------------------------------------------------------------------ generation
@@ -382,10 +386,12 @@ class RolloutManager:
     # ------------------------------------------------------------------ metrics
     def _metrics(self, samples: list[Sample], drops: dict[str, int], seconds: float) -> dict[str, float]:
         rewards = np.array([s.raw_reward if s.raw_reward is not None else 0.0 for s in samples])
+        finite = np.isfinite(rewards)
         lens = np.array([s.response_length for s in samples])
-        lps = [lp for s in samples for lp in s.rollout_log_probs]
+        lps = [lp for s in samples for lp in s.rollout_log_probs if np.isfinite(lp)]
         m = {
-            "rollout/raw_reward": float(rewards.mean()),
+            "rollout/raw_reward": float(rewards[finite].mean()) if finite.any() else 0.0,
+            "rollout/nonfinite_samples": float(sum("nonfinite" in s.metadata for s in samples)),
             "rollout/response_len/mean": float(lens.mean()),
             "rollout/response_len/max": float(lens.max()),
             "rollout/truncated": float(np.mean([s.status == Status.TRUNCATED.value for s in samples])),
@@ -403,8 +409,8 @@ class RolloutManager:
             self._retries_seen = retries
         n = self.cfg.n_samples_per_prompt
         if n > 1:
-            groups = rewards.reshape(-1, n)
-            m["rollout/zero_std_groups"] = float(np.mean(groups.std(axis=1) == 0))
+            groups = np.where(finite, rewards, np.nan).reshape(-1, n)
+            m["rollout/zero_std_groups"] = float(np.mean(np.nan_to_num(np.nanstd(groups, axis=1)) == 0))
         m.update({k: float(v) for k, v in filter_hub.drop_metrics(drops).items()})
         turns = [s.metadata["turns"] for s in samples if isinstance(s.metadata.get("turns"), int)]
         if turns:  # multi-turn episodes (Miles' multi_turn/ namespace)

@@ -347,6 +347,7 @@ class TrainerActor:
         if fused:
             self._alignment_metrics(batch, mine, old, rollout_lp, add)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out["train/nonfinite_steps"] = float(sum(metrics.get("train/nonfinite_steps", [])))
         out["train/lr"] = self.sched.get_last_lr()[0]
         out.update(self._moe_metrics())
         out["perf/actor_train_time"] = time.time() - t0
@@ -385,7 +386,7 @@ class TrainerActor:
     def _alignment_metrics(self, batch, mine, old, rollout_lp, add) -> None:
         """Trainer-vs-engine log-prob agreement (train/train_rollout_logprob_abs_diff and friends)."""
         have = [i for i in mine if len(batch.rollout_log_probs[i])]
-        if not have or self.cfg.use_rollout_logprobs:
+        if not have or old is rollout_lp:  # --use-rollout-logprobs without a trainer pass
             return
         from miles_platform.training.precision import alignment_metrics
 
@@ -501,8 +502,13 @@ class TrainerActor:
         )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        add("train/grad_norm", grad_norm)
-        if not cfg.debug_skip_optimizer_step:
+        finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
+        add("train/grad_norm", grad_norm if finite else 0.0)
+        add("train/nonfinite_steps", not finite)  # a NaN / inf loss or gradient: the step is skipped
+        if not finite:
+            self.opt.zero_grad(set_to_none=True)
+            self.backend.zero_grad()
+        elif not cfg.debug_skip_optimizer_step:
             self.opt.step()
         self.sched.step()
         self.global_step += 1

@@ -63,7 +63,8 @@ class Critic(torch.nn.Module):
         if self.world_size > 1:
             self.average_grads()
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_grad)
-        self.opt.step()
+        if torch.isfinite(norm):  # a NaN / inf value loss skips the step, as the policy's
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(norm)
 

@@ -205,11 +205,28 @@ def group_normalize_rewards(rewards: torch.Tensor, n: int, std_normalize: bool) 
     if rewards.numel() % n:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of --n-samples-per-prompt={n}")
     grouped = rewards.float().view(-1, n)
+    if not torch.isfinite(grouped).all():
+        return _group_normalize_finite(grouped, std_normalize).flatten()
     centered = grouped - grouped.mean(dim=-1, keepdim=True)
     if std_normalize and n > 1:
         std = grouped.std(dim=-1, keepdim=True)
         centered = torch.where(std > 0, centered / (std + 1e-6), centered)
     return centered.flatten()
+
+
+def _group_normalize_finite(grouped: torch.Tensor, std_normalize: bool) -> torch.Tensor:
+    """As above over each group's finite rewards only; a non-finite reward (its sample is removed
+    from the loss, rollout/nonfinite_samples) gets 0 and moves neither the mean nor the std."""
+    ok = torch.isfinite(grouped)
+    x = torch.where(ok, grouped, torch.zeros(()))
+    cnt = ok.sum(dim=-1, keepdim=True)
+    mean = x.sum(dim=-1, keepdim=True) / cnt.clamp_min(1)
+    centered = torch.where(ok, x - mean, torch.zeros(()))
+    if std_normalize:
+        var = (centered**2).sum(dim=-1, keepdim=True) / (cnt - 1).clamp_min(1)
+        std = torch.where(cnt > 1, var.sqrt(), torch.zeros(()))
+        centered = torch.where(std > 0, centered / (std + 1e-6), centered)
+    return centered
 
 
 def normalized_rewards(args, rewards: torch.Tensor) -> torch.Tensor:
