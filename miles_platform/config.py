@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import string
 from collections.abc import Sequence
@@ -690,6 +691,7 @@ class RunConfig:
     # ------------------------------------------------------------------
     def validate(self) -> RunConfig:
         """Derive the unset batch knob and reject contradictions. Returns self."""
+        check_run_name(self.run_name)
         if isinstance(self.use_session_server, bool):  # YAML `use_session_server: true` is the bare flag
             self.use_session_server = "v1" if self.use_session_server else None
         self._check_ranges()
@@ -1196,6 +1198,19 @@ REFUSED: dict[str, str] = {
 def _default(name: str) -> Any:
     f = RunConfig.__dataclass_fields__[name]
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_name(name: str) -> None:
+    """A run name becomes a directory (`run=<name>`) and a partition key: letters, digits, '.',
+    '_' and '-', starting with a letter or digit, at most 128 characters (no '/', no '..')."""
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
+        raise ConfigError(
+            f"--run-name {name!r}: use letters, digits, '.', '_' and '-' (starting with a letter or digit, "
+            "at most 128 characters): it names directories under the storage root and partition keys"
+        )
 
 
 def _check_rollout_template(flag: str, template: str) -> None:

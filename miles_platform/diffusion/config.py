@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from miles_platform.config import _add_flag, _f, _flag, derive_batch_knobs, load_yaml
+from miles_platform.config import _add_flag, _f, _flag, check_run_name, derive_batch_knobs, load_yaml
 from miles_platform.errors import ConfigError
 
 GROUPS = ("cluster", "checkpoint", "rollout", "sampling", "reward", "eval", "algorithm", "optimizer",
@@ -205,6 +205,7 @@ class DiffusionRunConfig:
     lora_rank: int = dataclasses.field(default=0, init=False, repr=False, metadata={"internal": True})
 
     def validate(self) -> DiffusionRunConfig:
+        check_run_name(self.run_name)
         for name in ("hf_checkpoint", "diffusion_task", "prompt_data", "rollout_batch_size"):
             if getattr(self, name) in (None, ""):
                 raise ConfigError(f"{_flag(name)} is required")

@@ -20,6 +20,26 @@ from miles_platform.rollout.engine_requests import RequestError, version_violati
 from miles_platform.rollout.lora_serving import parse_adapter
 
 GROUP_JOIN_TIMEOUT_S = 30.0  # an engine joining a trainer's weight-broadcast group
+MAX_WEIGHT_VERSION = 2**53 - 1  # exact as a JSON number and a float64 wherever a version travels
+
+
+def parse_weight_version(value, default: int, floor: int) -> int:
+    """A request's `weight_version`: a whole number (SGLang sends it as a string of digits) in
+    [floor, 2^53 - 1]; None -> `default`. Anything else is a 400, before any weight changes (a
+    version of 2^70 or 1e308 used to be accepted and break every later /generate)."""
+    if value is None:
+        return default
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 16:
+        value = int(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) <= MAX_WEIGHT_VERSION:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WEIGHT_VERSION:
+        raise RequestError(f"weight_version {value!r}: must be a whole number in [0, 2^53 - 1]")
+    if value < floor:
+        raise RequestError(
+            f"weight_version {value}: versions only move forward (this engine serves v{floor})"
+        )
+    return value
 
 
 class EngineWeightsMixin:
@@ -34,17 +54,14 @@ class EngineWeightsMixin:
         self, named_tensors: dict[str, torch.Tensor], weight_version: int
     ) -> None:
         """Copy (a subset of) parameters in, atomically between forward passes; set the version."""
+        version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
         self._in_scheduler(
-            lambda: self._swap(self._prepare_tensors(named_tensors, require_all=False), int(weight_version))
+            lambda: self._swap(self._prepare_tensors(named_tensors, require_all=False), version)
         )
 
     def update_weights_from_disk(self, path: str | os.PathLike, weight_version: int | None = None) -> int:
         """Load a full HF checkpoint dir (quantized ones via the dequantizing loader); returns the new version."""
-        version = self._weight_version + 1 if weight_version is None else int(weight_version)
-        if version < 0 or version < self._weight_version:
-            raise RequestError(
-                f"weight_version {version}: versions only move forward (this engine serves v{self._weight_version})"
-            )
+        version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
         from miles_platform.store.remote import local_dir
 
         with local_dir(str(path)) as local:  # an object-store export: downloaded, read, removed
@@ -114,7 +131,7 @@ class EngineWeightsMixin:
             t = torch.empty([int(x) for x in shape], dtype=dtype, device=device)
             broadcast(group, t)
             named[name] = t
-        version = self._weight_version + 1 if weight_version is None else int(weight_version)
+        version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
         self.update_weights_from_tensors(named, version)
         return version
 
@@ -218,12 +235,10 @@ class EngineWeightsMixin:
         if not isinstance(name, str) or not name:
             raise RequestError("lora_name must be a non-empty string")
         old = self._lora.adapters.get(name)
-        if weight_version is None:
-            version = old.version + 1 if old is not None else self._weight_version
-        else:
-            version = int(weight_version)
-        if old is not None and version < old.version:
-            raise RequestError(f"LoRA adapter {name!r}: weight_version {version} < served v{old.version}")
+        floor = old.version if old is not None else 0
+        version = parse_weight_version(
+            weight_version, old.version + 1 if old is not None else self._weight_version, floor
+        )
 
         def load():
             adapter = parse_adapter(name, tensors, config, self.model, self.dtype, version, path)

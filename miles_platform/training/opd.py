@@ -6,8 +6,9 @@ in-trainer teacher of `--opd-type megatron` (on either --train-backend). docs/op
                                                                    old log-probs, as Miles)
                  = sample.opd_reverse_kl[t]                       (--opd-log-prob-top-k > 0)
 
-The penalty lands after the estimator built its advantages (GRPO, GSPO, PPO, REINFORCE++ ...), so
-the estimator itself is untouched; returns (the PPO critic's targets) are not changed.
+The penalty lands after the estimator built its advantages (GRPO, GSPO, PPO, REINFORCE++ ...) and
+before --normalize-advantages whitens them (Miles' order), so the estimator itself is untouched;
+returns (the PPO critic's targets) are not changed.
 """
 
 from __future__ import annotations

@@ -79,3 +79,19 @@ def test_the_pause_bounds_reach_the_embedded_engines_and_only_them():
     assert kw["pause_wait_timeout_s"] == 5.0 and kw["pause_max_queued_requests"] == 16384
     with pytest.raises(ConfigError, match="--pause-wait-timeout-s: bounds of the embedded engine's pause"):
         RunConfig(rollout_batch_size=2, rollout_engine="sglang", pause_wait_timeout_s=5.0).validate()
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "", ".hidden", "..", "a=b", "x" * 129, "run name", "-x"])
+def test_run_names_that_are_not_names_are_refused(name):
+    # `../../x` wrote outside the storage root; `a/b` trained but never showed in queries
+    with pytest.raises(ConfigError, match="--run-name"):
+        RunConfig(rollout_batch_size=2, run_name=name).validate()
+    from miles_platform.diffusion.config import DiffusionRunConfig
+
+    with pytest.raises(ConfigError, match="--run-name"):
+        DiffusionRunConfig(run_name=name).validate()
+
+
+@pytest.mark.parametrize("name", ["run", "demo-1.v2", "tool_s1", "A" * 128])
+def test_ordinary_run_names_pass(name):
+    RunConfig(rollout_batch_size=2, run_name=name).validate()

@@ -300,10 +300,20 @@ def test_disk_updates_only_from_allowed_roots_and_only_forward(tiny_hf_checkpoin
             assert r.status_code == 403 and "outside the directories" in r.text, (outside, r.text)
         ok = httpx.post(url, json={"model_path": other_checkpoint, "weight_version": 5}, timeout=60)
         assert ok.status_code == 200, ok.text
-        for back in (4, -1):
-            r = httpx.post(url, json={"model_path": other_checkpoint, "weight_version": back}, timeout=60)
-            assert r.status_code == 400 and "only move forward" in r.text
+        r = httpx.post(url, json={"model_path": other_checkpoint, "weight_version": 4}, timeout=60)
+        assert r.status_code == 400 and "only move forward" in r.text
+        # numbers no version can be: refused before anything loads (2^70 and 1e308 were accepted, and
+        # every /generate after them answered 500)
+        for bad in (-1, 2**70, 1e308, 7.5, "NaN", "1e3", True, [6], {"v": 6}):
+            r = httpx.post(url, json={"model_path": other_checkpoint, "weight_version": bad}, timeout=60)
+            assert r.status_code == 400 and "must be a whole number in [0, 2^53 - 1]" in r.text, (bad, r.text)
         assert httpx.get(f"{srv.url}/get_model_info").json()["weight_version"] == 5
+        g = httpx.post(
+            f"{srv.url}/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 2}}, timeout=60
+        )
+        assert g.status_code == 200 and g.json()["meta_info"]["weight_version"] == 5
+        ok = httpx.post(url, json={"model_path": other_checkpoint, "weight_version": "6"}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["weight_version"] == 6  # SGLang sends a string
     finally:
         srv.stop()
 
