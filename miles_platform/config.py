@@ -369,7 +369,10 @@ class RunConfig:
 
     # --- algorithm ---
     loss_type: str = _f(
-        "policy_loss", "algorithm", "loss", choices=("policy_loss", "sft_loss", "custom_loss")
+        "policy_loss",
+        "algorithm",
+        "loss",
+        choices=("policy_loss", "sft_loss", "custom_loss", "score_centering"),
     )
     custom_loss_function_path: str | None = _f(None, "algorithm", "custom loss <module>.<fn>")
     advantage_estimator: str = _f(
@@ -448,6 +451,24 @@ class RunConfig:
     value_clip: float = _f(0.2, "algorithm", "ppo critic: clip of v - v_old in the value loss")
     max_nonfinite_steps: int = _f(
         3, "algorithm", "optimizer steps skipped for a NaN / inf loss or gradient before the run stops"
+    )
+    # score centering (--loss-type score_centering, docs/algorithms.md; training/score_centering.py)
+    rollout_top_logprobs_num: int = _f(
+        0,
+        "sampling",
+        "K candidate log-probs the engine records per generated token (rollout_topk_*); 0 = off. "
+        "Read by --loss-type score_centering: the sampler's top K (unfiltered) or its whole support (top-k/p)",
+    )
+    score_centering_is: str = _f(
+        "none", "algorithm", "score centering importance weight f: none (1), tis (clipped), mis (masked)",
+        choices=("none", "tis", "mis"),
+    )  # fmt: skip
+    score_centering_tis_clip: float = _f(2.0, "algorithm", "score centering tis: f(x) = min(x, clip)")
+    score_centering_mis_low: float = _f(
+        0.5, "algorithm", "score centering mis: f(x) = x on [low, high], else 0"
+    )
+    score_centering_mis_high: float = _f(
+        5.0, "algorithm", "score centering mis: upper end of the kept ratios"
     )
 
     # --- on-policy distillation (docs/opd.md) ---
@@ -750,6 +771,7 @@ class RunConfig:
         self._check_moe_flags()
         self._check_generate_flags()
         self._check_lora_flags()
+        self._check_score_centering()
         self._check_opd_flags()
         self._check_algorithm_flags()
         if self.train_backend == "megatron":
@@ -956,6 +978,58 @@ class RunConfig:
             raise ConfigError(
                 "--rm-type remote_rm and --use-opd both read --rm-url: name the teacher with "
                 "--opd-teacher-urls default=URL"
+            )
+
+    def _check_score_centering(self) -> None:
+        """Score centering (docs/algorithms.md, Miles' rules): its flags only with --loss-type
+        score_centering; what it cannot be combined with is refused before anything starts."""
+        names = ("rollout_top_logprobs_num", "score_centering_is", "score_centering_tis_clip",
+                 "score_centering_mis_low", "score_centering_mis_high")  # fmt: skip
+        given = [_flag(n) for n in names if getattr(self, n) != _default(n)]
+        if self.loss_type != "score_centering":
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)}: score centering flags (the candidates are read by that loss "
+                    "only); add --loss-type score_centering or drop them"
+                )
+            return
+        sc, k = "--loss-type score_centering", self.rollout_top_logprobs_num
+        if k <= 0:
+            raise ConfigError(
+                f"{sc} needs --rollout-top-logprobs-num K > 0 (got {k}): the engine's K candidate "
+                "log-probs per token are H, what the score is centered over (Miles' recipe: 128)"
+            )
+        if not self.use_rollout_logprobs:
+            raise ConfigError(
+                f"{sc} needs --use-rollout-logprobs: q, the distribution that sampled, is what the "
+                "engine recorded (rollout log-probs and top-K), never a trainer recomputation"
+            )
+        if self.advantage_estimator != "grpo":
+            raise ConfigError(
+                f"{sc} with --advantage-estimator {self.advantage_estimator}: the initial advantage "
+                "estimator must be grpo (as in Miles); use --advantage-estimator grpo"
+            )
+        refused = (
+            ("--use-opd", self.use_opd, "OPD shapes advantages with a full-vocabulary reverse KL"),
+            ("--use-tis", self.use_tis, "use --score-centering-is tis or mis (weights centered with the score)"),
+            ("--use-opsm", getattr(self, "use_opsm", False), "sequence masking is not part of the centered loss"),
+            ("--use-session-server", bool(self.use_session_server),
+             "session requests do not record candidate log-probs here; use the default or multi_turn generate"),
+        )  # fmt: skip
+        for flag, on, why in refused:
+            if on:
+                raise ConfigError(f"{flag} with {sc}: {why}")
+        if self.sampling_support_replay() and k < self.rollout_top_k:
+            raise ConfigError(
+                f"--rollout-top-logprobs-num {k} < --rollout-top-k {self.rollout_top_k}: filtered sampling "
+                "records each token's whole support (support mode), so K must hold --rollout-top-k ids"
+            )
+        if not (math.isfinite(self.score_centering_tis_clip) and self.score_centering_tis_clip > 0):
+            raise ConfigError(f"--score-centering-tis-clip {self.score_centering_tis_clip}: must be > 0")
+        lo, hi = self.score_centering_mis_low, self.score_centering_mis_high
+        if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi):
+            raise ConfigError(
+                f"--score-centering-mis-low {lo} / --score-centering-mis-high {hi}: need 0 <= low <= high"
             )
 
     def _check_generate_flags(self) -> None:

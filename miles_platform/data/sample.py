@@ -55,6 +55,11 @@ class Sample:
     image_png: bytes | None = None
     diffusion_steps: list[int] | None = None
     diffusion_log_probs: list[float] | None = None
+    # the engine's candidates per response token, [response_length][K] (rollout/candidates.py): the
+    # sampler's top K, or under filtered sampling its whole support; unused slots and tool rows
+    # hold id -1 / log-prob -inf. Score centering's H and q[H]; None: not recorded
+    rollout_topk_token_ids: list[list[int]] | None = None
+    rollout_topk_log_probs: list[list[float]] | None = None
 
     def nonfinite_field(self) -> str | None:
         """The first training input of this sample that is NaN or infinite (the reward, or a
@@ -123,6 +128,10 @@ class Sample:
             row["turns"] = [_turn_from_row(t) for t in row["turns"]]
         if row.get("rollout_sampling_support") is not None:
             row["rollout_sampling_support"] = [[int(t) for t in s] for s in row["rollout_sampling_support"]]
+        if row.get("rollout_topk_token_ids") is not None:
+            row["rollout_topk_token_ids"] = [[int(t) for t in r] for r in row["rollout_topk_token_ids"]]
+        if row.get("rollout_topk_log_probs") is not None:
+            row["rollout_topk_log_probs"] = [[float(x) for x in r] for r in row["rollout_topk_log_probs"]]
         if row.get("rollout_routed_experts") is not None:
             row["rollout_routed_experts"] = [
                 [[int(e) for e in k] for k in t] for t in row["rollout_routed_experts"]

@@ -61,6 +61,9 @@ class GenerateState:
     # --use-rollout-routing-replay: (num_layers, top_k) of the MoE model; `request_payload` asks for
     # `return_routed_experts` and `append_output` records them on the sample (never for eval)
     moe_shape: tuple[int, int] | None = None
+    # --loss-type score_centering: K candidates per generated token; `request_payload` asks for them
+    # and `append_output(..., topk=endpoint.topk_width(state, body))` records them (never for eval)
+    rollout_top_logprobs_num: int = 0
 
     @property
     def lora_path(self) -> str | None:

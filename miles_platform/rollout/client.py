@@ -51,11 +51,13 @@ async def generate(
     lora_path: str | None = None,
     top_logprobs_num: int = 0,
     return_routed_experts: bool = False,
+    sampling_logprobs_mode: str | None = None,
 ) -> dict | list[dict]:
     """POST {url}/generate; returns SGLang's response (a list for a batch of prompts).
     `return_sampling_mask` asks for each token's sampling support (sampling-support replay);
     `lora_path` names the LoRA adapter that serves every prompt (SGLang's field);
-    `top_logprobs_num` for the k most likely tokens at each generated position (top-k OPD)."""
+    `top_logprobs_num` for the k most likely tokens at each generated position (top-k OPD, score
+    centering); `sampling_logprobs_mode` "support" for each support id's log-prob (score centering)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": sampling_params or {},
@@ -67,6 +69,8 @@ async def generate(
         body["lora_path"] = lora_path
     if top_logprobs_num:
         body["top_logprobs_num"] = top_logprobs_num
+    if sampling_logprobs_mode:
+        body["sampling_logprobs_mode"] = sampling_logprobs_mode
     if return_routed_experts:  # MoE, R3: meta_info.routed_experts (SGLang's)
         body["return_routed_experts"] = True
     if min_weight_version is not None:

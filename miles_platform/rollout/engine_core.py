@@ -11,7 +11,10 @@ from the fp32 logits of the very forward pass that sampled it (greedy requests s
 `return_sampling_mask` the response also carries, per generated token, the support it was drawn from
 after top-k / top-p / min-p (`output_token_sampling_mask`, ascending token ids) and the token's
 log-prob renormalized over that support (`output_token_sampling_logprobs`): Miles' sampling-support
-replay. The trainer scores log_softmax(z / T), over the same support when one was recorded.
+replay. With `sampling_logprobs_mode: "support"` each of those is a row instead, the renormalized
+log-prob of every support id (score centering's support mode). `output_top_logprobs`
+(`top_logprobs_num`) are of log_softmax(logits / T), the unfiltered sampler distribution, as in SGLang.
+The trainer scores log_softmax(z / T), over the same support when one was recorded.
 
 The engine's other parts: what a request may be (`engine_requests.py`), the running batch and its KV
 cache (`engine_batch.py`), loading and updating the weights (`engine_weights.py`), the log-prob
@@ -636,7 +639,8 @@ class EngineCore(EngineWeightsMixin):
             r.logprobs.append(lp)
             if r.return_sampling_mask:
                 r.supports.append(d.supports[j])
-                r.support_logprobs.append(d.support_logprobs[j])
+                support_row = r.sampling_logprobs_mode == "support"
+                r.support_logprobs.append(d.support_row_logprobs[j] if support_row else d.support_logprobs[j])
             reason = self._finish_reason(r, t)
             if reason:
                 finished.append((r, reason))

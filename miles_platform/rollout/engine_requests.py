@@ -195,7 +195,10 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     return_sampling_mask: bool = False
     supports: list[list[int]] = field(default_factory=list)
-    support_logprobs: list[float] = field(default_factory=list)
+    # sampling_logprobs_mode "selected": the drawn token's support-normalized log-prob per token;
+    # "support": a row per token, each support id's (score centering's support mode)
+    sampling_logprobs_mode: str = "selected"
+    support_logprobs: list[float] | list[list[float]] = field(default_factory=list)
     version_start: int | None = None
     lora: str | None = None  # `lora_path`: the LoRA adapter this request is served with (None: the base)
     cached_tokens: int = 0
@@ -253,6 +256,7 @@ class RequestParser:
         "lora_path",
         "token_ids_logprob",
         "return_routed_experts",
+        "sampling_logprobs_mode",
     }
 
     def __init__(self, tokenizer, context_length: int, vocab_size: int):
@@ -304,6 +308,11 @@ class RequestParser:
         if len(loras) != n or not all(x is None or isinstance(x, str) for x in loras):
             raise RequestError(f"lora_path must be an adapter name, null, or a list of {n} of them")
         opts = parse_logprob_options(body, n, is_batch, self.vocab_size, _raise_request_error)
+        mode = body.get("sampling_logprobs_mode") or "selected"
+        if mode not in ("selected", "support"):
+            raise RequestError(f"sampling_logprobs_mode={mode!r}: must be 'selected' or 'support'")
+        if mode == "support" and not kw["return_sampling_mask"]:
+            raise RequestError("sampling_logprobs_mode 'support' needs return_sampling_mask: true")
         reqs = []
         for i, (kind, p) in enumerate(prompts):
             rid = rids[i] if rids[i] is None or not is_batch or isinstance(body.get("rid"), list) else None
@@ -319,6 +328,7 @@ class RequestParser:
             )
             reqs[-1].lora = loras[i]
             reqs[-1].return_routed_experts = bool(body.get("return_routed_experts", False))
+            reqs[-1].sampling_logprobs_mode = mode
         return reqs, is_batch
 
     def make_request(

@@ -32,8 +32,8 @@ from miles_platform.plugins import (
     load_generate_function,
     load_rollout_function,
 )
+from miles_platform.rollout import candidates, filter_hub, generate_hub, rm_hub
 from miles_platform.rollout import client as engine_client
-from miles_platform.rollout import filter_hub, generate_hub, rm_hub
 from miles_platform.rollout.base_types import (
     AdapterName,
     GenerateFnInput,
@@ -86,6 +86,7 @@ class RolloutManager:
             self.sampling_params(),
             self.adapter,
             moe_shape=self.moe_shape,
+            rollout_top_logprobs_num=cfg.rollout_top_logprobs_num,
         )
         # --use-session-server: the TITO session server, on loopback in this process (rollout/sessions.py)
         self.sessions = self._start_sessions() if cfg.use_session_server else None
@@ -98,7 +99,12 @@ class RolloutManager:
         # --use-opd --opd-type sglang: the run's TeacherScorer (set by RunServices), scores `finalize`d samples
         self.opd = None
         self._opd_metrics: dict[str, float] = {}
-        self.top_logprobs_num = student_top_k(cfg)
+        # the engine's candidates per token (rollout/candidates.py): score centering's K (the top K,
+        # or under replay the support: sampling_logprobs_mode), else top-k OPD's student top-k
+        sc = candidates.request_fields(cfg.rollout_top_logprobs_num, self.replay)
+        self.top_logprobs_num = sc.get("top_logprobs_num", student_top_k(cfg))
+        self.logprobs_mode = sc.get("sampling_logprobs_mode")
+        self.topk = cfg.rollout_top_logprobs_num or self.top_logprobs_num
         # the run's and the in-loop eval's graders load now, not inside the first step that needs them
         rm_hub.warm_up_rewards(cfg.rm_type or ("math" if cfg.eval_interval else None))
 
@@ -238,6 +244,7 @@ class RolloutManager:
             return_sampling_mask=self.replay,
             top_logprobs_num=self.top_logprobs_num,
             return_routed_experts=self.moe_shape is not None,
+            sampling_logprobs_mode=self.logprobs_mode,
         )
         return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
@@ -252,6 +259,7 @@ class RolloutManager:
             return_sampling_mask=self.replay,
             top_logprobs_num=self.top_logprobs_num,
             return_routed_experts=self.moe_shape is not None,
+            sampling_logprobs_mode=self.logprobs_mode,
         )
         return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
@@ -328,7 +336,8 @@ class RolloutManager:
         self, rec: PromptRecord, prompt_ids: list[int], out: dict, gi: int, routes=False
     ) -> Sample:
         s = self._new_sample(rec, prompt_ids, gi)
-        s.status = finish_status(append_output(s, out, self.replay, self.moe_shape if routes else None))
+        finish = append_output(s, out, self.replay, self.moe_shape if routes else None, self.topk)
+        s.status = finish_status(finish)
         return s
 
     def _new_sample(self, rec: PromptRecord, prompt_ids: list[int], gi: int) -> Sample:

@@ -27,9 +27,6 @@ from miles_platform.data.sample import Sample
 from miles_platform.errors import ConfigError, MilesError
 from miles_platform.rollout import opd_topk
 
-# the student's rollout top-k per response token (meta_info.output_top_logprobs), kept in the
-# sample's metadata until the teacher has scored it (then dropped: it is not shard data)
-STUDENT_TOP_KEY = "opd_student_top_logprobs"
 DEFAULT = "default"
 
 
@@ -134,7 +131,7 @@ class TeacherScorer:
         todo = [s for s in samples if s.response_length and not s.remove_sample]
         for s in samples:  # nothing to distill in an empty or removed response
             if not s.response_length or s.remove_sample:
-                s.metadata.pop(STUDENT_TOP_KEY, None)
+                s.rollout_topk_token_ids = s.rollout_topk_log_probs = None  # OPD's only, not shard data
         if todo:
             self.client.submit(self._score(todo)).result()
         metrics = {"perf/opd_teacher_time": time.time() - t0}
@@ -194,16 +191,22 @@ class TeacherScorer:
             )
 
     def _student_top(self, s: Sample) -> list[dict[int, float]]:
-        top = s.metadata.pop(STUDENT_TOP_KEY, None)
+        """The student's rollout top-k per response token (`Sample.rollout_topk_*`, recorded from
+        meta_info.output_top_logprobs), dropped once read: it is not shard data under OPD."""
+        ids, lps = s.rollout_topk_token_ids, s.rollout_topk_log_probs
+        s.rollout_topk_token_ids = s.rollout_topk_log_probs = None
         if self.strategy not in opd_topk.NEEDS_STUDENT_TOP:
             return [{} for _ in range(s.response_length)]
-        if top is None or len(top) != s.response_length:
+        if ids is None or lps is None or len(ids) != s.response_length:
             raise RuntimeError(
                 f"--opd-top-k-strategy {self.strategy}: sample {s.index} carries no rollout top-k for each "
                 "of its response tokens (the default generate asks the engine for top_logprobs_num; a "
                 "custom generate function does not): use --opd-top-k-strategy only-teacher"
             )
-        return [opd_topk.entries_to_map(e) for e in top]
+        return [
+            {int(t): float(lp) for t, lp in zip(a, b, strict=True) if t >= 0}
+            for a, b in zip(ids, lps, strict=True)
+        ]
 
 
 def teacher_sources(cfg, urls: dict[str, str]) -> list[tuple[str, str, str | None]]:

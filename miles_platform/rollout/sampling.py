@@ -53,12 +53,15 @@ class Draw:
     default, SGLANG_RETURN_ORIGINAL_LOGPROB=0; greedy rows score at T = 1, as SGLang does).
     `supports[i]` (rows that asked): the ascending token ids left after top-k / top-p / min-p,
     the set the token was drawn from; `support_logprobs[i]`: the drawn token's log-prob
-    renormalized over that support. A greedy row's support is its argmax alone (log-prob 0)."""
+    renormalized over that support; `support_row_logprobs[i]`: every support id's, in the order of
+    `supports[i]` (SGLang's sampling_logprobs_mode "support"). A greedy row's support is its argmax
+    alone (log-prob 0)."""
 
     tokens: list[int]
     logprobs: list[float]
     supports: list[list[int] | None]
     support_logprobs: list[float | None]
+    support_row_logprobs: list[list[float] | None] | None = None
 
 
 def draw(
@@ -95,19 +98,22 @@ def draw(
     logprobs = torch.log_softmax(scaled, dim=-1).gather(1, out[:, None])[:, 0].tolist()
     supports: list[list[int] | None] = [None] * n
     support_lps: list[float | None] = [None] * n
+    row_lps: list[list[float] | None] = [None] * n
     if want_support is not None and any(want_support):
         where = {row: j for j, row in enumerate(r)}
         for i in range(n):
             if not want_support[i]:
                 continue
             if i not in where:  # greedy: the argmax alone
-                supports[i], support_lps[i] = [tokens[i]], 0.0
+                supports[i], support_lps[i], row_lps[i] = [tokens[i]], 0.0, [0.0]
                 continue
             row = lg[where[i]]
             keep = torch.isfinite(row)
-            supports[i] = keep.nonzero().flatten().tolist()
+            ids = keep.nonzero().flatten()
+            lps = row[ids] - torch.logsumexp(row[ids], dim=-1)
+            supports[i], row_lps[i] = ids.tolist(), lps.tolist()
             support_lps[i] = float(row[tokens[i]] - torch.logsumexp(row[keep], dim=-1))
-    return Draw(tokens, logprobs, supports, support_lps)
+    return Draw(tokens, logprobs, supports, support_lps, row_lps)
 
 
 def sample_tokens(logits, temperature, top_p, top_k, min_p, seeds, steps) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _duck_type(t: pa.DataType) -> str:
     if pa.types.is_timestamp(t):
         return "TIMESTAMP WITH TIME ZONE" if t.tz else "TIMESTAMP"
     simple = {pa.string(): "VARCHAR", pa.int64(): "BIGINT", pa.int32(): "INTEGER", pa.float64(): "DOUBLE",
-              pa.bool_(): "BOOLEAN", pa.binary(): "BLOB"}  # fmt: skip
+              pa.float32(): "FLOAT", pa.bool_(): "BOOLEAN", pa.binary(): "BLOB"}  # fmt: skip
     return simple[t]
 
 

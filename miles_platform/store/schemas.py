@@ -53,6 +53,9 @@ ROLLOUT_SCHEMA = pa.schema(
         ("image_png", pa.binary()),
         ("diffusion_steps", pa.list_(pa.int64())),
         ("diffusion_log_probs", pa.list_(pa.float64())),
+        # score centering: per response token the engine's K candidates (id -1 / -inf: unused)
+        ("rollout_topk_token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("rollout_topk_log_probs", pa.list_(pa.list_(pa.float32()))),
     ]
 )
 

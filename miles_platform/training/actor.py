@@ -50,6 +50,9 @@ class TrainBatch:
     opd_reverse_kl: list[list[float] | None] | None = None
     # R3 (MoE): per sample, the engine's top-k experts per token, [tokens - 1][num_layers][top_k]
     routed_experts: list[list | None] | None = None
+    # score centering: per sample, the engine's K candidates per response token (ids, log-probs)
+    rollout_topk_token_ids: list[list[list[int]] | None] | None = None
+    rollout_topk_log_probs: list[list[list[float]] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -60,6 +63,8 @@ class TrainBatch:
         teacher = [s.teacher_log_probs for s in samples]
         topk = [s.opd_reverse_kl for s in samples]
         routes = [s.rollout_routed_experts for s in samples]
+        cand_ids = [s.rollout_topk_token_ids for s in samples]
+        cand_lps = [s.rollout_topk_log_probs for s in samples]
         return cls(
             tokens=[s.tokens for s in samples],
             response_lengths=[s.response_length for s in samples],
@@ -70,6 +75,8 @@ class TrainBatch:
             teacher_log_probs=teacher if any(x is not None for x in teacher) else None,
             opd_reverse_kl=topk if any(x is not None for x in topk) else None,
             routed_experts=routes if any(x is not None for x in routes) else None,
+            rollout_topk_token_ids=cand_ids if any(x is not None for x in cand_ids) else None,
+            rollout_topk_log_probs=cand_lps if any(x is not None for x in cand_lps) else None,
         )
 
 
@@ -163,13 +170,22 @@ class TrainerActor:
         pos = torch.arange(width).unsqueeze(0).expand(len(seqs), -1).contiguous()
         return ids, pos
 
-    def _response_log_probs(self, backend, batch: TrainBatch, idx: list[int], with_entropy: bool = False):
+    def _response_log_probs(
+        self,
+        backend,
+        batch: TrainBatch,
+        idx: list[int],
+        with_entropy: bool = False,
+        candidates: list[torch.Tensor] | None = None,
+    ):
         """Per-sample log-probs of response tokens (fp32), from one padded forward.
 
         The engines' contract (Miles'): log softmax(z / T) with the rollout temperature, over the
         recorded sampling support when top-k / top-p truncated it (sampling-support replay). One
         batched log-softmax-and-gather for every position (one autograd node, not one per sample),
-        then each sample's response window: position j scores token j + 1."""
+        then each sample's response window: position j scores token j + 1. `candidates` (per sample
+        [n, K] token ids, -1 unused; for a loss with `needs_candidate_log_probs`): a third list, per
+        sample the [n, K] log-probs of those ids from the same forward, with grad."""
         ids, pos = self._pack(batch, idx)
         with (
             self._routing(backend, batch, idx, ids.shape[1]),
@@ -180,13 +196,22 @@ class TrainerActor:
         token_lp, ent = loss_hub.token_log_probs(
             logits, ids[:, 1:], self.cfg.rollout_temperature, support, with_entropy
         )
-        out, ents = [], []
+        cand = None
+        if candidates is not None:  # [B, width, K]: each sample's ids at its response positions
+            index = torch.full((len(idx), ids.shape[1] - 1, candidates[0].shape[-1]), -1, dtype=torch.long)
+            for r, i in enumerate(idx):
+                total, resp = len(batch.tokens[i]), batch.response_lengths[i]
+                index[r, total - resp - 1 : total - 1] = candidates[r]
+            cand = loss_hub.candidate_log_probs(logits, index, self.cfg.rollout_temperature, support)
+        out, ents, cands = [], [], []
         for r, i in enumerate(idx):
             total, resp = len(batch.tokens[i]), batch.response_lengths[i]
             out.append(token_lp[r, total - resp - 1 : total - 1])
             if with_entropy:
                 ents.append(ent[r, total - resp - 1 : total - 1])
-        return out, ents
+            if cand is not None:
+                cands.append(cand[r, total - resp - 1 : total - 1])
+        return (out, ents) if candidates is None else (out, ents, cands)
 
     def _moe_metrics(self) -> dict[str, float]:
         """MoE: expert load balance of the step's forwards (max / mean tokens per expert, 1 = even)
@@ -471,7 +496,14 @@ class TrainerActor:
         self.backend.zero_grad()
         for k, mb in enumerate(mbs):
             need_ent = cfg.entropy_coef != 0
-            lps, ents = self._response_log_probs(self.backend, batch, mb, with_entropy=need_ent)
+            recorded = None
+            if getattr(self.loss_fn, "needs_candidate_log_probs", False):  # score centering
+                from miles_platform.training.score_centering import rollout_candidates
+
+                recorded = [rollout_candidates(batch, i, cfg.rollout_top_logprobs_num) for i in mb]
+            lps, ents, *cands = self._response_log_probs(
+                self.backend, batch, mb, need_ent, [c for c, _ in recorded] if recorded else None
+            )
             if fused:
                 old.update(zip(mb, (lp.detach() for lp in lps), strict=True))
                 if opd is not None:
@@ -484,6 +516,10 @@ class TrainerActor:
                 "loss_masks": [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mb],
                 "response_lengths": [batch.response_lengths[i] for i in mb],
             }
+            if recorded:  # the rollout's candidates (ids, log q) and the trainer's log p at them
+                mb_batch["rollout_topk_token_ids"] = [c for c, _ in recorded]
+                mb_batch["rollout_topk_log_probs"] = [q for _, q in recorded]
+                mb_batch["candidate_log_probs"] = cands[0]
             loss, m = self.loss_fn(cfg, mb_batch, lps, ents if need_ent else None)
             if self.moe_aux is not None:  # --moe-aux-loss-coeff / --moe-z-loss-coeff
                 loss = loss + cfg.moe_aux_loss_coeff * self.moe_aux + cfg.moe_z_loss_coeff * self.moe_z

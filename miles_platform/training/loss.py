@@ -27,6 +27,7 @@ import torch
 
 from miles_platform.config import ConfigError
 from miles_platform.plugins import load_function
+from miles_platform.training.score_centering import score_centering_loss
 
 Tensors = list[torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -194,6 +195,30 @@ def token_log_probs(
         ent_s = lse_s - torch.where(valid, ps * zs, torch.zeros_like(zs)).sum(-1)
         ent = torch.where(has, ent_s, ent)
     return lp, ent
+
+
+def candidate_log_probs(
+    logits: torch.Tensor,
+    candidates: torch.Tensor,
+    temperature: float = 1.0,
+    support: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-probs of K candidate ids per position under the same distribution as `token_log_probs`.
+
+    logits [..., V], candidates [..., K] (token ids, -1 = unused slot): log softmax(z / T)[ids],
+    over the recorded `support` where a position has one (then the candidates are that support,
+    score centering's support mode). Unused slots read 0.0 (no gradient): mask them by id."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    if support is not None:
+        valid_s = support >= 0
+        zs = z.gather(-1, support.clamp(min=0)).masked_fill(~valid_s, float("-inf"))
+        lse = torch.where(valid_s[..., 0], torch.logsumexp(zs, dim=-1), lse)
+    valid = candidates >= 0
+    picked = z.gather(-1, candidates.clamp(min=0)) - lse.unsqueeze(-1)
+    return picked.masked_fill(~valid, 0.0)
 
 
 # ---------------------------------------------------------------------------- advantages
@@ -574,6 +599,7 @@ def value_loss(
 
 
 LOSSES: dict[str, LossFn] = {"policy_loss": policy_loss_function, "sft_loss": sft_loss_function}
+LOSSES["score_centering"] = score_centering_loss  # training/score_centering.py
 
 
 def get_loss_function(args) -> LossFn:

@@ -90,6 +90,9 @@ def check_sample(s: Any, flag: str, path: str, moe_shape: tuple[int, int] | None
     lens = {"rollout_log_probs": len(s.rollout_log_probs), "loss_mask": len(s.loss_mask)}
     if s.rollout_sampling_support is not None:
         lens["rollout_sampling_support"] = len(s.rollout_sampling_support)
+    for name in ("rollout_topk_token_ids", "rollout_topk_log_probs"):  # score centering's candidates
+        if getattr(s, name) is not None:
+            lens[name] = len(getattr(s, name))
     bad = {k: v for k, v in lens.items() if v != n}
     if bad or not s.prompt_tokens:
         raise ConfigError(

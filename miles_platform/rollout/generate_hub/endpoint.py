@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from miles_platform.data.sample import Sample, Status
+from miles_platform.rollout import candidates
 from miles_platform.rollout import client as engine_client
 from miles_platform.rollout.base_types import GenerateState
-from miles_platform.rollout.opd import STUDENT_TOP_KEY
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -42,7 +42,28 @@ def request_payload(
         body["lora_path"] = state.lora_path
     if state.moe_shape is not None and not evaluation:
         body["return_routed_experts"] = True
+    if state.rollout_top_logprobs_num and not evaluation:  # score centering's candidates
+        _check_fixed_sampling(state, body["sampling_params"])
+        body.update(candidates.request_fields(state.rollout_top_logprobs_num, state.sampling_support_replay))
     return body
+
+
+def _check_fixed_sampling(state: GenerateState, params: dict[str, Any]) -> None:
+    """Score centering's q is the engine's record at the run's temperature, without min-p: a turn
+    that samples otherwise would be centered against a distribution the trainer does not score."""
+    want = state.sampling_params.get("temperature")
+    if params.get("temperature", want) != want or float(params.get("min_p", 0) or 0) > 0:
+        raise RuntimeError(
+            f"--loss-type score_centering: a request sampled with temperature {params.get('temperature')} / "
+            f"min_p {params.get('min_p', 0)}; every training call must use --rollout-temperature {want} "
+            "and min_p 0"
+        )
+
+
+def topk_width(state: GenerateState, body: dict) -> int:
+    """`append_output`'s `topk` for the answer to `body`: K when it asked for candidates."""
+    asked = "top_logprobs_num" in body or body.get("sampling_logprobs_mode") == "support"
+    return state.rollout_top_logprobs_num if asked else 0
 
 
 def routes_shape(state: GenerateState, body: dict) -> tuple[int, int] | None:
@@ -51,14 +72,15 @@ def routes_shape(state: GenerateState, body: dict) -> tuple[int, int] | None:
 
 
 def append_output(
-    sample: Sample, output: dict, replay: bool, moe_shape: tuple[int, int] | None = None
+    sample: Sample, output: dict, replay: bool, moe_shape: tuple[int, int] | None = None, topk: int = 0
 ) -> str:
     """Append one `/generate` answer to the sample: model tokens (loss mask 1) with the engine's
     log-probs (the support-normalized ones and each token's support under replay), the text, the
     weight versions. With `moe_shape` (R3: the request set return_routed_experts) the answer's
     `routed_experts` become the sample's `rollout_routed_experts`: the request fed the whole
-    trajectory, so they cover every token of it but the last. Returns the finish reason type
-    ("stop", "length", "abort")."""
+    trajectory, so they cover every token of it but the last. The engine's candidates
+    (`output_top_logprobs`, or support rows) become `rollout_topk_*` rows of `topk` slots
+    (rollout/candidates.py). Returns the finish reason type ("stop", "length", "abort")."""
     meta = output.get("meta_info") or {}
     token_lps = meta.get("output_token_logprobs") or []
     ids = [int(t) for t in output.get("output_ids") or [x[1] for x in token_lps]]
@@ -78,10 +100,12 @@ def append_output(
         sample.rollout_sampling_support = (sample.rollout_sampling_support or []) + [
             [int(t) for t in s] for s in support
         ]
+        if topk and lps and isinstance(lps[0], list):  # sampling_logprobs_mode "support": rows
+            lps = candidates.append_support_rows(sample, ids, support, lps, topk)
         lps = [float(x) for x in lps]
     top = meta.get("output_top_logprobs")
-    if top is not None:  # asked for by top-k OPD (rollout/opd.py reads and drops it)
-        sample.metadata[STUDENT_TOP_KEY] = list(sample.metadata.get(STUDENT_TOP_KEY, [])) + list(top)
+    if top is not None:  # score centering's candidates, or top-k OPD's student top-k
+        candidates.append_top_rows(sample, top, topk)
     first = not sample.response_tokens
     sample.response_tokens = list(sample.response_tokens) + ids
     sample.rollout_log_probs = list(sample.rollout_log_probs) + lps
@@ -124,6 +148,7 @@ def append_tool_tokens(sample: Sample, ids: list[int], text: str) -> None:
     sample.loss_mask = list(sample.loss_mask) + [0] * len(ids)
     if sample.rollout_sampling_support is not None:
         sample.rollout_sampling_support = sample.rollout_sampling_support + [[int(t)] for t in ids]
+    candidates.append_unsampled_rows(sample, len(ids))
     sample.response += text
 
 
@@ -137,6 +162,7 @@ def truncate(sample: Sample, max_len: int, tokenizer=None) -> None:
     sample.loss_mask = sample.loss_mask[:max_len]
     if sample.rollout_sampling_support is not None:
         sample.rollout_sampling_support = sample.rollout_sampling_support[:max_len]
+    candidates.truncate_rows(sample, max_len)
     if sample.rollout_routed_experts is not None:  # one row per token but the last
         sample.rollout_routed_experts = sample.rollout_routed_experts[: len(sample.tokens) - 1]
     if tokenizer is not None:

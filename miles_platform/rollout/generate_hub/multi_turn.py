@@ -36,6 +36,7 @@ from miles_platform.rollout.generate_hub.endpoint import (
     post,
     request_payload,
     routes_shape,
+    topk_width,
     truncate,
 )
 from miles_platform.rollout.generate_hub.tool_call import ToolCall, ToolFailure
@@ -92,7 +93,8 @@ async def run_episode(
             break
         out = await post(state.url, body, state.api_key)
         start = len(sample.response_tokens)
-        finish = append_output(sample, out, "return_sampling_mask" in body, routes_shape(state, body))
+        replay, topk = "return_sampling_mask" in body, topk_width(state, body)
+        finish = append_output(sample, out, replay, routes_shape(state, body), topk)
         sample.status = finish_status(finish)
         text = out.get("text", "")
         calls = [] if finish in ("length", "abort") else parse(text)

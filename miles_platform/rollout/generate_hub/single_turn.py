@@ -16,6 +16,7 @@ from miles_platform.rollout.generate_hub.endpoint import (
     post,
     request_payload,
     routes_shape,
+    topk_width,
 )
 
 
@@ -27,5 +28,6 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         return GenerateFnOutput(samples=sample)
     out = await post(state.url, body, state.api_key)
     replay = "return_sampling_mask" in body
-    sample.status = finish_status(append_output(sample, out, replay, routes_shape(state, body)))
+    finish = append_output(sample, out, replay, routes_shape(state, body), topk_width(state, body))
+    sample.status = finish_status(finish)
     return GenerateFnOutput(samples=sample)

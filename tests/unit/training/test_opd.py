@@ -202,7 +202,7 @@ def test_top_k_reverse_kl_is_zero_for_an_identical_teacher_and_matches_a_forward
         cfg = _cfg(rm_url=teacher.url, opd_log_prob_top_k=3, opd_top_k_strategy="union")
         TeacherScorer(cfg, teacher_urls(cfg), student.url, client).score(samples)
         for s in samples:
-            assert len(s.opd_reverse_kl) == s.response_length and "opd_student_top_logprobs" not in s.metadata
+            assert len(s.opd_reverse_kl) == s.response_length and s.rollout_topk_token_ids is None
             if zero:
                 assert max(map(abs, s.opd_reverse_kl)) < 1e-5
             else:  # union of both top-3 sets, student_p weights, from plain forwards of both models
