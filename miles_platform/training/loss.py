@@ -539,14 +539,32 @@ def policy_loss_function(
         for key, value in tis_metrics.items():
             metrics[key] = reduce(split(value.detach().float()), masks).detach()
     pg_loss = reduce(split(pg_flat), pg_masks, counts)
-    loss = pg_loss
+    loss, reg = add_regularizers(args, pg_loss, log_probs, old, batch.get("ref_log_probs"), entropy, masks)
+    metrics.update(
+        pg_loss=pg_loss.detach(),
+        pg_clipfrac=reduce(clipfrac, masks).detach(),
+        ppo_kl=reduce(ppo_kl, masks).detach(),
+        ess_ratio=_ess_ratio(ppo_kl, masks, getattr(args, "calculate_per_token_loss", False)),
+        **reg,
+        loss=loss.detach(),
+    )
+    return loss, metrics
+
+
+def add_regularizers(
+    args, pg_loss: torch.Tensor, log_probs: Tensors, old: Tensors, ref: Tensors | None,
+    entropy: Tensors | None, masks: Tensors,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """pg_loss - --entropy-coef * entropy + --kl-loss-coef * KL(pi || ref) (--use-kl-loss; weighted
+    by pi / pi_old with --use-unbiased-kl), guarded at masked tokens -> (loss, detached
+    entropy_loss and kl_loss). Every policy-gradient loss of the hub ends here."""
+    reduce, loss = get_reducer(args), pg_loss
     entropy_loss = reduce(entropy, masks) if entropy is not None else pg_loss.new_zeros(())
     if getattr(args, "entropy_coef", 0.0):
         if entropy is None:
             raise ValueError("--entropy-coef > 0 needs the per-token entropy from the forward pass")
         loss = loss - args.entropy_coef * entropy_loss
     kl_loss = pg_loss.new_zeros(())
-    ref = batch.get("ref_log_probs")
     if getattr(args, "use_kl_loss", False):
         if ref is None:
             raise ConfigError("--use-kl-loss needs ref_log_probs (a reference model: --ref-load)")
@@ -560,16 +578,7 @@ def policy_loss_function(
             kl.append(at_active(k, m, finite=True))
         kl_loss = reduce(kl, masks)
         loss = loss + args.kl_loss_coef * kl_loss
-    metrics.update(
-        pg_loss=pg_loss.detach(),
-        pg_clipfrac=reduce(clipfrac, masks).detach(),
-        ppo_kl=reduce(ppo_kl, masks).detach(),
-        ess_ratio=_ess_ratio(ppo_kl, masks, getattr(args, "calculate_per_token_loss", False)),
-        kl_loss=kl_loss.detach(),
-        entropy_loss=entropy_loss.detach(),
-        loss=loss.detach(),
-    )
-    return loss, metrics
+    return loss, {"kl_loss": kl_loss.detach(), "entropy_loss": entropy_loss.detach()}
 
 
 def sft_loss_function(

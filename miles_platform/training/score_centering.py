@@ -99,7 +99,7 @@ def score_centering_loss(
     candidates: "rollout_topk_token_ids" / "rollout_topk_log_probs" (the engine's, [n, K] per
     sample) and "candidate_log_probs" (the trainer's log p at those ids, with grad; the actor adds
     them because this function sets `needs_candidate_log_probs`)."""
-    from miles_platform.training.loss import compute_approx_kl, get_reducer  # loss.py registers this
+    from miles_platform.training.loss import add_regularizers, get_reducer  # loss.py registers this
 
     if "candidate_log_probs" not in batch:
         raise ConfigError(
@@ -118,27 +118,10 @@ def score_centering_loss(
         for k, v in st.items():
             stats.setdefault(k, []).append(torch.where(masks[i] > 0, v, torch.zeros_like(v)))
     pg_loss = reduce(per_token, masks)
-    loss = pg_loss
-    entropy_loss = reduce(entropy, masks) if entropy is not None else pg_loss.new_zeros(())
-    if getattr(args, "entropy_coef", 0.0):
-        if entropy is None:
-            raise ValueError("--entropy-coef > 0 needs the per-token entropy from the forward pass")
-        loss = loss - args.entropy_coef * entropy_loss
-    kl_loss = pg_loss.new_zeros(())
-    if getattr(args, "use_kl_loss", False):
-        ref = batch.get("ref_log_probs")
-        if ref is None:
-            raise ConfigError("--use-kl-loss needs ref_log_probs (a reference model: --ref-load)")
-        kl = [compute_approx_kl(lp, r, args.kl_loss_type) for lp, r in zip(log_probs, ref, strict=True)]
-        kl_loss = reduce(kl, masks)
-        loss = loss + args.kl_loss_coef * kl_loss
+    old = batch["rollout_log_probs"]  # q: --use-rollout-logprobs is required
+    loss, reg = add_regularizers(args, pg_loss, log_probs, old, batch.get("ref_log_probs"), entropy, masks)
     metrics = {k: reduce(v, masks).detach() for k, v in stats.items()}
-    metrics.update(
-        pg_loss=pg_loss.detach(),
-        entropy_loss=entropy_loss.detach(),
-        kl_loss=kl_loss.detach(),
-        loss=loss.detach(),
-    )
+    metrics.update(pg_loss=pg_loss.detach(), **reg, loss=loss.detach())
     return loss, metrics
 
 
