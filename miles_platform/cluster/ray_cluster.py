@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ def init_ray(
 
     if ray.is_initialized():  # someone else owns this driver connection
         return RayContext(address=None, started_local=False, connected=False)
+    secure_ray_token()
     addr = resolve_ray_address(cfg)
     if addr:
         # a cluster reached on loopback may be one started in single-machine mode (start_local_ray),
@@ -93,6 +95,38 @@ def init_ray(
     start_fork_server(*_fork_extras(cfg))
     start_local_ray(num_cpus, namespace=namespace, **init_kwargs)
     return RayContext(address=None, started_local=True, connected=True)
+
+
+def secure_ray_token() -> str | None:
+    """Ray's token file, readable by this user only, before Ray reads or writes it. Ray creates
+    `~/.ray/auth_token` with the umask's mode (0644: with a traversable home another local user read
+    it and submitted a job); here it is created 0600 in a 0700 dir when absent, and tightened to 0600
+    when looser. A file owned by someone else is refused. Returns its path (None: the token comes
+    from RAY_AUTH_TOKEN, or auth is disabled)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(
+        os.path.expanduser("~"), ".ray", "auth_token"
+    )
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process made it meanwhile: checked below
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"Ray's token file {path} belongs to uid {st.st_uid}, not this user: remove it or "
+                          "set RAY_AUTH_TOKEN_PATH to a file of your own")  # fmt: skip
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o600)
+        log.warning(
+            "Ray's token file %s was readable by others (mode %o): now 0600", path, st.st_mode & 0o777
+        )
+    return path
 
 
 def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
