@@ -713,6 +713,7 @@ class RunConfig:
     def validate(self) -> RunConfig:
         """Derive the unset batch knob and reject contradictions. Returns self."""
         check_run_name(self.run_name)
+        check_seeds(self)
         if isinstance(self.use_session_server, bool):  # YAML `use_session_server: true` is the bare flag
             self.use_session_server = "v1" if self.use_session_server else None
         self._check_ranges()
@@ -1275,6 +1276,15 @@ def _default(name: str) -> Any:
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_seeds(cfg) -> None:
+    """--seed and --rollout-seed: whole numbers numpy, torch and random all take, [0, 2^32 - 1)
+    (a seed of 2^70 passed validation and failed in every trainer rank)."""
+    for name in ("seed", "rollout_seed"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32 - 1024:
+            raise ConfigError(f"{_flag(name)} {v!r}: must be a whole number in [0, 2^32 - 1024)")
 
 
 def check_run_name(name: str) -> None:

@@ -71,6 +71,7 @@ HOOKS = (
 # fired inside the trainer ranks (their own processes), not by the driver
 RANK_HOOKS = ("trainer_weight_update_before_all_gather", "trainer_step_before_allreduce",
               "trainer_weight_update_before_send")  # fmt: skip
+MAX_SLEEP_S = 86400  # a day: longer is sleep_forever
 ACTIONS = ("kill_process", "exit_process", "segfault_process", "stop_process", "sleep", "sleep_forever",
            "observe", "raise")  # fmt: skip
 # what the driver can do to an engine's process: a signal (ENGINE_SIGNALS)
@@ -138,13 +139,17 @@ def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
         if set(params) - allowed:
             raise ConfigError(f"{where}: action {kind!r} takes {sorted(allowed) or 'no parameters'}, "
                               f"got {sorted(params)}")  # fmt: skip
+        secs = params.get("seconds")
         if kind == "sleep" and not (
-            isinstance(params.get("seconds"), int | float) and params["seconds"] >= 0
-        ):
-            raise ConfigError(f'{where}: sleep needs "seconds" >= 0')
+            isinstance(secs, int | float) and not isinstance(secs, bool) and 0 <= secs <= MAX_SLEEP_S
+        ):  # 1e308 raised OverflowError in the run; sleep_forever is the unbounded one
+            raise ConfigError(f'{where}: sleep needs "seconds" in [0, {MAX_SLEEP_S}] (or use sleep_forever)')
         code = params.get("exit_code", 1)
-        if kind == "exit_process" and (isinstance(code, bool) or not isinstance(code, int)):
-            raise ConfigError(f'{where}: "exit_code" must be an integer')
+        if kind == "exit_process" and (
+            isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255
+        ):
+            # 0 would end the run worker as a success: an injected fault must read as one
+            raise ConfigError(f'{where}: "exit_code" must be an integer in [1, 255]')
         rid = r.get("rollout_id")
         if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or rid < 0):
             raise ConfigError(f"{where}: rollout_id must be an integer >= 0, got {rid!r}")

@@ -17,7 +17,15 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from miles_platform.config import _add_flag, _f, _flag, check_run_name, derive_batch_knobs, load_yaml
+from miles_platform.config import (
+    _add_flag,
+    _f,
+    _flag,
+    check_run_name,
+    check_seeds,
+    derive_batch_knobs,
+    load_yaml,
+)
 from miles_platform.errors import ConfigError
 
 GROUPS = ("cluster", "checkpoint", "rollout", "sampling", "reward", "eval", "algorithm", "optimizer",
@@ -206,6 +214,7 @@ class DiffusionRunConfig:
 
     def validate(self) -> DiffusionRunConfig:
         check_run_name(self.run_name)
+        check_seeds(self)
         for name in ("hf_checkpoint", "diffusion_task", "prompt_data", "rollout_batch_size"):
             if getattr(self, name) in (None, ""):
                 raise ConfigError(f"{_flag(name)} is required")

@@ -95,3 +95,15 @@ def test_run_names_that_are_not_names_are_refused(name):
 @pytest.mark.parametrize("name", ["run", "demo-1.v2", "tool_s1", "A" * 128])
 def test_ordinary_run_names_pass(name):
     RunConfig(rollout_batch_size=2, run_name=name).validate()
+
+
+@pytest.mark.parametrize("name", ["seed", "rollout_seed"])
+@pytest.mark.parametrize("value", [2**70, -1, 1.5, True])
+def test_seeds_every_rng_takes(name, value):
+    # --seed 2^70 passed validation and failed in every trainer rank (numpy takes < 2^32)
+    with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}"):
+        RunConfig(rollout_batch_size=2, **{name: value}).validate()
+    from miles_platform.diffusion.config import DiffusionRunConfig
+
+    with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}"):
+        DiffusionRunConfig(**{name: value}).validate()

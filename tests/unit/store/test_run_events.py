@@ -100,6 +100,16 @@ def test_fault_hook_requests_are_checked_and_fire_once_in_their_rollout():
         ),
         ('[{"hook_name": "save_end", "action": {"kind": "explode"}}]', "action kind 'explode'"),
         ('[{"hook_name": "save_end", "action": {"kind": "sleep"}}]', 'sleep needs "seconds"'),
+        # 1e308 raised OverflowError inside the run; exit code 0 ended the run worker as a success
+        (
+            '[{"hook_name": "save_end", "action": {"kind": "sleep", "seconds": 1e308}}]',
+            "or use sleep_forever",
+        ),
+        (
+            '[{"hook_name": "save_end", "action": {"kind": "sleep", "seconds": true}}]',
+            'sleep needs "seconds"',
+        ),
+        ('[{"hook_name": "save_end", "action": {"kind": "exit_process", "exit_code": 0}}]', r"in \[1, 255\]"),
         ('[{"hook_name": "save_end", "action": {"kind": "kill_process", "x": 1}}]', "takes no parameters"),
         (
             '[{"hook_name": "save_end", "action": {"kind": "kill_process"}, "rollout_id": -1}]',
