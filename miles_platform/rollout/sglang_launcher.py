@@ -200,6 +200,7 @@ class SGLangEngineActor:
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
         self.command: list[str] = []
+        self.log_path: str | None = None
 
     def start(self, timeout_s: float = 600.0) -> dict[str, Any]:
         import ray
@@ -217,11 +218,13 @@ class SGLangEngineActor:
             module=self.module,
         )
         self.address = f"{host}:{port}"
-        log_dir = os.environ.get("MILES_SGLANG_LOG_DIR") or os.path.join(
-            tempfile.gettempdir(), "miles_sglang"
-        )
-        os.makedirs(log_dir, exist_ok=True)
-        log = open(os.path.join(log_dir, f"engine_{self.rank}_{port}.log"), "ab")  # noqa: SIM115
+        # a private dir (0700, a fresh name) and a 0600 file that is never a symlink: under a fixed
+        # /tmp/miles_sglang another local user could pre-create the dir or a link and redirect it
+        log_dir = os.environ.get("MILES_SGLANG_LOG_DIR") or tempfile.mkdtemp(prefix="miles_sglang_")
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        self.log_path = os.path.join(log_dir, f"engine_{self.rank}_{port}.log")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+        log = os.fdopen(os.open(self.log_path, flags, 0o600), "ab")
         # log-probs of the distribution sampled from, log_softmax(z / T): what the trainer scores
         # (docs/algorithms.md); forced, as Miles forces it, so an inherited =1 cannot change the objective
         env = {**os.environ, **self.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
@@ -229,7 +232,8 @@ class SGLangEngineActor:
             self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         info = wait_healthy(self.address, self.proc, self.cfg.api_key, timeout_s)
-        return {"address": info.address, "server_info": info.server_info, "command": self.command}
+        return {"address": info.address, "server_info": info.server_info, "command": self.command,
+                "log_path": self.log_path}  # fmt: skip
 
     def stop(self) -> int | None:
         if self.proc is None:

@@ -258,3 +258,40 @@ def test_ray_actor_launches_engine_on_rollout_bundle(fake_server_module, monkeyp
     finally:
         shutdown_ray(ctx)
     assert not ray.is_initialized()
+
+
+def test_the_engine_log_is_private_and_never_follows_a_planted_link(
+    fake_server_module, monkeypatch, tmp_path
+):
+    """Logs went to a fixed /tmp/miles_sglang that another local user could pre-create or fill with
+    links (issue #49, item 8): now a fresh 0700 dir and a 0600 file opened with O_NOFOLLOW."""
+    import os
+    import stat
+
+    import ray
+
+    from miles_platform.rollout import sglang_launcher
+    from miles_platform.rollout.sglang_launcher import SGLangEngineActor
+
+    def mode(p):
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])  # the actor's own call, here outside Ray
+    monkeypatch.delenv("MILES_SGLANG_LOG_DIR", raising=False)
+    actor = SGLangEngineActor(_cfg(), module="fake_sglang", env={"PYTHONPATH": str(fake_server_module)})
+    out = actor.start(timeout_s=60)
+    try:
+        log_dir = os.path.dirname(out["log_path"])
+        assert os.path.basename(log_dir).startswith("miles_sglang_") and mode(log_dir) == 0o700
+        assert mode(out["log_path"]) == 0o600 and os.path.getsize(out["log_path"]) >= 0
+    finally:
+        actor.stop()
+    port = free_port()
+    monkeypatch.setattr(sglang_launcher, "free_port", lambda host=None: port)
+    monkeypatch.setenv("MILES_SGLANG_LOG_DIR", str(tmp_path))
+    victim = tmp_path / "victim"
+    victim.write_text("")
+    (tmp_path / f"engine_0_{port}.log").symlink_to(victim)
+    with pytest.raises(OSError):
+        SGLangEngineActor(_cfg(), module="fake_sglang", env={"PYTHONPATH": str(fake_server_module)}).start(10)
+    assert victim.read_text() == ""
