@@ -34,6 +34,7 @@ from miles_platform.store.run_events import committed_rows, is_abandoned, resume
 from miles_platform.store.run_health import run_finished, saved_run_config
 from miles_platform.store.schemas import TABLE_SCHEMAS
 from miles_platform.store.tables import read_rows
+from miles_platform.store.versions import is_final_version
 from resources.storage import StorageRootResource
 from sensors.run_health import run_health_job
 
@@ -102,6 +103,7 @@ def _events(row: dict, run: str, ctx: dict[str, Any]) -> list[dg.AssetMaterializ
         "base_checkpoint": ctx["base"],
         "prompt_data": cfg.prompt_data if cfg else None,
         "eval_interval": cfg.eval_interval if cfg else None,
+        "final": cfg is not None and is_final_version(cfg, row["rollout_id"]),
         "distilled_from": ctx["teachers"].get(row["partition_key"], []),
     }
     metrics = ctx["metrics"].get(row["rollout_id"], {})

@@ -138,12 +138,12 @@ def test_eval_results_is_the_evaluator_of_record_one_row_per_metric(short_run):
     """Under Dagster the loop does not evaluate; the sensor launches eval_results with the run's
     eval settings, so each version has one row per metric, from the asset."""
     from assets.evals import eval_results
-    from sensors.evals import plan_eval_requests
+    from sensors.evals import EvalPolicy, plan_eval_requests
 
     _, instance, root, _ = short_run
     paths = StoragePaths(str(root))
     assert read_rows(paths, "evals", "t") == []  # no in-loop eval (nor v0 eval)
-    requests, _, _ = plan_eval_requests(instance, None, default_interval=1)
+    requests = plan_eval_requests(instance, None, EvalPolicy(interval=1)).requests
     assert [r.partition_key for r in requests] == ["t.v000001", "t.v000002"]
     config = requests[0].run_config["ops"]["eval_results"]["config"]
     assert config["eval_prompt_data"][0] == "heldout" and config["rm_type"] == "math"
