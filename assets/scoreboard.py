@@ -29,6 +29,8 @@ from miles_platform.store.scoreboard import (
     RunScore,
     Scoreboard,
     base_checkpoint_of,
+    evals_part_names,
+    evals_signature,
     read_scoreboard,
     runs_without_base,
 )
@@ -165,8 +167,10 @@ def scoreboard(
 ) -> dg.MaterializeResult:
     paths = storage.paths
     skipped = evaluate_bases(context.instance, paths, context.log) if config.evaluate_base else {}
+    signature = evals_signature(evals_part_names(paths))  # after its own base evals: no self-trigger
     board = read_scoreboard(Catalog(paths))
     metadata: dict = {
+        "evals_signature": signature or "",
         "scoreboard": dg.MetadataValue.md(scoreboard_markdown(board, skipped)),
         "runs": _runs_table(board),
         "versions": _versions_table(board),

@@ -29,7 +29,6 @@ every night, so it is opt-in). Both can be toggled on the Automation page.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ from assets.evals import eval_run_config, run_config_for_version
 from assets.partitions import policy_version_partitions
 from miles_platform.store.paths import parse_partition_key
 from sensors.policy_events import new_policy_versions
+from sensors.settings import env_int
 
 EVAL_RESULTS = dg.AssetKey("eval_results")
 
@@ -58,30 +58,19 @@ class EvalPolicy:
     max_per_tick: int = 2  # run requests per tick (one tick every 30 s)
     max_per_run: int = 20  # run requests per run, its final version excepted; 0 = no cap
 
-    ENV = {"interval": "MILES_EVAL_INTERVAL", "max_per_tick": "MILES_EVAL_MAX_PER_TICK",
-           "max_per_run": "MILES_EVAL_MAX_PER_RUN"}  # fmt: skip
-
     @classmethod
     def from_env(cls) -> EvalPolicy:
-        """The defaults, overridden by MILES_EVAL_INTERVAL / _MAX_PER_TICK (integers >= 1) and
-        MILES_EVAL_MAX_PER_RUN (an integer >= 0)."""
-        values = {}
-        for name, var in cls.ENV.items():
-            raw = os.environ.get(var, "").strip()
-            if not raw:
-                continue
-            low = 0 if name == "max_per_run" else 1
-            if not raw.isdigit() or int(raw) < low:
-                raise ValueError(f"{var}={raw!r}: must be an integer >= {low} ({_MEANING[name]})")
-            values[name] = int(raw)
-        return cls(**values)
-
-
-_MEANING = {
-    "interval": "evaluate every N-th version of a run without --eval-interval",
-    "max_per_tick": "eval runs the sensor requests per tick",
-    "max_per_run": "eval runs requested per training run, its final version excepted; 0 = no cap",
-}
+        """The defaults, overridden by MILES_EVAL_INTERVAL, MILES_EVAL_MAX_PER_TICK (integers >= 1)
+        and MILES_EVAL_MAX_PER_RUN (>= 0)."""
+        d = cls()
+        return cls(
+            interval=env_int("MILES_EVAL_INTERVAL", d.interval, 1,
+                             "evaluate every N-th version of a run without --eval-interval"),
+            max_per_tick=env_int("MILES_EVAL_MAX_PER_TICK", d.max_per_tick, 1,
+                                 "eval runs the sensor requests per tick"),
+            max_per_run=env_int("MILES_EVAL_MAX_PER_RUN", d.max_per_run, 0,
+                                "eval runs requested per training run, its final version excepted; 0 = no cap"),
+        )  # fmt: skip
 
 
 @dataclass

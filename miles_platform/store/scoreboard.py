@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import fsspec
+
 from miles_platform.store.catalog import Catalog
-from miles_platform.store.paths import partition_key
+from miles_platform.store.paths import StoragePaths, partition_key
 
 METRIC = "pass@1"  # greedy: comparable across versions whatever the sampling settings were
 
@@ -98,3 +100,22 @@ def base_checkpoint_of(catalog: Catalog, run: str) -> str | None:
         "AND parent IS NOT NULL ORDER BY created_at DESC LIMIT 1"
     )
     return rows[0][0] if rows else None
+
+
+# ---------------------------------------------------------------- what the scoreboard was built from
+def evals_part_names(paths: StoragePaths) -> list[str]:
+    """The `evals` table's part file names, oldest first (`part-<time_ns>-<uuid>.parquet`)."""
+    fs, root = fsspec.core.url_to_fs(paths.table_dir("evals"))
+    if not fs.exists(root):
+        return []
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.glob(f"{root}/run=*/part-*.parquet"))
+
+
+def evals_signature(names: list[str]) -> str | None:
+    """`<files>:<newest part name>`: changes with every row appended (None while there are none)."""
+    return f"{len(names)}:{names[-1]}" if names else None
+
+
+def part_time(name: str) -> float:
+    """When a part file was written (seconds since the epoch), from its name."""
+    return int(name.split("-")[1]) / 1e9

@@ -111,9 +111,10 @@ def _tick(instance, root, cursor):
     return data.run_requests, data.cursor
 
 
-def test_sensor_asks_for_one_rebuild_per_batch_of_new_evals(tmp_path, tiny_hf_checkpoint):
+def test_sensor_asks_for_one_rebuild_per_batch_of_new_evals(tmp_path, tiny_hf_checkpoint, monkeypatch):
     paths = StoragePaths(str(tmp_path / "root"))
     instance = dg.DagsterInstance.ephemeral()
+    _at(monkeypatch, 3600)  # each batch has settled
     assert _tick(instance, paths.root, None)[0] == []  # no evals yet
     build_run(paths, "r", tiny_hf_checkpoint, 2)
     add_evals(paths, "r", [(1, 0.5, "loop")])
@@ -123,3 +124,78 @@ def test_sensor_asks_for_one_rebuild_per_batch_of_new_evals(tmp_path, tiny_hf_ch
     add_evals(paths, "r", [(2, 0.6, "loop")], start_minute=5)
     again, cursor2 = _tick(instance, paths.root, cursor)
     assert len(again) == 1 and again[0].run_key != requests[0].run_key and cursor2 != cursor
+
+
+# ---------------------------------------------------------------- one rebuild per burst (issue 48)
+def _unevaluated_base(tmp_path, tiny_hf_checkpoint):
+    """A run `r` with v1 evaluated by eval_results and no base row: the scoreboard evaluates its base."""
+    paths = StoragePaths(str(tmp_path / "root"))
+    build_run(paths, "r", tiny_hf_checkpoint, 1)
+    add_evals(paths, "r", [(1, 0.5, "asset")])
+    data = tmp_path / "eval.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(2))
+    )
+    config = {"eval_prompt_data": ["eval", str(data)], "eval_max_response_len": 2, "rm_type": "math"}
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("policy_versions", ["r.v000001"])
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization("policy_versions", partition="r.v000001",
+                                metadata={"eval_config": dg.MetadataValue.json(config)})
+    )  # fmt: skip
+    return paths, instance
+
+
+def _at(monkeypatch, seconds_after_now: float) -> None:
+    """The sensor's clock, `seconds_after_now` from the real one."""
+    import time
+
+    t = time.time() + seconds_after_now
+    monkeypatch.setattr("sensors.scoreboard._now", lambda: t, raising=False)
+
+
+def test_the_scoreboards_own_base_eval_does_not_trigger_it_again(tmp_path, tiny_hf_checkpoint, monkeypatch):
+    paths, instance = _unevaluated_base(tmp_path, tiny_hf_checkpoint)
+    _at(monkeypatch, 3600)
+    requests, cursor = _tick(instance, paths.root, None)
+    assert len(requests) == 1
+    n = len(read_rows(paths, "evals", "r"))
+    _materialize(paths, instance)  # the run the sensor asked for: evaluates r's base into `evals`
+    assert len(read_rows(paths, "evals", "r")) > n
+    assert _tick(instance, paths.root, cursor)[0] == []  # its own rows ask for no second run
+
+
+def test_a_burst_of_evals_is_one_rebuild_once_it_settles(tmp_path, tiny_hf_checkpoint, monkeypatch):
+    """Evals land one per tick (a sensor eval burst): no rebuild while they come, one after a quiet
+    period, none after that until new rows land."""
+    paths = StoragePaths(str(tmp_path / "root"))
+    build_run(paths, "r", tiny_hf_checkpoint, 3)
+    instance = dg.DagsterInstance.ephemeral()
+    cursor, asked = None, []
+    for v in (1, 2, 3):
+        add_evals(paths, "r", [(v, 0.5, "asset")], start_minute=v)
+        _at(monkeypatch, 1)  # the next tick comes right after the row
+        requests, cursor = _tick(instance, paths.root, cursor)
+        asked += requests
+    assert asked == []
+    _at(monkeypatch, 600)  # quiet for 10 minutes
+    requests, cursor = _tick(instance, paths.root, cursor)
+    assert len(requests) == 1
+    assert _tick(instance, paths.root, cursor)[0] == []  # requested already: nothing twice
+
+
+def test_a_steady_stream_of_evals_still_rebuilds_after_the_longest_wait():
+    from sensors.scoreboard import RebuildPolicy, plan_rebuild
+
+    def name(t: float) -> str:
+        return f"part-{int(t * 1e9):020d}-0000abcd.parquet"
+
+    policy, t0 = RebuildPolicy(quiet_s=120, max_wait_s=900), 1.8e9
+    built = f"1:{name(t0)}"  # the board has the first file
+    names = [name(t0 + 60 * i) for i in range(20)]  # then one eval a minute
+    rebuild = {i: plan_rebuild(names[: i + 1], built, None, t0 + 60 * i + 5, policy)[0] for i in range(1, 20)}
+    waited_900_s = [i for i, r in rebuild.items() if r]  # since the oldest file the board lacks (t0 + 60)
+    assert waited_900_s == list(range(16, 20))
+    assert plan_rebuild(names, f"{len(names)}:{names[-1]}", None, t0 + 9999, policy) == (
+        False, "the scoreboard is up to date with the evals table",
+    )  # fmt: skip
