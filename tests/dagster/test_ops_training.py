@@ -159,7 +159,7 @@ def test_eval_results_is_the_evaluator_of_record_one_row_per_metric(short_run):
     rows = read_rows(paths, "evals", "t")
     keys = [(r["version"], r["dataset"], r["metric"]) for r in rows]
     assert len(keys) == len(set(keys)) and (1, "heldout", "pass@1") in keys
-    sampled = [r for r in rows if r["metric"] in ("pass@k", "mean_reward")]
+    sampled = [r for r in rows if r["metric"] in ("pass@1(T=0.8)", "mean_reward@1(T=0.8)")]
     assert sampled and {
         (r["source"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) for r in sampled
     } == {("asset", 0.8, 1.0, -1, 4)}

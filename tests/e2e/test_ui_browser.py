@@ -315,8 +315,8 @@ def test_materialize_eval_results_from_the_ui(page, webserver):
     rows = read_rows(StoragePaths(str(root)), "evals", "demo")
     assert {(r["partition_key"], r["metric"]) for r in rows} >= {
         (KEY, "pass@1"),
-        (KEY, "pass@k"),
-        (KEY, "mean_reward"),
+        (KEY, "pass@1(T=1)"),  # one sample at EvalConfig's temperature 1, named so
+        (KEY, "mean_reward@1(T=1)"),
     }
 
 
