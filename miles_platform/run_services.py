@@ -217,18 +217,35 @@ def actor_died(cfg: RunConfig, e: Exception, injected: list | None = None) -> Ex
     message naming the actor and how to resume, instead of Ray's traceback. `injected`: the
     --ci-fault-hooks rank requests due in this rollout (`FaultHooks.due_in_ranks`), named for a
     trainer so an injected death reads as one."""
+    import httpx
     import ray
 
-    if not isinstance(e, ray.exceptions.RayActorError):
-        return None
-    text = str(e)
-    name = next((n for n in ("TrainerActor", "RolloutEngineActor", "EngineActor") if n in text), "an actor")
+    from miles_platform.rollout.client import EngineHTTPError
+
     where = cfg.save or cfg.load
     resume = (
         f"relaunch the same command to resume from the last checkpoint under {where}"
         if where
         else "no --save: a relaunch starts over"
     )
+    gone = isinstance(e, EngineHTTPError) and e.status in (502, 503, 504)  # the router: no worker
+    if gone or (isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException)):
+        # an engine (or the router) that stopped answering: one line, not httpx's traceback
+        what = f"HTTP {e.status}" if isinstance(e, EngineHTTPError) else type(e).__name__
+        try:
+            url = e.request.url if isinstance(e, httpx.TransportError) else ""
+        except RuntimeError:  # raised without a request
+            url = ""
+        detail = str(e).splitlines()[0][:200] if str(e) else what
+        hint = (
+            "" if cfg.use_fault_tolerance else " (--use-fault-tolerance replaces a dead engine and goes on)"
+        )
+        return ActorDied(f"an engine of run {cfg.run_name!r} stopped answering ({what} {url}: {detail}){hint}; "
+                         f"the run stopped: {resume}")  # fmt: skip
+    if not isinstance(e, ray.exceptions.RayActorError):
+        return None
+    text = str(e)
+    name = next((n for n in ("TrainerActor", "RolloutEngineActor", "EngineActor") if n in text), "an actor")
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
     due = ""
     if injected and name == "TrainerActor":
