@@ -52,7 +52,7 @@ class RunServices(contextlib.AbstractContextManager):
             remove_placement_groups,
             shutdown_ray,
         )
-        from miles_platform.store.run_lock import RunLock, local_run_dir
+        from miles_platform.store.run_lock import RunLock, local_run_dir, local_save_dir
         from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
         from miles_platform.trackers import Trackers
 
@@ -60,6 +60,9 @@ class RunServices(contextlib.AbstractContextManager):
         # one writer per run, taken after validation (an object-store root: on this host only)
         lock = RunLock(local_run_dir(self.paths, cfg.run_name), cfg.run_name).acquire()
         s.callback(lock.release)
+        if cfg.save:  # and one writer per checkpoint dir: two runs sharing --save clobbered each other
+            save_lock = RunLock(local_save_dir(cfg.save), cfg.run_name, f"--save {cfg.save}").acquire()
+            s.callback(save_lock.release)
         remove_dead_writers_tmp(cfg, self.paths, log)
         self.config_changes = check_resume_config(cfg, log)
         s.callback(shutdown_ray, init_ray(cfg))
