@@ -196,14 +196,14 @@ class RunServices(contextlib.AbstractContextManager):
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
         threads = os.environ.get("MILES_TRAIN_THREADS", "1")
-        from miles_platform.rollout.engine_fleet import run_storage_env
+        from miles_platform.rollout.engine_fleet import run_storage_env, run_storage_secrets
 
         env = {
             "env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads, **run_storage_env(cfg)}
         }
         actors = create_role_actors(
             TrainerActor, cfg, groups, "actor", cfg, world_size=world, dist_init=dist_init,
-            options={"runtime_env": env},
+            secret_env=run_storage_secrets(cfg), options={"runtime_env": env},
         )  # fmt: skip
         return actors
 
