@@ -215,6 +215,35 @@ class RunServices(contextlib.AbstractContextManager):
         return m.data_source.state_dict(m.unfinished_records()) if m else {}
 
 
+def resume_hint(cfg) -> str:
+    where = cfg.save or cfg.load
+    return (
+        f"relaunch the same command to resume from the last checkpoint under {where}"
+        if where
+        else "no --save: a relaunch starts over"
+    )
+
+
+def call_trainers(cfg, trainers: list, method: str, *args: Any) -> Any:
+    """`method(*args)` on every trainer rank; rank 0's answer. A rank that does not answer within
+    --train-timeout-s (a stopped or deadlocked process, a peer waiting on it) stops the run with one
+    message naming the ranks; without the bound a SIGSTOPped trainer hung the run forever."""
+    import ray
+
+    refs = [getattr(t, method).remote(*args) for t in trainers]
+    timeout = cfg.train_timeout_s or None
+    try:
+        return ray.get(refs, timeout=timeout)[0]
+    except ray.exceptions.GetTimeoutError:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        hung = [k for k, r in enumerate(refs) if r not in done]  # the teardown kills them
+        raise ActorDied(
+            f"trainer rank(s) {hung} of run {cfg.run_name!r} did not finish {method} within {timeout:g} s "
+            "(--train-timeout-s): a rank is stopped, deadlocked or waiting on one; the run stopped: "
+            f"{resume_hint(cfg)}"
+        ) from None
+
+
 def actor_died(cfg: RunConfig, e: Exception, injected: list | None = None) -> Exception | None:
     """A Ray actor of the run died (a trainer rank, an engine without --use-fault-tolerance): one
     message naming the actor and how to resume, instead of Ray's traceback. `injected`: the
@@ -225,12 +254,7 @@ def actor_died(cfg: RunConfig, e: Exception, injected: list | None = None) -> Ex
 
     from miles_platform.rollout.client import EngineHTTPError
 
-    where = cfg.save or cfg.load
-    resume = (
-        f"relaunch the same command to resume from the last checkpoint under {where}"
-        if where
-        else "no --save: a relaunch starts over"
-    )
+    resume = resume_hint(cfg)
     gone = isinstance(e, EngineHTTPError) and e.status in (502, 503, 504)  # the router: no worker
     if gone or (isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException)):
         # an engine (or the router) that stopped answering: one line, not httpx's traceback

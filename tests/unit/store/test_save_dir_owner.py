@@ -31,6 +31,8 @@ def test_a_save_dir_of_another_run_is_refused_before_it_is_touched(tmp_path):
 def test_one_writer_per_save_dir(tmp_path):
     save = str(tmp_path / "ckpt")
     with RunLock(local_save_dir(save), "first", f"--save {save}"):
-        with pytest.raises(RunLocked, match=rf"--save {save} is being written by pid \d+ on .* \(run 'first', since"):
+        with pytest.raises(
+            RunLocked, match=rf"--save {save} is being written by pid \d+ on .* \(run 'first', since"
+        ):
             RunLock(local_save_dir(save), "second", f"--save {save}").acquire()
     RunLock(local_save_dir(save), "second", f"--save {save}").acquire().release()  # free again
