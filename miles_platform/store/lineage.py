@@ -29,6 +29,7 @@ from miles_platform.store.catalog import Catalog, CatalogError
 from miles_platform.store.paths import StoragePaths
 
 _SHARD_RE = re.compile(r"run=([^/]+)/rollout_id=(\d+)")
+_KEY_RE = re.compile(r"([^:]+)\.v\d{6}")  # the run of a partition key, also inside eval: / quantized: ids
 DEFAULT_DEPTH = 8
 
 
@@ -326,7 +327,8 @@ def _range(ids: list[str]) -> str:
 def format_compact(paths: StoragePaths, target: str) -> str:
     """The default view: the node, its own inputs, the chain of versions it was trained from as one
     range, every dataset / checkpoint that chain used once (with how many versions used it), the
-    shards as a count, and what came from the node and from its chain downstream, by kind."""
+    shards as a count, and what came from the node and from its chain downstream, by kind, one
+    range per run."""
     g = LineageGraph(paths)
     node = g.resolve(target)
     if node is None:
@@ -370,15 +372,16 @@ def format_compact(paths: StoragePaths, target: str) -> str:
     if not (chain or inputs or shards):
         lines.append("  (none)")
 
-    below: dict[str, list[str]] = {}
+    below: dict[tuple[str, str], set[str]] = {}  # (kind, run) -> ids: one range per run
     for n in [node, *chain]:
         for e in g.children(n):
             if e.relation == "trained_from" and g.kinds.get(e.child) == "policy_version" and n != node:
                 continue  # the chain itself
-            below.setdefault(g.kinds.get(e.child) or "unknown", []).append(e.child)
+            run = m.group(1) if (m := _KEY_RE.search(e.child)) else ""
+            below.setdefault((g.kinds.get(e.child) or "unknown", run), set()).add(e.child)
     lines += ["", "downstream (what came from it and its chain):"]
-    for k, ids in sorted(below.items()):
-        ids = sorted(set(ids))
+    for (k, _), ids in sorted(below.items()):
+        ids = sorted(ids)
         shown = ", ".join(ids) if len(ids) <= 3 else f"{ids[0]} .. {ids[-1]} ({len(ids)})"
         lines.append(f"  {k}: {shown}")
     if not below:
@@ -412,7 +415,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         "--full",
         action="store_true",
         help="the tree node by node, --depth levels up and down (default: a compact view: "
-        "the version chain as a range, each dataset and base once, downstream by kind)",
+        "the version chain as a range, each dataset and base once, downstream by kind and run)",
     )
     ap.add_argument(
         "--dataset-version", metavar="HASH", help="list policy versions trained on this data version"

@@ -3,9 +3,10 @@
 import json
 
 import pytest
+from store_builders import build_run
 
 from miles_platform.data.sample import Sample
-from miles_platform.store.lineage import LineageGraph, cli_main, trace
+from miles_platform.store.lineage import LineageGraph, cli_main, format_compact, trace
 from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.shards import write_rollout_shard
 from miles_platform.store.tables import append_rows
@@ -221,3 +222,13 @@ def test_cli_text_json_and_errors(store, capsys):
     assert "not in the lineage" in capsys.readouterr().err
     assert cli_main(["demo.v000001", "--storage-root", str(paths.root) + "-missing"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_downstream_versions_of_two_runs_are_two_ranges(tmp_path, tiny_hf_checkpoint):
+    paths = StoragePaths(str(tmp_path / "root"))
+    for run in ("a", "b"):
+        build_run(paths, run, tiny_hf_checkpoint, 4)
+    text = format_compact(paths, tiny_hf_checkpoint)
+    assert (
+        "  policy_version: a.v000001 .. a.v000004 (4)\n  policy_version: b.v000001 .. b.v000004 (4)\n" in text
+    )
