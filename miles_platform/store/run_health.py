@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 
 from miles_platform.config import RunConfig
 from miles_platform.rollout.filter_hub import DROP_METRIC_PREFIX  # groups drawn, not trained
+from miles_platform.store.lineage_identity import read_edges
 from miles_platform.store.model_kinds import (
     KINDS,
     MARKERS,
@@ -257,7 +258,7 @@ def hf_export_sanity(paths: StoragePaths) -> Health:
         exports = [(k, d) for k, d in exports if d and "://" not in d]
         if not exports:
             continue
-        edges = read_rows(paths, "lineage", run)
+        edges = read_edges(paths, run)  # an old row's relative base resolved where knowable
         base = next((e["parent"] for e in edges if e["relation"] == "base_checkpoint" and e["parent"]), None)
         kind = _run_kind(rows, base)
         if kind is None:
