@@ -24,6 +24,14 @@ from miles_platform.store.remote import is_remote  # also: object-store listings
 TABLES = ("policy_versions", "evals", "lineage", "metrics", "run_events")
 
 
+def absolute(path: str | None) -> str | None:
+    """The one spelling of a local path the store records: absolute (against this process's cwd),
+    normalized, no trailing slash. An object-store URI stays as it is."""
+    if not path or is_remote(path):
+        return path
+    return os.path.abspath(path)
+
+
 def partition_key(run: str, version: int) -> str:
     """Policy-version partition key `<run>.v<NNNNNN>`."""
     return f"{run}.v{version:06d}"
