@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_platform.store.catalog import Catalog, CatalogError
-from miles_platform.store.lineage_identity import RecordedPaths, fold_by_content, node_id
+from miles_platform.store.lineage_identity import Edge, RecordedPaths, fold_by_content, node_id
 from miles_platform.store.paths import StoragePaths, absolute
 from miles_platform.store.remote import is_remote
 
@@ -40,16 +40,6 @@ DEFAULT_DEPTH = 8
 
 class LineageError(CatalogError):
     """The node asked for is not in the lineage table."""
-
-
-@dataclass
-class Edge:
-    child: str
-    child_kind: str | None
-    parent: str
-    parent_kind: str | None
-    relation: str
-    data_version: str | None
 
 
 @dataclass

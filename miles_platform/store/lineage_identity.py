@@ -15,14 +15,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from miles_platform.store.paths import StoragePaths, absolute
+from miles_platform.store.paths import DIFFUSION_CONFIG, RUN_CONFIG, StoragePaths, absolute
 from miles_platform.store.remote import is_remote
 
-if TYPE_CHECKING:
-    from miles_platform.store.lineage import Edge
+
+@dataclass
+class Edge:
+    """One lineage row: `child` (of `child_kind`) came from `parent` by `relation`."""
+
+    child: str
+    child_kind: str | None
+    parent: str
+    parent_kind: str | None
+    relation: str
+    data_version: str | None
+
 
 PATH_KINDS = frozenset({"checkpoint", "dataset", "rollout_shard", "lora_adapter"})  # nodes that are paths
 # relations whose data_version is the parent's content hash (models/checkpoint.py content_hash)
@@ -42,9 +53,6 @@ def _writer_cwd(paths: StoragePaths, run: str) -> str | None:
     """The dir `run` wrote its rows from, when its saved config shows it: a relative
     `--storage-root` (as typed) is the tail of this root's absolute path. None when unknowable
     (no saved config, an absolute or `..` root, another root's tail, an object-store root)."""
-    from miles_platform.diffusion.loop import DIFFUSION_CONFIG
-    from miles_platform.store.run_state import RUN_CONFIG
-
     if is_remote(paths.root):
         return None
     for f in (

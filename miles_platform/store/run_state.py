@@ -12,11 +12,10 @@ from pathlib import Path
 
 from miles_platform.config import RESUMABLE, ConfigError, RunConfig, config_changes, saved_config
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
-from miles_platform.store.paths import StoragePaths
+from miles_platform.store.paths import RUN_CONFIG, StoragePaths
 
 # staging names of the atomic writers (store/atomic.py, export, checkpoints, disk-delta publish)
 _TMP = re.compile(r"^\..*\.tmp-[0-9a-f]+$|^\.tmp-.+-[0-9a-f]{8}$")
-RUN_CONFIG = "run_config.json"
 
 
 def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[str], None]) -> None:
