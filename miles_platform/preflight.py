@@ -19,6 +19,7 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     hf = validate_hf_dir(cfg.hf_checkpoint)
     _check_moe(cfg, hf)
+    _check_vocab(cfg, hf)
     cfg.resolve_api_key()  # secure by default: no run is open to other local processes
     from miles_platform.weights.transports import check_engine_kind
 
@@ -192,3 +193,20 @@ def check_writable_dir(flag: str, path: str | None) -> None:
     except OSError as e:
         what = "write there" if probe_in == p else f"create it (in {probe_in})"
         raise ConfigError(f"{flag} {path}: this user cannot {what}: {e.strerror}") from None
+
+
+def _check_vocab(cfg: RunConfig, hf: dict) -> None:
+    """The tokenizer's ids must fit the model's embedding: a tokenizer larger than `vocab_size`
+    (another model's tokenizer beside the weights) made ids the model has no row for, and the run
+    died mid-rollout. A smaller tokenizer is normal (padded embeddings)."""
+    from miles_platform.models.checkpoint import load_tokenizer
+
+    rows = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")
+    if not rows:
+        return
+    n = len(load_tokenizer(cfg.hf_checkpoint))
+    if n > int(rows):
+        raise ConfigError(
+            f"--hf-checkpoint {cfg.hf_checkpoint}: its tokenizer has {n} tokens but the model's vocab_size is "
+            f"{rows}: ids >= {rows} have no embedding row. Put the model's own tokenizer beside its weights"
+        )

@@ -50,3 +50,16 @@ def test_a_directory_as_prompt_data_is_named(tmp_path):
         MilesError, match=r"is a directory; give a JSONL or Parquet file \(check --prompt-data\)"
     ):
         load_prompt_dataset(str(tmp_path))
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tiny_hf_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf_checkpoint, ckpt)
+    conf = json.loads((ckpt / "config.json").read_text())
+    conf["vocab_size"] = 64  # the tiny tokenizer has 128 tokens
+    (ckpt / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match=r"tokenizer has \d+ tokens but the model's vocab_size is 64"):
+        validate_before_start(small_run_config(str(ckpt), tmp_path))
