@@ -88,8 +88,10 @@ def per_token_mean(
     (--calculate-per-token-loss, Miles' normalizer)."""
     if denominators is None:
         denominators = torch.stack([m.sum() for m in loss_masks])
-    total = sum((at_active(v, m) * m).sum() for v, m in zip(values, loss_masks, strict=True))
-    return total / denominators.clamp_min(1).sum()
+    # one sum over the concatenated tokens (not a sum of per-sample sums): the same rounding as a
+    # plain token mean, so runs without masked-out samples train bit for bit as before
+    flat = torch.cat([at_active(v, m) for v, m in zip(values, loss_masks, strict=True)])
+    return (flat * torch.cat(loss_masks)).sum() / denominators.clamp_min(1).sum()
 
 
 def get_reducer(args) -> Reducer:
