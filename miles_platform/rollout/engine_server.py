@@ -118,21 +118,6 @@ def engine_error(e: Exception) -> JSONResponse:
     return error(400, str(e))
 
 
-def served_model_id(
-    core: EngineCore, served_model_name: str | None = None, run_name: str | None = None
-) -> str:
-    """The id `/v1/models` lists and every OpenAI answer names: `--served-model-name` as given; a
-    run's engine `<run>.v<NNNNNN>`, the policy version it serves (the Dagster partition key); else
-    the checkpoint's absolute path."""
-    from miles_platform.store.paths import partition_key
-
-    if served_model_name:
-        return served_model_name
-    if run_name:
-        return partition_key(run_name, core.weight_version)
-    return core.model_path if "://" in core.model_path else os.path.abspath(core.model_path)
-
-
 def _weight_root(path: str) -> str:
     if "://" in path:
         scheme, _, rest = path.partition("://")
@@ -150,14 +135,12 @@ def create_app(
 ) -> FastAPI:
     """`weight_roots`: `/update_weights_from_disk` loads only directories under these (None: any;
     `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter).
-    `served_model_name` / `run_name`: the OpenAI model id (`served_model_id`)."""
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
     from miles_platform.rollout.openai_api import add_openai_routes
 
     app = FastAPI(title="miles-platform embedded engine")
     add_guards(app, api_key, max_request_bytes)
-    add_openai_routes(
-        app, core, max_request_bytes, lambda: served_model_id(core, served_model_name, run_name)
-    )
+    add_openai_routes(app, core, max_request_bytes, served_model_name, run_name)
     roots = None if weight_roots is None else [_weight_root(r) for r in weight_roots]
 
     def allowed(path: str) -> bool:
@@ -481,7 +464,7 @@ def start_engine_server(
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
     existing EngineCore (it is then not stopped with the server; the pause limits are its own).
-    `served_model_name` / `run_name`: the OpenAI model id (`served_model_id`)."""
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
     owns = core is None
     if core is None:
         core = EngineCore(

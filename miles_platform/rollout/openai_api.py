@@ -14,9 +14,10 @@ max_tokens (the engine has no per-request abort).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,6 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from miles_platform.rollout import chat, completions
 from miles_platform.rollout.engine_requests import Request as EngineRequest
 from miles_platform.rollout.engine_server import ENGINE_ERRORS, all_results, engine_error, json_body
+from miles_platform.store.paths import partition_key
 
 Token = tuple[int, float, Any]  # (id, logprob, top entries or None)
 DONE = "data: [DONE]\n\n"
@@ -222,8 +224,23 @@ async def completion_chunks(req: completions.CompletionRequest, feed: TokenFeed,
 
 
 # ---------------------------------------------------------------------------- routes
-def add_openai_routes(app: FastAPI, core: Any, max_request_bytes: int, model_id: Callable[[], str]) -> None:
-    """The three routes on the engine's app; `model_id()` names the served model (engine_server)."""
+def served_model_id(core: Any, served_model_name: str | None = None, run_name: str | None = None) -> str:
+    """The id `/v1/models` lists and every OpenAI answer names: `--served-model-name` as given; a
+    run's engine `<run>.v<NNNNNN>`, the policy version it serves (the Dagster partition key); else
+    the checkpoint's absolute path."""
+    if served_model_name:
+        return served_model_name
+    if run_name:
+        return partition_key(run_name, core.weight_version)
+    return core.model_path if "://" in core.model_path else os.path.abspath(core.model_path)
+
+
+def add_openai_routes(app: FastAPI, core: Any, max_request_bytes: int, served_model_name: str | None = None,
+                      run_name: str | None = None) -> None:  # fmt: skip
+    """The three routes on the engine's app, naming the model `served_model_id`."""
+
+    def model_id() -> str:
+        return served_model_id(core, served_model_name, run_name)
 
     async def submit(body: dict, n: int, stream: bool) -> tuple[list[Future], TokenFeed | None]:
         feed = TokenFeed(n) if stream else None
