@@ -15,7 +15,9 @@ import openai
 import pytest
 from openai_streams import assert_streamed_while_generating, slow_steps, sse_events, text_of
 
+from miles_platform.config import RunConfig
 from miles_platform.rollout import chat
+from miles_platform.rollout.engine_fleet import _embedded_kwargs
 from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.rollout.router import start_router
 
@@ -165,6 +167,8 @@ def test_the_model_id_is_the_absolute_checkpoint_or_the_run_and_version(
             ids[name] = card.id
         assert os.path.isabs(ids["relative"]) and os.path.samefile(ids["relative"], tiny_hf_checkpoint)
         assert ids["run"] == "mine.v000000" and ids["named"] == "tiny-demo"
+        cfg = RunConfig(rollout_batch_size=2, hf_checkpoint=tiny_hf_checkpoint, run_name="mine").validate()
+        assert _embedded_kwargs(cfg)["run_name"] == "mine"  # what a run's engines are started with
         engine.core.update_weights_from_disk(tiny_hf_checkpoint, 3)
         assert openai.OpenAI(base_url=f"{run.url}/v1", api_key=KEY).models.list().data[0].id == "mine.v000003"
     finally:
