@@ -66,6 +66,7 @@ def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
         pause_wait_timeout_s=cfg.pause_wait_timeout_s,
         pause_max_queued_requests=cfg.pause_max_queued_requests,
         secret_env=run_storage_secrets(cfg),
+        run_name=cfg.run_name,  # the OpenAI model id: <run>.v<NNNNNN>
         options={"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", **run_storage_env(cfg)}}},
     )
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout import chat
@@ -102,6 +102,22 @@ async def all_results(futures: list) -> list:
     return [f.result() for f in futures]
 
 
+# what an engine call may raise for a request (HTTP 400 / 409 / 503): `engine_error` answers it
+ENGINE_ERRORS = (RequestError, chat.ChatError, VersionConflict, EnginePaused, EngineStopped)
+
+
+def engine_error(e: Exception) -> JSONResponse:
+    """The answer to one of ENGINE_ERRORS: 400 a bad request, 409 a policy version the engine does
+    not serve, 503 (retryable) paused past --pause-wait-timeout-s or stopped."""
+    if isinstance(e, VersionConflict):
+        return JSONResponse({"error": e.info}, status_code=409)
+    if isinstance(e, EnginePaused):  # paused past --pause-wait-timeout-s, or its queue is full
+        return JSONResponse({"error": e.info}, status_code=503)
+    if isinstance(e, EngineStopped):
+        return error(503, str(e), retryable=True)
+    return error(400, str(e))
+
+
 def _weight_root(path: str) -> str:
     if "://" in path:
         scheme, _, rest = path.partition("://")
@@ -114,11 +130,17 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     weight_roots: list[str] | None = None,
+    served_model_name: str | None = None,
+    run_name: str | None = None,
 ) -> FastAPI:
     """`weight_roots`: `/update_weights_from_disk` loads only directories under these (None: any;
-    `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter)."""
+    `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter).
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
+    from miles_platform.rollout.openai_api import add_openai_routes
+
     app = FastAPI(title="miles-platform embedded engine")
     add_guards(app, api_key, max_request_bytes)
+    add_openai_routes(app, core, max_request_bytes, served_model_name, run_name)
     roots = None if weight_roots is None else [_weight_root(r) for r in weight_roots]
 
     def allowed(path: str) -> bool:
@@ -134,47 +156,9 @@ def create_app(
             # parsing and tokenization off the event loop: a huge prompt cannot stall /health
             futures, is_batch = await asyncio.to_thread(core.submit_json, body)
             results = await all_results(futures)
-        except RequestError as e:
-            return error(400, str(e))
-        except VersionConflict as e:
-            return JSONResponse({"error": e.info}, status_code=409)
-        except EnginePaused as e:  # paused past --pause-wait-timeout-s, or its queue is full
-            return JSONResponse({"error": e.info}, status_code=503)
-        except EngineStopped as e:
-            return error(503, str(e), retryable=True)
+        except ENGINE_ERRORS as e:
+            return engine_error(e)
         return Response(orjson.dumps(results if is_batch else results[0]), media_type="application/json")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        """OpenAI-compatible chat (rollout/chat.py): the chat template renders the prompt, one
-        batched /generate serves the n choices, tool calls are parsed (qwen25) when tools are given."""
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        try:
-            req = chat.parse_request(body)
-            ids = await asyncio.to_thread(chat.render_prompt, core.tokenizer, req)
-            gen = chat.generate_body(req, ids, core.context_length)
-            futures, _ = await asyncio.to_thread(core.submit_json, gen)
-            results = await all_results(futures)
-            resp = chat.build_response(req, results, core.tokenizer, ids)
-        except (chat.ChatError, RequestError) as e:
-            return error(400, str(e))
-        except VersionConflict as e:
-            return JSONResponse({"error": e.info}, status_code=409)
-        except EnginePaused as e:  # paused past --pause-wait-timeout-s, or its queue is full
-            return JSONResponse({"error": e.info}, status_code=503)
-        except EngineStopped as e:
-            return error(503, str(e), retryable=True)
-        if req.stream:
-            return StreamingResponse(
-                iter(chat.sse_chunks(resp, req.include_usage)), media_type="text/event-stream"
-            )
-        return Response(orjson.dumps(resp), media_type="application/json")
-
-    @app.get("/v1/models")
-    async def models():
-        return chat.models_list(core.model_path, core.context_length)
 
     @app.get("/health")
     async def health():
@@ -475,9 +459,12 @@ def start_engine_server(
     weight_roots: list[str] | None = None,
     pause_wait_timeout_s: float = DEFAULT_PAUSE_WAIT_TIMEOUT_S,
     pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
+    served_model_name: str | None = None,
+    run_name: str | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
-    existing EngineCore (it is then not stopped with the server; the pause limits are its own)."""
+    existing EngineCore (it is then not stopped with the server; the pause limits are its own).
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
     owns = core is None
     if core is None:
         core = EngineCore(
@@ -485,7 +472,7 @@ def start_engine_server(
             pause_wait_timeout_s, pause_max_queued_requests,
         )  # fmt: skip
     try:
-        app = create_app(core, api_key, max_request_bytes, weight_roots)
+        app = create_app(core, api_key, max_request_bytes, weight_roots, served_model_name, run_name)
         thread = serve_in_thread(app, host, port, "engine-http")
     except Exception:
         if owns:
@@ -539,6 +526,11 @@ def cli_main(argv: list[str]) -> int:
         default=os.environ.get("MILES_API_KEY"),
         help="require Authorization: Bearer <key> (default: $MILES_API_KEY)",
     )
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the OpenAI routes (/v1/models; default: the checkpoint's absolute path)",
+    )
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--max-running-requests", type=int, default=512, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
@@ -582,6 +574,7 @@ def cli_main(argv: list[str]) -> int:
         weight_roots=args.allow_weights_from or [os.path.dirname(os.path.abspath(args.hf_checkpoint))],
         pause_wait_timeout_s=args.pause_wait_timeout_s,
         pause_max_queued_requests=args.pause_max_queued_requests,
+        served_model_name=args.served_model_name,
     )
     print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
     wait_for_stop_signal()
