@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from miles_platform.rollout import chat, completions
 from miles_platform.rollout.engine_requests import Request as EngineRequest
-from miles_platform.rollout.engine_server import ENGINE_ERRORS, all_results, engine_error, json_body
+from miles_platform.rollout.http_common import ENGINE_ERRORS, all_results, engine_error, json_body
 from miles_platform.store.paths import partition_key
 
 Token = tuple[int, float, Any]  # (id, logprob, top entries or None)
