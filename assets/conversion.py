@@ -50,12 +50,10 @@ def converted_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeRes
     hf = _base_hf_path(context)
     save = context.resources.storage.paths.model(CONVERTED_NAME)
     res = _convert("hf-to-torch-dist", "--hf-checkpoint", hf, "--save", save)
-    from miles_platform.store.tables import append_rows
+    from miles_platform.store.lineage import write_edges
 
-    append_rows(context.resources.storage.paths, "lineage", "checkpoints", [
-        {"child": save, "child_kind": "checkpoint", "parent": hf, "parent_kind": "checkpoint",
-         "relation": "converted_from", "data_version": res["content_hash"]},
-    ])  # fmt: skip
+    write_edges(context.resources.storage.paths, "checkpoints", save, "checkpoint",
+                [(hf, "checkpoint", "converted_from", res["content_hash"])])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "path": dg.MetadataValue.path(save),

@@ -24,6 +24,7 @@ import dagster as dg
 
 from assets.partitions import policy_version_partitions
 from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, RunConfig
+from miles_platform.store.lineage import write_edges
 from miles_platform.store.paths import StoragePaths, parse_partition_key
 from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
@@ -177,22 +178,7 @@ def evaluate_and_record(
     key, kind, data_version = evaluates
     edges = [(key, kind, "evaluates", data_version)]
     edges += [(path, "dataset", "evaluated_on", eval_data_version) for _, path in datasets]
-    append_rows(
-        paths,
-        "lineage",
-        run,
-        [
-            {
-                "child": f"eval:{partition}",
-                "child_kind": "eval",
-                "parent": parent,
-                "parent_kind": kind,
-                "relation": relation,
-                "data_version": dv,
-            }
-            for parent, kind, relation, dv in edges
-        ],
-    )
+    write_edges(paths, run, f"eval:{partition}", "eval", edges)
     return results
 
 

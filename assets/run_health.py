@@ -16,7 +16,9 @@ DESCRIPTIONS = {
     "async_staleness": "no sample trained more than --max-weight-staleness versions behind the engine",
     "expected_version_count": "versions 1..N with no gap, one per rollout due a weight update; a finished "
     "run has --num-rollout // --update-weights-interval",
-    "hf_export_sanity": "each version's HF export has the base checkpoint's key set and parameter count",
+    "hf_export_sanity": "each version's weights hold what its model kind should: an HF export or a diffusers "
+    "pipeline the base's key set and parameter count, a PEFT adapter LoRA pairs fitting the base; a run of "
+    "no known kind is listed in per_run, not failed",
     "prompt_coverage": "a run that drew a full epoch of --prompt-data trained every prompt (but those the "
     "filters dropped), and none in more epochs than were started",
 }

@@ -22,8 +22,8 @@ import dagster as dg
 from assets.evals import EvalConfig, resolve_datasets, resolve_hf_path, reward_args, run_config_for_version
 from assets.partitions import policy_version_partitions, quantized_partitions
 from miles_platform.errors import PublicationError
+from miles_platform.store.lineage import write_edges
 from miles_platform.store.paths import parse_partition_key
-from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
 
 PUBLICATION_CHECK = "matches_hf_export"
@@ -114,10 +114,8 @@ def weight_publications(
         },
         description="every final-state checksum in the index equals the HF export's tensor",
     )
-    append_rows(paths, "lineage", run, [
-        {"child": f"publication:{partition}", "child_kind": "publication", "parent": partition,
-         "parent_kind": "policy_version", "relation": "published_as", "data_version": idx["kind"]},
-    ])  # fmt: skip
+    write_edges(paths, run, f"publication:{partition}", "publication",
+                [(partition, "policy_version", "published_as", idx["kind"])])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "version": version,
@@ -250,10 +248,8 @@ def quantized_weights(
         else {"eval_skipped": "eval_max_prompts is 0"}
     )
     run, _ = parse_partition_key(partition)
-    append_rows(paths, "lineage", run, [
-        {"child": f"quantized:{partition}:{fmt}", "child_kind": "quantized_weights", "parent": partition,
-         "parent_kind": "policy_version", "relation": "quantized_as", "data_version": fmt},
-    ])  # fmt: skip
+    write_edges(paths, run, f"quantized:{partition}:{fmt}", "quantized_weights",
+                [(partition, "policy_version", "quantized_as", fmt)])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "format": fmt,

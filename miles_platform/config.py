@@ -137,6 +137,7 @@ _RANGES: dict[str, tuple] = {
     "opsm_delta": _FINITE,
     "value_clip": (0, None, True, "> 0"),
     "max_nonfinite_steps": _NON_NEGATIVE,
+    "train_timeout_s": (0, None, False, ">= 0 (seconds; 0 = no bound)"),
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
     "custom_agent_function_timeout": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_interval": (0, None, True, "> 0 (seconds)"),
@@ -449,6 +450,11 @@ class RunConfig:
     )
     critic_lr: float | None = _f(None, "algorithm", "critic LR for ppo (defaults to --lr)")
     value_clip: float = _f(0.2, "algorithm", "ppo critic: clip of v - v_old in the value loss")
+    train_timeout_s: float = _f(
+        3600.0,
+        "algorithm",
+        "bound of one call on the trainer ranks (a rollout's train, a save, an export); 0 = none",
+    )
     max_nonfinite_steps: int = _f(
         3, "algorithm", "optimizer steps skipped for a NaN / inf loss or gradient before the run stops"
     )
@@ -1232,7 +1238,7 @@ RESUMABLE = frozenset(
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
      "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args",
-     "max_nonfinite_steps"} | LOGGING
+     "max_nonfinite_steps", "train_timeout_s"} | LOGGING
 )  # fmt: skip
 
 

@@ -175,23 +175,23 @@ class RLRun:
         """Rollout data to the trainer ranks through the object store (`--object-store-backend`)."""
         import dataclasses
 
-        import ray
-
         from miles_platform.cluster.object_store import put_rollout_data, store_from_config
 
         store = store_from_config(self.cfg)
         handle = put_rollout_data(dataclasses.asdict(batch), store)
         try:
-            return ray.get([t.train.remote(rollout_id, handle) for t in self.s.trainers])[0]
+            from miles_platform.run_services import call_trainers
+
+            return call_trainers(self.cfg, self.s.trainers, "train", rollout_id, handle)
         finally:
             store.remove(handle)
 
     def _save(self, rollout_id: int, version: int) -> str:
-        import ray
-
         extra = {"weight_version": version, "data_source": self.s.data_source_state(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
-        return ray.get([t.save.remote(rollout_id, extra) for t in self.s.trainers])[0]
+        from miles_platform.run_services import call_trainers
+
+        return call_trainers(self.cfg, self.s.trainers, "save", rollout_id, extra)
 
     def _save_due(self, rollout_id: int) -> bool:
         c = self.cfg

@@ -3,6 +3,8 @@ one second, and nothing is written under the storage root until it passes."""
 
 from __future__ import annotations
 
+import os
+
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.store.paths import StoragePaths
 
@@ -17,6 +19,7 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     hf = validate_hf_dir(cfg.hf_checkpoint)
     _check_moe(cfg, hf)
+    _check_vocab(cfg, hf)
     cfg.resolve_api_key()  # secure by default: no run is open to other local processes
     from miles_platform.weights.transports import check_engine_kind
 
@@ -32,6 +35,8 @@ def validate_before_start(cfg: RunConfig) -> None:
                 "only --sglang-max-running-requests; use --rollout-engine sglang for the others"
             )
         embedded_max_running_requests(cfg)
+    for flag, d in (("--storage-root", cfg.storage_root), ("--save", cfg.save)):
+        check_writable_dir(flag, d)
     from miles_platform.trackers import validate_trackers
 
     validate_trackers(cfg, StoragePaths(cfg.storage_root))
@@ -166,4 +171,42 @@ def fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> Non
     if cfg.global_batch_size % world:
         raise ConfigError(
             f"--global-batch-size {cfg.global_batch_size} must divide over {world} trainer ranks"
+        )
+
+
+def check_writable_dir(flag: str, path: str | None) -> None:
+    """A local dir the run will write: an existing dir this user can write, or one it can create
+    (its nearest existing parent is a writable dir). Checked before anything is written, so an
+    unwritable or mistyped root fails here with the flag named, not in a traceback mid-start."""
+    if not path or "://" in str(path):
+        return  # object stores: check_object_store
+    import tempfile
+
+    p = os.path.abspath(path)
+    probe_in = p
+    while not os.path.exists(probe_in):
+        probe_in = os.path.dirname(probe_in)
+    if not os.path.isdir(probe_in):
+        raise ConfigError(f"{flag} {path}: {probe_in} exists and is not a directory")
+    try:  # an empty dir made and removed at once: os.access says yes to root even on /proc
+        os.rmdir(tempfile.mkdtemp(prefix=".miles-probe-", dir=probe_in))
+    except OSError as e:
+        what = "write there" if probe_in == p else f"create it (in {probe_in})"
+        raise ConfigError(f"{flag} {path}: this user cannot {what}: {e.strerror}") from None
+
+
+def _check_vocab(cfg: RunConfig, hf: dict) -> None:
+    """The tokenizer's ids must fit the model's embedding: a tokenizer larger than `vocab_size`
+    (another model's tokenizer beside the weights) made ids the model has no row for, and the run
+    died mid-rollout. A smaller tokenizer is normal (padded embeddings)."""
+    from miles_platform.models.checkpoint import load_tokenizer
+
+    rows = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")
+    if not rows:
+        return
+    n = len(load_tokenizer(cfg.hf_checkpoint))
+    if n > int(rows):
+        raise ConfigError(
+            f"--hf-checkpoint {cfg.hf_checkpoint}: its tokenizer has {n} tokens but the model's vocab_size is "
+            f"{rows}: ids >= {rows} have no embedding row. Put the model's own tokenizer beside its weights"
         )

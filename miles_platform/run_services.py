@@ -52,7 +52,7 @@ class RunServices(contextlib.AbstractContextManager):
             remove_placement_groups,
             shutdown_ray,
         )
-        from miles_platform.store.run_lock import RunLock, local_run_dir
+        from miles_platform.store.run_lock import RunLock, local_run_dir, local_save_dir
         from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
         from miles_platform.trackers import Trackers
 
@@ -60,6 +60,9 @@ class RunServices(contextlib.AbstractContextManager):
         # one writer per run, taken after validation (an object-store root: on this host only)
         lock = RunLock(local_run_dir(self.paths, cfg.run_name), cfg.run_name).acquire()
         s.callback(lock.release)
+        if cfg.save:  # and one writer per checkpoint dir: two runs sharing --save clobbered each other
+            save_lock = RunLock(local_save_dir(cfg.save), cfg.run_name, f"--save {cfg.save}").acquire()
+            s.callback(save_lock.release)
         remove_dead_writers_tmp(cfg, self.paths, log)
         self.config_changes = check_resume_config(cfg, log)
         s.callback(shutdown_ray, init_ray(cfg))
@@ -193,14 +196,14 @@ class RunServices(contextlib.AbstractContextManager):
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
         threads = os.environ.get("MILES_TRAIN_THREADS", "1")
-        from miles_platform.rollout.engine_fleet import run_storage_env
+        from miles_platform.rollout.engine_fleet import run_storage_env, run_storage_secrets
 
         env = {
             "env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads, **run_storage_env(cfg)}
         }
         actors = create_role_actors(
             TrainerActor, cfg, groups, "actor", cfg, world_size=world, dist_init=dist_init,
-            options={"runtime_env": env},
+            secret_env=run_storage_secrets(cfg), options={"runtime_env": env},
         )  # fmt: skip
         return actors
 
@@ -212,23 +215,64 @@ class RunServices(contextlib.AbstractContextManager):
         return m.data_source.state_dict(m.unfinished_records()) if m else {}
 
 
+def resume_hint(cfg) -> str:
+    where = cfg.save or cfg.load
+    return (
+        f"relaunch the same command to resume from the last checkpoint under {where}"
+        if where
+        else "no --save: a relaunch starts over"
+    )
+
+
+def call_trainers(cfg, trainers: list, method: str, *args: Any) -> Any:
+    """`method(*args)` on every trainer rank; rank 0's answer. A rank that does not answer within
+    --train-timeout-s (a stopped or deadlocked process, a peer waiting on it) stops the run with one
+    message naming the ranks; without the bound a SIGSTOPped trainer hung the run forever."""
+    import ray
+
+    refs = [getattr(t, method).remote(*args) for t in trainers]
+    timeout = cfg.train_timeout_s or None
+    try:
+        return ray.get(refs, timeout=timeout)[0]
+    except ray.exceptions.GetTimeoutError:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        hung = [k for k, r in enumerate(refs) if r not in done]  # the teardown kills them
+        raise ActorDied(
+            f"trainer rank(s) {hung} of run {cfg.run_name!r} did not finish {method} within {timeout:g} s "
+            "(--train-timeout-s): a rank is stopped, deadlocked or waiting on one; the run stopped: "
+            f"{resume_hint(cfg)}"
+        ) from None
+
+
 def actor_died(cfg: RunConfig, e: Exception, injected: list | None = None) -> Exception | None:
     """A Ray actor of the run died (a trainer rank, an engine without --use-fault-tolerance): one
     message naming the actor and how to resume, instead of Ray's traceback. `injected`: the
     --ci-fault-hooks rank requests due in this rollout (`FaultHooks.due_in_ranks`), named for a
     trainer so an injected death reads as one."""
+    import httpx
     import ray
 
+    from miles_platform.rollout.client import EngineHTTPError
+
+    resume = resume_hint(cfg)
+    gone = isinstance(e, EngineHTTPError) and e.status in (502, 503, 504)  # the router: no worker
+    if gone or (isinstance(e, httpx.TransportError) and not isinstance(e, httpx.TimeoutException)):
+        # an engine (or the router) that stopped answering: one line, not httpx's traceback
+        what = f"HTTP {e.status}" if isinstance(e, EngineHTTPError) else type(e).__name__
+        try:
+            url = e.request.url if isinstance(e, httpx.TransportError) else ""
+        except RuntimeError:  # raised without a request
+            url = ""
+        detail = str(e).splitlines()[0][:200] if str(e) else what
+        hint = (
+            "" if cfg.use_fault_tolerance else " (--use-fault-tolerance replaces a dead engine and goes on)"
+        )
+        return ActorDied(f"an engine of run {cfg.run_name!r} stopped answering ({what} {url}: {detail}){hint}; "
+                         f"the run stopped: {resume}")  # fmt: skip
     if not isinstance(e, ray.exceptions.RayActorError):
         return None
     text = str(e)
     name = next((n for n in ("TrainerActor", "RolloutEngineActor", "EngineActor") if n in text), "an actor")
-    where = cfg.save or cfg.load
-    resume = (
-        f"relaunch the same command to resume from the last checkpoint under {where}"
-        if where
-        else "no --save: a relaunch starts over"
-    )
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
     due = ""
     if injected and name == "TrainerActor":

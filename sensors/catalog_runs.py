@@ -29,6 +29,7 @@ from assets.evals import eval_config_for_run
 from assets.partitions import policy_version_partitions
 from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
+from miles_platform.store.lineage_identity import read_edges
 from miles_platform.store.paths import StoragePaths, parse_partition_key, partition_key
 from miles_platform.store.run_events import committed_rows, is_abandoned, resume_events
 from miles_platform.store.run_health import run_finished, saved_run_config
@@ -81,7 +82,7 @@ def _run_context(
     eval_config: dict[str, Any] | None = None,
     extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    lineage = read_rows(paths, "lineage", run)
+    lineage = read_edges(paths, run)
     base = next((e["parent"] for e in lineage if e["relation"] == "base_checkpoint"), None)
     teachers: dict[str, list] = {}
     for e in lineage:

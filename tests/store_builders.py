@@ -1,10 +1,12 @@
 """Stores written by the store's own writers, as a `miles-platform train` run leaves them, without
 training: rollout shards (`write_rollout_shard`), policy-version rows and lineage
 (`record_policy_version`, the loop's recorder), metrics rows, the run's `run_config.json` and
-HF exports copied from a real checkpoint. Tests break them on purpose afterwards."""
+HF exports copied from a real checkpoint (or, for a LoRA run, PEFT adapter dirs written by
+`write_adapter_dir`). Tests break them on purpose afterwards."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,11 +32,16 @@ def build_run(
     **flags,
 ) -> list[dict]:
     """A finished run of `num_rollout` rollouts, one version per rollout (v = rollout id + 1), each
-    exported as a copy of `base`; each rollout trains the 4 prompts `i+i=` (one sample each). `staleness`: samples started that many versions before the
-    engine's. Returns the PolicyVersion dicts, as the loop hands them to its reporter."""
+    exported as a copy of `base` (with `lora_rank=r`: an adapter on `base`'s q_proj modules); each
+    rollout trains the 4 prompts `i+i=` (one sample each). `staleness`: samples started that many
+    versions before the engine's. `storage_root`: the root as the run was given it (default
+    `paths.root`). Returns the PolicyVersion dicts, as the loop hands them to its reporter."""
+    from miles_platform.models.checkpoint import content_hash
+
     flags.setdefault("prompt_data", "train.jsonl")
-    cfg = RunConfig(run_name=run, hf_checkpoint=base, num_rollout=num_rollout, rm_type="math",
-                    storage_root=paths.root, **flags)  # fmt: skip
+    flags.setdefault("storage_root", paths.root)
+    cfg = RunConfig(run_name=run, hf_checkpoint=base, num_rollout=num_rollout, rm_type="math", **flags)
+    base_hash = content_hash(base)
     cfg.save = paths.checkpoints(run)
     Path(cfg.save).mkdir(parents=True, exist_ok=True)
     (Path(cfg.save) / "run_config.json").write_text(saved_config(cfg))
@@ -48,14 +55,71 @@ def build_run(
             for i in range(4)
         ]  # fmt: skip
         shard = write_rollout_shard(paths, run, rid, samples)
-        hf = paths.hf_export(run, rid + 1)
-        shutil.copytree(base, hf)
-        pv = record_policy_version(cfg, paths, rid + 1, rid, rid, shard, hf, None, "basehash", "datahash")
+        if cfg.lora_rank:
+            hf = lora_adapter(paths.lora_adapter(run, rid + 1), base, cfg.lora_rank, seed=rid)
+        else:
+            hf = paths.hf_export(run, rid + 1)
+            shutil.copytree(base, hf)
+        pv = record_policy_version(cfg, paths, rid + 1, rid, rid, shard, hf, None, base_hash, "datahash")
         rows = [{"rollout_id": rid, "step": rid, "name": name, "value": value}
                 for name, value in (("rollout/raw_reward", reward), ("train/loss", 1.0 - reward))]  # fmt: skip
         append_rows(paths, "metrics", run, rows)
         out.append(pv.to_dict())
     return out
+
+
+def lora_adapter(path: str, base: str, rank: int, seed: int = 0) -> str:
+    """A PEFT adapter dir on every q_proj of the HF checkpoint `base`, as the LoRA trainer saves it."""
+    import torch
+    from safetensors import safe_open
+
+    from miles_platform.models.checkpoint import content_hash
+    from miles_platform.rollout.lora_serving import PREFIX
+    from miles_platform.training.lora import write_adapter_dir
+
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for f in sorted(Path(base).glob("*.safetensors")):
+        with safe_open(str(f), framework="np") as st:
+            for k in (k for k in st.keys() if k.endswith("q_proj.weight")):  # noqa: SIM118
+                out, inp = st.get_slice(k).get_shape()
+                module = PREFIX + k.removesuffix(".weight")
+                state[f"{module}.lora_A.weight"] = torch.randn(rank, inp, generator=g)
+                state[f"{module}.lora_B.weight"] = torch.randn(out, rank, generator=g)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj"]}
+    return write_adapter_dir(path, state, config, base, content_hash(base))
+
+
+def save_tiny_pipeline(path: str | Path) -> str:
+    """A diffusers-layout DiT pipeline dir with the files `diffusion.model.save_pipeline` writes
+    (model_index.json, transformer/, text_encoder/, scheduler/) and small random weights, built
+    without importing diffusers (seconds saved per test)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from miles_platform.diffusion.model import FAMILY, PIPELINE_CLASS, PIPELINE_FILES
+
+    root = Path(path)
+    rng = np.random.default_rng(0)
+    weights = {
+        "transformer": ("diffusion_pytorch_model.safetensors", {"pos_embed.proj.weight": (32, 3, 2, 2),
+                                                               "proj_out.weight": (12, 32)}),
+        "text_encoder": ("model.safetensors", {"table": (13, 32)}),
+    }  # fmt: skip
+    for component, (name, shapes) in weights.items():
+        (root / component).mkdir(parents=True)
+        (root / component / "config.json").write_text(json.dumps({"component": component}))
+        tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        save_file(tensors, str(root / component / name), metadata={"format": "pt"})
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps({"shift": 1.0}))
+    index = {"_class_name": PIPELINE_CLASS, "family": FAMILY, "task": "t2i",
+             "transformer": ["diffusers", "SD3Transformer2DModel"],
+             "text_encoder": ["miles_platform.diffusion.model", "PromptEncoder"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}  # fmt: skip
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    assert all((root / f).is_file() for f in PIPELINE_FILES), "save_pipeline writes more: add it here"
+    return str(root)
 
 
 def eval_rows(run: str, version: int, pass1: float, source: str, minutes: int) -> list[dict]:

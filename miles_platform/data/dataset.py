@@ -158,6 +158,10 @@ def load_prompt_dataset(
             head = f.read(4)
     except FileNotFoundError:
         raise DataError(f"{uri}: dataset file not found (check --prompt-data)") from None
+    except IsADirectoryError:
+        raise DataError(
+            f"{uri}: is a directory; give a JSONL or Parquet file (check --prompt-data)"
+        ) from None
     if _format(uri, head) == "parquet":
         rows = _parquet_rows(uri, [input_key] + ([label_key] if label_key else []))
     else:

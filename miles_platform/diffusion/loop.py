@@ -23,12 +23,11 @@ from typing import Any
 from miles_platform.diffusion.config import RESUMABLE, DiffusionRunConfig, parse_diffusion_config
 from miles_platform.errors import ConfigError
 from miles_platform.run_types import CITestFailure, Reporter, RunResult
-from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.paths import DIFFUSION_CONFIG, StoragePaths, partition_key
 
 LOG_KEYS = ("rollout/raw_reward", "train/loss", "train/pg_loss", "train/ratio_abs_minus_1",
             "train/log_prob_mean_abs_diff", "train/grad_norm", "perf/rollout_time", "perf/actor_train_time")  # fmt: skip
 # --ci-test: before the first optimizer step the trainer re-scores the engine's transitions
-DIFFUSION_CONFIG = "diffusion_config.json"
 CI_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 1e-2}
 
 

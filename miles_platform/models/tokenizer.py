@@ -16,13 +16,21 @@ PAD = "<|endoftext|>"
 BOS_CHAT = "<|im_start|>"
 SPECIAL_TOKENS = [PAD, BOS_CHAT, EOS]
 
-# Qwen-style chat template: the same prompt text an SGLang server would build.
+# Qwen-style chat template: the same prompt text an SGLang server would build. Generic: our task
+# models train on raw prompts (`18+25=`), so none of them learned it unless a run passed
+# --apply-chat-template; the engine's chat route refuses it (`has_learned_chat_template`).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+def has_learned_chat_template(tokenizer) -> bool:
+    """Whether `tokenizer` carries a chat template of its own: not none, not our generic one."""
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template) and template != CHAT_TEMPLATE
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int = 256) -> PreTrainedTokenizerFast:

@@ -1,8 +1,13 @@
 """OpenAI-compatible chat completions over SGLang's `/generate` (SGLang's serving_chat, for the
-embedded engine and the TITO session server). Pure functions; engine_server.py and sessions.py route.
+embedded engine and the TITO session server). Pure functions; openai_api.py and sessions.py route
+(and stream), completions.py reuses the field checks (`check_fields`, `sampling_params`).
 
     body --parse_request--> ChatRequest --render_prompt--> input_ids --generate_body--> /generate body
-    /generate answers --build_response--> chat.completion (or sse_chunks for stream=true)
+    /generate answers --build_response--> chat.completion (or sse_chunks on the session server)
+
+`render_prompt` refuses a model that learned no chat template (none, or our generic one: the task
+models train on raw prompts) with a 400 that points to /v1/completions: rendering messages in a
+layout the model never saw makes it answer nonsense where /generate on the raw prompt answers right.
 
 Field names follow SGLang's ChatCompletionRequest / ChatCompletionResponse
 (python/sglang/srt/entrypoints/openai/protocol.py): `max_completion_tokens` (or `max_tokens`),
@@ -23,17 +28,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.models.tokenizer import has_learned_chat_template
 from miles_platform.rollout.generate_hub.tool_call import qwen25_parser
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # accepted and without effect here (OpenAI bookkeeping, SGLang routing hints)
-_IGNORED = {
+IGNORED = {
     "model", "user", "parallel_tool_calls", "stream_options", "store", "metadata", "service_tier",
     "separate_reasoning", "stream_reasoning", "rid", "extra_key", "cache_salt", "priority",
     "routed_dp_rank", "data_parallel_rank",
 }  # fmt: skip
-# SGLang fields the embedded engine does not implement: a 400 unless left at the default
-_UNSUPPORTED = {
+# SGLang fields the embedded engine does not implement: a 400 unless left at the default (or harmless)
+UNSUPPORTED = {
     "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None,
     "response_format": None, "regex": None, "ebnf": None, "json_schema": None, "stop_regex": None,
     "min_tokens": 0, "continue_final_message": False, "return_hidden_states": False,
@@ -41,18 +47,21 @@ _UNSUPPORTED = {
     "custom_params": None, "session_params": None, "session_id": None, "return_cached_tokens_details": False,
     "logprob_start_len": None, "routed_experts_start_len": 0,
 }  # fmt: skip
+_HARMLESS = {"response_format": ({"type": "text"},), "best_of": (1,)}  # what a default means too
+# the /generate sampling params of both OpenAI routes (`sampling_params`), and the fields both take
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed",
+                   "ignore_eos", "skip_special_tokens", "no_stop_trim")  # fmt: skip
+COMMON_FIELDS = {*SAMPLING_FIELDS, "n", "stream", "lora_path", *IGNORED, *UNSUPPORTED}
 _FLAGS = ("logprobs", "stream", "return_meta_info", "return_token_ids", "return_prompt_token_ids",
           "ignore_eos", "no_stop_trim")  # fmt: skip
-_KNOWN = {"messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
-          "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed", "top_logprobs",
-          "skip_special_tokens", "chat_template_kwargs", "lora_path", "input_ids", *_FLAGS,
-          *_IGNORED, *_UNSUPPORTED}  # fmt: skip
+_KNOWN = {"messages", "tools", "tool_choice", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+          "input_ids", *_FLAGS, *COMMON_FIELDS}  # fmt: skip
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 class ChatError(ValueError):
-    """A bad chat request: HTTP 400 with this message."""
+    """A bad OpenAI request (chat or completion): HTTP 400 with this message."""
 
 
 @dataclass
@@ -79,42 +88,51 @@ class ChatRequest:
         return bool(self.tools) and self.tool_choice != "none"
 
 
-def parse_request(body: Any) -> ChatRequest:
-    """Validate a /v1/chat/completions body into a ChatRequest; ChatError (400) names the field."""
+def check_fields(body: Any, known: set[str], unsupported: dict[str, Any], flags: tuple[str, ...],
+                 what: str, schema: str) -> None:  # fmt: skip
+    """What every OpenAI route checks first: a JSON object, no unknown field, no field the engine
+    cannot honour (all of them named in one 400), flags as booleans."""
     if not isinstance(body, dict):
         raise ChatError("request body must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN)
+    unknown = sorted(set(body) - known)
     if unknown:
-        raise ChatError(f"unknown chat completion fields {unknown}; see SGLang's ChatCompletionRequest")
-    for k, default in _UNSUPPORTED.items():
-        v = body.get(k)
-        if v is not None and v != default and not (k == "response_format" and v == {"type": "text"}):
-            raise ChatError(f"{k}={v!r} is not supported by the embedded engine (leave it unset)")
-    for k in _FLAGS:
+        raise ChatError(f"unknown {what} fields {unknown}; see SGLang's {schema}")
+    bad = [
+        f"{k}={body[k]!r}"
+        for k, default in unsupported.items()
+        if body.get(k) is not None and body[k] != default and body[k] not in _HARMLESS.get(k, ())
+    ]
+    if bad:
+        one = len(bad) == 1
+        raise ChatError(
+            f"{', '.join(bad)} {'is' if one else 'are'} not supported by the embedded engine "
+            f"(leave {'it' if one else 'them'} unset)"
+        )
+    for k in flags:
         if body.get(k) is not None and not isinstance(body[k], bool):
             raise ChatError(f"{k} must be true or false, got {body[k]!r}")
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """Validate a /v1/chat/completions body into a ChatRequest; ChatError (400) names the field."""
+    check_fields(body, _KNOWN, UNSUPPORTED, _FLAGS, "chat completion", "ChatCompletionRequest")
     req = ChatRequest(messages=_messages(body.get("messages")), model=str(body.get("model") or "default"))
     req.tools = _tools(body.get("tools"))
     req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
-    req.sampling_params = _sampling_params(body)
-    req.n = _int(body, "n", 1, 1, MAX_N)
+    req.sampling_params = sampling_params(body)
+    req.n = int_field(body, "n", 1, 1, MAX_N)
     req.logprobs = bool(body.get("logprobs"))
-    req.top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    req.top_logprobs = int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     if req.top_logprobs and not req.logprobs:
         raise ChatError("top_logprobs needs logprobs=true")
-    req.stream = bool(body.get("stream"))
-    opts = body.get("stream_options") or {}
-    req.include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    req.stream, req.include_usage = bool(body.get("stream")), include_usage(body)
     for k in ("return_meta_info", "return_token_ids", "return_prompt_token_ids"):
         setattr(req, k, bool(body.get(k)))
     kw = body.get("chat_template_kwargs")
     if kw is not None and not isinstance(kw, dict):
         raise ChatError("chat_template_kwargs must be an object")
     req.chat_template_kwargs = dict(kw or {})
-    lora = body.get("lora_path")
-    if lora is not None and not isinstance(lora, str):
-        raise ChatError("lora_path must be an adapter name (a string)")
-    req.lora_path = lora
+    req.lora_path = lora_field(body)
     ids = body.get("input_ids")
     if ids is not None and (not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids)):
         raise ChatError("input_ids must be a non-empty list of token ids")
@@ -122,7 +140,19 @@ def parse_request(body: Any) -> ChatRequest:
     return req
 
 
-def _int(body: dict, key: str, default: int, lo: int, hi: int | None = None) -> int:
+def lora_field(body: dict) -> str | None:
+    lora = body.get("lora_path")
+    if lora is not None and not isinstance(lora, str):
+        raise ChatError("lora_path must be an adapter name (a string)")
+    return lora
+
+
+def include_usage(body: dict) -> bool:
+    opts = body.get("stream_options") or {}
+    return bool(isinstance(opts, dict) and opts.get("include_usage"))
+
+
+def int_field(body: dict, key: str, default: int, lo: int, hi: int | None = None) -> int:
     v = body.get(key)
     if v is None:
         return default
@@ -179,12 +209,13 @@ def _tool_choice(choice: Any, tools: list | None) -> Any:
     )
 
 
-def _sampling_params(body: dict) -> dict[str, Any]:
+def sampling_params(body: dict, default_max_tokens: int | None = None) -> dict[str, Any]:
     """SGLang's to_sampling_params: max_completion_tokens or max_tokens -> max_new_tokens, seed ->
-    sampling_seed; unset values are left out (the engine's defaults) except max_new_tokens (None:
-    up to the context length)."""
+    sampling_seed; unset values are left out (the engine's defaults) except max_new_tokens
+    (`default_max_tokens`; None: up to the context length)."""
     max_new = body.get("max_completion_tokens")
     max_new = body.get("max_tokens") if max_new is None else max_new
+    max_new = default_max_tokens if max_new is None else max_new
     if max_new is not None and (type(max_new) is not int or max_new <= 0):
         raise ChatError(f"max_tokens / max_completion_tokens={max_new!r}: must be a positive integer")
     sp: dict[str, Any] = {"max_new_tokens": max_new}
@@ -244,9 +275,19 @@ def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list | No
 
 
 def render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
-    """The prompt's token ids: `input_ids` as given, else the chat template with the generation prompt."""
+    """The prompt's token ids: `input_ids` as given, else the chat template with the generation
+    prompt. A model that learned no chat template (none, or our generic one: models/tokenizer.py)
+    is refused: rendering messages it never saw makes it answer nonsense."""
     if req.input_ids is not None:
         return list(req.input_ids)
+    if not has_learned_chat_template(tokenizer):
+        kind = "no chat template" if not getattr(tokenizer, "chat_template", None) else (
+            "only miles-platform's generic chat template, which its training prompts never used"
+        )  # fmt: skip
+        raise ChatError(
+            f'the served model has {kind}: POST the raw prompt (e.g. "18+25=") to /v1/completions, '
+            "or token ids as input_ids here"
+        )
     text = render_text(tokenizer, req.messages, req.tools, req.chat_template_kwargs, True)
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -297,20 +338,25 @@ def assistant_message(req: ChatRequest, output: dict[str, Any]) -> tuple[dict[st
     return msg, reason, matched
 
 
+def token_logprob(tokenizer: Any, logprob: float, token_id: int, top: list | None) -> dict[str, Any]:
+    """One `logprobs.content[]` entry: the token, its log-prob and its `top` ([logprob, id, ...])."""
+    token = tokenizer.decode([token_id])
+    tops = [
+        {"token": (t := tokenizer.decode([i])), "bytes": list(t.encode()), "logprob": float(v)}
+        for v, i, *_ in top or []
+    ]
+    return {"token": token, "bytes": list(token.encode()), "logprob": float(logprob), "top_logprobs": tops}
+
+
 def _logprobs(output: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     meta = output.get("meta_info") or {}
     tops = meta.get("output_top_logprobs") or []
-    content = []
-    for j, (lp, tid, *_) in enumerate(meta.get("output_token_logprobs") or []):
-        token = tokenizer.decode([tid])
-        top = [
-            {"token": (t := tokenizer.decode([i])), "bytes": list(t.encode()), "logprob": float(v)}
-            for v, i, *_ in (tops[j] if j < len(tops) and tops[j] else [])
+    return {
+        "content": [
+            token_logprob(tokenizer, lp, tid, tops[j] if j < len(tops) else None)
+            for j, (lp, tid, *_) in enumerate(meta.get("output_token_logprobs") or [])
         ]
-        content.append(
-            {"token": token, "bytes": list(token.encode()), "logprob": float(lp), "top_logprobs": top}
-        )
-    return {"content": content}
+    }
 
 
 def build_response(
@@ -352,8 +398,9 @@ def build_response(
 
 
 def sse_chunks(response: dict[str, Any], include_usage: bool = False) -> list[str]:
-    """stream=true: the finished response as SSE `chat.completion.chunk`s (role, content and tool
-    calls, finish), the usage chunk when asked, then `[DONE]`. Generation is not incremental."""
+    """stream=true on the session server: the finished response as SSE `chat.completion.chunk`s
+    (role, content and tool calls, finish), the usage chunk when asked, then `[DONE]` (a session
+    turn is assembled whole; the engine's routes stream token by token: openai_api.py)."""
     head = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
     def chunk(choices, **extra) -> str:
@@ -377,8 +424,8 @@ def sse_chunks(response: dict[str, Any], include_usage: bool = False) -> list[st
     return out
 
 
-def models_list(model_path: str, context_length: int) -> dict[str, Any]:
-    """GET /v1/models: SGLang's ModelList with the served model (its path is its id)."""
-    card = {"id": model_path, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+def models_list(model_id: str, model_path: str, context_length: int) -> dict[str, Any]:
+    """GET /v1/models: SGLang's ModelList with the served model (`model_id`, its checkpoint `root`)."""
+    card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "sglang",
             "root": model_path, "parent": None, "max_model_len": context_length}  # fmt: skip
     return {"object": "list", "data": [card]}

@@ -7,6 +7,7 @@ router's 502/504 for a worker that failed or hung mid-request, connection errors
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 
 import httpx
@@ -144,11 +145,27 @@ def _sync() -> httpx.Client:
     return _sync_client
 
 
+CONTROL_ATTEMPTS = 3  # a control call lost on the wire (a reset keep-alive connection) is sent again
+
+
+def _control(method: str, url: str, timeout: float, **kw) -> httpx.Response:
+    """One control call (pause, continue, weights, info) with up to CONTROL_ATTEMPTS sends when the
+    connection fails before an answer: a stalled engine's keep-alive connection is reset when it
+    resumes, and the first call after it failed the run (the control routes are idempotent: the
+    same version, the same pause state)."""
+    for attempt in range(CONTROL_ATTEMPTS):
+        try:
+            return _sync().request(method, url, timeout=timeout, **kw)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            if attempt == CONTROL_ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
 def post(url: str, path: str, json: dict | None = None, api_key: str | None = None, timeout: float = 60.0):
     """Synchronous POST returning parsed JSON (or text); raises EngineHTTPError on non-2xx."""
-    resp = _sync().post(
-        f"{url.rstrip('/')}{path}", json=json or {}, headers=_headers(api_key), timeout=timeout
-    )
+    resp = _control("POST", f"{url.rstrip('/')}{path}", timeout, json=json or {}, headers=_headers(api_key))
     if resp.status_code >= 300:
         raise EngineHTTPError(url + path, resp.status_code, _parse(resp))
     return _parse(resp)
@@ -156,7 +173,7 @@ def post(url: str, path: str, json: dict | None = None, api_key: str | None = No
 
 def get(url: str, path: str, api_key: str | None = None, timeout: float = 60.0):
     """Synchronous GET returning parsed JSON (or text); raises EngineHTTPError on non-2xx."""
-    resp = _sync().get(f"{url.rstrip('/')}{path}", headers=_headers(api_key), timeout=timeout)
+    resp = _control("GET", f"{url.rstrip('/')}{path}", timeout, headers=_headers(api_key))
     if resp.status_code >= 300:
         raise EngineHTTPError(url + path, resp.status_code, _parse(resp))
     return _parse(resp)

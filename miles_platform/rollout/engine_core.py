@@ -24,6 +24,7 @@ extras (`engine_logprobs.py`), the sampler (`sampling.py`) and LoRA serving (`lo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -240,9 +241,16 @@ class EngineCore(EngineWeightsMixin):
         self._enqueue([req])
         return req.future
 
-    def submit_json(self, body: dict) -> tuple[list[Future], bool]:
-        """Parse an SGLang `/generate` body (single or batch); returns (futures, is_batch)."""
+    def submit_json(
+        self, body: dict, on_token: Callable[[int, Request], None] | None = None
+    ) -> tuple[list[Future], bool]:
+        """Parse an SGLang `/generate` body (single or batch); returns (futures, is_batch).
+        `on_token(i, request)`: called on the scheduler thread after each token of prompt i
+        (streaming; quick, it holds up the whole batch)."""
         reqs, is_batch = self.request_parser.parse_body(body)
+        if on_token is not None:
+            for i, r in enumerate(reqs):
+                r.on_token = functools.partial(on_token, i)
         self._enqueue(reqs)
         return [r.future for r in reqs], is_batch
 
@@ -646,6 +654,7 @@ class EngineCore(EngineWeightsMixin):
                 finished.append((r, reason))
                 done.add(i)
         self._record_extras(logits, reqs)
+        self._stream_tokens(reqs)
         self._decode_texts([r for r, _ in finished])
         for r, reason in finished:
             self._finish(r, reason)
@@ -663,6 +672,16 @@ class EngineCore(EngineWeightsMixin):
                     r.output_top += top
                 if ids is not None:
                     r.output_token_ids += ids
+
+    def _stream_tokens(self, reqs: list[Request]) -> None:
+        """Hand each streamed request its new token (before any finishes: every token precedes the answer)."""
+        for r in reqs:
+            if r.on_token is not None:
+                try:
+                    r.on_token(r)
+                except Exception:  # a broken consumer loses its stream, not the batch its step
+                    log.exception("engine: on_token of request %s failed; streaming stops", r.rid)
+                    r.on_token = None
 
     def _decode_texts(self, reqs: list[Request]) -> None:
         """Detokenize the requests that finished in one step with one batch_decode per setting."""

@@ -14,7 +14,10 @@ from miles_platform.weights.transports import EngineHandle
 class RolloutEngineActor(EngineActor):
     """The embedded engine as a placed Ray actor (placement passes `rank=`)."""
 
-    def __init__(self, hf_checkpoint: str, rank: int = 0, **kwargs):
+    def __init__(self, hf_checkpoint: str, rank: int = 0, secret_env: dict | None = None, **kwargs):
+        from miles_platform.store.remote import apply_secret_env
+
+        apply_secret_env(secret_env)  # the object store's credentials (never in the runtime env)
         self.rank = rank
         super().__init__(hf_checkpoint, **kwargs)
 
@@ -62,16 +65,25 @@ def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
         weight_roots=engine_weight_roots(cfg),
         pause_wait_timeout_s=cfg.pause_wait_timeout_s,
         pause_max_queued_requests=cfg.pause_max_queued_requests,
+        secret_env=run_storage_secrets(cfg),
+        run_name=cfg.run_name,  # the OpenAI model id: <run>.v<NNNNNN>
         options={"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", **run_storage_env(cfg)}}},
     )
 
 
 def run_storage_env(cfg: RunConfig) -> dict[str, str]:
-    """The object-store endpoint and credentials of this driver, for actors that read or write the
+    """The object-store endpoint and settings of this driver, for actors that read or write the
     run's remote dirs (Ray's workers on another node do not have the driver's environment)."""
     from miles_platform.store.remote import storage_env
 
     return storage_env(cfg.storage_root, cfg.save, cfg.load, cfg.update_weight_disk_dir)
+
+
+def run_storage_secrets(cfg: RunConfig) -> dict[str, str]:
+    """The driver's object-store credentials, for the actors' constructors (`secret_env`)."""
+    from miles_platform.store.remote import storage_secrets
+
+    return storage_secrets(cfg.storage_root, cfg.save, cfg.load, cfg.update_weight_disk_dir)
 
 
 def restart_engine(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]], index: int) -> EngineHandle:

@@ -13,6 +13,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
@@ -212,6 +213,9 @@ class Request:
     # SGLang's return_routed_experts (MoE, R3): per forwarded token, [num_layers, top_k] expert ids
     return_routed_experts: bool = False
     routes: list = field(default_factory=list)  # int32 arrays [tokens, num_layers, top_k], in order
+    # streaming (the OpenAI routes): called with the request on the scheduler thread after each
+    # generated token, its log-prob and top log-probs recorded; it must be quick
+    on_token: Callable[[Request], None] | None = None
 
     @property
     def scores_input(self) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import posixpath
@@ -22,84 +21,29 @@ from dataclasses import dataclass
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from miles_platform.errors import MilesError
-from miles_platform.rollout import chat
 from miles_platform.rollout.engine_core import (
     DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
     DEFAULT_PAUSE_WAIT_TIMEOUT_S,
     EngineCore,
     check_pause_limits,
 )
-from miles_platform.rollout.engine_requests import EnginePaused, EngineStopped, RequestError, VersionConflict
+from miles_platform.rollout.engine_requests import EngineStopped, RequestError
+from miles_platform.rollout.http_common import (  # noqa: F401 (re-exported for the other servers)
+    DEFAULT_MAX_REQUEST_BYTES,
+    ENGINE_ERRORS,
+    add_guards,
+    all_results,
+    engine_error,
+    error,
+    json_body,
+)
 from miles_platform.rollout.lora_serving import read_adapter_dir
+from miles_platform.rollout.openai_api import add_openai_routes
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
-
-
-def error(status: int, message: str, **extra) -> JSONResponse:
-    """SGLang's error shape: {"error": {"message": ...}}."""
-    return JSONResponse({"error": {"message": message, **extra}}, status_code=status)
-
-
-def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
-    """Bearer-token auth (401) and a request size limit (413), shared by engine and router.
-
-    Every endpoint needs the key except `GET /health` (liveness probes; it reveals nothing). The
-    scheme is case-insensitive (RFC 7235) and the token is compared in constant time."""
-    want = api_key.encode() if api_key else None
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if want and not (request.method == "GET" and request.url.path == "/health"):
-            scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), want):
-                return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_request_bytes:
-            return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}")
-        return await call_next(request)
-
-
-async def json_body(request: Request, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
-    """Parse a JSON object body (every route takes one, as SGLang's); returns (body, None) or (None,
-    error response): 413 past the size limit, 400 for malformed JSON or a body that is not an object."""
-    raw = await request.body()
-    if len(raw) > max_request_bytes:
-        return None, error(413, f"request body of {len(raw)} bytes exceeds the limit of {max_request_bytes}")
-    if not raw:
-        return {}, None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        return None, error(400, f"malformed JSON body: {e}")
-    if not isinstance(body, dict):
-        return None, error(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body, None
-
-
-async def all_results(futures: list) -> list:
-    """Await concurrent futures with one wake-up of the event loop for the whole batch (not one per
-    future: those wake-ups contend for the GIL with the scheduler thread). Raises the first error."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-    left, lock = [len(futures)], threading.Lock()
-
-    def one_done(_):
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
-
-    if futures:
-        for f in futures:
-            f.add_done_callback(one_done)
-        await done
-    return [f.result() for f in futures]
 
 
 def _weight_root(path: str) -> str:
@@ -114,11 +58,15 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     weight_roots: list[str] | None = None,
+    served_model_name: str | None = None,
+    run_name: str | None = None,
 ) -> FastAPI:
     """`weight_roots`: `/update_weights_from_disk` loads only directories under these (None: any;
-    `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter)."""
+    `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter).
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
     app = FastAPI(title="miles-platform embedded engine")
     add_guards(app, api_key, max_request_bytes)
+    add_openai_routes(app, core, max_request_bytes, served_model_name, run_name)
     roots = None if weight_roots is None else [_weight_root(r) for r in weight_roots]
 
     def allowed(path: str) -> bool:
@@ -134,47 +82,9 @@ def create_app(
             # parsing and tokenization off the event loop: a huge prompt cannot stall /health
             futures, is_batch = await asyncio.to_thread(core.submit_json, body)
             results = await all_results(futures)
-        except RequestError as e:
-            return error(400, str(e))
-        except VersionConflict as e:
-            return JSONResponse({"error": e.info}, status_code=409)
-        except EnginePaused as e:  # paused past --pause-wait-timeout-s, or its queue is full
-            return JSONResponse({"error": e.info}, status_code=503)
-        except EngineStopped as e:
-            return error(503, str(e), retryable=True)
+        except ENGINE_ERRORS as e:
+            return engine_error(e)
         return Response(orjson.dumps(results if is_batch else results[0]), media_type="application/json")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        """OpenAI-compatible chat (rollout/chat.py): the chat template renders the prompt, one
-        batched /generate serves the n choices, tool calls are parsed (qwen25) when tools are given."""
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        try:
-            req = chat.parse_request(body)
-            ids = await asyncio.to_thread(chat.render_prompt, core.tokenizer, req)
-            gen = chat.generate_body(req, ids, core.context_length)
-            futures, _ = await asyncio.to_thread(core.submit_json, gen)
-            results = await all_results(futures)
-            resp = chat.build_response(req, results, core.tokenizer, ids)
-        except (chat.ChatError, RequestError) as e:
-            return error(400, str(e))
-        except VersionConflict as e:
-            return JSONResponse({"error": e.info}, status_code=409)
-        except EnginePaused as e:  # paused past --pause-wait-timeout-s, or its queue is full
-            return JSONResponse({"error": e.info}, status_code=503)
-        except EngineStopped as e:
-            return error(503, str(e), retryable=True)
-        if req.stream:
-            return StreamingResponse(
-                iter(chat.sse_chunks(resp, req.include_usage)), media_type="text/event-stream"
-            )
-        return Response(orjson.dumps(resp), media_type="application/json")
-
-    @app.get("/v1/models")
-    async def models():
-        return chat.models_list(core.model_path, core.context_length)
 
     @app.get("/health")
     async def health():
@@ -475,9 +385,12 @@ def start_engine_server(
     weight_roots: list[str] | None = None,
     pause_wait_timeout_s: float = DEFAULT_PAUSE_WAIT_TIMEOUT_S,
     pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
+    served_model_name: str | None = None,
+    run_name: str | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
-    existing EngineCore (it is then not stopped with the server; the pause limits are its own)."""
+    existing EngineCore (it is then not stopped with the server; the pause limits are its own).
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
     owns = core is None
     if core is None:
         core = EngineCore(
@@ -485,7 +398,7 @@ def start_engine_server(
             pause_wait_timeout_s, pause_max_queued_requests,
         )  # fmt: skip
     try:
-        app = create_app(core, api_key, max_request_bytes, weight_roots)
+        app = create_app(core, api_key, max_request_bytes, weight_roots, served_model_name, run_name)
         thread = serve_in_thread(app, host, port, "engine-http")
     except Exception:
         if owns:
@@ -539,6 +452,11 @@ def cli_main(argv: list[str]) -> int:
         default=os.environ.get("MILES_API_KEY"),
         help="require Authorization: Bearer <key> (default: $MILES_API_KEY)",
     )
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the OpenAI routes (/v1/models; default: the checkpoint's absolute path)",
+    )
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--max-running-requests", type=int, default=512, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
@@ -582,6 +500,7 @@ def cli_main(argv: list[str]) -> int:
         weight_roots=args.allow_weights_from or [os.path.dirname(os.path.abspath(args.hf_checkpoint))],
         pause_wait_timeout_s=args.pause_wait_timeout_s,
         pause_max_queued_requests=args.pause_max_queued_requests,
+        served_model_name=args.served_model_name,
     )
     print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
     wait_for_stop_signal()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from miles_platform.data.sample import Sample, Status
+from miles_platform.progress import Progress
 from miles_platform.rollout.metric_names import is_greedy_metric, sampled_name
 
 GenerateFn = Callable[..., list[list[str]]]
@@ -100,8 +101,10 @@ def generate_local(
     n: int = 1,
     seed: int = 0,
     batch_size: int = 256,
+    on_batch: Callable[[int], Any] | None = None,
 ) -> list[list[str]]:
-    """`n` completions per prompt (text without EOS). temperature 0 is greedy."""
+    """`n` completions per prompt (text without EOS). temperature 0 is greedy. `on_batch(size)`
+    after each batch of `batch_size` sequences (progress)."""
     gen = torch.Generator().manual_seed(seed)
     flat = [p for p in prompts for _ in range(n)]
     enc = [tokenizer.encode(p, add_special_tokens=False) for p in flat]
@@ -121,6 +124,8 @@ def generate_local(
             gen,
         )
         texts += [tokenizer.decode(t, skip_special_tokens=True) for t, _ in res]
+        if on_batch is not None:
+            on_batch(len(res))
     model.train(was_training)
     return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -208,6 +213,7 @@ def evaluate(
     metadata_key: str = "metadata",
     apply_chat_template: bool = False,
     tokenizer: Any | None = None,
+    progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """name -> {"pass@1" (greedy), "pass@<n>(T=<T>)" (unbiased pass@k over n samples at
     `temperature`), "mean_reward@<n>(T=<T>)" (over the n samples), "n", "k", "num_prompts"} and,
@@ -220,10 +226,12 @@ def evaluate(
     (a custom generate function's, graded with their status; a multi-turn generator's add
     "tool_call_share": greedy episodes with >= 1 tool call). `input_key` ... `apply_chat_template` read
     the datasets as `train` reads prompts; the chat template is the policy's tokenizer's (or
-    `tokenizer`'s, which a caller passing `generate_fn` must give).
+    `tokenizer`'s, which a caller passing `generate_fn` must give). `progress`: a line on stderr
+    every interval (responses generated of all datasets, ETA; miles_platform/progress.py).
     """
     if args is None:
         args = SimpleNamespace(rm_type=rm_type, custom_rm_path=None, group_rm=False, reward_key=None)
+    model = tok = None
     if generate_fn is None:
         if isinstance(policy, str):
             from miles_platform.models.checkpoint import load_hf_checkpoint
@@ -235,43 +243,66 @@ def evaluate(
             model, tok = policy
         tokenizer = tok if tokenizer is None else tokenizer
 
-        def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
-            return generate_local(model, tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
-
     results: dict[str, dict[str, Any]] = {}
     k = n_samples_per_eval_prompt
+    greedy_only = temperature is not None and temperature <= 0  # every sample is the greedy answer
+    loaded = []  # every dataset read first: the progress total is every response to generate
     for name, path in datasets:
         rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
-        rows = rows[:max_prompts]
-        prompts = [r["prompt"] for r in rows]
-        greedy_out = generate_fn(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed)
-        greedy = score(args, rows, greedy_out)
-        if temperature is not None and temperature <= 0:  # greedy samples are all the greedy answer
-            sampled = [g * k for g in greedy]
-        else:
-            sampled = score(
-                args, rows, generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, k, seed)
-            )
-        correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
-        res: dict[str, Any] = {
-            "pass@1": sum(g[0] for g in greedy) / len(rows),
-            sampled_name("pass", k, temperature): sum(pass_at_k(k, c, k) for c in correct) / len(rows),
-            sampled_name("mean_reward", k, temperature): sum(map(sum, sampled)) / (len(rows) * k),
-            "n": k,
-            "k": k,
-            "num_prompts": len(rows),
-        }
-        share = tool_call_share(greedy_out)
-        if share is not None:
-            res["tool_call_share"] = share
-        if breakdown_key and all(breakdown_key in (r.get("metadata") or {}) for r in rows):
-            groups: dict[str, list[float]] = {}
-            for r, g in zip(rows, greedy, strict=True):
-                groups.setdefault(str(r["metadata"][breakdown_key]), []).append(g[0])
-            for v, gs in sorted(groups.items()):
-                res[f"pass@1/{breakdown_key}={v}"] = sum(gs) / len(gs)
-        results[name] = res
+        loaded.append((name, rows[:max_prompts]))
+    total = sum(len(rows) * (1 + (0 if greedy_only else k)) for _, rows in loaded)
+    with Progress("eval", total, unit="response", enabled=progress) as bar:
+        generate = _counted(generate_fn, bar) if generate_fn else _local(model, tok, bar)
+        for name, rows in loaded:
+            bar.update(0, stage=name)
+            prompts = [r["prompt"] for r in rows]
+            greedy_out = generate(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed)
+            greedy = score(args, rows, greedy_out)
+            if greedy_only:
+                sampled = [g * k for g in greedy]
+            else:
+                sampled = score(
+                    args, rows, generate(prompts, max_new_tokens, temperature, top_p, top_k, k, seed)
+                )
+            correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
+            res: dict[str, Any] = {
+                "pass@1": sum(g[0] for g in greedy) / len(rows),
+                sampled_name("pass", k, temperature): sum(pass_at_k(k, c, k) for c in correct) / len(rows),
+                sampled_name("mean_reward", k, temperature): sum(map(sum, sampled)) / (len(rows) * k),
+                "n": k,
+                "k": k,
+                "num_prompts": len(rows),
+            }
+            share = tool_call_share(greedy_out)
+            if share is not None:
+                res["tool_call_share"] = share
+            if breakdown_key and all(breakdown_key in (r.get("metadata") or {}) for r in rows):
+                groups: dict[str, list[float]] = {}
+                for r, g in zip(rows, greedy, strict=True):
+                    groups.setdefault(str(r["metadata"][breakdown_key]), []).append(g[0])
+                for v, gs in sorted(groups.items()):
+                    res[f"pass@1/{breakdown_key}={v}"] = sum(gs) / len(gs)
+            results[name] = res
     return results
+
+
+def _local(model, tok, bar: Progress) -> GenerateFn:
+    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        return generate_local(model, tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed,
+                              on_batch=bar.update)  # fmt: skip
+
+    return generate
+
+
+def _counted(generate_fn: GenerateFn, bar: Progress) -> GenerateFn:
+    """A caller's generate function, reporting its responses to `bar` after each call."""
+
+    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        out = generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
+        bar.update(len(prompts) * n)
+        return out
+
+    return generate
 
 
 def tool_call_share(responses: list[list[Any]]) -> float | None:
@@ -365,6 +396,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         label_key=a.label_key,
         metadata_key=a.metadata_key,
         apply_chat_template=a.apply_chat_template,
+        progress=True,
     )
     if a.json:
         print(json.dumps(res))

@@ -72,7 +72,13 @@ def parse_adapter(
     for k, ok in _UNSUPPORTED.items():
         if config.get(k, ok) not in (ok, [], {}):
             raise CheckpointError(f"{where}: adapter_config {k}={config[k]!r} is not supported (need {ok!r})")
-    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise CheckpointError(f"{where}: adapter_config r={r!r}: must be a whole number >= 1")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < abs(alpha) <= 1e6:
+        raise CheckpointError(
+            f"{where}: adapter_config lora_alpha={alpha!r}: must be a finite number, 0 < |alpha| <= 1e6"
+        )
     scale = alpha / r**0.5 if config.get("use_rslora") else alpha / r
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     modules, served = {}, {}
@@ -92,6 +98,8 @@ def parse_adapter(
         if lin is None:
             raise CheckpointError(f"{where}: {key}: the served model has no linear module {module!r}")
         a, b = tensors[key], tensors[bkey]
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise CheckpointError(f"{where}: {module}: lora_A / lora_B hold NaN or inf values")
         if tuple(a.shape) != (r, lin.in_features) or tuple(b.shape) != (lin.out_features, r):
             raise CheckpointError(
                 f"{where}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected "

@@ -77,6 +77,7 @@ class RolloutManager:
         self.args = generate_hub.function_args(cfg, self.url)
         # --use-rollout-routing-replay: (num_layers, top_k) of the MoE model, to decode routed_experts
         self.moe_shape = _moe_shape(cfg.hf_checkpoint) if cfg.use_rollout_routing_replay else None
+        self.vocab_size = _vocab_size(cfg.hf_checkpoint)  # token ids a sample may carry into training
         self.state = GenerateState(
             self.args,
             tokenizer,
@@ -219,7 +220,22 @@ class RolloutManager:
             if (bad := s.nonfinite_field()) is not None:
                 s.remove_sample, s.loss_mask = True, [0] * len(s.response_tokens)
                 s.metadata["nonfinite"] = bad
+            self._fail_out_of_vocab(s)
         return samples
+
+    def _fail_out_of_vocab(self, s: Sample) -> None:
+        """A token id the model has no embedding for (a generate function's bug) fails its sample
+        only: removed from the loss, the ids recorded in metadata.oov_token_ids and replaced by EOS
+        so the trainer's forward can run the batch (it raised IndexError for the whole run)."""
+        v = self.vocab_size
+        if v is None or all(0 <= t < v for t in (*s.prompt_tokens, *s.response_tokens)):
+            return
+        eos = self.tok.eos_token_id
+        bad = sorted({t for t in (*s.prompt_tokens, *s.response_tokens) if not 0 <= t < v})
+        s.prompt_tokens = [t if 0 <= t < v else eos for t in s.prompt_tokens]
+        s.response_tokens = [t if 0 <= t < v else eos for t in s.response_tokens]
+        s.status, s.remove_sample, s.loss_mask = Status.FAILED.value, True, [0] * len(s.response_tokens)
+        s.metadata["oov_token_ids"] = bad[:16]
 
     # ------------------------------------------------------------------ generation
     def _generate_groups(self, rollout_id: int, records: list[PromptRecord], rnd: int) -> list[list[Sample]]:
@@ -485,6 +501,20 @@ def router_generate_fn(manager: RolloutManager):
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+def _vocab_size(hf_checkpoint: str | None) -> int | None:
+    """The embedding rows of the checkpoint (config.json's vocab_size, or its text_config's)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(hf_checkpoint or "", "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError):
+        return None
+    v = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
+    return int(v) if v else None
 
 
 def _moe_shape(hf_checkpoint: str) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 `/add_worker`, `/remove_worker`, `/list_workers` manage workers; the broadcast endpoints
 (`/pause_generation`, `/continue_generation`, `/flush_cache`, `/update_weights_from_disk`) go to
 every worker; any other path is proxied to the least-loaded healthy worker, at most
-`max_concurrency_per_worker` requests each (others wait). A background task probes `/health` every
+`max_concurrency_per_worker` requests each (others wait); an event stream (the OpenAI routes'
+`stream: true`) is relayed chunk by chunk as the worker writes it. A background task probes `/health` every
 `health_check_interval_s`; a failing worker (or one that refuses a proxied connection) leaves the
 rotation and comes back when it answers again. A request whose worker dies is retried elsewhere;
 a worker's own answer (any status: a paused engine's 503 `engine_paused`, a 409) is passed through
@@ -20,10 +21,11 @@ import os
 import time
 from dataclasses import dataclass
 
+import anyio
 import httpx
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles_platform.rollout.engine_server import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -154,10 +156,17 @@ class Router:
             except TimeoutError as e:
                 return error(503, f"router: {e} for {self.queue_timeout}s", retryable=True)
             url = f"{w.url}{path}" + (f"?{query}" if query else "")
+            req = self._client.build_request(
+                method, url, content=body, headers={**headers, **self.worker_headers}
+            )
             try:
-                resp = await self._client.request(
-                    method, url, content=body, headers={**headers, **self.worker_headers}
-                )
+                resp = await self._client.send(req, stream=True)
+                if _is_stream(resp):  # SSE (the OpenAI routes' stream=true): relayed as it comes
+                    return StreamingResponse(
+                        self._relay(resp, w), status_code=resp.status_code, media_type=resp.headers["content-type"],
+                        headers={"Cache-Control": "no-cache"},
+                    )  # fmt: skip
+                content = await resp.aread()
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout):
                 await self._release(w, ok=False)
                 continue  # the worker died before answering: try another one
@@ -175,9 +184,25 @@ class Router:
                 return error(502, f"router: worker {w.url}: {type(e).__name__}: {e}", retryable=True)
             await self._release(w, ok=True)
             return Response(
-                resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
+                content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
             )
         return error(503, "router: every worker failed this request", retryable=True)
+
+    async def _relay(self, resp: httpx.Response, w: Worker):
+        """A worker's event stream, chunk by chunk; its slot is held until the stream ends. A worker
+        that dies mid-stream leaves the rotation (the client sees the stream end); a client that
+        goes away is not the worker's fault."""
+        failed = False
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            failed = True
+            log.warning("router: worker %s broke off a stream: %s: %s", w.url, type(e).__name__, e)
+        finally:
+            with anyio.CancelScope(shield=True):  # the slot is released even when the client left
+                await resp.aclose()
+                await self._release(w, ok=not failed)
 
     async def generate(self, query: str, body: bytes, headers: dict) -> Response:
         """POST /generate. A batch (SGLang's list form) is split into one contiguous chunk per
@@ -236,6 +261,10 @@ class Router:
             await asyncio.gather(*(self._probe(w) for w in list(self.workers.values())))
             await self._notify()
             await asyncio.sleep(self.interval)
+
+
+def _is_stream(resp: httpx.Response) -> bool:
+    return resp.headers.get("content-type", "").startswith("text/event-stream")
 
 
 # SGLang fields that are one value per prompt when given as a list (token_ids_logprob: a list of

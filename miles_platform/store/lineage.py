@@ -13,6 +13,9 @@ checkpoint, rollout shard, prompt data, base checkpoint); eval / publication / q
 assets write `eval:<key>`, `publication:<key>`, `quantized:<key>:<fmt>` children of a
 partition key; conversion writes checkpoint -> checkpoint. Any new relation shows up here
 without code changes.
+
+One identity per node: paths absolute, old rows' relative paths resolved or matched by content hash
+(store/lineage_identity.py).
 """
 
 from __future__ import annotations
@@ -26,24 +29,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_platform.store.catalog import Catalog, CatalogError
-from miles_platform.store.paths import StoragePaths
+from miles_platform.store.lineage_identity import Edge, RecordedPaths, fold_by_content, node_id
+from miles_platform.store.paths import StoragePaths, absolute
+from miles_platform.store.remote import is_remote
 
 _SHARD_RE = re.compile(r"run=([^/]+)/rollout_id=(\d+)")
+_KEY_RE = re.compile(r"([^:]+)\.v\d{6}")  # the run of a partition key, also inside eval: / quantized: ids
 DEFAULT_DEPTH = 8
 
 
 class LineageError(CatalogError):
     """The node asked for is not in the lineage table."""
-
-
-@dataclass
-class Edge:
-    child: str
-    child_kind: str | None
-    parent: str
-    parent_kind: str | None
-    relation: str
-    data_version: str | None
 
 
 @dataclass
@@ -73,14 +69,15 @@ def write_edges(
     parents: list[tuple[str | None, str, str, str | None]],
 ) -> None:  # fmt: skip
     """Append `child`'s edges to the lineage table: one row per (parent, parent_kind, relation,
-    data_version); parents that are None (e.g. no --prompt-data) are skipped."""
+    data_version); parents that are None (e.g. no --prompt-data) are skipped. The one writer of
+    lineage rows: a node of a path kind is recorded absolute (`node_id`)."""
     from miles_platform.store.tables import append_rows
 
     rows = [
         {
-            "child": child,
+            "child": node_id(child, child_kind),
             "child_kind": child_kind,
-            "parent": p,
+            "parent": node_id(p, pk),
             "parent_kind": pk,
             "relation": rel,
             "data_version": dv,
@@ -100,12 +97,14 @@ class LineageGraph:
 
     def __init__(self, paths: StoragePaths):
         self.catalog = Catalog(paths)
-        latest: dict[tuple[str, str, str], Edge] = {}
-        for row in self._rows(
-            "SELECT child, child_kind, parent, parent_kind, relation, data_version FROM lineage "
+        recorded = RecordedPaths(paths)
+        rows = self._rows(
+            "SELECT run, child, child_kind, parent, parent_kind, relation, data_version FROM lineage "
             "WHERE child IS NOT NULL AND parent IS NOT NULL ORDER BY created_at"
-        ):
-            edge = Edge(**row)
+        )
+        edges, self.by_hash = fold_by_content([Edge(**recorded.edge(r.pop("run"), r)) for r in rows])
+        latest: dict[tuple[str, str, str], Edge] = {}
+        for edge in edges:
             latest[(edge.child, edge.parent, edge.relation)] = edge  # a re-run's row replaces the old one
         self.edges = list(latest.values())
         self.versions = {
@@ -124,11 +123,22 @@ class LineageGraph:
 
     # ------------------------------------------------------------- lookup
     def resolve(self, target: str) -> str | None:
-        """The node id for a partition key, a path (as written or absolute), or an `eval:...` id."""
-        candidates = [target, target.rstrip("/")]
-        if "://" not in target:
-            candidates.append(os.path.abspath(target).rstrip("/"))
-        return next((c for c in candidates if c in self.kinds), None)
+        """The node id for a partition key, an `eval:...` id, or a path: absolute, as written, or
+        (a local checkpoint dir no row names) by its content hash."""
+        candidates = [absolute(target), target, target.rstrip("/")]
+        found = next((c for c in candidates if c in self.kinds), None)
+        return found or self.by_hash.get(self._content_hash(target))
+
+    @staticmethod
+    def _content_hash(target: str) -> str | None:
+        from miles_platform.models.checkpoint import content_hash
+
+        if is_remote(target) or not os.path.isdir(target):
+            return None
+        try:
+            return content_hash(target)
+        except OSError:  # not a checkpoint dir (no config.json): no hash to match
+            return None
 
     def parents(self, node: str) -> list[Edge]:
         return [e for e in self.edges if e.child == node]
@@ -330,7 +340,8 @@ def _range(ids: list[str]) -> str:
 def format_compact(paths: StoragePaths, target: str) -> str:
     """The default view: the node, its own inputs, the chain of versions it was trained from as one
     range, every dataset / checkpoint that chain used once (with how many versions used it), the
-    shards as a count, and what came from the node and from its chain downstream, by kind."""
+    shards as a count, and what came from the node and from its chain downstream, by kind, one
+    range per run."""
     g = LineageGraph(paths)
     node = g.resolve(target)
     if node is None:
@@ -374,15 +385,16 @@ def format_compact(paths: StoragePaths, target: str) -> str:
     if not (chain or inputs or shards):
         lines.append("  (none)")
 
-    below: dict[str, list[str]] = {}
+    below: dict[tuple[str, str], set[str]] = {}  # (kind, run) -> ids: one range per run
     for n in [node, *chain]:
         for e in g.children(n):
             if e.relation == "trained_from" and g.kinds.get(e.child) == "policy_version" and n != node:
                 continue  # the chain itself
-            below.setdefault(g.kinds.get(e.child) or "unknown", []).append(e.child)
+            run = m.group(1) if (m := _KEY_RE.search(e.child)) else ""
+            below.setdefault((g.kinds.get(e.child) or "unknown", run), set()).add(e.child)
     lines += ["", "downstream (what came from it and its chain):"]
-    for k, ids in sorted(below.items()):
-        ids = sorted(set(ids))
+    for (k, _), ids in sorted(below.items()):
+        ids = sorted(ids)
         shown = ", ".join(ids) if len(ids) <= 3 else f"{ids[0]} .. {ids[-1]} ({len(ids)})"
         lines.append(f"  {k}: {shown}")
     if not below:
@@ -416,7 +428,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         "--full",
         action="store_true",
         help="the tree node by node, --depth levels up and down (default: a compact view: "
-        "the version chain as a range, each dataset and base once, downstream by kind)",
+        "the version chain as a range, each dataset and base once, downstream by kind and run)",
     )
     ap.add_argument(
         "--dataset-version", metavar="HASH", help="list policy versions trained on this data version"

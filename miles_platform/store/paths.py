@@ -21,7 +21,17 @@ from dataclasses import dataclass
 
 from miles_platform.store.remote import is_remote  # also: object-store listings are never cached
 
+RUN_CONFIG = "run_config.json"  # a checkpoint dir's record of the LLM run's config (store/run_state.py)
+DIFFUSION_CONFIG = "diffusion_config.json"  # a diffusion run dir's (diffusion/loop.py)
 TABLES = ("policy_versions", "evals", "lineage", "metrics", "run_events")
+
+
+def absolute(path: str | None) -> str | None:
+    """The one spelling of a local path the store records: absolute (against this process's cwd),
+    normalized, no trailing slash. An object-store URI stays as it is."""
+    if not path or is_remote(path):
+        return path
+    return os.path.abspath(path)
 
 
 def partition_key(run: str, version: int) -> str:

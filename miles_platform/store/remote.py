@@ -189,8 +189,25 @@ def remove(url: str) -> None:
         fs.rm(p, recursive=True)
 
 
+# credentials: never in a Ray runtime env (its agent logs every env var, 0644, never cleaned: another
+# local user read the S3 secret there); they reach an actor as a constructor argument instead
+STORAGE_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
 def storage_env(*paths: str | None) -> dict[str, str]:
-    """The env vars of STORAGE_ENV set here, when any of `paths` is remote (else {})."""
+    """The non-secret env vars of STORAGE_ENV set here, when any of `paths` is remote (else {})."""
     if not any(is_remote(p) for p in paths):
         return {}
-    return {k: os.environ[k] for k in STORAGE_ENV if k in os.environ}
+    return {k: os.environ[k] for k in STORAGE_ENV if k in os.environ and k not in STORAGE_SECRETS}
+
+
+def storage_secrets(*paths: str | None) -> dict[str, str]:
+    """The credentials of STORAGE_SECRETS set here, when any of `paths` is remote (else {})."""
+    if not any(is_remote(p) for p in paths):
+        return {}
+    return {k: os.environ[k] for k in STORAGE_SECRETS if k in os.environ}
+
+
+def apply_secret_env(env: dict[str, str] | None) -> None:
+    """In an actor's process, before anything reads the store: the driver's credentials."""
+    os.environ.update(env or {})

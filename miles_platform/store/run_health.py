@@ -13,8 +13,11 @@ as asset checks (assets/run_health.py); they need no Dagster.
 - async_staleness: with --max-weight-staleness, no sample of a version's rollout started more than
   that many versions before the engine version it was trained at (the version's parent); the
   largest staleness and in-generation span (weight_version_end - weight_version_start) per run.
-- hf_export_sanity: each version's HF export has config.json and safetensors with the key set and
-  parameter count of the run's base checkpoint.
+- hf_export_sanity: each version's weights dir holds what its model kind should (store/model_kinds.py):
+  an HF export config.json + safetensors, a diffusers pipeline every component model_index.json
+  names, with the key set and parameter count of the run's base; a PEFT adapter lora_A / lora_B
+  pairs of its rank fitting the base's modules, with the key set of the run's first adapter. A run
+  of no known kind is listed as not checked.
 - prompt_coverage: the data source's epochs, seen in the trained groups. Each epoch serves every
   prompt of --prompt-data once, so a run that drew a full epoch (trained + dynamically dropped
   groups, beyond one --over-sampling-batch-size of buffer) trained every prompt but the dropped
@@ -26,7 +29,6 @@ as asset checks (assets/run_health.py); they need no Dagster.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,16 @@ import pyarrow.parquet as pq
 
 from miles_platform.config import RunConfig
 from miles_platform.rollout.filter_hub import DROP_METRIC_PREFIX  # groups drawn, not trained
+from miles_platform.store.lineage_identity import read_edges
+from miles_platform.store.model_kinds import (
+    KINDS,
+    MARKERS,
+    Census,
+    ExportError,
+    ModelKind,
+    kind_of,
+    parameters,
+)
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.run_events import abandoned_numbers, committed_rows, resume_events
 from miles_platform.store.shards import list_rollout_shards, shard_path
@@ -188,66 +200,72 @@ def async_staleness(paths: StoragePaths) -> Health:
     return out
 
 
-def _safetensors_census(hf_dir: str) -> tuple[dict[str, int], str | None]:
-    """{tensor name: numel} of an HF dir's safetensors (headers only), or an error."""
-    from safetensors import safe_open
-
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        return {}, "config.json missing"
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        return {}, "no *.safetensors"
-    out: dict[str, int] = {}
+def _base_census(kind: ModelKind, base: str | None) -> tuple[Census | None, str]:
+    """The census of the run's base checkpoint as `kind`'s base (None when not readable here)."""
+    name, base_kind = f"base checkpoint {base}", KINDS[kind.base_kind]
+    if kind_of(base) is not base_kind:
+        return None, name
     try:
-        for f in files:
-            with safe_open(str(f), framework="np") as st:
-                for k in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    numel = 1
-                    for d in st.get_slice(k).get_shape():
-                        numel *= d
-                    out[k] = numel
-    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file
-        return {}, f"unreadable safetensors: {str(e).splitlines()[0]}"
-    return out, None
+        return base_kind.census(Path(base)), name
+    except ExportError:
+        return None, name
+
+
+def _run_kind(rows: list[dict], base: str | None) -> ModelKind | None:
+    """A LoRA run's versions are adapters; otherwise the kind of the base, else of the first export
+    of a known kind."""
+    if any(r.get("adapter_path") for r in rows):
+        return KINDS["peft_adapter"]
+    return next(filter(None, map(kind_of, [base, *(r.get("hf_path") for r in rows)])), None)
+
+
+def _check_exports(kind: ModelKind, base: str | None, exports: list[tuple[str, str]], out: Health) -> dict:
+    """Each (partition key, dir) as `kind`: readable, the reference's key set and parameter count
+    (the base's, else the run's first readable one), and fitting the base (adapters)."""
+    base_census, base_name = _base_census(kind, base)
+    ref, ref_name = (base_census, base_name) if kind.base_is_reference and base_census else (None, None)
+    fit_name = f"the {base_name}" if base_census is not None else "adapter_config.json r"
+    for key, d in exports:
+        try:
+            got = kind.census(Path(d))
+        except ExportError as e:
+            out.problems.append(f"{key}: {kind.label} {d}: {e}")
+            continue
+        if ref is None:
+            ref, ref_name = got, f"first {kind.noun} {key}"
+        if kind.misfits is not None:
+            out.problems += [f"{key}: {p}" for p in kind.misfits(Path(d), got, base_census, fit_name)]
+        if set(got) != set(ref):
+            extra, lost = sorted(set(got) - set(ref)), sorted(set(ref) - set(got))
+            out.problems.append(
+                f"{key}: key set differs from the {ref_name}: missing {lost[:5]}, extra {extra[:5]}"
+            )
+        elif parameters(got) != parameters(ref):
+            out.problems.append(f"{key}: {parameters(got)} parameters, the {ref_name} has {parameters(ref)}")
+    if kind.misfits is not None and ref_name:
+        ref_name += f", fitting {base_name if base_census is not None else 'no readable base'}"
+    return {"kind": kind.name, "exports_checked": len(exports),
+            "parameters": parameters(ref) if ref else 0, "reference": ref_name}  # fmt: skip
 
 
 def hf_export_sanity(paths: StoragePaths) -> Health:
+    """Every version's weights dir checked as what its run trains: an HF export, a diffusers
+    pipeline or a PEFT adapter (store/model_kinds.py); a run of no known kind is listed, not failed."""
     out = Health()
     for run in _runs(paths):
-        rows = [r for r in _versions(paths, run) if r.get("hf_path")]  # LoRA versions: adapters, not checked
-        if not rows:
+        rows = _versions(paths, run)
+        exports = [(r["partition_key"], r.get("adapter_path") or r.get("hf_path")) for r in rows]
+        exports = [(k, d) for k, d in exports if d and "://" not in d]
+        if not exports:
             continue
-        edges = read_rows(paths, "lineage", run)
+        edges = read_edges(paths, run)  # an old row's relative base resolved where knowable
         base = next((e["parent"] for e in edges if e["relation"] == "base_checkpoint" and e["parent"]), None)
-        ref, ref_name = ({}, None)
-        if base and "://" not in base:
-            ref, err = _safetensors_census(base)
-            ref_name = None if err else f"base checkpoint {base}"
-        checked = 0
-        for r in rows:
-            if "://" in r["hf_path"]:
-                continue
-            got, err = _safetensors_census(r["hf_path"])
-            checked += 1
-            if err:
-                out.problems.append(f"{r['partition_key']}: HF export {r['hf_path']}: {err}")
-                continue
-            if ref_name is None:  # no readable base: the run's first readable export is the reference
-                ref, ref_name = got, f"first export {r['partition_key']}"
-            if set(got) != set(ref):
-                extra, lost = sorted(set(got) - set(ref)), sorted(set(ref) - set(got))
-                out.problems.append(
-                    f"{r['partition_key']}: key set differs from the {ref_name}: missing {lost[:5]}, extra {extra[:5]}"
-                )
-            elif sum(got.values()) != sum(ref.values()):
-                out.problems.append(
-                    f"{r['partition_key']}: {sum(got.values())} parameters, the {ref_name} has {sum(ref.values())}"
-                )
-        out.per_run[run] = {
-            "exports_checked": checked,
-            "parameters": sum(ref.values()),
-            "reference": ref_name,
-        }
+        kind = _run_kind(rows, base)
+        if kind is None:
+            out.per_run[run] = {"kind": "unknown", "exports_checked": 0, "parameters": None,
+                                "reference": f"not checked: no {MARKERS} in the base or any export"}  # fmt: skip
+            continue
+        out.per_run[run] = _check_exports(kind, base, exports, out)
     return out
 
 

@@ -33,9 +33,17 @@ class RunLocked(ConfigError):
     """Another live process is writing this run."""
 
 
+def local_save_dir(save: str) -> str:
+    """Where a --save dir's lock file lives: the dir, or this host's mirror of a remote one."""
+    from miles_platform.store.remote import is_remote, mirror_path
+
+    return mirror_path(save) if is_remote(save) else save
+
+
 class RunLock:
-    def __init__(self, run_dir: str, run: str):
-        self.run = run
+    def __init__(self, run_dir: str, run: str, what: str | None = None):
+        """`what`: the thing locked, for the error (default: the run itself)."""
+        self.run, self.what = run, what or f"run {run!r}"
         self.path = Path(run_dir) / "writer.lock"
         self._fd: int | None = None
 
@@ -48,12 +56,12 @@ class RunLock:
             holder = _read_holder(fd)
             os.close(fd)
             raise RunLocked(
-                f"run {self.run!r} is being written by pid {holder.get('pid', '?')} on "
-                f"{holder.get('host', '?')} (since {holder.get('started', '?')}); one writer per run: "
-                "wait for it, stop it, or pick another --run-name"
+                f"{self.what} is being written by pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
+                f"(run {holder.get('run', '?')!r}, since {holder.get('started', '?')}); one writer at a time: "
+                "wait for it, stop it, or pick another --run-name / --save"
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+        os.pwrite(fd, json.dumps({**_holder(), "run": self.run}).encode(), 0)
         self._fd = fd
         return self
 

@@ -12,11 +12,10 @@ from pathlib import Path
 
 from miles_platform.config import RESUMABLE, ConfigError, RunConfig, config_changes, saved_config
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
-from miles_platform.store.paths import StoragePaths
+from miles_platform.store.paths import RUN_CONFIG, StoragePaths
 
 # staging names of the atomic writers (store/atomic.py, export, checkpoints, disk-delta publish)
 _TMP = re.compile(r"^\..*\.tmp-[0-9a-f]+$|^\.tmp-.+-[0-9a-f]{8}$")
-RUN_CONFIG = "run_config.json"
 
 
 def remove_dead_writers_tmp(cfg: RunConfig, paths: StoragePaths, log: Callable[[str], None]) -> None:
@@ -60,6 +59,13 @@ def check_resume_config(cfg, log: Callable[[str], None], resumable: frozenset[st
     else:
         rec = Path(src) / RUN_CONFIG
         saved = rec.read_bytes() if rec.is_file() else None
+    owner = json.loads(saved).get("run_name") if saved is not None else None
+    if owner not in (None, cfg.run_name) and src == cfg.save:
+        raise ConfigError(
+            f"--save {cfg.save} holds the checkpoints of run {owner!r}, not {cfg.run_name!r}: a second run "
+            "writing there would take over its checkpoints and its run_config.json. Give this run its own "
+            f"--save, or --run-name {owner} to resume that run"
+        )
     if read_latest(src) is not None and saved is not None:
         changes = config_changes(json.loads(saved), cfg, resumable)
         if changes and not cfg.allow_config_change:

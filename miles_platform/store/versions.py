@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from miles_platform.config import RunConfig
 from miles_platform.run_types import PolicyVersion
-from miles_platform.store.paths import StoragePaths, partition_key
+from miles_platform.store.paths import StoragePaths, absolute, partition_key
 
 
 def is_final_version(cfg, rollout_id: int) -> bool:
@@ -32,13 +32,16 @@ def record_policy_version(
     # a LoRA version is its adapter dir + the frozen base (by content hash), never a merged copy
     lora = cfg.lora_rank > 0
     adapter_dir, hf_dir = (hf_dir, None) if lora else (None, hf_dir)
+    # one spelling per path (store/lineage.py): absolute, whatever the flags were typed as
+    base, data = absolute(cfg.hf_checkpoint), absolute(cfg.prompt_data)
+    ckpt, hf_dir, adapter_dir = absolute(ckpt), absolute(hf_dir), absolute(adapter_dir)
     pv = PolicyVersion(
         run=run, version=version, partition_key=partition_key(run, version), parent_version=parent_version,
         parent_partition_key=partition_key(run, parent_version), rollout_id=rollout_id, checkpoint_path=ckpt,
         hf_path=hf_dir, content_hash=content_hash(adapter_dir or hf_dir), config_hash=cfg.config_hash(),
-        base_data_version=base_version, dataset_data_version=data_version, shard_path=shard.path,
-        shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=cfg.hf_checkpoint,
-        prompt_data=cfg.prompt_data, eval_interval=cfg.eval_interval, adapter_path=adapter_dir,
+        base_data_version=base_version, dataset_data_version=data_version, shard_path=absolute(shard.path),
+        shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=base,
+        prompt_data=data, eval_interval=cfg.eval_interval, adapter_path=adapter_dir,
         distilled_from=[{"teacher": t, "kind": k, "content_hash": h} for t, k, h in teachers],
         final=is_final_version(cfg, rollout_id),
     )  # fmt: skip
@@ -47,11 +50,11 @@ def record_policy_version(
     write_edges(
         paths, run, pv.partition_key, "policy_version",
         [
-            (cfg.hf_checkpoint if first else pv.parent_partition_key, "checkpoint" if first else "policy_version",
+            (base if first else pv.parent_partition_key, "checkpoint" if first else "policy_version",
              "trained_from", base_version if first else None),
-            (shard.path, "rollout_shard", "trained_on", None),
-            (cfg.prompt_data, "dataset", "prompt_data", data_version),
-            (cfg.hf_checkpoint, "checkpoint", "base_checkpoint", base_version),
+            (pv.shard_path, "rollout_shard", "trained_on", None),
+            (data, "dataset", "prompt_data", data_version),
+            (base, "checkpoint", "base_checkpoint", base_version),
             *([(adapter_dir, "lora_adapter", "adapter", pv.content_hash)] if lora else []),
             *((t, kind, "distilled_from", h) for t, kind, h in teachers),
             *([(f"config:{config_changed_from}", "run_config", "config_changed_from", config_changed_from)]

@@ -95,7 +95,11 @@ def _rank_log(line: str) -> None:
 class TrainerActor:
     """Trainer rank. In the loop it is wrapped with `ray.remote`; tests may use it directly."""
 
-    def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1, dist_init: str | None = None):
+    def __init__(
+        self, cfg: RunConfig, rank: int = 0, world_size: int = 1, dist_init: str | None = None,
+        secret_env: dict | None = None,
+    ):  # fmt: skip
+        remote.apply_secret_env(secret_env)  # the object store's credentials (never in the runtime env)
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS", "1"))))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self._moe: set = set()  # the RoutingReplay of each MoE model this actor forwards (policy, reference)

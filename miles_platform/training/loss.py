@@ -27,7 +27,6 @@ import torch
 
 from miles_platform.config import ConfigError
 from miles_platform.plugins import load_function
-from miles_platform.training.score_centering import score_centering_loss
 
 Tensors = list[torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -89,8 +88,10 @@ def per_token_mean(
     (--calculate-per-token-loss, Miles' normalizer)."""
     if denominators is None:
         denominators = torch.stack([m.sum() for m in loss_masks])
-    total = sum((at_active(v, m) * m).sum() for v, m in zip(values, loss_masks, strict=True))
-    return total / denominators.clamp_min(1).sum()
+    # one sum over the concatenated tokens (not a sum of per-sample sums): the same rounding as a
+    # plain token mean, so runs without masked-out samples train bit for bit as before
+    flat = torch.cat([at_active(v, m) for v, m in zip(values, loss_masks, strict=True)])
+    return (flat * torch.cat(loss_masks)).sum() / denominators.clamp_min(1).sum()
 
 
 def get_reducer(args) -> Reducer:
@@ -607,8 +608,13 @@ def value_loss(
     return loss, {"value_loss": loss.detach(), "value_clipfrac": reduce(clipped, masks).detach()}
 
 
-LOSSES: dict[str, LossFn] = {"policy_loss": policy_loss_function, "sft_loss": sft_loss_function}
-LOSSES["score_centering"] = score_centering_loss  # training/score_centering.py
+# a built-in loss in a module of its own is named by its dotted path: it imports this hub, so the hub
+# cannot import it back (scripts/import_cycles.py)
+LOSSES: dict[str, LossFn | str] = {
+    "policy_loss": policy_loss_function,
+    "sft_loss": sft_loss_function,
+    "score_centering": "miles_platform.training.score_centering.score_centering_loss",
+}
 
 
 def get_loss_function(args) -> LossFn:
@@ -624,4 +630,5 @@ def get_loss_function(args) -> LossFn:
         return load_function(path, "--custom-loss-function-path", required_params=4)
     if loss_type not in LOSSES:
         raise ConfigError(f"--loss-type {loss_type!r}: valid: {sorted(LOSSES) + ['custom_loss']}")
-    return LOSSES[loss_type]
+    fn = LOSSES[loss_type]
+    return load_function(fn, "--loss-type") if isinstance(fn, str) else fn

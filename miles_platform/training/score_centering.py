@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from miles_platform.config import ConfigError
+from miles_platform.training.loss import add_regularizers, get_reducer
 
 EPS = 1e-6
 Tensors = list[torch.Tensor]
@@ -99,8 +100,6 @@ def score_centering_loss(
     candidates: "rollout_topk_token_ids" / "rollout_topk_log_probs" (the engine's, [n, K] per
     sample) and "candidate_log_probs" (the trainer's log p at those ids, with grad; the actor adds
     them because this function sets `needs_candidate_log_probs`)."""
-    from miles_platform.training.loss import add_regularizers, get_reducer  # loss.py registers this
-
     if "candidate_log_probs" not in batch:
         raise ConfigError(
             "--loss-type score_centering: the batch has no candidate_log_probs (the trainer adds them "

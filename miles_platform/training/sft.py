@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from miles_platform.errors import DataError, MilesError
 from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from miles_platform.models.qwen3 import build_model, num_parameters, tiny_qwen3_config
 from miles_platform.models.tokenizer import TASK_TOKENIZERS
+from miles_platform.progress import Progress
 from miles_platform.training.actor import TrainBatch, TrainerActor
 
 
@@ -147,7 +147,7 @@ def run_sft(
     recipe: SFTRecipe | None = None,
     input_key: str = "prompt",
     response_key: str = "response",
-    progress: bool | None = None,
+    progress: bool = True,
     tokenizer: str = "arithmetic",
 ) -> dict[str, Any]:
     """SFT from scratch (the `tokenizer` task's tokenizer, models.tokenizer.TASK_TOKENIZERS, + tiny
@@ -156,7 +156,8 @@ def run_sft(
 
     Returns metrics: loss_curve [(step, loss)], final_loss, sft_seconds, sft_cpu_seconds, train_iters,
     num_parameters, num_samples, save (path or None), and the trained HF `model` + `tokenizer`.
-    Saves an HF checkpoint when `save` is set.
+    Saves an HF checkpoint when `save` is set. `progress`: a line on stderr every interval (step,
+    loss, lr, ETA; miles_platform/progress.py).
     """
     recipe = recipe or default_sft_recipe()
     if recipe.global_batch_size % recipe.micro_batch_size:
@@ -256,37 +257,27 @@ def _load_trained(model, state: dict[str, torch.Tensor]) -> None:
         )
 
 
-def _progress(total: int, enabled: bool | None):
-    from tqdm import tqdm
-
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(total=total, desc="sft", disable=not enabled, leave=False)
-
-
 def _train(
-    actor: TrainerActor, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress
+    actor: TrainerActor, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress: bool
 ) -> dict:
     gen = torch.Generator().manual_seed(recipe.seed)
     curve: list[tuple[int, float]] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
-    bar = _progress(iters, progress)
     n_rows = ids.size(0)
     perm, pos = torch.randperm(n_rows, generator=gen), 0
     window: list[float] = []
-    for step in range(iters):
-        if pos + recipe.global_batch_size > n_rows:  # new epoch: reshuffle
-            perm, pos = torch.randperm(n_rows, generator=gen), 0
-        rows = perm[pos : pos + recipe.global_batch_size]
-        pos += recipe.global_batch_size
-        m = actor.train(step, sft_train_batch(ids[rows], mask[rows]))
-        window.append(m["train/loss"])
-        if (step + 1) % recipe.log_interval == 0 or step == iters - 1:
-            curve.append((step + 1, sum(window) / len(window)))
-            bar.set_postfix(loss=f"{curve[-1][1]:.4f}", lr=f"{m['train/lr']:.2e}")
-            window = []
-        bar.update(1)
-    bar.close()
+    with Progress("sft", iters, enabled=progress) as bar:  # a line per interval: step, loss, ETA
+        for step in range(iters):
+            if pos + recipe.global_batch_size > n_rows:  # new epoch: reshuffle
+                perm, pos = torch.randperm(n_rows, generator=gen), 0
+            rows = perm[pos : pos + recipe.global_batch_size]
+            pos += recipe.global_batch_size
+            m = actor.train(step, sft_train_batch(ids[rows], mask[rows]))
+            window.append(m["train/loss"])
+            if (step + 1) % recipe.log_interval == 0 or step == iters - 1:
+                curve.append((step + 1, sum(window) / len(window)))
+                window = []
+            bar.update(loss=float(m["train/loss"]), lr=float(m["train/lr"]))
     return {
         "loss_curve": curve,
         "final_loss": curve[-1][1],

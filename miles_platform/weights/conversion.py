@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from miles_platform.errors import CheckpointError
+from miles_platform.progress import Progress
 from miles_platform.store.atomic import write_atomic
 
 RELEASE = "release"
@@ -74,16 +75,23 @@ def _state_dtype(sd: dict[str, torch.Tensor]) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def _convert_rank(rank: int, world: int, port: int | None, hf_checkpoint: str, out_dir: str, errors) -> None:
-    """One TP rank: build GPTModel, load its shard of the bridged HF weights, save torch_dist."""
+def _convert_rank(
+    rank: int, world: int, port: int | None, hf_checkpoint: str, out_dir: str, errors,
+    bar: Progress | None = None,
+) -> None:  # fmt: skip
+    """One TP rank: build GPTModel, load its shard of the bridged HF weights, save torch_dist.
+    `bar` (rank 0 only): a step per phase."""
     from miles_platform.training import megatron_backend as mb
     from miles_platform.training import megatron_shims
+
+    step = bar.update if bar is not None else lambda *a, **k: None
 
     try:
         torch.set_num_threads(1)
         cfg, hf_sd = read_hf_state_dict(hf_checkpoint)
         megatron_shims.init_process_group(rank, world, world, master_port=port)
         model, bridge = mb.build_gpt_model(cfg, world, params_dtype=_state_dtype(hf_sd))
+        step(stage="loading the weights")
         full = bridge.hf_to_megatron(
             hf_sd,
             cfg,
@@ -91,7 +99,9 @@ def _convert_rank(rank: int, world: int, port: int | None, hf_checkpoint: str, o
             padded_vocab_size=bridge.gpt_model_kwargs(cfg, world)["vocab_size"],
         )
         mb.load_full_state(model, full)
+        step(stage="saving torch_dist")
         mb.save_torch_dist(model, out_dir)
+        step(stage="finishing")
     except Exception as e:
         if errors is None:
             raise
@@ -100,7 +110,7 @@ def _convert_rank(rank: int, world: int, port: int | None, hf_checkpoint: str, o
         megatron_shims.destroy_process_group()
 
 
-def _run_ranks(world: int, hf_checkpoint: str, out_dir: str) -> None:
+def _run_ranks(world: int, hf_checkpoint: str, out_dir: str, bar: Progress | None = None) -> None:
     """Rank 0 runs here, ranks 1..world-1 in spawned processes (one megatron import fewer)."""
     import torch.distributed as dist
 
@@ -109,7 +119,7 @@ def _run_ranks(world: int, hf_checkpoint: str, out_dir: str) -> None:
     if dist.is_initialized():
         raise CheckpointError("hf-to-torch-dist: run it in a process without a torch.distributed group")
     if world == 1:
-        _convert_rank(0, 1, None, hf_checkpoint, out_dir, None)
+        _convert_rank(0, 1, None, hf_checkpoint, out_dir, None, bar)
         return
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
@@ -121,7 +131,7 @@ def _run_ranks(world: int, hf_checkpoint: str, out_dir: str) -> None:
     for p in procs:
         p.start()
     try:
-        _convert_rank(0, world, port, hf_checkpoint, out_dir, errors)
+        _convert_rank(0, world, port, hf_checkpoint, out_dir, errors, bar)
     finally:
         for p in procs:
             p.join()
@@ -168,9 +178,18 @@ def _count_tensors(path: Path) -> int:
 
 
 def hf_to_torch_dist(
-    hf_checkpoint: str | os.PathLike, save: str | os.PathLike, tensor_model_parallel_size: int = 1
+    hf_checkpoint: str | os.PathLike, save: str | os.PathLike, tensor_model_parallel_size: int = 1,
+    progress: bool = False,
+) -> ConversionResult:  # fmt: skip
+    """HF dir -> <save>/release/ (torch_dist) + latest_checkpointed_iteration.txt, atomically.
+    `progress`: a line on stderr every interval (phase, ETA; miles_platform/progress.py)."""
+    with Progress("convert hf-to-torch-dist", 5, enabled=progress) as bar:
+        return _hf_to_torch_dist(hf_checkpoint, save, tensor_model_parallel_size, bar)
+
+
+def _hf_to_torch_dist(
+    hf_checkpoint, save, tensor_model_parallel_size: int, bar: Progress
 ) -> ConversionResult:
-    """HF dir -> <save>/release/ (torch_dist) + latest_checkpointed_iteration.txt, atomically."""
     from miles_platform.models.bridge import get_bridge
 
     t0 = time.perf_counter()
@@ -178,6 +197,7 @@ def hf_to_torch_dist(
     if tp < 1:
         raise CheckpointError(f"--tensor-model-parallel-size {tp}: must be >= 1")
     # validate names and shapes here, before any process group or temp dir exists
+    bar.update(0, stage="reading the HF weights")
     cfg, hf_sd = read_hf_state_dict(hf_checkpoint)
     digest = tensors_hash(get_bridge(cfg).hf_to_megatron(hf_sd, cfg))
     del hf_sd
@@ -191,9 +211,11 @@ def hf_to_torch_dist(
     try:
         data_dir = tmp / RELEASE
         data_dir.mkdir(parents=True)
-        _run_ranks(tp, str(hf_checkpoint), str(data_dir))
+        bar.update(stage="building the megatron model")
+        _run_ranks(tp, str(hf_checkpoint), str(data_dir), bar)
         write_atomic(tmp / TRACKER_FILE, RELEASE)  # pointer last
         res = _finish(tmp, dest, data_dir, t0)
+        bar.update(stage="")
         res.content_hash = digest
         return res
     finally:
@@ -212,9 +234,15 @@ def _checkpoint_dtype(ckpt_dir: Path, cfg: dict) -> torch.dtype:
 
 
 def torch_dist_to_hf(
-    load: str | os.PathLike, hf_checkpoint: str | os.PathLike, save: str | os.PathLike
+    load: str | os.PathLike, hf_checkpoint: str | os.PathLike, save: str | os.PathLike, progress: bool = False
 ) -> ConversionResult:
-    """torch_dist (dir or save root) -> HF dir with --hf-checkpoint's config and tokenizer, atomically."""
+    """torch_dist (dir or save root) -> HF dir with --hf-checkpoint's config and tokenizer, atomically.
+    `progress`: a line on stderr every interval (phase, ETA; miles_platform/progress.py)."""
+    with Progress("convert torch-dist-to-hf", 4, enabled=progress) as bar:
+        return _torch_dist_to_hf(load, hf_checkpoint, save, bar)
+
+
+def _torch_dist_to_hf(load, hf_checkpoint, save, bar: Progress) -> ConversionResult:
     from safetensors.torch import save_file
 
     from miles_platform.models.checkpoint import validate_hf_dir
@@ -224,10 +252,13 @@ def torch_dist_to_hf(
     t0 = time.perf_counter()
     cfg = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
     ckpt_dir = mb.check_torch_dist_dir(load)
+    bar.update(0, stage="building the megatron model")
     megatron_shims.init_single_process_group()
     try:
         model, bridge = mb.build_gpt_model(cfg, 1, params_dtype=_checkpoint_dtype(ckpt_dir, cfg))
+        bar.update(stage="loading torch_dist")
         mb.load_torch_dist(model, ckpt_dir)
+        bar.update(stage="mapping to HF names")
         hf_sd = bridge.checkpoint_layout(bridge.megatron_to_hf(mb.gather_full_state(model), cfg), cfg)
     finally:
         megatron_shims.destroy_process_group()
@@ -238,8 +269,10 @@ def torch_dist_to_hf(
         for f in Path(hf_checkpoint).iterdir():
             if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
                 shutil.copy2(f, tmp / f.name)
+        bar.update(stage="writing model.safetensors")
         save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         res = _finish(tmp, dest, tmp, t0)
+        bar.update(stage="")
         res.content_hash = tensors_hash(hf_sd)
         return res
     finally:
@@ -263,9 +296,9 @@ def _parser() -> argparse.ArgumentParser:
 def cli_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.direction == "hf-to-torch-dist":
-        res = hf_to_torch_dist(args.hf_checkpoint, args.save, args.tensor_model_parallel_size)
+        res = hf_to_torch_dist(args.hf_checkpoint, args.save, args.tensor_model_parallel_size, progress=True)
     else:
-        res = torch_dist_to_hf(args.load, args.hf_checkpoint, args.save)
+        res = torch_dist_to_hf(args.load, args.hf_checkpoint, args.save, progress=True)
     print(json.dumps(asdict(res)))
     return 0
 

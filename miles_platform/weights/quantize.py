@@ -26,6 +26,7 @@ import torch
 
 from kernels import quant as kq
 from miles_platform.errors import CheckpointError
+from miles_platform.progress import Progress
 
 FORMATS = ("fp8", "int4")
 DEFAULT_IGNORE = (r"norm", r"embed", r"lm_head")
@@ -76,8 +77,11 @@ def block_rel_error(w: torch.Tensor, deq: torch.Tensor, fmt: str, group_size: in
     return float((emax / amax.clamp_min(1e-12)).max())
 
 
-def quantize_state_dict(state: dict, fmt: str, group_size: int = 128, ignore=DEFAULT_IGNORE):
-    """-> (quantized tensors, kept module names, max relative error, int4 group size used)."""
+def quantize_state_dict(
+    state: dict, fmt: str, group_size: int = 128, ignore=DEFAULT_IGNORE, progress: Progress | None = None
+):
+    """-> (quantized tensors, kept module names, max relative error, int4 group size used).
+    `progress` advances by one per tensor (quantized or kept) as it starts on it."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r}: allowed {', '.join(FORMATS)}")
     if fmt == "int4":  # one group size for the whole checkpoint (the config has one): clamp to in_features
@@ -85,6 +89,8 @@ def quantize_state_dict(state: dict, fmt: str, group_size: int = 128, ignore=DEF
         group_size = min([group_size, *ins])
     out, kept, worst = {}, [], 0.0
     for name, t in state.items():
+        if progress is not None:
+            progress.update()
         if not _quantizable(name, t, ignore) or (
             fmt == "int4" and (t.shape[1] % group_size or group_size % kq.PACK_FACTOR)
         ):
@@ -141,12 +147,10 @@ def _read_config(hf_dir: Path) -> dict:
 
 
 def quantize_checkpoint(
-    hf_dir: str, out_dir: str, fmt: str = "fp8", group_size: int = 128, ignore=DEFAULT_IGNORE
-) -> QuantizeStats:
-    from safetensors.torch import save_file
-
-    from miles_platform.store.atomic import fsync_tree, replace_dir
-
+    hf_dir: str, out_dir: str, fmt: str = "fp8", group_size: int = 128, ignore=DEFAULT_IGNORE,
+    progress: bool = False,
+) -> QuantizeStats:  # fmt: skip
+    """`progress`: a line on stderr every interval (tensors done, ETA; miles_platform/progress.py)."""
     src, dest = Path(hf_dir), Path(out_dir)
     cfg = _read_config(src)
     if cfg.get("quantization_config"):
@@ -155,12 +159,29 @@ def quantize_checkpoint(
         )
     t0 = time.perf_counter()
     state = _load_state(src)
-    qstate, kept, worst, group_size = quantize_state_dict(state, fmt, group_size, ignore)
+    with Progress("quantize", len(state), unit="tensor", enabled=progress) as bar:
+        qstate, kept, worst, group_size = quantize_state_dict(state, fmt, group_size, ignore, bar)
+        bar.update(0, stage="writing model.safetensors")
+        cfg["quantization_config"] = quantization_config(fmt, group_size, kept)
+        _write_quantized(src, dest, qstate, cfg)
+    b_in = sum(t.numel() * t.element_size() for t in state.values())
+    b_out = sum(t.numel() * t.element_size() for t in qstate.values())
+    n_q = sum(1 for k in qstate if k.endswith((".weight_scale_inv", ".weight_packed")))
+    return QuantizeStats(fmt, n_q, len(state) - n_q, b_in, b_out, b_in / max(b_out, 1),
+                         time.perf_counter() - t0, worst, str(dest), group_size)  # fmt: skip
+
+
+def _write_quantized(src: Path, dest: Path, qstate: dict, cfg: dict) -> None:
+    """`dest` = src's other files (tokenizer, generation config) + the quantized weights and config, atomically."""
+    from safetensors.torch import save_file
+
+    from miles_platform.store.atomic import fsync_tree, replace_dir
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        for f in src.iterdir():  # tokenizer, generation config, ...
+        for f in src.iterdir():
             if (
                 f.is_file()
                 and f.suffix != ".safetensors"
@@ -172,17 +193,11 @@ def quantize_checkpoint(
             str(tmp / "model.safetensors"),
             metadata={"format": "pt"},
         )
-        cfg["quantization_config"] = quantization_config(fmt, group_size, kept)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         fsync_tree(tmp)
         replace_dir(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    b_in = sum(t.numel() * t.element_size() for t in state.values())
-    b_out = sum(t.numel() * t.element_size() for t in qstate.values())
-    n_q = sum(1 for k in qstate if k.endswith((".weight_scale_inv", ".weight_packed")))
-    return QuantizeStats(fmt, n_q, len(state) - n_q, b_in, b_out, b_in / max(b_out, 1),
-                         time.perf_counter() - t0, worst, str(dest), group_size)  # fmt: skip
 
 
 def dequantize_state_dict(state: dict, qc: dict | None, dtype: torch.dtype = torch.float32) -> dict:
@@ -228,7 +243,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--save", required=True, help="output HF checkpoint dir")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size (clamped to in_features)")
     a = p.parse_args(argv)
-    st = quantize_checkpoint(a.hf_checkpoint, a.save, a.format, a.group_size)
+    st = quantize_checkpoint(a.hf_checkpoint, a.save, a.format, a.group_size, progress=True)
     print(
         f"{a.format}: {st.tensors_quantized} tensors quantized, {st.tensors_kept} kept; "
         f"{st.bytes_in} -> {st.bytes_out} bytes ({st.compression_ratio:.2f}x), "

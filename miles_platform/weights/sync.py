@@ -20,9 +20,9 @@ from miles_platform.training.ci_checks import check_weights_equal, weight_check_
 
 
 def _trainer_weights(s) -> dict:
-    import ray
+    from miles_platform.run_services import call_trainers
 
-    return ray.get([t.get_hf_weights.remote() for t in s.trainers])[0]
+    return call_trainers(s.cfg, s.trainers, "get_hf_weights")
 
 
 def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: bool, base_version) -> None:

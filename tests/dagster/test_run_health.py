@@ -8,11 +8,11 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from store_builders import build_run
+from store_builders import build_run, save_tiny_pipeline
 
 import definitions
 from miles_platform.store.paths import StoragePaths
-from miles_platform.store.run_health import CHECKS
+from miles_platform.store.run_health import CHECKS, hf_export_sanity
 from resources.storage import StorageRootResource
 
 
@@ -134,3 +134,92 @@ def test_prompt_coverage_sees_a_replayed_epoch_and_forgives_filtered_prompts(tmp
     assert "run filtered" not in details
     assert "| filtered | 8 | 4 | 3.0 | 3 |  |" in table
     assert "| nodata | None | None | None | None | --prompt-data train.jsonl unreadable here |" in table
+
+
+@pytest.fixture
+def three_kinds(tmp_path, tiny_hf_checkpoint):
+    """`make demo && make demo-diffusion` and a LoRA run in one store: an LLM run (HF exports), a
+    diffusion run (diffusers pipelines) and a LoRA run (PEFT adapters), two versions each."""
+    paths = StoragePaths(str(tmp_path / "root"))
+    build_run(paths, "llm", tiny_hf_checkpoint, 2)
+    build_run(paths, "dit", save_tiny_pipeline(tmp_path / "dit_base"), 2)
+    build_run(paths, "lora", tiny_hf_checkpoint, 2, lora_rank=2)
+    return paths
+
+
+def test_each_model_kind_is_checked_as_what_it_is(three_kinds, tiny_hf_checkpoint):
+    """A diffusion version has model_index.json and transformer/config.json, no config.json; a LoRA
+    version is an adapter dir: neither is a broken LLM export."""
+    e = run_checks(three_kinds.root)["hf_export_sanity"]
+    assert e.passed, e.metadata["details"].value
+    table = e.metadata["per_run"].value
+    assert "| run | kind | exports_checked | parameters | reference |" in table
+    assert f"| llm | hf_llm | 2 | 26944 | base checkpoint {tiny_hf_checkpoint} |" in table
+    assert "| dit | diffusers_pipeline | 2 | 1184 | base checkpoint " in table
+    assert (
+        f"| lora | peft_adapter | 2 | 256 | first adapter lora.v000001, fitting base checkpoint {tiny_hf_checkpoint} |"
+        in table
+    )
+
+
+def _details(paths: StoragePaths) -> str:
+    health = hf_export_sanity(paths)
+    return "\n".join(health.problems)
+
+
+def _rewrite(st: Path, change) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    save_file(change(load_file(str(st))), str(st), metadata={"format": "pt"})
+
+
+def test_a_diffusion_export_missing_a_transformer_tensor_is_red(three_kinds, tmp_path):
+    st = Path(three_kinds.hf_export("dit", 2), "transformer", "diffusion_pytorch_model.safetensors")
+    _rewrite(st, lambda t: {k: v for k, v in t.items() if k != "proj_out.weight"})
+    shutil.rmtree(Path(three_kinds.hf_export("dit", 1), "text_encoder"))
+    details = _details(three_kinds)
+    assert (
+        f"dit.v000002: key set differs from the base checkpoint {tmp_path / 'dit_base'}: "
+        "missing ['transformer/proj_out.weight']" in details
+    ), details
+    assert (
+        f"dit.v000001: diffusers pipeline {three_kinds.hf_export('dit', 1)}: text_encoder/ missing" in details
+    )
+    assert "llm." not in details and "lora." not in details
+
+
+def test_a_lora_adapter_that_does_not_fit_its_base_is_red(three_kinds, tiny_hf_checkpoint):
+    import numpy as np
+
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    st = Path(three_kinds.lora_adapter("lora", 2), "adapter_model.safetensors")
+    _rewrite(st, lambda t: t | {f"{q}.lora_B.weight": np.zeros((32, 3), np.float32)})  # rank 3, config says 2
+    Path(three_kinds.lora_adapter("lora", 1), "adapter_model.safetensors").unlink()
+    details = _details(three_kinds)
+    assert (
+        f"lora.v000002: {q}: lora_A (2, 32) / lora_B (32, 3), expected (2, 32) / (32, 2) "
+        f"for the base checkpoint {tiny_hf_checkpoint}" in details
+    ), details
+    adapter = three_kinds.lora_adapter("lora", 1)
+    assert f"lora.v000001: PEFT adapter {adapter}: adapter_model.safetensors missing" in details
+
+
+def test_a_version_of_an_unknown_kind_is_listed_not_failed(tmp_path, tiny_hf_checkpoint):
+    """Exports in a layout no kind knows (no config.json, model_index.json or adapter_config.json:
+    say a GGUF file a newer writer left) and a base no longer here: reported as not checked, never
+    a red check."""
+    base = shutil.copytree(tiny_hf_checkpoint, tmp_path / "gone_base")
+    paths = StoragePaths(str(tmp_path / "root"))
+    build_run(paths, "odd", str(base), 2)
+    shutil.rmtree(base)
+    for v in (1, 2):
+        shutil.rmtree(paths.hf_export("odd", v))
+        Path(paths.hf_export("odd", v)).mkdir()
+        Path(paths.hf_export("odd", v), "model.gguf").write_bytes(b"GGUF")
+    e = run_checks(paths.root)["hf_export_sanity"]
+    assert e.passed, e.metadata["details"].value
+    assert (
+        "| odd | unknown | 0 | None | not checked: no config.json (HF export), model_index.json (diffusers "
+        "pipeline) or adapter_config.json (PEFT adapter) in the base or any export |"
+        in e.metadata["per_run"].value
+    ), e.metadata["per_run"].value

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import time
 from contextlib import redirect_stdout
 
 import pytest
@@ -33,7 +34,7 @@ def s3(s3_server, monkeypatch, tmp_path, tiny_hf_checkpoint):
 
     assert not {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(os.environ)
     ray_cluster.init_ray(small_run_config(tiny_hf_checkpoint, tmp_path))
-    for k, v in s3_server.items():
+    for k, v in {**s3_server, "AWS_SECRET_ACCESS_KEY": SECRET}.items():  # moto takes any secret
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
     import fsspec
@@ -43,6 +44,27 @@ def s3(s3_server, monkeypatch, tmp_path, tiny_hf_checkpoint):
         fs.rm(BUCKET, recursive=True)
     fs.mkdir(BUCKET)
     return fs
+
+
+SECRET = f"miles-test-secret-{os.getpid()}-{time.time_ns()}"
+
+
+def _ray_logs_with(text: str) -> list[str]:
+    """The files under this Ray session's dir that contain `text` (the runtime-env agent logged
+    every env var of an actor's runtime env there, 0644, never cleaned)."""
+    import ray
+
+    session = ray._private.worker._global_node.get_session_dir_path()
+    hits = []
+    for d, _, files in os.walk(session):
+        for f in files:
+            try:
+                with open(os.path.join(d, f), "rb") as fh:
+                    if text.encode() in fh.read():
+                        hits.append(os.path.join(d, f))
+            except OSError:
+                continue
+    return hits
 
 
 def _cfg(ckpt, tmp_path, num_rollout):
@@ -68,6 +90,8 @@ def test_a_run_on_s3_checkpoints_publishes_resumes_from_the_store_and_is_queryab
 ):
     res = train(_cfg(tiny_hf_checkpoint, tmp_path, 2))
     assert res.final_version == 2 and res.final_hf_path == f"{ROOT}/runs/t/hf/v000002"
+    # the actors reached the store with the driver's secret, and no Ray log holds it (issue #49, item 2)
+    assert not _ray_logs_with(SECRET)
     assert s3.cat_file(f"{BUCKET}/root/runs/t/checkpoints/latest_checkpointed_iteration.txt") == b"1"
 
     # a fresh host: nothing of the first run on local disk; the resume reads everything from S3.

@@ -1,29 +1,51 @@
 """OpenAI-compatible /v1/chat/completions and /v1/models (rollout/chat.py) with the real `openai`
 client: on the embedded engine and through the router, with the run's bearer token; log-probs
-and token ids equal a teacher-forced forward; tool calls parsed (qwen25) from a scripted core."""
+and token ids equal a teacher-forced forward; tool calls parsed (qwen25) from a scripted core;
+streamed token by token. The model here has a chat template of its own (a model with none or
+only our generic one gets a 400: test_openai_completions.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from concurrent.futures import Future
 
 import httpx
 import openai
 import pytest
 import torch
+from openai_streams import assert_streamed_while_generating, slow_steps, sse_events, text_of
 
-from miles_platform.models.checkpoint import load_hf_checkpoint
+from miles_platform.models.checkpoint import load_hf_checkpoint, load_tokenizer
 from miles_platform.rollout.engine_server import create_app, serve_in_thread, start_engine_server
 from miles_platform.rollout.router import start_router
 
 KEY = "chat-secret"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 7+11?"}]
 ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+# a chat template of the model's own (the same layout as models/tokenizer.py's generic one)
+OWN_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_hf_checkpoint):
-    engine = start_engine_server(tiny_hf_checkpoint, api_key=KEY)
+def chat_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny checkpoint, its tokenizer given a chat template of its own."""
+    path = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    shutil.copytree(tiny_hf_checkpoint, path)
+    tok = load_tokenizer(path)
+    tok.chat_template = OWN_TEMPLATE
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fleet(chat_checkpoint):
+    engine = start_engine_server(chat_checkpoint, api_key=KEY)
     router = start_router(worker_urls=[engine.url], api_key=KEY, worker_api_key=KEY)
     yield engine, router
     router.stop()
@@ -31,8 +53,8 @@ def fleet(tiny_hf_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_hf_checkpoint):
-    return load_hf_checkpoint(tiny_hf_checkpoint)
+def reference(chat_checkpoint):
+    return load_hf_checkpoint(chat_checkpoint)
 
 
 @pytest.mark.parametrize("via", ["engine", "router"])
@@ -101,6 +123,23 @@ def test_stream_bad_requests_and_auth(fleet):
         openai.OpenAI(base_url=f"{engine.url}/v1", api_key="wrong").models.list()
 
 
+@pytest.mark.parametrize("via", ["engine", "router"])
+def test_chat_streams_tokens_as_they_are_generated(fleet, via):
+    """Content deltas arrive during generation; joined they are the unstreamed answer, log-probs too."""
+    engine, router = fleet
+    url = engine.url if via == "engine" else router.url
+    body = {"messages": MESSAGES, "max_tokens": 60, "ignore_eos": True, "temperature": 0, "logprobs": True}
+    with slow_steps(engine.core):
+        events = sse_events(url, "/v1/chat/completions", {**body, "stream": True}, KEY)
+    assert_streamed_while_generating(events, tokens=60)
+    full = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH).json()["choices"][0]
+    assert "".join(text_of(e) for _, e in events) == full["message"]["content"]
+    streamed = [x for _, e in events for c in e["choices"] for x in (c["logprobs"] or {}).get("content", [])]
+    assert streamed == full["logprobs"]["content"] and len(streamed) == 60
+    assert events[0][1]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1][1]["choices"][0]["finish_reason"] == "length"
+
+
 class ScriptedCore:
     """An EngineCore stand-in for create_app: answers every prompt with `text` (tool-call markup)."""
 
@@ -108,7 +147,7 @@ class ScriptedCore:
         self.tokenizer, self.text, self.model_path, self.context_length = tok, text, "scripted", 512
         self.seen: list[dict] = []
 
-    def submit_json(self, body):
+    def submit_json(self, body, on_token=None):
         self.seen.append(body)
         ids = self.tokenizer.encode(self.text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         meta = {"id": "r1", "finish_reason": {"type": "stop", "matched": ids[-1]}, "weight_version": 4,
@@ -130,7 +169,8 @@ def test_tool_calls_are_parsed_with_qwen25_when_tools_are_given(reference):
         assert c.finish_reason == "tool_calls" and c.message.content == "Let me add."
         [call] = c.message.tool_calls
         assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
-        assert call.id.startswith("call_") and r.model == "m" and r.metadata == {"weight_version": "4"}
+        assert call.id.startswith("call_") and r.metadata == {"weight_version": "4"}
+        assert r.model == os.path.abspath("scripted")  # the served model, whatever the request named
         assert core.seen[-1]["sampling_params"]["max_new_tokens"] == 30
         # without tools (or tool_choice none) the markup stays text
         r = client.chat.completions.create(model="m", messages=MESSAGES, tools=[ADD], tool_choice="none")
@@ -144,5 +184,10 @@ def test_tool_calls_are_parsed_with_qwen25_when_tools_are_given(reference):
         assert tok.decode(core.seen[-1]["input_ids"]).endswith(
             "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
         )
+        # streamed: the content, then the parsed calls with the finish chunk's tool_calls reason
+        chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, tools=[ADD], stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Let me add."
+        [call] = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+        assert call.function.name == "add" and chunks[-1].choices[0].finish_reason == "tool_calls"
     finally:
         srv.stop()

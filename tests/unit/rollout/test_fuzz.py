@@ -139,7 +139,7 @@ def test_generate_body_parser_accepts_or_gives_a_400_message(core, body, ids, sp
 KEY = "fuzz-key"
 # every route a client may send a body to, less those that change the engine's state for the
 # examples after them (pause / continue / flush, joins, workers: CONTROL_ROUTES, fuzzed below with a reset)
-ROUTES = ["/generate", "/v1/chat/completions", "/update_weights_from_disk", "/update_weights_from_distributed",
+ROUTES = ["/generate", "/v1/chat/completions", "/v1/completions", "/update_weights_from_disk", "/update_weights_from_distributed",
           "/get_weights_by_name", "/weights_checksum", "/load_lora_adapter", "/unload_lora_adapter",
           "/get_lora_adapter_checksums"]  # fmt: skip
 # generation bodies near the real shape, so the fuzz reaches past the first type check
@@ -180,6 +180,19 @@ near_chat = st.fixed_dictionaries(
     },  # fmt: skip
 )
 
+near_completion = st.fixed_dictionaries(
+    {"prompt": st.text(max_size=8) | st.lists(st.integers(-3, 300), max_size=4) | json_values},
+    optional={
+        "max_tokens": json_scalars,
+        "logprobs": json_scalars,
+        "n": json_scalars,
+        "stop": json_values,
+        "stream": json_scalars,
+        "echo": json_scalars,
+        "seed": json_scalars,
+    },
+)
+
 
 @pytest.fixture(scope="module")
 def served(tiny_hf_checkpoint):
@@ -197,7 +210,7 @@ def served(tiny_hf_checkpoint):
 @given(
     where=st.sampled_from(["engine", "router"]),
     route=st.sampled_from(ROUTES),
-    body=json_values | near_generate | near_chat | st.binary(max_size=64),
+    body=json_values | near_generate | near_chat | near_completion | st.binary(max_size=64),
 )
 def test_the_http_api_answers_bad_requests_with_a_4xx_never_a_500(served, where, route, body):
     """Engine and router: any body on any route is served or refused with a 4xx and a JSON reason;
@@ -210,6 +223,10 @@ def test_the_http_api_answers_bad_requests_with_a_4xx_never_a_500(served, where,
         sp = body["sampling_params"]  # bounded work per example: a huge max_new_tokens is a valid request
         if isinstance(sp.get("max_new_tokens"), int):
             sp["max_new_tokens"] = max(min(sp["max_new_tokens"], 8), -8)
+    if route == "/v1/completions" and isinstance(body, dict):  # the same bound: up to 8 choices x 8 tokens
+        for key in ("max_tokens", "n"):
+            if type(body.get(key)) is int:
+                body[key] = max(min(body[key], 8), -8)
     # stdlib json: integers past 64 bits and NaN / Infinity (not JSON: the server must refuse them)
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(url + route, content=content, timeout=60,

@@ -163,3 +163,33 @@ def test_unload_lets_requests_holding_the_adapter_finish_and_refuses_new_ones(
     assert held["out"]["output_ids"] == alone["output_ids"], "the request holding the adapter finished on it"
     assert held["out"]["meta_info"]["finish_reason"]["type"] == "length"
     assert engine.core.lora_adapters() == {}
+
+
+def test_malformed_and_non_finite_adapters_are_400s_and_load_nothing(engine, tiny_hf_checkpoint, tmp_path):
+    """Issue #49, item 12: four malformed adapter configs answered 500; NaN factors and lora_alpha
+    1e308 loaded (every later request under them generated garbage)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    good = _random_adapter(tiny_hf_checkpoint, tmp_path / "good", ["q_proj"], seed=5)
+    conf = json.loads(open(f"{good}/adapter_config.json").read())
+    tensors = load_file(f"{good}/adapter_model.safetensors")
+    cases = {
+        "no_r": ({k: v for k, v in conf.items() if k != "r"}, tensors, "adapter_config r=None"),
+        "r_zero": ({**conf, "r": 0}, tensors, "adapter_config r=0"),
+        "r_text": ({**conf, "r": "four"}, tensors, "adapter_config r='four'"),
+        "no_alpha": ({k: v for k, v in conf.items() if k != "lora_alpha"}, tensors, "lora_alpha=None"),
+        "huge_alpha": ({**conf, "lora_alpha": 1e308}, tensors, "lora_alpha=1e"),
+        "nan": (conf, {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, "NaN or inf"),
+    }
+    for name, (c, t, needle) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps(c))
+        save_file(t, str(d / "adapter_model.safetensors"))
+        with pytest.raises(EngineHTTPError, match=needle) as e:
+            post(engine.url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(d)})
+        assert e.value.status == 400, (name, e.value)
+    assert engine.core.lora_adapters() == {}
+    assert len(_gen(engine.url, [None])) == 1  # the engine still serves

@@ -1,14 +1,19 @@
 """`miles-platform lineage`: trees up (parents, shards, data, checkpoints) and down (evals, publications)."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+from store_builders import build_run
 
+from miles_platform.config import RunConfig, saved_config
 from miles_platform.data.sample import Sample
-from miles_platform.store.lineage import LineageGraph, cli_main, trace
+from miles_platform.models.checkpoint import content_hash
+from miles_platform.store.lineage import LineageGraph, cli_main, format_compact, trace, write_edges
 from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.shards import write_rollout_shard
-from miles_platform.store.tables import append_rows
+from miles_platform.store.tables import append_rows, read_rows
 
 DATA_V1, DATA_V2, BASE_V = "d" * 64, "e" * 64, "b" * 64
 REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 1.0], 2: [0.0, 0.0]}
@@ -237,3 +242,107 @@ def test_an_eval_written_before_metric_names_carried_their_sampling_reads_with_t
     append_rows(paths, "evals", "demo", [{**old, "metric": "pass@k", "value": 0.75}])
     ids = {n["id"]: n for n in trace(paths, "demo.v000001")["downstream"]["nodes"]}
     assert ids["eval:demo.v000001"]["info"] == {"eval/pass@1": 0.5, "eval/pass@4(T=1)": 0.75}
+
+
+# ----------------------------------------------------------------- one identity per checkpoint
+@pytest.fixture
+def cli_and_op(tmp_path, monkeypatch, tiny_hf_checkpoint):
+    """The README's flow from the clone: `make demo` put the base at .miles/models/base; a
+    `miles-platform train --hf-checkpoint .miles/models/base --storage-root .miles` run (paths as
+    typed) and an `rl_training` op run (paths absolute) both trained from it."""
+    monkeypatch.chdir(tmp_path)
+    paths = StoragePaths(".miles")
+    shutil.copytree(tiny_hf_checkpoint, paths.model("base"))
+    cli = build_run(paths, "cli", ".miles/models/base", 2, storage_root=".miles",
+                    prompt_data=".miles/datasets/p.jsonl")  # fmt: skip
+    build_run(paths, "op", paths.model("base"), 4, prompt_data=paths.join("datasets", "p.jsonl"))
+    return paths, cli
+
+
+ALL_FROM_BASE = {"cli.v000001", "cli.v000002", *(f"op.v00000{v}" for v in range(1, 5))}
+
+
+def test_a_checkpoint_typed_relative_or_absolute_is_one_node(cli_and_op):
+    paths, cli = cli_and_op
+    for typed in (".miles/models/base", paths.model("base"), "./.miles/models/base/"):
+        res = trace(paths, typed)
+        assert res["target"] == paths.model("base")
+        assert {n["id"] for n in res["downstream"]["nodes"]} == ALL_FROM_BASE, typed
+    # what the reporter hands Dagster names the same paths
+    assert cli[0]["base_checkpoint"] == paths.model("base")
+    assert cli[0]["prompt_data"] == paths.join("datasets", "p.jsonl")
+
+
+def test_the_compact_view_lists_downstream_versions_one_range_per_run(cli_and_op, capsys):
+    paths, _ = cli_and_op
+    assert cli_main([".miles/models/base", "--storage-root", ".miles"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{paths.model('base')}  [checkpoint]")
+    assert (
+        "downstream (what came from it and its chain):\n"
+        "  policy_version: cli.v000001, cli.v000002\n"
+        "  policy_version: op.v000001 .. op.v000004 (4)\n"
+    ) in text, text
+
+
+def test_the_writer_records_paths_absolute_and_ids_as_they_are(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = StoragePaths("root")
+    parents = [("r.v000001", "policy_version", "evaluates", None), ("data/eval.jsonl", "dataset", "evaluated_on", "h"),
+               ("s3://bucket/base", "checkpoint", "trained_from", None)]  # fmt: skip
+    write_edges(paths, "r", "eval:r.v000001", "eval", parents)
+    assert [(r["child"], r["parent"]) for r in read_rows(paths, "lineage", "r")] == [
+        ("eval:r.v000001", "r.v000001"),
+        ("eval:r.v000001", str(tmp_path / "data" / "eval.jsonl")),
+        ("eval:r.v000001", "s3://bucket/base"),
+    ]
+
+
+def test_downstream_versions_of_two_runs_are_two_ranges(tmp_path, tiny_hf_checkpoint):
+    paths = StoragePaths(str(tmp_path / "root"))
+    for run in ("a", "b"):
+        build_run(paths, run, tiny_hf_checkpoint, 4)
+    text = format_compact(paths, tiny_hf_checkpoint)
+    assert (
+        "  policy_version: a.v000001 .. a.v000004 (4)\n  policy_version: b.v000001 .. b.v000004 (4)\n" in text
+    )
+
+
+def _old_record(paths, run: str, base_as_typed: str, base_hash: str) -> None:
+    """What record_policy_version wrote before paths were made absolute: the base as typed."""
+    key = partition_key(run, 1)
+    row = {"version": 1, "partition_key": key, "parent_version": 0, "rollout_id": 0}
+    append_rows(paths, "policy_versions", run, [row])
+    edges = [
+        {"child": key, "child_kind": "policy_version", "parent": base_as_typed, "parent_kind": "checkpoint",
+         "relation": rel, "data_version": base_hash}
+        for rel in ("trained_from", "base_checkpoint")
+    ]  # fmt: skip
+    append_rows(paths, "lineage", run, edges)
+
+
+def test_rows_written_before_paths_were_absolute_are_found_from_anywhere(cli_and_op, tmp_path, monkeypatch):
+    """Old rows recorded the base as typed. `old` ran with `--storage-root .miles` (its
+    run_config.json says so), so it wrote from the dir holding .miles: its `.miles/models/base`
+    resolves there. `lost` left no run_config.json (its cwd is unknowable): its `base` is matched by
+    the base's content hash. Asked from another cwd, the absolute path finds both."""
+    paths, _ = cli_and_op
+    base_hash = content_hash(paths.model("base"))
+    _old_record(paths, "old", ".miles/models/base", base_hash)
+    cfg = RunConfig(run_name="old", hf_checkpoint=".miles/models/base", storage_root=".miles")
+    Path(paths.checkpoints("old")).mkdir(parents=True)
+    Path(paths.checkpoints("old"), "run_config.json").write_text(saved_config(cfg))
+    _old_record(paths, "lost", "base", base_hash)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    res = trace(paths, paths.model("base"))
+    assert {n["id"] for n in res["downstream"]["nodes"]} == ALL_FROM_BASE | {"old.v000001", "lost.v000001"}
+
+
+def test_an_old_relative_base_is_found_by_the_content_of_the_path_asked(tmp_path, tiny_hf_checkpoint):
+    """Only rows with an unresolvable relative base: the path asked is hashed and matched."""
+    paths = StoragePaths(str(tmp_path / "root"))
+    base = shutil.copytree(tiny_hf_checkpoint, paths.model("base"))
+    _old_record(paths, "lost", "base", content_hash(base))
+    res = trace(paths, str(base))
+    assert res["target"] == "base" and [n["id"] for n in res["downstream"]["nodes"]] == ["lost.v000001"]

@@ -103,3 +103,33 @@ def test_the_run_stops_by_name_past_max_nonfinite_steps(tiny_hf_checkpoint, tmp_
         match=r"2 optimizer steps .* \(rollouts \[2, 5\]\), more than --max-nonfinite-steps 1",
     ):
         run._check_finite(5, {"train/nonfinite_steps": 1.0})
+
+
+def test_an_out_of_vocabulary_token_fails_its_sample_only(tiny_hf_checkpoint, tmp_path):
+    """A generate function's token id past the embedding stopped the run with a raw IndexError
+    (issue #49, item 10): now its sample fails and the batch still trains."""
+    from miles_platform.config import RunConfig
+    from miles_platform.rollout.manager import RolloutManager
+    from miles_platform.training.actor import TrainBatch, TrainerActor
+
+    cfg = small_run_config(tiny_hf_checkpoint, tmp_path, rollout_batch_size=1, n_samples_per_prompt=2)
+    tok = load_tokenizer(tiny_hf_checkpoint)
+    m = RolloutManager(cfg, tok, None, "http://127.0.0.1:9")
+    try:
+        group = [
+            Sample(prompt_tokens=[5, 6], response_tokens=[7, 10**6], rollout_log_probs=[-0.1, -0.2], loss_mask=[1, 1],
+                   raw_reward=1.0),
+            Sample(prompt_tokens=[5, 6], response_tokens=[8, 9], rollout_log_probs=[-0.1, -0.2], loss_mask=[1, 1],
+                   raw_reward=0.0),
+        ]  # fmt: skip
+        samples = m.finalize(0, [group])
+    finally:
+        m.close()
+    bad, good = samples
+    assert bad.status == "failed" and bad.remove_sample and bad.loss_mask == [0, 0]
+    assert bad.metadata["oov_token_ids"] == [10**6] and bad.response_tokens == [7, tok.eos_token_id]
+    assert good.status == "completed" and not good.remove_sample
+    actor = TrainerActor(
+        RunConfig(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=1, n_samples_per_prompt=2).validate()
+    )
+    assert math.isfinite(actor.train(0, TrainBatch.from_samples(samples))["train/loss"])

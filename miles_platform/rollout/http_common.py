@@ -1,0 +1,96 @@
+"""What every HTTP server of the platform shares (engine, router, session server, diffusion engine,
+the OpenAI routes): SGLang's error shape, Bearer auth and the size limit, the JSON-object body, and
+the answer to an engine's request errors. A leaf: it imports no server module."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import threading
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from miles_platform.rollout import chat
+from miles_platform.rollout.engine_requests import EnginePaused, EngineStopped, RequestError, VersionConflict
+
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+
+
+def error(status: int, message: str, **extra) -> JSONResponse:
+    """SGLang's error shape: {"error": {"message": ...}}."""
+    return JSONResponse({"error": {"message": message, **extra}}, status_code=status)
+
+
+def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
+    """Bearer-token auth (401) and a request size limit (413), shared by engine and router.
+
+    Every endpoint needs the key except `GET /health` (liveness probes; it reveals nothing). The
+    scheme is case-insensitive (RFC 7235) and the token is compared in constant time."""
+    want = api_key.encode() if api_key else None
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if want and not (request.method == "GET" and request.url.path == "/health"):
+            scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), want):
+                return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_request_bytes:
+            return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}")
+        return await call_next(request)
+
+
+async def json_body(request: Request, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    """Parse a JSON object body (every route takes one, as SGLang's); returns (body, None) or (None,
+    error response): 413 past the size limit, 400 for malformed JSON or a body that is not an object."""
+    raw = await request.body()
+    if len(raw) > max_request_bytes:
+        return None, error(413, f"request body of {len(raw)} bytes exceeds the limit of {max_request_bytes}")
+    if not raw:
+        return {}, None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return None, error(400, f"malformed JSON body: {e}")
+    if not isinstance(body, dict):
+        return None, error(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body, None
+
+
+async def all_results(futures: list) -> list:
+    """Await concurrent futures with one wake-up of the event loop for the whole batch (not one per
+    future: those wake-ups contend for the GIL with the scheduler thread). Raises the first error."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def one_done(_):
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    if futures:
+        for f in futures:
+            f.add_done_callback(one_done)
+        await done
+    return [f.result() for f in futures]
+
+
+# what an engine call may raise for a request (HTTP 400 / 409 / 503): `engine_error` answers it
+ENGINE_ERRORS = (RequestError, chat.ChatError, VersionConflict, EnginePaused, EngineStopped)
+
+
+def engine_error(e: Exception) -> JSONResponse:
+    """The answer to one of ENGINE_ERRORS: 400 a bad request, 409 a policy version the engine does
+    not serve, 503 (retryable) paused past --pause-wait-timeout-s or stopped."""
+    if isinstance(e, VersionConflict):
+        return JSONResponse({"error": e.info}, status_code=409)
+    if isinstance(e, EnginePaused):  # paused past --pause-wait-timeout-s, or its queue is full
+        return JSONResponse({"error": e.info}, status_code=503)
+    if isinstance(e, EngineStopped):
+        return error(503, str(e), retryable=True)
+    return error(400, str(e))
