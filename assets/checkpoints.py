@@ -157,6 +157,6 @@ def base_checkpoint(
             max_prompts=config.eval_prompts,
         )["eval"]
         for key, value in res.items():
-            if key.startswith("pass@1") or key == "mean_reward":
+            if key.startswith(("pass@1", "mean_reward")):
                 md[f"eval/{key}"] = float(value)
     return dg.MaterializeResult(metadata=md, data_version=dg.DataVersion(digest))

@@ -1,4 +1,4 @@
-"""`eval_results`: pass@1 / pass@k / mean reward of one policy version on the eval datasets.
+"""`eval_results`: greedy pass@1, sampled pass@k and mean reward of one policy version on the eval datasets.
 
 One partition per policy version `<run>.v<NNNNNN>`. The asset reads that version's HF export
 (the `hf_path` of its `policy_versions` materialization, else the StoragePaths convention),
@@ -7,7 +7,9 @@ rewards mean the same thing), then records the numbers three ways:
 
 - the `evals` table (one row per dataset x metric, `source` "asset", with the sampling used),
   queryable with the DuckDB `evals` view;
-- float materialization metadata `<dataset>/pass@1` ..., so the UI plots accuracy across versions;
+- float materialization metadata `<dataset>/<metric>`, so the UI plots accuracy across versions,
+  and a `summary` table; the metric names say their sampling (`pass@1` greedy, `pass@4(T=1)`,
+  `mean_reward@4(T=1)`: miles_platform/rollout/evaluate.py), the same in rows and metadata;
 - a lineage row `eval:<partition>` --evaluates--> `<partition>` (+ one per dataset evaluated_on).
 
 The `eval_on_new_policy` sensor and the `nightly_eval` schedule (sensors/evals.py) request it,
@@ -27,14 +29,13 @@ from miles_platform.store.paths import StoragePaths, parse_partition_key
 from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
 
-EVAL_METRICS = ("pass@1", "pass@k", "mean_reward")
-
 
 class EvalConfig(dg.Config):
-    """Miles eval flags (snake_case). Sampling applies to pass@k / mean reward; pass@1 is greedy."""
+    """Miles eval flags (snake_case). The sampling makes pass@<n>(T=<T>) / mean_reward@<n>(T=<T>);
+    pass@1 is greedy."""
 
     eval_prompt_data: list[str] = []  # `name path` pairs; empty = the latest eval_dataset materialization
-    n_samples_per_eval_prompt: int = 1  # responses per prompt (the k of pass@k)
+    n_samples_per_eval_prompt: int = 1  # responses per prompt (the n of pass@<n>(T=..))
     eval_max_response_len: int = 16  # max new tokens per response
     eval_temperature: float = 1.0
     eval_top_p: float = 1.0
@@ -109,7 +110,8 @@ def resolve_datasets(instance: dg.DagsterInstance, config: EvalConfig) -> list[t
 
 
 def sampling_of(config: EvalConfig) -> dict:
-    """The sampling of pass@k / mean reward, as `evaluate` takes it and the `evals` rows record it."""
+    """The sampling of pass@<n>(T=..) / mean_reward@<n>(T=..), as `evaluate` takes it and the `evals`
+    rows record it."""
     return {
         "max_new_tokens": config.eval_max_response_len,
         "temperature": config.eval_temperature,
@@ -189,7 +191,8 @@ def evaluate_and_record(
 def eval_results(
     context: dg.AssetExecutionContext, config: EvalConfig, storage: StorageRootResource
 ) -> dg.MaterializeResult:
-    """pass@1 (greedy), pass@k and mean reward of this policy version on each eval dataset."""
+    """pass@1 (greedy), pass@<n>(T=<T>) and mean_reward@<n>(T=<T>) (n samples at temperature T)
+    of this policy version on each eval dataset."""
     partition, paths = context.partition_key, storage.paths
     run, version = parse_partition_key(partition)
     hf_path = resolve_hf_path(context.instance, paths, partition)
@@ -243,12 +246,11 @@ def run_config_for_version(instance: dg.DagsterInstance, partition: str) -> dict
 
 
 def _summary(results: dict[str, dict]) -> str:
-    lines = [
-        "| dataset | pass@1 | pass@k | mean reward | prompts | k |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    lines += [
-        f"| {name} | {r['pass@1']:.4f} | {r['pass@k']:.4f} | {r['mean_reward']:.4f} | {r['num_prompts']} | {r['k']} |"
-        for name, r in results.items()
-    ]
+    """One line per dataset, one column per metric, named as in the rows and the metadata."""
+    metrics = list(dict.fromkeys(m for r in results.values() for m, v in r.items() if isinstance(v, float)))
+    heads = [f"{m} (greedy)" if m == "pass@1" else m for m in metrics]
+    lines = [f"| dataset | {' | '.join(heads)} | prompts |", "| --- |" + " --- |" * (len(metrics) + 1)]
+    for name, r in results.items():
+        cells = " | ".join("-" if r.get(m) is None else f"{r[m]:.4f}" for m in metrics)
+        lines.append(f"| {name} | {cells} | {r['num_prompts']} |")
     return "\n".join(lines)

@@ -190,4 +190,6 @@ def _lineage(info: dict[str, Any]) -> dict[str, Any]:
         lineage["distilled_from"] = dg.MetadataValue.json(teachers)
     if info.get("eval_interval"):  # read by the eval_on_new_policy sensor
         lineage["eval_interval"] = dg.MetadataValue.text(str(int(info["eval_interval"])))
+    if info.get("final"):  # the run's last version: the eval sensor always evaluates it
+        lineage["final"] = dg.MetadataValue.text("true")
     return lineage

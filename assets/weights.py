@@ -11,8 +11,8 @@ there already fails with a message. The `publish_on_new_policy` sensor requests 
 checkpoint next to the export (`<hf_export>-<fmt>`), reloads it the way engines do
 (`load_dequantized_state_dict`) and checks the block/group error against the format's bound. It
 then scores greedy pass@1 of the version and of the weights engines will serve, on the same eval
-prompts in the same process: `eval/<dataset>/pass@1` (quantized), `.../pass@1_full_precision` and
-`.../pass@1_delta`.
+prompts in the same process: `<dataset>/pass@1` (quantized), `<dataset>/pass@1_full_precision` and
+`<dataset>/pass@1_delta` (keyed like eval_results' metadata).
 """
 
 import time
@@ -174,9 +174,9 @@ def quantized_vs_full_precision(
     for name in got:
         q, f = got[name]["pass@1"], ref[name]["pass@1"]
         out |= {
-            f"eval/{name}/pass@1": q,
-            f"eval/{name}/pass@1_full_precision": f,
-            f"eval/{name}/pass@1_delta": q - f,
+            f"{name}/pass@1": q,
+            f"{name}/pass@1_full_precision": f,
+            f"{name}/pass@1_delta": q - f,
         }
         rows.append(f"| {name} | {q:.3f} | {f:.3f} | {q - f:+.3f} | {got[name]['num_prompts']} |")
     out["eval"] = dg.MetadataValue.md("\n".join(rows))

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "eval": (
         "miles_platform.rollout.evaluate",
-        "pass@1 / pass@k / mean reward of an HF checkpoint on eval datasets",
+        "greedy pass@1, sampled pass@k / mean reward of an HF checkpoint on eval datasets",
     ),
     "make-data": (
         "miles_platform.data.tasks",

@@ -359,7 +359,7 @@ class RunConfig:
     # --- eval ---
     eval_prompt_data: list[str] = _f([], "eval", "one or more `name path` pairs", nargs="*")
     eval_interval: int | None = _f(None, "eval", "rollouts between evals")
-    n_samples_per_eval_prompt: int = _f(1, "eval", "responses per eval prompt (pass@k)")
+    n_samples_per_eval_prompt: int = _f(1, "eval", "responses per eval prompt (the n of pass@<n>(T=..))")
     eval_max_response_len: int | None = _f(None, "eval", "inherits --rollout-max-response-len")
     eval_temperature: float | None = _f(None, "eval", "inherits --rollout-temperature (pass@1 greedy uses 0)")
     eval_top_p: float | None = _f(None, "eval", "inherits --rollout-top-p")

@@ -34,6 +34,7 @@ class PolicyVersion:
     adapter_path: str | None = None  # a LoRA run's PEFT adapter dir of this version
     # on-policy distillation: [{"teacher": path or URL, "kind", "content_hash"}] (lineage `distilled_from`)
     distilled_from: list[dict[str, Any]] = field(default_factory=list)
+    final: bool = False  # the run's last version: no later rollout of its --num-rollout updates weights
 
     # the `policy_versions` table's columns (store/tables.py)
     ROW: ClassVar[tuple[str, ...]] = ("version", "partition_key", "parent_version", "rollout_id", "checkpoint_path", "hf_path",

@@ -107,7 +107,8 @@ class Trackers:
 
     def eval_data(self, rollout_id: int, data: dict[str, dict], metrics: dict[str, float]) -> bool:
         """Miles' `log_eval_rollout_data(rollout_id, args, data, extra_metrics)`; `data` is the eval's
-        per-dataset result (`pass@1`, `pass@k`, `mean_reward`, `n`, ...). True: default logging skipped."""
+        per-dataset result (`pass@1` greedy, `pass@<n>(T=<T>)`, `mean_reward@<n>(T=<T>)`, `n`, ...).
+        True: default logging skipped."""
         if self._log_eval is None:
             return False
         before = set(metrics)

@@ -3,8 +3,9 @@
     prompt_dataset, eval_dataset   built-in arithmetic task, normalized Parquet
     base_checkpoint                SFT of a tiny Qwen3 from scratch (systematic carry errors)
     rl_training job                GRPO on Ray: rollout_shards[v], policy_versions[v]
-    eval_results[v]                greedy pass@1 of selected versions
-    summary                        base vs final accuracy, versions, rows, a DuckDB query
+    eval_results[v]                greedy pass@1 (and sampled metrics) of selected versions
+    scoreboard                     every version against the base (v0, evaluated here once)
+    summary                        base vs final, read from the `evals` rows those two wrote
 
 Everything lands in a persistent Dagster instance under <root>/dagster, so `make ui` shows the
 history afterwards. It lives in the Dagster layer (`ops/`): the engine never imports Dagster; the
@@ -120,15 +121,14 @@ def run_quickstart(
     keys = sorted(instance.get_dynamic_partitions("policy_versions"))
     keys = [k for k in keys if k.startswith(out["run"] + ".v")]
     chosen = [k for i, k in enumerate(keys, 1) if i % eval_every == 0] + [final_key]  # as the sensor would
-    evals: dict[str, float] = {}
     from assets.evals import run_config_for_version
 
     for key in dict.fromkeys(chosen):  # with the run's eval settings, as the sensor launches them
         _log(f"materializing eval_results[{key}]")
         cfg = run_config_for_version(instance, key)
         _run_job(defs, "evaluate_policy", instance, partition_key=key, run_config=cfg or None)
-        md = _metadata(instance, "eval_results", key)
-        evals[key] = float(md.get("eval/pass@1", md.get("pass@1", 0.0)))
+    _log("materializing scoreboard (evaluates the base checkpoint, v0, with the run's eval settings)")
+    _run_job(defs, "update_scoreboard", instance)
 
     _log(f"materializing weight_publications[{final_key}] and quantized_weights[{final_key}, fp8|int4]")
     _run_job(defs, "publish_weights", instance, partition_key=final_key)
@@ -137,18 +137,10 @@ def run_quickstart(
         mk = dg.MultiPartitionKey({"policy_version": final_key, "format": fmt})
         _run_job(defs, "quantize_weights", instance, partition_key=mk)
         md = _metadata(instance, "quantized_weights", mk)
-        quantized[fmt] = {
-            k.removeprefix("eval/eval/"): float(v) for k, v in md.items() if k.startswith("eval/eval/")
+        quantized[fmt] = {  # `<dataset>/<metric>`, as eval_results keys them
+            k.removeprefix("eval/"): float(v) for k, v in md.items() if k.startswith("eval/")
         }
 
-    from miles_platform.rollout.evaluate import evaluate
-
-    base_eval = evaluate(base_path, [("eval", eval_path)], max_new_tokens=8, temperature=0.0, rm_type="math")[
-        "eval"
-    ]
-    final_eval = evaluate(
-        str(out["final_hf_path"]), [("eval", eval_path)], max_new_tokens=8, temperature=0.0, rm_type="math"
-    )["eval"]
     from miles_platform.store.catalog import Catalog
     from miles_platform.store.paths import StoragePaths
 
@@ -159,10 +151,7 @@ def run_quickstart(
         f"select rollout_id, value from metrics where run = '{run}' and name = 'rollout/raw_reward' order by rollout_id"
     )
     summary = {
-        "base_eval_accuracy": base_eval["pass@1"],
-        "final_eval_accuracy": final_eval["pass@1"],
-        "base_eval": base_eval,
-        "final_eval": final_eval,
+        **eval_summary(paths, out["run"], out["final_version"]),
         "num_policy_versions": len(keys),
         "num_rollout_rows": int(rows[0][0]),
         "wall_seconds": time.time() - t0,
@@ -170,13 +159,40 @@ def run_quickstart(
         "final_checkpoint": str(out["final_hf_path"]),
         "final_policy_version": final_key,
         "eval_dataset": eval_path,
-        "eval_per_version": evals,
         "quantized_eval": quantized,  # greedy pass@1 of the final version's fp8 / int4 weights vs its own
         "raw_reward_curve": [[int(r), float(v)] for r, v in curve],
         "storage_root": root,
     }
     Path(root, "quickstart_summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def eval_summary(paths, run: str, final_version: int, dataset: str = "eval") -> dict[str, Any]:
+    """The summary's eval numbers, read from the `evals` rows that eval_results (and, for the base
+    v0, the scoreboard) wrote: one source with the asset pages, named as there. The newest row of
+    each (version, metric) on `dataset`; the accuracies are greedy pass@1 (None: not evaluated)."""
+    from miles_platform.rollout.metric_names import metric_name
+    from miles_platform.store.paths import partition_key
+    from miles_platform.store.tables import read_rows
+
+    newest: dict[int, dict[str, tuple]] = {}
+    for r in read_rows(paths, "evals", run):
+        if r["dataset"] == dataset:
+            name = metric_name(r["metric"], r["n_samples"], r["temperature"])
+            seen = newest.setdefault(r["version"], {}).get(name)
+            if seen is None or r["created_at"] >= seen[0]:
+                newest[r["version"]][name] = (r["created_at"], r["value"])
+    values = {v: {m: value for m, (_, value) in ms.items()} for v, ms in sorted(newest.items())}
+    base, final = values.get(0, {}), values.get(final_version, {})
+    return {
+        "base_eval_accuracy": base.get("pass@1"),
+        "final_eval_accuracy": final.get("pass@1"),
+        "base_eval": base,
+        "final_eval": final,
+        "eval_per_version": {
+            partition_key(run, v): m["pass@1"] for v, m in values.items() if v and "pass@1" in m
+        },
+    }
 
 
 def run_diffusion_quickstart(
@@ -269,10 +285,16 @@ def _run_job(defs, name: str, instance, partition_key=None, run_config=None):
     return result
 
 
+def _pct(value: float | None) -> str:
+    return "not evaluated" if value is None else f"{value:.1%}"
+
+
 def print_summary(s: dict[str, Any]) -> None:
     print("\n=== miles-platform quickstart ===")
-    print(f"base   eval accuracy (greedy pass@1): {s['base_eval_accuracy']:.1%}")
-    print(f"final  eval accuracy (greedy pass@1): {s['final_eval_accuracy']:.1%}")
+    for when in ("base", "final"):  # the evals rows of eval_results / the scoreboard, named as there
+        got = s[f"{when}_eval"]
+        sampled = "".join(f", {m} {v:.1%}" for m, v in got.items() if "(T=" in m and m.startswith("pass@"))
+        print(f"{when:<6} eval accuracy: pass@1 (greedy) {_pct(got.get('pass@1'))}{sampled}")
     for fmt, q in s.get("quantized_eval", {}).items():
         if "pass@1" in q:
             print(f"final  {fmt:<5} weights (quantized_weights): {q['pass@1']:.1%} "

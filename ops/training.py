@@ -4,8 +4,11 @@ Its run config is RunConfig (every Miles flag, snake_case, each with its `--help
 Launchpad description) except `storage_root`: every op, asset and sensor writes and reads under
 the `storage` resource's root (env MILES_STORAGE_ROOT). Unset `prompt_data` / `hf_checkpoint`
 default to the latest `prompt_dataset` / `base_checkpoint` materializations, so the Launchpad
-needs no paths at all. The whole pre-start validation (`validate_before_start`) runs before Ray
-starts: a bad config fails in about a second with the flag named.
+needs no paths at all. `rollout_batch_size` and `rm_type` are required in the schema, so the
+Launchpad lists them as missing config (`rm_type: none` when custom_rm_path, per-sample
+metadata.rm_type or use_opd gives the reward). The whole pre-start validation
+(`validate_before_start`) runs before Ray starts: a bad config fails in about a second, naming
+the Launchpad keys (`rm_type`, not `--rm-type`). Presets are jobs of their own (ops/presets.py).
 
 Each policy version adds a dynamic partition `<run>.v<NNNNNN>` and logs materializations of
 `rollout_shards` and `policy_versions` with lineage metadata and the rollout's training metrics;
@@ -17,6 +20,7 @@ launches `eval_results` with them, the one evaluator of record.
 
 import dataclasses
 import os
+import re
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
@@ -27,6 +31,7 @@ from miles_platform.config import RunConfig
 from miles_platform.errors import MilesError
 from miles_platform.loop import Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
+from ops.presets import RUN_ID, Preset, presets, run_name_for
 from resources.storage import StorageRootResource
 
 # dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's
@@ -36,6 +41,16 @@ FUNCTION_FLAGS = "custom_function_flags"
 # ... and where the run runs (not RunConfig: not part of what is trained)
 LAUNCHER, RAY_JOB_ADDRESS, RAY_JOB_RUNTIME_ENV = "launcher", "ray_job_address", "ray_job_runtime_env_json"
 LAUNCHERS = ("in_process", "ray_job")
+# what a run cannot do without: required in the Launchpad's schema (missing config until set)
+NO_REWARD = "none"
+REQUIRED = {
+    "rollout_batch_size": (int, "required"),
+    "rm_type": (str, f"required: `{NO_REWARD}` when custom_rm_path, per-sample metadata.rm_type or use_opd "
+                     "gives the reward"),
+}  # fmt: skip
+RUN_NAME_NOTE = (
+    f"; in the Launchpad `{RUN_ID}` becomes the Dagster run's id (8 characters, its first attempt's)"
+)
 
 
 def _description(f: dataclasses.Field) -> str:
@@ -69,6 +84,9 @@ def _pydantic_fields(
         out[f.name] = (typ, Field(default=default, description=_description(f)))
     if not launch:
         return out
+    for name, (typ, why) in REQUIRED.items():
+        out[name] = (typ, Field(description=f"{out[name][1].description} ({why})"))
+    out["run_name"][1].description += RUN_NAME_NOTE
     out[FUNCTION_FLAGS] = (
         list[str],
         Field(
@@ -167,12 +185,13 @@ class DagsterReporter(Reporter):
 
 
 def run_config_from(
-    config: dg.Config, instance: dg.DagsterInstance, storage_root: str
+    config: dg.Config, instance: dg.DagsterInstance, storage_root: str, run: dg.DagsterRun | None = None
 ) -> tuple[RunConfig, dict[str, Any]]:
     """The run's RunConfig (op config + the storage resource's root + paths of the latest assets,
-    validated as `train` would before anything starts; a user mistake is a dg.Failure naming the
-    flag) and the `eval_results` config that evaluates its versions. The loop itself does not
-    evaluate under Dagster: eval_results, requested by the sensor, is the evaluator of record."""
+    `{run_id}` in run_name filled from `run`, validated as `train` would before anything starts; a
+    user mistake is a dg.Failure naming the Launchpad key) and the `eval_results` config that
+    evaluates its versions. The loop itself does not evaluate under Dagster: eval_results,
+    requested by the sensor, is the evaluator of record."""
     from assets.evals import eval_config_for_run
     from miles_platform.config import ConfigError, function_flag_values
     from miles_platform.loop import validate_before_start
@@ -181,11 +200,15 @@ def run_config_from(
     flags = data.pop(FUNCTION_FLAGS, [])
     for key in (LAUNCHER, RAY_JOB_ADDRESS, RAY_JOB_RUNTIME_ENV):
         data.pop(key, None)
+    if data.get("rm_type") in (NO_REWARD, ""):  # required in the Launchpad; `none`: no built-in reward
+        data["rm_type"] = None
+    if run is not None:
+        data["run_name"] = run_name_for(data["run_name"], run)
     try:
         data["custom_function_args"] = function_flag_values(data, flags)
         cfg = RunConfig.from_dict(data)
     except ConfigError as e:
-        raise dg.Failure(description=f"rl_training config: {e}", allow_retries=False) from None
+        raise launchpad_failure(e, data) from None
     cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
     cfg.prompt_data = cfg.prompt_data or _latest_path(instance, "prompt_dataset")
     cfg.hf_checkpoint = cfg.hf_checkpoint or _latest_path(instance, "base_checkpoint")
@@ -194,38 +217,22 @@ def run_config_from(
     try:
         validate_before_start(cfg)
     except MilesError as e:
-        raise dg.Failure(description=f"rl_training config: {e}", allow_retries=False) from None
+        raise launchpad_failure(e, data) from None
     eval_config = eval_config_for_run(cfg)
     cfg.eval_prompt_data = []  # no in-loop eval (and no v0 eval): one evaluator, one row per metric
     return cfg, eval_config
 
 
-# Launchpad presets (the partition picker of the job: "demo", "smoke"). Paths are left to the latest
-# prompt_dataset / base_checkpoint; each load of a preset names a fresh run (`demo-<time>`), while a
-# re-execution keeps its run's config and name, so it resumes from that run's checkpoint.
-SMOKE_RL = dict(
-    rm_type="math", input_key="prompt", label_key="label", rollout_batch_size=2, n_samples_per_prompt=2,
-    num_rollout=2, rollout_max_response_len=4, lr=1e-4, save_interval=2,
-)  # fmt: skip
+def launchpad_failure(error: Exception, keys) -> dg.Failure:
+    """A config error in the Launchpad's words: each `--flag` that is a config key becomes the key
+    (`--rm-type` -> `rm_type`); a function's own flags (custom_function_flags) stay flags."""
 
+    def key(m: re.Match) -> str:
+        name = m[1].replace("-", "_")
+        return name if name in keys else m[0]
 
-def preset_run_configs() -> dict[str, dict[str, Any]]:
-    """The op config of each preset: the quickstart's demo recipe (100 rollouts, eval every 10th
-    version) and a two-rollout smoke run (seconds, once Ray is up)."""
-    from miles_platform.recipes import DEMO_RL
-
-    return {"demo": dict(DEMO_RL, num_rollout=100), "smoke": SMOKE_RL}
-
-
-PRESETS = tuple(preset_run_configs())
-
-
-@dg.static_partitioned_config(partition_keys=list(PRESETS))
-def rl_training_presets(preset: str) -> dict[str, Any]:
-    import time
-
-    config = dict(preset_run_configs()[preset], run_name=f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return {"ops": {"rl_training_op": {"config": config}}}
+    message = re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", key, str(error))
+    return dg.Failure(description=f"rl_training config: {message}", allow_retries=False)
 
 
 # A failed step is retried in the same run: the loop resumes from the run's last checkpoint, and
@@ -249,7 +256,7 @@ def rl_training_op(
     from miles_platform.loop import CITestFailure, train
 
     ray_job = ray_job_options(config)
-    cfg, eval_config = run_config_from(config, context.instance, storage.root)
+    cfg, eval_config = run_config_from(config, context.instance, storage.root, context.dagster_run)
     if ray_job is not None:
         return train_as_ray_job(context, cfg, eval_config, storage.paths, *ray_job, api_key=config.api_key)
     if context.retry_number:
@@ -400,10 +407,29 @@ def _k8s_tags() -> dict[str, str]:
 
 
 @dg.job(
-    description="Miles-style RL post-training (GRPO and friends) on Ray. Presets: pick `demo` or `smoke` "
-    "in the Launchpad's partition picker.",
+    description="Miles-style RL post-training (GRPO and friends) on Ray, from a config you write (the "
+    "Launchpad lists the missing fields: rollout_batch_size, rm_type). For a ready config, launch a "
+    "preset job: rl_training_smoke (2 rollouts, seconds) or rl_training_demo (the quickstart's recipe).",
     tags=_k8s_tags(),
-    config=rl_training_presets,
 )
 def rl_training():
     rl_training_op()
+
+
+def preset_job(preset: Preset) -> dg.JobDefinition:
+    """`rl_training_<name>`: the rl_training op with the preset as its default config."""
+
+    @dg.job(
+        name=preset.job_name,
+        description=preset.description,
+        tags={**_k8s_tags(), "miles/preset": preset.name},
+        config={"ops": {"rl_training_op": {"config": preset.config}}},
+    )
+    def _job():
+        rl_training_op()
+
+    return _job
+
+
+PRESET_JOBS = {p.job_name: preset_job(p) for p in presets()}
+TRAINING_JOBS = ("rl_training", *PRESET_JOBS)  # every job that runs rl_training_op

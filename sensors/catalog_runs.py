@@ -35,6 +35,8 @@ from miles_platform.store.run_events import committed_rows, is_abandoned, resume
 from miles_platform.store.run_health import run_finished, saved_run_config
 from miles_platform.store.schemas import TABLE_SCHEMAS
 from miles_platform.store.tables import read_rows
+from miles_platform.store.versions import is_final_version
+from ops.presets import presets, run_name_for
 from resources.storage import StorageRootResource
 from sensors.run_health import run_health_job
 
@@ -48,17 +50,28 @@ REPORTED_BY = {"reported_by": "runs_from_catalog"}
 MAX_VERSIONS_PER_TICK = 500
 
 
-def runs_trained_by_dagster_now(instance: dg.DagsterInstance) -> set[str]:
-    """Run names (`--run-name`) of the unfinished `rl_training` runs of this instance."""
+def _training_jobs() -> list[tuple[str, str, str]]:
+    """(job, op, run_name when the run config has none) of every job that trains a run."""
     from miles_platform.diffusion.config import DiffusionRunConfig
 
+    def default(cls) -> str:
+        return cls.__dataclass_fields__["run_name"].default
+
+    return [
+        (TRAINING_JOB, "rl_training_op", default(RunConfig)),
+        *((p.job_name, "rl_training_op", p.config["run_name"]) for p in presets()),
+        ("diffusion_training", "diffusion_training_op", default(DiffusionRunConfig)),
+    ]
+
+
+def runs_trained_by_dagster_now(instance: dg.DagsterInstance) -> set[str]:
+    """Run names (`--run-name`) of the unfinished training runs (`rl_training`, its presets,
+    `diffusion_training`) of this instance."""
     names = set()
-    for job, op, cls in ((TRAINING_JOB, "rl_training_op", RunConfig),
-                         ("diffusion_training", "diffusion_training_op", DiffusionRunConfig)):  # fmt: skip
-        default = cls.__dataclass_fields__["run_name"].default
+    for job, op, default in _training_jobs():
         for run in instance.get_runs(filters=dg.RunsFilter(job_name=job, statuses=UNFINISHED)):
             config = (run.run_config or {}).get("ops", {}).get(op, {}).get("config", {})
-            names.add(config.get("run_name") or default)
+            names.add(run_name_for(config.get("run_name") or default, run))
     return names
 
 
@@ -103,6 +116,7 @@ def _events(row: dict, run: str, ctx: dict[str, Any]) -> list[dg.AssetMaterializ
         "base_checkpoint": ctx["base"],
         "prompt_data": cfg.prompt_data if cfg else None,
         "eval_interval": cfg.eval_interval if cfg else None,
+        "final": cfg is not None and is_final_version(cfg, row["rollout_id"]),
         "distilled_from": ctx["teachers"].get(row["partition_key"], []),
     }
     metrics = ctx["metrics"].get(row["rollout_id"], {})

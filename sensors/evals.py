@@ -6,24 +6,31 @@ policy-version partition with the training run's eval settings (the `eval_config
 defaults; eval datasets = the run's `eval_prompt_data`, else the latest `eval_dataset`). Under
 Dagster the loop does not evaluate, so this is the one evaluator of record of a run.
 
-The sensor is cursor-based: the cursor is the storage id of the last `policy_versions`
-materialization it has looked at, so after downtime it resumes where it stopped and catches
-up (at most `max_runs_per_tick` run requests per tick; the rest on the next ticks). A version
-is evaluated at most once: run_key = partition key (Dagster drops a repeated run key) and
-partitions that already have an `eval_results` materialization are skipped.
+Which versions (`EvalPolicy`, from the environment when the code location loads): a version v is
+due when v % interval == 0 or it is its run's final version (metadata `final`, set when its
+rollout is the last of --num-rollout that updates weights). The interval is the run's
+--eval-interval (metadata `eval_interval`) when it has one, else MILES_EVAL_INTERVAL (default 10).
+At most MILES_EVAL_MAX_PER_RUN requests per run (default 20; 0 = no cap; the final version comes
+anyway) and MILES_EVAL_MAX_PER_TICK per tick (default 2; the rest on the next ticks, every 30 s):
+each eval is a subprocess of tens of seconds. Versions that `runs_from_catalog` reported with
+`evaluated_in_loop` (a `miles-platform train` run with --eval-interval and --eval-prompt-data, a
+diffusion run) are left to the run's own evals.
 
-Eval interval (Miles `--eval-interval`): version v is evaluated when v % interval == 0. The
-interval comes from the materialization metadata `eval_interval` when the training op logs
-it, else the sensor default (env MILES_EVAL_INTERVAL, default 1). Versions that
-`runs_from_catalog` reported with `evaluated_in_loop` (a `miles-platform train` run with
---eval-interval and --eval-prompt-data) are left to the run's own evals.
+The cursor (JSON) holds the storage id of the last `policy_versions` materialization looked at,
+so after downtime the sensor resumes where it stopped, and how many requests each run got. A
+version is evaluated at most once: run_key = partition key (Dagster drops a repeated run key) and
+partitions that already have an `eval_results` materialization are skipped.
 
 Default status: the sensor starts RUNNING (a user who trains from the UI expects eval numbers
 to appear without touching anything); the nightly schedule starts STOPPED (it spends compute
 every night, so it is opt-in). Both can be toggled on the Automation page.
 """
 
-import os
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
 
 import dagster as dg
 
@@ -31,30 +38,80 @@ from assets.evals import eval_run_config, run_config_for_version
 from assets.partitions import policy_version_partitions
 from miles_platform.store.paths import parse_partition_key
 from sensors.policy_events import new_policy_versions
+from sensors.settings import env_int
 
 EVAL_RESULTS = dg.AssetKey("eval_results")
-MAX_RUNS_PER_TICK = 10
 
 eval_job = dg.define_asset_job(
     "evaluate_policy",
     selection=["eval_results"],
     partitions_def=policy_version_partitions,
-    description="Evaluate one policy version (pass@1 / pass@k / mean reward per eval dataset).",
+    description="Evaluate one policy version (greedy pass@1, sampled pass@k and mean reward per eval dataset).",
 )
 
 
+@dataclass(frozen=True)
+class EvalPolicy:
+    """Which new versions the sensor evaluates, and how many at once."""
+
+    interval: int = 10  # every interval-th version of a run without --eval-interval
+    max_per_tick: int = 2  # run requests per tick (one tick every 30 s)
+    max_per_run: int = 20  # run requests per run, its final version excepted; 0 = no cap
+
+    @classmethod
+    def from_env(cls) -> EvalPolicy:
+        """The defaults, overridden by MILES_EVAL_INTERVAL, MILES_EVAL_MAX_PER_TICK (integers >= 1)
+        and MILES_EVAL_MAX_PER_RUN (>= 0)."""
+        d = cls()
+        return cls(
+            interval=env_int("MILES_EVAL_INTERVAL", d.interval, 1,
+                             "evaluate every N-th version of a run without --eval-interval"),
+            max_per_tick=env_int("MILES_EVAL_MAX_PER_TICK", d.max_per_tick, 1,
+                                 "eval runs the sensor requests per tick"),
+            max_per_run=env_int("MILES_EVAL_MAX_PER_RUN", d.max_per_run, 0,
+                                "eval runs requested per training run, its final version excepted; 0 = no cap"),
+        )  # fmt: skip
+
+
+@dataclass
+class EvalCursor:
+    """The sensor's cursor: the last materialization looked at, the requests made per run."""
+
+    after: str | None = None
+    requested: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def parse(cls, cursor: str | None) -> EvalCursor:
+        if not cursor:
+            return cls()
+        if cursor.isdigit():  # before 2026-12-05: the storage id alone
+            return cls(after=cursor)
+        data = json.loads(cursor)
+        return cls(after=data.get("after"), requested=Counter(data.get("requested", {})))
+
+    def dump(self) -> str:
+        return json.dumps({"after": self.after, "requested": dict(sorted(self.requested.items()))})
+
+
+@dataclass
+class EvalPlan:
+    requests: list[dg.RunRequest]
+    cursor: str
+    seen: int  # policy_versions materializations looked at
+    capped: list[str]  # runs whose versions were skipped because they reached max_per_run
+
+
+def _md_text(mat: dg.AssetMaterialization, key: str) -> str | None:
+    md = mat.metadata.get(key)
+    return None if md is None or md.value in (None, "") else str(md.value)
+
+
 def _interval(mat: dg.AssetMaterialization, default: int) -> int:
-    md = mat.metadata.get("eval_interval")
     try:
-        value = int(md.value) if md is not None and md.value not in (None, "") else default
-    except (TypeError, ValueError):
+        value = int(_md_text(mat, "eval_interval") or default)
+    except ValueError:
         value = default
     return value if value > 0 else default
-
-
-def _evaluated_in_loop(mat: dg.AssetMaterialization) -> bool:
-    md = mat.metadata.get("evaluated_in_loop")
-    return md is not None and str(md.value) == "true"
 
 
 def _version(mat: dg.AssetMaterialization) -> int:
@@ -65,62 +122,72 @@ def _version(mat: dg.AssetMaterialization) -> int:
 
 
 def plan_eval_requests(
-    instance: dg.DagsterInstance,
-    cursor: str | None,
-    default_interval: int = 1,
-    max_runs_per_tick: int = MAX_RUNS_PER_TICK,
-) -> tuple[list[dg.RunRequest], str | None, int]:
-    """Run requests for policy_versions materializations after `cursor` (a storage id).
+    instance: dg.DagsterInstance, cursor: str | None, policy: EvalPolicy = EvalPolicy()
+) -> EvalPlan:
+    """Run requests for the due versions among policy_versions materializations after `cursor`.
 
-    Returns (run requests, new cursor, number of events looked at). The cursor stops right
-    after the last event handled, so a tick that hits `max_runs_per_tick` leaves the rest for
-    the next tick.
-    """
+    The cursor stops right after the last event handled, so a tick that hits
+    `policy.max_per_tick` leaves the rest for the next tick."""
+    state = EvalCursor.parse(cursor)
     evaluated = set(instance.get_materialized_partitions(EVAL_RESULTS))
     run_configs: dict[str, dict] = {}
+    capped: set[str] = set()
 
     def due(key: str, mat: dg.AssetMaterialization) -> bool:
-        if _evaluated_in_loop(mat):  # a run trained outside Dagster whose own loop evaluates it
+        if _md_text(mat, "evaluated_in_loop") == "true":  # a run whose own loop evaluates it
             return False
+        run, final = parse_partition_key(key)[0], _md_text(mat, "final") == "true"
+        if not final and _version(mat) % _interval(mat, policy.interval):
+            return False
+        if not final and policy.max_per_run and state.requested[run] >= policy.max_per_run:
+            capped.add(run)
+            return False
+        state.requested[run] += 1
         run_configs[key] = eval_run_config(mat)  # the training run's eval settings
-        return _version(mat) % _interval(mat, default_interval) == 0
+        return True
 
-    keys, new_cursor, seen = new_policy_versions(instance, cursor, evaluated, max_runs_per_tick, due)
+    keys, state.after, seen = new_policy_versions(instance, state.after, evaluated, policy.max_per_tick, due)
     requests = [
         dg.RunRequest(
             run_key=k, partition_key=k, run_config=run_configs[k], tags={"miles/trigger": "new_policy"}
         )
         for k in keys
     ]
-    return requests, new_cursor, seen
+    return EvalPlan(requests, state.dump(), seen, sorted(capped))
 
 
 def build_eval_sensor(
     name: str = "eval_on_new_policy",
-    default_interval: int | None = None,
-    max_runs_per_tick: int = MAX_RUNS_PER_TICK,
+    policy: EvalPolicy | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
-    """The eval-on-new-policy sensor; `default_interval` None = env MILES_EVAL_INTERVAL or 1."""
-    interval = default_interval or int(os.environ.get("MILES_EVAL_INTERVAL", "1") or 1)
+    """The eval-on-new-policy sensor; `policy` None = EvalPolicy.from_env()."""
+    policy = policy or EvalPolicy.from_env()
 
     @dg.sensor(
         name=name,
         job=eval_job,
         minimum_interval_seconds=30,
         default_status=default_status,
-        description=f"Evaluate each new policy version v with v % eval_interval == 0 (default interval {interval}).",
+        description=f"Evaluate new policy versions: every --eval-interval-th of a run (without one every "
+        f"{policy.interval}th) and its final version; at most {policy.max_per_tick} per tick and "
+        f"{policy.max_per_run or 'unlimited'} per run (env MILES_EVAL_INTERVAL / _MAX_PER_TICK / _MAX_PER_RUN).",
     )
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        requests, cursor, seen = plan_eval_requests(
-            context.instance, context.cursor, interval, max_runs_per_tick
-        )
-        if requests:
-            return dg.SensorResult(run_requests=requests, cursor=cursor)
+        plan = plan_eval_requests(context.instance, context.cursor, policy)
+        if plan.capped:
+            context.log.info(
+                f"run(s) {', '.join(plan.capped)} got {policy.max_per_run} eval requests "
+                "(MILES_EVAL_MAX_PER_RUN): only their final version will be evaluated now"
+            )
+        if plan.requests:
+            return dg.SensorResult(run_requests=plan.requests, cursor=plan.cursor)
         reason = (
-            f"looked at {seen} new policy version(s); none due for eval" if seen else "no new policy versions"
+            f"looked at {plan.seen} new policy version(s); none due for eval"
+            if plan.seen
+            else "no new policy versions"
         )
-        return dg.SensorResult(skip_reason=reason, cursor=cursor)
+        return dg.SensorResult(skip_reason=reason, cursor=plan.cursor)
 
     return _sensor
 

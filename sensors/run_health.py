@@ -1,4 +1,4 @@
-"""Run the run-health asset checks (assets/run_health.py) when an `rl_training` run ends.
+"""Run the run-health asset checks (assets/run_health.py) when an `rl_training` run (or a preset's) ends.
 
 `check_run_health` executes the five checks on `rollout_shards` / `policy_versions` over the whole
 storage root; `run_health_after_training` requests it once per finished run (success or failure:
@@ -9,7 +9,7 @@ one that crashed is checked from the asset pages' **Checks** tab (or by launchin
 
 import dagster as dg
 
-from ops.training import rl_training
+from ops.training import PRESET_JOBS, rl_training
 
 run_health_job = dg.define_asset_job(
     "check_run_health",
@@ -29,7 +29,7 @@ def _request(context: dg.RunStatusSensorContext) -> dg.RunRequest:
 @dg.run_status_sensor(
     name="run_health_after_training",
     run_status=dg.DagsterRunStatus.SUCCESS,
-    monitored_jobs=[rl_training],
+    monitored_jobs=[rl_training, *PRESET_JOBS.values()],
     request_job=run_health_job,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Check run health after each successful rl_training run.",
@@ -40,7 +40,7 @@ def run_health_after_training(context: dg.RunStatusSensorContext):
 
 @dg.run_failure_sensor(
     name="run_health_after_failed_training",
-    monitored_jobs=[rl_training],
+    monitored_jobs=[rl_training, *PRESET_JOBS.values()],
     request_job=run_health_job,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Check run health after each failed rl_training run (what did it leave behind?).",

@@ -123,11 +123,11 @@ def save_tiny_pipeline(path: str | Path) -> str:
 
 
 def eval_rows(run: str, version: int, pass1: float, source: str, minutes: int) -> list[dict]:
-    """The rows one eval of a version writes (pass@1, pass@k, mean_reward on dataset `eval`)."""
+    """The rows one eval of a version writes (pass@1, pass@1(T=1), mean_reward@1(T=1) on dataset `eval`)."""
     return [
         {"version": version, "partition_key": partition_key(run, version), "dataset": "eval", "metric": m,
          "value": v, "n_samples": 1, "source": source, "created_at": T0 + timedelta(minutes=minutes), **SAMPLING}
-        for m, v in (("pass@1", pass1), ("pass@k", pass1), ("mean_reward", pass1 / 2))
+        for m, v in (("pass@1", pass1), ("pass@1(T=1)", pass1), ("mean_reward@1(T=1)", pass1 / 2))
     ]  # fmt: skip
 
 

@@ -1,5 +1,8 @@
 """Evaluate a policy on eval datasets: pass@1 (greedy), pass@k (unbiased, n samples), mean reward.
 
+Metric names say how they were sampled (rollout/metric_names.py): `pass@1` is the greedy answer;
+what n samples at temperature T give is `pass@<n>(T=<T>)` and `mean_reward@<n>(T=<T>)`.
+
 Scoring uses the RL reward hub (`rm_hub.compute_rewards`), so an eval number and a training
 reward mean the same thing. Generation is local and batched with a KV cache
 (`generate_local`); a caller that owns engines passes `generate_fn` with the same signature
@@ -19,6 +22,7 @@ import torch
 
 from miles_platform.data.sample import Sample, Status
 from miles_platform.progress import Progress
+from miles_platform.rollout.metric_names import is_greedy_metric, sampled_name
 
 GenerateFn = Callable[..., list[list[str]]]
 
@@ -211,9 +215,9 @@ def evaluate(
     tokenizer: Any | None = None,
     progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """name -> {"pass@1" (greedy), "pass@k" (unbiased over n samples at `temperature`),
-    "mean_reward" (over the n samples), "n", "k", "num_prompts"} and, when rows carry
-    metadata[breakdown_key], greedy accuracy per value ("pass@1/carry=True" ...).
+    """name -> {"pass@1" (greedy), "pass@<n>(T=<T>)" (unbiased pass@k over n samples at
+    `temperature`), "mean_reward@<n>(T=<T>)" (over the n samples), "n", "k", "num_prompts"} and,
+    when rows carry metadata[breakdown_key], greedy accuracy per value ("pass@1/carry=True" ...).
 
     `policy` is an HF dir or (model, tokenizer). `args` is a RunConfig-like object for the reward
     hub (rm_type, custom_rm_path, reward_key ...); without it one is built from `rm_type`.
@@ -263,8 +267,8 @@ def evaluate(
             correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
             res: dict[str, Any] = {
                 "pass@1": sum(g[0] for g in greedy) / len(rows),
-                "pass@k": sum(pass_at_k(k, c, k) for c in correct) / len(rows),
-                "mean_reward": sum(map(sum, sampled)) / (len(rows) * k),
+                sampled_name("pass", k, temperature): sum(pass_at_k(k, c, k) for c in correct) / len(rows),
+                sampled_name("mean_reward", k, temperature): sum(map(sum, sampled)) / (len(rows) * k),
                 "n": k,
                 "k": k,
                 "num_prompts": len(rows),
@@ -314,11 +318,6 @@ EVAL_SOURCES = ("loop", "asset")  # writers of the `evals` table
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}  # evaluate()'s one greedy answer per prompt
 
 
-def is_greedy_metric(metric: str) -> bool:
-    """pass@1, its breakdowns (pass@1/carry=True ...) and tool_call_share come from the greedy answers."""
-    return metric == "pass@1" or metric.startswith("pass@1/") or metric == "tool_call_share"
-
-
 def evals_table_rows(
     partition_key: str, results: dict[str, dict[str, Any]], source: str, sampling: dict[str, Any]
 ) -> list[dict[str, Any]]:
@@ -359,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-prompt-data", nargs="+", required=True, metavar="NAME PATH",
                     help="one or more `name path` pairs (JSONL or Parquet, any fsspec URI)")  # fmt: skip
     add_flags(ap, ["n_samples_per_eval_prompt"])
-    sampled = "of the sampled responses (pass@k, mean reward; pass@1 is always greedy)"
+    sampled = "of the sampled responses (pass@<n>(T=..), mean_reward@<n>(T=..); pass@1 is always greedy)"
     ap.add_argument("--eval-max-response-len", type=int, default=16,
                     help="max new tokens per response (default: %(default)s)")  # fmt: skip
     ap.add_argument("--eval-temperature", type=float, default=1.0,

@@ -196,11 +196,15 @@ class LineageGraph:
     def _eval_info(self, key: str) -> dict[str, Any]:
         if self._evals is None:
             self._evals = {}
+            from miles_platform.rollout.metric_names import metric_name
+
             for r in self._rows(
-                "SELECT partition_key, dataset, metric, arg_max(value, created_at) AS value FROM evals "
+                "SELECT partition_key, dataset, metric, arg_max(value, created_at) AS value, "
+                "arg_max(n_samples, created_at) AS n, arg_max(temperature, created_at) AS t FROM evals "
                 "GROUP BY partition_key, dataset, metric ORDER BY dataset, metric"
-            ):
-                self._evals.setdefault(r["partition_key"], {})[f"{r['dataset']}/{r['metric']}"] = r["value"]
+            ):  # older rows' `pass@k` / `mean_reward` read with their sampling, as new rows name it
+                name = metric_name(r["metric"], r["n"], r["t"])
+                self._evals.setdefault(r["partition_key"], {})[f"{r['dataset']}/{name}"] = r["value"]
         return dict(self._evals.get(key, {}))
 
     # ------------------------------------------------------------- trees

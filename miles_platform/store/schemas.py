@@ -89,14 +89,15 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             ("version", pa.int64()),
             ("partition_key", pa.string()),
             ("dataset", pa.string()),
-            ("metric", pa.string()),  # pass@1, pass@k, mean_reward, ...
+            ("metric", pa.string()),  # pass@1 (greedy), pass@4(T=1), mean_reward@4(T=1), ... (pass@k /
+            # mean_reward before 2026-12-05: metric_names.metric_name reads them with n_samples / temperature)
             ("value", pa.float64()),
             (
                 "n_samples",
                 pa.int64(),
-            ),  # responses per prompt behind this metric: k (pass@k, mean_reward), 1 (greedy)
+            ),  # responses per prompt behind this metric: n (pass@<n>(T=..), mean_reward@<n>(..)), 1 (greedy)
             ("source", pa.string()),  # the writer: "loop" (--eval-interval in train) | "asset" (eval_results)
-            # the sampling behind this metric: the eval's for pass@k / mean_reward; temperature 0,
+            # the sampling behind this metric: the eval's for the sampled metrics; temperature 0,
             # top_p 1, top_k -1 for the greedy pass@1, its breakdowns and tool_call_share (since
             # 2026-12-04; older rows carry the eval's sampling on every metric)
             ("temperature", pa.float64()),

@@ -9,6 +9,14 @@ from miles_platform.run_types import PolicyVersion
 from miles_platform.store.paths import StoragePaths, absolute, partition_key
 
 
+def is_final_version(cfg, rollout_id: int) -> bool:
+    """A version trained at `rollout_id` is its run's last: no later rollout of --num-rollout
+    updates the weights (every --update-weights-interval-th rollout does). A resume that raises
+    --num-rollout makes a later one final too."""
+    interval = getattr(cfg, "update_weights_interval", 1) or 1
+    return bool(cfg.num_rollout) and rollout_id + interval >= cfg.num_rollout
+
+
 def record_policy_version(
     cfg: RunConfig, paths: StoragePaths, version: int, parent_version: int, rollout_id: int,
     shard, hf_dir: str, ckpt: str | None, base_version: str | None, data_version: str | None,
@@ -35,6 +43,7 @@ def record_policy_version(
         shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=base,
         prompt_data=data, eval_interval=cfg.eval_interval, adapter_path=adapter_dir,
         distilled_from=[{"teacher": t, "kind": k, "content_hash": h} for t, k, h in teachers],
+        final=is_final_version(cfg, rollout_id),
     )  # fmt: skip
     append_rows(paths, "policy_versions", run, [pv.row()])
     first = parent_version == 0

@@ -71,23 +71,30 @@ def test_eval_results_rows_metadata_and_lineage(setup):
     )["eval"]
     rows = read_rows(paths, "evals", "demo")
     got = {r["metric"]: r["value"] for r in rows}
-    assert {"pass@1", "pass@k", "mean_reward"} <= set(got)
-    assert all(got[m] == pytest.approx(want[m]) for m in ("pass@1", "pass@k", "mean_reward"))
+    named = ("pass@1", "pass@2(T=1)", "mean_reward@2(T=1)")  # greedy; 2 samples at temperature 1
+    assert set(named) <= set(got) and not {"pass@k", "mean_reward"} & set(got)
+    assert all(got[m] == pytest.approx(want[m]) for m in named)
     assert {(r["partition_key"], r["version"], r["dataset"]) for r in rows} == {("demo.v000001", 1, "eval")}
     # every row names its writer and the sampling that made it: the 2 samples at temperature 1 of
-    # pass@k / mean reward, the one greedy answer of pass@1 and its breakdowns
+    # pass@2(T=1) / mean_reward@2(T=1), the one greedy answer of pass@1 and its breakdowns
     sampling = {r["metric"]: (r["source"], r["n_samples"], r["temperature"], r["top_p"], r["top_k"],
                               r["max_new_tokens"]) for r in rows}  # fmt: skip
     greedy = {m for m in sampling if m == "pass@1" or m.startswith("pass@1/")}
-    assert "pass@1" in greedy and set(sampling) - greedy == {"pass@k", "mean_reward"}
+    assert "pass@1" in greedy and set(sampling) - greedy == {"pass@2(T=1)", "mean_reward@2(T=1)"}
     assert {sampling[m] for m in greedy} == {("asset", 1, 0.0, 1.0, -1, 4)}
-    assert {sampling["pass@k"], sampling["mean_reward"]} == {("asset", 2, 1.0, 1.0, -1, 4)}
+    assert {sampling["pass@2(T=1)"], sampling["mean_reward@2(T=1)"]} == {("asset", 2, 1.0, 1.0, -1, 4)}
 
     mat = res.asset_materializations_for_node("eval_results")[0]
     assert mat.partition == "demo.v000001"
-    for m in ("pass@1", "pass@k", "mean_reward"):
+    for m in named:  # `<dataset>/<metric>`, the metric named as in the rows
         value = mat.metadata[f"eval/{m}"]
         assert isinstance(value, dg.FloatMetadataValue) and value.value == pytest.approx(want[m])
+    summary = mat.metadata["summary"].value
+    assert (
+        summary.splitlines()[0]
+        == "| dataset | pass@1 (greedy) | pass@2(T=1) | mean_reward@2(T=1) | prompts |"
+    )
+    assert not any(k.startswith("eval/eval/") for k in mat.metadata)
     assert mat.metadata["hf_path"].value == hf
     assert mat.metadata["num_prompts"].value == {"eval": 4}
 
@@ -138,3 +145,22 @@ def test_a_training_runs_eval_config_carries_its_eval_reward_and_dataset_flags()
     got = eval_config_for_run(cfg)
     assert got["eval_prompt_data"] == ["mine", "/data/eval.jsonl"] and got["input_key"] == "question"
     assert EvalConfig(**got).label_key == "label"
+
+
+def test_the_quickstart_summary_reads_the_numbers_the_asset_recorded(setup):
+    """One source: the summary's base / final numbers are the `evals` rows eval_results (and the
+    scoreboard, for the base) wrote, under the same names as the asset's metadata."""
+    from ops.quickstart import eval_summary
+
+    paths, instance, resources, ckpt = setup
+    shutil.copytree(ckpt, paths.hf_export("demo", 1))
+    res = _materialize(instance, resources, "demo.v000001")
+    md = res.asset_materializations_for_node("eval_results")[0].metadata
+    from_asset = {
+        k.removeprefix("eval/"): v.value for k, v in md.items() if isinstance(v, dg.FloatMetadataValue)
+    }
+    summary = eval_summary(paths, "demo", 1)
+    assert summary["final_eval"] == from_asset
+    assert summary["final_eval_accuracy"] == from_asset["pass@1"]
+    assert summary["eval_per_version"] == {"demo.v000001": from_asset["pass@1"]}
+    assert summary["base_eval"] == {} and summary["base_eval_accuracy"] is None  # no v0 row yet

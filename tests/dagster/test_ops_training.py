@@ -67,16 +67,17 @@ def test_every_launchpad_field_has_the_flags_help_text():
     assert set(fields) == set(RLTrainingConfig.model_fields)
 
 
-def test_config_without_a_reward_fails_fast_naming_the_flag(tiny_hf_checkpoint, tmp_path):
-    kw = _job_kwargs(tiny_hf_checkpoint, tmp_path)
-    kw.pop("rm_type")
+def test_config_without_a_reward_fails_fast_naming_the_key(tiny_hf_checkpoint, tmp_path):
+    """Model and prompts but `rm_type: none` and no custom_rm_path: refused before Ray starts,
+    in the Launchpad's words (`rm_type`, not `--rm-type`)."""
+    kw = {**_job_kwargs(tiny_hf_checkpoint, tmp_path), "rm_type": "none"}
     t0 = time.monotonic()
     result = _execute(kw, tmp_path / "root", raise_on_error=False)
     elapsed = time.monotonic() - t0
     assert not result.success
     failure = result.failure_data_for_node("rl_training_op")
     message = failure.user_failure_data.description if failure.user_failure_data else failure.error.message
-    assert "--rm-type" in message and "--custom-rm-path" in message
+    assert "rm_type" in message and "custom_rm_path" in message and "--rm-type" not in message
     assert elapsed < 10, f"took {elapsed:.1f} s: validation must run before Ray and the engines start"
     assert not (tmp_path / "root" / "rollouts").exists()
 
@@ -138,12 +139,12 @@ def test_eval_results_is_the_evaluator_of_record_one_row_per_metric(short_run):
     """Under Dagster the loop does not evaluate; the sensor launches eval_results with the run's
     eval settings, so each version has one row per metric, from the asset."""
     from assets.evals import eval_results
-    from sensors.evals import plan_eval_requests
+    from sensors.evals import EvalPolicy, plan_eval_requests
 
     _, instance, root, _ = short_run
     paths = StoragePaths(str(root))
     assert read_rows(paths, "evals", "t") == []  # no in-loop eval (nor v0 eval)
-    requests, _, _ = plan_eval_requests(instance, None, default_interval=1)
+    requests = plan_eval_requests(instance, None, EvalPolicy(interval=1)).requests
     assert [r.partition_key for r in requests] == ["t.v000001", "t.v000002"]
     config = requests[0].run_config["ops"]["eval_results"]["config"]
     assert config["eval_prompt_data"][0] == "heldout" and config["rm_type"] == "math"
@@ -159,7 +160,7 @@ def test_eval_results_is_the_evaluator_of_record_one_row_per_metric(short_run):
     rows = read_rows(paths, "evals", "t")
     keys = [(r["version"], r["dataset"], r["metric"]) for r in rows]
     assert len(keys) == len(set(keys)) and (1, "heldout", "pass@1") in keys
-    sampled = [r for r in rows if r["metric"] in ("pass@k", "mean_reward")]
+    sampled = [r for r in rows if r["metric"] in ("pass@1(T=0.8)", "mean_reward@1(T=0.8)")]
     assert sampled and {
         (r["source"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) for r in sampled
     } == {("asset", 0.8, 1.0, -1, 4)}
@@ -181,17 +182,18 @@ def _instance_with_inputs(tiny_hf_checkpoint, tmp_path) -> dg.DagsterInstance:
 
 def test_launchpad_presets_are_the_demo_recipe_and_a_smoke_run(tiny_hf_checkpoint, tmp_path):
     from miles_platform.recipes import DEMO_RL
-    from ops.training import run_config_from
+    from ops.training import PRESET_JOBS, run_config_from
 
-    assert rl_training.partitions_def.get_partition_keys() == ["demo", "smoke"]
     instance = _instance_with_inputs(tiny_hf_checkpoint, tmp_path)
     configs = {}
-    for preset in ("demo", "smoke"):
-        run_config = rl_training.partitioned_config.get_run_config_for_partition_key(preset)
-        assert dg.validate_run_config(rl_training, run_config)  # the Launchpad's schema accepts it
-        op_config = run_config["ops"]["rl_training_op"]["config"]
-        assert op_config["run_name"].startswith(f"{preset}-")  # a fresh run each time the preset loads
-        cfg, _ = run_config_from(RLTrainingConfig(**op_config), instance, str(tmp_path / "root"))
+    for name, job in PRESET_JOBS.items():
+        op_config = dg.validate_run_config(job, {})["ops"]["rl_training_op"][
+            "config"
+        ]  # what its Launchpad shows
+        run = dg.DagsterRun(job_name=name, run_id="1234abcd-0000-4000-8000-000000000000")
+        cfg, _ = run_config_from(RLTrainingConfig(**op_config), instance, str(tmp_path / "root"), run)
+        preset = name.removeprefix("rl_training_")
+        assert cfg.run_name == f"{preset}-1234abcd"  # a fresh run per launch
         configs[preset] = (op_config, cfg)
     demo, cfg = configs["demo"]
     assert {k: v for k, v in demo.items() if k in DEMO_RL and k != "run_name"} == {
@@ -215,15 +217,17 @@ def _materializations(instance, key: str) -> list[str]:
 
 
 def test_the_smoke_preset_trains_from_the_latest_assets(tiny_hf_checkpoint, tmp_path):
+    from ops.training import PRESET_JOBS
+
     instance = _instance_with_inputs(tiny_hf_checkpoint, tmp_path)
     t0 = time.monotonic()
-    result = rl_training.execute_in_process(
-        partition_key="smoke",
+    result = PRESET_JOBS["rl_training_smoke"].execute_in_process(
         instance=instance,
         resources={"storage": StorageRootResource(root=str(tmp_path / "root"))},
     )
     assert result.success
     run = result.output_for_node("rl_training_op")["run"]
+    assert run == f"smoke-{result.run_id[:8]}"
     assert _materializations(instance, "policy_versions") == [f"{run}.v000001", f"{run}.v000002"]
     print(f"smoke preset: {time.monotonic() - t0:.1f} s")
 
@@ -278,3 +282,68 @@ def test_rollout_shards_show_reward_spread_truncation_and_a_preview(short_run):
     preview = meta["preview"].value.splitlines()
     assert preview[0] == "| prompt | response | reward | status |" and len(preview) == 2 + min(3, len(rows))
     assert rows[0]["prompt"] in preview[2]
+
+
+# ---------------------------------------------------------------- the Launchpad (issue 48)
+def _op_fields(job):
+    return job.nodes[0].definition.config_schema.config_type.fields
+
+
+def test_the_launchpad_marks_the_fields_a_run_needs_as_required():
+    """The Launchpad's "missing config" comes from the schema: an empty config is missing the
+    batch size and the reward, not "No missing config"."""
+    fields = _op_fields(rl_training)
+    assert fields["rollout_batch_size"].is_required and fields["rm_type"].is_required
+    assert "required" in fields["rm_type"].description and "none" in fields["rm_type"].description
+    assert sorted(name for name, f in fields.items() if f.is_required) == ["rm_type", "rollout_batch_size"]
+    with pytest.raises(dg.DagsterInvalidConfigError) as e:
+        dg.validate_run_config(rl_training, {"ops": {"rl_training_op": {"config": {"run_name": "x"}}}})
+    assert "rollout_batch_size" in str(e.value) and "rm_type" in str(e.value)
+
+
+def test_a_config_error_from_the_launchpad_names_the_yaml_key(tiny_hf_checkpoint, tmp_path):
+    """The batch invariant's message names the four keys as the Launchpad spells them."""
+    kw = {**_job_kwargs(tiny_hf_checkpoint, tmp_path), "rollout_batch_size": 3, "global_batch_size": 4}
+    message = (
+        _execute(kw, tmp_path / "root", raise_on_error=False)
+        .failure_data_for_node("rl_training_op")
+        .user_failure_data.description
+    )
+    assert "rollout_batch_size=3" in message and "--" not in message, message
+    assert not (tmp_path / "root").exists()
+
+
+def test_presets_are_named_jobs_and_no_tag_of_theirs_sticks_to_a_hand_written_run():
+    """Each preset is a job of its own (named and described in the jobs list, its config filled in
+    its Launchpad); rl_training has no "Partition" box, so a hand-written run carries no preset."""
+    import definitions
+    from ops.training import PRESET_JOBS
+
+    assert rl_training.partitions_def is None and rl_training.partitioned_config is None
+    jobs = {j.name: j for j in definitions.defs.resolve_all_job_defs()}
+    assert set(PRESET_JOBS) == {"rl_training_demo", "rl_training_smoke"} <= set(jobs)
+    for name in PRESET_JOBS:
+        job = jobs[name]
+        assert job.description and "preset" in job.description.lower()
+        config = dg.validate_run_config(job, {})["ops"]["rl_training_op"]["config"]  # nothing missing
+        assert config["rm_type"] == "math" and config["rollout_batch_size"] >= 2
+        assert config["run_name"] == f"{name.removeprefix('rl_training_')}-{{run_id}}"
+    assert "rl_training_smoke" in rl_training.description and "rl_training_demo" in rl_training.description
+
+
+def test_a_run_name_with_run_id_names_a_fresh_run_that_a_re_execution_resumes():
+    from ops.training import run_name_for
+    from sensors.catalog_runs import runs_trained_by_dagster_now
+
+    first = dg.DagsterRun(job_name="rl_training_smoke", run_id="0a1b2c3d-0000-4000-8000-000000000000")
+    again = dg.DagsterRun(job_name="rl_training_smoke", run_id="ffffffff-0000-4000-8000-000000000000",
+                          root_run_id=first.run_id, parent_run_id=first.run_id)  # fmt: skip
+    assert run_name_for("smoke-{run_id}", first) == run_name_for("smoke-{run_id}", again) == "smoke-0a1b2c3d"
+    assert run_name_for("mine", again) == "mine"
+    instance = dg.DagsterInstance.ephemeral()
+    config = {"ops": {"rl_training_op": {"config": {"run_name": "smoke-{run_id}"}}}}
+    instance.add_run(
+        dg.DagsterRun(job_name="rl_training_smoke", run_id=first.run_id, status=dg.DagsterRunStatus.STARTED,
+                      run_config=config)
+    )  # fmt: skip
+    assert runs_trained_by_dagster_now(instance) == {"smoke-0a1b2c3d"}

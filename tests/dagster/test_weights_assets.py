@@ -93,7 +93,10 @@ def test_sensor_publishes_each_version_once_and_quantizes(tiny_hf_checkpoint, tm
     want = evaluate(
         paths.hf_export(run, 1), [("eval", str(data))], temperature=0.0, max_new_tokens=16, max_prompts=4
     )
-    assert _md(r, "eval/eval/pass@1_full_precision") == want["eval"]["pass@1"]
-    q = _md(r, "eval/eval/pass@1")
-    assert 0 <= q <= 1 and _md(r, "eval/eval/pass@1_delta") == q - want["eval"]["pass@1"]
+    assert _md(r, "eval/pass@1_full_precision") == want["eval"]["pass@1"]  # `<dataset>/<metric>`
+    q = _md(r, "eval/pass@1")
+    assert 0 <= q <= 1 and _md(r, "eval/pass@1_delta") == q - want["eval"]["pass@1"]
+    assert not [
+        k for k in r.asset_materializations_for_node("quantized_weights")[0].metadata if "eval/eval/" in k
+    ]
     assert "| eval |" in _md(r, "eval") and "| 4 |" in _md(r, "eval")

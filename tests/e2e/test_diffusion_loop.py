@@ -114,7 +114,7 @@ def test_versions_publish_as_disk_deltas_that_a_replica_pipeline_applies(campaig
 
     _, instance, root = campaign
     paths = StoragePaths(str(root))
-    assert plan_eval_requests(instance, None)[0] == []
+    assert plan_eval_requests(instance, None).requests == []
     assert [r.partition_key for r in plan_publish_requests(instance, None)[0]] == ["d.v000006"]
     kinds = []
     for v in range(1, 7):

@@ -106,7 +106,7 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, t
     assert ev == [(0, "t.v000000", "heldout"), (2, "t.v000002", "heldout")]
     # each row names its writer and the sampling it used (eval inherits the rollout's)
     _, src = Catalog(paths).query(
-        "select distinct source, temperature, top_p, top_k, max_new_tokens from evals where metric in ('pass@k', 'mean_reward')"
+        "select distinct source, temperature, top_p, top_k, max_new_tokens from evals where metric like '%(T=%'"
     )
     _, greedy = Catalog(paths).query(
         "select distinct source, n_samples, temperature, top_p, top_k, max_new_tokens from evals where metric = 'pass@1' or metric like 'pass@1/%'"

@@ -61,8 +61,9 @@ def test_the_launchpad_runs_opd_and_policy_versions_name_the_teacher(tiny_hf_che
     from ops.training import rl_training
     from resources.storage import StorageRootResource
 
-    kw = small_run_kwargs(tiny_hf_checkpoint, tmp_path, num_rollout=1, rm_type=None, use_opd=True,
+    kw = small_run_kwargs(tiny_hf_checkpoint, tmp_path, num_rollout=1, rm_type="none", use_opd=True,
                           opd_type="sglang", opd_teacher_hf_checkpoint=tiny_hf_checkpoint)  # fmt: skip
+    # rm_type is required in the Launchpad: `none` = no built-in reward (pure OPD here)
     kw.pop("storage_root")
     instance = dg.DagsterInstance.ephemeral()
     result = rl_training.execute_in_process(

@@ -111,7 +111,7 @@ def test_run_logs_to_wandb_offline_and_tensorboard_and_calls_custom_log_function
     ecalls = [json.loads(line) for line in (root / "eval_log_calls.jsonl").read_text().splitlines()]
     assert [c["rollout_id"] for c in ecalls] == [0, 0, 1]
     for c in ecalls:
-        assert list(c["data"]) == ["heldout"] and {"pass@1", "pass@k", "mean_reward"} <= set(
+        assert list(c["data"]) == ["heldout"] and {"pass@1", "pass@1(T=1)", "mean_reward@1(T=1)"} <= set(
             c["data"]["heldout"]
         )
         assert "eval/heldout/pass@1" in c["metrics"] and c["args"] == "RunConfig"

@@ -315,8 +315,8 @@ def test_materialize_eval_results_from_the_ui(page, webserver):
     rows = read_rows(StoragePaths(str(root)), "evals", "demo")
     assert {(r["partition_key"], r["metric"]) for r in rows} >= {
         (KEY, "pass@1"),
-        (KEY, "pass@k"),
-        (KEY, "mean_reward"),
+        (KEY, "pass@1(T=1)"),  # one sample at EvalConfig's temperature 1, named so
+        (KEY, "mean_reward@1(T=1)"),
     }
 
 
@@ -371,9 +371,11 @@ RUN_EVENTS = """{ logsForRun(runId: "%s") { ... on EventConnection { events { __
   ... on ExecutionStepFailureEvent { error { message } failureMetadata { description } } } } } }"""
 
 
-def test_the_launchpad_rejects_a_run_without_a_reward_naming_the_flag(page, webserver, tiny_hf_checkpoint):
-    """A newcomer launches rl_training from the Launchpad with a model and prompts but no reward:
-    the run fails in its first seconds (validation before Ray starts), naming --rm-type."""
+def test_the_launchpad_rejects_a_run_without_a_reward_naming_the_key(page, webserver, tiny_hf_checkpoint):
+    """A newcomer writes an rl_training config with a model and prompts but no reward: the Launchpad
+    lists `rm_type` as missing config and will not launch; with `rm_type: none` (and no
+    custom_rm_path) it launches, and the run fails in its first seconds (validation before Ray
+    starts), naming the Launchpad key `rm_type`."""
     from playwright.sync_api import expect
 
     base, root = webserver
@@ -387,9 +389,14 @@ def test_the_launchpad_rejects_a_run_without_a_reward_naming_the_flag(page, webs
         "      input_key: prompt\n      label_key: label\n"
     )  # everything a run needs but a reward
     page.evaluate("(text) => document.querySelector('.CodeMirror').CodeMirror.setValue(text)", yaml)
-    page.get_by_role("button", name="Launch Run").first.click()
-    # no preset picked (they are the job's "partitions"): the Launchpad asks once
-    page.get_by_role("dialog").get_by_role("button", name="Confirm").click()
+    expect(page.get_by_role("button", name="Scaffold missing config")).to_be_enabled()
+    expect(page.get_by_role("button", name="Launch Run").first).to_be_disabled()
+    page.evaluate(
+        "(text) => document.querySelector('.CodeMirror').CodeMirror.setValue(text)",
+        yaml + "      rm_type: none\n",
+    )
+    expect(page.get_by_text("No missing config")).to_be_visible()
+    page.get_by_role("button", name="Launch Run").first.click()  # no partitions: no "launch without one?"
 
     deadline, run = time.time() + 300, None  # the run's subprocess imports dagster + our code
     while time.time() < deadline:
@@ -407,9 +414,9 @@ def test_the_launchpad_rejects_a_run_without_a_reward_naming_the_flag(page, webs
     said = (failure.get("failureMetadata") or {}).get("description") or (failure.get("error") or {}).get(
         "message"
     )
-    assert "--rm-type" in (said or ""), failure
+    assert "rm_type" in (said or "") and "--rm-type" not in (said or ""), failure
     assert (end - start) / 1000 < 5, f"the step took {(end - start) / 1000:.1f} s to refuse the config"
     assert not (root / "runs" / "no-reward").exists() and not (root / "rollouts" / "run=no-reward").exists()
     page.goto(f"{base}/runs/{run['runId']}")
-    expect(page.get_by_text("--rm-type").first).to_be_visible()
+    expect(page.get_by_text("rm_type").first).to_be_visible()
     page.screenshot(path=str(DOCS / "ui_launchpad_rejects_no_reward.png"))

@@ -27,7 +27,7 @@ def test_scores_known_correct_and_known_wrong_with_the_rl_reward(tiny_eval_data)
     res = evaluate(None, [("add", tiny_eval_data)], n_samples_per_eval_prompt=4, generate_fn=fake_generate)[
         "add"
     ]
-    assert res["pass@1"] == 0.5 and res["pass@k"] == 0.5 and res["mean_reward"] == 0.5
+    assert res["pass@1"] == 0.5 and res["pass@4(T=1)"] == 0.5 and res["mean_reward@4(T=1)"] == 0.5
     assert res["pass@1/carry=False"] == 1.0 and res["pass@1/carry=True"] == 0.0
     assert res["num_prompts"] == 2 and res["k"] == 4
 
@@ -93,7 +93,7 @@ def test_cli_on_an_hf_checkpoint(tiny_hf_checkpoint, tiny_eval_data, capsys):
         + ["--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "4", "--json"]
     )
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and set(out["add"]) >= {"pass@1", "pass@k", "mean_reward"}
+    assert rc == 0 and set(out["add"]) >= {"pass@1", "pass@2(T=1)", "mean_reward@2(T=1)"}
     assert 0.0 <= out["add"]["pass@1"] <= 1.0
 
 
@@ -162,14 +162,21 @@ def test_every_option_in_help_has_a_description(command, capsys):
 
 def test_evals_rows_record_the_sampling_behind_each_metric():
     """pass@1, its breakdowns and tool_call_share come from the one greedy answer per prompt;
-    pass@k and mean_reward from the k samples at the eval's sampling."""
-    from miles_platform.rollout.evaluate import evals_table_rows, is_greedy_metric
+    pass@<n>(T=..) and mean_reward@<n>(T=..) from the n samples at the eval's sampling."""
+    from miles_platform.rollout.evaluate import evals_table_rows
+    from miles_platform.rollout.metric_names import is_greedy_metric
 
-    res = {"heldout": {"pass@1": 0.5, "pass@k": 0.75, "mean_reward": 0.4, "pass@1/carry=True": 0.25,
+    res = {"heldout": {"pass@1": 0.5, "pass@4(T=0.7)": 0.75, "mean_reward@4(T=0.7)": 0.4, "pass@1/carry=True": 0.25,
                        "tool_call_share": 0.9, "n": 4, "k": 4, "num_prompts": 8}}  # fmt: skip
     sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 8, "max_new_tokens": 6}
     rows = {r["metric"]: r for r in evals_table_rows("t.v000003", res, "asset", sampling)}
-    assert set(rows) == {"pass@1", "pass@k", "mean_reward", "pass@1/carry=True", "tool_call_share"}
+    assert set(rows) == {
+        "pass@1",
+        "pass@4(T=0.7)",
+        "mean_reward@4(T=0.7)",
+        "pass@1/carry=True",
+        "tool_call_share",
+    }
     for m in ("pass@1", "pass@1/carry=True", "tool_call_share"):
         r = rows[m]
         assert (r["n_samples"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) == (
@@ -179,7 +186,7 @@ def test_evals_rows_record_the_sampling_behind_each_metric():
             -1,
             6,
         )
-    for m in ("pass@k", "mean_reward"):
+    for m in ("pass@4(T=0.7)", "mean_reward@4(T=0.7)"):
         r = rows[m]
         assert (r["n_samples"], r["temperature"], r["top_p"], r["top_k"], r["max_new_tokens"]) == (
             4,
@@ -190,3 +197,44 @@ def test_evals_rows_record_the_sampling_behind_each_metric():
         )
     assert {r["version"] for r in rows.values()} == {3} and {r["source"] for r in rows.values()} == {"asset"}
     assert not is_greedy_metric("pass@10") and not is_greedy_metric("pass@k")
+    assert not is_greedy_metric("pass@1(T=1)")  # one sample at temperature 1: sampled, not greedy
+
+
+# ---------------------------------------------------------------- metrics named by their sampling (issue 48)
+def test_sampled_metrics_are_named_with_their_temperature_and_k(tiny_eval_data):
+    """`pass@1` is the greedy answer; what k samples at temperature T gave says so in its name,
+    so a sampled pass@1 at T = 1 below the greedy one is no contradiction."""
+    from miles_platform.rollout.evaluate import evals_table_rows
+
+    answers = {"12+34=": "46", "18+25=": "33"}
+
+    def fake_generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        return [[answers[p]] * n for p in prompts]
+
+    res = evaluate(None, [("add", tiny_eval_data)], n_samples_per_eval_prompt=4, temperature=0.8,
+                   generate_fn=fake_generate)["add"]  # fmt: skip
+    metrics = {k for k, v in res.items() if isinstance(v, float)}
+    assert metrics == {
+        "pass@1",
+        "pass@4(T=0.8)",
+        "mean_reward@4(T=0.8)",
+        "pass@1/carry=False",
+        "pass@1/carry=True",
+    }
+    one = evaluate(None, [("add", tiny_eval_data)], temperature=1.0, generate_fn=fake_generate)["add"]
+    assert {"pass@1", "pass@1(T=1)", "mean_reward@1(T=1)"} <= set(one)
+    sampling = {"temperature": 0.8, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8}
+    rows = {r["metric"]: r for r in evals_table_rows("t.v000001", {"add": res}, "loop", sampling)}
+    assert (rows["pass@4(T=0.8)"]["n_samples"], rows["pass@4(T=0.8)"]["temperature"]) == (4, 0.8)
+    assert (rows["pass@1"]["n_samples"], rows["pass@1"]["temperature"]) == (1, 0.0)
+
+
+def test_rows_written_before_the_names_read_with_them():
+    """Tables are append-only: a row named `pass@k` / `mean_reward` with its sampling columns reads
+    as the name it would get now; greedy and diffusion rows keep theirs."""
+    from miles_platform.rollout.metric_names import metric_name
+
+    assert metric_name("pass@k", 4, 1.0) == "pass@4(T=1)"
+    assert metric_name("mean_reward", 2, 0.7) == "mean_reward@2(T=0.7)"
+    assert metric_name("mean_reward", 8, None) == "mean_reward"  # a diffusion eval (no temperature)
+    assert metric_name("pass@1", 1, 0.0) == "pass@1" and metric_name("pass@4(T=1)", 4, 1.0) == "pass@4(T=1)"

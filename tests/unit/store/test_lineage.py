@@ -228,6 +228,22 @@ def test_cli_text_json_and_errors(store, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_an_eval_written_before_metric_names_carried_their_sampling_reads_with_them(store):
+    """Tables are append-only: an older row's `pass@k` (4 samples at temperature 1) shows as
+    `pass@4(T=1)`, the name the same eval gets now."""
+    paths, *_ = store
+    old = {
+        "version": 1,
+        "partition_key": "demo.v000001",
+        "dataset": "eval",
+        "n_samples": 4,
+        "temperature": 1.0,
+    }
+    append_rows(paths, "evals", "demo", [{**old, "metric": "pass@k", "value": 0.75}])
+    ids = {n["id"]: n for n in trace(paths, "demo.v000001")["downstream"]["nodes"]}
+    assert ids["eval:demo.v000001"]["info"] == {"eval/pass@1": 0.5, "eval/pass@4(T=1)": 0.75}
+
+
 # ----------------------------------------------------------------- one identity per checkpoint
 @pytest.fixture
 def cli_and_op(tmp_path, monkeypatch, tiny_hf_checkpoint):

@@ -47,7 +47,7 @@ def _eval_rows(version: int, run: str, pass1: float, source: str, minutes: int) 
     return [
         {"version": version, "partition_key": partition_key(run, version), "dataset": "eval", "metric": m,
          "value": v, "n_samples": 1, "source": source, "created_at": T0 + timedelta(minutes=minutes), **SAMPLING}
-        for m, v in (("pass@1", pass1), ("pass@k", pass1), ("mean_reward", pass1 / 2))
+        for m, v in (("pass@1", pass1), ("pass@1(T=1)", pass1), ("mean_reward@1(T=1)", pass1 / 2))
     ]  # fmt: skip
 
 
