@@ -63,12 +63,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (at_active(x, mask) * mask).sum() / mask.sum().clamp_min(1)
 
 
-def sample_token_counts(loss_masks: Tensors) -> torch.Tensor:
-    """Each sample's loss-token count, at least 1: Miles' per-token normalizer counts a fully
-    masked sample (remove_sample) as one token."""
-    return torch.stack([m.sum() for m in loss_masks]).clamp_min(1)
-
-
 def sum_of_sample_mean(
     values: Tensors, loss_masks: Tensors, denominators: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -244,13 +238,13 @@ def _group_normalize_finite(grouped: torch.Tensor, std_normalize: bool) -> torch
     """As above over each group's finite rewards only; a non-finite reward (its sample is removed
     from the loss, rollout/nonfinite_samples) gets 0 and moves neither the mean nor the std."""
     ok = torch.isfinite(grouped)
-    x = torch.where(ok, grouped, torch.zeros(()))
+    x = torch.where(ok, grouped, 0.0)
     cnt = ok.sum(dim=-1, keepdim=True)
     mean = x.sum(dim=-1, keepdim=True) / cnt.clamp_min(1)
-    centered = torch.where(ok, x - mean, torch.zeros(()))
+    centered = torch.where(ok, x - mean, 0.0)
     if std_normalize:
         var = (centered**2).sum(dim=-1, keepdim=True) / (cnt - 1).clamp_min(1)
-        std = torch.where(cnt > 1, var.sqrt(), torch.zeros(()))
+        std = torch.where(cnt > 1, var.sqrt(), 0.0)
         centered = torch.where(std > 0, centered / (std + 1e-6), centered)
     return centered
 

@@ -117,7 +117,7 @@ def compute_mis_weights(
         return None, masks, metrics
     weights, kept = [], []
     for tr, ro, m in zip(train_log_probs, rollout_log_probs, masks, strict=True):
-        d = torch.where(m > 0, tr.float() - ro.float(), torch.zeros(()))
+        d = torch.where(m > 0, tr.float() - ro.float(), 0.0)
         log_w = _level_log_ratio(d, m, args.tis_level)
         w = _safe_exp(log_w)
         add("tis_weight_before_bound", w)
