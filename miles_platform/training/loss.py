@@ -71,7 +71,9 @@ def sum_of_sample_mean(
     rejection sampling removed tokens from `loss_masks`: rejected tokens leave the numerator only)."""
     if denominators is None:
         denominators = torch.stack([m.sum() for m in loss_masks])
-    sums = torch.stack([(at_active(v, m) * m).sum() for v, m in zip(values, loss_masks, strict=True)])
+    mask = torch.cat(loss_masks)
+    masked = at_active(torch.cat(values), mask) * mask  # one select for the batch, then per sample
+    sums = torch.stack([x.sum() for x in masked.split([m.numel() for m in loss_masks])])
     return (sums / denominators.clamp_min(1)).mean()
 
 
@@ -84,8 +86,8 @@ def per_token_mean(
         denominators = torch.stack([m.sum() for m in loss_masks])
     # one sum over the concatenated tokens (not a sum of per-sample sums): the same rounding as a
     # plain token mean, so runs without masked-out samples train bit for bit as before
-    flat = torch.cat([at_active(v, m) for v, m in zip(values, loss_masks, strict=True)])
-    return (flat * torch.cat(loss_masks)).sum() / denominators.clamp_min(1).sum()
+    mask = torch.cat(loss_masks)
+    return (at_active(torch.cat(values), mask) * mask).sum() / denominators.clamp_min(1).sum()
 
 
 def get_reducer(args) -> Reducer:
