@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LONGEST_FIRST = {  # seconds per file in `make test` (2 workers, --durations=0), fresh clone, 2026-12-04
     "test_learning.py": 166, "test_cluster_ray.py": 117, "test_crash_matrix.py": 88,
     "test_ui_browser.py": 82, "test_diffusion_loop.py": 80, "test_fault_tolerance.py": 62,
+    "test_ui_daily_use.py": 45,  # alone, 2 cores under another suite's load, 2026-12-05
     "test_loop.py": 56, "test_model_families_loop.py": 34, "test_fuzz.py": 29,
     "test_trainer_fault_hooks.py": 22, "test_diffusion_crash.py": 21,
     "test_model_families_megatron.py": 19, "test_sglang_launcher.py": 19, "test_kernels.py": 18,

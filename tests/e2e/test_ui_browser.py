@@ -6,6 +6,7 @@ page, and materializes eval_results for it from the UI (the run executes in a su
 the default run launcher). Screenshots land in docs/ui_*.png with MILES_UI_SCREENSHOTS=1.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -87,32 +88,15 @@ def _prepare_root(root: Path, tiny_hf_checkpoint: str) -> None:
     """A storage root + Dagster instance with one policy version and a 4-row eval dataset."""
     import dagster as dg
 
-    from assets.datasets import eval_dataset
     from miles_platform.store.paths import StoragePaths
-    from resources.storage import StorageRootResource
 
     paths = StoragePaths(str(root))
     (root / "dagster").mkdir(parents=True)
     (root / "dagster" / "dagster.yaml").write_text(DAGSTER_YAML)
     hf = paths.hf_export("demo", 1)
     shutil.copytree(tiny_hf_checkpoint, hf)
-    data = root / "eval.jsonl"
-    rows = [{"prompt": f"What is {a}+{b}?", "label": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with dg.DagsterInstance.from_config(str(root / "dagster")) as instance:
-        res = dg.materialize(
-            [eval_dataset],
-            instance=instance,
-            resources={"storage": StorageRootResource(root=str(root))},
-            run_config={
-                "ops": {
-                    "eval_dataset": {
-                        "config": {"path": str(data), "input_key": "prompt", "label_key": "label"}
-                    }
-                }
-            },
-        )
-        assert res.success
+        materialize_eval_dataset(instance, root)
         instance.add_dynamic_partitions("policy_versions", [KEY])
         instance.report_runless_asset_event(
             dg.AssetMaterialization(
@@ -120,6 +104,29 @@ def _prepare_root(root: Path, tiny_hf_checkpoint: str) -> None:
             )
         )
         _cli_runs(paths, instance, tiny_hf_checkpoint)
+
+
+def materialize_eval_dataset(instance, root: Path) -> None:
+    """The `eval_dataset` asset from a 4-row `root`/eval.jsonl (sums of two digits)."""
+    import dagster as dg
+
+    from assets.datasets import eval_dataset
+    from resources.storage import StorageRootResource
+
+    data = root / "eval.jsonl"
+    rows = [{"prompt": f"What is {a}+{b}?", "label": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = dg.materialize(
+        [eval_dataset],
+        instance=instance,
+        resources={"storage": StorageRootResource(root=str(root))},
+        run_config={
+            "ops": {
+                "eval_dataset": {"config": {"path": str(data), "input_key": "prompt", "label_key": "label"}}
+            }
+        },
+    )
+    assert res.success
 
 
 def _cli_runs(paths, instance, tiny_hf_checkpoint: str) -> None:
@@ -157,10 +164,10 @@ def _graphql(base: str, query: str) -> dict:
 ASSET_EDGES = "{ assetNodes { assetKey { path } dependencyKeys { path } } }"
 
 
-@pytest.fixture(scope="module")
-def webserver(tmp_path_factory, tiny_hf_checkpoint):
-    root = tmp_path_factory.mktemp("ui") / "root"
-    _prepare_root(root, tiny_hf_checkpoint)
+@contextlib.contextmanager
+def dagster_webserver(root: Path):
+    """`make ui`'s webserver on the storage root `root` (DAGSTER_HOME `root`/dagster): started at
+    once, yields (base URL, wait_ready); wait_ready() returns once the code location has loaded."""
     port = free_port()
     env = {
         **os.environ,
@@ -168,7 +175,8 @@ def webserver(tmp_path_factory, tiny_hf_checkpoint):
         "MILES_STORAGE_ROOT": str(root),
         "OMP_NUM_THREADS": "1",
     }
-    log = open(root / "webserver.log", "w")  # noqa: SIM115 - closed below
+    log_path = root / "webserver.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
     cmd = [
         sys.executable,
         "-m",
@@ -185,21 +193,22 @@ def webserver(tmp_path_factory, tiny_hf_checkpoint):
         cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
+
+    def wait_ready(timeout_s: float = 90) -> None:
+        deadline = time.time() + timeout_s
         while True:
-            assert proc.poll() is None, f"webserver exited: {(root / 'webserver.log').read_text()[-3000:]}"
+            assert proc.poll() is None, f"webserver exited: {log_path.read_text()[-3000:]}"
             try:
                 nodes = _graphql(base, ASSET_EDGES)["assetNodes"]
                 if any(n["assetKey"]["path"] == ["eval_results"] for n in nodes):
-                    break
+                    return
             except OSError:
                 pass
-            assert time.time() < deadline, (
-                f"webserver not ready: {(root / 'webserver.log').read_text()[-3000:]}"
-            )
+            assert time.time() < deadline, f"webserver not ready: {log_path.read_text()[-3000:]}"
             time.sleep(0.5)
-        yield base, root
+
+    try:
+        yield base, wait_ready
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -210,7 +219,16 @@ def webserver(tmp_path_factory, tiny_hf_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def page(browser, webserver):
+def webserver(tmp_path_factory, tiny_hf_checkpoint):
+    root = tmp_path_factory.mktemp("ui") / "root"
+    _prepare_root(root, tiny_hf_checkpoint)
+    with dagster_webserver(root) as (base, wait_ready):
+        wait_ready()
+        yield base, root
+
+
+def new_page(browser):
+    """A page whose waits fit a loaded CI machine, with Dagster's first-visit dialog dismissed."""
     from playwright.sync_api import expect
 
     pg = browser.new_page()
@@ -222,6 +240,12 @@ def page(browser, webserver):
         pg.get_by_text("Join the Dagster community"),
         lambda: pg.get_by_role("button", name="Skip").dispatch_event("click"),
     )
+    return pg
+
+
+@pytest.fixture(scope="module")
+def page(browser, webserver):
+    pg = new_page(browser)
     yield pg
     pg.close()
 
