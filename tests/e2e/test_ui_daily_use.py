@@ -174,6 +174,14 @@ def day(tmp_path_factory, tiny_hf_checkpoint):
     (root / "dagster").mkdir(parents=True)
     (root / "dagster" / "dagster.yaml").write_text(DAGSTER_YAML)
     (root / "dagster" / "daemon.yaml").write_text(DAEMON_YAML)
+    import dagster as dg
+
+    # the instance's SQLite storages (runs, events, schedules) made once, before the webserver and
+    # the daemon open them side by side: two first openings raced on alembic's version table
+    # ("more than one head present") in a full `make test`
+    with dg.DagsterInstance.from_config(str(root / "dagster")) as instance:
+        instance.get_runs(limit=1)
+        instance.all_instigator_state()
     with dagster_webserver(root) as (base, wait_ready):
         _write_runs(clone, tiny_hf_checkpoint)
         with make_ui_daemon(root) as (daemon, mp):
