@@ -199,13 +199,13 @@ def _check_vocab(cfg: RunConfig, hf: dict) -> None:
     """The tokenizer's ids must fit the model's embedding: a tokenizer larger than `vocab_size`
     (another model's tokenizer beside the weights) made ids the model has no row for, and the run
     died mid-rollout. A smaller tokenizer is normal (padded embeddings)."""
-    from miles_platform.models.checkpoint import load_tokenizer
+    from miles_platform.models.checkpoint import embedding_rows, load_tokenizer
 
-    rows = hf.get("vocab_size") or (hf.get("text_config") or {}).get("vocab_size")
-    if not rows:
+    rows = embedding_rows(hf)
+    if rows is None:
         return
     n = len(load_tokenizer(cfg.hf_checkpoint))
-    if n > int(rows):
+    if n > rows:
         raise ConfigError(
             f"--hf-checkpoint {cfg.hf_checkpoint}: its tokenizer has {n} tokens but the model's vocab_size is "
             f"{rows}: ids >= {rows} have no embedding row. Put the model's own tokenizer beside its weights"

@@ -21,6 +21,13 @@ from miles_platform.models.families import SUPPORTED_ARCHITECTURES
 from miles_platform.store.atomic import fsync_tree, replace_dir
 
 
+def embedding_rows(config: dict) -> int | None:
+    """The token ids a checkpoint has embedding rows for: config.json's `vocab_size`, or its
+    `text_config`'s (multimodal configs); None when it names none."""
+    v = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(v) if v else None
+
+
 def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dict:
     """Check an HF checkpoint dir; return its config dict. Raises CheckpointError naming what is wrong."""
     p = Path(path)

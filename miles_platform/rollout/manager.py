@@ -508,13 +508,13 @@ def _vocab_size(hf_checkpoint: str | None) -> int | None:
     import json
     import os
 
+    from miles_platform.models.checkpoint import embedding_rows
+
     try:
         with open(os.path.join(hf_checkpoint or "", "config.json")) as f:
-            c = json.load(f)
+            return embedding_rows(json.load(f))
     except (OSError, ValueError):
         return None
-    v = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
-    return int(v) if v else None
 
 
 def _moe_shape(hf_checkpoint: str) -> tuple[int, int]:
