@@ -540,10 +540,33 @@ class RunConfig:
     max_tokens_per_gpu: int | None = _f(
         None, "perf", "token budget per micro-batch (required with dynamic batching)"
     )
-    tensor_model_parallel_size: int = _f(1, "perf", "megatron TP")
-    pipeline_model_parallel_size: int = _f(1, "perf", "megatron PP")
+    # --- megatron model parallelism (--train-backend megatron; docs/megatron.md, training/megatron_parallel.py).
+    # Data parallel = trainer ranks / (TP x PP x CP); TP ranks are consecutive (inside a node).
+    tensor_model_parallel_size: int = _f(
+        1, "perf", "megatron TP: each layer's matrices split over this many ranks"
+    )
+    sequence_parallel: bool = _f(
+        False,
+        "perf",
+        "megatron SP: norms and residuals split the sequence over the TP ranks (no effect at TP 1, as megatron)",
+    )
+    pipeline_model_parallel_size: int = _f(
+        1, "perf", "megatron PP: layers split into this many stages (1F1B schedule)"
+    )
+    num_layers_per_virtual_pipeline_stage: int | None = _f(
+        None, "perf", "interleaved PP: layers per virtual pipeline stage (each stage holds several chunks)"
+    )
+    decoder_first_pipeline_num_layers: int | None = _f(None, "perf", "uneven PP: layers of the first stage")
+    decoder_last_pipeline_num_layers: int | None = _f(None, "perf", "uneven PP: layers of the last stage")
     context_parallel_size: int = _f(1, "perf", "CP")
     expert_model_parallel_size: int = _f(1, "perf", "megatron EP (MoE)")
+    expert_tensor_parallel_size: int | None = _f(
+        None, "perf", "megatron ETP: TP of the MoE experts (default: TP)"
+    )
+    update_weight_buffer_size: int = _f(
+        512 * 1024**2, "weight-update", "bytes of full (gathered) weights per weight-update bucket (megatron)"
+    )
+    # --- end of the megatron model-parallel block ---
     gradient_checkpointing: bool = _f(False, "perf", "activation recompute (FSDP)")
 
     # --- precision ---
@@ -781,6 +804,7 @@ class RunConfig:
         self._check_score_centering()
         self._check_opd_flags()
         self._check_algorithm_flags()
+        self._check_megatron_layout()
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
@@ -822,6 +846,60 @@ class RunConfig:
         if self.loss_type == "custom_loss" and not self.custom_loss_function_path:
             raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path")
         return self
+
+    # --- megatron model parallelism (the flag block above; the model's shapes: preflight) ---
+    def megatron_layout_flags(self) -> list[str]:
+        """The model-parallel flags set to anything but their default, as `--flag value`."""
+        names = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size",
+                 "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers", "expert_tensor_parallel_size")  # fmt: skip
+        return [f"{_flag(n)} {getattr(self, n)}" for n in names if getattr(self, n) != _default(n)]
+
+    def _check_megatron_layout(self) -> None:
+        given = self.megatron_layout_flags()
+        if not given:
+            return
+        if self.train_backend != "megatron":
+            raise ConfigError(f"{', '.join(given)}: megatron model parallelism; use --train-backend megatron")
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        pp = self.pipeline_model_parallel_size
+        for name in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                     "decoder_last_pipeline_num_layers"):  # fmt: skip
+            v = getattr(self, name)
+            if v is not None and (pp == 1 or v < 1):
+                raise ConfigError(
+                    f"{_flag(name)} {v}: needs --pipeline-model-parallel-size > 1 and a value >= 1"
+                )
+        if self.num_layers_per_virtual_pipeline_stage and (
+            self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
+        ):
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage with --decoder-first/last-pipeline-num-layers: "
+                "megatron-core splits interleaved stages evenly; use one or the other"
+            )
+        world = self.actor_num_nodes * self.actor_num_gpus_per_node
+        mp = self.tensor_model_parallel_size * pp * self.context_parallel_size
+        if world % mp:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {self.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+                f"{pp} = {mp} ranks per model replica: the {world} trainer ranks (--actor-num-nodes x "
+                "--actor-num-gpus-per-node) must be a multiple of it"
+            )
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != self.tensor_model_parallel_size:
+            raise ConfigError(
+                f"--expert-tensor-parallel-size {etp}: the experts split like the rest of the layer "
+                f"(= --tensor-model-parallel-size {self.tensor_model_parallel_size}); a separate expert TP "
+                "needs expert parallelism, which this build refuses (--expert-model-parallel-size)"
+            )
+
+    def data_parallel_size(self) -> int:
+        """Trainer ranks / (TP x PP x CP): the ranks that take different samples."""
+        world = self.actor_num_nodes * self.actor_num_gpus_per_node
+        return max(1, world // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                * self.context_parallel_size))  # fmt: skip
 
     def _check_algorithm_flags(self) -> None:
         """Miles' rules for estimators and corrections (docs/algorithms.md), and no flag that would
@@ -1269,8 +1347,6 @@ MIS_FLAGS = ("tis_level", "tis_mode", "tis_lower_bound", "tis_upper_bound", "use
 
 REFUSED: dict[str, str] = {
     "opd_teacher_ckpt_step": "pass the checkpoint's iter_NNNNNNN dir itself as --opd-teacher-load",
-    "tensor_model_parallel_size": f"{_DP_ONLY} (TP > 1 is supported by `miles-platform convert`, not by training yet)",
-    "pipeline_model_parallel_size": _DP_ONLY,
     "context_parallel_size": _DP_ONLY,
     "expert_model_parallel_size": "MoE experts train at expert parallel 1, every rank holding every expert (docs/moe.md)",
 }

@@ -19,6 +19,10 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     hf = validate_hf_dir(cfg.hf_checkpoint)
     _check_moe(cfg, hf)
+    if cfg.megatron_layout_flags() and not cfg.debug_rollout_only:
+        from miles_platform.training.megatron_parallel import Layout, check_model_fits
+
+        check_model_fits(Layout.from_cfg(cfg), hf)
     _check_vocab(cfg, hf)
     cfg.resolve_api_key()  # secure by default: no run is open to other local processes
     from miles_platform.weights.transports import check_engine_kind
@@ -168,10 +172,14 @@ def fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> Non
         epochs = cfg.num_epoch or 1
         cfg.num_rollout = max(1, epochs * dataset_rows // cfg.rollout_batch_size)
     world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
-    if cfg.global_batch_size % world:
-        raise ConfigError(
-            f"--global-batch-size {cfg.global_batch_size} must divide over {world} trainer ranks"
+    dp = cfg.data_parallel_size()
+    if cfg.global_batch_size % dp:
+        over = (
+            f"{world} trainer ranks"
+            if dp == world
+            else f"{dp} data-parallel ranks ({world} trainer ranks / TP x PP x CP)"
         )
+        raise ConfigError(f"--global-batch-size {cfg.global_batch_size} must divide over {over}")
 
 
 def check_writable_dir(flag: str, path: str | None) -> None:

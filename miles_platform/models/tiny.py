@@ -34,3 +34,19 @@ def save_untied_checkpoint(tied, path) -> str:
     )  # fmt: skip
     save_hf_checkpoint(qwen3.build_model(cfg, seed=2), tok, path)
     return str(path)
+
+
+def save_layout_checkpoint(tokenizer_src, path, tied: bool = True, num_hidden_layers: int = 4) -> str:
+    """A tiny Qwen3 that every megatron layout of the tests splits: 4 heads in 2 query groups
+    (TP 2), 4 layers (PP 2 with 2 virtual stages of 1 layer, or uneven 1 + 3), tied or untied
+    embeddings; the tokenizer of `tokenizer_src`."""
+    from miles_platform.models import qwen3
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+
+    tok = load_tokenizer(tokenizer_src)
+    cfg = qwen3.tiny_qwen3_config(
+        len(tok), hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, num_hidden_layers=num_hidden_layers, tie_word_embeddings=tied,
+    )  # fmt: skip
+    save_hf_checkpoint(qwen3.build_model(cfg, seed=3), tok, path)
+    return str(path)

@@ -8,6 +8,7 @@ weights that engines load. The model itself comes from a ModelBackend (fsdp | me
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from miles_platform.config import RunConfig
 from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.training import loss as loss_hub
+from miles_platform.training.backend import ScoreRequest, Scores
 from miles_platform.training.backends import get_backend_class
 from miles_platform.training.checkpoint import LATEST, iter_dir, read_latest  # noqa: F401 (re-exported)
 from miles_platform.training.opd import OPDPenalty, build_teacher, in_trainer_teacher
@@ -118,6 +120,7 @@ class TrainerActor:
         np.random.seed(cfg.seed + rank)
         self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
         self.model = self.backend.build(cfg.hf_checkpoint)
+        self.dp_rank, self.dp_size, self.dp_group = self.backend.data_parallel()
         self.ref = self._build_ref() if (cfg.use_kl_loss or cfg.kl_coef > 0) else None
         self.teacher = build_teacher(cfg, rank, world_size) if in_trainer_teacher(cfg) else None
         self.critic = None
@@ -174,47 +177,54 @@ class TrainerActor:
         pos = torch.arange(width).unsqueeze(0).expand(len(seqs), -1).contiguous()
         return ids, pos
 
-    def _response_log_probs(
-        self,
-        backend,
-        batch: TrainBatch,
-        idx: list[int],
-        with_entropy: bool = False,
-        candidates: list[torch.Tensor] | None = None,
-    ):
-        """Per-sample log-probs of response tokens (fp32), from one padded forward.
-
-        The engines' contract (Miles'): log softmax(z / T) with the rollout temperature, over the
-        recorded sampling support when top-k / top-p truncated it (sampling-support replay). One
-        batched log-softmax-and-gather for every position (one autograd node, not one per sample),
-        then each sample's response window: position j scores token j + 1. `candidates` (per sample
-        [n, K] token ids, -1 unused; for a loss with `needs_candidate_log_probs`): a third list, per
-        sample the [n, K] log-probs of those ids from the same forward, with grad."""
+    def _score_request(self, backend, batch: TrainBatch, idx: list[int], with_entropy: bool = False,
+                       candidates: list[torch.Tensor] | None = None) -> ScoreRequest:  # fmt: skip
+        """One padded micro-batch forward of samples `idx` and what it scores: the engines' contract
+        (Miles'), log softmax(z / T) with the rollout temperature, over the recorded sampling support
+        when top-k / top-p truncated it (sampling-support replay). `candidates` (per sample [n, K]
+        token ids, -1 unused; a loss with `needs_candidate_log_probs`) are placed at each sample's
+        response positions."""
         ids, pos = self._pack(batch, idx)
-        with (
-            self._routing(backend, batch, idx, ids.shape[1]),
-            self._aux_loss(backend, batch, idx, ids.shape[1]),
-        ):
-            logits = backend.logits(ids, pos)[:, :-1]
-        support = self._support_index(batch, idx, ids.shape[1] - 1)
-        token_lp, ent = loss_hub.token_log_probs(
-            logits, ids[:, 1:], self.cfg.rollout_temperature, support, with_entropy
-        )
-        cand = None
-        if candidates is not None:  # [B, width, K]: each sample's ids at its response positions
-            index = torch.full((len(idx), ids.shape[1] - 1, candidates[0].shape[-1]), -1, dtype=torch.long)
+        width = ids.shape[1]
+        index = None
+        if candidates is not None:  # [B, width - 1, K]: each sample's ids at its response positions
+            index = torch.full((len(idx), width - 1, candidates[0].shape[-1]), -1, dtype=torch.long)
             for r, i in enumerate(idx):
                 total, resp = len(batch.tokens[i]), batch.response_lengths[i]
                 index[r, total - resp - 1 : total - 1] = candidates[r]
-            cand = loss_hub.candidate_log_probs(logits, index, self.cfg.rollout_temperature, support)
+
+        @contextlib.contextmanager
+        def around_forward():
+            with self._routing(backend, batch, idx, width), self._aux_loss(backend, batch, idx, width):
+                yield
+
+        return ScoreRequest(
+            ids, pos, self.cfg.rollout_temperature, self._support_index(batch, idx, width - 1),
+            with_entropy, index, around_forward,
+        )  # fmt: skip
+
+    @staticmethod
+    def _per_sample(batch: TrainBatch, idx: list[int], scores: Scores):
+        """Each sample's response window of a micro-batch's scores (position j scores token j + 1):
+        (log-probs, entropies, candidate log-probs) lists; the last two empty when not scored."""
         out, ents, cands = [], [], []
         for r, i in enumerate(idx):
             total, resp = len(batch.tokens[i]), batch.response_lengths[i]
-            out.append(token_lp[r, total - resp - 1 : total - 1])
-            if with_entropy:
-                ents.append(ent[r, total - resp - 1 : total - 1])
-            if cand is not None:
-                cands.append(cand[r, total - resp - 1 : total - 1])
+            window = slice(total - resp - 1, total - 1)
+            out.append(scores.log_probs[r, window])
+            if scores.entropy is not None:
+                ents.append(scores.entropy[r, window])
+            if scores.candidates is not None:
+                cands.append(scores.candidates[r, window])
+        return out, ents, cands
+
+    def _response_log_probs(self, backend, batch: TrainBatch, idx: list[int], with_entropy: bool = False,
+                            candidates: list[torch.Tensor] | None = None):  # fmt: skip
+        """Per-sample log-probs of response tokens (fp32), from one padded forward (see
+        `_score_request`); with `candidates` a third list, per sample the [n, K] log-probs of those
+        ids from the same forward, with grad."""
+        req = self._score_request(backend, batch, idx, with_entropy, candidates)
+        out, ents, cands = self._per_sample(batch, idx, backend.score(req))
         return (out, ents) if candidates is None else (out, ents, cands)
 
     def _moe_metrics(self) -> dict[str, float]:
@@ -314,16 +324,20 @@ class TrainerActor:
 
     @torch.no_grad()
     def _all_log_probs(self, backend, batch: TrainBatch, idx: list[int]) -> dict[int, torch.Tensor]:
+        mbs = self._micro_batches(batch, idx)
         out = {}
-        for mb in self._micro_batches(batch, idx):
-            lps, _ = self._response_log_probs(backend, batch, mb)
-            out.update(zip(mb, lps, strict=True))
-        return out
+
+        def consume(k, scores):
+            out.update(zip(mbs[k], self._per_sample(batch, mbs[k], scores)[0], strict=True))
+
+        backend.run_micro_batches([self._score_request(backend, batch, mb) for mb in mbs], consume, True)
+        return backend.from_last_stage(out)
 
     # ------------------------------------------------------------------ train
     def _my_indices(self, step: int) -> list[int]:
+        """This data-parallel rank's samples of optimizer step `step` (every dp_size-th)."""
         gbs = self.cfg.global_batch_size
-        return list(range(step * gbs + self.rank, (step + 1) * gbs, self.world_size))
+        return list(range(step * gbs + self.dp_rank, (step + 1) * gbs, self.dp_size))
 
     def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics."""
@@ -374,7 +388,9 @@ class TrainerActor:
             if self.critic is not None:
                 self._critic_step(batch, self._my_indices(s), values, returns, add)
         if fused:
+            old.update(self.backend.from_last_stage(old))  # pipeline parallel: scored on the last stage
             self._alignment_metrics(batch, mine, old, rollout_lp, add)
+        metrics = self.backend.from_last_stage(metrics)  # the loss hub's metrics: the last stage's
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train/nonfinite_steps"] = float(sum(metrics.get("train/nonfinite_steps", [])))
         out["train/lr"] = self.sched.get_last_lr()[0]
@@ -451,7 +467,7 @@ class TrainerActor:
         """--normalize-advantages: every rank whitens its share with the whole batch's statistics
         (the ranks' shares partition the rollout)."""
         masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mine]
-        dp_sum = self._all_reduce_tensor if self.world_size > 1 else None
+        dp_sum = self._all_reduce_tensor if self.dp_size > 1 else None
         whitened = loss_hub.normalize_advantages([adv[i] for i in mine], masks, dp_sum)
         adv.update(zip(mine, whitened, strict=True))
 
@@ -488,7 +504,7 @@ class TrainerActor:
     def _mb_scale(self, batch, mb, n_local: int, tok_global: float) -> float:
         """A micro-batch mean's weight in the global-batch reduction (ranks' grads are averaged)."""
         if self.cfg.calculate_per_token_loss:
-            return self._token_count(batch, mb) * self.world_size / max(tok_global, 1.0)
+            return self._token_count(batch, mb) * self.dp_size / max(tok_global, 1.0)
         return len(mb) / n_local
 
     def _train_step(self, batch, idx, old, ref, rollout_lp, adv, add, fused: bool = False, opd=None):
@@ -498,16 +514,23 @@ class TrainerActor:
         tok_global = self._all_reduce_sum(self._token_count(batch, idx))
         self.opt.zero_grad(set_to_none=True)
         self.backend.zero_grad()
-        for k, mb in enumerate(mbs):
-            need_ent = cfg.entropy_coef != 0
-            recorded = None
-            if getattr(self.loss_fn, "needs_candidate_log_probs", False):  # score centering
-                from miles_platform.training.score_centering import rollout_candidates
+        need_ent = cfg.entropy_coef != 0
+        recorded = [None] * len(mbs)
+        if getattr(self.loss_fn, "needs_candidate_log_probs", False):  # score centering
+            from miles_platform.training.score_centering import rollout_candidates
 
-                recorded = [rollout_candidates(batch, i, cfg.rollout_top_logprobs_num) for i in mb]
-            lps, ents, *cands = self._response_log_probs(
-                self.backend, batch, mb, need_ent, [c for c, _ in recorded] if recorded else None
-            )
+            recorded = [
+                [rollout_candidates(batch, i, cfg.rollout_top_logprobs_num) for i in mb] for mb in mbs
+            ]
+        reqs = [
+            self._score_request(self.backend, batch, mb, need_ent, [c for c, _ in rec] if rec else None)
+            for mb, rec in zip(mbs, recorded, strict=True)
+        ]
+
+        def consume(k: int, scores: Scores) -> torch.Tensor:
+            """Micro-batch k's weighted loss from its scores (the last pipeline stage's forward)."""
+            mb = mbs[k]
+            lps, ents, cands = self._per_sample(batch, mb, scores)
             if fused:
                 old.update(zip(mb, (lp.detach() for lp in lps), strict=True))
                 if opd is not None:
@@ -520,28 +543,25 @@ class TrainerActor:
                 "loss_masks": [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mb],
                 "response_lengths": [batch.response_lengths[i] for i in mb],
             }
-            if recorded:  # the rollout's candidates (ids, log q) and the trainer's log p at them
-                mb_batch["rollout_topk_token_ids"] = [c for c, _ in recorded]
-                mb_batch["rollout_topk_log_probs"] = [q for _, q in recorded]
-                mb_batch["candidate_log_probs"] = cands[0]
+            if recorded[k]:  # the rollout's candidates (ids, log q) and the trainer's log p at them
+                mb_batch["rollout_topk_token_ids"] = [c for c, _ in recorded[k]]
+                mb_batch["rollout_topk_log_probs"] = [q for _, q in recorded[k]]
+                mb_batch["candidate_log_probs"] = cands
             loss, m = self.loss_fn(cfg, mb_batch, lps, ents if need_ent else None)
             if self.moe_aux is not None:  # --moe-aux-loss-coeff / --moe-z-loss-coeff
                 loss = loss + cfg.moe_aux_loss_coeff * self.moe_aux + cfg.moe_z_loss_coeff * self.moe_z
                 m = {**m, "moe_aux_loss": float(self.moe_aux), "moe_z_loss": float(self.moe_z)}
-            (loss * self._mb_scale(batch, mb, n_local, tok_global)).backward()
             for key, v in m.items():
-                name = key if "/" in key else f"train/{key}"
-                add(name, v)
+                add(key if "/" in key else f"train/{key}", v)
             if self.global_step == 0 and k == 0:
                 add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
                 add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
+            return loss * self._mb_scale(batch, mb, n_local, tok_global)
+
+        self.backend.run_micro_batches(reqs, consume)
         self.hooks.fire("trainer_step_before_allreduce")
         self.backend.finish_grad_sync()  # .grad = the average over data-parallel ranks
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.backend.parameters() if p.grad is not None], cfg.clip_grad
-        )
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.backend.clip_grad_norm(cfg.clip_grad)
         finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
         add("train/grad_norm", grad_norm if finite else 0.0)
         add("train/nonfinite_steps", not finite)  # a NaN / inf loss or gradient: the step is skipped
@@ -554,15 +574,16 @@ class TrainerActor:
         self.global_step += 1
 
     def _all_reduce_sum(self, x: float) -> float:
-        if self.world_size == 1:
+        """Sum over the data-parallel ranks (model-parallel peers hold the same samples)."""
+        if self.dp_size == 1:
             return x
         t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.dp_group)
         return float(t.item())
 
     def _all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.dp_group)
         return t
 
     def _reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:

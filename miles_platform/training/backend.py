@@ -12,11 +12,54 @@ Backends: `fsdp` (torch-native HF model; FSDP2 over gloo/NCCL when world_size > 
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from miles_platform.config import RunConfig
+
+
+@dataclass
+class ScoreRequest:
+    """One micro-batch forward and what to score from it (positions 0..T-2 score tokens 1..T-1).
+
+    `support` [B, T-1, K]: sampling-support replay ids (-1 padding); `candidates` [B, T-1, K]: ids
+    whose log-probs a loss reads (score centering); `context`: entered around the model forward
+    (MoE routing replay, aux-loss collection)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    temperature: float = 1.0
+    support: torch.Tensor | None = None
+    with_entropy: bool = False
+    candidates: torch.Tensor | None = None
+    context: Callable[[], Any] = field(default=contextlib.nullcontext)
+
+
+class Scores(NamedTuple):
+    """[B, T-1] log-probs of the next tokens, their entropies (or None), [B, T-1, K] candidates."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+
+def scores_from_logits(logits: torch.Tensor, req: ScoreRequest) -> Scores:
+    """Scores from full-vocabulary logits [B, T, V] (the loss hub's token / candidate log-probs)."""
+    from miles_platform.training import loss as loss_hub
+
+    z = logits[:, :-1]
+    lp, ent = loss_hub.token_log_probs(
+        z, req.input_ids[:, 1:], req.temperature, req.support, req.with_entropy
+    )
+    cand = None
+    if req.candidates is not None:
+        cand = loss_hub.candidate_log_probs(z, req.candidates, req.temperature, req.support)
+    return Scores(lp, ent, cand)
 
 
 class ModelBackend(ABC):
@@ -57,6 +100,43 @@ class ModelBackend(ABC):
     def finish_grad_sync(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """After a step's last backward, before clipping: leave on each parameter's `.grad` the
         average over data-parallel ranks. FSDP2 reduce-scatters inside backward: nothing to do."""
+
+    # ---- the train step's micro-batches (megatron: its pipeline schedule) ----
+    def score(self, req: ScoreRequest) -> Scores:
+        """One micro-batch forward and its scores."""
+        with req.context():
+            logits = self.logits(req.input_ids, req.position_ids)
+        return scores_from_logits(logits, req)
+
+    def run_micro_batches(
+        self,
+        reqs: list[ScoreRequest],
+        consume: Callable[[int, Scores], torch.Tensor | None],
+        forward_only: bool = False,
+    ) -> None:
+        """Forward each request; `consume(k, scores)` gives micro-batch k's loss (already weighted
+        for the global batch), which is backpropagated unless `forward_only` (then it may be None).
+        Under pipeline parallelism `consume` runs on the last stage only."""
+        for k, req in enumerate(reqs):
+            loss = consume(k, self.score(req))
+            if not forward_only:
+                loss.backward()
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """`obj` as the last pipeline stage computed it (what `consume` produced), on every rank."""
+        return obj
+
+    def data_parallel(self) -> tuple[int, int, Any]:
+        """(rank, size, process group) of this rank's data-parallel group: ranks that take
+        different samples. Without model parallelism every rank is one (group None = world)."""
+        return self.rank, self.world_size, None
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip `.grad` to a global L2 norm of max_norm; returns the norm before clipping."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.parameters() if p.grad is not None], max_norm
+        )
+        return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
     def parameters(self):
         return self.module.parameters()

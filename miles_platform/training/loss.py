@@ -189,7 +189,8 @@ def token_log_probs(
     lp = picked - torch.where(has, lse_s, lse)
     if with_entropy:
         ps = zs.softmax(-1).nan_to_num(0.0)
-        ent_s = lse_s - torch.where(valid, ps * zs, torch.zeros_like(zs)).sum(-1)
+        # not where(valid, ps * zs, 0): its unused branch is 0 * -inf, whose backward is NaN
+        ent_s = lse_s - (ps * zs.masked_fill(~valid, 0.0)).sum(-1)
         ent = torch.where(has, ent_s, ent)
     return lp, ent
 

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from miles_platform.errors import CheckpointError
-from miles_platform.models.bridge import Bridge, get_bridge
-from miles_platform.models.bridge.base import tp_shard, tp_split, tp_unshard
-from miles_platform.training import megatron_shims
-from miles_platform.training.backend import ModelBackend
+from miles_platform.models.bridge import Bridge
+from miles_platform.models.bridge.base import padded_vocab
+from miles_platform.training import megatron_shims, megatron_step, megatron_weights
+from miles_platform.training.backend import ModelBackend, ScoreRequest, Scores, scores_from_logits
+from miles_platform.training.megatron_parallel import Layout
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # torch_dist metadata: megatron's format marker and torch.distributed.checkpoint's index
@@ -51,34 +52,15 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     use_te: bool | None = None,
 ):
-    """(GPTModel, bridge) for an HF config; parallel_state must be initialized."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer import TransformerConfig
+    """(GPTModel, bridge) for an HF config without pipeline stages; parallel_state must be
+    initialized. Logits are vocab-parallel ([B, T, V / TP])."""
+    from miles_platform.training.megatron_parallel import Layout, build_model_chunks
 
-    bridge = get_bridge(hf_config)
     use_te = te_available() if use_te is None else use_te
-    megatron_shims.apply_no_te_shims()
-    cfg = TransformerConfig(
-        **bridge.transformer_config(hf_config),
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        params_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
+    chunks, bridge = build_model_chunks(
+        hf_config, Layout(tp=tensor_model_parallel_size), params_dtype, use_te
     )
-    spec_kwargs = bridge.layer_spec_kwargs(hf_config)
-    if use_te:
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
-    else:
-        spec = specs.get_gpt_layer_local_spec(**spec_kwargs, normalization="RMSNorm")
-    model = GPTModel(
-        cfg,
-        spec,
-        **bridge.gpt_model_kwargs(hf_config, tensor_model_parallel_size),
-        parallel_output=False,  # logits gathered over TP: [B, T, V] on every rank
-    )
-    if torch.cuda.is_available():
-        model = model.cuda()
-    return model, bridge
+    return chunks[0], bridge
 
 
 def uses_fused_norms(model: torch.nn.Module) -> bool:
@@ -92,40 +74,19 @@ def _tp_rank_size() -> tuple[int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
-def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy a full (unsharded) megatron state dict into this rank's TP shards of `model`."""
-    rank, size = _tp_rank_size()
-    params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    missing = sorted(set(params) - set(full))
-    if missing:
-        raise CheckpointError(f"megatron state: missing tensor(s) {missing[:5]}")
-    with torch.no_grad():
-        for name, dst in params.items():
-            src = tp_shard(name, full[name], rank, size)
-            if src.shape != dst.shape:
-                raise CheckpointError(
-                    f"megatron state: tensor {name!r} shard has shape {tuple(src.shape)}, model has {tuple(dst.shape)}"
-                )
-            dst.copy_(src)
+def _chunks(model) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
 
 
-def gather_full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full megatron state dict (CPU, detached), all-gathered over the TP group."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+def load_full_state(model, full: dict[str, torch.Tensor]) -> None:
+    """Copy a full (unsharded) megatron state dict into this rank's shards of `model` (a model
+    or its list of pipeline chunks)."""
+    megatron_weights.load_full_state(_chunks(model), full)
 
-    _, size = _tp_rank_size()
-    out = {}
-    for name, t in model.state_dict().items():
-        if not isinstance(t, torch.Tensor):
-            continue  # _extra_state
-        t = t.detach()
-        if size > 1 and tp_split(name) is not None:
-            shards = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-            t = tp_unshard(name, shards)
-        out[name] = t.cpu().clone()
-    return out
+
+def gather_full_state(model) -> dict[str, torch.Tensor]:
+    """Full megatron state dict (CPU, detached), gathered over TP and PP, on every rank."""
+    return megatron_weights.gather_full_state(_chunks(model))
 
 
 def _save_strategy():
@@ -135,13 +96,22 @@ def _save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
-def save_torch_dist(model: torch.nn.Module, ckpt_dir: str | os.PathLike, iteration: int = 0) -> None:
+def model_sharded_state(model) -> dict[str, Any]:
+    """Megatron's checkpoint keys: "model", or "model0", "model1", ... per virtual pipeline chunk.
+    The sharded tensors inside carry global keys (layer offsets applied), so any layout reads them."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_torch_dist(model, ckpt_dir: str | os.PathLike, iteration: int = 0) -> None:
     """Collective: every rank calls it. Writes Megatron's torch_dist format into ckpt_dir."""
     from megatron.core import dist_checkpointing
 
     megatron_shims.apply_cpu_shims()
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-    state = {"model": model.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": iteration}
+    state = {**model_sharded_state(model), "checkpoint_version": 3.0, "iteration": iteration}
     dist_checkpointing.save(state, str(ckpt_dir), sharded_strategy=_save_strategy())
 
 
@@ -169,18 +139,21 @@ def check_torch_dist_dir(path: str | os.PathLike) -> Path:
     return p
 
 
-def load_torch_dist(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> Path:
-    """Collective: load (resharding as needed) a torch_dist checkpoint into `model`."""
+def load_torch_dist(model, ckpt_dir: str | os.PathLike) -> Path:
+    """Collective: load (resharding as needed: any TP / PP layout) a torch_dist checkpoint into
+    `model` (a model or its pipeline chunks)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     megatron_shims.apply_cpu_shims()
     p = check_torch_dist_dir(ckpt_dir)
     try:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(p))
+        state = dist_checkpointing.load(model_sharded_state(model), str(p))
     except (CheckpointingException, KeyError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"torch_dist checkpoint {p}: {type(e).__name__}: {e}") from e
-    model.load_state_dict(state["model"], strict=True)
+    chunks = _chunks(model)
+    for i, c in enumerate(chunks):
+        c.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     return p
 
 
@@ -200,84 +173,157 @@ def wrap_data_parallel(model: torch.nn.Module):
 
 class MegatronBackend(ModelBackend):
     name = "megatron"
-    ddp = None  # megatron DDP around self.module when it trains data-parallel
+    ddp: list | None = None  # megatron DDP around each model chunk when the world has > 1 rank
 
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
         from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
+        from miles_platform.training.megatron_parallel import build_model_chunks
 
         hf_config = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
-        tp = int(getattr(self.cfg, "tensor_model_parallel_size", 1) or 1)
+        self.layout = Layout.from_cfg(self.cfg)
         if self.world_size > 1 and not dist.is_initialized():
             raise RuntimeError(
                 f"MegatronBackend rank {self.rank} of {self.world_size}: join torch.distributed first "
                 "(TrainerActor does it from its dist_init)"
             )
         megatron_shims.init_process_group(
-            self.rank, self.world_size, tp, seed=int(getattr(self.cfg, "seed", 1234))
-        )
+            self.rank, self.world_size, layout=self.layout, num_layers=hf_config["num_hidden_layers"],
+            seed=int(getattr(self.cfg, "seed", 1234)),
+        )  # fmt: skip
         self.hf_config = hf_config
-        self.module, self.bridge = build_gpt_model(hf_config, tp)
+        self.chunks, self.bridge = build_model_chunks(hf_config, self.layout, use_te=te_available())
+        self.module = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         ref_load = getattr(self.cfg, "ref_load", None)
         if ref_load:
-            load_torch_dist(self.module, ref_load)
+            load_torch_dist(self.chunks, ref_load)
         else:
             self.load_hf_state_dict(load_hf_model(hf_checkpoint).state_dict())
         if trainable and getattr(self.cfg, "moe_router_freeze_gate", False):
             for name, p in self.module.named_parameters():  # MoE routers stay as loaded
                 if name.endswith("mlp.router.weight"):
                     p.requires_grad_(False)
-        if trainable and ps.get_data_parallel_world_size() > 1:
-            # after the weights are in: DDP keeps param.data where it is (no distributed optimizer)
-            self.ddp = wrap_data_parallel(self.module)
+        if trainable and self.world_size > 1:
+            # after the weights are in: DDP keeps param.data where it is (no distributed optimizer);
+            # its finalize also reduces sequence-parallel norms over TP and tied embeddings over PP
+            self.ddp = [wrap_data_parallel(c) for c in self.chunks]
         self.module.train()
         return self.module
 
     def zero_grad(self) -> None:
-        if self.ddp is not None:
-            self.ddp.zero_grad_buffer()
+        for d in self.ddp or []:
+            d.zero_grad_buffer()
 
     def finish_grad_sync(self) -> None:
         if self.ddp is None:
             return
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads([self.ddp])
+        finalize_model_grads(self.ddp)
         for p in self.module.parameters():
             if p.requires_grad:
                 p.grad = p.main_grad  # a view of the averaged buffer, zeroed by zero_grad()
+
+    def data_parallel(self):
+        from megatron.core import parallel_state as ps
+
+        if self.world_size == 1:
+            return 0, 1, None
+        return (
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+            ps.get_data_parallel_group_gloo(),
+        )
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self.layout.model_parallel == 1:
+            return super().clip_grad_norm(max_norm)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        total = megatron_step.global_grad_norm(params)
+        megatron_step.clip_by_total_norm(params, max_norm, total)
+        return total
 
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
+    # ---- forward ----
+    def _seq_multiple(self) -> int:
+        return self.layout.tp if self.layout.sp and self.layout.tp > 1 else 1
+
+    def _scores(self, out: torch.Tensor, req: ScoreRequest) -> Scores:
+        """Scores from the last stage's vocab-parallel logits [B, T', V / TP] (T' >= T: SP padding)."""
+        from miles_platform.training.megatron_logprobs import VocabShard, vocab_parallel_scores
+
+        out = out[: req.input_ids.shape[0], : req.input_ids.shape[1]]
+        rank, size = _tp_rank_size()
+        if size == 1:  # the full vocabulary: the loss hub's own formulas
+            return scores_from_logits(out[..., : self.vocab_size], req)
+        from megatron.core import parallel_state as ps
+
+        shard = VocabShard(out.shape[-1], self.vocab_size, rank, size, ps.get_tensor_model_parallel_group())
+        return vocab_parallel_scores(out, req, shard)
+
+    def score(self, req: ScoreRequest) -> Scores:
+        if len(self.chunks) > 1 or self.layout.pp > 1:
+            raise RuntimeError("a pipeline-parallel model scores through run_micro_batches")
+        return self._scores(megatron_step.forward_chunk(self.module, req, self._seq_multiple()), req)
+
+    def run_micro_batches(self, reqs, consume, forward_only: bool = False) -> None:
+        models = self.ddp if (self.ddp and not forward_only) else self.chunks
+        megatron_step.run_micro_batches(
+            models, reqs, self._scores, consume, forward_only, self._seq_multiple()
+        )
+
+    def from_last_stage(self, obj):
+        return megatron_step.from_last_stage(obj)
+
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        # an explicit causal mask: megatron's default one is allocated on "cuda". RoPE uses
-        # positions 0..T-1, which equals position_ids on every real token of right-padded rows.
-        T = input_ids.shape[1]
-        causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=input_ids.device), diagonal=1)
-        out = self.module(input_ids, position_ids, causal[None, None])
-        return out[..., : self.vocab_size]
+        """[B, T, vocab] gathered over TP (one stage only). RoPE uses positions 0..T-1, which equals
+        position_ids on every real token of right-padded rows."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        if len(self.chunks) > 1 or self.layout.pp > 1:
+            raise RuntimeError("logits() of a pipeline-parallel model: score through run_micro_batches")
+        out = megatron_step.forward_chunk(
+            self.module, ScoreRequest(input_ids, position_ids), self._seq_multiple()
+        )
+        if _tp_rank_size()[1] > 1:
+            out = gather_from_tensor_model_parallel_region(out)
+        return out[:, : input_ids.shape[1], : self.vocab_size]
+
+    # ---- weights ----
+    def hf_buckets(self):
+        """HF-named weights, one `--update-weight-buffer-size` bucket at a time (collective)."""
+        size = int(getattr(self.cfg, "update_weight_buffer_size", 512 * 1024**2))
+        return megatron_weights.hf_buckets(self.chunks, self.bridge, self.hf_config, size)
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.bridge.megatron_to_hf(gather_full_state(self.module), self.hf_config)
+        """Collective. The full HF state on the first rank of each model replica (TP and pipeline
+        rank 0, which is what call_trainers reads on rank 0), {} on the others: a rank holds its own
+        shards plus one bucket besides what it returns."""
+        from megatron.core import parallel_state as ps
+
+        keep = self.world_size == 1 or ps.get_model_parallel_group().rank() == 0
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.hf_buckets():
+            if keep:
+                out.update(bucket)
+        return out
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         bridge: Bridge = self.bridge
-        vocab_rows = self.module.state_dict()["embedding.word_embeddings.weight"].shape[0]
-        _, tp = _tp_rank_size()
         full = bridge.hf_to_megatron(
             state,
             self.hf_config,
-            fused_norms=uses_fused_norms(self.module),
-            padded_vocab_size=vocab_rows * tp,
+            fused_norms=uses_fused_norms(self.chunks[0]),
+            padded_vocab_size=padded_vocab(self.vocab_size, self.layout.tp),
         )
-        load_full_state(self.module, full)
+        load_full_state(self.chunks, full)
 
     def save_model(self, ckpt_dir: str) -> None:
-        save_torch_dist(self.module, ckpt_dir)
+        save_torch_dist(self.chunks, ckpt_dir)
 
     def load_model(self, ckpt_dir: str) -> None:
-        load_torch_dist(self.module, ckpt_dir)
+        load_torch_dist(self.chunks, ckpt_dir)

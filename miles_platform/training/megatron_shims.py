@@ -25,6 +25,8 @@ dist_checkpointing.save forks writer processes, so entry points that save need a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
@@ -77,6 +79,10 @@ def apply_cpu_shims() -> bool:
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor
     torch.cuda.current_device = _cpu_device
+    torch.cuda.synchronize = _no_sync  # pipeline p2p guards batch_isend_irecv with it
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CudaMeansCpu(torch)  # total_num_tokens = torch.zeros(..., device="cuda")
 
     original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
 
@@ -111,6 +117,48 @@ def _cpu_device() -> str:
     return "cpu"
 
 
+def _no_sync(device=None) -> None:
+    return None
+
+
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange"})
+
+
+class _CudaMeansCpu:
+    """`torch` as one megatron module sees it on a machine without CUDA: a factory asked for
+    device "cuda" allocates on the CPU. Everything else is torch itself."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name not in _FACTORIES:
+            return attr
+
+        def on_cpu(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return on_cpu
+
+
+@contextlib.contextmanager
+def tensor_cuda_is_cpu():
+    """Around model construction without CUDA: `Tensor.cuda()` (megatron moves the tied embedding
+    copy of the last pipeline stage there before all-reducing it) returns the tensor itself."""
+    if cuda_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
 def init_process_group(
     rank: int = 0,
     world_size: int = 1,
@@ -118,8 +166,11 @@ def init_process_group(
     pipeline_model_parallel_size: int = 1,
     master_port: int | None = None,
     seed: int = 1234,
+    layout=None,
+    num_layers: int | None = None,
 ) -> None:
-    """torch.distributed (gloo on CPU, nccl on GPU) + megatron parallel_state, if not already up."""
+    """torch.distributed (gloo on CPU, nccl on GPU) + megatron parallel_state, if not already up.
+    `layout` (megatron_parallel.Layout) wins over the two sizes; `num_layers` sizes virtual stages."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -137,7 +188,10 @@ def init_process_group(
             store = tcp_store("127.0.0.1", master_port, world_size, rank == 0, timeout_s=1800.0)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+        if layout is None:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+        else:
+            parallel_state.initialize_model_parallel(**layout.init_kwargs(num_layers))
     init_rng(seed)
 
 
@@ -154,3 +208,58 @@ def destroy_process_group() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_FORWARD_TAG, _BACKWARD_TAG = 1, 2
+
+
+def tag_pipeline_shape_exchange() -> None:
+    """Pipeline stages over gloo: exchange micro-batch shapes with one tag per direction.
+
+    megatron's `_communicate_shapes` always batches its sends and receives, posting a send to the
+    previous stage before a send to the next one. gloo matches a pair's messages by tag in posting
+    order, so with two stages (next rank = previous rank) the gradient's shape arrives in the
+    activation's receive and the interleaved schedule deadlocks or mismatches. Tagging the
+    activation direction and the gradient direction apart makes the order irrelevant."""
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    if getattr(p2p.P2PCommunicator._communicate_shapes, "_tagged", False):
+        return
+    import torch.distributed as dist
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        dev = torch.cuda.current_device() if cuda_available() else "cpu"
+        ops, got_prev, got_next = [], None, None
+
+        def op(kind, t, peer, tag):
+            ops.append(dist.P2POp(kind, t, peer, self.pp_group, tag))
+
+        if tensor_send_prev is not None:
+            op(
+                dist.isend,
+                torch.tensor(tensor_send_prev.size(), dtype=torch.int64, device=dev),
+                self.prev_rank,
+                _BACKWARD_TAG,
+            )
+        if recv_prev:
+            got_prev = torch.empty((3,), dtype=torch.int64, device=dev)
+            op(dist.irecv, got_prev, self.prev_rank, _FORWARD_TAG)
+        if tensor_send_next is not None:
+            op(
+                dist.isend,
+                torch.tensor(tensor_send_next.size(), dtype=torch.int64, device=dev),
+                self.next_rank,
+                _FORWARD_TAG,
+            )
+        if recv_next:
+            got_next = torch.empty((3,), dtype=torch.int64, device=dev)
+            op(dist.irecv, got_next, self.next_rank, _BACKWARD_TAG)
+        for req in dist.batch_isend_irecv(ops) if ops else []:
+            req.wait()
+        return (
+            got_prev.tolist() if got_prev is not None else [0, 0, 0],
+            got_next.tolist() if got_next is not None else [0, 0, 0],
+        )
+
+    communicate_shapes._tagged = True
+    p2p.P2PCommunicator._communicate_shapes = communicate_shapes

@@ -58,6 +58,13 @@ class Bridge(ABC):
         """Full megatron state dict (local or TE names) -> HF state dict under the module names of
         transformers' model (`model.state_dict()`: what engines load and the fsdp backend exports)."""
 
+    def megatron_to_hf_part(
+        self, mcore_sd: dict[str, torch.Tensor], config: Any, unit: tuple[int, int]
+    ) -> dict[str, torch.Tensor]:
+        """One unit of `megatron_to_hf` (bucketed weight export): (0, 0) the embedding, (1, i)
+        decoder layer i, (2, 0) the final norm and output layer; `mcore_sd` holds that unit."""
+        raise NotImplementedError(f"{type(self).__name__}: no per-unit megatron_to_hf")
+
     def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         """megatron_to_hf's state dict as `save_pretrained` lays it out on disk; the same dict for the
         families whose module names are their checkpoint names (the dense ones)."""

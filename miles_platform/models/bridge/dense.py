@@ -238,6 +238,16 @@ class DenseBridge(Bridge):
 
     def megatron_to_hf(self, mcore_sd, config):
         d = self.dims(config)
+        out = self.megatron_to_hf_part(mcore_sd, config, (0, 0))
+        for i in range(d.layers):
+            out.update(self.megatron_to_hf_part(mcore_sd, config, (1, i)))
+        out.update(self.megatron_to_hf_part(mcore_sd, config, (2, 0)))
+        return out
+
+    def megatron_to_hf_part(self, mcore_sd, config, unit: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """One unit of `megatron_to_hf`: (0, 0) the embedding, (1, i) decoder layer i, (2, 0) the
+        final norm and the output layer; `mcore_sd` needs only that unit's tensors."""
+        d = self.dims(config)
         where = "megatron state"
         H, hd, g, qpg = d.hidden, d.head_dim, d.groups, d.q_per_group
         V = d.vocab
@@ -258,10 +268,15 @@ class DenseBridge(Bridge):
         def norm(fused: str, local: str):
             return get(fused if fused in mcore_sd else local, (H,))
 
-        out: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": get_vocab("embedding.word_embeddings.weight")
-        }
-        for i in range(d.layers):
+        kind, i = unit
+        out: dict[str, torch.Tensor] = {}
+        if kind == 0:
+            out["model.embed_tokens.weight"] = get_vocab("embedding.word_embeddings.weight")
+        elif kind == 2:
+            out["model.norm.weight"] = get("decoder.final_layernorm.weight", (H,))
+            if not d.tied:
+                out["lm_head.weight"] = get_vocab("output_layer.weight")
+        else:
             hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
             qkv = get(mp + "self_attention.linear_qkv.weight", (g * (qpg + 2) * hd, H)).reshape(
                 g, (qpg + 2) * hd, H
@@ -289,9 +304,6 @@ class DenseBridge(Bridge):
             out[hp + "post_attention_layernorm.weight"] = norm(
                 mp + "mlp.linear_fc1.layer_norm_weight", mp + "pre_mlp_layernorm.weight"
             )
-        out["model.norm.weight"] = get("decoder.final_layernorm.weight", (H,))
-        if not d.tied:
-            out["lm_head.weight"] = get_vocab("output_layer.weight")
         return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -1,0 +1,275 @@
+"""Megatron model parallelism without transformer-engine: the layout (Miles' flags), the local
+layer spec with a norm that supports sequence parallelism, and the model chunks of this rank.
+
+Layout: `--tensor-model-parallel-size` (TP), `--sequence-parallel` (SP), `--pipeline-model-parallel-size`
+(PP) with `--num-layers-per-virtual-pipeline-stage` (interleaved PP) or
+`--decoder-first/last-pipeline-num-layers` (uneven PP), `--expert-model-parallel-size` (EP) and
+`--expert-tensor-parallel-size` (ETP). megatron's rank order is tp-cp-ep-dp-pp: TP ranks are
+consecutive, so with Miles' placement (`--actor-num-gpus-per-node` ranks per node) a TP group sits
+inside a node. Data parallel = world / (TP x PP x CP).
+
+`RMSNorm` replaces the local spec's `WrappedTorchNorm` (torch.nn.RMSNorm, which refuses
+`sequence_parallel`): the same arithmetic (`F.rms_norm`), and its weight carries
+`sequence_parallel = config.sequence_parallel`. Under SP each TP rank normalizes its slice of the
+sequence, so the weight's gradient is a partial sum: megatron's `finalize_model_grads` all-reduces
+the gradients of parameters so marked over the TP group (as TE's norms are marked on a GPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_platform.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A megatron model-parallel layout; `Layout.from_cfg(cfg)` reads Miles' flags."""
+
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    layers_per_virtual_stage: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> Layout:
+        """Miles' flags of a RunConfig (getattr: tests pass SimpleNamespace configs too)."""
+        return cls(
+            tp=int(getattr(cfg, "tensor_model_parallel_size", 1) or 1),
+            pp=int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1),
+            sp=bool(getattr(cfg, "sequence_parallel", False)),
+            cp=int(getattr(cfg, "context_parallel_size", 1) or 1),
+            ep=int(getattr(cfg, "expert_model_parallel_size", 1) or 1),
+            etp=getattr(cfg, "expert_tensor_parallel_size", None),
+            layers_per_virtual_stage=getattr(cfg, "num_layers_per_virtual_pipeline_stage", None),
+            first_stage_layers=getattr(cfg, "decoder_first_pipeline_num_layers", None),
+            last_stage_layers=getattr(cfg, "decoder_last_pipeline_num_layers", None),
+        )
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel(self, world_size: int) -> int:
+        if world_size % self.model_parallel:
+            raise ConfigError(
+                f"{world_size} trainer ranks do not split into tensor x pipeline x context parallel = "
+                f"{self.tp} x {self.pp} x {self.cp}: the world size must be a multiple of their product"
+            )
+        return world_size // self.model_parallel
+
+    def virtual_stages(self, num_layers: int) -> int | None:
+        """megatron's virtual_pipeline_model_parallel_size for --num-layers-per-virtual-pipeline-stage."""
+        if self.layers_per_virtual_stage is None:
+            return None
+        per_stage, rem = divmod(num_layers, self.pp)
+        if rem or per_stage % self.layers_per_virtual_stage:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage {self.layers_per_virtual_stage}: the model's "
+                f"{num_layers} layers over --pipeline-model-parallel-size {self.pp} stages do not split "
+                "into virtual stages of that many layers"
+            )
+        return per_stage // self.layers_per_virtual_stage
+
+    def transformer_config_kwargs(self, num_layers: int) -> dict[str, Any]:
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.virtual_stages(num_layers),
+            sequence_parallel=self.sp and self.tp > 1,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp or self.tp,
+            num_layers_in_first_pipeline_stage=self.first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.last_stage_layers,
+        )
+
+    def init_kwargs(self, num_layers: int | None = None) -> dict[str, Any]:
+        """kwargs of parallel_state.initialize_model_parallel."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.virtual_stages(num_layers) if num_layers else None,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+        )
+
+
+class RMSNorm(torch.nn.Module):
+    """torch.nn.RMSNorm's arithmetic with megatron's norm constructor, usable under sequence
+    parallelism (see the module docstring)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"RMSNorm built for normalization={config.normalization!r}")
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+def _with_norm(spec, norm):
+    """A copy of a local layer spec with every WrappedTorchNorm replaced by `norm`."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = copy.deepcopy(spec)
+
+    def walk(sub) -> None:
+        if sub is None or not dataclasses.is_dataclass(sub):
+            return
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            if v is WrappedTorchNorm:
+                setattr(sub, f.name, norm)
+            elif hasattr(v, "submodules"):
+                walk(v.submodules)
+
+    walk(spec.submodules)
+    return spec
+
+
+def local_block_spec(layer_spec, config, vp_stage: int | None):
+    """The decoder block of this (virtual) pipeline stage on the local spec, our RMSNorm inside."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = _with_norm(layer_spec, RMSNorm)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+
+
+def stage_flags(vp_stage: int | None) -> tuple[bool, bool]:
+    """(pre_process, post_process) of this rank's (virtual) pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+    )
+
+
+def layer_offset(config, vp_stage: int | None) -> int:
+    """Global index of this chunk's first decoder layer."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return int(get_transformer_layer_offset(config, vp_stage=vp_stage))
+
+
+def _gloo_pipeline() -> bool:
+    """Pipeline stages talk over gloo. Its isend / irecv between two ranks match in posting order,
+    and batched p2p posts both directions' sends before the receives, so with 2 stages (next rank =
+    previous rank) an activation could land in a gradient's buffer: megatron's unbatched p2p posts
+    them in an order that matches (even ranks send first, odd ranks receive first)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return False
+    return dist.get_backend(ps.get_pipeline_model_parallel_group()) == "gloo"
+
+
+def build_model_chunks(
+    hf_config: dict[str, Any],
+    layout: Layout,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+):
+    """([GPTModel per virtual pipeline stage of this rank], bridge); parallel_state must be up.
+
+    Logits stay vocab-parallel (`parallel_output=True`): [B, T, V / TP] on the last stage."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer import TransformerConfig
+
+    from miles_platform.models.bridge import get_bridge
+    from miles_platform.training import megatron_shims
+
+    bridge = get_bridge(hf_config)
+    megatron_shims.apply_no_te_shims()
+    base = bridge.transformer_config(hf_config)
+    if _gloo_pipeline():
+        megatron_shims.tag_pipeline_shape_exchange()
+    variable = layout.pp > 1 and "num_moe_experts" not in base
+    if variable:  # megatron refuses variable lengths with its default (MoE-only) allgather dispatcher
+        base["moe_token_dispatcher_type"] = "alltoall"
+    cfg = TransformerConfig(
+        **base,
+        **layout.transformer_config_kwargs(base["num_layers"]),
+        batch_p2p_comm=not _gloo_pipeline(),
+        # pipeline stages exchange each micro-batch's shape before its activations (dense models);
+        # MoE's allgather dispatcher needs one shape: micro-batches are padded to it instead
+        variable_seq_lengths=variable,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        **(config_overrides or {}),
+    )
+    spec_kwargs = bridge.layer_spec_kwargs(hf_config)
+    if use_te:
+        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
+    else:
+        layer_spec = specs.get_gpt_layer_local_spec(**spec_kwargs, normalization="RMSNorm")
+    stages = cfg.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp in range(stages or 1):
+        vp_stage = vp if stages else None
+        pre, post = stage_flags(vp_stage)
+        spec = layer_spec if use_te else local_block_spec(layer_spec, cfg, vp_stage)
+        with megatron_shims.tensor_cuda_is_cpu():
+            model = GPTModel(
+                cfg,
+                spec,
+                **bridge.gpt_model_kwargs(hf_config, layout.tp),
+                pre_process=pre,
+                post_process=post,
+                parallel_output=True,
+                vp_stage=vp_stage,
+            )
+        if torch.cuda.is_available():
+            model = model.cuda()
+        chunks.append(model)
+    return chunks, bridge
+
+
+def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
+    """The model's shapes split by the layout (before Ray): heads and query groups over TP, layers
+    over (virtual / uneven) pipeline stages. ConfigError names the flag."""
+    heads = int(hf_config["num_attention_heads"])
+    groups = int(hf_config.get("num_key_value_heads") or heads)
+    layers = int(hf_config["num_hidden_layers"])
+    tp, pp = layout.tp, layout.pp
+    if heads % tp or groups % tp:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp}: the model's {heads} attention heads in {groups} query "
+            "groups (num_key_value_heads) must both divide by it (each TP rank holds whole groups)"
+        )
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if first or last:
+        middle = pp - bool(first) - bool(last)
+        rest = layers - (first or 0) - (last or 0)
+        if rest < 0 or (rest % middle if middle else rest):
+            raise ConfigError(
+                f"--pipeline-model-parallel-size {pp} with --decoder-first-pipeline-num-layers {first} / "
+                f"--decoder-last-pipeline-num-layers {last}: the model's {layers} layers do not split so"
+            )
+    elif layers % pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it")
+    layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage

@@ -1,0 +1,194 @@
+"""Weights in and out of a model-parallel megatron model, under the bridges' global names.
+
+A rank holds model chunks (one per virtual pipeline stage) whose state dicts use local names:
+`decoder.layers.j` counts from the chunk's first layer, and each tensor-parallel tensor is this TP
+rank's slice. `global_names` maps them to the full model's names (layer j of a chunk is its
+module's `layer_number - 1`); `load_full_state` copies a full state dict into the chunks;
+`hf_buckets` goes the other way, unit by unit.
+
+A unit is what the bridge converts at once: the embedding, one decoder layer, or the final norm
+and output layer. Units are packed into buckets of at most `--update-weight-buffer-size` bytes
+(Miles' rule: when the next unit would reach or exceed the size, the bucket is flushed first; a
+unit is never split). For each unit the owning pipeline stage all-gathers its TP slices, the stage
+broadcasts the full tensors over the pipeline group, and the bucket is converted to HF names, so a
+rank holds at most its own shards plus one bucket of full tensors (plus what the caller keeps).
+Every rank runs the same collectives; `hf_buckets` yields on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_platform.errors import CheckpointError
+from miles_platform.models.bridge.base import tp_shard, tp_split, tp_unshard
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+TIED_COPY = "output_layer.weight"  # the last stage's copy of a tied embedding
+
+
+def _tp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())  # fmt: skip
+
+
+def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A chunk's parameters and buffers by local name (no `_extra_state`)."""
+    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def global_names(model: torch.nn.Module) -> dict[str, str]:
+    """local name -> the full model's name for one chunk."""
+    offsets = {}
+    decoder = getattr(model, "decoder", None)
+    for j, layer in enumerate(getattr(decoder, "layers", []) or []):
+        offsets[j] = int(layer.layer_number) - 1
+    out = {}
+    for name in tensors(model):
+        m = _LAYER.match(name)
+        out[name] = f"decoder.layers.{offsets[int(m.group(1))]}.{m.group(2)}" if m else name
+    return out
+
+
+def is_tied_copy(model: torch.nn.Module, local: str) -> bool:
+    """The last pipeline stage's copy of a tied embedding (kept equal to the first stage's)."""
+    return local == TIED_COPY and bool(getattr(model, "share_embeddings_and_output_weights", False))
+
+
+def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Copy a full (unsharded, global names) megatron state dict into this rank's TP slices."""
+    rank, size, _ = _tp()
+    with torch.no_grad():
+        for model in chunks:
+            names = global_names(model)
+            params = tensors(model)
+            missing = sorted(
+                g for local, g in names.items() if g not in full and not is_tied_copy(model, local)
+            )
+            if missing:
+                raise CheckpointError(f"megatron state: missing tensor(s) {missing[:5]}")
+            for local, dst in params.items():
+                g = names[local]
+                src = full["embedding.word_embeddings.weight"] if is_tied_copy(model, local) else full[g]
+                src = tp_shard(g, src, rank, size)
+                if src.shape != dst.shape:
+                    raise CheckpointError(
+                        f"megatron state: tensor {g!r} shard has shape {tuple(src.shape)}, model has {tuple(dst.shape)}"
+                    )
+                dst.copy_(src)
+
+
+def _unit_of(name: str) -> tuple[int, int]:
+    """Sort key of a global name's unit: (0, 0) embedding, (1, i) layer i, (2, 0) the rest."""
+    if name.startswith("embedding."):
+        return (0, 0)
+    m = _LAYER.match(name)
+    return (1, int(m.group(1))) if m else (2, 0)
+
+
+def _local_plan(chunks: list[torch.nn.Module]) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """(global name, local shape, dtype, chunk index) of every tensor this rank holds and exports."""
+    plan = []
+    for c, model in enumerate(chunks):
+        params = tensors(model)
+        for local, g in global_names(model).items():
+            if not is_tied_copy(model, local):
+                plan.append(
+                    (g, tuple(params[local].shape), str(params[local].dtype).removeprefix("torch."), c)
+                )
+    return plan
+
+
+def full_tensor_units(
+    chunks: list[torch.nn.Module],
+) -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]:
+    """(unit key, {global name: full tensor}) for every unit of the model, in order, on every rank."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size, tp_group = _tp()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    mine = _local_plan(chunks)
+    plans: list = [mine]
+    if pp_size > 1:
+        plans = [None] * pp_size
+        dist.all_gather_object(plans, mine, group=pp_group)
+    pp_ranks = (
+        dist.get_process_group_ranks(pp_group)
+        if pp_size > 1
+        else [dist.get_rank() if dist.is_initialized() else 0]
+    )
+    entries = sorted(
+        ((g, shape, dtype, stage, c) for stage, plan in enumerate(plans) for g, shape, dtype, c in plan),
+        key=lambda e: (_unit_of(e[0]), e[0]),
+    )
+    local = [tensors(m) for m in chunks]
+    by_global = {g: local[c][loc] for c, m in enumerate(chunks) for loc, g in global_names(m).items()}
+    me = ps.get_pipeline_model_parallel_rank() if pp_size > 1 else 0
+    unit, cur = None, {}
+    for g, shape, dtype, stage, _ in entries:
+        key = _unit_of(g)
+        if key != unit and cur:
+            yield unit, cur
+            cur = {}
+        unit = key
+        if stage == me:
+            t = by_global[g].detach()
+            if tp_size > 1 and tp_split(g) is not None:
+                shards = [torch.empty_like(t) for _ in range(tp_size)]
+                dist.all_gather(shards, t.contiguous(), group=tp_group)
+                t = tp_unshard(g, shards)
+            t = t.contiguous()
+        else:
+            full_shape = list(shape)
+            kind = tp_split(g)
+            if tp_size > 1 and kind is not None:
+                full_shape[1 if kind == "row" else 0] *= tp_size
+            t = torch.empty(full_shape, dtype=getattr(torch, dtype), device=_device(chunks))
+        if pp_size > 1:
+            dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
+        cur[g] = t
+    if cur:
+        yield unit, cur
+
+
+def _device(chunks) -> torch.device:
+    return next(iter(chunks[0].parameters())).device
+
+
+def hf_buckets(chunks, bridge, hf_config, buffer_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """HF-named CPU tensors, bucket by bucket (see the module docstring)."""
+    bucket: dict[str, torch.Tensor] = {}
+    units: list = []
+    size = 0
+    for unit, full in full_tensor_units(chunks):
+        n = sum(t.numel() * t.element_size() for t in full.values())
+        if bucket and size + n >= buffer_size:
+            yield _convert(bridge, hf_config, bucket, units)
+            bucket, units, size = {}, [], 0
+        bucket.update(full)
+        units.append(unit)
+        size += n
+    if bucket:
+        yield _convert(bridge, hf_config, bucket, units)
+
+
+def _convert(bridge, hf_config, bucket: dict[str, torch.Tensor], units) -> dict[str, torch.Tensor]:
+    out = {}
+    for unit in units:
+        out.update(bridge.megatron_to_hf_part(bucket, hf_config, unit))
+    return {k: v.detach().cpu().clone() for k, v in out.items()}
+
+
+def gather_full_state(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """The full megatron state dict (global names, CPU) on every rank."""
+    out = {}
+    for _, full in full_tensor_units(chunks):
+        out.update({k: v.cpu().clone() for k, v in full.items()})
+    return out

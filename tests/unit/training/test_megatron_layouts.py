@@ -1,0 +1,169 @@
+"""Megatron model parallelism on CPU (gloo): one GRPO step at TP2, TP2 + SP, PP2, interleaved PP2 and
+uneven PP2 on 2 ranks equals the 1-rank step from the same HF checkpoint: the loss, its parts and
+the grad norm within 1e-5, and the updated weights exported to HF within 1e-5 (fp32).
+
+The step is SGD with lr 1, so an updated weight's difference is its gradient's difference: every
+gradient element is compared. (AdamW's first step is lr * g / (|g| + eps): a gradient element near
+eps = 1e-8, which a tiny random model has, turns a 1e-9 rounding difference of the split matmuls
+into a ~1e-5 weight difference; that measures Adam, not the layout.)
+
+The step is scored through megatron-core's pipeline schedule with vocab-parallel log-probs,
+entropy and KL (no gathered vocabulary); a frozen reference model (--use-kl-loss) runs the same
+schedule forward-only. The loss has an entropy term and a rollout temperature, so it is not the
+trivial GRPO step-0 value. The checkpoint: 4 layers, 4 heads in 2 query groups, tied embeddings
+(pipeline stages keep two copies of the embedding that must stay equal).
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from loop_helpers import spawn_ranks
+from safetensors.torch import load_file, save_file
+
+from miles_platform.cluster.ports import free_port
+
+TOL = 1e-5
+METRICS = ("train/loss", "train/pg_loss", "train/entropy_loss", "train/kl_loss", "train/grad_norm")
+
+LAYOUTS = {
+    "tp2": dict(tensor_model_parallel_size=2),
+    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "pp2": dict(pipeline_model_parallel_size=2),
+    "pp2_interleaved": dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
+    "pp2_uneven": dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
+}
+
+
+def run_config(ckpt: str, **kw):
+    from miles_platform.config import RunConfig
+
+    base = dict(hf_checkpoint=ckpt, train_backend="megatron", rollout_batch_size=2, n_samples_per_prompt=2,
+                global_batch_size=4, micro_batch_size=1, optimizer="sgd", lr=1.0, num_rollout=1, entropy_coef=0.5,
+                use_kl_loss=True, kl_loss_coef=0.05, rollout_temperature=0.8)  # fmt: skip
+    return RunConfig(**{**base, **kw}).validate()
+
+
+def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: dict) -> None:
+    torch.set_num_threads(1)
+    from loop_helpers import random_train_batch
+
+    from miles_platform.training import megatron_shims
+    from miles_platform.training.actor import TrainerActor
+
+    path = Path(out, f"rank{rank}")
+    try:
+        cfg = run_config(ckpt, actor_num_gpus_per_node=world, **overrides)
+        actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+        metrics = actor.train(0, random_train_batch(0))
+        weights = actor.get_hf_weights()
+        if weights:
+            save_file({k: v.contiguous() for k, v in weights.items()}, f"{path}.safetensors")
+        Path(f"{path}.json").write_text(json.dumps(metrics))
+    except Exception:
+        Path(f"{path}.error").write_text(traceback.format_exc())
+    finally:
+        megatron_shims.destroy_process_group()
+
+
+def train_one_step(ckpt: str, out: Path, world: int, **overrides) -> tuple[list[dict], dict]:
+    """Metrics of every rank and rank 0's exported HF weights after one step."""
+    out.mkdir(parents=True)
+    ctx = spawn_ranks(_worker, (world, free_port(), ckpt, str(out), overrides), world, join=False)
+    while not ctx.join():
+        pass
+    errors = [p.read_text() for p in sorted(out.glob("*.error"))]
+    assert not errors, errors[0]
+    metrics = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return metrics, load_file(out / "rank0.safetensors")
+
+
+@pytest.fixture(scope="module")
+def layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    from miles_platform.models.tiny import save_layout_checkpoint
+
+    return save_layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("layouts") / "l4")
+
+
+@pytest.fixture(scope="module")
+def single_rank(layout_checkpoint, tmp_path_factory):
+    return train_one_step(layout_checkpoint, tmp_path_factory.mktemp("tp1") / "out", 1)
+
+
+def assert_same_step(reference, got) -> None:
+    (ref_metrics,), ref_weights = reference
+    metrics, weights = got
+    assert abs(ref_metrics["train/entropy_loss"]) > 1e-3  # a loss with a value, not GRPO's step-0 ~0
+    for m in metrics:  # every rank reports the step (pipeline stages: the last stage's numbers)
+        for key in METRICS:
+            assert abs(m[key] - ref_metrics[key]) <= TOL, f"{key}: {m[key]} vs 1 rank {ref_metrics[key]}"
+    assert sorted(weights) == sorted(ref_weights)
+    for k, v in ref_weights.items():
+        diff = (weights[k] - v).abs().max().item()
+        assert diff <= TOL, f"{k}: differs from the 1-rank step by {diff:.3g}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, tmp_path):
+    got = train_one_step(layout_checkpoint, tmp_path / layout, 2, **LAYOUTS[layout])
+    assert_same_step(single_rank, got)
+    init = load_file(Path(layout_checkpoint) / "model.safetensors")
+    moved = [k for k in init if not torch.equal(init[k], got[1][k])]
+    assert len(moved) == len(init)  # the step moved every tensor: agreement is not the trivial kind
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (dict(tensor_model_parallel_size=2, actor_num_gpus_per_node=2), "use --train-backend megatron"),
+        (
+            dict(train_backend="megatron", tensor_model_parallel_size=2, actor_num_gpus_per_node=3),
+            "multiple of it",
+        ),
+        (
+            dict(train_backend="megatron", num_layers_per_virtual_pipeline_stage=1),
+            "needs --pipeline-model-parallel",
+        ),
+        (
+            dict(
+                train_backend="megatron",
+                tensor_model_parallel_size=2,
+                actor_num_gpus_per_node=2,
+                expert_tensor_parallel_size=1,
+            ),
+            "--expert-tensor-parallel-size 1",
+        ),  # fmt: skip
+    ],
+)
+def test_layout_flags_are_refused_before_anything_starts(tiny_hf_checkpoint, flags, match):
+    from miles_platform.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=match):
+        RunConfig(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=2, **flags).validate()
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (
+            dict(tensor_model_parallel_size=2),
+            "2 attention heads in 1 query groups",
+        ),  # the default tiny: 1 group
+        (dict(pipeline_model_parallel_size=4), "2 layers do not divide"),
+        (dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3), "do not split"),
+    ],
+)
+def test_layouts_the_model_cannot_split_are_refused_in_preflight(tiny_hf_checkpoint, flags, match):
+    from miles_platform.config import ConfigError, RunConfig
+    from miles_platform.models.checkpoint import validate_hf_dir
+    from miles_platform.training.megatron_parallel import Layout, check_model_fits
+
+    world = flags.get("tensor_model_parallel_size", 1) * flags.get("pipeline_model_parallel_size", 1)
+    cfg = RunConfig(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=2, train_backend="megatron",
+                    actor_num_gpus_per_node=world, **flags).validate()  # fmt: skip
+    with pytest.raises(ConfigError, match=match):
+        check_model_fits(Layout.from_cfg(cfg), validate_hf_dir(tiny_hf_checkpoint))
