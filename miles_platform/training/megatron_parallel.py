@@ -271,5 +271,7 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
                 f"--decoder-last-pipeline-num-layers {last}: the model's {layers} layers do not split so"
             )
     elif layers % pp:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it")
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
+        )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
