@@ -75,6 +75,7 @@ SLOW = {
     "test_a_multi_turn_generate_function_trains_with_r3_in_a_ci_test_run",
     "test_agentic_sessions_record_the_routes_of_the_whole_session",
     "test_layout_step_equals_single_rank", "test_vocab_parallel_scores_equal_full_vocabulary",
+    "test_export_is_the_tp1_export_byte_for_byte", "test_broadcast_streams_a_tp2_trainers_buckets_to_an_engine",
 }  # fmt: skip
 
 

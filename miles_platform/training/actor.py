@@ -625,28 +625,38 @@ class TrainerActor:
         )
 
     def broadcast_weights(self, group_name: str, names: list[str] | None = None) -> dict:
-        """Export the HF weights (collective under FSDP: every rank calls this), then rank 0
-        broadcasts each tensor in `names` order (default: export order). Returns the metadata."""
+        """Gather the HF weights bucket by bucket (collective: every rank calls this; megatron:
+        `--update-weight-buffer-size` buckets, fsdp: one), while rank 0 broadcasts each tensor in
+        `names` order (default: export order) as soon as its bucket is in. Returns the metadata."""
         from miles_platform.weights.transports.broadcast import broadcast, dtype_name
 
         self.hooks.fire("trainer_weight_update_before_all_gather")
-        state = self.backend.export_hf_state_dict()
+        buckets = getattr(self.backend, "hf_buckets", None)
+        stream = buckets() if buckets is not None else iter([self.backend.export_hf_state_dict()])
         if self.rank != 0:
+            for _ in stream:  # the collectives of every bucket
+                pass
             return {}
-        names = list(state) if names is None else names
-        missing = [n for n in names if n not in state]
-        if missing:
-            raise KeyError(f"broadcast_weights: trainer has no tensors {missing[:5]}")
         group, backend = self._weight_groups[group_name]
         device = "cuda" if backend == "nccl" else "cpu"
-        self.hooks.fire("trainer_weight_update_before_send")  # the sending rank, engines waiting
-        for n in names:
-            broadcast(group, state[n].detach().to(device).contiguous())
-        return {
-            "names": names,
-            "dtypes": [dtype_name(state[n].dtype) for n in names],
-            "shapes": [list(state[n].shape) for n in names],
-        }
+        order, pending, meta, sent = names, {}, {"names": [], "dtypes": [], "shapes": []}, 0
+        for bucket in stream:
+            if sent == 0 and not meta["names"]:
+                self.hooks.fire("trainer_weight_update_before_send")  # the sending rank, engines waiting
+            pending.update(bucket)
+            queue = list(bucket) if order is None else order
+            while sent < len(queue) and queue[sent] in pending:
+                t = pending.pop(queue[sent])
+                broadcast(group, t.detach().to(device).contiguous())
+                meta["names"].append(queue[sent])
+                meta["dtypes"].append(dtype_name(t.dtype))
+                meta["shapes"].append(list(t.shape))
+                sent += 1
+            if order is None:
+                sent = 0
+        if order is not None and sent < len(order):
+            raise KeyError(f"broadcast_weights: trainer has no tensors {order[sent:][:5]}")
+        return meta
 
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
         idx = list(range(len(batch)))
