@@ -566,7 +566,43 @@ class RunConfig:
     update_weight_buffer_size: int = _f(
         512 * 1024**2, "weight-update", "bytes of full (gathered) weights per weight-update bucket (megatron)"
     )
-    # --- end of the megatron model-parallel block ---
+    # megatron precision and memory (Miles' / Megatron-LM's flags; training/megatron_precision.py)
+    bf16: bool = _f(
+        False,
+        "precision",
+        "megatron: bf16 parameters and forward, fp32 main parameters for the optimizer "
+        "(sets --train-forward-dtype and --rollout-dtype to bf16 when they are left at fp32)",
+    )
+    fp16: bool = _f(False, "precision", "megatron: fp16 parameters with loss scaling")
+    accumulate_allreduce_grads_in_fp32: bool = _f(
+        False,
+        "precision",
+        "megatron: accumulate and all-reduce gradients in fp32 (main_grad buffers) under --bf16",
+    )
+    attention_softmax_in_fp32: bool = _f(
+        False, "precision", "megatron: attention softmax in fp32 under --bf16"
+    )
+    use_distributed_optimizer: bool = _f(
+        False, "perf", "megatron: shard optimizer state over data-parallel ranks"
+    )
+    optimizer_cpu_offload: bool = _f(False, "perf", "megatron: optimizer state and step on the host")
+    use_precision_aware_optimizer: bool = _f(
+        False, "perf", "megatron: optimizer state in reduced precision (TE)"
+    )
+    recompute_granularity: str | None = _f(
+        None,
+        "perf",
+        "megatron activation recompute: full layers or selective (attention core)",
+        choices=("full", "selective"),
+    )
+    recompute_method: str | None = _f(
+        None,
+        "perf",
+        "full recompute: uniform (every N layers a unit) or block (the first N layers per stage)",
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int | None = _f(None, "perf", "full recompute: N of --recompute-method")
+    # --- end of the megatron block ---
     gradient_checkpointing: bool = _f(False, "perf", "activation recompute (FSDP)")
 
     # --- precision ---
@@ -764,6 +800,7 @@ class RunConfig:
             raise ConfigError(f"--rollout-max-response-len must be > 0, got {self.rollout_max_response_len}")
         if self.eval_prompt_data and len(self.eval_prompt_data) % 2:
             raise ConfigError(f"--eval-prompt-data takes `name path` pairs, got {self.eval_prompt_data}")
+        self._derive_megatron_precision()
         if self.train_forward_dtype != self.rollout_dtype:
             raise ConfigError(
                 f"--train-forward-dtype {self.train_forward_dtype} != --rollout-dtype {self.rollout_dtype}: "
@@ -806,9 +843,10 @@ class RunConfig:
         self._check_algorithm_flags()
         self._check_megatron_layout()
         if self.train_backend == "megatron":
-            # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
+            # the fsdp backend's precision and recompute flags; megatron has Miles' own (--bf16, ...)
+            forward = "bf16" if self.bf16 else "fp32"
             unsupported = [
-                (f"--train-forward-dtype {self.train_forward_dtype}", self.train_forward_dtype != "fp32"),
+                (f"--train-forward-dtype {self.train_forward_dtype}", self.train_forward_dtype != forward),
                 (f"--fsdp-master-dtype {self.fsdp_master_dtype}", self.fsdp_master_dtype != "fp32"),
                 (f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype}", self.fsdp_reduce_dtype != "fp32"),
                 ("--fsdp-precision-rules", bool(self.fsdp_precision_rules)),
@@ -817,9 +855,9 @@ class RunConfig:
             bad = [flag for flag, on in unsupported if on]
             if bad:
                 raise ConfigError(
-                    f"{', '.join(bad)}: not supported by --train-backend megatron (it trains in fp32, "
-                    "without activation recompute); use --train-backend fsdp for mixed precision and "
-                    "recompute, or drop the flag"
+                    f"{', '.join(bad)}: not supported by --train-backend megatron, which takes Megatron's flags: "
+                    "--bf16 (bf16 forward, fp32 main parameters; the forward dtype follows it), "
+                    "--accumulate-allreduce-grads-in-fp32, --recompute-granularity full|selective"
                 )
         if not self.rollout_temperature > 0:
             raise ConfigError(
@@ -856,6 +894,10 @@ class RunConfig:
         return [f"{_flag(n)} {getattr(self, n)}" for n in names if getattr(self, n) != _default(n)]
 
     def _check_megatron_layout(self) -> None:
+        for name in ("update_weight_buffer_size", "recompute_num_layers"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"{_flag(name)} must be >= 1, got {v}")
         given = self.megatron_layout_flags()
         if not given:
             return
@@ -893,6 +935,29 @@ class RunConfig:
                 f"--expert-tensor-parallel-size {etp}: the experts split like the rest of the layer "
                 f"(= --tensor-model-parallel-size {self.tensor_model_parallel_size}); a separate expert TP "
                 "needs expert parallelism, which this build refuses (--expert-model-parallel-size)"
+            )
+
+    def _derive_megatron_precision(self) -> None:
+        """--bf16 on megatron: the forward is bf16, so the engines' must be (set when left at fp32).
+        Megatron-only flags on the fsdp backend are an error; recompute flags need their granularity."""
+        mega = ("bf16", "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32", "recompute_granularity",
+                "recompute_method", "recompute_num_layers")  # fmt: skip
+        given = [_flag(n) for n in mega if getattr(self, n) != _default(n)]
+        if given and self.train_backend != "megatron":
+            raise ConfigError(
+                f"{', '.join(given)}: Megatron's precision / recompute flags, for --train-backend megatron; the "
+                "fsdp backend takes --train-forward-dtype, --fsdp-master-dtype, --gradient-checkpointing"
+            )
+        if self.bf16 and (self.train_forward_dtype, self.rollout_dtype) == ("fp32", "fp32"):
+            self.train_forward_dtype = self.rollout_dtype = "bf16"
+        if (self.recompute_method or self.recompute_num_layers) and self.recompute_granularity != "full":
+            raise ConfigError(
+                "--recompute-method / --recompute-num-layers: they choose layers of --recompute-granularity full"
+            )
+        if self.recompute_granularity == "full" and not (self.recompute_method and self.recompute_num_layers):
+            raise ConfigError(
+                "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+                "(as megatron-core)"
             )
 
     def data_parallel_size(self) -> int:
@@ -1345,9 +1410,24 @@ LORA_FLAGS = ("lora_alpha", "lora_dropout", "target_modules", "exclude_modules",
 MIS_FLAGS = ("tis_level", "tis_mode", "tis_lower_bound", "tis_upper_bound", "use_rs", "rs_level",
              "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold", "tis_batch_normalize")  # fmt: skip
 
+# measured on CPU with megatron-core 0.16 (docs/megatron.md): its mixed-precision optimizers take
+# CUDA tensors only (TypeError: "Wrapped parameters must be one of torch.cuda.FloatTensor, ...")
+_MCORE_OPTIMIZER = (
+    "needs megatron-core's DistributedOptimizer, which takes CUDA tensors only (measured: TypeError "
+    "'Wrapped parameters must be one of torch.cuda.FloatTensor ...' on CPU); the megatron backend steps "
+    "torch AdamW over each rank's parameter shards (fp32 main parameters under --bf16)"
+)
+
 REFUSED: dict[str, str] = {
     "opd_teacher_ckpt_step": "pass the checkpoint's iter_NNNNNNN dir itself as --opd-teacher-load",
     "context_parallel_size": _DP_ONLY,
+    "use_distributed_optimizer": _MCORE_OPTIMIZER,
+    "optimizer_cpu_offload": f"megatron-core offloads the DistributedOptimizer's state: {_MCORE_OPTIMIZER}",
+    "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state only with "
+    "transformer-engine's FusedAdam, which is not installed; the backend's AdamW state is fp32",
+    "fp16": "fp16 needs dynamic loss scaling, which megatron-core does in Float16OptimizerWithFloat16Params "
+    "(CUDA tensors only, measured on CPU: TypeError 'Wrapped parameters must be one of "
+    "torch.cuda.FloatTensor ...'); --bf16 needs none: use --bf16",
     "expert_model_parallel_size": "MoE experts train at expert parallel 1, every rank holding every expert (docs/moe.md)",
 }
 

@@ -570,6 +570,7 @@ class TrainerActor:
             self.backend.zero_grad()
         elif not cfg.debug_skip_optimizer_step:
             self.opt.step()
+            self.backend.optimizer_stepped()
         self.sched.step()
         self.global_step += 1
 

@@ -138,6 +138,10 @@ class ModelBackend(ABC):
         )
         return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
+    def optimizer_stepped(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """After the optimizer stepped `parameters()`: bring the model up to date with them (a
+        backend whose optimizer steps copies of the weights, e.g. fp32 main parameters)."""
+
     def parameters(self):
         return self.module.parameters()
 

@@ -27,7 +27,7 @@ import torch
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge import Bridge
 from miles_platform.models.bridge.base import padded_vocab
-from miles_platform.training import megatron_shims, megatron_step, megatron_weights
+from miles_platform.training import megatron_precision, megatron_shims, megatron_step, megatron_weights
 from miles_platform.training.backend import ModelBackend, ScoreRequest, Scores, scores_from_logits
 from miles_platform.training.megatron_parallel import Layout
 
@@ -157,14 +157,14 @@ def load_torch_dist(model, ckpt_dir: str | os.PathLike) -> Path:
     return p
 
 
-def wrap_data_parallel(model: torch.nn.Module):
+def wrap_data_parallel(model: torch.nn.Module, grad_reduce_in_fp32: bool = True):
     """megatron-core DDP, configured for what runs here: the actor's torch AdamW over full
     parameters (no distributed optimizer) and one blocking all-reduce after the last
     micro-batch (no overlap: gloo on CPU has no side stream to overlap on; one bucket)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=False,
         use_distributed_optimizer=False,
     )
@@ -173,7 +173,8 @@ def wrap_data_parallel(model: torch.nn.Module):
 
 class MegatronBackend(ModelBackend):
     name = "megatron"
-    ddp: list | None = None  # megatron DDP around each model chunk when the world has > 1 rank
+    ddp: list | None = None  # megatron DDP around each model chunk (world > 1, or --bf16)
+    main = None  # --bf16: megatron_precision.MainParams, the fp32 copies the optimizer steps
 
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         import torch.distributed as dist
@@ -193,7 +194,10 @@ class MegatronBackend(ModelBackend):
             seed=int(getattr(self.cfg, "seed", 1234)),
         )  # fmt: skip
         self.hf_config = hf_config
-        self.chunks, self.bridge = build_model_chunks(hf_config, self.layout, use_te=te_available())
+        self.chunks, self.bridge = build_model_chunks(
+            hf_config, self.layout, megatron_precision.params_dtype(self.cfg), te_available(),
+            megatron_precision.config_kwargs(self.cfg),
+        )  # fmt: skip
         self.module = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         ref_load = getattr(self.cfg, "ref_load", None)
         if ref_load:
@@ -204,10 +208,15 @@ class MegatronBackend(ModelBackend):
             for name, p in self.module.named_parameters():  # MoE routers stay as loaded
                 if name.endswith("mlp.router.weight"):
                     p.requires_grad_(False)
-        if trainable and self.world_size > 1:
+        bf16 = bool(getattr(self.cfg, "bf16", False))
+        if trainable and (self.world_size > 1 or bf16):
             # after the weights are in: DDP keeps param.data where it is (no distributed optimizer);
-            # its finalize also reduces sequence-parallel norms over TP and tied embeddings over PP
-            self.ddp = [wrap_data_parallel(c) for c in self.chunks]
+            # its finalize also reduces sequence-parallel norms over TP and tied embeddings over PP.
+            # Under --bf16 its main_grad buffers accumulate in fp32 if asked to, even on one rank.
+            fp32_grads = not bf16 or bool(getattr(self.cfg, "accumulate_allreduce_grads_in_fp32", False))
+            self.ddp = [wrap_data_parallel(c, fp32_grads) for c in self.chunks]
+        if trainable and bf16:
+            self.main = megatron_precision.MainParams(self.module.named_parameters())
         self.module.train()
         return self.module
 
@@ -221,9 +230,23 @@ class MegatronBackend(ModelBackend):
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads(self.ddp)
+        if self.main is not None:  # --bf16: the fp32 main copies take the gradients
+            self.main.grads_from_model()
+            return
         for p in self.module.parameters():
             if p.requires_grad:
                 p.grad = p.main_grad  # a view of the averaged buffer, zeroed by zero_grad()
+
+    def optimizer_stepped(self) -> None:
+        if self.main is not None:
+            self.main.to_model()
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+    def named_parameters(self):
+        """What the optimizer steps: the model's parameters, or under --bf16 their fp32 main copies."""
+        return iter(self.main.named_parameters()) if self.main is not None else self.module.named_parameters()
 
     def data_parallel(self):
         from megatron.core import parallel_state as ps
@@ -324,6 +347,10 @@ class MegatronBackend(ModelBackend):
 
     def save_model(self, ckpt_dir: str) -> None:
         save_torch_dist(self.chunks, ckpt_dir)
+        if self.main is not None:
+            self.main.save(ckpt_dir, self.rank)
 
     def load_model(self, ckpt_dir: str) -> None:
         load_torch_dist(self.chunks, ckpt_dir)
+        if self.main is not None:
+            self.main.load(str(resolve_checkpoint_dir(ckpt_dir)), self.rank)

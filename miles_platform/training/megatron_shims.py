@@ -83,6 +83,12 @@ def apply_cpu_shims() -> bool:
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _CudaMeansCpu(torch)  # total_num_tokens = torch.zeros(..., device="cuda")
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # activation recompute saves and restores the CUDA generator around each checkpointed layer
+    # (the CPU generator separately): without CUDA there is none to save
+    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
 
     original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
 
@@ -118,6 +124,14 @@ def _cpu_device() -> str:
 
 
 def _no_sync(device=None) -> None:
+    return None
+
+
+def _no_cuda_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(new_state, device: int = -1, graph_safe: bool = False) -> None:
     return None
 
 

@@ -1,0 +1,145 @@
+"""Megatron's precision and memory flags on CPU: --bf16 (bf16 weights and forward, fp32 main parameters,
+--accumulate-allreduce-grads-in-fp32, --attention-softmax-in-fp32) at TP1 and TP2, whose step-0
+--ci-test checks hold against an engine's bf16 log-probs (transformers' model in bf16); activation
+recompute (--recompute-granularity full | selective) giving the step without it; the flags
+megatron-core cannot run here refused by name with the measured reason.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from loop_helpers import random_train_batch, spawn_ranks
+from safetensors.torch import load_file, save_file
+
+from miles_platform.cluster.ports import free_port
+
+BF16 = dict(bf16=True, accumulate_allreduce_grads_in_fp32=True, attention_softmax_in_fp32=True)
+
+
+def _cfg(ckpt: str, **kw):
+    from miles_platform.config import RunConfig
+
+    base = dict(hf_checkpoint=ckpt, train_backend="megatron", rollout_batch_size=2, n_samples_per_prompt=2,
+                global_batch_size=4, micro_batch_size=1, lr=1e-3, num_rollout=1)  # fmt: skip
+    return RunConfig(**{**base, **kw}).validate()
+
+
+def engine_batch(ckpt: str, dtype: torch.dtype):
+    """The trainer tests' batch with rollout log-probs from transformers' model in `dtype`: what an
+    engine serving the checkpoint in that dtype reports."""
+    from miles_platform.models.checkpoint import load_hf_model
+
+    batch = random_train_batch(0)
+    model = load_hf_model(ckpt, dtype=dtype)
+    for i, toks in enumerate(batch.tokens):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([toks])).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(toks[1:])[:, None]).squeeze(-1)
+        batch.rollout_log_probs[i] = lp[-batch.response_lengths[i] :].tolist()
+    return batch
+
+
+def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: dict) -> None:
+    torch.set_num_threads(1)
+    from miles_platform.training import megatron_shims
+    from miles_platform.training.actor import TrainerActor
+
+    path = Path(out, f"rank{rank}")
+    try:
+        cfg = _cfg(ckpt, **{"actor_num_gpus_per_node": world, **overrides})
+        actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+        batch = engine_batch(ckpt, torch.bfloat16) if cfg.bf16 else random_train_batch(0)
+        metrics = actor.train(0, batch)
+        dtypes = sorted({str(p.dtype) for p in actor.backend.module.parameters()})
+        main = sorted({str(p.dtype) for p in actor.backend.parameters()})
+        weights = actor.get_hf_weights()
+        if weights:
+            save_file(weights, f"{path}.safetensors")
+        Path(f"{path}.json").write_text(json.dumps({"metrics": metrics, "model": dtypes, "main": main,
+                                                   "forward": cfg.train_forward_dtype}))  # fmt: skip
+    except Exception:
+        Path(f"{path}.error").write_text(traceback.format_exc())
+    finally:
+        megatron_shims.destroy_process_group()
+
+
+def train_one_step(ckpt: str, out: Path, world: int, **overrides):
+    out.mkdir(parents=True)
+    ctx = spawn_ranks(_worker, (world, free_port(), ckpt, str(out), overrides), world, join=False)
+    while not ctx.join():
+        pass
+    errors = [p.read_text() for p in sorted(out.glob("*.error"))]
+    assert not errors, errors[0]
+    return json.loads((out / "rank0.json").read_text()), load_file(out / "rank0.safetensors")
+
+
+@pytest.fixture(scope="module")
+def layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    from miles_platform.models.tiny import save_layout_checkpoint
+
+    return save_layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("precision") / "l4")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint, tmp_path, tp):
+    from miles_platform.training.ci_checks import step0_checks
+
+    flags = dict(
+        BF16,
+        ci_test=True,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        actor_num_gpus_per_node=tp,
+    )
+    info, weights = train_one_step(layout_checkpoint, tmp_path / "out", tp, **flags)
+    assert info["model"] == ["torch.bfloat16"] and info["main"] == ["torch.float32"]
+    assert info["forward"] == "bf16"  # --bf16 sets the forward (and the engines') dtype
+    assert {str(v.dtype) for v in weights.values()} == {"torch.bfloat16"}  # what bf16 engines load
+    m = info["metrics"]
+    checks = step0_checks(_cfg(layout_checkpoint, **flags), m, print)  # raises CITestFailure on a miss
+    assert checks["train_rollout_logprob_abs_diff"] > 0  # megatron's bf16 forward is not the engine's
+    init = load_file(Path(layout_checkpoint) / "model.safetensors")
+    assert any(not torch.equal(init[k].bfloat16(), weights[k]) for k in init)  # the step moved weights
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+        dict(recompute_granularity="selective"),
+    ],  # fmt: skip
+)
+def test_recompute_gives_the_step_without_it(layout_checkpoint, tmp_path, recompute):
+    plain = train_one_step(layout_checkpoint, tmp_path / "plain", 1)
+    got = train_one_step(layout_checkpoint, tmp_path / "rc", 1, **recompute)
+    for key in ("train/loss", "train/grad_norm"):
+        assert got[0]["metrics"][key] == plain[0]["metrics"][key]
+    assert all(torch.equal(got[1][k], v) for k, v in plain[1].items())
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (dict(fp16=True), "--fp16 True: fp16 needs dynamic loss scaling"),
+        (dict(use_distributed_optimizer=True), "--use-distributed-optimizer True: needs megatron-core's"),
+        (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload True: megatron-core offloads"),
+        (
+            dict(use_precision_aware_optimizer=True),
+            "--use-precision-aware-optimizer True: .*transformer-engine",
+        ),
+        (dict(train_backend="fsdp", bf16=True), "--bf16: Megatron's precision"),
+        (dict(train_forward_dtype="bf16", rollout_dtype="bf16"), "--train-forward-dtype bf16: not supported"),
+        (dict(recompute_granularity="full"), "needs --recompute-method"),
+    ],
+)
+def test_precision_flags_megatron_cannot_run_here_are_refused(tiny_hf_checkpoint, flags, match):
+    from miles_platform.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        _cfg(tiny_hf_checkpoint, **flags)
