@@ -559,7 +559,7 @@ class RunConfig:
     decoder_first_pipeline_num_layers: int | None = _f(None, "perf", "uneven PP: layers of the first stage")
     decoder_last_pipeline_num_layers: int | None = _f(None, "perf", "uneven PP: layers of the last stage")
     context_parallel_size: int = _f(1, "perf", "CP")
-    expert_model_parallel_size: int = _f(1, "perf", "megatron EP (MoE)")
+    expert_model_parallel_size: int = _f(1, "perf", "megatron EP: MoE experts split over this many ranks")
     expert_tensor_parallel_size: int | None = _f(
         None, "perf", "megatron ETP: TP of the MoE experts (default: TP)"
     )
@@ -890,7 +890,7 @@ class RunConfig:
         """The model-parallel flags set to anything but their default, as `--flag value`."""
         names = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size",
                  "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers", "expert_tensor_parallel_size")  # fmt: skip
+                 "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")  # fmt: skip
         return [f"{_flag(n)} {getattr(self, n)}" for n in names if getattr(self, n) != _default(n)]
 
     def _check_megatron_layout(self) -> None:
@@ -903,7 +903,11 @@ class RunConfig:
             return
         if self.train_backend != "megatron":
             raise ConfigError(f"{', '.join(given)}: megatron model parallelism; use --train-backend megatron")
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         pp = self.pipeline_model_parallel_size
@@ -929,12 +933,19 @@ class RunConfig:
                 f"{pp} = {mp} ranks per model replica: the {world} trainer ranks (--actor-num-nodes x "
                 "--actor-num-gpus-per-node) must be a multiple of it"
             )
+        expert_mp = self.tensor_model_parallel_size * self.expert_model_parallel_size * pp
+        if world % expert_mp:
+            raise ConfigError(
+                f"--expert-model-parallel-size {self.expert_model_parallel_size}: the {world} trainer ranks must be "
+                f"a multiple of expert TP x EP x PP = {expert_mp} (megatron's expert layout)"
+            )
         etp = self.expert_tensor_parallel_size
         if etp is not None and etp != self.tensor_model_parallel_size:
             raise ConfigError(
                 f"--expert-tensor-parallel-size {etp}: the experts split like the rest of the layer "
-                f"(= --tensor-model-parallel-size {self.tensor_model_parallel_size}); a separate expert TP "
-                "needs expert parallelism, which this build refuses (--expert-model-parallel-size)"
+                f"(= --tensor-model-parallel-size {self.tensor_model_parallel_size}); a separate expert TP is "
+                "not built (with --expert-model-parallel-size > 1 megatron needs --sequence-parallel at TP > 1, "
+                "which the MoE routing replay does not read yet)"
             )
 
     def _derive_megatron_precision(self) -> None:
@@ -1364,7 +1375,6 @@ class RunConfig:
 
 # Miles flags this build does not implement. Set to anything but the default they are an error, never
 # silently ignored (tests/unit/config/test_config_flags.py fails on any field that nothing reads and nothing refuses).
-_DP_ONLY = "the trainer runs data-parallel only"
 # The tracker flags: where metrics go, never what is trained (outside config_hash, resumable)
 LOGGING = frozenset(f.name for f in dataclasses.fields(RunConfig) if f.metadata["group"] == "logging")
 # What a resumed run may change without --allow-config-change: how long it runs, when it saves /
@@ -1420,7 +1430,9 @@ _MCORE_OPTIMIZER = (
 
 REFUSED: dict[str, str] = {
     "opd_teacher_ckpt_step": "pass the checkpoint's iter_NNNNNNN dir itself as --opd-teacher-load",
-    "context_parallel_size": _DP_ONLY,
+    "context_parallel_size": "megatron-core's attention without transformer-engine (the local spec's "
+    "DotProductAttention) asserts context_parallel_size == 1 ('Context parallelism is only supported by "
+    "TEDotProductAttention!', measured with megatron-core 0.16); transformer-engine is not installed here",
     "use_distributed_optimizer": _MCORE_OPTIMIZER,
     "optimizer_cpu_offload": f"megatron-core offloads the DistributedOptimizer's state: {_MCORE_OPTIMIZER}",
     "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state only with "
@@ -1428,7 +1440,6 @@ REFUSED: dict[str, str] = {
     "fp16": "fp16 needs dynamic loss scaling, which megatron-core does in Float16OptimizerWithFloat16Params "
     "(CUDA tensors only, measured on CPU: TypeError 'Wrapped parameters must be one of "
     "torch.cuda.FloatTensor ...'); --bf16 needs none: use --bf16",
-    "expert_model_parallel_size": "MoE experts train at expert parallel 1, every rank holding every expert (docs/moe.md)",
 }
 
 

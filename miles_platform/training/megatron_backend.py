@@ -260,7 +260,7 @@ class MegatronBackend(ModelBackend):
         )
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        if self.layout.model_parallel == 1:
+        if self.layout.model_parallel == 1 and self.layout.ep == 1:
             return super().clip_grad_norm(max_norm)
         params = [p for p in self.module.parameters() if p.grad is not None]
         total = megatron_step.global_grad_norm(params)

@@ -207,6 +207,8 @@ def build_model_chunks(
     base = bridge.transformer_config(hf_config)
     if _gloo_pipeline():
         megatron_shims.tag_pipeline_shape_exchange()
+    if layout.ep > 1:  # tokens per rank differ (samples of different lengths): allgather needs them equal
+        base["moe_token_dispatcher_type"] = "alltoall"
     variable = layout.pp > 1 and "num_moe_experts" not in base
     if variable:  # megatron refuses variable lengths with its default (MoE-only) allgather dispatcher
         base["moe_token_dispatcher_type"] = "alltoall"
@@ -275,3 +277,15 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
         )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
+    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    if layout.ep > 1 and (not experts or experts % layout.ep):
+        raise ConfigError(
+            f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "
+            "MoE model's experts evenly over its ranks"
+        )
+    if experts and (layout.pp > 1 or (layout.sp and tp > 1)):
+        raise ConfigError(
+            "an MoE model with --pipeline-model-parallel-size > 1 or --sequence-parallel: not built. Routing "
+            "replay (R3) and the aux loss read every layer's routes for a whole [B, T] micro-batch, while "
+            "pipeline stages hold some layers and pad micro-batches, and SP splits the tokens over TP ranks"
+        )

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "sequence_parallel")
+_TP_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "sequence_parallel",
+    "allreduce",
+)
 
 
 def config_kwargs(cfg: Any) -> dict[str, Any]:

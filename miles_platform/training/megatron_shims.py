@@ -89,6 +89,7 @@ def apply_cpu_shims() -> bool:
     # (the CPU generator separately): without CUDA there is none to save
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
+    _alltoall_dispatcher_on_cpu()
 
     original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
 
@@ -125,6 +126,25 @@ def _cpu_device() -> str:
 
 def _no_sync(device=None) -> None:
     return None
+
+
+def _alltoall_dispatcher_on_cpu() -> None:
+    """megatron's alltoall MoE token dispatcher (expert parallelism with tokens per rank that differ)
+    copies its split sizes to the host on a side CUDA stream it creates at construction; on a CPU
+    they are host tensors already: no stream, and the splits become the numpy arrays it expects."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as A2A
+
+    A2A.cuda_dtoh_stream = "cpu"  # not None: the constructor would create a torch.cuda.Stream
+
+    def dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                v = getattr(self, name, None)
+                if torch.is_tensor(v):
+                    setattr(self, name, v.numpy())
+        return tokens_per_expert
+
+    A2A._maybe_dtoh_and_synchronize = dtoh_and_synchronize
 
 
 def _no_cuda_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:

@@ -110,20 +110,27 @@ def from_last_stage(obj: Any) -> Any:
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """L2 norm of the whole model's gradient (fp32) over TP and PP: each tensor-parallel shard
+    """L2 norm of the whole model's gradient (fp32) over TP, PP and EP: each tensor-parallel shard
     counts on its rank, a replicated parameter on TP rank 0 only, a pipeline-shared one (the tied
-    output layer of the last stage) not at all, as megatron's `get_grad_norm_fp32`."""
+    output layer of the last stage) not at all, as megatron's `get_grad_norm_fp32`; expert
+    parameters (`allreduce = False`) are summed over the expert model-parallel group instead."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    sq = torch.zeros((), dtype=torch.float32)
+    dense, expert = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.float32)
     for p in params:
         if p.grad is None or getattr(p, "shared", False) or not param_is_not_tensor_parallel_duplicate(p):
             continue
-        sq = sq + p.grad.detach().float().pow(2).sum().to(sq.device)
-    if ps.get_model_parallel_group().size() > 1:
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
-    return sq.sqrt()
+        sq = p.grad.detach().float().pow(2).sum().cpu()
+        if getattr(p, "allreduce", True):
+            dense = dense + sq
+        else:
+            expert = expert + sq
+    for total, group in ((dense, ps.get_model_parallel_group()),
+                         (expert, ps.get_expert_tensor_model_pipeline_parallel_group())):  # fmt: skip
+        if group.size() > 1:
+            dist.all_reduce(total, group=group)
+    return (dense + expert).sqrt()
 
 
 def clip_by_total_norm(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:

@@ -9,10 +9,10 @@ module's `layer_number - 1`); `load_full_state` copies a full state dict into th
 A unit is what the bridge converts at once: the embedding, one decoder layer, or the final norm
 and output layer. Units are packed into buckets of at most `--update-weight-buffer-size` bytes
 (Miles' rule: when the next unit would reach or exceed the size, the bucket is flushed first; a
-unit is never split). For each unit the owning pipeline stage all-gathers its TP slices, the stage
-broadcasts the full tensors over the pipeline group, and the bucket is converted to HF names, so a
-rank holds at most its own shards plus one bucket of full tensors (plus what the caller keeps).
-Every rank runs the same collectives; `hf_buckets` yields on every rank.
+unit is never split). For each tensor the owner (the lowest rank holding it: a pipeline stage, an
+expert-parallel rank) all-gathers its TP slices and broadcasts the full tensor, and the bucket is
+converted to HF names, so a rank holds at most its own shards plus one bucket of full tensors (plus
+what the caller keeps). Every rank runs the same collectives; `hf_buckets` yields on every rank.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge.base import tp_shard, tp_split, tp_unshard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 TIED_COPY = "output_layer.weight"  # the last stage's copy of a tied embedding
 
 
@@ -44,15 +45,28 @@ def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def global_names(model: torch.nn.Module) -> dict[str, str]:
-    """local name -> the full model's name for one chunk."""
+    """local name -> the full model's name for one chunk: layer j of the chunk is its module's
+    `layer_number - 1`; local expert j of expert-parallel rank r is expert r * (experts / EP) + j."""
+    from megatron.core import parallel_state as ps
+
     offsets = {}
     decoder = getattr(model, "decoder", None)
     for j, layer in enumerate(getattr(decoder, "layers", []) or []):
         offsets[j] = int(layer.layer_number) - 1
+    experts = getattr(getattr(model, "config", None), "num_moe_experts", None) or 0
+    ep = ps.get_expert_model_parallel_world_size() if experts else 1
+    first_expert = ps.get_expert_model_parallel_rank() * (experts // ep) if ep > 1 else 0
     out = {}
     for name in tensors(model):
         m = _LAYER.match(name)
-        out[name] = f"decoder.layers.{offsets[int(m.group(1))]}.{m.group(2)}" if m else name
+        if not m:
+            out[name] = name
+            continue
+        rest = m.group(2)
+        e = _LOCAL_EXPERT.match(rest)
+        if e and first_expert:
+            rest = f"{e.group(1)}{first_expert + int(e.group(2))}{e.group(3)}"
+        out[name] = f"decoder.layers.{offsets[int(m.group(1))]}.{rest}"
     return out
 
 
@@ -108,51 +122,49 @@ def _local_plan(chunks: list[torch.nn.Module]) -> list[tuple[str, tuple[int, ...
 def full_tensor_units(
     chunks: list[torch.nn.Module],
 ) -> Iterator[tuple[tuple[int, int], dict[str, torch.Tensor]]]:
-    """(unit key, {global name: full tensor}) for every unit of the model, in order, on every rank."""
-    from megatron.core import parallel_state as ps
+    """(unit key, {global name: full tensor}) for every unit of the model, in order, on every rank.
 
-    tp_rank, tp_size, tp_group = _tp()
-    pp_group = ps.get_pipeline_model_parallel_group()
-    pp_size = ps.get_pipeline_model_parallel_world_size()
+    Every rank's plan (the global names it holds) is exchanged once; each tensor's owner is the
+    lowest rank holding it: its TP group all-gathers the slices (experts: TP = expert TP, refused
+    otherwise), then the owner broadcasts the full tensor to every rank (one bucket at a time)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    me = dist.get_rank() if dist.is_initialized() else 0
+    _, tp_size, tp_group = _tp()
     mine = _local_plan(chunks)
     plans: list = [mine]
-    if pp_size > 1:
-        plans = [None] * pp_size
-        dist.all_gather_object(plans, mine, group=pp_group)
-    pp_ranks = (
-        dist.get_process_group_ranks(pp_group)
-        if pp_size > 1
-        else [dist.get_rank() if dist.is_initialized() else 0]
-    )
-    entries = sorted(
-        ((g, shape, dtype, stage, c) for stage, plan in enumerate(plans) for g, shape, dtype, c in plan),
-        key=lambda e: (_unit_of(e[0]), e[0]),
-    )
+    if world > 1:
+        plans = [None] * world
+        dist.all_gather_object(plans, mine)
+    owner: dict[str, tuple[int, tuple[int, ...], str]] = {}
+    for r, plan in enumerate(plans):
+        for g, shape, dtype, _ in plan:
+            owner.setdefault(g, (r, shape, dtype))
+    my_tp = set(dist.get_process_group_ranks(tp_group)) if tp_size > 1 else {me}
     local = [tensors(m) for m in chunks]
     by_global = {g: local[c][loc] for c, m in enumerate(chunks) for loc, g in global_names(m).items()}
-    me = ps.get_pipeline_model_parallel_rank() if pp_size > 1 else 0
     unit, cur = None, {}
-    for g, shape, dtype, stage, _ in entries:
+    for g in sorted(owner, key=lambda name: (_unit_of(name), name)):
+        src, shape, dtype = owner[g]
         key = _unit_of(g)
         if key != unit and cur:
             yield unit, cur
             cur = {}
         unit = key
-        if stage == me:
+        kind = tp_split(g) if tp_size > 1 else None
+        if src in my_tp:  # this rank holds a slice of the owner's copy
             t = by_global[g].detach()
-            if tp_size > 1 and tp_split(g) is not None:
+            if kind is not None:
                 shards = [torch.empty_like(t) for _ in range(tp_size)]
                 dist.all_gather(shards, t.contiguous(), group=tp_group)
                 t = tp_unshard(g, shards)
             t = t.contiguous()
         else:
             full_shape = list(shape)
-            kind = tp_split(g)
-            if tp_size > 1 and kind is not None:
+            if kind is not None:
                 full_shape[1 if kind == "row" else 0] *= tp_size
             t = torch.empty(full_shape, dtype=getattr(torch, dtype), device=_device(chunks))
-        if pp_size > 1:
-            dist.broadcast(t, src=pp_ranks[stage], group=pp_group)
+        if world > 1:
+            dist.broadcast(t, src=src)
         cur[g] = t
     if cur:
         yield unit, cur

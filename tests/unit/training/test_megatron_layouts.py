@@ -59,7 +59,10 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: di
     try:
         cfg = run_config(ckpt, actor_num_gpus_per_node=world, **overrides)
         actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
-        metrics = actor.train(0, random_train_batch(0))
+        batch = random_train_batch(0)
+        if cfg.use_rollout_routing_replay:
+            batch.routed_experts = random_routes(batch, ckpt)
+        metrics = actor.train(0, batch)
         weights = actor.get_hf_weights()
         if weights:
             save_file({k: v.contiguous() for k, v in weights.items()}, f"{path}.safetensors")
@@ -68,6 +71,23 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: di
         Path(f"{path}.error").write_text(traceback.format_exc())
     finally:
         megatron_shims.destroy_process_group()
+
+
+def random_routes(batch, ckpt: str) -> list:
+    """R3 routes as an engine returns them: per sample [tokens - 1][layers][top_k] distinct experts."""
+    from miles_platform.models.checkpoint import validate_hf_dir
+
+    c = validate_hf_dir(ckpt, need_tokenizer=False)
+    experts, layers, k = (
+        c.get("num_experts") or c["num_local_experts"],
+        c["num_hidden_layers"],
+        c["num_experts_per_tok"],
+    )
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.rand(len(t) - 1, layers, experts, generator=g).argsort(-1)[..., :k].tolist()
+        for t in batch.tokens
+    ]
 
 
 def train_one_step(ckpt: str, out: Path, world: int, **overrides) -> tuple[list[dict], dict]:
@@ -167,3 +187,20 @@ def test_layouts_the_model_cannot_split_are_refused_in_preflight(tiny_hf_checkpo
                     actor_num_gpus_per_node=world, **flags).validate()  # fmt: skip
     with pytest.raises(ConfigError, match=match):
         check_model_fits(Layout.from_cfg(cfg), validate_hf_dir(tiny_hf_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    from test_moe_megatron import save_moe_checkpoint
+
+    return save_moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("ep") / "moe")
+
+
+def test_expert_parallel_step_with_routing_replay_equals_single_rank(moe_checkpoint, tmp_path):
+    """EP2 (each rank holds 2 of the 4 experts; data parallel 2 for the rest) with R3 and the
+    load-balancing / z losses: the step of the 1-rank run."""
+    moe = dict(use_rollout_routing_replay=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    single = train_one_step(moe_checkpoint, tmp_path / "ep1", 1, **moe)
+    got = train_one_step(moe_checkpoint, tmp_path / "ep2", 2, expert_model_parallel_size=2, **moe)
+    assert_same_step(single, got)
+    assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own

@@ -5,7 +5,8 @@ routing mapping is what makes it pass (norm_topk_prob flipped is far off), every
 and both HF layouts (module's fused 3-D experts, checkpoint's per-expert tensors) map to the same
 megatron state. --moe-router-freeze-gate trains the experts, not the routers; --moe-aux-loss-coeff and
 --moe-z-loss-coeff are the fsdp backend's formulas over the real tokens. Refusals before Ray:
---expert-model-parallel-size > 1 on megatron, and a config with dense layers between the sparse ones.
+--expert-model-parallel-size that does not split the experts (or a dense model), and a config with dense
+layers between the sparse ones.
 
 Everything touching torch.distributed runs in a subprocess (this file as a script).
 """
@@ -131,10 +132,39 @@ def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_h
     validate_before_start(
         small_run_config(hf, tmp_path, use_rollout_routing_replay=True, train_backend="megatron")
     )
-    with pytest.raises(
-        ConfigError, match="--expert-model-parallel-size 2: MoE experts train at expert parallel 1"
-    ):
-        small_run_config(hf, tmp_path, train_backend="megatron", expert_model_parallel_size=2)
+    validate_before_start(  # EP 2 splits the 4 experts (tests/unit/training/test_megatron_layouts.py trains it)
+        small_run_config(
+            hf,
+            tmp_path,
+            train_backend="megatron",
+            expert_model_parallel_size=2,
+            actor_num_gpus_per_node=2,
+            global_batch_size=4,
+        )  # fmt: skip
+    )
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 3: the model has 4 experts"):
+        validate_before_start(
+            small_run_config(
+                hf,
+                tmp_path,
+                train_backend="megatron",
+                expert_model_parallel_size=3,
+                actor_num_gpus_per_node=3,
+                rollout_batch_size=3,
+                global_batch_size=6,
+            )  # fmt: skip
+        )
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2: the model has no experts"):
+        validate_before_start(
+            small_run_config(
+                tiny_hf_checkpoint,
+                tmp_path,
+                train_backend="megatron",
+                expert_model_parallel_size=2,
+                actor_num_gpus_per_node=2,
+                global_batch_size=4,
+            )  # fmt: skip
+        )
     mixed = save_moe_checkpoint(tiny_hf_checkpoint, tmp_path / "mixed", mlp_only_layers=[1])
     with pytest.raises(ConfigError, match=r"layers \[1\] are dense MLPs.*--train-backend fsdp"):
         validate_before_start(small_run_config(mixed, tmp_path, train_backend="megatron"))
