@@ -157,6 +157,10 @@ def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, 
             ),
             "--expert-tensor-parallel-size 1",
         ),  # fmt: skip
+        (
+            dict(train_backend="megatron", context_parallel_size=2, actor_num_gpus_per_node=2),
+            "TEDotProductAttention",
+        ),
     ],
 )
 def test_layout_flags_are_refused_before_anything_starts(tiny_hf_checkpoint, flags, match):
