@@ -629,7 +629,7 @@ class TrainerActor:
         """Gather the HF weights bucket by bucket (collective: every rank calls this; megatron:
         `--update-weight-buffer-size` buckets, fsdp: one), while rank 0 broadcasts each tensor in
         `names` order (default: export order) as soon as its bucket is in. Returns the metadata."""
-        from miles_platform.weights.transports.broadcast import broadcast, dtype_name
+        from miles_platform.weights.transports.broadcast import broadcast_buckets
 
         self.hooks.fire("trainer_weight_update_before_all_gather")
         buckets = getattr(self.backend, "hf_buckets", None)
@@ -639,25 +639,9 @@ class TrainerActor:
                 pass
             return {}
         group, backend = self._weight_groups[group_name]
-        device = "cuda" if backend == "nccl" else "cpu"
-        order, pending, meta, sent = names, {}, {"names": [], "dtypes": [], "shapes": []}, 0
-        for bucket in stream:
-            if sent == 0 and not meta["names"]:
-                self.hooks.fire("trainer_weight_update_before_send")  # the sending rank, engines waiting
-            pending.update(bucket)
-            queue = list(bucket) if order is None else order
-            while sent < len(queue) and queue[sent] in pending:
-                t = pending.pop(queue[sent])
-                broadcast(group, t.detach().to(device).contiguous())
-                meta["names"].append(queue[sent])
-                meta["dtypes"].append(dtype_name(t.dtype))
-                meta["shapes"].append(list(t.shape))
-                sent += 1
-            if order is None:
-                sent = 0
-        if order is not None and sent < len(order):
-            raise KeyError(f"broadcast_weights: trainer has no tensors {order[sent:][:5]}")
-        return meta
+        # the sending rank, engines waiting: before its first send
+        first = lambda: self.hooks.fire("trainer_weight_update_before_send")  # noqa: E731
+        return broadcast_buckets(group, "cuda" if backend == "nccl" else "cpu", stream, names, first)
 
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
         idx = list(range(len(batch)))
@@ -698,7 +682,10 @@ class TrainerActor:
         """This rank's files into `tmp`; after a barrier, rank 0's trainer_state.json."""
         os.makedirs(tmp, exist_ok=True)
         self.backend.save_model(tmp)
-        save_file(self._optimizer_tensors(), os.path.join(tmp, f"optimizer_rank{self.rank:03d}.safetensors"))
+        if not self.backend.save_optimizer(self.opt, tmp):  # megatron: resharded like the weights
+            save_file(
+                self._optimizer_tensors(), os.path.join(tmp, f"optimizer_rank{self.rank:03d}.safetensors")
+            )
         rng = {
             "torch": torch.get_rng_state(),
             "numpy": torch.from_numpy(
@@ -735,19 +722,25 @@ class TrainerActor:
 
     def _load_checkpoint(self, d: str) -> dict:
         state = json.loads(Path(d, "trainer_state.json").read_text())
-        if state.get("world_size", 1) != self.world_size:
+        resharded = state.get("world_size", 1) != self.world_size
+        if resharded and (not self.backend.reshards_checkpoints or self.critic is not None):
             raise ValueError(
                 f"{d}: saved with world size {state['world_size']}, resuming with {self.world_size}"
             )
         self.backend.load_model(d)
         if self.critic is not None:
             self.critic.load(d, self.rank)
-        self._load_optimizer_tensors(load_file(os.path.join(d, f"optimizer_rank{self.rank:03d}.safetensors")))
+        if not self.backend.load_optimizer(self.opt, d):
+            self._load_optimizer_tensors(
+                load_file(os.path.join(d, f"optimizer_rank{self.rank:03d}.safetensors"))
+            )
         self.sched.load_state_dict(state["scheduler"])
         self.global_step = state["global_step"]
-        rng = load_file(os.path.join(d, f"rng_rank{self.rank:03d}.safetensors"))
-        torch.set_rng_state(rng["torch"])
-        _set_np_rng_state(json.loads(bytes(rng["numpy"].numpy()).decode()))
+        rng_file = os.path.join(d, f"rng_rank{self.rank:03d}.safetensors")
+        if os.path.exists(rng_file) or not resharded:  # another layout: this rank may have no saved RNG
+            rng = load_file(rng_file)
+            torch.set_rng_state(rng["torch"])
+            _set_np_rng_state(json.loads(bytes(rng["numpy"].numpy()).decode()))
         v, internal, gauss = state["python_random"]
         random.setstate((v, tuple(internal), gauss))
         return state

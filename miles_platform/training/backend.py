@@ -138,6 +138,18 @@ class ModelBackend(ABC):
         )
         return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
+    # a checkpoint of this backend loads under another layout (world size): model and optimizer
+    reshards_checkpoints = False
+
+    def save_optimizer(self, opt: torch.optim.Optimizer, ckpt_dir: str) -> bool:
+        """Write the optimizer state into ckpt_dir if this backend keeps it its own way (True);
+        False: the actor writes its per-rank files."""
+        return False
+
+    def load_optimizer(self, opt: torch.optim.Optimizer, ckpt_dir: str) -> bool:
+        """Read what save_optimizer wrote (True), or False: the actor reads its per-rank files."""
+        return False
+
     def optimizer_stepped(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """After the optimizer stepped `parameters()`: bring the model up to date with them (a
         backend whose optimizer steps copies of the weights, e.g. fp32 main parameters)."""

@@ -347,10 +347,30 @@ class MegatronBackend(ModelBackend):
 
     def save_model(self, ckpt_dir: str) -> None:
         save_torch_dist(self.chunks, ckpt_dir)
-        if self.main is not None:
-            self.main.save(ckpt_dir, self.rank)
 
     def load_model(self, ckpt_dir: str) -> None:
         load_torch_dist(self.chunks, ckpt_dir)
-        if self.main is not None:
-            self.main.load(str(resolve_checkpoint_dir(ckpt_dir)), self.rank)
+        if self.main is not None:  # until load_optimizer brings the saved fp32 values
+            self.main.from_model()
+
+    # ---- the optimizer's state, resharded like the weights (training/megatron_checkpoint.py) ----
+    reshards_checkpoints = True
+
+    def _model_param_of(self, p):
+        return self.main.model_param(p) if self.main is not None else p
+
+    def save_optimizer(self, opt, ckpt_dir: str) -> bool:
+        from miles_platform.training.megatron_checkpoint import save_optimizer
+
+        save_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt, ckpt_dir,
+                       _save_strategy(), self.main is not None)  # fmt: skip
+        return True
+
+    def load_optimizer(self, opt, ckpt_dir: str) -> bool:
+        from miles_platform.training.megatron_checkpoint import load_optimizer
+
+        ok = load_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt,
+                            str(resolve_checkpoint_dir(ckpt_dir)), self.main is not None)  # fmt: skip
+        if ok and self.main is not None:
+            self.main.to_model()
+        return ok

@@ -5,17 +5,15 @@ What megatron-core's Float16OptimizerWithFloat16Params does, on any device (that
 tensors only): each trainable bf16 parameter has an fp32 main copy carrying its tensor-parallel
 attributes; the actor's AdamW steps the main copies, whose gradients are the DDP main_grad buffers
 (fp32 with --accumulate-allreduce-grads-in-fp32, else bf16 cast up); after the step the main copies
-are rounded into the model. A checkpoint stores the main copies beside the bf16 torch_dist weights
-(`main_params_rank*.safetensors`), so a resume continues from the fp32 values, not their rounding.
+are rounded into the model. A checkpoint stores the main copies with the optimizer state
+(training/megatron_checkpoint.py), so a resume continues from the fp32 values, not their rounding.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 _TP_ATTRS = (
     "tensor_model_parallel",
@@ -59,6 +57,7 @@ class MainParams:
                 if hasattr(p, attr):
                     setattr(main, attr, getattr(p, attr))
             self.pairs.append((name, p, main))
+        self._model_of = {id(main): p for _, p, main in self.pairs}
 
     def named_parameters(self):
         return [(name, main) for name, _, main in self.pairs]
@@ -81,22 +80,6 @@ class MainParams:
         for _, p, main in self.pairs:
             main.copy_(p)
 
-    def save(self, ckpt_dir: str, rank: int) -> None:
-        state = {name: main.detach().contiguous() for name, main in self.named_parameters()}
-        save_file(state, os.path.join(ckpt_dir, f"main_params_rank{rank:03d}.safetensors"))
-
-    @torch.no_grad()
-    def load(self, ckpt_dir: str, rank: int) -> None:
-        """This rank's main copies from a checkpoint dir; without the file (a checkpoint saved in
-        fp32, or for another layout), from the model's (just loaded) parameters."""
-        path = os.path.join(ckpt_dir, f"main_params_rank{rank:03d}.safetensors")
-        if not os.path.exists(path):
-            self.from_model()
-            return
-        state = load_file(path)
-        for name, _, main in self.pairs:
-            if name not in state or state[name].shape != main.shape:
-                self.from_model()  # another layout's shards: the bf16 weights are the best we have
-                return
-        for name, _, main in self.pairs:
-            main.copy_(state[name])
+    def model_param(self, main: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The model parameter a main copy belongs to."""
+        return self._model_of[id(main)]

@@ -71,6 +71,31 @@ def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+def broadcast_buckets(group, device: str, buckets, names: list[str] | None, before_first_send) -> dict:
+    """The trainer's side of an update: broadcast each tensor of an iterator of HF-named buckets in
+    `names` order (default: the buckets' order), each as soon as its bucket is in (a tensor due later
+    waits, the rest of its bucket goes on). Returns the metadata the engines were sent."""
+    pending, meta, sent, started = {}, {"names": [], "dtypes": [], "shapes": []}, 0, False
+    for bucket in buckets:
+        if not started:
+            before_first_send()
+            started = True
+        pending.update(bucket)
+        queue = list(bucket) if names is None else names
+        while sent < len(queue) and queue[sent] in pending:
+            t = pending.pop(queue[sent])
+            broadcast(group, t.detach().to(device).contiguous())
+            meta["names"].append(queue[sent])
+            meta["dtypes"].append(dtype_name(t.dtype))
+            meta["shapes"].append(list(t.shape))
+            sent += 1
+        if names is None:
+            sent = 0
+    if names is not None and sent < len(names):
+        raise KeyError(f"broadcast_weights: trainer has no tensors {names[sent:][:5]}")
+    return meta
+
+
 def parse_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
