@@ -939,6 +939,12 @@ class RunConfig:
                 f"--expert-model-parallel-size {self.expert_model_parallel_size}: the {world} trainer ranks must be "
                 f"a multiple of expert TP x EP x PP = {expert_mp} (megatron's expert layout)"
             )
+        if self.expert_model_parallel_size > 1 and self.use_dynamic_batch_size:
+            raise ConfigError(
+                f"--use-dynamic-batch-size with --expert-model-parallel-size {self.expert_model_parallel_size}: the "
+                "expert ranks exchange tokens in every micro-batch, so they must run as many micro-batches each, "
+                "and token budgets pack each rank's samples into its own number; use --micro-batch-size"
+            )
         etp = self.expert_tensor_parallel_size
         if etp is not None and etp != self.tensor_model_parallel_size:
             raise ConfigError(

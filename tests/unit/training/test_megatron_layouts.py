@@ -161,6 +161,16 @@ def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, 
             dict(train_backend="megatron", context_parallel_size=2, actor_num_gpus_per_node=2),
             "TEDotProductAttention",
         ),
+        (
+            dict(
+                train_backend="megatron",
+                expert_model_parallel_size=2,
+                actor_num_gpus_per_node=2,
+                use_dynamic_batch_size=True,
+                max_tokens_per_gpu=64,
+            ),
+            "as many micro-batches",
+        ),  # fmt: skip
     ],
 )
 def test_layout_flags_are_refused_before_anything_starts(tiny_hf_checkpoint, flags, match):
