@@ -283,9 +283,11 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "
             "MoE model's experts evenly over its ranks"
         )
-    if experts and (layout.pp > 1 or (layout.sp and tp > 1)):
+    if experts and (layout.pp > 1 or tp > 1):
         raise ConfigError(
-            "an MoE model with --pipeline-model-parallel-size > 1 or --sequence-parallel: not built. Routing "
-            "replay (R3) and the aux loss read every layer's routes for a whole [B, T] micro-batch, while "
-            "pipeline stages hold some layers and pad micro-batches, and SP splits the tokens over TP ranks"
+            "an MoE model with --pipeline-model-parallel-size or --tensor-model-parallel-size > 1: not built "
+            "(use --expert-model-parallel-size). Routing replay (R3) and the aux loss read every layer's "
+            "routes for a whole [B, T] micro-batch, while pipeline stages hold some layers and pad "
+            "micro-batches, and megatron's MoE layer needs --sequence-parallel at TP > 1 (docs/moe.md), which "
+            "splits the tokens over the TP ranks"
         )

@@ -154,6 +154,18 @@ def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_h
                 global_batch_size=6,
             )  # fmt: skip
         )
+    with pytest.raises(
+        ConfigError, match="an MoE model with --pipeline-model-parallel-size or --tensor-model"
+    ):
+        validate_before_start(
+            small_run_config(
+                hf,
+                tmp_path,
+                train_backend="megatron",
+                tensor_model_parallel_size=2,
+                actor_num_gpus_per_node=2,
+            )  # fmt: skip
+        )
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2: the model has no experts"):
         validate_before_start(
             small_run_config(
