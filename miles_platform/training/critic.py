@@ -23,7 +23,7 @@ from miles_platform.models.checkpoint import load_hf_model
 
 
 class Critic(torch.nn.Module):
-    def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1):
+    def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1, device="cpu"):
         super().__init__()
         self.world_size = world_size
         lm = load_hf_model(hf_checkpoint)
@@ -31,6 +31,7 @@ class Critic(torch.nn.Module):
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+        self.to(device)  # the rank's device; the optimizer's state follows its parameters
         self.train()
         self.opt = torch.optim.AdamW(
             self.parameters(),
@@ -71,7 +72,7 @@ class Critic(torch.nn.Module):
     def save(self, ckpt_dir: str, rank: int) -> None:
         if rank == 0:
             save_file(
-                {k: v.contiguous() for k, v in self.state_dict().items()},
+                {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
                 os.path.join(ckpt_dir, "critic.safetensors"),
             )
         opt = {}
@@ -79,14 +80,17 @@ class Critic(torch.nn.Module):
         for p, st in self.opt.state.items():
             for k, v in st.items():
                 if torch.is_tensor(v):
-                    opt[f"{names[id(p)]}::{k}"] = v.detach().contiguous()
+                    opt[f"{names[id(p)]}::{k}"] = v.detach().cpu().contiguous()
         save_file(opt, os.path.join(ckpt_dir, f"critic_optimizer_rank{rank:03d}.safetensors"))
 
     def load(self, ckpt_dir: str, rank: int) -> None:
-        self.load_state_dict(load_file(os.path.join(ckpt_dir, "critic.safetensors")))
+        self.load_state_dict(
+            load_file(os.path.join(ckpt_dir, "critic.safetensors"))
+        )  # copied onto the device
         params = dict(self.named_parameters())
         for key, v in load_file(
             os.path.join(ckpt_dir, f"critic_optimizer_rank{rank:03d}.safetensors")
         ).items():
             name, k = key.rsplit("::", 1)
-            self.opt.state.setdefault(params[name], {})[k] = v.clone()
+            p = params[name]
+            self.opt.state.setdefault(p, {})[k] = v.clone() if k == "step" else v.to(p.device, copy=True)
