@@ -177,6 +177,24 @@ class RunConfig:
     )
     rollout_num_gpus_per_engine: int = _f(1, "cluster", "TP size of each engine")
     colocate: bool = _f(False, "cluster", "share devices between actor and rollout")
+    # --- devices and colocation (issue #46; Miles' names; docs/scale_out.md "Devices and colocation").
+    # Each process computes on its own device (cluster/devices.py): a trainer rank and an embedded
+    # engine on the GPU Ray gave them, else the CPU. --colocate turns both offloads on, as in Miles.
+    offload_train: bool | None = _f(
+        None, "cluster",
+        "park the trainer's model and optimizer state in host memory while the engines generate "
+        "(default: on with --colocate, else off; --no-offload-train keeps them on the device)",
+    )  # fmt: skip
+    offload_rollout: bool | None = _f(
+        None, "cluster",
+        "engines release their memory (/release_memory_occupation) while the trainer trains and resume "
+        "it (/resume_memory_occupation) for the weight update (default: on with --colocate, else off)",
+    )  # fmt: skip
+    offload_rollout_level: list[str] = _f(
+        ["kv_cache", "weight"], "cluster", "what --offload-rollout releases", choices=("kv_cache", "weight"),
+        nargs="+",
+    )  # fmt: skip
+    # --- end of the devices and colocation block ---
     num_cpus_per_actor: float = _f(1.0, "cluster", "Ray CPUs reserved per trainer rank / engine on CPU")
     rollout_engine: str = _f("embedded", "cluster", "rollout engine kind", choices=("embedded", "sglang"))
     rollout_external_engine_addrs: list[str] = _f(
@@ -548,10 +566,11 @@ class RunConfig:
 
     # --- precision ---
     fsdp_master_dtype: str = _f("fp32", "precision", "dtype the optimizer steps on", choices=("fp32", "bf16"))
-    train_forward_dtype: str = _f(
-        "fp32",
+    train_forward_dtype: str | None = _f(
+        None,
         "precision",
-        "autocast / gather dtype of the trainer forward",
+        "autocast / gather dtype of the trainer forward (default: --rollout-dtype when given, else bf16 "
+        "on CUDA with --train-backend fsdp, fp32 on the CPU and with megatron)",
         choices=("fp32", "bf16", "fp16"),
     )
     fsdp_reduce_dtype: str = _f(
@@ -560,10 +579,11 @@ class RunConfig:
     fsdp_precision_rules: str | None = _f(
         None, "precision", "per-module/param rules, e.g. 'module:*norm*=fp32;param:lm_head.weight=fp32'"
     )
-    rollout_dtype: str = _f(
-        "fp32",
+    rollout_dtype: str | None = _f(
+        None,
         "precision",
-        "engine serving dtype; must equal --train-forward-dtype",
+        "engine serving dtype; must equal --train-forward-dtype (default: --train-forward-dtype when "
+        "given, else bf16 on CUDA with --train-backend fsdp, fp32 on the CPU and with megatron)",
         choices=("fp32", "bf16", "fp16"),
     )
 
@@ -741,7 +761,7 @@ class RunConfig:
             raise ConfigError(f"--rollout-max-response-len must be > 0, got {self.rollout_max_response_len}")
         if self.eval_prompt_data and len(self.eval_prompt_data) % 2:
             raise ConfigError(f"--eval-prompt-data takes `name path` pairs, got {self.eval_prompt_data}")
-        if self.train_forward_dtype != self.rollout_dtype:
+        if self.train_forward_dtype and self.rollout_dtype and self.train_forward_dtype != self.rollout_dtype:
             raise ConfigError(
                 f"--train-forward-dtype {self.train_forward_dtype} != --rollout-dtype {self.rollout_dtype}: "
                 "the trainer must see the same forward as the engine (PPO ratio would be rounding noise)"
@@ -757,6 +777,11 @@ class RunConfig:
             )
         if self.fully_async and self.pause_generation_mode == "abort":
             raise ConfigError("--fully-async rejects --pause-generation-mode abort (use retract or in_place)")
+        if self.fully_async and (self.colocate or self.offload_train or self.offload_rollout):
+            raise ConfigError(
+                "--fully-async keeps the engines generating while the trainer trains: it cannot share their "
+                "devices (--colocate) or take their memory away (--offload-train / --offload-rollout)"
+            )
         if self.update_weight_transfer_mode == "disk-delta" and not self.update_weight_disk_dir:
             raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir")
         for name in ("disk_delta_keyframe_interval", "disk_delta_encode_workers"):
@@ -784,7 +809,10 @@ class RunConfig:
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
-                (f"--train-forward-dtype {self.train_forward_dtype}", self.train_forward_dtype != "fp32"),
+                (
+                    f"--train-forward-dtype {self.train_forward_dtype}",
+                    self.train_forward_dtype not in (None, "fp32"),
+                ),
                 (f"--fsdp-master-dtype {self.fsdp_master_dtype}", self.fsdp_master_dtype != "fp32"),
                 (f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype}", self.fsdp_reduce_dtype != "fp32"),
                 ("--fsdp-precision-rules", bool(self.fsdp_precision_rules)),
@@ -873,7 +901,7 @@ class RunConfig:
                 if getattr(self, n) != _default(n)]  # fmt: skip
 
     def _check_moe_flags(self) -> None:
-        if self.moe_router_dtype and (self.train_forward_dtype, self.rollout_dtype) != ("fp32", "fp32"):
+        if self.moe_router_dtype and {self.train_forward_dtype, self.rollout_dtype} - {None, "fp32"}:
             raise ConfigError(
                 f"--moe-router-dtype {self.moe_router_dtype} with --train-forward-dtype {self.train_forward_dtype} / "
                 f"--rollout-dtype {self.rollout_dtype}: routers compute in the forward's dtype, in trainer and "
@@ -1406,6 +1434,9 @@ def _add_flag(group, f: dataclasses.Field, default: Any, shown: bool = False) ->
     kw: dict[str, Any] = {"help": text, "dest": f.name, "default": default}
     if f.type in ("bool", bool):
         group.add_argument(_flag(f.name), action="store_true", **kw)
+        return
+    if f.type == "bool | None":  # --flag / --no-flag, unset: None (a default that depends on others)
+        group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kw)
         return
     if meta["nargs"]:
         kw["nargs"] = meta["nargs"]
