@@ -111,6 +111,10 @@ def create_app(
         return {
             "model_path": core.model_path,
             "dtype": str(core.dtype).removeprefix("torch."),
+            "device": str(core.device),
+            "mem_fraction_static": core.mem_fraction_static,
+            "kv_budget_tokens": core.kv_budget,
+            "memory_released": core.memory_released,
             "max_running_requests": core.max_batch_size,
             "batch_wait_ms": core.batch_wait_s * 1000,
             "context_length": core.context_length,
@@ -139,6 +143,30 @@ def create_app(
             version = await asyncio.to_thread(core.update_weights_from_disk, path, body.get("weight_version"))
         except (MilesError, ValueError, OSError) as e:
             msg = f"update_weights_from_disk failed, kept weight_version {core.weight_version}: {e}"
+            return JSONResponse({"success": False, "message": msg}, status_code=400)
+        return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        """SGLang's path. Body: {"named_tensors": <shared-memory descriptor>, "load_format":
+        "shared_memory", "weight_version"} (weights/shared_tensors.py); SGLang's pickled
+        `serialized_named_tensors` are refused (no unpickling of request bodies here)."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        if not isinstance(body, dict) or "serialized_named_tensors" in body:
+            msg = ("update_weights_from_tensor takes {named_tensors: <descriptor>, load_format: shared_memory}; "
+                   "pickled serialized_named_tensors are not accepted by the embedded engine")  # fmt: skip
+            return JSONResponse({"success": False, "message": msg}, status_code=400)
+        if body.get("load_format", "shared_memory") != "shared_memory":
+            msg = f"load_format {body.get('load_format')!r}: the embedded engine takes shared_memory"
+            return JSONResponse({"success": False, "message": msg}, status_code=400)
+        try:
+            version = await asyncio.to_thread(
+                core.update_weights_from_tensor, body.get("named_tensors"), body.get("weight_version")
+            )
+        except (MilesError, ValueError, KeyError, TypeError) as e:
+            msg = f"update_weights_from_tensor failed, kept weight_version {core.weight_version}: {e}"
             return JSONResponse({"success": False, "message": msg}, status_code=400)
         return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
 
@@ -281,6 +309,29 @@ def create_app(
         core.continue_generation()
         return {"status": "ok", "message": "Generation continued."}
 
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        """SGLang's {"tags": ["weights", "kv_cache", "cuda_graph"] | null} (engine_memory.py)."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        try:
+            released = await asyncio.to_thread(core.release_memory_occupation, (body or {}).get("tags"))
+        except RequestError as e:
+            return error(400, f"release_memory_occupation: {e}")
+        return {"success": True, "message": "Succeeded to release memory.", "released": released}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        try:
+            released = await asyncio.to_thread(core.resume_memory_occupation, (body or {}).get("tags"))
+        except RequestError as e:
+            return error(400, f"resume_memory_occupation: {e}")
+        return {"success": True, "message": "Succeeded to resume memory.", "released": released}
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         core.flush_cache()
@@ -375,7 +426,7 @@ def start_engine_server(
     host: str = "127.0.0.1",
     port: int = 0,
     api_key: str | None = None,
-    dtype: str = "fp32",
+    dtype: str = "auto",
     max_batch_size: int = 512,
     batch_wait_ms: float = 5.0,
     weight_version: int = 0,
@@ -387,15 +438,18 @@ def start_engine_server(
     pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
     served_model_name: str | None = None,
     run_name: str | None = None,
+    device: str | None = None,
+    mem_fraction_static: float | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
     existing EngineCore (it is then not stopped with the server; the pause limits are its own).
-    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id). `device`,
+    `mem_fraction_static`: EngineCore's (the CPU and no KV bound by default)."""
     owns = core is None
     if core is None:
         core = EngineCore(
             hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version, num_threads,
-            pause_wait_timeout_s, pause_max_queued_requests,
+            pause_wait_timeout_s, pause_max_queued_requests, device, mem_fraction_static,
         )  # fmt: skip
     try:
         app = create_app(core, api_key, max_request_bytes, weight_roots, served_model_name, run_name)
@@ -436,6 +490,12 @@ class EngineActor:
     def get_weights(self) -> dict:
         return self._server.core.get_weights()
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        return self._server.core.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        return self._server.core.resume_memory_occupation(tags)
+
     def shutdown(self) -> None:
         self._server.stop()
 
@@ -457,7 +517,18 @@ def cli_main(argv: list[str]) -> int:
         default=None,
         help="the model id of the OpenAI routes (/v1/models; default: the checkpoint's absolute path)",
     )
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument(
+        "--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+        help="serving dtype (default auto: bf16 on CUDA, fp32 on the CPU)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--device", default="auto",
+        help="where the engine computes: cpu, cuda, cuda:N (default auto: cuda:0 when CUDA is available, else cpu)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--mem-fraction-static", type=float, default=None,
+        help="SGLang's: weights + KV cache stay under this fraction of the device's memory (default: no bound)",
+    )  # fmt: skip
     ap.add_argument("--max-running-requests", type=int, default=512, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     ap.add_argument("--weight-version", type=int, default=0)
@@ -501,8 +572,11 @@ def cli_main(argv: list[str]) -> int:
         pause_wait_timeout_s=args.pause_wait_timeout_s,
         pause_max_queued_requests=args.pause_max_queued_requests,
         served_model_name=args.served_model_name,
+        device=args.device,
+        mem_fraction_static=args.mem_fraction_static,
     )
-    print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
+    core = server.core
+    print(f"serve-engine: {args.hf_checkpoint} on {server.url} ({core.device}, {core.dtype})", flush=True)
     wait_for_stop_signal()
     server.stop()
     return 0
