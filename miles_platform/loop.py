@@ -73,6 +73,7 @@ class RLRun:
                                                    s.config_changes)  # fmt: skip
             if s.session is not None:
                 initial_sync(cfg, self.paths, s, version, state is not None, self.base_version)
+            s.colocation.start()  # --offload-train: the trainer leaves the devices to the engines
             initial_eval = eval_before_train(cfg, self.paths, s, self.reporter, start, version)
             s.start_async_worker()
             try:
@@ -117,6 +118,7 @@ class RLRun:
             if not s.trainers:  # --debug-rollout-only
                 self._finish_rollout(result, rollout_id, metrics, t0, version)
                 continue
+            s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
             hook.fire("trainer_controller_step_start")
             metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples)))
             hook.fire("trainer_controller_step_end")
@@ -124,12 +126,15 @@ class RLRun:
             if cfg.ci_test and rollout_id == 0:
                 result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
             hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
+            s.colocation.before_weight_update()
             if s.session is not None and (rollout_id + 1) % cfg.update_weights_interval == 0:
                 hook.fire("weight_update_start")
                 parent, version = version, max(version, self.highest) + 1
                 self.highest = version
                 hf_dir, m = publish_version(cfg, self.paths, s, version, self.base_version)
                 metrics.update(m)
+            s.colocation.after_weight_update()
+            metrics.update(s.colocation.metrics())
             # the version's row first (naming the checkpoint the rollout will save, when one is due),
             # then its eval and the rollout's metrics, the checkpoint last: a crash anywhere before the
             # checkpoint is complete abandons all of them on resume (store/run_events.py), none is lost
@@ -145,7 +150,8 @@ class RLRun:
             hook.fire("metrics_recorded")
             if save_due:
                 hook.fire("save_start")
-                self._save(rollout_id, version)
+                with s.colocation.around_save():
+                    self._save(rollout_id, version)
                 hook.fire("save_end")
                 if cfg.save_hf and hf_dir is not None:
                     save_hf_copy(cfg, rollout_id, hf_dir)

@@ -33,6 +33,11 @@ class RunServices(contextlib.AbstractContextManager):
         from miles_platform.trackers import Trackers
 
         self.trackers = Trackers()
+        from miles_platform.cluster.colocation import Colocation
+
+        self.colocation = Colocation(
+            cfg, [], None
+        )  # the offload schedule; set once trainers and engines are up
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> RunServices:
@@ -138,6 +143,9 @@ class RunServices(contextlib.AbstractContextManager):
             )
         if cfg.use_fault_tolerance:
             self._start_health_monitor(groups)
+        from miles_platform.cluster.colocation import Colocation
+
+        self.colocation = Colocation(cfg, self.trainers, self.engines, call_trainers)
 
     def _start_health_monitor(self, groups) -> None:
         import threading
