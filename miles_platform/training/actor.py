@@ -190,7 +190,7 @@ class TrainerActor:
     # ------------------------------------------------------------------ log-probs
     def _tensor(self, data, dtype=torch.float32) -> torch.Tensor:
         """A tensor of Python data on the rank's device (built on the host, one copy)."""
-        return torch.tensor(data, dtype=dtype).to(self.device)
+        return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _mask(self, batch: TrainBatch, i: int) -> torch.Tensor:
         return self._tensor(batch.loss_masks[i])

@@ -9,16 +9,18 @@ through the driver:
      "tensors": [{"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [V, H], "offset": 0}, ...]}
 
 The writer owns the segment (unlinked by `Staged.close`, or by Python's resource tracker if the
-writer dies); a reader attaches without taking ownership. SGLang itself receives CUDA IPC handles
+writer dies); a reader maps it read-only without taking ownership. SGLang itself receives CUDA IPC handles
 pickled by its MultiprocessingSerializer; the embedded engine takes only this descriptor.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
@@ -65,13 +67,7 @@ def open_staged(descriptor: dict):
     """Yields {name: tensor} copied out of a staged segment (the reader never keeps the mapping)."""
     if not isinstance(descriptor, dict) or descriptor.get("format") != FORMAT:
         raise MilesError(f"update_weights_from_tensor: expected a {FORMAT!r} descriptor")
-    try:
-        seg = shared_memory.SharedMemory(name=str(descriptor["segment"]))
-    except (FileNotFoundError, KeyError) as e:
-        raise MilesError(
-            f"update_weights_from_tensor: no shared-memory segment {descriptor.get('segment')!r}"
-        ) from e
-    resource_tracker.unregister(seg._name, "shared_memory")  # the writer owns it (Python < 3.13 adopts it)
+    seg = _attach(descriptor.get("segment"))
     try:
         out = {}
         for e in descriptor["tensors"]:
@@ -83,12 +79,31 @@ def open_staged(descriptor: dict):
             for x in shape:
                 n *= x
             nbytes, off = n * torch.tensor([], dtype=dtype).element_size(), int(e["offset"])
-            if off < 0 or off + nbytes > seg.size:
+            if off < 0 or off + nbytes > len(seg):
                 raise MilesError(f"update_weights_from_tensor: {e['name']} lies outside the segment")
-            raw = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes, offset=off) if nbytes else None
-            t = raw.clone().view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-            del raw
-            out[e["name"]] = t
+            if nbytes:
+                raw = torch.frombuffer(seg, dtype=torch.uint8, count=nbytes, offset=off)
+                out[e["name"]] = raw.clone().view(dtype).reshape(shape)
+                del raw
+            else:
+                out[e["name"]] = torch.empty(shape, dtype=dtype)
         yield out
     finally:
         seg.close()
+
+
+def _attach(name) -> mmap.mmap:
+    """Map a segment read-only without registering it with Python's resource tracker (SharedMemory
+    would, and a tracker shared with the writer, in this process or a sibling, would then lose it)."""
+    import _posixshmem
+
+    if not isinstance(name, str) or not name.startswith("miles_w_"):
+        raise MilesError(f"update_weights_from_tensor: {name!r} is not a segment this platform staged")
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
+    except FileNotFoundError as e:
+        raise MilesError(f"update_weights_from_tensor: no shared-memory segment {name!r}") from e
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)  # private: never writes back
+    finally:
+        os.close(fd)
