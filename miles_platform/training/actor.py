@@ -687,7 +687,7 @@ class TrainerActor:
         if missing:
             raise KeyError(f"broadcast_weights: trainer has no tensors {missing[:5]}")
         group, backend = self._weight_groups[group_name]
-        device = "cuda" if backend == "nccl" else "cpu"
+        device = self.device if backend == "nccl" else "cpu"  # NCCL sends from this rank's GPU
         self.hooks.fire("trainer_weight_update_before_send")  # the sending rank, engines waiting
         for n in names:
             broadcast(group, state[n].detach().to(device).contiguous())

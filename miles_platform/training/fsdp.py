@@ -149,7 +149,7 @@ def wrap_units(model: nn.Module) -> list[str]:
 @contextlib.contextmanager
 def forward_autocast(cfg: Any, device_type: str | None = None) -> Iterator[None]:
     """Autocast to the compute dtype (`--train-forward-dtype`); a no-op for fp32."""
-    compute = cfg.compute if isinstance(cfg, PrecisionPolicy) else cfg.train_forward_dtype
+    compute = (cfg if isinstance(cfg, PrecisionPolicy) else PrecisionPolicy.from_config(cfg)).compute
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if compute == "fp32":
         yield
