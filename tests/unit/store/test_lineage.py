@@ -20,7 +20,7 @@ REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 1.0], 2: [0.0, 0.0]}
 
 
 def _record_version(paths, run, version, rollout_id, base, prompt, data_v):
-    """What loop._record_version writes: a policy_versions row and four lineage edges."""
+    """What store.recorder.VersionRecorder.record writes: a policy_versions row and four lineage edges."""
     key = partition_key(run, version)
     shard = write_rollout_shard(
         paths,
