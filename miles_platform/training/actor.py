@@ -1,8 +1,8 @@
 """The trainer: one instance per rank (a Ray actor in the loop), backend-independent.
 
 Owns what every backend shares: old/ref log-prob recomputation, the loss hub, micro-batching
-and gradient accumulation, AdamW + LR schedule, grad clipping, checkpoints in Miles' layout
-(`iter_NNNNNNN/` + `latest_checkpointed_iteration.txt`, written last), and the HF-named
+and gradient accumulation, AdamW + LR schedule, grad clipping, what goes into its checkpoints
+(written by training/checkpoint.py in Miles' layout), and the HF-named
 weights that engines load. The model itself comes from a ModelBackend (fsdp | megatron).
 """
 
