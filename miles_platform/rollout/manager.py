@@ -115,11 +115,16 @@ class RolloutManager:
             self.sessions.stop()
 
     def _start_sessions(self):
-        from miles_platform.rollout.sessions import start_session_server
+        from miles_platform.models.checkpoint import context_length
+        from miles_platform.rollout.sessions import DEFAULT_MAX_SESSIONS, start_session_server
 
+        c = self.cfg
+        live = (c.over_sampling_batch_size or c.rollout_batch_size or 1) * c.n_samples_per_prompt
         srv = start_session_server(
-            self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape
-        )
+            self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape,
+            context_length=_checkpoint_field(c.hf_checkpoint, context_length) or 1 << 20,
+            max_sessions=max(DEFAULT_MAX_SESSIONS, 4 * live),
+        )  # fmt: skip
         a = self.args  # Miles' names; the agentic wrapper reads session_server_url
         a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
         a.session_server_url = f"http://{'127.0.0.1' if srv.host == '0.0.0.0' else srv.host}:{srv.port}"
@@ -505,14 +510,19 @@ async def _awaited(awaitable):
 
 def _vocab_size(hf_checkpoint: str | None) -> int | None:
     """The embedding rows of the checkpoint (config.json's vocab_size, or its text_config's)."""
+    from miles_platform.models.checkpoint import embedding_rows
+
+    return _checkpoint_field(hf_checkpoint, embedding_rows)
+
+
+def _checkpoint_field(hf_checkpoint: str | None, read) -> int | None:
+    """`read(config.json)` of the checkpoint; None when there is no readable config."""
     import json
     import os
 
-    from miles_platform.models.checkpoint import embedding_rows
-
     try:
         with open(os.path.join(hf_checkpoint or "", "config.json")) as f:
-            return embedding_rows(json.load(f))
+            return read(json.load(f))
     except (OSError, ValueError):
         return None
 
