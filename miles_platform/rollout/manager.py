@@ -291,13 +291,16 @@ class RolloutManager:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.cfg.rollout_max_concurrency)
         base = params or self.sampling_params()
+        timeout = self.cfg.custom_generate_function_timeout or None
 
         async def one(rec: PromptRecord, prompt_ids: list[int], gi: int, seed: int) -> Sample:
             sample = self._new_sample(rec, prompt_ids, gi)
             inp = GenerateFnInput(self.state, sample, {**base, "sampling_seed": seed}, evaluation)
             async with self._slots:
                 try:
-                    out = await self.generate_fn(inp)
+                    out = await asyncio.wait_for(self.generate_fn(inp), timeout)
+                except TimeoutError:  # a hung function fails its own sample, not the run
+                    return self._timed_out(sample, timeout)
                 except Exception as e:
                     raise RuntimeError(
                         f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} raised on prompt "
@@ -318,6 +321,19 @@ class RolloutManager:
                 await call_abort_hook(self.args)
             raise eg.exceptions[0] from None
         return [[t.result() for t in group] for group in tasks]
+
+    def _timed_out(self, sample: Sample, timeout: float) -> Sample:
+        """The sample of a generate call cancelled after `timeout` s: failed, out of the loss, one
+        EOS as its response so the batch keeps its shape (counted in rollout/failed)."""
+        eos = self.tok.eos_token_id
+        sample.response, sample.response_tokens = "", [eos]
+        sample.rollout_log_probs, sample.loss_mask = [0.0], [0]
+        sample.status, sample.remove_sample = Status.FAILED.value, True
+        sample.metadata["generate_error"] = (
+            f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} did not return within "
+            f"{timeout:g} s (--custom-generate-function-timeout): cancelled, its sample failed"
+        )
+        return sample
 
     def _generated(self, out: Any, budget: int | None, evaluation: bool = False) -> Sample:
         """The one Sample a generate function made, checked (with its routes under R3, when
