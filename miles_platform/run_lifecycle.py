@@ -1,7 +1,7 @@
 """What every run starts inside, whatever it trains (`train`'s RunServices, `train-diffusion`'s loop):
-one writer per run and per checkpoint dir, a dead writer's staging dirs removed, the resume config
-checked (and recorded in the checkpoint dir), Ray with the project's settings, the trackers, the
---ci-fault-hooks. Up in that order after validation, down in reverse whatever failed.
+one writer per run and per checkpoint dir (a lock file; on an object store also a renewed lease), a
+dead writer's staging dirs removed, the resume config checked (and recorded in the checkpoint dir),
+Ray with the project's settings, the trackers, the --ci-fault-hooks. Up in that order after validation, down in reverse whatever failed.
 
     with RunLifecycle(cfg, paths, reporter.log) as life:
         life.stack.callback(stop_my_actor)         # the vertical's own processes, torn down first
@@ -71,6 +71,7 @@ class RunLifecycle(contextlib.AbstractContextManager):
         if cfg.save:  # and one writer per checkpoint dir: two runs sharing --save clobbered each other
             save_lock = RunLock(local_save_dir(cfg.save), cfg.run_name, f"--save {cfg.save}").acquire()
             s.callback(save_lock.release)
+        self._take_leases()
         # the run lock is held: a `.tmp-*` staging dir (checkpoint, export) is a dead writer's
         remove_dead_writers_tmp(cfg, self.paths, self.log)
         # a resume trains what the checkpoint's run trained, or says which flags changed
@@ -80,6 +81,25 @@ class RunLifecycle(contextlib.AbstractContextManager):
         if self._with_trackers:
             self.trackers = Trackers(cfg, self.paths, self.log)
             s.push(lambda et, *_: self.trackers.close(failed=et is not None))
+
+    def _take_leases(self) -> None:
+        """On an object store, one writer per run (and per --save) across hosts and cache dirs: a
+        lease object (store/run_lock.py); a writer whose lease another took stops like a Ctrl-C."""
+        import _thread
+
+        from miles_platform.store.remote import is_remote
+        from miles_platform.store.run_lock import ObjectStoreLease
+
+        cfg = self.cfg
+
+        def lost(msg: str) -> None:
+            self.log(msg)
+            _thread.interrupt_main()
+
+        for url, what in ((self.paths.run_dir(cfg.run_name), None), (cfg.save, f"--save {cfg.save}")):
+            if url and is_remote(url):
+                lease = ObjectStoreLease(url, cfg.run_name, what, on_lost=lost).acquire()
+                self.stack.callback(lease.release)
 
 
 def remove_dead_writers_tmp(cfg, paths: StoragePaths, log: Callable[[str], None]) -> None:
