@@ -291,8 +291,8 @@ def _cancelled(what: str) -> dg.Failure:
 
 def ray_job_options(config: dg.Config) -> tuple[str, dict[str, Any]] | None:
     """(Ray Jobs address, runtime env) for `launcher: ray_job`; None for in_process."""
-    from miles_platform.cluster.ray_jobs import parse_runtime_env, resolve_job_address
     from miles_platform.config import ConfigError
+    from miles_platform.launch.ray_jobs import parse_runtime_env, resolve_job_address
 
     launcher = getattr(config, LAUNCHER)
     if launcher not in LAUNCHERS:
@@ -325,7 +325,7 @@ def train_as_ray_job(
     from dagster._core.errors import DagsterExecutionInterruptedError
     from dagster_ray.core.pipes import PipesRayJobMessageReader
 
-    from miles_platform.cluster.ray_jobs import (
+    from miles_platform.launch.ray_jobs import (
         FINAL_EXIT_CODES,
         job_client,
         stop_job,
