@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_platform.metric_names import metric_name
 from miles_platform.recipes import DEMO_DIFFUSION, DEMO_RL, DIFFUSION_ROLLOUTS  # noqa: F401 (re-exported)
 
 
@@ -171,7 +172,6 @@ def eval_summary(paths, run: str, final_version: int, dataset: str = "eval") -> 
     """The summary's eval numbers, read from the `evals` rows that eval_results (and, for the base
     v0, the scoreboard) wrote: one source with the asset pages, named as there. The newest row of
     each (version, metric) on `dataset`; the accuracies are greedy pass@1 (None: not evaluated)."""
-    from miles_platform.rollout.metric_names import metric_name
     from miles_platform.store.paths import partition_key
     from miles_platform.store.tables import read_rows
 

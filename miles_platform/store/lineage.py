@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.metric_names import metric_name
 from miles_platform.store.catalog import Catalog, CatalogError
 from miles_platform.store.lineage_identity import Edge, RecordedPaths, fold_by_content, node_id
 from miles_platform.store.paths import StoragePaths, absolute
@@ -196,8 +197,6 @@ class LineageGraph:
     def _eval_info(self, key: str) -> dict[str, Any]:
         if self._evals is None:
             self._evals = {}
-            from miles_platform.rollout.metric_names import metric_name
-
             for r in self._rows(
                 "SELECT partition_key, dataset, metric, arg_max(value, created_at) AS value, "
                 "arg_max(n_samples, created_at) AS n, arg_max(temperature, created_at) AS t FROM evals "

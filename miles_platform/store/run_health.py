@@ -37,7 +37,7 @@ import fsspec
 import pyarrow.parquet as pq
 
 from miles_platform.config import RunConfig
-from miles_platform.rollout.filter_hub import DROP_METRIC_PREFIX  # groups drawn, not trained
+from miles_platform.metric_names import DROP_METRIC_PREFIX  # groups drawn, not trained
 from miles_platform.store.lineage_identity import read_edges
 from miles_platform.store.model_kinds import (
     KINDS,
