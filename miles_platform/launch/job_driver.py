@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
 
 from miles_platform.config import RunConfig
 from miles_platform.launch.ray_jobs import CONFIG_ENV
+from miles_platform.store.versions import PolicyVersion
 
 
 class _PipesReporter:
@@ -31,8 +31,8 @@ class _PipesReporter:
     def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
         pass
 
-    def on_policy_version(self, info: dict[str, Any]) -> None:
-        self.pipes.report_custom_message({"policy_version": info["partition_key"]})
+    def on_policy_version(self, pv: PolicyVersion) -> None:
+        self.pipes.report_custom_message({"policy_version": pv.partition_key})
 
 
 def driver_main() -> int:

@@ -259,7 +259,7 @@ def hf_export_sanity(paths: StoragePaths) -> Health:
         if not exports:
             continue
         edges = read_edges(paths, run)  # an old row's relative base resolved where knowable
-        base = next((e["parent"] for e in edges if e["relation"] == "base_checkpoint" and e["parent"]), None)
+        base = next((e.parent for e in edges if e.relation == "base_checkpoint" and e.parent), None)
         kind = _run_kind(rows, base)
         if kind is None:
             out.per_run[run] = {"kind": "unknown", "exports_checked": 0, "parameters": None,
