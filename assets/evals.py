@@ -22,9 +22,10 @@ from types import SimpleNamespace
 
 import dagster as dg
 
+from assets.metadata import latest_materialization, metadata_text
 from assets.partitions import policy_version_partitions
 from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, RunConfig
-from miles_platform.store.lineage import write_edges
+from miles_platform.store.lineage_identity import Edge, write_edges
 from miles_platform.store.paths import StoragePaths, parse_partition_key
 from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
@@ -54,31 +55,14 @@ class EvalConfig(dg.Config):
     seed: int = 0
 
 
-def _latest_materialization(
-    instance: dg.DagsterInstance, key: str, partition: str | None = None
-) -> dg.AssetMaterialization | None:
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None
-        ),
-        limit=1,
-    ).records
-    return records[0].asset_materialization if records else None
-
-
-def _md(mat: dg.AssetMaterialization | None, key: str) -> str | None:
-    value = None if mat is None else mat.metadata.get(key)
-    return None if value is None or value.value in (None, "") else str(value.value)
-
-
 def resolve_hf_path(instance: dg.DagsterInstance, paths: StoragePaths, partition: str) -> str:
     """HF export of a policy version: its materialization's hf_path, else the path convention. A
     LoRA version (adapter + frozen base, no HF export) is merged on demand, once, at the
     convention's path: what eval_results and weight_publications read."""
     run, version = parse_partition_key(partition)
-    mat = _latest_materialization(instance, "policy_versions", partition)
-    hf_path = _md(mat, "hf_path")
-    adapter, base = _md(mat, "adapter_path"), _md(mat, "base_checkpoint")
+    mat = latest_materialization(instance, "policy_versions", partition)
+    hf_path = metadata_text(mat, "hf_path")
+    adapter, base = metadata_text(mat, "adapter_path"), metadata_text(mat, "base_checkpoint")
     if not hf_path and adapter and base:
         hf_path = paths.hf_export(run, version)
         if not os.path.isfile(os.path.join(hf_path, "config.json")):
@@ -101,7 +85,7 @@ def resolve_datasets(instance: dg.DagsterInstance, config: EvalConfig) -> list[t
         if len(pairs) % 2:
             raise dg.Failure(f"eval_prompt_data takes `name path` pairs, got {pairs}")
         return list(zip(pairs[::2], pairs[1::2], strict=True))
-    path = _md(_latest_materialization(instance, "eval_dataset"), "path")
+    path = metadata_text(latest_materialization(instance, "eval_dataset"), "path")
     if path is None:
         raise dg.Failure(
             "no eval datasets: materialize eval_dataset or set eval_prompt_data (`name path` pairs)"
@@ -176,9 +160,10 @@ def evaluate_and_record(
     )
     append_rows(paths, "evals", run, evals_table_rows(partition, results, "asset", sampling_of(config)))
     key, kind, data_version = evaluates
-    edges = [(key, kind, "evaluates", data_version)]
-    edges += [(path, "dataset", "evaluated_on", eval_data_version) for _, path in datasets]
-    write_edges(paths, run, f"eval:{partition}", "eval", edges)
+    child = f"eval:{partition}"
+    edges = [Edge(child, "eval", key, kind, "evaluates", data_version)]
+    edges += [Edge(child, "eval", path, "dataset", "evaluated_on", eval_data_version) for _, path in datasets]
+    write_edges(paths, run, edges)
     return results
 
 
@@ -198,8 +183,12 @@ def eval_results(
     hf_path = resolve_hf_path(context.instance, paths, partition)
     datasets = resolve_datasets(context.instance, config)
     context.log.info(f"evaluating {partition} ({hf_path}) on {', '.join(n for n, _ in datasets)}")
-    policy_hash = _md(_latest_materialization(context.instance, "policy_versions", partition), "content_hash")
-    eval_data_version = _md(_latest_materialization(context.instance, "eval_dataset"), "content_hash")
+    policy_hash = metadata_text(
+        latest_materialization(context.instance, "policy_versions", partition), "content_hash"
+    )
+    eval_data_version = metadata_text(
+        latest_materialization(context.instance, "eval_dataset"), "content_hash"
+    )
     results = evaluate_and_record(
         paths,
         partition,
@@ -242,7 +231,7 @@ def eval_run_config(mat: dg.AssetMaterialization | None) -> dict:
 
 def run_config_for_version(instance: dg.DagsterInstance, partition: str) -> dict:
     """What the sensor, the nightly schedule and the quickstart launch `eval_results[partition]` with."""
-    return eval_run_config(_latest_materialization(instance, "policy_versions", partition))
+    return eval_run_config(latest_materialization(instance, "policy_versions", partition))
 
 
 def _summary(results: dict[str, dict]) -> str:

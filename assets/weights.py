@@ -22,7 +22,7 @@ import dagster as dg
 from assets.evals import EvalConfig, resolve_datasets, resolve_hf_path, reward_args, run_config_for_version
 from assets.partitions import policy_version_partitions, quantized_partitions
 from miles_platform.errors import PublicationError
-from miles_platform.store.lineage import write_edges
+from miles_platform.store.lineage_identity import Edge, write_edges
 from miles_platform.store.paths import parse_partition_key
 from resources.storage import StorageRootResource
 
@@ -114,8 +114,8 @@ def weight_publications(
         },
         description="every final-state checksum in the index equals the HF export's tensor",
     )
-    write_edges(paths, run, f"publication:{partition}", "publication",
-                [(partition, "policy_version", "published_as", idx["kind"])])  # fmt: skip
+    write_edges(paths, run, [Edge(f"publication:{partition}", "publication", partition, "policy_version",
+                                  "published_as", idx["kind"])])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "version": version,
@@ -248,8 +248,8 @@ def quantized_weights(
         else {"eval_skipped": "eval_max_prompts is 0"}
     )
     run, _ = parse_partition_key(partition)
-    write_edges(paths, run, f"quantized:{partition}:{fmt}", "quantized_weights",
-                [(partition, "policy_version", "quantized_as", fmt)])  # fmt: skip
+    write_edges(paths, run, [Edge(f"quantized:{partition}:{fmt}", "quantized_weights", partition, "policy_version",
+                                  "quantized_as", fmt)])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "format": fmt,

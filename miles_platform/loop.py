@@ -202,8 +202,8 @@ def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:
 
 
 def cli_main(argv: list[str]) -> int:
-    from miles_platform.cluster.ray_jobs import add_launch_flags, split_launch_flags, submit_cli
     from miles_platform.config import build_parser
+    from miles_platform.launch.ray_jobs import add_launch_flags, split_launch_flags, submit_cli
 
     opts, argv = split_launch_flags(argv)
     if "-h" in argv or "--help" in argv:

@@ -1,6 +1,6 @@
 """Evaluate a policy on eval datasets: pass@1 (greedy), pass@k (unbiased, n samples), mean reward.
 
-Metric names say how they were sampled (rollout/metric_names.py): `pass@1` is the greedy answer;
+Metric names say how they were sampled (miles_platform/metric_names.py): `pass@1` is the greedy answer;
 what n samples at temperature T give is `pass@<n>(T=<T>)` and `mean_reward@<n>(T=<T>)`.
 
 Scoring uses the RL reward hub (`rm_hub.compute_rewards`), so an eval number and a training
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from miles_platform.data.sample import Sample, Status
+from miles_platform.metric_names import is_greedy_metric, sampled_name
 from miles_platform.progress import Progress
-from miles_platform.rollout.metric_names import is_greedy_metric, sampled_name
 
 GenerateFn = Callable[..., list[list[str]]]
 

@@ -130,7 +130,7 @@ class VersionRecorder:
                                    config_changed_from=self.config_changed_from)  # fmt: skip
         self.config_changed_from = None  # on the first version after the change only
         result.versions.append(pv.to_dict())
-        self.reporter.on_policy_version(pv.to_dict())
+        self.reporter.on_policy_version(pv)
         result.final_hf_path = pv.hf_path
         return pv
 
