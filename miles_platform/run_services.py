@@ -162,13 +162,13 @@ class RunServices(contextlib.AbstractContextManager):
         """Sglang-mode OPD: the teacher engine the run started (--opd-teacher-hf-checkpoint) or the
         configured ones, and the scorer that sends them each rollout (rollout/opd.py)."""
         from miles_platform.rollout.engine_fleet import teacher_handle
-        from miles_platform.rollout.opd import TeacherScorer, teacher_sources, teacher_urls
+        from miles_platform.rollout.opd import TeacherScorer, teacher_sources
 
         started = None
         if teacher is not None:
             started = teacher_handle(teacher).url
             self.reporter.log(f"[opd] teacher engine {self.cfg.opd_teacher_hf_checkpoint} on {started}")
-        urls = teacher_urls(self.cfg, started)
+        urls = self.cfg.teacher_urls(started)
         self.teachers = teacher_sources(self.cfg, urls)
         self.manager.opd = TeacherScorer(
             self.cfg, urls, student_url, self.manager.client, student_lora=self.manager.adapter
