@@ -109,6 +109,16 @@ class CorrectionFlags:
         3, "algorithm", "optimizer steps skipped for a NaN / inf loss or gradient before the run stops"
     )
 
+    @property
+    def uses_critic(self) -> bool:
+        """PPO's value model trains beside the policy (--advantage-estimator ppo with the policy loss)."""
+        return self.advantage_estimator == "ppo" and self.loss_type == "policy_loss"
+
+    @property
+    def uses_reference_model(self) -> bool:
+        """A frozen reference model scores each batch: for the KL loss or the KL folded into rewards."""
+        return self.use_kl_loss or self.kl_coef > 0
+
     def mis_flags(self) -> list[str]:
         """The MIS flags set (Miles' mis.py: they select the MIS correction, as its dotted path does)."""
         return changed_flags(self, MIS_FLAGS)

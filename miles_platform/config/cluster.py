@@ -81,7 +81,7 @@ class ClusterFlags:
         """--use-fault-tolerance restarts embedded engines only; the pause bounds are the embedded engine's."""
         self._check_fault_tolerance()
         pause = changed_flags(self, ("pause_wait_timeout_s", "pause_max_queued_requests"))
-        if pause and (self.rollout_engine != "embedded" or self.rollout_external_engine_addrs):
+        if pause and not self.embedded_engines_only:
             raise ConfigError(f"{', '.join(pause)}: bounds of the embedded engine's pause (SGLang has "
                               "none); use --rollout-engine embedded or drop the flag")  # fmt: skip
 
@@ -91,12 +91,17 @@ class ClusterFlags:
         why = None
         if self.debug_train_only:
             why = "--debug-train-only starts no engines"
-        elif self.rollout_engine != "embedded" or self.rollout_external_engine_addrs:
+        elif not self.embedded_engines_only:
             why = "restarting an SGLang or external engine is not built (embedded engines only)"
-        elif self.lora_rank > 0:
+        elif self.uses_lora:
             why = "a restarted engine would need the run's adapters re-loaded (not built)"
         if why:
             raise ConfigError(f"--use-fault-tolerance: {why}")
+
+    @property
+    def embedded_engines_only(self) -> bool:
+        """Every rollout engine is an embedded one the run starts: no SGLang, none attached by address."""
+        return self.rollout_engine == "embedded" and not self.rollout_external_engine_addrs
 
     def resolve_api_key(self) -> str:
         """The run's secret, set on `api_key`: --api-key, else --api-key-file, else $MILES_API_KEY,

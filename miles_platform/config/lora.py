@@ -45,6 +45,17 @@ class LoraFlags:
         False, "lora", "after every adapter sync verify each engine-side adapter tensor by SHA-256"
     )
 
+    @property
+    def uses_lora(self) -> bool:
+        """The run trains a LoRA adapter (--lora-rank > 0), not the full model."""
+        return self.lora_rank > 0
+
+    @property
+    def syncs_lora_adapter(self) -> bool:
+        """The engines serve the trained adapter (LoRA without --lora-train-only): they load it at
+        every weight update through SGLang's LoRA API."""
+        return self.uses_lora and not self.lora_train_only
+
     def _check_lora_flags(self) -> None:
         """LoRA (docs/lora.md): the LoRA flags need --lora-rank > 0; the adapter trains on the fsdp backend
         and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
@@ -70,9 +81,7 @@ class LoraFlags:
                 "SGLang's /load_lora_adapter only (tensor: in-process to embedded engines; disk: the adapter "
                 "dir); as in Miles, disk-delta, mooncake and broadcast do not carry LoRA weights"
             )
-        if self.check_lora_weight_equal and (
-            self.rollout_engine != "embedded" or self.rollout_external_engine_addrs
-        ):
+        if self.check_lora_weight_equal and not self.embedded_engines_only:
             raise ConfigError(
                 "--check-lora-weight-equal reads adapter checksums from the embedded engine "
                 "(/get_lora_adapter_checksums, not part of SGLang's API); use --rollout-engine embedded"

@@ -45,7 +45,7 @@ class MoeFlags:
         if not self.use_rollout_routing_replay:
             return
         why = None
-        if self.use_rollout_logprobs or self.lora_rank > 0:
+        if self.use_rollout_logprobs or self.uses_lora:
             why = "--use-rollout-logprobs / LoRA with routing replay is not built"
         if why:
             raise ConfigError(f"--use-rollout-routing-replay: {why}")
@@ -57,5 +57,5 @@ class MoeFlags:
                 f"--rollout-dtype {self.rollout_dtype}: routers compute in the forward's dtype, in trainer and "
                 "engine alike; only an fp32 forward has fp32 routers"
             )
-        if self.moe_flags() and self.lora_rank > 0:
+        if self.moe_flags() and self.uses_lora:
             raise ConfigError(f"{', '.join(self.moe_flags())} with LoRA: MoE + LoRA is not built")

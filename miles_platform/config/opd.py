@@ -65,6 +65,16 @@ class OpdFlags:
         "ours: the run starts an embedded teacher engine from this HF dir (sglang mode, one command)",
     )
 
+    @property
+    def uses_teacher_engine(self) -> bool:
+        """Sglang-mode OPD: a teacher engine scores each rollout's samples."""
+        return self.use_opd and self.opd_type == "sglang"
+
+    @property
+    def uses_trainer_teacher(self) -> bool:
+        """Megatron-mode OPD: the teacher is loaded frozen in the trainer (either backend)."""
+        return self.use_opd and self.opd_type == "megatron"
+
     def teacher_urls(self, started_url: str | None = None) -> dict[str, str]:
         """The routing map of a run: --opd-teacher-urls, else {default: --rm-url or the started engine}."""
         urls = parse_teacher_urls(self.opd_teacher_urls)

@@ -54,8 +54,13 @@ class WeightUpdateFlags:
         False, "weight-update", "verify engine weights equal trainer weights after sync"
     )
 
+    @property
+    def uses_disk_delta(self) -> bool:
+        """Versions are published as disk-delta files under --update-weight-disk-dir, which engines pull."""
+        return self.update_weight_transfer_mode == "disk-delta"
+
     def _check_weight_update_flags(self) -> None:
-        if self.update_weight_transfer_mode == "disk-delta" and not self.update_weight_disk_dir:
+        if self.uses_disk_delta and not self.update_weight_disk_dir:
             raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir")
         for name in ("disk_delta_keyframe_interval", "disk_delta_encode_workers"):
             if getattr(self, name) < 1:

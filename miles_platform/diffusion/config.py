@@ -207,6 +207,10 @@ class DiffusionRunConfig:
     # what shared store code reads of a RunConfig
     lora_rank: int = dataclasses.field(default=0, init=False, repr=False, metadata={"internal": True})
 
+    @property
+    def uses_lora(self) -> bool:  # as RunConfig.uses_lora, for the shared store code (always False)
+        return self.lora_rank > 0
+
     def validate(self) -> DiffusionRunConfig:
         check_run_name(self.run_name)
         check_seeds(self)

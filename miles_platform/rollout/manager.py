@@ -56,7 +56,7 @@ class RolloutManager:
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")
         # a LoRA run's requests are served with its adapter, by the name of the version the engines
         # serve (switched by each update); --lora-train-only: the frozen base
-        self.adapter = AdapterName(cfg.run_name) if cfg.lora_rank > 0 and not cfg.lora_train_only else None
+        self.adapter = AdapterName(cfg.run_name) if cfg.syncs_lora_adapter else None
         from miles_platform.rollout.health import client_retries
 
         self.client = engine_client.EngineClient(
@@ -459,7 +459,7 @@ def student_top_k(cfg: RunConfig) -> int:
     """top_logprobs_num of rollout requests: k when top-k OPD reads the student's own top-k."""
     from miles_platform.rollout.opd_topk import NEEDS_STUDENT_TOP
 
-    on = cfg.use_opd and cfg.opd_type == "sglang" and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
+    on = cfg.uses_teacher_engine and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
     return cfg.opd_log_prob_top_k if on else 0
 
 

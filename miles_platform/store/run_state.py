@@ -109,7 +109,7 @@ def recorded_max_version(cfg: RunConfig, paths: StoragePaths) -> int:
 def save_hf_copy(cfg: RunConfig, rollout_id: int, hf_dir: str) -> None:
     """--save-hf: a copy of the saved policy in HF layout (the template may use {rollout_id})."""
     dest = cfg.save_hf.format(rollout_id=rollout_id)
-    if cfg.lora_rank > 0:  # `hf_dir` is the version's adapter: the merged model, as Miles' --save-hf
+    if cfg.uses_lora:  # `hf_dir` is the version's adapter: the merged model, as Miles' --save-hf
         from miles_platform.training.lora import export_merged_hf_dir
 
         export_merged_hf_dir(cfg.hf_checkpoint, hf_dir, dest)
