@@ -55,6 +55,7 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     filter_hub.load_dynamic_filter(cfg)
     filter_hub.load_rollout_sample_filter(cfg)
+    filter_hub.load_buffer_filter(cfg)
     from miles_platform.plugins import load_function
 
     if cfg.custom_loss_function_path:

@@ -8,8 +8,8 @@ the flag machinery `train-diffusion` shares.
   checkpoint.py       backend, HF checkpoint, reference, save / load, seeds
   rollout.py          prompt data and batching, rollout / generate functions, sampling, fully async
   agentic.py          multi-turn tool calls, agent functions, the TITO session server
-  reward.py           rm_hub reward or a custom one, reward keys, filters
-  evaluation.py       eval datasets, interval and sampling (inherits rollout sampling)
+  reward.py           rm_hub reward or a custom one, reward keys, filters; RewardSettings
+  evaluation.py       eval datasets, interval and sampling (inherits rollout sampling); EvalSettings
   algorithm.py        loss, estimator, KL, clipping, TIS / MIS / OPSM, the PPO critic
   moe.py              routing replay (R3) and the --moe-* flags
   score_centering.py  --loss-type score_centering
@@ -26,11 +26,12 @@ the flag machinery `train-diffusion` shares.
 from miles_platform.config.algorithm import MIS_FLAGS
 from miles_platform.config.checkpoint import check_seeds
 from miles_platform.config.cli import add_flags, build_parser, function_flag_values, parse_run_config
+from miles_platform.config.evaluation import EvalSettings
 from miles_platform.config.flags import load_yaml
 from miles_platform.config.lora import LORA_FLAGS
 from miles_platform.config.opd import OPD_REWARD_WEIGHT_MODES, OPD_TOP_K_STRATEGIES, OPD_TYPES
 from miles_platform.config.outputs import RUN_NAME, WANDB_MODES, check_run_name
-from miles_platform.config.reward import REWARD_FLAGS
+from miles_platform.config.reward import REWARD_FLAGS, RewardSettings
 from miles_platform.config.rollout import DATASET_FLAGS, derive_batch_knobs
 from miles_platform.config.run_config import (
     GROUPS,
@@ -60,7 +61,9 @@ __all__ = [
     "RUN_NAME",
     "WANDB_MODES",
     "ConfigError",
+    "EvalSettings",
     "MilesError",
+    "RewardSettings",
     "RunConfig",
     "add_flags",
     "build_parser",

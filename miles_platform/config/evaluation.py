@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_platform.config.flags import FRACTION, NON_NEGATIVE, POSITIVE, flag
+from miles_platform.config.reward import RewardSettings
 from miles_platform.errors import ConfigError
 
 RANGES: dict[str, tuple] = {
@@ -35,17 +36,52 @@ class EvalFlags:
         if self.eval_prompt_data and len(self.eval_prompt_data) % 2:
             raise ConfigError(f"--eval-prompt-data takes `name path` pairs, got {self.eval_prompt_data}")
 
-    # eval sampling inherits from rollout sampling, as in Miles
-    def eval_sampling(self) -> dict[str, Any]:
-        return {
-            "max_new_tokens": self.eval_max_response_len or self.rollout_max_response_len,
-            "temperature": self.rollout_temperature
-            if self.eval_temperature is None
-            else self.eval_temperature,
-            "top_p": self.rollout_top_p if self.eval_top_p is None else self.eval_top_p,
-            "top_k": self.rollout_top_k if self.eval_top_k is None else self.eval_top_k,
-        }
+    def eval_settings(self) -> EvalSettings:
+        """The run's eval: sampling inherits from rollout sampling, as in Miles; datasets read with
+        the run's dataset keys; graded by the run's reward (pure OPD trains on reward 0: its evals
+        grade answers with math)."""
+        rewards = self.reward_settings()
+        return EvalSettings(
+            datasets=tuple(self.eval_datasets()),
+            n_samples_per_eval_prompt=self.n_samples_per_eval_prompt,
+            max_new_tokens=self.eval_max_response_len or self.rollout_max_response_len,
+            temperature=self.rollout_temperature if self.eval_temperature is None else self.eval_temperature,
+            top_p=self.rollout_top_p if self.eval_top_p is None else self.eval_top_p,
+            top_k=self.rollout_top_k if self.eval_top_k is None else self.eval_top_k,
+            seed=self.seed,
+            input_key=self.input_key,
+            label_key=self.label_key or "label",
+            metadata_key=self.metadata_key,
+            apply_chat_template=self.apply_chat_template,
+            rewards=RewardSettings(rm_type="math") if rewards.pure_opd else rewards,
+        )
 
     def eval_datasets(self) -> list[tuple[str, str]]:
         it = iter(self.eval_prompt_data)
         return list(zip(it, it))
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What an eval of a run's policy needs (`cfg.eval_settings()`): the `name path` datasets, the
+    sampling of pass@<n>(T=..) / mean_reward@<n>(T=..) (pass@1 is always greedy), the dataset keys
+    and the reward that grades the answers."""
+
+    datasets: tuple[tuple[str, str], ...]
+    n_samples_per_eval_prompt: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    input_key: str
+    label_key: str
+    metadata_key: str
+    apply_chat_template: bool
+    rewards: RewardSettings
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling as `evaluate` takes it and the `evals` rows record it."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k}  # fmt: skip

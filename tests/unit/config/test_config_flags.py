@@ -42,7 +42,7 @@ def test_save_debug_rollout_data_template_must_name_each_rollout(template):
 
 def _fields_read_outside_config() -> set[str]:
     """Field names used as `.name` or getattr(x, "name") anywhere in miles_platform/ except the config
-    package, plus the fields read by RunConfig accessors (eval_sampling ...) that code outside calls."""
+    package, plus the fields read by RunConfig accessors (eval_settings ...) that code outside calls."""
     config_dir, read = PKG / "config", set()
     for path in PKG.rglob("*.py"):
         if config_dir in path.parents:
