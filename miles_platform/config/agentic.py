@@ -12,6 +12,7 @@ RANGES: dict[str, tuple] = {
     "generate_max_turns": POSITIVE,
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
     "custom_agent_function_timeout": (0, None, True, "> 0 (seconds)"),
+    "custom_generate_function_timeout": (0, None, False, ">= 0 (seconds; 0 = no bound)"),
     "max_seq_len": POSITIVE,
     "session_server_port": (0, 65535, False, "a port in [0, 65535] (0: a free one)"),
 }
@@ -46,6 +47,12 @@ class AgenticFlags:
         "rollout",
         "agentic_tool_call: run each agent call in a child process of its own (subproc) or on the rollout's loop",
         choices=("subproc", "inline"),
+    )
+    custom_generate_function_timeout: float = flag(
+        1800.0,
+        "rollout",
+        "seconds one --custom-generate-function-path call may take; past it it is cancelled and its "
+        "sample failed (rollout/failed); 0 = no bound",
     )
     custom_agent_function_timeout: float = flag(
         600.0,

@@ -206,7 +206,7 @@ RESUMABLE = frozenset(
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
      "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args",
-     "max_nonfinite_steps", "train_timeout_s"} | LOGGING
+     "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING
 )  # fmt: skip
 
 
