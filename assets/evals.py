@@ -18,13 +18,12 @@ evaluator of record (the `rl_training` op turns the loop's own eval off).
 """
 
 import os
-from types import SimpleNamespace
 
 import dagster as dg
 
 from assets.metadata import latest_materialization, metadata_text
 from assets.partitions import policy_version_partitions
-from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, RunConfig
+from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, RewardSettings, RunConfig
 from miles_platform.store.lineage_identity import Edge, write_edges
 from miles_platform.store.paths import StoragePaths, parse_partition_key
 from miles_platform.store.tables import append_rows
@@ -109,13 +108,13 @@ def eval_config_for_run(cfg: RunConfig) -> dict:
     (inheriting the rollout's as `train` does), reward and seed; its `--eval-prompt-data` (read with
     the run's dataset keys) when given, else the latest `eval_dataset`. Under Dagster the
     `eval_results` asset is the run's evaluator of record; the sensor passes this as run config."""
-    sampling = cfg.eval_sampling()
+    e = cfg.eval_settings()
     out = {
-        "n_samples_per_eval_prompt": cfg.n_samples_per_eval_prompt,
-        "eval_max_response_len": sampling["max_new_tokens"],
-        "eval_temperature": sampling["temperature"],
-        "eval_top_p": sampling["top_p"],
-        "eval_top_k": sampling["top_k"],
+        "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt,
+        "eval_max_response_len": e.max_new_tokens,
+        "eval_temperature": e.temperature,
+        "eval_top_p": e.top_p,
+        "eval_top_k": e.top_k,
         **{k: getattr(cfg, k) for k in REWARD_FLAGS},
         "seed": cfg.seed,
     }
@@ -125,9 +124,10 @@ def eval_config_for_run(cfg: RunConfig) -> dict:
     return {k: v for k, v in out.items() if v is not None and k in EvalConfig.model_fields}
 
 
-def reward_args(config: EvalConfig) -> SimpleNamespace:
-    """The reward hub's view of an EvalConfig (rm_type, custom_rm_path, reward keys ...)."""
-    return SimpleNamespace(**{k: getattr(config, k) for k in REWARD_FLAGS})
+def reward_settings(config: EvalConfig) -> RewardSettings:
+    """The reward hub's view of an EvalConfig (rm_type, custom_rm_path, reward keys ...); a custom
+    reward function receives these settings as its `args`."""
+    return RewardSettings(**{k: getattr(config, k) for k in REWARD_FLAGS})
 
 
 def evaluate_and_record(
@@ -150,7 +150,7 @@ def evaluate_and_record(
         datasets,
         n_samples_per_eval_prompt=config.n_samples_per_eval_prompt,
         **sampling_of(config),
-        args=reward_args(config),
+        rewards=reward_settings(config),
         seed=config.seed,
         input_key=config.input_key,
         label_key=config.label_key,

@@ -19,7 +19,13 @@ import time
 
 import dagster as dg
 
-from assets.evals import EvalConfig, resolve_datasets, resolve_hf_path, reward_args, run_config_for_version
+from assets.evals import (
+    EvalConfig,
+    resolve_datasets,
+    resolve_hf_path,
+    reward_settings,
+    run_config_for_version,
+)
 from assets.partitions import policy_version_partitions, quantized_partitions
 from miles_platform.errors import PublicationError
 from miles_platform.store.lineage_identity import Edge, write_edges
@@ -161,7 +167,7 @@ def quantized_vs_full_precision(
         raise dg.Failure(f"the quantized checkpoint has tensors the model does not: {unknown[:5]}")
     quant.load_state_dict({k: v.to(state[k].dtype) for k, v in served.items()}, strict=False)
     kw = dict(n_samples_per_eval_prompt=1, temperature=0.0, max_new_tokens=config.eval_max_response_len,
-              args=reward_args(config), seed=config.seed, input_key=config.input_key,
+              rewards=reward_settings(config), seed=config.seed, input_key=config.input_key,
               label_key=config.label_key, metadata_key=config.metadata_key,
               apply_chat_template=config.apply_chat_template, max_prompts=max_prompts)  # fmt: skip
     t0 = time.perf_counter()

@@ -65,12 +65,7 @@ class RunServices(contextlib.AbstractContextManager):
         if not cfg.debug_rollout_only:
             self.trainers = self._create_trainers(groups)
         teacher = None
-        if (
-            cfg.use_opd
-            and cfg.opd_type == "sglang"
-            and cfg.opd_teacher_hf_checkpoint
-            and not cfg.debug_train_only
-        ):
+        if cfg.uses_teacher_engine and cfg.opd_teacher_hf_checkpoint and not cfg.debug_train_only:
             from miles_platform.rollout.engine_fleet import EngineHandle, create_teacher_engine, stop_engines
 
             teacher = create_teacher_engine(cfg)  # beside the trainers and engines
@@ -94,7 +89,7 @@ class RunServices(contextlib.AbstractContextManager):
         if self.trainers:
             ray.get([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
-        if cfg.use_opd and cfg.opd_type == "megatron":  # the teacher is in the trainer
+        if cfg.uses_trainer_teacher:  # the teacher is in the trainer
             from miles_platform.rollout.opd import teacher_sources
 
             self.teachers = teacher_sources(cfg, {})
@@ -115,7 +110,7 @@ class RunServices(contextlib.AbstractContextManager):
         url = self.engines[0].url if direct else self.router.url
         self.manager = RolloutManager(cfg, self.tok, self.src, url)
         s.callback(self.manager.close)
-        if cfg.use_opd and cfg.opd_type == "sglang":
+        if cfg.uses_teacher_engine:
             self._start_opd_teachers(url, teacher)
         if self.trainers:
             self.session = UpdateSession(
@@ -152,13 +147,13 @@ class RunServices(contextlib.AbstractContextManager):
         """Sglang-mode OPD: the teacher engine the run started (--opd-teacher-hf-checkpoint) or the
         configured ones, and the scorer that sends them each rollout (rollout/opd.py)."""
         from miles_platform.rollout.engine_fleet import teacher_handle
-        from miles_platform.rollout.opd import TeacherScorer, teacher_sources, teacher_urls
+        from miles_platform.rollout.opd import TeacherScorer, teacher_sources
 
         started = None
         if teacher is not None:
             started = teacher_handle(teacher).url
             self.reporter.log(f"[opd] teacher engine {self.cfg.opd_teacher_hf_checkpoint} on {started}")
-        urls = teacher_urls(self.cfg, started)
+        urls = self.cfg.teacher_urls(started)
         self.teachers = teacher_sources(self.cfg, urls)
         self.manager.opd = TeacherScorer(
             self.cfg, urls, student_url, self.manager.client, student_lora=self.manager.adapter

@@ -97,7 +97,7 @@ def record_policy_version(
 
     run = cfg.run_name
     # a LoRA version is its adapter dir + the frozen base (by content hash), never a merged copy
-    lora = cfg.lora_rank > 0
+    lora = cfg.uses_lora
     adapter_dir, hf_dir = (hf_dir, None) if lora else (None, hf_dir)
     # one spelling per path (store/lineage_identity.py): absolute, whatever the flags were typed as
     base, data = absolute(cfg.hf_checkpoint), absolute(cfg.prompt_data)

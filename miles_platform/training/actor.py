@@ -37,7 +37,7 @@ from miles_platform.training.checkpoint import (
     restore_rng_tensors,
     rng_tensors,
 )
-from miles_platform.training.opd import OPDPenalty, build_teacher, in_trainer_teacher
+from miles_platform.training.opd import OPDPenalty, build_teacher
 from miles_platform.training.schedule import lr_multiplier
 
 
@@ -126,10 +126,10 @@ class TrainerActor:
         np.random.seed(cfg.seed + rank)
         self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
         self.model = self.backend.build(cfg.hf_checkpoint)
-        self.ref = self._build_ref() if (cfg.use_kl_loss or cfg.kl_coef > 0) else None
-        self.teacher = build_teacher(cfg, rank, world_size) if in_trainer_teacher(cfg) else None
+        self.ref = self._build_ref() if cfg.uses_reference_model else None
+        self.teacher = build_teacher(cfg, rank, world_size) if cfg.uses_trainer_teacher else None
         self.critic = None
-        if cfg.advantage_estimator == "ppo" and cfg.loss_type == "policy_loss":
+        if cfg.uses_critic:
             from miles_platform.training.critic import Critic
 
             self.critic = Critic(cfg, cfg.hf_checkpoint, world_size)

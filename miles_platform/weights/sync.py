@@ -33,13 +33,13 @@ def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: 
     from miles_platform.weights.delta_format import read_latest
 
     if (
-        cfg.lora_rank > 0
+        cfg.uses_lora
     ):  # the engines serve the base: load the run's adapter (v0: B = 0, or --lora-adapter-path)
         from miles_platform.weights.lora_publish import publish_adapter
 
         publish_adapter(cfg, paths, s, version, base_version)
         return
-    delta = cfg.update_weight_transfer_mode == "disk-delta"
+    delta = cfg.uses_disk_delta
     # a run started over (no checkpoint) after a crash may find its publication begun: append to it
     published = delta and not resumed and read_latest(cfg.update_weight_disk_dir) is not None
     snapshot = delta and not resumed and not published
@@ -69,7 +69,7 @@ def publish_version(
     """-> (the version's policy dir: its HF export, or a LoRA run's adapter dir; update metrics)."""
     from miles_platform.training.export import export_hf_dir
 
-    if cfg.lora_rank > 0:
+    if cfg.uses_lora:
         from miles_platform.weights.lora_publish import publish_adapter
 
         return publish_adapter(cfg, paths, s, version, base_version)
@@ -91,7 +91,7 @@ def save_hf_copy(cfg: RunConfig, rollout_id: int, hf_dir: str) -> None:
     from miles_platform.store.atomic import fsync_tree, replace_dir
 
     dest = cfg.save_hf.format(rollout_id=rollout_id)
-    if cfg.lora_rank > 0:  # `hf_dir` is the version's adapter: the merged model, as Miles' --save-hf
+    if cfg.uses_lora:  # `hf_dir` is the version's adapter: the merged model, as Miles' --save-hf
         from miles_platform.training.lora import export_merged_hf_dir
 
         export_merged_hf_dir(cfg.hf_checkpoint, hf_dir, dest)

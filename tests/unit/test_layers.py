@@ -50,6 +50,15 @@ def test_an_upward_import_a_circle_and_a_stale_exception_each_fail_the_check(tmp
         "sensors/catalog_runs.py": "from sensors.run_health import job\n",
         "sensors/run_health.py": "from ops.training import rl_training\n",
     })  # fmt: skip
+    script = tree / "scripts" / "import_cycles.py"  # a pending exception for an import the tree lacks
+    text = script.read_text()
+    anchor = '        ("miles_platform.store",),\n'
+    assert anchor in text
+    pending = (
+        '        pending={("miles_platform.store.run_state", "miles_platform.training.lora"): "a branch"},\n'
+    )
+    store_rule_end = text.index("    ),\n", text.index(anchor))
+    script.write_text(text[:store_rule_end] + pending + text[store_rule_end:])
     r = _check(tree)
     assert r.returncode == 1, r.stdout + r.stderr
     out = r.stdout
