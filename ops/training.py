@@ -31,7 +31,7 @@ from assets.evals import eval_config_for_run
 from assets.metadata import latest_path
 from miles_platform.cluster.k8s import TRAINING_OP_K8S_TAGS
 from miles_platform.config import ConfigError, RunConfig, function_flag_values
-from miles_platform.errors import MilesError
+from miles_platform.errors import MilesError, retryable
 from miles_platform.launch.ray_jobs import (
     FINAL_EXIT_CODES,
     job_client,
@@ -215,6 +215,10 @@ def rl_training_op(
         result: RunResult = train(cfg, reporter)
     except CITestFailure as e:  # deterministic: a retry would fail the same way
         raise dg.Failure(description=f"--ci-test: {e}", allow_retries=False) from e
+    except MilesError as e:  # a missing dataset, a reward function that raised, ...: said once, not retried
+        if retryable(e):
+            raise
+        raise dg.Failure(description=f"run {cfg.run_name}: {e}", allow_retries=False) from e
     except (DagsterExecutionInterruptedError, KeyboardInterrupt):
         raise _cancelled(f"run {cfg.run_name} stopped; its last checkpoint resumes it") from None
     finally:

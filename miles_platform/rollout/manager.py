@@ -24,6 +24,7 @@ from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.data.sample import Sample, Status
 from miles_platform.data.source import RolloutDataSource
+from miles_platform.errors import UserFunctionError
 from miles_platform.plugins import (
     AGENTIC,
     GENERATE_FLAG,
@@ -303,7 +304,7 @@ class RolloutManager:
                 except TimeoutError:  # a hung function fails its own sample, not the run
                     return self._timed_out(sample, timeout)
                 except Exception as e:
-                    raise RuntimeError(
+                    raise UserFunctionError(
                         f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} raised on prompt "
                         f"{rec.id!r}: {type(e).__name__}: {e}"
                     ) from e

@@ -24,6 +24,7 @@ from typing import Any
 from miles_platform.config import ConfigError
 from miles_platform.config.reward import RewardSettings
 from miles_platform.data.sample import Sample
+from miles_platform.errors import MilesError, UserFunctionError
 from miles_platform.plugins import load_function
 from miles_platform.rollout.rm_hub import math_rm
 from miles_platform.rollout.rm_hub.boxed import last_boxed
@@ -204,12 +205,21 @@ def compute_rewards(args: RewardSettings | Any, samples: list[Sample]) -> list[R
     """Blocking: score `samples`, set `sample.reward` and `sample.raw_reward` (the training scalar)."""
     settings = RewardSettings.of(args)
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        rewards = asyncio.run(_score_all(settings, samples))
-    else:  # called from async code: run on a fresh loop in a helper thread
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            rewards = pool.submit(asyncio.run, _score_all(settings, samples)).result()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            rewards = asyncio.run(_score_all(settings, samples))
+        else:  # called from async code: run on a fresh loop in a helper thread
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                rewards = pool.submit(asyncio.run, _score_all(settings, samples)).result()
+    except MilesError:
+        raise
+    except Exception as e:
+        if not settings.custom_rm_path:
+            raise  # a built-in reward (a remote RM's connection): maybe transient
+        raise UserFunctionError(
+            f"--custom-rm-path {settings.custom_rm_path} raised {type(e).__name__}: {e}"
+        ) from e
     key = settings.reward_key
     for sample, reward in zip(samples, rewards, strict=True):
         sample.reward = reward if isinstance(reward, dict) else float(reward)
