@@ -155,6 +155,13 @@ def run_config_from(
         data["rm_type"] = None
     if run is not None:
         data["run_name"] = run_name_for(data["run_name"], run)
+    if data.get("api_key"):  # the run config is stored, and shown, as typed
+        raise dg.Failure(
+            description="rl_training config: api_key typed in the Launchpad is stored in plain text with the "
+            "run's config (Dagster's run storage, shown to anyone who can open the run): give api_key_file "
+            "(a 0600 file the run worker reads) or set $MILES_API_KEY in the code location's environment",
+            allow_retries=False,
+        )
     try:
         data["custom_function_args"] = function_flag_values(data, flags)
         cfg = RunConfig.from_dict(data)

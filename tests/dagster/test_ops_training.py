@@ -372,3 +372,15 @@ def test_a_missing_dataset_or_a_broken_reward_fails_once_with_its_reason(
     [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     text = str(failure.step_failure_data.error)
     assert why in text and "max_retries" not in text, text
+
+
+def test_an_api_key_typed_in_the_launchpad_is_refused_and_never_stored_in_a_row(tiny_hf_checkpoint, tmp_path):
+    """Dagster keeps a run's config as typed, in plain text (issue #49, item 12): a key typed in
+    the Launchpad is refused before anything starts, naming the safe ways (api_key_file,
+    $MILES_API_KEY)."""
+    kw = {**_job_kwargs(tiny_hf_checkpoint, tmp_path), "api_key": "typed-secret"}
+    result = _execute(kw, tmp_path / "root", raise_on_error=False)
+    message = result.failure_data_for_node("rl_training_op").user_failure_data.description
+    assert "api_key typed in the Launchpad is stored in plain text" in message and "api_key_file" in message
+    assert "STEP_UP_FOR_RETRY" not in [e.event_type_value for e in result.all_events]
+    assert not (tmp_path / "root").exists()
