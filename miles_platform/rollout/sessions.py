@@ -35,14 +35,8 @@ from fastapi.responses import Response, StreamingResponse
 from miles_platform.data.sample import make_turn
 from miles_platform.rollout import chat
 from miles_platform.rollout import client as engine_client
-from miles_platform.rollout.engine_server import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    ServerHandle,
-    add_guards,
-    error,
-    json_body,
-    serve_in_thread,
-)
+from miles_platform.rollout.engine_server import ServerHandle, serve_in_thread
+from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, add_guards, error, json_body
 from miles_platform.rollout.tito import AppendOnlyViolation, TitoTokenizer
 
 CONTROL_FIELDS = ("input_ids", "logprob_start_len", "routed_experts_start_len", "return_sampling_mask")
