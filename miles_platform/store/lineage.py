@@ -88,10 +88,6 @@ def write_edges(
     append_rows(paths, "lineage", run, rows)
 
 
-def _lit(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 class LineageGraph:
     """The lineage edges plus the per-node facts the tree shows, loaded once from the catalog."""
 
