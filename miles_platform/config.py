@@ -140,6 +140,7 @@ _RANGES: dict[str, tuple] = {
     "train_timeout_s": (0, None, False, ">= 0 (seconds; 0 = no bound)"),
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
     "custom_agent_function_timeout": (0, None, True, "> 0 (seconds)"),
+    "custom_generate_function_timeout": (0, None, False, ">= 0 (seconds; 0 = no bound)"),
     "rollout_health_check_interval": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_timeout": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_first_wait": (0, None, False, ">= 0 (seconds)"),
@@ -298,6 +299,12 @@ class RunConfig:
         "rollout",
         "agentic_tool_call: run each agent call in a child process of its own (subproc) or on the rollout's loop",
         choices=("subproc", "inline"),
+    )
+    custom_generate_function_timeout: float = _f(
+        1800.0,
+        "rollout",
+        "seconds one --custom-generate-function-path call may take; past it it is cancelled and its "
+        "sample failed (rollout/failed); 0 = no bound",
     )
     custom_agent_function_timeout: float = _f(
         600.0,
@@ -1238,7 +1245,7 @@ RESUMABLE = frozenset(
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
      "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args",
-     "max_nonfinite_steps", "train_timeout_s"} | LOGGING
+     "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING
 )  # fmt: skip
 
 

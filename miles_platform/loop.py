@@ -21,7 +21,7 @@ import time
 
 from miles_platform.config import RunConfig, parse_run_config
 from miles_platform.errors import ActorDied, NonFiniteTraining
-from miles_platform.preflight import fill_defaults, validate_before_start
+from miles_platform.preflight import check_batch_fits, fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import exists  # a local path or an object-store URI
@@ -58,6 +58,7 @@ class RLRun:
             from miles_platform.data.source import RolloutDataSource
 
             src = RolloutDataSource.from_config(cfg, tokenizer=tok)
+            check_batch_fits(cfg, len(src))
         fill_defaults(cfg, self.paths, len(src) if src else 1)
         self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), src and data_hash(src.records)
         with RunServices(cfg, self.paths, self.reporter, tok, src) as s:

@@ -160,6 +160,21 @@ def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:
         raise ConfigError(f"--hf-checkpoint {cfg.hf_checkpoint} with --train-backend megatron: {e}") from e
 
 
+def check_batch_fits(cfg: RunConfig, dataset_rows: int) -> None:
+    """A rollout takes --rollout-batch-size (or --over-sampling-batch-size) distinct prompts: more than
+    the data has would repeat prompts within one batch (Miles' data source hands out fewer)."""
+    flag, want = max(
+        ("--rollout-batch-size", cfg.rollout_batch_size or 0),
+        ("--over-sampling-batch-size", cfg.over_sampling_batch_size or 0),
+        key=lambda fw: fw[1],
+    )
+    if want > dataset_rows:
+        raise ConfigError(
+            f"{flag} {want} is more than the {dataset_rows} prompt(s) of --prompt-data "
+            f"{cfg.prompt_data}: lower it or add prompts"
+        )
+
+
 def fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:
     """--save defaults to the run's checkpoint dir; --num-rollout to --num-epoch passes over the data."""
     if cfg.save is None:

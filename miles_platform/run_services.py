@@ -43,6 +43,25 @@ class RunServices(contextlib.AbstractContextManager):
             raise
         return self
 
+    def _take_leases(self) -> None:
+        """On an object store, one writer per run (and per --save) across hosts and cache dirs: a
+        lease object (store/run_lock.py); a writer whose lease another took stops like a Ctrl-C."""
+        import _thread
+
+        from miles_platform.store.remote import is_remote
+        from miles_platform.store.run_lock import ObjectStoreLease
+
+        cfg = self.cfg
+
+        def lost(msg: str) -> None:
+            self.reporter.log(msg)
+            _thread.interrupt_main()
+
+        for url, what in ((self.paths.run_dir(cfg.run_name), None), (cfg.save, f"--save {cfg.save}")):
+            if url and is_remote(url):
+                lease = ObjectStoreLease(url, cfg.run_name, what, on_lost=lost).acquire()
+                self._stack.callback(lease.release)
+
     def _start(self) -> None:
         import ray
 
@@ -63,6 +82,7 @@ class RunServices(contextlib.AbstractContextManager):
         if cfg.save:  # and one writer per checkpoint dir: two runs sharing --save clobbered each other
             save_lock = RunLock(local_save_dir(cfg.save), cfg.run_name, f"--save {cfg.save}").acquire()
             s.callback(save_lock.release)
+        self._take_leases()
         remove_dead_writers_tmp(cfg, self.paths, log)
         self.config_changes = check_resume_config(cfg, log)
         s.callback(shutdown_ray, init_ray(cfg))

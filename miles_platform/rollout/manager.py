@@ -115,11 +115,16 @@ class RolloutManager:
             self.sessions.stop()
 
     def _start_sessions(self):
-        from miles_platform.rollout.sessions import start_session_server
+        from miles_platform.models.checkpoint import context_length
+        from miles_platform.rollout.sessions import DEFAULT_MAX_SESSIONS, start_session_server
 
+        c = self.cfg
+        live = (c.over_sampling_batch_size or c.rollout_batch_size or 1) * c.n_samples_per_prompt
         srv = start_session_server(
-            self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape
-        )
+            self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape,
+            context_length=_checkpoint_field(c.hf_checkpoint, context_length) or 1 << 20,
+            max_sessions=max(DEFAULT_MAX_SESSIONS, 4 * live),
+        )  # fmt: skip
         a = self.args  # Miles' names; the agentic wrapper reads session_server_url
         a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
         a.session_server_url = f"http://{'127.0.0.1' if srv.host == '0.0.0.0' else srv.host}:{srv.port}"
@@ -286,13 +291,16 @@ class RolloutManager:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.cfg.rollout_max_concurrency)
         base = params or self.sampling_params()
+        timeout = self.cfg.custom_generate_function_timeout or None
 
         async def one(rec: PromptRecord, prompt_ids: list[int], gi: int, seed: int) -> Sample:
             sample = self._new_sample(rec, prompt_ids, gi)
             inp = GenerateFnInput(self.state, sample, {**base, "sampling_seed": seed}, evaluation)
             async with self._slots:
                 try:
-                    out = await self.generate_fn(inp)
+                    out = await asyncio.wait_for(self.generate_fn(inp), timeout)
+                except TimeoutError:  # a hung function fails its own sample, not the run
+                    return self._timed_out(sample, timeout)
                 except Exception as e:
                     raise RuntimeError(
                         f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} raised on prompt "
@@ -313,6 +321,19 @@ class RolloutManager:
                 await call_abort_hook(self.args)
             raise eg.exceptions[0] from None
         return [[t.result() for t in group] for group in tasks]
+
+    def _timed_out(self, sample: Sample, timeout: float) -> Sample:
+        """The sample of a generate call cancelled after `timeout` s: failed, out of the loss, one
+        EOS as its response so the batch keeps its shape (counted in rollout/failed)."""
+        eos = self.tok.eos_token_id
+        sample.response, sample.response_tokens = "", [eos]
+        sample.rollout_log_probs, sample.loss_mask = [0.0], [0]
+        sample.status, sample.remove_sample = Status.FAILED.value, True
+        sample.metadata["generate_error"] = (
+            f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} did not return within "
+            f"{timeout:g} s (--custom-generate-function-timeout): cancelled, its sample failed"
+        )
+        return sample
 
     def _generated(self, out: Any, budget: int | None, evaluation: bool = False) -> Sample:
         """The one Sample a generate function made, checked (with its routes under R3, when
@@ -504,14 +525,19 @@ async def _awaited(awaitable):
 
 def _vocab_size(hf_checkpoint: str | None) -> int | None:
     """The embedding rows of the checkpoint (config.json's vocab_size, or its text_config's)."""
+    from miles_platform.models.checkpoint import embedding_rows
+
+    return _checkpoint_field(hf_checkpoint, embedding_rows)
+
+
+def _checkpoint_field(hf_checkpoint: str | None, read) -> int | None:
+    """`read(config.json)` of the checkpoint; None when there is no readable config."""
     import json
     import os
 
-    from miles_platform.models.checkpoint import embedding_rows
-
     try:
         with open(os.path.join(hf_checkpoint or "", "config.json")) as f:
-            return embedding_rows(json.load(f))
+            return read(json.load(f))
     except (OSError, ValueError):
         return None
 

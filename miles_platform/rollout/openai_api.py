@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -239,6 +239,9 @@ def openai_router(core: Any, max_request_bytes: int, served_model_name: str | No
                   run_name: str | None = None) -> APIRouter:  # fmt: skip
     """The three routes of the engine's app, naming the model `served_model_id`."""
     app = APIRouter()
+    # chat templates render on one thread of their own: jinja holds the GIL, and a pool of them
+    # rendering big chats at once starved the engine's scheduler thread (issue #49, item 9)
+    render_pool = ThreadPoolExecutor(1, thread_name_prefix="chat-render")
 
     def model_id() -> str:
         return served_model_id(core, served_model_name, run_name)
@@ -265,7 +268,11 @@ def openai_router(core: Any, max_request_bytes: int, served_model_name: str | No
         try:
             req = chat.parse_request(body)
             req.model = model_id()
-            ids = await asyncio.to_thread(chat.render_prompt, core.tokenizer, req)
+            if req.input_ids is None:
+                chat.check_fits(core.tokenizer, req.messages, req.tools, core.context_length)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                render_pool, chat.render_prompt, core.tokenizer, req
+            )
             gen = chat.generate_body(req, ids, core.context_length)
             futures, feed = await submit(gen, req.n, req.stream)
             if feed is not None:
