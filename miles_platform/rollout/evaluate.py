@@ -48,7 +48,8 @@ def eval_requests(
     answer these, so a seed gives the same samples whichever computed the eval."""
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
               "stop_token_ids": [tok.eos_token_id]}  # fmt: skip
-    ids = [tok.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
+    encoded = tok(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []  # one batch
+    ids = [e for e in encoded for _ in range(n)]
     return ids, [{**params, "sampling_seed": seed * EVAL_SEED_STRIDE + k} for k in range(len(ids))]
 
 
