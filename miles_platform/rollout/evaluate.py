@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -75,15 +76,17 @@ def engine_generate_fn(core: EngineCore, on_response: Callable[[int], Any] | Non
 
 
 @contextlib.contextmanager
-def policy_engine(policy: str | EngineCore) -> Iterator[EngineCore]:
+def policy_engine(policy: str | os.PathLike | EngineCore) -> Iterator[EngineCore]:
     """An `EngineCore` serving `policy`: a running one as it is (its owner stops it), or one started
     on an HF dir (an object-store export is downloaded first) and stopped on exit."""
     if isinstance(policy, EngineCore):
         yield policy
         return
+    if not isinstance(policy, str | os.PathLike):
+        raise TypeError(f"evaluate: policy is an HF dir or a running EngineCore, not {type(policy).__name__}")
     from miles_platform.store.remote import local_dir
 
-    with local_dir(policy) as d:  # the engine has loaded the weights when its constructor returns
+    with local_dir(os.fspath(policy)) as d:  # the engine has loaded the weights when its constructor returns
         core = EngineCore(d)
     try:
         yield core

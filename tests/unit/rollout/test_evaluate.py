@@ -123,6 +123,9 @@ def test_sampling_is_seeded_and_engines_are_stopped(tiny_hf_checkpoint, tmp_path
         assert seen[7] == seen[1] and core.is_alive()
     finally:
         core.stop()
+    model, tok = load_hf_checkpoint(tiny_hf_checkpoint)  # what evaluate once took: refused by name
+    with pytest.raises(TypeError, match="an HF dir or a running EngineCore, not tuple"):
+        evaluate((model, tok), data, **kw)
 
 
 def test_cli_on_an_hf_checkpoint(tiny_hf_checkpoint, tiny_eval_data, capsys):
