@@ -19,10 +19,16 @@ import time
 
 import dagster as dg
 
-from assets.evals import EvalConfig, resolve_datasets, resolve_hf_path, reward_args, run_config_for_version
+from assets.evals import (
+    EvalConfig,
+    resolve_datasets,
+    resolve_hf_path,
+    reward_settings,
+    run_config_for_version,
+)
 from assets.partitions import policy_version_partitions, quantized_partitions
 from miles_platform.errors import CheckpointError, PublicationError
-from miles_platform.store.lineage import write_edges
+from miles_platform.store.lineage_identity import Edge, write_edges
 from miles_platform.store.paths import parse_partition_key
 from resources.storage import StorageRootResource
 
@@ -114,8 +120,8 @@ def weight_publications(
         },
         description="every final-state checksum in the index equals the HF export's tensor",
     )
-    write_edges(paths, run, f"publication:{partition}", "publication",
-                [(partition, "policy_version", "published_as", idx["kind"])])  # fmt: skip
+    write_edges(paths, run, [Edge(f"publication:{partition}", "publication", partition, "policy_version",
+                                  "published_as", idx["kind"])])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "version": version,
@@ -154,7 +160,7 @@ def quantized_vs_full_precision(
     except dg.Failure as e:
         return {"eval_skipped": e.description or str(e)}
     kw = dict(n_samples_per_eval_prompt=1, temperature=0.0, max_new_tokens=config.eval_max_response_len,
-              args=reward_args(config), seed=config.seed, input_key=config.input_key,
+              rewards=reward_settings(config), seed=config.seed, input_key=config.input_key,
               label_key=config.label_key, metadata_key=config.metadata_key,
               apply_chat_template=config.apply_chat_template, max_prompts=max_prompts)  # fmt: skip
     core = EngineCore(hf)  # full precision, then the dequantized weights swapped in (as an engine would)
@@ -250,8 +256,8 @@ def quantized_weights(
         else {"eval_skipped": "eval_max_prompts is 0"}
     )
     run, _ = parse_partition_key(partition)
-    write_edges(paths, run, f"quantized:{partition}:{fmt}", "quantized_weights",
-                [(partition, "policy_version", "quantized_as", fmt)])  # fmt: skip
+    write_edges(paths, run, [Edge(f"quantized:{partition}:{fmt}", "quantized_weights", partition, "policy_version",
+                                  "quantized_as", fmt)])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "format": fmt,

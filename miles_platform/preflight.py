@@ -25,7 +25,7 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     check_engine_kind(cfg)
     _check_fault_targets(cfg)
-    if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
+    if cfg.embedded_engines_only:
         from miles_platform.rollout.engine_fleet import embedded_max_running_requests
 
         other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") != "max-running-requests")
@@ -55,6 +55,7 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     filter_hub.load_dynamic_filter(cfg)
     filter_hub.load_rollout_sample_filter(cfg)
+    filter_hub.load_buffer_filter(cfg)
     from miles_platform.plugins import load_function
 
     if cfg.custom_loss_function_path:
@@ -82,7 +83,7 @@ def check_object_store(cfg: RunConfig) -> None:
     root = cfg.storage_root
     if not is_remote(root):
         return
-    if cfg.lora_rank > 0:
+    if cfg.uses_lora:
         raise ConfigError(
             f"--lora-rank {cfg.lora_rank} with --storage-root {root}: LoRA adapter versions are written "
             "and served from a local dir; use a local --storage-root for LoRA runs"
@@ -92,7 +93,7 @@ def check_object_store(cfg: RunConfig) -> None:
             f"--save-hf {cfg.save_hf} with --storage-root {root}: the copy of an object-store export is not "
             f"built; every version is already an HF dir under {root}/runs/<run>/hf/"
         )
-    external = cfg.rollout_external_engine_addrs or cfg.rollout_engine != "embedded"
+    external = not cfg.embedded_engines_only
     if external and cfg.update_weight_transfer_mode in ("disk", "disk-delta"):
         raise ConfigError(
             f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode} with --storage-root {root}: "
@@ -129,7 +130,7 @@ def _check_fault_targets(cfg: RunConfig) -> None:
 
     reqs = parse_fault_hooks(cfg.ci_fault_hooks)
     sends = [r for r in reqs if r.hook_name == "trainer_weight_update_before_send"]
-    if sends and (cfg.update_weight_transfer_mode != "broadcast" or cfg.lora_rank > 0):
+    if sends and (cfg.update_weight_transfer_mode != "broadcast" or cfg.uses_lora):
         raise ConfigError(
             f"--ci-fault-hooks {sends[0].request_id}: trainer_weight_update_before_send fires in the rank "
             "that sends the weights, which only --update-weight-transfer-mode broadcast has (full weights, "
@@ -138,7 +139,7 @@ def _check_fault_targets(cfg: RunConfig) -> None:
     engines = [r for r in reqs if r.engine is not None]
     if not engines:
         return
-    if cfg.rollout_engine != "embedded" or cfg.rollout_external_engine_addrs or cfg.debug_train_only:
+    if not cfg.embedded_engines_only or cfg.debug_train_only:
         raise ConfigError(f"--ci-fault-hooks {engines[0].request_id}: an engine target acts on the run's "
                           "embedded engine processes; this run has none (SGLang, external engines or "
                           "--debug-train-only)")  # fmt: skip

@@ -36,7 +36,7 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
     from miles_platform.cluster.ray_cluster import create_role_actors
     from miles_platform.rollout.router import start_router
 
-    if cfg.rollout_external_engine_addrs or cfg.rollout_engine == "sglang":
+    if not cfg.embedded_engines_only:
         from miles_platform.rollout.sglang_launcher import rollout_engines
 
         actors, infos = rollout_engines(cfg, groups)

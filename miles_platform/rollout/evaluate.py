@@ -1,6 +1,6 @@
 """Evaluate a policy on eval datasets: pass@1 (greedy), pass@k (unbiased, n samples), mean reward.
 
-Metric names say how they were sampled (rollout/metric_names.py): `pass@1` is the greedy answer;
+Metric names say how they were sampled (miles_platform/metric_names.py): `pass@1` is the greedy answer;
 what n samples at temperature T give is `pass@<n>(T=<T>)` and `mean_reward@<n>(T=<T>)`.
 
 Scoring uses the RL reward hub (`rm_hub.compute_rewards`), so an eval number and a training
@@ -18,13 +18,13 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from types import SimpleNamespace
 from typing import Any
 
+from miles_platform.config.reward import RewardSettings
 from miles_platform.data.sample import Sample, Status
+from miles_platform.metric_names import is_greedy_metric, sampled_name
 from miles_platform.progress import Progress
 from miles_platform.rollout.engine_core import EngineCore
-from miles_platform.rollout.metric_names import is_greedy_metric, sampled_name
 
 GenerateFn = Callable[..., list[list[str]]]
 
@@ -129,7 +129,9 @@ def _eval_sample(row: dict, r: str | Sample, gi: int, index: int) -> Sample:
                   metadata=meta, status=Status.COMPLETED.value)  # fmt: skip
 
 
-def score(args, rows: list[dict], responses: list[list[str]] | list[list[Sample]]) -> list[list[float]]:
+def score(
+    rewards: RewardSettings, rows: list[dict], responses: list[list[str]] | list[list[Sample]]
+) -> list[list[float]]:
     """Rewards from the RL reward hub, one list per prompt."""
     from miles_platform.rollout.rm_hub import compute_rewards
 
@@ -138,9 +140,8 @@ def score(args, rows: list[dict], responses: list[list[str]] | list[list[Sample]
         for gi, (row, resps) in enumerate(zip(rows, responses, strict=True))
         for j, r in enumerate(resps)
     ]
-    compute_rewards(args, samples)
-    key = getattr(args, "eval_reward_key", None) or getattr(args, "reward_key", None)
-    flat = [s.scalar_reward(key) for s in samples]
+    compute_rewards(rewards, samples)
+    flat = [s.scalar_reward(rewards.eval_key) for s in samples]
     out, i = [], 0
     for resps in responses:
         out.append(flat[i : i + len(resps)])
@@ -167,7 +168,7 @@ def evaluate(
     top_p: float = 1.0,
     top_k: int = -1,
     rm_type: str = "math",
-    args: Any | None = None,
+    rewards: RewardSettings | None = None,
     seed: int = 0,
     generate_fn: GenerateFn | None = None,
     input_key: str = "prompt",
@@ -184,8 +185,8 @@ def evaluate(
     when rows carry metadata[breakdown_key], greedy accuracy per value ("pass@1/carry=True" ...).
 
     `policy` is an HF dir (served by an in-process `EngineCore` for the call) or a running
-    `EngineCore`. `args` is a RunConfig-like object for the reward hub (rm_type, custom_rm_path,
-    reward_key ...); without it one is built from `rm_type`.
+    `EngineCore`. `rewards` grade the answers (`cfg.reward_settings()`, `RewardSettings.of(flags)`);
+    without them `rm_type` does.
     `generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed) -> list[list[str]]`
     replaces the engine (e.g. the run's router; `policy` is then unused); it may answer Samples
     instead of texts (a custom generate function's, graded with their status; a multi-turn
@@ -195,8 +196,8 @@ def evaluate(
     `progress`: a line on stderr every interval (responses generated of all datasets, ETA;
     miles_platform/progress.py).
     """
-    if args is None:
-        args = SimpleNamespace(rm_type=rm_type, custom_rm_path=None, group_rm=False, reward_key=None)
+    if rewards is None:
+        rewards = RewardSettings(rm_type=rm_type)
     with contextlib.ExitStack() as stack:
         core = None if generate_fn is not None else stack.enter_context(policy_engine(policy))
         tokenizer = core.tokenizer if core is not None and tokenizer is None else tokenizer
@@ -209,38 +210,28 @@ def evaluate(
         total = sum(len(rows) * (1 + (0 if greedy_only else k)) for _, rows in loaded)
         bar = stack.enter_context(Progress("eval", total, unit="response", enabled=progress))
         generate = _counted(generate_fn, bar) if generate_fn else engine_generate_fn(core, bar.update)
+        sampling = (max_new_tokens, temperature, top_p, top_k)
         return {
-            name: _evaluate_rows(
-                rows,
-                generate,
-                args,
-                k,
-                max_new_tokens,
-                temperature,
-                top_p,
-                top_k,
-                seed,
-                breakdown_key,
-                bar,
-                name,
-            )  # fmt: skip
+            name: _evaluate_rows(rows, generate, rewards, k, sampling, seed, breakdown_key, bar, name)
             for name, rows in loaded
         }
 
 
 def _evaluate_rows(
-    rows: list[dict], generate: GenerateFn, args: Any, k: int, max_new_tokens: int, temperature: float,
-    top_p: float, top_k: int, seed: int, breakdown_key: str | None, bar: Progress, name: str,
+    rows: list[dict], generate: GenerateFn, rewards: RewardSettings, k: int, sampling: tuple,
+    seed: int, breakdown_key: str | None, bar: Progress, name: str,
 ) -> dict[str, Any]:  # fmt: skip
-    """One dataset's metrics (see `evaluate`)."""
+    """One dataset's metrics (see `evaluate`); `sampling`: (max_new_tokens, temperature, top_p, top_k)
+    of the k samples."""
+    max_new_tokens, temperature, _, _ = sampling
     bar.update(0, stage=name)
     prompts = [r["prompt"] for r in rows]
     greedy_out = generate(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed)
-    greedy = score(args, rows, greedy_out)
+    greedy = score(rewards, rows, greedy_out)
     if temperature is not None and temperature <= 0:  # every sample is the greedy answer
         sampled = [g * k for g in greedy]
     else:
-        sampled = score(args, rows, generate(prompts, max_new_tokens, temperature, top_p, top_k, k, seed))
+        sampled = score(rewards, rows, generate(prompts, *sampling, k, seed))
     correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
     res: dict[str, Any] = {
         "pass@1": sum(g[0] for g in greedy) / len(rows),
@@ -291,7 +282,7 @@ def evals_table_rows(
 ) -> list[dict[str, Any]]:
     """`evals` table rows of one `evaluate` call: one per dataset x float metric, each naming its
     writer (`source`, one of EVAL_SOURCES) and the sampling that made it: `sampling` (max_new_tokens,
-    temperature, top_p, top_k: RunConfig.eval_sampling's keys) with n samples for pass@k and mean
+    temperature, top_p, top_k: EvalSettings.sampling's keys) with n samples for pass@k and mean
     reward; temperature 0, top_p 1, top_k -1 and one sample for the greedy metrics."""
     from miles_platform.store.paths import parse_partition_key
 
@@ -348,7 +339,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if len(a.eval_prompt_data) % 2:
         ap.error(f"--eval-prompt-data takes NAME PATH pairs, got {a.eval_prompt_data}")
-    validate_reward_config(a)
+    rewards = RewardSettings.of(a)  # a --custom-rm-path function receives these flags, as in Miles
+    validate_reward_config(rewards)
     it = iter(a.eval_prompt_data)
     res = evaluate(
         a.hf_checkpoint,
@@ -358,7 +350,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         a.eval_temperature,
         a.eval_top_p,
         a.eval_top_k,
-        args=a,
+        rewards=rewards,
         seed=a.seed,
         input_key=a.input_key,
         label_key=a.label_key,

@@ -24,6 +24,7 @@ from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.data.sample import Sample, Status
 from miles_platform.data.source import RolloutDataSource
+from miles_platform.errors import UserFunctionError
 from miles_platform.plugins import (
     AGENTIC,
     GENERATE_FLAG,
@@ -54,9 +55,10 @@ class RolloutManager:
     def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, url: str):
         """`url`: the router, or the engine itself when there is only one (no hop that adds nothing)."""
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")
+        self.rewards = cfg.reward_settings()
         # a LoRA run's requests are served with its adapter, by the name of the version the engines
         # serve (switched by each update); --lora-train-only: the frozen base
-        self.adapter = AdapterName(cfg.run_name) if cfg.lora_rank > 0 and not cfg.lora_train_only else None
+        self.adapter = AdapterName(cfg.run_name) if cfg.syncs_lora_adapter else None
         from miles_platform.rollout.health import client_retries
 
         self.client = engine_client.EngineClient(
@@ -177,15 +179,15 @@ class RolloutManager:
     def _score(self, samples: list[Sample]) -> None:
         """The run's reward for every sample a generate function left unscored (an agent's reward stays)."""
         preset = {id(s) for s in samples if s.reward is not None} if self.generate_fn is not None else set()
-        if preset and self.cfg.group_rm:  # the group RM scores whole groups: it cannot keep some
+        if preset and self.rewards.group_rm:  # the group RM scores whole groups: it cannot keep some
             raise ConfigError(
                 "--group-rm scores every sample of a group, but the generate function (or agent) set "
                 f"the reward of {len(preset)} samples itself: drop --group-rm or the function's reward"
             )
-        rm_hub.compute_rewards(self.cfg, [s for s in samples if id(s) not in preset])
+        rm_hub.compute_rewards(self.rewards, [s for s in samples if id(s) not in preset])
         for s in samples:
             if id(s) in preset:
-                s.raw_reward = s.scalar_reward(self.cfg.reward_key)
+                s.raw_reward = s.scalar_reward(self.rewards.reward_key)
 
     def unfinished_records(self) -> list[PromptRecord]:
         """The prompts of buffered groups (generated, not trained): a checkpoint puts them back."""
@@ -302,7 +304,7 @@ class RolloutManager:
                 except TimeoutError:  # a hung function fails its own sample, not the run
                     return self._timed_out(sample, timeout)
                 except Exception as e:
-                    raise RuntimeError(
+                    raise UserFunctionError(
                         f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} raised on prompt "
                         f"{rec.id!r}: {type(e).__name__}: {e}"
                     ) from e
@@ -421,7 +423,7 @@ class RolloutManager:
                     f"{ROLLOUT_FLAG} {path!r} returned samples without a reward and no --rm-type or "
                     "--custom-rm-path is set: score them in the function or configure a reward"
                 )
-            rm_hub.compute_rewards(c, unscored)
+            rm_hub.compute_rewards(self.rewards, unscored)
         for s in (s for g in groups for s in g if s.raw_reward is None):
             s.raw_reward = s.scalar_reward(c.reward_key)
         samples = self.finalize(rollout_id, groups)
@@ -480,7 +482,7 @@ def student_top_k(cfg: RunConfig) -> int:
     """top_logprobs_num of rollout requests: k when top-k OPD reads the student's own top-k."""
     from miles_platform.rollout.opd_topk import NEEDS_STUDENT_TOP
 
-    on = cfg.use_opd and cfg.opd_type == "sglang" and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
+    on = cfg.uses_teacher_engine and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
     return cfg.opd_log_prob_top_k if on else 0
 
 

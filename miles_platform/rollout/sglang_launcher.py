@@ -116,7 +116,7 @@ def build_sglang_command(
     }
     if base_gpu_id is not None:
         ours["base-gpu-id"] = base_gpu_id
-    if cfg.lora_rank > 0 and not cfg.lora_train_only:  # adapters loaded at run time (/load_lora_adapter)
+    if cfg.syncs_lora_adapter:  # adapters loaded at run time (/load_lora_adapter)
         ours.update({"enable-lora": True, "max-lora-rank": cfg.lora_rank, "lora-target-modules": "all"})
     passthrough = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}
     if "api-key" in passthrough:

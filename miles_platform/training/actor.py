@@ -1,8 +1,8 @@
 """The trainer: one instance per rank (a Ray actor in the loop), backend-independent.
 
 Owns what every backend shares: old/ref log-prob recomputation, the loss hub, micro-batching
-and gradient accumulation, AdamW + LR schedule, grad clipping, checkpoints in Miles' layout
-(`iter_NNNNNNN/` + `latest_checkpointed_iteration.txt`, written last), and the HF-named
+and gradient accumulation, AdamW + LR schedule, grad clipping, what goes into its checkpoints
+(written by training/checkpoint.py in Miles' layout), and the HF-named
 weights that engines load. The model itself comes from a ModelBackend (fsdp | megatron).
 """
 
@@ -13,7 +13,6 @@ import os
 import random
 import resource
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +24,20 @@ from safetensors.torch import load_file, save_file
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import RunConfig
 from miles_platform.store import remote
-from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backends import get_backend_class
-from miles_platform.training.checkpoint import LATEST, iter_dir, read_latest  # noqa: F401 (re-exported)
-from miles_platform.training.opd import OPDPenalty, build_teacher, in_trainer_teacher
+from miles_platform.training.checkpoint import (
+    TRAINER_STATE,
+    Checkpointer,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    python_rng_state,
+    rank_file,
+    restore_python_rng,
+    restore_rng_tensors,
+    rng_tensors,
+)
+from miles_platform.training.opd import OPDPenalty, build_teacher
 from miles_platform.training.schedule import lr_multiplier
 
 
@@ -118,10 +126,10 @@ class TrainerActor:
         np.random.seed(cfg.seed + rank)
         self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
         self.model = self.backend.build(cfg.hf_checkpoint)
-        self.ref = self._build_ref() if (cfg.use_kl_loss or cfg.kl_coef > 0) else None
-        self.teacher = build_teacher(cfg, rank, world_size) if in_trainer_teacher(cfg) else None
+        self.ref = self._build_ref() if cfg.uses_reference_model else None
+        self.teacher = build_teacher(cfg, rank, world_size) if cfg.uses_trainer_teacher else None
         self.critic = None
-        if cfg.advantage_estimator == "ppo" and cfg.loss_type == "policy_loss":
+        if cfg.uses_critic:
             from miles_platform.training.critic import Critic
 
             self.critic = Critic(cfg, cfg.hf_checkpoint, world_size)
@@ -634,75 +642,33 @@ class TrainerActor:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
-        """Write iter_NNNNNNN atomically, then latest_checkpointed_iteration.txt (rank 0, last).
-        An object-store --save: each rank stages its files locally and uploads them into the iter
-        dir, rank 0's trainer_state.json after every rank's, then the pointer (store/remote.py)."""
-        save = self.cfg.save
-        if remote.is_remote(save):
-            with remote.staging_dir() as tmp:
-                self._write_checkpoint(tmp, rollout_id, extra_state)
-                final = iter_dir(save, rollout_id)
-                remote.upload_dir(tmp, final, exclude=["trainer_state.json"])
-                if self.world_size > 1:
-                    dist.barrier()
-                if self.rank == 0:  # the iter dir's marker once every rank's files are up, then the pointer
-                    remote.upload_dir(tmp, final, only=["trainer_state.json"])
-                    remote.write_bytes(remote.join(save, LATEST), str(rollout_id))
-            return final
-        final = iter_dir(save, rollout_id)
-        tmp = os.path.join(save, f".iter_{rollout_id:07d}.tmp-{uuid.uuid4().hex[:6]}")
-        if self.world_size > 1:
-            tmp = self._broadcast_str(tmp)
-        self._write_checkpoint(tmp, rollout_id, extra_state)
-        if self.rank == 0:
-            fsync_tree(tmp)
-            replace_dir(tmp, final)
-            write_atomic(os.path.join(save, LATEST), str(rollout_id))  # the pointer, last
-        if self.world_size > 1:
-            dist.barrier()
-        return final
+        """iter_NNNNNNN written atomically, then latest_checkpointed_iteration.txt (training/checkpoint.py):
+        each rank's model shard, optimizer and RNG files, rank 0's trainer_state.json after them."""
 
-    def _write_checkpoint(self, tmp: str, rollout_id: int, extra_state: dict | None) -> None:
-        """This rank's files into `tmp`; after a barrier, rank 0's trainer_state.json."""
-        os.makedirs(tmp, exist_ok=True)
-        self.backend.save_model(tmp)
-        save_file(self._optimizer_tensors(), os.path.join(tmp, f"optimizer_rank{self.rank:03d}.safetensors"))
-        rng = {
-            "torch": torch.get_rng_state(),
-            "numpy": torch.from_numpy(
-                np.frombuffer(json.dumps(_np_rng_state()).encode(), dtype=np.uint8).copy()
-            ),
-        }
-        save_file(rng, os.path.join(tmp, f"rng_rank{self.rank:03d}.safetensors"))
-        if self.critic is not None:
-            self.critic.save(tmp, self.rank)
-        if self.world_size > 1:
-            dist.barrier()
-        if self.rank == 0:
-            state = {
-                "rollout_id": rollout_id,
-                "global_step": self.global_step,
-                "scheduler": self.sched.state_dict(),
-                "world_size": self.world_size,
-                "train_backend": self.cfg.train_backend,
-                "python_random": _py_rng_state(),
-                **(extra_state or {}),
-            }
-            Path(tmp, "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+        def write_rank(d: str) -> None:
+            self.backend.save_model(d)
+            save_file(self._optimizer_tensors(), os.path.join(d, rank_file("optimizer", self.rank)))
+            save_file(rng_tensors(), os.path.join(d, rank_file("rng", self.rank)))
+            if self.critic is not None:
+                self.critic.save(d, self.rank)
+
+        def write_state(d: str) -> None:
+            state = {"rollout_id": rollout_id, "global_step": self.global_step, "scheduler": self.sched.state_dict(),
+                     "world_size": self.world_size, "train_backend": self.cfg.train_backend,
+                     "python_random": python_rng_state(), **(extra_state or {})}  # fmt: skip
+            Path(d, TRAINER_STATE).write_text(json.dumps(state, indent=1, default=str))
+
+        return Checkpointer(self.cfg.save, self.rank, self.world_size).save(
+            rollout_id, write_rank, write_state
+        )
 
     def load(self) -> dict | None:
-        """Resume from --load (or --save) if a checkpoint exists. Returns trainer_state or None.
-        An object-store checkpoint is downloaded (this rank's files) to a local dir first."""
-        root = self.cfg.load or self.cfg.save
-        it = read_latest(root)
-        if it is None:
-            return None
-        mine = f"_rank{self.rank:03d}."
-        with remote.local_dir(iter_dir(root, it), want=lambda rel: "_rank" not in rel or mine in rel) as d:
-            return self._load_checkpoint(d)
+        """Resume from --load (or --save) if a checkpoint exists. Returns trainer_state or None."""
+        with Checkpointer(self.cfg.load or self.cfg.save, self.rank, self.world_size).open_latest() as d:
+            return None if d is None else self._load_checkpoint(d)
 
     def _load_checkpoint(self, d: str) -> dict:
-        state = json.loads(Path(d, "trainer_state.json").read_text())
+        state = json.loads(Path(d, TRAINER_STATE).read_text())
         if state.get("world_size", 1) != self.world_size:
             raise ValueError(
                 f"{d}: saved with world size {state['world_size']}, resuming with {self.world_size}"
@@ -710,59 +676,13 @@ class TrainerActor:
         self.backend.load_model(d)
         if self.critic is not None:
             self.critic.load(d, self.rank)
-        self._load_optimizer_tensors(load_file(os.path.join(d, f"optimizer_rank{self.rank:03d}.safetensors")))
+        tensors = load_file(os.path.join(d, rank_file("optimizer", self.rank)))
+        load_optimizer_tensors(self.opt, self.backend.named_parameters(), tensors)
         self.sched.load_state_dict(state["scheduler"])
         self.global_step = state["global_step"]
-        rng = load_file(os.path.join(d, f"rng_rank{self.rank:03d}.safetensors"))
-        torch.set_rng_state(rng["torch"])
-        _set_np_rng_state(json.loads(bytes(rng["numpy"].numpy()).decode()))
-        v, internal, gauss = state["python_random"]
-        random.setstate((v, tuple(internal), gauss))
+        restore_rng_tensors(load_file(os.path.join(d, rank_file("rng", self.rank))))
+        restore_python_rng(state["python_random"])
         return state
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
-        names = {id(p): n for n, p in self.backend.named_parameters()}
-        out = {}
-        for group in self.opt.param_groups:
-            for p in group["params"]:
-                st = self.opt.state.get(p, {})
-                for k, v in st.items():
-                    if torch.is_tensor(v):
-                        v = v.to_local() if hasattr(v, "to_local") else v
-                        out[f"{names[id(p)]}::{k}"] = v.detach().cpu().contiguous()
-        return out
-
-    def _load_optimizer_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        by_name = dict(self.backend.named_parameters())
-        for key, v in tensors.items():
-            name, k = key.rsplit("::", 1)
-            p = by_name[name]
-            st = self.opt.state.setdefault(p, {})
-            cur = st.get(k)
-            if cur is not None and hasattr(cur, "to_local"):
-                cur.to_local().copy_(v)
-            elif hasattr(p, "to_local") and k != "step":
-                from torch.distributed.tensor import DTensor
-
-                st[k] = DTensor.from_local(v, p.device_mesh, p.placements)
-            else:
-                st[k] = v.clone()
-
-    def _broadcast_str(self, s: str) -> str:
-        obj = [s]
-        dist.broadcast_object_list(obj, src=0)
-        return obj[0]
-
-
-def _np_rng_state():
-    s = np.random.get_state()
-    return [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
-
-
-def _set_np_rng_state(s):
-    np.random.set_state((s[0], np.array(s[1], dtype=np.uint32), s[2], s[3], s[4]))
-
-
-def _py_rng_state():
-    v, internal, gauss = random.getstate()
-    return [v, list(internal), gauss]
+        return optimizer_tensors(self.opt, self.backend.named_parameters())

@@ -49,11 +49,7 @@ def check_weights_equal(cfg: RunConfig, engines, weights, version: int) -> None:
 
 def lora_check_on(cfg: RunConfig) -> bool:
     """--check-lora-weight-equal, or any full weight check of a LoRA run (the adapter is the update)."""
-    return (
-        cfg.lora_rank > 0
-        and not cfg.lora_train_only
-        and (cfg.check_lora_weight_equal or weight_check_on(cfg))
-    )
+    return cfg.syncs_lora_adapter and (cfg.check_lora_weight_equal or weight_check_on(cfg))
 
 
 def check_lora_weights_equal(cfg: RunConfig, engines, adapter: dict, version: int) -> None:

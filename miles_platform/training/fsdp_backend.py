@@ -21,7 +21,7 @@ class FSDPBackend(ModelBackend):
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         model = load_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
         model.config.use_cache = False
-        self.lora = trainable and self.cfg.lora_rank > 0
+        self.lora = trainable and self.cfg.uses_lora
         if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:
             from miles_platform.models.moe import routers
 

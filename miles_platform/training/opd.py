@@ -18,10 +18,6 @@ import os
 import torch
 
 
-def in_trainer_teacher(cfg) -> bool:
-    return bool(cfg.use_opd and cfg.opd_type == "megatron")
-
-
 def build_teacher(cfg, rank: int, world_size: int):
     """The frozen teacher backend, like the reference model. --opd-teacher-load is an HF dir (any
     size sharing the tokenizer) or a checkpoint dir of this backend's layout (the student's shape)."""

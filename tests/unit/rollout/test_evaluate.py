@@ -204,8 +204,8 @@ def test_every_option_in_help_has_a_description(command, capsys):
 def test_evals_rows_record_the_sampling_behind_each_metric():
     """pass@1, its breakdowns and tool_call_share come from the one greedy answer per prompt;
     pass@<n>(T=..) and mean_reward@<n>(T=..) from the n samples at the eval's sampling."""
+    from miles_platform.metric_names import is_greedy_metric
     from miles_platform.rollout.evaluate import evals_table_rows
-    from miles_platform.rollout.metric_names import is_greedy_metric
 
     res = {"heldout": {"pass@1": 0.5, "pass@4(T=0.7)": 0.75, "mean_reward@4(T=0.7)": 0.4, "pass@1/carry=True": 0.25,
                        "tool_call_share": 0.9, "n": 4, "k": 4, "num_prompts": 8}}  # fmt: skip
@@ -273,7 +273,7 @@ def test_sampled_metrics_are_named_with_their_temperature_and_k(tiny_eval_data):
 def test_rows_written_before_the_names_read_with_them():
     """Tables are append-only: a row named `pass@k` / `mean_reward` with its sampling columns reads
     as the name it would get now; greedy and diffusion rows keep theirs."""
-    from miles_platform.rollout.metric_names import metric_name
+    from miles_platform.metric_names import metric_name
 
     assert metric_name("pass@k", 4, 1.0) == "pass@4(T=1)"
     assert metric_name("mean_reward", 2, 0.7) == "mean_reward@2(T=0.7)"

@@ -428,11 +428,13 @@ def test_rewards_a_generate_function_set_are_kept_and_group_rm_refuses_them(tiny
         Sample(index=0, response="4", label="4", reward=0.25),
         Sample(index=1, response="4", label="4"),
     ]
-    RolloutManager._score(SimpleNamespace(cfg=cfg, generate_fn=object()), samples)
+    RolloutManager._score(SimpleNamespace(rewards=cfg.reward_settings(), generate_fn=object()), samples)
     assert [s.reward for s in samples] == [0.25, 1.0] and [s.raw_reward for s in samples] == [0.25, 1.0]
     group = RunConfig(**{**small_run_kwargs(tiny_hf_checkpoint, tmp_path), "group_rm": True})
     with pytest.raises(ConfigError, match="--group-rm scores every sample of a group"):
-        RolloutManager._score(SimpleNamespace(cfg=group, generate_fn=object()), [Sample(reward=1.0)])
+        RolloutManager._score(
+            SimpleNamespace(rewards=group.reward_settings(), generate_fn=object()), [Sample(reward=1.0)]
+        )
 
 
 def test_a_hung_generate_function_fails_its_own_samples_after_the_timeout(tiny_hf_checkpoint, tmp_path):
