@@ -376,4 +376,3 @@ def preset_job(preset: Preset) -> dg.JobDefinition:
 
 
 PRESET_JOBS = {p.job_name: preset_job(p) for p in presets()}
-TRAINING_JOBS = ("rl_training", *PRESET_JOBS)  # every job that runs rl_training_op

@@ -396,13 +396,8 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
 
     cfg = validate_hf_dir(path, need_tokenizer=False)
     if cfg.get("quantization_config"):
-        try:
-            from miles_platform.weights.quantize import load_dequantized_state_dict
-        except ImportError as e:
-            raise CheckpointError(
-                f"HF checkpoint {path} is quantized ({cfg['quantization_config'].get('quant_method', '?')}) "
-                f"but miles_platform.weights.quantize is not available ({e})"
-            ) from e
+        from miles_platform.weights.quantize import load_dequantized_state_dict
+
         return fuse_checkpoint_experts(load_dequantized_state_dict(str(path)))
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
