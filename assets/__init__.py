@@ -4,7 +4,7 @@ import importlib
 
 import dagster as dg
 
-# one module per domain; each is optional until it exists so the code location always loads
+# one module per domain
 DOMAINS = (
     "datasets",
     "checkpoints",
@@ -19,14 +19,7 @@ DOMAINS = (
 
 
 def _modules():
-    mods = []
-    for name in DOMAINS:
-        try:
-            mods.append(importlib.import_module(f"assets.{name}"))
-        except ModuleNotFoundError as e:
-            if e.name != f"assets.{name}":
-                raise
-    return mods
+    return [importlib.import_module(f"assets.{name}") for name in DOMAINS]
 
 
 def all_assets():

@@ -14,18 +14,16 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets.metadata import latest_path
+from miles_platform.store.lineage_identity import Edge, write_edges
+
 BASE_CHECKPOINT = dg.AssetKey("base_checkpoint")
 CONVERTED_NAME = "base_torch_dist"
 
 
 def _base_hf_path(context) -> str:
     """The base checkpoint's latest materialization metadata "path", else the storage convention."""
-    event = context.instance.get_latest_materialization_event(BASE_CHECKPOINT)
-    mat = event.asset_materialization if event is not None else None
-    if mat is not None and "path" in mat.metadata:
-        value = mat.metadata["path"]
-        return str(getattr(value, "value", None) or getattr(value, "path", value))
-    return context.resources.storage.paths.model("base")
+    return latest_path(context.instance, "base_checkpoint") or context.resources.storage.paths.model("base")
 
 
 def _convert(*args: str) -> dict:
@@ -50,10 +48,8 @@ def converted_checkpoint(context: dg.AssetExecutionContext) -> dg.MaterializeRes
     hf = _base_hf_path(context)
     save = context.resources.storage.paths.model(CONVERTED_NAME)
     res = _convert("hf-to-torch-dist", "--hf-checkpoint", hf, "--save", save)
-    from miles_platform.store.lineage import write_edges
-
-    write_edges(context.resources.storage.paths, "checkpoints", save, "checkpoint",
-                [(hf, "checkpoint", "converted_from", res["content_hash"])])  # fmt: skip
+    write_edges(context.resources.storage.paths, "checkpoints",
+                [Edge(save, "checkpoint", hf, "checkpoint", "converted_from", res["content_hash"])])  # fmt: skip
     return dg.MaterializeResult(
         metadata={
             "path": dg.MetadataValue.path(save),

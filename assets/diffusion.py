@@ -14,6 +14,7 @@ import os
 
 import dagster as dg
 
+from assets.metadata import image_markdown
 from resources.storage import StorageRootResource
 
 
@@ -71,7 +72,6 @@ def _sft_result(path: str) -> dg.MaterializeResult:
     import pyarrow.parquet as pq
 
     from miles_platform.diffusion.task import from_png, image_grid
-    from ops.diffusion import image_markdown
 
     table = pq.read_table(path)
     images = np.stack([from_png(b) for b in table.column("image_png").to_pylist()[:32]])
@@ -93,7 +93,6 @@ def diffusion_base_checkpoint(
 ) -> dg.MaterializeResult:
     from miles_platform.diffusion.model import train_sft_base
     from miles_platform.models.checkpoint import content_hash
-    from ops.diffusion import image_markdown
 
     data_dir = storage.paths.join("datasets", "diffusion")
     out = storage.paths.model("diffusion_base")

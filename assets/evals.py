@@ -18,13 +18,13 @@ evaluator of record (the `rl_training` op turns the loop's own eval off).
 """
 
 import os
-from types import SimpleNamespace
 
 import dagster as dg
 
+from assets.metadata import latest_materialization, metadata_text
 from assets.partitions import policy_version_partitions
-from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, RunConfig
-from miles_platform.store.lineage import write_edges
+from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, RewardSettings, RunConfig
+from miles_platform.store.lineage_identity import Edge, write_edges
 from miles_platform.store.paths import StoragePaths, parse_partition_key
 from miles_platform.store.tables import append_rows
 from resources.storage import StorageRootResource
@@ -54,31 +54,14 @@ class EvalConfig(dg.Config):
     seed: int = 0
 
 
-def _latest_materialization(
-    instance: dg.DagsterInstance, key: str, partition: str | None = None
-) -> dg.AssetMaterialization | None:
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None
-        ),
-        limit=1,
-    ).records
-    return records[0].asset_materialization if records else None
-
-
-def _md(mat: dg.AssetMaterialization | None, key: str) -> str | None:
-    value = None if mat is None else mat.metadata.get(key)
-    return None if value is None or value.value in (None, "") else str(value.value)
-
-
 def resolve_hf_path(instance: dg.DagsterInstance, paths: StoragePaths, partition: str) -> str:
     """HF export of a policy version: its materialization's hf_path, else the path convention. A
     LoRA version (adapter + frozen base, no HF export) is merged on demand, once, at the
     convention's path: what eval_results and weight_publications read."""
     run, version = parse_partition_key(partition)
-    mat = _latest_materialization(instance, "policy_versions", partition)
-    hf_path = _md(mat, "hf_path")
-    adapter, base = _md(mat, "adapter_path"), _md(mat, "base_checkpoint")
+    mat = latest_materialization(instance, "policy_versions", partition)
+    hf_path = metadata_text(mat, "hf_path")
+    adapter, base = metadata_text(mat, "adapter_path"), metadata_text(mat, "base_checkpoint")
     if not hf_path and adapter and base:
         hf_path = paths.hf_export(run, version)
         if not os.path.isfile(os.path.join(hf_path, "config.json")):
@@ -101,7 +84,7 @@ def resolve_datasets(instance: dg.DagsterInstance, config: EvalConfig) -> list[t
         if len(pairs) % 2:
             raise dg.Failure(f"eval_prompt_data takes `name path` pairs, got {pairs}")
         return list(zip(pairs[::2], pairs[1::2], strict=True))
-    path = _md(_latest_materialization(instance, "eval_dataset"), "path")
+    path = metadata_text(latest_materialization(instance, "eval_dataset"), "path")
     if path is None:
         raise dg.Failure(
             "no eval datasets: materialize eval_dataset or set eval_prompt_data (`name path` pairs)"
@@ -125,13 +108,13 @@ def eval_config_for_run(cfg: RunConfig) -> dict:
     (inheriting the rollout's as `train` does), reward and seed; its `--eval-prompt-data` (read with
     the run's dataset keys) when given, else the latest `eval_dataset`. Under Dagster the
     `eval_results` asset is the run's evaluator of record; the sensor passes this as run config."""
-    sampling = cfg.eval_sampling()
+    e = cfg.eval_settings()
     out = {
-        "n_samples_per_eval_prompt": cfg.n_samples_per_eval_prompt,
-        "eval_max_response_len": sampling["max_new_tokens"],
-        "eval_temperature": sampling["temperature"],
-        "eval_top_p": sampling["top_p"],
-        "eval_top_k": sampling["top_k"],
+        "n_samples_per_eval_prompt": e.n_samples_per_eval_prompt,
+        "eval_max_response_len": e.max_new_tokens,
+        "eval_temperature": e.temperature,
+        "eval_top_p": e.top_p,
+        "eval_top_k": e.top_k,
         **{k: getattr(cfg, k) for k in REWARD_FLAGS},
         "seed": cfg.seed,
     }
@@ -141,9 +124,10 @@ def eval_config_for_run(cfg: RunConfig) -> dict:
     return {k: v for k, v in out.items() if v is not None and k in EvalConfig.model_fields}
 
 
-def reward_args(config: EvalConfig) -> SimpleNamespace:
-    """The reward hub's view of an EvalConfig (rm_type, custom_rm_path, reward keys ...)."""
-    return SimpleNamespace(**{k: getattr(config, k) for k in REWARD_FLAGS})
+def reward_settings(config: EvalConfig) -> RewardSettings:
+    """The reward hub's view of an EvalConfig (rm_type, custom_rm_path, reward keys ...); a custom
+    reward function receives these settings as its `args`."""
+    return RewardSettings(**{k: getattr(config, k) for k in REWARD_FLAGS})
 
 
 def evaluate_and_record(
@@ -166,7 +150,7 @@ def evaluate_and_record(
         datasets,
         n_samples_per_eval_prompt=config.n_samples_per_eval_prompt,
         **sampling_of(config),
-        args=reward_args(config),
+        rewards=reward_settings(config),
         seed=config.seed,
         input_key=config.input_key,
         label_key=config.label_key,
@@ -176,9 +160,10 @@ def evaluate_and_record(
     )
     append_rows(paths, "evals", run, evals_table_rows(partition, results, "asset", sampling_of(config)))
     key, kind, data_version = evaluates
-    edges = [(key, kind, "evaluates", data_version)]
-    edges += [(path, "dataset", "evaluated_on", eval_data_version) for _, path in datasets]
-    write_edges(paths, run, f"eval:{partition}", "eval", edges)
+    child = f"eval:{partition}"
+    edges = [Edge(child, "eval", key, kind, "evaluates", data_version)]
+    edges += [Edge(child, "eval", path, "dataset", "evaluated_on", eval_data_version) for _, path in datasets]
+    write_edges(paths, run, edges)
     return results
 
 
@@ -198,8 +183,12 @@ def eval_results(
     hf_path = resolve_hf_path(context.instance, paths, partition)
     datasets = resolve_datasets(context.instance, config)
     context.log.info(f"evaluating {partition} ({hf_path}) on {', '.join(n for n, _ in datasets)}")
-    policy_hash = _md(_latest_materialization(context.instance, "policy_versions", partition), "content_hash")
-    eval_data_version = _md(_latest_materialization(context.instance, "eval_dataset"), "content_hash")
+    policy_hash = metadata_text(
+        latest_materialization(context.instance, "policy_versions", partition), "content_hash"
+    )
+    eval_data_version = metadata_text(
+        latest_materialization(context.instance, "eval_dataset"), "content_hash"
+    )
     results = evaluate_and_record(
         paths,
         partition,
@@ -242,7 +231,7 @@ def eval_run_config(mat: dg.AssetMaterialization | None) -> dict:
 
 def run_config_for_version(instance: dg.DagsterInstance, partition: str) -> dict:
     """What the sensor, the nightly schedule and the quickstart launch `eval_results[partition]` with."""
-    return eval_run_config(_latest_materialization(instance, "policy_versions", partition))
+    return eval_run_config(latest_materialization(instance, "policy_versions", partition))
 
 
 def _summary(results: dict[str, dict]) -> str:

@@ -18,14 +18,8 @@ import os
 
 import dagster as dg
 
-from assets.evals import (
-    EvalConfig,
-    _latest_materialization,
-    _md,
-    evaluate_and_record,
-    resolve_datasets,
-    run_config_for_version,
-)
+from assets.evals import EvalConfig, evaluate_and_record, resolve_datasets, run_config_for_version
+from assets.metadata import latest_materialization, metadata_text
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.scoreboard import (
@@ -65,7 +59,7 @@ def evaluate_bases(
         config = _base_eval_config(instance, catalog, run)
         datasets = resolve_datasets(instance, config)
         log.info(f"evaluating the base of run {run} ({base}) on {', '.join(n for n, _ in datasets)}")
-        eval_data_version = _md(_latest_materialization(instance, "eval_dataset"), "content_hash")
+        eval_data_version = metadata_text(latest_materialization(instance, "eval_dataset"), "content_hash")
         evaluate_and_record(
             paths,
             partition_key(run, 0),

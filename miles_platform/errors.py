@@ -28,3 +28,15 @@ class NonFiniteTraining(MilesError, RuntimeError):
 
 class ActorDied(MilesError, RuntimeError):
     """A trainer or engine actor of a run died: the run stopped; relaunching resumes it."""
+
+
+class UserFunctionError(MilesError, RuntimeError):
+    """A user function (--custom-rm-path, --custom-generate-function-path, ...) raised: the message
+    names the flag, the function and its error."""
+
+
+def retryable(error: BaseException) -> bool:
+    """Can running the same step again succeed? Not after a user mistake (config, data, checkpoint,
+    a user function that raised, non-finite training): those fail the same way again. A dead actor,
+    a lost connection or anything unforeseen may be transient."""
+    return not isinstance(error, MilesError) or isinstance(error, ActorDied)

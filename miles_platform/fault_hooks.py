@@ -53,11 +53,12 @@ The flag changes nothing that is trained: a relaunch without it resumes the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -68,6 +69,20 @@ HOOKS = (
     "weight_update_start", "weight_update_prepared", "weight_update_paused", "weight_update_activated",
     "version_recorded", "eval_start", "metrics_recorded", "save_start", "save_end", "orchestrator_step_end",
 )  # fmt: skip
+# the loops' phases and the driver hooks fired around each, (before, after): a phase that does not run
+# in a rollout fires neither; `weight_update_paused` fires inside `train`'s update session
+PHASES = {
+    "step": ("orchestrator_step_start", "orchestrator_step_end"),  # one rollout, start to end
+    "rollout": (None, "rollout_end"),  # generate, write the shard
+    "train": ("trainer_controller_step_start", "trainer_controller_step_end"),
+    "weight_update": ("weight_update_start", None),  # a new version: export, transport, engines load it
+    "weight_export": (None, "weight_update_prepared"),  # (train-diffusion's; train's update session fires it)
+    "weight_activate": (None, "weight_update_activated"),  # (likewise)
+    "record": (None, "version_recorded"),  # the version's row and lineage
+    "eval": ("eval_start", None),
+    "metrics": (None, "metrics_recorded"),  # the rollout's metrics
+    "save": ("save_start", "save_end"),  # the trainer checkpoint
+}
 # fired inside the trainer ranks (their own processes), not by the driver
 RANK_HOOKS = ("trainer_weight_update_before_all_gather", "trainer_step_before_allreduce",
               "trainer_weight_update_before_send")  # fmt: skip
@@ -211,6 +226,17 @@ class FaultHooks:
                 raise FaultInjected(f"{r.describe()}: this run has no embedded engines to act on")
             else:
                 self.on_engine(r)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, end: bool = True) -> Iterator[None]:
+        """`with hooks.phase("train"):` fires the phase's before-hook, runs the block, then its
+        after-hook (not when the block raised; not with `end=False`). PHASES names them."""
+        before, after = PHASES[name]
+        if before:
+            self.fire(before)
+        yield
+        if after and end:
+            self.fire(after)
 
     def due_in_ranks(self) -> list[FaultRequest]:
         """The driver's view: rank-hook requests that may have fired in this rollout (a dead rank's

@@ -29,16 +29,22 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     check_engine_kind(cfg)
     _check_fault_targets(cfg)
-    if cfg.rollout_engine == "embedded" and not cfg.rollout_external_engine_addrs:
-        from miles_platform.rollout.engine_fleet import embedded_max_running_requests
+    if cfg.embedded_engines_only:
+        from miles_platform.rollout.engine_fleet import (
+            EMBEDDED_SGLANG_ARGS,
+            embedded_max_running_requests,
+            embedded_mem_fraction_static,
+        )
 
-        other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") != "max-running-requests")
+        other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") not in EMBEDDED_SGLANG_ARGS)
         if other:
             raise ConfigError(
                 f"--sglang-{other[0]} (and {len(other) - 1} more) would be ignored: the embedded engine takes "
-                "only --sglang-max-running-requests; use --rollout-engine sglang for the others"
+                "only --sglang-max-running-requests and --sglang-mem-fraction-static; use --rollout-engine "
+                "sglang for the others"
             )
         embedded_max_running_requests(cfg)
+        embedded_mem_fraction_static(cfg)
     for flag, d in (("--storage-root", cfg.storage_root), ("--save", cfg.save)):
         check_writable_dir(flag, d)
     from miles_platform.trackers import validate_trackers
@@ -59,6 +65,7 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     filter_hub.load_dynamic_filter(cfg)
     filter_hub.load_rollout_sample_filter(cfg)
+    filter_hub.load_buffer_filter(cfg)
     from miles_platform.plugins import load_function
 
     if cfg.custom_loss_function_path:
@@ -86,7 +93,7 @@ def check_object_store(cfg: RunConfig) -> None:
     root = cfg.storage_root
     if not is_remote(root):
         return
-    if cfg.lora_rank > 0:
+    if cfg.uses_lora:
         raise ConfigError(
             f"--lora-rank {cfg.lora_rank} with --storage-root {root}: LoRA adapter versions are written "
             "and served from a local dir; use a local --storage-root for LoRA runs"
@@ -96,7 +103,7 @@ def check_object_store(cfg: RunConfig) -> None:
             f"--save-hf {cfg.save_hf} with --storage-root {root}: the copy of an object-store export is not "
             f"built; every version is already an HF dir under {root}/runs/<run>/hf/"
         )
-    external = cfg.rollout_external_engine_addrs or cfg.rollout_engine != "embedded"
+    external = not cfg.embedded_engines_only
     if external and cfg.update_weight_transfer_mode in ("disk", "disk-delta"):
         raise ConfigError(
             f"--update-weight-transfer-mode {cfg.update_weight_transfer_mode} with --storage-root {root}: "
@@ -133,7 +140,7 @@ def _check_fault_targets(cfg: RunConfig) -> None:
 
     reqs = parse_fault_hooks(cfg.ci_fault_hooks)
     sends = [r for r in reqs if r.hook_name == "trainer_weight_update_before_send"]
-    if sends and (cfg.update_weight_transfer_mode != "broadcast" or cfg.lora_rank > 0):
+    if sends and (cfg.update_weight_transfer_mode != "broadcast" or cfg.uses_lora):
         raise ConfigError(
             f"--ci-fault-hooks {sends[0].request_id}: trainer_weight_update_before_send fires in the rank "
             "that sends the weights, which only --update-weight-transfer-mode broadcast has (full weights, "
@@ -142,7 +149,7 @@ def _check_fault_targets(cfg: RunConfig) -> None:
     engines = [r for r in reqs if r.engine is not None]
     if not engines:
         return
-    if cfg.rollout_engine != "embedded" or cfg.rollout_external_engine_addrs or cfg.debug_train_only:
+    if not cfg.embedded_engines_only or cfg.debug_train_only:
         raise ConfigError(f"--ci-fault-hooks {engines[0].request_id}: an engine target acts on the run's "
                           "embedded engine processes; this run has none (SGLang, external engines or "
                           "--debug-train-only)")  # fmt: skip
@@ -162,6 +169,21 @@ def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:
         get_bridge(hf_config).transformer_config(hf_config)
     except CheckpointError as e:
         raise ConfigError(f"--hf-checkpoint {cfg.hf_checkpoint} with --train-backend megatron: {e}") from e
+
+
+def check_batch_fits(cfg: RunConfig, dataset_rows: int) -> None:
+    """A rollout takes --rollout-batch-size (or --over-sampling-batch-size) distinct prompts: more than
+    the data has would repeat prompts within one batch (Miles' data source hands out fewer)."""
+    flag, want = max(
+        ("--rollout-batch-size", cfg.rollout_batch_size or 0),
+        ("--over-sampling-batch-size", cfg.over_sampling_batch_size or 0),
+        key=lambda fw: fw[1],
+    )
+    if want > dataset_rows:
+        raise ConfigError(
+            f"{flag} {want} is more than the {dataset_rows} prompt(s) of --prompt-data "
+            f"{cfg.prompt_data}: lower it or add prompts"
+        )
 
 
 def fill_defaults(cfg: RunConfig, paths: StoragePaths, dataset_rows: int) -> None:

@@ -1,6 +1,7 @@
-"""The processes a training run needs, up in order and down in reverse: run lock, Ray, placement
-groups, trainer actors, engines + router, rollout manager, weight-update session, fully async
-worker, trackers. `RLRun` enters it and then only loops."""
+"""The processes a training run needs, up in order and down in reverse: the run's lifecycle (run
+lock, dead writers' staging, resume config, Ray, trackers: run_lifecycle.py), placement groups,
+trainer actors, engines + router, rollout manager, weight-update session, fully async worker.
+`RLRun` enters it and then only loops."""
 
 from __future__ import annotations
 
@@ -26,14 +27,26 @@ class RunServices(contextlib.AbstractContextManager):
         self.engines = self.router = self.manager = self.session = self.worker = self.monitor = None
         self.teachers: list[tuple[str, str, str | None]] = []  # OPD: (teacher, kind, content hash)
         self.state: dict[str, Any] | None = None
-        self.config_changes: list[str] = []  # flags a resume changed under --allow-config-change
-        from miles_platform.fault_hooks import FaultHooks, parse_fault_hooks
+        from miles_platform.run_lifecycle import RunLifecycle
 
-        self.hooks = FaultHooks(parse_fault_hooks(cfg.ci_fault_hooks), reporter.log)
-        from miles_platform.trackers import Trackers
+        # run lock, dead writers' staging, resume config, Ray, trackers: up first, down last
+        self.life = RunLifecycle(cfg, paths, reporter.log)
+        self.hooks = self.life.hooks
+        from miles_platform.cluster.colocation import Colocation
 
-        self.trackers = Trackers()
+        self.colocation = Colocation(
+            cfg, [], None
+        )  # the offload schedule; set once trainers and engines are up
         self._stack = contextlib.ExitStack()
+
+    @property
+    def trackers(self):
+        return self.life.trackers
+
+    @property
+    def config_changes(self) -> list[str]:
+        """Flags a resume changed under --allow-config-change."""
+        return self.life.config_changes
 
     def __enter__(self) -> RunServices:
         try:
@@ -46,28 +59,10 @@ class RunServices(contextlib.AbstractContextManager):
     def _start(self) -> None:
         import ray
 
-        from miles_platform.cluster.ray_cluster import (
-            create_placement_groups,
-            init_ray,
-            remove_placement_groups,
-            shutdown_ray,
-        )
-        from miles_platform.store.run_lock import RunLock, local_run_dir, local_save_dir
-        from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
-        from miles_platform.trackers import Trackers
+        from miles_platform.cluster.ray_cluster import create_placement_groups, remove_placement_groups
 
         cfg, s, log = self.cfg, self._stack, self.reporter.log
-        # one writer per run, taken after validation (an object-store root: on this host only)
-        lock = RunLock(local_run_dir(self.paths, cfg.run_name), cfg.run_name).acquire()
-        s.callback(lock.release)
-        if cfg.save:  # and one writer per checkpoint dir: two runs sharing --save clobbered each other
-            save_lock = RunLock(local_save_dir(cfg.save), cfg.run_name, f"--save {cfg.save}").acquire()
-            s.callback(save_lock.release)
-        remove_dead_writers_tmp(cfg, self.paths, log)
-        self.config_changes = check_resume_config(cfg, log)
-        s.callback(shutdown_ray, init_ray(cfg))
-        self.trackers = Trackers(cfg, self.paths, log)
-        s.push(lambda et, *_: self.trackers.close(failed=et is not None))
+        s.enter_context(self.life)
         groups = create_placement_groups(cfg)
         s.callback(remove_placement_groups, groups)
         # trainers and engines start side by side: the trainers' imports and model build overlap
@@ -75,12 +70,7 @@ class RunServices(contextlib.AbstractContextManager):
         if not cfg.debug_rollout_only:
             self.trainers = self._create_trainers(groups)
         teacher = None
-        if (
-            cfg.use_opd
-            and cfg.opd_type == "sglang"
-            and cfg.opd_teacher_hf_checkpoint
-            and not cfg.debug_train_only
-        ):
+        if cfg.uses_teacher_engine and cfg.opd_teacher_hf_checkpoint and not cfg.debug_train_only:
             from miles_platform.rollout.engine_fleet import EngineHandle, create_teacher_engine, stop_engines
 
             teacher = create_teacher_engine(cfg)  # beside the trainers and engines
@@ -104,7 +94,7 @@ class RunServices(contextlib.AbstractContextManager):
         if self.trainers:
             ray.get([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
-        if cfg.use_opd and cfg.opd_type == "megatron":  # the teacher is in the trainer
+        if cfg.uses_trainer_teacher:  # the teacher is in the trainer
             from miles_platform.rollout.opd import teacher_sources
 
             self.teachers = teacher_sources(cfg, {})
@@ -125,7 +115,7 @@ class RunServices(contextlib.AbstractContextManager):
         url = self.engines[0].url if direct else self.router.url
         self.manager = RolloutManager(cfg, self.tok, self.src, url)
         s.callback(self.manager.close)
-        if cfg.use_opd and cfg.opd_type == "sglang":
+        if cfg.uses_teacher_engine:
             self._start_opd_teachers(url, teacher)
         if self.trainers:
             self.session = UpdateSession(
@@ -138,6 +128,9 @@ class RunServices(contextlib.AbstractContextManager):
             )
         if cfg.use_fault_tolerance:
             self._start_health_monitor(groups)
+        from miles_platform.cluster.colocation import Colocation
+
+        self.colocation = Colocation(cfg, self.trainers, self.engines, call_trainers)
 
     def _start_health_monitor(self, groups) -> None:
         import threading
@@ -162,13 +155,13 @@ class RunServices(contextlib.AbstractContextManager):
         """Sglang-mode OPD: the teacher engine the run started (--opd-teacher-hf-checkpoint) or the
         configured ones, and the scorer that sends them each rollout (rollout/opd.py)."""
         from miles_platform.rollout.engine_fleet import teacher_handle
-        from miles_platform.rollout.opd import TeacherScorer, teacher_sources, teacher_urls
+        from miles_platform.rollout.opd import TeacherScorer, teacher_sources
 
         started = None
         if teacher is not None:
             started = teacher_handle(teacher).url
             self.reporter.log(f"[opd] teacher engine {self.cfg.opd_teacher_hf_checkpoint} on {started}")
-        urls = teacher_urls(self.cfg, started)
+        urls = self.cfg.teacher_urls(started)
         self.teachers = teacher_sources(self.cfg, urls)
         self.manager.opd = TeacherScorer(
             self.cfg, urls, student_url, self.manager.client, student_lora=self.manager.adapter
@@ -206,6 +199,10 @@ class RunServices(contextlib.AbstractContextManager):
             secret_env=run_storage_secrets(cfg), options={"runtime_env": env},
         )  # fmt: skip
         return actors
+
+    def service_metrics(self) -> dict[str, float]:
+        """Each rollout's metrics of the services: --use-fault-tolerance's engine restarts so far."""
+        return {"rollout/engine_restarts": float(self.monitor.restarts)} if self.monitor is not None else {}
 
     def data_source_state(self) -> dict:
         """The data-source position plus every prompt taken and not trained (checkpointed)."""

@@ -11,15 +11,19 @@ Each policy version adds its `<run>.v<NNNNNN>` partition and logs `rollout_shard
 `eval_results` for the evaluated versions with a grid of sample images the UI shows.
 """
 
-import base64
 from typing import Any
 
 import dagster as dg
+from dagster._core.errors import DagsterExecutionInterruptedError
 from pydantic import create_model
 
+from assets.metadata import image_markdown, latest_path
 from miles_platform.diffusion.config import DiffusionRunConfig
 from miles_platform.errors import MilesError
-from ops.training import DagsterReporter, _cancelled, _latest_path, _pydantic_fields
+from miles_platform.run_types import CITestFailure
+from miles_platform.store.paths import StoragePaths
+from ops.training import _cancelled, _pydantic_fields
+from ops.version_events import DagsterReporter
 from resources.storage import StorageRootResource
 
 DIFFUSION_EXTRA = {"task": "diffusion", "evaluated_in_loop": "true"}
@@ -29,12 +33,6 @@ DiffusionTrainingConfig = create_model(
     **_pydantic_fields(DiffusionRunConfig, {"storage_root"}, launch=False),
 )  # fmt: skip
 DiffusionTrainingConfig.__doc__ = "DiffusionRunConfig: Miles-diffusion flag names (snake_case) and defaults."
-
-
-def image_markdown(png: bytes, caption: str = "") -> dg.MetadataValue:
-    """A PNG inline in the asset page (markdown with a data URI)."""
-    b64 = base64.b64encode(png).decode()
-    return dg.MetadataValue.md(f"{caption}\n\n![{caption}](data:image/png;base64,{b64})")
 
 
 class DiffusionReporter(DagsterReporter):
@@ -60,18 +58,16 @@ class DiffusionReporter(DagsterReporter):
 def diffusion_config_from(
     config: dg.Config, instance: dg.DagsterInstance, storage_root: str
 ) -> DiffusionRunConfig:
-    from miles_platform.store.paths import StoragePaths
-
     data = config.model_dump()
     data["storage_root"] = StoragePaths(storage_root).root
-    data["prompt_data"] = data.get("prompt_data") or _latest_path(instance, "diffusion_prompt_dataset")
-    data["hf_checkpoint"] = data.get("hf_checkpoint") or _latest_path(instance, "diffusion_base_checkpoint")
+    data["prompt_data"] = data.get("prompt_data") or latest_path(instance, "diffusion_prompt_dataset")
+    data["hf_checkpoint"] = data.get("hf_checkpoint") or latest_path(instance, "diffusion_base_checkpoint")
     # checkpoints under the run by default: a retried or re-executed run resumes from them
     data["save"] = data.get("save") or StoragePaths(storage_root).checkpoints(
         data.get("run_name") or "diffusion"
     )
     if not data.get("eval_prompt_data"):
-        eval_path = _latest_path(instance, "diffusion_eval_dataset")
+        eval_path = latest_path(instance, "diffusion_eval_dataset")
         data["eval_prompt_data"] = ["heldout", eval_path] if eval_path else []
     try:
         return DiffusionRunConfig.from_dict(data).validate()
@@ -90,10 +86,7 @@ def diffusion_training_op(
     config: DiffusionTrainingConfig,  # type: ignore[valid-type]
     storage: StorageRootResource,
 ) -> dg.Output:
-    from dagster._core.errors import DagsterExecutionInterruptedError
-
     from miles_platform.diffusion.loop import train_diffusion
-    from miles_platform.run_types import CITestFailure
 
     cfg = diffusion_config_from(config, context.instance, storage.root)
     reporter = DiffusionReporter(context)

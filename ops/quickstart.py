@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_platform.metric_names import metric_name
 from miles_platform.recipes import DEMO_DIFFUSION, DEMO_RL, DIFFUSION_ROLLOUTS  # noqa: F401 (re-exported)
 
 
@@ -50,18 +51,6 @@ def _log(msg: str) -> None:
     print(f"[quickstart] {msg}", flush=True)
 
 
-def _metadata(instance, key: str, partition: str | None = None) -> dict[str, Any]:
-    import dagster as dg
-
-    flt = dg.AssetRecordsFilter(
-        asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None
-    )
-    records = instance.fetch_materializations(flt, limit=1).records
-    if not records:
-        return {}
-    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
-
-
 def run_quickstart(
     root: str, num_rollout: int, seed: int, eval_every: int, sft_iters: int | None
 ) -> dict[str, Any]:
@@ -72,6 +61,9 @@ def run_quickstart(
     import dagster as dg
 
     import definitions  # the code location: same assets, jobs and resources the UI loads
+    from assets.evals import run_config_for_version
+    from assets.metadata import latest_metadata
+    from miles_platform.store.paths import partition_key
 
     defs = definitions.defs
     instance = dg.DagsterInstance.get()
@@ -93,9 +85,9 @@ def run_quickstart(
     conversion = subprocess.Popen(
         [sys.executable, "-m", "ops.quickstart", "--storage-root", root, "--run-job", "convert_checkpoint"]
     )  # fmt: skip
-    base_md = _metadata(instance, "base_checkpoint")
+    base_md = latest_metadata(instance, "base_checkpoint")
     base_path = str(base_md["path"])
-    eval_path = str(_metadata(instance, "eval_dataset")["path"])
+    eval_path = str(latest_metadata(instance, "eval_dataset")["path"])
 
     _log(f"running rl_training: {num_rollout} rollouts of GRPO")
     run = _fresh_run_name(root, DEMO_RL["run_name"])
@@ -116,13 +108,11 @@ def run_quickstart(
             f"materializing converted_checkpoint failed (exit {conversion.returncode}; its log is above)"
         )
     out = res.output_for_node("rl_training_op")
-    final_key = f"{out['run']}.v{out['final_version']:06d}"
+    final_key = partition_key(out["run"], out["final_version"])
 
     keys = sorted(instance.get_dynamic_partitions("policy_versions"))
     keys = [k for k in keys if k.startswith(out["run"] + ".v")]
     chosen = [k for i, k in enumerate(keys, 1) if i % eval_every == 0] + [final_key]  # as the sensor would
-    from assets.evals import run_config_for_version
-
     for key in dict.fromkeys(chosen):  # with the run's eval settings, as the sensor launches them
         _log(f"materializing eval_results[{key}]")
         cfg = run_config_for_version(instance, key)
@@ -136,7 +126,7 @@ def run_quickstart(
     for fmt in ("fp8", "int4"):
         mk = dg.MultiPartitionKey({"policy_version": final_key, "format": fmt})
         _run_job(defs, "quantize_weights", instance, partition_key=mk)
-        md = _metadata(instance, "quantized_weights", mk)
+        md = latest_metadata(instance, "quantized_weights", mk)
         quantized[fmt] = {  # `<dataset>/<metric>`, as eval_results keys them
             k.removeprefix("eval/"): float(v) for k, v in md.items() if k.startswith("eval/")
         }
@@ -171,7 +161,6 @@ def eval_summary(paths, run: str, final_version: int, dataset: str = "eval") -> 
     """The summary's eval numbers, read from the `evals` rows that eval_results (and, for the base
     v0, the scoreboard) wrote: one source with the asset pages, named as there. The newest row of
     each (version, metric) on `dataset`; the accuracies are greedy pass@1 (None: not evaluated)."""
-    from miles_platform.rollout.metric_names import metric_name
     from miles_platform.store.paths import partition_key
     from miles_platform.store.tables import read_rows
 

@@ -24,14 +24,28 @@ import re
 from typing import Any, Optional  # noqa: UP035 - pydantic field types built at runtime
 
 import dagster as dg
+from dagster._core.errors import DagsterExecutionInterruptedError
 from pydantic import Field, create_model
 
-from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
-from miles_platform.config import RunConfig
-from miles_platform.errors import MilesError
-from miles_platform.loop import Reporter, RunResult
+from assets.evals import eval_config_for_run
+from assets.metadata import latest_path
+from miles_platform.cluster.k8s import TRAINING_OP_K8S_TAGS
+from miles_platform.config import ConfigError, RunConfig, function_flag_values
+from miles_platform.errors import MilesError, retryable
+from miles_platform.launch.ray_jobs import (
+    FINAL_EXIT_CODES,
+    job_client,
+    parse_runtime_env,
+    resolve_job_address,
+    stop_job,
+    submit_or_attach,
+    wait_for_job,
+)
+from miles_platform.run_types import CITestFailure, RunResult
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.tables import read_rows
 from ops.presets import RUN_ID, Preset, presets, run_name_for
+from ops.version_events import DagsterReporter, run_version_reports
 from resources.storage import StorageRootResource
 
 # dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's
@@ -76,7 +90,7 @@ def _pydantic_fields(
         elif tstr.startswith("list["):
             typ = list[str]
         elif "None" in tstr:
-            base = {"int": int, "float": float, "str": str}[tstr.split(" ")[0]]
+            base = {"int": int, "float": float, "str": str, "bool": bool}[tstr.split(" ")[0]]
             typ = Optional[base]  # noqa: UP045
         else:
             typ = t
@@ -123,67 +137,6 @@ RLTrainingConfig = create_model("RLTrainingConfig", __base__=dg.Config, **_pydan
 RLTrainingConfig.__doc__ = "RunConfig: Miles flag names (snake_case) and defaults."
 
 
-def _latest_path(instance: dg.DagsterInstance, key: str) -> str | None:
-    ev = instance.get_latest_materialization_event(dg.AssetKey(key))
-    if ev is None or ev.asset_materialization is None:
-        return None
-    md = ev.asset_materialization.metadata.get("path")
-    return None if md is None else str(md.value)
-
-
-class DagsterReporter(Reporter):
-    """Each policy version -> a dynamic partition plus `rollout_shards` and `policy_versions`
-    materializations. The loop reports a version just before that rollout's metrics, so the
-    `policy_versions` event waits for them (or for `flush`) to carry them as plottable floats.
-    `extra`: metadata on every event (a diffusion run's `task: diffusion`)."""
-
-    def __init__(
-        self,
-        context: dg.OpExecutionContext,
-        eval_config: dict[str, Any] | None = None,
-        extra: dict[str, Any] | None = None,
-    ):
-        self.context = context
-        self.eval_config = eval_config or {}
-        self.extra = extra
-        self._pending: dict[str, Any] | None = None
-
-    def log(self, msg: str) -> None:
-        self.context.log.info(msg)
-
-    def on_policy_version(self, info: dict[str, Any]) -> None:
-        self.flush()
-        ctx, key = self.context, info["partition_key"]
-        ctx.instance.add_dynamic_partitions("policy_versions", [key])
-        ctx.log_event(rollout_shard_event(info, self.extra))
-        if info.get("adapter_path"):  # a LoRA version: the adapter + the frozen base, no HF export
-            ctx.log_event(lora_adapter_event(info, self.extra))
-        self._pending = info
-
-    def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
-        if self._pending is not None and self._pending["rollout_id"] == rollout_id:
-            self.context.log_event(policy_version_event(self._pending, metrics, self.eval_config, self.extra))
-            self._pending = None
-
-    def on_versions_abandoned(self, partition_keys: list[str], rollout_id: int, version: int) -> None:
-        """Versions a crashed attempt made after its last checkpoint: an observation on each of their
-        `policy_versions` partitions says so (the catalog's status column says it too)."""
-        known = set(self.context.instance.get_dynamic_partitions("policy_versions"))
-        for key in partition_keys:
-            if key in known:
-                self.context.log_event(dg.AssetObservation(
-                    asset_key="policy_versions", partition=key,
-                    metadata={"status": "abandoned", "resumed_from_rollout": rollout_id,
-                              "resumed_from_version": version},
-                ))  # fmt: skip
-
-    def flush(self) -> None:
-        """Log a version whose rollout metrics never came (the run failed in between)."""
-        if self._pending is not None:
-            self.context.log_event(policy_version_event(self._pending, {}, self.eval_config, self.extra))
-            self._pending = None
-
-
 def run_config_from(
     config: dg.Config, instance: dg.DagsterInstance, storage_root: str, run: dg.DagsterRun | None = None
 ) -> tuple[RunConfig, dict[str, Any]]:
@@ -192,9 +145,7 @@ def run_config_from(
     user mistake is a dg.Failure naming the Launchpad key) and the `eval_results` config that
     evaluates its versions. The loop itself does not evaluate under Dagster: eval_results,
     requested by the sensor, is the evaluator of record."""
-    from assets.evals import eval_config_for_run
-    from miles_platform.config import ConfigError, function_flag_values
-    from miles_platform.loop import validate_before_start
+    from miles_platform.loop import validate_before_start  # torch: when a run starts, not at load
 
     data = config.model_dump()
     flags = data.pop(FUNCTION_FLAGS, [])
@@ -204,14 +155,21 @@ def run_config_from(
         data["rm_type"] = None
     if run is not None:
         data["run_name"] = run_name_for(data["run_name"], run)
+    if data.get("api_key"):  # the run config is stored, and shown, as typed
+        raise dg.Failure(
+            description="rl_training config: api_key typed in the Launchpad is stored in plain text with the "
+            "run's config (Dagster's run storage, shown to anyone who can open the run): give api_key_file "
+            "(a 0600 file the run worker reads) or set $MILES_API_KEY in the code location's environment",
+            allow_retries=False,
+        )
     try:
         data["custom_function_args"] = function_flag_values(data, flags)
         cfg = RunConfig.from_dict(data)
     except ConfigError as e:
         raise launchpad_failure(e, data) from None
     cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
-    cfg.prompt_data = cfg.prompt_data or _latest_path(instance, "prompt_dataset")
-    cfg.hf_checkpoint = cfg.hf_checkpoint or _latest_path(instance, "base_checkpoint")
+    cfg.prompt_data = cfg.prompt_data or latest_path(instance, "prompt_dataset")
+    cfg.hf_checkpoint = cfg.hf_checkpoint or latest_path(instance, "base_checkpoint")
     if cfg.prompt_data and cfg.prompt_data.endswith(".parquet") and cfg.input_key == "input":
         cfg.input_key, cfg.label_key = "prompt", cfg.label_key or "label"  # normalized dataset columns
     try:
@@ -251,9 +209,7 @@ def rl_training_op(
     config: RLTrainingConfig,  # type: ignore[valid-type]
     storage: StorageRootResource,
 ) -> dg.Output:
-    from dagster._core.errors import DagsterExecutionInterruptedError
-
-    from miles_platform.loop import CITestFailure, train
+    from miles_platform.loop import train  # torch: when a run starts, not at load
 
     ray_job = ray_job_options(config)
     cfg, eval_config = run_config_from(config, context.instance, storage.root, context.dagster_run)
@@ -266,6 +222,10 @@ def rl_training_op(
         result: RunResult = train(cfg, reporter)
     except CITestFailure as e:  # deterministic: a retry would fail the same way
         raise dg.Failure(description=f"--ci-test: {e}", allow_retries=False) from e
+    except MilesError as e:  # a missing dataset, a reward function that raised, ...: said once, not retried
+        if retryable(e):
+            raise
+        raise dg.Failure(description=f"run {cfg.run_name}: {e}", allow_retries=False) from e
     except (DagsterExecutionInterruptedError, KeyboardInterrupt):
         raise _cancelled(f"run {cfg.run_name} stopped; its last checkpoint resumes it") from None
     finally:
@@ -291,9 +251,6 @@ def _cancelled(what: str) -> dg.Failure:
 
 def ray_job_options(config: dg.Config) -> tuple[str, dict[str, Any]] | None:
     """(Ray Jobs address, runtime env) for `launcher: ray_job`; None for in_process."""
-    from miles_platform.cluster.ray_jobs import parse_runtime_env, resolve_job_address
-    from miles_platform.config import ConfigError
-
     launcher = getattr(config, LAUNCHER)
     if launcher not in LAUNCHERS:
         raise dg.Failure(description=f"rl_training config: launcher {launcher!r}: one of {', '.join(LAUNCHERS)}",
@@ -322,18 +279,7 @@ def train_as_ray_job(
     every poll the run's new versions are reconciled from the catalog into `policy_versions` /
     `rollout_shards` materializations (Pipes cannot report partitioned ones). Killing this process
     leaves the job running; cancelling the run stops it."""
-    from dagster._core.errors import DagsterExecutionInterruptedError
     from dagster_ray.core.pipes import PipesRayJobMessageReader
-
-    from miles_platform.cluster.ray_jobs import (
-        FINAL_EXIT_CODES,
-        job_client,
-        stop_job,
-        submit_or_attach,
-        wait_for_job,
-    )
-    from miles_platform.store.tables import read_rows
-    from sensors.catalog_runs import run_version_reports
 
     client = job_client(address)
     reader = PipesRayJobMessageReader()
@@ -401,8 +347,6 @@ def _k8s_tags() -> dict[str, str]:
     would only clutter every Launchpad run."""
     if not os.environ.get("KUBERNETES_SERVICE_HOST"):  # set in every pod by Kubernetes
         return {}
-    from miles_platform.cluster.k8s import TRAINING_OP_K8S_TAGS
-
     return dict(TRAINING_OP_K8S_TAGS)
 
 
@@ -432,4 +376,3 @@ def preset_job(preset: Preset) -> dg.JobDefinition:
 
 
 PRESET_JOBS = {p.job_name: preset_job(p) for p in presets()}
-TRAINING_JOBS = ("rl_training", *PRESET_JOBS)  # every job that runs rl_training_op

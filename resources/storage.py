@@ -1,10 +1,8 @@
-"""Storage resources: the storage root (StoragePaths) and the DuckDB catalog over it."""
-
-from typing import Any
+"""The storage resource: the storage root (StoragePaths) every asset, op and sensor writes and reads
+under. The DuckDB catalog over it is opened where it is queried (`Catalog(resource.paths)`)."""
 
 import dagster as dg
 
-from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 
 
@@ -16,19 +14,3 @@ class StorageRootResource(dg.ConfigurableResource):
     @property
     def paths(self) -> StoragePaths:
         return StoragePaths(self.root)
-
-
-class CatalogResource(dg.ConfigurableResource):
-    """`<root>/catalog.duckdb`: views rollouts, policy_versions, evals, lineage, metrics."""
-
-    root: str = ".miles"
-
-    @property
-    def catalog(self) -> Catalog:
-        return Catalog(StoragePaths(self.root))
-
-    def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-        return self.catalog.query(sql)
-
-    def refresh(self) -> bool:
-        return self.catalog.refresh()

@@ -37,8 +37,8 @@ class Clock(Reporter):
     def __init__(self):
         self.t0, self.times = time.time(), {}
 
-    def on_policy_version(self, info):
-        self.times[info["version"]] = (time.time() - self.t0, info["hf_path"])
+    def on_policy_version(self, pv):
+        self.times[pv.version] = (time.time() - self.t0, pv.hf_path)
 
 
 def greedy(hf_dir: str, eval_data: str, prompts: int | None) -> float:

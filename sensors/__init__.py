@@ -8,16 +8,8 @@ MODULES = ("evals", "publications", "scoreboard", "catalog_runs", "run_health")
 
 
 def _collect(kind):
-    out = []
-    for name in MODULES:
-        try:
-            mod = importlib.import_module(f"sensors.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"sensors.{name}":
-                raise
-            continue
-        out += [v for v in vars(mod).values() if isinstance(v, kind)]
-    return out
+    mods = [importlib.import_module(f"sensors.{name}") for name in MODULES]
+    return [v for mod in mods for v in vars(mod).values() if isinstance(v, kind)]
 
 
 def all_sensors():

@@ -4,7 +4,7 @@ A run launched with `miles-platform train` (or as a Ray job on a cluster) writes
 `policy_versions` rows and lineage as the `rl_training` op, but no Dagster events. This sensor
 reads new rows from the catalog's tables and reports, per version, the dynamic partition and the
 `rollout_shards` / `policy_versions` (and for LoRA `lora_adapters`) materializations the op would
-have logged: the same lineage metadata (assets/rollouts.py builds both), the rollout's training
+have logged: the same lineage metadata (ops/version_events.py builds both), the rollout's training
 metrics from the `metrics` table, the run's eval settings from its `run_config.json`, plus
 `reported_by: runs_from_catalog`. When the versions it reports end a run (its --num-rollout-th
 rollout is recorded), it requests `check_run_health` for it, as `run_health_after_training` does
@@ -18,41 +18,33 @@ being trained by Dagster keeps its cursor and is read again once that run ends.
 """
 
 import json
-from pathlib import Path
-from typing import Any
 
 import dagster as dg
 import fsspec
 import pyarrow.parquet as pq
 
-from assets.evals import eval_config_for_run
 from assets.partitions import policy_version_partitions
-from assets.rollouts import lora_adapter_event, policy_version_event, rollout_shard_event
 from miles_platform.config import RunConfig
-from miles_platform.store.lineage_identity import read_edges
-from miles_platform.store.paths import StoragePaths, parse_partition_key, partition_key
-from miles_platform.store.run_events import committed_rows, is_abandoned, resume_events
-from miles_platform.store.run_health import run_finished, saved_run_config
+from miles_platform.diffusion.config import DiffusionRunConfig
+from miles_platform.store.paths import StoragePaths, parse_partition_key
+from miles_platform.store.run_events import is_abandoned, resume_events
+from miles_platform.store.run_health import run_finished
 from miles_platform.store.schemas import TABLE_SCHEMAS
-from miles_platform.store.tables import read_rows
-from miles_platform.store.versions import is_final_version
 from ops.presets import presets, run_name_for
+from ops.version_events import POLICY_VERSIONS, CatalogVersions
 from resources.storage import StorageRootResource
 from sensors.run_health import run_health_job
 
-POLICY_VERSIONS = dg.AssetKey("policy_versions")
 TRAINING_JOB = "rl_training"
 UNFINISHED = [
     dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING,
     dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING,
 ]  # fmt: skip
-REPORTED_BY = {"reported_by": "runs_from_catalog"}
 MAX_VERSIONS_PER_TICK = 500
 
 
 def _training_jobs() -> list[tuple[str, str, str]]:
     """(job, op, run_name when the run config has none) of every job that trains a run."""
-    from miles_platform.diffusion.config import DiffusionRunConfig
 
     def default(cls) -> str:
         return cls.__dataclass_fields__["run_name"].default
@@ -73,57 +65,6 @@ def runs_trained_by_dagster_now(instance: dg.DagsterInstance) -> set[str]:
             config = (run.run_config or {}).get("ops", {}).get(op, {}).get("config", {})
             names.add(run_name_for(config.get("run_name") or default, run))
     return names
-
-
-def _run_context(
-    paths: StoragePaths,
-    run: str,
-    rows: list[dict],
-    eval_config: dict[str, Any] | None = None,
-    extra: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    lineage = read_edges(paths, run)
-    base = next((e["parent"] for e in lineage if e["relation"] == "base_checkpoint"), None)
-    teachers: dict[str, list] = {}
-    for e in lineage:
-        if e["relation"] == "distilled_from":
-            teachers.setdefault(e["child"], []).append(
-                {"teacher": e["parent"], "kind": e["parent_kind"], "content_hash": e["data_version"]}
-            )
-    metrics: dict[int, dict[str, float]] = {}
-    for m in read_rows(paths, "metrics", run):
-        metrics.setdefault(m["rollout_id"], {})[m["name"]] = m["value"]
-    cfg = saved_run_config(paths, run, rows)
-    if eval_config is None:
-        eval_config = eval_config_for_run(cfg) if cfg is not None else {}
-    extra = dict(REPORTED_BY if extra is None else extra)
-    if cfg is not None and cfg.eval_prompt_data and cfg.eval_interval:
-        extra["evaluated_in_loop"] = "true"  # the run's own evals are in `evals`: the sensor skips it
-    from miles_platform.diffusion.loop import DIFFUSION_CONFIG
-
-    if Path(paths.run_dir(run), DIFFUSION_CONFIG).is_file():  # a diffusion run evaluates itself
-        extra.update(task="diffusion", evaluated_in_loop="true")
-    return {"base": base, "teachers": teachers, "metrics": metrics, "cfg": cfg, "eval_config": eval_config,
-            "extra": extra}  # fmt: skip
-
-
-def _events(row: dict, run: str, ctx: dict[str, Any]) -> list[dg.AssetMaterialization]:
-    cfg = ctx["cfg"]
-    info = {
-        **row,
-        "run": run,
-        "parent_partition_key": partition_key(run, row["parent_version"]),
-        "base_checkpoint": ctx["base"],
-        "prompt_data": cfg.prompt_data if cfg else None,
-        "eval_interval": cfg.eval_interval if cfg else None,
-        "final": cfg is not None and is_final_version(cfg, row["rollout_id"]),
-        "distilled_from": ctx["teachers"].get(row["partition_key"], []),
-    }
-    metrics = ctx["metrics"].get(row["rollout_id"], {})
-    events = [rollout_shard_event(info, ctx["extra"])]
-    if info.get("adapter_path") and Path(info["adapter_path"]).is_dir() and ctx["base"]:
-        events.append(lora_adapter_event(info, ctx["extra"]))
-    return [*events, policy_version_event(info, metrics, ctx["eval_config"], ctx["extra"])]
 
 
 def plan_catalog_reports(
@@ -155,42 +96,17 @@ def plan_catalog_reports(
         rows_by_file = [(p, [r for r in rows if not is_abandoned("policy_versions", r, resumes)])
                         for p, rows in rows_by_file]  # fmt: skip
         todo = [r for _, rows in rows_by_file for r in rows if r["partition_key"] not in reported]
-        ctx = _run_context(paths, run, todo) if todo else None
+        stored = CatalogVersions.read(paths, run, todo) if todo else None
         for p, rows in rows_by_file:
             if len(keys) >= limit:
                 break
             for row in rows:
                 if row["partition_key"] in reported or row["partition_key"] in keys:
                     continue
-                events += _events(row, run, ctx)
+                events += stored.events(row["partition_key"])
                 keys.append(row["partition_key"])
             done[run] = p.rsplit("/", 1)[1]
     return events, keys, json.dumps(done, sort_keys=True), waiting
-
-
-def run_version_reports(
-    instance: dg.DagsterInstance,
-    paths: StoragePaths,
-    run: str,
-    *,
-    eval_config: dict[str, Any],
-    extra: dict[str, str],
-    complete: bool,
-) -> tuple[list[dg.AssetMaterialization], list[str]]:
-    """The events and new partition keys of one run's versions that have no `policy_versions`
-    materialization yet: how the `rl_training` op reports a run it launched as a Ray job. Until
-    the run is `complete`, a version waits for its rollout's metrics (written just after it)."""
-    reported = set(instance.get_materialized_partitions(POLICY_VERSIONS))
-    committed = committed_rows(paths, "policy_versions", run)  # a resume abandons versions: never reported
-    latest = {r["partition_key"]: r for r in committed}  # a resume's row wins
-    rows = [r for k, r in latest.items() if k not in reported]
-    if not rows:
-        return [], []
-    ctx = _run_context(paths, run, rows, eval_config, extra)
-    if not complete:
-        rows = [r for r in rows if r["rollout_id"] in ctx["metrics"]]
-    rows.sort(key=lambda r: r["version"])
-    return [e for r in rows for e in _events(r, run, ctx)], [r["partition_key"] for r in rows]
 
 
 @dg.sensor(

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import dagster as dg
 
 from assets.evals import eval_run_config, run_config_for_version
+from assets.metadata import metadata_text
 from assets.partitions import policy_version_partitions
 from miles_platform.store.paths import parse_partition_key
 from sensors.policy_events import new_policy_versions
@@ -101,14 +102,9 @@ class EvalPlan:
     capped: list[str]  # runs whose versions were skipped because they reached max_per_run
 
 
-def _md_text(mat: dg.AssetMaterialization, key: str) -> str | None:
-    md = mat.metadata.get(key)
-    return None if md is None or md.value in (None, "") else str(md.value)
-
-
 def _interval(mat: dg.AssetMaterialization, default: int) -> int:
     try:
-        value = int(_md_text(mat, "eval_interval") or default)
+        value = int(metadata_text(mat, "eval_interval") or default)
     except ValueError:
         value = default
     return value if value > 0 else default
@@ -134,9 +130,9 @@ def plan_eval_requests(
     capped: set[str] = set()
 
     def due(key: str, mat: dg.AssetMaterialization) -> bool:
-        if _md_text(mat, "evaluated_in_loop") == "true":  # a run whose own loop evaluates it
+        if metadata_text(mat, "evaluated_in_loop") == "true":  # a run whose own loop evaluates it
             return False
-        run, final = parse_partition_key(key)[0], _md_text(mat, "final") == "true"
+        run, final = parse_partition_key(key)[0], metadata_text(mat, "final") == "true"
         if not final and _version(mat) % _interval(mat, policy.interval):
             return False
         if not final and policy.max_per_run and state.requested[run] >= policy.max_per_run:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from assets.metadata import latest_materialization, metadata_text
 from miles_platform.store.scoreboard import evals_part_names, evals_signature, part_time
 from resources.storage import StorageRootResource
 from sensors.settings import env_int
@@ -74,10 +75,7 @@ def plan_rebuild(
 
 def built_from(instance: dg.DagsterInstance) -> str | None:
     """The evals signature the latest scoreboard materialization was built from."""
-    event = instance.get_latest_materialization_event(dg.AssetKey("scoreboard"))
-    mat = event.asset_materialization if event else None
-    md = mat.metadata.get("evals_signature") if mat else None
-    return None if md is None else str(md.value)
+    return metadata_text(latest_materialization(instance, "scoreboard"), "evals_signature")
 
 
 def build_scoreboard_sensor(policy: RebuildPolicy | None = None) -> dg.SensorDefinition:

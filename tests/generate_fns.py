@@ -146,3 +146,11 @@ async def generate_rollout(args, rollout_id, data_source, evaluation=False):
 
 def wrong_rollout_signature(args, rollout_id):
     return []
+
+
+async def hangs_on_odd_seeds(input: GenerateFnInput) -> GenerateFnOutput:
+    """A user bug: an await that never returns for every other sample; the rest generate normally."""
+    if input.sampling_params["sampling_seed"] % 2:
+        await asyncio.Event().wait()
+    s = await old_form_generate(input.args, input.sample, input.sampling_params, input.evaluation)
+    return GenerateFnOutput(samples=s)

@@ -145,3 +145,8 @@ def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
 
     multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
+async def broken_reward(args, sample):
+    """A `--custom-rm-path` with a bug: it raises on every sample."""
+    raise KeyError("score")

@@ -16,7 +16,7 @@ from miles_platform.data.sample import Sample
 from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.shards import write_rollout_shard
 from miles_platform.store.tables import append_rows
-from miles_platform.store.versions import record_policy_version
+from miles_platform.store.versions import PolicyVersion, record_policy_version
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8}
@@ -30,12 +30,12 @@ def build_run(
     rewards: list[float] | None = None,
     staleness: int = 0,
     **flags,
-) -> list[dict]:
+) -> list[PolicyVersion]:
     """A finished run of `num_rollout` rollouts, one version per rollout (v = rollout id + 1), each
     exported as a copy of `base` (with `lora_rank=r`: an adapter on `base`'s q_proj modules); each
     rollout trains the 4 prompts `i+i=` (one sample each). `staleness`: samples started that many
     versions before the engine's. `storage_root`: the root as the run was given it (default
-    `paths.root`). Returns the PolicyVersion dicts, as the loop hands them to its reporter."""
+    `paths.root`). Returns the PolicyVersions, as the loop hands them to its reporter."""
     from miles_platform.models.checkpoint import content_hash
 
     flags.setdefault("prompt_data", "train.jsonl")
@@ -64,7 +64,7 @@ def build_run(
         rows = [{"rollout_id": rid, "step": rid, "name": name, "value": value}
                 for name, value in (("rollout/raw_reward", reward), ("train/loss", 1.0 - reward))]  # fmt: skip
         append_rows(paths, "metrics", run, rows)
-        out.append(pv.to_dict())
+        out.append(pv)
     return out
 
 

@@ -17,15 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from miles_platform.config import (
-    _add_flag,
-    _f,
-    _flag,
-    check_run_name,
-    check_seeds,
-    derive_batch_knobs,
-    load_yaml,
-)
+from miles_platform.config import check_run_name, check_seeds, derive_batch_knobs
+from miles_platform.config.flags import add_flag, changed_flags, flag, flag_name, load_yaml, parser_groups
 from miles_platform.errors import ConfigError
 
 GROUPS = ("cluster", "checkpoint", "rollout", "sampling", "reward", "eval", "algorithm", "optimizer",
@@ -66,143 +59,145 @@ RESUMABLE = frozenset(
 @dataclass
 class DiffusionRunConfig:
     # --- cluster ---
-    ray_address: str | None = _f(
+    ray_address: str | None = flag(
         None, "cluster", "join an existing Ray cluster (else RAY_ADDRESS, else local)"
     )
     # --- checkpoint ---
-    hf_checkpoint: str | None = _f(None, "checkpoint", "the DiT pipeline dir to train and serve (required)")
-    diffusion_task: str | None = _f(None, "checkpoint", "task of the family (required)", choices=("t2i",))
-    diffusion_model_family: str | None = _f(
+    hf_checkpoint: str | None = flag(None, "checkpoint", "the DiT pipeline dir to train and serve (required)")
+    diffusion_task: str | None = flag(None, "checkpoint", "task of the family (required)", choices=("t2i",))
+    diffusion_model_family: str | None = flag(
         None, "checkpoint", "family key (else read from model_index.json)", choices=("tiny_dit",)
     )
-    save: str | None = _f(
+    save: str | None = flag(
         None, "checkpoint", "checkpoint dir (iter_NNNNNNN + latest_checkpointed_iteration.txt)"
     )
-    save_interval: int | None = _f(None, "checkpoint", "save every N rollouts (and at the end)")
-    load: str | None = _f(None, "checkpoint", "resume from this checkpoint dir (default: --save)")
-    no_save_optim: bool = _f(False, "checkpoint", "skip AdamW state in checkpoints")
-    allow_config_change: bool = _f(
+    save_interval: int | None = flag(None, "checkpoint", "save every N rollouts (and at the end)")
+    load: str | None = flag(None, "checkpoint", "resume from this checkpoint dir (default: --save)")
+    no_save_optim: bool = flag(False, "checkpoint", "skip AdamW state in checkpoints")
+    allow_config_change: bool = flag(
         False, "checkpoint", "resume a run whose saved config differs in what is trained (logged)"
     )
-    no_load_optim: bool = _f(False, "checkpoint", "resume with a fresh optimizer")
+    no_load_optim: bool = flag(False, "checkpoint", "resume with a fresh optimizer")
     # --- rollout ---
-    prompt_data: str | None = _f(None, "rollout", "JSONL/Parquet prompts (required)")
-    input_key: str = _f("prompt", "rollout", "prompt field")
-    rollout_batch_size: int | None = _f(None, "rollout", "prompts per rollout (required)")
-    n_samples_per_prompt: int = _f(1, "rollout", "samples per prompt (GRPO group size)")
-    global_batch_size: int | None = _f(None, "rollout", "trajectories per optimizer step (derived)")
-    num_steps_per_rollout: int | None = _f(None, "rollout", "optimizer steps per rollout (derived)")
-    micro_batch_size: int = _f(1, "rollout", "train pairs per DiT forward")
-    num_rollout: int | None = _f(None, "rollout", "rollout iterations (or --num-epoch)")
-    num_epoch: int | None = _f(None, "rollout", "epochs over --prompt-data (ignored with --num-rollout)")
-    rollout_seed: int = _f(42, "rollout", "seed of the prompt order and the per-sample noise")
-    rollout_shuffle: bool = _f(False, "rollout", "shuffle prompts once per epoch")
-    rollout_microgroup_size: int = _f(1, "rollout", "samples of one prompt per engine request")
+    prompt_data: str | None = flag(None, "rollout", "JSONL/Parquet prompts (required)")
+    input_key: str = flag("prompt", "rollout", "prompt field")
+    rollout_batch_size: int | None = flag(None, "rollout", "prompts per rollout (required)")
+    n_samples_per_prompt: int = flag(1, "rollout", "samples per prompt (GRPO group size)")
+    global_batch_size: int | None = flag(None, "rollout", "trajectories per optimizer step (derived)")
+    num_steps_per_rollout: int | None = flag(None, "rollout", "optimizer steps per rollout (derived)")
+    micro_batch_size: int = flag(1, "rollout", "train pairs per DiT forward")
+    num_rollout: int | None = flag(None, "rollout", "rollout iterations (or --num-epoch)")
+    num_epoch: int | None = flag(None, "rollout", "epochs over --prompt-data (ignored with --num-rollout)")
+    rollout_seed: int = flag(42, "rollout", "seed of the prompt order and the per-sample noise")
+    rollout_shuffle: bool = flag(False, "rollout", "shuffle prompts once per epoch")
+    rollout_microgroup_size: int = flag(1, "rollout", "samples of one prompt per engine request")
     # --- sampling (engine stepping; the trainer reads the recorded trajectory) ---
-    diffusion_num_steps: int = _f(10, "sampling", "denoising steps per sample")
-    diffusion_noise_level: float = _f(0.7, "sampling", "eta of the SDE kernel")
-    diffusion_sde_type: str = _f("sde", "sampling", "dynamics family (selects the train-side backend)",
+    diffusion_num_steps: int = flag(10, "sampling", "denoising steps per sample")
+    diffusion_noise_level: float = flag(0.7, "sampling", "eta of the SDE kernel")
+    diffusion_sde_type: str = flag("sde", "sampling", "dynamics family (selects the train-side backend)",
                                  choices=SDE_TYPES)  # fmt: skip
-    sde_step_backend_path: str | None = _f(None, "sampling", "custom SdeStepBackend subclass (dotted path)")
-    diffusion_num_sde_steps: int = _f(0, "sampling", "steps the step strategy scores")
-    diffusion_sde_window_range: str | None = _f(None, "sampling", "lo,hi window for sde_window")
-    diffusion_sde_candidate_steps: str | None = _f(None, "sampling", "1,2,3 for epoch_global_random_choice")
-    diffusion_step_strategy_path: str | None = _f(
+    sde_step_backend_path: str | None = flag(None, "sampling", "custom SdeStepBackend subclass (dotted path)")
+    diffusion_num_sde_steps: int = flag(0, "sampling", "steps the step strategy scores")
+    diffusion_sde_window_range: str | None = flag(None, "sampling", "lo,hi window for sde_window")
+    diffusion_sde_candidate_steps: str | None = flag(None, "sampling", "1,2,3 for epoch_global_random_choice")
+    diffusion_step_strategy_path: str | None = flag(
         None,
         "sampling",
         "which steps enter training (sde_window, epoch_global_random_choice or a dotted path)",
     )
-    diffusion_log_prob_no_const: bool = _f(False, "sampling", "drop log-prob constants (forced for cps/ode)")
-    diffusion_flow_shift: float | None = _f(
+    diffusion_log_prob_no_const: bool = flag(
+        False, "sampling", "drop log-prob constants (forced for cps/ode)"
+    )
+    diffusion_flow_shift: float | None = flag(
         None, "sampling", "generation schedule shift (else the pipeline's)"
     )
-    diffusion_guidance_scale: float = _f(
+    diffusion_guidance_scale: float = flag(
         1.0, "sampling", "CFG scale (Miles default 4.0; the tiny DiT is trained without CFG: only 1.0)"
     )
-    diffusion_height: int | None = _f(None, "sampling", "output height (must be the DiT's sample size)")
-    diffusion_width: int | None = _f(None, "sampling", "output width (must be the DiT's sample size)")
-    rollout_return_full_trajectory: bool = _f(
+    diffusion_height: int | None = flag(None, "sampling", "output height (must be the DiT's sample size)")
+    diffusion_width: int | None = flag(None, "sampling", "output width (must be the DiT's sample size)")
+    rollout_return_full_trajectory: bool = flag(
         False, "sampling", "record every step, not only the trained ones"
     )
-    diffusion_debug_mode: bool = _f(
+    diffusion_debug_mode: bool = flag(
         False, "sampling", "engine returns per-step noise_pred: model_output_* metrics"
     )
-    sglang_dit_precision: str = _f(
+    sglang_dit_precision: str = flag(
         "fp32",
         "sampling",
         "the engine's DiT precision (Miles default bf16; fp32 on CPU)",
         choices=DTYPE_CHOICES,
     )
     # --- reward ---
-    rm_type: str = _f("image_attributes", "reward", "built-in reward", choices=("image_attributes",))
-    custom_rm_path: str | None = _f(
+    rm_type: str = flag("image_attributes", "reward", "built-in reward", choices=("image_attributes",))
+    custom_rm_path: str | None = flag(
         None, "reward", "async def rm(args, samples) -> list[float] (replaces --rm-type)"
     )
     # --- eval ---
-    eval_prompt_data: list[str] = _f([], "eval", "`name path` pairs", nargs="*")
-    eval_interval: int | None = _f(None, "eval", "evaluate every N rollouts")
-    n_samples_per_eval_prompt: int = _f(1, "eval", "samples per eval prompt")
-    diffusion_eval_num_steps: int | None = _f(
+    eval_prompt_data: list[str] = flag([], "eval", "`name path` pairs", nargs="*")
+    eval_interval: int | None = flag(None, "eval", "evaluate every N rollouts")
+    n_samples_per_eval_prompt: int = flag(1, "eval", "samples per eval prompt")
+    diffusion_eval_num_steps: int | None = flag(
         None, "eval", "denoising steps at eval (else --diffusion-num-steps)"
     )
-    skip_eval_before_train: bool = _f(False, "eval", "do not evaluate v0")
+    skip_eval_before_train: bool = flag(False, "eval", "do not evaluate v0")
     # --- algorithm ---
-    loss_type: str = _f("policy_loss", "algorithm", "policy_loss (Flow-GRPO) or nft", choices=LOSS_TYPES)
-    advantage_estimator: str = _f("grpo", "algorithm", "advantage estimator", choices=("grpo",))
-    disable_grpo_std_normalization: bool = _f(False, "algorithm", "subtract the group mean only")
-    globalize_reward_mean: bool = _f(False, "algorithm", "batch-wide mean instead of per prompt")
-    globalize_reward_std: bool = _f(False, "algorithm", "batch-wide std instead of per group")
-    diffusion_clip_range: float = _f(1e-4, "algorithm", "PPO ratio clip")
-    diffusion_adv_clip_max: float = _f(
+    loss_type: str = flag("policy_loss", "algorithm", "policy_loss (Flow-GRPO) or nft", choices=LOSS_TYPES)
+    advantage_estimator: str = flag("grpo", "algorithm", "advantage estimator", choices=("grpo",))
+    disable_grpo_std_normalization: bool = flag(False, "algorithm", "subtract the group mean only")
+    globalize_reward_mean: bool = flag(False, "algorithm", "batch-wide mean instead of per prompt")
+    globalize_reward_std: bool = flag(False, "algorithm", "batch-wide std instead of per group")
+    diffusion_clip_range: float = flag(1e-4, "algorithm", "PPO ratio clip")
+    diffusion_adv_clip_max: float = flag(
         5.0, "algorithm", "advantage clamp (nft: also the advantage-to-r slope)"
     )
-    diffusion_recompute_old_log_prob: bool = _f(
+    diffusion_recompute_old_log_prob: bool = flag(
         False, "algorithm", "old log-probs from the trainer's forward instead of the rollout's"
     )
-    diffusion_kl_beta: float = _f(0.0, "algorithm", "KL to the base model (> 0 runs a reference forward)")
-    diffusion_nft_beta: float = _f(1.0, "algorithm", "NFT beta")
-    diffusion_nft_timestep_strategy_path: str = _f("drop_random_steps", "algorithm", "NFT training steps")
-    diffusion_nft_num_dropped_timesteps: int = _f(0, "algorithm", "steps the NFT strategies drop")
-    no_diffusion_nft_adaptive_weight: bool = _f(False, "algorithm", "NFT without the adaptive x0 weight")
-    use_ema: bool = _f(False, "algorithm", "keep an EMA copy as pi_old (nft needs it)")
-    rollout_weights: str = _f("actor", "algorithm", "weights pushed to rollout", choices=("actor", "ema"))
-    ema_decay_init: float = _f(0.001, "algorithm", "EMA decay in the flat period")
-    ema_decay_ramp: float = _f(0.001, "algorithm", "EMA decay increase per optimizer step after it")
-    ema_decay_max: float = _f(0.5, "algorithm", "EMA decay ceiling")
-    ema_decay_flat_steps: int = _f(0, "algorithm", "optimizer steps of the flat period")
+    diffusion_kl_beta: float = flag(0.0, "algorithm", "KL to the base model (> 0 runs a reference forward)")
+    diffusion_nft_beta: float = flag(1.0, "algorithm", "NFT beta")
+    diffusion_nft_timestep_strategy_path: str = flag("drop_random_steps", "algorithm", "NFT training steps")
+    diffusion_nft_num_dropped_timesteps: int = flag(0, "algorithm", "steps the NFT strategies drop")
+    no_diffusion_nft_adaptive_weight: bool = flag(False, "algorithm", "NFT without the adaptive x0 weight")
+    use_ema: bool = flag(False, "algorithm", "keep an EMA copy as pi_old (nft needs it)")
+    rollout_weights: str = flag("actor", "algorithm", "weights pushed to rollout", choices=("actor", "ema"))
+    ema_decay_init: float = flag(0.001, "algorithm", "EMA decay in the flat period")
+    ema_decay_ramp: float = flag(0.001, "algorithm", "EMA decay increase per optimizer step after it")
+    ema_decay_max: float = flag(0.5, "algorithm", "EMA decay ceiling")
+    ema_decay_flat_steps: int = flag(0, "algorithm", "optimizer steps of the flat period")
     # --- optimizer ---
-    lr: float = _f(1e-6, "optimizer", "learning rate")
-    adam_beta1: float = _f(0.9, "optimizer", "AdamW beta1")
-    adam_beta2: float = _f(0.999, "optimizer", "AdamW beta2 (flow_grpo's)")
-    adam_eps: float = _f(1e-8, "optimizer", "AdamW eps")
-    weight_decay: float = _f(0.0, "optimizer", "AdamW weight decay")
-    clip_grad: float = _f(1.0, "optimizer", "gradient norm clip")
-    seed: int = _f(1234, "optimizer", "trainer seed (NFT noise)")
+    lr: float = flag(1e-6, "optimizer", "learning rate")
+    adam_beta1: float = flag(0.9, "optimizer", "AdamW beta1")
+    adam_beta2: float = flag(0.999, "optimizer", "AdamW beta2 (flow_grpo's)")
+    adam_eps: float = flag(1e-8, "optimizer", "AdamW eps")
+    weight_decay: float = flag(0.0, "optimizer", "AdamW weight decay")
+    clip_grad: float = flag(1.0, "optimizer", "gradient norm clip")
+    seed: int = flag(1234, "optimizer", "trainer seed (NFT noise)")
     # --- precision (the dtype-control contract) ---
-    fsdp_master_dtype: str = _f(
+    fsdp_master_dtype: str = flag(
         "fp32", "precision", "master weights + optimizer state", choices=DTYPE_CHOICES
     )
-    fsdp_reduce_dtype: str = _f("fp32", "precision", "gradient reduce dtype", choices=DTYPE_CHOICES)
-    diffusion_forward_dtype: str = _f(
+    fsdp_reduce_dtype: str = flag("fp32", "precision", "gradient reduce dtype", choices=DTYPE_CHOICES)
+    diffusion_forward_dtype: str = flag(
         "fp32", "precision", "trainer DiT compute (Miles default bf16; must equal --sglang-dit-precision)",
         choices=DTYPE_CHOICES,
     )  # fmt: skip
-    fsdp_precision_rules: str | None = _f(
+    fsdp_precision_rules: str | None = flag(
         None, "precision", "extra gather rules: 'glob=dtype,...' (later wins)"
     )
     # --- storage ---
-    storage_root: str = _f(".miles", "storage", "root of rollouts, runs, tables, catalog")
-    run_name: str = _f("diffusion", "storage", "run name (partition keys <run>.vNNNNNN)")
-    api_key: str | None = _f(
+    storage_root: str = flag(".miles", "storage", "root of rollouts, runs, tables, catalog")
+    run_name: str = flag("diffusion", "storage", "run name (partition keys <run>.vNNNNNN)")
+    api_key: str | None = flag(
         None, "storage", "secret of the run's engine endpoints (else MILES_API_KEY, else random)"
     )
     # --- logging ---
-    log_interval: int = _f(1, "logging", "print metrics every N rollouts")
+    log_interval: int = flag(1, "logging", "print metrics every N rollouts")
     # --- debug ---
-    debug_rollout_only: bool = _f(False, "debug", "rollout, no training")
-    debug_skip_optimizer_step: bool = _f(False, "debug", "no optimizer step: weights never drift")
-    ci_test: bool = _f(False, "debug", "assert the step-0 train/rollout contract (ratio 1)")
-    ci_fault_hooks: str | None = _f(
+    debug_rollout_only: bool = flag(False, "debug", "rollout, no training")
+    debug_skip_optimizer_step: bool = flag(False, "debug", "no optimizer step: weights never drift")
+    ci_test: bool = flag(False, "debug", "assert the step-0 train/rollout contract (ratio 1)")
+    ci_fault_hooks: str | None = flag(
         None,
         "debug",
         "JSON array of fault requests ({hook_name, action: {kind}, rollout_id}), as `train`'s; "
@@ -212,16 +207,20 @@ class DiffusionRunConfig:
     # what shared store code reads of a RunConfig
     lora_rank: int = dataclasses.field(default=0, init=False, repr=False, metadata={"internal": True})
 
+    @property
+    def uses_lora(self) -> bool:  # as RunConfig.uses_lora, for the shared store code (always False)
+        return self.lora_rank > 0
+
     def validate(self) -> DiffusionRunConfig:
         check_run_name(self.run_name)
         check_seeds(self)
         for name in ("hf_checkpoint", "diffusion_task", "prompt_data", "rollout_batch_size"):
             if getattr(self, name) in (None, ""):
-                raise ConfigError(f"{_flag(name)} is required")
+                raise ConfigError(f"{flag_name(name)} is required")
         for name in ("n_samples_per_prompt", "micro_batch_size", "rollout_microgroup_size", "diffusion_num_steps",
                      "n_samples_per_eval_prompt", "log_interval"):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"{flag_name(name)} {getattr(self, name)}: must be >= 1")
         for name in (
             "num_rollout",
             "num_epoch",
@@ -230,7 +229,7 @@ class DiffusionRunConfig:
             "diffusion_eval_num_steps",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be >= 1")
+                raise ConfigError(f"{flag_name(name)} {getattr(self, name)}: must be >= 1")
         if self.num_rollout is None and self.num_epoch is None:
             raise ConfigError("set --num-rollout or --num-epoch")
         derive_batch_knobs(self)
@@ -272,16 +271,16 @@ class DiffusionRunConfig:
                      "diffusion_nft_beta", "clip_grad"):  # fmt: skip
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"{_flag(name)} {v}: must be a finite number > 0")
+                raise ConfigError(f"{flag_name(name)} {v}: must be a finite number > 0")
         for name in ("diffusion_kl_beta", "weight_decay", "adam_eps", "ema_decay_init", "ema_decay_ramp"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
-                raise ConfigError(f"{_flag(name)} {v}: must be a finite number >= 0")
+                raise ConfigError(f"{flag_name(name)} {v}: must be a finite number >= 0")
         if not 0 <= self.ema_decay_max < 1:
             raise ConfigError(f"--ema-decay-max {self.ema_decay_max}: must be in [0, 1)")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: must be in [0, 1)")
+                raise ConfigError(f"{flag_name(name)} {getattr(self, name)}: must be in [0, 1)")
         if self.diffusion_sde_type == "sde" and self.diffusion_noise_level > 1.5:
             raise ConfigError(
                 f"--diffusion-noise-level {self.diffusion_noise_level}: the Flow-SDE eta is <= 1.5"
@@ -316,8 +315,9 @@ class DiffusionRunConfig:
             if self.diffusion_recompute_old_log_prob:
                 raise ConfigError("--diffusion-recompute-old-log-prob: read by --loss-type policy_loss only")
         else:
-            nft_given = [_flag(n) for n in ("diffusion_nft_num_dropped_timesteps", "no_diffusion_nft_adaptive_weight")
-                         if getattr(self, n) != _default(n)]  # fmt: skip
+            nft_given = changed_flags(
+                self, ("diffusion_nft_num_dropped_timesteps", "no_diffusion_nft_adaptive_weight")
+            )
             if nft_given or self.diffusion_nft_beta != 1.0:
                 raise ConfigError(
                     f"{', '.join(nft_given) or '--diffusion-nft-beta'}: read by --loss-type nft only"
@@ -374,20 +374,15 @@ class DiffusionRunConfig:
         return cls(**clean)
 
 
-def _default(name: str) -> Any:
-    f = DiffusionRunConfig.__dataclass_fields__[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
 def build_parser(prog: str = "miles-platform train-diffusion") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Diffusion RL (Flow-GRPO, DiffusionNFT) on a DiT."
     )
     parser.add_argument("--config", help="YAML file of flags; CLI overrides it")
-    groups = {g: parser.add_argument_group(f"{g} arguments") for g in GROUPS}
+    groups = parser_groups(parser, GROUPS)
     for f in dataclasses.fields(DiffusionRunConfig):
         if f.init:
-            _add_flag(groups[f.metadata["group"]], f, argparse.SUPPRESS)
+            add_flag(groups[f.metadata["group"]], f, argparse.SUPPRESS)
     return parser
 
 
@@ -396,6 +391,6 @@ def parse_diffusion_config(argv: list[str] | None = None) -> DiffusionRunConfig:
     args = build_parser().parse_args(argv)
     data: dict[str, Any] = {}
     if getattr(args, "config", None):
-        data.update({k.replace("-", "_"): v for k, v in load_yaml(args.config).items()})
+        data.update({k.replace("-", "_"): v for k, v in load_yaml(args.config, DiffusionRunConfig).items()})
     data.update({k: v for k, v in vars(args).items() if k != "config"})
     return DiffusionRunConfig.from_dict(data).validate()

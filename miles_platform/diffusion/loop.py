@@ -96,33 +96,29 @@ class DiffusionRun:
         self.cfg, self.reporter, self.paths = cfg, reporter or Reporter(), StoragePaths(cfg.storage_root)
 
     def run(self) -> RunResult:
-        from miles_platform.cluster.ray_cluster import init_ray, shutdown_ray
         from miles_platform.data.dataset import content_hash as data_hash
         from miles_platform.data.source import RolloutDataSource
-        from miles_platform.fault_hooks import FaultHooks, parse_fault_hooks
         from miles_platform.models.checkpoint import content_hash
-        from miles_platform.store.run_lock import RunLock, local_run_dir
-        from miles_platform.store.run_state import check_resume_config, remove_dead_writers_tmp
+        from miles_platform.run_lifecycle import RunLifecycle
+        from miles_platform.store.recorder import VersionRecorder
 
         cfg = self.cfg
         records, self.evals = preflight(cfg, self.paths)
         cfg.resolve_api_key()
-        self.hooks = FaultHooks(parse_fault_hooks(cfg.ci_fault_hooks), self.reporter.log)
         self.src = RolloutDataSource(
             records, rollout_shuffle=cfg.rollout_shuffle, rollout_seed=cfg.rollout_seed
         )
-        self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), data_hash(records)
-        with contextlib.ExitStack() as stack:
-            lock = RunLock(local_run_dir(self.paths, cfg.run_name), cfg.run_name).acquire()
-            stack.callback(lock.release)
-            # the run lock is held: a `.tmp-*` staging dir (checkpoint, export) is a dead writer's
-            remove_dead_writers_tmp(cfg, self.paths, self.reporter.log)
-            # a resume trains what the checkpoint's run trained, or says which flags changed
-            self.config_changes = check_resume_config(cfg, self.reporter.log, RESUMABLE)
+        self.rec = VersionRecorder(cfg, self.paths, self.reporter, content_hash(cfg.hf_checkpoint),
+                                   data_hash(records), LOG_KEYS)  # fmt: skip
+        # run lock, dead writers' staging, the resume config (this loop's RESUMABLE), Ray
+        life = RunLifecycle(
+            cfg, self.paths, self.reporter.log, resumable=RESUMABLE, cpus_needed=2, trackers=False
+        )
+        with life:
+            self.hooks = life.hooks
             self._write_config()
-            stack.callback(shutdown_ray, init_ray(cfg, cpus_needed=2))
-            self._start_actors(stack)
-            return self._loop()
+            self._start_actors(life.stack)
+            return self._loop(life.config_changes)
 
     def _write_config(self) -> None:
         """runs/<run>/diffusion_config.json: what the catalog sensor reads to report this run as a
@@ -160,26 +156,19 @@ class DiffusionRun:
         stack.callback(self.rollout.close)
 
     # ------------------------------------------------------------------ the loop
-    def _loop(self) -> RunResult:
+    def _loop(self, config_changes: list[str]) -> RunResult:
         import ray
 
-        from miles_platform.store.run_state import note_resume, recorded_max_version
         from miles_platform.store.shards import write_rollout_shard
         from miles_platform.training.checkpoint import iter_dir, read_latest
 
-        cfg, run, hook = self.cfg, self.cfg.run_name, self.hooks
-        start, version, state = 0, 0, None
+        cfg, run, rec, hook = self.cfg, self.cfg.run_name, self.rec, self.hooks
+        phase, state = hook.phase, None
         latest = read_latest(cfg.load or cfg.save) if self.trainer is not None else None
         if latest is not None:
             state = ray.get(self.trainer.load.remote(iter_dir(cfg.load or cfg.save, latest)))
-            start, version = state["rollout_id"] + 1, int(state["weight_version"])
             self.src.load_state_dict(state["data_source"])
-        # new versions continue past the highest any store knows (catalog, hf/ exports): a number a
-        # crashed process used is never reused; what it made after the checkpoint is abandoned
-        highest = max(version, recorded_max_version(cfg, self.paths))
-        self.config_changed_from = note_resume(
-            cfg, self.paths, self.reporter, state, highest, self.config_changes
-        )
+        start, version = rec.resume(state, config_changes)
         if state is not None:
             self._serve(version, ray.get(self.trainer.export.remote(self.paths.hf_export(run, version))))
         result = RunResult(run, start, start - 1, version, None)
@@ -187,48 +176,42 @@ class DiffusionRun:
             result.eval_before_train = self._evaluate(version)
         for rollout_id in range(start, cfg.num_rollout):
             t0, hook.rollout_id = time.time(), rollout_id
-            hook.fire("orchestrator_step_start")
-            samples, traj, metrics = self.rollout.generate(
-                rollout_id, self.src.get_samples(cfg.rollout_batch_size), run
-            )
-            shard = write_rollout_shard(self.paths, run, rollout_id, samples)
-            hook.fire("rollout_end")
-            if self.trainer is None:
-                self._finish(result, rollout_id, metrics, t0, version)
-                hook.fire("metrics_recorded")
-                hook.fire("orchestrator_step_end")
-                continue
-            hook.fire("trainer_controller_step_start")
-            metrics.update(ray.get(self.trainer.train.remote(rollout_id, traj.to_dict())))
-            hook.fire("trainer_controller_step_end")
-            if cfg.ci_test and rollout_id == start:
-                result.ci_checks = self._ci_check(metrics)
-            hook.fire("weight_update_start")
-            parent, version = version, max(version, highest) + 1
-            highest = version
-            t1 = time.time()
-            hf_dir = ray.get(self.trainer.export.remote(self.paths.hf_export(run, version)))
-            hook.fire("weight_update_prepared")
-            self._serve(version, hf_dir)
-            hook.fire("weight_update_activated")
-            metrics["perf/update_weights_time"] = time.time() - t1
-            # the row (naming the checkpoint due), its eval and the metrics first, the checkpoint
-            # last: a crash before the checkpoint is complete leaves rows the relaunch abandons
-            save_due = bool(cfg.save) and self._save_due(rollout_id)
-            ckpt = iter_dir(cfg.save, rollout_id) if save_due else None
-            self._record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
-            hook.fire("version_recorded")
-            last = rollout_id + 1 == cfg.num_rollout  # the final policy is always evaluated
-            if cfg.eval_interval and self.evals and (version % cfg.eval_interval == 0 or last):
-                hook.fire("eval_start")
-                metrics.update(self._evaluate(version))
-            self._finish(result, rollout_id, metrics, t0, version)
-            hook.fire("metrics_recorded")
-            if save_due:
-                hook.fire("save_start")
-                self._save(rollout_id, version)
-                hook.fire("save_end")
-            hook.fire("orchestrator_step_end")
+            with phase("step"):
+                with phase("rollout"):
+                    samples, traj, metrics = self.rollout.generate(
+                        rollout_id, self.src.get_samples(cfg.rollout_batch_size), run
+                    )
+                    shard = write_rollout_shard(self.paths, run, rollout_id, samples)
+                if self.trainer is None:
+                    with phase("metrics"):
+                        rec.finish_rollout(result, rollout_id, metrics, t0, version)
+                    continue
+                with phase("train"):
+                    metrics.update(ray.get(self.trainer.train.remote(rollout_id, traj.to_dict())))
+                if cfg.ci_test and rollout_id == start:
+                    result.ci_checks = self._ci_check(metrics)
+                with phase("weight_update"):
+                    parent, version = rec.next_version(version)
+                    t1 = time.time()
+                    with phase("weight_export"):
+                        hf_dir = ray.get(self.trainer.export.remote(self.paths.hf_export(run, version)))
+                    with phase("weight_activate"):
+                        self._serve(version, hf_dir)
+                    metrics["perf/update_weights_time"] = time.time() - t1
+                # the row, the eval, the metrics, the checkpoint last (store/recorder.py)
+                save_due = rec.save_due(rollout_id)
+                with phase("record"):
+                    ckpt = iter_dir(cfg.save, rollout_id) if save_due else None
+                    rec.record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
+                last = rollout_id + 1 == cfg.num_rollout  # the final policy is always evaluated
+                if cfg.eval_interval and self.evals and (version % cfg.eval_interval == 0 or last):
+                    with phase("eval"):
+                        metrics.update(self._evaluate(version))
+                with phase("metrics"):
+                    rec.finish_rollout(result, rollout_id, metrics, t0, version)
+                if save_due:
+                    with phase("save"):
+                        self._save(rollout_id, version)
         return result
 
     def _serve(self, version: int, hf_dir: str) -> None:
@@ -253,12 +236,6 @@ class DiffusionRun:
         if bad:
             raise CITestFailure(f"--ci-test: trainer and engine disagree at step 0: {bad} > {tol}")
         return checks
-
-    def _save_due(self, rollout_id: int) -> bool:
-        c = self.cfg
-        return rollout_id + 1 == c.num_rollout or bool(
-            c.save_interval and (rollout_id + 1) % c.save_interval == 0
-        )
 
     def _save(self, rollout_id: int, version: int) -> str:
         import ray
@@ -291,33 +268,6 @@ class DiffusionRun:
         self.reporter.on_eval(key, out, grids)
         self.reporter.log(f"eval v{version}: " + " ".join(f"{k}={v:.4g}" for k, v in out.items()))
         return out
-
-    def _record(self, result: RunResult, version, parent, rollout_id, shard, hf_dir, ckpt) -> None:
-        from miles_platform.store.versions import record_policy_version
-
-        pv = record_policy_version(self.cfg, self.paths, version, parent, rollout_id, shard, hf_dir, ckpt,
-                                   self.base_version, self.data_version,
-                                   config_changed_from=self.config_changed_from)  # fmt: skip
-        self.config_changed_from = None  # on the first version after the change only
-        result.versions.append(pv.to_dict())
-        self.reporter.on_policy_version(pv.to_dict())
-        result.final_hf_path = pv.hf_path
-
-    def _finish(self, result: RunResult, rollout_id: int, metrics: dict, t0: float, version: int) -> None:
-        from miles_platform.store.tables import append_rows
-
-        metrics["perf/rollout_total_time"] = time.time() - t0
-        step = int(metrics.get("train/step", 0))
-        rows = [
-            {"rollout_id": rollout_id, "step": step, "name": k, "value": float(v)} for k, v in metrics.items()
-        ]
-        append_rows(self.paths, "metrics", self.cfg.run_name, rows)
-        self.reporter.on_rollout(rollout_id, metrics)
-        if rollout_id % self.cfg.log_interval == 0:
-            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in LOG_KEYS if k in metrics)
-            self.reporter.log(f"rollout {rollout_id}: {shown}")
-        result.metrics.append(metrics)
-        result.last_rollout_id, result.final_version = rollout_id, version
 
 
 def _grid_images(shown: list, per_prompt: int = 8) -> list:

@@ -24,6 +24,9 @@ from miles_platform.diffusion.config import DiffusionRunConfig
 from miles_platform.diffusion.family import TINY_DIT, dit_forward, precision_policy
 from miles_platform.training.precision import alignment_metrics
 
+STATE = "state.json"  # a checkpoint's marker: the loop's extra state, the optimizer step, the RNG
+ADAM_STATE = ("exp_avg", "exp_avg_sq")  # the step is the trainer's own count (state.json)
+
 
 def _full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """fp32 full tensors of a (possibly FSDP2-sharded) module, keyed by its own parameter names."""
@@ -222,47 +225,53 @@ class DiffusionTrainer:
         return path
 
     def save(self, save_dir: str, rollout_id: int, extra: dict[str, Any]) -> str:
-        """Miles' layout: iter_NNNNNNN/ complete first, then latest_checkpointed_iteration.txt."""
+        """Miles' layout through the trainers' checkpointer (training/checkpoint.py): iter_NNNNNNN/
+        complete first, state.json its last file, then latest_checkpointed_iteration.txt."""
         from safetensors.torch import save_file
 
-        from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
-        from miles_platform.training.checkpoint import LATEST, iter_dir
+        from miles_platform.training.checkpoint import Checkpointer, optimizer_tensors
 
-        final = iter_dir(save_dir, rollout_id)
-        # a staging name store/run_state.remove_dead_writers_tmp knows: a killed save's is removed
-        tmp = os.path.join(save_dir, f".{os.path.basename(final)}.tmp-{os.getpid():x}")
-        os.makedirs(tmp, exist_ok=True)
-        save_file(_full_state(self.model), f"{tmp}/model.safetensors")
-        if self.ema is not None:
-            save_file(_full_state(self.ema), f"{tmp}/ema.safetensors")
-        opt_meta = {"step": self.step}
-        if not self.cfg.no_save_optim:
-            tensors, opt_meta["params"] = _optimizer_tensors(self.opt, self.model)
-            save_file(tensors, f"{tmp}/optimizer.safetensors")
-        state = {
-            **extra,
-            "rollout_id": rollout_id,
-            "optimizer": opt_meta,
-            "rng": torch.get_rng_state().tolist(),
-        }
-        with open(f"{tmp}/state.json", "w") as f:
-            json.dump(state, f)
-        fsync_tree(tmp)
-        replace_dir(tmp, final)
-        write_atomic(os.path.join(save_dir, LATEST), str(rollout_id))
-        return final
+        opt_meta: dict[str, Any] = {"step": self.step}
+
+        def write_files(d: str) -> None:
+            save_file(_full_state(self.model), f"{d}/model.safetensors")
+            if self.ema is not None:
+                save_file(_full_state(self.ema), f"{d}/ema.safetensors")
+            if not self.cfg.no_save_optim:
+                tensors = optimizer_tensors(self.opt, self.model.named_parameters(), sep=".", keys=ADAM_STATE,
+                                            full=True)  # fmt: skip
+                opt_meta["params"] = [n for n, p in self.model.named_parameters() if p in self.opt.state]
+                save_file(tensors, f"{d}/optimizer.safetensors")
+
+        def write_state(d: str) -> None:
+            state = {
+                **extra,
+                "rollout_id": rollout_id,
+                "optimizer": opt_meta,
+                "rng": torch.get_rng_state().tolist(),
+            }
+            with open(f"{d}/{STATE}", "w") as f:
+                json.dump(state, f)
+
+        return Checkpointer(save_dir, marker=STATE).save(rollout_id, write_files, write_state)
 
     def load(self, ckpt: str) -> dict[str, Any]:
         from safetensors.torch import load_file
 
-        with open(f"{ckpt}/state.json") as f:
+        from miles_platform.training.checkpoint import load_optimizer_tensors
+
+        with open(f"{ckpt}/{STATE}") as f:
             state = json.load(f)
         _load_into(self.model, load_file(f"{ckpt}/model.safetensors"))
         if self.ema is not None and os.path.exists(f"{ckpt}/ema.safetensors"):
             self.ema.load_state_dict(load_file(f"{ckpt}/ema.safetensors"))
         self.step = int(state["optimizer"]["step"])
         if not self.cfg.no_load_optim and os.path.exists(f"{ckpt}/optimizer.safetensors"):
-            _load_optimizer(self.opt, self.model, load_file(f"{ckpt}/optimizer.safetensors"), self.step)
+            tensors = load_file(f"{ckpt}/optimizer.safetensors")
+            load_optimizer_tensors(self.opt, self.model.named_parameters(), tensors, sep=".", full=True)
+            for n, p in self.model.named_parameters():
+                if f"{n}.exp_avg" in tensors:  # Adam's step count is the trainer's
+                    self.opt.state[p]["step"] = torch.tensor(float(self.step))
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
         return state
 
@@ -298,33 +307,6 @@ def _load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
                 v.copy_(distribute_tensor(src, v.device_mesh, v.placements))
             else:
                 v.copy_(src)
-
-
-def _optimizer_tensors(opt, model) -> tuple[dict[str, torch.Tensor], list[str]]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    tensors, order = {}, []
-    for p, st in opt.state.items():
-        n = names[id(p)]
-        order.append(n)
-        for key in ("exp_avg", "exp_avg_sq"):
-            t = st[key]
-            tensors[f"{n}.{key}"] = (t.full_tensor() if hasattr(t, "full_tensor") else t).contiguous().clone()
-    return tensors, order
-
-
-def _load_optimizer(opt, model, tensors: dict[str, torch.Tensor], step: int) -> None:
-    from torch.distributed.tensor import distribute_tensor
-
-    for n, p in model.named_parameters():
-        if f"{n}.exp_avg" not in tensors:
-            continue
-        st = opt.state[p]
-        for key in ("exp_avg", "exp_avg_sq"):
-            src = tensors[f"{n}.{key}"].to(p.dtype)
-            st[key] = (
-                distribute_tensor(src, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else src
-            )
-        st["step"] = torch.tensor(float(step))
 
 
 def _output_diff(train_v: torch.Tensor, rollout_v: torch.Tensor) -> dict[str, float]:

@@ -28,6 +28,14 @@ def embedding_rows(config: dict) -> int | None:
     return int(v) if v else None
 
 
+def context_length(config: dict) -> int | None:
+    """The positions a checkpoint serves (`max_position_embeddings`, or its `text_config`'s)."""
+    v = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    return int(v) if v else None
+
+
 def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dict:
     """Check an HF checkpoint dir; return its config dict. Raises CheckpointError naming what is wrong."""
     p = Path(path)

@@ -274,6 +274,47 @@ def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list | No
         raise ChatError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
 
 
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes one token of the vocabulary spells (added tokens included), cached on
+    the tokenizer: a text of B bytes is at least B / this many tokens."""
+    cached = getattr(tokenizer, "_miles_max_token_bytes", None)
+    if cached is None:
+        vocab = tokenizer.get_vocab()
+        cached = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
+        try:
+            tokenizer._miles_max_token_bytes = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def content_bytes(messages: list[dict[str, Any]], tools: list | None = None) -> int:
+    """UTF-8 bytes of the text a chat template renders from `messages` (and the tool schemas)."""
+    n = 0
+    for m in messages:
+        c = m.get("content")
+        parts = [c] if isinstance(c, str) else [p.get("text") for p in c or [] if isinstance(p, dict)]
+        n += sum(len(p.encode("utf-8", "surrogatepass")) for p in parts if isinstance(p, str))
+        for call in m.get("tool_calls") or []:
+            n += len(json.dumps(call, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if tools:
+        n += len(json.dumps(tools, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    return n
+
+
+def check_fits(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, budget: int,
+               what: str = "the request") -> None:  # fmt: skip
+    """Refuse, before any tokenization, messages that cannot fit in `budget` tokens: their bytes
+    divided by the vocabulary's longest token is a lower bound on their token count. Rendering and
+    tokenizing megabytes of text only to refuse them stalled the server (issue #49, item 9)."""
+    least = -(-content_bytes(messages, tools) // max_token_bytes(tokenizer))
+    if least > budget:
+        raise ChatError(
+            f"{what} is at least {least} tokens long: over the {budget} tokens left in the context "
+            "(--max-seq-len / the model's context length); shorten the messages"
+        )
+
+
 def render_prompt(tokenizer: Any, req: ChatRequest) -> list[int]:
     """The prompt's token ids: `input_ids` as given, else the chat template with the generation
     prompt. A model that learned no chat template (none, or our generic one: models/tokenizer.py)

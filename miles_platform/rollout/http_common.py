@@ -1,11 +1,14 @@
 """What every HTTP server of the platform shares (engine, router, session server, diffusion engine,
-the OpenAI routes): SGLang's error shape, Bearer auth and the size limit, the JSON-object body, and
-the answer to an engine's request errors. A leaf: it imports no server module."""
+the OpenAI routes): SGLang's error shape, Bearer auth and the size limit, the JSON-object body, the
+answer to an engine's request errors, and where weights may be loaded from. A leaf: it imports no
+server module."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import os
+import posixpath
 import threading
 
 import orjson
@@ -94,3 +97,27 @@ def engine_error(e: Exception) -> JSONResponse:
     if isinstance(e, EngineStopped):
         return error(503, str(e), retryable=True)
     return error(400, str(e))
+
+
+def weight_root(path: str) -> str:
+    """`path` as a weights location is compared: a local dir resolved (links, . and ..), an
+    object-store URI as written less . and .."""
+    if "://" in path:
+        scheme, _, rest = path.partition("://")
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}".rstrip("/")
+    return os.path.realpath(path).rstrip("/")
+
+
+class WeightRoots:
+    """The directories an engine loads weights and adapters from (`--allow-weights-from`; None: any)."""
+
+    def __init__(self, roots: list[str] | None):
+        self.roots = None if roots is None else [weight_root(r) for r in roots]
+
+    def allows(self, path: str) -> bool:
+        real = weight_root(path)
+        return self.roots is None or any(real == r or real.startswith(r + "/") for r in self.roots)
+
+    def refusal(self, field: str, path) -> str:
+        """The 403 message for `field` = `path`, outside the roots."""
+        return f"{field} {path!r} is outside the directories this engine loads weights from: {self.roots}"

@@ -19,24 +19,17 @@ def evaluate_policy(cfg: RunConfig, paths: StoragePaths, manager, version: int) 
     """-> ({"eval/<dataset>/<metric>": value, "perf/eval_time": s}, per-dataset result dicts)."""
     from miles_platform.rollout.evaluate import evals_table_rows, evaluate
     from miles_platform.rollout.manager import router_generate_fn
-    from miles_platform.rollout.rm_hub import pure_opd
     from miles_platform.store.tables import append_rows
 
-    c, t0 = cfg, time.time()
-    s = c.eval_sampling()
-    # pure OPD trains on reward 0; its evals still grade answers (with --rm-type's default, math)
-    grader = None if pure_opd(c) else c
+    e, t0 = cfg.eval_settings(), time.time()
     res = evaluate(
-        None, c.eval_datasets(), c.n_samples_per_eval_prompt, s["max_new_tokens"], s["temperature"],
-        s["top_p"], s["top_k"], rm_type=c.rm_type or "math", args=grader, seed=c.seed,
-        generate_fn=router_generate_fn(manager), input_key=c.input_key,
-        label_key=c.label_key or "label", metadata_key=c.metadata_key,
-        apply_chat_template=c.apply_chat_template, tokenizer=manager.tok,
+        None, list(e.datasets), e.n_samples_per_eval_prompt, **e.sampling, rewards=e.rewards, seed=e.seed,
+        generate_fn=router_generate_fn(manager), input_key=e.input_key, label_key=e.label_key,
+        metadata_key=e.metadata_key, apply_chat_template=e.apply_chat_template, tokenizer=manager.tok,
     )  # fmt: skip
     out = {f"eval/{name}/{k}": v for name, r in res.items() for k, v in r.items() if isinstance(v, float)}
-    append_rows(
-        paths, "evals", c.run_name, evals_table_rows(partition_key(c.run_name, version), res, "loop", s)
-    )
+    rows = evals_table_rows(partition_key(cfg.run_name, version), res, "loop", e.sampling)
+    append_rows(paths, "evals", cfg.run_name, rows)
     out["perf/eval_time"] = time.time() - t0
     return out, res
 

@@ -24,6 +24,7 @@ from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.data.sample import Sample, Status
 from miles_platform.data.source import RolloutDataSource
+from miles_platform.errors import UserFunctionError
 from miles_platform.plugins import (
     AGENTIC,
     GENERATE_FLAG,
@@ -54,9 +55,10 @@ class RolloutManager:
     def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, url: str):
         """`url`: the router, or the engine itself when there is only one (no hop that adds nothing)."""
         self.cfg, self.tok, self.data_source, self.url = cfg, tokenizer, data_source, url.rstrip("/")
+        self.rewards = cfg.reward_settings()
         # a LoRA run's requests are served with its adapter, by the name of the version the engines
         # serve (switched by each update); --lora-train-only: the frozen base
-        self.adapter = AdapterName(cfg.run_name) if cfg.lora_rank > 0 and not cfg.lora_train_only else None
+        self.adapter = AdapterName(cfg.run_name) if cfg.syncs_lora_adapter else None
         from miles_platform.rollout.health import client_retries
 
         self.client = engine_client.EngineClient(
@@ -115,11 +117,16 @@ class RolloutManager:
             self.sessions.stop()
 
     def _start_sessions(self):
-        from miles_platform.rollout.sessions import start_session_server
+        from miles_platform.models.checkpoint import context_length
+        from miles_platform.rollout.sessions import DEFAULT_MAX_SESSIONS, start_session_server
 
+        c = self.cfg
+        live = (c.over_sampling_batch_size or c.rollout_batch_size or 1) * c.n_samples_per_prompt
         srv = start_session_server(
-            self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape
-        )
+            self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape,
+            context_length=_checkpoint_field(c.hf_checkpoint, context_length) or 1 << 20,
+            max_sessions=max(DEFAULT_MAX_SESSIONS, 4 * live),
+        )  # fmt: skip
         a = self.args  # Miles' names; the agentic wrapper reads session_server_url
         a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
         a.session_server_url = f"http://{'127.0.0.1' if srv.host == '0.0.0.0' else srv.host}:{srv.port}"
@@ -172,15 +179,15 @@ class RolloutManager:
     def _score(self, samples: list[Sample]) -> None:
         """The run's reward for every sample a generate function left unscored (an agent's reward stays)."""
         preset = {id(s) for s in samples if s.reward is not None} if self.generate_fn is not None else set()
-        if preset and self.cfg.group_rm:  # the group RM scores whole groups: it cannot keep some
+        if preset and self.rewards.group_rm:  # the group RM scores whole groups: it cannot keep some
             raise ConfigError(
                 "--group-rm scores every sample of a group, but the generate function (or agent) set "
                 f"the reward of {len(preset)} samples itself: drop --group-rm or the function's reward"
             )
-        rm_hub.compute_rewards(self.cfg, [s for s in samples if id(s) not in preset])
+        rm_hub.compute_rewards(self.rewards, [s for s in samples if id(s) not in preset])
         for s in samples:
             if id(s) in preset:
-                s.raw_reward = s.scalar_reward(self.cfg.reward_key)
+                s.raw_reward = s.scalar_reward(self.rewards.reward_key)
 
     def unfinished_records(self) -> list[PromptRecord]:
         """The prompts of buffered groups (generated, not trained): a checkpoint puts them back."""
@@ -286,15 +293,18 @@ class RolloutManager:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.cfg.rollout_max_concurrency)
         base = params or self.sampling_params()
+        timeout = self.cfg.custom_generate_function_timeout or None
 
         async def one(rec: PromptRecord, prompt_ids: list[int], gi: int, seed: int) -> Sample:
             sample = self._new_sample(rec, prompt_ids, gi)
             inp = GenerateFnInput(self.state, sample, {**base, "sampling_seed": seed}, evaluation)
             async with self._slots:
                 try:
-                    out = await self.generate_fn(inp)
+                    out = await asyncio.wait_for(self.generate_fn(inp), timeout)
+                except TimeoutError:  # a hung function fails its own sample, not the run
+                    return self._timed_out(sample, timeout)
                 except Exception as e:
-                    raise RuntimeError(
+                    raise UserFunctionError(
                         f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} raised on prompt "
                         f"{rec.id!r}: {type(e).__name__}: {e}"
                     ) from e
@@ -313,6 +323,19 @@ class RolloutManager:
                 await call_abort_hook(self.args)
             raise eg.exceptions[0] from None
         return [[t.result() for t in group] for group in tasks]
+
+    def _timed_out(self, sample: Sample, timeout: float) -> Sample:
+        """The sample of a generate call cancelled after `timeout` s: failed, out of the loss, one
+        EOS as its response so the batch keeps its shape (counted in rollout/failed)."""
+        eos = self.tok.eos_token_id
+        sample.response, sample.response_tokens = "", [eos]
+        sample.rollout_log_probs, sample.loss_mask = [0.0], [0]
+        sample.status, sample.remove_sample = Status.FAILED.value, True
+        sample.metadata["generate_error"] = (
+            f"{GENERATE_FLAG} {self.cfg.custom_generate_function_path} did not return within "
+            f"{timeout:g} s (--custom-generate-function-timeout): cancelled, its sample failed"
+        )
+        return sample
 
     def _generated(self, out: Any, budget: int | None, evaluation: bool = False) -> Sample:
         """The one Sample a generate function made, checked (with its routes under R3, when
@@ -400,7 +423,7 @@ class RolloutManager:
                     f"{ROLLOUT_FLAG} {path!r} returned samples without a reward and no --rm-type or "
                     "--custom-rm-path is set: score them in the function or configure a reward"
                 )
-            rm_hub.compute_rewards(c, unscored)
+            rm_hub.compute_rewards(self.rewards, unscored)
         for s in (s for g in groups for s in g if s.raw_reward is None):
             s.raw_reward = s.scalar_reward(c.reward_key)
         samples = self.finalize(rollout_id, groups)
@@ -459,7 +482,7 @@ def student_top_k(cfg: RunConfig) -> int:
     """top_logprobs_num of rollout requests: k when top-k OPD reads the student's own top-k."""
     from miles_platform.rollout.opd_topk import NEEDS_STUDENT_TOP
 
-    on = cfg.use_opd and cfg.opd_type == "sglang" and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
+    on = cfg.uses_teacher_engine and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
     return cfg.opd_log_prob_top_k if on else 0
 
 
@@ -475,23 +498,22 @@ def router_generate_fn(manager: RolloutManager):
     """An `evaluate(generate_fn=...)` that generates through the run's engines: one batched request,
     or the run's --custom-generate-function-path per sample with `evaluation=True` (as Miles), whose
     Samples it answers as they are (status, metadata such as multi-turn's tool_call_count)."""
+    from miles_platform.rollout.evaluate import eval_requests
+
     tok = manager.tok
 
     def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
-        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                  "stop_token_ids": [tok.eos_token_id]}  # fmt: skip
+        ids, sps = eval_requests(tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
         if manager.generate_fn is not None and prompts:
             records = [
                 PromptRecord(id=f"eval-{i}", prompt=p, label=None, metadata={}) for i, p in enumerate(prompts)
             ]
-            ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-            seeds = [[seed * 1000003 + i * n + k for k in range(n)] for i in range(len(prompts))]
+            params = {k: v for k, v in sps[0].items() if k != "sampling_seed"}
+            seeds = [[sp["sampling_seed"] for sp in sps[i * n : (i + 1) * n]] for i in range(len(prompts))]
             run = manager._per_sample(
-                records, ids, seeds, evaluation=True, params={**manager.sampling_params(), **params}
+                records, ids[::n], seeds, evaluation=True, params={**manager.sampling_params(), **params}
             )
             return manager.client.submit(run).result()  # Samples: evaluate grades them with their status
-        ids = [tok.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
-        sps = [{**params, "sampling_seed": seed * 1000003 + k} for k in range(len(ids))]
         outs = manager.client.generate(ids, sps, return_logprob=False) if ids else []
         texts = [o.get("text", "") for o in outs]
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -505,14 +527,19 @@ async def _awaited(awaitable):
 
 def _vocab_size(hf_checkpoint: str | None) -> int | None:
     """The embedding rows of the checkpoint (config.json's vocab_size, or its text_config's)."""
+    from miles_platform.models.checkpoint import embedding_rows
+
+    return _checkpoint_field(hf_checkpoint, embedding_rows)
+
+
+def _checkpoint_field(hf_checkpoint: str | None, read) -> int | None:
+    """`read(config.json)` of the checkpoint; None when there is no readable config."""
     import json
     import os
 
-    from miles_platform.models.checkpoint import embedding_rows
-
     try:
         with open(os.path.join(hf_checkpoint or "", "config.json")) as f:
-            return embedding_rows(json.load(f))
+            return read(json.load(f))
     except (OSError, ValueError):
         return None
 

@@ -23,44 +23,14 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from miles_platform.config.opd import DEFAULT_TEACHER
 from miles_platform.data.sample import Sample
-from miles_platform.errors import ConfigError, MilesError
+from miles_platform.errors import MilesError
 from miles_platform.rollout import opd_topk
-
-DEFAULT = "default"
 
 
 class TeacherRoutingError(MilesError, ValueError):
     """A sample names no configured teacher and there is no `default` one."""
-
-
-def parse_teacher_urls(entries: Sequence[str] | None) -> dict[str, str]:
-    """`--opd-teacher-urls NAME=URL ...` -> {name: url}; the URL may contain `=`."""
-    out: dict[str, str] = {}
-    for e in entries or ():
-        name, sep, url = str(e).partition("=")
-        name, url = name.strip(), url.strip()
-        if not sep or not name or not url:
-            raise ConfigError(
-                f"--opd-teacher-urls {e!r}: expected NAME=URL (e.g. math=http://h:30000/generate)"
-            )
-        if name in out:
-            raise ConfigError(f"--opd-teacher-urls: duplicate teacher name {name!r}")
-        out[name] = url
-    return out
-
-
-def teacher_urls(cfg, started_url: str | None = None) -> dict[str, str]:
-    """The routing map of a run: --opd-teacher-urls, else {default: --rm-url or the started engine}."""
-    urls = parse_teacher_urls(cfg.opd_teacher_urls)
-    if urls:
-        return urls
-    url = started_url or cfg.rm_url
-    if not url:
-        raise ConfigError(
-            "--opd-type sglang: no teacher (--opd-teacher-urls, --rm-url, --opd-teacher-hf-checkpoint)"
-        )
-    return {DEFAULT: url}
 
 
 def route(samples: Sequence[Sample], urls: dict[str, str], key: str) -> dict[str, list[int]]:
@@ -70,8 +40,8 @@ def route(samples: Sequence[Sample], urls: dict[str, str], key: str) -> dict[str
         name = (s.metadata or {}).get(key)
         if name in urls:
             url = urls[name]
-        elif DEFAULT in urls:
-            url = urls[DEFAULT]
+        elif DEFAULT_TEACHER in urls:
+            url = urls[DEFAULT_TEACHER]
         else:
             what = f"has no metadata key {key!r}" if name is None else f"names teacher {name!r}"
             raise TeacherRoutingError(

@@ -24,6 +24,7 @@ import asyncio
 import copy
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,15 +36,17 @@ from fastapi.responses import Response, StreamingResponse
 from miles_platform.data.sample import make_turn
 from miles_platform.rollout import chat
 from miles_platform.rollout import client as engine_client
-from miles_platform.rollout.engine_server import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    ServerHandle,
-    add_guards,
-    error,
-    json_body,
-    serve_in_thread,
-)
+from miles_platform.rollout.engine_server import ServerHandle, serve_in_thread
+from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, add_guards, error, json_body
 from miles_platform.rollout.tito import AppendOnlyViolation, TitoTokenizer
+
+# open sessions at once; the run's server allows more when its rollouts need it (start_session_server)
+DEFAULT_MAX_SESSIONS = 4096
+
+
+class TooManySessions(Exception):
+    pass
+
 
 CONTROL_FIELDS = ("input_ids", "logprob_start_len", "routed_experts_start_len", "return_sampling_mask")
 
@@ -159,15 +162,19 @@ class SessionServer:
 
     def __init__(self, tokenizer: Any, engine_url: str, api_key: str | None, tito_model: str = "default",
                  replay: bool = False, lora_path=None, max_seq_len: int | None = None,
-                 context_length: int = 1 << 20, moe_shape: tuple[int, int] | None = None):  # fmt: skip
+                 context_length: int = 1 << 20, moe_shape: tuple[int, int] | None = None,
+                 max_sessions: int = DEFAULT_MAX_SESSIONS):  # fmt: skip
         """`lora_path`: a LoRA run's adapter name, or its AdapterName (the served version's name).
         `moe_shape` (R3): the MoE model's (num_layers, top_k); training sessions then ask every
         call for `return_routed_experts` and the record carries the routes of the whole session."""
         self.tok, self.tito = tokenizer, TitoTokenizer(tokenizer, tito_model)
         self.engine_url, self.api_key, self.replay, self._lora = engine_url, api_key, replay, lora_path
         self.max_seq_len, self.context_length = max_seq_len, context_length
-        self.moe_shape = moe_shape
+        self.moe_shape, self.max_sessions = moe_shape, max_sessions
         self.sessions: dict[str, Session] = {}
+        # TITO tokenization (chat templates: pure Python, the GIL held) on one thread of its own,
+        # never on the event loop: a big chat stalled every other request (issue #49, item 9)
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tito")
         self._http: httpx.AsyncClient | None = None
 
     @property
@@ -176,7 +183,16 @@ class SessionServer:
 
         return resolve_lora(self._lora)
 
+    @property
+    def token_limit(self) -> int:
+        return min(self.max_seq_len or self.context_length, self.context_length)
+
     def create(self, body: dict) -> Session:
+        if len(self.sessions) >= self.max_sessions:
+            raise TooManySessions(
+                f"{len(self.sessions)} sessions are open, the server's limit: DELETE /sessions/<id> "
+                "the finished ones (the agentic wrapper deletes each after reading its record)"
+            )
         defaults = {k: body[k] for k in ("temperature", "top_p", "top_k") if body.get(k) is not None}
         s = Session(id=uuid.uuid4().hex, evaluation=bool(body.get("evaluation", False)), defaults=defaults)
         self.sessions[s.id] = s
@@ -201,7 +217,8 @@ class SessionServer:
         async with s.lock:
             if s.failure:
                 raise chat.ChatError(f"session {s.id} failed earlier: {s.failure}")
-            plan = self._plan(s, req)
+            self._check_fits(s, req)
+            plan = await asyncio.get_running_loop().run_in_executor(self._tokenize, self._plan, s, req)
             out = await self._generate(s, plan, sp)
             return self._commit(s, req, plan, out), req
 
@@ -216,6 +233,12 @@ class SessionServer:
                     "temperature: the trainer scores log-probs at it); leave it unset"
                 )
         return sp
+
+    def _check_fits(self, s: Session, req: chat.ChatRequest) -> None:
+        """Refuse, before tokenizing, new messages that cannot fit in what is left of the context."""
+        new = req.messages[len(s.history(len(s.calls))) :] if s.calls else req.messages
+        tools = None if s.calls else req.tools
+        chat.check_fits(self.tok, new, tools, self.token_limit - len(s.tokens), f"session {s.id}'s request")
 
     def _plan(self, s: Session, req: chat.ChatRequest) -> dict[str, Any]:
         """Where the request attaches (v1): extend the latest checkpoint, or roll the latest call
@@ -259,7 +282,7 @@ class SessionServer:
 
     async def _generate(self, s: Session, plan: dict[str, Any], sp: dict[str, Any]) -> dict[str, Any]:
         ids = plan["input"]
-        limit = min(self.max_seq_len or self.context_length, self.context_length)
+        limit = self.token_limit
         if len(ids) >= limit:
             raise chat.ChatError(
                 f"the session has {len(ids)} tokens: at --max-seq-len / the context ({limit})"
@@ -346,6 +369,7 @@ class SessionServer:
         return resp
 
     async def close(self) -> None:
+        self._tokenize.shutdown(wait=False)
         if self._http is not None:
             await self._http.aclose()
 
@@ -381,7 +405,10 @@ def create_session_app(server: SessionServer, api_key: str | None,
             return error(
                 400, f"unknown session fields {unknown}; allowed: evaluation, temperature, top_p, top_k"
             )
-        return {"session_id": server.create(body).id}
+        try:
+            return {"session_id": server.create(body).id}
+        except TooManySessions as e:
+            return error(429, str(e), retryable=True)
 
     @app.get("/sessions/{sid}")
     async def get(sid: str):
@@ -412,6 +439,10 @@ def create_session_app(server: SessionServer, api_key: str | None,
             resp, req = await server.chat(s, body)
         except chat.ChatError as e:
             return error(400, str(e))
+        except engine_client.EngineHTTPError as e:  # the engine refused the call: say why, not a 500
+            msg = (e.body.get("error") or {}).get("message") if isinstance(e.body, dict) else None
+            status = 400 if 400 <= e.status < 500 else 502
+            return error(status, f"session {sid}: the engine answered HTTP {e.status}: {msg or e.body}")
         except httpx.HTTPError as e:
             return error(
                 503, f"session {sid}: the engine did not answer: {type(e).__name__}: {e}", retryable=True
@@ -439,11 +470,12 @@ class SessionServerHandle(ServerHandle):
 
 def start_session_server(cfg: Any, tokenizer: Any, engine_url: str, replay: bool = False,
                          lora_path=None, context_length: int = 1 << 20,
-                         moe_shape: tuple[int, int] | None = None) -> SessionServerHandle:  # fmt: skip
+                         moe_shape: tuple[int, int] | None = None,
+                         max_sessions: int = DEFAULT_MAX_SESSIONS) -> SessionServerHandle:  # fmt: skip
     """The run's session server (cfg: --session-server-ip/--session-server-port, --tito-model,
     --max-seq-len, --api-key) in a background thread; its /generate calls go to `engine_url`."""
     server = SessionServer(tokenizer, engine_url, cfg.api_key, cfg.tito_model, replay, lora_path,
-                           cfg.max_seq_len, context_length, moe_shape)  # fmt: skip
+                           cfg.max_seq_len, context_length, moe_shape, max_sessions)  # fmt: skip
     app = create_session_app(server, cfg.api_key)
     return SessionServerHandle(
         server, serve_in_thread(app, cfg.session_server_ip, cfg.session_server_port, "sessions")

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.cluster.devices import run_rollout_dtype
 from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError, RunConfig
 
@@ -76,10 +77,11 @@ def check_sglang_args(cfg: RunConfig) -> None:
             raise ConfigError(f"--sglang-{key} is set per engine by the launcher; remove it")
     if "dtype" in args:
         given = _SGLANG_DTYPE_ALIASES.get(str(args["dtype"]), str(args["dtype"]))
-        if given != SGLANG_DTYPES[cfg.rollout_dtype]:
+        served = run_rollout_dtype(cfg)
+        if given != SGLANG_DTYPES[served]:
             raise ConfigError(
-                f"--sglang-dtype {args['dtype']} contradicts --rollout-dtype {cfg.rollout_dtype} "
-                f"(SGLang --dtype {SGLANG_DTYPES[cfg.rollout_dtype]}); set --rollout-dtype only"
+                f"--sglang-dtype {args['dtype']} contradicts --rollout-dtype {served} "
+                f"(SGLang --dtype {SGLANG_DTYPES[served]}); set --rollout-dtype only"
             )
     tp = int(args.get("tp-size", cfg.rollout_num_gpus_per_engine))
     sp = int(args.get("sp-degree", 1))
@@ -97,27 +99,62 @@ def build_sglang_command(
     base_gpu_id: int | None = None,
     python: str = sys.executable,
     module: str = SGLANG_MODULE,
+    secret_dir: str | None = None,
 ) -> list[str]:
-    """The argv of one engine. Our defaults first; passthrough flags replace same-named ones."""
+    """The argv of one engine. Our defaults first; passthrough flags replace same-named ones.
+
+    The run's key never goes in argv (`ps` shows argv to every local user): it goes to SGLang in a
+    0600 YAML file under `secret_dir` passed as `--config` (SGLang's ConfigArgumentMerger), merged
+    with the user's own `--sglang-config` file when there is one."""
     if not cfg.hf_checkpoint:
         raise ConfigError("--rollout-engine sglang needs --hf-checkpoint (the model SGLang serves)")
     check_sglang_args(cfg)
     ours: dict[str, Any] = {
         "model-path": cfg.hf_checkpoint,
         "tp-size": cfg.rollout_num_gpus_per_engine,
-        "dtype": SGLANG_DTYPES[cfg.rollout_dtype],
+        "dtype": SGLANG_DTYPES[run_rollout_dtype(cfg)],
         "host": host,
         "port": port,
     }
     if base_gpu_id is not None:
         ours["base-gpu-id"] = base_gpu_id
-    if cfg.api_key:
-        ours["api-key"] = cfg.api_key
-    if cfg.lora_rank > 0 and not cfg.lora_train_only:  # adapters loaded at run time (/load_lora_adapter)
+    from miles_platform.cluster.colocation import offload_rollout_on
+
+    if offload_rollout_on(cfg):  # /release_memory_occupation needs SGLang's torch_memory_saver
+        ours["enable-memory-saver"] = True
+    if cfg.syncs_lora_adapter:  # adapters loaded at run time (/load_lora_adapter)
         ours.update({"enable-lora": True, "max-lora-rank": cfg.lora_rank, "lora-target-modules": "all"})
     passthrough = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}
+    if "api-key" in passthrough:
+        raise ConfigError("--sglang-api-key: the engines use the run's key (--api-key); pass that instead")
     merged = {**ours, **passthrough}
+    if cfg.api_key:
+        if secret_dir is None:
+            raise ValueError("the run's key goes to SGLang in a file: build_sglang_command needs secret_dir")
+        merged["config"] = write_secret_config(secret_dir, port, cfg.api_key, merged.get("config"))
     return [python, "-m", module, *sglang_flags(merged)]
+
+
+def write_secret_config(secret_dir: str, port: int, api_key: str, user_config: str | None) -> str:
+    """`api-key` (and the user's --sglang-config keys) in a fresh 0600 file, never through a link."""
+    import yaml
+
+    body: dict[str, Any] = {}
+    if user_config:
+        try:
+            with open(user_config) as f:
+                body = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"--sglang-config {user_config}: cannot read it as YAML ({e})") from e
+        if not isinstance(body, dict):
+            raise ConfigError(f"--sglang-config {user_config}: not a YAML mapping of SGLang flags")
+    body["api-key"] = api_key
+    path = os.path.join(secret_dir, f"engine_{port}.yaml")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(path, flags, 0o600), "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        yaml.safe_dump(body, f)
+    return path
 
 
 def sglang_python() -> str:
@@ -209,6 +246,10 @@ class SGLangEngineActor:
         port = free_port(host)
         gpu_ids = ray.get_gpu_ids()
         base_gpu_id = int(gpu_ids[0]) if gpu_ids else None
+        # a private dir (0700, a fresh name) and 0600 files that are never a symlink: under a fixed
+        # /tmp/miles_sglang another local user could pre-create the dir or a link and redirect it
+        log_dir = os.environ.get("MILES_SGLANG_LOG_DIR") or tempfile.mkdtemp(prefix="miles_sglang_")
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
         self.command = build_sglang_command(
             self.cfg,
             port=port,
@@ -216,12 +257,9 @@ class SGLangEngineActor:
             base_gpu_id=base_gpu_id,
             python=sglang_python(),
             module=self.module,
+            secret_dir=log_dir,
         )
         self.address = f"{host}:{port}"
-        # a private dir (0700, a fresh name) and a 0600 file that is never a symlink: under a fixed
-        # /tmp/miles_sglang another local user could pre-create the dir or a link and redirect it
-        log_dir = os.environ.get("MILES_SGLANG_LOG_DIR") or tempfile.mkdtemp(prefix="miles_sglang_")
-        os.makedirs(log_dir, mode=0o700, exist_ok=True)
         self.log_path = os.path.join(log_dir, f"engine_{self.rank}_{port}.log")
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
         log = os.fdopen(os.open(self.log_path, flags, 0o600), "ab")

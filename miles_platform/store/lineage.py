@@ -14,8 +14,8 @@ assets write `eval:<key>`, `publication:<key>`, `quantized:<key>:<fmt>` children
 partition key; conversion writes checkpoint -> checkpoint. Any new relation shows up here
 without code changes.
 
-One identity per node: paths absolute, old rows' relative paths resolved or matched by content hash
-(store/lineage_identity.py).
+Rows are written by `write_edges` (store/lineage_identity.py), the one writer; one identity per
+node: paths absolute, old rows' relative paths resolved or matched by content hash.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.metric_names import metric_name
 from miles_platform.store.catalog import Catalog, CatalogError
-from miles_platform.store.lineage_identity import Edge, RecordedPaths, fold_by_content, node_id
+from miles_platform.store.lineage_identity import Edge, RecordedPaths, fold_by_content
 from miles_platform.store.paths import StoragePaths, absolute
 from miles_platform.store.remote import is_remote
 
@@ -62,34 +63,6 @@ class Node:
         }
         out |= {"info": self.info, "nodes": [n.to_dict() for n in self.nodes]}
         return out | {"shown_above": self.shown_above, "truncated": self.truncated}
-
-
-def write_edges(
-    paths: StoragePaths, run: str, child: str, child_kind: str,
-    parents: list[tuple[str | None, str, str, str | None]],
-) -> None:  # fmt: skip
-    """Append `child`'s edges to the lineage table: one row per (parent, parent_kind, relation,
-    data_version); parents that are None (e.g. no --prompt-data) are skipped. The one writer of
-    lineage rows: a node of a path kind is recorded absolute (`node_id`)."""
-    from miles_platform.store.tables import append_rows
-
-    rows = [
-        {
-            "child": node_id(child, child_kind),
-            "child_kind": child_kind,
-            "parent": node_id(p, pk),
-            "parent_kind": pk,
-            "relation": rel,
-            "data_version": dv,
-        }  # fmt: skip
-        for p, pk, rel, dv in parents
-        if p is not None
-    ]
-    append_rows(paths, "lineage", run, rows)
-
-
-def _lit(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
 
 
 class LineageGraph:
@@ -196,8 +169,6 @@ class LineageGraph:
     def _eval_info(self, key: str) -> dict[str, Any]:
         if self._evals is None:
             self._evals = {}
-            from miles_platform.rollout.metric_names import metric_name
-
             for r in self._rows(
                 "SELECT partition_key, dataset, metric, arg_max(value, created_at) AS value, "
                 "arg_max(n_samples, created_at) AS n, arg_max(temperature, created_at) AS t FROM evals "

@@ -1,7 +1,10 @@
-"""One identity per lineage node (store/lineage.py): a path is one node however it was typed.
+"""Lineage rows, written and read (store/lineage.py traces them): one identity per node, a path is
+one node however it was typed.
 
-`write_edges` records every local path of a path kind (checkpoint, dataset, rollout shard,
-adapter) absolute (`node_id`); object-store URIs and ids stay as they are. Rows written before
+`Edge` is a row; `write_edges` is the one writer of lineage rows (the loop's version records, eval,
+publication, quantization and conversion assets) and records every local path of a path kind
+(checkpoint, dataset, rollout shard, adapter) absolute (`node_id`); object-store URIs and ids stay
+as they are. Rows written before
 that kept a path as typed (`.miles/models/base`): `RecordedPaths` resolves such a path against the
 dir its run wrote from when the run's saved config shows it (a relative `--storage-root` that is
 the tail of this root), and `fold_by_content` folds a spelling still relative into the absolute
@@ -25,14 +28,19 @@ from miles_platform.store.remote import is_remote
 
 @dataclass
 class Edge:
-    """One lineage row: `child` (of `child_kind`) came from `parent` by `relation`."""
+    """One lineage row: `child` (of `child_kind`) came from `parent` by `relation`; `data_version`:
+    the parent's content hash, data version or format, as the relation says."""
 
     child: str
     child_kind: str | None
-    parent: str
+    parent: str | None  # None: no such parent (a run without --prompt-data): write_edges skips it
     parent_kind: str | None
     relation: str
-    data_version: str | None
+    data_version: str | None = None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Edge:
+        return cls(*(row.get(f.name) for f in dataclasses.fields(cls)))
 
 
 PATH_KINDS = frozenset({"checkpoint", "dataset", "rollout_shard", "lora_adapter"})  # nodes that are paths
@@ -97,13 +105,33 @@ class RecordedPaths:
         }
 
 
-def read_edges(paths: StoragePaths, run: str) -> list[dict[str, Any]]:
+def write_edges(paths: StoragePaths, run: str, edges: list[Edge]) -> None:
+    """Append `edges` to `run`'s lineage table, each node of a path kind absolute (`node_id`);
+    edges without a parent are skipped. The one writer of lineage rows."""
+    from miles_platform.store.tables import append_rows
+
+    rows = [
+        {
+            "child": node_id(e.child, e.child_kind),
+            "child_kind": e.child_kind,
+            "parent": node_id(e.parent, e.parent_kind),
+            "parent_kind": e.parent_kind,
+            "relation": e.relation,
+            "data_version": e.data_version,
+        }
+        for e in edges
+        if e.parent is not None
+    ]
+    append_rows(paths, "lineage", run, rows)
+
+
+def read_edges(paths: StoragePaths, run: str) -> list[Edge]:
     """`run`'s lineage rows, in append order, with the paths old rows recorded as typed resolved
     where their writer's dir is knowable (`RecordedPaths`)."""
     from miles_platform.store.tables import read_rows
 
     recorded = RecordedPaths(paths)
-    return [recorded.edge(run, row) for row in read_rows(paths, "lineage", run)]
+    return [Edge.from_row(recorded.edge(run, row)) for row in read_rows(paths, "lineage", run)]
 
 
 def fold_by_content(edges: list[Edge]) -> tuple[list[Edge], dict[str, str]]:

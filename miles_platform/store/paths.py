@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from miles_platform.store.remote import is_remote  # also: object-store listings are never cached
 
-RUN_CONFIG = "run_config.json"  # a checkpoint dir's record of the LLM run's config (store/run_state.py)
+RUN_CONFIG = "run_config.json"  # a checkpoint dir's record of the run's config (run_lifecycle.py)
 DIFFUSION_CONFIG = "diffusion_config.json"  # a diffusion run dir's (diffusion/loop.py)
 TABLES = ("policy_versions", "evals", "lineage", "metrics", "run_events")
 

@@ -37,7 +37,7 @@ import fsspec
 import pyarrow.parquet as pq
 
 from miles_platform.config import RunConfig
-from miles_platform.rollout.filter_hub import DROP_METRIC_PREFIX  # groups drawn, not trained
+from miles_platform.metric_names import DROP_METRIC_PREFIX  # groups drawn, not trained
 from miles_platform.store.lineage_identity import read_edges
 from miles_platform.store.model_kinds import (
     KINDS,
@@ -259,7 +259,7 @@ def hf_export_sanity(paths: StoragePaths) -> Health:
         if not exports:
             continue
         edges = read_edges(paths, run)  # an old row's relative base resolved where knowable
-        base = next((e["parent"] for e in edges if e["relation"] == "base_checkpoint" and e["parent"]), None)
+        base = next((e.parent for e in edges if e.relation == "base_checkpoint" and e.parent), None)
         kind = _run_kind(rows, base)
         if kind is None:
             out.per_run[run] = {"kind": "unknown", "exports_checked": 0, "parameters": None,

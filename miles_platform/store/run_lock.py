@@ -4,9 +4,11 @@ The lock is an OS advisory lock (`fcntl.flock`) on an open file, so it dies with
 lock left by a killed run is free again at once, and the next writer takes it over (the file's
 contents, the holder's host / pid / start time, are only read to name the holder in the error).
 A second `train` of the same run under the same storage root is refused before Ray starts.
-An object-store root (`s3://...`) has no lock file: the lock is then taken on this host's local
-dir for the run (store/remote.py `mirror_path`), which refuses a second writer on the same host
-only; one writer per run across hosts is the operator's to keep (docs/data_and_store.md).
+An object-store root (`s3://...`) has no lock file: the flock is taken on this host's local dir
+for the run (store/remote.py `mirror_path`), and `ObjectStoreLease` keeps one writer across hosts
+and cache dirs: a `writer.lease` object created only if absent (S3's conditional `If-None-Match`
+PUT), renewed by a heartbeat, taken over when it expired or its holder is a dead process of this
+host; a writer whose lease another took (a partition, a clock jump) stops at its next renewal.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
+import uuid
 from pathlib import Path
 
 from miles_platform.config import ConfigError
@@ -91,3 +95,128 @@ def _read_holder(fd: int) -> dict:
         return json.loads(os.pread(fd, 4096, 0) or b"{}")
     except (OSError, ValueError):
         return {}
+
+
+class ObjectStoreLease:
+    """One writer per object-store run dir (or --save dir) across hosts: see the module docstring.
+
+    `lost` is set (and `on_lost` called, from the heartbeat thread) when another writer's lease
+    replaced this one; the run stops at its next check (`check()`)."""
+
+    def __init__(self, url: str, run: str, what: str | None = None, ttl_s: float = 60.0, on_lost=None):
+        from miles_platform.store.remote import join
+
+        self.url, self.run, self.what = join(url, "writer.lease"), run, what or f"run {run!r}"
+        self.ttl_s, self.on_lost = ttl_s, on_lost
+        self.token = uuid.uuid4().hex
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _body(self) -> bytes:
+        return json.dumps({**_holder(), "run": self.run, "token": self.token,
+                           "expires": time.time() + self.ttl_s}).encode()  # fmt: skip
+
+    def _read(self) -> dict | None:
+        from miles_platform.store.remote import read_bytes
+
+        raw = read_bytes(self.url)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return {}  # unreadable: treated as expired below
+
+    def _create(self) -> bool:
+        """Write our lease only if there is none; False when another one exists."""
+        from miles_platform.store.remote import filesystem
+
+        fs, path = filesystem(self.url)
+        try:
+            fs.pipe_file(path, self._body(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:  # s3fs surfaces S3's 412 PreconditionFailed as an OSError
+            if "PreconditionFailed" in str(e) or "412" in str(e) or "pre-condition" in str(e).lower():
+                return False
+            raise
+
+    def _stale(self, held: dict) -> bool:
+        if not held or float(held.get("expires", 0)) < time.time():
+            return True
+        if held.get("host") == socket.gethostname() and isinstance(held.get("pid"), int):
+            try:
+                os.kill(held["pid"], 0)
+            except ProcessLookupError:
+                return True  # its process on this host is gone: a killed run
+            except PermissionError:
+                return False
+        return False
+
+    def acquire(self) -> ObjectStoreLease:
+        from miles_platform.store.remote import remove
+
+        for _ in range(3):
+            if self._create():
+                break
+            held = self._read()
+            if held is None:
+                continue  # released between our two calls
+            if not self._stale(held):
+                left = max(0.0, float(held.get("expires", 0)) - time.time())
+                raise RunLocked(
+                    f"{self.what} is being written by pid {held.get('pid', '?')} on {held.get('host', '?')} "
+                    f"(run {held.get('run', '?')!r}, since {held.get('started', '?')}; its lease in "
+                    f"{self.url} is renewed while it lives, else it expires in {left:.0f} s); one writer "
+                    "at a time: wait for it, stop it, or pick another --run-name / --save"
+                )
+            remove(self.url)  # expired, or a dead process of this host: take it over
+        else:
+            raise RunLocked(f"{self.what}: could not take {self.url} (other writers raced for it)")
+        self._thread = threading.Thread(target=self._heartbeat, name="writer-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _heartbeat(self) -> None:
+        from miles_platform.store.remote import write_bytes
+
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                held = self._read()
+            except OSError:
+                continue  # the store is unreachable: retry; the lease lives ttl_s
+            if held is None or held.get("token") != self.token:
+                who = "nobody" if held is None else f"pid {held.get('pid')} on {held.get('host')}"
+                self.lost = (
+                    f"{self.what}: the writer lease {self.url} is now held by {who}: this writer stops"
+                )
+                if self.on_lost is not None:
+                    self.on_lost(self.lost)
+                return
+            try:
+                write_bytes(self.url, self._body())
+            except OSError:
+                continue
+
+    def check(self) -> None:
+        if self.lost:
+            raise RunLocked(self.lost)
+
+    def release(self) -> None:
+        from miles_platform.store.remote import remove
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+            held = self._read() if not self.lost else None
+            if held is not None and held.get("token") == self.token:
+                remove(self.url)
+
+    def __enter__(self) -> ObjectStoreLease:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -39,33 +39,31 @@ def step0_checks(cfg: RunConfig, m: dict[str, float], log: Callable[[str], None]
 
 def check_weights_equal(cfg: RunConfig, engines, weights, version: int) -> None:
     """Every engine, embedded, external or SGLang, over HTTP (weights/equality.py)."""
+    from miles_platform.cluster.devices import run_rollout_dtype
     from miles_platform.weights.equality import first_mismatch
 
     for e in engines:
-        why = first_mismatch(e.url, weights, cfg.rollout_dtype, cfg.api_key)
+        why = first_mismatch(e.url, weights, run_rollout_dtype(cfg), cfg.api_key)
         if why:
             raise CITestFailure(f"--check-weight-update-equal at v{version}: {why}")
 
 
 def lora_check_on(cfg: RunConfig) -> bool:
     """--check-lora-weight-equal, or any full weight check of a LoRA run (the adapter is the update)."""
-    return (
-        cfg.lora_rank > 0
-        and not cfg.lora_train_only
-        and (cfg.check_lora_weight_equal or weight_check_on(cfg))
-    )
+    return cfg.syncs_lora_adapter and (cfg.check_lora_weight_equal or weight_check_on(cfg))
 
 
 def check_lora_weights_equal(cfg: RunConfig, engines, adapter: dict, version: int) -> None:
     """Every engine serves the run's adapter at `version`, each lora_A / lora_B tensor SHA-256-equal
     to the trainer's (cast to the serving dtype), as Miles' --check-lora-weight-equal."""
+    from miles_platform.cluster.devices import run_rollout_dtype
     from miles_platform.rollout.base_types import AdapterName
     from miles_platform.rollout.client import EngineHTTPError, post
     from miles_platform.rollout.lora_serving import tensor_sha256
     from miles_platform.training.precision import DTYPES
 
     name = AdapterName(cfg.run_name).of(version)  # the engine-side name of this version
-    dtype = DTYPES[cfg.rollout_dtype]
+    dtype = DTYPES[run_rollout_dtype(cfg)]
     want = {k: tensor_sha256(t.to(dtype)) for k, t in adapter.items()}
     for e in engines:
         try:

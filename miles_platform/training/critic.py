@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 
 from miles_platform.config import RunConfig
 from miles_platform.models.checkpoint import load_hf_model
+from miles_platform.training.checkpoint import load_optimizer_tensors, optimizer_tensors, rank_file
 
 
 class Critic(torch.nn.Module):
-    def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1):
+    def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1, device="cpu"):
         super().__init__()
         self.world_size = world_size
         lm = load_hf_model(hf_checkpoint)
@@ -31,6 +32,7 @@ class Critic(torch.nn.Module):
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+        self.to(device)  # the rank's device; the optimizer's state follows its parameters
         self.train()
         self.opt = torch.optim.AdamW(
             self.parameters(),
@@ -69,24 +71,18 @@ class Critic(torch.nn.Module):
         return float(norm)
 
     def save(self, ckpt_dir: str, rank: int) -> None:
+        """Into the trainer's checkpoint dir (training/checkpoint.py): the critic once, its optimizer per rank."""
         if rank == 0:
             save_file(
-                {k: v.contiguous() for k, v in self.state_dict().items()},
+                {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
                 os.path.join(ckpt_dir, "critic.safetensors"),
             )
-        opt = {}
-        names = {id(p): n for n, p in self.named_parameters()}
-        for p, st in self.opt.state.items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    opt[f"{names[id(p)]}::{k}"] = v.detach().contiguous()
-        save_file(opt, os.path.join(ckpt_dir, f"critic_optimizer_rank{rank:03d}.safetensors"))
+        opt = optimizer_tensors(self.opt, self.named_parameters())
+        save_file(opt, os.path.join(ckpt_dir, rank_file("critic_optimizer", rank)))
 
     def load(self, ckpt_dir: str, rank: int) -> None:
-        self.load_state_dict(load_file(os.path.join(ckpt_dir, "critic.safetensors")))
-        params = dict(self.named_parameters())
-        for key, v in load_file(
-            os.path.join(ckpt_dir, f"critic_optimizer_rank{rank:03d}.safetensors")
-        ).items():
-            name, k = key.rsplit("::", 1)
-            self.opt.state.setdefault(params[name], {})[k] = v.clone()
+        self.load_state_dict(
+            load_file(os.path.join(ckpt_dir, "critic.safetensors"))
+        )  # copied onto the device
+        opt = load_file(os.path.join(ckpt_dir, rank_file("critic_optimizer", rank)))
+        load_optimizer_tensors(self.opt, self.named_parameters(), opt)

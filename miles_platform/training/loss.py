@@ -455,9 +455,10 @@ def vanilla_tis_function(
 def mis_selected(args) -> bool:
     """The MIS flags (Miles' mis.py: --tis-level/-mode/-lower-bound/-upper-bound, --use-rs,
     --rs-*, --tis-batch-normalize) select the MIS correction, as its dotted path does."""
-    from miles_platform.config import MIS_FLAGS, _default
+    from miles_platform.config import MIS_FLAGS, RunConfig
+    from miles_platform.config.flags import field_default
 
-    return any(getattr(args, n) != _default(n) for n in MIS_FLAGS)
+    return any(getattr(args, n) != field_default(RunConfig, n) for n in MIS_FLAGS)
 
 
 def get_tis_function(args) -> Callable[..., tuple[torch.Tensor, Tensors, dict[str, torch.Tensor]]]:

@@ -29,7 +29,7 @@ from miles_platform.models.bridge import Bridge
 from miles_platform.models.bridge.base import padded_vocab
 from miles_platform.training import megatron_precision, megatron_shims, megatron_step, megatron_weights
 from miles_platform.training.backend import ModelBackend, ScoreRequest, Scores, scores_from_logits
-from miles_platform.training.megatron_parallel import Layout
+from miles_platform.training.megatron_parallel import Layout, to_device  # noqa: F401 (offload.py)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # torch_dist metadata: megatron's format marker and torch.distributed.checkpoint's index
@@ -51,14 +51,16 @@ def build_gpt_model(
     tensor_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_te: bool | None = None,
+    device: torch.device | str | None = None,
 ):
-    """(GPTModel, bridge) for an HF config without pipeline stages; parallel_state must be
-    initialized. Logits are vocab-parallel ([B, T, V / TP])."""
+    """(GPTModel, bridge) for an HF config without pipeline stages, on `device` (default: CUDA's
+    current device when there is one, else the CPU); parallel_state must be initialized. Logits
+    are vocab-parallel ([B, T, V / TP])."""
     from miles_platform.training.megatron_parallel import Layout, build_model_chunks
 
     use_te = te_available() if use_te is None else use_te
     chunks, bridge = build_model_chunks(
-        hf_config, Layout(tp=tensor_model_parallel_size), params_dtype, use_te
+        hf_config, Layout(tp=tensor_model_parallel_size), params_dtype, use_te, device=device
     )
     return chunks[0], bridge
 
@@ -191,12 +193,12 @@ class MegatronBackend(ModelBackend):
             )
         megatron_shims.init_process_group(
             self.rank, self.world_size, layout=self.layout, num_layers=hf_config["num_hidden_layers"],
-            seed=int(getattr(self.cfg, "seed", 1234)),
+            seed=int(getattr(self.cfg, "seed", 1234)), device=self.device,
         )  # fmt: skip
         self.hf_config = hf_config
         self.chunks, self.bridge = build_model_chunks(
             hf_config, self.layout, megatron_precision.params_dtype(self.cfg), te_available(),
-            megatron_precision.config_kwargs(self.cfg),
+            megatron_precision.config_kwargs(self.cfg), device=self.device,
         )  # fmt: skip
         self.module = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         ref_load = getattr(self.cfg, "ref_load", None)
@@ -253,11 +255,8 @@ class MegatronBackend(ModelBackend):
 
         if self.world_size == 1:
             return 0, 1, None
-        return (
-            ps.get_data_parallel_rank(),
-            ps.get_data_parallel_world_size(),
-            ps.get_data_parallel_group_gloo(),
-        )
+        # megatron's data-parallel group has the world's backend (gloo; "cpu:gloo,cuda:nccl" on GPUs)
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.layout.model_parallel == 1 and self.layout.ep == 1:

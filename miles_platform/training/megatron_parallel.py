@@ -191,8 +191,10 @@ def build_model_chunks(
     params_dtype: torch.dtype = torch.float32,
     use_te: bool = False,
     config_overrides: dict[str, Any] | None = None,
+    device: torch.device | str | None = None,
 ):
-    """([GPTModel per virtual pipeline stage of this rank], bridge); parallel_state must be up.
+    """([GPTModel per virtual pipeline stage of this rank], bridge) on `device` (default: CUDA's
+    current device when there is one, else the CPU); parallel_state must be up.
 
     Logits stay vocab-parallel (`parallel_output=True`): [B, T, V / TP] on the last stage."""
     from megatron.core.models.gpt import GPTModel
@@ -203,6 +205,9 @@ def build_model_chunks(
     from miles_platform.training import megatron_shims
 
     bridge = get_bridge(hf_config)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     megatron_shims.apply_no_te_shims()
     base = bridge.transformer_config(hf_config)
     if _gloo_pipeline():
@@ -221,7 +226,7 @@ def build_model_chunks(
         variable_seq_lengths=variable,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=device.type != "cuda",
         **(config_overrides or {}),
     )
     spec_kwargs = bridge.layer_spec_kwargs(hf_config)
@@ -245,9 +250,7 @@ def build_model_chunks(
                 parallel_output=True,
                 vp_stage=vp_stage,
             )
-        if torch.cuda.is_available():
-            model = model.cuda()
-        chunks.append(model)
+        chunks.append(to_device(model, device))
     return chunks, bridge
 
 
@@ -291,3 +294,15 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             "micro-batches, and megatron's MoE layer needs --sequence-parallel at TP > 1 (docs/moe.md), which "
             "splits the tokens over the TP ranks"
         )
+
+
+def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to(device)`, with the tensors megatron keeps as plain attributes (RoPE's `inv_freq`,
+    created on the CPU under `use_cpu_initialization`), which `.to` does not see."""
+    model.to(device)
+    for m in model.modules():
+        for name, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device != device:
+                if name not in m._buffers:
+                    setattr(m, name, v.to(device))
+    return model

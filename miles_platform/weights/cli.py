@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from miles_platform.errors import PublicationError
 from miles_platform.weights import disk_delta as dd
 from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
@@ -46,8 +48,10 @@ def cmd_publish(a) -> int:
         workers=a.workers,
     )
     latest = dd.read_latest(a.out)
-    base = load_hf_state(a.base)
+    base, target = load_hf_state(a.base), load_hf_state(a.target)
+    check_publishable(base, target, a.base, a.target)  # before anything is written
     if latest is None:
+        check_publishable(base, base, a.base, a.base)
         _print_stats(pub.publish(base))
     else:  # the base must be what the dir already holds, or the delta would describe another lineage
         idx = dd.read_index(a.out, latest)
@@ -58,8 +62,29 @@ def cmd_publish(a) -> int:
             raise PublicationError(
                 f"--base {a.base} is not the latest publication v{latest} in {a.out} (differs at {bad[0]})"
             )
-    _print_stats(pub.publish(load_hf_state(a.target), version=a.version))
+    _print_stats(pub.publish(target, version=a.version))
     return 0
+
+
+def check_publishable(base: dict, target: dict, base_dir: str, target_dir: str) -> None:
+    """A publication dir is one model's chain of versions: the target keeps the base's tensor names,
+    shapes and dtypes, and every value is finite (a NaN version would reach every replica)."""
+    for name in sorted(set(base) | set(target)):
+        b, t = base.get(name), target.get(name)
+        if b is None or t is None:
+            where = f"--target {target_dir}" if b is None else f"--base {base_dir}"
+            raise PublicationError(
+                f"{name}: only in {where}; a publication continues one model's tensors, so publish "
+                "a model with other tensors to a new --out"
+            )
+        if b.shape != t.shape or b.dtype != t.dtype:
+            raise PublicationError(
+                f"{name}: --target has {t.dtype} {list(t.shape)}, --base {b.dtype} {list(b.shape)}; a "
+                "publication continues one model's layout, so publish another layout to a new --out"
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise PublicationError(f"{name}: {bad} non-finite value(s) (NaN / inf) in --target {target_dir}")
 
 
 def cmd_apply(a) -> int:

@@ -30,6 +30,7 @@ from miles_platform.weights.delta_format import (
     dtype_from_name,
     dtype_name,
     lowbits_sections,
+    open_regular,
     read_index,
     read_latest,
     version_dir_name,
@@ -128,7 +129,7 @@ def _read_payload(pub_dir, idx: dict) -> memoryview:
         opener, size_of = (lambda: fs.open(path, "rb")), (lambda f: f.size)
     else:
         path = Path(pub_dir) / version_dir_name(idx["version"]) / PAYLOAD
-        opener, size_of = (lambda: open(path, "rb")), (lambda f: os.fstat(f.fileno()).st_size)
+        opener, size_of = (lambda: open_regular(path)), (lambda f: os.fstat(f.fileno()).st_size)
     try:
         with opener() as f:
             size = size_of(f)

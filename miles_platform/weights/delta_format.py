@@ -141,7 +141,25 @@ def _read_file(pub_dir: str | os.PathLike, *parts: str) -> tuple[str, bytes | No
         url = remote.join(str(pub_dir), *parts)
         return url, remote.read_bytes(url)
     p = Path(pub_dir).joinpath(*parts)
-    return str(p), (p.read_bytes() if p.is_file() else None)
+    try:
+        with open_regular(p) as f:
+            return str(p), f.read()
+    except FileNotFoundError:
+        return str(p), None
+
+
+def open_regular(path: str | os.PathLike):
+    """Open a publication file for reading, refusing anything but a regular file: a FIFO (or a
+    device) planted in a publication made `weights apply` block forever in open()."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, whatever the file is
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise PublicationError(f"{path}: not a regular file (a FIFO, socket, device or directory)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def read_latest(pub_dir: str | os.PathLike) -> int | None:

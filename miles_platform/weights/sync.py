@@ -1,4 +1,4 @@
-"""The loop's two weight steps: the engines' first sync and each new version's publication.
+"""The loop's weight steps: the engines' first sync, each new version's publication, --save-hf.
 
 `initial_sync`: engines start from --hf-checkpoint (v0); a resumed run pushes its policy to them
 first, a disk-delta run publishes its v0 snapshot (or, started over after a crash, appends to
@@ -7,6 +7,8 @@ the publication it finds), a LoRA run loads its adapter.
 `publish_version`: the trainer's weights as the run's next version, through the run's transport
 (HF export first, so a replacement engine or a reader can load it), with the `--ci-test` /
 `--check-weight-update-equal` check after it.
+
+`save_hf_copy`: with a checkpoint, the version's policy as an HF dir (--save-hf).
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: 
     from miles_platform.weights.delta_format import read_latest
 
     if (
-        cfg.lora_rank > 0
+        cfg.uses_lora
     ):  # the engines serve the base: load the run's adapter (v0: B = 0, or --lora-adapter-path)
         from miles_platform.weights.lora_publish import publish_adapter
 
         publish_adapter(cfg, paths, s, version, base_version)
         return
-    delta = cfg.update_weight_transfer_mode == "disk-delta"
+    delta = cfg.uses_disk_delta
     # a run started over (no checkpoint) after a crash may find its publication begun: append to it
     published = delta and not resumed and read_latest(cfg.update_weight_disk_dir) is not None
     snapshot = delta and not resumed and not published
@@ -67,7 +69,7 @@ def publish_version(
     """-> (the version's policy dir: its HF export, or a LoRA run's adapter dir; update metrics)."""
     from miles_platform.training.export import export_hf_dir
 
-    if cfg.lora_rank > 0:
+    if cfg.uses_lora:
         from miles_platform.weights.lora_publish import publish_adapter
 
         return publish_adapter(cfg, paths, s, version, base_version)
@@ -79,3 +81,22 @@ def publish_version(
     if weight_check_on(cfg):
         check_weights_equal(cfg, s.engines, weights, version)
     return hf_dir, metrics
+
+
+def save_hf_copy(cfg: RunConfig, rollout_id: int, hf_dir: str) -> None:
+    """--save-hf: a copy of the saved policy in HF layout (the template may use {rollout_id})."""
+    import os
+    import shutil
+
+    from miles_platform.store.atomic import fsync_tree, replace_dir
+
+    dest = cfg.save_hf.format(rollout_id=rollout_id)
+    if cfg.uses_lora:  # `hf_dir` is the version's adapter: the merged model, as Miles' --save-hf
+        from miles_platform.training.lora import export_merged_hf_dir
+
+        export_merged_hf_dir(cfg.hf_checkpoint, hf_dir, dest)
+        return
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.copytree(hf_dir, tmp)
+    fsync_tree(tmp)
+    replace_dir(tmp, dest)

@@ -7,13 +7,13 @@ import pytest
 from assets.datasets import eval_dataset, prompt_dataset, prompt_dataset_checks
 from miles_platform.data.dataset import content_hash, read_normalized_dataset
 from miles_platform.store.paths import StoragePaths
-from resources.storage import CatalogResource, StorageRootResource
+from resources.storage import StorageRootResource
 
 ROWS = [{"question": f"{i}+{i}=", "answer": str(2 * i), "metadata": {"i": i}} for i in range(6)]
 
 
 def resources(root):
-    return {"storage": StorageRootResource(root=str(root)), "catalog": CatalogResource(root=str(root))}
+    return {"storage": StorageRootResource(root=str(root))}
 
 
 def write_jsonl(path, rows, extra=b""):

@@ -8,12 +8,13 @@ from safetensors.torch import load_file
 from assets.evals import resolve_hf_path
 from miles_platform.models.checkpoint import content_hash
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.versions import PolicyVersion
 from miles_platform.training.lora import write_adapter_dir
-from ops.training import DagsterReporter
+from ops.version_events import DagsterReporter
 
 
 def _info(tmp_path, ckpt, adapter_dir):
-    return dict(run="t", version=1, partition_key="t.v000001", parent_version=0, parent_partition_key="t.v000000",
+    return PolicyVersion(run="t", version=1, partition_key="t.v000001", parent_version=0, parent_partition_key="t.v000000",
                 rollout_id=0, checkpoint_path=None, hf_path=None, content_hash=content_hash(adapter_dir),
                 config_hash="c", base_data_version=content_hash(ckpt), dataset_data_version="d",
                 shard_path=str(tmp_path / "shard"), shard_rows=4, mean_reward=0.5, base_checkpoint=ckpt,

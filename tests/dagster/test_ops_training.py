@@ -347,3 +347,40 @@ def test_a_run_name_with_run_id_names_a_fresh_run_that_a_re_execution_resumes():
                       run_config=config)
     )  # fmt: skip
     assert runs_trained_by_dagster_now(instance) == {"smoke-0a1b2c3d"}
+
+
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        (dict(prompt_data="/nonexistent/prompts.jsonl"), "dataset file not found (check --prompt-data)"),
+        (dict(custom_rm_path="loop_helpers.broken_reward", rm_type="none"),
+         "--custom-rm-path loop_helpers.broken_reward raised KeyError: 'score'"),
+    ],
+    ids=["missing-dataset", "broken-reward"],
+)  # fmt: skip
+def test_a_missing_dataset_or_a_broken_reward_fails_once_with_its_reason(
+    tiny_hf_checkpoint, tmp_path, overrides, why
+):
+    """Both were retried twice (10 s of delays, two more Ray starts) and shown as "Exceeded
+    max_retries of 2" (issue #49, item 12): a retry cannot fix either. Now the step fails at once,
+    not retried, and its failure says why."""
+    kw = _job_kwargs(tiny_hf_checkpoint, tmp_path, **overrides)
+    result = _execute(kw, tmp_path / "root", raise_on_error=False)
+    assert not result.success
+    kinds = [e.event_type_value for e in result.all_events]
+    assert "STEP_UP_FOR_RETRY" not in kinds and kinds.count("STEP_FAILURE") == 1
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    text = str(failure.step_failure_data.error)
+    assert why in text and "max_retries" not in text, text
+
+
+def test_an_api_key_typed_in_the_launchpad_is_refused_and_never_stored_in_a_row(tiny_hf_checkpoint, tmp_path):
+    """Dagster keeps a run's config as typed, in plain text (issue #49, item 12): a key typed in
+    the Launchpad is refused before anything starts, naming the safe ways (api_key_file,
+    $MILES_API_KEY)."""
+    kw = {**_job_kwargs(tiny_hf_checkpoint, tmp_path), "api_key": "typed-secret"}
+    result = _execute(kw, tmp_path / "root", raise_on_error=False)
+    message = result.failure_data_for_node("rl_training_op").user_failure_data.description
+    assert "api_key typed in the Launchpad is stored in plain text" in message and "api_key_file" in message
+    assert "STEP_UP_FOR_RETRY" not in [e.event_type_value for e in result.all_events]
+    assert not (tmp_path / "root").exists()

@@ -5,8 +5,8 @@ import dagster as dg
 import pytest
 from store_builders import apply_sensor_tick, build_run
 
-from assets.rollouts import policy_version_event
 from miles_platform.store.paths import StoragePaths
+from ops.version_events import policy_version_event
 from resources.storage import StorageRootResource
 from sensors.catalog_runs import runs_from_catalog
 from sensors.evals import eval_on_new_policy
@@ -48,7 +48,7 @@ def test_cli_run_versions_become_partitions_with_the_ops_metadata_once(store):
         assert md[key] == want[key], key
     assert md["parent_version"].value == "cli.v000001" and md["eval_interval"].value == "2"
     assert md["eval_config"].value["rm_type"] == "math"  # the run's eval settings, from run_config.json
-    assert pv[1].asset_materialization.tags["dagster/data_version"] == infos[1]["content_hash"]
+    assert pv[1].asset_materialization.tags["dagster/data_version"] == infos[1].content_hash
 
     # next tick: nothing new; a reset cursor: nothing twice
     assert tick(instance, paths.root, data.cursor).asset_events == []
@@ -60,7 +60,7 @@ def test_versions_the_op_reported_and_runs_dagster_is_training_are_left_alone(st
     paths, infos = store
     instance = dg.DagsterInstance.ephemeral()
     for info in infos[:2]:  # the op reported v1 and v2 (it died before reporting v3)
-        instance.add_dynamic_partitions("policy_versions", [info["partition_key"]])
+        instance.add_dynamic_partitions("policy_versions", [info.partition_key])
         instance.report_runless_asset_event(policy_version_event(info, {}, {}))
     build_run(paths, "live", tiny_hf_checkpoint, 1)
     live = instance.add_run(

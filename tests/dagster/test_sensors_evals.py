@@ -154,12 +154,12 @@ def test_the_ops_versions_carry_final_and_the_last_one_is_evaluated(tmp_path, ti
     """The Launchpad's smoke preset: 2 rollouts, no --eval-interval: one eval, of the final version."""
     from store_builders import build_run
 
-    from assets.rollouts import policy_version_event
     from miles_platform.store.paths import StoragePaths
+    from ops.version_events import policy_version_event
 
     infos = build_run(StoragePaths(str(tmp_path / "root")), "smoke", tiny_hf_checkpoint, 2)
     for info in infos:  # what DagsterReporter logs
-        instance.add_dynamic_partitions("policy_versions", [info["partition_key"]])
+        instance.add_dynamic_partitions("policy_versions", [info.partition_key])
         instance.report_runless_asset_event(policy_version_event(info, {}, {}))
     assert _drain(eval_on_new_policy, instance) == [["smoke.v000002"]]
 

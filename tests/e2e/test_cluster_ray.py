@@ -339,7 +339,7 @@ def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_ca
 
     import dagster as dg
 
-    from miles_platform.cluster.ray_jobs import job_client, run_jobs
+    from miles_platform.launch.ray_jobs import job_client, run_jobs
 
     root, home = tmp_path / "root", tmp_path / "dagster"
     home.mkdir()
@@ -413,7 +413,7 @@ def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
     reading it back: tests/e2e/test_object_store_root.py.)"""
     import fsspec
 
-    from miles_platform.cluster.ray_jobs import job_client, run_jobs
+    from miles_platform.launch.ray_jobs import job_client, run_jobs
 
     for k, v in s3_server.items():
         monkeypatch.setenv(k, v)  # this process reads the store; the job gets them in its runtime env

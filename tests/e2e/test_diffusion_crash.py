@@ -91,6 +91,21 @@ def test_a_hook_the_diffusion_loop_never_fires_is_refused_naming_those_it_does()
     DiffusionRunConfig(**kw, ci_fault_hooks=json.dumps(ok)).validate()
 
 
+def test_a_second_writer_of_the_save_dir_is_refused_before_anything_is_written_there(base_and_data, tmp_path):
+    """train-diffusion starts inside `train`'s run lifecycle: one writer per --save dir as well as
+    per run (it took the run lock only, so a run of another name could write the same checkpoints)."""
+    from miles_platform.diffusion.config import parse_diffusion_config
+    from miles_platform.diffusion.loop import DiffusionRun
+    from miles_platform.store.run_lock import RunLock, RunLocked
+
+    base, data = base_and_data
+    cfg = parse_diffusion_config([*_args(base, data, tmp_path / "root"), "--num-rollout", "1"])
+    with RunLock(cfg.save, "other", f"--save {cfg.save}"):
+        with pytest.raises(RunLocked, match=f"--save {cfg.save} is being written by pid {os.getpid()}"):
+            DiffusionRun(cfg).run()
+    assert os.listdir(cfg.save) == ["writer.lock"]  # no run_config.json, no checkpoint
+
+
 @pytest.mark.slow
 def test_kill_9_of_train_diffusion_then_relaunch_abandons_past_the_checkpoint_and_reuses_no_version(
     base_and_data, tmp_path

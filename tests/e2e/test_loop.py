@@ -137,9 +137,13 @@ def test_bad_config_fails_before_any_engine_starts(tiny_hf_checkpoint, tmp_path)
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, custom_rm_path="no.such.module.fn"))
     with pytest.raises(ConfigError, match="global-batch-size"):
         RunConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=3).validate()
-    # --sglang-* flags: the embedded engine honours max-running-requests and refuses the rest
-    with pytest.raises(ConfigError, match="sglang-mem-fraction-static.*embedded engine"):
-        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"mem-fraction-static": "0.7"}))
+    # --sglang-* flags: the embedded engine honours max-running-requests and mem-fraction-static
+    # (its KV budget) and refuses the rest
+    with pytest.raises(ConfigError, match="sglang-enable-dp-attention.*embedded engine"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"enable-dp-attention": True}))
+    with pytest.raises(ConfigError, match="sglang-mem-fraction-static '1.5': must be a number in"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"mem-fraction-static": "1.5"}))
+    validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"mem-fraction-static": "0.7"}))
     with pytest.raises(ConfigError, match="sglang-max-running-requests"):
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"max-running-requests": "0"}))
     validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"max-running-requests": "8"}))
@@ -370,7 +374,7 @@ def test_one_writer_per_run_and_a_dead_writers_lock_is_taken_over(tiny_hf_checkp
 def test_a_resume_that_would_train_something_else_is_refused(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import saved_config
     from miles_platform.loop import RLRun
-    from miles_platform.store.run_state import check_resume_config
+    from miles_platform.run_lifecycle import check_resume_config
 
     first = _cfg(tiny_hf_checkpoint, tmp_path, ci_test=False)
     save = StoragePaths(first.storage_root).checkpoints("t")
@@ -403,7 +407,8 @@ def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkp
     """kill -9 between publishing (or exporting) v6 and recording it: no catalog row for v6, but
     LATEST and hf/v000006 exist. The resumed run numbers its next version 7, never a second v6."""
     from miles_platform.loop import RLRun
-    from miles_platform.store.run_state import recorded_max_version, remove_dead_writers_tmp
+    from miles_platform.run_lifecycle import published_version, remove_dead_writers_tmp
+    from miles_platform.store.recorder import recorded_max_version
 
     pub = tmp_path / "pub"
     cfg = _cfg(
@@ -414,12 +419,12 @@ def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkp
     )
     cfg.save = StoragePaths(cfg.storage_root).checkpoints("t")
     run = RLRun(cfg)
-    assert recorded_max_version(cfg, run.paths) == 0
+    assert recorded_max_version(run.paths, "t", published_version(cfg)) == 0
     os.makedirs(run.paths.hf_export("t", 5))
-    assert recorded_max_version(cfg, run.paths) == 5
+    assert recorded_max_version(run.paths, "t", published_version(cfg)) == 5
     pub.mkdir()
     (pub / "LATEST").write_text("6\n")
-    assert recorded_max_version(cfg, run.paths) == 6
+    assert recorded_max_version(run.paths, "t", published_version(cfg)) == 6
     # half-written exports / checkpoints of the dead writer are removed at startup (under the lock)
     hf = os.path.dirname(run.paths.hf_export("t", 8))
     junk = [os.path.join(hf, ".v000008.tmp-ab12cd34"), os.path.join(cfg.save, ".iter_0000003.tmp-a1b2c3"),
@@ -441,4 +446,4 @@ def test_version_numbers_continue_past_every_store_that_knows_one(tiny_hf_checkp
     remove_dead_writers_tmp(cfg, run.paths, print)
     assert not any(os.path.exists(j) for j in [*junk, junk_file]) and os.path.isdir(keep)
     assert os.path.isfile(keep_file)
-    assert recorded_max_version(cfg, run.paths) == 6
+    assert recorded_max_version(run.paths, "t", published_version(cfg)) == 6

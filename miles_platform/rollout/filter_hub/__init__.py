@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles_platform.data.sample import Sample
+from miles_platform.metric_names import DROP_METRIC_PREFIX
 from miles_platform.plugins import load_function
 from miles_platform.rollout.filter_hub.base_types import DynamicFilterOutput, FilterOutput, iter_samples
 from miles_platform.rollout.filter_hub.dynamic_sampling_filters import (
@@ -36,7 +37,6 @@ __all__ = [
     "pop_first",
 ]
 
-DROP_METRIC_PREFIX = "rollout/dynamic_filter/drop_"
 Group = list[Sample]
 
 

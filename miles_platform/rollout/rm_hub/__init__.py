@@ -1,7 +1,10 @@
 """Reward hub (`--rm-type`): a registry of built-in rewards plus `--custom-rm-path`.
 
-A new built-in reward is one file with `async def my_rm(args, sample, response) -> float | dict`
-(or a plain `fn(response, label)` wrapped by `_graded`) and one line in `REWARDS`.
+A new built-in reward is one file with `async def my_rm(rewards, sample, response) -> float | dict`
+(`rewards`: the run's RewardSettings; or a plain `fn(response, label)` wrapped by `_graded`) and one
+line in `REWARDS`. The hub's entry points take RewardSettings (`cfg.reward_settings()`) or anything
+`RewardSettings.of` reads (a RunConfig, Miles' args); a `--custom-rm-path` function receives the
+run's own args (`RewardSettings.user_args`), as in Miles.
 
 Dispatch per sample, as in Miles:
   --custom-rm-path set      -> the user function (per sample, or per group with --group-rm)
@@ -19,7 +22,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from miles_platform.config import ConfigError
+from miles_platform.config.reward import RewardSettings
 from miles_platform.data.sample import Sample
+from miles_platform.errors import MilesError, UserFunctionError
 from miles_platform.plugins import load_function
 from miles_platform.rollout.rm_hub import math_rm
 from miles_platform.rollout.rm_hub.boxed import last_boxed
@@ -32,13 +37,14 @@ from miles_platform.rollout.rm_hub.random_rm import random_rm
 from miles_platform.rollout.rm_hub.remote_rm import RemoteRewardError, remote_rm
 
 Reward = float | dict[str, float]
-RewardFn = Callable[[Any, Sample, str], Awaitable[Reward]]
+RewardFn = Callable[[RewardSettings, Sample, str], Awaitable[Reward]]
 
 __all__ = [
     "REWARDS",
     "RemoteRewardError",
     "async_rm",
     "batched_async_rm",
+    "RewardSettings",
     "compute_rewards",
     "valid_rm_types",
     "validate_reward_config",
@@ -49,7 +55,7 @@ __all__ = [
 def _graded(fn: Callable[[str, str | None], Reward]) -> RewardFn:
     """Adapt a pure `fn(response, label)` grader to the hub's async signature."""
 
-    async def rm(args, sample: Sample, response: str) -> Reward:
+    async def rm(rewards: RewardSettings, sample: Sample, response: str) -> Reward:
         return fn(response, sample.label)
 
     rm.__name__ = fn.__name__
@@ -90,54 +96,48 @@ def _resolve(rm_type: str | None, flag: str = "--rm-type") -> tuple[RewardFn, bo
     return REWARDS[name], boxed
 
 
-def _rm_type_of(args, sample: Sample) -> tuple[str | None, str]:
+def _rm_type_of(rewards: RewardSettings, sample: Sample) -> tuple[str | None, str]:
     meta = sample.metadata if isinstance(sample.metadata, dict) else {}
     if meta.get("rm_type"):
         return meta["rm_type"], f"metadata.rm_type of sample {sample.index}"
-    return getattr(args, "rm_type", None), "--rm-type"
+    return rewards.rm_type, "--rm-type"
 
 
-def _check_every_prompt_names_a_reward(args) -> None:
+def _check_every_prompt_names_a_reward(rewards: RewardSettings) -> None:
     """No --rm-type, no --custom-rm-path: only a dataset whose every row names its reward
     (metadata.rm_type, Miles' per-sample dispatch) can train; else no sample would have a reward."""
     from miles_platform.data.dataset import load_prompt_dataset
 
     none = f"no reward: set --rm-type (one of {valid_rm_types()}) or --custom-rm-path"
-    data = getattr(args, "prompt_data", None)
+    data = rewards.prompt_data
     if not data:
         raise ConfigError(none)
-    records = load_prompt_dataset(
-        data, args.input_key, args.label_key, getattr(args, "metadata_key", "metadata")
-    )
+    records = load_prompt_dataset(data, rewards.input_key, rewards.label_key, rewards.metadata_key)
     unnamed = next((i for i, r in enumerate(records) if not r.metadata.get("rm_type")), None)
     if unnamed is not None:
         raise ConfigError(f"{none}; --prompt-data {data} record {unnamed} has no metadata.rm_type")
 
 
-def validate_reward_config(args) -> None:
-    """Fail before any engine starts: no reward, unknown --rm-type, missing --rm-url, bad custom paths."""
-    custom = getattr(args, "custom_rm_path", None)
-    if custom:
-        load_function(custom, "--custom-rm-path", required_params=2)
-    elif getattr(args, "group_rm", False):
+def validate_reward_config(args: RewardSettings | Any) -> None:
+    """Fail before any engine starts: no reward, unknown --rm-type, missing --rm-url, bad custom path."""
+    rewards = RewardSettings.of(args)
+    if rewards.custom_rm_path:
+        load_function(rewards.custom_rm_path, "--custom-rm-path", required_params=2)
+    elif rewards.group_rm:
         raise ConfigError("--group-rm needs --custom-rm-path (a fn(args, samples) -> list of rewards)")
-    elif pure_opd(args):
+    elif rewards.pure_opd:
         pass  # pure on-policy distillation: reward 0, the teacher is the whole signal
-    elif not args.rm_type:
-        _check_every_prompt_names_a_reward(args)
+    elif not rewards.rm_type:
+        _check_every_prompt_names_a_reward(rewards)
     else:
-        fn, _ = _resolve(args.rm_type)
-        if fn is remote_rm and not getattr(args, "rm_url", None):
+        fn, _ = _resolve(rewards.rm_type)
+        if fn is remote_rm and not rewards.rm_url:
             raise ConfigError("--rm-type remote_rm needs --rm-url")
-        base = args.rm_type.removeprefix("boxed_")
-        if base in DICT_REWARDS and not getattr(args, "reward_key", None):
+        base = rewards.rm_type.removeprefix("boxed_")
+        if base in DICT_REWARDS and not rewards.reward_key:
             raise ConfigError(
-                f"--rm-type {args.rm_type} returns a dict {{'score', 'acc'}}: pass --reward-key score (or acc)"
+                f"--rm-type {rewards.rm_type} returns a dict {{'score', 'acc'}}: pass --reward-key score (or acc)"
             )
-    for flag in ("dynamic_sampling_filter_path", "rollout_sample_filter_path", "buffer_filter_path"):
-        path = getattr(args, flag, None)
-        if path:
-            load_function(path, "--" + flag.replace("_", "-"))
 
 
 def warm_up_rewards(*rm_types: str | None) -> None:
@@ -152,41 +152,35 @@ async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
 
 
-def pure_opd(args) -> bool:
-    """--use-opd without --rm-type or --custom-rm-path: every sample's task reward is 0 (Miles' OPD
-    reward function returns 0), so the advantages are the teacher's reverse-KL penalty alone."""
-    return bool(
-        getattr(args, "use_opd", False) and not args.rm_type and not getattr(args, "custom_rm_path", None)
-    )
-
-
-async def async_rm(args, sample: Sample) -> Reward:
+async def async_rm(args: RewardSettings | Any, sample: Sample) -> Reward:
     """The reward of one sample (float, or a dict for multi-part rewards)."""
-    if pure_opd(args) and not (sample.metadata or {}).get("rm_type"):
+    rewards = RewardSettings.of(args)
+    if rewards.pure_opd and not (sample.metadata or {}).get("rm_type"):
         return 0.0
-    if getattr(args, "custom_rm_path", None):
-        fn = load_function(args.custom_rm_path, "--custom-rm-path", required_params=2)
-        return await _maybe_await(fn(args, sample))
-    rm_type, source = _rm_type_of(args, sample)
+    if rewards.custom_rm_path:
+        fn = load_function(rewards.custom_rm_path, "--custom-rm-path", required_params=2)
+        return await _maybe_await(fn(rewards.user_args, sample))
+    rm_type, source = _rm_type_of(rewards, sample)
     fn, boxed = _resolve(rm_type, source)
     response = sample.response
     if boxed:
         response = last_boxed(response) or ""
-    return await fn(args, sample, response)
+    return await fn(rewards, sample, response)
 
 
-async def batched_async_rm(args, samples: list[Sample]) -> list[Reward]:
+async def batched_async_rm(args: RewardSettings | Any, samples: list[Sample]) -> list[Reward]:
     """Rewards of `samples`, computed concurrently; one call of the group reward with --group-rm."""
-    if getattr(args, "custom_rm_path", None) and getattr(args, "group_rm", False):
-        fn = load_function(args.custom_rm_path, "--custom-rm-path", required_params=2)
-        rewards = list(await _maybe_await(fn(args, samples)))
-        if len(rewards) != len(samples):
+    rewards = RewardSettings.of(args)
+    if rewards.custom_rm_path and rewards.group_rm:
+        fn = load_function(rewards.custom_rm_path, "--custom-rm-path", required_params=2)
+        out = list(await _maybe_await(fn(rewards.user_args, samples)))
+        if len(out) != len(samples):
             raise ConfigError(
-                f"--custom-rm-path {args.custom_rm_path} with --group-rm returned {len(rewards)} rewards "
+                f"--custom-rm-path {rewards.custom_rm_path} with --group-rm returned {len(out)} rewards "
                 f"for {len(samples)} samples"
             )
-        return rewards
-    return list(await asyncio.gather(*(async_rm(args, s) for s in samples)))
+        return out
+    return list(await asyncio.gather(*(async_rm(rewards, s) for s in samples)))
 
 
 def _groups(samples: list[Sample]) -> list[list[Sample]]:
@@ -200,23 +194,33 @@ def _groups(samples: list[Sample]) -> list[list[Sample]]:
     return out
 
 
-async def _score_all(args, samples: list[Sample]) -> list[Reward]:
-    if getattr(args, "group_rm", False):
-        per_group = await asyncio.gather(*(batched_async_rm(args, g) for g in _groups(samples)))
+async def _score_all(rewards: RewardSettings, samples: list[Sample]) -> list[Reward]:
+    if rewards.group_rm:
+        per_group = await asyncio.gather(*(batched_async_rm(rewards, g) for g in _groups(samples)))
         return [r for group in per_group for r in group]
-    return await batched_async_rm(args, samples)
+    return await batched_async_rm(rewards, samples)
 
 
-def compute_rewards(args, samples: list[Sample]) -> list[Reward]:
+def compute_rewards(args: RewardSettings | Any, samples: list[Sample]) -> list[Reward]:
     """Blocking: score `samples`, set `sample.reward` and `sample.raw_reward` (the training scalar)."""
+    settings = RewardSettings.of(args)
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        rewards = asyncio.run(_score_all(args, samples))
-    else:  # called from async code: run on a fresh loop in a helper thread
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            rewards = pool.submit(asyncio.run, _score_all(args, samples)).result()
-    key = getattr(args, "reward_key", None)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            rewards = asyncio.run(_score_all(settings, samples))
+        else:  # called from async code: run on a fresh loop in a helper thread
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                rewards = pool.submit(asyncio.run, _score_all(settings, samples)).result()
+    except MilesError:
+        raise
+    except Exception as e:
+        if not settings.custom_rm_path:
+            raise  # a built-in reward (a remote RM's connection): maybe transient
+        raise UserFunctionError(
+            f"--custom-rm-path {settings.custom_rm_path} raised {type(e).__name__}: {e}"
+        ) from e
+    key = settings.reward_key
     for sample, reward in zip(samples, rewards, strict=True):
         sample.reward = reward if isinstance(reward, dict) else float(reward)
         try:

@@ -33,7 +33,7 @@ def final_answer_reward(response: str, label: str | None) -> float:
     return 1.0 if numbers[-1] == gold or (_INT.fullmatch(gold) and int(numbers[-1]) == int(gold)) else 0.0
 
 
-async def final_answer_rm(args, sample, response: str) -> float:
+async def final_answer_rm(rewards, sample, response: str) -> float:
     if sample.status == Status.TRUNCATED.value:
         return 0.0
     return final_answer_reward(response, sample.label)

@@ -5,6 +5,6 @@ from __future__ import annotations
 import random
 
 
-async def random_rm(args, sample, response: str) -> float:
-    rng = random.Random(f"{getattr(args, 'seed', 0)}:{sample.rollout_id}:{sample.index}")
+async def random_rm(rewards, sample, response: str) -> float:
+    rng = random.Random(f"{rewards.seed}:{sample.rollout_id}:{sample.index}")
     return float(rng.randint(0, 1))

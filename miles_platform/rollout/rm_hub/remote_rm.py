@@ -17,8 +17,8 @@ class RemoteRewardError(MilesError, RuntimeError):
     """The remote reward service failed or answered something that is not a reward."""
 
 
-async def remote_rm(args, sample, response: str) -> float | dict:
-    url = args.rm_url
+async def remote_rm(rewards, sample, response: str) -> float | dict:
+    url = rewards.rm_url
     payload = {
         "prompt": sample.prompt,
         "response": response,

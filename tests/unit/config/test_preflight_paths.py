@@ -63,3 +63,18 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tiny_hf_checkpoint, tm
     (ckpt / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ConfigError, match=r"tokenizer has \d+ tokens but the model's vocab_size is 64"):
         validate_before_start(small_run_config(str(ckpt), tmp_path))
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(rollout_batch_size=9), dict(rollout_batch_size=2, over_sampling_batch_size=9)]
+)
+def test_a_batch_larger_than_the_dataset_is_refused_before_start(tiny_hf_checkpoint, tmp_path, kw):
+    """A rollout batch of more prompts than the data has repeated prompts within one batch (Miles'
+    data source hands out fewer and fails later): now refused by name before Ray, nothing written."""
+    from miles_platform.loop import train
+
+    cfg = small_run_config(tiny_hf_checkpoint, tmp_path, storage_root=str(tmp_path / "root"), **kw)
+    flag = "--over-sampling-batch-size" if "over_sampling_batch_size" in kw else "--rollout-batch-size"
+    with pytest.raises(ConfigError, match=f"{flag} 9 is more than the 8 prompt"):
+        train(cfg)
+    assert not (tmp_path / "root").exists()

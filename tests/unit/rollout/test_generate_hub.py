@@ -428,8 +428,43 @@ def test_rewards_a_generate_function_set_are_kept_and_group_rm_refuses_them(tiny
         Sample(index=0, response="4", label="4", reward=0.25),
         Sample(index=1, response="4", label="4"),
     ]
-    RolloutManager._score(SimpleNamespace(cfg=cfg, generate_fn=object()), samples)
+    RolloutManager._score(SimpleNamespace(rewards=cfg.reward_settings(), generate_fn=object()), samples)
     assert [s.reward for s in samples] == [0.25, 1.0] and [s.raw_reward for s in samples] == [0.25, 1.0]
     group = RunConfig(**{**small_run_kwargs(tiny_hf_checkpoint, tmp_path), "group_rm": True})
     with pytest.raises(ConfigError, match="--group-rm scores every sample of a group"):
-        RolloutManager._score(SimpleNamespace(cfg=group, generate_fn=object()), [Sample(reward=1.0)])
+        RolloutManager._score(
+            SimpleNamespace(rewards=group.reward_settings(), generate_fn=object()), [Sample(reward=1.0)]
+        )
+
+
+def test_a_hung_generate_function_fails_its_own_samples_after_the_timeout(tiny_hf_checkpoint, tmp_path):
+    """A generate function that never returned hung the run forever (issue #49, item 10): now past
+    --custom-generate-function-timeout its call is cancelled and its sample failed (out of the
+    loss, counted in rollout/failed, the reason in metadata); the other samples are kept."""
+    server = start_engine_server(tiny_hf_checkpoint)
+    tok = load_tokenizer(tiny_hf_checkpoint)
+    cfg = RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path, rollout_batch_size=1, n_samples_per_prompt=4,
+                                       custom_generate_function_path="generate_fns.hangs_on_odd_seeds",
+                                       custom_generate_function_timeout=1.0))  # fmt: skip
+    validate_before_start(cfg.validate())
+    os.makedirs(cfg.storage_root, exist_ok=True)  # old_form_generate logs its calls there
+    m = RolloutManager(cfg, tok, None, server.url)
+    try:
+        prompt = tok.encode(RECORD.prompt, add_special_tokens=False)
+        [group] = m.generate_groups([RECORD], [prompt], [[10, 11, 12, 13]])
+        samples = m.finalize(0, [group])
+        metrics = m._metrics(samples, {}, 0.0)
+    finally:
+        m.close()
+        server.stop()
+    hung, ok = samples[1::2], samples[0::2]
+    assert all(s.status == "failed" and s.remove_sample and s.loss_mask == [0] for s in hung)
+    assert (
+        "did not return within 1 s (--custom-generate-function-timeout)" in hung[0].metadata["generate_error"]
+    )
+    assert all(s.status != "failed" and s.metadata["generated_by"] == "old_form_generate" for s in ok)
+    assert metrics["rollout/failed"] == 0.5
+    with pytest.raises(ConfigError, match="--custom-generate-function-timeout"):
+        RunConfig(
+            **small_run_kwargs(tiny_hf_checkpoint, tmp_path, custom_generate_function_timeout=-1)
+        ).validate()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles_platform.config import ConfigError, RunConfig
+from miles_platform.config import ConfigError, RewardSettings, RunConfig
 from miles_platform.data.sample import Sample
 from miles_platform.rollout.rm_hub import (
     RemoteRewardError,
@@ -137,6 +138,12 @@ def custom_module(tmp_path, monkeypatch):
 
             def one_arg(sample):
                 return 1.0
+
+            SEEN = []
+
+            async def seen_rm(args, sample):
+                SEEN.append(args)
+                return 1.0
             """
         )
     )
@@ -153,6 +160,25 @@ def test_custom_rm_per_sample_and_group(custom_module):
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
     with pytest.raises(ConfigError, match="--custom-rm-path.*2 positional"):
         validate_reward_config(cfg(custom_rm_path="my_rewards.one_arg"))
+
+
+def test_a_custom_rm_receives_the_runs_own_args(custom_module):
+    """Miles' contract `async def f(args, sample)`: a run's function gets the run's RunConfig (every
+    flag), a Miles-style args object (a ported rollout function's) itself, and eval settings with the
+    flags' attribute names; the hub itself reads typed RewardSettings."""
+    import my_rewards
+
+    run = cfg(custom_rm_path="my_rewards.seen_rm", n_samples_per_prompt=1)
+    compute_rewards(run.reward_settings(), [Sample(response="a")])
+    miles_args = SimpleNamespace(custom_rm_path="my_rewards.seen_rm", rm_type=None, hf_checkpoint="/m")
+    asyncio.run(batched_async_rm(miles_args, [Sample(response="b")]))
+    evals = RewardSettings(custom_rm_path="my_rewards.seen_rm", reward_key="score")
+    compute_rewards(evals, [Sample(response="c")])
+    assert my_rewards.SEEN[0] is run and my_rewards.SEEN[1] is miles_args and my_rewards.SEEN[2] is evals
+    assert (evals.rm_type, evals.custom_rm_path, evals.group_rm, evals.reward_key, evals.eval_reward_key,
+            evals.rm_url) == (None, "my_rewards.seen_rm", False, "score", None, None)  # fmt: skip
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        evals.rm_type = "math"  # settings are read, never changed mid-run
 
 
 class _RewardHandler(BaseHTTPRequestHandler):
@@ -204,7 +230,7 @@ def test_remote_rm_over_http(reward_server):
 
 
 def test_remote_rm_unreachable_names_url():
-    args = SimpleNamespace(rm_type="remote_rm", rm_url="http://127.0.0.1:9/none", custom_rm_path=None)
+    args = RewardSettings(rm_type="remote_rm", rm_url="http://127.0.0.1:9/none")
     with pytest.raises(RemoteRewardError, match="127.0.0.1:9"):
         asyncio.run(async_rm(args, Sample()))
 

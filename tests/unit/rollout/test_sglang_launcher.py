@@ -35,7 +35,13 @@ FAKE_SERVER = textwrap.dedent(
     p = argparse.ArgumentParser()
     p.add_argument("--host"); p.add_argument("--port", type=int); p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--model-path"); p.add_argument("--dtype", default="auto"); p.add_argument("--api-key")
+    p.add_argument("--config")  # SGLang's ConfigArgumentMerger: YAML keys as flags, argv wins
     args, _ = p.parse_known_args()
+    if args.config:
+        import yaml
+        for k, v in yaml.safe_load(open(args.config)).items():
+            if getattr(args, k.replace("-", "_"), None) is None:
+                setattr(args, k.replace("-", "_"), v)
     app = FastAPI()
     weights = {}
 
@@ -295,3 +301,43 @@ def test_the_engine_log_is_private_and_never_follows_a_planted_link(
     with pytest.raises(OSError):
         SGLangEngineActor(_cfg(), module="fake_sglang", env={"PYTHONPATH": str(fake_server_module)}).start(10)
     assert victim.read_text() == ""
+
+
+def test_the_run_key_reaches_sglang_in_a_private_file_never_in_argv(
+    fake_server_module, monkeypatch, tmp_path
+):
+    """The launcher passed `--api-key <run secret>` in argv, which `ps` shows every local user
+    (issue #49, item 8): now a 0600 YAML file passed as `--config`, merged with the user's own
+    `--sglang-config` file; the server still enforces the key."""
+    import os
+    import stat
+
+    import httpx
+    import ray
+
+    from miles_platform.rollout.sglang_launcher import SGLangEngineActor
+
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    monkeypatch.setenv("MILES_SGLANG_LOG_DIR", str(tmp_path / "logs"))
+    user_cfg = tmp_path / "user.yaml"
+    user_cfg.write_text("mem-fraction-static: 0.6\n")
+    cfg = _cfg(api_key="s3cret-key", sglang_args={"config": str(user_cfg)})
+    actor = SGLangEngineActor(cfg, module="fake_sglang", env={"PYTHONPATH": str(fake_server_module)})
+    out = actor.start(timeout_s=60)
+    try:
+        assert not any("s3cret-key" in a for a in out["command"])
+        with open(f"/proc/{actor.proc.pid}/cmdline", "rb") as f:
+            assert b"s3cret-key" not in f.read()
+        secret_file = out["command"][out["command"].index("--config") + 1]
+        assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600 and secret_file != str(user_cfg)
+        text = open(secret_file).read()
+        assert "s3cret-key" in text and "mem-fraction-static: 0.6" in text
+        url = f"http://{out['address']}/get_server_info"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer s3cret-key"}).status_code == 200
+    finally:
+        actor.stop()
+    with pytest.raises(ConfigError, match="--sglang-api-key"):
+        build_sglang_command(
+            _cfg(api_key="k", sglang_args={"api-key": "x"}), port=1, secret_dir=str(tmp_path)
+        )

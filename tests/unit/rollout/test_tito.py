@@ -246,3 +246,48 @@ def test_the_abort_hook_runs_when_a_round_is_cancelled(tiny_hf_checkpoint, engin
     finally:
         m.close()
     assert [json.loads(x) for x in log.read_text().splitlines()] == [{"run": "t"}]
+
+
+def test_big_chats_long_sessions_and_session_floods_get_clear_errors(tiny_hf_checkpoint, engine, tmp_path):
+    """Issue #49, item 9. A 1.4 MB chat was tokenized on the session server's event loop before its
+    length was checked (seconds of stall for every other request); a session past the model's
+    context got a bare 500; sessions were unbounded. Now: a byte-count lower bound refuses it before
+    any tokenization, TITO tokenizes on a thread of its own, the context is the checkpoint's, the
+    engine's refusal is passed on as a 400, and past the limit POST /sessions answers 429."""
+    import threading
+
+    tok = load_tokenizer(tiny_hf_checkpoint)
+    m = RolloutManager(_cfg(tiny_hf_checkpoint, tmp_path), tok, None, engine.url)
+    srv, url, h = m.sessions.server, m.args.session_server_url, {"Authorization": f"Bearer {KEY}"}
+    calls, first_prompt = [], srv.tito.first_prompt
+
+    def spy(*a, **kw):  # the real tokenizer, and the thread it ran on
+        calls.append(threading.current_thread().name)
+        return first_prompt(*a, **kw)
+
+    srv.tito.first_prompt = spy
+    try:
+        assert srv.context_length == 256  # the tiny checkpoint's max_position_embeddings
+
+        def chat(content, max_tokens=3):
+            sid = httpx.post(f"{url}/sessions", json={}, headers=h).json()["session_id"]
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+            return httpx.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body, headers=h, timeout=60)
+
+        r = chat("12+34= " * 200_000)
+        assert r.status_code == 400 and "at least" in r.text and "256" in r.text, r.text
+        assert calls == []  # refused before any tokenization
+        r = chat("1+2=" * 250)  # fits the byte bound, not the context once tokenized
+        assert r.status_code == 400 and "the context (256)" in r.text, r.text
+        r = chat("1+2=")
+        assert r.status_code == 200, r.text
+        assert calls and all(name.startswith("tito") for name in calls)
+        srv.max_sessions = len(srv.sessions) + 1
+        assert httpx.post(f"{url}/sessions", json={}, headers=h).status_code == 200
+        r = httpx.post(f"{url}/sessions", json={}, headers=h)
+        assert r.status_code == 429 and "DELETE /sessions/<id>" in r.text
+        r = httpx.post(f"{engine.url}/v1/chat/completions", headers=h, timeout=60,
+                       json={"messages": [{"role": "user", "content": "12+34= " * 200_000}]})  # fmt: skip
+        assert r.status_code == 400 and "at least" in r.text, r.text
+    finally:
+        m.close()

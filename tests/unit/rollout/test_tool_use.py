@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 
+from miles_platform.config import RewardSettings
 from miles_platform.data import tool_use
 from miles_platform.data.sample import Sample
 from miles_platform.data.tasks import cli_main, read_jsonl, write_tool_datasets
@@ -120,7 +120,7 @@ def test_final_answer_grades_the_last_number_after_the_last_tool_answer(tok):
     assert final_answer_reward("56088", label) == 1.0 and final_answer_reward("55200", label) == 0.0
     plain = "<tool_call>{}</tool_call>\n<tool_response>\n56088\n</tool_response>\n"  # no chat template
     assert final_answer_reward(plain, label) == 0.0 and final_answer_reward(plain + "56088", label) == 1.0
-    args = SimpleNamespace(rm_type="final_answer", custom_rm_path=None, group_rm=False, reward_key=None)
+    args = RewardSettings(rm_type="final_answer")
     validate_reward_config(args)
     samples = [Sample(index=i, response=call + tool + "56088", label=label, status=st)
                for i, st in enumerate(["completed", "truncated"])]  # fmt: skip

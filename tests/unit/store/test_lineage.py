@@ -10,7 +10,8 @@ from store_builders import build_run
 from miles_platform.config import RunConfig, saved_config
 from miles_platform.data.sample import Sample
 from miles_platform.models.checkpoint import content_hash
-from miles_platform.store.lineage import LineageGraph, cli_main, format_compact, trace, write_edges
+from miles_platform.store.lineage import LineageGraph, cli_main, format_compact, trace
+from miles_platform.store.lineage_identity import Edge, write_edges
 from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.shards import write_rollout_shard
 from miles_platform.store.tables import append_rows, read_rows
@@ -20,7 +21,7 @@ REWARDS = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 1.0], 2: [0.0, 0.0]}
 
 
 def _record_version(paths, run, version, rollout_id, base, prompt, data_v):
-    """What loop._record_version writes: a policy_versions row and four lineage edges."""
+    """What store.recorder.VersionRecorder.record writes: a policy_versions row and four lineage edges."""
     key = partition_key(run, version)
     shard = write_rollout_shard(
         paths,
@@ -269,8 +270,8 @@ def test_a_checkpoint_typed_relative_or_absolute_is_one_node(cli_and_op):
         assert res["target"] == paths.model("base")
         assert {n["id"] for n in res["downstream"]["nodes"]} == ALL_FROM_BASE, typed
     # what the reporter hands Dagster names the same paths
-    assert cli[0]["base_checkpoint"] == paths.model("base")
-    assert cli[0]["prompt_data"] == paths.join("datasets", "p.jsonl")
+    assert cli[0].base_checkpoint == paths.model("base")
+    assert cli[0].prompt_data == paths.join("datasets", "p.jsonl")
 
 
 def test_the_compact_view_lists_downstream_versions_one_range_per_run(cli_and_op, capsys):
@@ -289,8 +290,8 @@ def test_the_writer_records_paths_absolute_and_ids_as_they_are(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     paths = StoragePaths("root")
     parents = [("r.v000001", "policy_version", "evaluates", None), ("data/eval.jsonl", "dataset", "evaluated_on", "h"),
-               ("s3://bucket/base", "checkpoint", "trained_from", None)]  # fmt: skip
-    write_edges(paths, "r", "eval:r.v000001", "eval", parents)
+               ("s3://bucket/base", "checkpoint", "trained_from", None), (None, "dataset", "prompt_data", None)]  # fmt: skip
+    write_edges(paths, "r", [Edge("eval:r.v000001", "eval", *p) for p in parents])  # no parent: no row
     assert [(r["child"], r["parent"]) for r in read_rows(paths, "lineage", "r")] == [
         ("eval:r.v000001", "r.v000001"),
         ("eval:r.v000001", str(tmp_path / "data" / "eval.jsonl")),

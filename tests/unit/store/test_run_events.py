@@ -6,7 +6,7 @@ import time
 import pytest
 
 from miles_platform.errors import ConfigError
-from miles_platform.fault_hooks import HOOKS, FaultHooks, FaultInjected, parse_fault_hooks
+from miles_platform.fault_hooks import HOOKS, PHASES, FaultHooks, FaultInjected, parse_fault_hooks
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths, partition_key
 from miles_platform.store.run_events import committed_rows, record_resume, resume_events
@@ -83,6 +83,31 @@ def test_fault_hook_requests_are_checked_and_fire_once_in_their_rollout():
     assert logged == ["[ci-fault-hooks] hook-1: sleep at save_end, rollout 1",
                       "[ci-fault-hooks] a: raise at rollout_end, rollout 2"]  # fmt: skip
     assert parse_fault_hooks(None) == [] and len(HOOKS) == len(set(HOOKS))
+
+
+def test_each_loop_phase_fires_its_hooks_around_it_in_the_documented_order():
+    """The loops' phases (fault_hooks.PHASES) name every driver hook once but the update session's
+    `weight_update_paused`; a phase fires its after-hook only when its block completes."""
+    named = [h for pair in PHASES.values() for h in pair if h]
+    assert sorted(named) == sorted(h for h in HOOKS if h != "weight_update_paused")
+    observe = [{"hook_name": h, "action": {"kind": "observe"}, "request_id": h} for h in HOOKS]
+    logged = []
+    hooks = FaultHooks(parse_fault_hooks(json.dumps(observe)), logged.append)
+    fired = lambda: [m.split(" at ")[1].split(",")[0] for m in logged]  # noqa: E731
+    with hooks.phase("step"):
+        with hooks.phase("rollout"):
+            assert fired() == ["orchestrator_step_start"]
+        with hooks.phase("train"):
+            pass
+        with pytest.raises(RuntimeError), hooks.phase("save"):
+            raise RuntimeError("the checkpoint failed")  # save_start fired, save_end never
+    assert fired() == ["orchestrator_step_start", "rollout_end", "trainer_controller_step_start",
+                       "trainer_controller_step_end", "save_start", "orchestrator_step_end"]  # fmt: skip
+    logged.clear()
+    hooks = FaultHooks(parse_fault_hooks(json.dumps(observe)), logged.append)
+    with hooks.phase("step", end=False), hooks.phase("metrics"):  # train's --debug-rollout-only step
+        pass
+    assert fired() == ["orchestrator_step_start", "metrics_recorded"]
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from miles_platform.config import ConfigError, RunConfig, saved_config
+from miles_platform.run_lifecycle import check_resume_config
+from miles_platform.store.paths import RUN_CONFIG
 from miles_platform.store.run_lock import RunLock, RunLocked, local_save_dir
-from miles_platform.store.run_state import RUN_CONFIG, check_resume_config
 
 
 def test_a_save_dir_of_another_run_is_refused_before_it_is_touched(tmp_path):

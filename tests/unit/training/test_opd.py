@@ -15,7 +15,7 @@ from miles_platform.rollout import client as engine_client
 from miles_platform.rollout.client import EngineClient
 from miles_platform.rollout.engine_server import start_engine_server
 from miles_platform.rollout.generate_hub.endpoint import append_output
-from miles_platform.rollout.opd import TeacherRoutingError, TeacherScorer, route, teacher_urls
+from miles_platform.rollout.opd import TeacherRoutingError, TeacherScorer, route
 from miles_platform.rollout.opd_topk import position_reverse_kl, selected_token_ids
 from miles_platform.training.actor import TrainBatch, TrainerActor
 
@@ -63,10 +63,10 @@ def test_opd_flags_are_checked_before_anything_starts(argv, match, capsys):
 def test_the_documented_opd_configurations_validate():
     sglang = parse_run_config(_argv("--use-opd", "--opd-type", "sglang", "--rm-url", "http://t:1/generate",
                                     "--opd-log-prob-top-k", "16", "--opd-top-k-strategy", "xor"))  # fmt: skip
-    assert teacher_urls(sglang) == {"default": "http://t:1/generate"}
+    assert sglang.teacher_urls() == {"default": "http://t:1/generate"}
     routed = parse_run_config(_argv("--use-opd", "--opd-type", "sglang", "--rm-url", "http://ignored",
                                     "--opd-teacher-urls", "math=http://a/generate?x=1", "default=http://b"))  # fmt: skip
-    assert teacher_urls(routed) == {
+    assert routed.teacher_urls() == {
         "math": "http://a/generate?x=1",
         "default": "http://b",
     }  # --rm-url ignored
@@ -167,7 +167,7 @@ def test_routing_sends_each_sample_to_the_teacher_its_metadata_names(engines):
         opd_teacher_urls=[f"same={student.url}/generate", f"other={other.url}", f"default={other.url}"]
     )
     before = student.core.stats["num_scored_requests"], other.core.stats["num_scored_requests"]
-    metrics = TeacherScorer(cfg, teacher_urls(cfg), student.url, client).score(samples)
+    metrics = TeacherScorer(cfg, cfg.teacher_urls(), student.url, client).score(samples)
     by_same, by_other = _direct_scores(student.url, samples), _direct_scores(other.url, samples)
     assert samples[0].teacher_log_probs == pytest.approx(by_same[0], abs=1e-5)
     for i in (1, 2, 3):  # named "other"; no name and an unknown name fall back to default (= other)
@@ -200,7 +200,7 @@ def test_top_k_reverse_kl_is_zero_for_an_identical_teacher_and_matches_a_forward
     for teacher, zero in ((student, True), (other, False)):
         samples = _samples(student.url, top_k=3)
         cfg = _cfg(rm_url=teacher.url, opd_log_prob_top_k=3, opd_top_k_strategy="union")
-        TeacherScorer(cfg, teacher_urls(cfg), student.url, client).score(samples)
+        TeacherScorer(cfg, cfg.teacher_urls(), student.url, client).score(samples)
         for s in samples:
             assert len(s.opd_reverse_kl) == s.response_length and s.rollout_topk_token_ids is None
             if zero:
@@ -252,7 +252,7 @@ def test_an_identical_teacher_gives_zero_penalty_and_leaves_the_grpo_update_unch
     grpo, _ = _train_once(tiny_hf_checkpoint, samples, rewards)
     # sglang mode: the student's own engine scores its tokens
     cfg = _cfg(rm_url=student.url)
-    TeacherScorer(cfg, teacher_urls(cfg), student.url, client).score(samples)
+    TeacherScorer(cfg, cfg.teacher_urls(), student.url, client).score(samples)
     engine_teacher, m = _train_once(tiny_hf_checkpoint, samples, rewards, use_opd=True, opd_type="sglang",
                                     rm_url=student.url, api_key=KEY)  # fmt: skip
     assert abs(m["opd/reverse_kl"]) < 1e-6
@@ -310,7 +310,7 @@ def test_a_teacher_that_prefers_a_token_raises_the_students_log_prob_of_it(tiny_
         cfg = RunConfig(hf_checkpoint=student_dir, rollout_batch_size=32, n_samples_per_prompt=1,
                         num_rollout=8, lr=1e-2, weight_decay=0.0, micro_batch_size=32, use_opd=True,
                         opd_type="sglang", rm_url=teacher.url, api_key=KEY).validate()  # fmt: skip
-        trainer, scorer = TrainerActor(cfg), TeacherScorer(cfg, teacher_urls(cfg), student.url, client)
+        trainer, scorer = TrainerActor(cfg), TeacherScorer(cfg, cfg.teacher_urls(), student.url, client)
         kls = []
         for step in range(cfg.num_rollout):
             samples = _samples(student.url, repeat=8, seed=step + 1)

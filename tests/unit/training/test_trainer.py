@@ -4,7 +4,8 @@ import torch
 from loop_helpers import random_train_batch
 
 from miles_platform.config import RunConfig
-from miles_platform.training.actor import TrainerActor, read_latest
+from miles_platform.training.actor import TrainerActor
+from miles_platform.training.checkpoint import read_latest
 
 
 def _cfg(ckpt, save, **kw):

@@ -76,3 +76,59 @@ def test_list_without_pub_finds_every_runs_publications_under_the_storage_root(
     assert main(["weights", "list", "--storage-root", paths.root]) == 0
     out = capsys.readouterr().out
     assert f"{paths.publications('a')}: LATEST v1" in out and f"{paths.publications('b')}: LATEST v1" in out
+
+
+def test_a_nan_or_reshaped_target_and_a_fifo_in_a_publication_are_refused_cleanly(
+    tiny_hf_checkpoint, tmp_path, capsys
+):
+    """Issue #49, item 12: a NaN or shape-changed target was published (and a NaN one would reach
+    every replica); a FIFO planted as a publication's payload made `weights apply` block forever.
+    Now each is one line naming the tensor or the file, and nothing is written."""
+    import os
+
+    def edit(name, fn):
+        d = tmp_path / name
+        shutil.copytree(tiny_hf_checkpoint, d)
+        s = load_file(str(d / "model.safetensors"))
+        s["model.norm.weight"] = fn(s["model.norm.weight"].clone())
+        save_file(s, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+
+    def nan(w):
+        w[0] = float("nan")
+        return w
+
+    cases = [(edit("nan", nan), "model.norm.weight: 1 non-finite value(s)"),
+             (edit("wide", lambda w: torch.cat([w, w[:1]])), "model.norm.weight: --target has torch.float32 [")]  # fmt: skip
+    for target, why in cases:
+        out = tmp_path / f"pub-{target.name}"
+        capsys.readouterr()
+        assert (
+            main(
+                [
+                    "weights",
+                    "publish",
+                    "--base",
+                    tiny_hf_checkpoint,
+                    "--target",
+                    str(target),
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 2
+        )
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err, err
+        assert not out.exists() or not any(out.iterdir())  # nothing published, not even v0
+    pub, local = tmp_path / "pub", tmp_path / "replica"
+    shutil.copytree(tiny_hf_checkpoint, local)
+    t1, _ = _target(tiny_hf_checkpoint, tmp_path, 1)
+    main(["weights", "publish", "--base", tiny_hf_checkpoint, "--target", str(t1), "--out", str(pub)])
+    payload = pub / "weight_v000001" / "payload.bin"
+    payload.unlink()
+    os.mkfifo(payload)
+    capsys.readouterr()
+    assert main(["weights", "apply", "--pub", str(pub), "--checkpoint", str(local)]) == 2  # returns, no hang
+    err = capsys.readouterr().err.strip()
+    assert "payload.bin: not a regular file" in err, err

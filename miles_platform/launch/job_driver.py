@@ -1,5 +1,5 @@
-"""The driver of a run submitted as a Ray job (cluster/ray_jobs.py): the job's entrypoint
-`python -m miles_platform.cluster.job_driver`, on the cluster.
+"""The driver of a run submitted as a Ray job (launch/ray_jobs.py): the job's entrypoint
+`python -m miles_platform.launch.job_driver`, on the cluster.
 
 It reads the validated RunConfig from $MILES_RUN_CONFIG, joins the cluster through the RAY_ADDRESS
 the job supervisor sets, and trains as `miles-platform train` does; its log lines (and under
@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
 
-from miles_platform.cluster.ray_jobs import CONFIG_ENV
 from miles_platform.config import RunConfig
+from miles_platform.launch.ray_jobs import CONFIG_ENV
+from miles_platform.store.versions import PolicyVersion
 
 
 class _PipesReporter:
@@ -31,8 +31,8 @@ class _PipesReporter:
     def on_rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
         pass
 
-    def on_policy_version(self, info: dict[str, Any]) -> None:
-        self.pipes.report_custom_message({"policy_version": info["partition_key"]})
+    def on_policy_version(self, pv: PolicyVersion) -> None:
+        self.pipes.report_custom_message({"policy_version": pv.partition_key})
 
 
 def driver_main() -> int:
@@ -42,7 +42,7 @@ def driver_main() -> int:
 
     text = os.environ.get(CONFIG_ENV)
     if not text:
-        print(f"miles_platform.cluster.job_driver: {CONFIG_ENV} is not set (submit with `train --submit`)",
+        print(f"miles_platform.launch.job_driver: {CONFIG_ENV} is not set (submit with `train --submit`)",
               file=sys.stderr)  # fmt: skip
         return 2
     try:

@@ -1,4 +1,10 @@
-"""Eval metric names say how they were sampled (torch-free: the catalog and lineage read them).
+"""Metric names the loop writes and the store, the Dagster layer and the CLI read: a leaf (no
+imports), so readers below the rollout code (store/run_health.py, store/lineage.py) share them.
+
+`DROP_METRIC_PREFIX`: the dynamic filter's drop counts (`rollout/dynamic_filter/drop_<reason>`,
+rollout/filter_hub): groups drawn but not trained.
+
+Eval metric names say how they were sampled.
 
 `pass@1` is the greedy answer (temperature 0, one sample), as are its breakdowns
 (`pass@1/carry=True`) and `tool_call_share`. What n samples at temperature T give is
@@ -8,6 +14,8 @@ A diffusion eval's `mean_reward` (deterministic ODE samples, no temperature) kee
 """
 
 from __future__ import annotations
+
+DROP_METRIC_PREFIX = "rollout/dynamic_filter/drop_"
 
 
 def sampled_name(metric: str, n: int, temperature: float | None) -> str:

@@ -3,7 +3,7 @@
 
 A submitted run is the same run as a local one. The submitter validates the config first (a
 mistake costs a second and submits nothing), makes its local paths absolute, and submits the
-entrypoint `python -m miles_platform.cluster.job_driver` with the RunConfig as JSON in the job's
+entrypoint `python -m miles_platform.launch.job_driver` with the RunConfig as JSON in the job's
 runtime env (MILES_RUN_CONFIG). On the cluster that driver joins through the RAY_ADDRESS the job
 supervisor sets and trains exactly as `train` does, printing its log lines (and, under Dagster,
 Pipes messages) to the job's log. The job belongs to the cluster: closing the terminal or killing
@@ -38,7 +38,7 @@ from typing import Any
 from miles_platform.config import ConfigError, RunConfig
 
 CONFIG_ENV = "MILES_RUN_CONFIG"
-ENTRYPOINT = "python -m miles_platform.cluster.job_driver"
+ENTRYPOINT = "python -m miles_platform.launch.job_driver"
 META_RUN, META_ROOT, META_HASH = "miles_run", "miles_storage_root", "miles_config_hash"
 ACTIVE = ("PENDING", "RUNNING")
 # RunConfig fields that name local files or dirs: made absolute before submitting (the job's working

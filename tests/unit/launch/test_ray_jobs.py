@@ -9,13 +9,13 @@ import pytest
 from loop_helpers import small_run_kwargs
 
 from miles_platform.cli import main as cli
-from miles_platform.cluster.ray_jobs import (
+from miles_platform.config import ConfigError, RunConfig
+from miles_platform.launch.ray_jobs import (
     CONFIG_ENV,
     resolve_job_address,
     split_launch_flags,
     submittable_config,
 )
-from miles_platform.config import ConfigError, RunConfig
 from ops.training import rl_training
 from resources.storage import StorageRootResource
 
@@ -160,7 +160,7 @@ def test_a_resolved_api_key_never_travels_in_the_job(tiny_hf_checkpoint, tmp_pat
     env (readable by whoever lists jobs) carries only a key the user gave as --api-key."""
     import json
 
-    from miles_platform.cluster.ray_jobs import submit_or_attach
+    from miles_platform.launch.ray_jobs import submit_or_attach
     from miles_platform.preflight import validate_before_start
 
     key_file = tmp_path / "key"

@@ -1,0 +1,124 @@
+"""`miles-platform train`'s command line: the argparse parser generated from RunConfig's fields,
+YAML via --config, the `--sglang-*` passthrough, the flags a custom generate / rollout function
+registers (Miles' `add_arguments` hook), and `add_flags` for other commands sharing train's flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from miles_platform.config.flags import add_flag, field_default, load_yaml, parser_groups
+from miles_platform.config.run_config import GROUPS, REFUSED, RunConfig
+from miles_platform.config.weights import ALIASES
+from miles_platform.errors import ConfigError
+
+_DICT_FIELDS = ("sglang_args", "custom_function_args")  # filled by parse_run_config, not flags
+
+
+def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Miles-style RL training (GRPO and friends).")
+    parser.add_argument(
+        "--config", help="YAML file of flags (snake_case or kebab-case keys); CLI overrides it"
+    )
+    groups = parser_groups(parser, GROUPS)
+    for f in dataclasses.fields(RunConfig):
+        if f.name not in _DICT_FIELDS:
+            _add_run_flag(groups[f.metadata["group"]], f, argparse.SUPPRESS)
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Sequence[str], **defaults: Any) -> None:
+    """Add RunConfig fields `names` to another command's parser with train's flag name, type,
+    choices and help. `defaults` replaces a field's default for that command; help then shows it."""
+    for name in names:
+        f = RunConfig.__dataclass_fields__[name]
+        _add_run_flag(parser, f, defaults.get(name, field_default(RunConfig, name)), shown=name in defaults)
+
+
+def _add_run_flag(group, f: dataclasses.Field, default: Any, shown: bool = False) -> None:
+    """One RunConfig field as an argparse flag (its Miles name plus any ALIASES)."""
+    aliases = [a for a, n in ALIASES.items() if n == f.name]
+    add_flag(group, f, default, shown=shown, refused=f.name in REFUSED, aliases=aliases)
+
+
+def parse_run_config(argv: list[str] | None = None, prog: str = "miles-platform train") -> RunConfig:
+    """Parse CLI flags (YAML via --config first, CLI overrides) into a validated RunConfig."""
+    parser = build_parser(prog)
+    args, rest = parser.parse_known_args(argv)
+    sglang, leftover = _split_passthrough(rest)
+    data: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        data.update({k.replace("-", "_"): v for k, v in load_yaml(args.config, RunConfig, ALIASES).items()})
+    data.update({k: v for k, v in vars(args).items() if k != "config"})
+    extra, leftover = _function_flags(data, leftover)
+    if leftover:
+        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    data.setdefault("sglang_args", {}).update(sglang)
+    data.setdefault("custom_function_args", {}).update(extra)
+    return RunConfig.from_dict(data).validate()
+
+
+def _function_flags(data: dict[str, Any], argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Miles' `add_arguments` hook: flags that --custom-generate-function-path / --rollout-function-path
+    register, from `argv` (CLI) or `data` (YAML keys, popped), CLI first. Returns (values, argv left).
+    A flag that is already a RunConfig field stays that field (a copy of Miles' multi_turn registering
+    --generate-max-turns means ours)."""
+    from miles_platform.plugins import GENERATE_FLAG, ROLLOUT_FLAG, function_flags_parser
+
+    paths = {
+        GENERATE_FLAG: data.get("custom_generate_function_path"),
+        ROLLOUT_FLAG: data.get("rollout_function_path"),
+    }
+    extra = function_flags_parser(paths)
+    if extra is None:
+        return {}, argv
+    actions = [a for a in extra._actions if a.dest not in RunConfig.__dataclass_fields__]
+    defaults = {a.dest: a.default for a in actions}
+    for a in extra._actions:  # tell given flags from defaults
+        a.default = argparse.SUPPRESS
+    given, left = extra.parse_known_args(argv)
+    values = {}
+    for dest, default in defaults.items():
+        values[dest] = getattr(given, dest) if hasattr(given, dest) else data.pop(dest, default)
+        data.pop(dest, None)
+    return values, left
+
+
+def function_flag_values(data: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """The values of a generate/rollout function's own flags given as CLI tokens (the Dagster
+    Launchpad's `custom_function_flags`); a token no function registered is a ConfigError."""
+    try:
+        values, left = _function_flags(data, list(argv))
+    except SystemExit:  # argparse's own error (a bad value), already printed to stderr
+        raise ConfigError(f"custom_function_flags {argv}: a value the function's parser refuses") from None
+    if left:
+        raise ConfigError(
+            f"custom_function_flags: {' '.join(left)} not registered by the add_arguments of "
+            "--custom-generate-function-path / --rollout-function-path"
+        )
+    return values
+
+
+def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """`--sglang-foo-bar 1` -> {"foo-bar": "1"}; bare `--sglang-flag` -> True."""
+    out: dict[str, Any] = {}
+    leftover: list[str] = []
+    i = 0
+    while i < len(rest):
+        tok = rest[i]
+        if tok.startswith("--sglang-"):
+            key = tok[len("--sglang-") :]
+            if "=" in key:
+                key, val = key.split("=", 1)
+                out[key] = val
+            elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                out[key] = rest[i + 1]
+                i += 1
+            else:
+                out[key] = True
+        else:
+            leftover.append(tok)
+        i += 1
+    return out, leftover

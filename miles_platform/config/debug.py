@@ -1,0 +1,75 @@
+"""Debug and CI switches: rollout-only and train-only runs, rollout dumps and replays, a frozen
+optimizer, the --ci-test invariants and the --ci-fault-hooks fault requests (fault_hooks.py)."""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+from miles_platform.config.flags import POSITIVE, flag
+from miles_platform.errors import ConfigError
+
+RANGES: dict[str, tuple] = {"log_interval": POSITIVE}
+
+
+@dataclass
+class DebugFlags:
+    debug_rollout_only: bool = flag(False, "debug", "generate and store rollouts, no training")
+    debug_train_only: bool = flag(
+        False, "debug", "train on loaded rollouts, no engines (needs --load-debug-rollout-data)"
+    )
+    save_debug_rollout_data: str | None = flag(
+        None, "debug", "Parquet path template with {rollout_id}, one file per rollout"
+    )
+    load_debug_rollout_data: str | None = flag(
+        None, "debug", "replay Parquet rollouts (implies --debug-train-only)"
+    )
+    debug_skip_optimizer_step: bool = flag(
+        False, "debug", "freeze weights: any log-prob gap is forward-path difference"
+    )
+    ci_test: bool = flag(False, "debug", "assert step-0 KL/clipfrac, log-prob agreement, weight equality")
+    ci_disable_weight_update_checker: bool = flag(
+        False, "debug", "--ci-test without the weight check (for SGLang models lacking get_weights_by_name)"
+    )
+    ci_logprob_abs_diff_threshold: float = flag(
+        0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff"
+    )
+    ci_fault_hooks: str | None = flag(
+        None,
+        "debug",
+        "JSON array of fault requests ({hook_name, action: {kind}, rollout_id}); "
+        "miles_platform/fault_hooks.py lists the hooks and actions",
+    )
+    log_interval: int = flag(1, "debug", "print metrics every N rollouts")
+
+    def _check_debug_flags(self) -> None:
+        """A replay implies train-only; train-only needs something to replay; a dump names each
+        rollout; fault requests parse (where each can fire: preflight._check_fault_targets)."""
+        if self.load_debug_rollout_data:
+            self.debug_train_only = True
+        if self.debug_rollout_only and self.debug_train_only:
+            raise ConfigError("--debug-rollout-only and --debug-train-only exclude each other")
+        if self.debug_train_only and not self.load_debug_rollout_data:
+            raise ConfigError(
+                "--debug-train-only needs --load-debug-rollout-data (the Parquet path template that "
+                "--save-debug-rollout-data wrote): no engines start, so there is nothing else to train on"
+            )
+        if self.save_debug_rollout_data:
+            check_rollout_template("--save-debug-rollout-data", self.save_debug_rollout_data)
+        from miles_platform.fault_hooks import parse_fault_hooks
+
+        parse_fault_hooks(self.ci_fault_hooks)
+
+
+def check_rollout_template(option: str, template: str) -> None:
+    """A per-rollout path template: must name {rollout_id} (else every rollout overwrites one file)
+    and nothing else (str.format would fail on it mid-run)."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ConfigError(f"{option} {template!r}: not a valid path template ({e})") from None
+    if "rollout_id" not in names or names - {"rollout_id"}:
+        raise ConfigError(
+            f"{option} {template!r} must contain {{rollout_id}} and no other {{field}}: one file per rollout, "
+            "e.g. /tmp/rollout_{rollout_id}.parquet (a fixed path would be overwritten every rollout)"
+        )

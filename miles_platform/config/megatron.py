@@ -1,0 +1,177 @@
+"""Megatron as Miles runs it (docs/megatron.md): the model-parallel layout beyond TP / PP / CP / EP
+sizes (PerfFlags), bucketed weight updates, and Megatron-LM's precision and memory flags, with the
+checks that need no checkpoint (the model's shapes: preflight, `training.megatron_parallel`).
+
+Data parallel = trainer ranks / (TP x PP x CP). What megatron-core cannot run here is refused by
+name with the reason measured on CPU with megatron-core 0.16 (`REFUSED`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_platform.config.flags import POSITIVE, changed_flags, flag, flag_name
+from miles_platform.errors import ConfigError
+
+RANGES: dict[str, tuple] = dict.fromkeys(
+    ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+     "decoder_last_pipeline_num_layers", "expert_tensor_parallel_size", "update_weight_buffer_size",
+     "recompute_num_layers"),
+    POSITIVE,
+)  # fmt: skip
+
+# megatron-core's mixed-precision optimizers take CUDA tensors only (measured: TypeError "Wrapped
+# parameters must be one of torch.cuda.FloatTensor, ..." on CPU)
+_MCORE_OPTIMIZER = (
+    "needs megatron-core's DistributedOptimizer, which takes CUDA tensors only (measured: TypeError "
+    "'Wrapped parameters must be one of torch.cuda.FloatTensor ...' on CPU); the megatron backend steps "
+    "torch AdamW over each rank's parameter shards (fp32 main parameters under --bf16)"
+)
+REFUSED: dict[str, str] = {
+    "use_distributed_optimizer": _MCORE_OPTIMIZER,
+    "optimizer_cpu_offload": f"megatron-core offloads the DistributedOptimizer's state: {_MCORE_OPTIMIZER}",
+    "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state only with "
+    "transformer-engine's FusedAdam, which is not installed; the backend's AdamW state is fp32",
+    "fp16": "fp16 needs dynamic loss scaling, which megatron-core does in Float16OptimizerWithFloat16Params "
+    "(CUDA tensors only, measured on CPU: TypeError 'Wrapped parameters must be one of "
+    "torch.cuda.FloatTensor ...'); --bf16 needs none: use --bf16",
+}
+
+LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size",
+          "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+          "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")  # fmt: skip
+PRECISION = ("bf16", "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32", "recompute_granularity",
+             "recompute_method", "recompute_num_layers")  # fmt: skip
+
+
+@dataclass
+class MegatronFlags:
+    sequence_parallel: bool = flag(
+        False,
+        "perf",
+        "megatron SP: norms and residuals split the sequence over the TP ranks (no effect at TP 1)",
+    )
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
+        None, "perf", "interleaved PP: layers per virtual pipeline stage (each stage holds several chunks)"
+    )
+    decoder_first_pipeline_num_layers: int | None = flag(None, "perf", "uneven PP: layers of the first stage")
+    decoder_last_pipeline_num_layers: int | None = flag(None, "perf", "uneven PP: layers of the last stage")
+    expert_tensor_parallel_size: int | None = flag(
+        None, "perf", "megatron ETP: TP of the MoE experts (default TP)"
+    )
+    update_weight_buffer_size: int = flag(
+        512 * 1024**2, "weight-update", "bytes of full (gathered) weights per weight-update bucket (megatron)"
+    )
+    bf16: bool = flag(
+        False, "precision", "megatron: bf16 parameters and forward, fp32 main parameters for the optimizer "
+        "(sets --train-forward-dtype and --rollout-dtype to bf16 when they are not given)",
+    )  # fmt: skip
+    fp16: bool = flag(False, "precision", "megatron: fp16 parameters with loss scaling")
+    accumulate_allreduce_grads_in_fp32: bool = flag(
+        False,
+        "precision",
+        "megatron: accumulate and all-reduce gradients in fp32 (main_grad buffers) under --bf16",
+    )
+    attention_softmax_in_fp32: bool = flag(
+        False, "precision", "megatron: attention softmax in fp32 under --bf16"
+    )
+    use_distributed_optimizer: bool = flag(
+        False, "perf", "megatron: shard optimizer state over data-parallel ranks"
+    )
+    optimizer_cpu_offload: bool = flag(False, "perf", "megatron: optimizer state and step on the host")
+    use_precision_aware_optimizer: bool = flag(
+        False, "perf", "megatron: optimizer state in reduced precision (TE)"
+    )
+    recompute_granularity: str | None = flag(
+        None, "perf", "megatron activation recompute: full layers or selective (attention core)",
+        choices=("full", "selective"),
+    )  # fmt: skip
+    recompute_method: str | None = flag(
+        None, "perf", "full recompute: uniform (every N layers a unit) or block (the first N layers per stage)",
+        choices=("uniform", "block"),
+    )  # fmt: skip
+    recompute_num_layers: int | None = flag(None, "perf", "full recompute: N of --recompute-method")
+
+    def megatron_layout_flags(self) -> list[str]:
+        """The model-parallel flags set to anything but their default, as `--flag`s."""
+        return changed_flags(self, LAYOUT)
+
+    def data_parallel_size(self) -> int:
+        """Trainer ranks / (TP x PP x CP): the ranks that take different samples."""
+        world = self.actor_num_nodes * self.actor_num_gpus_per_node
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        return max(1, world // mp)
+
+    def _derive_megatron_precision(self) -> None:
+        """--bf16 on megatron: the forward is bf16, so the engines' must be (set when not given)."""
+        given = changed_flags(self, PRECISION)
+        if given and self.train_backend != "megatron":
+            raise ConfigError(
+                f"{', '.join(given)}: Megatron's precision / recompute flags, for --train-backend megatron; the "
+                "fsdp backend takes --train-forward-dtype, --fsdp-master-dtype, --gradient-checkpointing"
+            )
+        if self.bf16 and not self.train_forward_dtype and not self.rollout_dtype:
+            self.train_forward_dtype = self.rollout_dtype = "bf16"
+        if (self.recompute_method or self.recompute_num_layers) and self.recompute_granularity != "full":
+            raise ConfigError(
+                "--recompute-method / --recompute-num-layers: they choose layers of --recompute-granularity full"
+            )
+        if self.recompute_granularity == "full" and not (self.recompute_method and self.recompute_num_layers):
+            raise ConfigError(
+                "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N "
+                "(as megatron-core)"
+            )
+
+    def _check_megatron_layout(self) -> None:
+        given = self.megatron_layout_flags()
+        if not given:
+            return
+        if self.train_backend != "megatron":
+            raise ConfigError(f"{', '.join(given)}: megatron model parallelism; use --train-backend megatron")
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag_name(name)} must be >= 1, got {getattr(self, name)}")
+        pp = self.pipeline_model_parallel_size
+        for name in ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                     "decoder_last_pipeline_num_layers"):  # fmt: skip
+            v = getattr(self, name)
+            if v is not None and pp == 1:
+                raise ConfigError(f"{flag_name(name)} {v}: needs --pipeline-model-parallel-size > 1")
+        if self.num_layers_per_virtual_pipeline_stage and (
+            self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
+        ):
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage with --decoder-first/last-pipeline-num-layers: "
+                "megatron-core splits interleaved stages evenly; use one or the other"
+            )
+        world = self.actor_num_nodes * self.actor_num_gpus_per_node
+        tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
+        mp = tp * pp * self.context_parallel_size
+        if world % mp:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {mp} ranks per model "
+                f"replica: the {world} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node) must be a "
+                "multiple of it"
+            )
+        if world % (tp * ep * pp):
+            raise ConfigError(
+                f"--expert-model-parallel-size {ep}: the {world} trainer ranks must be a multiple of expert TP x "
+                f"EP x PP = {tp * ep * pp} (megatron's expert layout)"
+            )
+        if ep > 1 and self.use_dynamic_batch_size:
+            raise ConfigError(
+                f"--use-dynamic-batch-size with --expert-model-parallel-size {ep}: the expert ranks exchange "
+                "tokens in every micro-batch, so they must run as many micro-batches each, and token budgets "
+                "pack each rank's samples into its own number; use --micro-batch-size"
+            )
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != tp:
+            raise ConfigError(
+                f"--expert-tensor-parallel-size {etp}: the experts split like the rest of the layer "
+                f"(= --tensor-model-parallel-size {tp}); a separate expert TP is not built (with "
+                "--expert-model-parallel-size > 1 megatron needs --sequence-parallel at TP > 1, which the MoE "
+                "routing replay does not read yet)"
+            )

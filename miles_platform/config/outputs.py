@@ -1,0 +1,66 @@
+"""Where a run's outputs go: the storage root and run name (directories and partition keys), and the
+experiment trackers (miles_platform/trackers.py), which say where metrics go, never what is trained."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from miles_platform.config.flags import flag
+from miles_platform.errors import ConfigError
+
+WANDB_MODES = ("online", "offline", "disabled")
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass
+class StorageFlags:
+    run_name: str = flag("run", "storage", "run name: partition keys are <run>.v<NNNNNN>")
+    storage_root: str = flag(".miles", "storage", "storage root (local dir or any fsspec URI)")
+
+
+@dataclass
+class LoggingFlags:
+    use_wandb: bool = flag(False, "logging", "log each rollout's metrics to wandb (the `trackers` extra)")
+    wandb_project: str | None = flag(None, "logging", "wandb project")
+    wandb_group: str | None = flag(None, "logging", "wandb group and run name (default: --run-name)")
+    wandb_mode: str | None = flag(
+        None,
+        "logging",
+        "overrides WANDB_MODE; offline writes under --wandb-dir with no network",
+        choices=WANDB_MODES,
+    )
+    wandb_dir: str | None = flag(None, "logging", "dir wandb writes into (default: ./wandb)")
+    wandb_run_id: str | None = flag(None, "logging", "wandb run id: a relaunch with it continues that run")
+    disable_wandb_random_suffix: bool = flag(
+        False, "logging", "wandb group and name get a random suffix by default; this disables it"
+    )
+    use_tensorboard: bool = flag(False, "logging", "log each rollout's metrics as TensorBoard scalars")
+    tensorboard_dir: str | None = flag(
+        None, "logging", "TensorBoard event dir (default: <storage-root>/runs/<run>/tensorboard)"
+    )
+    custom_rollout_log_function_path: str | None = flag(
+        None,
+        "logging",
+        "<module>.<fn>(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, "
+        "per rollout; True skips the default logging of its rollout metrics",
+    )
+    custom_eval_rollout_log_function_path: str | None = flag(
+        None,
+        "logging",
+        "<module>.<fn>(rollout_id, args, data, extra_metrics) -> bool, per eval; True skips its default logging",
+    )
+
+    def _check_logging_flags(self) -> None:
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"--wandb-mode {self.wandb_mode!r}: must be one of {', '.join(WANDB_MODES)}")
+
+
+def check_run_name(name: str) -> None:
+    """A run name becomes a directory (`run=<name>`) and a partition key: letters, digits, '.',
+    '_' and '-', starting with a letter or digit, at most 128 characters (no '/', no '..')."""
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
+        raise ConfigError(
+            f"--run-name {name!r}: use letters, digits, '.', '_' and '-' (starting with a letter or digit, "
+            "at most 128 characters): it names directories under the storage root and partition keys"
+        )

@@ -1,0 +1,182 @@
+"""What a rollout is: the prompt data and its batching, the rollout / generate function, how
+responses are sampled, and the fully async mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles_platform.config.flags import FINITE, FRACTION, NON_NEGATIVE, POSITIVE, flag
+from miles_platform.errors import ConfigError
+
+RANGES: dict[str, tuple] = {
+    **dict.fromkeys(
+        (
+            "num_epoch",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "global_batch_size",
+            "num_steps_per_rollout",
+            "over_sampling_batch_size",
+            "rollout_max_prompt_len",
+            "rollout_max_concurrency",
+            "async_buffer_capacity",
+        ),
+        POSITIVE,
+    ),  # fmt: skip
+    **dict.fromkeys(("num_rollout", "max_weight_staleness"), NON_NEGATIVE),
+    "rollout_top_p": FRACTION,
+    "rollout_temperature": FINITE,
+}
+
+# The flags other commands share with `train` (one definition each, see `cli.add_flags`)
+DATASET_FLAGS = ("input_key", "label_key", "metadata_key", "apply_chat_template")
+
+
+@dataclass
+class RolloutFlags:
+    prompt_data: str | None = flag(None, "rollout", "prompt dataset (JSONL or Parquet, any fsspec URI)")
+    input_key: str = flag("input", "rollout", "dataset key for Sample.prompt")
+    label_key: str | None = flag(None, "rollout", "dataset key for Sample.label")
+    metadata_key: str = flag("metadata", "rollout", "dataset key for Sample.metadata")
+    apply_chat_template: bool = flag(False, "rollout", "apply the tokenizer's chat template")
+    rollout_shuffle: bool = flag(False, "rollout", "shuffle prompts each epoch")
+    rollout_seed: int = flag(42, "rollout", "seed of the data-source shuffle")
+    num_rollout: int | None = flag(
+        None, "rollout", "total rollout iterations (derived from dataset and --num-epoch if unset)"
+    )
+    num_epoch: int | None = flag(None, "rollout", "epochs over the prompt data when --num-rollout is unset")
+    rollout_batch_size: int | None = flag(None, "rollout", "prompts per rollout (required)")
+    n_samples_per_prompt: int = flag(1, "rollout", "responses per prompt (GRPO group size)")
+    global_batch_size: int | None = flag(None, "rollout", "samples per optimizer step (derived)")
+    num_steps_per_rollout: int | None = flag(None, "rollout", "optimizer steps per rollout (derived)")
+    over_sampling_batch_size: int | None = flag(
+        None, "rollout", "prompts to sample per dynamic-sampling round"
+    )
+    rollout_max_prompt_len: int | None = flag(None, "rollout", "drop prompts longer than this many tokens")
+    rollout_function_path: str | None = flag(
+        None,
+        "rollout",
+        "replace the whole rollout: <module>.<fn>(args, rollout_id, data_source, evaluation=False) -> "
+        "RolloutFnTrainOutput | list[list[Sample]] (or a class, as Miles); see docs/rollout.md",
+    )
+    custom_generate_function_path: str | None = flag(
+        None,
+        "rollout",
+        "per-sample generate <module>.<fn>: async fn(input: GenerateFnInput) -> GenerateFnOutput, or the "
+        "old form async fn(args, sample, sampling_params) -> Sample; built-ins: "
+        "miles_platform.rollout.generate_hub.{single_turn,multi_turn}.generate",
+    )
+    rollout_max_concurrency: int = flag(
+        64, "rollout", "max in-flight generate requests (per-sample generate functions: samples in flight)"
+    )
+
+
+@dataclass
+class SamplingFlags:
+    rollout_max_response_len: int = flag(
+        32, "sampling", "max tokens per response (Miles: required; small CPU default)"
+    )
+    rollout_temperature: float = flag(1.0, "sampling", "sampling temperature")
+    rollout_top_p: float = flag(1.0, "sampling", "top-p truncation")
+    rollout_top_k: int = flag(-1, "sampling", "top-k truncation (-1 disables)")
+    rollout_stop: list[str] = flag([], "sampling", "stop strings", nargs="*")
+    rollout_stop_token_ids: list[int] = flag(
+        [], "sampling", "stop token ids (EOS is always a stop)", nargs="*"
+    )
+
+    def _check_sampling_flags(self) -> None:
+        """Training samples need a positive temperature; truncated sampling needs a bounded support
+        and a support-normalized actor score, which reference KL cannot use."""
+        if self.rollout_max_response_len is not None and self.rollout_max_response_len <= 0:
+            raise ConfigError(f"--rollout-max-response-len must be > 0, got {self.rollout_max_response_len}")
+        if not self.rollout_temperature > 0:
+            raise ConfigError(
+                f"--rollout-temperature {self.rollout_temperature}: training samples need a positive "
+                "temperature (the trainer scores log_softmax(logits / T)); greedy decoding is for eval "
+                "(--eval-temperature 0)"
+            )
+        if self.rollout_top_p < 1 and self.rollout_top_k <= 0:
+            raise ConfigError(
+                f"--rollout-top-p {self.rollout_top_p} needs a positive --rollout-top-k: sampling-support "
+                "replay records each token's support, which must be bounded (e.g. --rollout-top-k 64)"
+            )
+        if self.sampling_support_replay():
+            clash = [f for f, on in (("--use-kl-loss", self.use_kl_loss), (f"--kl-coef {self.kl_coef}", self.kl_coef != 0)) if on]  # fmt: skip
+            if clash:
+                raise ConfigError(
+                    f"{' and '.join(clash)} with sampling-support replay (--rollout-top-k "
+                    f"{self.rollout_top_k}, --rollout-top-p {self.rollout_top_p}): reference KL needs a "
+                    "full-vocabulary actor score and replay gives a support-normalized one; Miles rejects "
+                    "the combination too. Drop the KL or sample with --rollout-top-k -1 --rollout-top-p 1"
+                )
+
+    def sampling_support_replay(self) -> bool:
+        """Miles' sampling-support replay: on whenever rollouts sample from a truncated distribution."""
+        return self.rollout_top_p < 1 or self.rollout_top_k > 0
+
+
+@dataclass
+class AsyncFlags:
+    fully_async: bool = flag(False, "async", "background generation with a bounded buffer")
+    async_unused_samples_handler: str = flag(
+        "drop",
+        "async",
+        "a group too stale to train: drop it, or retry (its prompt goes back to the data source)",
+        choices=("drop", "retry"),
+    )
+    max_weight_staleness: int | None = flag(
+        None, "async", "drop groups whose oldest version lags the engine by more"
+    )
+    async_buffer_capacity: int | None = flag(
+        None, "async", "max finished groups buffered (default 2x rollout batch)"
+    )
+
+    def _check_async_flags(self) -> None:
+        if self.async_unused_samples_handler != "drop" and not (
+            self.fully_async and self.max_weight_staleness is not None
+        ):
+            raise ConfigError(
+                f"--async-unused-samples-handler {self.async_unused_samples_handler} acts on groups "
+                "--max-weight-staleness filters in a --fully-async run; set both or drop the flag"
+            )
+        if self.fully_async and self.pause_generation_mode == "abort":
+            raise ConfigError("--fully-async rejects --pause-generation-mode abort (use retract or in_place)")
+
+
+def derive_batch_knobs(cfg) -> None:
+    """rollout_batch_size * n_samples_per_prompt = global_batch_size * num_steps_per_rollout."""
+    rbs, n, gbs, steps = (
+        cfg.rollout_batch_size,
+        cfg.n_samples_per_prompt,
+        cfg.global_batch_size,
+        cfg.num_steps_per_rollout,
+    )
+
+    def state() -> str:
+        return (
+            f"--rollout-batch-size={rbs} x --n-samples-per-prompt={n} must equal "
+            f"--global-batch-size={gbs} x --num-steps-per-rollout={steps}"
+        )
+
+    if rbs is None:
+        raise ConfigError(f"--rollout-batch-size is required ({state()})")
+    if rbs <= 0 or n <= 0 or (gbs is not None and gbs <= 0) or (steps is not None and steps <= 0):
+        raise ConfigError(f"batch knobs must be positive: {state()}")
+    total = rbs * n
+    if gbs is None and steps is None:
+        steps = 1
+    if gbs is None:
+        if total % steps:
+            raise ConfigError(
+                f"cannot derive --global-batch-size: {total} not divisible by {steps}: {state()}"
+            )
+        gbs = total // steps
+    elif steps is None:
+        if total % gbs:
+            raise ConfigError(
+                f"cannot derive --num-steps-per-rollout: {total} not divisible by {gbs}: {state()}"
+            )
+        steps = total // gbs
+    if gbs * steps != total:
+        raise ConfigError(f"contradictory batch knobs: {state()} ({total} != {gbs * steps})")
+    cfg.global_batch_size, cfg.num_steps_per_rollout = gbs, steps
