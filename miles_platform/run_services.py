@@ -92,7 +92,7 @@ class RunServices(contextlib.AbstractContextManager):
 
                 self.hooks.on_engine = on_engine
         if self.trainers:
-            ray.get([a.ready.remote() for a in self.trainers])
+            ready_or_user_error([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
         if cfg.uses_trainer_teacher:  # the teacher is in the trainer
             from miles_platform.rollout.opd import teacher_sources
@@ -239,6 +239,28 @@ def call_trainers(cfg, trainers: list, method: str, *args: Any) -> Any:
             "(--train-timeout-s): a rank is stopped, deadlocked or waiting on one; the run stopped: "
             f"{resume_hint(cfg)}"
         ) from None
+
+
+def ready_or_user_error(refs: list) -> None:
+    """Wait for the trainers to be built; a user mistake their constructor found (a checkpoint with
+    NaN weights, ...) is raised as itself, one line, not as Ray's "actor died" traceback (Ray keeps
+    only the text of a creation task's error: the class and message are read back from it)."""
+    import re
+
+    import ray
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from miles_platform import errors
+
+    try:
+        ray.get(refs)
+    except (ActorDiedError, RayTaskError) as e:
+        text = f"{getattr(e, 'error_msg', '')}\n{e}"
+        found = re.findall(r"^miles_platform\.errors\.(\w+): (.+)$", text, flags=re.M)
+        cls = getattr(errors, found[-1][0], None) if found else None
+        if isinstance(cls, type) and issubclass(cls, errors.MilesError):
+            raise cls(found[-1][1]) from None
+        raise
 
 
 def actor_died(cfg: RunConfig, e: Exception, injected: list | None = None) -> Exception | None:

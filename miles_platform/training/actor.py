@@ -37,6 +37,7 @@ from miles_platform.cluster.devices import (
 )
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import ConfigError, RunConfig
+from miles_platform.errors import CheckpointError
 from miles_platform.store import remote
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backend import ScoreRequest, Scores
@@ -151,6 +152,7 @@ class TrainerActor:
         np.random.seed(cfg.seed + rank)
         self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size, self.device)
         self.model = self.backend.build(cfg.hf_checkpoint)
+        check_finite_weights(self.backend.parameters(), self.model, cfg.hf_checkpoint)
         self.dp_rank, self.dp_size, self.dp_group = self.backend.data_parallel()
         self.ref = self._build_ref() if cfg.uses_reference_model else None
         self.teacher = build_teacher(cfg, rank, world_size, self.device) if cfg.uses_trainer_teacher else None
@@ -776,3 +778,17 @@ class TrainerActor:
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         return optimizer_tensors(self.opt, self.backend.named_parameters())
+
+
+def check_finite_weights(params, model: torch.nn.Module, hf_checkpoint: str) -> None:
+    """A base checkpoint with NaN / inf weights trains nothing (every step is skipped as non-finite,
+    then the run stops): refuse it at once, naming the tensor (each rank checks its own shard)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+            bad = int((~torch.isfinite(local.detach())).sum())
+            raise CheckpointError(
+                f"--hf-checkpoint {hf_checkpoint}: {names.get(id(p), 'a parameter')} has {bad} NaN / inf "
+                "value(s); a model that is not finite cannot be trained"
+            )
