@@ -22,6 +22,7 @@ from miles_platform.config import (
     debug,
     evaluation,
     lora,
+    model_args,
     moe,
     opd,
     rollout,
@@ -36,6 +37,7 @@ from miles_platform.config.debug import DebugFlags
 from miles_platform.config.evaluation import EvalFlags
 from miles_platform.config.flags import check_choices, check_ranges, field_default, flag_name
 from miles_platform.config.lora import LoraFlags
+from miles_platform.config.model_args import MODEL_ARGS, ModelArgsFlags
 from miles_platform.config.moe import MoeFlags
 from miles_platform.config.opd import OpdFlags
 from miles_platform.config.outputs import LoggingFlags, StorageFlags, check_run_name
@@ -50,6 +52,7 @@ from miles_platform.errors import ConfigError
 GROUPS = (
     "cluster",
     "checkpoint",
+    "model",
     "rollout",
     "sampling",
     "reward",
@@ -69,7 +72,7 @@ GROUPS = (
 
 # The capabilities, in field order (which is `--help` order within a group, and the Launchpad's).
 CAPABILITIES = (
-    ClusterFlags, CheckpointFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
+    ClusterFlags, CheckpointFlags, ModelArgsFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
     AlgorithmFlags, MoeFlags, CorrectionFlags, ScoreCenteringFlags, OpdFlags, OptimizerFlags, PerfFlags,
     PrecisionFlags, WeightUpdateFlags, LoraFlags, AsyncFlags, StorageFlags, LoggingFlags, DebugFlags,
 )  # fmt: skip
@@ -78,7 +81,7 @@ CAPABILITIES = (
 RANGES: dict[str, tuple] = {
     **cluster.RANGES, **checkpoint.RANGES, **rollout.RANGES, **agentic.RANGES, **evaluation.RANGES,
     **algorithm.RANGES, **moe.RANGES, **opd.RANGES, **training.RANGES, **weights.RANGES, **lora.RANGES,
-    **debug.RANGES,
+    **debug.RANGES, **model_args.RANGES,
 }  # fmt: skip
 
 # Miles flags this build does not implement, with the reason. Set to anything but the default they are
@@ -112,6 +115,7 @@ class RunConfig(*reversed(CAPABILITIES)):
         check_seeds(self)
         self._normalize_session_server()
         self._check_ranges()
+        self._check_model_args()
         derive_batch_knobs(self)
         self._check_debug_flags()
         self._check_perf_flags()
@@ -167,6 +171,7 @@ class RunConfig(*reversed(CAPABILITIES)):
             "run_name",
             "ci_fault_hooks",
             *LOGGING,
+            *MODEL_ARGS,  # they describe --hf-checkpoint (checked equal), which is in the hash
         }
         payload = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -206,7 +211,7 @@ RESUMABLE = frozenset(
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
      "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args",
-     "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING
+     "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING | set(MODEL_ARGS)
 )  # fmt: skip
 
 
