@@ -142,7 +142,8 @@ class RLRun:
 
     def _generate(self, rollout_id: int, version: int, t0: float) -> tuple[list, dict]:
         """The rollout's samples and metrics: from --load-debug-rollout-data, the fully async
-        worker or the rollout manager; the custom rollout log function sees them first."""
+        worker, a train-only rollout function (Miles' SFT) or the rollout manager; the custom
+        rollout log function sees them first."""
         from miles_platform.store.debug_rollouts import load_debug_rollout
 
         cfg, s = self.cfg, self.s
@@ -150,6 +151,8 @@ class RLRun:
             samples, metrics = load_debug_rollout(cfg, rollout_id), {}
         elif s.worker is not None:
             samples, metrics = s.worker.get_rollout(rollout_id, version)
+        elif s.train_only is not None:
+            samples, metrics = s.train_only.generate(rollout_id)
         else:
             samples, metrics = s.manager.generate(rollout_id)
         s.trackers.rollout_data(rollout_id, samples, metrics, t0)

@@ -185,8 +185,8 @@ def classify(argvs: list[Argv]) -> Result:
     from miles_platform.config.flags import field_default
 
     try:
-        from miles_platform.config.model_args import MODEL_FLAGS
-    except ImportError:
+        from miles_platform.config import MODEL_ARGS as MODEL_FLAGS
+    except ImportError:  # before the model flags existed
         MODEL_FLAGS = ()
     parser = build_parser()
     known = parser._option_string_actions

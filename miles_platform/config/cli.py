@@ -18,7 +18,9 @@ _DICT_FIELDS = ("sglang_args", "custom_function_args")  # filled by parse_run_co
 
 
 def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Miles-style RL training (GRPO and friends).")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Miles-style RL training (GRPO and friends).", allow_abbrev=False
+    )
     parser.add_argument(
         "--config", help="YAML file of flags (snake_case or kebab-case keys); CLI overrides it"
     )
@@ -102,7 +104,8 @@ def function_flag_values(data: dict[str, Any], argv: list[str]) -> dict[str, Any
 
 
 def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """`--sglang-foo-bar 1` -> {"foo-bar": "1"}; bare `--sglang-flag` -> True."""
+    """`--sglang-foo-bar 1` -> {"foo-bar": "1"}; a multi-value flag (`--sglang-cuda-graph-bs 1 2 4`)
+    -> a list of its values, as SGLang's own `nargs="+"` flags take them; bare `--sglang-flag` -> True."""
     out: dict[str, Any] = {}
     leftover: list[str] = []
     i = 0
@@ -113,11 +116,12 @@ def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
             if "=" in key:
                 key, val = key.split("=", 1)
                 out[key] = val
-            elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-                out[key] = rest[i + 1]
-                i += 1
             else:
-                out[key] = True
+                values = []
+                while i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                    values.append(rest[i + 1])
+                    i += 1
+                out[key] = True if not values else values[0] if len(values) == 1 else values
         else:
             leftover.append(tok)
         i += 1

@@ -10,6 +10,8 @@ from miles_platform.config.flags import FRACTION, NON_NEGATIVE, POSITIVE, flag
 from miles_platform.config.reward import RewardSettings
 from miles_platform.errors import ConfigError
 
+MILES_LEGACY_EVAL_NAME = "aime"  # what Miles names the dataset of a one-path --eval-prompt-data
+
 RANGES: dict[str, tuple] = {
     **dict.fromkeys(("eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len"), POSITIVE),
     "eval_temperature": NON_NEGATIVE,
@@ -19,7 +21,9 @@ RANGES: dict[str, tuple] = {
 
 @dataclass
 class EvalFlags:
-    eval_prompt_data: list[str] = flag([], "eval", "one or more `name path` pairs", nargs="*")
+    eval_prompt_data: list[str] = flag(
+        [], "eval", "one or more `name path` pairs; a single path is named aime, as Miles names it", nargs="*"
+    )
     eval_interval: int | None = flag(None, "eval", "rollouts between evals")
     n_samples_per_eval_prompt: int = flag(1, "eval", "responses per eval prompt (the n of pass@<n>(T=..))")
     eval_max_response_len: int | None = flag(None, "eval", "inherits --rollout-max-response-len")
@@ -33,6 +37,8 @@ class EvalFlags:
     )
 
     def _check_eval_flags(self) -> None:
+        if len(self.eval_prompt_data) == 1:  # Miles' legacy form: one path, the dataset named aime
+            self.eval_prompt_data = [MILES_LEGACY_EVAL_NAME, self.eval_prompt_data[0]]
         if self.eval_prompt_data and len(self.eval_prompt_data) % 2:
             raise ConfigError(f"--eval-prompt-data takes `name path` pairs, got {self.eval_prompt_data}")
 

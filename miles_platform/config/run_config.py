@@ -131,6 +131,7 @@ class RunConfig(*reversed(CAPABILITIES)):
         self._check_routing_replay()
         self._check_moe_flags()
         self._check_generate_flags()
+        self._check_sft_rollout()
         self._check_lora_flags()
         self._check_score_centering()
         self._check_opd_flags()

@@ -237,7 +237,9 @@ def load_dequantized_state_dict(hf_dir: str, dtype: torch.dtype | None = None) -
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="miles-platform quantize", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform quantize", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--hf-checkpoint", required=True, help="source HF checkpoint dir (bf16/fp32)")
     p.add_argument("--save", required=True, help="output HF checkpoint dir")
