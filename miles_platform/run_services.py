@@ -189,7 +189,13 @@ class RunServices(contextlib.AbstractContextManager):
         from miles_platform.rollout.engine_fleet import run_storage_env, run_storage_secrets
 
         env = {
-            "env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads, **run_storage_env(cfg)}
+            "env_vars": {
+                "OMP_NUM_THREADS": threads,
+                "MILES_TRAIN_THREADS": threads,
+                **run_storage_env(cfg),
+                **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if cfg.deterministic_mode else {}),
+                **cfg.train_env(),
+            }  # fmt: skip
         }
         actors = create_role_actors(
             TrainerActor, cfg, groups, "actor", cfg, world_size=world, dist_init=dist_init,

@@ -49,8 +49,9 @@ from ops.version_events import DagsterReporter, run_version_reports
 from resources.storage import StorageRootResource
 
 # dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's;
-# the model flags of a Miles launch script describe the checkpoint, which the Launchpad picks as an asset
-SKIP = {"sglang_args", "custom_function_args", "storage_root", *MODEL_ARGS}
+# the model flags of a Miles launch script describe the checkpoint, which the Launchpad picks as an asset;
+# a wandb key typed there would be stored as typed (the Launchpad's run reads WANDB_API_KEY instead)
+SKIP = {"sglang_args", "custom_function_args", "compat_flags", "storage_root", "wandb_key", *MODEL_ARGS}
 # ... except a generate/rollout function's own flags, which the Launchpad takes as CLI tokens
 FUNCTION_FLAGS = "custom_function_flags"
 # ... and where the run runs (not RunConfig: not part of what is trained)

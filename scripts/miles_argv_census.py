@@ -15,7 +15,7 @@ checkpoint or data needed), and validating once its refused and owned flags are 
 
 The argv after `train.py` / `train_async.py` is taken from each snapshot's commands; a
 `${MODEL_ARGS[@]}` is expanded as Miles does (`scripts/models/<model>.py`'s `model_args()`, run
-from the Miles tree). `train_async.py` argvs get `--fully-async`, as `miles-platform train-async`.
+from the Miles tree). `train_async.py` argvs are parsed as `miles-platform train-async` parses them.
 
 Usage: python scripts/miles_argv_census.py [--miles REPO] [--flags] [--argvs] [--json FILE]
   REPO: a Miles checkout or bare git dir (default /work/.mirror/radixark+miles/repo)
@@ -52,9 +52,14 @@ OWNED_47 = (
     "--optimizer-cpu-offload --use-precision-aware-optimizer --update-weight-buffer-size "
     "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers "
     "--num-layers-per-virtual-pipeline-stage"
+    # their companions: the optimizer offload's overlap, context parallelism's communication
+    " --overlap-cpu-optimizer-d2h-h2d --allgather-cp --cp-comm-type"
 ).split()
 OWNED_47_PREFIXES = ("--recompute-",)
-OWNED_46 = "--offload --offload-train --no-offload-train --offload-rollout --no-offload-rollout".split()
+OWNED_46 = (
+    "--offload --offload-train --no-offload-train --offload-rollout --no-offload-rollout"
+    " --offload-train-target --offload-train-disk-dir"  # where --offload-train puts the state
+).split()
 
 
 def owner(flag: str) -> str | None:
@@ -181,74 +186,122 @@ class Result:
 
 
 def classify(argvs: list[Argv]) -> Result:
-    from miles_platform.config import REFUSED, RunConfig, build_parser
-    from miles_platform.config.flags import field_default
+    from miles_platform.config import REFUSED, build_parser
 
-    try:
-        from miles_platform.config import MODEL_ARGS as MODEL_FLAGS
-    except ImportError:  # before the model flags existed
-        MODEL_FLAGS = ()
     parser = build_parser()
     known = parser._option_string_actions
     res = Result()
     for a in argvs:
-        argv = (["--fully-async"] if a.fully_async else []) + a.argv
-        values = _parse(argv)
+        argv = a.argv
+        view = _config_view(_parse(argv))
         dropped: list[str] = []
         unknown = False
         for flag in flag_uses(a.argv):
             action = known.get(flag)
             if flag.startswith(PASSTHROUGH) and action is None:
                 res.add("passthrough", flag)
-            elif action is not None and action.dest in MODEL_FLAGS:
-                res.add("checked", flag)
-            elif action is not None and action.dest in REFUSED:
-                refused = values is not None and values.get(action.dest) != field_default(
-                    RunConfig, action.dest
-                )
-                res.add("refused" if refused else "honoured", flag)
-                dropped += [flag] if refused else []
-            elif action is not None:
-                res.add("honoured", flag)
-            elif owner(flag):
-                res.add(f"owned by {owner(flag)}", flag)
-                dropped.append(flag)
+                continue
+            if owner(flag):  # another issue's, known to the parser or not
+                cls = f"owned by {owner(flag)}"
+            elif action is None:
+                cls = "unrecognized"
+                unknown |= cls == "unrecognized"
             else:
-                res.add("unrecognized", flag)
+                cls = _verdict(action.dest, view, REFUSED)
+            res.add(cls, flag)
+            if cls == "refused" or cls.startswith(("owned", "unrecognized")):
                 dropped.append(flag)
-                unknown = True
         strays = _stray_values(argv, known)
         for flag in sorted(set(strays)):
             res.add("unrecognized", f"{flag} (extra values)")
         res.parsed += not unknown and not strays
-        res.valid += _validates(argv) is None
-        err = _validates(_drop(argv, set(dropped)))
+        res.valid += _validates(argv, a.fully_async) is None
+        err = _validates(_drop(argv, set(dropped)), a.fully_async)
         res.valid_dropped += err is None
         if err:
             res.errors[err.split("error: ")[-1][:90]] += 1
     return res
 
 
-def _parse(argv: list[str]) -> dict | None:
+def _config_view(values: dict):
+    """The run's flags as validation sees them: the given values over the defaults."""
+    from types import SimpleNamespace
+
+    from miles_platform.config import RunConfig
+    from miles_platform.config.flags import field_default
+
+    view = {n: field_default(RunConfig, n) for n in RunConfig.__dataclass_fields__}
+    view.update({k: v for k, v in values.items() if not k.startswith("compat:")})
+    view["compat_flags"] = {k[7:]: v for k, v in values.items() if k.startswith("compat:") and v is not None}
+    return SimpleNamespace(**view)
+
+
+def _verdict(dest: str, cfg, refused: dict) -> str:
+    """honoured / checked / same result / refused, for a flag our parser knows, at the run's value."""
+    try:
+        from miles_platform.config import MODEL_ARGS
+        from miles_platform.config.compat import COMPAT, SAME
+        from miles_platform.config.model_args import VOCAB_PAD_MULTIPLE
+    except ImportError:  # before the model and compat flags existed
+        MODEL_ARGS, COMPAT, SAME, VOCAB_PAD_MULTIPLE = (), {}, None, None
+    from miles_platform.config import RunConfig
+    from miles_platform.config.flags import field_default
+
+    if dest.startswith("compat:"):
+        f, v = COMPAT[dest[7:]], cfg.compat_flags.get(dest[7:])
+        ok = f.verdict == SAME and (not f.allowed or v in f.allowed) and (f.when is None or f.when(cfg, v))
+        return "same result" if ok else "refused"
+    value = getattr(cfg, dest, None)
+    if dest in refused and value != field_default(RunConfig, dest):
+        return "refused"
+    if (dest, value) == ("update_weight_transfer_mode", "p2p"):
+        return "refused"
+    if dest == "make_vocab_size_divisible_by":
+        return "checked" if value == VOCAB_PAD_MULTIPLE else "refused"
+    return "checked" if dest in MODEL_ARGS else "honoured"
+
+
+def _parse(argv: list[str]) -> dict:
+    """The values our parser takes from `argv`; a flag whose value it rejects (Miles' own recorded
+    `--actor-num-nodes None`) is left out, so the rest still count."""
     from miles_platform.config import build_parser
 
-    with contextlib.redirect_stderr(io.StringIO()):
-        try:
-            ns, _ = build_parser().parse_known_args(argv)
-        except SystemExit:
-            return None
-    return vars(ns)
+    parser = build_parser()
+    for _ in range(8):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                return vars(parser.parse_known_args(argv)[0])
+            except SystemExit:
+                bad = re.search(r"argument (--[\w-]+)", err.getvalue())
+        if bad is None:
+            break
+        argv = _drop(argv, {bad.group(1)})
+    return {}
+
+
+def _passthrough_nargs() -> str | None:
+    """How many values our parser gives a `--sglang-*` flag: all that follow ("*"), or one (before
+    the multi-value fix)."""
+    from miles_platform.config.cli import _split_passthrough
+
+    return "*" if isinstance(_split_passthrough(["--sglang-x", "1", "2"])[0].get("x"), list) else None
 
 
 def _stray_values(argv: list[str], known: dict) -> list[str]:
     """The flags given more values than our parser takes (a multi-value flag taken as single-valued):
     argparse calls the values left over "unrecognized arguments"."""
     out, flag, taken, room = [], None, 0, 0
+    passthrough_nargs = _passthrough_nargs()
     for t in argv:
         if t.startswith("--"):
             flag, taken = t.split("=", 1)[0], 0
             action = known.get(flag)
-            nargs = action.nargs if action is not None else (None if flag.startswith(PASSTHROUGH) else "*")
+            nargs = (
+                action.nargs
+                if action is not None
+                else (passthrough_nargs if flag.startswith(PASSTHROUGH) else "*")
+            )
             room = {None: 1, "?": 1, "*": 1 << 30, "+": 1 << 30}.get(nargs, nargs)
             room = 0 if "=" in t or (action is not None and action.nargs == 0) else room
         elif flag is not None:
@@ -258,7 +311,7 @@ def _stray_values(argv: list[str], known: dict) -> list[str]:
     return out
 
 
-def _validates(argv: list[str]) -> str | None:
+def _validates(argv: list[str], train_async: bool = False) -> str | None:
     """None when `argv` parses and validates, else the first error."""
     from miles_platform.config import parse_run_config
     from miles_platform.errors import MilesError
@@ -266,7 +319,7 @@ def _validates(argv: list[str]) -> str | None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            parse_run_config(argv)
+            parse_run_config(argv, train_async=train_async)
         except SystemExit:
             return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "argparse error"
         except MilesError as e:
@@ -285,7 +338,16 @@ def _drop(argv: list[str], flags: set[str]) -> list[str]:
     return out
 
 
-ORDER = ("honoured", "checked", "refused", "owned by #47", "owned by #46", "passthrough", "unrecognized")
+ORDER = (
+    "honoured",
+    "checked",
+    "same result",
+    "refused",
+    "owned by #47",
+    "owned by #46",
+    "passthrough",
+    "unrecognized",
+)
 
 
 def report(argvs: list[Argv], res: Result, show_flags: bool) -> str:

@@ -25,6 +25,7 @@ class EvalFlags:
         [], "eval", "one or more `name path` pairs; a single path is named aime, as Miles names it", nargs="*"
     )
     eval_interval: int | None = flag(None, "eval", "rollouts between evals")
+    eval_input_key: str | None = flag(None, "eval", "dataset key of an eval prompt (default: --input-key)")
     n_samples_per_eval_prompt: int = flag(1, "eval", "responses per eval prompt (the n of pass@<n>(T=..))")
     eval_max_response_len: int | None = flag(None, "eval", "inherits --rollout-max-response-len")
     eval_temperature: float | None = flag(
@@ -55,7 +56,7 @@ class EvalFlags:
             top_p=self.rollout_top_p if self.eval_top_p is None else self.eval_top_p,
             top_k=self.rollout_top_k if self.eval_top_k is None else self.eval_top_k,
             seed=self.seed,
-            input_key=self.input_key,
+            input_key=self.eval_input_key or self.input_key,
             label_key=self.label_key or "label",
             metadata_key=self.metadata_key,
             apply_chat_template=self.apply_chat_template,
