@@ -74,6 +74,7 @@ SLOW = {
     "test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing",
     "test_a_multi_turn_generate_function_trains_with_r3_in_a_ci_test_run",
     "test_agentic_sessions_record_the_routes_of_the_whole_session",
+    "test_the_gsm8k_recipe_runs_two_rollouts_through_miles_platform_train",
 }  # fmt: skip
 
 

@@ -206,7 +206,8 @@ class MegatronBackend(ModelBackend):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
+        from miles_platform.models.checkpoint import validate_hf_dir
+        from miles_platform.weights.quantize import load_dense_hf_model
 
         hf_config = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
         tp = int(getattr(self.cfg, "tensor_model_parallel_size", 1) or 1)
@@ -224,7 +225,7 @@ class MegatronBackend(ModelBackend):
         if ref_load:
             load_torch_dist(self.module, ref_load)
         else:
-            self.load_hf_state_dict(load_hf_model(hf_checkpoint).state_dict())
+            self.load_hf_state_dict(load_dense_hf_model(hf_checkpoint).state_dict())
         if trainable and getattr(self.cfg, "moe_router_freeze_gate", False):
             for name, p in self.module.named_parameters():  # MoE routers stay as loaded
                 if name.endswith("mlp.router.weight"):
