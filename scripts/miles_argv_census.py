@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import io
 import json
 import re
@@ -319,7 +320,10 @@ def _validates(argv: list[str], train_async: bool = False) -> str | None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            parse_run_config(argv, train_async=train_async)
+            if "train_async" in inspect.signature(parse_run_config).parameters:
+                parse_run_config(argv, train_async=train_async)
+            else:  # before `train-async`: Miles' train_async.py as --fully-async
+                parse_run_config(["--fully-async"] * train_async + argv)
         except SystemExit:
             return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "argparse error"
         except MilesError as e:
@@ -362,7 +366,7 @@ def report(argvs: list[Argv], res: Result, show_flags: bool) -> str:
     lines.append(f"argvs parsed whole (nothing unrecognized): {res.parsed}/{n}")
     lines.append(f"argvs validating as recorded:              {res.valid}/{n}")
     lines.append(f"argvs validating without refused/owned:    {res.valid_dropped}/{n}")
-    for err, k in res.errors.most_common(8):
+    for err, k in res.errors.most_common():
         lines.append(f"    {k:>3} x {err}")
     for cls in ORDER if show_flags else ("unrecognized",):
         if res.flags.get(cls):

@@ -43,17 +43,17 @@ def _refused(kind: str, why: str) -> MilesFlag:
 
 _UNFUSED = "an unfused kernel: what the trainer here runs anyway (torch ops, megatron-core's local spec)"
 _FAMILY = (
-    "an architecture feature of model families this build does not train (it trains Qwen3, Qwen2/2.5, "
-    "Llama 3 and Qwen3-MoE, models/families.py); run those models with Miles"
+    "for model families this build does not train (it trains Qwen3, Qwen2/2.5, Llama 3 and Qwen3-MoE, "
+    "built from the HF config: models/families.py); run those models with Miles"
 )
-_MLA = "multi-latent attention (DeepSeek-V3 / Kimi / GLM-5): " + _FAMILY
-_YARN = "YaRN rope scaling (DeepSeek / Kimi): " + _FAMILY
-_DSA = "DeepSeek sparse attention (V3.2 / V4, GLM-5): " + _FAMILY
+_MLA = "multi-latent attention (DeepSeek-V3 / Kimi / GLM-5) is " + _FAMILY
+_YARN = "YaRN rope scaling (DeepSeek / Kimi) is " + _FAMILY
+_DSA = "DeepSeek sparse attention (V3.2 / V4, GLM-5) is " + _FAMILY
 _MTP = "multi-token prediction (MTP) heads are not built: train without them (drop the MTP flags)"
 _FP8 = (
     "FP8 training (transformer-engine) is not built: the trainer computes in fp32 / bf16 "
-    "(--train-forward-dtype); FP8 and INT4 rollout weights are (an fp8 / int4 --hf-checkpoint made by "
-    "`miles-platform quantize`, dequantized on load)"
+    "(--train-forward-dtype); an fp8 / int4 --hf-checkpoint is taken (trainer and engines start from its "
+    "dequantized weights), and SGLang engines quantize online with --sglang-quantization fp8"
 )
 
 COMPAT: dict[str, MilesFlag] = {
@@ -100,8 +100,8 @@ COMPAT: dict[str, MilesFlag] = {
         when=lambda cfg, v: cfg.loss_type == "sft_loss",
     ),
     # ---- refused: not built here
-    "spec": _refused("list", "a custom megatron layer spec (miles_plugins) for a model family this build does not train: " + _FAMILY),
-    "custom_model_provider_path": _refused("str", "a custom megatron model provider: the models here are built from the HF config by models/bridge/; " + _FAMILY),
+    "spec": _refused("list", "a custom megatron layer spec (miles_plugins) is " + _FAMILY),
+    "custom_model_provider_path": _refused("str", "a custom megatron model provider (miles_plugins) is " + _FAMILY),
     "multi_latent_attention": _refused("bool", _MLA),
     "q_lora_rank": _refused("int", _MLA),
     "kv_lora_rank": _refused("int", _MLA),
@@ -117,19 +117,19 @@ COMPAT: dict[str, MilesFlag] = {
     "dsa_indexer_n_heads": _refused("int", _DSA),
     "dsa_indexer_topk": _refused("int", _DSA),
     "experimental_attention_variant": _refused("str", _DSA),
-    **{f"dsv4_{k}": _refused("list" if k == "compress_ratios" else "int", "DeepSeek-V4 attention: " + _FAMILY)
+    **{f"dsv4_{k}": _refused("list" if k == "compress_ratios" else "int", "DeepSeek-V4 attention is " + _FAMILY)
        for k in ("compress_ratios", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "n_hash_layers",
                  "o_groups", "o_lora_rank", "window_size")},
-    "moe_shared_expert_gate": _refused("bool", "a gated shared expert (Qwen2-MoE / Qwen3-Next): " + _FAMILY),
-    "moe_latent_size": _refused("int", "latent MoE (Nemotron-3): " + _FAMILY),
-    "freeze_e_score_correction_bias": _refused("bool", "the expert score-correction bias (DeepSeek-V3): " + _FAMILY),
-    "apply_layernorm_1p": _refused("bool", "(1 + weight) norms (Gemma / Nemotron): " + _FAMILY),
-    "attention_output_gate": _refused("bool", "gated attention output (Qwen3-Next / Qwen3.5): " + _FAMILY),
-    "window_size": _refused("str", "sliding-window attention (gpt-oss): " + _FAMILY),
-    "window_attn_skip_freq": _refused("int", "sliding-window attention (gpt-oss): " + _FAMILY),
-    "softmax_type": _refused("str", "attention sinks (gpt-oss): " + _FAMILY),
-    "activation_func_clamp_value": _refused("float", "clamped SwiGLU (gpt-oss): " + _FAMILY),
-    "no_activation_func_clamp_shared_expert": _refused("bool", "clamped SwiGLU (gpt-oss): " + _FAMILY),
+    "moe_shared_expert_gate": _refused("bool", "a gated shared expert (Qwen2-MoE / Qwen3-Next) is " + _FAMILY),
+    "moe_latent_size": _refused("int", "latent MoE (Nemotron-3) is " + _FAMILY),
+    "freeze_e_score_correction_bias": _refused("bool", "the expert score-correction bias (DeepSeek-V3) is " + _FAMILY),
+    "apply_layernorm_1p": _refused("bool", "(1 + weight) norms (Gemma / Nemotron) is " + _FAMILY),
+    "attention_output_gate": _refused("bool", "gated attention output (Qwen3-Next / Qwen3.5) is " + _FAMILY),
+    "window_size": _refused("str", "sliding-window attention (gpt-oss) is " + _FAMILY),
+    "window_attn_skip_freq": _refused("int", "sliding-window attention (gpt-oss) is " + _FAMILY),
+    "softmax_type": _refused("str", "attention sinks (gpt-oss) is " + _FAMILY),
+    "activation_func_clamp_value": _refused("float", "clamped SwiGLU (gpt-oss) is " + _FAMILY),
+    "no_activation_func_clamp_shared_expert": _refused("bool", "clamped SwiGLU (gpt-oss) is " + _FAMILY),
     "mtp_num_layers": _refused("int", _MTP),
     "enable_mtp_training": _refused("bool", _MTP),
     "mtp_loss_scaling_factor": _refused("float", _MTP),
@@ -149,7 +149,7 @@ COMPAT: dict[str, MilesFlag] = {
     "apply_chat_template_kwargs": _refused("str", "extra chat-template arguments (e.g. a thinking mode) are not built: --apply-chat-template renders with the template's defaults"),
     "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),
     "eval_function_path": _refused("str", "a custom eval function is not built: evals run the run's own generate and reward on --eval-prompt-data"),
-    "log_passrate": _refused("bool", "per-rollout pass rates are not logged; evals report pass@k per dataset (eval/<name>/pass@k)"),
+    "log_passrate": _refused("bool", "per-rollout pass rates are not logged; evals report pass@1 and pass@<n>(T=..) per dataset"),
     "log_reward_category": _refused("str", "statistics of a reward-dict category are not logged; log them from --custom-rollout-log-function-path"),
     "filter_zero_reward_samples": _refused("bool", "use --dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
     "rollout_max_context_len": _refused("int", "the engine's context here is the model's (max_position_embeddings); bound prompts and responses with --rollout-max-prompt-len and --rollout-max-response-len"),

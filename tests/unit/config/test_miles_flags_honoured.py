@@ -123,3 +123,21 @@ def test_trainer_and_engine_start_from_the_same_dequantized_weights(tiny_hf_chec
     assert all(torch.equal(trainer[k].float(), engine[k].float()) for k in engine)
     plain = load_model(tiny_hf_checkpoint, torch.float32)[0].state_dict()
     assert not all(torch.equal(plain[k], engine[k].float()) for k in engine)  # it was quantized
+
+
+def test_docs_name_every_miles_flag_and_its_verdict():
+    """docs/miles_flags.md lists each model flag with its config key and each compat flag with the
+    verdict and reason the parser applies (a flag added to the tables shows up there too)."""
+    from pathlib import Path
+
+    from miles_platform.config import MODEL_ARGS
+    from miles_platform.config.compat import COMPAT, SAME
+    from miles_platform.config.flags import flag_name
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "miles_flags.md").read_text()
+    same, refused = doc.split("## Same result here")[1].split("## Refused")
+    for name in MODEL_ARGS:
+        assert f"`{flag_name(name)}`" in doc, name
+    for name, f in COMPAT.items():
+        section = same if f.verdict == SAME else refused
+        assert f"`{flag_name(name)}`" in section and f.why in section, name
