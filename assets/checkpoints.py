@@ -150,7 +150,7 @@ def base_checkpoint(
         from miles_platform.rollout.evaluate import evaluate
 
         res = evaluate(
-            (built["model"], built["tokenizer"]),
+            str(dest),  # the checkpoint as written, served by the embedded engine
             [("eval", built["eval_path"])],
             max_new_tokens=8,
             rm_type="math",

@@ -20,7 +20,6 @@ from miles_platform.data.dataset import (
     normalized_label_key,
     write_normalized_dataset,
 )
-from miles_platform.errors import DataError
 from resources.storage import StorageRootResource
 
 PREVIEW_ROWS = 5
@@ -35,12 +34,8 @@ class DatasetConfig(dg.Config):
 
 
 def _builtin_task(split: str, out_dir: str, seed: int) -> str:
-    try:
-        from miles_platform.data.tasks import write_task_datasets
-    except ModuleNotFoundError as e:
-        if e.name != "miles_platform.data.tasks":
-            raise
-        raise DataError("no dataset path given and the built-in task generator is unavailable") from None
+    from miles_platform.data.tasks import write_task_datasets
+
     return str(write_task_datasets(out_dir, seed=seed)[split])
 
 

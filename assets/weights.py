@@ -11,7 +11,7 @@ there already fails with a message. The `publish_on_new_policy` sensor requests 
 checkpoint next to the export (`<hf_export>-<fmt>`), reloads it the way engines do
 (`load_dequantized_state_dict`) and checks the block/group error against the format's bound. It
 then scores greedy pass@1 of the version and of the weights engines will serve, on the same eval
-prompts in the same process: `<dataset>/pass@1` (quantized), `<dataset>/pass@1_full_precision` and
+prompts with one in-process engine (the version, then the dequantized weights swapped in): `<dataset>/pass@1` (quantized), `<dataset>/pass@1_full_precision` and
 `<dataset>/pass@1_delta` (keyed like eval_results' metadata).
 """
 
@@ -27,7 +27,7 @@ from assets.evals import (
     run_config_for_version,
 )
 from assets.partitions import policy_version_partitions, quantized_partitions
-from miles_platform.errors import PublicationError
+from miles_platform.errors import CheckpointError, PublicationError
 from miles_platform.store.lineage_identity import Edge, write_edges
 from miles_platform.store.paths import parse_partition_key
 from resources.storage import StorageRootResource
@@ -148,7 +148,7 @@ def quantized_vs_full_precision(
 ) -> dict:
     """Greedy pass@1 of the version (`hf`) and of its dequantized weights (`served`), per eval
     dataset, as metadata; {"eval_skipped": why} when there is no eval dataset."""
-    from miles_platform.models.checkpoint import load_hf_checkpoint
+    from miles_platform.rollout.engine_core import EngineCore
     from miles_platform.rollout.evaluate import evaluate
 
     config = (
@@ -159,19 +159,21 @@ def quantized_vs_full_precision(
         datasets = resolve_datasets(instance, config)
     except dg.Failure as e:
         return {"eval_skipped": e.description or str(e)}
-    full, tok = load_hf_checkpoint(hf)
-    quant, _ = load_hf_checkpoint(hf)
-    state = quant.state_dict()
-    unknown = sorted(set(served) - set(state))
-    if unknown:
-        raise dg.Failure(f"the quantized checkpoint has tensors the model does not: {unknown[:5]}")
-    quant.load_state_dict({k: v.to(state[k].dtype) for k, v in served.items()}, strict=False)
     kw = dict(n_samples_per_eval_prompt=1, temperature=0.0, max_new_tokens=config.eval_max_response_len,
               rewards=reward_settings(config), seed=config.seed, input_key=config.input_key,
               label_key=config.label_key, metadata_key=config.metadata_key,
               apply_chat_template=config.apply_chat_template, max_prompts=max_prompts)  # fmt: skip
+    core = EngineCore(hf)  # full precision, then the dequantized weights swapped in (as an engine would)
     t0 = time.perf_counter()
-    ref, got = evaluate((full, tok), datasets, **kw), evaluate((quant, tok), datasets, **kw)
+    try:
+        ref = evaluate(core, datasets, **kw)
+        try:
+            core.update_weights_from_tensors(served, core.weight_version + 1)
+        except CheckpointError as e:
+            raise dg.Failure(f"the quantized checkpoint does not fit the model: {e}") from e
+        got = evaluate(core, datasets, **kw)
+    finally:
+        core.stop()
     out: dict = {"eval_seconds": time.perf_counter() - t0}
     rows = [
         "| dataset | pass@1 quantized | pass@1 full precision | delta | prompts |",

@@ -1,8 +1,10 @@
-"""Embedded engine throughput vs a naive loop of one `model.generate` per sample.
+"""Embedded engine throughput vs HF `generate`, per device.
 
 Same model (a small random Qwen3), same prompts, same number of new tokens (EOS ignored), same run.
 Ours: all samples submitted at once to EngineCore (continuous batching + KV cache).
-Baseline: `model.generate(do_sample=True)` one sample at a time (KV cache too, batch 1).
+Baselines: `model.generate(do_sample=True)` one sample at a time (KV cache too, batch 1), and one
+batched left-padded `generate` of all the prompts (the fastest plain HF call), on the same device.
+Rows per device: the CPU always, CUDA when there is one (tag " [cuda]").
 
     python -m bench.bench_engine [--json]
 """
@@ -35,55 +37,101 @@ def _checkpoint(root: str) -> str:
     return path
 
 
-def run() -> list[dict]:
-    from miles_platform.rollout.engine_core import EngineCore
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
+
+def hf_generate_tokens_per_s(ckpt: str, prompts: list[list[int]], new_tokens: int, device, dtype) -> float:
+    """Tokens/s of one batched, left-padded HF `generate` (sampling, EOS ignored) on `device`:
+    the best of 2 after a warm-up."""
+    from miles_platform.models.checkpoint import load_hf_model
+
+    model = load_hf_model(ckpt).to(device=device, dtype=dtype).eval()
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], att[i, width - len(p) :] = torch.tensor(p), 1
+    ids, att = ids.to(device), att.to(device)
+
+    def gen(n):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=att, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                                 temperature=1.0, top_k=0, pad_token_id=0)  # fmt: skip
+        _sync(device)
+        assert out.shape[1] == width + n
+
+    gen(2)
+    return len(prompts) * new_tokens / best_of(lambda: gen(new_tokens), 2)
+
+
+def devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def run() -> list[dict]:
     torch.set_num_threads(1)  # a shared 2-core box: OpenMP teams stall when other jobs hold the cores
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        core = EngineCore(_checkpoint(root), max_batch_size=max(BATCHES))
-        try:
-            model, tok = core.model, core.tokenizer
-            prompts = [tok(f"What is {i * 3}+{i * 7 % 100}?")["input_ids"] for i in range(max(BATCHES))]
-            sp = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
-            core.generate(input_ids=prompts[:2], sampling_params=sp)  # warm-up
+        ckpt = _checkpoint(root)
+        for device in devices():
+            rows += _device_rows(ckpt, device)
+    return rows
 
-            def ours(n):
-                futures = [core.submit(p, {**sp, "sampling_seed": i}) for i, p in enumerate(prompts[:n])]
-                for f in futures:
-                    assert f.result()["meta_info"]["completion_tokens"] == NEW_TOKENS
 
-            def naive(n):
-                for p in prompts[:n]:
-                    ids = torch.tensor([p])
-                    with torch.no_grad():
-                        out = model.generate(
-                            ids,
-                            max_new_tokens=NEW_TOKENS,
-                            min_new_tokens=NEW_TOKENS,
-                            do_sample=True,
-                            temperature=1.0,
-                            top_k=0,
-                            pad_token_id=0,
-                        )
-                    assert out.shape[1] == len(p) + NEW_TOKENS
+def _device_rows(ckpt: str, device: str) -> list[dict]:
+    from miles_platform.rollout.engine_core import EngineCore
 
-            for n in BATCHES:
-                repeats = 3 if n < 32 else 2
-                t_ours = best_of(lambda n=n: ours(n), repeats)
-                t_base = best_of(lambda n=n: naive(n), repeats)
-                tokens = n * NEW_TOKENS
-                rows.append(
-                    row(
-                        f"engine generate batch={n}",
-                        tokens / t_ours,
-                        tokens / t_base,
-                        "tok/s (ratio: x faster than one model.generate per sample)",
-                        forward_calls=core.stats["num_forward_calls"],
-                    )
+    rows, tag = [], "" if device == "cpu" else f" [{device}]"
+    core = EngineCore(ckpt, max_batch_size=max(BATCHES), device=device)
+    try:
+        model, tok = core.model, core.tokenizer
+        prompts = [tok(f"What is {i * 3}+{i * 7 % 100}?")["input_ids"] for i in range(max(BATCHES))]
+        sp = {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}
+        core.generate(input_ids=prompts[:2], sampling_params=sp)  # warm-up
+
+        def ours(n):
+            futures = [core.submit(p, {**sp, "sampling_seed": i}) for i, p in enumerate(prompts[:n])]
+            for f in futures:
+                assert f.result()["meta_info"]["completion_tokens"] == NEW_TOKENS
+
+        def naive(n):
+            for p in prompts[:n]:
+                ids = torch.tensor([p], device=core.device)
+                with torch.no_grad():
+                    out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                         do_sample=True, temperature=1.0, top_k=0, pad_token_id=0)  # fmt: skip
+                assert out.shape[1] == len(p) + NEW_TOKENS
+            _sync(core.device)
+
+        for n in BATCHES:
+            repeats = 3 if n < 32 else 2
+            t_ours = best_of(lambda n=n: ours(n), repeats)
+            t_base = best_of(lambda n=n: naive(n), repeats)
+            tokens = n * NEW_TOKENS
+            rows.append(
+                row(
+                    f"engine generate batch={n}{tag}",
+                    tokens / t_ours,
+                    tokens / t_base,
+                    "tok/s (ratio: x faster than one model.generate per sample)",
+                    forward_calls=core.stats["num_forward_calls"],
                 )
-        finally:
-            core.stop()
+            )
+        n, dtype = max(BATCHES), core.dtype
+        t_ours = best_of(lambda: ours(n), 2)
+    finally:
+        core.stop()
+    batched = hf_generate_tokens_per_s(ckpt, prompts[:n], NEW_TOKENS, device, dtype)
+    rows.append(
+        row(
+            f"engine generate batch={n} vs batched HF generate{tag}",
+            n * NEW_TOKENS / t_ours,
+            batched,
+            f"tok/s (ratio: x faster than one batched, left-padded model.generate; {str(dtype)[6:]})",
+        )
+    )
     return rows
 
 

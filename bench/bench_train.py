@@ -7,6 +7,8 @@ loss, backward, grad clip, AdamW (old log-probs come from the training forward i
 per rollout). The baseline is the bare HF model on the same padded tokens: forward, next-token
 cross-entropy, backward, AdamW step. The ratio is the
 share of the bare fwd+bwd speed a full step keeps (lower = more overhead around the math).
+Per device: the CPU always; with CUDA the same rows tagged " [cuda]", where both sides run the
+device's default forward (bf16 autocast over fp32 weights for fsdp, the baseline too).
 """
 
 from __future__ import annotations
@@ -76,38 +78,46 @@ def run_config(ckpt: str, backend: str):
     ).validate()
 
 
-def grpo_step_seconds(ckpt: str, backend: str, batch, repeats: int) -> float:
+def grpo_step_seconds(ckpt: str, backend: str, batch, repeats: int, device: str = "cpu") -> float:
     from miles_platform.training.actor import TrainerActor
 
-    actor = TrainerActor(run_config(ckpt, backend))
+    actor = TrainerActor(run_config(ckpt, backend), device=device)
     actor.train(0, batch)  # warm-up: first-call allocations, optimizer state
     rid = iter(range(1, 100))
-    return best_of(lambda: actor.train(next(rid), batch), repeats)
+    return best_of(lambda: actor.train(next(rid), batch), repeats)  # train() ends in host reads: synced
 
 
-def plain_fwd_bwd_seconds(ckpt: str, batch, repeats: int) -> float:
-    """The bare HF model on the same right-padded tokens: forward, CE loss, backward, AdamW step."""
+def plain_fwd_bwd_seconds(
+    ckpt: str, batch, repeats: int, device: str = "cpu", forward: str = "fp32"
+) -> float:
+    """The bare HF model on the same right-padded tokens: forward, CE loss, backward, AdamW step
+    (under bf16 autocast when `forward` is bf16, as the trainer's CUDA default)."""
     from miles_platform.models.checkpoint import load_hf_model
 
-    model = load_hf_model(ckpt)
+    model = load_hf_model(ckpt).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     width = max(len(t) for t in batch.tokens)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     for r, t in enumerate(batch.tokens):
         ids[r, : len(t)] = torch.tensor(t)
-    pos = torch.arange(width).expand(len(batch), -1)
+    ids = ids.to(device)
+    pos = torch.arange(width, device=device).expand(len(batch), -1)
+    kind = torch.device(device).type
+    bf16 = forward == "bf16"
 
     def step():
         model.zero_grad(set_to_none=True)
-        logits = model(
-            input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False
-        ).logits
+        with torch.autocast(kind, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(
+                input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False
+            ).logits
         loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
         )
         loss.backward()
         opt.step()
+        float(loss)  # the host waits for the device, as the trainer's metrics do
 
     step()
     return best_of(step, repeats)
@@ -120,38 +130,35 @@ def run(repeats: int = 7) -> list[dict]:
         from miles_platform.models.checkpoint import validate_hf_dir
 
         batch = make_batch(int(validate_hf_dir(ckpt)["vocab_size"]))
-        n_tok = sum(len(t) for t in batch.tokens)
-        # TrainerActor pins torch threads (MILES_TRAIN_THREADS, default 1): the baseline runs after
-        # the first actor is built, so both see the same thread count.
-        fsdp_s = grpo_step_seconds(ckpt, "fsdp", batch, repeats)
-        base_s = plain_fwd_bwd_seconds(ckpt, batch, repeats)
-        unit = f"tok/s (ratio: share of plain HF fwd+bwd+AdamW speed, goal >= 0.8; {len(batch)} samples, {n_tok} tok, threads={torch.get_num_threads()})"
-        rows.append(
-            row(
-                "train: GRPO step, fsdp (torch-native)",
-                n_tok / fsdp_s,
-                n_tok / base_s,
-                unit,
-                ours_s=fsdp_s,
-                baseline_s=base_s,
-            )
-        )
-        try:
-            mega_s = grpo_step_seconds(ckpt, "megatron", batch, repeats)
-        except Exception as e:  # the backend is optional: report why, never a number
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-            rows.append(error_row("train: GRPO step, megatron", f"unavailable: {reason}"))
-        else:
-            rows.append(
-                row(
-                    "train: GRPO step, megatron",
-                    n_tok / mega_s,
-                    n_tok / base_s,
-                    unit,
-                    ours_s=mega_s,
-                    baseline_s=base_s,
-                )
-            )
+        for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+            rows += _device_rows(ckpt, batch, repeats, device)
+    return rows
+
+
+def _device_rows(ckpt: str, batch, repeats: int, device: str) -> list[dict]:
+    from miles_platform.cluster.devices import default_dtype
+
+    rows, tag = [], "" if device == "cpu" else f" [{device}]"
+    n_tok = sum(len(t) for t in batch.tokens)
+    # TrainerActor pins torch threads (MILES_TRAIN_THREADS, default 1): the baseline runs after
+    # the first actor is built, so both see the same thread count.
+    fsdp_s = grpo_step_seconds(ckpt, "fsdp", batch, repeats, device)
+    base = {
+        dt: plain_fwd_bwd_seconds(ckpt, batch, repeats, device, dt) for dt in {"fp32", default_dtype(device)}
+    }
+    unit = (f"tok/s (ratio: share of plain HF fwd+bwd+AdamW speed, goal >= 0.8; {len(batch)} samples, {n_tok} tok, "
+            f"threads={torch.get_num_threads()}, forward {{}})")  # fmt: skip
+    fwd = default_dtype(device)
+    rows.append(row(f"train: GRPO step, fsdp (torch-native){tag}", n_tok / fsdp_s, n_tok / base[fwd],
+                    unit.format(fwd), ours_s=fsdp_s, baseline_s=base[fwd]))  # fmt: skip
+    try:
+        mega_s = grpo_step_seconds(ckpt, "megatron", batch, repeats, device)
+    except Exception as e:  # the backend is optional: report why, never a number
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+        rows.append(error_row(f"train: GRPO step, megatron{tag}", f"unavailable: {reason}"))
+    else:  # megatron trains in fp32 on every device
+        rows.append(row(f"train: GRPO step, megatron{tag}", n_tok / mega_s, n_tok / base["fp32"],
+                        unit.format("fp32"), ours_s=mega_s, baseline_s=base["fp32"]))  # fmt: skip
     return rows
 
 

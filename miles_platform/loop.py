@@ -80,6 +80,7 @@ class RLRun:
             start, version = self.rec.resume(state, s.config_changes, published_version(cfg))
             if s.session is not None:
                 initial_sync(cfg, self.paths, s, version, state is not None, self.base_version)
+            s.colocation.start()  # --offload-train: the trainer leaves the devices to the engines
             initial_eval = eval_before_train(cfg, self.paths, s, self.reporter, start, version)
             s.start_async_worker()
             try:
@@ -117,17 +118,21 @@ class RLRun:
                 if not s.trainers:
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
                     continue
+                s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
                 with phase("train"):
                     metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples)))
                 self._check_finite(rollout_id, metrics)
                 if cfg.ci_test and rollout_id == 0:
                     result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
                 hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
+                s.colocation.before_weight_update()
                 if s.session is not None and (rollout_id + 1) % cfg.update_weights_interval == 0:
                     with phase("weight_update"):
                         parent, version = rec.next_version(version)
                         hf_dir, m = publish_version(cfg, self.paths, s, version, self.base_version)
                         metrics.update(m)
+                s.colocation.after_weight_update()  # --colocate: the trainer parks, the engines resume
+                metrics.update(s.colocation.metrics())
                 # the row, the eval, the metrics, the checkpoint last (store/recorder.py)
                 save_due = rec.save_due(rollout_id)
                 if hf_dir is not None:
@@ -142,7 +147,7 @@ class RLRun:
                 with phase("metrics"):
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
                 if save_due:
-                    with phase("save"):
+                    with phase("save"), s.colocation.around_save():
                         self._save(rollout_id, version)
                     if cfg.save_hf and hf_dir is not None:
                         save_hf_copy(cfg, rollout_id, hf_dir)

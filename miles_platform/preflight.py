@@ -29,15 +29,21 @@ def validate_before_start(cfg: RunConfig) -> None:
     check_engine_kind(cfg)
     _check_fault_targets(cfg)
     if cfg.embedded_engines_only:
-        from miles_platform.rollout.engine_fleet import embedded_max_running_requests
+        from miles_platform.rollout.engine_fleet import (
+            EMBEDDED_SGLANG_ARGS,
+            embedded_max_running_requests,
+            embedded_mem_fraction_static,
+        )
 
-        other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") != "max-running-requests")
+        other = sorted(k for k in cfg.sglang_args if k.replace("_", "-") not in EMBEDDED_SGLANG_ARGS)
         if other:
             raise ConfigError(
                 f"--sglang-{other[0]} (and {len(other) - 1} more) would be ignored: the embedded engine takes "
-                "only --sglang-max-running-requests; use --rollout-engine sglang for the others"
+                "only --sglang-max-running-requests and --sglang-mem-fraction-static; use --rollout-engine "
+                "sglang for the others"
             )
         embedded_max_running_requests(cfg)
+        embedded_mem_fraction_static(cfg)
     for flag, d in (("--storage-root", cfg.storage_root), ("--save", cfg.save)):
         check_writable_dir(flag, d)
     from miles_platform.trackers import validate_trackers

@@ -33,6 +33,11 @@ class RunServices(contextlib.AbstractContextManager):
         # run lock, dead writers' staging, resume config, Ray, trackers: up first, down last
         self.life = RunLifecycle(cfg, paths, reporter.log)
         self.hooks = self.life.hooks
+        from miles_platform.cluster.colocation import Colocation
+
+        self.colocation = Colocation(
+            cfg, [], None
+        )  # the offload schedule; set once trainers and engines are up
         self._stack = contextlib.ExitStack()
 
     @property
@@ -88,7 +93,7 @@ class RunServices(contextlib.AbstractContextManager):
 
                 self.hooks.on_engine = on_engine
         if self.trainers:
-            ray.get([a.ready.remote() for a in self.trainers])
+            ready_or_user_error([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
         if cfg.uses_trainer_teacher:  # the teacher is in the trainer
             from miles_platform.rollout.opd import teacher_sources
@@ -128,6 +133,9 @@ class RunServices(contextlib.AbstractContextManager):
             )
         if cfg.use_fault_tolerance:
             self._start_health_monitor(groups)
+        from miles_platform.cluster.colocation import Colocation
+
+        self.colocation = Colocation(cfg, self.trainers, self.engines, call_trainers)
 
     def _start_health_monitor(self, groups) -> None:
         import threading
@@ -244,6 +252,28 @@ def call_trainers(cfg, trainers: list, method: str, *args: Any) -> Any:
             "(--train-timeout-s): a rank is stopped, deadlocked or waiting on one; the run stopped: "
             f"{resume_hint(cfg)}"
         ) from None
+
+
+def ready_or_user_error(refs: list) -> None:
+    """Wait for the trainers to be built; a user mistake their constructor found (a checkpoint with
+    NaN weights, ...) is raised as itself, one line, not as Ray's "actor died" traceback (Ray keeps
+    only the text of a creation task's error: the class and message are read back from it)."""
+    import re
+
+    import ray
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from miles_platform import errors
+
+    try:
+        ray.get(refs)
+    except (ActorDiedError, RayTaskError) as e:
+        text = f"{getattr(e, 'error_msg', '')}\n{e}"
+        found = re.findall(r"^miles_platform\.errors\.(\w+): (.+)$", text, flags=re.M)
+        cls = getattr(errors, found[-1][0], None) if found else None
+        if isinstance(cls, type) and issubclass(cls, errors.MilesError):
+            raise cls(found[-1][1]) from None
+        raise
 
 
 def actor_died(cfg: RunConfig, e: Exception, injected: list | None = None) -> Exception | None:

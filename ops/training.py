@@ -92,7 +92,7 @@ def _pydantic_fields(
         elif tstr.startswith("list["):
             typ = list[str]
         elif "None" in tstr:
-            base = {"int": int, "float": float, "str": str}[tstr.split(" ")[0]]
+            base = {"int": int, "float": float, "str": str, "bool": bool}[tstr.split(" ")[0]]
             typ = Optional[base]  # noqa: UP045
         else:
             typ = t
@@ -378,4 +378,3 @@ def preset_job(preset: Preset) -> dg.JobDefinition:
 
 
 PRESET_JOBS = {p.job_name: preset_job(p) for p in presets()}
-TRAINING_JOBS = ("rl_training", *PRESET_JOBS)  # every job that runs rl_training_op

@@ -2,7 +2,12 @@
 
     python scripts/gpu_checks.py --out DIR        (or scripts/gpu_checks.sh DIR on a bare GPU machine)
 
-The checks are ordinary pytest files (tests/gpu/test_{megatron,fsdp,engine,kernels}_gpu.py); this
+On a lent H200 (docs/scale_out.md "On one GPU": which wheels to carry in .whl/ and why), one call:
+    run(command="bash scripts/gpu_checks.sh $OUT --deadline 540", carry=[".whl"], timeout_s=600)
+
+The checks are ordinary pytest files (tests/gpu/test_{trainer,engine,grpo_run,megatron,fsdp,kernels}_gpu.py:
+the loop's trainer and the embedded engine on the device against the CPU, the demo's GRPO run on one
+GPU separate and colocated through tests/gpu/ray_free_grpo.py, which needs no Ray); this
 script runs `pytest tests/gpu -m gpu` in a subprocess with itself as a plugin (`-p gpu_checks`),
 which rewrites DIR/gpu_checks.json after every test: {"cuda", "device_name", "env", "checks":
 {test id: {"status", "duration_s", ...what the test recorded}}, "summary", "all_judged_pass"}.
@@ -132,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, help="scratch directory (default: a new temp dir)")
     ap.add_argument("--only", default="", help="comma-separated pytest -k terms, e.g. kernels,fsdp2")
     ap.add_argument("--jobs", type=int, default=0, help="pytest-xdist workers (default: 4 with CUDA, else 2)")
-    ap.add_argument("--deadline", type=float, default=380.0, help="seconds for the whole run")
+    ap.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     work = a.work or Path(tempfile.mkdtemp(prefix="gpu_checks_"))

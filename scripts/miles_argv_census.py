@@ -5,8 +5,8 @@ fed to our parser, each flag use counted as
   honoured     a flag of ours, with Miles' meaning
   checked      a model-architecture flag, checked against the HF checkpoint's config.json in preflight
   refused      accepted by the parser and refused by name in validation, with the reason
-  owned        not ours yet, owned by another issue (#47 megatron parallelism / precision, #46 GPU
-               colocation): counted apart, so a flag that lands moves to the rows above
+  owned        owned by another issue not landed yet (#47: megatron parallelism, recompute and
+               precision), known to our parser or not: counted apart until it lands
   passthrough  `--sglang-*`, handed to SGLang
   unrecognized none of the above: argparse's "unrecognized arguments". The goal is 0.
 
@@ -57,10 +57,7 @@ OWNED_47 = (
     " --overlap-cpu-optimizer-d2h-h2d --allgather-cp --cp-comm-type"
 ).split()
 OWNED_47_PREFIXES = ("--recompute-",)
-OWNED_46 = (
-    "--offload --offload-train --no-offload-train --offload-rollout --no-offload-rollout"
-    " --offload-train-target --offload-train-disk-dir"  # where --offload-train puts the state
-).split()
+OWNED_46: list[str] = []  # issue #46's offload and colocation flags landed (2026-12-05): parsed as ours
 
 
 def owner(flag: str) -> str | None:
@@ -348,7 +345,6 @@ ORDER = (
     "same result",
     "refused",
     "owned by #47",
-    "owned by #46",
     "passthrough",
     "unrecognized",
 )

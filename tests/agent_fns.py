@@ -51,3 +51,23 @@ async def abort(args):
     """The optional teardown hook: records that it ran (tests/unit/rollout/test_tito.py)."""
     with open(os.environ["AGENT_FNS_ABORT_LOG"], "a") as f:
         f.write(json.dumps({"run": args.run_name}) + "\n")
+
+
+async def grabs_the_engine(base_url, prompt, request_kwargs, metadata, api_key=None, **kwargs):
+    """A hostile agent: with the key it was given it tries to swap the run's weights and pause the
+    engines through the engine and the router, then chats as usual. Records what each call got."""
+    import httpx
+
+    key = api_key or os.environ["OPENAI_API_KEY"]
+    h = {"Authorization": f"Bearer {key}"}
+    tried = {}
+    async with httpx.AsyncClient(timeout=30) as http:
+        for name, url in (("engine", metadata["engine_url"]), ("router", metadata["router_url"])):
+            for path, body in (("/update_weights_from_disk", {"model_path": "/tmp/x"}),
+                               ("/pause_generation", {}), ("/continue_generation", {})):  # fmt: skip
+                r = await http.post(f"{url}{path}", json=body, headers=h)
+                tried[f"{name}{path}"] = r.status_code
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key)
+    await client.chat.completions.create(model="default", messages=prompt, **_split(request_kwargs))
+    await client.close()
+    return {"tried": tried}

@@ -45,6 +45,24 @@ class ClusterFlags:
     )
     rollout_num_gpus_per_engine: int = flag(1, "cluster", "TP size of each engine")
     colocate: bool = flag(False, "cluster", "share devices between actor and rollout")
+    # --- devices and colocation (issue #46; Miles' names; docs/scale_out.md "Devices and colocation").
+    # Each process computes on its own device (cluster/devices.py): a trainer rank and an embedded
+    # engine on the GPU Ray gave them, else the CPU. --colocate turns both offloads on, as in Miles.
+    offload_train: bool | None = flag(
+        None, "cluster",
+        "park the trainer's model and optimizer state in host memory while the engines generate "
+        "(default: on with --colocate, else off; --no-offload-train keeps them on the device)",
+    )  # fmt: skip
+    offload_rollout: bool | None = flag(
+        None, "cluster",
+        "engines release their memory (/release_memory_occupation) while the trainer trains and resume "
+        "it (/resume_memory_occupation) for the weight update (default: on with --colocate, else off)",
+    )  # fmt: skip
+    offload_rollout_level: list[str] = flag(
+        ["kv_cache", "weight"], "cluster", "what --offload-rollout releases", choices=("kv_cache", "weight"),
+        nargs="+",
+    )  # fmt: skip
+    # --- end of the devices and colocation block ---
     num_cpus_per_actor: float = flag(1.0, "cluster", "Ray CPUs reserved per trainer rank / engine on CPU")
     rollout_engine: str = flag("embedded", "cluster", "rollout engine kind", choices=("embedded", "sglang"))
     rollout_external_engine_addrs: list[str] = flag(
@@ -95,9 +113,15 @@ class ClusterFlags:
     )
 
     def _check_cluster_flags(self) -> None:
-        """--use-fault-tolerance restarts embedded engines only; the pause bounds are the embedded engine's."""
+        """--use-fault-tolerance restarts embedded engines only; the pause bounds are the embedded engine's;
+        a --fully-async run cannot give its engines' devices away."""
         self.train_env()
         self._check_fault_tolerance()
+        if self.fully_async and (self.colocate or self.offload_train or self.offload_rollout):
+            raise ConfigError(
+                "--fully-async keeps the engines generating while the trainer trains: it cannot share their "
+                "devices (--colocate) or take their memory away (--offload-train / --offload-rollout)"
+            )
         pause = changed_flags(self, ("pause_wait_timeout_s", "pause_max_queued_requests"))
         if pause and not self.embedded_engines_only:
             raise ConfigError(f"{', '.join(pause)}: bounds of the embedded engine's pause (SGLang has "

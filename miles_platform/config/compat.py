@@ -137,6 +137,11 @@ COMPAT: dict[str, MilesFlag] = {
     "fp8_recipe": _refused("str", _FP8),
     "te_precision_config_file": _refused("str", _FP8),
     "rematerialize_param_from_master_weight": _refused("bool", "rebuilding low-precision params from the fp32 master copy is a megatron precision option this build does not have; drop it"),
+    "offload_train_target": _same(
+        "str", "where --offload-train parks the trainer's state: host memory (cpu) here; disk is not built",
+        allowed=("cpu",),
+    ),
+    "offload_train_disk_dir": _refused("str", "--offload-train parks the trainer's state in host memory here; a disk target (--offload-train-target disk) is not built"),
     "fsdp_cpu_offload": _refused("bool", "FSDP CPU offload of parameters and optimizer is not built: the fsdp backend keeps them on the rank's device; drop it"),
     "use_dynamic_global_batch_size": _refused("bool", "a global batch that varies with dynamic sampling is not built: each step trains --global-batch-size samples"),
     "finetune": _refused("bool", "megatron's --finetune (load weights, reset iteration and optimizer) is not built: start a new run from the weights as --hf-checkpoint"),

@@ -99,6 +99,9 @@ def add_flag(
     if f.type in ("bool", bool):
         group.add_argument(flag_name(f.name), action="store_true", **kw)
         return
+    if f.type == "bool | None":  # --flag / --no-flag; unset: None (a default that depends on others)
+        group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kw)
+        return
     if meta["nargs"]:
         kw["nargs"] = meta["nargs"]
         if meta.get("const") is not None:  # a bare `--flag` (nargs "?") means this value

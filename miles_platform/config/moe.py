@@ -51,7 +51,7 @@ class MoeFlags:
             raise ConfigError(f"--use-rollout-routing-replay: {why}")
 
     def _check_moe_flags(self) -> None:
-        if self.moe_router_dtype and (self.train_forward_dtype, self.rollout_dtype) != ("fp32", "fp32"):
+        if self.moe_router_dtype and {self.train_forward_dtype, self.rollout_dtype} - {None, "fp32"}:
             raise ConfigError(
                 f"--moe-router-dtype {self.moe_router_dtype} with --train-forward-dtype {self.train_forward_dtype} / "
                 f"--rollout-dtype {self.rollout_dtype}: routers compute in the forward's dtype, in trainer and "

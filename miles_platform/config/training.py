@@ -84,10 +84,11 @@ class PrecisionFlags:
     fsdp_master_dtype: str = flag(
         "fp32", "precision", "dtype the optimizer steps on", choices=("fp32", "bf16")
     )
-    train_forward_dtype: str = flag(
-        "fp32",
+    train_forward_dtype: str | None = flag(
+        None,
         "precision",
-        "autocast / gather dtype of the trainer forward",
+        "autocast / gather dtype of the trainer forward (default: --rollout-dtype when given, else bf16 "
+        "on CUDA with --train-backend fsdp, fp32 on the CPU and with megatron)",
         choices=("fp32", "bf16", "fp16"),
     )
     fsdp_reduce_dtype: str = flag(
@@ -96,15 +97,16 @@ class PrecisionFlags:
     fsdp_precision_rules: str | None = flag(
         None, "precision", "per-module/param rules, e.g. 'module:*norm*=fp32;param:lm_head.weight=fp32'"
     )
-    rollout_dtype: str = flag(
-        "fp32",
+    rollout_dtype: str | None = flag(
+        None,
         "precision",
-        "engine serving dtype; must equal --train-forward-dtype",
+        "engine serving dtype; must equal --train-forward-dtype (default: --train-forward-dtype when "
+        "given, else bf16 on CUDA with --train-backend fsdp, fp32 on the CPU and with megatron)",
         choices=("fp32", "bf16", "fp16"),
     )
 
     def _check_precision_flags(self) -> None:
-        if self.train_forward_dtype != self.rollout_dtype:
+        if self.train_forward_dtype and self.rollout_dtype and self.train_forward_dtype != self.rollout_dtype:
             raise ConfigError(
                 f"--train-forward-dtype {self.train_forward_dtype} != --rollout-dtype {self.rollout_dtype}: "
                 "the trainer must see the same forward as the engine (PPO ratio would be rounding noise)"
@@ -112,7 +114,10 @@ class PrecisionFlags:
         if self.train_backend == "megatron":
             # the megatron backend trains an fp32 GPTModel without recompute; say so, never ignore
             unsupported = [
-                (f"--train-forward-dtype {self.train_forward_dtype}", self.train_forward_dtype != "fp32"),
+                (
+                    f"--train-forward-dtype {self.train_forward_dtype}",
+                    self.train_forward_dtype not in (None, "fp32"),
+                ),
                 (f"--fsdp-master-dtype {self.fsdp_master_dtype}", self.fsdp_master_dtype != "fp32"),
                 (f"--fsdp-reduce-dtype {self.fsdp_reduce_dtype}", self.fsdp_reduce_dtype != "fp32"),
                 ("--fsdp-precision-rules", bool(self.fsdp_precision_rules)),

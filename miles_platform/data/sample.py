@@ -43,7 +43,7 @@ class Sample:
     # (sampled-token OPD) or the top-k reverse-KL estimate (--opd-log-prob-top-k > 0); None: not scored
     teacher_log_probs: list[float] | None = None
     opd_reverse_kl: list[float] | None = None
-    # multi-turn episodes: one entry per assistant or tool turn, in order (see TURN_KEYS); None for
+    # multi-turn episodes: one entry per assistant or tool turn, in order (see make_turn); None for
     # single-turn samples. Spans index response_tokens, so loss masks and log-probs of a turn are
     # response_tokens[start:end] of the same row.
     turns: list[dict[str, Any]] | None = None
@@ -140,13 +140,6 @@ class Sample:
         return cls(**{k: v for k, v in row.items() if k in names})
 
 
-# A turn as stored (store/schemas.py TURN_TYPE): role "assistant" (the model's tokens) or "tool"
-# (what the tools answered, loss mask 0); tool_calls on an assistant turn are the calls the parser
-# read from it, on a tool turn the same calls with their result or error.
-TURN_KEYS = ("role", "text", "start", "end", "finish_reason", "tool_calls")
-TOOL_CALL_KEYS = ("name", "arguments", "result", "error")
-
-
 def make_turn(
     role: str,
     text: str,
@@ -155,6 +148,10 @@ def make_turn(
     finish_reason: str | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """A turn as stored (store/schemas.py TURN_TYPE): role "assistant" (the model's tokens) or "tool"
+    (what the tools answered, loss mask 0); tool_calls on an assistant turn are the calls the parser
+    read from it (name, arguments, result, error), on a tool turn the same calls with their result or
+    error."""
     calls = [
         {
             "name": str(c["name"]),

@@ -27,14 +27,13 @@ from fastapi.responses import JSONResponse, Response
 from safetensors.torch import load_file, save
 
 from miles_platform.diffusion.family import TINY_DIT, dit_forward, engine_cast
-from miles_platform.rollout.engine_server import (
+from miles_platform.rollout.engine_server import ServerHandle, serve_in_thread
+from miles_platform.rollout.http_common import (
     DEFAULT_MAX_REQUEST_BYTES,
-    ServerHandle,
-    _weight_root,
+    WeightRoots,
     add_guards,
-    error,  # fmt: skip
+    error,
     json_body,
-    serve_in_thread,
 )
 
 SAMPLING_KEYS = ("num_inference_steps", "noise_level", "sde_type", "sde_steps", "return_steps",
@@ -191,7 +190,7 @@ def create_app(core: DiffusionEngineCore, api_key: str | None, weight_roots: lis
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:  # fmt: skip
     app = FastAPI(title="miles-platform diffusion engine")
     add_guards(app, api_key, max_request_bytes)
-    roots = None if weight_roots is None else [_weight_root(r) for r in weight_roots]
+    roots = WeightRoots(weight_roots)
 
     @app.post("/rollout/generate")
     async def generate(request: Request):
@@ -218,10 +217,10 @@ def create_app(core: DiffusionEngineCore, api_key: str | None, weight_roots: lis
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
-        real = _weight_root(path)
-        if roots is not None and not any(real == r or real.startswith(r + "/") for r in roots):
-            msg = f"model_path {path!r} is outside the directories this engine loads weights from: {roots}"
-            return JSONResponse({"success": False, "message": msg}, status_code=403)
+        if not roots.allows(path):
+            return JSONResponse(
+                {"success": False, "message": roots.refusal("model_path", path)}, status_code=403
+            )
         try:
             version = await asyncio.to_thread(core.update_weights_from_disk, path, body.get("weight_version"))
         except (OSError, ValueError) as e:

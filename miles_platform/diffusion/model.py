@@ -237,12 +237,6 @@ def sample_ode(
     return x.clamp(-1.0, 1.0).float()
 
 
-def eval_reward(pipe: DiTPipeline, prompts: list[str], seed: int = 0, num_steps: int = 10) -> float:
-    """Mean attribute_reward of ODE samples of `prompts` (repeat prompts for several noises each)."""
-    images = sample_ode(pipe, prompts, seed, num_steps)
-    return float(task.attribute_rewards(prompts, images).mean())
-
-
 def _train_sigmas(n: int, shift: float, g: torch.Generator) -> torch.Tensor:
     """Logit-normal sigma (SD3's training density), shifted like the sampling schedule."""
     s = torch.sigmoid(torch.randn(n, generator=g))

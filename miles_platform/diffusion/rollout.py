@@ -14,7 +14,6 @@ them as one batch); each is still its own request with its own `num_outputs_per_
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -205,7 +204,3 @@ def _stack(rows: list[tuple[dict, int]], prompts: list[str], adv: torch.Tensor) 
                         latents=cat("latents"), next_latents=cat("next_latents"), log_probs=cat("log_probs"),
                         sigmas=cat("sigmas"), next_sigmas=cat("next_sigmas"), sigma_max=cat("sigma_max"),
                         model_output=cat("model_output"))  # fmt: skip
-
-
-def label_json(label: Any) -> str | None:
-    return None if label is None else label if isinstance(label, str) else json.dumps(label)

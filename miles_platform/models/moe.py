@@ -169,9 +169,9 @@ class RoutingReplay(_AuxLoss):
                 self._add_aux_terms(
                     logits, torch.bincount(chosen, minlength=self.num_experts)[: self.num_experts]
                 )
-            self.load[layer] += torch.bincount(idx.detach().reshape(-1), minlength=self.num_experts)[
-                : self.num_experts
-            ].float()
+            counts = torch.bincount(idx.detach().reshape(-1), minlength=self.num_experts)[: self.num_experts]
+            self.load = self.load.to(counts.device)  # kept where the routers run (no sync per layer)
+            self.load[layer] += counts.float()
             return logits, scores, idx
 
         return hook
@@ -244,7 +244,9 @@ class MegatronRoutingReplay(_AuxLoss):
     def _hook(self, layer: int):
         def hook(mod, _inputs, out):
             _probs, routing_map = out  # [tokens, experts] bool: the experts each token goes to
-            self.load[layer] += routing_map.detach().sum(0).float().cpu()
+            counts = routing_map.detach().sum(0).float()
+            self.load = self.load.to(counts.device)  # kept where the routers run (no sync per layer)
+            self.load[layer] += counts
 
         return hook
 

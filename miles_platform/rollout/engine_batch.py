@@ -70,7 +70,7 @@ def keep_rows(b: Batch, keep: list[int], config) -> Batch:
     out = Batch()
     if not keep:
         return out
-    idx = torch.tensor(keep)
+    idx = torch.tensor(keep, device=b.mask.device)
     mask = b.mask[idx]
     start = int((mask.sum(0) > 0).nonzero()[0])
     out.reqs = [b.reqs[i] for i in keep]

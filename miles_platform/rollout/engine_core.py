@@ -18,7 +18,12 @@ The trainer scores log_softmax(z / T), over the same support when one was record
 
 The engine's other parts: what a request may be (`engine_requests.py`), the running batch and its KV
 cache (`engine_batch.py`), loading and updating the weights (`engine_weights.py`), the log-prob
-extras (`engine_logprobs.py`), the sampler (`sampling.py`) and LoRA serving (`lora_serving.py`).
+extras (`engine_logprobs.py`), the sampler (`sampling.py`), LoRA serving (`lora_serving.py`) and the
+memory it holds (`engine_memory.py`: the KV budget of --sglang-mem-fraction-static, release/resume).
+
+Device: weights, KV cache, sampling and log-probs live on `device` (the CPU by default; the run's
+engine actors and `serve-engine` take the GPU they were given). Requests are staged on the host and
+copied once per step; only sampled tokens and log-probs come back.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from concurrent.futures import Future
 import torch
 from transformers import DynamicCache
 
+from miles_platform.cluster.devices import rank_device, use_device
 from miles_platform.errors import ConfigError
 from miles_platform.rollout.engine_batch import (
     Batch,
@@ -46,6 +52,7 @@ from miles_platform.rollout.engine_batch import (
     merge_batches,
 )
 from miles_platform.rollout.engine_logprobs import input_logprobs, step_extras, temperature_of
+from miles_platform.rollout.engine_memory import EngineMemoryMixin, MemoryReleased, kv_budget_tokens
 from miles_platform.rollout.engine_requests import (
     EnginePaused,
     EngineStopped,
@@ -78,7 +85,7 @@ def check_pause_limits(pause_wait_timeout_s: float, pause_max_queued_requests: i
         raise ConfigError(f"--pause-max-queued-requests {n!r}: must be an integer >= 1")
 
 
-class EngineCore(EngineWeightsMixin):
+class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
     """The in-process engine: `generate`, weight updates (`EngineWeightsMixin`) and pause/continue,
     callable from any thread.
 
@@ -109,23 +116,32 @@ class EngineCore(EngineWeightsMixin):
     def __init__(
         self,
         hf_checkpoint: str | os.PathLike,
-        dtype: str | torch.dtype = "fp32",
+        dtype: str | torch.dtype = "auto",
         max_batch_size: int = 512,
         batch_wait_ms: float = 5.0,
         weight_version: int = 0,
         num_threads: int | None = None,
         pause_wait_timeout_s: float = DEFAULT_PAUSE_WAIT_TIMEOUT_S,
         pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
+        device: str | torch.device | None = None,
+        mem_fraction_static: float | None = None,
     ):
         """`num_threads`: torch intra-op threads of the scheduler thread (None: the process setting).
         With libgomp, two threads that both run multi-threaded torch ops oversubscribe the CPUs and
         throttle each other badly; see docs/engine.md. `pause_wait_timeout_s` and
-        `pause_max_queued_requests` bound what a pause holds (class docstring)."""
+        `pause_max_queued_requests` bound what a pause holds (class docstring). `device`: where the
+        engine computes ("cpu", "cuda:N", "auto": the GPU Ray gave this actor, else the CPU; None: the
+        CPU). `dtype` "auto": bf16 on CUDA, fp32 on the CPU. `mem_fraction_static` (SGLang's
+        --mem-fraction-static): weights + KV cache stay under this fraction of the device's memory;
+        the scheduler admits and keeps only as many tokens as fit (engine_memory.py)."""
         check_pause_limits(pause_wait_timeout_s, pause_max_queued_requests)
         self.pause_wait_timeout_s = float(pause_wait_timeout_s)
         self.pause_max_queued_requests = int(pause_max_queued_requests)
         self.model_path = str(hf_checkpoint)
-        self.dtype = parse_engine_dtype(dtype)
+        self.device = torch.device("cpu") if device is None else rank_device(device)
+        self.dtype = parse_engine_dtype(dtype, self.device)
+        self.mem_fraction_static = mem_fraction_static
+        self.kv_budget: int | None = None  # tokens the KV cache may hold (None: unbounded)
         self.max_batch_size = int(max_batch_size)
         self.batch_wait_s = batch_wait_ms / 1000.0
         self._weight_version = int(weight_version)
@@ -143,6 +159,9 @@ class EngineCore(EngineWeightsMixin):
             "num_pause_timeouts": 0,  # requests failed after waiting pause_wait_timeout_s
             "num_pause_queue_full": 0,  # requests refused: pause_max_queued_requests were waiting
             "num_scored_requests": 0,  # prefill-only scoring (input log-probs), e.g. an OPD teacher
+            "max_kv_tokens_seen": 0,  # rows x columns of the KV cache, at its largest
+            "num_kv_retractions": 0,  # rows sent back to the queue to keep the KV cache in its budget
+            "num_memory_releases": 0,  # /release_memory_occupation calls that released something
         }
         self._step_lock = threading.Lock()  # held during a forward pass and any state swap
         self._weight_groups: dict = {}  # group_name -> (process group, backend): broadcast updates
@@ -150,6 +169,7 @@ class EngineCore(EngineWeightsMixin):
         self._cv = threading.Condition()  # guards _waiting / _paused / _stopping
         self._waiting: deque[Request] = deque()
         self._batch = Batch()
+        self._admitting: list[Request] = []  # popped from the queue by the step in progress
         self._paused = False
         self._paused_at = 0.0  # time.monotonic() of the pause in force
         self._stopping = False
@@ -170,7 +190,10 @@ class EngineCore(EngineWeightsMixin):
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
         try:
+            use_device(self.device)  # CUDA's current device is per thread: this one computes
             self.model, self.tokenizer = load_model(self.model_path, self.dtype)
+            self.model.to(self.device)
+            self.kv_budget = kv_budget_tokens(self.model, self.device, self.mem_fraction_static)
             self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
             self.vocab_size = int(self.model.config.vocab_size)
             self.request_parser = RequestParser(self.tokenizer, self.context_length, self.vocab_size)
@@ -355,6 +378,8 @@ class EngineCore(EngineWeightsMixin):
         with self._cv:
             if self._stopping:
                 raise EngineStopped("engine stopped")
+            if self._released:
+                raise MemoryReleased(self.memory_released)
             if self._paused:
                 self._check_room(reqs)
             for r in reqs:
@@ -489,10 +514,10 @@ class EngineCore(EngineWeightsMixin):
             except Exception as e:  # a bug or OOM must fail the requests, not hang them
                 log.exception("engine step failed")
                 with self._step_lock:
-                    for r in self._batch.reqs:
+                    for r in self._batch.reqs + self._admitting:  # a prefill that failed: its requests too
                         if not r.future.done():
                             r.future.set_exception(e)
-                    self._batch = Batch()
+                    self._batch, self._admitting = Batch(), []
 
     def _step(self) -> None:
         new = []
@@ -505,10 +530,18 @@ class EngineCore(EngineWeightsMixin):
                 why = version_violation(r, self._version_of(r))
                 if why:
                     self._fail_version(r, why)
+                    continue
+                fits = self._admit_within_kv(new, r)
+                if fits is None:
+                    self._fail_kv(r)
+                elif not fits:  # waits at the head of the queue for the batch to shrink
+                    self._waiting.appendleft(r)
+                    break
                 else:
                     new.append(r)
         self._drop_unloaded()
         scoring = [r for r in new if r.scores_input and r.input_meta is None]
+        self._admitting = new  # failed with the step if it raises before they join the batch
         if scoring:  # prefill-only scoring (max_new_tokens 0) finishes here, without joining the batch
             self._score_inputs(scoring)
             new = [r for r in new if r.max_new_tokens > 0]
@@ -516,6 +549,7 @@ class EngineCore(EngineWeightsMixin):
             self._prefill(new)
         elif len(self._batch):
             self._decode()
+        self._admitting = []
 
     @torch.no_grad()
     def _prefill(self, reqs: list[Request]) -> None:
@@ -530,6 +564,7 @@ class EngineCore(EngineWeightsMixin):
         for i, (_, c) in enumerate(unique):
             ids[i, width - len(c) :] = torch.tensor(c)
             mask[i, width - len(c) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # staged on the host, one copy each
         cache = DynamicCache(config=self.model.config)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         with self._recording(reqs) as rec:
@@ -541,7 +576,7 @@ class EngineCore(EngineWeightsMixin):
                 if r.return_routed_experts:
                     r.routes = [routes[row[c], width - len(c[1]) :]]
         if len(unique) < len(reqs):
-            inv = torch.tensor([row[c] for c in contexts])
+            inv = torch.tensor([row[c] for c in contexts], device=self.device)
             logits, mask = logits[inv], mask[inv]
             cache = cache_from_tensors([(k[inv], v[inv]) for k, v in cache_tensors(cache)], self.model.config)
             self.stats["num_shared_prefill_rows"] += len(reqs) - len(unique)
@@ -554,9 +589,10 @@ class EngineCore(EngineWeightsMixin):
             first.add(c)
         new = Batch()
         new.reqs, new.cache, new.mask = reqs, cache, mask
-        new.pos = torch.tensor([len(c) for _, c in contexts])
+        new.pos = torch.tensor([len(c) for _, c in contexts], device=self.device)
         start = len(self._batch)
         self._batch = merge_batches(self._batch, new, self.model.config)
+        self._note_kv()
         self._advance(logits, rows=range(start, start + len(reqs)))
 
     def _score_inputs(self, reqs: list[Request]) -> None:
@@ -583,9 +619,13 @@ class EngineCore(EngineWeightsMixin):
 
     @torch.no_grad()
     def _decode(self) -> None:
+        self._fit_kv_for_decode()
         b = self._batch
-        ids = torch.tensor([[r.output_ids[-1]] for r in b.reqs])
-        b.mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)
+        if not len(b):  # every row went back to the queue (or out) to stay in the KV budget
+            return
+        ids = torch.tensor([[r.output_ids[-1]] for r in b.reqs], device=self.device)
+        b.mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long, device=self.device)], dim=1)
+        self._note_kv()
         with self._recording(b.reqs) as rec:
             logits = self._forward(
                 ids, b.mask, b.pos[:, None], b.cache, prefill=False, loras=[r.lora for r in b.reqs]
@@ -610,7 +650,7 @@ class EngineCore(EngineWeightsMixin):
     @staticmethod
     def _stack_routes(rec: list, rows: int, width: int):
         """Per-layer [rows * width, k] indices -> int32 numpy [rows, width, num_layers, k]."""
-        return torch.stack(rec, dim=1).reshape(rows, width, len(rec), -1).to(torch.int32).numpy()
+        return torch.stack(rec, dim=1).reshape(rows, width, len(rec), -1).to("cpu", torch.int32).numpy()
 
     def _forward(self, ids, mask, pos, cache, prefill: bool, loras: list[str | None]) -> torch.Tensor:
         # Without padding the causal mask is implied; passing None keeps SDPA on its fast path.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from miles_platform.cluster.devices import run_rollout_dtype
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.rollout.engine_server import EngineActor
 from miles_platform.weights.transports import EngineHandle
@@ -60,8 +61,10 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
 def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
     return dict(
         api_key=cfg.api_key,
-        dtype=cfg.rollout_dtype,
+        dtype=run_rollout_dtype(cfg),  # resolved: bf16 on a GPU cluster unless --rollout-dtype says
         max_batch_size=embedded_max_running_requests(cfg),
+        device="auto",  # the GPU of its bundle (cluster/devices.rank_device), else the CPU
+        mem_fraction_static=embedded_mem_fraction_static(cfg),
         weight_roots=engine_weight_roots(cfg),
         pause_wait_timeout_s=cfg.pause_wait_timeout_s,
         pause_max_queued_requests=cfg.pause_max_queued_requests,
@@ -119,7 +122,9 @@ def create_teacher_engine(cfg: RunConfig) -> Any:
     return (
         ray.remote(EngineActor)
         .options(num_cpus=0, runtime_env=env)
-        .remote(cfg.opd_teacher_hf_checkpoint, api_key=cfg.api_key, dtype=cfg.rollout_dtype, weight_roots=[])
+        .remote(
+            cfg.opd_teacher_hf_checkpoint, api_key=cfg.api_key, dtype=run_rollout_dtype(cfg), weight_roots=[]
+        )
     )
 
 
@@ -158,6 +163,24 @@ def embedded_max_running_requests(cfg: RunConfig) -> int:
         raise ConfigError(f"--sglang-max-running-requests {value!r}: must be an integer >= 1")
     return n
 
+
+def embedded_mem_fraction_static(cfg: RunConfig) -> float | None:
+    """`--sglang-mem-fraction-static` as for SGLang: the embedded engine's weights + KV cache bound
+    (a fraction of its device's memory; unset: no bound)."""
+    args = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}
+    value = args.get("mem-fraction-static")
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        f = 0.0
+    if not 0 < f <= 1:
+        raise ConfigError(f"--sglang-mem-fraction-static {value!r}: must be a number in (0, 1]")
+    return f
+
+
+EMBEDDED_SGLANG_ARGS = ("max-running-requests", "mem-fraction-static")  # what the embedded engine takes
 
 SHUTDOWN_WAIT_S = 15.0  # all engines together: a server stops in ~1 s (its thread join is bounded by 10)
 

@@ -129,6 +129,8 @@ def _score_chunk(model, contexts, options, temps, tokenizer, width) -> list[dict
         ids[r, : len(c)] = torch.tensor(c)
         mask[r, : len(c)] = 1
     full = bool(mask.all())
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)  # staged on the host, one copy each
     logits = model(input_ids=ids, attention_mask=None if full else mask, use_cache=False).logits
     results = []
     for r, (c, opts, t) in enumerate(zip(contexts, options, temps, strict=True)):
@@ -136,7 +138,7 @@ def _score_chunk(model, contexts, options, temps, tokenizer, width) -> list[dict
         # position p - 1 predicts token p: rows start-1 .. len-2 score tokens start .. len-1
         lo = max(start, 1)
         lp = torch.log_softmax(logits[r, lo - 1 : len(c) - 1].float() / temperature_of(t), dim=-1)
-        targets = torch.tensor(c[lo:], dtype=torch.long)
+        targets = torch.tensor(c[lo:], dtype=torch.long, device=device)
         picked = lp.gather(-1, targets[:, None]).squeeze(-1).tolist() if len(targets) else []
         head = [[None, c[0], tokenizer.decode([c[0]]) if opts.with_text else None]] if start == 0 else []
         meta = {"input_token_logprobs": head + _entries(picked, c[lo:], opts, tokenizer)}

@@ -8,20 +8,16 @@ the foreground (`miles-platform serve-engine`), where SIGTERM stops it cleanly.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import posixpath
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass
 
-import orjson
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout.engine_core import (
@@ -30,27 +26,17 @@ from miles_platform.rollout.engine_core import (
     EngineCore,
     check_pause_limits,
 )
-from miles_platform.rollout.engine_requests import EngineStopped, RequestError
-from miles_platform.rollout.http_common import (  # noqa: F401 (re-exported for the other servers)
-    DEFAULT_MAX_REQUEST_BYTES,
-    ENGINE_ERRORS,
-    add_guards,
-    all_results,
-    engine_error,
-    error,
-    json_body,
+from miles_platform.rollout.engine_routes import (
+    control_router,
+    generate_router,
+    health_router,
+    lora_router,
+    weights_router,
 )
-from miles_platform.rollout.lora_serving import read_adapter_dir
-from miles_platform.rollout.openai_api import add_openai_routes
+from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, WeightRoots, add_guards
+from miles_platform.rollout.openai_api import openai_router
 
 log = logging.getLogger(__name__)
-
-
-def _weight_root(path: str) -> str:
-    if "://" in path:
-        scheme, _, rest = path.partition("://")
-        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}".rstrip("/")
-    return os.path.realpath(path).rstrip("/")
 
 
 def create_app(
@@ -61,239 +47,24 @@ def create_app(
     served_model_name: str | None = None,
     run_name: str | None = None,
 ) -> FastAPI:
-    """`weight_roots`: `/update_weights_from_disk` loads only directories under these (None: any;
-    `train` passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter).
+    """The engine's app: SGLang's routes (engine_routes.py) and the OpenAI ones (openai_api.py) behind
+    one guard, the run's key (`api_key`) on every route but `GET /health`. `weight_roots`:
+    `/update_weights_from_disk` and `/load_lora_adapter` load only from under these (None: any; `train`
+    passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter).
     `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
     app = FastAPI(title="miles-platform embedded engine")
     add_guards(app, api_key, max_request_bytes)
-    add_openai_routes(app, core, max_request_bytes, served_model_name, run_name)
-    roots = None if weight_roots is None else [_weight_root(r) for r in weight_roots]
-
-    def allowed(path: str) -> bool:
-        real = _weight_root(path)  # an object-store URI is compared as written, less . and ..
-        return roots is None or any(real == r or real.startswith(r + "/") for r in roots)
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        try:
-            # parsing and tokenization off the event loop: a huge prompt cannot stall /health
-            futures, is_batch = await asyncio.to_thread(core.submit_json, body)
-            results = await all_results(futures)
-        except ENGINE_ERRORS as e:
-            return engine_error(e)
-        return Response(orjson.dumps(results if is_batch else results[0]), media_type="application/json")
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200 if core.is_alive() else 503)
-
-    @app.get("/health_generate")
-    async def health_generate():
-        # Readiness: the scheduler is alive. No generation, so a paused engine is still healthy.
-        return Response(status_code=200 if core.is_alive() else 503)
-
-    @app.get("/get_model_info")
-    async def get_model_info():
-        return {
-            "model_path": core.model_path,
-            "tokenizer_path": core.model_path,
-            "is_generation": True,
-            "weight_version": core.weight_version,
-            "context_length": core.context_length,
-            "vocab_size": core.vocab_size,
-        }
-
-    @app.get("/get_server_info")
-    async def get_server_info():
-        return {
-            "model_path": core.model_path,
-            "dtype": str(core.dtype).removeprefix("torch."),
-            "max_running_requests": core.max_batch_size,
-            "batch_wait_ms": core.batch_wait_s * 1000,
-            "context_length": core.context_length,
-            "weight_version": core.weight_version,
-            "paused": core.paused,
-            "pause_wait_timeout_s": core.pause_wait_timeout_s,
-            "pause_max_queued_requests": core.pause_max_queued_requests,
-            "num_inflight": core.num_inflight(),
-            "internal_states": [dict(core.stats)],
-            "lora_adapters": core.lora_adapters(),
-            "version": "miles-platform-embedded",
-        }
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        path = body.get("model_path") if isinstance(body, dict) else None
-        if not path:
-            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
-        if not isinstance(path, str) or not allowed(path):
-            msg = f"model_path {path!r} is outside the directories this engine loads weights from: {roots}"
-            return JSONResponse({"success": False, "message": msg}, status_code=403)
-        try:
-            version = await asyncio.to_thread(core.update_weights_from_disk, path, body.get("weight_version"))
-        except (MilesError, ValueError, OSError) as e:
-            msg = f"update_weights_from_disk failed, kept weight_version {core.weight_version}: {e}"
-            return JSONResponse({"success": False, "message": msg}, status_code=400)
-        return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
-        missing = [k for k in keys if not isinstance(body, dict) or k not in body]
-        if missing:
-            return JSONResponse({"success": False, "message": f"missing fields {missing}"}, status_code=400)
-        args = [body[k] for k in keys] + [body.get("backend") or "gloo"]
-        try:
-            await asyncio.to_thread(core.init_weights_update_group, *args)
-        except (MilesError, ValueError, RuntimeError) as e:
-            msg = f"init_weights_update_group failed: {e}"
-            return JSONResponse({"success": False, "message": msg}, status_code=400)
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        keys = ("names", "dtypes", "shapes")
-        missing = [k for k in keys if not isinstance(body, dict) or not isinstance(body.get(k), list)]
-        if missing:
-            return JSONResponse(
-                {"success": False, "message": f"missing list fields {missing}"}, status_code=400
-            )
-        args = [body[k] for k in keys] + [body.get("group_name") or "weight_update_group"]
-        try:
-            version = await asyncio.to_thread(
-                core.update_weights_from_distributed, *args, body.get("weight_version")
-            )
-        except (MilesError, ValueError, RuntimeError) as e:
-            msg = f"update_weights_from_distributed failed, kept weight_version {core.weight_version}: {e}"
-            return JSONResponse({"success": False, "message": msg}, status_code=400)
-        if body.get("flush_cache", True):
-            core.flush_cache()
-        return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
-
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(request: Request):
-        """SGLang's request {"name", "truncate_size"} and answer (a bare list of values)."""
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        name = body.get("name") if isinstance(body, dict) else None
-        size = body.get("truncate_size", 100) if isinstance(body, dict) else None
-        if not isinstance(name, str) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            return error(400, 'get_weights_by_name takes {"name": str, "truncate_size": int >= 1}')
-        try:
-            values = await asyncio.to_thread(core.get_weights_by_name, name, size)
-        except RequestError as e:
-            return error(400, f"get_weights_by_name: {e}")
-        except EngineStopped as e:
-            return error(503, str(e), retryable=True)
-        return Response(
-            orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
-        )
-
-    @app.post("/weights_checksum")
-    async def weights_checksum(request: Request):
-        """Our extension: {"names": [...]} (or {} for all) -> {name: {dtype, shape, xxh3_128}}."""
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        names = body.get("names") if isinstance(body, dict) else ...
-        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-            return error(400, 'weights_checksum takes {"names": [str, ...]} (or {} for every parameter)')
-        try:
-            return await asyncio.to_thread(core.weights_checksums, names)
-        except RequestError as e:
-            return error(400, f"weights_checksum: {e}")
-        except EngineStopped as e:
-            return error(503, str(e), retryable=True)
-
-    @app.post("/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        """SGLang's {"lora_name", "lora_path", "pinned"}; extension: "weight_version" (the adapter's
-        policy version, reported in meta_info of the requests it serves)."""
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        name, path = (
-            (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
-        )
-        if not isinstance(name, str) or not isinstance(path, str):
-            return _lora_answer(core, False, "load_lora_adapter takes {lora_name: str, lora_path: str}", 400)
-        if not allowed(path):
-            msg = f"lora_path {path!r} is outside the directories this engine loads weights from: {roots}"
-            return _lora_answer(core, False, msg, 403)
-        try:
-            tensors, config = await asyncio.to_thread(read_adapter_dir, path)
-            await asyncio.to_thread(
-                core.load_lora_adapter, name, tensors, config, body.get("weight_version"), path
-            )
-        except (MilesError, ValueError, OSError, KeyError) as e:
-            return _lora_answer(core, False, f"load_lora_adapter {name!r} failed: {e}", 400)
-        return _lora_answer(core, True, "")
-
-    @app.post("/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        name = body.get("lora_name") if isinstance(body, dict) else None
-        try:
-            await asyncio.to_thread(core.unload_lora_adapter, name)
-        except RequestError as e:
-            return _lora_answer(core, False, str(e), 400)
-        return _lora_answer(core, True, "")
-
-    @app.post("/get_lora_adapter_checksums")
-    async def get_lora_adapter_checksums(request: Request):
-        """Extension (not SGLang's): SHA-256 per served adapter tensor, for --check-lora-weight-equal."""
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        try:
-            return await asyncio.to_thread(core.get_lora_adapter_checksums, (body or {}).get("lora_name"))
-        except RequestError as e:
-            return error(400, str(e))
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request):
-        body, err = await json_body(request, max_request_bytes)
-        if err:
-            return err
-        try:
-            await asyncio.to_thread(core.pause_generation, (body or {}).get("mode", "abort"))
-        except RequestError as e:
-            return error(400, str(e))
-        return {"status": "ok", "message": "Generation paused."}
-
-    @app.post("/continue_generation")
-    async def continue_generation():
-        core.continue_generation()
-        return {"status": "ok", "message": "Generation continued."}
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        core.flush_cache()
-        return Response("Cache flushed.", status_code=200)
-
+    roots = WeightRoots(weight_roots)
+    for router in (
+        generate_router(core, max_request_bytes),  # first: the hot path matches at once
+        openai_router(core, max_request_bytes, served_model_name, run_name),
+        health_router(core),
+        weights_router(core, max_request_bytes, roots),
+        lora_router(core, max_request_bytes, roots),
+        control_router(core, max_request_bytes),
+    ):
+        app.include_router(router)
     return app
-
-
-def _lora_answer(core: EngineCore, success: bool, message: str, status: int = 200) -> JSONResponse:
-    """SGLang's LoRA update answer: success, error_message, loaded_adapters (name -> path)."""
-    loaded = {n: a["lora_path"] for n, a in core.lora_adapters().items()}
-    body = {"success": success, "error_message": message, "loaded_adapters": loaded}
-    return JSONResponse(body, status_code=status)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -375,7 +146,7 @@ def start_engine_server(
     host: str = "127.0.0.1",
     port: int = 0,
     api_key: str | None = None,
-    dtype: str = "fp32",
+    dtype: str = "auto",
     max_batch_size: int = 512,
     batch_wait_ms: float = 5.0,
     weight_version: int = 0,
@@ -387,15 +158,18 @@ def start_engine_server(
     pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
     served_model_name: str | None = None,
     run_name: str | None = None,
+    device: str | None = None,
+    mem_fraction_static: float | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
     existing EngineCore (it is then not stopped with the server; the pause limits are its own).
-    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id). `device`,
+    `mem_fraction_static`: EngineCore's (the CPU and no KV bound by default)."""
     owns = core is None
     if core is None:
         core = EngineCore(
             hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version, num_threads,
-            pause_wait_timeout_s, pause_max_queued_requests,
+            pause_wait_timeout_s, pause_max_queued_requests, device, mem_fraction_static,
         )  # fmt: skip
     try:
         app = create_app(core, api_key, max_request_bytes, weight_roots, served_model_name, run_name)
@@ -436,6 +210,12 @@ class EngineActor:
     def get_weights(self) -> dict:
         return self._server.core.get_weights()
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        return self._server.core.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> list[str]:
+        return self._server.core.resume_memory_occupation(tags)
+
     def shutdown(self) -> None:
         self._server.stop()
 
@@ -459,7 +239,18 @@ def cli_main(argv: list[str]) -> int:
         default=None,
         help="the model id of the OpenAI routes (/v1/models; default: the checkpoint's absolute path)",
     )
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument(
+        "--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+        help="serving dtype (default auto: bf16 on CUDA, fp32 on the CPU)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--device", default="auto",
+        help="where the engine computes: cpu, cuda, cuda:N (default auto: cuda:0 when CUDA is available, else cpu)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--mem-fraction-static", type=float, default=None,
+        help="SGLang's: weights + KV cache stay under this fraction of the device's memory (default: no bound)",
+    )  # fmt: skip
     ap.add_argument("--max-running-requests", type=int, default=512, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     ap.add_argument("--weight-version", type=int, default=0)
@@ -503,8 +294,11 @@ def cli_main(argv: list[str]) -> int:
         pause_wait_timeout_s=args.pause_wait_timeout_s,
         pause_max_queued_requests=args.pause_max_queued_requests,
         served_model_name=args.served_model_name,
+        device=args.device,
+        mem_fraction_static=args.mem_fraction_static,
     )
-    print(f"serve-engine: {args.hf_checkpoint} on {server.url}", flush=True)
+    core = server.core
+    print(f"serve-engine: {args.hf_checkpoint} on {server.url} ({core.device}, {core.dtype})", flush=True)
     wait_for_stop_signal()
     server.stop()
     return 0

@@ -59,6 +59,17 @@ class EngineWeightsMixin:
             lambda: self._swap(self._prepare_tensors(named_tensors, require_all=False), version)
         )
 
+    def update_weights_from_tensor(self, named_tensors: dict, weight_version: int | None = None) -> int:
+        """SGLang's /update_weights_from_tensor for a colocated trainer: `named_tensors` is the
+        descriptor of a shared-memory segment the trainer staged (weights/shared_tensors.py); the
+        tensors are copied out and loaded as one update. Returns the new version."""
+        from miles_platform.weights.shared_tensors import open_staged
+
+        version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
+        with open_staged(named_tensors) as named:
+            self.update_weights_from_tensors(named, version)
+        return version
+
     def update_weights_from_disk(self, path: str | os.PathLike, weight_version: int | None = None) -> int:
         """Load a full HF checkpoint dir (quantized ones via the dequantizing loader); returns the new version."""
         version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
@@ -125,7 +136,7 @@ class EngineWeightsMixin:
         except ValueError as e:
             raise RequestError(f"update_weights_from_distributed: {e}") from e
         group, backend = self._weight_groups[group_name]
-        device = "cuda" if backend == "nccl" else "cpu"
+        device = self.device if backend == "nccl" else "cpu"  # NCCL receives on this engine's GPU
         named = {}
         for name, dtype, shape in zip(names, kinds, shapes, strict=True):
             t = torch.empty([int(x) for x in shape], dtype=dtype, device=device)
@@ -137,9 +148,12 @@ class EngineWeightsMixin:
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of every parameter (tied ones once), for --check-weight-update-equal."""
-        return self._in_scheduler(
-            lambda: {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
-        )
+
+        def read():
+            self._check_not_released("get_weights")
+            return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+        return self._in_scheduler(read)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         """SGLang's `/get_weights_by_name`: the first `truncate_size` rows (elements of a 1-D tensor)
@@ -150,9 +164,12 @@ class EngineWeightsMixin:
                 f"unknown parameter {name!r} (this model has e.g. {next(iter(self._params))!r})"
             )
         n = int(truncate_size)
-        return self._in_scheduler(
-            lambda: self._params[name].detach()[:n].to("cpu", torch.float64).numpy().copy()
-        )
+
+        def read():
+            self._check_not_released("get_weights_by_name")
+            return self._params[name].detach()[:n].to("cpu", torch.float64).numpy().copy()
+
+        return self._in_scheduler(read)
 
     def weights_checksums(self, names: list[str] | None = None) -> dict[str, dict]:
         """Our extension to SGLang's API (`POST /weights_checksum`): {name: {"dtype", "shape",
@@ -168,6 +185,7 @@ class EngineWeightsMixin:
             )
 
         def digest():
+            self._check_not_released("weights_checksum")
             out = {}
             for n in names:
                 t = self._params[n].detach()
@@ -203,6 +221,7 @@ class EngineWeightsMixin:
         return out
 
     def _swap(self, prepared: dict, version: int) -> None:
+        self._check_not_released("a weight update")
         with self._step_lock, torch.no_grad():
             for n, t in prepared.items():
                 self._params[n].copy_(t)
@@ -304,10 +323,15 @@ class EngineWeightsMixin:
 # ---- loading a checkpoint ------------------------------------------------------------------------------
 
 
-def parse_engine_dtype(dtype) -> torch.dtype:
-    """`--dtype` (fp32 / bf16, or a torch dtype) -> the dtype the engine serves in."""
+def parse_engine_dtype(dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """`--dtype` (fp32 / bf16 / auto, or a torch dtype) -> the dtype the engine serves in; "auto" (or
+    None): bf16 on CUDA, fp32 elsewhere (cluster/devices.default_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype in (None, "auto"):
+        from miles_platform.cluster.devices import default_dtype
+
+        dtype = default_dtype(device)
     table = {
         "fp32": torch.float32,
         "float32": torch.float32,
@@ -357,13 +381,8 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
 
     cfg = validate_hf_dir(path, need_tokenizer=False)
     if cfg.get("quantization_config"):
-        try:
-            from miles_platform.weights.quantize import load_dequantized_state_dict
-        except ImportError as e:
-            raise CheckpointError(
-                f"HF checkpoint {path} is quantized ({cfg['quantization_config'].get('quant_method', '?')}) "
-                f"but miles_platform.weights.quantize is not available ({e})"
-            ) from e
+        from miles_platform.weights.quantize import load_dequantized_state_dict
+
         return fuse_checkpoint_experts(load_dequantized_state_dict(str(path)))
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):

@@ -4,130 +4,94 @@ Metric names say how they were sampled (miles_platform/metric_names.py): `pass@1
 what n samples at temperature T give is `pass@<n>(T=<T>)` and `mean_reward@<n>(T=<T>)`.
 
 Scoring uses the RL reward hub (`rm_hub.compute_rewards`), so an eval number and a training
-reward mean the same thing. Generation is local and batched with a KV cache
-(`generate_local`); a caller that owns engines passes `generate_fn` with the same signature
-to route eval through them instead.
+reward mean the same thing. Generation runs on the embedded engine (`EngineCore`, in-process):
+the same scheduler and sampler (rollout/sampling.py) as a rollout, each sample a seeded draw of
+its own (`eval_requests`); a caller that owns engines passes `generate_fn` with the same
+signature to route eval through them instead (`manager.router_generate_fn`, the same requests).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-
-import torch
 
 from miles_platform.config.reward import RewardSettings
 from miles_platform.data.sample import Sample, Status
 from miles_platform.metric_names import is_greedy_metric, sampled_name
 from miles_platform.progress import Progress
+from miles_platform.rollout.engine_core import EngineCore
 
 GenerateFn = Callable[..., list[list[str]]]
 
 
 # ---------------------------------------------------------------- generation
-def _filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
-    if top_k is not None and top_k > 0 and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
-    return logits
+EVAL_SEED_STRIDE = 1000003  # row k of an eval call draws with sampling_seed = seed * stride + k
 
 
-@torch.no_grad()
-def generate_tokens(
-    model,
-    prompt_ids: list[list[int]],
-    eos_token_id: int,
-    pad_token_id: int,
-    max_new_tokens: int = 32,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    generator: torch.Generator | None = None,
-) -> list[tuple[list[int], bool]]:
-    """Batched decoding with a KV cache and left padding. Returns (new tokens, ended with EOS)
-    per prompt; the EOS token is included in the tokens when it was produced."""
-    from transformers import DynamicCache
-
-    b, width = len(prompt_ids), max(map(len, prompt_ids))
-    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        attn[i, width - len(p) :] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = [[] for _ in range(b)]
-    done = torch.zeros(b, dtype=torch.bool)
-    step_ids, step_pos = ids, pos
-    for _ in range(max_new_tokens):
-        logits = (
-            model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos, cache=cache, use_cache=True)
-            .logits[:, -1, :]
-            .float()
-        )
-        if temperature is None or temperature <= 0:
-            nxt = logits.argmax(-1)
-        else:
-            probs = _filter_logits(logits / temperature, top_p, top_k).softmax(-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
-        for i in torch.nonzero(~done).flatten().tolist():
-            out[i].append(int(nxt[i]))
-        done |= nxt == eos_token_id
-        if bool(done.all()):
-            break
-        step_ids = nxt[:, None]
-        step_pos = step_pos[:, -1:] + 1
-        attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype)], dim=1)
-    return [(toks, bool(toks) and toks[-1] == eos_token_id) for toks in out]
-
-
-def generate_local(
-    model,
-    tokenizer,
+def eval_requests(
+    tok,
     prompts: Sequence[str],
-    max_new_tokens: int = 32,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    n: int = 1,
-    seed: int = 0,
-    batch_size: int = 256,
-    on_batch: Callable[[int], Any] | None = None,
-) -> list[list[str]]:
-    """`n` completions per prompt (text without EOS). temperature 0 is greedy. `on_batch(size)`
-    after each batch of `batch_size` sequences (progress)."""
-    gen = torch.Generator().manual_seed(seed)
-    flat = [p for p in prompts for _ in range(n)]
-    enc = [tokenizer.encode(p, add_special_tokens=False) for p in flat]
-    texts: list[str] = []
-    was_training = model.training
-    model.eval()
-    for s in range(0, len(enc), batch_size):
-        res = generate_tokens(
-            model,
-            enc[s : s + batch_size],
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-            max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-            gen,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    n: int,
+    seed: int,
+) -> tuple[list[list[int]], list[dict]]:
+    """The engine requests of one eval generation: each prompt `n` times, as token ids without special
+    tokens, row k drawing with its own seed (`seed * EVAL_SEED_STRIDE + k`), stopping at EOS. The
+    in-process engine (`evaluate`'s own) and the run's engines (`manager.router_generate_fn`) both
+    answer these, so a seed gives the same samples whichever computed the eval."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+              "stop_token_ids": [tok.eos_token_id]}  # fmt: skip
+    encoded = tok(list(prompts), add_special_tokens=False)["input_ids"] if prompts else []  # one batch
+    ids = [e for e in encoded for _ in range(n)]
+    return ids, [{**params, "sampling_seed": seed * EVAL_SEED_STRIDE + k} for k in range(len(ids))]
+
+
+def engine_generate_fn(core: EngineCore, on_response: Callable[[int], Any] | None = None) -> GenerateFn:
+    """`evaluate`'s generate function on an in-process `EngineCore`: the engine's scheduler and sampler
+    (rollout/sampling.py: seeded per-row draws, top-k / top-p / min-p), one batch per call.
+    `on_response(1)` after each response, in order (progress)."""
+
+    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        ids, params = eval_requests(
+            core.tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, n, seed
         )
-        texts += [tokenizer.decode(t, skip_special_tokens=True) for t, _ in res]
-        if on_batch is not None:
-            on_batch(len(res))
-    model.train(was_training)
-    return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+        texts = []
+        if ids:
+            futures, _ = core.submit_json({"input_ids": ids, "sampling_params": params})
+            for f in futures:
+                texts.append(f.result()["text"])
+                if on_response is not None:
+                    on_response(1)
+        return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    return generate
+
+
+@contextlib.contextmanager
+def policy_engine(policy: str | os.PathLike | EngineCore) -> Iterator[EngineCore]:
+    """An `EngineCore` serving `policy`: a running one as it is (its owner stops it), or one started
+    on an HF dir (an object-store export is downloaded first) and stopped on exit."""
+    if isinstance(policy, EngineCore):
+        yield policy
+        return
+    if not isinstance(policy, str | os.PathLike):
+        raise TypeError(f"evaluate: policy is an HF dir or a running EngineCore, not {type(policy).__name__}")
+    from miles_platform.store.remote import local_dir
+
+    with local_dir(os.fspath(policy)) as d:  # the engine has loaded the weights when its constructor returns
+        core = EngineCore(d)
+    try:
+        yield core
+    finally:
+        core.stop()
 
 
 # ---------------------------------------------------------------- metrics
@@ -196,7 +160,7 @@ def greedy_pass_at_1(
 
 
 def evaluate(
-    policy: str | tuple[Any, Any],
+    policy: str | EngineCore | None,
     datasets: list[tuple[str, str]],
     n_samples_per_eval_prompt: int = 1,
     max_new_tokens: int = 16,
@@ -220,79 +184,73 @@ def evaluate(
     `temperature`), "mean_reward@<n>(T=<T>)" (over the n samples), "n", "k", "num_prompts"} and,
     when rows carry metadata[breakdown_key], greedy accuracy per value ("pass@1/carry=True" ...).
 
-    `policy` is an HF dir or (model, tokenizer). `rewards` grade the answers (`cfg.reward_settings()`,
-    `RewardSettings.of(flags)`); without them `rm_type` does.
+    `policy` is an HF dir (served by an in-process `EngineCore` for the call) or a running
+    `EngineCore`. `rewards` grade the answers (`cfg.reward_settings()`, `RewardSettings.of(flags)`);
+    without them `rm_type` does.
     `generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed) -> list[list[str]]`
-    replaces local generation (e.g. the engine router); it may answer Samples instead of texts
-    (a custom generate function's, graded with their status; a multi-turn generator's add
-    "tool_call_share": greedy episodes with >= 1 tool call). `input_key` ... `apply_chat_template` read
-    the datasets as `train` reads prompts; the chat template is the policy's tokenizer's (or
-    `tokenizer`'s, which a caller passing `generate_fn` must give). `progress`: a line on stderr
-    every interval (responses generated of all datasets, ETA; miles_platform/progress.py).
+    replaces the engine (e.g. the run's router; `policy` is then unused); it may answer Samples
+    instead of texts (a custom generate function's, graded with their status; a multi-turn
+    generator's add "tool_call_share": greedy episodes with >= 1 tool call). `input_key` ...
+    `apply_chat_template` read the datasets as `train` reads prompts; the chat template is the
+    policy's tokenizer's (or `tokenizer`'s, which a caller passing `generate_fn` must give).
+    `progress`: a line on stderr every interval (responses generated of all datasets, ETA;
+    miles_platform/progress.py).
     """
     if rewards is None:
         rewards = RewardSettings(rm_type=rm_type)
-    model = tok = None
-    if generate_fn is None:
-        if isinstance(policy, str):
-            from miles_platform.models.checkpoint import load_hf_checkpoint
-            from miles_platform.store.remote import local_dir
-
-            with local_dir(policy) as d:  # an object-store export (s3://.../hf/vN): downloaded first
-                model, tok = load_hf_checkpoint(d)
-        else:
-            model, tok = policy
-        tokenizer = tok if tokenizer is None else tokenizer
-
-    results: dict[str, dict[str, Any]] = {}
-    k = n_samples_per_eval_prompt
-    greedy_only = temperature is not None and temperature <= 0  # every sample is the greedy answer
-    loaded = []  # every dataset read first: the progress total is every response to generate
-    for name, path in datasets:
-        rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
-        loaded.append((name, rows[:max_prompts]))
-    total = sum(len(rows) * (1 + (0 if greedy_only else k)) for _, rows in loaded)
-    with Progress("eval", total, unit="response", enabled=progress) as bar:
-        generate = _counted(generate_fn, bar) if generate_fn else _local(model, tok, bar)
-        for name, rows in loaded:
-            bar.update(0, stage=name)
-            prompts = [r["prompt"] for r in rows]
-            greedy_out = generate(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed)
-            greedy = score(rewards, rows, greedy_out)
-            if greedy_only:
-                sampled = [g * k for g in greedy]
-            else:
-                sampled = score(
-                    rewards, rows, generate(prompts, max_new_tokens, temperature, top_p, top_k, k, seed)
-                )
-            correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
-            res: dict[str, Any] = {
-                "pass@1": sum(g[0] for g in greedy) / len(rows),
-                sampled_name("pass", k, temperature): sum(pass_at_k(k, c, k) for c in correct) / len(rows),
-                sampled_name("mean_reward", k, temperature): sum(map(sum, sampled)) / (len(rows) * k),
-                "n": k,
-                "k": k,
-                "num_prompts": len(rows),
-            }
-            share = tool_call_share(greedy_out)
-            if share is not None:
-                res["tool_call_share"] = share
-            if breakdown_key and all(breakdown_key in (r.get("metadata") or {}) for r in rows):
-                groups: dict[str, list[float]] = {}
-                for r, g in zip(rows, greedy, strict=True):
-                    groups.setdefault(str(r["metadata"][breakdown_key]), []).append(g[0])
-                for v, gs in sorted(groups.items()):
-                    res[f"pass@1/{breakdown_key}={v}"] = sum(gs) / len(gs)
-            results[name] = res
-    return results
+    with contextlib.ExitStack() as stack:
+        core = None if generate_fn is not None else stack.enter_context(policy_engine(policy))
+        tokenizer = core.tokenizer if core is not None and tokenizer is None else tokenizer
+        k = n_samples_per_eval_prompt
+        greedy_only = temperature is not None and temperature <= 0  # every sample is the greedy answer
+        loaded = []  # every dataset read first: the progress total is every response to generate
+        for name, path in datasets:
+            rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
+            loaded.append((name, rows[:max_prompts]))
+        total = sum(len(rows) * (1 + (0 if greedy_only else k)) for _, rows in loaded)
+        bar = stack.enter_context(Progress("eval", total, unit="response", enabled=progress))
+        generate = _counted(generate_fn, bar) if generate_fn else engine_generate_fn(core, bar.update)
+        sampling = (max_new_tokens, temperature, top_p, top_k)
+        return {
+            name: _evaluate_rows(rows, generate, rewards, k, sampling, seed, breakdown_key, bar, name)
+            for name, rows in loaded
+        }
 
 
-def _local(model, tok, bar: Progress) -> GenerateFn:
-    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
-        return generate_local(model, tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed,
-                              on_batch=bar.update)  # fmt: skip
-
-    return generate
+def _evaluate_rows(
+    rows: list[dict], generate: GenerateFn, rewards: RewardSettings, k: int, sampling: tuple,
+    seed: int, breakdown_key: str | None, bar: Progress, name: str,
+) -> dict[str, Any]:  # fmt: skip
+    """One dataset's metrics (see `evaluate`); `sampling`: (max_new_tokens, temperature, top_p, top_k)
+    of the k samples."""
+    max_new_tokens, temperature, _, _ = sampling
+    bar.update(0, stage=name)
+    prompts = [r["prompt"] for r in rows]
+    greedy_out = generate(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed)
+    greedy = score(rewards, rows, greedy_out)
+    if temperature is not None and temperature <= 0:  # every sample is the greedy answer
+        sampled = [g * k for g in greedy]
+    else:
+        sampled = score(rewards, rows, generate(prompts, *sampling, k, seed))
+    correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
+    res: dict[str, Any] = {
+        "pass@1": sum(g[0] for g in greedy) / len(rows),
+        sampled_name("pass", k, temperature): sum(pass_at_k(k, c, k) for c in correct) / len(rows),
+        sampled_name("mean_reward", k, temperature): sum(map(sum, sampled)) / (len(rows) * k),
+        "n": k,
+        "k": k,
+        "num_prompts": len(rows),
+    }
+    share = tool_call_share(greedy_out)
+    if share is not None:
+        res["tool_call_share"] = share
+    if breakdown_key and all(breakdown_key in (r.get("metadata") or {}) for r in rows):
+        groups: dict[str, list[float]] = {}
+        for r, g in zip(rows, greedy, strict=True):
+            groups.setdefault(str(r["metadata"][breakdown_key]), []).append(g[0])
+        for v, gs in sorted(groups.items()):
+            res[f"pass@1/{breakdown_key}={v}"] = sum(gs) / len(gs)
+    return res
 
 
 def _counted(generate_fn: GenerateFn, bar: Progress) -> GenerateFn:

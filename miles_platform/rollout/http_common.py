@@ -1,11 +1,15 @@
 """What every HTTP server of the platform shares (engine, router, session server, diffusion engine,
-the OpenAI routes): SGLang's error shape, Bearer auth and the size limit, the JSON-object body, and
-the answer to an engine's request errors. A leaf: it imports no server module."""
+the OpenAI routes): SGLang's error shape, Bearer auth and the size limit, the JSON-object body, the
+answer to an engine's request errors, and where weights may be loaded from. A leaf: it imports no
+server module."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import os
+import posixpath
 import threading
 
 import orjson
@@ -23,19 +27,51 @@ def error(status: int, message: str, **extra) -> JSONResponse:
     return JSONResponse({"error": {"message": message, **extra}}, status_code=status)
 
 
-def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
-    """Bearer-token auth (401) and a request size limit (413), shared by engine and router.
+# What the run's generate-only key may call (issue #49, item 3): generation, the OpenAI routes, the
+# session server's sessions, and read-only info. Weight updates, pause / continue, LoRA loading,
+# worker management and every other control route need the run's own (admin) key.
+GENERATE_ONLY_PATHS = frozenset({"/generate", "/health", "/health_generate", "/get_model_info",
+                                 "/get_server_info", "/v1/models", "/v1/chat/completions", "/v1/completions"})  # fmt: skip
+GENERATE_ONLY_PREFIXES = ("/sessions",)
 
-    Every endpoint needs the key except `GET /health` (liveness probes; it reveals nothing). The
-    scheme is case-insensitive (RFC 7235) and the token is compared in constant time."""
+
+def generate_key(api_key: str) -> str:
+    """The run's generate-only key, derived from its admin key: every server of the run accepts it
+    for GENERATE_ONLY_PATHS without another secret to hand around, and holding it reveals nothing
+    of the admin key (HMAC-SHA256). Agents and other untrusted callers get this one."""
+    return hmac.new(api_key.encode(), b"miles-platform generate-only key v1", hashlib.sha256).hexdigest()
+
+
+def generate_scoped(path: str) -> bool:
+    return path in GENERATE_ONLY_PATHS or any(
+        path == p or path.startswith(p + "/") for p in GENERATE_ONLY_PREFIXES
+    )
+
+
+def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
+    """Bearer-token auth (401 / 403) and a request size limit (413), shared by engine and router.
+
+    Every endpoint needs a key except `GET /health` (liveness probes; it reveals nothing): the
+    run's admin key anywhere, its generate-only key (`generate_key`) on GENERATE_ONLY_PATHS only
+    (403 elsewhere). The scheme is case-insensitive (RFC 7235); tokens are compared in constant time."""
     want = api_key.encode() if api_key else None
+    scoped = generate_key(api_key).encode() if api_key else None
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if want and not (request.method == "GET" and request.url.path == "/health"):
             scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), want):
-                return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
+            given = token.strip().encode()
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(given, want)
+            if not ok:
+                if scheme.lower() != "bearer" or not hmac.compare_digest(given, scoped):
+                    return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
+                if not generate_scoped(request.url.path):
+                    return error(
+                        403,
+                        f"{request.url.path}: this key may only generate (/generate, the OpenAI routes, "
+                        "sessions, model info); control and weight routes need the run's admin key",
+                    )
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_request_bytes:
             return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}")
@@ -94,3 +130,27 @@ def engine_error(e: Exception) -> JSONResponse:
     if isinstance(e, EngineStopped):
         return error(503, str(e), retryable=True)
     return error(400, str(e))
+
+
+def weight_root(path: str) -> str:
+    """`path` as a weights location is compared: a local dir resolved (links, . and ..), an
+    object-store URI as written less . and .."""
+    if "://" in path:
+        scheme, _, rest = path.partition("://")
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}".rstrip("/")
+    return os.path.realpath(path).rstrip("/")
+
+
+class WeightRoots:
+    """The directories an engine loads weights and adapters from (`--allow-weights-from`; None: any)."""
+
+    def __init__(self, roots: list[str] | None):
+        self.roots = None if roots is None else [weight_root(r) for r in roots]
+
+    def allows(self, path: str) -> bool:
+        real = weight_root(path)
+        return self.roots is None or any(real == r or real.startswith(r + "/") for r in self.roots)
+
+    def refusal(self, field: str, path) -> str:
+        """The 403 message for `field` = `path`, outside the roots."""
+        return f"{field} {path!r} is outside the directories this engine loads weights from: {self.roots}"

@@ -157,7 +157,8 @@ class LoraSlots:
         for name, idx in by_name.items():
             a = self.adapters[name]
             for m in a.modules:
-                groups.setdefault(m, []).append((torch.tensor(idx), a, len(idx) == len(rows)))
+                rows_t = torch.tensor(idx, device=a.modules[m][0].device)  # where the adapter (and batch) is
+                groups.setdefault(m, []).append((rows_t, a, len(idx) == len(rows)))
         self._groups = groups
         try:
             yield

@@ -498,23 +498,22 @@ def router_generate_fn(manager: RolloutManager):
     """An `evaluate(generate_fn=...)` that generates through the run's engines: one batched request,
     or the run's --custom-generate-function-path per sample with `evaluation=True` (as Miles), whose
     Samples it answers as they are (status, metadata such as multi-turn's tool_call_count)."""
+    from miles_platform.rollout.evaluate import eval_requests
+
     tok = manager.tok
 
     def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
-        params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                  "stop_token_ids": [tok.eos_token_id]}  # fmt: skip
+        ids, sps = eval_requests(tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
         if manager.generate_fn is not None and prompts:
             records = [
                 PromptRecord(id=f"eval-{i}", prompt=p, label=None, metadata={}) for i, p in enumerate(prompts)
             ]
-            ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-            seeds = [[seed * 1000003 + i * n + k for k in range(n)] for i in range(len(prompts))]
+            params = {k: v for k, v in sps[0].items() if k != "sampling_seed"}
+            seeds = [[sp["sampling_seed"] for sp in sps[i * n : (i + 1) * n]] for i in range(len(prompts))]
             run = manager._per_sample(
-                records, ids, seeds, evaluation=True, params={**manager.sampling_params(), **params}
+                records, ids[::n], seeds, evaluation=True, params={**manager.sampling_params(), **params}
             )
             return manager.client.submit(run).result()  # Samples: evaluate grades them with their status
-        ids = [tok.encode(p, add_special_tokens=False) for p in prompts for _ in range(n)]
-        sps = [{**params, "sampling_seed": seed * 1000003 + k} for k in range(len(ids))]
         outs = manager.client.generate(ids, sps, return_logprob=False) if ids else []
         texts = [o.get("text", "") for o in outs]
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from miles_platform.rollout import chat, completions
@@ -235,9 +235,10 @@ def served_model_id(core: Any, served_model_name: str | None = None, run_name: s
     return core.model_path if "://" in core.model_path else os.path.abspath(core.model_path)
 
 
-def add_openai_routes(app: FastAPI, core: Any, max_request_bytes: int, served_model_name: str | None = None,
-                      run_name: str | None = None) -> None:  # fmt: skip
-    """The three routes on the engine's app, naming the model `served_model_id`."""
+def openai_router(core: Any, max_request_bytes: int, served_model_name: str | None = None,
+                  run_name: str | None = None) -> APIRouter:  # fmt: skip
+    """The three routes of the engine's app, naming the model `served_model_id`."""
+    app = APIRouter()
     # chat templates render on one thread of their own: jinja holds the GIL, and a pool of them
     # rendering big chats at once starved the engine's scheduler thread (issue #49, item 9)
     render_pool = ThreadPoolExecutor(1, thread_name_prefix="chat-render")
@@ -300,3 +301,5 @@ def add_openai_routes(app: FastAPI, core: Any, max_request_bytes: int, served_mo
     @app.get("/v1/models")
     async def models():
         return chat.models_list(model_id(), core.model_path, core.context_length)
+
+    return app

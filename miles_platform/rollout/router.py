@@ -28,15 +28,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles_platform.rollout.engine_server import (
-    DEFAULT_MAX_REQUEST_BYTES,
     ServerHandle,
     ServerThread,
-    add_guards,
-    error,
-    json_body,
     serve_in_thread,
     wait_for_stop_signal,
 )
+from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, add_guards, error, json_body
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,9 @@ whole batch is sampled with a handful of tensor ops instead of one `torch.multin
 
 The draw is inverse-CDF sampling: u ~ U[0, 1) from splitmix64(seed, step), the token is the first
 index whose cumulative probability exceeds u * total. Masked tokens (probability 0) are never drawn.
+
+Everything runs where the logits are (the engine's device); the uniforms are computed on the host
+(exact uint64 arithmetic) and copied once; tokens and log-probs come back as Python lists.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def uniforms(seeds: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
     return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)))
 
 
+def _on(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row sampling parameters as a tensor where the logits are."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
     """Mask (to -inf) what top-k / top-p / min-p remove, per row, in the original vocab order (so a
     row's draw is the same whether or not its batch mates needed filtering)."""
@@ -39,7 +47,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     probs = lg.softmax(-1)
     vocab = lg.shape[-1]
     ks = torch.where(top_k > 0, top_k, vocab)
-    remove = torch.arange(vocab)[None, :] >= ks[:, None]
+    remove = torch.arange(vocab, device=logits.device)[None, :] >= ks[:, None]
     remove |= (probs.cumsum(-1) - probs) > top_p[:, None]
     remove |= probs < min_p[:, None] * probs[:, :1]
     return logits.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))
@@ -75,9 +83,9 @@ def draw(
     want_support: Sequence[bool] | None = None,
 ) -> Draw:
     """Next token per row of fp32 `logits` [B, V]; each sequence argument has one entry per row."""
-    n = logits.shape[0]
-    temp = torch.tensor(temperature, dtype=torch.float32)
-    tk = torch.tensor(top_k, dtype=torch.long)
+    n, dev = logits.shape[0], logits.device
+    temp = _on(temperature, torch.float32, dev)
+    tk = _on(top_k, torch.long, dev)
     scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
     out = logits.argmax(dim=-1)
     rows = ((temp > 0) & (tk != 1)).nonzero().flatten()
@@ -85,12 +93,12 @@ def draw(
     lg = None
     if r:
         lg = scaled[rows]
-        tp = torch.tensor([top_p[i] for i in r], dtype=torch.float32)
-        mp = torch.tensor([min_p[i] for i in r], dtype=torch.float32)
+        tp = _on([top_p[i] for i in r], torch.float32, dev)
+        mp = _on([min_p[i] for i in r], torch.float32, dev)
         if bool((tk[rows] > 0).any() or (tp < 1).any() or (mp > 0).any()):
             lg = filter_logits(lg, tk[rows], tp, mp)
         cdf = lg.softmax(-1).double().cumsum(-1)
-        u = uniforms([seeds[i] for i in r], [steps[i] for i in r]) * cdf[:, -1]
+        u = uniforms([seeds[i] for i in r], [steps[i] for i in r]).to(dev) * cdf[:, -1]
         pick = torch.searchsorted(cdf, u[:, None], right=True)
         last = (cdf < cdf[:, -1:]).sum(-1, keepdim=True)  # first index reaching the total: never masked
         out[rows] = torch.minimum(pick, last)[:, 0]

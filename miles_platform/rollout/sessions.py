@@ -36,14 +36,8 @@ from fastapi.responses import Response, StreamingResponse
 from miles_platform.data.sample import make_turn
 from miles_platform.rollout import chat
 from miles_platform.rollout import client as engine_client
-from miles_platform.rollout.engine_server import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    ServerHandle,
-    add_guards,
-    error,
-    json_body,
-    serve_in_thread,
-)
+from miles_platform.rollout.engine_server import ServerHandle, serve_in_thread
+from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, add_guards, error, json_body
 from miles_platform.rollout.tito import AppendOnlyViolation, TitoTokenizer
 
 # open sessions at once; the run's server allows more when its rollouts need it (start_session_server)

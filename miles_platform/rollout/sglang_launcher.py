@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.cluster.devices import run_rollout_dtype
 from miles_platform.cluster.ports import free_port
 from miles_platform.config import ConfigError, RunConfig
 
@@ -76,10 +77,11 @@ def check_sglang_args(cfg: RunConfig) -> None:
             raise ConfigError(f"--sglang-{key} is set per engine by the launcher; remove it")
     if "dtype" in args:
         given = _SGLANG_DTYPE_ALIASES.get(str(args["dtype"]), str(args["dtype"]))
-        if given != SGLANG_DTYPES[cfg.rollout_dtype]:
+        served = run_rollout_dtype(cfg)
+        if given != SGLANG_DTYPES[served]:
             raise ConfigError(
-                f"--sglang-dtype {args['dtype']} contradicts --rollout-dtype {cfg.rollout_dtype} "
-                f"(SGLang --dtype {SGLANG_DTYPES[cfg.rollout_dtype]}); set --rollout-dtype only"
+                f"--sglang-dtype {args['dtype']} contradicts --rollout-dtype {served} "
+                f"(SGLang --dtype {SGLANG_DTYPES[served]}); set --rollout-dtype only"
             )
     tp = int(args.get("tp-size", cfg.rollout_num_gpus_per_engine))
     sp = int(args.get("sp-degree", 1))
@@ -110,12 +112,16 @@ def build_sglang_command(
     ours: dict[str, Any] = {
         "model-path": cfg.hf_checkpoint,
         "tp-size": cfg.rollout_num_gpus_per_engine,
-        "dtype": SGLANG_DTYPES[cfg.rollout_dtype],
+        "dtype": SGLANG_DTYPES[run_rollout_dtype(cfg)],
         "host": host,
         "port": port,
     }
     if base_gpu_id is not None:
         ours["base-gpu-id"] = base_gpu_id
+    from miles_platform.cluster.colocation import offload_rollout_on
+
+    if offload_rollout_on(cfg):  # /release_memory_occupation needs SGLang's torch_memory_saver
+        ours["enable-memory-saver"] = True
     if cfg.syncs_lora_adapter:  # adapters loaded at run time (/load_lora_adapter)
         ours.update({"enable-lora": True, "max-lora-rank": cfg.lora_rank, "lora-target-modules": "all"})
     passthrough = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}

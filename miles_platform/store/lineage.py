@@ -65,10 +65,6 @@ class Node:
         return out | {"shown_above": self.shown_above, "truncated": self.truncated}
 
 
-def _lit(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 class LineageGraph:
     """The lineage edges plus the per-node facts the tree shows, loaded once from the catalog."""
 

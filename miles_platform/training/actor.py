@@ -4,6 +4,12 @@ Owns what every backend shares: old/ref log-prob recomputation, the loss hub, mi
 and gradient accumulation, AdamW + LR schedule, grad clipping, what goes into its checkpoints
 (written by training/checkpoint.py in Miles' layout), and the HF-named
 weights that engines load. The model itself comes from a ModelBackend (fsdp | megatron).
+
+Devices: the rank computes on one device (`self.device`, cluster/devices.py: the GPU Ray gave it, else
+the CPU). Batches are built as Python lists, staged on the CPU and moved there in one copy per tensor;
+every tensor of the train step (models, optimizer state, ids, masks, advantages, the loss hub's) lives
+on it, and only metrics and exports come back to the host. tests/device_check.py fails a step that
+mixes a CPU tensor into the device's computation.
 """
 
 from __future__ import annotations
@@ -22,8 +28,16 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from miles_platform.cluster.devices import (
+    config_on_device,
+    group_backend,
+    peak_memory_mb,
+    rank_device,
+    use_device,
+)
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
-from miles_platform.config import RunConfig
+from miles_platform.config import ConfigError, RunConfig
+from miles_platform.errors import CheckpointError
 from miles_platform.store import remote
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backends import get_backend_class
@@ -107,11 +121,21 @@ class TrainerActor:
 
     def __init__(
         self, cfg: RunConfig, rank: int = 0, world_size: int = 1, dist_init: str | None = None,
-        secret_env: dict | None = None,
+        secret_env: dict | None = None, device: str | torch.device | None = None,
     ):  # fmt: skip
+        """`device`: the rank's device; None: the one Ray assigned (cluster/devices.rank_device)."""
         remote.apply_secret_env(secret_env)  # the object store's credentials (never in the runtime env)
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS", "1"))))
+        self.device = rank_device(device)
+        use_device(self.device)
+        cfg = config_on_device(cfg, self.device)  # --train-forward-dtype / --rollout-dtype resolved
+        if cfg.moe_router_dtype and cfg.train_forward_dtype != "fp32":
+            raise ConfigError(
+                f"--moe-router-dtype {cfg.moe_router_dtype}: the forward on {self.device} defaults to "
+                f"{cfg.train_forward_dtype}; pass --train-forward-dtype fp32 --rollout-dtype fp32"
+            )
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.offloaded = False  # --offload-train: model and optimizer parked on the host
         self._moe: set = set()  # the RoutingReplay of each MoE model this actor forwards (policy, reference)
         if world_size > 1 and not dist.is_initialized():
             host, _, port = (dist_init or "").removeprefix("tcp://").rpartition(":")
@@ -124,22 +148,24 @@ class TrainerActor:
             minutes = cfg.distributed_timeout_minutes
             store = tcp_store(host, int(port), world_size, rank == 0, timeout_s=60.0 * minutes)
             dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=minutes)
-            )
+                group_backend(self.device), store=store, rank=rank, world_size=world_size,
+                timeout=timedelta(minutes=minutes),
+            )  # fmt: skip
         if cfg.deterministic_mode:  # Miles' --deterministic-mode (cuBLAS' workspace: run_services' env)
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)
-        self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
+        self.backend = get_backend_class(cfg.train_backend)(cfg, rank, world_size, self.device)
         self.model = self.backend.build(cfg.hf_checkpoint)
+        check_finite_weights(self.backend.parameters(), self.model, cfg.hf_checkpoint)
         self.ref = self._build_ref() if cfg.uses_reference_model else None
-        self.teacher = build_teacher(cfg, rank, world_size) if cfg.uses_trainer_teacher else None
+        self.teacher = build_teacher(cfg, rank, world_size, self.device) if cfg.uses_trainer_teacher else None
         self.critic = None
         if cfg.uses_critic:
             from miles_platform.training.critic import Critic
 
-            self.critic = Critic(cfg, cfg.hf_checkpoint, world_size)
+            self.critic = Critic(cfg, cfg.hf_checkpoint, world_size, self.device)
         params = [p for p in self.backend.parameters() if p.requires_grad]
         if cfg.optimizer == "adam":
             self.opt = torch.optim.AdamW(
@@ -163,7 +189,7 @@ class TrainerActor:
 
     # ------------------------------------------------------------------ setup
     def _build_ref(self):
-        ref = get_backend_class(self.cfg.train_backend)(self.cfg, self.rank, self.world_size)
+        ref = get_backend_class(self.cfg.train_backend)(self.cfg, self.rank, self.world_size, self.device)
         ref.build(
             self.cfg.ref_load
             if self.cfg.ref_load and self.cfg.train_backend == "fsdp"
@@ -180,14 +206,22 @@ class TrainerActor:
         return True
 
     # ------------------------------------------------------------------ log-probs
+    def _tensor(self, data, dtype=torch.float32) -> torch.Tensor:
+        """A tensor of Python data on the rank's device (built on the host, one copy)."""
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def _mask(self, batch: TrainBatch, i: int) -> torch.Tensor:
+        return self._tensor(batch.loss_masks[i])
+
     def _pack(self, batch: TrainBatch, idx: list[int]):
+        """[B, width] right-padded token ids and their positions, on the device."""
         seqs = [batch.tokens[i] for i in idx]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         for r, s in enumerate(seqs):
             ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-        pos = torch.arange(width).unsqueeze(0).expand(len(seqs), -1).contiguous()
-        return ids, pos
+        pos = torch.arange(width, device=self.device).unsqueeze(0).expand(len(seqs), -1).contiguous()
+        return ids.to(self.device), pos
 
     def _response_log_probs(
         self,
@@ -217,7 +251,8 @@ class TrainerActor:
         )
         cand = None
         if candidates is not None:  # [B, width, K]: each sample's ids at its response positions
-            index = torch.full((len(idx), ids.shape[1] - 1, candidates[0].shape[-1]), -1, dtype=torch.long)
+            k = candidates[0].shape[-1]
+            index = torch.full((len(idx), ids.shape[1] - 1, k), -1, dtype=torch.long, device=self.device)
             for r, i in enumerate(idx):
                 total, resp = len(batch.tokens[i]), batch.response_lengths[i]
                 index[r, total - resp - 1 : total - 1] = candidates[r]
@@ -257,7 +292,9 @@ class TrainerActor:
         self._moe.add(rr)
         if not self.cfg.use_rollout_routing_replay:
             return contextlib.nullcontext()
-        routes = torch.full((len(idx), width, rr.num_layers, rr.top_k), -1, dtype=torch.long)
+        routes = torch.full(
+            (len(idx), width, rr.num_layers, rr.top_k), -1, dtype=torch.long
+        )  # staged on the host
         for r, i in enumerate(idx):
             got = (batch.routed_experts or [None] * len(batch))[i]
             n = len(batch.tokens[i]) - 1
@@ -267,7 +304,7 @@ class TrainerActor:
                     f"routed-expert rows for its {n + 1} tokens (the engine returns tokens - 1)"
                 )
             routes[r, :n] = torch.as_tensor(got, dtype=torch.long)
-        return rr.replay(routes)  # [B, T, layers, top_k]: each kind flattens its tokens its own way
+        return rr.replay(routes.to(self.device))  # [B, T, layers, top_k]: each kind flattens its own way
 
     def _aux_loss(self, backend, batch: TrainBatch, idx: list[int], width: int):
         """--moe-aux-loss-coeff / --moe-z-loss-coeff: the policy's training forward collects its
@@ -284,8 +321,8 @@ class TrainerActor:
         )
         if rr is None or backend is not self.backend or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        lens = torch.tensor([len(batch.tokens[i]) for i in idx])
-        mask = torch.arange(width)[None, :] < lens[:, None]  # [B, T]
+        lens = self._tensor([len(batch.tokens[i]) for i in idx], torch.long)
+        mask = torch.arange(width, device=self.device)[None, :] < lens[:, None]  # [B, T]
 
         @contextlib.contextmanager
         def collect():
@@ -295,8 +332,7 @@ class TrainerActor:
 
         return collect()
 
-    @staticmethod
-    def _support_index(batch: TrainBatch, idx: list[int], width: int) -> torch.Tensor | None:
+    def _support_index(self, batch: TrainBatch, idx: list[int], width: int) -> torch.Tensor | None:
         """[B, width, K] token ids of each response position's recorded support (-1 elsewhere)."""
         sups = batch.rollout_sampling_supports
         if sups is None or all(sups[i] is None for i in idx):
@@ -311,7 +347,7 @@ class TrainerActor:
                 raise ValueError(f"sample {i}: {len(sups[i])} sampling supports for {resp} response tokens")
             for j, t in enumerate(sups[i]):
                 out[r, total - resp - 1 + j, : len(t)] = torch.tensor(t, dtype=torch.long)
-        return out
+        return out.to(self.device)  # staged on the host, one copy
 
     def _micro_batches(self, batch: TrainBatch, idx: list[int]) -> list[list[int]]:
         if self.cfg.use_dynamic_batch_size:
@@ -347,6 +383,7 @@ class TrainerActor:
             from miles_platform.cluster.object_store import get_rollout_data
 
             batch = TrainBatch(**get_rollout_data(batch))
+        self.onload()  # --offload-train: back on the device for the step
         self.hooks.rollout_id = rollout_id
         self.model.train()
         for rr in self._moe:  # MoE metrics are per train call
@@ -354,7 +391,7 @@ class TrainerActor:
         steps = cfg.num_steps_per_rollout
         mine = [i for s in range(steps) for i in self._my_indices(s)]
         fused = self._old_log_probs_from_training_forward()
-        rollout_lp = {i: torch.tensor(batch.rollout_log_probs[i], dtype=torch.float32) for i in mine}
+        rollout_lp = {i: self._tensor(batch.rollout_log_probs[i]) for i in mine}
         # `scored`: the trainer's log-probs before the step (fused: filled by the training forward
         # itself, detached, micro-batch by micro-batch); `old`: the ratio's old policy (the rollout's
         # with --use-rollout-logprobs, when the trainer pass runs only for --get-mismatch-metrics)
@@ -376,7 +413,7 @@ class TrainerActor:
         opd = None
         if cfg.use_opd:  # the teacher's signal; applied once the student's old log-probs exist
             teacher = self._all_log_probs(self.teacher, batch, mine) if self.teacher is not None else None
-            opd = OPDPenalty(cfg, batch, teacher, add)
+            opd = OPDPenalty(cfg, batch, teacher, add, self.device)
             if not fused:
                 opd.apply(mine, adv, old)
         if cfg.normalize_advantages:  # after OPD, as Miles; never fused with OPD (see above)
@@ -398,6 +435,9 @@ class TrainerActor:
         # memory: the process's peak RSS (Linux reports KiB) and the optimizer state actually held
         # (LoRA: the adapter's only)
         out["perf/actor_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = peak_memory_mb(self.device)
+        if peak is not None:
+            out["perf/actor_peak_device_mem_mb"] = peak
         out["perf/actor_optimizer_state_bytes"] = float(
             sum(
                 t.numel() * t.element_size()
@@ -437,7 +477,7 @@ class TrainerActor:
         m = alignment_metrics(
             [old[i] for i in have],
             [rollout_lp[i] for i in have],
-            [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in have],
+            [self._mask(batch, i) for i in have],
         )
         for k, v in m.items():
             add(k, v)
@@ -447,15 +487,16 @@ class TrainerActor:
         """The estimator's advantages and returns of this rank's samples (before OPD and whitening)."""
         cfg = self.cfg
         if cfg.loss_type == "sft_loss":
-            return {i: torch.zeros(batch.response_lengths[i]) for i in mine}, None
+            return {i: torch.zeros(batch.response_lengths[i], device=self.device) for i in mine}, None
         group_based = cfg.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline")
         idx = list(range(len(batch))) if group_based else mine  # a group's statistics need all of it
-        rewards = torch.tensor([batch.rewards[i] for i in idx], dtype=torch.float32)
-        lps = [old[i] if i in old else torch.zeros(batch.response_lengths[i]) for i in idx]
+        rewards = self._tensor([batch.rewards[i] for i in idx])
+        zeros = lambda i: torch.zeros(batch.response_lengths[i], device=self.device)  # noqa: E731
+        lps = [old[i] if i in old else zeros(i) for i in idx]
         refs = None
         if ref is not None:
-            refs = [ref[i] if i in ref else torch.zeros(batch.response_lengths[i]) for i in idx]
-        masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in idx]
+            refs = [ref[i] if i in ref else zeros(i) for i in idx]
+        masks = [self._mask(batch, i) for i in idx]
         vals = [values[i] for i in idx] if values is not None else None
         advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks)
         keep = set(mine)
@@ -465,7 +506,7 @@ class TrainerActor:
     def _whiten(self, batch, mine, adv) -> None:
         """--normalize-advantages: every rank whitens its share with the whole batch's statistics
         (the ranks' shares partition the rollout)."""
-        masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mine]
+        masks = [self._mask(batch, i) for i in mine]
         dp_sum = self._all_reduce_tensor if self.world_size > 1 else None
         whitened = loss_hub.normalize_advantages([adv[i] for i in mine], masks, dp_sum)
         adv.update(zip(mine, whitened, strict=True))
@@ -487,7 +528,7 @@ class TrainerActor:
         tok_global = self._all_reduce_sum(self._token_count(batch, idx))
         for mb in self._micro_batches(batch, idx):
             v = self._critic_forward(batch, mb)
-            masks = [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mb]
+            masks = [self._mask(batch, i) for i in mb]
             rets = [returns[i] for i in mb]
             loss, m = loss_hub.value_loss(self.cfg, v, [old_values[i] for i in mb], rets, masks)
             (loss * self._mb_scale(batch, mb, len(idx), tok_global)).backward()
@@ -519,7 +560,9 @@ class TrainerActor:
             if getattr(self.loss_fn, "needs_candidate_log_probs", False):  # score centering
                 from miles_platform.training.score_centering import rollout_candidates
 
-                recorded = [rollout_candidates(batch, i, cfg.rollout_top_logprobs_num) for i in mb]
+                recorded = [
+                    rollout_candidates(batch, i, cfg.rollout_top_logprobs_num, self.device) for i in mb
+                ]
             lps, ents, *cands = self._response_log_probs(
                 self.backend, batch, mb, need_ent, [c for c, _ in recorded] if recorded else None
             )
@@ -532,7 +575,7 @@ class TrainerActor:
                 "old_log_probs": [old[i] for i in mb],
                 "rollout_log_probs": [rollout_lp[i] for i in mb],
                 "ref_log_probs": [ref[i] for i in mb] if ref is not None else None,
-                "loss_masks": [torch.tensor(batch.loss_masks[i], dtype=torch.float32) for i in mb],
+                "loss_masks": [self._mask(batch, i) for i in mb],
                 "response_lengths": [batch.response_lengths[i] for i in mb],
             }
             if recorded:  # the rollout's candidates (ids, log q) and the trainer's log p at them
@@ -586,6 +629,36 @@ class TrainerActor:
         dist.all_reduce(t)
         return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist(), strict=True)}
 
+    # ------------------------------------------------------------------ colocation
+    def offload(self) -> None:
+        """--offload-train: model(s) and optimizer state to host memory (training/offload.py)."""
+        from miles_platform.training import offload
+
+        offload.offload(self)
+
+    def onload(self) -> None:
+        """Back on the rank's device (`train` and `compute_log_probs` call it themselves)."""
+        from miles_platform.training import offload
+
+        offload.onload(self)
+
+    def stage_weights(self) -> dict:
+        """The policy under HF names in shared memory for the engine on this rank's device
+        (`--colocate`, weights/shared_tensors.py): the descriptor its /update_weights_from_tensor
+        takes. Collective under FSDP (every rank exports); held until `unstage_weights`."""
+        from miles_platform.weights.shared_tensors import stage
+
+        self.unstage_weights()
+        self.hooks.fire("trainer_weight_update_before_all_gather")
+        self._staged = stage(self.backend.export_hf_state_dict())
+        self.hooks.fire("trainer_weight_update_before_send")
+        return self._staged.descriptor
+
+    def unstage_weights(self) -> None:
+        staged, self._staged = getattr(self, "_staged", None), None
+        if staged is not None:
+            staged.close()
+
     # ------------------------------------------------------------------ weights
     def get_hf_weights(self) -> dict[str, torch.Tensor]:
         """The policy under HF names (a LoRA trainer's merged weights: for exports on demand)."""
@@ -632,7 +705,7 @@ class TrainerActor:
         if missing:
             raise KeyError(f"broadcast_weights: trainer has no tensors {missing[:5]}")
         group, backend = self._weight_groups[group_name]
-        device = "cuda" if backend == "nccl" else "cpu"
+        device = self.device if backend == "nccl" else "cpu"  # NCCL sends from this rank's GPU
         self.hooks.fire("trainer_weight_update_before_send")  # the sending rank, engines waiting
         for n in names:
             broadcast(group, state[n].detach().to(device).contiguous())
@@ -643,6 +716,7 @@ class TrainerActor:
         }
 
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
+        self.onload()
         idx = list(range(len(batch)))
         lp = self._all_log_probs(self.backend, batch, idx)
         return [lp[i].tolist() for i in idx]
@@ -693,3 +767,17 @@ class TrainerActor:
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         return optimizer_tensors(self.opt, self.backend.named_parameters())
+
+
+def check_finite_weights(params, model: torch.nn.Module, hf_checkpoint: str) -> None:
+    """A base checkpoint with NaN / inf weights trains nothing (every step is skipped as non-finite,
+    then the run stops): refuse it at once, naming the tensor (each rank checks its own shard)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+            bad = int((~torch.isfinite(local.detach())).sum())
+            raise CheckpointError(
+                f"--hf-checkpoint {hf_checkpoint}: {names.get(id(p), 'a parameter')} has {bad} NaN / inf "
+                "value(s); a model that is not finite cannot be trained"
+            )

@@ -8,6 +8,10 @@ how its weights are written to / read from a checkpoint directory.
 
 Backends: `fsdp` (torch-native HF model; FSDP2 over gloo/NCCL when world_size > 1) and
 `megatron` (megatron-core GPTModel; local spec on CPU, TE spec on GPU).
+
+`device`: the rank's device (cluster/devices.py). A backend builds its model on the CPU (the same
+initial values whatever the device: LoRA's random init, loaded weights), then moves it there; the
+inputs `logits` gets are already on it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,13 @@ from miles_platform.config import RunConfig
 class ModelBackend(ABC):
     name: str = ""
 
-    def __init__(self, cfg: RunConfig, rank: int = 0, world_size: int = 1):
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+    def __init__(
+        self, cfg: RunConfig, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"
+    ):
+        from miles_platform.cluster.devices import config_on_device
+
+        self.device = torch.device(device)
+        self.cfg, self.rank, self.world_size = config_on_device(cfg, self.device), rank, world_size
 
     @abstractmethod
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
@@ -32,7 +41,7 @@ class ModelBackend(ABC):
 
     @abstractmethod
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] token ids (right-padded) -> [B, T, V] fp32-castable logits, causal."""
+        """[B, T] token ids (right-padded, on `self.device`) -> [B, T, V] fp32-castable logits, causal."""
 
     @abstractmethod
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -199,9 +199,9 @@ def load_optimizer_tensors(
             if full:
                 st[k] = distribute_tensor(v, p.device_mesh, p.placements)
             else:
-                st[k] = DTensor.from_local(v, p.device_mesh, p.placements)
-        else:
-            st[k] = v.clone()
+                st[k] = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements)
+        else:  # AdamW keeps its step count on the host (not capturable), the moments beside p
+            st[k] = v.clone() if k == "step" else v.to(p.device, copy=True)
 
 
 # ---------------------------------------------------------------------- RNG

@@ -39,10 +39,11 @@ def step0_checks(cfg: RunConfig, m: dict[str, float], log: Callable[[str], None]
 
 def check_weights_equal(cfg: RunConfig, engines, weights, version: int) -> None:
     """Every engine, embedded, external or SGLang, over HTTP (weights/equality.py)."""
+    from miles_platform.cluster.devices import run_rollout_dtype
     from miles_platform.weights.equality import first_mismatch
 
     for e in engines:
-        why = first_mismatch(e.url, weights, cfg.rollout_dtype, cfg.api_key)
+        why = first_mismatch(e.url, weights, run_rollout_dtype(cfg), cfg.api_key)
         if why:
             raise CITestFailure(f"--check-weight-update-equal at v{version}: {why}")
 
@@ -55,13 +56,14 @@ def lora_check_on(cfg: RunConfig) -> bool:
 def check_lora_weights_equal(cfg: RunConfig, engines, adapter: dict, version: int) -> None:
     """Every engine serves the run's adapter at `version`, each lora_A / lora_B tensor SHA-256-equal
     to the trainer's (cast to the serving dtype), as Miles' --check-lora-weight-equal."""
+    from miles_platform.cluster.devices import run_rollout_dtype
     from miles_platform.rollout.base_types import AdapterName
     from miles_platform.rollout.client import EngineHTTPError, post
     from miles_platform.rollout.lora_serving import tensor_sha256
     from miles_platform.training.precision import DTYPES
 
     name = AdapterName(cfg.run_name).of(version)  # the engine-side name of this version
-    dtype = DTYPES[cfg.rollout_dtype]
+    dtype = DTYPES[run_rollout_dtype(cfg)]
     want = {k: tensor_sha256(t.to(dtype)) for k, t in adapter.items()}
     for e in engines:
         try:

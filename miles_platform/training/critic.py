@@ -24,7 +24,7 @@ from miles_platform.weights.quantize import load_dense_hf_model
 
 
 class Critic(torch.nn.Module):
-    def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1):
+    def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1, device="cpu"):
         super().__init__()
         self.world_size = world_size
         lm = load_dense_hf_model(hf_checkpoint)
@@ -32,6 +32,7 @@ class Critic(torch.nn.Module):
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+        self.to(device)  # the rank's device; the optimizer's state follows its parameters
         self.train()
         self.opt = torch.optim.AdamW(
             self.parameters(),
@@ -73,13 +74,15 @@ class Critic(torch.nn.Module):
         """Into the trainer's checkpoint dir (training/checkpoint.py): the critic once, its optimizer per rank."""
         if rank == 0:
             save_file(
-                {k: v.contiguous() for k, v in self.state_dict().items()},
+                {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
                 os.path.join(ckpt_dir, "critic.safetensors"),
             )
         opt = optimizer_tensors(self.opt, self.named_parameters())
         save_file(opt, os.path.join(ckpt_dir, rank_file("critic_optimizer", rank)))
 
     def load(self, ckpt_dir: str, rank: int) -> None:
-        self.load_state_dict(load_file(os.path.join(ckpt_dir, "critic.safetensors")))
+        self.load_state_dict(
+            load_file(os.path.join(ckpt_dir, "critic.safetensors"))
+        )  # copied onto the device
         opt = load_file(os.path.join(ckpt_dir, rank_file("critic_optimizer", rank)))
         load_optimizer_tensors(self.opt, self.named_parameters(), opt)

@@ -87,10 +87,13 @@ def _install_param_dtype_map(module: nn.Module, fsdp_param_cls: type) -> None:
         )
 
 
-def _ensure_process_group() -> None:
-    # A single-process run (census, world_size 1 with rules) still needs a group for fully_shard.
+def _ensure_process_group(device: torch.device) -> None:
+    # A single-process run (census, world_size 1 with rules or a bf16 forward) still needs a group
+    # for fully_shard: NCCL for a model on CUDA (gloo cannot all-gather CUDA tensors), else gloo.
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        from miles_platform.cluster.devices import group_backend
+
+        dist.init_process_group(group_backend(device), store=dist.HashStore(), rank=0, world_size=1)
 
 
 def apply_precision_plan(
@@ -131,7 +134,7 @@ def shard_model(model: nn.Module, cfg: Any, mesh=None, *, gather_dtype: str | No
         model.to(DTYPES[policy.master])
     plan = compile_policy(model, policy)
     if mesh is None:
-        _ensure_process_group()
+        _ensure_process_group(next(model.parameters()).device)
     apply_precision_plan(model, plan, policy, mesh)
     apply_input_dtype_policy(model, policy.input_dtype_policy, policy.compute)
     model.precision_plan = plan  # for logs and the census
@@ -146,7 +149,7 @@ def wrap_units(model: nn.Module) -> list[str]:
 @contextlib.contextmanager
 def forward_autocast(cfg: Any, device_type: str | None = None) -> Iterator[None]:
     """Autocast to the compute dtype (`--train-forward-dtype`); a no-op for fp32."""
-    compute = cfg.compute if isinstance(cfg, PrecisionPolicy) else cfg.train_forward_dtype
+    compute = (cfg if isinstance(cfg, PrecisionPolicy) else PrecisionPolicy.from_config(cfg)).compute
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if compute == "fp32":
         yield

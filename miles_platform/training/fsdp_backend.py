@@ -1,10 +1,15 @@
 """Torch-native backend: the HF model itself; FSDP2 (`fully_shard`) when world_size > 1.
 
 With --lora-rank > 0 the model is PEFT-wrapped (training/lora.py): only the adapter trains, the
-checkpoint holds the adapter and names the base by content hash, and engines get the adapter only."""
+checkpoint holds the adapter and names the base by content hash, and engines get the adapter only.
+
+The model is loaded (and LoRA-wrapped) on the CPU, then moved to the rank's `device`; a forward below
+fp32 (`--train-forward-dtype bf16`, the default on CUDA) is sharded by the precision plan even at world
+size 1, so the family's aligned rules (training/precision.py) hold on one GPU as on many."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -38,7 +43,8 @@ class FSDPBackend(ModelBackend):
             if self.cfg.gradient_checkpointing:
                 model.enable_input_require_grads()  # frozen embeddings: recompute needs a grad path
             model = wrap_model(model, self.cfg)
-        if self.world_size > 1 or self.cfg.fsdp_precision_rules:
+        model.to(self.device)
+        if self.world_size > 1 or self.cfg.fsdp_precision_rules or self._compute_dtype() != "fp32":
             from miles_platform.training.fsdp import shard_model
 
             model = shard_model(model, self.cfg)
@@ -46,11 +52,18 @@ class FSDPBackend(ModelBackend):
         self.module = model
         return model
 
+    def _compute_dtype(self) -> str:
+        return self.cfg.train_forward_dtype  # resolved for the device (ModelBackend.__init__)
+
     def _autocast(self):
-        dt = self.cfg.train_forward_dtype
+        dt, kind = self._compute_dtype(), self.device.type
+        if kind not in ("cpu", "cuda"):  # a test's fake device (tests/device_check.py): fp32 only
+            if dt != "fp32":
+                raise ValueError(f"--train-forward-dtype {dt}: no autocast on device {self.device}")
+            return contextlib.nullcontext()
         if dt == "fp32":
-            return torch.autocast("cpu", enabled=False)
-        return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=DTYPES[dt])
+            return torch.autocast(kind, enabled=False)
+        return torch.autocast(kind, dtype=DTYPES[dt])
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         attn = torch.ones_like(input_ids)

@@ -50,20 +50,25 @@ def build_gpt_model(
     tensor_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_te: bool | None = None,
+    device: torch.device | str | None = None,
 ):
-    """(GPTModel, bridge) for an HF config; parallel_state must be initialized."""
+    """(GPTModel, bridge) for an HF config, on `device` (default: CUDA's current device when there
+    is one, else the CPU); parallel_state must be initialized."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer import TransformerConfig
 
     bridge = get_bridge(hf_config)
     use_te = te_available() if use_te is None else use_te
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     megatron_shims.apply_no_te_shims()
     cfg = TransformerConfig(
         **bridge.transformer_config(hf_config),
         tensor_model_parallel_size=tensor_model_parallel_size,
         params_dtype=params_dtype,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=device.type != "cuda",
     )
     spec_kwargs = bridge.layer_spec_kwargs(hf_config)
     if use_te:
@@ -76,9 +81,19 @@ def build_gpt_model(
         **bridge.gpt_model_kwargs(hf_config, tensor_model_parallel_size),
         parallel_output=False,  # logits gathered over TP: [B, T, V] on every rank
     )
-    if torch.cuda.is_available():
-        model = model.cuda()
-    return model, bridge
+    return to_device(model, device), bridge
+
+
+def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to(device)`, with the tensors megatron keeps as plain attributes (RoPE's `inv_freq`,
+    created on the CPU under `use_cpu_initialization`), which `.to` does not see."""
+    model.to(device)
+    for m in model.modules():
+        for name, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device != device:
+                if name not in m._buffers:
+                    setattr(m, name, v.to(device))
+    return model
 
 
 def uses_fused_norms(model: torch.nn.Module) -> bool:
@@ -217,10 +232,10 @@ class MegatronBackend(ModelBackend):
                 "(TrainerActor does it from its dist_init)"
             )
         megatron_shims.init_process_group(
-            self.rank, self.world_size, tp, seed=int(getattr(self.cfg, "seed", 1234))
+            self.rank, self.world_size, tp, seed=int(getattr(self.cfg, "seed", 1234)), device=self.device
         )
         self.hf_config = hf_config
-        self.module, self.bridge = build_gpt_model(hf_config, tp)
+        self.module, self.bridge = build_gpt_model(hf_config, tp, device=self.device)
         ref_load = getattr(self.cfg, "ref_load", None)
         if ref_load:
             load_torch_dist(self.module, ref_load)

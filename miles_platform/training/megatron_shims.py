@@ -10,7 +10,8 @@ checkpointing otherwise do not need. Each shim below is a no-op when CUDA is ava
   by `torch.cuda.synchronize()`: force `non_blocking=False`.
 - `torch.cuda.current_device()` is called for RoPE frequencies, attention buffers and the
   failure flag that `dist_checkpointing.save` all-reduces: on a machine without CUDA (where the
-  call could only raise) it answers "cpu".
+  call could only raise) it answers the rank's device (`set_shim_device`; "cpu" unless a test runs
+  the backend on its fake device, tests/device_check.py), and the buffers are allocated there.
 
 Without transformer-engine (any machine, CUDA or not), `moe/moe_utils.py` leaves the names it
 imports from TE undefined (its `except ImportError` only sets HAVE_TE = False), and the MoE
@@ -30,6 +31,13 @@ import torch
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 
 _APPLIED = False
+_DEVICE = "cpu"  # what the shimmed torch.cuda.current_device() answers (no CUDA only)
+
+
+def set_shim_device(device) -> None:
+    """The device megatron's CUDA-assuming spots allocate on when CUDA is absent (the rank's)."""
+    global _DEVICE
+    _DEVICE = str(device)
 
 
 def cuda_available() -> bool:
@@ -71,8 +79,8 @@ def apply_cpu_shims() -> bool:
         for d in tensor_shape:
             numel *= int(d)
         buf = self.buffer.get((name, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device="cpu")
+        if buf is None or buf.numel() < numel or buf.device != torch.device(_DEVICE):
+            buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype, device=_DEVICE)
         return buf[:numel].view(*tensor_shape)
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor
@@ -108,7 +116,7 @@ def init_rng(seed: int) -> None:
 
 
 def _cpu_device() -> str:
-    return "cpu"
+    return _DEVICE
 
 
 def init_process_group(
@@ -118,18 +126,26 @@ def init_process_group(
     pipeline_model_parallel_size: int = 1,
     master_port: int | None = None,
     seed: int = 1234,
+    device: torch.device | str | None = None,
 ) -> None:
-    """torch.distributed (gloo on CPU, nccl on GPU) + megatron parallel_state, if not already up."""
+    """torch.distributed (gloo on CPU, nccl on GPU) + megatron parallel_state, if not already up.
+    `device`: the rank's (default: `cuda:<rank % GPUs>` with CUDA, else the CPU)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from miles_platform.cluster.devices import group_backend
+
+    if device is None:
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda_available() else "cpu"
+    device = torch.device(device)
+    set_shim_device(device)
     apply_cpu_shims()
     if not dist.is_initialized():
         if master_port is None and world_size != 1:
             raise ValueError("init_process_group: world_size > 1 needs an agreed master_port")
-        backend = "nccl" if cuda_available() else "gloo"
-        if cuda_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = group_backend(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if world_size == 1:  # nobody to meet: no rendezvous server, no gloo pairs
             store = dist.HashStore()
         else:

@@ -18,13 +18,13 @@ import os
 import torch
 
 
-def build_teacher(cfg, rank: int, world_size: int):
+def build_teacher(cfg, rank: int, world_size: int, device="cpu"):
     """The frozen teacher backend, like the reference model. --opd-teacher-load is an HF dir (any
     size sharing the tokenizer) or a checkpoint dir of this backend's layout (the student's shape)."""
     from miles_platform.training.backends import get_backend_class
 
     path = cfg.opd_teacher_load
-    teacher = get_backend_class(cfg.train_backend)(cfg, rank, world_size)
+    teacher = get_backend_class(cfg.train_backend)(cfg, rank, world_size, device)
     hf = os.path.isfile(os.path.join(path, "config.json"))
     teacher.build(path if hf else cfg.hf_checkpoint, trainable=False)
     if not hf:
@@ -38,26 +38,24 @@ class OPDPenalty:
     """One rollout's teacher signal; `apply(idx, adv, old)` subtracts it from adv[i] for i in idx,
     once old (the student's log-probs before the step) exists for them, and logs opd/* metrics."""
 
-    def __init__(self, cfg, batch, teacher: dict[int, torch.Tensor] | None, add):
-        """`teacher`: in-trainer teacher log-probs by sample index (else the batch's sglang scores)."""
-        self.coef, self.batch, self.add = cfg.opd_kl_coef, batch, add
+    def __init__(self, cfg, batch, teacher: dict[int, torch.Tensor] | None, add, device="cpu"):
+        """`teacher`: in-trainer teacher log-probs by sample index (else the batch's sglang scores);
+        `device`: the rank's, where the penalty meets the advantages."""
+        self.coef, self.batch, self.add, self.device = cfg.opd_kl_coef, batch, add, device
         self.teacher = teacher
         self.topk = batch.opd_reverse_kl if cfg.opd_log_prob_top_k > 0 else None
         if self.teacher is None and self.topk is None:
             scored = batch.teacher_log_probs
-            self.teacher = {
-                i: torch.tensor(t, dtype=torch.float32) for i, t in enumerate(scored or []) if t is not None
-            }
+            self.teacher = {i: self._tensor(t) for i, t in enumerate(scored or []) if t is not None}
+
+    def _tensor(self, data) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.float32).to(self.device)
 
     def reverse_kl(self, i: int, old: dict[int, torch.Tensor]) -> torch.Tensor | None:
         n = self.batch.response_lengths[i]
         if self.topk is not None:
             rkl = self.topk[i]
-            return (
-                None
-                if rkl is None
-                else _sized(torch.tensor(rkl, dtype=torch.float32), n, i, "opd_reverse_kl")
-            )
+            return None if rkl is None else _sized(self._tensor(rkl), n, i, "opd_reverse_kl")
         t = self.teacher.get(i)
         return None if t is None else old[i].detach().float() - _sized(t, n, i, "teacher_log_probs")
 
@@ -69,7 +67,7 @@ class OPDPenalty:
                 continue
             adv[i] = adv[i] - self.coef * rkl
             kls.append(rkl)
-            masks.append(torch.tensor(self.batch.loss_masks[i], dtype=torch.float32))
+            masks.append(self._tensor(self.batch.loss_masks[i]))
             if self.teacher is not None:
                 tlps.append(self.teacher[i].float())
         if not kls:

@@ -146,12 +146,14 @@ class PrecisionPolicy:
 
     @classmethod
     def from_config(cls, cfg: Any, gather_dtype: str | None = None) -> PrecisionPolicy:
-        """From a RunConfig. The gather default is the master dtype unless given (no down-cast)."""
+        """From a RunConfig. The gather default is the master dtype unless given (no down-cast).
+        An unset forward dtype is resolved per device by the backend (cluster/devices.py); a
+        config used here directly without one computes in fp32, the CPU's default."""
         master = cfg.fsdp_master_dtype
         return cls(
             master=master,
             gather=gather_dtype or master,
-            compute=cfg.train_forward_dtype,
+            compute=cfg.train_forward_dtype or getattr(cfg, "rollout_dtype", None) or "fp32",
             reduce=cfg.fsdp_reduce_dtype,
             rules=tuple(parse_precision_rules(cfg.fsdp_precision_rules)),
         )

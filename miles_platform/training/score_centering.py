@@ -130,9 +130,10 @@ score_centering_loss.needs_candidate_log_probs = True  # the actor hands "candid
 # ---------------------------------------------------------------------------- the trainer's side
 
 
-def rollout_candidates(batch, i: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample i of a TrainBatch: its recorded candidates as ([n, K] ids, [n, K] log-probs), checked
-    (one row of K per response token, no repeated id). A sample with nothing trained may lack them."""
+def rollout_candidates(batch, i: int, k: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample i of a TrainBatch: its recorded candidates as ([n, K] ids, [n, K] log-probs) on
+    `device`, checked (one row of K per response token, no repeated id). A sample with nothing
+    trained may lack them."""
     n = batch.response_lengths[i]
     ids = (batch.rollout_topk_token_ids or [None] * len(batch))[i]
     lps = (batch.rollout_topk_log_probs or [None] * len(batch))[i]
@@ -144,7 +145,10 @@ def rollout_candidates(batch, i: int, k: int) -> tuple[torch.Tensor, torch.Tenso
     if ids is None or lps is None:
         if any(batch.loss_masks[i]):
             raise ValueError(f"--loss-type score_centering: sample {i} has no rollout_topk_token_ids; {how}")
-        return torch.full((n, k), -1, dtype=torch.long), torch.full((n, k), float("-inf"))
+        return (
+            torch.full((n, k), -1, dtype=torch.long, device=device),
+            torch.full((n, k), float("-inf"), device=device),
+        )
     widths = {len(r) for r in ids} | {len(r) for r in lps}
     if len(ids) != n or len(lps) != n or widths - {k}:
         raise ValueError(
@@ -156,4 +160,4 @@ def rollout_candidates(batch, i: int, k: int) -> tuple[torch.Tensor, torch.Tenso
     s = ids_t.sort(-1).values
     if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
         raise ValueError(f"--loss-type score_centering: sample {i} repeats a candidate id within a row")
-    return ids_t, lps_t
+    return ids_t.to(device), lps_t.to(device)

@@ -137,9 +137,13 @@ def test_bad_config_fails_before_any_engine_starts(tiny_hf_checkpoint, tmp_path)
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, custom_rm_path="no.such.module.fn"))
     with pytest.raises(ConfigError, match="global-batch-size"):
         RunConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=3).validate()
-    # --sglang-* flags: the embedded engine honours max-running-requests and refuses the rest
-    with pytest.raises(ConfigError, match="sglang-mem-fraction-static.*embedded engine"):
-        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"mem-fraction-static": "0.7"}))
+    # --sglang-* flags: the embedded engine honours max-running-requests and mem-fraction-static
+    # (its KV budget) and refuses the rest
+    with pytest.raises(ConfigError, match="sglang-enable-dp-attention.*embedded engine"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"enable-dp-attention": True}))
+    with pytest.raises(ConfigError, match="sglang-mem-fraction-static '1.5': must be a number in"):
+        validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"mem-fraction-static": "1.5"}))
+    validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"mem-fraction-static": "0.7"}))
     with pytest.raises(ConfigError, match="sglang-max-running-requests"):
         validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"max-running-requests": "0"}))
     validate_before_start(_cfg(tiny_hf_checkpoint, tmp_path, sglang_args={"max-running-requests": "8"}))

@@ -105,8 +105,8 @@ def test_eval_reports_responses(tiny_hf_checkpoint, tmp_path, monkeypatch, capsy
     assert cli_main(argv) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["add"]["num_prompts"] == 3  # stdout stays the JSON alone
-    lines = _lines(captured.err, "eval", "response", 9)  # 3 greedy + 3 x 2 sampled
-    assert [m.group(1) for m in lines] == ["0", "3", "9", "9"]
+    lines = _lines(captured.err, "eval", "response", 9)  # 3 greedy + 3 x 2 sampled, one at a time
+    assert [int(m.group(1)) for m in lines] == [*range(10), 9]
     assert "eval: response 0/9 (0%) add |" in lines[0].string
 
 

@@ -38,6 +38,7 @@ from miles_platform.data.sample import Sample, Status
 from miles_platform.plugins import load_function, load_object
 from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
 from miles_platform.rollout.generate_hub.endpoint import finish_status, truncate
+from miles_platform.rollout.http_common import generate_key
 
 AGENT_FLAG = "--custom-agent-function-path"
 # our sampling names -> ChatCompletionRequest's (Miles' build_chat_request_kwargs)
@@ -108,7 +109,9 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         metadata = {**sample.metadata, "session_id": sid, "max_seq_len": a.max_seq_len}
         kwargs = {"base_url": base_url, "prompt": prompt_messages(sample.prompt),
                   "request_kwargs": request_kwargs(sp), "metadata": metadata}  # fmt: skip
-        result, agent_error = await run_agent(a, kwargs, state.api_key)
+        # the agent gets the run's generate-only key: it can chat, never swap weights or pause engines
+        agent_key = generate_key(state.api_key) if state.api_key else None
+        result, agent_error = await run_agent(a, kwargs, agent_key)
         r = await http.get(base_url)
         r.raise_for_status()
         record = r.json()

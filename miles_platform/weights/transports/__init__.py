@@ -114,6 +114,10 @@ def get_transport(
             + NOT_BUILT[cfg.update_weight_transfer_mode]
         )
     spec = TRANSPORTS.get(cfg.update_weight_transfer_mode)
+    if (
+        cfg.update_weight_transfer_mode == "tensor" and cfg.colocate and trainers
+    ):  # same device: shared memory
+        spec = "miles_platform.weights.transports.colocated:ColocatedTensorTransport"
     if cfg.uses_lora:  # adapters only, over SGLang's LoRA API (config/lora.py refused the other modes)
         from miles_platform.weights.transports.lora import LoraTransport
 

@@ -13,6 +13,7 @@ from miles_platform.config import RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.models.checkpoint import load_tokenizer
 from miles_platform.rollout.engine_server import serve_in_thread, start_engine_server
+from miles_platform.rollout.evaluate import engine_generate_fn
 from miles_platform.rollout.manager import RolloutManager, router_generate_fn
 from miles_platform.rollout.router import start_router
 
@@ -129,6 +130,9 @@ def test_router_splits_a_batch_over_engines_in_prompt_order(tiny_hf_checkpoint, 
         # the in-loop eval path: one batch, n per prompt, texts back in prompt order
         texts = router_generate_fn(routed)(["1+1=", "2+2=", "3+3="], 3, 0.0, 1.0, -1, 2, 0)
         assert len(texts) == 3 and all(len(t) == 2 and t[0] == t[1] for t in texts)  # greedy twice
+        # ... and its samples are those of `evaluate`'s in-process engine (one sampler, one seeding)
+        sampled = ["1+1=", "2+2=", "3+3="], 4, 0.9, 0.8, 12, 3, 5
+        assert router_generate_fn(routed)(*sampled) == engine_generate_fn(engines[1].core)(*sampled)
         # an error in one chunk is the answer (not a partial list)
         bad = {"input_ids": [[1, 2], [10**6]], "sampling_params": [{}, {}]}
         r = httpx.post(f"{router.url}/generate", json=bad, timeout=30)

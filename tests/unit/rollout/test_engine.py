@@ -183,6 +183,27 @@ def test_bad_input_is_400_and_engine_keeps_serving(engine, body, needle):
     )
 
 
+@pytest.mark.filterwarnings("ignore:Duplicate Operation ID")  # FastAPI's ids of a GET+POST route
+def test_every_route_but_health_needs_the_run_key(engine):
+    """Each router of the app (generate, OpenAI, health/info, weights, LoRA, control) sits behind the
+    guard: without the key, or with a wrong one, every route and method answers 401 before it acts."""
+    from fastapi.testclient import TestClient
+
+    from miles_platform.rollout.engine_server import create_app
+
+    app = create_app(engine.core, api_key="s3cret", weight_roots=["/nowhere"])
+    routes = [(p, m) for p, ops in app.openapi()["paths"].items() for m in ops]
+    assert {"/generate", "/v1/chat/completions", "/update_weights_from_disk", "/load_lora_adapter",
+            "/pause_generation", "/get_server_info"} <= {p for p, _ in routes}  # fmt: skip
+    with TestClient(app) as client:
+        for path, method in routes:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = client.request(method, path, json={"mode": "abort"}, headers=headers)
+                want = 200 if (path, method) == ("/health", "get") else 401
+                assert r.status_code == want, (method, path, r.status_code)
+    assert not engine.core.paused and engine.core.is_alive()  # the refused /pause_generation did nothing
+
+
 def test_api_key_and_request_size_limit(engine):
     guarded = start_engine_server(core=engine.core, api_key="s3cret", max_request_bytes=2000)
     try:

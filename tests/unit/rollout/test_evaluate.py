@@ -1,10 +1,13 @@
 import json
+import threading
 
 import pytest
 import torch
 
 from miles_platform.models.checkpoint import load_hf_checkpoint
-from miles_platform.rollout.evaluate import cli_main, evaluate, generate_local, generate_tokens, pass_at_k
+from miles_platform.rollout import evaluate as ev
+from miles_platform.rollout.engine_core import EngineCore
+from miles_platform.rollout.evaluate import cli_main, evaluate, pass_at_k
 
 
 @pytest.fixture()
@@ -38,53 +41,91 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert pass_at_k(5, 2, 2) == pytest.approx(1 - (3 * 2) / (5 * 4))
 
 
-def _no_cache_greedy(model, ids: list[int], steps: int) -> list[int]:
+def _no_cache_greedy(model, ids: list[int], steps: int, eos: int) -> list[int]:
     out = list(ids)
     for _ in range(steps):
         logits = model(input_ids=torch.tensor([out]), use_cache=False).logits[0, -1]
         out.append(int(logits.argmax()))
+        if out[-1] == eos:
+            break
     return out[len(ids) :]
 
 
-def test_batched_kv_cache_greedy_matches_unbatched_full_recompute(tiny_hf_checkpoint):
+def _responses_of(monkeypatch) -> list:
+    """What `evaluate` hands the reward hub, per generation call: [greedy answers, samples]."""
+    seen, real = [], ev.score
+
+    def spy(args, rows, responses):
+        seen.append(responses)
+        return real(args, rows, responses)
+
+    monkeypatch.setattr(ev, "score", spy)
+    return seen
+
+
+PROMPTS = ["12+34=", "18+25=", "7+8=", "What is 12+34? "]  # different lengths: left padding
+
+
+def _eval_data(tmp_path) -> str:
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "label": "46"}) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+def test_greedy_answers_match_unbatched_full_recompute(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """pass@1's answers are the model's greedy continuations, whatever the batch and padding."""
+    seen = _responses_of(monkeypatch)
+    evaluate(tiny_hf_checkpoint, [("d", _eval_data(tmp_path))], max_new_tokens=6, temperature=0.0)
     model, tok = load_hf_checkpoint(tiny_hf_checkpoint)
-    prompts = [tok.encode("7+8="), tok.encode("What is 12+34? ")]  # different lengths: left padding
-    res = generate_tokens(
-        model, prompts, eos_token_id=-1, pad_token_id=tok.pad_token_id, max_new_tokens=6, temperature=0
-    )
-    for p, (toks, ended) in zip(prompts, res, strict=True):
-        assert toks == _no_cache_greedy(model, p, 6) and not ended
+    want = [
+        tok.decode(_no_cache_greedy(model, tok.encode(p, add_special_tokens=False), 6, tok.eos_token_id),
+                   skip_special_tokens=True)
+        for p in PROMPTS
+    ]  # fmt: skip
+    assert [r[0] for r in seen[0]] == want
 
 
-class _EosAfter:
-    """Fake LM: emits token 5, 6, then EOS (2) for every row."""
+def test_eval_samples_are_the_engines_draws_for_the_same_seed(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """One sampler: the eval's samples are what the embedded engine draws for the same prompts,
+    sampling params and per-row seeds (row k: seed * 1000003 + k, as the run's in-loop eval asks its
+    engines), so pass@k does not depend on which path computed it."""
+    seen = _responses_of(monkeypatch)
+    n, seed, sampling = 3, 7, {"temperature": 0.9, "top_p": 0.8, "top_k": 12}
+    evaluate(tiny_hf_checkpoint, [("d", _eval_data(tmp_path))], n_samples_per_eval_prompt=n, max_new_tokens=6,
+             seed=seed, **sampling)  # fmt: skip
+    core = EngineCore(tiny_hf_checkpoint)
+    try:
+        tok = core.tokenizer
+        ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS for _ in range(n)]
+        params = [{"max_new_tokens": 6, "stop_token_ids": [tok.eos_token_id], **sampling,
+                   "sampling_seed": seed * 1000003 + k} for k in range(len(ids))]  # fmt: skip
+        outs = core.generate(input_ids=ids, sampling_params=params, return_logprob=False)
+    finally:
+        core.stop()
+    texts = [o["text"] for o in outs]
+    assert seen[1] == [texts[i * n : (i + 1) * n] for i in range(len(PROMPTS))]
+    assert len({t for rs in seen[1] for t in rs}) > 1  # sampled, not one answer repeated
 
-    training = False
 
-    def eval(self):
-        return self
-
-    def train(self, mode=True):
-        return self
-
-    def __call__(self, input_ids, cache=None, **kw):
-        if cache is not None:
-            cache.steps = getattr(cache, "steps", -1) + 1
-        nxt = [5, 6, 2, 7][min(cache.steps, 3)]
-        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], 10)
-        logits[:, -1, nxt] = 1.0
-        return type("Out", (), {"logits": logits})()
-
-
-def test_generation_stops_at_eos_and_sampling_is_seeded(tiny_hf_checkpoint):
-    res = generate_tokens(
-        _EosAfter(), [[1, 3], [4]], eos_token_id=2, pad_token_id=0, max_new_tokens=8, temperature=0
-    )
-    assert res == [([5, 6, 2], True), ([5, 6, 2], True)]
-    model, tok = load_hf_checkpoint(tiny_hf_checkpoint)
-    a = generate_local(model, tok, ["1+2=", "33+44="], 5, temperature=1.0, n=3, seed=11)
-    b = generate_local(model, tok, ["1+2=", "33+44="], 5, temperature=1.0, n=3, seed=11)
-    assert a == b and len(a) == 2 and all(len(x) == 3 for x in a)
+def test_sampling_is_seeded_and_engines_are_stopped(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """The same seed gives the same samples, another seed others; an engine `evaluate` started is
+    stopped when it returns, one the caller passed keeps running."""
+    seen = _responses_of(monkeypatch)
+    data = [("d", _eval_data(tmp_path))]
+    kw = dict(n_samples_per_eval_prompt=4, max_new_tokens=6, temperature=1.0)
+    for seed in (11, 11, 12):
+        evaluate(tiny_hf_checkpoint, data, seed=seed, **kw)
+    assert seen[1] == seen[3] != seen[5]
+    assert not [t for t in threading.enumerate() if t.name == "engine-scheduler"]
+    core = EngineCore(tiny_hf_checkpoint)
+    try:
+        evaluate(core, data, seed=11, **kw)
+        assert seen[7] == seen[1] and core.is_alive()
+    finally:
+        core.stop()
+    model, tok = load_hf_checkpoint(tiny_hf_checkpoint)  # what evaluate once took: refused by name
+    with pytest.raises(TypeError, match="an HF dir or a running EngineCore, not tuple"):
+        evaluate((model, tok), data, **kw)
 
 
 def test_cli_on_an_hf_checkpoint(tiny_hf_checkpoint, tiny_eval_data, capsys):

@@ -291,3 +291,37 @@ def test_big_chats_long_sessions_and_session_floods_get_clear_errors(tiny_hf_che
         assert r.status_code == 400 and "at least" in r.text, r.text
     finally:
         m.close()
+
+
+def test_an_agent_gets_a_generate_only_key_and_cannot_swap_weights_or_pause(
+    tiny_hf_checkpoint, engine, tmp_path
+):
+    """Every agent process got the run's master key: a test agent swapped the run's weights through
+    the engine and the router and the run exited 0 (issue #49, item 3). Now it gets the run's
+    generate-only key: its chats work, every control call it tries is a 403, and the admin key
+    still does everything."""
+    from miles_platform.rollout.router import start_router
+
+    router = start_router(worker_urls=[engine.url], api_key=KEY, worker_api_key=KEY)  # as a run starts it
+    try:
+        meta = {"engine_url": engine.url, "router_url": router.url}
+        record = PromptRecord(id="p0", prompt=json.dumps(PROMPT), label="12", metadata=meta)
+        cfg = _cfg(tiny_hf_checkpoint, tmp_path, custom_agent_function_path="agent_fns.grabs_the_engine")
+        [s], _ = _run(cfg, load_tokenizer(tiny_hf_checkpoint), engine.url, [record])
+        assert s.status != "failed", s.metadata.get("agent_error")
+        assert s.metadata["tried"] and set(s.metadata["tried"].values()) == {403}, s.metadata["tried"]
+        assert len(s.response_tokens) > 0  # the chat went through the session server and the engine
+        from miles_platform.rollout.http_common import generate_key
+
+        gen = {"Authorization": f"Bearer {generate_key(KEY)}"}
+        r = httpx.post(f"{router.url}/generate", headers=gen, timeout=60,
+                       json={"text": "1+1=", "sampling_params": {"max_new_tokens": 2}})  # fmt: skip
+        assert r.status_code == 200, r.text
+        admin = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.post(f"{engine.url}/continue_generation", headers=admin).status_code == 200
+        assert (
+            httpx.post(f"{engine.url}/continue_generation", headers={"Authorization": "Bearer x"}).status_code
+            == 401
+        )
+    finally:
+        router.stop()

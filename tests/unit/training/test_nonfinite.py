@@ -133,3 +133,21 @@ def test_an_out_of_vocabulary_token_fails_its_sample_only(tiny_hf_checkpoint, tm
         RunConfig(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=1, n_samples_per_prompt=2).validate()
     )
     assert math.isfinite(actor.train(0, TrainBatch.from_samples(samples))["train/loss"])
+
+
+def test_a_base_checkpoint_with_nan_weights_is_refused_naming_the_tensor(tmp_path):
+    """A NaN in the base checkpoint trained nothing and failed late and unclearly (issue #49, item
+    12): now the trainer refuses it as it loads, and the run stops with that one line (Ray's
+    "actor died" wrapper unwrapped), a CheckpointError the CLI and Dagster treat as final."""
+    from safetensors.torch import load_file, save_file
+
+    from miles_platform.errors import CheckpointError
+    from miles_platform.loop import train
+    from miles_platform.models.tiny import save_tiny_checkpoint
+
+    ckpt = str(save_tiny_checkpoint(tmp_path / "tiny"))
+    w = load_file(f"{ckpt}/model.safetensors")
+    w["model.norm.weight"][3] = math.nan
+    save_file(w, f"{ckpt}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight has 1 NaN / inf value\(s\)"):
+        train(small_run_config(ckpt, tmp_path))
