@@ -45,7 +45,7 @@ def _run(root: str, data: dict, base: str, seed: int, loss: str, rollouts: int) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rollouts", type=int, default=20)
     ap.add_argument("--out", default="bench_diffusion_learning.json")

@@ -50,7 +50,7 @@ def probe(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--hf-checkpoint", required=True)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=8)

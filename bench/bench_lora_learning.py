@@ -73,7 +73,7 @@ def _param_counts(base: str, lora: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--rollouts", type=int, default=20)
     ap.add_argument("--seeds", type=int, default=1, help="seeds 1..N (with --first-seed: first..first+N-1)")
     ap.add_argument("--first-seed", type=int, default=1)

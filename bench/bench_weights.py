@@ -188,7 +188,7 @@ def run(mb: int = 48) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=48, help="fp32 model size in MB")
     rows = run(p.parse_args().mb)
     print(f"{'benchmark':<48} {'ours':>10} {'baseline':>10} {'ratio':>7}  unit")

@@ -127,7 +127,7 @@ def run_one(name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--one", help="run one module in this process (used by the runner)")
     p.add_argument("--only", nargs="*", help="module names to run (default: all bench_*.py)")
     p.add_argument(

@@ -156,7 +156,7 @@ def run(base: str, prompts: str, steps: int, seed: int, out_dir: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="HF checkpoint dir (Qwen3ForCausalLM + tokenizer)")
     p.add_argument("--prompts", required=True, help="JSONL with prompt/label keys")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps (the first is warm-up)")

@@ -1,4 +1,5 @@
-"""`miles-platform` CLI: one subcommand per capability, each a `cli_main(argv) -> int` in its module.
+"""`miles-platform` CLI: one subcommand per capability, each a `cli_main(argv) -> int` in its module
+(or the function named after a colon).
 
 Modules are imported lazily so `miles-platform query` does not pay for torch or Ray.
 """
@@ -15,7 +16,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "ops.quickstart",
         "datasets -> SFT base -> GRPO -> evals, as Dagster materializations",
     ),
-    "train": ("miles_platform.loop", "run the RL loop (Miles flags or --config run.yaml), no Dagster needed"),
+    "train": (
+        "miles_platform.loop",
+        "run the RL loop: Miles' train.py argv as is (docs/miles_flags.md) or --config run.yaml, no Dagster needed",
+    ),
+    "train-async": (
+        "miles_platform.loop:cli_main_async",
+        "Miles' train_async.py argv: the loop with --fully-async (a train-only run, e.g. SFT, as train)",
+    ),
     "train-diffusion": (
         "miles_platform.diffusion.loop",
         "diffusion RL (Flow-GRPO / DiffusionNFT) on a DiT pipeline, Miles-diffusion flags",
@@ -65,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"miles-platform: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name, _, function = COMMANDS[name][0].partition(":")
+    entry = getattr(importlib.import_module(module_name), function or "cli_main")
     try:
-        return int(module.cli_main(rest) or 0)
+        return int(entry(rest) or 0)
     except MilesError as e:
         print(f"miles-platform {name}: error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ class RLRun:
         self.nonfinite: list[int] = []  # the rollout of each optimizer step skipped for a NaN / inf
 
     def run(self) -> RunResult:
-        from miles_platform.models.checkpoint import content_hash, load_tokenizer
+        from miles_platform.models.checkpoint import content_hash, load_tokenizer, quantization
         from miles_platform.rollout.loop_eval import eval_before_train
         from miles_platform.run_lifecycle import published_version
         from miles_platform.run_services import RunServices, actor_died
@@ -52,6 +52,14 @@ class RLRun:
 
         cfg = self.cfg
         validate_before_start(cfg)
+        for line in cfg.miles_flags_taken():  # Miles flags taken with the same result: say how
+            self.reporter.log(f"[miles flags] {line}")
+        quantized = quantization(cfg.hf_checkpoint)
+        if quantized:  # Miles' fp8 / int4 recipes serve such a checkpoint: say what happens here
+            self.reporter.log(
+                f"--hf-checkpoint is {quantized}-quantized: the trainer and the engines start from its dequantized "
+                "weights; weight updates carry the trainer's weights at --rollout-dtype (docs/miles_flags.md)"
+            )
         tok = load_tokenizer(cfg.hf_checkpoint)
         src = None
         if not cfg.load_debug_rollout_data:
@@ -147,7 +155,8 @@ class RLRun:
 
     def _generate(self, rollout_id: int, version: int, t0: float) -> tuple[list, dict]:
         """The rollout's samples and metrics: from --load-debug-rollout-data, the fully async
-        worker or the rollout manager; the custom rollout log function sees them first."""
+        worker, a train-only rollout function (Miles' SFT) or the rollout manager; the custom
+        rollout log function sees them first."""
         from miles_platform.store.debug_rollouts import load_debug_rollout
 
         cfg, s = self.cfg, self.s
@@ -155,6 +164,8 @@ class RLRun:
             samples, metrics = load_debug_rollout(cfg, rollout_id), {}
         elif s.worker is not None:
             samples, metrics = s.worker.get_rollout(rollout_id, version)
+        elif s.train_only is not None:
+            samples, metrics = s.train_only.generate(rollout_id)
         else:
             samples, metrics = s.manager.generate(rollout_id)
         s.trackers.rollout_data(rollout_id, samples, metrics, t0)
@@ -198,24 +209,31 @@ class RLRun:
         extra = {"weight_version": version, "data_source": self.s.data_source_state(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
         from miles_platform.run_services import call_trainers
+        from miles_platform.training.checkpoint import prune_checkpoints
 
-        return call_trainers(self.cfg, self.s.trainers, "save", rollout_id, extra)
+        saved = call_trainers(self.cfg, self.s.trainers, "save", rollout_id, extra)
+        if self.cfg.save_retain_interval:
+            for path in prune_checkpoints(self.cfg.save, rollout_id, self.cfg.save_retain_interval):
+                self.reporter.log(f"--save-retain-interval {self.cfg.save_retain_interval}: deleted {path}")
+        return saved
 
 
 def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:
     return RLRun(cfg, reporter).run()
 
 
-def cli_main(argv: list[str]) -> int:
+def cli_main(argv: list[str], train_async: bool = False) -> int:
+    """`miles-platform train`: Miles' train.py argv (docs/miles_flags.md), or --config run.yaml."""
     from miles_platform.config import build_parser
     from miles_platform.launch.ray_jobs import add_launch_flags, split_launch_flags, submit_cli
 
+    prog = "miles-platform train-async" if train_async else "miles-platform train"
     opts, argv = split_launch_flags(argv)
     if "-h" in argv or "--help" in argv:
-        parser = build_parser()
+        parser = build_parser(prog)
         add_launch_flags(parser)
         parser.parse_args(["--help"])  # prints the help and exits 0, as argparse does
-    cfg = parse_run_config(argv)
+    cfg = parse_run_config(argv, prog, train_async=train_async)
     if opts.submit is not None:
         return submit_cli(cfg, opts)
     try:
@@ -227,3 +245,8 @@ def cli_main(argv: list[str]) -> int:
            "final_hf_path": result.final_hf_path, "ci_checks": result.ci_checks}  # fmt: skip
     print(json.dumps(out))
     return 0
+
+
+def cli_main_async(argv: list[str]) -> int:
+    """`miles-platform train-async`: Miles' train_async.py argv, run --fully-async (config/cli.py)."""
+    return cli_main(argv, train_async=True)

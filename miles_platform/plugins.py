@@ -18,16 +18,30 @@ from miles_platform.errors import ConfigError
 
 GENERATE_FLAG = "--custom-generate-function-path"
 ROLLOUT_FLAG = "--rollout-function-path"
-# Miles' built-in generate functions, as a Miles launch script names them -> ours
-MILES_BUILTINS = {
-    f"miles.rollout.generate_hub.{m}.generate": f"miles_platform.rollout.generate_hub.{m}.generate"
-    for m in ("single_turn", "multi_turn", "agentic_tool_call")
-} | {  # Miles' MIS example (docs/algorithms.md): one function here, no context parallelism
-    f"examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_{v}": (
-        "miles_platform.training.mis.compute_mis_weights_with_cp"
-    )
-    for v in ("with_cp", "fsdp")
-}
+# Miles' built-in functions, as a Miles launch script names them -> this build's equivalents
+MILES_BUILTINS = (
+    {
+        f"miles.rollout.generate_hub.{m}.generate": f"miles_platform.rollout.generate_hub.{m}.generate"
+        for m in ("single_turn", "multi_turn", "agentic_tool_call")
+    }
+    | {
+        f"miles.rollout.filter_hub.dynamic_sampling_filters.{f}": (
+            f"miles_platform.rollout.filter_hub.dynamic_sampling_filters.{f}"
+        )
+        for f in ("check_reward_nonzero_std", "check_no_aborted")
+    }
+    | {  # SFT: a finished conversation per record, no engine (--debug-train-only --loss-type sft_loss)
+        "miles.rollout.sft_rollout.generate_rollout": "miles_platform.rollout.sft_rollout.generate_rollout",
+        "miles.rollout.data_source.pop_first": "miles_platform.rollout.filter_hub.pop_first",
+    }
+    | {  # Miles' MIS example (docs/algorithms.md): one function here, no context parallelism
+        f"examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_{v}": (
+            "miles_platform.training.mis.compute_mis_weights_with_cp"
+        )
+        for v in ("with_cp", "fsdp")
+    }
+)
+# (Miles' OPD reward function and reward post-process are what --use-opd does: config/opd.py)
 AGENTIC = "miles_platform.rollout.generate_hub.agentic_tool_call.generate"
 
 
@@ -53,6 +67,12 @@ def load_object(path: str, flag: str) -> Any:
     path = MILES_BUILTINS.get(path, path)
     if not path or "." not in path:
         raise ConfigError(f"{flag} {path!r}: expected a dotted path <module>.<function>")
+    if path.split(".")[0] == "miles":
+        known = ", ".join(sorted(MILES_BUILTINS))
+        raise ConfigError(
+            f"{flag} {path!r}: a built-in of Miles this build has no equivalent of (the ones it maps: "
+            f"{known}); port the function into your own module and name that"
+        )
     module_name, _, attr = path.rpartition(".")
     try:
         module = importlib.import_module(module_name)

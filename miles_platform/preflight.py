@@ -18,6 +18,9 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.models.checkpoint import validate_hf_dir
 
     hf = validate_hf_dir(cfg.hf_checkpoint)
+    from miles_platform.models.architecture import check_model_args
+
+    check_model_args(cfg.model_args_given(), hf, os.path.join(cfg.hf_checkpoint, "config.json"))
     _check_moe(cfg, hf)
     if cfg.megatron_layout_flags() and not cfg.debug_rollout_only:
         from miles_platform.training.megatron_parallel import Layout, check_model_fits

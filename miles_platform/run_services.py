@@ -25,6 +25,7 @@ class RunServices(contextlib.AbstractContextManager):
         self.cfg, self.paths, self.reporter, self.tok, self.src = cfg, paths, reporter, tokenizer, data_source
         self.trainers: list = []
         self.engines = self.router = self.manager = self.session = self.worker = self.monitor = None
+        self.train_only = None  # --debug-train-only with a rollout function (Miles' SFT): no engines
         self.teachers: list[tuple[str, str, str | None]] = []  # OPD: (teacher, kind, content hash)
         self.state: dict[str, Any] | None = None
         from miles_platform.run_lifecycle import RunLifecycle
@@ -101,6 +102,10 @@ class RunServices(contextlib.AbstractContextManager):
         if self.state is not None and self.src is not None:
             self.src.load_state_dict(self.state["data_source"])
         if cfg.debug_train_only:
+            if cfg.rollout_function_path and not cfg.load_debug_rollout_data:
+                from miles_platform.rollout.train_only import TrainOnlyRollouts
+
+                self.train_only = TrainOnlyRollouts(cfg, self.src)
             return
         from miles_platform.rollout.manager import RolloutManager
         from miles_platform.weights.update_session import UpdateSession
@@ -192,7 +197,13 @@ class RunServices(contextlib.AbstractContextManager):
         from miles_platform.rollout.engine_fleet import run_storage_env, run_storage_secrets
 
         env = {
-            "env_vars": {"OMP_NUM_THREADS": threads, "MILES_TRAIN_THREADS": threads, **run_storage_env(cfg)}
+            "env_vars": {
+                "OMP_NUM_THREADS": threads,
+                "MILES_TRAIN_THREADS": threads,
+                **run_storage_env(cfg),
+                **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if cfg.deterministic_mode else {}),
+                **cfg.train_env(),
+            }  # fmt: skip
         }
         actors = create_role_actors(
             TrainerActor, cfg, groups, "actor", cfg, world_size=world, dist_init=dist_init,
@@ -208,6 +219,8 @@ class RunServices(contextlib.AbstractContextManager):
         """The data-source position plus every prompt taken and not trained (checkpointed)."""
         if self.worker is not None:
             return self.worker.data_source_state()
+        if self.train_only is not None:
+            return self.src.state_dict()
         m = self.manager
         return m.data_source.state_dict(m.unfinished_records()) if m else {}
 

@@ -27,8 +27,8 @@ from miles_platform.plugins import load_function
 
 STEP_KEY = "rollout/step"  # Miles' step key of rollout metrics; here every metric plots against it
 _INSTALL = "pip install 'miles-platform[trackers]'"
-_WANDB_FLAGS = ("wandb_project", "wandb_group", "wandb_mode", "wandb_dir", "wandb_run_id",
-                "disable_wandb_random_suffix")  # fmt: skip
+_WANDB_FLAGS = ("wandb_project", "wandb_team", "wandb_host", "wandb_key", "wandb_group", "wandb_mode",
+                "wandb_dir", "wandb_run_id", "disable_wandb_random_suffix")  # fmt: skip
 
 
 def load_log_functions(cfg: RunConfig) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
@@ -155,8 +155,13 @@ class _WandbSink:
             group = f"{group}_{secrets.token_hex(3)}"
         if cfg.wandb_dir:
             os.makedirs(cfg.wandb_dir, exist_ok=True)
+        # Miles' --wandb-key / --wandb-host: what wandb reads from its environment (no argv, no config)
+        for var, value in (("WANDB_API_KEY", cfg.wandb_key), ("WANDB_BASE_URL", cfg.wandb_host)):
+            if value:
+                os.environ[var] = value
         self.run = wandb.init(
             project=cfg.wandb_project,
+            entity=cfg.wandb_team,
             group=group,
             name=group,
             id=cfg.wandb_run_id,

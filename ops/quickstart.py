@@ -316,7 +316,9 @@ def _run_one_job(root: str, name: str) -> int:
 
 
 def cli_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="miles-platform quickstart", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform quickstart", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--storage-root", default=".miles")
     ap.add_argument("--num-rollout", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1234)

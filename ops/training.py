@@ -30,7 +30,7 @@ from pydantic import Field, create_model
 from assets.evals import eval_config_for_run
 from assets.metadata import latest_path
 from miles_platform.cluster.k8s import TRAINING_OP_K8S_TAGS
-from miles_platform.config import ConfigError, RunConfig, function_flag_values
+from miles_platform.config import MODEL_ARGS, ConfigError, RunConfig, function_flag_values
 from miles_platform.errors import MilesError, retryable
 from miles_platform.launch.ray_jobs import (
     FINAL_EXIT_CODES,
@@ -48,8 +48,10 @@ from ops.presets import RUN_ID, Preset, presets, run_name_for
 from ops.version_events import DagsterReporter, run_version_reports
 from resources.storage import StorageRootResource
 
-# dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's
-SKIP = {"sglang_args", "custom_function_args", "storage_root"}
+# dict fields are set from the CLI / YAML, not the Launchpad; storage_root is the `storage` resource's;
+# the model flags of a Miles launch script describe the checkpoint, which the Launchpad picks as an asset;
+# a wandb key typed there would be stored as typed (the Launchpad's run reads WANDB_API_KEY instead)
+SKIP = {"sglang_args", "custom_function_args", "compat_flags", "storage_root", "wandb_key", *MODEL_ARGS}
 # ... except a generate/rollout function's own flags, which the Launchpad takes as CLI tokens
 FUNCTION_FLAGS = "custom_function_flags"
 # ... and where the run runs (not RunConfig: not part of what is trained)

@@ -130,7 +130,7 @@ def checks_command(work: Path, only: str, jobs: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument(
         "--out", type=Path, required=True, help="report directory (gpu_checks.json, gpu_checks.log)"
     )

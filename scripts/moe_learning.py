@@ -56,7 +56,7 @@ def build_base(work: str) -> tuple[dict, str, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--rollouts", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-4)

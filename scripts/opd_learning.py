@@ -88,7 +88,7 @@ def opd_run(a, seed: int, work: str, mode: str = "pure") -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--root", default="/tmp/opd-bench", help="quickstart root (made when --base is unset)")
     ap.add_argument("--base", help="student: the SFT base HF dir")
     ap.add_argument("--teacher", help="teacher: a much better policy's HF dir (the demo's final policy)")

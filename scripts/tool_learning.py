@@ -105,7 +105,7 @@ def rl_run(a, seed: int, work: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--root", default="/tmp/tool-bench", help="data, base and runs go here")
     ap.add_argument("--base", help="the SFT base HF dir (made under --root when unset)")
     ap.add_argument("--prompt-data", help="RL prompts (default <root>/data/train.jsonl)")

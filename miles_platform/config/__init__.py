@@ -11,6 +11,7 @@ the flag machinery `train-diffusion` shares.
   reward.py           rm_hub reward or a custom one, reward keys, filters; RewardSettings
   evaluation.py       eval datasets, interval and sampling (inherits rollout sampling); EvalSettings
   algorithm.py        loss, estimator, KL, clipping, TIS / MIS / OPSM, the PPO critic
+  model_args.py       megatron's model flags (a Miles script's MODEL_ARGS), checked against the checkpoint
   moe.py              routing replay (R3) and the --moe-* flags
   megatron.py         megatron layout beyond the sizes, weight-update buckets, --bf16, recompute
   score_centering.py  --loss-type score_centering
@@ -30,6 +31,7 @@ from miles_platform.config.cli import add_flags, build_parser, function_flag_val
 from miles_platform.config.evaluation import EvalSettings
 from miles_platform.config.flags import load_yaml
 from miles_platform.config.lora import LORA_FLAGS
+from miles_platform.config.model_args import MODEL_ARGS
 from miles_platform.config.opd import OPD_REWARD_WEIGHT_MODES, OPD_TOP_K_STRATEGIES, OPD_TYPES
 from miles_platform.config.outputs import RUN_NAME, WANDB_MODES, check_run_name
 from miles_platform.config.reward import REWARD_FLAGS, RewardSettings
@@ -52,6 +54,7 @@ __all__ = [
     "GROUPS",
     "LOGGING",
     "LORA_FLAGS",
+    "MODEL_ARGS",
     "MIS_FLAGS",
     "OPD_REWARD_WEIGHT_MODES",
     "OPD_TOP_K_STRATEGIES",

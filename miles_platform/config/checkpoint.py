@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from miles_platform.config.flags import POSITIVE, flag, flag_name
 from miles_platform.errors import ConfigError
 
-RANGES: dict[str, tuple] = {"save_interval": POSITIVE}
+RANGES: dict[str, tuple] = {"save_interval": POSITIVE, "save_retain_interval": POSITIVE}
 
 
 @dataclass
@@ -26,6 +26,11 @@ class CheckpointFlags:
     load: str | None = flag(None, "checkpoint", "actor checkpoint dir to resume from (defaults to --save)")
     save: str | None = flag(None, "checkpoint", "actor checkpoint write dir")
     save_interval: int | None = flag(None, "checkpoint", "rollouts between saves")
+    save_retain_interval: int | None = flag(
+        None,
+        "checkpoint",
+        "keep the checkpoints whose rollout id is a multiple of this and the newest; delete the others",
+    )
     save_hf: str | None = flag(
         None, "checkpoint", "also export HF weights at each save (path template with {rollout_id})"
     )

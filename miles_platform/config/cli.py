@@ -9,23 +9,33 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from miles_platform.config.compat import add_compat_flags
 from miles_platform.config.flags import add_flag, field_default, load_yaml, parser_groups
 from miles_platform.config.run_config import GROUPS, REFUSED, RunConfig
 from miles_platform.config.weights import ALIASES
 from miles_platform.errors import ConfigError
 
-_DICT_FIELDS = ("sglang_args", "custom_function_args")  # filled by parse_run_config, not flags
+_DICT_FIELDS = ("sglang_args", "custom_function_args", "compat_flags")  # filled by parse_run_config
+COMPAT_GROUP = "Miles / megatron flags without a field here (same result, or refused: docs/miles_flags.md)"
 
 
 def build_parser(prog: str = "miles-platform train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Miles-style RL training (GRPO and friends).")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Miles-style RL training (GRPO and friends).", allow_abbrev=False
+    )
     parser.add_argument(
         "--config", help="YAML file of flags (snake_case or kebab-case keys); CLI overrides it"
+    )
+    parser.add_argument(
+        "--custom-config-path",
+        help="Miles' YAML (a path, or base64:<payload>) applied after the CLI: a key naming a flag "
+        "overrides it, any other key reaches the run's custom functions as args.<key>",
     )
     groups = parser_groups(parser, GROUPS)
     for f in dataclasses.fields(RunConfig):
         if f.name not in _DICT_FIELDS:
             _add_run_flag(groups[f.metadata["group"]], f, argparse.SUPPRESS)
+    add_compat_flags(parser.add_argument_group(COMPAT_GROUP))
     return parser
 
 
@@ -43,21 +53,78 @@ def _add_run_flag(group, f: dataclasses.Field, default: Any, shown: bool = False
     add_flag(group, f, default, shown=shown, refused=f.name in REFUSED, aliases=aliases)
 
 
-def parse_run_config(argv: list[str] | None = None, prog: str = "miles-platform train") -> RunConfig:
-    """Parse CLI flags (YAML via --config first, CLI overrides) into a validated RunConfig."""
+def parse_run_config(
+    argv: list[str] | None = None, prog: str = "miles-platform train", train_async: bool = False
+) -> RunConfig:
+    """Parse CLI flags (YAML via --config first, CLI overrides) into a validated RunConfig.
+
+    `train_async`: the argv of Miles' train_async.py (`miles-platform train-async`), whose loop
+    generates the next rollout while this one trains: --fully-async here, but for a train-only run
+    (Miles' SFT goes through train_async.py), which generates nothing to overlap."""
     parser = build_parser(prog)
     args, rest = parser.parse_known_args(argv)
     sglang, leftover = _split_passthrough(rest)
     data: dict[str, Any] = {}
     if getattr(args, "config", None):
         data.update({k.replace("-", "_"): v for k, v in load_yaml(args.config, RunConfig, ALIASES).items()})
-    data.update({k: v for k, v in vars(args).items() if k != "config"})
+    given = vars(args)
+    compat = {k.split(":", 1)[1]: v for k, v in given.items() if k.startswith("compat:") and v is not None}
+    data.update(
+        {
+            k: v
+            for k, v in given.items()
+            if k not in ("config", "custom_config_path") and not k.startswith("compat:")
+        }
+    )
     extra, leftover = _function_flags(data, leftover)
     if leftover:
         parser.error(f"unrecognized arguments: {' '.join(leftover)}")
     data.setdefault("sglang_args", {}).update(sglang)
+    data["compat_flags"] = {**_yaml_compat(data), **compat}
     data.setdefault("custom_function_args", {}).update(extra)
+    if getattr(args, "custom_config_path", None):
+        _apply_custom_config(data, args.custom_config_path)
+    if train_async and not data.get("debug_train_only") and not data.get("load_debug_rollout_data"):
+        data["fully_async"] = True
     return RunConfig.from_dict(data).validate()
+
+
+def _apply_custom_config(data: dict[str, Any], source: str) -> None:
+    """Miles' --custom-config-path: the YAML's keys set after the CLI (as Miles' setattr on args): a
+    RunConfig flag (or a Miles flag of config/compat.py) takes the value, any other key goes to the
+    custom functions' args."""
+    import base64
+
+    import yaml
+
+    from miles_platform.config.compat import COMPAT
+
+    try:
+        text = base64.b64decode(source[7:]).decode() if source.startswith("base64:") else open(source).read()
+        values = yaml.safe_load(text) or {}
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"--custom-config-path {source[:80]}: cannot read it as YAML ({e})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--custom-config-path {source[:80]}: expected a mapping of name -> value")
+    for key, value in values.items():
+        name = ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name in RunConfig.__dataclass_fields__:
+            data[name] = value
+        elif name in COMPAT:
+            data["compat_flags"][name] = value
+        else:
+            data["custom_function_args"][name] = value
+
+
+def _yaml_compat(data: dict[str, Any]) -> dict[str, Any]:
+    """The compat flags a --config YAML gives (popped from `data`; the CLI's override them)."""
+    from miles_platform.config.compat import COMPAT
+
+    out = dict(data.pop("compat_flags", None) or {})
+    out.update(
+        {k: data.pop(k) for k in list(data) if k in COMPAT and k not in RunConfig.__dataclass_fields__}
+    )
+    return out
 
 
 def _function_flags(data: dict[str, Any], argv: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -102,7 +169,8 @@ def function_flag_values(data: dict[str, Any], argv: list[str]) -> dict[str, Any
 
 
 def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """`--sglang-foo-bar 1` -> {"foo-bar": "1"}; bare `--sglang-flag` -> True."""
+    """`--sglang-foo-bar 1` -> {"foo-bar": "1"}; a multi-value flag (`--sglang-cuda-graph-bs 1 2 4`)
+    -> a list of its values, as SGLang's own `nargs="+"` flags take them; bare `--sglang-flag` -> True."""
     out: dict[str, Any] = {}
     leftover: list[str] = []
     i = 0
@@ -113,11 +181,12 @@ def _split_passthrough(rest: list[str]) -> tuple[dict[str, Any], list[str]]:
             if "=" in key:
                 key, val = key.split("=", 1)
                 out[key] = val
-            elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
-                out[key] = rest[i + 1]
-                i += 1
             else:
-                out[key] = True
+                values = []
+                while i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                    values.append(rest[i + 1])
+                    i += 1
+                out[key] = True if not values else values[0] if len(values) == 1 else values
         else:
             leftover.append(tok)
         i += 1

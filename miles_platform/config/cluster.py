@@ -3,6 +3,7 @@ the embedded engines' pause bounds, the run secret and the rollout-data object s
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -12,7 +13,15 @@ from miles_platform.config.flags import NON_NEGATIVE, POSITIVE, changed_flags, f
 from miles_platform.errors import ConfigError
 
 RANGES: dict[str, tuple] = {
-    **dict.fromkeys(("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine"), POSITIVE),
+    **dict.fromkeys(
+        (
+            "actor_num_nodes",
+            "actor_num_gpus_per_node",
+            "rollout_num_gpus_per_engine",
+            "distributed_timeout_minutes",
+        ),
+        POSITIVE,
+    ),
     **dict.fromkeys(("rollout_num_gpus", "num_cpus_per_actor"), NON_NEGATIVE),
     "rollout_health_check_interval": (0, None, True, "> 0 (seconds)"),
     "rollout_health_check_timeout": (0, None, True, "> 0 (seconds)"),
@@ -90,6 +99,14 @@ class ClusterFlags:
     allow_config_change: bool = flag(
         False, "checkpoint", "resume a run whose saved config differs in what is trained (logged)"
     )
+    distributed_timeout_minutes: int = flag(
+        30, "cluster", "how long the trainer ranks' process group waits for a rank (Miles' default: 10)"
+    )
+    train_env_vars: str | None = flag(
+        None,
+        "cluster",
+        'JSON object of environment variables for the trainer processes, e.g. {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}',
+    )
     object_store_backend: str = flag("ray", "cluster", "rollout data handoff", choices=("ray", "mooncake"))
     mooncake_store_init_kwargs: str | None = flag(
         None, "cluster", "JSON kwargs for the Mooncake store (env fallbacks apply)"
@@ -98,6 +115,7 @@ class ClusterFlags:
     def _check_cluster_flags(self) -> None:
         """--use-fault-tolerance restarts embedded engines only; the pause bounds are the embedded engine's;
         a --fully-async run cannot give its engines' devices away."""
+        self.train_env()
         self._check_fault_tolerance()
         if self.fully_async and (self.colocate or self.offload_train or self.offload_rollout):
             raise ConfigError(
@@ -121,6 +139,20 @@ class ClusterFlags:
             why = "a restarted engine would need the run's adapters re-loaded (not built)"
         if why:
             raise ConfigError(f"--use-fault-tolerance: {why}")
+
+    def train_env(self) -> dict[str, str]:
+        """--train-env-vars as a {name: value} dict (empty when unset)."""
+        if not self.train_env_vars:
+            return {}
+        try:
+            env = json.loads(self.train_env_vars)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--train-env-vars {self.train_env_vars!r}: not JSON ({e.msg})") from None
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise ConfigError(f"--train-env-vars {self.train_env_vars!r}: expected a JSON object of strings")
+        return env
 
     @property
     def embedded_engines_only(self) -> bool:

@@ -16,7 +16,10 @@ RANGES: dict[str, tuple] = {"log_interval": POSITIVE}
 class DebugFlags:
     debug_rollout_only: bool = flag(False, "debug", "generate and store rollouts, no training")
     debug_train_only: bool = flag(
-        False, "debug", "train on loaded rollouts, no engines (needs --load-debug-rollout-data)"
+        False,
+        "debug",
+        "no engines: train on loaded rollouts (--load-debug-rollout-data) or on what a --rollout-function-path "
+        "returns without one (Miles' SFT)",
     )
     save_debug_rollout_data: str | None = flag(
         None, "debug", "Parquet path template with {rollout_id}, one file per rollout"
@@ -49,10 +52,12 @@ class DebugFlags:
             self.debug_train_only = True
         if self.debug_rollout_only and self.debug_train_only:
             raise ConfigError("--debug-rollout-only and --debug-train-only exclude each other")
-        if self.debug_train_only and not self.load_debug_rollout_data:
+        if self.debug_train_only and not (self.load_debug_rollout_data or self.rollout_function_path):
             raise ConfigError(
                 "--debug-train-only needs --load-debug-rollout-data (the Parquet path template that "
-                "--save-debug-rollout-data wrote): no engines start, so there is nothing else to train on"
+                "--save-debug-rollout-data wrote) or a --rollout-function-path that needs no engine (Miles' "
+                "SFT: miles.rollout.sft_rollout.generate_rollout): no engines start, so there is nothing else "
+                "to train on"
             )
         if self.save_debug_rollout_data:
             check_rollout_template("--save-debug-rollout-data", self.save_debug_rollout_data)

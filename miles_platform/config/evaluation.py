@@ -10,6 +10,8 @@ from miles_platform.config.flags import FRACTION, NON_NEGATIVE, POSITIVE, flag
 from miles_platform.config.reward import RewardSettings
 from miles_platform.errors import ConfigError
 
+MILES_LEGACY_EVAL_NAME = "aime"  # what Miles names the dataset of a one-path --eval-prompt-data
+
 RANGES: dict[str, tuple] = {
     **dict.fromkeys(("eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len"), POSITIVE),
     "eval_temperature": NON_NEGATIVE,
@@ -19,8 +21,11 @@ RANGES: dict[str, tuple] = {
 
 @dataclass
 class EvalFlags:
-    eval_prompt_data: list[str] = flag([], "eval", "one or more `name path` pairs", nargs="*")
+    eval_prompt_data: list[str] = flag(
+        [], "eval", "one or more `name path` pairs; a single path is named aime, as Miles names it", nargs="*"
+    )
     eval_interval: int | None = flag(None, "eval", "rollouts between evals")
+    eval_input_key: str | None = flag(None, "eval", "dataset key of an eval prompt (default: --input-key)")
     n_samples_per_eval_prompt: int = flag(1, "eval", "responses per eval prompt (the n of pass@<n>(T=..))")
     eval_max_response_len: int | None = flag(None, "eval", "inherits --rollout-max-response-len")
     eval_temperature: float | None = flag(
@@ -33,6 +38,8 @@ class EvalFlags:
     )
 
     def _check_eval_flags(self) -> None:
+        if len(self.eval_prompt_data) == 1:  # Miles' legacy form: one path, the dataset named aime
+            self.eval_prompt_data = [MILES_LEGACY_EVAL_NAME, self.eval_prompt_data[0]]
         if self.eval_prompt_data and len(self.eval_prompt_data) % 2:
             raise ConfigError(f"--eval-prompt-data takes `name path` pairs, got {self.eval_prompt_data}")
 
@@ -49,7 +56,7 @@ class EvalFlags:
             top_p=self.rollout_top_p if self.eval_top_p is None else self.eval_top_p,
             top_k=self.rollout_top_k if self.eval_top_k is None else self.eval_top_k,
             seed=self.seed,
-            input_key=self.input_key,
+            input_key=self.eval_input_key or self.input_key,
             label_key=self.label_key or "label",
             metadata_key=self.metadata_key,
             apply_chat_template=self.apply_chat_template,

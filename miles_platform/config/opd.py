@@ -15,6 +15,11 @@ OPD_TYPES = ("sglang", "megatron")
 OPD_TOP_K_STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
 OPD_REWARD_WEIGHT_MODES = ("student_p", "teacher_p", "none")
 DEFAULT_TEACHER = "default"  # the teacher of a sample whose name has no entry
+# Miles' OPD is a reward function (the teacher scores each sample) plus a reward post-process (teacher
+# log-probs onto the sample, task reward 0): what --use-opd does here by itself, so a Miles OPD script's
+# `--custom-rm-path` / `--custom-reward-post-process-path` naming them mean just that
+MILES_OPD_REWARD = "miles.rollout.on_policy_distillation.reward_func"
+MILES_OPD_POST_PROCESS = "miles.rollout.on_policy_distillation.post_process_rewards"
 
 RANGES: dict[str, tuple] = {"opd_kl_coef": FINITE, "opd_log_prob_top_k": NON_NEGATIVE}
 REFUSED: dict[str, str] = {
@@ -92,6 +97,8 @@ class OpdFlags:
         (sglang) or frozen in the trainer (megatron), never both; top-k OPD is sglang only."""
         opd = [f.name for f in dataclasses.fields(self) if f.name.startswith("opd_")]
         set_ = changed_flags(self, opd)
+        if self.custom_rm_path == MILES_OPD_REWARD:
+            set_.append(f"--custom-rm-path {MILES_OPD_REWARD}")
         if not self.use_opd:
             if set_:
                 raise ConfigError(

@@ -23,6 +23,13 @@ class StorageFlags:
 class LoggingFlags:
     use_wandb: bool = flag(False, "logging", "log each rollout's metrics to wandb (the `trackers` extra)")
     wandb_project: str | None = flag(None, "logging", "wandb project")
+    wandb_team: str | None = flag(None, "logging", "wandb entity (team) the run is logged under")
+    wandb_host: str | None = flag(
+        None, "logging", "wandb server URL (WANDB_BASE_URL), for a self-hosted wandb"
+    )
+    wandb_key: str | None = flag(
+        None, "logging", "wandb API key (WANDB_API_KEY); kept out of the saved config and wandb's config"
+    )
     wandb_group: str | None = flag(None, "logging", "wandb group and run name (default: --run-name)")
     wandb_mode: str | None = flag(
         None,

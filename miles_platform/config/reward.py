@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_platform.config.flags import flag
+from miles_platform.config.opd import MILES_OPD_REWARD
 
 # The flags other commands share with `train` (one definition each, see `cli.add_flags`)
 REWARD_FLAGS = ("rm_type", "rm_url", "custom_rm_path", "group_rm", "reward_key", "eval_reward_key")
@@ -37,11 +38,12 @@ class RewardFlags:
     buffer_filter_path: str | None = flag(None, "reward", "buffer dequeue filter <module>.<fn>")
 
     def reward_settings(self) -> RewardSettings:
-        """What the reward hub reads of this run; its user functions receive the run's config itself."""
+        """What the reward hub reads of this run; its user functions receive the run's config itself.
+        Miles' OPD reward function is --use-opd's own teacher scoring: pure OPD here."""
         return RewardSettings(
             rm_type=self.rm_type,
             rm_url=self.rm_url,
-            custom_rm_path=self.custom_rm_path,
+            custom_rm_path=None if self.custom_rm_path == MILES_OPD_REWARD else self.custom_rm_path,
             group_rm=self.group_rm,
             reward_key=self.reward_key,
             eval_reward_key=self.eval_reward_key,

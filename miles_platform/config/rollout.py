@@ -30,6 +30,11 @@ RANGES: dict[str, tuple] = {
 
 # The flags other commands share with `train` (one definition each, see `cli.add_flags`)
 DATASET_FLAGS = ("input_key", "label_key", "metadata_key", "apply_chat_template")
+# Miles' SFT through train.py (rollout/sft_rollout.py): its name and ours
+SFT_ROLLOUT_PATHS = (
+    "miles.rollout.sft_rollout.generate_rollout",
+    "miles_platform.rollout.sft_rollout.generate_rollout",
+)
 
 
 @dataclass
@@ -69,6 +74,23 @@ class RolloutFlags:
     rollout_max_concurrency: int = flag(
         64, "rollout", "max in-flight generate requests (per-sample generate functions: samples in flight)"
     )
+
+    @property
+    def uses_sft_rollout(self) -> bool:
+        """Miles' SFT: the rollout function hands out finished conversations (messages kept as such)."""
+        return self.rollout_function_path in SFT_ROLLOUT_PATHS
+
+    def _check_sft_rollout(self) -> None:
+        if not self.uses_sft_rollout:
+            return
+        wrong = [f for f, bad in (("--loss-type sft_loss", self.loss_type != "sft_loss"),
+                 ("--debug-train-only", not self.debug_train_only),
+                 ("--n-samples-per-prompt 1", self.n_samples_per_prompt != 1)) if bad]  # fmt: skip
+        if wrong:
+            raise ConfigError(
+                f"--rollout-function-path {self.rollout_function_path} (SFT: each record is a finished "
+                f"conversation, nothing is generated) needs {', '.join(wrong)}, as Miles' SFT scripts pass"
+            )
 
 
 @dataclass

@@ -23,6 +23,7 @@ from miles_platform.config import (
     evaluation,
     lora,
     megatron,
+    model_args,
     moe,
     opd,
     rollout,
@@ -33,11 +34,13 @@ from miles_platform.config.agentic import AgenticFlags
 from miles_platform.config.algorithm import AlgorithmFlags, CorrectionFlags
 from miles_platform.config.checkpoint import CheckpointFlags, check_seeds
 from miles_platform.config.cluster import ClusterFlags
+from miles_platform.config.compat import COMPAT, accepted_compat_flags, check_compat_flags
 from miles_platform.config.debug import DebugFlags
 from miles_platform.config.evaluation import EvalFlags
 from miles_platform.config.flags import check_choices, check_ranges, field_default, flag_name
 from miles_platform.config.lora import LoraFlags
 from miles_platform.config.megatron import MegatronFlags
+from miles_platform.config.model_args import MODEL_ARGS, ModelArgsFlags
 from miles_platform.config.moe import MoeFlags
 from miles_platform.config.opd import OpdFlags
 from miles_platform.config.outputs import LoggingFlags, StorageFlags, check_run_name
@@ -52,6 +55,7 @@ from miles_platform.errors import ConfigError
 GROUPS = (
     "cluster",
     "checkpoint",
+    "model",
     "rollout",
     "sampling",
     "reward",
@@ -71,7 +75,7 @@ GROUPS = (
 
 # The capabilities, in field order (which is `--help` order within a group, and the Launchpad's).
 CAPABILITIES = (
-    ClusterFlags, CheckpointFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
+    ClusterFlags, CheckpointFlags, ModelArgsFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
     AlgorithmFlags, MoeFlags, CorrectionFlags, ScoreCenteringFlags, OpdFlags, OptimizerFlags, PerfFlags,
     MegatronFlags, PrecisionFlags, WeightUpdateFlags, LoraFlags, AsyncFlags, StorageFlags, LoggingFlags, DebugFlags,
 )  # fmt: skip
@@ -80,7 +84,7 @@ CAPABILITIES = (
 RANGES: dict[str, tuple] = {
     **cluster.RANGES, **checkpoint.RANGES, **rollout.RANGES, **agentic.RANGES, **evaluation.RANGES,
     **algorithm.RANGES, **moe.RANGES, **opd.RANGES, **training.RANGES, **weights.RANGES, **lora.RANGES,
-    **debug.RANGES, **megatron.RANGES,
+    **debug.RANGES, **megatron.RANGES, **model_args.RANGES,
 }  # fmt: skip
 
 # Miles flags this build does not implement, with the reason. Set to anything but the default they are
@@ -107,6 +111,10 @@ class RunConfig(*reversed(CAPABILITIES)):
     custom_function_args: dict[str, Any] = field(
         default_factory=dict, metadata={"group": "rollout", "help": "", "choices": None, "nargs": None}
     )
+    # the Miles / megatron flags with no field of their own (config/compat.py): {name: value given}
+    compat_flags: dict[str, Any] = field(
+        default_factory=dict, metadata={"group": "cluster", "help": "", "choices": None, "nargs": None}
+    )
 
     def validate(self) -> RunConfig:
         """Derive the unset batch knob and reject contradictions. Returns self."""
@@ -114,9 +122,11 @@ class RunConfig(*reversed(CAPABILITIES)):
         check_seeds(self)
         self._normalize_session_server()
         self._check_ranges()
+        self._check_model_args()
         derive_batch_knobs(self)
         self._check_debug_flags()
         self._check_perf_flags()
+        self._check_optimizer_flags()
         self._check_sampling_flags()
         self._check_eval_flags()
         self._derive_megatron_precision()
@@ -131,11 +141,13 @@ class RunConfig(*reversed(CAPABILITIES)):
         self._check_routing_replay()
         self._check_moe_flags()
         self._check_generate_flags()
+        self._check_sft_rollout()
         self._check_lora_flags()
         self._check_score_centering()
         self._check_opd_flags()
         self._check_algorithm_flags()
         self._check_logging_flags()
+        check_compat_flags(self)
         return self
 
     def _check_ranges(self) -> None:
@@ -155,6 +167,11 @@ class RunConfig(*reversed(CAPABILITIES)):
             if a is not None and b is not None and a > b:
                 raise ConfigError(f"{flag_name(lo)} {a} > {flag_name(hi)} {b}")
 
+    def miles_flags_taken(self) -> list[str]:
+        """The Miles flags of config/compat.py taken with the same result here, each as `--flag: what
+        this build does instead` (the run logs them at start)."""
+        return accepted_compat_flags(self.compat_flags)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -171,6 +188,8 @@ class RunConfig(*reversed(CAPABILITIES)):
             "run_name",
             "ci_fault_hooks",
             *LOGGING,
+            *MODEL_ARGS,  # they describe --hf-checkpoint (checked equal), which is in the hash
+            "compat_flags",  # kernel and speed choices with the same result (others are refused)
         }
         payload = {k: v for k, v in self.to_dict().items() if k not in skip}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -179,6 +198,9 @@ class RunConfig(*reversed(CAPABILITIES)):
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         clean = {k.replace("-", "_"): v for k, v in data.items()}
+        compat = {k: clean.pop(k) for k in list(clean) if k in COMPAT and k not in names}
+        if compat:
+            clean["compat_flags"] = {**compat, **(clean.get("compat_flags") or {})}
         for alias, name in ALIASES.items():
             if alias in clean:
                 if name in clean and clean[name] != clean[alias]:
@@ -204,13 +226,13 @@ RESUMABLE = frozenset(
      "colocate", "num_cpus_per_actor", "rollout_engine", "rollout_external_engine_addrs", "sglang_router_port",
      "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
      "rollout_health_check_first_wait", "pause_wait_timeout_s", "pause_max_queued_requests", "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
-     "load", "save", "save_interval", "save_hf", "num_rollout", "num_epoch", "rollout_max_concurrency",
-     "eval_prompt_data", "eval_interval", "n_samples_per_eval_prompt", "eval_max_response_len",
+     "load", "save", "save_interval", "save_retain_interval", "save_hf", "train_env_vars", "distributed_timeout_minutes", "num_rollout", "num_epoch", "rollout_max_concurrency",
+     "eval_prompt_data", "eval_interval", "eval_input_key", "n_samples_per_eval_prompt", "eval_max_response_len",
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
-     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args",
-     "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING
+     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args", "compat_flags",
+     "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING | set(MODEL_ARGS)
 )  # fmt: skip
 
 
@@ -227,5 +249,5 @@ def config_changes(saved: dict, now, resumable: frozenset[str] = RESUMABLE) -> l
 
 def saved_config(cfg) -> str:
     """The config a checkpoint dir records (`run_config.json`), without the secret."""
-    d = {k: v for k, v in cfg.to_dict().items() if k not in ("api_key",)}
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("api_key", "wandb_key")}
     return json.dumps(d, default=str, sort_keys=True, indent=1)

@@ -11,6 +11,7 @@ from miles_platform.errors import ConfigError
 RANGES: dict[str, tuple] = {
     **dict.fromkeys(("lr_decay_iters", "micro_batch_size", "max_tokens_per_gpu"), POSITIVE),
     **dict.fromkeys(("lr_warmup_iters", "lr", "min_lr", "weight_decay"), NON_NEGATIVE),
+    "lr_warmup_fraction": (0, 1, False, "in [0, 1]"),
     "adam_beta1": (0, 1, False, "in [0, 1)"),
     "adam_beta2": (0, 1, False, "in [0, 1)"),
     "adam_eps": (0, None, True, "> 0"),
@@ -34,6 +35,11 @@ class OptimizerFlags:
     )
     lr_decay_style: str = flag("constant", "optimizer", "schedule", choices=("constant", "linear", "cosine"))
     lr_warmup_iters: int = flag(0, "optimizer", "warmup steps")
+    lr_warmup_fraction: float | None = flag(
+        None,
+        "optimizer",
+        "warmup steps as a fraction of the decay steps (megatron's; instead of --lr-warmup-iters)",
+    )
     lr_decay_iters: int | None = flag(None, "optimizer", "decay steps (defaults to total steps)")
     min_lr: float = flag(0.0, "optimizer", "lower LR bound for decay")
     weight_decay: float = flag(0.1, "optimizer", "decoupled weight decay")
@@ -41,6 +47,10 @@ class OptimizerFlags:
     adam_beta2: float = flag(0.98, "optimizer", "Adam beta2")
     adam_eps: float = flag(1e-8, "optimizer", "Adam epsilon")
     clip_grad: float = flag(1.0, "optimizer", "grad-norm clip")
+
+    def _check_optimizer_flags(self) -> None:
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters: give one (megatron takes one too)")
 
 
 @dataclass
@@ -62,6 +72,10 @@ class PerfFlags:
     context_parallel_size: int = flag(1, "perf", "CP")
     expert_model_parallel_size: int = flag(1, "perf", "megatron EP: MoE experts split over this many ranks")
     gradient_checkpointing: bool = flag(False, "perf", "activation recompute (FSDP)")
+    deterministic_mode: bool = flag(
+        False, "perf", "deterministic kernels in the trainer (torch.use_deterministic_algorithms, and "
+        "CUBLAS_WORKSPACE_CONFIG on GPU): same inputs, same gradients bit for bit"
+    )  # fmt: skip
 
     def _check_perf_flags(self) -> None:
         if self.use_dynamic_batch_size and not self.max_tokens_per_gpu:

@@ -23,7 +23,7 @@ class WeightUpdateFlags:
         "tensor",
         "weight-update",
         "transport",
-        choices=("tensor", "disk-delta", "mooncake", "broadcast", "disk"),
+        choices=("tensor", "disk-delta", "mooncake", "broadcast", "disk", "p2p"),
     )
     update_weights_interval: int = flag(1, "weight-update", "rollouts between weight updates")
     update_weight_disk_dir: str | None = flag(None, "weight-update", "publication dir for disk-delta")
@@ -60,6 +60,13 @@ class WeightUpdateFlags:
         return self.update_weight_transfer_mode == "disk-delta"
 
     def _check_weight_update_flags(self) -> None:
+        if self.update_weight_transfer_mode == "p2p":
+            raise ConfigError(
+                "--update-weight-transfer-mode p2p: Miles' point-to-point transfer (each trainer rank writes "
+                "its shards straight into the engines' memory over RDMA with a transfer engine) is not built "
+                "here; use broadcast (NCCL from the trainer to the engines, Miles' default), disk-delta "
+                "(changed bytes through a shared dir) or mooncake"
+            )
         if self.uses_disk_delta and not self.update_weight_disk_dir:
             raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir")
         for name in ("disk_delta_keyframe_interval", "disk_delta_encode_workers"):

@@ -37,9 +37,10 @@ class RolloutDataSource:
             metadata_key=cfg.metadata_key,
             apply_chat_template=cfg.apply_chat_template,
             tokenizer=tokenizer,
+            # agentic: Sample.prompt stays messages; SFT: the conversation to train on
             keep_messages=bool(
-                getattr(cfg, "use_session_server", None)
-            ),  # agentic: Sample.prompt stays messages
+                getattr(cfg, "use_session_server", None) or getattr(cfg, "uses_sft_rollout", False)
+            ),
         )
         return cls(records, rollout_shuffle=cfg.rollout_shuffle, rollout_seed=cfg.rollout_seed)
 

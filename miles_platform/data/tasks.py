@@ -188,7 +188,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="miles-platform make-data", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform make-data", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--out", required=True, help="output directory (train.jsonl, eval.jsonl, sft.jsonl)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -376,7 +376,7 @@ class DiffusionRunConfig:
 
 def build_parser(prog: str = "miles-platform train-diffusion") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Diffusion RL (Flow-GRPO, DiffusionNFT) on a DiT."
+        allow_abbrev=False, prog=prog, description="Diffusion RL (Flow-GRPO, DiffusionNFT) on a DiT."
     )
     parser.add_argument("--config", help="YAML file of flags; CLI overrides it")
     groups = parser_groups(parser, GROUPS)

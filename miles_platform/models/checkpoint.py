@@ -28,6 +28,15 @@ def embedding_rows(config: dict) -> int | None:
     return int(v) if v else None
 
 
+def quantization(path: str) -> str | None:
+    """The quant_method of an HF checkpoint dir's config.json (fp8, compressed-tensors, ...), or None."""
+    try:
+        q = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return (q.get("quant_method") or "quantized") if isinstance(q, dict) else None
+
+
 def context_length(config: dict) -> int | None:
     """The positions a checkpoint serves (`max_position_embeddings`, or its `text_config`'s)."""
     v = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(

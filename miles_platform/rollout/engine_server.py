@@ -221,7 +221,9 @@ class EngineActor:
 
 
 def cli_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="miles-platform serve-engine", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform serve-engine", description=__doc__.splitlines()[0]
+    )
     ap.add_argument(
         "--hf-checkpoint", required=True, help="HF checkpoint dir (config.json, safetensors, tokenizer)"
     )

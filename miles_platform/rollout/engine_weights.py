@@ -345,26 +345,11 @@ def parse_engine_dtype(dtype, device: torch.device | str = "cpu") -> torch.dtype
 
 def load_model(path: str, dtype: torch.dtype):
     """(model, tokenizer) of an HF checkpoint dir, frozen; a quantized one is dequantized to `dtype`."""
-    from miles_platform.models.checkpoint import load_hf_checkpoint, load_tokenizer, validate_hf_dir
+    from miles_platform.models.checkpoint import load_tokenizer, validate_hf_dir
+    from miles_platform.weights.quantize import load_dense_hf_model
 
-    cfg = validate_hf_dir(path)
-    if not cfg.get("quantization_config"):
-        model, tok = load_hf_checkpoint(path, dtype)
-    else:  # build the bf16/fp32 model from config, then load the dequantized weights into it
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(path)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        state = read_state_dict(path)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise CheckpointError(
-                f"HF checkpoint {path}: dequantized weights missing {missing[:5]} / unexpected {unexpected[:5]}"
-            )
-        tok = load_tokenizer(path)
+    validate_hf_dir(path)
+    model, tok = load_dense_hf_model(path, dtype), load_tokenizer(path)
     for p in model.parameters():
         p.requires_grad_(False)
     check_cache_kwarg(model)

@@ -312,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     """`miles-platform eval`: the dataset and reward flags are train's own (config.add_flags)."""
     from miles_platform.config import DATASET_FLAGS, REWARD_FLAGS, add_flags
 
-    ap = argparse.ArgumentParser(prog="miles-platform eval", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform eval", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--hf-checkpoint", required=True, help="HF dir of the policy: weights, config, tokenizer")
     ap.add_argument("--eval-prompt-data", nargs="+", required=True, metavar="NAME PATH",
                     help="one or more `name path` pairs (JSONL or Parquet, any fsspec URI)")  # fmt: skip

@@ -398,7 +398,9 @@ def start_router(
 
 
 def cli_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="miles-platform serve-router", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform serve-router", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--worker-urls", nargs="*", default=[], help="engine URLs to start with")

@@ -260,7 +260,7 @@ def format_result(columns: list[str], rows: list[tuple], fmt: str = "table") -> 
 
 def cli_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
-        prog="miles-platform query", description="run SQL against the DuckDB catalog"
+        allow_abbrev=False, prog="miles-platform query", description="run SQL against the DuckDB catalog"
     )
     ap.add_argument("sql", help=f"SQL over the views {', '.join(VIEWS)}")
     ap.add_argument("--storage-root", default=os.environ.get("MILES_STORAGE_ROOT", ".miles"))

@@ -389,6 +389,7 @@ def format_dataset_versions(data_version: str, rows: list[dict[str, Any]]) -> st
 # ----------------------------------------------------------------- CLI
 def cli_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="miles-platform lineage",
         description="trace a policy version or checkpoint up- and downstream, or list what trained on a dataset version",
     )

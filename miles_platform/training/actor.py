@@ -21,6 +21,7 @@ import random
 import resource
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -105,8 +106,9 @@ class TrainBatch:
 
 
 def lr_lambda(cfg: RunConfig, total_steps: int):
-    return lr_multiplier(cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_style,
-                         cfg.lr_decay_iters or max(total_steps, 1))  # fmt: skip
+    decay = cfg.lr_decay_iters or max(total_steps, 1)
+    warmup = cfg.lr_warmup_iters if cfg.lr_warmup_fraction is None else int(cfg.lr_warmup_fraction * decay)
+    return lr_multiplier(cfg.lr, cfg.min_lr, warmup, cfg.lr_decay_style, decay)
 
 
 def _rank_log(line: str) -> None:
@@ -145,8 +147,14 @@ class TrainerActor:
                 )
             host = host.strip("[]")  # tcp://[::1]:port
             gloo_on_loopback(host)
-            store = tcp_store(host, int(port), world_size, rank == 0, timeout_s=1800.0)
-            dist.init_process_group(group_backend(self.device), store=store, rank=rank, world_size=world_size)
+            minutes = cfg.distributed_timeout_minutes
+            store = tcp_store(host, int(port), world_size, rank == 0, timeout_s=60.0 * minutes)
+            dist.init_process_group(
+                group_backend(self.device), store=store, rank=rank, world_size=world_size,
+                timeout=timedelta(minutes=minutes),
+            )  # fmt: skip
+        if cfg.deterministic_mode:  # Miles' --deterministic-mode (cuBLAS' workspace: run_services' env)
+            torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -52,6 +53,26 @@ def read_latest(save: str | None) -> int | None:
     if not text.isdigit():
         raise ValueError(f"{p}: expected an iteration number, got {text!r}")
     return int(text)
+
+
+def prune_checkpoints(save: str, newest: int, retain_interval: int) -> list[str]:
+    """megatron's --save-retain-interval: once `newest` is saved, delete every other iter dir under
+    `save` whose rollout id is not a multiple of `retain_interval` (the newest always stays; the
+    pointer already names it). Returns the deleted dirs."""
+    gone = []
+    for name in remote.listdir(save) if remote.is_remote(save) else os.listdir(save):
+        name = name.rstrip("/").rsplit("/", 1)[-1]
+        if not (name.startswith("iter_") and name[5:].isdigit()):
+            continue
+        it = int(name[5:])
+        if it != newest and it % retain_interval:
+            path = iter_dir(save, it)
+            if remote.is_remote(save):
+                remote.remove(path)
+            else:
+                shutil.rmtree(path)
+            gone.append(path)
+    return gone
 
 
 def rank_file(stem: str, rank: int) -> str:

@@ -19,15 +19,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from miles_platform.config import RunConfig
-from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.training.checkpoint import load_optimizer_tensors, optimizer_tensors, rank_file
+from miles_platform.weights.quantize import load_dense_hf_model
 
 
 class Critic(torch.nn.Module):
     def __init__(self, cfg: RunConfig, hf_checkpoint: str, world_size: int = 1, device="cpu"):
         super().__init__()
         self.world_size = world_size
-        lm = load_hf_model(hf_checkpoint)
+        lm = load_dense_hf_model(hf_checkpoint)
         self.trunk = lm.model  # Qwen3Model: no lm_head, so no vocab-sized logits are computed
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)

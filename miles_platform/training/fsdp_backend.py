@@ -15,16 +15,16 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_platform.models.checkpoint import load_hf_model
 from miles_platform.training.backend import ModelBackend
 from miles_platform.training.precision import DTYPES
+from miles_platform.weights.quantize import load_dense_hf_model
 
 
 class FSDPBackend(ModelBackend):
     name = "fsdp"
 
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
-        model = load_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
+        model = load_dense_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
         model.config.use_cache = False
         self.lora = trainable and self.cfg.uses_lora
         if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:

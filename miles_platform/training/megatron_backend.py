@@ -181,8 +181,9 @@ class MegatronBackend(ModelBackend):
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         import torch.distributed as dist
 
-        from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
+        from miles_platform.models.checkpoint import validate_hf_dir
         from miles_platform.training.megatron_parallel import build_model_chunks
+        from miles_platform.weights.quantize import load_dense_hf_model
 
         hf_config = validate_hf_dir(hf_checkpoint, need_tokenizer=False)
         self.layout = Layout.from_cfg(self.cfg)
@@ -205,7 +206,7 @@ class MegatronBackend(ModelBackend):
         if ref_load:
             load_torch_dist(self.chunks, ref_load)
         else:
-            self.load_hf_state_dict(load_hf_model(hf_checkpoint).state_dict())
+            self.load_hf_state_dict(load_dense_hf_model(hf_checkpoint).state_dict())
         if trainable and getattr(self.cfg, "moe_router_freeze_gate", False):
             for name, p in self.module.named_parameters():  # MoE routers stay as loaded
                 if name.endswith("mlp.router.weight"):

@@ -114,7 +114,9 @@ def census_checkpoint(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="miles-platform dtype-census", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform dtype-census", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--hf-checkpoint", required=True, help="HF model dir (config.json + safetensors)")
     p.add_argument("--forward-dtype", required=True, choices=tuple(DTYPES), help="compute (autocast) dtype")
     p.add_argument("--master-dtype", default="fp32", choices=("fp32", "bf16"), help="resident dtype")

@@ -290,7 +290,9 @@ def _train(
 # ---------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     d = default_sft_recipe()
-    ap = argparse.ArgumentParser(prog="miles-platform sft", description="SFT (--loss-type sft_loss).")
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform sft", description="SFT (--loss-type sft_loss)."
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-checkpoint", help="start from this HF checkpoint dir")
     src.add_argument(

@@ -132,10 +132,14 @@ def _list_one(pub: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="miles-platform weights", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform weights", description=__doc__.splitlines()[0]
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser(
-        "publish", help="publish the next version (snapshot of --base first if --out is empty)"
+        "publish",
+        allow_abbrev=False,
+        help="publish the next version (snapshot of --base first if --out is empty)",
     )
     pp.add_argument("--base", required=True, help="HF dir the previous version was published from")
     pp.add_argument("--target", required=True, help="HF dir of the new version")
@@ -146,12 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--workers", type=int, default=1, help="threads encoding tensors in parallel")
     pp.add_argument("--version", type=int, default=None, help="version number (default: LATEST + 1)")
     pp.set_defaults(fn=cmd_publish)
-    pa = sub.add_parser("apply", help="verify and patch a local HF checkpoint to a published version")
+    pa = sub.add_parser(
+        "apply", allow_abbrev=False, help="verify and patch a local HF checkpoint to a published version"
+    )
     pa.add_argument("--pub", required=True)
     pa.add_argument("--checkpoint", required=True)
     pa.add_argument("--version", type=int, default=None, help="default: LATEST")
     pa.set_defaults(fn=cmd_apply)
-    pl = sub.add_parser("list", help="committed versions with kind, base, wire bytes, density")
+    pl = sub.add_parser(
+        "list", allow_abbrev=False, help="committed versions with kind, base, wire bytes, density"
+    )
     pl.add_argument(
         "--pub",
         default=None,

@@ -280,7 +280,9 @@ def _torch_dist_to_hf(load, hf_checkpoint, save, bar: Progress) -> ConversionRes
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="miles-platform convert", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform convert", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-torch-dist", help="HF safetensors -> Megatron torch_dist")
     a.add_argument("--hf-checkpoint", required=True)

@@ -236,8 +236,35 @@ def load_dequantized_state_dict(hf_dir: str, dtype: torch.dtype | None = None) -
     return dequantize_state_dict(_load_state(src), cfg.get("quantization_config"), dtype)
 
 
+def load_dense_hf_model(path: str, dtype: torch.dtype = torch.float32):
+    """An HF causal LM (eval mode) with dense weights: a quantized checkpoint (fp8 / int4) is built from
+    its config without the quantization and loaded dequantized, the same tensors whoever loads it
+    (engines, trainer, critic); any other checkpoint as `models.checkpoint.load_hf_model`."""
+    from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
+    from miles_platform.models.families import fuse_checkpoint_experts
+
+    if not validate_hf_dir(path, need_tokenizer=False).get("quantization_config"):
+        return load_hf_model(path, dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    state = fuse_checkpoint_experts(load_dequantized_state_dict(str(path)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"HF checkpoint {path}: dequantized weights missing {missing[:5]} / unexpected {unexpected[:5]}"
+        )
+    return model
+
+
 def cli_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="miles-platform quantize", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="miles-platform quantize", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--hf-checkpoint", required=True, help="source HF checkpoint dir (bf16/fp32)")
     p.add_argument("--save", required=True, help="output HF checkpoint dir")

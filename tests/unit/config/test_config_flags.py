@@ -21,6 +21,18 @@ FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 DOCUMENTED_ALIASES: dict[str, str] = {}
 
 
+def _model_args_checked() -> set[str]:
+    """The model flags (config/model_args.py) are read as a table: preflight checks each one given
+    against the checkpoint's view of it (models/architecture.py), which must have an entry for each;
+    --make-vocab-size-divisible-by is honoured at 128 (the padding the megatron bridge uses) and
+    refused otherwise in validate()."""
+    from miles_platform.config import MODEL_ARGS
+    from miles_platform.models.architecture import megatron_model_args
+
+    view = megatron_model_args({"model_type": "qwen3", "hidden_size": 8, "num_attention_heads": 2})
+    return {n for n in MODEL_ARGS if n in view} | {"make_vocab_size_divisible_by"}
+
+
 def test_debug_train_only_with_nothing_to_load_is_refused_up_front(tiny_hf_checkpoint, tmp_path):
     """No engines and nothing to replay: refused at validation, not a crash on None mid-run."""
     cfg = RunConfig(**small_run_kwargs(tiny_hf_checkpoint, tmp_path, debug_train_only=True))
@@ -78,7 +90,8 @@ def _fields_read_outside_config() -> set[str]:
 
 
 def test_every_run_config_field_is_honoured_or_refused():
-    dead = sorted(set(FIELDS) - _fields_read_outside_config() - set(REFUSED) - set(DOCUMENTED_ALIASES))
+    read = _fields_read_outside_config() | _model_args_checked()
+    dead = sorted(set(FIELDS) - read - set(REFUSED) - set(DOCUMENTED_ALIASES))
     assert not dead, (
         f"RunConfig fields read by nothing outside miles_platform/config/: {dead}. Wire each one, refuse it in "
         "config.REFUSED (with the reason) or remove it."

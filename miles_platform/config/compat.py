@@ -1,0 +1,205 @@
+"""The rest of a Miles launch script: Miles and megatron flags with no field of their own here, each
+with what it means in this build (docs/miles_flags.md has the table with the reasons).
+
+  same     a kernel, layout or speed choice whose result this build computes its own way (the text
+           says how); accepted, and a value that would change the result is refused (`allowed`,
+           `when`)
+  refused  a feature this build does not have: refused by name with the reason and what to do
+
+The parser takes each as Miles does (same name, same arity); what was given lands in
+`RunConfig.compat_flags` ({field name: value}) and `validate()` applies the verdicts. The model
+flags are config/model_args.py's (checked against the checkpoint); megatron's parallelism and
+precision flags are the megatron backend's (training.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from miles_platform.config.flags import flag_name
+from miles_platform.config.opd import MILES_OPD_POST_PROCESS
+from miles_platform.errors import ConfigError
+
+SAME, REFUSED = "same", "refused"
+
+
+@dataclass(frozen=True)
+class MilesFlag:
+    kind: str  # bool | int | float | str | list: how the parser takes it (Miles' arity)
+    verdict: str  # SAME | REFUSED
+    why: str  # SAME: what this build does instead; REFUSED: the reason and what to do
+    allowed: tuple = ()  # SAME: the values accepted (empty: any)
+    when: Callable[[Any, Any], bool] | None = None  # SAME: (cfg, value) -> accepted
+
+
+def _same(kind: str, why: str, allowed: tuple = (), when=None) -> MilesFlag:
+    return MilesFlag(kind, SAME, why, allowed, when)
+
+
+def _refused(kind: str, why: str) -> MilesFlag:
+    return MilesFlag(kind, REFUSED, why)
+
+
+_UNFUSED = "an unfused kernel: what the trainer here runs anyway (torch ops, megatron-core's local spec)"
+_FAMILY = (
+    "for model families this build does not train (it trains Qwen3, Qwen2/2.5, Llama 3 and Qwen3-MoE, "
+    "built from the HF config: models/families.py); run those models with Miles"
+)
+_MLA = "multi-latent attention (DeepSeek-V3 / Kimi / GLM-5) is " + _FAMILY
+_YARN = "YaRN rope scaling (DeepSeek / Kimi) is " + _FAMILY
+_DSA = "DeepSeek sparse attention (V3.2 / V4, GLM-5) is " + _FAMILY
+_MTP = "multi-token prediction (MTP) heads are not built: train without them (drop the MTP flags)"
+_FP8 = (
+    "FP8 training (transformer-engine) is not built: the trainer computes in fp32 / bf16 "
+    "(--train-forward-dtype); an fp8 / int4 --hf-checkpoint is taken (trainer and engines start from its "
+    "dequantized weights), and SGLang engines quantize online with --sglang-quantization fp8"
+)
+
+COMPAT: dict[str, MilesFlag] = {
+    # ---- kernels, layouts and speed: the same result here
+    "attention_backend": _same("str", "attention kernel (TE flash / fused / unfused): the trainer runs torch's attention, same math"),
+    "attn_implementation": _same("str", "HF attention kernel of Miles' FSDP backend: the trainer runs HF's sdpa / eager, same math"),
+    "transformer_impl": _same("str", "transformer-engine vs local layers: the megatron backend runs megatron-core's local spec, same math"),
+    "qkv_format": _same("str", "packed-sequence tensor layout (bshd / thd): an internal layout, same math"),
+    "moe_grouped_gemm": _same("bool", "experts as one grouped GEMM: the experts here run one by one (SequentialMLP / HF's blocks), same math"),
+    "moe_permute_fusion": _same("bool", "a fused token-permute kernel: " + _UNFUSED),
+    "moe_token_dispatcher_type": _same("str", "how tokens reach experts on other expert-parallel ranks: experts train at EP 1 here, so no token leaves its rank"),
+    "moe_enable_deepep": _same("bool", "DeepEP all-to-all kernels: experts train at EP 1 here, nothing to dispatch"),
+    "moe_token_drop_policy": _same("str", "which tokens an expert over capacity drops: no capacity factor is set (dropless, megatron's default), so none is dropped"),
+    "moe_router_load_balancing_type": _same(
+        "str", "the load-balancing loss kind: at --moe-aux-loss-coeff 0 there is none; a non-zero coefficient takes aux_loss (Switch) only",
+        when=lambda cfg, v: v == "aux_loss" or not cfg.moe_aux_loss_coeff,
+    ),
+    "moe_router_bias_update_rate": _same(
+        "float", "the aux-loss-free expert-bias update rate: 0 (no update) only; the routers here have no expert bias",
+        allowed=(0, 0.0),
+    ),
+    "no_rope_fusion": _same("bool", _UNFUSED),
+    "no_bias_swiglu_fusion": _same("bool", _UNFUSED),
+    "no_masked_softmax_fusion": _same("bool", _UNFUSED),
+    "no_bias_dropout_fusion": _same("bool", _UNFUSED),
+    "no_gradient_accumulation_fusion": _same("bool", _UNFUSED),
+    "attention_dropout": _same("float", "dropout in attention: the trainer runs without dropout, as RL recipes do; 0 only", allowed=(0, 0.0)),
+    "hidden_dropout": _same("float", "dropout on hidden states: the trainer runs without dropout, as RL recipes do; 0 only", allowed=(0, 0.0)),
+    "balance_data": _same("bool", "which data-parallel rank trains which sample (Karmarkar-Karp token balance, for speed): ranks take samples round-robin here and the step is the same for any split (the loss is normalized over the global batch)"),
+    "log_probs_chunk_size": _same("int", "chunking of the log-prob computation to save memory: log-probs are computed per micro-batch here, same values"),
+    "data_pad_size_multiplier": _same("int", "padding of packed batches for the kernels: padding is masked out of the loss, same values"),
+    "train_memory_margin_bytes": _same("int", "GPU memory kept free by dynamic batching: the token budget per micro-batch is --max-tokens-per-gpu"),
+    "num_gpus_per_node": _same("int", "GPUs per node for placing engines: Ray places trainer ranks and engines on the devices each node reports"),
+    "megatron_to_hf_mode": _same("str", "how megatron weights get HF names for the engines (raw / megatron-bridge): this build's bridges (models/bridge/) do it, same HF weights"),
+    "enable_experimental": _same("bool", "megatron's gate for experimental features: nothing here is behind it"),
+    "no_check_for_nan_in_loss_and_grad": _same("bool", "megatron stops at the first NaN loss or gradient unless this is set: here a non-finite step is skipped, logged, and the run stops only past --max-nonfinite-steps"),
+    "custom_reward_post_process_path": _same(
+        "str", f"Miles' OPD post-process ({MILES_OPD_POST_PROCESS}) is what --use-opd does here (teacher log-probs "
+        "onto each sample, task reward 0); any other reward post-process hook is not built: put its logic in --custom-rm-path",
+        when=lambda cfg, v: v == MILES_OPD_POST_PROCESS and cfg.use_opd,
+    ),
+    "disable_compute_advantages_and_returns": _same(
+        "bool", "SFT computes no advantages (--loss-type sft_loss); the policy losses need them, so with any other loss it is refused",
+        when=lambda cfg, v: cfg.loss_type == "sft_loss",
+    ),
+    # ---- refused: not built here
+    "spec": _refused("list", "a custom megatron layer spec (miles_plugins) is " + _FAMILY),
+    "custom_model_provider_path": _refused("str", "a custom megatron model provider (miles_plugins) is " + _FAMILY),
+    "multi_latent_attention": _refused("bool", _MLA),
+    "q_lora_rank": _refused("int", _MLA),
+    "kv_lora_rank": _refused("int", _MLA),
+    "qk_head_dim": _refused("int", _MLA),
+    "qk_pos_emb_head_dim": _refused("int", _MLA),
+    "v_head_dim": _refused("int", _MLA),
+    "beta_fast": _refused("float", _YARN),
+    "beta_slow": _refused("float", _YARN),
+    "mscale": _refused("float", _YARN),
+    "mscale_all_dim": _refused("float", _YARN),
+    "dsa_attention_backend": _refused("str", _DSA),
+    "dsa_indexer_head_dim": _refused("int", _DSA),
+    "dsa_indexer_n_heads": _refused("int", _DSA),
+    "dsa_indexer_topk": _refused("int", _DSA),
+    "experimental_attention_variant": _refused("str", _DSA),
+    **{f"dsv4_{k}": _refused("list" if k == "compress_ratios" else "int", "DeepSeek-V4 attention is " + _FAMILY)
+       for k in ("compress_ratios", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "n_hash_layers",
+                 "o_groups", "o_lora_rank", "window_size")},
+    "moe_shared_expert_gate": _refused("bool", "a gated shared expert (Qwen2-MoE / Qwen3-Next) is " + _FAMILY),
+    "moe_latent_size": _refused("int", "latent MoE (Nemotron-3) is " + _FAMILY),
+    "freeze_e_score_correction_bias": _refused("bool", "the expert score-correction bias (DeepSeek-V3) is " + _FAMILY),
+    "apply_layernorm_1p": _refused("bool", "(1 + weight) norms (Gemma / Nemotron) is " + _FAMILY),
+    "attention_output_gate": _refused("bool", "gated attention output (Qwen3-Next / Qwen3.5) is " + _FAMILY),
+    "window_size": _refused("str", "sliding-window attention (gpt-oss) is " + _FAMILY),
+    "window_attn_skip_freq": _refused("int", "sliding-window attention (gpt-oss) is " + _FAMILY),
+    "softmax_type": _refused("str", "attention sinks (gpt-oss) is " + _FAMILY),
+    "activation_func_clamp_value": _refused("float", "clamped SwiGLU (gpt-oss) is " + _FAMILY),
+    "no_activation_func_clamp_shared_expert": _refused("bool", "clamped SwiGLU (gpt-oss) is " + _FAMILY),
+    "mtp_num_layers": _refused("int", _MTP),
+    "enable_mtp_training": _refused("bool", _MTP),
+    "mtp_loss_scaling_factor": _refused("float", _MTP),
+    "fp8_format": _refused("str", _FP8),
+    "fp8_recipe": _refused("str", _FP8),
+    "te_precision_config_file": _refused("str", _FP8),
+    "rematerialize_param_from_master_weight": _refused("bool", "rebuilding low-precision params from the fp32 master copy is a megatron precision option this build does not have; drop it"),
+    "offload_train_target": _same(
+        "str", "where --offload-train parks the trainer's state: host memory (cpu) here; disk is not built",
+        allowed=("cpu",),
+    ),
+    "offload_train_disk_dir": _refused("str", "--offload-train parks the trainer's state in host memory here; a disk target (--offload-train-target disk) is not built"),
+    "fsdp_cpu_offload": _refused("bool", "FSDP CPU offload of parameters and optimizer is not built: the fsdp backend keeps them on the rank's device; drop it"),
+    "use_dynamic_global_batch_size": _refused("bool", "a global batch that varies with dynamic sampling is not built: each step trains --global-batch-size samples"),
+    "finetune": _refused("bool", "megatron's --finetune (load weights, reset iteration and optimizer) is not built: start a new run from the weights as --hf-checkpoint"),
+    "no_save_optim": _refused("bool", "checkpoints here always hold the optimizer (a resume restores the whole trainer state); drop it"),
+    "no_load_optim": _refused("bool", "a resume here restores the whole trainer state (optimizer included); to start fresh from weights, pass them as --hf-checkpoint"),
+    "no_load_rng": _refused("bool", "a resume here restores the RNG state too (same seed -> same run); to start fresh, pass the weights as --hf-checkpoint"),
+    "multimodal_keys": _refused("str", "vision-language models are not built here (text only)"),
+    "lora_base_cpu_backup": _refused("bool", "an SGLang-side CPU copy of the base weights for LoRA + colocate: LoRA here syncs adapters only and the base never changes; drop it"),
+    "experts_shared_outer_loras": _refused("bool", "LoRA on MoE experts is not built (MoE + LoRA is refused)"),
+    "apply_chat_template_kwargs": _refused("str", "extra chat-template arguments (e.g. a thinking mode) are not built: --apply-chat-template renders with the template's defaults"),
+    "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),
+    "eval_function_path": _refused("str", "a custom eval function is not built: evals run the run's own generate and reward on --eval-prompt-data"),
+    "log_passrate": _refused("bool", "per-rollout pass rates are not logged; evals report pass@1 and pass@<n>(T=..) per dataset"),
+    "log_reward_category": _refused("str", "statistics of a reward-dict category are not logged; log them from --custom-rollout-log-function-path"),
+    "filter_zero_reward_samples": _refused("bool", "use --dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
+    "rollout_max_context_len": _refused("int", "the engine's context here is the model's (max_position_embeddings); bound prompts and responses with --rollout-max-prompt-len and --rollout-max-response-len"),
+    "dump_details": _refused("str", "use --save-debug-rollout-data DIR/rollout_{rollout_id}.parquet; every rollout is also in the catalog (miles-platform query)"),
+    "use_miles_dashboard": _refused("bool", "Miles' dashboard is not part of this build: the Dagster UI, `miles-platform query` (DuckDB) and --use-wandb / --use-tensorboard show a run"),
+    "router_health_check_interval_secs": _refused("int", "the SGLang router's own health checks: engines here are checked by --use-fault-tolerance with --rollout-health-check-interval / -timeout"),
+    "router_health_success_threshold": _refused("int", "the SGLang router's own health checks: engines here are checked by --use-fault-tolerance with --rollout-health-check-interval / -timeout"),
+    "router_health_failure_threshold": _refused("int", "the SGLang router's own health checks: engines here are checked by --use-fault-tolerance with --rollout-health-check-interval / -timeout"),
+}  # fmt: skip
+
+
+def add_compat_flags(group) -> None:
+    """Each COMPAT flag on `group` as Miles takes it; given flags land under `compat:<name>`."""
+    for name, f in COMPAT.items():
+        kw: dict[str, Any] = {"dest": f"compat:{name}", "default": None, "help": _help(f)}
+        if f.kind == "bool":
+            group.add_argument(flag_name(name), action="store_true", **kw)
+            continue
+        kw["type"] = {"int": int, "float": float}.get(f.kind, str)
+        if f.kind == "list":
+            kw["nargs"] = "+"
+        group.add_argument(flag_name(name), **kw)
+
+
+def _help(f: MilesFlag) -> str:
+    return f"[Miles; {'same result here' if f.verdict == SAME else 'refused here'}] {f.why}".replace(
+        "%", "%%"
+    )
+
+
+def check_compat_flags(cfg) -> None:
+    """The verdicts of the COMPAT flags given (`cfg.compat_flags`)."""
+    for name, value in cfg.compat_flags.items():
+        f = COMPAT.get(name)
+        if f is None:
+            raise ConfigError(f"compat_flags: {name!r} is not a Miles flag this build knows")
+        shown = flag_name(name) + (
+            "" if value is True else f" {' '.join(map(str, value)) if isinstance(value, list) else value}"
+        )
+        if f.verdict == REFUSED:
+            raise ConfigError(f"{shown}: {f.why}")
+        if (f.allowed and value not in f.allowed) or (f.when is not None and not f.when(cfg, value)):
+            raise ConfigError(f"{shown}: {f.why}")
+
+
+def accepted_compat_flags(given: dict[str, Any]) -> list[str]:
+    """The same-result flags among `given`, as `--flag: what this build does instead`."""
+    return [f"{flag_name(n)}: {COMPAT[n].why}" for n in given if COMPAT[n].verdict == SAME]

@@ -1,0 +1,148 @@
+"""A checkpoint's architecture in megatron's model-flag terms (the flags a Miles launch script passes,
+config/model_args.py), read from its config.json, and the check that the flags given agree with it.
+
+`megatron_model_args(config)` maps each flag to (the config.json key an error names, what the file
+says there, the flag's value it means). Properties the architecture implies rather than a key
+(q/k norm in Qwen3, q/k/v biases in Qwen2) name `model_type`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from miles_platform.config.flags import flag_name
+from miles_platform.config.model_args import moe_layer_pattern
+from miles_platform.errors import ConfigError
+
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on q and k
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # biases on q/k/v only
+
+
+def _with_defaults(config: dict) -> dict:
+    """config.json with the keys its transformers config class defaults (a file may leave out
+    `tie_word_embeddings`, `rms_norm_eps`, ...), text_config first for a multimodal config."""
+    c = dict(config.get("text_config") or config)
+    try:
+        import transformers
+
+        full = transformers.AutoConfig.for_model(
+            c["model_type"], **{k: v for k, v in c.items() if k != "model_type"}
+        ).to_dict()
+        return {**full, **c}
+    except Exception:  # an unknown model_type: the file as it is
+        return c
+
+
+def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
+    """flag field -> (config.json key, its value there, the value it means for the flag)."""
+    from miles_platform.models.bridge.dense import rope_params
+
+    c = _with_defaults(config)
+    mt = str(c.get("model_type", ""))
+    heads, hidden = c.get("num_attention_heads"), c.get("hidden_size")
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or (hidden // heads if hidden and heads else None)
+    rope = rope_params(c)
+    is_rope = "rope_theta" in c or bool(c.get("rope_parameters") or c.get("rope_scaling"))
+    experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
+    bias = bool(c.get("attention_bias") or c.get("mlp_bias"))
+    layers = c.get("num_hidden_layers")
+
+    def key(k: str) -> tuple[str, Any, Any]:
+        return (k, c.get(k), c.get(k))
+
+    out = {
+        "num_layers": key("num_hidden_layers"),
+        "hidden_size": key("hidden_size"),
+        "ffn_hidden_size": key("intermediate_size"),
+        "num_attention_heads": key("num_attention_heads"),
+        "group_query_attention": ("num_key_value_heads", kv, bool(kv and heads and kv < heads)),
+        "num_query_groups": ("num_key_value_heads", kv, kv),
+        "kv_channels": ("head_dim", c.get("head_dim"), head_dim),
+        "normalization": ("rms_norm_eps", c.get("rms_norm_eps"), "RMSNorm" if "rms_norm_eps" in c else "LayerNorm"),
+        "norm_epsilon": ("rms_norm_eps", c.get("rms_norm_eps"), c.get("rms_norm_eps", c.get("layer_norm_eps"))),
+        "swiglu": ("hidden_act", c.get("hidden_act"), c.get("hidden_act") == "silu"),
+        "disable_bias_linear": ("attention_bias", c.get("attention_bias"), not bias),
+        "add_qkv_bias": ("model_type", mt, mt in QKV_BIAS_TYPES or bool(c.get("attention_bias"))),
+        "qk_layernorm": ("model_type", mt, mt in QK_NORM_TYPES),
+        "untie_embeddings_and_output_weights": (
+            "tie_word_embeddings", c.get("tie_word_embeddings"), not c.get("tie_word_embeddings", True)
+        ),
+        "position_embedding_type": ("rope_theta", rope["rope_theta"], "rope" if is_rope else "learned_absolute"),
+        "use_rotary_position_embeddings": ("rope_theta", rope["rope_theta"], is_rope),
+        "no_position_embedding": ("rope_theta", rope["rope_theta"], is_rope),
+        "rotary_base": ("rope_theta", rope["rope_theta"], rope["rope_theta"]),
+        "rotary_percent": ("partial_rotary_factor", c.get("partial_rotary_factor"), c.get("partial_rotary_factor", 1.0)),
+        "rotary_scaling_factor": ("rope_scaling.factor", rope.get("factor"), rope.get("factor")),
+        "rope_type": ("rope_scaling.rope_type", rope["rope_type"], "yarn" if rope["rope_type"] == "yarn" else "rope"),
+        "original_max_position_embeddings": (
+            "rope_scaling.original_max_position_embeddings",
+            rope.get("original_max_position_embeddings"),
+            rope.get("original_max_position_embeddings"),
+        ),
+        "max_position_embeddings": key("max_position_embeddings"),
+        "vocab_size": key("vocab_size"),
+        "num_experts": ("num_experts", experts, experts),
+        "moe_ffn_hidden_size": key("moe_intermediate_size"),
+        "moe_router_topk": key("num_experts_per_tok"),
+        "moe_layer_freq": (
+            "mlp_only_layers / decoder_sparse_step",
+            (c.get("mlp_only_layers"), c.get("decoder_sparse_step")),
+            _moe_layers(c, layers) if experts and layers else None,
+        ),
+        "moe_router_score_function": ("scoring_func", c.get("scoring_func"), c.get("scoring_func") or ("softmax" if experts else None)),
+        "moe_router_pre_softmax": ("norm_topk_prob", c.get("norm_topk_prob"), bool(experts) and not c.get("norm_topk_prob", False)),
+        "moe_shared_expert_intermediate_size": key("shared_expert_intermediate_size"),
+        "moe_router_topk_scaling_factor": key("routed_scaling_factor"),
+        "moe_router_enable_expert_bias": ("topk_method", c.get("topk_method"), c.get("topk_method") == "noaux_tc"),
+        "moe_router_num_groups": key("n_group"),
+        "moe_router_group_topk": key("topk_group"),
+        "model_name": ("model_type", mt, mt),
+    }  # fmt: skip
+    return out
+
+
+def _moe_layers(c: dict, layers: int) -> list[int]:
+    """Which layers are MoE, as megatron's --moe-layer-freq lists them (HF: mlp_only_layers are dense,
+    else every decoder_sparse_step-th layer is sparse)."""
+    dense = set(c.get("mlp_only_layers") or [])
+    step = int(c.get("decoder_sparse_step") or 1)
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+
+
+def _norm_name(s: str) -> str:
+    return str(s).lower().replace("-", "").replace("_", "")
+
+
+def _agrees(name: str, given: Any, want: Any) -> bool:
+    if name == "model_name":  # Miles' converter names: the model_type or its config class, any case
+        return _norm_name(given) in (_norm_name(want), _norm_name(want) + "config")
+    if name == "moe_layer_freq":
+        return want is not None and moe_layer_pattern(given, len(want)) == want
+    if isinstance(given, bool):
+        return bool(want) is given
+    if isinstance(given, int | float) and isinstance(want, int | float) and not isinstance(want, bool):
+        return math.isclose(float(given), float(want), rel_tol=1e-9, abs_tol=0.0)
+    return given == want
+
+
+def check_model_args(given: dict[str, Any], config: dict, where: str) -> None:
+    """Each model flag given (field -> value; bools only when set) against the checkpoint's config:
+    ConfigError naming the flag, its value, the config key and the checkpoint's value (`where`: the
+    config.json path, for the message)."""
+    view = megatron_model_args(config)
+    for name, value in given.items():
+        key, raw, want = view[name]
+        if _agrees(name, value, want):
+            continue
+        shown = "set" if value is True else f"{value:g}" if isinstance(value, float) else value
+        said = f"has no {key}" if raw is None else f"{key} is {raw!r}"
+        means = "" if want == raw or isinstance(want, bool) else f", i.e. {flag_name(name)} {want}"
+        if isinstance(want, bool):
+            means = f" ({'needs' if want else 'rules out'} {flag_name(name)})"
+        raise ConfigError(
+            f"{flag_name(name)} {shown}: the checkpoint's config.json {said}{means} ({where}). The model flags "
+            "describe the checkpoint, they do not change it: fix the flag or point --hf-checkpoint at the model "
+            "they describe"
+        )

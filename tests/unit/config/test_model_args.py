@@ -1,0 +1,85 @@
+"""Megatron's model flags (a Miles launch script's MODEL_ARGS) are checked against the checkpoint's
+config.json: equal passes, anything else names the flag, both values and the config key."""
+
+import json
+
+import pytest
+
+from miles_platform.config import ConfigError, parse_run_config
+from miles_platform.config.model_args import moe_layer_pattern
+from miles_platform.models.architecture import check_model_args, megatron_model_args
+from miles_platform.models.tiny import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    out = {}
+    for fam in ("qwen3", "qwen2", "llama", "qwen3_moe"):
+        path = save_tiny_checkpoint(tmp_path_factory.mktemp(fam) / "ckpt", fam)
+        out[fam] = json.loads((tmp_path_factory.getbasetemp() / path / "config.json").read_text())
+    return out
+
+
+def _argv_of(view: dict) -> list[str]:
+    """The model flags a Miles script would pass for a checkpoint with this view."""
+    argv = []
+    for name, (_, _, value) in view.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is None or value is False:
+            continue
+        elif name == "moe_layer_freq":
+            argv += [flag, "[" + ",".join(map(str, value)) + "]"]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "qwen2", "llama", "qwen3_moe"])
+def test_the_flags_that_describe_a_checkpoint_pass(families, fam):
+    argv = _argv_of(megatron_model_args(families[fam]))
+    assert "--num-layers" in argv and "--vocab-size" in argv
+    cfg = parse_run_config(["--rollout-batch-size", "2", *argv])
+    check_model_args(cfg.model_args_given(), families[fam], "config.json")
+
+
+@pytest.mark.parametrize(
+    ("fam", "argv", "key", "said"),
+    [
+        ("qwen3", ["--hidden-size", "33"], "hidden_size", "is 32"),
+        ("qwen3", ["--num-layers", "3"], "num_hidden_layers", "is 2"),
+        ("qwen3", ["--rotary-base", "1000000"], "rope_theta", "is 10000.0"),
+        ("qwen3", ["--untie-embeddings-and-output-weights"], "tie_word_embeddings", "is True"),
+        ("qwen3", ["--add-qkv-bias"], "model_type", "is 'qwen3'"),
+        ("qwen2", ["--qk-layernorm"], "model_type", "is 'qwen2'"),
+        ("qwen3", ["--num-experts", "4"], "num_experts", "has no num_experts"),
+        ("qwen3_moe", ["--moe-router-topk", "8"], "num_experts_per_tok", "is 2"),
+        ("qwen3_moe", ["--moe-layer-freq", "[0]*1+[1]*1"], "mlp_only_layers / decoder_sparse_step", ""),
+        ("qwen3", ["--vocab-size", "151936"], "vocab_size", ""),
+        ("qwen3", ["--model-name", "qwen2"], "model_type", "is 'qwen3'"),
+    ],
+)
+def test_a_flag_the_checkpoint_contradicts_is_named_with_both_values(families, fam, argv, key, said):
+    cfg = parse_run_config(["--rollout-batch-size", "2", *argv])
+    with pytest.raises(ConfigError) as e:
+        check_model_args(cfg.model_args_given(), families[fam], "/ckpt/config.json")
+    msg = str(e.value)
+    assert msg.startswith(argv[0]) and key in msg and said in msg and "/ckpt/config.json" in msg, msg
+    if len(argv) > 1:
+        assert argv[1] in msg or f"{float(argv[1]):g}" in msg
+
+
+def test_moe_layer_freq_patterns():
+    assert moe_layer_pattern("1", 3) == [1, 1, 1]
+    assert moe_layer_pattern("2", 4) == [1, 0, 1, 0]
+    assert moe_layer_pattern("([0]*3+[1]*2)", 5) == [0, 0, 0, 1, 1]
+    assert moe_layer_pattern("[1,0,1]", 3) == [1, 0, 1]
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
+        parse_run_config(["--rollout-batch-size", "2", "--moe-layer-freq", "__import__('os')"])
+
+
+def test_vocab_padding_multiple_is_the_bridges_or_refused():
+    assert parse_run_config(["--rollout-batch-size", "2", "--make-vocab-size-divisible-by", "128"])
+    with pytest.raises(ConfigError, match=r"--make-vocab-size-divisible-by 16: .*lcm\(128, TP\)"):
+        parse_run_config(["--rollout-batch-size", "2", "--make-vocab-size-divisible-by", "16"])
