@@ -94,9 +94,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
-        d = dict(d or {})
-        if not isinstance(d, dict):
+        if d is not None and not isinstance(d, dict):
             raise RequestError("sampling_params must be a JSON object")
+        d = dict(d or {})
         known = {f.name for f in fields(cls)}
         for k in list(d):
             if k in _IGNORED:

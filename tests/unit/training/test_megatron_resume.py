@@ -85,8 +85,13 @@ def checkpoints(tiny_hf_checkpoint, tmp_path_factory):
     from miles_platform.models.tiny import save_layout_checkpoint
     from miles_platform.weights.conversion import hf_to_torch_dist
 
+    from miles_platform.training import megatron_shims
+
     root = tmp_path_factory.mktemp("resume")
     ckpt = save_layout_checkpoint(tiny_hf_checkpoint, root / "l4")
+    # an earlier test of this pytest worker may have left its one-rank megatron group behind (a
+    # TrainerActor built in-process); the conversion needs a process without one
+    megatron_shims.destroy_process_group()
     hf_to_torch_dist(ckpt, root / "ref_tp2", tensor_model_parallel_size=2)
     return ckpt, str(root / "ref_tp2")
 
