@@ -21,18 +21,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
-LONGEST_FIRST = {  # seconds per file in `make test` (2 workers, --durations=0), fresh clone, 2026-12-04
-    "test_learning.py": 166, "test_cluster_ray.py": 117, "test_crash_matrix.py": 88,
-    "test_ui_browser.py": 82, "test_diffusion_loop.py": 80, "test_fault_tolerance.py": 62,
-    "test_ui_daily_use.py": 45,  # alone, 2 cores under another suite's load, 2026-12-05
-    "test_loop.py": 56, "test_model_families_loop.py": 34, "test_fuzz.py": 29,
-    "test_trainer_fault_hooks.py": 22, "test_diffusion_crash.py": 21,
-    "test_model_families_megatron.py": 19, "test_sglang_launcher.py": 19, "test_kernels.py": 18,
-    "test_tito.py": 17, "test_ops_training.py": 17, "test_multi_rank.py": 16, "test_sft.py": 16,
-    "test_conversion_asset.py": 15, "test_engine_control.py": 15, "test_object_store_root.py": 14,
-    "test_lora_loop.py": 14, "test_lora_multi_run.py": 13, "test_opd_loop.py": 12,
-    "test_gpu_checks.py": 12, "test_engine.py": 12, "test_conversion.py": 11,
-    "test_object_store.py": 11,
+LONGEST_FIRST = {  # seconds per file in a full run (3 workers, --durations=150), 2026-12-05
+    "test_learning.py": 203, "test_crash_matrix.py": 173, "test_cluster_ray.py": 113,
+    "test_ui_browser.py": 93, "test_diffusion_loop.py": 90, "test_fault_tolerance.py": 86,
+    "test_model_families_loop.py": 71, "test_loop.py": 63, "test_megatron_weights.py": 58,
+    "test_megatron_layouts.py": 54, "test_ops_training.py": 50, "test_megatron_precision.py": 46,
+    "test_ui_daily_use.py": 40, "test_diffusion_crash.py": 32, "test_trainer_fault_hooks.py": 29,
+    "test_fuzz.py": 29, "test_tito.py": 26, "test_sglang_launcher.py": 24,
+    "test_model_families_megatron.py": 24, "test_kernels.py": 23, "test_opd_loop.py": 18,
+    "test_multi_rank.py": 18, "test_object_store_root.py": 17, "test_sft.py": 14, "test_object_store.py": 14,
+    "test_moe_megatron.py": 13, "test_conversion_asset.py": 13, "test_conversion.py": 13,
+    "test_gpu_checks.py": 11, "test_forkserver.py": 10,
 }  # fmt: skip
 
 
