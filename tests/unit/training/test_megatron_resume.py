@@ -83,9 +83,8 @@ def _run(layout: str, ckpt: str, ref: str, save: Path, out: Path, resume: bool):
 @pytest.fixture(scope="module")
 def checkpoints(tiny_hf_checkpoint, tmp_path_factory):
     from miles_platform.models.tiny import save_layout_checkpoint
-    from miles_platform.weights.conversion import hf_to_torch_dist
-
     from miles_platform.training import megatron_shims
+    from miles_platform.weights.conversion import hf_to_torch_dist
 
     root = tmp_path_factory.mktemp("resume")
     ckpt = save_layout_checkpoint(tiny_hf_checkpoint, root / "l4")
