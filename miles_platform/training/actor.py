@@ -38,7 +38,6 @@ from miles_platform.cluster.devices import (
 )
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import ConfigError, RunConfig
-from miles_platform.errors import CheckpointError
 from miles_platform.store import remote
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backend import ScoreRequest, Scores
@@ -46,6 +45,7 @@ from miles_platform.training.backends import get_backend_class
 from miles_platform.training.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
+    check_finite_weights,
     load_optimizer_tensors,
     optimizer_tensors,
     python_rng_state,
@@ -786,17 +786,3 @@ class TrainerActor:
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         return optimizer_tensors(self.opt, self.backend.named_parameters())
-
-
-def check_finite_weights(params, model: torch.nn.Module, hf_checkpoint: str) -> None:
-    """A base checkpoint with NaN / inf weights trains nothing (every step is skipped as non-finite,
-    then the run stops): refuse it at once, naming the tensor (each rank checks its own shard)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
-            bad = int((~torch.isfinite(local.detach())).sum())
-            raise CheckpointError(
-                f"--hf-checkpoint {hf_checkpoint}: {names.get(id(p), 'a parameter')} has {bad} NaN / inf "
-                "value(s); a model that is not finite cannot be trained"
-            )

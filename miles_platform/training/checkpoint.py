@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles_platform.errors import CheckpointError
 from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_tree, replace_dir, write_atomic
 
@@ -236,3 +237,19 @@ def python_rng_state() -> list:
 def restore_python_rng(state: list) -> None:
     v, internal, gauss = state
     random.setstate((v, tuple(internal), gauss))
+
+
+def check_finite_weights(params, model: torch.nn.Module, hf_checkpoint: str) -> None:
+    """A base checkpoint with NaN / inf weights trains nothing (every step is skipped as non-finite,
+    then the run stops): refuse it at once, naming the tensor (each rank checks its own shard)."""
+    import torch
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+            bad = int((~torch.isfinite(local.detach())).sum())
+            raise CheckpointError(
+                f"--hf-checkpoint {hf_checkpoint}: {names.get(id(p), 'a parameter')} has {bad} NaN / inf "
+                "value(s); a model that is not finite cannot be trained"
+            )
