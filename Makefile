@@ -37,10 +37,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# pytest-xdist: TEST_WORKERS processes, one file per worker at a time, in the order tests/conftest.py
-# gives (longest files first; xdist's default reorders by test count). 3 on the 2 cores here: the
-# e2e files spend much of their time waiting on processes they start (Ray, engines, relaunches)
-TEST_WORKERS ?= 3
+# pytest-xdist: TEST_WORKERS processes (the 2 cores here), one file per worker at a time, in the
+# order tests/conftest.py gives (longest files first; xdist's default reorders by test count).
+# 3 workers measured the same as 2 on a fresh clone on 2026-12-05 (632 s vs 634 s): the CPU is the limit
+TEST_WORKERS ?= 2
 XDIST     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install lint
