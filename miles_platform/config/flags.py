@@ -74,6 +74,9 @@ def check_choices(cfg: Any) -> None:
     """Every field with `choices` holds one of them (for YAML, Dagster and Python callers too)."""
     for f in dataclasses.fields(cfg):
         choices, v = f.metadata.get("choices"), getattr(cfg, f.name)
+        if choices and v is None and f.default is not None and f.default is not dataclasses.MISSING:
+            # a flag with a default that YAML, Dagster or Python set to null: not one of its choices
+            raise ConfigError(f"{flag_name(f.name)} None: must be one of {', '.join(map(str, choices))}")
         if (
             choices
             and v is not None

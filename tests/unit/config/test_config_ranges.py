@@ -107,3 +107,12 @@ def test_seeds_every_rng_takes(name, value):
 
     with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}"):
         DiffusionRunConfig(**{name: value}).validate()
+
+
+def test_a_null_for_a_flag_with_choices_and_a_default_is_refused_by_name():
+    """`advantage_estimator: null` (YAML, Dagster or Python) raised AttributeError from a later
+    check: the choices check skipped None. Now it names the flag and its choices."""
+    from miles_platform.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="--advantage-estimator None: must be one of grpo"):
+        RunConfig(advantage_estimator=None, rollout_batch_size=2, n_samples_per_prompt=2).validate()
