@@ -147,6 +147,17 @@ def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
 
 
+def run_ranks(fn, args: tuple, nprocs: int, out) -> None:
+    """`spawn_ranks` into `out` (made here) and wait for every rank; a rank's `<out>/*.error` file
+    (its traceback, written by the worker) fails the test with the first one."""
+    out.mkdir(parents=True)
+    ctx = spawn_ranks(fn, args, nprocs, join=False)
+    while not ctx.join():
+        pass
+    errors = [p.read_text() for p in sorted(out.glob("*.error"))]
+    assert not errors, errors[0]
+
+
 async def broken_reward(args, sample):
     """A `--custom-rm-path` with a bug: it raises on every sample."""
     raise KeyError("score")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_helpers import spawn_ranks
+from loop_helpers import run_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_platform.cluster.ports import free_port
@@ -92,12 +92,7 @@ def random_routes(batch, ckpt: str) -> list:
 
 def train_one_step(ckpt: str, out: Path, world: int, **overrides) -> tuple[list[dict], dict]:
     """Metrics of every rank and rank 0's exported HF weights after one step."""
-    out.mkdir(parents=True)
-    ctx = spawn_ranks(_worker, (world, free_port(), ckpt, str(out), overrides), world, join=False)
-    while not ctx.join():
-        pass
-    errors = [p.read_text() for p in sorted(out.glob("*.error"))]
-    assert not errors, errors[0]
+    run_ranks(_worker, (world, free_port(), ckpt, str(out), overrides), world, out)
     metrics = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     return metrics, load_file(out / "rank0.safetensors")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_helpers import random_train_batch, spawn_ranks
+from loop_helpers import random_train_batch, run_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_platform.cluster.ports import free_port
@@ -69,12 +69,7 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: di
 
 
 def train_one_step(ckpt: str, out: Path, world: int, **overrides):
-    out.mkdir(parents=True)
-    ctx = spawn_ranks(_worker, (world, free_port(), ckpt, str(out), overrides), world, join=False)
-    while not ctx.join():
-        pass
-    errors = [p.read_text() for p in sorted(out.glob("*.error"))]
-    assert not errors, errors[0]
+    run_ranks(_worker, (world, free_port(), ckpt, str(out), overrides), world, out)
     return json.loads((out / "rank0.json").read_text()), load_file(out / "rank0.safetensors")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_helpers import random_train_batch, spawn_ranks
+from loop_helpers import random_train_batch, run_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_platform.cluster.ports import free_port
@@ -70,13 +70,8 @@ def _worker(
 
 def _run(layout: str, ckpt: str, ref: str, save: Path, out: Path, resume: bool):
     world, kw = LAYOUTS[layout]
-    out.mkdir(parents=True)
     args = (world, free_port(), ckpt, ref, str(save), str(out), resume, kw)
-    ctx = spawn_ranks(_worker, args, world, join=False)
-    while not ctx.join():
-        pass
-    errors = [p.read_text() for p in sorted(out.glob("*.error"))]
-    assert not errors, errors[0]
+    run_ranks(_worker, args, world, out)
     return json.loads((out / "rank0.json").read_text()), load_file(out / "rank0.safetensors")
 
 

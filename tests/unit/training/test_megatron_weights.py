@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_helpers import spawn_ranks
+from loop_helpers import run_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_platform.cluster.ports import free_port
@@ -56,12 +56,7 @@ def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, overri
 
 
 def _run(fn, nprocs: int, args: tuple, out: Path) -> None:
-    out.mkdir(parents=True)
-    ctx = spawn_ranks(fn, args, nprocs, join=False)
-    while not ctx.join():
-        pass
-    errors = [p.read_text() for p in sorted(out.glob("*.error"))]
-    assert not errors, errors[0]
+    run_ranks(fn, args, nprocs, out)
 
 
 @pytest.fixture(scope="module")
