@@ -1,7 +1,7 @@
+import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -164,24 +164,45 @@ def tiny_hf_checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
+def _serve(argv_for_port, log_path: Path, what: str, timeout_s: float = 30.0, tries: int = 3):
+    """Start a server subprocess on a free loopback port and wait until *it* listens there: `ss`
+    names its pid on the port. A port another process took between `free_port()` and the bind (a
+    Ray worker of the other pytest worker) makes the server exit; then it is tried on a new port.
+    Returns (proc, port, log file); the caller kills the process group and closes the log."""
+    import psutil
+
+    log = open(log_path, "w")  # noqa: SIM115
+    for _ in range(tries):
+        port = free_port()
+        proc = subprocess.Popen(argv_for_port(port), stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                ps = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                       for p in ps for c in p.net_connections("tcp")):  # fmt: skip
+                    return proc, port, log
+            time.sleep(0.1)
+        if proc.poll() is None:  # up but not listening in time: give up
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+            break
+    log.close()
+    raise AssertionError(f"{what} did not start: {log_path.read_text()[-3000:]}")
+
+
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory):
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda not installed")
     binary = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
     if not os.path.exists(binary):
         pytest.skip("mooncake_master binary not found next to the interpreter or on PATH")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "w")  # noqa: SIM115
-    args = [binary, f"--rpc_port={port}", f"--metrics_port={free_port()}", "--rpc_address=127.0.0.1"]
-    proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+    log_path = tmp_path_factory.mktemp("mooncake") / "master.log"
+    proc, port, log = _serve(
+        lambda port: [binary, f"--rpc_port={port}", f"--metrics_port={free_port()}", "--rpc_address=127.0.0.1"],
+        log_path, "mooncake_master", timeout_s=20,
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "mooncake_master did not start"
-            time.sleep(0.2)
         yield f"127.0.0.1:{port}"
     finally:
         from miles_platform.cluster.object_store import close_stores
@@ -197,18 +218,10 @@ def s3_server(tmp_path_factory):
     """moto's S3 server on a free loopback port, in its own process (in this one it would share the
     GIL with the test's DuckDB and s3fs threads); the AWS env vars are the tests' to set. Used by
     tests/e2e/test_object_store_root.py and test_cluster_ray.py."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+    log_path = tmp_path_factory.mktemp("moto") / "server.log"
+    argv = lambda port: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]  # noqa: E731
+    proc, port, log = _serve(argv, log_path, "moto server")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
-            time.sleep(0.1)
         yield {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
     finally:

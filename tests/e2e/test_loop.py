@@ -28,6 +28,7 @@ class _HijackProbe(Reporter):
 
     def __init__(self):
         self.urls, self.statuses, self.binds = [], [], {}
+        self._before = _not_the_runs()
 
     def log(self, msg: str) -> None:
         if msg.startswith("engines "):
@@ -40,16 +41,26 @@ class _HijackProbe(Reporter):
                 httpx.post(f"{u}/update_weights_from_disk", json=body, timeout=10).status_code
                 for u in self.urls
             ]
-            self.binds = _listeners_of_this_process_tree()
+            self.binds = _listeners_of_this_process_tree(skip=self._before)
 
 
-def _listeners_of_this_process_tree() -> dict[tuple[str, int], set[str]]:
+def _listeners_of_this_process_tree(skip: frozenset = frozenset()) -> dict[tuple[str, int], set[str]]:
     """What `ss -ltnp` lists for this driver and every process under it (Ray's GCS, raylet, agents
     and workers, the fork server's actors, our engines and router): {(name, port): addresses}
     (a port can listen on 127.0.0.1 and `::` at once), an IPv4-mapped IPv6 address
-    (`::ffff:127.0.0.1`) written as the IPv4 one it is."""
+    (`::ffff:127.0.0.1`) written as the IPv4 one it is. `skip`: (pid, port) pairs to leave out."""
     import ipaddress
 
+
+    out: dict[tuple[str, int], set[str]] = {}
+    for (pid, name), port, ip in _listening():
+        if (pid, port) not in skip:
+            ip = ipaddress.ip_address(ip)
+            out.setdefault((name, port), set()).add(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return out
+
+
+def _listening() -> list[tuple[tuple[int, str], int, str]]:
     import psutil
 
     me = psutil.Process()
@@ -57,18 +68,33 @@ def _listeners_of_this_process_tree() -> dict[tuple[str, int], set[str]]:
     for p in me.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             tree[p.pid] = p.name()
-    out: dict[tuple[str, int], set[str]] = {}
-    for c in psutil.net_connections("tcp"):
-        if c.status == psutil.CONN_LISTEN and c.pid in tree:
-            ip = ipaddress.ip_address(c.laddr.ip)
-            out.setdefault((tree[c.pid], c.laddr.port), set()).add(
-                str(getattr(ip, "ipv4_mapped", None) or ip)
+    return [((c.pid, tree[c.pid]), c.laddr.port, c.laddr.ip) for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in tree]  # fmt: skip
+
+
+def _not_the_runs() -> frozenset:
+    """Listeners up before the run that are not Ray's (the run may join the pytest worker's shared
+    Ray, whose servers count): a session fixture's server (mooncake_master's metrics port is on
+    0.0.0.0), a TCPStore an earlier test of this worker left behind."""
+    import psutil
+
+    def rays(pid: int) -> bool:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            return (
+                p.name() in ("gcs_server", "raylet")
+                or p.name().startswith("ray::")
+                or any("/ray/" in a for a in p.cmdline()[:2])
             )
-    return out
+        return False
+
+    return frozenset((pid, port) for (pid, _), port, _ in _listening() if not rays(pid))
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
-def test_loop_runs_versions_shards_checkpoints_and_resumes(tiny_hf_checkpoint, tmp_path, backend):
+def test_loop_runs_versions_shards_checkpoints_and_resumes(
+    tiny_hf_checkpoint, tmp_path, backend, mooncake_master
+):
     # megatron also samples at T 0.7 from a top-k 8 / top-p 0.9 support (sampling-support replay)
     sampling = (
         dict(rollout_temperature=0.7, rollout_top_k=8, rollout_top_p=0.9) if backend == "megatron" else {}
