@@ -120,6 +120,8 @@ def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
     from miles_platform.models.families import is_moe_config
 
     moe = is_moe_config(hf_config)
+    if cfg.train_backend == "megatron" and not cfg.debug_rollout_only:
+        _check_megatron_family(cfg, hf_config)
     if moe and cfg.train_backend == "megatron" and not cfg.debug_rollout_only:
         _check_megatron_moe(cfg, hf_config)
     if cfg.moe_flags() and not moe:
@@ -161,6 +163,18 @@ def _check_fault_targets(cfg: RunConfig) -> None:
     if bad:
         raise ConfigError(f"--ci-fault-hooks {bad[0].request_id}: engine {bad[0].engine}, but the run has {n} "
                           f"engine(s) (0..{n - 1})")  # fmt: skip
+
+
+def _check_megatron_family(cfg: RunConfig, hf_config: dict) -> None:
+    """A family without a megatron bridge (models/families.py `Family.megatron`), refused by name."""
+    from miles_platform.models.families import family_of
+
+    fam = family_of(hf_config)
+    if fam is not None and fam.megatron:
+        raise ConfigError(
+            f"--train-backend megatron: --hf-checkpoint {cfg.hf_checkpoint} is {fam.architecture} "
+            f"({fam.name}): {fam.megatron}"
+        )
 
 
 def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from miles_platform.errors import CheckpointError
-from miles_platform.models.families import SUPPORTED_ARCHITECTURES
+from miles_platform.models.families import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from miles_platform.store.atomic import fsync_tree, replace_dir
 
 
@@ -63,6 +63,11 @@ def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dic
     for w in weights:
         _check_safetensors(w)
     archs = cfg.get("architectures") or []
+    refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
+    if refused and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise CheckpointError(
+            f"HF checkpoint {p}: architecture {refused[0]} is refused: {REFUSED_ARCHITECTURES[refused[0]]}"
+        )
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise CheckpointError(
             f"HF checkpoint {p}: architecture {archs} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"

@@ -13,12 +13,27 @@ MoE (`MOE_FAMILIES`): the fsdp backend and the embedded engine run HF's MoE bloc
 replay in `models/moe.py`); the megatron backend maps them to TopKRouter + SequentialMLP experts at
 expert parallel 1, R3 through its routers' replay hook (`models/bridge/qwen3_moe.py`, docs/moe.md).
 qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`num_experts`)
+
+HF-only families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
+(whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py); the megatron
+backend refuses them by name with `Family.megatron` (the reason), before anything starts.
+qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full
+qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert
+qwen3_next    Qwen3NextForCausalLM    the same as Qwen3.5-MoE (its predecessor)
+glm4_moe      Glm4MoeForCausalLM      GLM-4.5: partial rotary, q/k norm, sigmoid group routing, shared expert
+glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-style MoE
+deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc)
+deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache
+gpt_oss       GptOssForCausalLM       sliding-window / full layers, attention sinks, biased fused experts
+gemma4        Gemma4ForCausalLM       sliding / full layers (own head dim), per-layer inputs (text model)
+Refused by name (`REFUSED_ARCHITECTURES`): families whose checkpoint layout the platform's export and
+publications do not map yet.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +45,11 @@ class Family:
     architecture: str
     config_class: str
     tiny: dict[str, Any]  # what the tiny config sets beyond the shared dims
+    # per-layer lists repeated to num_hidden_layers (layer_types, mlp_layer_types, ...)
+    layer_pattern: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    moe: bool = False  # experts and top-k routers in its sparse layers
+    mla: bool = False  # multi-head latent attention: head_dim is the rope part, kv heads = heads
+    megatron: str | None = None  # why the megatron backend refuses the family (None: it has a bridge)
 
 
 # Llama 3.2's rope: theta 5e5, llama3 scaling (factor 32, low/high 1/4, original context 8192). With
@@ -68,10 +88,84 @@ MOE_FAMILIES: dict[str, Family] = {
         # 4 experts, top-2, every layer sparse; ~430k parameters like the dense tiny models
         {"head_dim": 32, "rope_theta": 10000.0, "num_experts": 4, "num_experts_per_tok": 2,
          "moe_intermediate_size": 96, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+        moe=True,
     )
 }  # fmt: skip
-ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MOE_FAMILIES}
+_LINEAR = {
+    "head_dim": 32,
+    "full_attention_interval": 2,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 48}
+_QWEN_NEXT_MOE = {**_LINEAR, **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 48}
+# MLA: a 16-rank compressed KV (8 rope + 8 no-rope dims per head), 24-rank q
+_MLA = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+_DEEPSEEK_MOE = {
+    **_MOE,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+}
+_NO_BRIDGE = "megatron-core has no bridge here for {what}; train it with --train-backend fsdp"
+
+# Families only HF's classes run (fsdp + the embedded engine); megatron refuses each with its reason.
+HF_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(_LINEAR),
+               megatron=_NO_BRIDGE.format(what="gated-DeltaNet linear attention (Qwen3.5)")),
+        Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", _QWEN_NEXT_MOE,
+               moe=True, megatron=_NO_BRIDGE.format(what="gated-DeltaNet linear attention (Qwen3.5-MoE)")),
+        Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+               {**_QWEN_NEXT_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+               moe=True, megatron=_NO_BRIDGE.format(what="gated-DeltaNet linear attention (Qwen3-Next)")),
+        Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
+               {**_DEEPSEEK_MOE, "routed_scaling_factor": 1.0, "use_qk_norm": True, "n_group": 1, "topk_group": 1,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+               moe=True, megatron=_NO_BRIDGE.format(what="GLM-4.5's partial-rotary attention with shared experts")),
+        Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig",
+               {**_DEEPSEEK_MOE, **_MLA, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8},
+               layer_pattern={"mlp_layer_types": ("dense", "sparse")}, mla=True,
+               moe=True, megatron=_NO_BRIDGE.format(what="MLA attention (GLM-4.7-Flash)")),
+        # 2 groups of 2 experts, 1 group per token: the group-limited routing runs
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
+               {**_DEEPSEEK_MOE, **_MLA, "n_group": 2, "topk_group": 1}, mla=True,
+               moe=True, megatron=_NO_BRIDGE.format(what="MLA attention (DeepSeek-V3)")),
+        # the indexer keeps 8 of the context's tokens per query: the sparse attention runs at test lengths;
+        # 8 indexer heads keep its ReLU scores off ties (ties make top-k differ between shapes)
+        Family("deepseek_v32", "DeepseekV32ForCausalLM", "DeepseekV32Config",
+               {**_DEEPSEEK_MOE, **_MLA, "n_group": 2, "topk_group": 1, "index_topk": 8, "index_head_dim": 16,
+                "index_n_heads": 8},
+               layer_pattern={"mlp_layer_types": ("dense", "sparse")}, mla=True,
+               moe=True, megatron=_NO_BRIDGE.format(what="MLA with DSA sparse attention (DeepSeek-V3.2)")),
+        # an 8-token window: the sliding layers drop context at test lengths
+        Family("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
+               {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+               layer_pattern={"layer_types": ("sliding_attention", "full_attention")},
+               moe=True, megatron=_NO_BRIDGE.format(what="GPT-OSS's attention sinks and biased, clamped experts")),
+        Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig",
+               {"head_dim": 32, "sliding_window": 8, "hidden_size_per_layer_input": 8},
+               layer_pattern={"layer_types": ("sliding_attention", "full_attention")},
+               megatron=_NO_BRIDGE.format(what="Gemma-4's per-layer inputs and mixed head dims")),
+    )
+}  # fmt: skip
+ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MOE_FAMILIES, **HF_FAMILIES}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(f.architecture for f in ALL_FAMILIES.values())
+# Real architectures refused by name, with why (validate_hf_dir raises it).
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "NemotronHForCausalLM": "Nemotron-H: its checkpoint layout (`backbone.*`, `mixer.experts.E.up_proj/down_proj`) "
+    "is not mapped by the platform's HF export and disk-delta publications yet",
+    "MiniMaxM2ForCausalLM": "MiniMax-M2: its checkpoint layout (`block_sparse_moe.experts.E.w1/w2/w3`) is not "
+    "mapped by the platform's HF export and disk-delta publications yet",
+}
 
 
 def family_of(hf_config: Any) -> Family | None:
@@ -83,7 +177,7 @@ def family_of(hf_config: Any) -> Family | None:
 
 def is_moe_config(hf_config: Any) -> bool:
     fam = family_of(hf_config)
-    return fam is not None and fam.name in MOE_FAMILIES
+    return fam is not None and fam.moe
 
 
 def tiny_config(family: str, vocab_size: int, **overrides):
@@ -109,6 +203,13 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     )
     cfg.update(fam.tiny)
     cfg.update(overrides)
+    for key, pattern in fam.layer_pattern.items():
+        n = cfg["num_hidden_layers"]
+        cfg.setdefault(key, [pattern[i % len(pattern)] for i in range(n)])
+    if fam.mla:  # the rope part of a head is its head_dim; every head keeps its own compressed K/V
+        cfg.update(head_dim=cfg["qk_rope_head_dim"], num_key_value_heads=cfg["num_attention_heads"])
+    if fam.name == "gemma4":  # the per-layer input embedding covers the vocabulary; one head dim
+        cfg.update(vocab_size_per_layer_input=cfg["vocab_size"], global_head_dim=cfg["head_dim"])
     return getattr(transformers, fam.config_class)(**cfg)
 
 
@@ -165,10 +266,15 @@ def fuse_checkpoint_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.T
 def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of `fuse_checkpoint_experts`: fused expert parameters as HF's per-expert
     checkpoint tensors (what the run's HF exports and publications hold, and SGLang's Qwen3-MoE
-    loader reads); any other state is returned as it is."""
+    loader reads; transformers' `save_pretrained` layout of every MoE family here); any other state,
+    and GPT-OSS's experts (fused on disk too), is returned as it is."""
     out = {}
+    # GPT-OSS keeps its biased experts fused on disk as in the module ([E, H, 2I], gate / up interleaved)
+    fused_on_disk = {n[: -len("_bias")] for n in state if n.endswith("mlp.experts.gate_up_proj_bias")}
     for name, t in state.items():
-        if name.endswith("mlp.experts.gate_up_proj") and t.dim() == 3:
+        if name in fused_on_disk or name[: -len("down_proj")] + "gate_up_proj" in fused_on_disk:
+            out[name] = t
+        elif name.endswith("mlp.experts.gate_up_proj") and t.dim() == 3:
             pre = name[: -len("gate_up_proj")]
             gates, ups = t.chunk(2, dim=1)  # [E, I, H] each: gate rows, then up rows
             for e in range(t.shape[0]):

@@ -2,9 +2,11 @@
 `return_routed_experts`) and replay recorded ones (the trainer, Miles' Rollout Routing Replay, R3).
 
 Works on the HF MoE blocks whose router is a module returning `(router_logits, scores, indices)`
-(transformers' `*TopKRouter`, e.g. Qwen3-MoE). Replay keeps the trainer's own router logits and
-takes only the expert choice from the rollout: the gate values are the trainer's softmax over the
-replayed experts (renormalized as the model does), so gradients still reach the router; tokens
+(transformers' `*TopKRouter`: Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 /
+V3.2, GPT-OSS). Replay keeps the trainer's own router logits and takes only the expert choice from
+the rollout: the gate values are the router's own function of its logits at the replayed experts
+(`gate_values`: softmax or sigmoid, renormalized and scaled as the family does), so gradients still
+reach the router; tokens
 without a recorded route (padding, the last token) route as usual. Routes travel as SGLang sends
 them: int32 `(num_tokens - 1, num_layers, top_k)`, base64 of the raw bytes in `meta_info`.
 """
@@ -22,8 +24,33 @@ from torch import nn
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
-    """The MoE routers of `model`, in layer order (empty for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+    """The MoE routers of `model`, in layer order (empty for a dense model): transformers'
+    `*TopKRouter` / `*TopkRouter` modules, each returning `(router_logits, gates, expert_indices)`."""
+    return [
+        m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter") and hasattr(m, "top_k")
+    ]
+
+
+def gate_values(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The gate values `router` gives the experts `idx` (`[tokens, top_k]`) from its logits, as its
+    own forward does for the experts it picks: what a replayed route is weighted by.
+    - softmax over all experts, renormalized over the top-k when the router does (Qwen3-MoE with
+      norm_topk_prob; Qwen3.5-MoE always);
+    - softmax over the chosen experts' logits (GPT-OSS);
+    - sigmoid scores, renormalized with norm_topk_prob, times routed_scaling_factor (DeepSeek-V3 /
+      V3.2, GLM-4.5, GLM-4.7-Flash: their bias only picks experts, it does not weigh them)."""
+    kind = type(router).__name__
+    if kind.startswith("GptOss"):
+        return F.softmax(logits.gather(-1, idx), dim=-1)
+    if hasattr(router, "e_score_correction_bias"):
+        vals = logits.float().sigmoid().gather(-1, idx)
+        if router.norm_topk_prob:
+            vals = vals / (vals.sum(-1, keepdim=True) + 1e-20)
+        return vals * router.routed_scaling_factor
+    vals = F.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
+    if getattr(router, "norm_topk_prob", kind.startswith("Qwen3_5Moe")):
+        vals = vals / vals.sum(-1, keepdim=True)
+    return vals.to(logits.dtype)
 
 
 def is_moe(model: nn.Module) -> bool:
@@ -160,10 +187,7 @@ class RoutingReplay(_AuxLoss):
             want = None if self._replay is None else self._replay[:, layer]
             if want is not None:
                 idx = _replayed(self, layer, idx, want)
-                vals = F.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
-                if getattr(mod, "norm_topk_prob", False):
-                    vals = vals / vals.sum(-1, keepdim=True)
-                scores = vals.to(logits.dtype)
+                scores = gate_values(mod, logits, idx)
             if self._aux_mask is not None:
                 chosen = idx[self._aux_mask].reshape(-1)
                 self._add_aux_terms(

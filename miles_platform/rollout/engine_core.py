@@ -40,16 +40,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
-from transformers import DynamicCache
 
 from miles_platform.cluster.devices import rank_device, use_device
 from miles_platform.errors import ConfigError
 from miles_platform.rollout.engine_batch import (
     Batch,
-    cache_from_tensors,
-    cache_tensors,
     keep_rows,
     merge_batches,
+    new_cache,
+    reshaped_cache,
 )
 from miles_platform.rollout.engine_logprobs import input_logprobs, step_extras, temperature_of
 from miles_platform.rollout.engine_memory import EngineMemoryMixin, MemoryReleased, kv_budget_tokens
@@ -565,7 +564,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
             ids[i, width - len(c) :] = torch.tensor(c)
             mask[i, width - len(c) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)  # staged on the host, one copy each
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model.config)
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         with self._recording(reqs) as rec:
             logits = self._forward(ids, mask, pos, cache, prefill=True, loras=[lo for lo, _ in unique])
@@ -578,7 +577,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
         if len(unique) < len(reqs):
             inv = torch.tensor([row[c] for c in contexts], device=self.device)
             logits, mask = logits[inv], mask[inv]
-            cache = cache_from_tensors([(k[inv], v[inv]) for k, v in cache_tensors(cache)], self.model.config)
+            cache = reshaped_cache(cache, rows=inv)
             self.stats["num_shared_prefill_rows"] += len(reqs) - len(unique)
         first = set()
         for r, c in zip(reqs, contexts, strict=True):

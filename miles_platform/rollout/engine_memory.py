@@ -32,10 +32,16 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Keys and values of one token over every layer, in the serving dtype."""
+    """Keys and values of one token over every layer, in the serving dtype (MLA: HF's cache holds
+    each head's decompressed key, `qk_head_dim`, and value, `v_head_dim`; linear-attention layers,
+    whose state does not grow, are counted as attention layers: an upper bound)."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * int(config.num_hidden_layers) * int(heads) * int(head_dim) * torch.finfo(dtype).bits // 8
+    k_dim, v_dim = (
+        getattr(config, "qk_head_dim", None) or head_dim,
+        getattr(config, "v_head_dim", None) or head_dim,
+    )
+    return int(config.num_hidden_layers) * int(heads) * int(k_dim + v_dim) * torch.finfo(dtype).bits // 8
 
 
 def kv_budget_tokens(model, device: torch.device, fraction: float | None) -> int | None:

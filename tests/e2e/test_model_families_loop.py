@@ -19,20 +19,24 @@ from miles_platform.store.paths import StoragePaths
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama", "qwen3_moe")}
+    return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama", "qwen3_moe", "qwen3_5_moe")}
 
 
 # Qwen3-MoE with R3, the aux loss and the z-loss on both backends (docs/moe.md)
 @pytest.mark.parametrize(
     ("family", "backend"),
-    [(f, b) for f in ("llama", "qwen2", "qwen3_moe") for b in ("fsdp", "megatron")],
+    [(f, b) for f in ("llama", "qwen2", "qwen3_moe") for b in ("fsdp", "megatron")]
+    + [("qwen3_5_moe", "fsdp")],
 )
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
     from miles_platform.weights.disk_delta import apply_publication
 
     ckpt, pub = family_checkpoints[family], str(tmp_path / "pub")
-    r3 = family == "qwen3_moe"  # R3 on both backends (megatron: through its TopKRouters' replay hook)
+    r3 = family in (
+        "qwen3_moe",
+        "qwen3_5_moe",
+    )  # R3 on both backends (megatron: its TopKRouters' replay hook)
 
     def cfg(num_rollout):
         return small_run_config(ckpt, tmp_path, ci_test=True, save_interval=1, num_rollout=num_rollout,
@@ -45,7 +49,7 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
     res = train(cfg(2))
     assert res.final_version == 2
     assert ("train/moe_route_flips" in res.metrics[0]) is r3
-    moe = family == "qwen3_moe"  # expert load on both backends (megatron: its TopKRouters' routing maps)
+    moe = r3  # expert load on both backends (megatron: its TopKRouters' routing maps)
     assert all(("train/moe_load_balance" in m) is moe for m in res.metrics)
     assert not moe or all(1.0 <= m["train/moe_load_balance"] <= 2.0 for m in res.metrics)  # k=2 of 4: <= 2
     # the aux and z-loss terms join the loss on both backends (their formulas: test_moe_r3 / test_moe_megatron)

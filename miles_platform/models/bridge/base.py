@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from miles_platform.errors import CheckpointError
+from miles_platform.models.families import family_of
 
 _REGISTRY: dict[str, type[Bridge]] = {}
 
@@ -110,6 +111,9 @@ def get_bridge(hf_config: Any) -> Bridge:
     for arch in archs:
         if arch in _REGISTRY:
             return _REGISTRY[arch]()
+    fam = family_of(hf_config_dict(hf_config))
+    if fam is not None and fam.megatron:
+        raise CheckpointError(f"{fam.architecture} ({fam.name}) on the megatron backend: {fam.megatron}")
     raise CheckpointError(
         f"architecture {archs} has no megatron bridge; supported: {sorted(_REGISTRY)} "
         "(add one as miles_platform/models/bridge/<model>.py)"

@@ -11,7 +11,7 @@ import torch
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge import get_bridge
 from miles_platform.models.checkpoint import SUPPORTED_ARCHITECTURES, validate_hf_dir
-from miles_platform.models.families import ALL_FAMILIES, FAMILIES, build_model, tiny_config
+from miles_platform.models.families import ALL_FAMILIES, FAMILIES, HF_FAMILIES, build_model, tiny_config
 from miles_platform.models.qwen3 import num_parameters
 from miles_platform.models.tiny import save_tiny_checkpoint
 
@@ -50,14 +50,14 @@ def test_saved_checkpoint_validates(family, tmp_path):
     assert validate_hf_dir(path)["architectures"] == [FAMILIES[family].architecture]
 
 
-@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3_5ForConditionalGeneration", "MistralForCausalLM"])
 def test_other_architectures_refused_with_the_supported_list(arch, tiny_hf_checkpoint, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_hf_checkpoint, bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
     assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
-                                            "Qwen3MoeForCausalLM"}  # fmt: skip
+                                            "Qwen3MoeForCausalLM", *(f.architecture for f in HF_FAMILIES.values())}  # fmt: skip
     msg = f"architecture ['{arch}'] is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
     with pytest.raises(CheckpointError, match=re.escape(msg)):
         validate_hf_dir(bad)

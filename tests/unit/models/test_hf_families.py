@@ -1,0 +1,118 @@
+"""The HF-only families (Qwen3.5 dense / MoE, Qwen3-Next, GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 / V3.2,
+GPT-OSS, Gemma-4), each on a tiny checkpoint built here: its export layout is HF's own, the embedded
+engine's continuous batch (left padding, shared GRPO prefills, rows joining and leaving mid-decode:
+linear-attention state, sliding windows and sinks, MLA and the DSA indexer carried across steps)
+gives the log-probs the fsdp trainer computes, and one --ci-test GRPO step holds the step-0 checks
+(with R3 on the MoE ones: the engine's routes, replayed, reproduce the trainer's own) and moves the
+weights. Megatron refuses each by name; Nemotron-H and MiniMax-M2 are refused at validation."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from miles_platform.config import ConfigError, RunConfig
+from miles_platform.errors import CheckpointError
+from miles_platform.models.bridge import get_bridge
+from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
+from miles_platform.models.families import (
+    HF_FAMILIES,
+    REFUSED_ARCHITECTURES,
+    is_moe_config,
+    split_fused_experts,
+)
+from miles_platform.models.moe import RoutingReplay, decode_routes
+from miles_platform.models.tiny import save_tiny_checkpoint
+from miles_platform.preflight import _check_moe
+from miles_platform.rollout.engine_core import EngineCore
+from miles_platform.training.actor import TrainBatch, TrainerActor
+
+# 3 GRPO groups of 2 (shared prefills), prompts of 3-9 tokens; with at most 4 rows running, rows
+# finish at different lengths and queued ones join the running batch mid-decode. Up to 23 tokens:
+# past the tiny sliding windows and DSA's top-8.
+PROMPTS = [[5, 9, 17, 33, 41, 7, 70, 71, 72], [12, 4, 99], [60, 61, 62, 63, 64, 65]]
+NEW_TOKENS = [14, 6, 10, 14, 4, 12]
+
+
+def _rollout(ckpt: str, moe: bool) -> list[dict]:
+    core = EngineCore(ckpt, num_threads=1, max_batch_size=4)
+    try:
+        body = {"input_ids": [p for p in PROMPTS for _ in range(2)], "return_logprob": True,
+                "return_routed_experts": moe,
+                "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i}
+                                    for i, n in enumerate(NEW_TOKENS)]}  # fmt: skip
+        futures, _ = core.submit_json(body)
+        outs = [f.result(120) for f in futures]
+        assert core.stats["num_shared_prefill_rows"] > 0
+    finally:
+        core.stop()
+    return outs
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path / family, family)
+    hf = validate_hf_dir(ckpt)
+    moe = is_moe_config(hf)
+    model = load_hf_model(ckpt)
+    assert type(model).__name__ == HF_FAMILIES[family].architecture
+    # the export / publication layout is the one HF saved (and loads back)
+    saved = load_file(f"{ckpt}/model.safetensors")
+    export = split_fused_experts(
+        {k: v for k, v in model.state_dict().items() if k in saved or "experts" in k}
+    )
+    assert sorted(export) == sorted(saved) and all(torch.equal(export[k], saved[k]) for k in saved)
+
+    outs = _rollout(ckpt, moe)
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    tokens = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
+    lens = [len(o["output_ids"]) for o in outs]
+    assert lens == NEW_TOKENS
+    engine_lp = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+    routes = None
+    if moe:
+        rr = RoutingReplay.of(model)
+        routes = [
+            decode_routes(o["meta_info"]["routed_experts"], rr.num_layers, rr.top_k).tolist() for o in outs
+        ]
+        assert [len(r) for r in routes] == [len(t) - 1 for t in tokens]
+    cfg = RunConfig(hf_checkpoint=ckpt, rollout_batch_size=3, n_samples_per_prompt=2, global_batch_size=6,
+                    micro_batch_size=6, lr=3e-3, save=str(tmp_path / "ck"), num_rollout=1, ci_test=True,
+                    use_rollout_routing_replay=moe).validate()  # fmt: skip
+    actor = TrainerActor(cfg)
+    batch = TrainBatch(tokens, lens, [[1] * n for n in lens], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], engine_lp,
+                       routed_experts=routes)  # fmt: skip
+    trainer_lp = actor.compute_log_probs(batch)
+    diff = max(
+        abs(a - b) for t, e in zip(trainer_lp, engine_lp, strict=True) for a, b in zip(t, e, strict=True)
+    )
+    assert diff < 1e-4, f"{family}: trainer-vs-engine log-prob max abs diff {diff:.3g}"
+    before = {k: v.clone() for k, v in actor.get_hf_weights().items()}
+    m = actor.train(0, batch)
+    assert abs(m["train/step0_ppo_kl"]) < 1e-9 and m["train/step0_pg_clipfrac"] < 1e-10
+    assert m["train/train_rollout_logprob_abs_diff"] < cfg.ci_logprob_abs_diff_threshold
+    assert not moe or m["train/moe_route_flips"] == 0  # replayed routes are the trainer's own, same gates
+    after = actor.get_hf_weights()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(bool(torch.isfinite(v).all()) for v in after.values()) and math.isfinite(m["train/grad_norm"])
+
+    arch = HF_FAMILIES[family].architecture
+    with pytest.raises(
+        ConfigError, match=f"--train-backend megatron.*{arch} \\({family}\\): megatron-core has no"
+    ):
+        _check_moe(RunConfig(hf_checkpoint=ckpt, train_backend="megatron"), hf)
+    with pytest.raises(CheckpointError, match=f"{arch} \\({family}\\) on the megatron backend"):
+        get_bridge(hf)  # what SFT and the trainer's build ask
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED_ARCHITECTURES))
+def test_refused_families_are_named_with_why(arch, tiny_hf_checkpoint, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_hf_checkpoint, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
+    with pytest.raises(CheckpointError, match=f"{arch} is refused: .*checkpoint layout"):
+        validate_hf_dir(bad)
