@@ -28,6 +28,10 @@ def embedding_rows(config: dict) -> int | None:
     return int(v) if v else None
 
 
+# (quant_method, format) of the quantized checkpoints the loaders dequantize (weights/quantize.py)
+READ_QUANTIZATIONS = {("fp8", None), ("compressed-tensors", "pack-quantized")}
+
+
 def quantization(path: str) -> str | None:
     """The quant_method of an HF checkpoint dir's config.json (fp8, compressed-tensors, ...), or None."""
     try:
@@ -71,6 +75,13 @@ def validate_hf_dir(path: str | os.PathLike, need_tokenizer: bool = True) -> dic
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise CheckpointError(
             f"HF checkpoint {p}: architecture {archs} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict) and (qc.get("quant_method"), qc.get("format")) not in READ_QUANTIZATIONS:
+        raise CheckpointError(
+            f"HF checkpoint {p}: quantization_config {qc.get('quant_method')}/{qc.get('format')} is not read here "
+            "(fp8 block-wise and compressed-tensors pack-quantized int4 are: `miles-platform quantize` writes "
+            "them); bring the checkpoint's bf16 weights (GPT-OSS as published keeps its experts in mxfp4)"
         )
     if need_tokenizer and not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
         raise CheckpointError(

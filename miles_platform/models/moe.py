@@ -85,10 +85,18 @@ def _replayed(counter, layer: int, idx: torch.Tensor, want: torch.Tensor) -> tor
     return torch.where(use[:, None], want, idx)
 
 
-def balance_loss(logits: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+def balance_loss(
+    logits: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int, score: str = "softmax"
+) -> torch.Tensor:
     """Megatron's switch_load_balancing_loss with coefficient 1 over the given tokens' router
-    logits (`[T, E]`): E / (k T^2) * sum_e (sum_t p_te) * tokens_e; 1.0 when perfectly even."""
-    probs = F.softmax(logits.float(), dim=-1)
+    logits (`[T, E]`): E / (k T^2) * sum_e (sum_t p_te) * tokens_e; 1.0 when perfectly even. `p` as
+    megatron's compute_routing_scores_for_aux_loss: the softmax, or for a sigmoid router (`score`
+    "sigmoid": DeepSeek-V3 / V3.2, GLM-4.5 / 4.7-Flash) the sigmoid normalized over the experts."""
+    if score == "sigmoid":
+        probs = logits.float().sigmoid()
+        probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+    else:
+        probs = F.softmax(logits.float(), dim=-1)
     n, e = probs.shape
     return e / (top_k * max(n, 1) ** 2) * (probs.sum(0) * tokens_per_expert.float()).sum()
 
@@ -120,9 +128,11 @@ class _AuxLoss:
         finally:
             self._aux_mask = None
 
-    def _add_aux_terms(self, logits: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+    def _add_aux_terms(
+        self, logits: torch.Tensor, tokens_per_expert: torch.Tensor, score: str = "softmax"
+    ) -> None:
         real = logits.reshape(-1, logits.shape[-1])[self._aux_mask]
-        self._aux.append(balance_loss(real, tokens_per_expert, self.top_k))
+        self._aux.append(balance_loss(real, tokens_per_expert, self.top_k, score))
         self.z_terms.append(z_loss(real))
 
 
@@ -190,8 +200,9 @@ class RoutingReplay(_AuxLoss):
                 scores = gate_values(mod, logits, idx)
             if self._aux_mask is not None:
                 chosen = idx[self._aux_mask].reshape(-1)
+                score = "sigmoid" if hasattr(mod, "e_score_correction_bias") else "softmax"
                 self._add_aux_terms(
-                    logits, torch.bincount(chosen, minlength=self.num_experts)[: self.num_experts]
+                    logits, torch.bincount(chosen, minlength=self.num_experts)[: self.num_experts], score
                 )
             counts = torch.bincount(idx.detach().reshape(-1), minlength=self.num_experts)[: self.num_experts]
             self.load = self.load.to(counts.device)  # kept where the routers run (no sync per layer)

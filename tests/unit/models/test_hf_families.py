@@ -24,7 +24,7 @@ from miles_platform.models.families import (
     is_moe_config,
     split_fused_experts,
 )
-from miles_platform.models.moe import RoutingReplay, decode_routes
+from miles_platform.models.moe import RoutingReplay, balance_loss, decode_routes
 from miles_platform.models.tiny import save_tiny_checkpoint
 from miles_platform.preflight import _check_moe
 from miles_platform.rollout.engine_core import EngineCore
@@ -81,7 +81,7 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
         assert [len(r) for r in routes] == [len(t) - 1 for t in tokens]
     cfg = RunConfig(hf_checkpoint=ckpt, rollout_batch_size=3, n_samples_per_prompt=2, global_batch_size=6,
                     micro_batch_size=6, lr=3e-3, save=str(tmp_path / "ck"), num_rollout=1, ci_test=True,
-                    use_rollout_routing_replay=moe).validate()  # fmt: skip
+                    use_rollout_routing_replay=moe, moe_aux_loss_coeff=0.01 if moe else 0.0).validate()  # fmt: skip
     actor = TrainerActor(cfg)
     batch = TrainBatch(tokens, lens, [[1] * n for n in lens], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], engine_lp,
                        routed_experts=routes)  # fmt: skip
@@ -95,6 +95,7 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
     assert abs(m["train/step0_ppo_kl"]) < 1e-9 and m["train/step0_pg_clipfrac"] < 1e-10
     assert m["train/train_rollout_logprob_abs_diff"] < cfg.ci_logprob_abs_diff_threshold
     assert not moe or m["train/moe_route_flips"] == 0  # replayed routes are the trainer's own, same gates
+    assert not moe or 0.5 < m["train/moe_aux_loss"] < 2.5  # ~1 when even (k=2 of 4)
     after = actor.get_hf_weights()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(bool(torch.isfinite(v).all()) for v in after.values()) and math.isfinite(m["train/grad_norm"])
@@ -116,3 +117,23 @@ def test_refused_families_are_named_with_why(arch, tiny_hf_checkpoint, tmp_path)
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
     with pytest.raises(CheckpointError, match=f"{arch} is refused: .*checkpoint layout"):
         validate_hf_dir(bad)
+
+
+def test_mxfp4_gpt_oss_is_refused_naming_the_format(tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    cfg = json.loads((tmp_path / "gpt_oss" / "config.json").read_text())
+    qc = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "gpt_oss" / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(CheckpointError, match="quantization_config mxfp4/None is not read here.*bf16"):
+        validate_hf_dir(ckpt)
+
+
+def test_sigmoid_routers_balance_loss_is_megatrons():
+    """DeepSeek / GLM routers score with a sigmoid: megatron's aux loss then takes the sigmoid
+    normalized over the experts (compute_routing_scores_for_aux_loss), not a softmax."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0], [0.1, 0.2, -3.0, 1.0], [-0.5, 1.5, 0.3, 0.3]])
+    tokens = torch.tensor([2.0, 1.0, 1.0, 2.0])  # top-2 of 3 tokens
+    p = logits.sigmoid() / logits.sigmoid().sum(-1, keepdim=True)
+    want = 4 / (2 * 3 * 3) * float((p.sum(0) * tokens).sum())  # E / (k T^2) sum_e P_e f_e
+    assert float(balance_loss(logits, tokens, 2, "sigmoid")) == pytest.approx(want, rel=1e-6)
+    assert float(balance_loss(logits, tokens, 2)) != pytest.approx(want, rel=1e-3)
