@@ -25,14 +25,15 @@ glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-sty
 deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc)
 deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache
 gpt_oss       GptOssForCausalLM       sliding-window / full layers, attention sinks, biased fused experts
+nemotron_h    NemotronHForCausalLM    Mamba-2 (conv + SSM state) / attention / relu2 MoE layers
+minimax_m2    MiniMaxM2ForCausalLM    full attention with whole-head q/k norm, sigmoid-routed MoE
 gemma4        Gemma4ForCausalLM       sliding / full layers (own head dim), per-layer inputs (text model)
-Refused by name (`REFUSED_ARCHITECTURES`): families whose checkpoint layout the platform's export and
-publications do not map yet.
+Their on-disk names: models/checkpoint_layout.py. Refused by name (`REFUSED_ARCHITECTURES`): the
+vision-language checkpoints of these families (their text `*ForCausalLM` is taken).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,18 @@ HF_FAMILIES: dict[str, Family] = {
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
                layer_pattern={"layer_types": ("sliding_attention", "full_attention")},
                moe=True, megatron=_NO_BRIDGE.format(what="GPT-OSS's attention sinks and biased, clamped experts")),
+        # Mamba-2 / attention / MoE layers (3 at least, one of each); relu2 experts without a gate
+        Family("nemotron_h", "NemotronHForCausalLM", "NemotronHConfig",
+               {"head_dim": 32, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,
+                "chunk_size": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                "moe_shared_expert_intermediate_size": 48, "n_group": 1, "topk_group": 1, "tie_word_embeddings": False},
+               layer_pattern={"layers_block_type": ("linear_attention", "full_attention", "moe")}, moe=True,
+               megatron=_NO_BRIDGE.format(what="Mamba-2 layers (Nemotron-H)")),
+        Family("minimax_m2", "MiniMaxM2ForCausalLM", "MiniMaxM2Config",
+               {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "bos_token_id": None,
+                "eos_token_id": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+               moe=True, megatron=_NO_BRIDGE.format(what="MiniMax-M2 (none is written: its whole-head q/k norm, sigmoid routing)")),
         Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig",
                {"head_dim": 32, "sliding_window": 8, "hidden_size_per_layer_input": 8},
                layer_pattern={"layer_types": ("sliding_attention", "full_attention")},
@@ -160,11 +173,10 @@ HF_FAMILIES: dict[str, Family] = {
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MOE_FAMILIES, **HF_FAMILIES}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(f.architecture for f in ALL_FAMILIES.values())
 # Real architectures refused by name, with why (validate_hf_dir raises it).
+_VL = "a vision-language checkpoint: the text model's {arch} checkpoint is taken (no vision tower is served)"
 REFUSED_ARCHITECTURES: dict[str, str] = {
-    "NemotronHForCausalLM": "Nemotron-H: its checkpoint layout (`backbone.*`, `mixer.experts.E.up_proj/down_proj`) "
-    "is not mapped by the platform's HF export and disk-delta publications yet",
-    "MiniMaxM2ForCausalLM": "MiniMax-M2: its checkpoint layout (`block_sparse_moe.experts.E.w1/w2/w3`) is not "
-    "mapped by the platform's HF export and disk-delta publications yet",
+    f"{a}ForConditionalGeneration": _VL.format(arch=f"{a}ForCausalLM")
+    for a in ("Qwen3_5", "Qwen3_5Moe", "Gemma4")
 }
 
 
@@ -208,6 +220,12 @@ def tiny_config(family: str, vocab_size: int, **overrides):
         cfg.setdefault(key, [pattern[i % len(pattern)] for i in range(n)])
     if fam.mla:  # the rope part of a head is its head_dim; every head keeps its own compressed K/V
         cfg.update(head_dim=cfg["qk_rope_head_dim"], num_key_value_heads=cfg["num_attention_heads"])
+    if (
+        fam.name == "nemotron_h"
+    ):  # its layer count is its block pattern's: one Mamba, attention and MoE layer at least
+        n = max(cfg["num_hidden_layers"], 3)
+        cfg["layers_block_type"] = [fam.layer_pattern["layers_block_type"][i % 3] for i in range(n)]
+        cfg["num_hidden_layers"] = n
     if fam.name == "gemma4":  # the per-layer input embedding covers the vocabulary; one head dim
         cfg.update(vocab_size_per_layer_input=cfg["vocab_size"], global_head_dim=cfg["head_dim"])
     return getattr(transformers, fam.config_class)(**cfg)
@@ -228,62 +246,3 @@ def build_model(config, seed: int = 0) -> torch.nn.Module:
                 p.normal_(0.0, config.initializer_range)
     model.eval()
     return model
-
-
-_PER_EXPERT = re.compile(
-    r"^(?P<pre>.*\.mlp\.experts\.)(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
-)
-
-
-def fuse_checkpoint_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An MoE checkpoint's per-expert tensors (HF's on-disk layout, what `save_pretrained` and the
-    published Qwen3-MoE checkpoints hold: `mlp.experts.e.{gate,up,down}_proj.weight`) as the fused
-    parameters transformers 5's modules hold (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows
-    first, and `mlp.experts.down_proj` [E, H, I]); any other state is returned as it is."""
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    out = {}
-    for name, t in state.items():
-        m = _PER_EXPERT.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        groups.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = t
-    for pre, projs in groups.items():
-        n = {len(v) for v in projs.values()}
-        experts = sorted(projs.get("down_proj", {}))
-        if len(projs) != 3 or len(n) != 1 or experts != list(range(len(experts))):
-            raise ValueError(
-                f"{pre}*: per-expert tensors are incomplete ({ {p: len(v) for p, v in projs.items()} })"
-            )
-        gate, up, down = (
-            torch.stack([projs[p][e] for e in experts]) for p in ("gate_proj", "up_proj", "down_proj")
-        )
-        out[f"{pre}gate_up_proj"] = torch.cat([gate, up], dim=1)
-        out[f"{pre}down_proj"] = down
-    return out
-
-
-def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `fuse_checkpoint_experts`: fused expert parameters as HF's per-expert
-    checkpoint tensors (what the run's HF exports and publications hold, and SGLang's Qwen3-MoE
-    loader reads; transformers' `save_pretrained` layout of every MoE family here); any other state,
-    and GPT-OSS's experts (fused on disk too), is returned as it is."""
-    out = {}
-    # GPT-OSS keeps its biased experts fused on disk as in the module ([E, H, 2I], gate / up interleaved)
-    fused_on_disk = {n[: -len("_bias")] for n in state if n.endswith("mlp.experts.gate_up_proj_bias")}
-    for name, t in state.items():
-        if name in fused_on_disk or name[: -len("down_proj")] + "gate_up_proj" in fused_on_disk:
-            out[name] = t
-        elif name.endswith("mlp.experts.gate_up_proj") and t.dim() == 3:
-            pre = name[: -len("gate_up_proj")]
-            gates, ups = t.chunk(2, dim=1)  # [E, I, H] each: gate rows, then up rows
-            for e in range(t.shape[0]):
-                out[f"{pre}{e}.gate_proj.weight"] = gates[e].contiguous()
-                out[f"{pre}{e}.up_proj.weight"] = ups[e].contiguous()
-        elif name.endswith("mlp.experts.down_proj") and t.dim() == 3:
-            pre = name[: -len("down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{pre}{e}.down_proj.weight"] = t[e].contiguous()
-        else:
-            out[name] = t
-    return out

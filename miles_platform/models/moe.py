@@ -3,7 +3,7 @@
 
 Works on the HF MoE blocks whose router is a module returning `(router_logits, scores, indices)`
 (transformers' `*TopKRouter`: Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 /
-V3.2, GPT-OSS). Replay keeps the trainer's own router logits and takes only the expert choice from
+V3.2, GPT-OSS, Nemotron-H, MiniMax-M2). Replay keeps the trainer's own router logits and takes only the expert choice from
 the rollout: the gate values are the router's own function of its logits at the replayed experts
 (`gate_values`: softmax or sigmoid, renormalized and scaled as the family does), so gradients still
 reach the router; tokens
@@ -38,10 +38,14 @@ def gate_values(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> t
       norm_topk_prob; Qwen3.5-MoE always);
     - softmax over the chosen experts' logits (GPT-OSS);
     - sigmoid scores, renormalized with norm_topk_prob, times routed_scaling_factor (DeepSeek-V3 /
-      V3.2, GLM-4.5, GLM-4.7-Flash: their bias only picks experts, it does not weigh them)."""
+      V3.2, GLM-4.5, GLM-4.7-Flash, Nemotron-H: their bias only picks experts, it does not weigh
+      them); MiniMax-M2: sigmoid, renormalized."""
     kind = type(router).__name__
     if kind.startswith("GptOss"):
         return F.softmax(logits.gather(-1, idx), dim=-1)
+    if kind.startswith("MiniMaxM2"):  # sigmoid, always renormalized, no scaling
+        vals = logits.float().sigmoid().gather(-1, idx)
+        return vals / vals.sum(-1, keepdim=True)
     if hasattr(router, "e_score_correction_bias"):
         vals = logits.float().sigmoid().gather(-1, idx)
         if router.norm_topk_prob:
@@ -51,6 +55,24 @@ def gate_values(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> t
     if getattr(router, "norm_topk_prob", kind.startswith("Qwen3_5Moe")):
         vals = vals / vals.sum(-1, keepdim=True)
     return vals.to(logits.dtype)
+
+
+def _scores_with_sigmoid(router: nn.Module) -> bool:
+    return hasattr(router, "e_score_correction_bias") or type(router).__name__.startswith("MiniMaxM2")
+
+
+def routed_shape(hf_checkpoint: str) -> tuple[int, int]:
+    """(MoE layers, top_k) of an HF checkpoint dir: the shape of a token's routes. The family's own
+    model, built on the meta device (no weights), counts its routers: dense layers (DeepSeek's
+    first ones, Nemotron-H's Mamba and attention blocks) route nothing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_checkpoint))
+    found = routers(model)
+    if not found:
+        raise ValueError(f"{hf_checkpoint}: not an MoE model (no top-k routers)")
+    return len(found), int(found[0].top_k)
 
 
 def is_moe(model: nn.Module) -> bool:
@@ -91,7 +113,8 @@ def balance_loss(
     """Megatron's switch_load_balancing_loss with coefficient 1 over the given tokens' router
     logits (`[T, E]`): E / (k T^2) * sum_e (sum_t p_te) * tokens_e; 1.0 when perfectly even. `p` as
     megatron's compute_routing_scores_for_aux_loss: the softmax, or for a sigmoid router (`score`
-    "sigmoid": DeepSeek-V3 / V3.2, GLM-4.5 / 4.7-Flash) the sigmoid normalized over the experts."""
+    "sigmoid": DeepSeek-V3 / V3.2, GLM-4.5 / 4.7-Flash, Nemotron-H, MiniMax-M2) the sigmoid
+    normalized over the experts."""
     if score == "sigmoid":
         probs = logits.float().sigmoid()
         probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
@@ -200,7 +223,7 @@ class RoutingReplay(_AuxLoss):
                 scores = gate_values(mod, logits, idx)
             if self._aux_mask is not None:
                 chosen = idx[self._aux_mask].reshape(-1)
-                score = "sigmoid" if hasattr(mod, "e_score_correction_bias") else "softmax"
+                score = "sigmoid" if _scores_with_sigmoid(mod) else "softmax"
                 self._add_aux_terms(
                     logits, torch.bincount(chosen, minlength=self.num_experts)[: self.num_experts], score
                 )

@@ -377,7 +377,7 @@ def read_state_dict(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     from miles_platform.models.checkpoint import validate_hf_dir
-    from miles_platform.models.families import fuse_checkpoint_experts
+    from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts
 
     cfg = validate_hf_dir(path, need_tokenizer=False)
     if cfg.get("quantization_config"):

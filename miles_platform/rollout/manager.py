@@ -77,8 +77,12 @@ class RolloutManager:
         self.replay = cfg.sampling_support_replay()
         # user code (generate / rollout functions) sees Miles-style args and the run's engine
         self.args = generate_hub.function_args(cfg, self.url)
-        # --use-rollout-routing-replay: (num_layers, top_k) of the MoE model, to decode routed_experts
-        self.moe_shape = _moe_shape(cfg.hf_checkpoint) if cfg.use_rollout_routing_replay else None
+        # --use-rollout-routing-replay: (MoE layers, top_k) of the model, to decode routed_experts
+        self.moe_shape = None
+        if cfg.use_rollout_routing_replay:
+            from miles_platform.models.moe import routed_shape  # torch + transformers: only for R3
+
+            self.moe_shape = routed_shape(cfg.hf_checkpoint)
         self.vocab_size = _vocab_size(cfg.hf_checkpoint)  # token ids a sample may carry into training
         self.state = GenerateState(
             self.args,
@@ -542,13 +546,3 @@ def _checkpoint_field(hf_checkpoint: str | None, read) -> int | None:
             return read(json.load(f))
     except (OSError, ValueError):
         return None
-
-
-def _moe_shape(hf_checkpoint: str) -> tuple[int, int]:
-    """(num_hidden_layers, num_experts_per_tok) of an MoE checkpoint's config.json."""
-    import json
-    import os
-
-    with open(os.path.join(hf_checkpoint, "config.json")) as f:
-        c = json.load(f)
-    return int(c["num_hidden_layers"]), int(c["num_experts_per_tok"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from miles_platform.models.families import split_fused_experts
+from miles_platform.models.checkpoint_layout import split_fused_experts
 from miles_platform.store import remote
 from miles_platform.store.atomic import fsync_tree, replace_dir
 

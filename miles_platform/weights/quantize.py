@@ -241,7 +241,7 @@ def load_dense_hf_model(path: str, dtype: torch.dtype = torch.float32):
     its config without the quantization and loaded dequantized, the same tensors whoever loads it
     (engines, trainer, critic); any other checkpoint as `models.checkpoint.load_hf_model`."""
     from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
-    from miles_platform.models.families import fuse_checkpoint_experts
+    from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts
 
     if not validate_hf_dir(path, need_tokenizer=False).get("quantization_config"):
         return load_hf_model(path, dtype)

@@ -123,6 +123,6 @@ class Qwen3MoeBridge(DenseBridge):
 
     def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         """The fused expert parameters split into HF's per-expert checkpoint tensors."""
-        from miles_platform.models.families import split_fused_experts
+        from miles_platform.models.checkpoint_layout import split_fused_experts
 
         return split_fused_experts(hf_sd)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from miles_platform.models.families import split_fused_experts
+from miles_platform.models.checkpoint_layout import split_fused_experts
 from miles_platform.weights.transports import TransferStats, Transport
 from miles_platform.weights.transports.disk import update_from_disk
 

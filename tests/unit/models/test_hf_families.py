@@ -1,10 +1,11 @@
 """The HF-only families (Qwen3.5 dense / MoE, Qwen3-Next, GLM-4.5, GLM-4.7-Flash, DeepSeek-V3 / V3.2,
-GPT-OSS, Gemma-4), each on a tiny checkpoint built here: its export layout is HF's own, the embedded
+GPT-OSS, Gemma-4, Nemotron-H, MiniMax-M2), each on a tiny checkpoint built here: its export layout is HF's own, the embedded
 engine's continuous batch (left padding, shared GRPO prefills, rows joining and leaving mid-decode:
-linear-attention state, sliding windows and sinks, MLA and the DSA indexer carried across steps)
+linear-attention and Mamba state, sliding windows and sinks, MLA and the DSA indexer carried across steps)
 gives the log-probs the fsdp trainer computes, and one --ci-test GRPO step holds the step-0 checks
 (with R3 on the MoE ones: the engine's routes, replayed, reproduce the trainer's own) and moves the
-weights. Megatron refuses each by name; Nemotron-H and MiniMax-M2 are refused at validation."""
+weights. Megatron refuses each by name; their vision-language checkpoints and mxfp4 weights are
+refused at validation."""
 
 import json
 import math
@@ -18,13 +19,9 @@ from miles_platform.config import ConfigError, RunConfig
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge import get_bridge
 from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
-from miles_platform.models.families import (
-    HF_FAMILIES,
-    REFUSED_ARCHITECTURES,
-    is_moe_config,
-    split_fused_experts,
-)
-from miles_platform.models.moe import RoutingReplay, balance_loss, decode_routes
+from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts, split_fused_experts
+from miles_platform.models.families import HF_FAMILIES, REFUSED_ARCHITECTURES, is_moe_config
+from miles_platform.models.moe import RoutingReplay, balance_loss, decode_routes, routed_shape
 from miles_platform.models.tiny import save_tiny_checkpoint
 from miles_platform.preflight import _check_moe
 from miles_platform.rollout.engine_core import EngineCore
@@ -35,6 +32,10 @@ from miles_platform.training.actor import TrainBatch, TrainerActor
 # past the tiny sliding windows and DSA's top-8.
 PROMPTS = [[5, 9, 17, 33, 41, 7, 70, 71, 72], [12, 4, 99], [60, 61, 62, 63, 64, 65]]
 NEW_TOKENS = [14, 6, 10, 14, 4, 12]
+# the tiny checkpoints' routed layers: DeepSeek / GLM keep their first layer dense, Nemotron-H's
+# pattern is Mamba, attention, MoE
+MOE_LAYERS = {"qwen3_5_moe": 2, "qwen3_next": 2, "glm4_moe": 1, "glm4_moe_lite": 1, "deepseek_v3": 1,
+              "deepseek_v32": 1, "gpt_oss": 2, "nemotron_h": 1, "minimax_m2": 2}  # fmt: skip
 
 
 def _rollout(ckpt: str, moe: bool) -> list[dict]:
@@ -61,10 +62,12 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
     assert type(model).__name__ == HF_FAMILIES[family].architecture
     # the export / publication layout is the one HF saved (and loads back)
     saved = load_file(f"{ckpt}/model.safetensors")
-    export = split_fused_experts(
-        {k: v for k, v in model.state_dict().items() if k in saved or "experts" in k}
-    )
+    tied = model.config.tie_word_embeddings
+    module = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    export = split_fused_experts(module)
     assert sorted(export) == sorted(saved) and all(torch.equal(export[k], saved[k]) for k in saved)
+    back = fuse_checkpoint_experts(saved)  # what an engine reads from an export / publication
+    assert sorted(back) == sorted(module) and all(torch.equal(back[k], module[k]) for k in module)
 
     outs = _rollout(ckpt, moe)
     prompts = [p for p in PROMPTS for _ in range(2)]
@@ -74,10 +77,9 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
     engine_lp = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
     routes = None
     if moe:
-        rr = RoutingReplay.of(model)
-        routes = [
-            decode_routes(o["meta_info"]["routed_experts"], rr.num_layers, rr.top_k).tolist() for o in outs
-        ]
+        rr = RoutingReplay.of(model)  # the run decodes routes with routed_shape: its MoE layers only
+        assert routed_shape(ckpt) == (rr.num_layers, rr.top_k) == (MOE_LAYERS[family], 2)
+        routes = [decode_routes(o["meta_info"]["routed_experts"], *routed_shape(ckpt)).tolist() for o in outs]
         assert [len(r) for r in routes] == [len(t) - 1 for t in tokens]
     cfg = RunConfig(hf_checkpoint=ckpt, rollout_batch_size=3, n_samples_per_prompt=2, global_batch_size=6,
                     micro_batch_size=6, lr=3e-3, save=str(tmp_path / "ck"), num_rollout=1, ci_test=True,
@@ -115,7 +117,7 @@ def test_refused_families_are_named_with_why(arch, tiny_hf_checkpoint, tmp_path)
     shutil.copytree(tiny_hf_checkpoint, bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
-    with pytest.raises(CheckpointError, match=f"{arch} is refused: .*checkpoint layout"):
+    with pytest.raises(CheckpointError, match=f"{arch} is refused: a vision-language checkpoint: the text"):
         validate_hf_dir(bad)
 
 

@@ -161,7 +161,7 @@ def test_the_engine_loads_an_moe_checkpoint_in_hfs_on_disk_layout_from_disk(moe_
     serves exactly the weights transformers loads from that dir."""
     from safetensors.torch import load_file
 
-    from miles_platform.models.families import fuse_checkpoint_experts, split_fused_experts
+    from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts, split_fused_experts
 
     other = _perturbed_copy(moe_ckpt, tmp_path / "other", scale=0.5)  # the routers differ: a real update
     on_disk = load_file(f"{other}/model.safetensors")
