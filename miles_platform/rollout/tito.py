@@ -21,7 +21,9 @@ from miles_platform.errors import ConfigError
 from miles_platform.rollout.chat import ChatError, render_text
 
 # --tito-model -> the end-of-turn token its models end an assistant message with
-END_OF_TURN = {"qwen3": "<|im_end|>", "qwen25": "<|im_end|>", "qwen2": "<|im_end|>", "llama3": "<|eot_id|>"}
+END_OF_TURN = {"qwen3": "<|im_end|>", "qwen25": "<|im_end|>", "qwen2": "<|im_end|>", "llama3": "<|eot_id|>",
+               # Miles' Qwen3.5, Qwen3-Next and Nemotron 3 TITO: Qwen3's <|im_end|> boundary
+               "qwen35": "<|im_end|>", "qwennext": "<|im_end|>", "nemotron3": "<|im_end|>"}  # fmt: skip
 TITO_MODELS = ("default", *END_OF_TURN)
 
 

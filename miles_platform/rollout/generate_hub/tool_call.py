@@ -5,6 +5,8 @@
                                       or a function returning one
 --generate-tool-call-parser           how tool calls look in model text (SGLang's parser names):
                                       qwen25 / qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+                                      qwen3_coder (Qwen3.5 / Qwen3-Next): <tool_call><function=NAME>
+                                      <parameter=KEY>VALUE</parameter>...</function></tool_call>
 --generate-execute-tool-function-path <module>.<fn>: async def execute_tool(name: str, params: dict) -> str
 """
 
@@ -100,9 +102,69 @@ def qwen25_parser(specs: list[dict[str, Any]]) -> Callable[[str], list[ToolCall]
     return parse
 
 
+_CODER_CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)(?:</function>|</tool_call>|$)", re.DOTALL)
+_CODER_PARAM = re.compile(r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+def _coder_value(raw: str, schema: dict[str, Any] | None) -> Any:
+    """A <parameter> body as its schema type says (SGLang's / vLLM's qwen3_coder conversion): one
+    newline each side is the format's, "null" is None, strings stay as written, numbers and booleans
+    parse, anything else is JSON (or a Python literal); a value that does not parse stays a string."""
+    import ast
+
+    v = raw[1:] if raw.startswith("\n") else raw
+    v = v[:-1] if v.endswith("\n") else v
+    if v.strip().lower() == "null":
+        return None
+    kind = str((schema or {}).get("type", "string")).lower()
+    try:
+        if kind in ("string", "str", "text", "varchar", "char", "enum"):
+            return v
+        if kind.startswith(("int", "uint", "long", "short")):
+            return int(v.strip())
+        if kind.startswith(("num", "float", "double")):
+            f = float(v.strip())
+            return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+        if kind in ("boolean", "bool", "binary"):
+            return {"true": True, "false": False}[v.strip().lower()]
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            return ast.literal_eval(v.strip())
+    except (ValueError, KeyError, SyntaxError):
+        return v
+
+
+def qwen3_coder_parser(specs: list[dict[str, Any]]) -> Callable[[str], list[ToolCall]]:
+    """Qwen3-Coder / Qwen3.5 / Qwen3-Next (SGLang's `qwen3_coder`, what Miles' Qwen3.5 and Qwen3-Next
+    TITO use): `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`,
+    each value typed by the tool's JSON schema (`_coder_value`). A call left open at the end still
+    counts; one naming a tool the specs do not declare is skipped, as the qwen25 parser does."""
+    schemas = {
+        spec.get("function", spec)["name"]: (spec.get("function", spec).get("parameters") or {}).get(
+            "properties"
+        )
+        or {}
+        for spec in specs
+    }
+
+    def parse(text: str) -> list[ToolCall]:
+        calls = []
+        for m in _CODER_CALL.finditer(text):
+            name = m.group(1)
+            if name not in schemas:
+                continue
+            args = {k: _coder_value(v, schemas[name].get(k)) for k, v in _CODER_PARAM.findall(m.group(2))}
+            calls.append(ToolCall(name, args))
+        return calls
+
+    return parse
+
+
 TOOL_CALL_PARSERS: dict[str, Callable[[list[dict[str, Any]]], Callable[[str], list[ToolCall]]]] = {
     "qwen25": qwen25_parser,
     "qwen": qwen25_parser,  # SGLang's alias for the same format
+    "qwen3_coder": qwen3_coder_parser,
 }
 
 

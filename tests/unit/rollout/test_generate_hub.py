@@ -223,6 +223,26 @@ def test_the_qwen25_parser_reads_tool_calls_as_sglang_does():
     assert set(choices) == set(TOOL_CALL_PARSERS)  # the flag offers exactly the parsers there are
 
 
+def test_the_qwen3_coder_parser_types_parameters_by_the_tool_schema():
+    """Qwen3.5 / Qwen3-Next's XML-style calls (SGLang's qwen3_coder): values typed by the schema,
+    one newline each side dropped, an unknown tool skipped, a call left open still read."""
+    specs = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "s": {"type": "string"},
+        "opts": {"type": "object"}, "xs": {"type": "array"}}}}}]  # fmt: skip
+    parse = TOOL_CALL_PARSERS["qwen3_coder"](specs)
+    text = ("think <tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n<parameter=x>\n2.5\n</parameter>\n"
+            "<parameter=ok>\nTrue\n</parameter>\n<parameter=s>\n 007\n</parameter>\n<parameter=opts>\n{\"a\": [1]}\n"
+            "</parameter>\n<parameter=xs>\n[1, 'b']\n</parameter>\n</function>\n</tool_call>"
+            "<tool_call><function=g><parameter=n>1</parameter></function></tool_call>"
+            "<tool_call>\n<function=f>\n<parameter=n>\nseven\n</parameter>\n<parameter=x>\n3")  # fmt: skip
+    calls = parse(text)
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("f", {"n": 42, "x": 2.5, "ok": True, "s": " 007", "opts": {"a": [1]}, "xs": [1, "b"]}),
+        ("f", {"n": "seven", "x": 3}),  # not an integer: kept as written; the open call still counts
+    ]
+    assert parse("no call") == []
+
+
 # ---------------------------------------------------------------------------- loading and validation
 def test_both_generate_forms_load_and_anything_else_is_a_config_error_naming_the_flag():
     assert load_generate_function(MULTI_TURN).__name__ == "generate"  # new form: as is
