@@ -15,8 +15,19 @@ from miles_platform.config.flags import flag_name
 from miles_platform.config.model_args import moe_layer_pattern
 from miles_platform.errors import ConfigError
 
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on q and k
+# per-head RMSNorm on q and k (GLM-4.5: with use_qk_norm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # biases on q/k/v only
+QKV_ONLY_ATTENTION_BIAS = ("glm4_moe",)  # attention_bias puts biases on q/k/v, none on o_proj
+# routers scoring with a sigmoid and an expert score bias (e_score_correction_bias)
+SIGMOID_ROUTER_TYPES = (
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm4_moe",
+    "glm4_moe_lite",
+    "nemotron_h",
+    "minimax_m2",
+)
 
 
 def _with_defaults(config: dict) -> dict:
@@ -46,8 +57,17 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
     rope = rope_params(c)
     is_rope = "rope_theta" in c or bool(c.get("rope_parameters") or c.get("rope_scaling"))
     experts = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
-    bias = bool(c.get("attention_bias") or c.get("mlp_bias"))
+    qkv_only = mt in QKV_ONLY_ATTENTION_BIAS
+    bias = bool((c.get("attention_bias") and not qkv_only) or c.get("mlp_bias"))
     layers = c.get("num_hidden_layers")
+    rotary = c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get("partial_rotary_factor")
+    sigmoid = mt in SIGMOID_ROUTER_TYPES
+    mla = bool(c.get("kv_lora_rank"))  # megatron's MLA: kv_channels is the no-rope q/k dim; q/kv latent norms
+    if mla:
+        head_dim = c.get("qk_nope_head_dim")
+    score = c.get("scoring_func") or ("sigmoid" if sigmoid else "softmax" if experts else None)
+    shared = (c.get("shared_expert_intermediate_size") or c.get("moe_shared_expert_intermediate_size")
+              or (c["n_shared_experts"] * c["moe_intermediate_size"] if c.get("n_shared_experts") else None))  # fmt: skip
 
     def key(k: str) -> tuple[str, Any, Any]:
         return (k, c.get(k), c.get(k))
@@ -64,8 +84,9 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "norm_epsilon": ("rms_norm_eps", c.get("rms_norm_eps"), c.get("rms_norm_eps", c.get("layer_norm_eps"))),
         "swiglu": ("hidden_act", c.get("hidden_act"), c.get("hidden_act") == "silu"),
         "disable_bias_linear": ("attention_bias", c.get("attention_bias"), not bias),
-        "add_qkv_bias": ("model_type", mt, mt in QKV_BIAS_TYPES or bool(c.get("attention_bias"))),
-        "qk_layernorm": ("model_type", mt, mt in QK_NORM_TYPES),
+        # megatron's MLA reads no add_qkv_bias: either value (None)
+        "add_qkv_bias": ("model_type", mt, None if mla else mt in QKV_BIAS_TYPES or bool(c.get("attention_bias"))),
+        "qk_layernorm": ("model_type", mt, mla or mt in QK_NORM_TYPES or bool(c.get("use_qk_norm"))),
         "untie_embeddings_and_output_weights": (
             "tie_word_embeddings", c.get("tie_word_embeddings"), not c.get("tie_word_embeddings", True)
         ),
@@ -73,7 +94,7 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "use_rotary_position_embeddings": ("rope_theta", rope["rope_theta"], is_rope),
         "no_position_embedding": ("rope_theta", rope["rope_theta"], is_rope),
         "rotary_base": ("rope_theta", rope["rope_theta"], rope["rope_theta"]),
-        "rotary_percent": ("partial_rotary_factor", c.get("partial_rotary_factor"), c.get("partial_rotary_factor", 1.0)),
+        "rotary_percent": ("partial_rotary_factor", rotary, rotary or 1.0),
         "rotary_scaling_factor": ("rope_scaling.factor", rope.get("factor"), rope.get("factor")),
         "rope_type": ("rope_scaling.rope_type", rope["rope_type"], "yarn" if rope["rope_type"] == "yarn" else "rope"),
         "original_max_position_embeddings": (
@@ -87,15 +108,17 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "moe_ffn_hidden_size": key("moe_intermediate_size"),
         "moe_router_topk": key("num_experts_per_tok"),
         "moe_layer_freq": (
-            "mlp_only_layers / decoder_sparse_step",
+            "mlp_only_layers / decoder_sparse_step / first_k_dense_replace / mlp_layer_types",
             (c.get("mlp_only_layers"), c.get("decoder_sparse_step")),
             _moe_layers(c, layers) if experts and layers else None,
         ),
-        "moe_router_score_function": ("scoring_func", c.get("scoring_func"), c.get("scoring_func") or ("softmax" if experts else None)),
-        "moe_router_pre_softmax": ("norm_topk_prob", c.get("norm_topk_prob"), bool(experts) and not c.get("norm_topk_prob", False)),
-        "moe_shared_expert_intermediate_size": key("shared_expert_intermediate_size"),
+        "moe_router_score_function": ("scoring_func", c.get("scoring_func"), score),
+        # megatron reads pre-softmax only for a softmax router: a sigmoid one takes either (None)
+        "moe_router_pre_softmax": ("norm_topk_prob", c.get("norm_topk_prob"),
+                                   None if sigmoid else bool(experts) and not c.get("norm_topk_prob", False)),
+        "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size", shared, shared),
         "moe_router_topk_scaling_factor": key("routed_scaling_factor"),
-        "moe_router_enable_expert_bias": ("topk_method", c.get("topk_method"), c.get("topk_method") == "noaux_tc"),
+        "moe_router_enable_expert_bias": ("topk_method", c.get("topk_method"), c.get("topk_method") == "noaux_tc" or sigmoid),
         "moe_router_num_groups": key("n_group"),
         "moe_router_group_topk": key("topk_group"),
         "model_name": ("model_type", mt, mt),
@@ -103,10 +126,17 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
     return out
 
 
+# flags whose view is None where megatron does not read them for the checkpoint's model: any value
+ANY_VALUE = ("moe_router_pre_softmax", "add_qkv_bias")
+
+
 def _moe_layers(c: dict, layers: int) -> list[int]:
     """Which layers are MoE, as megatron's --moe-layer-freq lists them (HF: mlp_only_layers are dense,
     else every decoder_sparse_step-th layer is sparse)."""
-    dense = set(c.get("mlp_only_layers") or [])
+    if c.get("mlp_layer_types"):  # GLM-4.7-Flash, DeepSeek-V3.2
+        return [int(t == "sparse") for t in c["mlp_layer_types"]]
+    first_dense = int(c.get("first_k_dense_replace") or 0)  # DeepSeek-V3, GLM-4.5
+    dense = set(c.get("mlp_only_layers") or []) | set(range(first_dense))
     step = int(c.get("decoder_sparse_step") or 1)
     return [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
 
@@ -134,7 +164,7 @@ def check_model_args(given: dict[str, Any], config: dict, where: str) -> None:
     view = megatron_model_args(config)
     for name, value in given.items():
         key, raw, want = view[name]
-        if _agrees(name, value, want):
+        if _agrees(name, value, want) or (name in ANY_VALUE and want is None):
             continue
         shown = "set" if value is True else f"{value:g}" if isinstance(value, float) else value
         said = f"has no {key}" if raw is None else f"{key} is {raw!r}"

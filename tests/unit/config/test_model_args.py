@@ -83,3 +83,48 @@ def test_vocab_padding_multiple_is_the_bridges_or_refused():
     assert parse_run_config(["--rollout-batch-size", "2", "--make-vocab-size-divisible-by", "128"])
     with pytest.raises(ConfigError, match=r"--make-vocab-size-divisible-by 16: .*lcm\(128, TP\)"):
         parse_run_config(["--rollout-batch-size", "2", "--make-vocab-size-divisible-by", "16"])
+
+
+# Miles' scripts/models/glm4.5-106B-A12B.py and glm4.7-flash.py model flags, less the refused ones (MLA,
+# kernels): sigmoid routers with an expert bias, a dense first layer, q/k/v-only biases (GLM-4.5),
+# MLA's kv_channels = the no-rope q/k dim and its latent norms (GLM-4.7-Flash)
+GLM45 = ("--disable-bias-linear --group-query-attention --num-attention-heads 96 --num-query-groups 8 "
+         "--kv-channels 128 --num-layers 46 --hidden-size 4096 --ffn-hidden-size 10944 --add-qkv-bias "
+         "--normalization RMSNorm --position-embedding-type rope --rotary-percent 0.5 --swiglu "
+         "--untie-embeddings-and-output-weights --vocab-size 151552 --rotary-base 1000000 "
+         "--moe-ffn-hidden-size 1408 --moe-shared-expert-intermediate-size 1408 --moe-router-pre-softmax "
+         "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-topk 8 "
+         "--moe-layer-freq [0]*1+[1]*45 --num-experts 128")  # fmt: skip
+GLM47_FLASH = ("--moe-layer-freq [0]*1+[1]*46 --num-experts 64 --moe-shared-expert-intermediate-size 1536 "
+               "--moe-router-topk 4 --moe-ffn-hidden-size 1536 --moe-router-score-function sigmoid "
+               "--moe-router-pre-softmax --moe-router-enable-expert-bias --moe-router-topk-scaling-factor 1.8 "
+               "--num-layers 47 --hidden-size 2048 --ffn-hidden-size 10240 --num-attention-heads 20 "
+               "--disable-bias-linear --add-qkv-bias --swiglu --untie-embeddings-and-output-weights "
+               "--position-embedding-type rope --no-position-embedding --normalization RMSNorm "
+               "--norm-epsilon 1e-5 --qk-layernorm --kv-channels 192 --rotary-base 1000000")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, config",
+    [
+        (GLM45, dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=4096,
+                     intermediate_size=10944, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+                     head_dim=128, moe_intermediate_size=1408, n_routed_experts=128, num_experts_per_tok=8,
+                     n_shared_experts=1, first_k_dense_replace=1, vocab_size=151552, attention_bias=True,
+                     tie_word_embeddings=False, partial_rotary_factor=0.5, rope_theta=1000000.0)),
+        (GLM47_FLASH, dict(architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", hidden_size=2048,
+                           intermediate_size=10240, num_hidden_layers=47, num_attention_heads=20,
+                           num_key_value_heads=20, moe_intermediate_size=1536, n_routed_experts=64,
+                           num_experts_per_tok=4, n_shared_experts=1, routed_scaling_factor=1.8, q_lora_rank=768,
+                           kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+                           rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=1000000.0)),
+    ],
+)  # fmt: skip
+def test_miles_glm_model_flags_agree_with_the_glm_config(flags, config):
+    cfg = parse_run_config(["--hf-checkpoint", "/x", "--rollout-batch-size", "4", "--global-batch-size", "4",
+                            *flags.split()])  # fmt: skip
+    check_model_args(cfg.model_args_given(), config, "config.json")  # GLM's own script passes as is
+    with pytest.raises(
+        ConfigError, match="--moe-router-score-function softmax: .*i.e. --moe-router-score-function sigmoid"
+    ):
+        check_model_args({"moe_router_score_function": "softmax"}, config, "config.json")
