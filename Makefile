@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: the pinned CPU wheel, so nothing pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[mooncake,ui-test,trackers]'
+	# every extra the tests use: the runtime set (what the code imports) has no test tool
+	$(BIN)/pip install -q -e '.[mooncake,ui-test,trackers,k8s,bench,test,dev]'
 	touch $(STAMP)
 
 install: system-deps $(STAMP)
