@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first model, not with the module (the Dagster code location)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def tiny_config(family: str, vocab_size: int, **overrides):
 def build_model(config, seed: int = 0) -> torch.nn.Module:
     """The family's HF model with random weights (eval mode). HF initializes biases to zero; the
     tiny model draws them like the weights, so the bias mapping of every path carries real values."""
+    import torch
     import transformers
 
     fam = family_of(config)
@@ -139,6 +141,8 @@ def fuse_checkpoint_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.T
     published Qwen3-MoE checkpoints hold: `mlp.experts.e.{gate,up,down}_proj.weight`) as the fused
     parameters transformers 5's modules hold (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows
     first, and `mlp.experts.down_proj` [E, H, I]); any other state is returned as it is."""
+    import torch
+
     groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     out = {}
     for name, t in state.items():
