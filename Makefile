@@ -70,9 +70,11 @@ bench: install
 TRL_VENV  ?= .venv-trl
 $(TRL_VENV)/.installed: requirements-trl.txt
 	$(PY) -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/pip install -q --upgrade pip
-	$(TRL_VENV)/bin/pip install -q torch==2.13.0
-	$(TRL_VENV)/bin/pip install -q -r requirements-trl.txt
+	$(TRL_VENV)/bin/pip install -q --no-compile torch==2.13.0
+	echo torch==2.13.0 > $(TRL_VENV)/constraints.txt
+	{ $(TRL_VENV)/bin/pip install -q uv==0.13.9 && \
+	  $(TRL_VENV)/bin/uv pip install -q --python $(TRL_VENV)/bin/python -c $(TRL_VENV)/constraints.txt -r requirements-trl.txt; } || \
+	  $(TRL_VENV)/bin/pip install -q --no-compile -c $(TRL_VENV)/constraints.txt -r requirements-trl.txt
 	touch $@
 
 bench-trl-env: $(TRL_VENV)/.installed
