@@ -26,7 +26,6 @@ from miles_platform.models.checkpoint import (
     save_hf_checkpoint,
     validate_hf_dir,
 )
-from miles_platform.models.qwen3 import num_parameters
 from resources.storage import StorageRootResource
 
 
@@ -124,6 +123,8 @@ def base_checkpoint(
     context: dg.AssetExecutionContext, config: BaseCheckpointConfig, storage: StorageRootResource
 ) -> dg.MaterializeResult:
     """Starting policy of RL (HF dir): the demo SFT base, or a registered existing checkpoint."""
+    from miles_platform.models.qwen3 import num_parameters  # transformers: when the asset runs
+
     dest = storage.paths.model("base")
     if "://" in dest:
         raise CheckpointError(f"base_checkpoint needs a local storage root to train/copy into, got {dest}")

@@ -206,6 +206,10 @@ def _lineage(pv: PolicyVersion) -> dict[str, Any]:
         "rollout_id": dg.MetadataValue.text(str(pv.rollout_id)),
         "parent_version": dg.MetadataValue.text(pv.parent_partition_key),
         "config_hash": pv.config_hash,
+        # the code that made it (store/code_version.py); "" where unknown or recorded before it was kept
+        "platform_version": pv.platform_version or "",
+        "git_commit": pv.git_commit or "",
+        "git_dirty": dg.MetadataValue.text("" if pv.git_dirty is None else str(pv.git_dirty).lower()),
         "base_data_version": pv.base_data_version or "",
         "dataset_data_version": pv.dataset_data_version or "",
     }

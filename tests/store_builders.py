@@ -155,3 +155,14 @@ def apply_sensor_tick(sensor, instance, root: str, cursor: str | None = None):
     for request in data.dynamic_partitions_requests:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     return data
+
+
+def point_s3_at(monkeypatch, env: dict) -> None:
+    """Set the AWS env of an S3 server for this test and drop s3fs's cached instances: fsspec keys
+    its instance cache on arguments, not on the env, so an instance an earlier module made for
+    another (now stopped) server would be handed back with that server's endpoint."""
+    import s3fs
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()

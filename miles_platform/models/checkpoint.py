@@ -13,12 +13,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.families import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from miles_platform.store.atomic import fsync_tree, replace_dir
+
+if TYPE_CHECKING:  # torch loads with the first model, not with the module (the Dagster code location)
+    import torch
 
 
 def embedding_rows(config: dict) -> int | None:
@@ -127,10 +129,13 @@ def load_tokenizer(path: str | os.PathLike):
         ) from e
 
 
-def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """Load a supported HF causal LM (eval mode) after validation."""
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype | None = None):
+    """Load a supported HF causal LM (eval mode, fp32 unless `dtype`) after validation."""
     validate_hf_dir(path, need_tokenizer=False)
+    import torch
     from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
@@ -140,7 +145,7 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     return model
 
 
-def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None):
     validate_hf_dir(path)
     return load_hf_model(path, dtype), load_tokenizer(path)
 

@@ -23,8 +23,10 @@ Checked against `save_pretrained` for every family (tests/unit/models/test_hf_fa
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first model, not with the module (the Dagster code location)
+    import torch
 
 _GATED = ("gate_proj", "up_proj", "down_proj")  # module-side projections of a gated expert
 _MINIMAX = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -70,6 +72,8 @@ def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def _fuse(state: dict, block: str, names: dict[str, str]) -> dict[str, torch.Tensor]:
     """Per-expert `{block}.experts.e.{disk name}.weight` -> fused `{block}.experts.{gate_up_proj |
     up_proj, down_proj}`; `names`: module projection -> its on-disk name (a gated expert has 3)."""
+    import torch
+
     disk = {v: k for k, v in names.items()}
     pattern = re.compile(
         rf"^(?P<pre>.*\.{block}\.experts\.)(?P<e>\d+)\.(?P<proj>{'|'.join(map(re.escape, disk))})\.weight$"

@@ -35,9 +35,10 @@ vision-language checkpoints of these families (their text `*ForCausalLM` is take
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first model, not with the module (the Dagster code location)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ def tiny_config(family: str, vocab_size: int, **overrides):
 def build_model(config, seed: int = 0) -> torch.nn.Module:
     """The family's HF model with random weights (eval mode). HF initializes biases to zero; the
     tiny model draws them like the weights, so the bias mapping of every path carries real values."""
+    import torch
     import transformers
 
     fam = family_of(config)

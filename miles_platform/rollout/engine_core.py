@@ -65,6 +65,7 @@ from miles_platform.rollout.engine_requests import (
 )
 from miles_platform.rollout.engine_weights import EngineWeightsMixin, eos_ids, load_model, parse_engine_dtype
 from miles_platform.rollout.lora_serving import LoraSlots
+from miles_platform.rollout.metrics import TokenRate
 from miles_platform.rollout.sampling import draw
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
             "num_decode_calls": 0,
             "max_batch_size_seen": 0,
             "num_generated_tokens": 0,
+            "num_prompt_tokens": 0,  # of finished requests (SGLang's prompt_tokens_total)
             "num_finished_requests": 0,
             "num_weight_updates": 0,
             "num_pauses": 0,  # /pause_generation calls (a LoRA run's updates make none)
@@ -175,6 +177,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
         self._control: deque[tuple] = deque()  # (fn, Future) run on the scheduler thread
         self._batch_submitted = False  # a multi-prompt request arrived: it is its own batch, no wait
         self._num_threads = num_threads
+        self.gen_rate = TokenRate()  # generated tokens per second, for GET /metrics
         self.step_hook: Callable[[EngineCore], None] | None = None  # tests only; see the class docstring
         # All torch compute (load, forward, weight copies) runs on the scheduler thread: a second
         # thread with its own OpenMP team would make libgomp throttle both (see docs/engine.md).
@@ -357,6 +360,9 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
 
     def num_inflight(self) -> int:
         return len(self._waiting) + len(self._batch)
+
+    def num_queued(self) -> int:
+        return len(self._waiting)
 
     def stop(self) -> None:
         with self._cv:
@@ -680,6 +686,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
             [r.return_sampling_mask for r in reqs],
         )  # fmt: skip
         self.stats["num_generated_tokens"] += len(d.tokens)
+        self.gen_rate.add(len(d.tokens))
         done, finished = set(), []
         for j, (i, r, t, lp) in enumerate(zip(rows, reqs, d.tokens, d.logprobs)):
             r.output_ids.append(t)
@@ -785,6 +792,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
             meta["output_token_sampling_mask"] = r.supports
             meta["output_token_sampling_logprobs"] = r.support_logprobs
         self.stats["num_finished_requests"] += 1
+        self.stats["num_prompt_tokens"] += len(r.prompt_ids)
         r.future.set_result({"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta})
 
     def _fail_version(self, r: Request, why: str) -> None:

@@ -128,6 +128,11 @@ class EngineMemoryMixin:
         if len(keep) != len(b):
             self._batch = keep_rows(b, keep, self.model.config)
 
+    def kv_tokens_used(self) -> int:
+        """KV cache slots the running batch holds now (rows x columns, padding included)."""
+        b = self._batch  # one object: its rows and mask agree even while the scheduler swaps batches
+        return len(b) * b.mask.shape[1] if len(b) and b.mask is not None else 0
+
     def _note_kv(self) -> None:
         b = self._batch
         if len(b):

@@ -1,5 +1,5 @@
 """The embedded engine's SGLang routes, one `APIRouter` per concern, over an `EngineCore`:
-generation (`/generate`), health and info, weights (update, read back, checksums), LoRA adapters,
+generation (`/generate`), health, info and metrics, weights (update, read back, checksums), LoRA adapters,
 and generation control (pause / continue / flush). `engine_server.create_app` mounts them with the
 OpenAI routes (openai_api.py) behind one guard (http_common.add_guards): every route needs the
 run's key except `GET /health`.
@@ -25,6 +25,7 @@ from miles_platform.rollout.http_common import (
     json_body,
 )
 from miles_platform.rollout.lora_serving import read_adapter_dir
+from miles_platform.rollout.metrics import CONTENT_TYPE, engine_exposition
 
 
 def generate_router(core: EngineCore, max_request_bytes: int) -> APIRouter:
@@ -48,7 +49,7 @@ def generate_router(core: EngineCore, max_request_bytes: int) -> APIRouter:
 
 
 def health_router(core: EngineCore) -> APIRouter:
-    """Liveness, readiness and what the engine serves (`/get_model_info`, `/get_server_info`)."""
+    """Liveness, readiness, metrics and what the engine serves (`/get_model_info`, `/get_server_info`)."""
     router = APIRouter()
 
     @router.get("/health")
@@ -59,6 +60,12 @@ def health_router(core: EngineCore) -> APIRouter:
     async def health_generate():
         # Readiness: the scheduler is alive. No generation, so a paused engine is still healthy.
         return Response(status_code=200 if core.is_alive() else 503)
+
+    @router.get("/metrics")
+    async def metrics(request: Request):
+        """Prometheus text (rollout/metrics.py): SGLang's names where SGLang has them."""
+        text = engine_exposition(core, request.app.state.http_counts)
+        return Response(text, media_type=CONTENT_TYPE)
 
     @router.get("/get_model_info")
     async def get_model_info():

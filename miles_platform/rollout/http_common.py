@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from miles_platform.rollout import chat
 from miles_platform.rollout.engine_requests import EnginePaused, EngineStopped, RequestError, VersionConflict
+from miles_platform.rollout.metrics import HttpCounts
 
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 
@@ -28,10 +29,12 @@ def error(status: int, message: str, **extra) -> JSONResponse:
 
 
 # What the run's generate-only key may call (issue #49, item 3): generation, the OpenAI routes, the
-# session server's sessions, and read-only info. Weight updates, pause / continue, LoRA loading,
+# session server's sessions, and read-only info (`/metrics`: a Prometheus scraper needs no more than
+# this key). Weight updates, pause / continue, LoRA loading,
 # worker management and every other control route need the run's own (admin) key.
 GENERATE_ONLY_PATHS = frozenset({"/generate", "/health", "/health_generate", "/get_model_info",
-                                 "/get_server_info", "/v1/models", "/v1/chat/completions", "/v1/completions"})  # fmt: skip
+                                 "/get_server_info", "/metrics", "/v1/models", "/v1/chat/completions",
+                                 "/v1/completions"})  # fmt: skip
 GENERATE_ONLY_PREFIXES = ("/sessions",)
 
 
@@ -49,16 +52,17 @@ def generate_scoped(path: str) -> bool:
 
 
 def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> None:
-    """Bearer-token auth (401 / 403) and a request size limit (413), shared by engine and router.
+    """Bearer-token auth (401 / 403) and a request size limit (413), shared by engine and router;
+    every answer is counted in `app.state.http_counts` (route template, error kind) for `/metrics`.
 
     Every endpoint needs a key except `GET /health` (liveness probes; it reveals nothing): the
     run's admin key anywhere, its generate-only key (`generate_key`) on GENERATE_ONLY_PATHS only
     (403 elsewhere). The scheme is case-insensitive (RFC 7235); tokens are compared in constant time."""
     want = api_key.encode() if api_key else None
     scoped = generate_key(api_key).encode() if api_key else None
+    app.state.http_counts = counts = HttpCounts()  # GET /metrics reports it (rollout/metrics.py)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
+    def refused(request: Request) -> JSONResponse | None:
         if want and not (request.method == "GET" and request.url.path == "/health"):
             scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
             given = token.strip().encode()
@@ -75,7 +79,14 @@ def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> Non
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_request_bytes:
             return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}")
-        return await call_next(request)
+        return None
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        response = refused(request) or await call_next(request)
+        route = request.scope.get("route")  # the template (bounded), not the path; none: never routed
+        counts.observe(getattr(route, "path", "none"), response.status_code)
+        return response
 
 
 async def json_body(request: Request, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from miles_platform.cluster.ray_cluster import rollout_num_devices
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.data.dataset import PromptRecord
 from miles_platform.data.sample import Sample, Status
@@ -69,6 +70,7 @@ class RolloutManager:
             max_retries=client_retries(cfg),
         )
         self._retries_seen = 0  # EngineClient.retries at the last rollout's metrics
+        self.rollout_devices = rollout_num_devices(cfg)  # perf/tokens_per_gpu_per_sec (0: external engines)
         self.stop_token_ids = sorted({*cfg.rollout_stop_token_ids, tokenizer.eos_token_id})
         # finished groups not trained on yet (over-sampling surplus; in fully async mode, the data
         # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
@@ -453,6 +455,7 @@ class RolloutManager:
             "rollout/buffer_size": float(len(self.buffer)),
             "perf/rollout_time": seconds,
         }
+        m.update(token_perf(samples, seconds, self.rollout_devices))
         m.update(self._opd_metrics)
         self._opd_metrics = {}
         if self.cfg.use_fault_tolerance:  # requests in flight on a dead or hung engine: retried, counted
@@ -546,3 +549,21 @@ def _checkpoint_field(hf_checkpoint: str | None, read) -> int | None:
             return read(json.load(f))
     except (OSError, ValueError):
         return None
+
+
+def token_perf(samples: list[Sample], seconds: float, devices: int) -> dict[str, float]:
+    """Miles' generation throughput keys (miles/ray/rollout/metrics.py): response tokens per rollout
+    device per second over the rollout's wall time, and the longest sample's tokens per second; the
+    `effective_` ones count only trained tokens (the loss mask: a multi-turn tool result is not).
+    No per-device key without rollout devices of the run's own (external engines), as Miles."""
+    if not samples or seconds <= 0:
+        return {}
+    out = {}
+    for key, lengths in (
+        ("", [s.response_length for s in samples]),
+        ("effective_", [sum(s.loss_mask) if s.loss_mask else s.response_length for s in samples]),
+    ):
+        if devices:
+            out[f"perf/{key}tokens_per_gpu_per_sec"] = sum(lengths) / seconds / devices
+        out[f"perf/longest_{key}sample_tokens_per_sec"] = max(lengths) / seconds
+    return out

@@ -8,7 +8,8 @@ every worker; any other path is proxied to the least-loaded healthy worker, at m
 `health_check_interval_s`; a failing worker (or one that refuses a proxied connection) leaves the
 rotation and comes back when it answers again. A request whose worker dies is retried elsewhere;
 a worker's own answer (any status: a paused engine's 503 `engine_paused`, a 409) is passed through
-for the client to retry, and the worker, alive, stays in rotation.
+for the client to retry, and the worker, alive, stays in rotation. `GET /metrics`: the router's
+counters and every worker's metrics labelled by worker (rollout/metrics.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import anyio
@@ -34,6 +36,7 @@ from miles_platform.rollout.engine_server import (
     wait_for_stop_signal,
 )
 from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, add_guards, error, json_body
+from miles_platform.rollout.metrics import CONTENT_TYPE, router_exposition
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,9 @@ class Router:
         self.worker_headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         self._changed: asyncio.Condition | None = None
         self._client: httpx.AsyncClient | None = None
+        self.waiting = 0  # requests waiting for a free worker slot (GET /metrics: queue depth)
+        self.proxied = 0  # requests handed to a worker
+        self.errors: Counter[str] = Counter()  # requests the router failed itself, by kind
 
     async def start(self) -> None:
         self._changed = asyncio.Condition()
@@ -126,14 +132,19 @@ class Router:
                 if free:
                     w = min(free, key=lambda w: (w.inflight, w.served))
                     w.inflight += 1
+                    self.proxied += 1
                     return w
                 if not any(w.healthy for w in self.workers.values()):
                     raise LookupError("no healthy worker")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("all workers busy")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), left)
+                self.waiting += 1
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), left)
+                finally:
+                    self.waiting -= 1
 
     async def _release(self, w: Worker, ok: bool) -> None:
         w.inflight -= 1
@@ -149,8 +160,10 @@ class Router:
             try:
                 w = await self._acquire()
             except LookupError as e:
+                self.errors["no_healthy_worker"] += 1
                 return error(503, f"router: {e}", retryable=True)
             except TimeoutError as e:
+                self.errors["queue_timeout"] += 1
                 return error(503, f"router: {e} for {self.queue_timeout}s", retryable=True)
             url = f"{w.url}{path}" + (f"?{query}" if query else "")
             req = self._client.build_request(
@@ -165,11 +178,13 @@ class Router:
                     )  # fmt: skip
                 content = await resp.aread()
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectTimeout):
+                self.errors["worker_unreachable"] += 1
                 await self._release(w, ok=False)
                 continue  # the worker died before answering: try another one
             except httpx.TimeoutException as e:
                 # it took the request and hung: out of rotation until a probe answers; not retried
                 # here (it may still be generating), the caller's retry policy decides
+                self.errors["worker_timeout"] += 1
                 await self._release(w, ok=False)
                 return error(
                     504,
@@ -177,12 +192,14 @@ class Router:
                     retryable=True,
                 )
             except httpx.HTTPError as e:
+                self.errors["worker_error"] += 1
                 await self._release(w, ok=False)
                 return error(502, f"router: worker {w.url}: {type(e).__name__}: {e}", retryable=True)
             await self._release(w, ok=True)
             return Response(
                 content, status_code=resp.status_code, media_type=resp.headers.get("content-type")
             )
+        self.errors["every_worker_failed"] += 1
         return error(503, "router: every worker failed this request", retryable=True)
 
     async def _relay(self, resp: httpx.Response, w: Worker):
@@ -239,6 +256,21 @@ class Router:
         failed = [r for r in results if r["status"] >= 300]
         status = 200 if not failed else max(r["status"] for r in failed)
         return JSONResponse({"success": not failed, "results": results}, status_code=status)
+
+    async def scrape(self) -> dict[str, str | None]:
+        """Each worker's `/metrics` text (None: it did not answer 200), for the router's own."""
+
+        async def one(w: Worker) -> str | None:
+            try:
+                r = await self._client.get(
+                    f"{w.url}/metrics", headers=self.worker_headers, timeout=self.probe_timeout
+                )
+            except httpx.HTTPError:
+                return None
+            return r.text if r.status_code == 200 else None
+
+        workers = list(self.workers.values())
+        return dict(zip([w.url for w in workers], await asyncio.gather(*map(one, workers)), strict=True))
 
     async def _probe(self, w: Worker) -> None:
         try:
@@ -343,6 +375,12 @@ def create_router_app(
     @app.get("/health")
     async def health():
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        """The router's own families and each worker's, labelled worker=<url> (rollout/metrics.py)."""
+        text = router_exposition(router, request.app.state.http_counts, await router.scrape())
+        return Response(text, media_type=CONTENT_TYPE)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
     async def forward(path: str, request: Request):

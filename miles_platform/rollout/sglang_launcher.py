@@ -115,6 +115,7 @@ def build_sglang_command(
         "dtype": SGLANG_DTYPES[run_rollout_dtype(cfg)],
         "host": host,
         "port": port,
+        "enable-metrics": True,  # GET /metrics in Prometheus text, as the embedded engine's (rollout/metrics.py)
     }
     if base_gpu_id is not None:
         ours["base-gpu-id"] = base_gpu_id

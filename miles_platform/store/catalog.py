@@ -3,7 +3,9 @@
 Views: rollouts, policy_versions, evals, lineage, metrics, run_events (policy_versions, metrics and
 evals carry a `status` column: committed | abandoned, store/run_events.py). A view is `read_parquet` over an
 absolute glob (hive partitioning, union_by_name) once its first file exists, and a typed
-zero-row SELECT before that, so queries never fail and the DuckDB CLI opens the file as is.
+zero-row SELECT before that, so queries never fail and the DuckDB CLI opens the file as is. A
+table's view has every column of its schema (store/schemas.py) even where its files predate one:
+a column added later reads as null in older roots.
 
 Each view carries a comment with the hash of its SQL: readers open read-only and only take a
 short write connection when a view is missing or stale (e.g. its first file just appeared).
@@ -136,6 +138,8 @@ class Catalog:
                     f"SELECT * FROM read_parquet('{lit}', hive_partitioning = true, "
                     f"union_by_name = true, hive_types = {{{hive_types}}})"
                 )
+                if name in TABLE_SCHEMAS:  # every column of the schema: one no file has yet reads as null
+                    views[name] = f"{_empty_select(schema)} UNION ALL BY NAME {views[name]}"
             else:
                 views[name] = _empty_select(schema)
         # status: 'abandoned' for rows a resume left behind (past its checkpoint, made before it),

@@ -132,6 +132,8 @@ class LineageGraph:
                 "config_hash",
             )
             keys += ("dataset_data_version", "base_data_version", "shard_rows", "mean_reward", "created_at")
+            # the code that made it (rows written before it was kept have none)
+            keys += ("platform_version", "git_commit", "git_dirty")
             return {k: v.get(k) for k in keys if v.get(k) not in (None, "")}
         if kind == "rollout_shard":
             return self._shard_info(node)
@@ -261,6 +263,8 @@ def _fmt(v: Any) -> str:
         return f"{v:.4g}"
     if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
         return v[:12]  # content hashes: a prefix is enough to read and to pass to --dataset-version
+    if isinstance(v, str) and len(v) == 40 and all(c in "0123456789abcdef" for c in v):
+        return v[:12]  # a git commit, as git log --oneline abbreviates it
     return str(v)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_platform.run_types import PolicyVersion, Reporter, RunResult
+from miles_platform.store.code_version import code_version
 from miles_platform.store.paths import StoragePaths
 
 
@@ -86,6 +87,7 @@ class VersionRecorder:
         self.trackers, self.teachers, self.extra_metrics = trackers, list(teachers), extra_metrics
         self.highest = 0  # the highest version number any store knows (set by `resume`)
         self.config_changed_from: str | None = None  # the next version's `config_changed_from` edge
+        self.code = code_version()  # the code this run started with, recorded with each version
 
     def resume(self, state: dict | None, changes: list[str], published: int | None = None) -> tuple[int, int]:
         """The trainer's checkpoint state (None: none) -> (first rollout id, its weight version).
@@ -127,7 +129,7 @@ class VersionRecorder:
 
         pv = record_policy_version(self.cfg, self.paths, version, parent, rollout_id, shard, hf_dir, ckpt,
                                    self.base_version, self.data_version, self.teachers,
-                                   config_changed_from=self.config_changed_from)  # fmt: skip
+                                   config_changed_from=self.config_changed_from, code=self.code)  # fmt: skip
         self.config_changed_from = None  # on the first version after the change only
         result.versions.append(pv.to_dict())
         self.reporter.on_policy_version(pv)

@@ -81,6 +81,10 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             ("mean_reward", pa.float64()),
             ("created_at", _TS),
             ("adapter_path", pa.string()),  # LoRA runs: the version's PEFT adapter dir (hf_path null)
+            # the code that made it (store/code_version.py); null in rows written before 2026-12-05
+            ("platform_version", pa.string()),  # miles-platform's release
+            ("git_commit", pa.string()),  # HEAD of the source checkout (null: not a git checkout)
+            ("git_dirty", pa.bool_()),  # tracked files differed from that commit
         ]
     ),
     "evals": pa.schema(

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from miles_platform.store.code_version import CodeVersion, code_version
 from miles_platform.store.paths import StoragePaths, absolute, partition_key
 
 if TYPE_CHECKING:
@@ -43,11 +44,15 @@ class PolicyVersion:
     # on-policy distillation: [{"teacher": path or URL, "kind", "content_hash"}] (lineage `distilled_from`)
     distilled_from: list[dict[str, Any]] = field(default_factory=list)
     final: bool = False  # the run's last version: no later rollout of its --num-rollout updates weights
+    # the code that made it (store/code_version.py; None: unknown, or a row from before they were kept)
+    platform_version: str | None = None
+    git_commit: str | None = None
+    git_dirty: bool | None = None
 
     # the `policy_versions` table's columns (store/schemas.py)
     ROW: ClassVar[tuple[str, ...]] = ("version", "partition_key", "parent_version", "rollout_id", "checkpoint_path", "hf_path",
            "content_hash", "config_hash", "base_data_version", "dataset_data_version", "shard_path",
-           "shard_rows", "mean_reward", "adapter_path")  # fmt: skip
+           "shard_rows", "mean_reward", "adapter_path", "platform_version", "git_commit", "git_dirty")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,9 +93,11 @@ def record_policy_version(
     cfg: RunConfig, paths: StoragePaths, version: int, parent_version: int, rollout_id: int,
     shard, hf_dir: str, ckpt: str | None, base_version: str | None, data_version: str | None,
     teachers: list[tuple[str, str, str | None]] = (), config_changed_from: str | None = None,
+    code: CodeVersion | None = None,
 ) -> PolicyVersion:  # fmt: skip
     """`config_changed_from`: the config hash of the checkpoint this version's run resumed from
-    under --allow-config-change (an edge `config_changed_from`; the flags are in run_events)."""
+    under --allow-config-change (an edge `config_changed_from`; the flags are in run_events).
+    `code`: the code that trained it (default: this process's, `code_version()`)."""
     from miles_platform.models.checkpoint import content_hash
     from miles_platform.store.lineage_identity import Edge, write_edges
     from miles_platform.store.tables import append_rows
@@ -110,7 +117,7 @@ def record_policy_version(
         shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=base,
         prompt_data=data, eval_interval=cfg.eval_interval, adapter_path=adapter_dir,
         distilled_from=[{"teacher": t, "kind": k, "content_hash": h} for t, k, h in teachers],
-        final=is_final_version(cfg, rollout_id),
+        final=is_final_version(cfg, rollout_id), **(code or code_version()).row(),
     )  # fmt: skip
     append_rows(paths, "policy_versions", run, [pv.row()])
 

@@ -448,6 +448,10 @@ class TrainerActor:
         out["train/lr"] = self.sched.get_last_lr()[0]
         out.update(self._moe_metrics())
         out["perf/actor_train_time"] = time.time() - t0
+        # Miles': tokens (prompt + response) this rank trained on per second of train()
+        out["perf/actor_train_tok_per_s"] = (
+            sum(len(batch.tokens[i]) for i in mine) / out["perf/actor_train_time"]
+        )
         # memory: the process's peak RSS (Linux reports KiB) and the optimizer state actually held
         # (LoRA: the adapter's only)
         out["perf/actor_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

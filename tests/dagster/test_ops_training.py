@@ -112,6 +112,9 @@ PLOTTED = (
     "perf/actor_train_time",
     "perf/update_weights_time",
     "perf/rollout_total_time",
+    "perf/tokens_per_gpu_per_sec",  # Miles' throughput keys
+    "perf/longest_sample_tokens_per_sec",
+    "perf/actor_train_tok_per_s",
 )
 
 
@@ -129,6 +132,22 @@ def test_policy_versions_carry_the_rollouts_training_metrics_as_floats(short_run
         want = {r["name"]: r["value"] for r in rows if r["rollout_id"] == rollout_id}
         assert md["train/loss"].value == pytest.approx(want["train/loss"])
         assert md["rollout/raw_reward"].value == pytest.approx(want["rollout/raw_reward"])
+        # one rollout device: its response tokens over the rollout's wall time
+        _, [(tokens,)] = Catalog(StoragePaths(str(root))).query(
+            f"SELECT sum(response_length) FROM rollouts WHERE run = 't' AND rollout_id = {rollout_id}"
+        )
+        assert want["perf/tokens_per_gpu_per_sec"] * want["perf/rollout_time"] == pytest.approx(tokens)
+        # the code that made the version, as its row records it
+        (row,) = [
+            r
+            for r in read_rows(StoragePaths(str(root)), "policy_versions", "t")
+            if r["rollout_id"] == rollout_id
+        ]
+        assert (
+            md["git_commit"].value == (row["git_commit"] or "")
+            and md["platform_version"].value == row["platform_version"]
+        )
+        assert md["git_dirty"].value == ("" if row["git_dirty"] is None else str(row["git_dirty"]).lower())
         # identifiers are text, not lines on the Plots tab
         for key in ("version", "rollout_id", "eval_interval"):
             assert key not in md or isinstance(md[key], dg.TextMetadataValue), key

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from store_builders import point_s3_at
 
 from miles_platform.cluster.ray_cluster import (
     bundle_node_ids,
@@ -415,8 +416,7 @@ def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
 
     from miles_platform.launch.ray_jobs import job_client, run_jobs
 
-    for k, v in s3_server.items():
-        monkeypatch.setenv(k, v)  # this process reads the store; the job gets them in its runtime env
+    point_s3_at(monkeypatch, s3_server)  # this process reads the store; the job gets them in its runtime env
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     if not fs.exists("jobs"):
         fs.mkdir("jobs")

@@ -51,7 +51,6 @@ def _listeners_of_this_process_tree(skip: frozenset = frozenset()) -> dict[tuple
     (`::ffff:127.0.0.1`) written as the IPv4 one it is. `skip`: (pid, port) pairs to leave out."""
     import ipaddress
 
-
     out: dict[tuple[str, int], set[str]] = {}
     for (pid, name), port, ip in _listening():
         if (pid, port) not in skip:

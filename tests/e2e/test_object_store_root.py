@@ -12,6 +12,7 @@ from contextlib import redirect_stdout
 
 import pytest
 from loop_helpers import small_run_config
+from store_builders import point_s3_at
 
 from miles_platform.config import ConfigError
 from miles_platform.loop import train, validate_before_start
@@ -34,8 +35,7 @@ def s3(s3_server, monkeypatch, tmp_path, tiny_hf_checkpoint):
 
     assert not {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(os.environ)
     ray_cluster.init_ray(small_run_config(tiny_hf_checkpoint, tmp_path))
-    for k, v in {**s3_server, "AWS_SECRET_ACCESS_KEY": SECRET}.items():  # moto takes any secret
-        monkeypatch.setenv(k, v)
+    point_s3_at(monkeypatch, {**s3_server, "AWS_SECRET_ACCESS_KEY": SECRET})  # moto takes any secret
     monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
     import fsspec
 

@@ -159,6 +159,25 @@ def test_manifests_share_image_and_storage():
             assert "RAY_AUTH_MODE=disabled" not in f.read_text() and "value: disabled" not in f.read_text(), f
 
 
+def test_the_image_is_the_pinned_sglangs_and_keeps_sglangs_pins_apart_from_ours():
+    """deploy/Dockerfile (not built here: no Docker on the CPU machine): FROM the SGLang image of
+    requirements-sglang.txt's sglang, the platform in a venv of its own over it (its transformers,
+    tokenizers and numba pins would break sglang's), SGLang run by the base interpreter."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    (pin,) = re.findall(r"^sglang==(\S+)", (DEPLOY.parent / "requirements-sglang.txt").read_text(), re.M)
+    assert re.search(rf"^ARG SGLANG_VERSION={re.escape(pin)}$", dockerfile, re.M)
+    assert re.search(r"^FROM lmsysorg/sglang:v\$\{SGLANG_VERSION\}-\S+$", dockerfile, re.M)
+    assert "sglang.__version__; assert v == '${SGLANG_VERSION}'" in dockerfile  # the tag carries the pin
+    assert "-m venv --system-site-packages" in dockerfile
+    assert re.search(
+        r"^ENV PATH=/opt/miles/bin:\$PATH MILES_SGLANG_PYTHON=/usr/local/bin/python3-sglang$",
+        dockerfile,
+        re.M,
+    )
+    extras = set(re.findall(r"x\['([\w-]+)'\]", dockerfile))
+    assert extras == {"gpu", "k8s", "trackers"}  # no test or dev tool in the image
+
+
 # --- KubeRay: the vendored CRD schemas (deploy/kuberay/crds/README.md) as the API server applies them
 
 

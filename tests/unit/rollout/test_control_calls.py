@@ -20,6 +20,26 @@ BODY = b'{"success":true}'
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
 
 
+def _read_request(c: socket.socket) -> bytes:
+    """One whole HTTP request (headers, then Content-Length bytes of body): a client may send the
+    body in a second segment, which a bare recv() would take for the next request."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = c.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+    while len(body) < length:
+        chunk = c.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return data
+
+
 def _serve(resets: list[int]):
     """A loopback HTTP server: answers the first request of each connection and keeps it alive; a
     second request on that connection is reset (RST) unanswered, as a stalled engine that resumed does."""
@@ -29,9 +49,9 @@ def _serve(resets: list[int]):
 
     def conn(c):
         with c:
-            c.recv(65536)
+            _read_request(c)
             c.sendall(OK)
-            if c.recv(65536):  # the pooled connection's next request: reset it
+            if _read_request(c):  # the pooled connection's next request: reset it
                 resets.append(1)
                 c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 

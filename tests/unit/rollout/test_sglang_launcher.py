@@ -111,6 +111,7 @@ def test_command_from_miles_flags():
     i = flags.index("--enable-dp-attention")  # bool True -> bare flag
     assert i == len(flags) - 1 or flags[i + 1].startswith("--")
     assert not any(f.startswith("--sglang-") for f in flags)
+    assert "--enable-metrics" in flags  # GET /metrics, as the embedded engine's
 
 
 def test_passthrough_overrides_and_rejections():

@@ -11,6 +11,7 @@ import socket
 import time
 
 import pytest
+from store_builders import point_s3_at
 
 pytest.importorskip("moto.server", reason="moto[server] not installed")
 
@@ -20,10 +21,8 @@ from miles_platform.store.run_lock import ObjectStoreLease, RunLocked  # noqa: E
 
 @pytest.fixture
 def run_url(s3_server, monkeypatch):
-    for k, v in s3_server.items():
-        monkeypatch.setenv(k, v)
+    point_s3_at(monkeypatch, s3_server)
     fs, _ = remote.filesystem("s3://leases")
-    fs.invalidate_cache()
     if not fs.exists("leases"):
         fs.mkdir("leases")
     return f"s3://leases/runs/r{time.monotonic_ns()}"
