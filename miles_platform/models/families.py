@@ -115,7 +115,7 @@ _DEEPSEEK_MOE = {
     "norm_topk_prob": True,
     "routed_scaling_factor": 2.5,
 }
-_NO_BRIDGE = "megatron-core has no bridge here for {what}; train it with --train-backend fsdp"
+_NO_BRIDGE = "no megatron bridge is written here for {what}; train it with --train-backend fsdp"
 
 # Families only HF's classes run (fsdp + the embedded engine); megatron refuses each with its reason.
 HF_FAMILIES: dict[str, Family] = {

@@ -104,7 +104,8 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
 
     arch = HF_FAMILIES[family].architecture
     with pytest.raises(
-        ConfigError, match=f"--train-backend megatron.*{arch} \\({family}\\): megatron-core has no"
+        ConfigError,
+        match=f"--train-backend megatron.*{arch} \\({family}\\): no megatron bridge is written here",
     ):
         _check_moe(RunConfig(hf_checkpoint=ckpt, train_backend="megatron"), hf)
     with pytest.raises(CheckpointError, match=f"{arch} \\({family}\\) on the megatron backend"):
