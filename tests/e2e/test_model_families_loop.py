@@ -1,6 +1,8 @@
 """Qwen2, Llama and Qwen3-MoE through the whole loop on both trainer backends (Qwen3-MoE with R3, the
 aux loss and the z-loss on both; tests/unit/training/test_model_families_megatron.py /
-test_moe_megatron.py check the families' megatron conversion and logits parity on their own): 3 GRPO rollouts with --ci-test
+test_moe_megatron.py check the families' megatron conversion and logits parity on their own), and
+Qwen3.5-MoE (linear attention, gated shared expert, R3) on fsdp, the one HF-only family here
+(tests/unit/models/test_hf_families.py checks each of them in a step): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
 trainer's after every sync, over HTTP), weights to the engine by disk-delta, resume from the
 checkpoint, and the publications applied to a fresh replica give the trainer's exported weights."""
