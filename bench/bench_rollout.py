@@ -184,7 +184,7 @@ def run() -> list[dict]:
 
             # eval: greedy pass@1 of 512 held-out prompts
             ev = [("eval", data["eval"])]
-            kw = dict(n_samples_per_eval_prompt=1, max_new_tokens=NEW_TOKENS, temperature=0.0, args=cfg,
+            kw = dict(n_samples_per_eval_prompt=1, max_new_tokens=NEW_TOKENS, temperature=0.0, rewards=cfg.reward_settings(),
                       input_key="prompt", label_key="label", max_prompts=EVAL_PROMPTS)  # fmt: skip
 
             def eval_ours():

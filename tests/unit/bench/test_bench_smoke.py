@@ -49,3 +49,52 @@ def test_each_hand_run_study_imports_and_parses_its_flags(path, monkeypatch, cap
         runpy.run_path(str(REPO / path), run_name="__main__")
     assert e.value.code == 0
     assert flag in capsys.readouterr().out  # argparse's help, with the study's own flags
+
+
+def _calls_into_the_platform(path: Path):
+    """(line, function, keyword names) of each call in `path` of a function it imports from
+    miles_platform by name, with the keys of a `**kw` built by `kw = dict(...)` in the file."""
+    import ast
+    import importlib
+
+    tree = ast.parse(path.read_text())
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("miles_platform"):
+            for a in node.names:
+                obj = getattr(importlib.import_module(node.module), a.name, None)
+                if callable(obj):
+                    names[a.asname or a.name] = obj
+    dicts = {  # kw = dict(a=..., b=...): what a later f(..., **kw) passes
+        t.id: [k.arg for k in node.value.keywords if k.arg]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name) and node.value.func.id == "dict"
+        for t in node.targets if isinstance(t, ast.Name)
+    }  # fmt: skip
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+            keywords = [k.arg for k in node.keywords if k.arg]
+            for k in node.keywords:
+                if k.arg is None and isinstance(k.value, ast.Name):
+                    keywords += dicts.get(k.value.id, [])
+            yield node.lineno, names[node.func.id], keywords
+
+
+def test_the_benches_call_the_platform_with_keywords_it_takes():
+    """A bench calls the platform with the arguments of the day: bench_rollout passed `args=` to
+    `evaluate` for a session after evaluate took typed `rewards=` instead, and `make bench` gave an
+    error row where its eval numbers were (tests never run the benches whole: too slow)."""
+    import inspect
+
+    wrong = []
+    for path in sorted((REPO / "bench").glob("*.py")):
+        for line, fn, keywords in _calls_into_the_platform(path):
+            try:
+                params = inspect.signature(fn).parameters
+            except (TypeError, ValueError):
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                continue
+            wrong += [f"{path.name}:{line} {fn.__name__}({k}=)" for k in keywords if k not in params]
+    assert not wrong, wrong
