@@ -15,6 +15,10 @@ def validate_before_start(cfg: RunConfig) -> None:
     if not cfg.hf_checkpoint:
         raise ConfigError("--hf-checkpoint is required (HF dir with config, weights and tokenizer)")
     check_object_store(cfg)
+    if not cfg.load_debug_rollout_data and cfg.loss_type != "sft_loss" and not cfg.debug_train_only:
+        from miles_platform.rollout import rm_hub
+
+        rm_hub.validate_reward_config(cfg)  # config only: before the tokenizer loads (seconds)
     from miles_platform.models.checkpoint import validate_hf_dir
 
     hf = validate_hf_dir(cfg.hf_checkpoint)
@@ -57,10 +61,6 @@ def validate_before_start(cfg: RunConfig) -> None:
         return
     if not cfg.prompt_data:
         raise ConfigError("--prompt-data is required (JSONL or Parquet of prompts)")
-    if cfg.loss_type != "sft_loss" and not cfg.debug_train_only:
-        from miles_platform.rollout import rm_hub
-
-        rm_hub.validate_reward_config(cfg)
     from miles_platform.rollout import generate_hub
 
     generate_hub.validate_config(cfg)

@@ -161,6 +161,8 @@ def check_model_args(given: dict[str, Any], config: dict, where: str) -> None:
     """Each model flag given (field -> value; bools only when set) against the checkpoint's config:
     ConfigError naming the flag, its value, the config key and the checkpoint's value (`where`: the
     config.json path, for the message)."""
+    if not given:  # nothing to check: no bridge (megatron-core, torch) to import for it
+        return
     view = megatron_model_args(config)
     for name, value in given.items():
         key, raw, want = view[name]
