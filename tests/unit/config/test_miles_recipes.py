@@ -1,8 +1,9 @@
 """Miles recipes as Miles writes them: the argv of a launch script (MODEL_ARGS of a
 scripts/models file, then CKPT_ARGS, ROLLOUT_ARGS, EVAL_ARGS, ... concatenated), modelled on Miles'
 own examples with the model flags set to a tiny local checkpoint of the family and the paths to
-test data. Each parses and passes validate_before_start; one runs 2 rollouts end to end through
-`miles-platform train`; a wrong --hidden-size fails naming the mismatch.
+test data. Each parses and passes validate_before_start; two (the GSM8K reproducibility recipe and
+the MoE one with routing replay) run 2 rollouts end to end through `miles-platform train`; a wrong
+--hidden-size fails naming the mismatch.
 
 Megatron's parallelism, recompute and precision flags (--sequence-parallel, --recompute-*,
 --accumulate-allreduce-grads-in-fp32, ...) are issue #47's and join these argvs when it lands; the
@@ -282,3 +283,27 @@ def test_the_gsm8k_recipe_runs_two_rollouts_through_miles_platform_train(env, ca
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["last_rollout_id"], out["final_version"]) == (1, 2)
     assert out["final_hf_path"].endswith("v000002")
+
+
+def test_the_moe_recipe_with_routing_replay_runs_two_rollouts_through_miles_platform_train(env, capsys):
+    """Miles' Qwen3-30B-A3B recipe with --use-rollout-routing-replay, its argv as is (tiny
+    Qwen3-MoE, the MoE flags of scripts/models checked against its config), through the CLI: the
+    rollouts record each token's routed experts and the trainer replays them."""
+    from miles_platform.store.catalog import Catalog
+    from miles_platform.store.paths import StoragePaths
+
+    argv = qwen3_30b_a3b_r3(env)
+    assert miles_platform(["train", *argv]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["last_rollout_id"], out["final_version"]) == (1, 2)
+    root = argv[argv.index("--storage-root") + 1]
+    _, rows = Catalog(StoragePaths(root)).query(
+        "select rollout_id, response_tokens, rollout_routed_experts from rollouts order by rollout_id"
+    )
+    assert {r[0] for r in rows} == {0, 1} and len(rows) == 8  # 2 rollouts x 2 prompts x 2 samples
+    for _, resp, routes in rows:  # per token: one top-2 choice per MoE layer (2 layers)
+        assert (
+            routes
+            and len(routes) >= len(resp)
+            and all(len(t) == 2 and all(len(e) == 2 for e in t) for t in routes)
+        )
