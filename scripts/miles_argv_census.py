@@ -45,18 +45,10 @@ PASSTHROUGH = ("--sglang-",)
 MODEL_ARGS_UTILS = "miles/utils/external_utils/model_args_utils.py"
 MODEL_TYPE = re.compile(r"model_args_utils\.py\"?\s+([\w.-]+)")
 
-# Flags another issue owns: counted as `owned` while our parser does not know them yet.
-OWNED_47 = (
-    "--tensor-model-parallel-size --sequence-parallel --pipeline-model-parallel-size "
-    "--expert-model-parallel-size --expert-tensor-parallel-size --context-parallel-size --bf16 --fp16 "
-    "--accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 --use-distributed-optimizer "
-    "--optimizer-cpu-offload --use-precision-aware-optimizer --update-weight-buffer-size "
-    "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers "
-    "--num-layers-per-virtual-pipeline-stage"
-    # their companions: the optimizer offload's overlap, context parallelism's communication
-    " --overlap-cpu-optimizer-d2h-h2d --allgather-cp --cp-comm-type"
-).split()
-OWNED_47_PREFIXES = ("--recompute-",)
+# Flags another issue owns: counted as `owned` while our parser does not know them yet. Issue #47's
+# megatron parallelism, recompute and precision flags landed (2026-12-05): parsed as ours since.
+OWNED_47: list[str] = []
+OWNED_47_PREFIXES: tuple[str, ...] = ()
 OWNED_46: list[str] = []  # issue #46's offload and colocation flags landed (2026-12-05): parsed as ours
 
 
@@ -176,6 +168,7 @@ class Result:
     parsed: int = 0
     valid: int = 0
     valid_dropped: int = 0
+    valid_megatron: int = 0  # valid_dropped with --train-backend megatron (Miles' default) when not given
     errors: Counter = field(default_factory=Counter)  # first validation error (dropped argv)
 
     def add(self, cls: str, flag: str) -> None:
@@ -215,7 +208,11 @@ def classify(argvs: list[Argv]) -> Result:
         res.parsed += not unknown and not strays
         res.valid += _validates(argv, a.fully_async) is None
         err = _validates(_drop(argv, set(dropped)), a.fully_async)
-        res.valid_dropped += err is None
+        if err is not None and "--train-backend" not in argv:
+            err = _validates([*_drop(argv, set(dropped)), "--train-backend", "megatron"], a.fully_async)
+        else:
+            res.valid_dropped += err is None
+        res.valid_megatron += err is None
         if err:
             res.errors[err.split("error: ")[-1][:90]] += 1
     return res
@@ -362,6 +359,10 @@ def report(argvs: list[Argv], res: Result, show_flags: bool) -> str:
     lines.append(f"argvs parsed whole (nothing unrecognized): {res.parsed}/{n}")
     lines.append(f"argvs validating as recorded:              {res.valid}/{n}")
     lines.append(f"argvs validating without refused/owned:    {res.valid_dropped}/{n}")
+    lines.append(
+        f"  the same, on Miles' default backend:      {res.valid_megatron}/{n} (--train-backend megatron "
+        "added where the argv gives none: Miles' default is megatron, ours fsdp)"
+    )
     for err, k in res.errors.most_common():
         lines.append(f"    {k:>3} x {err}")
     for cls in ORDER if show_flags else ("unrecognized",):
@@ -391,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"argvs": len(argvs), "uses": dict(res.uses), "flags": res.flags, "parsed": res.parsed,
-             "valid": res.valid, "valid_dropped": res.valid_dropped}, indent=1, sort_keys=True))  # fmt: skip
+             "valid": res.valid, "valid_dropped": res.valid_dropped,
+             "valid_megatron": res.valid_megatron}, indent=1, sort_keys=True))  # fmt: skip
     return 0
 
 

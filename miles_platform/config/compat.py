@@ -100,6 +100,22 @@ COMPAT: dict[str, MilesFlag] = {
         "bool", "SFT computes no advantages (--loss-type sft_loss); the policy losses need them, so with any other loss it is refused",
         when=lambda cfg, v: cfg.loss_type == "sft_loss",
     ),
+    # companions of megatron's context parallelism and optimizer offload: a no-op where those are off
+    "allgather_cp": _same(
+        "bool", "context parallelism's allgather token layout: a no-op at --context-parallel-size 1, the only "
+        "size here (megatron-core's local attention asserts CP 1 without transformer-engine)",
+        when=lambda cfg, v: cfg.context_parallel_size == 1,
+    ),
+    "cp_comm_type": _same(
+        "str", "context parallelism's attention communication (p2p / a2a / allgather): a no-op at "
+        "--context-parallel-size 1, the only size here",
+        when=lambda cfg, v: cfg.context_parallel_size == 1,
+    ),
+    "overlap_cpu_optimizer_d2h_h2d": _same(
+        "bool", "overlaps the offloaded optimizer's host-device copies: a no-op without --optimizer-cpu-offload, "
+        "which is refused here (megatron-core's DistributedOptimizer takes CUDA tensors only)",
+        when=lambda cfg, v: not cfg.optimizer_cpu_offload,
+    ),
     # ---- refused: not built here
     "spec": _refused("list", "a custom megatron layer spec (miles_plugins) is " + _FAMILY),
     "custom_model_provider_path": _refused("str", "a custom megatron model provider (miles_plugins) is " + _FAMILY),
