@@ -1,7 +1,7 @@
 """The DuckDB catalog: `<root>/catalog.duckdb` with views over the Parquet under the root.
 
-Views: rollouts, policy_versions, evals, lineage, metrics, run_events (policy_versions, metrics and
-evals carry a `status` column: committed | abandoned, store/run_events.py). A view is `read_parquet` over an
+Views: rollouts, policy_versions, evals, lineage, metrics, run_events, train_samples (policy_versions,
+metrics, evals and train_samples carry a `status` column: committed | abandoned, store/run_events.py). A view is `read_parquet` over an
 absolute glob (hive partitioning, union_by_name) once its first file exists, and a typed
 zero-row SELECT before that, so queries never fail and the DuckDB CLI opens the file as is. A
 table's view has every column of its schema (store/schemas.py) even where its files predate one:

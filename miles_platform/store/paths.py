@@ -10,7 +10,8 @@ Layout (local dir by default, or an object-store URI such as s3://bucket/root: s
     <root>/runs/<run>/hf/v<NNNNNN>/            HF export of each policy version
     <root>/runs/<run>/lora/v<NNNNNN>/          PEFT adapter of each version of a LoRA run (no base copy)
     <root>/runs/<run>/publications/            disk-delta weight_vNNNNNN/ + LATEST
-    <root>/tables/<table>/run=<run>/part-*.parquet   policy_versions, evals, lineage, metrics rows
+    <root>/tables/<table>/run=<run>/part-*.parquet   policy_versions, evals, lineage, metrics, run_events,
+                                               train_samples rows
     <root>/dagster/                            DAGSTER_HOME of the quickstart instance
 """
 
@@ -23,7 +24,7 @@ from miles_platform.store.remote import is_remote  # also: object-store listings
 
 RUN_CONFIG = "run_config.json"  # a checkpoint dir's record of the run's config (run_lifecycle.py)
 DIFFUSION_CONFIG = "diffusion_config.json"  # a diffusion run dir's (diffusion/loop.py)
-TABLES = ("policy_versions", "evals", "lineage", "metrics", "run_events")
+TABLES = ("policy_versions", "evals", "lineage", "metrics", "run_events", "train_samples")
 
 
 def absolute(path: str | None) -> str | None:

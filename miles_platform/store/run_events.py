@@ -12,6 +12,7 @@ and a row made before that event is *abandoned* when it lies past the checkpoint
     policy_versions   version    > event.version    and created_at < event.created_at
     metrics / evals   rollout_id > event.rollout_id and created_at < event.created_at  (metrics)
                       version    > event.version    and created_at < event.created_at  (evals)
+    train_samples     rollout_id > event.rollout_id and created_at < event.created_at
 
 Everything else is committed. The DuckDB views carry this as a `status` column ('committed' |
 'abandoned', catalog.py builds the same rule in SQL); Python readers use `committed_rows`.

@@ -148,8 +148,34 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             ("created_at", _TS),
         ]
     ),
+    # one row per trained sample (training/train_samples.py; --save-train-samples bounds how many),
+    # joinable with rollouts on (run, rollout_id, index); per-token lists span the response tokens
+    "train_samples": pa.schema(
+        [
+            ("run", pa.string()),
+            ("rollout_id", pa.int64()),
+            ("index", pa.int64()),  # the Sample's index in its rollout
+            ("version", pa.int64()),  # the policy version its optimizer step made (null: no versions)
+            ("step", pa.int64()),  # the trainer's optimizer step (0-based, over the run)
+            ("micro_batch", pa.int64()),  # its micro-batch within that step, on its rank
+            ("rank", pa.int64()),  # the trainer rank that trained it and wrote the row
+            ("advantage", pa.list_(pa.float64())),  # as the loss took it (after OPD and whitening)
+            ("log_probs", pa.list_(pa.float64())),  # the training forward's (the gradient's) log-probs
+            ("rollout_log_probs", pa.list_(pa.float64())),  # the engine's (null: none recorded)
+            ("ratio", pa.list_(pa.float64())),  # pi / pi_old (policy_loss only; 1 at masked tokens)
+            ("clipped", pa.list_(pa.bool_())),  # PPO clip active (what train/pg_clipfrac counts)
+            ("ref_kl", pa.list_(pa.float64())),  # --kl-loss-type estimate of KL(pi || ref) (null: no ref)
+            ("loss_mask", pa.list_(pa.int64())),
+            ("created_at", _TS),
+        ]
+    ),
 }
 
 # rows a resume can abandon (store/run_events.py): table -> the column compared with the resume
 # event's (a later version, or a later rollout's metrics)
-KEYED_BY = {"policy_versions": "version", "metrics": "rollout_id", "evals": "version"}
+KEYED_BY = {
+    "policy_versions": "version",
+    "metrics": "rollout_id",
+    "evals": "version",
+    "train_samples": "rollout_id",
+}

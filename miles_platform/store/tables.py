@@ -1,4 +1,4 @@
-"""Append-only Parquet tables: policy_versions, evals, lineage, metrics.
+"""Append-only Parquet tables: policy_versions, evals, lineage, metrics, run_events, train_samples.
 
     <root>/tables/<table>/run=<run>/part-<time_ns>-<uuid>.parquet
 
