@@ -120,7 +120,7 @@ class RLRun:
                     continue
                 s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
                 with phase("train"):
-                    metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples)))
+                    metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples), version))
                 self._check_finite(rollout_id, metrics)
                 if cfg.ci_test and rollout_id == 0:
                     result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
@@ -190,18 +190,24 @@ class RLRun:
                 "settings; relaunching resumes from the last checkpoint"
             )
 
-    def _train(self, rollout_id: int, batch) -> dict[str, float]:
-        """Rollout data to the trainer ranks through the object store (`--object-store-backend`)."""
+    def _train(self, rollout_id: int, batch, version: int) -> dict[str, float]:
+        """Rollout data to the trainer ranks through the object store (`--object-store-backend`); they
+        record its train_samples rows under the version their steps make (none without engines)."""
         import dataclasses
 
         from miles_platform.cluster.object_store import put_rollout_data, store_from_config
+        from miles_platform.training.train_samples import TrainSamplesTarget
+
+        target = TrainSamplesTarget(
+            self.rec.upcoming_version(version) if self.s.session is not None else None
+        )
 
         store = store_from_config(self.cfg)
         handle = put_rollout_data(dataclasses.asdict(batch), store)
         try:
             from miles_platform.run_services import call_trainers
 
-            return call_trainers(self.cfg, self.s.trainers, "train", rollout_id, handle)
+            return call_trainers(self.cfg, self.s.trainers, "train", rollout_id, handle, target)
         finally:
             store.remove(handle)
 

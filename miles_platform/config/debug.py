@@ -24,6 +24,12 @@ class DebugFlags:
     save_debug_rollout_data: str | None = flag(
         None, "debug", "Parquet path template with {rollout_id}, one file per rollout"
     )
+    save_debug_train_data: str | None = flag(
+        None,
+        "debug",
+        "path template with {rollout_id} and {rank}: each trainer rank writes every sample it trained in a "
+        "rollout as one Parquet file of train_samples rows (Miles writes a torch.save dict: no pickle here)",
+    )
     load_debug_rollout_data: str | None = flag(
         None, "debug", "replay Parquet rollouts (implies --debug-train-only)"
     )
@@ -61,20 +67,31 @@ class DebugFlags:
             )
         if self.save_debug_rollout_data:
             check_rollout_template("--save-debug-rollout-data", self.save_debug_rollout_data)
+        if self.save_debug_train_data:
+            ranks = self.actor_num_nodes * self.actor_num_gpus_per_node
+            check_rollout_template("--save-debug-train-data", self.save_debug_train_data, ranks > 1)
         from miles_platform.fault_hooks import parse_fault_hooks
 
         parse_fault_hooks(self.ci_fault_hooks)
 
 
-def check_rollout_template(option: str, template: str) -> None:
+def check_rollout_template(option: str, template: str, per_rank: bool | None = None) -> None:
     """A per-rollout path template: must name {rollout_id} (else every rollout overwrites one file)
-    and nothing else (str.format would fail on it mid-run)."""
+    and nothing else (str.format would fail on it mid-run). `per_rank` (a per-rank file): {rank} is
+    allowed too, and required when True (several ranks would write one file)."""
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as e:
         raise ConfigError(f"{option} {template!r}: not a valid path template ({e})") from None
-    if "rollout_id" not in names or names - {"rollout_id"}:
+    fields = {"rollout_id"} if per_rank is None else {"rollout_id", "rank"}
+    if "rollout_id" not in names or names - fields:
+        also = "" if per_rank is None else " (and {rank})"
         raise ConfigError(
-            f"{option} {template!r} must contain {{rollout_id}} and no other {{field}}: one file per rollout, "
+            f"{option} {template!r} must contain {{rollout_id}}{also} and no other {{field}}: one file per rollout, "
             "e.g. /tmp/rollout_{rollout_id}.parquet (a fixed path would be overwritten every rollout)"
+        )
+    if per_rank and "rank" not in names:
+        raise ConfigError(
+            f"{option} {template!r} must contain {{rank}}: several trainer ranks each write their file, "
+            "e.g. /tmp/train_{rollout_id}_{rank}.parquet"
         )

@@ -11,6 +11,7 @@ from miles_platform.errors import ConfigError
 
 WANDB_MODES = ("online", "offline", "disabled")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+TRAIN_SAMPLES_AUTO_BYTES = 4 << 20  # --save-train-samples auto: a rollout's rows stay under this
 
 
 @dataclass
@@ -52,6 +53,15 @@ class LoggingFlags:
         "<module>.<fn>(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool, "
         "per rollout; True skips the default logging of its rollout metrics",
     )
+    save_train_samples: str = flag(
+        "auto",
+        "logging",
+        "which trained samples get a train_samples row (per token: advantage, trainer and rollout "
+        "log-probs, ratio, clip flags, KL to the reference, loss mask; joinable with rollouts): all | none | "
+        "N (the first N samples of each rollout) | auto (default: every sample while a rollout's rows stay "
+        f"under {TRAIN_SAMPLES_AUTO_BYTES >> 20} MiB, about 8 bytes per value, else the first whole groups "
+        "that fit, at least one)",
+    )
     custom_eval_rollout_log_function_path: str | None = flag(
         None,
         "logging",
@@ -61,6 +71,19 @@ class LoggingFlags:
     def _check_logging_flags(self) -> None:
         if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
             raise ConfigError(f"--wandb-mode {self.wandb_mode!r}: must be one of {', '.join(WANDB_MODES)}")
+        train_samples_keep(self.save_train_samples)
+
+
+def train_samples_keep(value: str | int) -> str | int:
+    """--save-train-samples as the trainer reads it: 'all', 'none', 'auto' or a sample count >= 0."""
+    text = str(value).strip().lower()
+    if text in ("all", "none", "auto"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise ConfigError(
+        f"--save-train-samples {value!r}: must be all, none, auto or a number of samples per rollout (>= 0)"
+    )
 
 
 def check_run_name(name: str) -> None:

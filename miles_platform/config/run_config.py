@@ -187,6 +187,7 @@ class RunConfig(*reversed(CAPABILITIES)):
             "api_key_file",
             "run_name",
             "ci_fault_hooks",
+            "save_debug_train_data",
             *LOGGING,
             *MODEL_ARGS,  # they describe --hf-checkpoint (checked equal), which is in the hash
             "compat_flags",  # kernel and speed choices with the same result (others are refused)
@@ -230,7 +231,7 @@ RESUMABLE = frozenset(
      "eval_prompt_data", "eval_interval", "eval_input_key", "n_samples_per_eval_prompt", "eval_max_response_len",
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
-     "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data",
+     "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data", "save_debug_train_data",
      "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args", "compat_flags",
      "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING | set(MODEL_ARGS)
 )  # fmt: skip

@@ -105,6 +105,11 @@ class VersionRecorder:
         self.highest = max(version, self.highest) + 1
         return version, self.highest
 
+    def upcoming_version(self, version: int) -> int:
+        """The number `next_version(version)` will give: the version the steps trained now make
+        (with --update-weights-interval > 1, the next one published)."""
+        return max(version, self.highest) + 1
+
     def save_due(self, rollout_id: int) -> bool:
         """A checkpoint after this rollout: the last one, and every --save-interval-th (with --save)."""
         c = self.cfg

@@ -56,6 +56,7 @@ from miles_platform.training.checkpoint import (
 )
 from miles_platform.training.opd import OPDPenalty, build_teacher
 from miles_platform.training.schedule import lr_multiplier
+from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
 
 
 @dataclass
@@ -78,6 +79,7 @@ class TrainBatch:
     # score centering: per sample, the engine's K candidates per response token (ids, log-probs)
     rollout_topk_token_ids: list[list[list[int]] | None] | None = None
     rollout_topk_log_probs: list[list[list[float]] | None] | None = None
+    sample_indices: list[int] | None = None  # each Sample's index in its rollout (train_samples rows)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -102,6 +104,7 @@ class TrainBatch:
             routed_experts=routes if any(x is not None for x in routes) else None,
             rollout_topk_token_ids=cand_ids if any(x is not None for x in cand_ids) else None,
             rollout_topk_log_probs=cand_lps if any(x is not None for x in cand_lps) else None,
+            sample_indices=[s.index for s in samples],
         )
 
 
@@ -292,8 +295,6 @@ class TrainerActor:
     def _routing(self, backend, batch: TrainBatch, idx: list[int], width: int):
         """MoE: the forward's router hooks; with --use-rollout-routing-replay the routers take the
         rollout's experts for every token the engine routed (R3), counting the routes that flip."""
-        import contextlib
-
         from miles_platform.models.moe import MegatronRoutingReplay, RoutingReplay
 
         rr = RoutingReplay.of(backend.module) or MegatronRoutingReplay.of(backend.module)
@@ -320,8 +321,6 @@ class TrainerActor:
         """--moe-aux-loss-coeff / --moe-z-loss-coeff: the policy's training forward collects its
         load-balancing loss and router z-loss over the real (unpadded) tokens into `self.moe_aux`
         and `self.moe_z` (each the mean over layers)."""
-        import contextlib
-
         from miles_platform.models.moe import MegatronRoutingReplay, RoutingReplay
 
         self.moe_aux = self.moe_z = None
@@ -390,8 +389,11 @@ class TrainerActor:
         gbs = self.cfg.global_batch_size
         return list(range(step * gbs + self.dp_rank, (step + 1) * gbs, self.dp_size))
 
-    def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
-        """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics."""
+    def train(
+        self, rollout_id: int, batch: TrainBatch, samples: TrainSamplesTarget | None = None
+    ) -> dict[str, float]:
+        """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics. `samples`:
+        record the train_samples rows (the loop's; training/train_samples.py)."""
         cfg, t0 = self.cfg, time.time()
         if not isinstance(batch, TrainBatch):  # a handle from the object store (ray | mooncake)
             from miles_platform.cluster.object_store import get_rollout_data
@@ -400,6 +402,7 @@ class TrainerActor:
         self.onload()  # --offload-train: back on the device for the step
         self.hooks.rollout_id = rollout_id
         self.model.train()
+        self._rows = SampleRows.start(cfg, batch, rollout_id, samples, self.rank, self.backend)
         for rr in self._moe:  # MoE metrics are per train call
             rr.reset()
         steps = cfg.num_steps_per_rollout
@@ -439,6 +442,8 @@ class TrainerActor:
             self._train_step(batch, self._my_indices(s), scored, ref, rollout_lp, adv, add, fused, opd)
             if self.critic is not None:
                 self._critic_step(batch, self._my_indices(s), values, returns, add)
+        if self._rows is not None:
+            self._rows.flush()
         if fused:
             old.update(self.backend.from_last_stage(old))  # pipeline parallel: scored on the last stage
             self._alignment_metrics(batch, mine, old, rollout_lp, add)
@@ -607,6 +612,8 @@ class TrainerActor:
                 mb_batch["rollout_topk_log_probs"] = [q for _, q in recorded[k]]
                 mb_batch["candidate_log_probs"] = cands
             loss, m = self.loss_fn(cfg, mb_batch, lps, ents if need_ent else None)
+            if self._rows is not None:
+                self._rows.add(mb, k, self.global_step, mb_batch, lps)
             if self.moe_aux is not None:  # --moe-aux-loss-coeff / --moe-z-loss-coeff
                 loss = loss + cfg.moe_aux_loss_coeff * self.moe_aux + cfg.moe_z_loss_coeff * self.moe_z
                 m = {**m, "moe_aux_loss": float(self.moe_aux), "moe_z_loss": float(self.moe_z)}

@@ -135,6 +135,11 @@ class ModelBackend(ABC):
         """`obj` as the last pipeline stage computed it (what `consume` produced), on every rank."""
         return obj
 
+    def writes_sample_rows(self) -> bool:
+        """This rank writes the train_samples rows of its samples (training/train_samples.py): one
+        rank of each data-parallel group (model-parallel peers hold the same samples)."""
+        return True
+
     def data_parallel(self) -> tuple[int, int, Any]:
         """(rank, size, process group) of this rank's data-parallel group: ranks that take
         different samples. Without model parallelism every rank is one (group None = world)."""

@@ -259,6 +259,15 @@ class MegatronBackend(ModelBackend):
         # megatron's data-parallel group has the world's backend (gloo; "cpu:gloo,cuda:nccl" on GPUs)
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
 
+    def writes_sample_rows(self) -> bool:
+        """The last pipeline stage (it runs the loss) at tensor- and context-parallel rank 0."""
+        from megatron.core import parallel_state as ps
+
+        if self.world_size == 1:
+            return True
+        return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0)  # fmt: skip
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.layout.model_parallel == 1 and self.layout.ep == 1:
             return super().clip_grad_norm(max_norm)

@@ -1,0 +1,194 @@
+"""The `train_samples` table: one row per trained sample, what the loss saw per response token.
+
+    advantage, log_probs (the training forward's), rollout_log_probs, ratio, clipped, ref_kl, loss_mask
+    + rollout_id, index (join with `rollouts`), version, step, micro_batch, rank
+
+The values come from the tensors of each micro-batch's loss call, no extra forward: the loss's
+inputs as it got them, and ratio / clip flags / reference KL recomputed from them on detached
+tensors with the loss hub's own functions (`compute_policy_loss`, `compute_approx_kl`), so they are
+the values the loss used. One host copy per micro-batch. Every rank keeps the rows of its own
+samples and appends them at the end of `train` as one part file (store/tables.append_rows: atomic),
+so the rows of every data-parallel rank land; under tensor / pipeline / context parallelism one
+rank of each data-parallel group writes (`ModelBackend.writes_sample_rows`).
+
+Which samples get a row (`--save-train-samples`): every rank decides the same set from the whole
+rollout it holds (batch positions, no communication). `--save-debug-train-data` writes each rank's
+rows of every sample to its own Parquet file as well.
+
+A resume abandons the rows of rollouts past its checkpoint like metrics (store/run_events.py
+KEYED_BY): the catalog's `status` column says `abandoned` for them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+from miles_platform.config import RunConfig
+from miles_platform.config.outputs import TRAIN_SAMPLES_AUTO_BYTES, train_samples_keep
+from miles_platform.training import loss as loss_hub
+
+# per-token columns (clipped is a float here, a bool in the row)
+TOKEN_COLUMNS = ("advantage", "log_probs", "rollout_log_probs", "ratio", "clipped", "ref_kl", "loss_mask")
+# --save-train-samples auto's estimate of a row's Parquet bytes: 8 per value of the 7 per-token
+# columns, plus the fixed columns (an upper bound: Parquet compresses)
+BYTES_PER_TOKEN, BYTES_PER_ROW = 8 * len(TOKEN_COLUMNS), 128
+
+
+@dataclass(frozen=True)
+class TrainSamplesTarget:
+    """What the loop hands `TrainerActor.train` to record the rollout's rows: the policy version its
+    optimizer steps make (None: the run makes no versions, e.g. --debug-train-only)."""
+
+    version: int | None
+
+
+def kept_positions(setting: str | int, batch, group_size: int) -> range:
+    """Batch positions whose rows the table keeps (the same on every rank): all, none, the first N,
+    or auto: the first whole groups of `group_size` whose estimated bytes stay under the budget,
+    at least one group."""
+    keep, n = train_samples_keep(setting), len(batch)
+    if keep == "all":
+        return range(n)
+    if keep == "none":
+        return range(0)
+    if keep != "auto":
+        return range(min(keep, n))
+    total, end = 0, 0
+    for start in range(0, n, max(group_size, 1)):
+        group = range(start, min(start + max(group_size, 1), n))
+        total += sum(BYTES_PER_ROW + BYTES_PER_TOKEN * batch.response_lengths[i] for i in group)
+        if end and total > TRAIN_SAMPLES_AUTO_BYTES:
+            break
+        end = group.stop
+    return range(end)
+
+
+def token_columns(cfg: RunConfig, mb_batch: dict[str, Any], log_probs: list[torch.Tensor]) -> dict[str, list]:
+    """Per column of TOKEN_COLUMNS, per sample of the micro-batch, a 1-D tensor over its response
+    tokens (None: the column does not apply): the loss's inputs and what it computed from them."""
+    masks = [m.float() for m in mb_batch["loss_masks"]]
+    lps = [lp.detach().float() for lp in log_probs]
+    adv = [a.detach().float() for a in mb_batch["advantages"]]
+    rollout = [r.detach().float() for r in mb_batch["rollout_log_probs"]]
+    n = len(masks)
+    cols: dict[str, list] = {"advantage": adv, "log_probs": lps, "loss_mask": masks, "ratio": [None] * n,
+                             "clipped": [None] * n, "ref_kl": [None] * n,
+                             "rollout_log_probs": [r if r.numel() == m.numel() else None for r, m in zip(rollout, masks)]}  # fmt: skip
+    if cfg.loss_type == "policy_loss":  # the PPO clip of policy_loss_function, on the same inputs
+        old = rollout if cfg.use_rollout_logprobs else mb_batch["old_log_probs"]
+        _, clipped, ppo_kl = loss_hub.compute_policy_loss(
+            lps, old, adv, masks, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c,
+            sequence_level=cfg.advantage_estimator == "gspo",
+        )  # fmt: skip
+        cols["ratio"] = [loss_hub.safe_log_ratio(-k).exp() for k in ppo_kl]
+        cols["clipped"] = clipped
+    ref = mb_batch.get("ref_log_probs")
+    if ref is not None:
+        cols["ref_kl"] = [_ref_kl(cfg, lp, r, m) for lp, r, m in zip(lps, ref, masks, strict=True)]
+    return cols
+
+
+def _ref_kl(cfg: RunConfig, lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(pi || ref) per token as add_regularizers estimates it (without --use-unbiased-kl's weight)."""
+    at = loss_hub.at_active
+    kl = loss_hub.compute_approx_kl(at(lp, mask), at(ref.detach().float(), mask), cfg.kl_loss_type)
+    return at(kl, mask, finite=True)
+
+
+def micro_batch_rows(cfg: RunConfig, mb_batch: dict[str, Any], log_probs: list[torch.Tensor],
+                     keys: list[dict[str, Any] | None]) -> list[dict[str, Any]]:  # fmt: skip
+    """The rows of a micro-batch's samples whose `keys` (rollout_id, index, version, step, ...) are
+    given (None: no row). Every per-token value crosses to the host in one copy."""
+    want = [j for j, k in enumerate(keys) if k is not None]
+    if not want:
+        return []
+    pick = {name: [mb_batch[name][j] for j in want] for name in ("advantages", "old_log_probs", "rollout_log_probs", "loss_masks")}  # fmt: skip
+    ref = mb_batch.get("ref_log_probs")
+    pick["ref_log_probs"] = [ref[j] for j in want] if ref is not None else None
+    cols = token_columns(cfg, pick, [log_probs[j] for j in want])
+    sizes = [m.numel() for m in cols["loss_mask"]]
+    present = {c: [t is not None for t in cols[c]] for c in TOKEN_COLUMNS}
+    flat = torch.stack([
+        torch.cat([t if t is not None else torch.zeros_like(m) for t, m in zip(cols[c], cols["loss_mask"])])
+        for c in TOKEN_COLUMNS
+    ]).cpu().tolist()  # fmt: skip
+    rows, at = [], 0
+    for r, j in enumerate(want):
+        row = dict(keys[j])
+        for c, values in zip(TOKEN_COLUMNS, flat, strict=True):
+            v = values[at : at + sizes[r]] if present[c][r] else None
+            if v is not None and c == "clipped":
+                v = [x > 0 for x in v]
+            elif v is not None and c == "loss_mask":
+                v = [int(x) for x in v]
+            row[c] = v
+        rows.append(row)
+        at += sizes[r]
+    return rows
+
+
+class SampleRows:
+    """One `train` call's rows on one rank: `add` per micro-batch, `flush` at the end."""
+
+    def __init__(self, cfg: RunConfig, batch, rollout_id: int, target: TrainSamplesTarget | None, rank: int):
+        self.cfg, self.rollout_id, self.target, self.rank = cfg, rollout_id, target, rank
+        self.indices = batch.sample_indices or list(range(len(batch)))
+        table = (
+            kept_positions(cfg.save_train_samples, batch, cfg.n_samples_per_prompt) if target else range(0)
+        )
+        self.table = set(table)
+        self.dump = bool(cfg.save_debug_train_data)  # every sample of the rank
+        self.rows: list[dict[str, Any]] = []
+        self.kept: list[bool] = []  # each row's: in the table (else only in the debug file)
+
+    @classmethod
+    def start(cls, cfg: RunConfig, batch, rollout_id: int, target: TrainSamplesTarget | None, rank: int,
+              backend) -> SampleRows | None:  # fmt: skip
+        """None when this rank records nothing: no target and no dump, nothing kept, or another rank
+        of its data-parallel group writes (`backend.writes_sample_rows()`)."""
+        if (target is None and not cfg.save_debug_train_data) or not backend.writes_sample_rows():
+            return None
+        rows = cls(cfg, batch, rollout_id, target, rank)
+        return rows if rows.table or rows.dump else None
+
+    def add(self, mb: list[int], micro_batch: int, step: int, mb_batch: dict[str, Any], log_probs) -> None:
+        version = self.target.version if self.target else None
+        keys = [
+            {"rollout_id": self.rollout_id, "index": self.indices[i], "version": version, "step": step,
+             "micro_batch": micro_batch, "rank": self.rank}
+            if self.dump or i in self.table else None
+            for i in mb
+        ]  # fmt: skip
+        self.rows += micro_batch_rows(self.cfg, mb_batch, log_probs, keys)
+        self.kept += [i in self.table for i, k in zip(mb, keys, strict=True) if k is not None]
+
+    def flush(self) -> None:
+        """The kept rows to the table (one part file), every row to the debug file."""
+        from miles_platform.store.paths import StoragePaths
+        from miles_platform.store.tables import append_rows
+
+        kept = [r for r, k in zip(self.rows, self.kept, strict=True) if k]
+        if kept:
+            append_rows(StoragePaths(self.cfg.storage_root), "train_samples", self.cfg.run_name, kept)
+        if self.dump:
+            self._write_dump()
+        self.rows, self.kept = [], []
+
+    def _write_dump(self) -> None:
+        import pyarrow as pa
+
+        from miles_platform.store.remote import is_remote
+        from miles_platform.store.schemas import TABLE_SCHEMAS
+        from miles_platform.store.shards import write_parquet_atomic
+
+        path = self.cfg.save_debug_train_data.format(rollout_id=self.rollout_id, rank=self.rank)
+        if not is_remote(path):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        now = datetime.now(UTC)
+        rows = [{**r, "run": self.cfg.run_name, "created_at": now} for r in self.rows]
+        write_parquet_atomic(pa.Table.from_pylist(rows, schema=TABLE_SCHEMAS["train_samples"]), path)
