@@ -125,6 +125,7 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
             assert len(support) == len(resp) and all(t in s and len(s) <= 8 for t, s in zip(resp, support))
     _, pv = Catalog(paths).query("select version, parent_version from policy_versions order by 1")
     assert pv == [(1, 0), (2, 1)]
+    _check_train_samples(Catalog(paths))
     # eval before train (Miles: unless --skip-eval-before-train): the initial policy is version 0
     evals = "select version, partition_key, dataset from evals where metric = 'pass@1' order by version"
     _, ev = Catalog(paths).query(evals)
@@ -153,6 +154,40 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
     assert Catalog(paths).query(evals)[1] == ev
     _, rows = Catalog(paths).query("select distinct rollout_id from rollouts order by 1")
     assert [r[0] for r in rows] == [0, 1, 2]
+    _, ts = Catalog(paths).query(
+        "select rollout_id, version, status, count(*) from train_samples group by all order by 1"
+    )
+    assert ts == [(0, 1, "committed", 4), (1, 2, "committed", 4), (2, 3, "committed", 4)]
+
+
+def _check_train_samples(cat: Catalog) -> None:
+    """A train_samples row per trained sample, joined to its rollout row: the version its step made,
+    step 0's trainer log-probs equal to the engine's (both fp32 on CPU, the same weights), and
+    GRPO's advantage of the rollout's rewards on every token."""
+    import statistics
+
+    _, rows = cat.query(
+        "select rollout_id, index, group_index, version, step, raw_reward, advantage, log_probs, "
+        "t.rollout_log_probs, r.rollout_log_probs, t.loss_mask, ratio, clipped, response_length "
+        "from train_samples t join rollouts r using (run, rollout_id, index) order by rollout_id, index"
+    )
+    assert [(r[0], r[1], r[3], r[4]) for r in rows] == [
+        (rid, i, rid + 1, rid) for rid in (0, 1) for i in range(4)
+    ]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r[0], r[2]), []).append(r[5])
+    for rid, _, gi, _, step, reward, adv, lp, t_rlp, rlp, mask, ratio, clipped, n in rows:
+        assert len(adv) == len(lp) == len(ratio) == len(clipped) == len(mask) == n and t_rlp == pytest.approx(
+            rlp
+        )
+        g = groups[(rid, gi)]
+        std = statistics.stdev(g)
+        want = (reward - statistics.mean(g)) / (std + 1e-6) if std > 0 else reward - statistics.mean(g)
+        assert adv == pytest.approx([want] * n, abs=1e-6)
+        if step == 0:
+            assert max(abs(a - b) for a, b in zip(lp, rlp)) < 1e-3, (lp, rlp)
+            assert ratio == pytest.approx([1.0] * n, abs=1e-5) and not any(clipped)
 
 
 def test_bad_config_fails_before_any_engine_starts(tiny_hf_checkpoint, tmp_path):
@@ -237,9 +272,17 @@ def test_debug_rollout_data_roundtrip_fsdp2_two_ranks(tiny_hf_checkpoint, tmp_pa
     assert res.last_rollout_id == 1 and os.path.exists(dump.format(rollout_id=1))
     cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, load_debug_rollout_data=dump, n_samples_per_prompt=4,
                 global_batch_size=8, actor_num_gpus_per_node=2, use_dynamic_batch_size=True, max_tokens_per_gpu=24,
-                run_name="replay", ci_test=False)  # fmt: skip
+                run_name="replay", ci_test=False,
+                save_debug_train_data=str(tmp_path / "debug" / "train_{rollout_id}_{rank}.parquet"))  # fmt: skip
     res2 = train(cfg2)
     assert len(res2.metrics) == 2 and all(m["train/grad_norm"] > 0 for m in res2.metrics)
+    # each rank's train_samples rows land (no versions without engines), and its debug file
+    _, ts = Catalog(StoragePaths(cfg.storage_root)).query(
+        "select rollout_id, rank, count(distinct index), count(version) from train_samples "
+        "where run = 'replay' group by all order by 1, 2"
+    )
+    assert ts == [(0, 0, 4, 0), (0, 1, 4, 0), (1, 0, 4, 0), (1, 1, 4, 0)]
+    assert all(os.path.exists(tmp_path / "debug" / f"train_{r}_{k}.parquet") for r in (0, 1) for k in (0, 1))
 
 
 def test_a_bad_post_write_hook_fails_before_anything_starts(tiny_hf_checkpoint, tmp_path):
@@ -301,6 +344,16 @@ def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp
         "select rollout_id, status, count(*) from metrics where name = 'train/loss' group by 1, 2 order by 1, 2"
     )
     assert m == [(0, "committed", 1), (1, "committed", 1), (2, "abandoned", 1), (2, "committed", 1)]
+    # the killed process's rows of rollout 2 (for v3) stay, abandoned; the relaunch's are committed
+    _, ts = cat.query(
+        "select rollout_id, version, status, count(*) from train_samples group by all order by 1, 2"
+    )
+    assert ts == [
+        (0, 1, "committed", 4),
+        (1, 2, "committed", 4),
+        (2, 3, "abandoned", 4),
+        (2, 4, "committed", 4),
+    ]
     _, ev = cat.query("select rollout_id, version, detail from run_events where event = 'resume'")
     assert [(r, v) for r, v, _ in ev] == [(1, 2)]
     detail = json.loads(ev[0][2])

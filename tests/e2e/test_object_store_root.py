@@ -125,7 +125,13 @@ def test_a_run_on_s3_checkpoints_publishes_resumes_from_the_store_and_is_queryab
     assert [f"rollouts/run=t/rollout_id={i:06d}/part-0.parquet" for i in range(4)] == sorted(
         k for k in keys if k.startswith("rollouts/")
     )
-    for table in ("policy_versions", "metrics", "lineage", "evals"):
+    for table in (
+        "policy_versions",
+        "metrics",
+        "lineage",
+        "evals",
+        "train_samples",
+    ):  # train_samples: the trainer's
         assert any(k.startswith(f"tables/{table}/run=t/part-") for k in keys), table
     pub = sorted(k.removeprefix("runs/t/publications/") for k in keys if "/publications/" in k)
     assert pub == ["LATEST"] + [
@@ -146,6 +152,11 @@ def test_a_run_on_s3_checkpoints_publishes_resumes_from_the_store_and_is_queryab
     assert rows[-1]["hf_path"] == f"{ROOT}/runs/t/hf/v000004"
     evals = _query("select version, value from evals where metric = 'pass@1' order by 1")
     assert [r["version"] for r in evals] == [0, 2, 4]
+    rows = _query(
+        "select version, count(*) n from train_samples join rollouts using (run, rollout_id, index) "
+        "where train_samples.status = 'committed' group by 1 order by 1"
+    )
+    assert [(r["version"], r["n"]) for r in rows] == [(v, 4) for v in (1, 2, 3, 4)]
 
     # `miles-platform eval` of the v4 export on S3 (downloaded): the loop's greedy pass@1 of v4
     from miles_platform.rollout.evaluate import cli_main as eval_cli

@@ -54,15 +54,18 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: di
 
     from miles_platform.training import megatron_shims
     from miles_platform.training.actor import TrainerActor
+    from miles_platform.training.train_samples import TrainSamplesTarget
 
     path = Path(out, f"rank{rank}")
     try:
-        cfg = run_config(ckpt, actor_num_gpus_per_node=world, **overrides)
+        cfg = run_config(
+            ckpt, actor_num_gpus_per_node=world, storage_root=f"{out}/root", run_name="l", **overrides
+        )
         actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
         batch = random_train_batch(0)
         if cfg.use_rollout_routing_replay:
             batch.routed_experts = random_routes(batch, ckpt)
-        metrics = actor.train(0, batch)
+        metrics = actor.train(0, batch, TrainSamplesTarget(version=1))
         weights = actor.get_hf_weights()
         if weights:
             save_file({k: v.contiguous() for k, v in weights.items()}, f"{path}.safetensors")
@@ -94,7 +97,7 @@ def train_one_step(ckpt: str, out: Path, world: int, **overrides) -> tuple[list[
     """Metrics of every rank and rank 0's exported HF weights after one step."""
     run_ranks(_worker, (world, free_port(), ckpt, str(out), overrides), world, out)
     metrics = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return metrics, load_file(out / "rank0.safetensors")
+    return metrics, load_file(out / "rank0.safetensors"), str(out)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +112,17 @@ def single_rank(layout_checkpoint, tmp_path_factory):
     return train_one_step(layout_checkpoint, tmp_path_factory.mktemp("tp1") / "out", 1)
 
 
+def sample_rows(out: Path) -> list[dict]:
+    """The train_samples rows the step's ranks wrote (`out`: the run's dir of rank outputs)."""
+    from miles_platform.store.paths import StoragePaths
+    from miles_platform.store.tables import read_rows
+
+    return sorted(read_rows(StoragePaths(str(out / "root")), "train_samples", "l"), key=lambda r: r["index"])
+
+
 def assert_same_step(reference, got) -> None:
-    (ref_metrics,), ref_weights = reference
-    metrics, weights = got
+    (ref_metrics,), ref_weights, _ = reference
+    metrics, weights, _ = got
     assert abs(ref_metrics["train/entropy_loss"]) > 1e-3  # a loss with a value, not GRPO's step-0 ~0
     for m in metrics:  # every rank reports the step (pipeline stages: the last stage's numbers)
         for key in METRICS:
@@ -126,6 +137,15 @@ def assert_same_step(reference, got) -> None:
 def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, tmp_path):
     got = train_one_step(layout_checkpoint, tmp_path / layout, 2, **LAYOUTS[layout])
     assert_same_step(single_rank, got)
+    # one train_samples row per sample: one rank of the model-parallel pair writes (the last
+    # stage at TP rank 0), with the 1-rank step's values
+    ref, rows = sample_rows(Path(single_rank[2])), sample_rows(tmp_path / layout)
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == {
+        0 if "tp" in layout else 1
+    }
+    for a, b in zip(ref, rows, strict=True):
+        for key in ("log_probs", "ratio", "ref_kl", "advantage"):
+            assert b[key] == pytest.approx(a[key], abs=TOL), key
     init = load_file(Path(layout_checkpoint) / "model.safetensors")
     moved = [k for k in init if not torch.equal(init[k], got[1][k])]
     assert len(moved) == len(init)  # the step moved every tensor: agreement is not the trivial kind
@@ -213,3 +233,5 @@ def test_expert_parallel_step_with_routing_replay_equals_single_rank(moe_checkpo
     got = train_one_step(moe_checkpoint, tmp_path / "ep2", 2, expert_model_parallel_size=2, **moe)
     assert_same_step(single, got)
     assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
+    rows = sample_rows(tmp_path / "ep2")  # data parallel 2: each rank writes its own samples' rows
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == {0, 1}
