@@ -76,6 +76,12 @@ def store(tmp_path_factory):
         append_rows(
             paths, "metrics", run, [{"rollout_id": rid, "step": rid, "name": "train/loss", "value": r}]
         )
+        append_rows(paths, "train_samples", run, [
+            {"rollout_id": rid, "index": i, "version": version, "step": rid, "micro_batch": 0, "rank": 0,
+             "advantage": [r] * (2 + i), "log_probs": [-1.0] * (2 + i), "rollout_log_probs": [-1.0 - i / 10] * (2 + i),
+             "ratio": [1.0] * (2 + i), "clipped": [j < i for j in range(2 + i)], "loss_mask": [1] * (2 + i)}
+            for i in range(8)
+        ])  # fmt: skip
     # run `tools`: multi-turn episodes, one with a failing tool call
     ok = [{"name": "mul", "arguments": {"a": 12, "b": 34}, "result": "408"}]
     bad = [{"name": "mul", "arguments": {"a": 1}, "error": "tool 'mul' raised KeyError: 'b'"}]
@@ -126,6 +132,15 @@ def test_readme_reward_per_version_takes_the_newest_eval_of_its_own_run(store):
         ("other", 1, 0.75, 0.6),
         ("other", 2, 1.0, 0.7),
     ]
+
+
+def test_the_train_samples_queries_rank_samples_by_their_log_prob_gap(store):
+    queries = [q for _, q in ALL if "from train_samples" in q.lower()]
+    assert len(queries) == 2
+    for sql in queries:
+        cols, rows = store.query(sql)
+        assert [r[cols.index("index")] for r in rows] == [7, 6, 5, 4, 3, 2, 1, 0]  # the gap grows with index
+        assert {r[cols.index("run")] for r in rows} == {"demo"}
 
 
 def test_the_tool_queries_count_calls_and_failures(store):
