@@ -7,7 +7,7 @@ ROOT      ?= .miles
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install system-deps demo demo-diffusion test test-fast lint ui bench bench-trl-env clean
+.PHONY: install system-deps demo demo-diffusion test test-fast lint ui viewer bench bench-trl-env clean
 
 # apt packages: libibverbs1 for Mooncake's TCP transfer engine, chromium for the UI test.
 system-deps:
@@ -64,6 +64,12 @@ test-fast: install
 ui: install
 	DAGSTER_HOME=$(abspath $(ROOT))/dagster MILES_STORAGE_ROOT=$(abspath $(ROOT)) \
 	  $(BIN)/python scripts/ui.py -w workspace.yaml -h 127.0.0.1 -p 3000
+
+# the rollout viewer over the demo's root on 127.0.0.1:$(VIEWER_PORT); it prints its URL with a token.
+# `MILES_VIEWER_URL=http://127.0.0.1:8700 make ui` links each partition in the Dagster UI to it
+VIEWER_PORT ?= 8700
+viewer: install
+	$(BIN)/miles-platform viewer --storage-root $(ROOT) --port $(VIEWER_PORT)
 
 bench: install
 	$(BIN)/python -m bench.run_all

@@ -47,6 +47,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-router": ("miles_platform.rollout.router", "start the router in front of engines"),
     "query": ("miles_platform.store.catalog", "run SQL against the DuckDB catalog"),
     "lineage": ("miles_platform.store.lineage", "trace a policy version or checkpoint up- and downstream"),
+    "viewer": (
+        "miles_platform.viewer.server",
+        "browse rollout samples (filters, token shading, groups) on 127.0.0.1",
+    ),
     "convert": ("miles_platform.weights.conversion", "HF <-> megatron torch_dist conversion"),
     "weights": ("miles_platform.weights.cli", "disk-delta publish / apply for external fleets"),
     "quantize": ("miles_platform.weights.quantize", "fp8 / int4 quantized HF checkpoints"),

@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import dagster as dg
 
@@ -30,6 +31,7 @@ from miles_platform.store.run_events import committed_rows
 from miles_platform.store.run_health import saved_run_config
 from miles_platform.store.tables import read_rows
 from miles_platform.store.versions import PolicyVersion, read_policy_versions
+from miles_platform.viewer import DEFAULT_PORT, VIEWER_URL_ENV
 
 POLICY_VERSIONS = dg.AssetKey("policy_versions")
 DATA_VERSION_TAG = "dagster/data_version"
@@ -69,6 +71,7 @@ def rollout_shard_event(pv: PolicyVersion, extra: dict[str, Any] | None = None) 
             "rows": pv.shard_rows,
             "mean_reward": float(pv.mean_reward or 0.0),
             **shard_summary(pv.shard_path),
+            "viewer": viewer_link(pv, rollout_from=pv.rollout_id, rollout_to=pv.rollout_id),
             **(extra or {}),
         },
     )
@@ -110,6 +113,21 @@ def shard_summary(path: str) -> dict[str, Any]:
     }
 
 
+def viewer_link(pv: PolicyVersion, **params: Any) -> dg.MetadataValue:
+    """The partition's samples in the rollout viewer (miles_platform/viewer): a link under
+    $MILES_VIEWER_URL (the base URL of a running viewer, set where Dagster runs), else the command
+    that starts one. The link carries no token: the viewer's cookie, set by the URL it printed, does."""
+    base = os.environ.get(VIEWER_URL_ENV, "").strip().rstrip("/")
+    if base.startswith(("http://", "https://")):
+        return dg.MetadataValue.url(f"{base}/samples?{urlencode({'run': pv.run, **params})}")
+    root = pv.shard_path.rpartition("/rollouts/run=")[0] or "<storage root>"
+    bad = f" ({VIEWER_URL_ENV}={base!r} is not an http(s) URL)" if base else ""
+    return dg.MetadataValue.text(
+        f"miles-platform viewer --storage-root {root}, then start Dagster with "
+        f"{VIEWER_URL_ENV}=http://127.0.0.1:{DEFAULT_PORT} to link here{bad}"
+    )
+
+
 def lora_adapter_event(pv: PolicyVersion, extra: dict[str, Any] | None = None) -> dg.AssetMaterialization:
     return dg.AssetMaterialization(
         asset_key="lora_adapters",
@@ -149,6 +167,7 @@ def policy_version_event(
             "shard_path": dg.MetadataValue.path(pv.shard_path),
             "mean_reward": float(pv.mean_reward or 0.0),
             "eval_config": dg.MetadataValue.json(eval_config),  # eval_results' run config
+            "viewer": viewer_link(pv, version=pv.version),
             **_plottable(metrics),
             **(extra or {}),
         },

@@ -62,6 +62,12 @@ RULES = (
         ("miles_platform.config",),
         ("miles_platform.rollout",),
     ),
+    Rule(
+        "the viewer reads the store only (it starts in a second, without torch)",
+        ("miles_platform.viewer",),
+        (*LOOP, *LAUNCH, "miles_platform.training", "miles_platform.weights", "miles_platform.rollout",
+         "miles_platform.diffusion", "miles_platform.cluster", "miles_platform.models", "miles_platform.config"),
+    ),
     # the Dagster layer's floors: resources <- assets <- ops <- sensors <- definitions
     Rule("resources import no assets, ops or sensors", ("resources",), ("assets", "ops", "sensors", "definitions")),
     Rule("assets import no ops or sensors", ("assets",), ("ops", "sensors", "definitions")),

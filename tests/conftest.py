@@ -88,6 +88,7 @@ SLOW = {
     "test_expert_parallel_step_with_routing_replay_equals_single_rank",
     "test_checkpoint_saved_at_one_layout_resumes_at_another",
     "test_the_gsm8k_recipe_runs_two_rollouts_through_miles_platform_train",
+    "test_filter_open_a_sample_and_see_its_tokens_shaded",
 }  # fmt: skip
 
 

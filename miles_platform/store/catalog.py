@@ -207,12 +207,17 @@ class Catalog:
             self.refresh(best_effort=os.path.exists(self.path))
 
     # ------------------------------------------------------------- queries
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """A connection to run several queries on (close it soon: while it is open, writers of the
+        catalog wait): read-only on the catalog file, or in memory over an object-store root."""
+        if self.remote:
+            return self._remote_connection()
+        self.ensure_fresh()
+        return _connect(self.path, read_only=True)
+
     def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run read-only SQL against the views: (column names, rows)."""
-        con = self._remote_connection() if self.remote else None
-        if con is None:
-            self.ensure_fresh()
-            con = _connect(self.path, read_only=True)
+        con = self.connect()
         try:
             cur = con.execute(sql)
             columns = [d[0] for d in cur.description] if cur.description else []
