@@ -15,6 +15,7 @@ it again merges what a crash left into one file. A train run compacts its tables
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -42,6 +43,7 @@ class Compacted:
 def compact_table(paths: StoragePaths, table: str, run: str) -> Compacted | None:
     """Merge the files of (table, run) into one (None: one file or none, nothing to do).
     The caller holds the run's lock (`compact_run` takes it)."""
+    _remove_stale_staging(paths.table_dir(table, run))
     files = list_files(paths, table, run)
     if len(files) <= 1:
         return None
@@ -62,6 +64,22 @@ def _remove(paths: StoragePaths, table: str, files: list[str]) -> None:
     fs = fsspec.core.url_to_fs(paths.table_dir(table))[0]
     for f in files:
         fs.rm(f)
+
+
+STALE_STAGING_S = 3600.0  # a temp file this old is a dead writer's (a live one renames it in seconds)
+
+
+def _remove_stale_staging(directory: str) -> None:
+    """The hidden temp files a writer killed mid-write left (write_parquet_atomic's `.<name>.tmp-*`;
+    an object store has none). Only old ones: a writer outside the run lock (an eval asset) may be
+    writing one now."""
+    if is_remote(directory) or not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        p = os.path.join(directory, name)
+        if name.startswith(".") and ".tmp-" in name and time.time() - os.path.getmtime(p) > STALE_STAGING_S:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(p)
 
 
 def compact_tables(paths: StoragePaths, run: str, log: Callable[[str], None] = print) -> list[Compacted]:

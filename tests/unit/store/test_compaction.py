@@ -5,6 +5,10 @@ compaction leaves readers seeing each row once, and running it again repairs."""
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 from store_builders import add_evals, build_run
 
@@ -99,7 +103,11 @@ def test_a_crash_at_any_step_shows_each_row_once_and_a_rerun_repairs(root, monke
     write, remove = compaction.write_parquet_atomic, compaction._remove
 
     def crash_write(data, path):
-        if step == "while_writing":
+        if step == "while_writing":  # killed mid-write: its hidden temp file stays (and a live writer's)
+            directory, _, name = path.rpartition("/")
+            for tmp, age in ((f".{name}.tmp-0123456789ab", 7200), (".part-live.parquet.tmp-ba9876543210", 0)):
+                Path(directory, tmp).write_bytes(b"PAR1")
+                os.utime(Path(directory, tmp), (time.time() - age, time.time() - age))
             raise Crash
         return write(data, path)
 
@@ -121,6 +129,9 @@ def test_a_crash_at_any_step_shows_each_row_once_and_a_rerun_repairs(root, monke
     compaction.compact_run(root, "a")
     assert all(n == 1 for (t, r), n in file_counts(root).items() if r == "a")
     assert snapshot(root) == before
+    if step == "while_writing":  # the dead writer's temp file removed, the live one's left alone
+        hidden = [p.name for p in Path(root.table_dir(TABLES[0], "a")).iterdir() if p.name.startswith(".")]
+        assert hidden == [".part-live.parquet.tmp-ba9876543210"]
 
 
 def test_a_reader_that_listed_the_parts_before_a_compaction_lists_again(root, monkeypatch):
