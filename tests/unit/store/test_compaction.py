@@ -72,7 +72,12 @@ def test_compact_keeps_every_row_and_the_catalog_answers_the_same(root):
     assert any(n > 3 for n in file_counts(root).values())  # one file per append
     assert ("a", "abandoned", 2, 4) in before[QUERIES[len(TABLES)]][1]
 
+    cursor = before["parts"][1][0]  # the runs_from_catalog sensor's: the newest part it handled
+    newer = read_parts(root, "policy_versions", "a", after=cursor)
+    assert [p for p, _ in newer] == [p for p, _ in before["parts"][2:]]
+
     assert cli_main(["compact", "--storage-root", root.root]) == 0
+    assert read_parts(root, "policy_versions", "a", after=cursor) == newer
     assert file_counts(root) == {(t, r): 1 for t in TABLES for r in ("a", "b") if t != "run_events"} | {
         ("run_events", "a"): 1, ("run_events", "b"): 0,
     }  # fmt: skip
