@@ -46,6 +46,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve-router": ("miles_platform.rollout.router", "start the router in front of engines"),
     "query": ("miles_platform.store.catalog", "run SQL against the DuckDB catalog"),
+    "compact": (
+        "miles_platform.store.compaction",
+        "merge each run's small table files (metrics, lineage, ...) into one per table, rows unchanged",
+    ),
     "lineage": ("miles_platform.store.lineage", "trace a policy version or checkpoint up- and downstream"),
     "viewer": (
         "miles_platform.viewer.server",

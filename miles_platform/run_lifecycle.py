@@ -1,7 +1,8 @@
 """What every run starts inside, whatever it trains (`train`'s RunServices, `train-diffusion`'s loop):
 one writer per run and per checkpoint dir (a lock file; on an object store also a renewed lease), a
 dead writer's staging dirs removed, the resume config checked (and recorded in the checkpoint dir),
-Ray with the project's settings, the trackers, the --ci-fault-hooks. Up in that order after validation, down in reverse whatever failed.
+Ray with the project's settings, the trackers, the --ci-fault-hooks. Up in that order after validation, down in reverse whatever failed;
+a run that ends without an error compacts its table files (store/compaction.py) before its lock goes.
 
     with RunLifecycle(cfg, paths, reporter.log) as life:
         life.stack.callback(stop_my_actor)         # the vertical's own processes, torn down first
@@ -72,6 +73,9 @@ class RunLifecycle(contextlib.AbstractContextManager):
             save_lock = RunLock(local_save_dir(cfg.save), cfg.run_name, f"--save {cfg.save}").acquire()
             s.callback(save_lock.release)
         self._take_leases()
+        # down: the run's table files merged, one per table, last under the lock (after a failure:
+        # left for the relaunch's end or `miles-platform compact`)
+        s.push(lambda et, *_: self._compact() if et is None else None)
         # the run lock is held: a `.tmp-*` staging dir (checkpoint, export) is a dead writer's
         remove_dead_writers_tmp(cfg, self.paths, self.log)
         # a resume trains what the checkpoint's run trained, or says which flags changed
@@ -81,6 +85,16 @@ class RunLifecycle(contextlib.AbstractContextManager):
         if self._with_trackers:
             self.trackers = Trackers(cfg, self.paths, self.log)
             s.push(lambda et, *_: self.trackers.close(failed=et is not None))
+
+    def _compact(self) -> None:
+        """Compact the run's append-only tables (store/compaction.py); a failure is only logged."""
+        from miles_platform.store.compaction import compact_tables
+
+        try:
+            compact_tables(self.paths, self.cfg.run_name, self.log)
+        except Exception as e:  # the rows are all there either way: never fail a finished run
+            self.log(f"[compact] run {self.cfg.run_name!r}: not compacted ({type(e).__name__}: {e}); "
+                     "`miles-platform compact` retries it")  # fmt: skip
 
     def _take_leases(self) -> None:
         """On an object store, one writer per run (and per --save) across hosts and cache dirs: a

@@ -13,7 +13,8 @@ for runs Dagster launched.
 No duplicates: a partition that already has a `policy_versions` materialization (the op reported
 it) is skipped, and runs that an unfinished `rl_training` Dagster run is training are left alone
 until it ends (the op reports a version a rollout after writing its row). The cursor is, per run,
-the newest part file handled (`part-<time_ns>-...`: one writer per run, so names grow); a run
+the newest part handled (`part-<time_ns>-...`: one writer per run, so names grow; a compaction
+keeps the part names in its file, store/tables.py `read_parts`); a run
 being trained by Dagster keeps its cursor and is read again once that run ends.
 """
 
@@ -21,7 +22,6 @@ import json
 
 import dagster as dg
 import fsspec
-import pyarrow.parquet as pq
 
 from assets.partitions import policy_version_partitions
 from miles_platform.config import RunConfig
@@ -29,7 +29,7 @@ from miles_platform.diffusion.config import DiffusionRunConfig
 from miles_platform.store.paths import StoragePaths, parse_partition_key
 from miles_platform.store.run_events import is_abandoned, resume_events
 from miles_platform.store.run_health import run_finished
-from miles_platform.store.schemas import TABLE_SCHEMAS
+from miles_platform.store.tables import read_parts
 from ops.presets import presets, run_name_for
 from ops.version_events import POLICY_VERSIONS, CatalogVersions
 from resources.storage import StorageRootResource
@@ -83,15 +83,8 @@ def plan_catalog_reports(
         if run in busy:
             waiting.append(run)
             continue
-        files = sorted(
-            p for p in fs.glob(f"{run_dir}/part-*.parquet") if p.rsplit("/", 1)[1] > done.get(run, "")
-        )
-        rows_by_file = []
-        for p in files:
-            with fs.open(p, "rb") as f:
-                rows_by_file.append(
-                    (p, pq.read_table(f, schema=TABLE_SCHEMAS["policy_versions"]).to_pylist())
-                )
+        # the parts appended after the cursor, each once (a compacted file holds parts it merged)
+        rows_by_file = read_parts(paths, "policy_versions", run, after=done.get(run, ""))
         resumes = resume_events(paths, run)  # versions a resume abandoned are never reported
         rows_by_file = [(p, [r for r in rows if not is_abandoned("policy_versions", r, resumes)])
                         for p, rows in rows_by_file]  # fmt: skip
@@ -105,7 +98,7 @@ def plan_catalog_reports(
                     continue
                 events += stored.events(row["partition_key"])
                 keys.append(row["partition_key"])
-            done[run] = p.rsplit("/", 1)[1]
+            done[run] = p
     return events, keys, json.dumps(done, sort_keys=True), waiting
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from miles_platform.config.flags import flag
+from miles_platform.config.flags import NON_NEGATIVE, flag
 from miles_platform.errors import ConfigError
 
 WANDB_MODES = ("online", "offline", "disabled")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TRAIN_SAMPLES_AUTO_BYTES = 4 << 20  # --save-train-samples auto: a rollout's rows stay under this
+RANGES: dict[str, tuple] = {"log_rollout_samples": NON_NEGATIVE}
 
 
 @dataclass
@@ -39,13 +40,21 @@ class LoggingFlags:
         choices=WANDB_MODES,
     )
     wandb_dir: str | None = flag(None, "logging", "dir wandb writes into (default: ./wandb)")
-    wandb_run_id: str | None = flag(None, "logging", "wandb run id: a relaunch with it continues that run")
+    wandb_run_id: str | None = flag(
+        None, "logging", "wandb run id (default: a resumed run continues the one its checkpoint dir names)"
+    )
     disable_wandb_random_suffix: bool = flag(
         False, "logging", "wandb group and name get a random suffix by default; this disables it"
     )
     use_tensorboard: bool = flag(False, "logging", "log each rollout's metrics as TensorBoard scalars")
     tensorboard_dir: str | None = flag(
         None, "logging", "TensorBoard event dir (default: <storage-root>/runs/<run>/tensorboard)"
+    )
+    log_rollout_samples: int = flag(
+        0,
+        "logging",
+        "every --log-interval rollouts, the rollout's first N samples (prompt, response, reward, status) "
+        "to wandb as a table and to TensorBoard as text; 0: none",
     )
     custom_rollout_log_function_path: str | None = flag(
         None,

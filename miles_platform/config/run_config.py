@@ -26,6 +26,7 @@ from miles_platform.config import (
     model_args,
     moe,
     opd,
+    outputs,
     rollout,
     training,
     weights,
@@ -84,7 +85,7 @@ CAPABILITIES = (
 RANGES: dict[str, tuple] = {
     **cluster.RANGES, **checkpoint.RANGES, **rollout.RANGES, **agentic.RANGES, **evaluation.RANGES,
     **algorithm.RANGES, **moe.RANGES, **opd.RANGES, **training.RANGES, **weights.RANGES, **lora.RANGES,
-    **debug.RANGES, **megatron.RANGES, **model_args.RANGES,
+    **debug.RANGES, **megatron.RANGES, **model_args.RANGES, **outputs.RANGES,
 }  # fmt: skip
 
 # Miles flags this build does not implement, with the reason. Set to anything but the default they are

@@ -35,7 +35,7 @@ import pyarrow as pa
 from miles_platform.errors import MilesError
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import filesystem, is_remote
-from miles_platform.store.schemas import KEYED_BY, ROLLOUT_SCHEMA, TABLE_SCHEMAS
+from miles_platform.store.schemas import KEYED_BY, ROLLOUT_SCHEMA, SOURCE_PART, TABLE_SCHEMAS
 
 VIEWS = ("rollouts", *TABLE_SCHEMAS)
 
@@ -104,6 +104,36 @@ def _connect(path: str, read_only: bool, attempts: int = 40) -> duckdb.DuckDBPyC
     raise AssertionError("unreachable")
 
 
+_QUERY_ATTEMPTS = 3
+
+
+class _FileVanished(Exception):
+    """A file the query listed was gone when it read it."""
+
+
+def _vanished(e: duckdb.Error) -> bool:
+    text = str(e)
+    return (isinstance(e, duckdb.IOException) and ("No such file" in text or "No files found" in text)) or (
+        "FileNotFoundError" in text
+    )
+
+
+def _table_view(lit: str, schema: pa.Schema, hive_types: str) -> str:
+    """An append-only table's rows: every column of its schema (one no file has yet reads as null),
+    and each part's rows from one file only, the greatest file name holding them: a compaction
+    between writing its file and deleting the parts it merged shows no row twice (store/tables.py)."""
+    typed = schema.append(pa.field(SOURCE_PART, pa.string())).append(pa.field("_file", pa.string()))
+    files = (
+        f"{_empty_select(typed)} UNION ALL BY NAME SELECT * FROM read_parquet('{lit}', filename = '_file', "
+        f"hive_partitioning = true, union_by_name = true, hive_types = {{{hive_types}}})"
+    )
+    part = f"coalesce({SOURCE_PART}, parse_filename(_file))"
+    return (
+        f"SELECT * EXCLUDE (_file, {SOURCE_PART}, _holder) FROM (SELECT *, max(_file) OVER "
+        f"(PARTITION BY run, {part}) AS _holder FROM ({files})) WHERE _file = _holder"
+    )
+
+
 class Catalog:
     """The DuckDB views over a storage root's Parquet (module docstring): `query(sql)` read-only,
     `refresh()` / `ensure_fresh()` recreate stale views under a short write lock; an object-store
@@ -134,12 +164,13 @@ class Catalog:
         for name, (pattern, schema, hive_types) in self._sources().items():
             if fs.glob(filesystem(pattern)[1]) if fs is not None else glob.glob(pattern):
                 lit = pattern.replace("'", "''")
-                views[name] = (
-                    f"SELECT * FROM read_parquet('{lit}', hive_partitioning = true, "
-                    f"union_by_name = true, hive_types = {{{hive_types}}})"
-                )
-                if name in TABLE_SCHEMAS:  # every column of the schema: one no file has yet reads as null
-                    views[name] = f"{_empty_select(schema)} UNION ALL BY NAME {views[name]}"
+                if name in TABLE_SCHEMAS:
+                    views[name] = _table_view(lit, schema, hive_types)
+                else:
+                    views[name] = (
+                        f"SELECT * FROM read_parquet('{lit}', hive_partitioning = true, "
+                        f"union_by_name = true, hive_types = {{{hive_types}}})"
+                    )
             else:
                 views[name] = _empty_select(schema)
         # status: 'abandoned' for rows a resume left behind (past its checkpoint, made before it),
@@ -216,14 +247,27 @@ class Catalog:
         return _connect(self.path, read_only=True)
 
     def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """Run read-only SQL against the views: (column names, rows)."""
+        """Run read-only SQL against the views: (column names, rows). A table file that a compaction
+        deleted between the query's listing and its read (store/compaction.py): asked again."""
+        for attempt in range(_QUERY_ATTEMPTS):
+            try:
+                return self._query_once(sql)
+            except _FileVanished as e:
+                if attempt == _QUERY_ATTEMPTS - 1:
+                    raise CatalogError(str(e)) from None
+        raise AssertionError("unreachable")
+
+    def _query_once(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
         con = self.connect()
         try:
             cur = con.execute(sql)
             columns = [d[0] for d in cur.description] if cur.description else []
             rows = cur.fetchall() if cur.description else []
         except duckdb.Error as e:
-            raise CatalogError(" ".join(str(e).split("\n")[0].split())) from None
+            msg = " ".join(str(e).split("\n")[0].split())
+            if _vanished(e):
+                raise _FileVanished(msg) from None
+            raise CatalogError(msg) from None
         finally:
             con.close()
         return columns, rows

@@ -98,6 +98,8 @@ class VersionRecorder:
         self.config_changed_from = note_resume(
             self.cfg, self.paths, self.reporter, state, self.highest, changes
         )
+        if self.trackers is not None:  # TensorBoard drops what a crashed process logged from `start` on
+            self.trackers.resume(start)
         return start, version
 
     def next_version(self, version: int) -> tuple[int, int]:

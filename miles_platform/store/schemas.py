@@ -171,6 +171,9 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
     ),
 }
 
+# a compacted table file's extra column: the part file each row was appended in (store/tables.py)
+SOURCE_PART = "_source_part"
+
 # rows a resume can abandon (store/run_events.py): table -> the column compared with the resume
 # event's (a later version, or a later rollout's metrics)
 KEYED_BY = {

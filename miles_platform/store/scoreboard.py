@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import fsspec
-
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths, partition_key
 
@@ -118,11 +116,11 @@ def base_checkpoint_of(catalog: Catalog, run: str) -> str | None:
 
 # ---------------------------------------------------------------- what the scoreboard was built from
 def evals_part_names(paths: StoragePaths) -> list[str]:
-    """The `evals` table's part file names, oldest first (`part-<time_ns>-<uuid>.parquet`)."""
-    fs, root = fsspec.core.url_to_fs(paths.table_dir("evals"))
-    if not fs.exists(root):
-        return []
-    return sorted(p.rsplit("/", 1)[-1] for p in fs.glob(f"{root}/run=*/part-*.parquet"))
+    """The `evals` table's part names, oldest first (`part-<time_ns>-<uuid>.parquet`), the same
+    before and after a compaction merged them (store/tables.py `part_names`)."""
+    from miles_platform.store.tables import part_names
+
+    return part_names(paths, "evals")
 
 
 def evals_signature(names: list[str]) -> str | None:

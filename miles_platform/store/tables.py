@@ -1,13 +1,22 @@
 """Append-only Parquet tables: policy_versions, evals, lineage, metrics, run_events, train_samples.
 
     <root>/tables/<table>/run=<run>/part-<time_ns>-<uuid>.parquet
+    <root>/tables/<table>/run=<run>/part-<time_ns>-<uuid>.c<time_ns>.parquet   (compacted)
 
 Each `append_rows` call writes one new part file atomically (never rewrites an old one), so
 concurrent writers cannot lose rows and readers see whole calls or nothing.
+
+Compaction (store/compaction.py) rewrites a run's parts as one file whose rows carry the part
+each was appended in (`_source_part`), then deletes the parts. Between those two steps (or after
+a crash there) a part's rows are in two files: readers take each part's rows from one file only,
+the greatest file name holding them (`read_table` here, the same rule in the catalog's views),
+so no reader sees a row twice or misses one. A compacted file is named after the last part it
+holds (sorting just before it): the newest part name is still the newest row's.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from datetime import UTC, datetime
@@ -15,12 +24,16 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import is_remote
-from miles_platform.store.schemas import TABLE_SCHEMAS  # noqa: E402,F401 (re-exported)
+from miles_platform.store.schemas import SOURCE_PART, TABLE_SCHEMAS  # noqa: F401 (re-exported)
 from miles_platform.store.shards import refresh_catalog_after_first_file, write_parquet_atomic
+
+_COMPACTED = re.compile(r"^(part-.+)\.c\d+\.parquet$")
+_READ_ATTEMPTS = 5  # listings retried when a compaction removed a listed part meanwhile
 
 
 def _check_rows(table: str, run: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,15 +72,111 @@ def _has_rows_dir(directory: str) -> bool:
     return fs.exists(root) and bool(fs.glob(f"{root}/run=*/*.parquet"))
 
 
-def read_rows(paths: StoragePaths, table: str, run: str | None = None) -> list[dict[str, Any]]:
-    """All rows of `table` (of one run, or all runs), in append order."""
+def last_part(name: str) -> str:
+    """The newest part a table file holds: itself, or the one a compacted file is named after."""
+    m = _COMPACTED.match(name)
+    return f"{m.group(1)}.parquet" if m else name
+
+
+def is_compacted(name: str) -> bool:
+    return bool(_COMPACTED.match(name))
+
+
+def list_files(paths: StoragePaths, table: str, run: str | None = None) -> list[str]:
+    """The table's files (of one run, or all runs): parts and compacted files, by name."""
     fs, root = fsspec.core.url_to_fs(paths.table_dir(table, run))
     if not fs.exists(root):
         return []
     pattern = f"{root}/part-*.parquet" if run else f"{root}/run=*/part-*.parquet"
-    files = sorted(fs.glob(pattern), key=lambda p: p.rsplit("/", 1)[-1])
-    rows: list[dict[str, Any]] = []
+    return sorted(fs.glob(pattern), key=lambda p: p.rsplit("/", 1)[-1])
+
+
+def read_table(paths: StoragePaths, table: str, run: str | None = None, after: str | None = None) -> pa.Table:
+    """The rows of `table` (one run, or all runs) in append order, each part's rows once, with a
+    `_source_part` column (the part each row was appended in). `after`: only the parts whose
+    names sort after it. A file a compaction removed after it was listed: listed again."""
+    for attempt in range(_READ_ATTEMPTS):
+        files = list_files(paths, table, run)
+        try:
+            return read_files(paths, table, files, after)
+        except FileNotFoundError:
+            if attempt == _READ_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def read_files(paths: StoragePaths, table: str, files: list[str], after: str | None = None) -> pa.Table:
+    """`read_table` of these files (module docstring: each part's rows from one file only)."""
+    fs = fsspec.core.url_to_fs(paths.table_dir(table))[0]
+    schema = TABLE_SCHEMAS[table].append(pa.field(SOURCE_PART, pa.string()))
+    pieces, holder = [], {}  # holder: (dir, part) -> the greatest file name holding its rows
     for p in files:
+        directory, _, name = p.rpartition("/")
+        if after is not None and last_part(name) <= after:
+            continue  # holds no part after `after`
         with fs.open(p, "rb") as f:
-            rows += pq.read_table(f, schema=TABLE_SCHEMAS[table]).to_pylist()
-    return rows
+            t = pq.read_table(f, schema=schema)
+        if not is_compacted(name):
+            t = t.set_column(
+                t.schema.get_field_index(SOURCE_PART), SOURCE_PART, pa.array([name] * len(t), pa.string())
+            )
+        for part in t.column(SOURCE_PART).unique().to_pylist():
+            holder[directory, part] = max(holder.get((directory, part), name), name)
+        pieces.append((directory, name, t))
+    mine: dict[tuple[str, str], list[str]] = {}  # (dir, file name) -> the parts read from it
+    for (directory, part), name in holder.items():
+        mine.setdefault((directory, name), []).append(part)
+    kept = []
+    for directory, name, t in pieces:
+        part_col = t.column(SOURCE_PART)
+        mask = pc.is_in(part_col, pa.array(mine.get((directory, name), []), pa.string()))
+        if after is not None:
+            mask = pc.and_(mask, pc.greater(part_col, after))
+        kept.append(t.filter(mask))
+    if not kept:
+        return schema.empty_table()
+    out = pa.concat_tables(kept)
+    order = pc.sort_indices(
+        out.append_column("_pos", pa.array(range(len(out)), pa.int64())),
+        sort_keys=[(SOURCE_PART, "ascending"), ("_pos", "ascending")],
+    )
+    return out.take(order)
+
+
+def read_parts(
+    paths: StoragePaths, table: str, run: str, after: str | None = None
+) -> list[tuple[str, list[dict]]]:
+    """(part name, its rows) of one run, oldest first; `after`: only the parts after that name."""
+    out: list[tuple[str, list[dict]]] = []
+    for row in read_table(paths, table, run, after).to_pylist():
+        part = row.pop(SOURCE_PART)
+        if not out or out[-1][0] != part:
+            out.append((part, []))
+        out[-1][1].append(row)
+    return out
+
+
+def part_names(paths: StoragePaths, table: str) -> list[str]:
+    """The names of every part appended to `table` (all runs), oldest first, whether a compaction
+    merged it or not: what changes when rows are appended, and only then."""
+    for attempt in range(_READ_ATTEMPTS):
+        names: set[str] = set()
+        fs = fsspec.core.url_to_fs(paths.table_dir(table))[0]
+        try:
+            for p in list_files(paths, table):
+                name = p.rsplit("/", 1)[-1]
+                if not is_compacted(name):
+                    names.add(name)
+                    continue
+                with fs.open(p, "rb") as f:
+                    names.update(pq.read_table(f, columns=[SOURCE_PART]).column(0).unique().to_pylist())
+            return sorted(names)
+        except FileNotFoundError:
+            if attempt == _READ_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def read_rows(paths: StoragePaths, table: str, run: str | None = None) -> list[dict[str, Any]]:
+    """All rows of `table` (of one run, or all runs), in append order."""
+    return read_table(paths, table, run).drop_columns([SOURCE_PART]).to_pylist()

@@ -13,7 +13,6 @@ SELECT on that view, which the list then filters further.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import threading
@@ -357,35 +356,23 @@ class ViewerStore:
 
     # ------------------------------------------------------------------ what the trainer saw
     def train_source(self, con: duckdb.DuckDBPyConnection) -> str | None:
-        """The `train_samples` view when the catalog has one; else, on a local root whose
-        tables/train_samples/ holds Parquet (a store written before its view existed), a
-        read_parquet over it; None when the root has no train-side rows."""
+        """The catalog's `train_samples` view (store/schemas.py; empty on a root without train-side
+        rows); None on a catalog made before the table existed."""
         exists = con.execute(
             "SELECT count(*) FROM duckdb_views() WHERE view_name = ? AND NOT internal", [TRAIN_SAMPLES]
         ).fetchone()[0]
-        if exists:
-            return TRAIN_SAMPLES
-        if self.catalog.remote:
-            return None
-        pattern = self.paths.join("tables", TRAIN_SAMPLES, "*", "*.parquet")
-        if not glob.glob(pattern):
-            return None
-        lit = pattern.replace("'", "''")
-        return (
-            f"read_parquet('{lit}', hive_partitioning = true, union_by_name = true, "
-            "hive_types = {'run': VARCHAR})"
-        )
+        return TRAIN_SAMPLES if exists else None
 
     def train_sample(
         self, con: duckdb.DuckDBPyConnection, run: str, rollout_id: int, index: int
     ) -> tuple[dict[str, Any] | None, int]:
-        """The sample's first `train_samples` row (lowest step) and how many it has."""
+        """The sample's first committed `train_samples` row (lowest step) and how many it has."""
         source = self.train_source(con)
         if source is None:
             return None, 0
         cur = con.execute(
             f'SELECT *, count(*) OVER () AS n_rows FROM {source} WHERE run = ? AND rollout_id = ? AND "index" = ? '
-            "ORDER BY step NULLS LAST LIMIT 1",
+            "ORDER BY status = 'abandoned', step NULLS LAST LIMIT 1",  # a resumed run's committed row
             [run, rollout_id, index],
         )
         rows = _dicts(cur)

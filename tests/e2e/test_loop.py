@@ -319,17 +319,46 @@ def test_flags_not_built_are_refused_not_ignored():
 
 
 def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp_path):
-    """Versions made after the last checkpoint survive a crash; the resumed run branches from the checkpoint."""
-    cfg = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False)
+    """Versions made after the last checkpoint survive a crash; the resumed run branches from the checkpoint.
+    The trackers follow it (one wandb run, each TensorBoard step once) and both launches leave one
+    file per table (compacted when each ended)."""
+    pytest.importorskip("wandb", reason="the `trackers` extra is not installed")
+    from miles_platform.store.paths import TABLES
+    from miles_platform.store.tables import list_files
+    from miles_platform.trackers import WANDB_RUN
+
+    trackers = dict(use_tensorboard=True, tensorboard_dir=str(tmp_path / "tb"), use_wandb=True,
+                    wandb_mode="offline", wandb_dir=str(tmp_path / "wb"))  # fmt: skip
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False, **trackers)
     train(cfg)  # versions 1, 2, 3; checkpoints at rollout 1 (v2) and rollout 2 (v3, the last)
-    save = StoragePaths(cfg.storage_root).checkpoints("t")
+    paths = StoragePaths(cfg.storage_root)
+    files = {t: len(list_files(paths, t, "t")) for t in TABLES}  # no evals here; a resume: its event
+    assert files == {
+        "policy_versions": 1,
+        "evals": 0,
+        "lineage": 1,
+        "metrics": 1,
+        "run_events": 0,
+        "train_samples": 1,
+    }
+    save = paths.checkpoints("t")
+    wandb_id = json.loads(open(os.path.join(save, WANDB_RUN)).read())["id"]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("1")  # as if the run had crashed before saving rollout 2: v3 exists, its checkpoint does not
     # relaunched with another learning rate, allowed: the change is recorded with the resume
     res = train(_cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False, lr=2e-3,
-                     allow_config_change=True))  # fmt: skip
+                     allow_config_change=True, **trackers))  # fmt: skip
     assert res.start_rollout_id == 2 and res.final_version == 4
-    cat = Catalog(StoragePaths(cfg.storage_root))
+    assert {t: len(list_files(paths, t, "t")) for t in TABLES} == files | {"run_events": 1}
+    offline = sorted(p.name for p in (tmp_path / "wb").glob("wandb/offline-run-*"))
+    assert len(offline) == 2 and all(n.endswith(f"-{wandb_id}") for n in offline), offline  # one wandb run
+    acc = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    tb = acc.EventAccumulator(str(tmp_path / "tb"), size_guidance={acc.SCALARS: 0})
+    tb.Reload()
+    loss = [(e.step, e.value) for e in tb.Scalars("train/loss")]
+    assert [step for step, _ in loss] == [0, 1, 2]  # rollout 2 once: the relaunch's
+    assert loss[2][1] == pytest.approx(res.metrics[-1]["train/loss"], rel=1e-6)
+    cat = Catalog(paths)
     _, rows = cat.query(
         "select version, parent_version, rollout_id, status from policy_versions order by version"
     )
