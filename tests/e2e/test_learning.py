@@ -34,8 +34,12 @@ def base(tmp_path_factory):
     run_sft(
         task["sft"],
         str(d / "base"),
-        recipe=replace(default_sft_recipe(), train_iters=SFT_ITERS, global_batch_size=SFT_BATCH,
-                       micro_batch_size=SFT_BATCH),
+        recipe=replace(
+            default_sft_recipe(),
+            train_iters=SFT_ITERS,
+            global_batch_size=SFT_BATCH,
+            micro_batch_size=SFT_BATCH,
+        ),
         progress=False,
     )
     acc = _greedy(str(d / "base"), task["eval"])
