@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser import chromium
 
 from miles_platform.cluster.ports import free_port
 
@@ -31,17 +32,6 @@ DOCS = (
     if os.environ.get("MILES_UI_SCREENSHOTS") == "1"
     else Path(tempfile.mkdtemp(prefix="miles-ui-shots-"))
 )
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 KEY = "demo.v000001"
 CLI_RUN = "cli"  # trained outside Dagster
 PIPELINE = (
@@ -63,25 +53,8 @@ run_coordinator:
 
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright not installed: pip install -e '.[ui-test]'")
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} missing: make system-deps (apt-get install chromium chromium-driver)")
-    with sync_playwright() as p, tempfile.TemporaryDirectory(prefix="miles-chromium-") as profile:
-        try:
-            ctx = p.chromium.launch_persistent_context(
-                profile,
-                executable_path=CHROMIUM,
-                headless=True,
-                args=CHROMIUM_ARGS,
-                viewport={"width": 1400, "height": 900},
-            )
-        except Exception as e:  # noqa: BLE001 - any launch failure means "no usable browser here"
-            pytest.skip(f"chromium cannot be launched: {str(e).splitlines()[0]}")
+    with chromium(1400, 900) as ctx:
         yield ctx
-        ctx.close()
 
 
 def _prepare_root(root: Path, tiny_hf_checkpoint: str) -> None:

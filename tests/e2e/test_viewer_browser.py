@@ -3,10 +3,10 @@ sample and see its tokens shaded, then a multi-turn episode's turns and tool res
 docs/viewer_sample.png (the README's picture)."""
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
+from browser import chromium
 from viewer_root import build_viewer_root
 
 from miles_platform.viewer.server import start_viewer
@@ -14,29 +14,12 @@ from miles_platform.viewer.server import start_viewer
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"  # as tests/e2e/test_ui_browser.py
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def page():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright not installed: pip install -e '.[ui-test]'")
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} missing: make system-deps (apt-get install chromium chromium-driver)")
-    with sync_playwright() as p, tempfile.TemporaryDirectory(prefix="miles-chromium-") as profile:
-        try:
-            ctx = p.chromium.launch_persistent_context(
-                profile, executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1280, "height": 860},
-            )  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - any launch failure means "no usable browser here"
-            pytest.skip(f"chromium cannot be launched: {str(e).splitlines()[0]}")
+    with chromium(1280, 860) as ctx:
         yield ctx.new_page()
-        ctx.close()
 
 
 def test_filter_open_a_sample_and_see_its_tokens_shaded(page, tmp_path):
