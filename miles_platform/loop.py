@@ -134,6 +134,7 @@ class RLRun:
                 s.colocation.after_weight_update()  # --colocate: the trainer parks, the engines resume
                 metrics.update(s.colocation.metrics())
                 # the row, the eval, the metrics, the checkpoint last (store/recorder.py)
+                forced = rec.save_requested()  # --save-trigger-sentinel: a save now, written synchronously
                 save_due = rec.save_due(rollout_id)
                 if hf_dir is not None:
                     with phase("record"):
@@ -148,7 +149,9 @@ class RLRun:
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
                 if save_due:
                     with phase("save"), s.colocation.around_save():
-                        self._save(rollout_id, version)
+                        self._save(rollout_id, version, sync=forced or rollout_id + 1 == cfg.num_rollout)
+                    if forced:  # the checkpoint is durable: "file gone" means "saved" (Miles')
+                        rec.save_request_done(rollout_id)
                     if cfg.save_hf and hf_dir is not None:
                         save_hf_copy(cfg, rollout_id, hf_dir)
         return result
@@ -211,13 +214,15 @@ class RLRun:
         finally:
             store.remove(handle)
 
-    def _save(self, rollout_id: int, version: int) -> str:
+    def _save(self, rollout_id: int, version: int, sync: bool = True) -> str:
+        """The trainers' checkpoint; with --async-save and not `sync` written in the background (the
+        run's last save and a sentinel's are synchronous, so the run ends with its checkpoint on disk)."""
         extra = {"weight_version": version, "data_source": self.s.data_source_state(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
         from miles_platform.run_services import call_trainers
         from miles_platform.training.checkpoint import prune_checkpoints
 
-        saved = call_trainers(self.cfg, self.s.trainers, "save", rollout_id, extra)
+        saved = call_trainers(self.cfg, self.s.trainers, "save", rollout_id, extra, sync)
         if self.cfg.save_retain_interval:
             for path in prune_checkpoints(self.cfg.save, rollout_id, self.cfg.save_retain_interval):
                 self.reporter.log(f"--save-retain-interval {self.cfg.save_retain_interval}: deleted {path}")

@@ -35,6 +35,54 @@ class CheckpointFlags:
         None, "checkpoint", "also export HF weights at each save (path template with {rollout_id})"
     )
     seed: int = flag(1234, "checkpoint", "random seed")
+    no_save_optim: bool = flag(
+        False,
+        "checkpoint",
+        "checkpoints without optimizer and LR-scheduler state (resume them with --no-load-optim)",
+    )
+    no_load_optim: bool = flag(
+        False,
+        "checkpoint",
+        "resume the weights with a fresh optimizer (AdamW moments from zero); said on resume",
+    )
+    no_load_rng: bool = flag(False, "checkpoint", "resume without the saved RNG states (the seeds' instead)")
+    async_save: bool = flag(
+        False,
+        "checkpoint",
+        "write checkpoints in the background from copies taken at the save point (the pointer moves once "
+        "the files are durable; the next save or train step finishes it)",
+    )
+    save_trigger_sentinel: str | None = flag(
+        None,
+        "checkpoint",
+        "a file whose existence at a save point forces a save now (synchronous), deleted once it is durable",
+    )
+
+    def _check_checkpoint_flags(self) -> None:
+        """Each checkpoint flag where it has an effect (a flag with none in a mode is refused)."""
+        from miles_platform.store import remote
+
+        needs_save = [n for n in ("async_save", "save_trigger_sentinel", "no_save_optim") if getattr(self, n)]
+        if needs_save and not self.save:
+            raise ConfigError(
+                f"{', '.join(map(flag_name, needs_save))}: no effect without --save (nothing is saved)"
+            )
+        resume = [n for n in ("no_load_optim", "no_load_rng") if getattr(self, n)]
+        if resume and not (self.load or self.save):
+            raise ConfigError(
+                f"{', '.join(map(flag_name, resume))}: no effect without --load or --save (nothing to resume)"
+            )
+        if not self.async_save:
+            return
+        why = [
+            (self.train_backend == "megatron", "--train-backend megatron (its dist_checkpointing save is collective; "
+             "the fsdp backend writes in the background)"),
+            (self.uses_critic, "a critic (--advantage-estimator ppo: its files are written with the policy's)"),
+            (remote.is_remote(self.save), f"an object-store --save {self.save} (uploads are staged; save to a local dir)"),
+        ]  # fmt: skip
+        bad = [w for on, w in why if on]
+        if bad:
+            raise ConfigError(f"--async-save: not built with {'; '.join(bad)}")
 
 
 def check_seeds(cfg) -> None:

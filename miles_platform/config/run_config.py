@@ -121,6 +121,7 @@ class RunConfig(*reversed(CAPABILITIES)):
         """Derive the unset batch knob and reject contradictions. Returns self."""
         check_run_name(self.run_name)
         check_seeds(self)
+        self._check_checkpoint_flags()
         self._normalize_session_server()
         self._check_ranges()
         self._check_model_args()
@@ -228,7 +229,8 @@ RESUMABLE = frozenset(
      "colocate", "num_cpus_per_actor", "rollout_engine", "rollout_external_engine_addrs", "sglang_router_port",
      "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
      "rollout_health_check_first_wait", "pause_wait_timeout_s", "pause_max_queued_requests", "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
-     "load", "save", "save_interval", "save_retain_interval", "save_hf", "train_env_vars", "distributed_timeout_minutes", "num_rollout", "num_epoch", "rollout_max_concurrency",
+     "load", "save", "save_interval", "no_save_optim", "no_load_optim", "no_load_rng", "async_save",
+     "save_trigger_sentinel", "use_checkpoint_lr_scheduler", "override_lr_scheduler", "save_retain_interval", "save_hf", "train_env_vars", "distributed_timeout_minutes", "num_rollout", "num_epoch", "rollout_max_concurrency",
      "eval_prompt_data", "eval_interval", "eval_input_key", "n_samples_per_eval_prompt", "eval_max_response_len",
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
@@ -238,10 +240,19 @@ RESUMABLE = frozenset(
 )  # fmt: skip
 
 
+# the schedule's values: a resume with --override-lr-scheduler may change them (the flag's purpose)
+LR_SCHEDULE = frozenset(
+    {"lr", "min_lr", "lr_warmup_init", "lr_warmup_iters", "lr_warmup_fraction", "lr_decay_iters", "lr_decay_style",
+     "lr_wsd_decay_iters", "lr_wsd_decay_style"}
+)  # fmt: skip
+
+
 def config_changes(saved: dict, now, resumable: frozenset[str] = RESUMABLE) -> list[str]:
     """The flags that differ from a saved run's config in what is trained, as `--flag old -> new`
     (`now`: a RunConfig or a DiffusionRunConfig with its own `resumable` set)."""
     cur = json.loads(json.dumps(now.to_dict(), default=str))
+    if getattr(now, "override_lr_scheduler", False):
+        resumable = resumable | LR_SCHEDULE
     return [
         f"{flag_name(k)} {saved[k]!r} -> {cur[k]!r}"
         for k in sorted(cur)

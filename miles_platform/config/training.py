@@ -10,7 +10,8 @@ from miles_platform.errors import ConfigError
 
 RANGES: dict[str, tuple] = {
     **dict.fromkeys(("lr_decay_iters", "micro_batch_size", "max_tokens_per_gpu"), POSITIVE),
-    **dict.fromkeys(("lr_warmup_iters", "lr", "min_lr", "weight_decay"), NON_NEGATIVE),
+    **dict.fromkeys(("lr_warmup_iters", "lr", "min_lr", "weight_decay", "lr_warmup_init"), NON_NEGATIVE),
+    "lr_wsd_decay_iters": POSITIVE,
     "lr_warmup_fraction": (0, 1, False, "in [0, 1]"),
     "adam_beta1": (0, 1, False, "in [0, 1)"),
     "adam_beta2": (0, 1, False, "in [0, 1)"),
@@ -33,8 +34,14 @@ class OptimizerFlags:
     lr: float = flag(
         1e-6, "optimizer", "learning rate (fit to model size: 1e-6 is for billion-parameter models)"
     )
-    lr_decay_style: str = flag("constant", "optimizer", "schedule", choices=("constant", "linear", "cosine"))
+    lr_decay_style: str = flag(
+        "constant",
+        "optimizer",
+        "schedule after warmup (megatron-core's formulas; training/schedule.py)",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    )
     lr_warmup_iters: int = flag(0, "optimizer", "warmup steps")
+    lr_warmup_init: float = flag(0.0, "optimizer", "lr at the start of warmup (warmup goes from it to --lr)")
     lr_warmup_fraction: float | None = flag(
         None,
         "optimizer",
@@ -42,6 +49,23 @@ class OptimizerFlags:
     )
     lr_decay_iters: int | None = flag(None, "optimizer", "decay steps (defaults to total steps)")
     min_lr: float = flag(0.0, "optimizer", "lower LR bound for decay")
+    lr_wsd_decay_iters: int | None = flag(
+        None, "optimizer", "--lr-decay-style WSD: the annealing steps at the end of --lr-decay-iters"
+    )
+    lr_wsd_decay_style: str = flag(
+        "exponential",
+        "optimizer",
+        "--lr-decay-style WSD: the annealing shape",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+    )
+    use_checkpoint_lr_scheduler: bool = flag(
+        False, "optimizer", "resume: keep the checkpoint's schedule values (lr, warmup, decay) over the flags"
+    )
+    override_lr_scheduler: bool = flag(
+        False,
+        "optimizer",
+        "resume: take the flags' schedule values over the checkpoint's (the step count stays)",
+    )
     weight_decay: float = flag(0.1, "optimizer", "decoupled weight decay")
     adam_beta1: float = flag(0.9, "optimizer", "Adam beta1")
     adam_beta2: float = flag(0.98, "optimizer", "Adam beta2")
@@ -51,6 +75,31 @@ class OptimizerFlags:
     def _check_optimizer_flags(self) -> None:
         if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
             raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters: give one (megatron takes one too)")
+        if self.use_checkpoint_lr_scheduler and self.override_lr_scheduler:
+            raise ConfigError(
+                "--override-lr-scheduler and --use-checkpoint-lr-scheduler: give one (megatron's rule)"
+            )
+        if self.lr_decay_style == "WSD" and not self.lr_wsd_decay_iters:
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (the annealing steps)")
+        if self.lr_wsd_decay_iters and self.lr_decay_style != "WSD":
+            raise ConfigError(
+                f"--lr-wsd-decay-iters: only --lr-decay-style WSD anneals; it has no effect with {self.lr_decay_style}"
+            )
+        if self.lr_warmup_init and not (self.lr_warmup_iters or self.lr_warmup_fraction):
+            raise ConfigError(
+                "--lr-warmup-init: no effect without warmup (--lr-warmup-iters or --lr-warmup-fraction)"
+            )
+        decay = self.lr_decay_iters or (
+            self.num_rollout * self.num_steps_per_rollout
+            if self.num_rollout and self.num_steps_per_rollout
+            else None
+        )
+        if decay:  # the schedule's own checks (WSD within the decay, warmup before it), before Ray starts
+            from miles_platform.training.schedule import schedule_of
+
+            schedule_of(self, decay)
+        if self.lr_wsd_decay_iters and decay and self.lr_wsd_decay_iters > decay:
+            raise ConfigError(f"--lr-wsd-decay-iters {self.lr_wsd_decay_iters} > the decay steps {decay}")
 
 
 @dataclass

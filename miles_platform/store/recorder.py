@@ -14,6 +14,7 @@ loop's (`RunConfig`, `DiffusionRunConfig`)."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -113,11 +114,26 @@ class VersionRecorder:
         return max(version, self.highest) + 1
 
     def save_due(self, rollout_id: int) -> bool:
-        """A checkpoint after this rollout: the last one, and every --save-interval-th (with --save)."""
+        """A checkpoint after this rollout: the last one, every --save-interval-th (with --save),
+        and any one while --save-trigger-sentinel's file exists (`save_requested`)."""
         c = self.cfg
         return bool(c.save) and (
             rollout_id + 1 == c.num_rollout
             or bool(c.save_interval and (rollout_id + 1) % c.save_interval == 0)
+            or self.save_requested()
+        )
+
+    def save_requested(self) -> bool:
+        """Miles' --save-trigger-sentinel: its file exists at this save point. The loop saves
+        synchronously, then `save_request_done` removes it: "file gone" means "checkpoint durable",
+        and a crash mid-save leaves the request for the next run."""
+        path = getattr(self.cfg, "save_trigger_sentinel", None)  # train-diffusion has none
+        return bool(path) and os.path.exists(path)
+
+    def save_request_done(self, rollout_id: int) -> None:
+        os.remove(self.cfg.save_trigger_sentinel)
+        self.reporter.log(
+            f"--save-trigger-sentinel {self.cfg.save_trigger_sentinel}: saved rollout {rollout_id}"
         )
 
     def record(

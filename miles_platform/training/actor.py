@@ -15,19 +15,16 @@ mixes a CPU tensor into the device's computation.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import resource
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from miles_platform.cluster.devices import (
     config_on_device,
@@ -39,23 +36,13 @@ from miles_platform.cluster.devices import (
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.store import remote
+from miles_platform.training import actor_checkpoint
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backend import ScoreRequest, Scores
 from miles_platform.training.backends import get_backend_class
-from miles_platform.training.checkpoint import (
-    TRAINER_STATE,
-    Checkpointer,
-    check_finite_weights,
-    load_optimizer_tensors,
-    optimizer_tensors,
-    python_rng_state,
-    rank_file,
-    restore_python_rng,
-    restore_rng_tensors,
-    rng_tensors,
-)
+from miles_platform.training.checkpoint import check_finite_weights, optimizer_tensors
 from miles_platform.training.opd import OPDPenalty, build_teacher
-from miles_platform.training.schedule import lr_multiplier
+from miles_platform.training.schedule import LRScheduler, schedule_of
 from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
 
 
@@ -106,12 +93,6 @@ class TrainBatch:
             rollout_topk_log_probs=cand_lps if any(x is not None for x in cand_lps) else None,
             sample_indices=[s.index for s in samples],
         )
-
-
-def lr_lambda(cfg: RunConfig, total_steps: int):
-    decay = cfg.lr_decay_iters or max(total_steps, 1)
-    warmup = cfg.lr_warmup_iters if cfg.lr_warmup_fraction is None else int(cfg.lr_warmup_fraction * decay)
-    return lr_multiplier(cfg.lr, cfg.min_lr, warmup, cfg.lr_decay_style, decay)
 
 
 def _rank_log(line: str) -> None:
@@ -184,7 +165,9 @@ class TrainerActor:
         else:
             self.opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         total = (cfg.num_rollout or 1) * (cfg.num_steps_per_rollout or 1)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total))
+        self.sched = LRScheduler(
+            self.opt, schedule_of(cfg, total), cfg.use_checkpoint_lr_scheduler, cfg.override_lr_scheduler
+        )
         self.global_step = 0
         self.loss_fn = loss_hub.get_loss_function(cfg)
         self._weight_groups: dict = {}  # group_name -> (process group, backend), broadcast transport
@@ -400,6 +383,7 @@ class TrainerActor:
 
             batch = TrainBatch(**get_rollout_data(batch))
         self.onload()  # --offload-train: back on the device for the step
+        actor_checkpoint.finish_pending(self)  # --async-save: the previous save's files are in
         self.hooks.rollout_id = rollout_id
         self.model.train()
         self._rows = SampleRows.start(cfg, batch, rollout_id, samples, self.rank, self.backend)
@@ -747,53 +731,18 @@ class TrainerActor:
         return [lp[i].tolist() for i in idx]
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, rollout_id: int, extra_state: dict | None = None) -> str:
-        """iter_NNNNNNN written atomically, then latest_checkpointed_iteration.txt (training/checkpoint.py):
-        each rank's model shard, optimizer and RNG files, rank 0's trainer_state.json after them."""
+    def save(self, rollout_id: int, extra_state: dict | None = None, sync: bool = False) -> str:
+        """iter_NNNNNNN written atomically, then latest_checkpointed_iteration.txt
+        (training/actor_checkpoint.py; `sync`: not in the background under --async-save)."""
+        return actor_checkpoint.save(self, rollout_id, extra_state, sync)
 
-        def write_rank(d: str) -> None:
-            self.backend.save_model(d)
-            if not self.backend.save_optimizer(self.opt, d):  # megatron: resharded like the weights
-                save_file(self._optimizer_tensors(), os.path.join(d, rank_file("optimizer", self.rank)))
-            save_file(rng_tensors(), os.path.join(d, rank_file("rng", self.rank)))
-            if self.critic is not None:
-                self.critic.save(d, self.rank)
-
-        def write_state(d: str) -> None:
-            state = {"rollout_id": rollout_id, "global_step": self.global_step, "scheduler": self.sched.state_dict(),
-                     "world_size": self.world_size, "train_backend": self.cfg.train_backend,
-                     "python_random": python_rng_state(), **(extra_state or {})}  # fmt: skip
-            Path(d, TRAINER_STATE).write_text(json.dumps(state, indent=1, default=str))
-
-        return Checkpointer(self.cfg.save, self.rank, self.world_size).save(
-            rollout_id, write_rank, write_state
-        )
+    def finish_save(self) -> str | None:
+        """Complete an --async-save in flight (every rank)."""
+        return actor_checkpoint.finish_pending(self)
 
     def load(self) -> dict | None:
         """Resume from --load (or --save) if a checkpoint exists. Returns trainer_state or None."""
-        with Checkpointer(self.cfg.load or self.cfg.save, self.rank, self.world_size).open_latest() as d:
-            return None if d is None else self._load_checkpoint(d)
-
-    def _load_checkpoint(self, d: str) -> dict:
-        state = json.loads(Path(d, TRAINER_STATE).read_text())
-        resharded = state.get("world_size", 1) != self.world_size
-        if resharded and (not self.backend.reshards_checkpoints or self.critic is not None):
-            raise ValueError(
-                f"{d}: saved with world size {state['world_size']}, resuming with {self.world_size}"
-            )
-        self.backend.load_model(d)
-        if self.critic is not None:
-            self.critic.load(d, self.rank)
-        if not self.backend.load_optimizer(self.opt, d):  # megatron: resharded like the weights
-            tensors = load_file(os.path.join(d, rank_file("optimizer", self.rank)))
-            load_optimizer_tensors(self.opt, self.backend.named_parameters(), tensors)
-        self.sched.load_state_dict(state["scheduler"])
-        self.global_step = state["global_step"]
-        rng_file = os.path.join(d, rank_file("rng", self.rank))
-        if os.path.exists(rng_file) or not resharded:  # another layout: this rank may have no saved RNG
-            restore_rng_tensors(load_file(rng_file))
-        restore_python_rng(state["python_random"])
-        return state
+        return actor_checkpoint.load(self)
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         return optimizer_tensors(self.opt, self.backend.named_parameters())

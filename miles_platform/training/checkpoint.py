@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -116,6 +117,33 @@ class Checkpointer:
         self._barrier()
         return final
 
+    def save_async(
+        self, rollout_id: int, write_rank: Callable[[str], None], write_marker: Callable[[str], None]
+    ) -> AsyncSave:
+        """`save` with the file writes on a background thread (--async-save; a local root). The
+        writers must only write files (their tensors already copied). Alone, the thread also writes
+        the marker, renames the dir and moves the pointer; with several ranks `AsyncSave.finish`
+        does (every rank, at the next save or train call). Until then the pointer names the previous
+        checkpoint, so a kill -9 mid-save leaves that one to resume from."""
+        final = iter_dir(self.root, rollout_id)
+        tmp = os.path.join(self.root, f".iter_{rollout_id:07d}.tmp-{uuid.uuid4().hex[:6]}")
+        if self.world_size > 1:
+            tmp = self._broadcast_str(tmp)
+        job = AsyncSave(self, rollout_id, tmp, final, write_marker)
+
+        def work() -> None:
+            try:
+                os.makedirs(tmp, exist_ok=True)
+                write_rank(tmp)
+                if self.world_size == 1:
+                    job.publish()
+            except BaseException as e:  # re-raised by finish() in the trainer's thread
+                job.error = e
+
+        job.thread = threading.Thread(target=work, name=f"async-save-{rollout_id}")
+        job.thread.start()
+        return job
+
     def _write(
         self, tmp: str, write_rank: Callable[[str], None], write_marker: Callable[[str], None]
     ) -> None:
@@ -151,6 +179,34 @@ class Checkpointer:
         obj = [s]
         dist.broadcast_object_list(obj, src=0)
         return obj[0]
+
+
+class AsyncSave:
+    """A checkpoint being written in the background (`Checkpointer.save_async`)."""
+
+    def __init__(self, ckpt: Checkpointer, rollout_id: int, tmp: str, final: str, write_marker):
+        self.ckpt, self.rollout_id, self.tmp, self.final = ckpt, rollout_id, tmp, final
+        self.write_marker, self.thread, self.error = write_marker, None, None
+
+    def publish(self) -> None:
+        """Rank 0: the marker after every rank's files, the rename, the pointer last."""
+        if self.ckpt.rank == 0:
+            self.write_marker(self.tmp)
+            fsync_tree(self.tmp)
+            replace_dir(self.tmp, self.final)
+            write_atomic(os.path.join(self.ckpt.root, LATEST), str(self.rollout_id))
+
+    def finish(self) -> str:
+        """Wait for this rank's files; with several ranks, every rank calls it (a barrier) and rank
+        0 publishes. Returns the iter dir."""
+        self.thread.join()
+        if self.error is not None:
+            raise CheckpointError(f"--async-save of {self.final} failed: {self.error!r}") from self.error
+        if self.ckpt.world_size > 1:
+            self.ckpt._barrier()
+            self.publish()
+            self.ckpt._barrier()
+        return self.final
 
 
 # ---------------------------------------------------------------------- optimizer tensors

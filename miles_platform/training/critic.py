@@ -70,19 +70,24 @@ class Critic(torch.nn.Module):
         self.opt.zero_grad(set_to_none=True)
         return float(norm)
 
-    def save(self, ckpt_dir: str, rank: int) -> None:
-        """Into the trainer's checkpoint dir (training/checkpoint.py): the critic once, its optimizer per rank."""
+    def save(self, ckpt_dir: str, rank: int, with_optimizer: bool = True) -> None:
+        """Into the trainer's checkpoint dir (training/checkpoint.py): the critic once, its optimizer
+        per rank (not with --no-save-optim)."""
         if rank == 0:
             save_file(
                 {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
                 os.path.join(ckpt_dir, "critic.safetensors"),
             )
+        if not with_optimizer:
+            return
         opt = optimizer_tensors(self.opt, self.named_parameters())
         save_file(opt, os.path.join(ckpt_dir, rank_file("critic_optimizer", rank)))
 
-    def load(self, ckpt_dir: str, rank: int) -> None:
+    def load(self, ckpt_dir: str, rank: int, with_optimizer: bool = True) -> None:
         self.load_state_dict(
             load_file(os.path.join(ckpt_dir, "critic.safetensors"))
         )  # copied onto the device
+        if not with_optimizer:  # --no-load-optim
+            return
         opt = load_file(os.path.join(ckpt_dir, rank_file("critic_optimizer", rank)))
         load_optimizer_tensors(self.opt, self.named_parameters(), opt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -138,18 +139,35 @@ class FSDPBackend(ModelBackend):
             raise ValueError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
 
     def save_model(self, ckpt_dir: str) -> None:
+        self.snapshot_model(copy=False)(ckpt_dir)
+
+    def snapshot_model(self, copy: bool = True) -> Callable[[str], None]:
+        """`save_model` in two halves (--async-save): the gathers now (collective), into copies the
+        training steps do not touch (`copy`); the returned writer only writes files (any thread)."""
+        own = (lambda v: v.detach().clone().contiguous()) if copy else (lambda v: v.contiguous())
         if self.lora:  # the adapter only; the base is named by content hash, never copied
             from miles_platform.models.checkpoint import content_hash
             from miles_platform.training.lora import write_adapter_dir
 
             state, conf = self.export_adapter()
-            if self.rank == 0:
-                base = self.cfg.hf_checkpoint
-                write_adapter_dir(os.path.join(ckpt_dir, "adapter"), state, conf, base, content_hash(base))
-            return
+            state = {k: own(v) for k, v in state.items()} if self.rank == 0 else {}
+            base = self.cfg.hf_checkpoint
+
+            def write_adapter(ckpt_dir: str) -> None:
+                if self.rank == 0:
+                    write_adapter_dir(
+                        os.path.join(ckpt_dir, "adapter"), state, conf, base, content_hash(base)
+                    )
+
+            return write_adapter
         sd = self.export_hf_state_dict()
-        if self.rank == 0:
-            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(ckpt_dir, "model.safetensors"))
+        sd = {k: own(v) for k, v in sd.items()} if self.rank == 0 else {}
+
+        def write_model(ckpt_dir: str) -> None:
+            if self.rank == 0:
+                save_file(sd, os.path.join(ckpt_dir, "model.safetensors"))
+
+        return write_model
 
     def load_model(self, ckpt_dir: str) -> None:
         if self.lora:

@@ -30,8 +30,11 @@ from miles_platform.rollout.rm_hub import math_rm
 from miles_platform.rollout.rm_hub.boxed import last_boxed
 from miles_platform.rollout.rm_hub.dapo_rm import dapo_reward
 from miles_platform.rollout.rm_hub.deepscaler_rm import deepscaler_reward
+from miles_platform.rollout.rm_hub.deterministic_random_rm import deterministic_random_rm
 from miles_platform.rollout.rm_hub.f1_rm import f1_reward
 from miles_platform.rollout.rm_hub.final_answer_rm import final_answer_rm
+from miles_platform.rollout.rm_hub.gemma_math_rm import gemma_math_reward
+from miles_platform.rollout.rm_hub.gpqa_rm import gpqa_rm
 from miles_platform.rollout.rm_hub.math_rm import math_reward
 from miles_platform.rollout.rm_hub.random_rm import random_rm
 from miles_platform.rollout.rm_hub.remote_rm import RemoteRewardError, remote_rm
@@ -69,11 +72,23 @@ REWARDS: dict[str, RewardFn] = {
     "f1": _graded(f1_reward),
     "final_answer": final_answer_rm,  # the last number after the last tool answer (multi-turn)
     "random": random_rm,
+    "deterministic_random": deterministic_random_rm,  # sha256 of the sample's tokens + response (Miles')
+    "gemma_math": _graded(gemma_math_reward),
+    "gpqa": gpqa_rm,  # multiple choice; reads metadata choices / correct_letter
     "remote_rm": remote_rm,
 }
 
+# Miles rewards refused by name: what they need that this build does not ship
+REFUSED_REWARDS = {
+    "ifbench": "Miles' ifbench reward clones allenai/IFBench at run time and imports its instruction checkers "
+    "(with their requirements: nltk, langdetect, emoji, syllapy, ...); this build does not ship them. Score "
+    "instruction following with --custom-rm-path (your function may import IFBench's instructions_registry)",
+}
+
 # graders with a heavy lazy dependency: loaded when the run starts (warm_up_rewards)
-WARM_UPS: dict[str, Callable[[], None]] = {"math": math_rm.warm_up, "deepscaler": math_rm.warm_up}
+WARM_UPS: dict[str, Callable[[], None]] = {
+    "math": math_rm.warm_up, "deepscaler": math_rm.warm_up, "gemma_math": math_rm.warm_up
+}  # fmt: skip
 
 # rewards that return a dict and therefore need --reward-key to train on
 DICT_REWARDS = {"dapo"}
@@ -89,6 +104,8 @@ def _resolve(rm_type: str | None, flag: str = "--rm-type") -> tuple[RewardFn, bo
     boxed = name.startswith("boxed_")
     if boxed:
         name = name[len("boxed_") :]
+    if name in REFUSED_REWARDS:
+        raise ConfigError(f"{flag} {rm_type!r}: {REFUSED_REWARDS[name]}")
     if name not in REWARDS:
         if not rm_type:
             raise ConfigError(f"no reward: set --rm-type (one of {valid_rm_types()}) or --custom-rm-path")

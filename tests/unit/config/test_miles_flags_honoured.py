@@ -12,8 +12,8 @@ from miles_platform.data.source import RolloutDataSource
 from miles_platform.models.checkpoint import load_tokenizer
 from miles_platform.rollout.sft_rollout import generate_rollout
 from miles_platform.rollout.train_only import TrainOnlyRollouts
-from miles_platform.training.actor import lr_lambda
 from miles_platform.training.checkpoint import prune_checkpoints
+from miles_platform.training.schedule import schedule_of
 
 BASE = ["--rollout-batch-size", "2"]
 
@@ -22,8 +22,12 @@ def test_lr_warmup_fraction_is_a_fraction_of_the_decay_steps():
     cfg = parse_run_config(
         [*BASE, "--lr-warmup-fraction", "0.1", "--lr-decay-style", "cosine", "--lr-decay-iters", "50"]
     )
-    f = lr_lambda(cfg, total_steps=1000)
-    assert [round(f(s), 3) for s in (0, 4)] == [0.2, 1.0]  # 5 warmup steps: 1/5, then the decay
+    f = schedule_of(cfg, total_steps=1000).lr
+    assert [round(f(s) / cfg.lr, 3) for s in (0, 1, 5)] == [
+        0.0,
+        0.2,
+        1.0,
+    ]  # 5 warmup steps from 0 (megatron's)
     with pytest.raises(Exception, match="--lr-warmup-fraction and --lr-warmup-iters"):
         parse_run_config([*BASE, "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"])
 

@@ -10,7 +10,7 @@ import torch
 from miles_platform.data.tasks import write_task_datasets
 from miles_platform.errors import MilesError
 from miles_platform.models.checkpoint import load_hf_checkpoint
-from miles_platform.training.schedule import lr_multiplier
+from miles_platform.training.schedule import LRSchedule
 from miles_platform.training.sft import SFTRecipe, cli_main, default_sft_recipe, run_sft
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
@@ -65,15 +65,16 @@ def test_sft_continues_from_an_existing_hf_dir(sft_data, tiny_hf_checkpoint, tmp
 
 
 def test_lr_schedule_warms_up_then_decays():
-    """The trainers' one schedule (SFT and RL): warmup, then cosine / linear / constant to min_lr."""
-    f = lr_multiplier(1.0, 0.1, 10, "cosine", 110)
-    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    """The trainers' one schedule (SFT and RL; megatron-core's formulas, tests/unit/training/test_schedule.py):
+    warmup from 0, then cosine / linear / constant to min_lr."""
+    f = LRSchedule(1.0, 0.1, 10, 110, "cosine").lr
+    assert f(0) == 0.0 and f(5) == pytest.approx(0.5) and f(10) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
-    lin = lr_multiplier(1.0, 0.1, 10, "linear", 110)
+    lin = LRSchedule(1.0, 0.1, 10, 110, "linear").lr
     assert lin(60) == pytest.approx(0.55) and lin(110) == pytest.approx(0.1)
-    assert lr_multiplier(1.0, 0.1, 10, "constant", 110)(100) == 1.0
+    assert LRSchedule(1.0, 0.1, 10, 110, "constant").lr(100) == 1.0
     with pytest.raises(MilesError, match="lr-decay-style"):
-        lr_multiplier(1.0, 0.1, 10, "step", 10)
+        LRSchedule(1.0, 0.1, 10, 110, "step")
 
 
 def test_bad_batch_sizes_are_refused(sft_data):

@@ -1,0 +1,143 @@
+"""Miles' checkpoint flags on the policy trainer (training/actor_checkpoint.py): --no-save-optim,
+--no-load-optim, --no-load-rng, --async-save (a kill -9 mid-save leaves the previous checkpoint),
+--save-trigger-sentinel (store/recorder.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from loop_helpers import random_train_batch
+from safetensors.torch import load_file
+
+from miles_platform.config import RunConfig
+from miles_platform.errors import CheckpointError, ConfigError
+from miles_platform.training.actor import TrainerActor
+from miles_platform.training.checkpoint import iter_dir, read_latest
+
+
+def _cfg(ckpt, save, **kw):
+    base = dict(hf_checkpoint=ckpt, rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=4,
+                lr=1e-3, save=save, num_rollout=4, micro_batch_size=2, lr_decay_style="linear")  # fmt: skip
+    return RunConfig(**{**base, **kw}).validate()
+
+
+def _batch(seed=0):
+    return random_train_batch(seed, rewards=[1.0, 0.0, 0.0, 1.0])
+
+
+def test_no_save_optim_needs_no_load_optim_to_resume_and_says_so(tiny_hf_checkpoint, tmp_path, capsys):
+    save = str(tmp_path / "ck")
+    a = TrainerActor(_cfg(tiny_hf_checkpoint, save, no_save_optim=True))
+    a.train(0, _batch(0))
+    a.save(0)
+    assert not [f for f in os.listdir(iter_dir(save, 0)) if f.startswith("optimizer")]
+    with pytest.raises(CheckpointError, match="--no-save-optim.*--no-load-optim"):
+        TrainerActor(_cfg(tiny_hf_checkpoint, save)).load()
+    b = TrainerActor(_cfg(tiny_hf_checkpoint, save, no_load_optim=True))
+    b.load()
+    assert "--no-load-optim" in capsys.readouterr().err
+    assert b.opt.state == {} and b.global_step == 1
+    assert b.sched.get_last_lr() == a.sched.get_last_lr()  # the schedule continues at the saved step
+    wa, wb = a.get_hf_weights(), b.get_hf_weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_no_load_optim_and_no_load_rng_skip_only_their_state(tiny_hf_checkpoint, tmp_path):
+    save = str(tmp_path / "ck")
+    a = TrainerActor(_cfg(tiny_hf_checkpoint, save))
+    a.train(0, _batch(0))
+    a.save(0)
+    saved_rng = load_file(os.path.join(iter_dir(save, 0), "rng_rank000.safetensors"))["torch"]
+    full = TrainerActor(_cfg(tiny_hf_checkpoint, save))
+    full.load()
+    assert full.opt.state and torch.equal(torch.get_rng_state(), saved_rng)
+    fresh = TrainerActor(_cfg(tiny_hf_checkpoint, save, no_load_optim=True, no_load_rng=True))
+    seeded = torch.get_rng_state()
+    fresh.load()
+    assert fresh.opt.state == {} and fresh.sched.num_steps == 1  # the scheduler state still restored
+    assert torch.equal(torch.get_rng_state(), seeded)
+
+
+def test_checkpoint_flags_without_effect_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--async-save.*without --save"):
+        RunConfig(rollout_batch_size=1, async_save=True).validate()
+    with pytest.raises(ConfigError, match="--no-load-rng: no effect without --load or --save"):
+        RunConfig(rollout_batch_size=1, no_load_rng=True).validate()
+    with pytest.raises(ConfigError, match="--async-save: not built with --train-backend megatron"):
+        RunConfig(
+            rollout_batch_size=1, async_save=True, save=str(tmp_path), train_backend="megatron"
+        ).validate()
+
+
+def test_async_save_writes_the_weights_of_the_save_point_in_the_background(tiny_hf_checkpoint, tmp_path):
+    save = str(tmp_path / "ck")
+    a = TrainerActor(_cfg(tiny_hf_checkpoint, save, async_save=True))
+    a.train(0, _batch(0))
+    at_save = {k: v.clone() for k, v in a.get_hf_weights().items()}
+    assert a.save(0) == iter_dir(save, 0) and a.pending_save is not None
+    a.train(1, _batch(1))  # finishes the save first, then steps: the checkpoint keeps the save point's
+    assert a.pending_save is None and read_latest(save) == 0
+    b = TrainerActor(_cfg(tiny_hf_checkpoint, save))
+    assert b.load()["rollout_id"] == 0
+    wb = b.get_hf_weights()
+    assert all(torch.equal(at_save[k], wb[k]) for k in at_save)
+    assert b.opt.state and b.global_step == 1
+
+
+KILLED_MID_SAVE = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from miles_platform.training.checkpoint import Checkpointer
+    save, started = sys.argv[1], sys.argv[2]
+    ck = Checkpointer(save, marker="state.json")
+    ck.save(0, lambda d: Path(d, "model.safetensors").write_bytes(b"v0"),
+            lambda d: Path(d, "state.json").write_text("{}"))
+    def slow(d):
+        Path(d, "model.safetensors").write_bytes(b"half")
+        Path(started).touch()
+        time.sleep(60)
+    ck.save_async(1, slow, lambda d: Path(d, "state.json").write_text("{}"))
+    time.sleep(60)
+""")
+
+
+def test_a_kill_9_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
+    save, started = str(tmp_path / "ck"), tmp_path / "started"
+    p = subprocess.Popen([sys.executable, "-c", KILLED_MID_SAVE, save, str(started)])
+    try:
+        deadline = time.time() + 30
+        while not started.exists() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.05)
+        assert started.exists(), "the background save never started"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert read_latest(save) == 0 and not os.path.exists(iter_dir(save, 1))
+    assert open(os.path.join(iter_dir(save, 0), "model.safetensors"), "rb").read() == b"v0"
+
+
+def test_save_trigger_sentinel_makes_any_rollout_a_save_point(tmp_path):
+    from miles_platform.run_types import Reporter
+    from miles_platform.store.paths import StoragePaths
+    from miles_platform.store.recorder import VersionRecorder
+
+    sentinel, lines = tmp_path / "save_now", []
+    cfg = RunConfig(rollout_batch_size=1, run_name="r", storage_root=str(tmp_path), save=str(tmp_path / "ckpt"),
+                    save_interval=10, num_rollout=20, save_trigger_sentinel=str(sentinel)).validate()  # fmt: skip
+    log = Reporter()
+    log.log = lines.append
+    rec = VersionRecorder(cfg, StoragePaths(cfg.storage_root), log, "base", "data", ("train/loss",))
+    assert not rec.save_due(2)
+    sentinel.touch()
+    assert rec.save_due(2) and rec.save_requested()
+    rec.save_request_done(2)
+    assert not sentinel.exists() and not rec.save_due(3) and "saved rollout 2" in lines[-1]
+    with pytest.raises(ConfigError, match="--save-trigger-sentinel: no effect without --save"):
+        RunConfig(rollout_batch_size=1, save_trigger_sentinel=str(sentinel)).validate()
