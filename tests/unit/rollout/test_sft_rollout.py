@@ -81,3 +81,12 @@ def test_tools_of_the_record_reach_the_template(tiny_hf_checkpoint):
     assert '"calc"' in tok.decode(with_tools[: len(with_tools) - len(plain)])
     assert len(with_tools) > len(plain) and with_tools[-len(plain) :] == plain
     assert 1 not in mask[: len(with_tools) - len(plain)]
+
+
+def test_eval_flags_in_an_sft_run_are_refused_not_ignored(tiny_hf_checkpoint, tmp_path):
+    from miles_platform.errors import ConfigError
+
+    data = str(tmp_path / "chat.jsonl")
+    for extra in (["--eval-interval", "1"], ["--eval-prompt-data", "heldout", data]):
+        with pytest.raises(ConfigError, match="with --debug-train-only: no engine starts to generate eval"):
+            parse_run_config(sft_argv(tiny_hf_checkpoint, data, *extra))
