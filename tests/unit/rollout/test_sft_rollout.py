@@ -90,3 +90,19 @@ def test_eval_flags_in_an_sft_run_are_refused_not_ignored(tiny_hf_checkpoint, tm
     for extra in (["--eval-interval", "1"], ["--eval-prompt-data", "heldout", data]):
         with pytest.raises(ConfigError, match="with --debug-train-only: no engine starts to generate eval"):
             parse_run_config(sft_argv(tiny_hf_checkpoint, data, *extra))
+
+
+def test_miles_loss_mask_type_qwen_is_taken_in_sft_and_refused_elsewhere(tiny_hf_checkpoint, tmp_path):
+    """Miles' SFT scripts may pass --loss-mask-type qwen: the template walk gives its masks; its
+    other rules, and the flag outside the SFT rollout (where Miles reads it nowhere), are refused."""
+    from miles_platform.errors import ConfigError
+
+    data = str(tmp_path / "chat.jsonl")
+    cfg = parse_run_config(sft_argv(tiny_hf_checkpoint, data, "--loss-mask-type", "qwen"))
+    assert any(line.startswith("--loss-mask-type") for line in cfg.miles_flags_taken())
+    with pytest.raises(ConfigError, match="--loss-mask-type qwen3: .*qwen only"):
+        parse_run_config(sft_argv(tiny_hf_checkpoint, data, "--loss-mask-type", "qwen3"))
+    with pytest.raises(ConfigError, match="--loss-mask-type qwen: .*with the SFT rollout function"):
+        parse_run_config(
+            ["--hf-checkpoint", tiny_hf_checkpoint, "--rollout-batch-size", "2", "--loss-mask-type", "qwen"]
+        )
