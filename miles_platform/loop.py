@@ -126,7 +126,7 @@ class RLRun:
                     result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
                 hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
                 s.colocation.before_weight_update()
-                if s.session is not None and (rollout_id + 1) % cfg.update_weights_interval == 0:
+                if s.publishes_versions and (rollout_id + 1) % cfg.update_weights_interval == 0:
                     with phase("weight_update"):
                         parent, version = rec.next_version(version)
                         hf_dir, m = publish_version(cfg, self.paths, s, version, self.base_version)
@@ -195,15 +195,13 @@ class RLRun:
 
     def _train(self, rollout_id: int, batch, version: int) -> dict[str, float]:
         """Rollout data to the trainer ranks through the object store (`--object-store-backend`); they
-        record its train_samples rows under the version their steps make (none without engines)."""
+        record its train_samples rows under the version their steps make (none in a replay)."""
         import dataclasses
 
         from miles_platform.cluster.object_store import put_rollout_data, store_from_config
         from miles_platform.training.train_samples import TrainSamplesTarget
 
-        target = TrainSamplesTarget(
-            self.rec.upcoming_version(version) if self.s.session is not None else None
-        )
+        target = TrainSamplesTarget(self.rec.upcoming_version(version) if self.s.publishes_versions else None)
 
         store = store_from_config(self.cfg)
         handle = put_rollout_data(dataclasses.asdict(batch), store)

@@ -45,6 +45,13 @@ class RunServices(contextlib.AbstractContextManager):
         return self.life.trackers
 
     @property
+    def publishes_versions(self) -> bool:
+        """Whether the run makes policy versions: with engines (the weight-update session), and in a
+        train-only run of a rollout function (Miles' SFT), whose versions are HF exports no engine
+        loads; not in a replay of dumped rollouts (--load-debug-rollout-data) or --debug-rollout-only."""
+        return self.session is not None or (self.train_only is not None and bool(self.trainers))
+
+    @property
     def config_changes(self) -> list[str]:
         """Flags a resume changed under --allow-config-change."""
         return self.life.config_changes

@@ -89,6 +89,8 @@ SLOW = {
     "test_checkpoint_saved_at_one_layout_resumes_at_another",
     "test_the_gsm8k_recipe_runs_two_rollouts_through_miles_platform_train",
     "test_filter_open_a_sample_and_see_its_tokens_shaded",
+    "test_train_sft_loss_on_chat_data_records_versions_and_lowers_the_loss",
+    "test_sft_on_chat_data_two_ranks_and_megatron_train_like_one_fsdp_rank",
 }  # fmt: skip
 
 

@@ -12,6 +12,36 @@ def write_prompts(tmp_path, n: int = 8) -> str:
     return str(p)
 
 
+def chat_rows(n: int = 8) -> list[dict]:
+    """Multi-turn conversations (Miles' SFT data: `messages` of system / user / assistant / tool turns)."""
+    rows = []
+    for i in range(n):
+        rows.append({"messages": [
+            {"role": "system", "content": "You add numbers."},
+            {"role": "user", "content": f"{i}+{i}="},
+            {"role": "assistant", "content": f"calc {i}+{i}"},
+            {"role": "tool", "content": str(2 * i)},
+            {"role": "assistant", "content": str(2 * i)},
+            {"role": "user", "content": "and doubled?"},
+            {"role": "assistant", "content": str(4 * i)},
+        ][: 5 if i % 2 else 7]})  # fmt: skip
+    return rows
+
+
+def write_chat_data(tmp_path, n: int = 8) -> str:
+    p = tmp_path / "chat.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(n)))
+    return str(p)
+
+
+def sft_argv(ckpt: str, data: str, *more: str) -> list[str]:
+    """`train` argv of Miles' SFT recipe (its run-*-sft.sh): the SFT rollout function over `messages`."""
+    return ["--hf-checkpoint", ckpt, "--prompt-data", data, "--input-key", "messages",
+            "--rollout-function-path", "miles.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss",
+            "--calculate-per-token-loss", "--disable-compute-advantages-and-returns", "--debug-train-only",
+            "--rollout-batch-size", "4", "--global-batch-size", "4", *more]  # fmt: skip
+
+
 def small_run_kwargs(ckpt: str, tmp_path, **overrides) -> dict:
     """The RunConfig keyword arguments of the small run, unvalidated (for tests of validation itself)."""
     base = dict(

@@ -96,6 +96,12 @@ COMPAT: dict[str, MilesFlag] = {
         "onto each sample, task reward 0); any other reward post-process hook is not built: put its logic in --custom-rm-path",
         when=lambda cfg, v: v == MILES_OPD_POST_PROCESS and cfg.use_opd,
     ),
+    "loss_mask_type": _same(
+        "str", "how Miles' SFT rollout cuts a Qwen chat into loss-masked turns: the SFT rollout here walks the "
+        "tokenizer's own chat template turn by turn, which gives qwen's masks (assistant content + end of turn); "
+        "qwen3's and distill_qwen's rules are not built: qwen only, with the SFT rollout function (Miles reads it nowhere else)",
+        when=lambda cfg, v: v == "qwen" and cfg.uses_sft_rollout,
+    ),
     "disable_compute_advantages_and_returns": _same(
         "bool", "SFT computes no advantages (--loss-type sft_loss); the policy losses need them, so with any other loss it is refused",
         when=lambda cfg, v: cfg.loss_type == "sft_loss",

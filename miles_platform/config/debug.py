@@ -65,6 +65,12 @@ class DebugFlags:
                 "SFT: miles.rollout.sft_rollout.generate_rollout): no engines start, so there is nothing else "
                 "to train on"
             )
+        if self.debug_train_only and (self.eval_interval or self.eval_prompt_data):
+            raise ConfigError(
+                "--eval-interval / --eval-prompt-data with --debug-train-only: no engine starts to generate eval "
+                "answers (Miles' SFT rollout function has no eval either); each policy version is an HF export "
+                "that `miles-platform eval` or the eval sensor evaluates: drop the eval flags"
+            )
         if self.save_debug_rollout_data:
             check_rollout_template("--save-debug-rollout-data", self.save_debug_rollout_data)
         if self.save_debug_train_data:

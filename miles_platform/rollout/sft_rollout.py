@@ -3,7 +3,9 @@
 generated and no engine starts: each prompt record is a finished conversation (`--input-key
 messages`: a list of {role, content}), rendered with the tokenizer's chat template, and the loss
 covers the assistant turns (their content and end-of-turn token, not the role header), as Miles'
-MultiTurnLossMaskGenerator does. Each record is a group of one sample with reward 0.
+MultiTurnLossMaskGenerator does: an assistant message with `"step_loss_mask": 0` is context, and
+the record's `tools` (under --metadata-key) go to the template. Each record is a group of one
+sample with reward 0.
 
 The conversation is rendered turn by turn (the template applied to the first i messages, i = 1..n),
 so every message is one tokenized segment whose mask is its role's; a template that does not render
@@ -31,15 +33,28 @@ def _tokenizer(path: str):
     return _TOKENIZERS[path]
 
 
-def _render(tok, messages: list[dict], generation_prompt: bool = False) -> str:
+def _render(tok, messages: list[dict], generation_prompt: bool = False, tools: list | None = None) -> str:
     if not messages:
         return ""
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    kw = {"tools": tools} if tools else {}
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
 
 
-def conversation_tokens(tok, messages: list[dict], where: str = "") -> tuple[list[int], list[int]]:
+def _trained(m: dict, i: int, where: str) -> int:
+    """1 for an assistant message unless its `step_loss_mask` (Miles' per-turn switch) is 0."""
+    step = m.get("step_loss_mask", 1)
+    if step not in (0, 1):
+        raise DataError(f"{where}: message {i} has step_loss_mask {step!r}: 0 or 1")
+    return int(m["role"] == "assistant" and step == 1)
+
+
+def conversation_tokens(
+    tok, messages: list[dict], where: str = "", tools: list | None = None
+) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of a conversation: 1 on each assistant message's content and end of
-    turn, 0 on everything else (system / user / tool messages, role headers)."""
+    turn, 0 on everything else (system / user / tool messages, role headers, an assistant message
+    with `step_loss_mask` 0). `tools`: the tool schemas the template renders (Miles: the record's
+    metadata["tools"])."""
     if not getattr(tok, "chat_template", None):
         raise DataError(f"{where}: SFT on messages needs a tokenizer with a chat template")
     ids: list[int] = []
@@ -48,17 +63,17 @@ def conversation_tokens(tok, messages: list[dict], where: str = "") -> tuple[lis
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise DataError(f"{where}: message {i} needs a role")
-        text = _render(tok, messages[: i + 1])
+        text = _render(tok, messages[: i + 1], tools=tools)
         header = ""
         if m["role"] == "assistant":  # the role header is the prompt's, not the answer's
-            opened = _render(tok, messages[:i], generation_prompt=True)
+            opened = _render(tok, messages[:i], generation_prompt=True, tools=tools)
             header = opened[len(done) :] if opened.startswith(done) else ""
         if not text.startswith(done + header):
             raise DataError(
                 f"{where}: the chat template does not render messages[:{i + 1}] as a continuation of "
                 f"messages[:{i}]; Miles' SFT masks need one that does"
             )
-        for part, trained in ((header, 0), (text[len(done) + len(header) :], int(m["role"] == "assistant"))):
+        for part, trained in ((header, 0), (text[len(done) + len(header) :], _trained(m, i, where))):
             if part:
                 t = tok.encode(part, add_special_tokens=False)
                 ids += t
@@ -84,7 +99,7 @@ def generate_rollout(args, rollout_id: int, data_source, evaluation: bool = Fals
             ) from None
         if not isinstance(messages, list):
             raise DataError(f"{where}: SFT records are conversations: a messages list under --input-key")
-        ids, mask = conversation_tokens(tok, messages, where)
+        ids, mask = conversation_tokens(tok, messages, where, tools=(rec.metadata or {}).get("tools"))
         if 1 not in mask[1:]:
             raise DataError(f"{where}: no assistant message to train on")
         first = mask.index(1, 1)

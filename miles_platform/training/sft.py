@@ -76,6 +76,8 @@ def default_sft_recipe() -> SFTRecipe:
 
 # ---------------------------------------------------------------- data
 def load_sft_rows(path: str, input_key: str = "prompt", response_key: str = "response") -> list[dict]:
+    """Rows of prompt + response text, or conversations: a messages list under `input_key` (Miles'
+    SFT data, `--input-key messages`; masked as the SFT rollout function masks them)."""
     import fsspec
 
     rows = []
@@ -88,9 +90,15 @@ def load_sft_rows(path: str, input_key: str = "prompt", response_key: str = "res
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: malformed JSON ({e.msg})") from None
+            if isinstance(row.get(input_key), list):  # a conversation: its assistant turns are the target
+                row["_where"] = where
+                rows.append(row)
+                continue
             for key, flag in ((input_key, "--input-key"), (response_key, "--response-key")):
                 if not isinstance(row.get(key), str):
-                    raise DataError(f"{where}: missing string key {key!r} (check {flag})")
+                    raise DataError(
+                        f"{where}: missing string key {key!r} (check {flag}), or a messages list under --input-key"
+                    )
             rows.append(row)
     if not rows:
         raise DataError(f"{path}: no SFT rows")
@@ -104,9 +112,23 @@ def tokenize_sft(
 
     A multi-turn row (a tool episode) may carry `response_parts`: [[text, trained], ...] whose texts
     join to the response; each part is tokenized on its own, as the multi-turn generator appends
-    turns, and parts with trained 0 (tool answers, chat markup) get no loss."""
+    turns, and parts with trained 0 (tool answers, chat markup) get no loss. A conversation row
+    (messages under `input_key`) is the chat template's rendering with the loss on its assistant
+    turns, exactly as `train`'s SFT rollout function masks it (rollout/sft_rollout.py)."""
+    from miles_platform.rollout.sft_rollout import conversation_tokens
+
     seqs, masks = [], []
     for i, row in enumerate(rows):
+        if isinstance(row[input_key], list):
+            where = row.get("_where", f"SFT row {i}")
+            s, m = conversation_tokens(
+                tokenizer, row[input_key], where, tools=(row.get("metadata") or {}).get("tools")
+            )
+            if 1 not in m[1:]:
+                raise DataError(f"{where}: no assistant message to train on")
+            seqs.append(s)
+            masks.append(m)
+            continue
         p = tokenizer.encode(row[input_key], add_special_tokens=False)
         r, m = [], []
         for text, trained in _response_parts(row, response_key, i):
@@ -298,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--from-scratch", action="store_true", help="task tokenizer + tiny Qwen3 of the default recipe"
     )
-    ap.add_argument("--prompt-data", required=True, help="SFT JSONL (prompt + response per row)")
+    ap.add_argument("--prompt-data", required=True,
+                    help="SFT JSONL: prompt + response per row, or a messages list under --input-key (chat)")  # fmt: skip
     ap.add_argument("--tokenizer", default="arithmetic", choices=("arithmetic", "tool_use"),
                     help="--from-scratch: the task whose tokenizer the new model gets (default: %(default)s)")  # fmt: skip
     ap.add_argument("--save", required=True, help="HF checkpoint output dir")

@@ -6,7 +6,8 @@ the publication it finds), a LoRA run loads its adapter.
 
 `publish_version`: the trainer's weights as the run's next version, through the run's transport
 (HF export first, so a replacement engine or a reader can load it), with the `--ci-test` /
-`--check-weight-update-equal` check after it.
+`--check-weight-update-equal` check after it. A train-only run (Miles' SFT: no engines) writes the
+HF export (a LoRA run: the adapter dir) and stops there.
 
 `save_hf_copy`: with a checkpoint, the version's policy as an HF dir (--save-hf).
 """
@@ -77,6 +78,8 @@ def publish_version(
         s.monitor.check_once()
     weights = _trainer_weights(s)
     hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, paths.hf_export(cfg.run_name, version))
+    if s.session is None:  # train-only (Miles' SFT): no engine to load it
+        return hf_dir, {}
     metrics = s.session.update(weights, version, hf_dir)
     if weight_check_on(cfg):
         check_weights_equal(cfg, s.engines, weights, version)

@@ -151,3 +151,30 @@ def test_trainer_sft_loss_is_the_token_mean_nll_of_the_trained_tokens(sft_data, 
     finally:
         torch.set_num_threads(prev)
     assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_sft_on_chat_data_trains_the_batches_train_would(tiny_hf_checkpoint, tmp_path):
+    """`miles-platform sft --input-key messages` masks a conversation as `train`'s SFT rollout
+    function does (one masking code): the trainer gets the same tokens, response spans and masks."""
+    from loop_helpers import sft_argv, write_chat_data
+
+    from miles_platform.config import parse_run_config
+    from miles_platform.data.source import RolloutDataSource
+    from miles_platform.models.checkpoint import load_tokenizer
+    from miles_platform.rollout.sft_rollout import generate_rollout
+    from miles_platform.training.actor import TrainBatch
+    from miles_platform.training.sft import load_sft_rows, sft_train_batch, tokenize_sft
+
+    data = write_chat_data(tmp_path, n=4)
+    tok = load_tokenizer(tiny_hf_checkpoint)
+    ids, mask = tokenize_sft(load_sft_rows(data, input_key="messages"), tok, input_key="messages")
+    mine = sft_train_batch(ids, mask)
+    cfg = parse_run_config(sft_argv(tiny_hf_checkpoint, data))
+    theirs = TrainBatch.from_samples(
+        [g[0] for g in generate_rollout(cfg, 0, RolloutDataSource.from_config(cfg))]
+    )
+    assert mine.tokens == theirs.tokens and mine.loss_masks == theirs.loss_masks
+    assert mine.response_lengths == theirs.response_lengths
+    m = run_sft(data, hf_checkpoint=tiny_hf_checkpoint, input_key="messages", progress=False,
+                recipe=_recipe(train_iters=2, global_batch_size=4, micro_batch_size=2))  # fmt: skip
+    assert m["num_samples"] == 4 and m["train_iters"] == 2
