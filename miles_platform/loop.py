@@ -212,7 +212,7 @@ class RLRun:
             store.remove(handle)
 
     def _save(self, rollout_id: int, version: int) -> str:
-        extra = {"weight_version": version, "data_source": self.s.data_source_state(), "run": self.cfg.run_name,
+        extra = {"weight_version": version, **self.s.checkpoint_state(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
         from miles_platform.run_services import call_trainers
         from miles_platform.training.checkpoint import prune_checkpoints
