@@ -202,9 +202,8 @@ class AsyncFlags:
         if clash:
             raise ConfigError(
                 f"--fully-async does not take {', '.join(clash)}: the worker submits one group at a time as "
-                "slots free (no over-sampling rounds), its data buffer picks groups first in first out "
-                "(--custom-async-data-buffer-path replaces it), and it does not abort generations to "
-                "continue later (Miles: --fully-async does not support --partial-rollout)"
+                "slots free (no over-sampling rounds) and its data buffer picks groups first in first out "
+                "(--custom-async-data-buffer-path replaces it)"
             )
 
 
