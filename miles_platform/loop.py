@@ -215,7 +215,7 @@ class RLRun:
     def _save(self, rollout_id: int, version: int, sync: bool = True) -> str:
         """The trainers' checkpoint; with --async-save and not `sync` written in the background (the
         run's last save and a sentinel's are synchronous, so the run ends with its checkpoint on disk)."""
-        extra = {"weight_version": version, "data_source": self.s.data_source_state(), "run": self.cfg.run_name,
+        extra = {"weight_version": version, **self.s.checkpoint_state(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
         from miles_platform.run_services import call_trainers
         from miles_platform.training.checkpoint import prune_checkpoints

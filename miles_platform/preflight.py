@@ -69,6 +69,9 @@ def validate_before_start(cfg: RunConfig) -> None:
     filter_hub.load_dynamic_filter(cfg)
     filter_hub.load_rollout_sample_filter(cfg)
     filter_hub.load_buffer_filter(cfg)
+    from miles_platform.rollout.data_buffer import load_buffer_class
+
+    load_buffer_class(cfg)  # --custom-async-data-buffer-path: a DataBuffer subclass
     from miles_platform.plugins import load_function
 
     if cfg.custom_loss_function_path:

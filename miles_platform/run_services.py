@@ -184,7 +184,8 @@ class RunServices(contextlib.AbstractContextManager):
         if self.cfg.fully_async and self.manager is not None:
             from miles_platform.rollout.async_worker import AsyncRolloutWorker
 
-            self.worker = AsyncRolloutWorker(self.manager, self.cfg.async_buffer_capacity).start()
+            saved = (self.state or {}).get("async_data_buffer")  # a resume: the buffered groups as they were
+            self.worker = AsyncRolloutWorker(self.manager, saved).start()
             self._stack.callback(self.worker.stop)
 
     def __exit__(self, *exc) -> bool:
@@ -222,10 +223,16 @@ class RunServices(contextlib.AbstractContextManager):
         """Each rollout's metrics of the services: --use-fault-tolerance's engine restarts so far."""
         return {"rollout/engine_restarts": float(self.monitor.restarts)} if self.monitor is not None else {}
 
-    def data_source_state(self) -> dict:
-        """The data-source position plus every prompt taken and not trained (checkpointed)."""
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint records of the rollout side: the data-source position plus every prompt
+        taken and not trained; --fully-async: the data buffer and the worker's finished groups."""
         if self.worker is not None:
-            return self.worker.data_source_state()
+            ds, worker = self.worker.checkpoint_state()
+            return {"data_source": ds, "async_data_buffer": worker}
+        return {"data_source": self.data_source_state()}
+
+    def data_source_state(self) -> dict:
+        """The data-source position plus every prompt taken and not trained (sync rollouts)."""
         if self.train_only is not None:
             return self.src.state_dict()
         m = self.manager

@@ -4,6 +4,7 @@ import json
 import os
 
 from miles_platform.config import RunConfig
+from miles_platform.rollout.data_buffer import DefaultDataBuffer
 
 
 def write_prompts(tmp_path, n: int = 8) -> str:
@@ -191,3 +192,29 @@ def run_ranks(fn, args: tuple, nprocs: int, out) -> None:
 async def broken_reward(args, sample):
     """A `--custom-rm-path` with a bug: it raises on every sample."""
     raise KeyError("score")
+
+
+class RecordingBuffer(DefaultDataBuffer):
+    """A `--custom-async-data-buffer-path` for the tests: the default buffer, every call recorded."""
+
+    calls: list[tuple] = []
+
+    def put(self, input):
+        self.calls.append(("put", input.uid))
+        return super().put(input)
+
+    def get(self, num_groups, current_version=None):
+        self.calls.append(("get", num_groups, current_version))
+        return super().get(num_groups, current_version)
+
+    def get_metrics(self, trainer_model_id=None):
+        self.calls.append(("get_metrics", trainer_model_id))
+        return {**super().get_metrics(trainer_model_id), "custom/buffer_calls": float(len(self.calls))}
+
+    def state_dict(self):
+        self.calls.append(("state_dict",))
+        return {**super().state_dict(), "recorded": True}
+
+    def load_state_dict(self, state):
+        self.calls.append(("load_state_dict",))
+        return super().load_state_dict(state)

@@ -19,11 +19,12 @@ RANGES: dict[str, tuple] = {
             "over_sampling_batch_size",
             "rollout_max_prompt_len",
             "rollout_max_concurrency",
-            "async_buffer_capacity",
+            "async_max_concurrent_samples",
         ),
         POSITIVE,
     ),  # fmt: skip
     **dict.fromkeys(("num_rollout", "max_weight_staleness"), NON_NEGATIVE),
+    "async_data_buffer_capacity_factor": (0, None, True, "> 0"),
     "rollout_top_p": FRACTION,
     "rollout_temperature": FINITE,
 }
@@ -143,26 +144,67 @@ class AsyncFlags:
     async_unused_samples_handler: str = flag(
         "drop",
         "async",
-        "a group too stale to train: drop it, or retry (its prompt goes back to the data source)",
+        "a group training does not use (aborted, or past --max-weight-staleness): drop it, or retry "
+        "(its prompt goes back to the data source)",
         choices=("drop", "retry"),
     )
     max_weight_staleness: int | None = flag(
         None, "async", "drop groups whose oldest version lags the engine by more"
     )
-    async_buffer_capacity: int | None = flag(
-        None, "async", "max finished groups buffered (default 2x rollout batch)"
+    async_data_buffer_capacity_factor: float = flag(
+        2.0,
+        "async",
+        "the data buffer holds floor(factor x --rollout-batch-size) groups; full: the worker blocks",
     )
+    async_max_concurrent_samples: int | None = flag(
+        None, "async", "in-flight cap in trajectories, floored to value // --n-samples-per-prompt groups "
+        "(default: --rollout-batch-size groups)"
+    )  # fmt: skip
+    rollout_submission_granularity: str | None = flag(
+        None,
+        "async",
+        "what frees a submission slot: each finished sample, or the whole group (default: sample under "
+        "--fully-async, group otherwise)",
+        choices=("group", "sample"),
+    )
+    custom_async_data_buffer_path: str | None = flag(
+        None, "async", "the fully async data buffer: <module>.<Class>, a subclass of "
+        "miles_platform.rollout.data_buffer.DataBuffer (docs/rollout.md)"
+    )  # fmt: skip
 
     def _check_async_flags(self) -> None:
-        if self.async_unused_samples_handler != "drop" and not (
-            self.fully_async and self.max_weight_staleness is not None
-        ):
-            raise ConfigError(
-                f"--async-unused-samples-handler {self.async_unused_samples_handler} acts on groups "
-                "--max-weight-staleness filters in a --fully-async run; set both or drop the flag"
-            )
-        if self.fully_async and self.pause_generation_mode == "abort":
+        if not self.fully_async:
+            only_async = [f for f, on in (
+                (f"--async-unused-samples-handler {self.async_unused_samples_handler}",
+                 self.async_unused_samples_handler != "drop"),
+                (f"--max-weight-staleness {self.max_weight_staleness}", self.max_weight_staleness is not None),
+                (f"--async-data-buffer-capacity-factor {self.async_data_buffer_capacity_factor}",
+                 self.async_data_buffer_capacity_factor != 2.0),
+                (f"--async-max-concurrent-samples {self.async_max_concurrent_samples}",
+                 self.async_max_concurrent_samples is not None),
+                (f"--custom-async-data-buffer-path {self.custom_async_data_buffer_path}",
+                 bool(self.custom_async_data_buffer_path)),
+                ("--rollout-submission-granularity sample", self.rollout_submission_granularity == "sample"),
+            ) if on]  # fmt: skip
+            if only_async:
+                raise ConfigError(
+                    f"{', '.join(only_async)} shape the fully async worker and its data buffer; without "
+                    "--fully-async a rollout is one batched request per round and nothing is buffered "
+                    "across steps: add --fully-async (or train-async) or drop the flag"
+                )
+            return
+        if self.pause_generation_mode == "abort":
             raise ConfigError("--fully-async rejects --pause-generation-mode abort (use retract or in_place)")
+        clash = [f for f, on in (
+            (f"--over-sampling-batch-size {self.over_sampling_batch_size}", self.over_sampling_batch_size),
+            (f"--buffer-filter-path {self.buffer_filter_path}", self.buffer_filter_path),
+        ) if on]  # fmt: skip
+        if clash:
+            raise ConfigError(
+                f"--fully-async does not take {', '.join(clash)}: the worker submits one group at a time as "
+                "slots free (no over-sampling rounds) and its data buffer picks groups first in first out "
+                "(--custom-async-data-buffer-path replaces it)"
+            )
 
 
 def derive_batch_knobs(cfg) -> None:

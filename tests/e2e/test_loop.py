@@ -237,13 +237,15 @@ def test_disk_delta_weights_and_fully_async(tiny_hf_checkpoint, tmp_path):
     m = res.metrics[-1]  # Miles' names
     assert {"rollout/fully_async/max_staleness", "rollout/fully_async/queue_size",
             "rollout/fully_async/avg_generation_version_span"} <= set(m)  # fmt: skip
-    # the checkpoint after rollout 0 accounts for every prompt handed out: trained in rollout 0,
-    # or in flight / queued / buffered (saved as pending, served first on resume): none lost, none twice
+    # the checkpoint after rollout 0 accounts for every prompt handed out: trained in rollout 0, in
+    # flight (saved as pending, served first on resume), or generated and buffered (saved as groups,
+    # restored as they are): none lost, none twice
     from collections import Counter
 
     save = StoragePaths(cfg.storage_root).checkpoints("t")
     with open(os.path.join(save, "iter_0000000", "trainer_state.json")) as f:
-        ds = json.load(f)["data_source"]
+        state = json.load(f)
+    ds, buf = state["data_source"], state["async_data_buffer"]
     from miles_platform.data.dataset import load_prompt_dataset
 
     order = [r.id for r in load_prompt_dataset(cfg.prompt_data, input_key="prompt", label_key="label")]
@@ -253,7 +255,9 @@ def test_disk_delta_weights_and_fully_async(tiny_hf_checkpoint, tmp_path):
     )
     trained = Counter(r[0] for r in rows)
     pending = Counter(r["id"] for r in ds.get("pending", []))
-    assert sum(pending.values()) > 0 and trained + pending == handed_out, (trained, pending, handed_out)
+    buffered = Counter(e["prompt"]["id"] for e in buf["buffer"]["entries"] + buf["finished"])
+    assert sum(pending.values()) + sum(buffered.values()) > 0
+    assert trained + pending + buffered == handed_out, (trained, pending, buffered, handed_out)
     # the post-write hook saw each version once, committed, before the engines pulled it
     with open(f"{cfg.update_weight_disk_dir}.post_write_hook.jsonl") as f:
         calls = [json.loads(line) for line in f]
