@@ -44,6 +44,10 @@ class SFTRecipe:
     lr: float = 5e-3
     lr_decay_style: str = "cosine"
     lr_warmup_iters: int = 50
+    # where the warmup starts (megatron's --lr-warmup-init; its default 0 trains step 0 at lr 0).
+    # None: lr / lr_warmup_iters, one warmup step in, with which the demo base leaves the loss plateau
+    # as it did before the schedule became megatron's (61.5% greedy, 2026-12-05; from 0: 8.0%)
+    lr_warmup_init: float | None = None
     min_lr: float = 1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -241,6 +245,7 @@ def sft_run_config(recipe: SFTRecipe, hf_checkpoint: str, iters: int) -> RunConf
         lr=recipe.lr,
         min_lr=recipe.min_lr,
         lr_warmup_iters=recipe.lr_warmup_iters,
+        lr_warmup_init=_warmup_init(recipe),
         lr_decay_style=recipe.lr_decay_style,
         weight_decay=recipe.weight_decay,
         adam_beta1=recipe.adam_beta1,
@@ -248,6 +253,12 @@ def sft_run_config(recipe: SFTRecipe, hf_checkpoint: str, iters: int) -> RunConf
         clip_grad=recipe.clip_grad,
         seed=recipe.seed,
     ).validate()
+
+
+def _warmup_init(recipe: SFTRecipe) -> float:
+    if recipe.lr_warmup_init is not None:
+        return recipe.lr_warmup_init
+    return recipe.lr / recipe.lr_warmup_iters if recipe.lr_warmup_iters else 0.0
 
 
 def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor) -> TrainBatch:
@@ -332,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--lr-decay-style", default=d.lr_decay_style, choices=("constant", "linear", "cosine"))
     ap.add_argument("--lr-warmup-iters", type=int, default=d.lr_warmup_iters)
+    ap.add_argument(
+        "--lr-warmup-init",
+        type=float,
+        default=d.lr_warmup_init,
+        help="the lr of step 0, rising to --lr over --lr-warmup-iters (default: lr / lr-warmup-iters)",
+    )
     ap.add_argument("--min-lr", type=float, default=d.min_lr)
     ap.add_argument("--weight-decay", type=float, default=d.weight_decay)
     ap.add_argument("--clip-grad", type=float, default=d.clip_grad)
@@ -356,6 +373,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         lr=a.lr,
         lr_decay_style=a.lr_decay_style,
         lr_warmup_iters=a.lr_warmup_iters,
+        lr_warmup_init=a.lr_warmup_init,
         min_lr=a.min_lr,
         weight_decay=a.weight_decay,
         clip_grad=a.clip_grad,
