@@ -244,8 +244,8 @@ def sft_run_config(recipe: SFTRecipe, hf_checkpoint: str, iters: int) -> RunConf
         num_rollout=iters,
         lr=recipe.lr,
         min_lr=recipe.min_lr,
-        lr_warmup_iters=recipe.lr_warmup_iters,
-        lr_warmup_init=_warmup_init(recipe),
+        lr_warmup_iters=_warmup_iters(recipe, iters),
+        lr_warmup_init=_warmup_init(recipe, iters),
         lr_decay_style=recipe.lr_decay_style,
         weight_decay=recipe.weight_decay,
         adam_beta1=recipe.adam_beta1,
@@ -255,10 +255,17 @@ def sft_run_config(recipe: SFTRecipe, hf_checkpoint: str, iters: int) -> RunConf
     ).validate()
 
 
-def _warmup_init(recipe: SFTRecipe) -> float:
+def _warmup_iters(recipe: SFTRecipe, iters: int) -> int:
+    """The recipe's warmup, cut to end before a shorter run's last step (megatron's schedule
+    requires warmup < decay steps; the default 50 would refuse a 6-iteration smoke run)."""
+    return min(recipe.lr_warmup_iters, max(iters - 1, 0))
+
+
+def _warmup_init(recipe: SFTRecipe, iters: int) -> float:
     if recipe.lr_warmup_init is not None:
         return recipe.lr_warmup_init
-    return recipe.lr / recipe.lr_warmup_iters if recipe.lr_warmup_iters else 0.0
+    warmup = _warmup_iters(recipe, iters)
+    return recipe.lr / warmup if warmup else 0.0
 
 
 def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor) -> TrainBatch:
