@@ -328,7 +328,10 @@ def write_doc(text: str) -> None:
         f"{BEGIN}\n## The figures\n\nCounted from the tests that try each case and confirmed by running "
         "them, one category at a time; regenerate with `.venv/bin/python scripts/reliability_figures.py "
         "--run <category>` for each of " + ", ".join(f"`{c}`" for c in CATEGORIES) + ", then `--write` "
-        "(the script lists every test it counts: `--list`).\n\n" + text + f"\n{END}\n"
+        "(the script lists every test it counts: `--list`). A case counts as survived, isolated or a clear "
+        "error when its test, which asserts that outcome, passes; a failed test among those that check "
+        "the data after a fault counts all its cases as data lost. Seconds are one category's tests run "
+        "alone on the shared 2-core dev box.\n\n" + text + f"\n{END}\n"
     )
     if BEGIN in doc:
         doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END) + "\n", lambda _: block, doc, flags=re.S)
