@@ -44,6 +44,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "miles_platform.rollout.engine_server",
         "start the embedded engine (SGLang HTTP API) on an HF checkpoint",
     ),
+    "engine-key": (
+        "miles_platform.rollout.engine_server:tenant_key_main",
+        "print the key of a run sharing an engine (its LoRA adapters are its own), from the admin key",
+    ),
     "serve-router": ("miles_platform.rollout.router", "start the router in front of engines"),
     "query": ("miles_platform.store.catalog", "run SQL against the DuckDB catalog"),
     "compact": (

@@ -25,6 +25,11 @@ class RequestError(MilesError, ValueError):
     """A malformed generate request (HTTP 400); the message names the field and the allowed values."""
 
 
+class AdapterOwned(RequestError):
+    """A LoRA adapter another key loaded (HTTP 403): only that key or the engine's admin key may
+    unload, replace or reload it."""
+
+
 class VersionConflict(Exception):
     """The engine cannot serve the requested policy version (HTTP 409, retryable)."""
 

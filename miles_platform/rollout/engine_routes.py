@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse, Response
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout.engine_core import EngineCore
-from miles_platform.rollout.engine_requests import EngineStopped, RequestError
+from miles_platform.rollout.engine_requests import AdapterOwned, EngineStopped, RequestError
 from miles_platform.rollout.http_common import (
     ENGINE_ERRORS,
     WeightRoots,
     all_results,
+    caller_tenant,
     engine_error,
     error,
     json_body,
@@ -237,7 +238,8 @@ def lora_router(core: EngineCore, max_request_bytes: int, roots: WeightRoots) ->
     @router.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         """SGLang's {"lora_name", "lora_path", "pinned"}; extension: "weight_version" (the adapter's
-        policy version, reported in meta_info of the requests it serves)."""
+        policy version, reported in meta_info of the requests it serves). The adapter belongs to the
+        key that loaded it: a tenant key (http_common.tenant_key) may unload only its own, 403 else."""
         body, err = await json_body(request, max_request_bytes)
         if err:
             return err
@@ -248,11 +250,15 @@ def lora_router(core: EngineCore, max_request_bytes: int, roots: WeightRoots) ->
             return _lora_answer(core, False, "load_lora_adapter takes {lora_name: str, lora_path: str}", 400)
         if not roots.allows(path):
             return _lora_answer(core, False, roots.refusal("lora_path", path), 403)
+        owner = caller_tenant(request)
         try:
+            core.check_adapter_owner(name, owner, "replace")  # before reading the dir: 403, not 400
             tensors, config = await asyncio.to_thread(read_adapter_dir, path)
             await asyncio.to_thread(
-                core.load_lora_adapter, name, tensors, config, body.get("weight_version"), path
+                core.load_lora_adapter, name, tensors, config, body.get("weight_version"), path, owner=owner
             )
+        except AdapterOwned as e:
+            return _lora_answer(core, False, str(e), 403)
         except (MilesError, ValueError, OSError, KeyError) as e:
             return _lora_answer(core, False, f"load_lora_adapter {name!r} failed: {e}", 400)
         return _lora_answer(core, True, "")
@@ -264,7 +270,9 @@ def lora_router(core: EngineCore, max_request_bytes: int, roots: WeightRoots) ->
             return err
         name = body.get("lora_name") if isinstance(body, dict) else None
         try:
-            await asyncio.to_thread(core.unload_lora_adapter, name)
+            await asyncio.to_thread(core.unload_lora_adapter, name, owner=caller_tenant(request))
+        except AdapterOwned as e:
+            return _lora_answer(core, False, str(e), 403)
         except RequestError as e:
             return _lora_answer(core, False, str(e), 400)
         return _lora_answer(core, True, "")

@@ -311,3 +311,28 @@ def wait_for_stop_signal() -> None:
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
+
+
+def tenant_key_main(argv: list[str]) -> int:
+    """`miles-platform engine-key --tenant NAME`: print the key of a run that shares this engine
+    (http_common.tenant_key), from the engine's admin key in `$MILES_API_KEY` or `--api-key-file`
+    (never argv). The run passes it as its `--api-key`; its adapters are then its own."""
+    from miles_platform.rollout.http_common import tenant_key
+
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="miles-platform engine-key", description=tenant_key_main.__doc__.splitlines()[0])  # fmt: skip
+    ap.add_argument("--tenant", required=True, help="the run's name on the shared engine")
+    ap.add_argument("--api-key-file", default=None, help="the engine's admin key (default: $MILES_API_KEY)")
+    args = ap.parse_args(argv)
+    try:
+        admin = (
+            open(args.api_key_file).read().strip() if args.api_key_file else os.environ.get("MILES_API_KEY")
+        )
+    except OSError as e:
+        ap.error(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror})")
+    if not admin:
+        ap.error("the engine's admin key: give --api-key-file or set $MILES_API_KEY")
+    try:
+        print(tenant_key(admin, args.tenant))
+    except ValueError as e:
+        ap.error(f"--tenant: {e}")
+    return 0

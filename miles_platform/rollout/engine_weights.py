@@ -8,6 +8,7 @@ Requests already running whose exact / min weight_version the new version violat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from miles_platform.errors import CheckpointError, MilesError
 from miles_platform.rollout.engine_batch import keep_rows
-from miles_platform.rollout.engine_requests import RequestError, version_violation
+from miles_platform.rollout.engine_requests import AdapterOwned, RequestError, version_violation
 from miles_platform.rollout.lora_serving import parse_adapter
 
 GROUP_JOIN_TIMEOUT_S = 30.0  # an engine joining a trainer's weight-broadcast group
@@ -246,13 +247,15 @@ class EngineWeightsMixin:
 
     def load_lora_adapter(
         self, name: str, tensors: dict, config: dict, weight_version: int | None = None,
-        path: str | None = None, replace: bool = False,
+        path: str | None = None, replace: bool = False, owner: str | None = None,
     ) -> int:  # fmt: skip
         """Serve a PEFT LoRA adapter as `name` (requests select it with `lora_path`). `replace`: swap
         an adapter of that name in one step (a weight update); else, as SGLang, a loaded name is an
-        error. Validated before anything changes. Returns the adapter's version."""
+        error. `owner`: the tenant loading it (None: the admin key); a name another owner holds is
+        refused (AdapterOwned). Validated before anything changes. Returns the adapter's version."""
         if not isinstance(name, str) or not name:
             raise RequestError("lora_name must be a non-empty string")
+        self.check_adapter_owner(name, owner, "replace")
         old = self._lora.adapters.get(name)
         floor = old.version if old is not None else 0
         version = parse_weight_version(
@@ -261,6 +264,8 @@ class EngineWeightsMixin:
 
         def load():
             adapter = parse_adapter(name, tensors, config, self.model, self.dtype, version, path)
+            adapter = dataclasses.replace(adapter, owner=owner)
+            self.check_adapter_owner(name, owner, "replace")  # again, on the scheduler thread: atomic
             with self._step_lock:
                 self._lora.load(adapter, replace=replace)
                 self._fail_running_violations(version, lora=name)
@@ -268,17 +273,32 @@ class EngineWeightsMixin:
 
         try:
             self._in_scheduler(load)
+        except AdapterOwned:
+            raise
         except ValueError as e:
             raise RequestError(str(e)) from e
         return version
 
-    def unload_lora_adapter(self, name: str, timeout_s: float = 600.0) -> None:
+    def check_adapter_owner(self, name: str, caller: str | None, action: str) -> None:
+        """Only the key that loaded an adapter (or the admin key, `caller` None) may change it."""
+        a = self._lora.adapters.get(name)
+        if caller is None or a is None or a.owner == caller:
+            return
+        by = f"tenant {a.owner!r}" if a.owner is not None else "the engine's admin key"
+        raise AdapterOwned(
+            f"LoRA adapter {name!r} belongs to {by}: tenant {caller!r} may not {action} it "
+            "(only the key that loaded an adapter, or the engine's admin key, may unload or replace it)"
+        )
+
+    def unload_lora_adapter(self, name: str, timeout_s: float = 600.0, owner: str | None = None) -> None:
         """Stop serving `name`, as SGLang's unload: requests naming it are refused from now on,
         requests already holding it finish first (after `timeout_s` they fail, 400). While the engine
         is paused the unload is immediate: an unload + load under one name inside a pause is a
-        seamless update."""
+        seamless update. `owner`: the caller's tenant (None: the admin key); another's adapter is
+        refused (AdapterOwned)."""
         if name not in self._lora.adapters or name in self._lora_draining:
             raise RequestError(f"LoRA adapter {name!r} is not loaded (loaded: {sorted(self._lora.adapters)})")
+        self.check_adapter_owner(name, owner, "unload")
         self._lora_draining.add(name)
         deadline = time.monotonic() + timeout_s
 
@@ -288,6 +308,7 @@ class EngineWeightsMixin:
         def unload() -> bool:  # on the scheduler thread: nothing can start holding `name` meanwhile
             if not drained():
                 return False
+            self.check_adapter_owner(name, owner, "unload")  # the name may have been reloaded meanwhile
             with self._step_lock:
                 self._lora.unload(name)
             return True
@@ -298,6 +319,8 @@ class EngineWeightsMixin:
                     time.sleep(0.005)
                 if self._in_scheduler(unload):
                     return
+        except AdapterOwned:
+            raise
         except ValueError as e:
             raise RequestError(str(e)) from e
         finally:
@@ -309,7 +332,7 @@ class EngineWeightsMixin:
         return waiting or any(r.lora == name for r in list(self._batch.reqs))
 
     def lora_adapters(self) -> dict[str, dict]:
-        return {n: {"lora_path": a.path, "weight_version": a.version, "rank": a.rank}
+        return {n: {"lora_path": a.path, "weight_version": a.version, "rank": a.rank, "owner": a.owner}
                 for n, a in sorted(self._lora.adapters.items())}  # fmt: skip
 
     def get_lora_adapter_checksums(self, name: str) -> dict:

@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import os
 import posixpath
+import re
 import threading
 
 import orjson
@@ -45,6 +46,47 @@ def generate_key(api_key: str) -> str:
     return hmac.new(api_key.encode(), b"miles-platform generate-only key v1", hashlib.sha256).hexdigest()
 
 
+# What a tenant key may call on an engine that several runs share (issue #49, item 12): what the
+# generate-only key may, reading the base weights back (--ci-test's checks), plus loading, unloading
+# and checking the LoRA adapters it owns. Every
+# adapter is owned by the key that loaded it: a tenant can never unload, replace or reload another
+# tenant's adapter, nor one the admin key loaded (403 naming the adapter); the admin key can do all.
+TENANT_PATHS = GENERATE_ONLY_PATHS | {"/get_weights_by_name", "/weights_checksum", "/load_lora_adapter",
+                                      "/unload_lora_adapter", "/get_lora_adapter_checksums"}  # fmt: skip
+TENANT_PREFIX = "miles-tenant."
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def tenant_key(api_key: str, tenant: str) -> str:
+    """The key of `tenant` (a run sharing the engine; letters, digits, `.`, `_`, `-`) on an engine
+    whose admin key is `api_key`: `miles-tenant.<tenant>.<HMAC>`. The engine checks it without a
+    list of keys; holding it reveals nothing of the admin key nor of other tenants' keys
+    (`miles-platform engine-key --tenant NAME` prints it)."""
+    if not isinstance(tenant, str) or not _TENANT_NAME.fullmatch(tenant):
+        raise ValueError(
+            f"tenant {tenant!r}: letters, digits, '.', '_', '-', starting with a letter or digit, at most 128"
+        )
+    mac = hmac.new(api_key.encode(), b"miles-platform tenant key v1:" + tenant.encode(), hashlib.sha256)
+    return f"{TENANT_PREFIX}{tenant}.{mac.hexdigest()}"
+
+
+def key_tenant(api_key: str, token: str) -> str | None:
+    """The tenant whose key `token` is (constant-time check), or None."""
+    if not token.startswith(TENANT_PREFIX):
+        return None
+    tenant = token[len(TENANT_PREFIX) :].rpartition(".")[0]
+    try:
+        want = tenant_key(api_key, tenant)
+    except ValueError:
+        return None
+    return tenant if hmac.compare_digest(token.encode(), want.encode()) else None
+
+
+def caller_tenant(request: Request) -> str | None:
+    """The tenant a request's key belongs to; None for the admin key (add_guards sets it)."""
+    return getattr(request.state, "tenant", None)
+
+
 def generate_scoped(path: str) -> bool:
     return path in GENERATE_ONLY_PATHS or any(
         path == p or path.startswith(p + "/") for p in GENERATE_ONLY_PREFIXES
@@ -56,8 +98,8 @@ def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> Non
     every answer is counted in `app.state.http_counts` (route template, error kind) for `/metrics`.
 
     Every endpoint needs a key except `GET /health` (liveness probes; it reveals nothing): the
-    run's admin key anywhere, its generate-only key (`generate_key`) on GENERATE_ONLY_PATHS only
-    (403 elsewhere). The scheme is case-insensitive (RFC 7235); tokens are compared in constant time."""
+    run's admin key anywhere, its generate-only key (`generate_key`) on GENERATE_ONLY_PATHS only,
+    a tenant's key (`tenant_key`; `request.state.tenant`) on TENANT_PATHS only (403 elsewhere). The scheme is case-insensitive (RFC 7235); tokens are compared in constant time."""
     want = api_key.encode() if api_key else None
     scoped = generate_key(api_key).encode() if api_key else None
     app.state.http_counts = counts = HttpCounts()  # GET /metrics reports it (rollout/metrics.py)
@@ -67,7 +109,16 @@ def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> Non
             scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
             given = token.strip().encode()
             ok = scheme.lower() == "bearer" and hmac.compare_digest(given, want)
-            if not ok:
+            tenant = key_tenant(api_key, token.strip()) if not ok and scheme.lower() == "bearer" else None
+            if tenant is not None:
+                request.state.tenant = tenant
+                if request.url.path not in TENANT_PATHS:
+                    return error(
+                        403,
+                        f"{request.url.path}: tenant {tenant!r}'s key may generate and manage its own LoRA "
+                        "adapters only; control and weight routes need the engine's admin key",
+                    )
+            elif not ok:
                 if scheme.lower() != "bearer" or not hmac.compare_digest(given, scoped):
                     return error(401, "missing or wrong bearer token (Authorization: Bearer <api-key>)")
                 if not generate_scoped(request.url.path):

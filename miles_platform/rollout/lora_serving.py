@@ -37,6 +37,7 @@ class LoraAdapter:
     rank: int
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [r, in], B [out, r])
     tensors: dict[str, torch.Tensor] = field(repr=False)  # file key -> served tensor (checksums)
+    owner: str | None = None  # the tenant whose key loaded it (http_common.tenant_key); None: the admin key
 
     def checksums(self) -> dict[str, str]:
         """SHA-256 of every served tensor's bytes (Miles' --check-lora-weight-equal)."""

@@ -193,3 +193,49 @@ def test_malformed_and_non_finite_adapters_are_400s_and_load_nothing(engine, tin
         assert e.value.status == 400, (name, e.value)
     assert engine.core.lora_adapters() == {}
     assert len(_gen(engine.url, [None])) == 1  # the engine still serves
+
+
+def test_an_adapter_belongs_to_the_key_that_loaded_it(tiny_hf_checkpoint, tmp_path, capsys):
+    """Issue #49, item 12: any key holder could unload (or unload + reload, i.e. replace) another
+    run's adapter on a shared engine. Each run gets its own tenant key; an adapter is owned by the
+    key that loaded it (403 naming the adapter for any other tenant); the admin key may do all."""
+    from miles_platform.cli import main as cli
+    from miles_platform.rollout.http_common import tenant_key
+
+    admin = "the-engine-admin-key"
+    server = start_engine_server(
+        tiny_hf_checkpoint, api_key=admin, num_threads=1, weight_roots=[str(tmp_path)]
+    )
+    try:
+        a, b = tenant_key(admin, "run-a"), tenant_key(admin, "run-b")
+        ad = _random_adapter(tiny_hf_checkpoint, tmp_path / "a", ["q_proj"], seed=1)
+        post(server.url, "/load_lora_adapter", {"lora_name": "run-a@v1", "lora_path": ad}, api_key=a)
+        post(server.url, "/load_lora_adapter", {"lora_name": "admins", "lora_path": ad}, api_key=admin)
+        for name in ("run-a@v1", "admins"):  # b may neither unload nor take over the name
+            for route in ("/unload_lora_adapter", "/load_lora_adapter"):
+                with pytest.raises(EngineHTTPError) as e:
+                    post(server.url, route, {"lora_name": name, "lora_path": ad}, api_key=b)
+                assert e.value.status == 403 and f"LoRA adapter {name!r} belongs to" in str(e.value), e.value
+        assert server.core.lora_adapters()["run-a@v1"]["owner"] == "run-a"
+        with pytest.raises(EngineHTTPError) as e:  # a tenant key swaps no base weights, pauses nothing
+            post(server.url, "/pause_generation", {}, api_key=b)
+        assert e.value.status == 403
+        with pytest.raises(EngineHTTPError) as e:  # a forged tenant key is no key
+            post(
+                server.url, "/load_lora_adapter", {"lora_name": "x", "lora_path": ad}, api_key=b[:-4] + "0000"
+            )
+        assert e.value.status == 401
+        post(server.url, "/load_lora_adapter", {"lora_name": "run-b@v1", "lora_path": ad}, api_key=b)
+        gen = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "lora_path": "run-b@v1"}
+        assert post(server.url, "/generate", gen, api_key=b)["meta_info"]["completion_tokens"] == 2
+        post(server.url, "/unload_lora_adapter", {"lora_name": "run-a@v1"}, api_key=a)  # its own
+        post(server.url, "/unload_lora_adapter", {"lora_name": "run-b@v1"}, api_key=admin)  # admin: any
+        assert set(server.core.lora_adapters()) == {"admins"}
+    finally:
+        server.stop()
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"MILES_API_KEY": admin}):
+        assert cli(["engine-key", "--tenant", "run-a"]) == 0
+    assert capsys.readouterr().out.strip() == tenant_key(admin, "run-a")
