@@ -97,8 +97,9 @@ class RLRun:
         from miles_platform.rollout.loop_eval import eval_due, evaluate_and_log
         from miles_platform.store.debug_rollouts import save_debug_rollout
         from miles_platform.store.shards import write_rollout_shard
-        from miles_platform.training.actor import TrainBatch
         from miles_platform.training.checkpoint import iter_dir
+        from miles_platform.training.hooks import post_save_hook
+        from miles_platform.training.train_batch import train_data
         from miles_platform.weights.sync import publish_version, save_hf_copy
 
         cfg, s, rec, run = self.cfg, self.s, self.rec, self.cfg.run_name
@@ -120,7 +121,7 @@ class RLRun:
                     continue
                 s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
                 with phase("train"):
-                    metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples), version))
+                    metrics.update(self._train(rollout_id, train_data(cfg, samples), version))
                 self._check_finite(rollout_id, metrics)
                 if cfg.ci_test and rollout_id == 0:
                     result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
@@ -149,8 +150,10 @@ class RLRun:
                 if save_due:
                     with phase("save"), s.colocation.around_save():
                         self._save(rollout_id, version)
-                    if cfg.save_hf and hf_dir is not None:
+                    hf_copy = cfg.save_hf.format(rollout_id=rollout_id) if cfg.save_hf and hf_dir else None
+                    if hf_copy:
                         save_hf_copy(cfg, rollout_id, hf_dir)
+                    post_save_hook(cfg, rollout_id, iter_dir(cfg.save, rollout_id), hf_copy)
         return result
 
     def _generate(self, rollout_id: int, version: int, t0: float) -> tuple[list, dict]:

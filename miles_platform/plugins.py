@@ -88,6 +88,29 @@ def load_object(path: str, flag: str) -> Any:
     return getattr(module, attr)
 
 
+def load_hook(cfg: Any, name: str) -> Callable[..., Any] | None:
+    """The customization hook in field `name` of `cfg` (config/hooks.py HOOKS), checked to take the
+    arguments Miles passes; None when not given. --rollout-data-postprocess-path takes Miles' `(args)`
+    or `(args, rollout_data)`."""
+    from miles_platform.config.hooks import HOOKS
+
+    path = getattr(cfg, name)
+    if not path:
+        return None
+    flag, (arity, signature) = "--" + name.replace("_", "-"), HOOKS[name]
+    fn = load_function(path, flag)
+    try:
+        try:
+            _check_arity(fn, path, flag, arity)
+        except ConfigError:
+            if name != "rollout_data_postprocess_path":
+                raise
+            _check_arity(fn, path, flag, 2)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; Miles calls it as {signature}") from None
+    return fn
+
+
 def _check_arity(fn: Callable[..., Any], path: str, flag: str, n: int) -> None:
     try:
         sig = inspect.signature(fn)

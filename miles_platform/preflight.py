@@ -57,6 +57,7 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.trackers import validate_trackers
 
     validate_trackers(cfg, StoragePaths(cfg.storage_root))
+    check_hooks(cfg)
     if cfg.load_debug_rollout_data:
         return
     if not cfg.prompt_data:
@@ -77,6 +78,15 @@ def validate_before_start(cfg: RunConfig) -> None:
         load_function(cfg.custom_tis_function_path, "--custom-tis-function-path")
     if cfg.custom_update_weight_post_write_path:
         load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
+
+
+def check_hooks(cfg: RunConfig) -> None:
+    """Every customization hook given (config/hooks.py) imports and takes Miles' arguments."""
+    from miles_platform.config.hooks import HOOKS
+    from miles_platform.plugins import load_hook
+
+    for name in HOOKS:
+        load_hook(cfg, name)
 
 
 def check_object_store(cfg: RunConfig) -> None:

@@ -39,6 +39,7 @@ from miles_platform.config.compat import COMPAT, accepted_compat_flags, check_co
 from miles_platform.config.debug import DebugFlags
 from miles_platform.config.evaluation import EvalFlags
 from miles_platform.config.flags import check_choices, check_ranges, field_default, flag_name
+from miles_platform.config.hooks import HookFlags
 from miles_platform.config.lora import LoraFlags
 from miles_platform.config.megatron import MegatronFlags
 from miles_platform.config.model_args import MODEL_ARGS, ModelArgsFlags
@@ -72,6 +73,7 @@ GROUPS = (
     "storage",
     "logging",
     "debug",
+    "hooks",
 )
 
 # The capabilities, in field order (which is `--help` order within a group, and the Launchpad's).
@@ -79,6 +81,7 @@ CAPABILITIES = (
     ClusterFlags, CheckpointFlags, ModelArgsFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
     AlgorithmFlags, MoeFlags, CorrectionFlags, ScoreCenteringFlags, OpdFlags, OptimizerFlags, PerfFlags,
     MegatronFlags, PrecisionFlags, WeightUpdateFlags, LoraFlags, AsyncFlags, StorageFlags, LoggingFlags, DebugFlags,
+    HookFlags,
 )  # fmt: skip
 
 # flag -> (low, high, low excluded, what the error says), checked by validate(); None values are skipped
@@ -148,6 +151,7 @@ class RunConfig(*reversed(CAPABILITIES)):
         self._check_opd_flags()
         self._check_algorithm_flags()
         self._check_logging_flags()
+        self._check_hook_flags()
         check_compat_flags(self)
         return self
 
