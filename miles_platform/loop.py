@@ -25,7 +25,7 @@ from miles_platform.preflight import check_batch_fits, fill_defaults, validate_b
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import exists  # a local path or an object-store URI
-from miles_platform.training.ci_checks import step0_checks
+from miles_platform.training.ci_checks import MetricChecker, step0_checks
 
 __all__ = ["CITestFailure", "PolicyVersion", "RLRun", "Reporter", "RunResult", "train", "validate_before_start"]  # fmt: skip
 
@@ -82,9 +82,14 @@ class RLRun:
                 initial_sync(cfg, self.paths, s, version, state is not None, self.base_version)
             s.colocation.start()  # --offload-train: the trainer leaves the devices to the engines
             initial_eval = eval_before_train(cfg, self.paths, s, self.reporter, start, version)
+            self.metric_checker = MetricChecker.maybe_create(cfg)  # --ci-metric-checker-key gate
+            if self.metric_checker is not None:
+                self.metric_checker.on_eval(initial_eval, self.reporter.log)
             s.start_async_worker()
             try:
                 result = self._loop(start, version)
+                if self.metric_checker is not None:
+                    self.metric_checker.dispose()
             except Exception as e:
                 died = actor_died(cfg, e, s.hooks.due_in_ranks())
                 if died is None:
@@ -142,9 +147,10 @@ class RLRun:
                         rec.record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
                 if s.manager is not None and eval_due(cfg, version, hf_dir):
                     with phase("eval"):
-                        metrics.update(
-                            evaluate_and_log(cfg, self.paths, s, self.reporter, version, rollout_id)
-                        )
+                        evaluated = evaluate_and_log(cfg, self.paths, s, self.reporter, version, rollout_id)
+                        metrics.update(evaluated)
+                        if self.metric_checker is not None:
+                            self.metric_checker.on_eval(evaluated, self.reporter.log)
                 with phase("metrics"):
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
                 if save_due:

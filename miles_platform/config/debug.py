@@ -6,10 +6,15 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
-from miles_platform.config.flags import POSITIVE, flag
+from miles_platform.config.flags import FINITE, POSITIVE, flag
 from miles_platform.errors import ConfigError
 
-RANGES: dict[str, tuple] = {"log_interval": POSITIVE}
+RANGES: dict[str, tuple] = {
+    "log_interval": POSITIVE,
+    "load_debug_rollout_data_subsample": (0, 1, True, "in (0, 1]"),
+    "ci_entropy_max": (0, None, True, "> 0"),
+    "ci_metric_checker_threshold": FINITE,
+}
 
 
 @dataclass
@@ -33,6 +38,12 @@ class DebugFlags:
     load_debug_rollout_data: str | None = flag(
         None, "debug", "replay Parquet rollouts (implies --debug-train-only)"
     )
+    load_debug_rollout_data_subsample: float | None = flag(
+        None,
+        "debug",
+        "with --load-debug-rollout-data: train on this fraction of each replayed rollout's prompt groups "
+        "(half from its start, half from its end, as Miles; --rollout-batch-size must be what is kept)",
+    )
     debug_skip_optimizer_step: bool = flag(
         False, "debug", "freeze weights: any log-prob gap is forward-path difference"
     )
@@ -43,6 +54,28 @@ class DebugFlags:
     ci_logprob_abs_diff_threshold: float = flag(
         0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff"
     )
+    ci_disable_kl_checker: bool = flag(
+        False, "debug", "--ci-test without the step-0 KL checks (ppo_kl, pg_clipfrac, kl_loss == 0)"
+    )
+    ci_disable_logprobs_checker: bool = flag(
+        False,
+        "debug",
+        "--ci-test without the rollout-0 log-prob checks (trainer vs reference and vs engine, entropy range)",
+    )
+    ci_entropy_max: float = flag(
+        0.7,
+        "debug",
+        "--ci-test: upper bound of the trainer's mean token entropy at rollout 0 (Miles' 0.7, for trained "
+        "models; an untrained model is near-uniform, ln(vocab))",
+    )
+    ci_metric_checker_key: str | None = flag(
+        None,
+        "debug",
+        "--ci-test gate: an eval metric (eval/<dataset>/<metric>) that must reach the threshold",
+    )
+    ci_metric_checker_threshold: float | None = flag(
+        None, "debug", "--ci-test gate: at least one eval must report --ci-metric-checker-key >= this"
+    )
     ci_fault_hooks: str | None = flag(
         None,
         "debug",
@@ -50,6 +83,25 @@ class DebugFlags:
         "miles_platform/fault_hooks.py lists the hooks and actions",
     )
     log_interval: int = flag(1, "debug", "print metrics every N rollouts")
+
+    def _check_ci_flags(self) -> None:
+        """The --ci-* switches act under --ci-test only; the metric gate needs its threshold and an eval."""
+        given = _ci_flags_given(self)
+        if given and not self.ci_test:
+            raise ConfigError(f"{', '.join(given)}: switches of --ci-test's checks; add --ci-test")
+        if (self.ci_metric_checker_key is None) != (self.ci_metric_checker_threshold is None):
+            raise ConfigError(
+                "--ci-metric-checker-key and --ci-metric-checker-threshold: give both (as Miles)"
+            )
+        if self.ci_metric_checker_key and not (self.eval_prompt_data and self.eval_interval):
+            raise ConfigError(
+                f"--ci-metric-checker-key {self.ci_metric_checker_key}: checks eval metrics, and this run has no "
+                "eval (a run with no eval always fails the gate): add --eval-prompt-data and --eval-interval"
+            )
+        if self.load_debug_rollout_data_subsample is not None and not self.load_debug_rollout_data:
+            raise ConfigError(
+                "--load-debug-rollout-data-subsample: subsamples --load-debug-rollout-data; add it"
+            )
 
     def _check_debug_flags(self) -> None:
         """A replay implies train-only; train-only needs something to replay; a dump names each
@@ -70,9 +122,18 @@ class DebugFlags:
         if self.save_debug_train_data:
             ranks = self.actor_num_nodes * self.actor_num_gpus_per_node
             check_rollout_template("--save-debug-train-data", self.save_debug_train_data, ranks > 1)
+        self._check_ci_flags()
         from miles_platform.fault_hooks import parse_fault_hooks
 
         parse_fault_hooks(self.ci_fault_hooks)
+
+
+def _ci_flags_given(cfg) -> list[str]:
+    from miles_platform.config.flags import changed_flags
+
+    names = ("ci_disable_weight_update_checker", "ci_disable_kl_checker", "ci_disable_logprobs_checker",
+             "ci_entropy_max", "ci_logprob_abs_diff_threshold", "ci_metric_checker_key", "ci_metric_checker_threshold")  # fmt: skip
+    return changed_flags(cfg, names)
 
 
 def check_rollout_template(option: str, template: str, per_rank: bool | None = None) -> None:

@@ -237,7 +237,9 @@ RESUMABLE = frozenset(
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data", "save_debug_train_data",
-     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args", "compat_flags",
+     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "ci_disable_weight_update_checker",
+     "ci_disable_kl_checker", "ci_disable_logprobs_checker", "ci_entropy_max", "ci_metric_checker_key",
+     "ci_metric_checker_threshold", "log_interval", "sglang_args", "compat_flags",
      "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING | set(MODEL_ARGS)
 )  # fmt: skip
 

@@ -38,6 +38,7 @@ from miles_platform.cluster.devices import (
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.store import remote
+from miles_platform.training import ci_checks
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backend import ScoreRequest, Scores
 from miles_platform.training.backends import get_backend_class
@@ -392,6 +393,13 @@ class TrainerActor:
             self._whiten(batch, mine, adv)
 
         self.train_hooks.postprocess_rollout(batch, mine, scored, ref, rollout_lp, adv)
+        if (
+            cfg.ci_test and self.global_step == 0 and ref is not None and scored
+        ):  # --ci-test: actor == reference
+            for k, v in ci_checks.mean_log_probs(
+                scored, ref, [self._mask(batch, i) for i in mine], mine
+            ).items():
+                add(k, v)
         if not fused:
             self._alignment_metrics(batch, mine, scored, rollout_lp, add)
         for s in range(steps):
@@ -538,7 +546,9 @@ class TrainerActor:
         tok_global = self._all_reduce_sum(self._token_count(batch, idx))
         self.opt.zero_grad(set_to_none=True)
         self.backend.zero_grad()
-        need_ent = cfg.entropy_coef != 0
+        need_ent = cfg.entropy_coef != 0 or (
+            cfg.ci_test and self.global_step == 0
+        )  # --ci-test: entropy range
         recorded = [None] * len(mbs)
         if getattr(self.loss_fn, "needs_candidate_log_probs", False):  # score centering
             from miles_platform.training.score_centering import rollout_candidates
@@ -582,6 +592,10 @@ class TrainerActor:
             if self.global_step == 0 and k == 0:
                 add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
                 add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
+            if self.global_step == 0 and cfg.ci_test:  # every micro-batch of step 0
+                add("train/step0_kl_loss", m.get("kl_loss", 0.0))
+                if "entropy_loss" in m:
+                    add("train/step0_entropy", m["entropy_loss"])
             return loss * self._mb_scale(batch, mb, n_local, tok_global)
 
         self.backend.run_micro_batches(reqs, consume)
