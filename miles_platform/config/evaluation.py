@@ -3,7 +3,7 @@ from rollout sampling as in Miles."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from miles_platform.config.flags import FRACTION, NON_NEGATIVE, POSITIVE, flag
@@ -60,6 +60,7 @@ class EvalFlags:
             label_key=self.label_key or "label",
             metadata_key=self.metadata_key,
             apply_chat_template=self.apply_chat_template,
+            chat_template_kwargs=self.chat_template_kwargs(),
             rewards=RewardSettings(rm_type="math") if rewards.pure_opd else rewards,
         )
 
@@ -86,6 +87,7 @@ class EvalSettings:
     metadata_key: str
     apply_chat_template: bool
     rewards: RewardSettings
+    chat_template_kwargs: dict = field(default_factory=dict)  # --apply-chat-template-kwargs
 
     @property
     def sampling(self) -> dict[str, Any]:

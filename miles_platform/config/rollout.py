@@ -44,6 +44,13 @@ class RolloutFlags:
     label_key: str | None = flag(None, "rollout", "dataset key for Sample.label")
     metadata_key: str = flag("metadata", "rollout", "dataset key for Sample.metadata")
     apply_chat_template: bool = flag(False, "rollout", "apply the tokenizer's chat template")
+    apply_chat_template_kwargs: str | None = flag(
+        None,
+        "rollout",
+        "JSON object of extra arguments to the tokenizer's apply_chat_template (e.g. "
+        "'{\"enable_thinking\": false}'): train and eval prompts (--apply-chat-template), the multi-turn "
+        "generate function's tool turns, the session server's default (a request's own chat_template_kwargs win)",
+    )
     rollout_shuffle: bool = flag(False, "rollout", "shuffle prompts each epoch")
     rollout_seed: int = flag(42, "rollout", "seed of the data-source shuffle")
     num_rollout: int | None = flag(
@@ -79,6 +86,26 @@ class RolloutFlags:
     def uses_sft_rollout(self) -> bool:
         """Miles' SFT: the rollout function hands out finished conversations (messages kept as such)."""
         return self.rollout_function_path in SFT_ROLLOUT_PATHS
+
+    def chat_template_kwargs(self) -> dict:
+        """--apply-chat-template-kwargs as a dict (empty when unset)."""
+        return template_kwargs(self.apply_chat_template_kwargs)
+
+    def _check_chat_template_kwargs(self) -> None:
+        """Parsed, and refused where no chat template is rendered with them."""
+        if not self.chat_template_kwargs():
+            return
+        multi_turn = (self.custom_generate_function_path or "").endswith("multi_turn.generate")
+        if self.uses_sft_rollout:
+            raise ConfigError(
+                "--apply-chat-template-kwargs: the SFT rollout renders its conversations with the template's "
+                "defaults (the loss masks follow that rendering); drop the flag"
+            )
+        if not (self.apply_chat_template or self.use_session_server or multi_turn):
+            raise ConfigError(
+                "--apply-chat-template-kwargs: this run renders no chat template (add --apply-chat-template, "
+                "--use-session-server or the multi-turn generate function)"
+            )
 
     def _check_sft_rollout(self) -> None:
         if not self.uses_sft_rollout:
@@ -202,3 +229,19 @@ def derive_batch_knobs(cfg) -> None:
     if gbs * steps != total:
         raise ConfigError(f"contradictory batch knobs: {state()} ({total} != {gbs * steps})")
     cfg.global_batch_size, cfg.num_steps_per_rollout = gbs, steps
+
+
+def template_kwargs(value: str | dict | None) -> dict:
+    """--apply-chat-template-kwargs (JSON text, or a mapping from YAML / the Launchpad) as a dict."""
+    import json
+
+    if not value:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--apply-chat-template-kwargs {value!r}: not JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--apply-chat-template-kwargs {value!r}: expected a JSON object")
+    return dict(value)
