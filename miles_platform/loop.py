@@ -19,7 +19,7 @@ import json
 import sys
 import time
 
-from miles_platform.config import RunConfig, parse_run_config
+from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.errors import ActorDied, NonFiniteTraining
 from miles_platform.preflight import check_batch_fits, fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
@@ -61,15 +61,9 @@ class RLRun:
                 "weights; weight updates carry the trainer's weights at --rollout-dtype (docs/miles_flags.md)"
             )
         tok = load_tokenizer(cfg.hf_checkpoint)
-        src = None
-        if not cfg.load_debug_rollout_data:
-            from miles_platform.data.dataset import content_hash as data_hash
-            from miles_platform.data.source import RolloutDataSource
-
-            src = RolloutDataSource.from_config(cfg, tokenizer=tok)
-            check_batch_fits(cfg, len(src))
+        src = data_source(cfg, tok)
         fill_defaults(cfg, self.paths, len(src) if src else 1)
-        self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), src and data_hash(src.records)
+        self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), data_version(cfg, src)
         with RunServices(cfg, self.paths, self.reporter, tok, src) as s:
             self.s, state = s, s.state
             self.rec = VersionRecorder(cfg, self.paths, self.reporter, self.base_version, self.data_version,
@@ -221,6 +215,8 @@ class RLRun:
             store.remove(handle)
 
     def _save(self, rollout_id: int, version: int) -> str:
+        if hasattr(self.s.src, "saving_rollout_id"):  # --data-source-path: its save(rollout_id)
+            self.s.src.saving_rollout_id = rollout_id
         extra = {"weight_version": version, "data_source": self.s.data_source_state(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
         from miles_platform.run_services import call_trainers
@@ -231,6 +227,37 @@ class RLRun:
             for path in prune_checkpoints(self.cfg.save, rollout_id, self.cfg.save_retain_interval):
                 self.reporter.log(f"--save-retain-interval {self.cfg.save_retain_interval}: deleted {path}")
         return saved
+
+
+def data_source(cfg: RunConfig, tok):
+    """The run's data source: --prompt-data read here, the --data-source-path class, or none (a replay;
+    --disable-rollout-global-dataset without a class: the rollout function brings its data)."""
+    if cfg.data_source_path:
+        from miles_platform.data.custom_source import CustomDataSource
+
+        src = CustomDataSource(cfg)
+        if not len(src) and cfg.num_rollout is None:
+            raise ConfigError(
+                f"--data-source-path {cfg.data_source_path}: the source has no .dataset to count rollouts by "
+                "(Miles reads len(data_source.dataset)); give --num-rollout"
+            )
+        return src
+    if not cfg.uses_global_dataset:
+        return None
+    from miles_platform.data.source import RolloutDataSource
+
+    src = RolloutDataSource.from_config(cfg, tokenizer=tok)
+    check_batch_fits(cfg, len(src))
+    return src
+
+
+def data_version(cfg: RunConfig, src) -> str | None:
+    """The lineage's data version: the prompts' content hash, or the custom source's path."""
+    from miles_platform.data.dataset import content_hash
+
+    if src is None:
+        return None
+    return content_hash(src.records) if src.records else f"data-source:{cfg.data_source_path}"
 
 
 def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:

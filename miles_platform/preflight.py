@@ -60,8 +60,11 @@ def validate_before_start(cfg: RunConfig) -> None:
     check_hooks(cfg)
     if cfg.load_debug_rollout_data:
         return
-    if not cfg.prompt_data:
-        raise ConfigError("--prompt-data is required (JSONL or Parquet of prompts)")
+    if not cfg.prompt_data and cfg.uses_global_dataset:
+        raise ConfigError(
+            "--prompt-data is required (JSONL or Parquet of prompts), or a --data-source-path class, or "
+            "--disable-rollout-global-dataset with a --rollout-function-path that brings its data"
+        )
     from miles_platform.rollout import generate_hub
 
     generate_hub.validate_config(cfg)

@@ -93,3 +93,35 @@ def megatron_post_save(args, rollout_id: int, checkpoint_dir: str, hf_checkpoint
 
 def two_args(a, b) -> None:
     """The wrong arity for most hooks."""
+
+
+class JsonlDataSource:
+    """Miles' DataSource contract over --prompt-data (keys prompt / label), in order, with a buffer for
+    add_samples; save / load record the rollout id (and log it)."""
+
+    def __init__(self, args):
+        with open(args.prompt_data) as f:
+            self.dataset = [json.loads(line) for line in f if line.strip()]
+        self.args, self.offset, self.buffer = args, 0, []
+
+    def get_samples(self, num_samples: int) -> list[list]:
+        from miles_platform.data.sample import Sample
+
+        out = self.buffer[:num_samples]
+        del self.buffer[:num_samples]
+        while len(out) < num_samples:
+            row = self.dataset[self.offset % len(self.dataset)]
+            out.append([Sample(prompt=row["prompt"], label=row["label"], index=self.offset)
+                        for _ in range(self.args.n_samples_per_prompt)])  # fmt: skip
+            self.offset += 1
+        return out
+
+    def add_samples(self, samples: list[list]) -> None:
+        self.buffer += samples
+
+    def save(self, rollout_id) -> None:
+        _log(self.args, "data_source_save", rollout_id=rollout_id, offset=self.offset)
+
+    def load(self, rollout_id=None) -> None:
+        _log(self.args, "data_source_load", rollout_id=rollout_id)
+        self.offset = (rollout_id + 1) * self.args.rollout_batch_size  # what the saved run had taken

@@ -52,6 +52,18 @@ class RolloutFlags:
         "generate function's tool turns, the session server's default (a request's own chat_template_kwargs win)",
     )
     rollout_shuffle: bool = flag(False, "rollout", "shuffle prompts each epoch")
+    data_source_path: str | None = flag(
+        None,
+        "rollout",
+        "a data source class <module>.<Class>, built as cls(args) (Miles' DataSource: get_samples(n) -> "
+        "list[list[Sample]], add_samples, save(rollout_id), load(rollout_id)); replaces reading --prompt-data",
+    )
+    disable_rollout_global_dataset: bool = flag(
+        False,
+        "rollout",
+        "load no --prompt-data: the --rollout-function-path (with a --data-source-path or on its own) "
+        "brings its data; needs --num-rollout",
+    )
     rollout_seed: int = flag(42, "rollout", "seed of the data-source shuffle")
     num_rollout: int | None = flag(
         None, "rollout", "total rollout iterations (derived from dataset and --num-epoch if unset)"
@@ -106,6 +118,34 @@ class RolloutFlags:
                 "--apply-chat-template-kwargs: this run renders no chat template (add --apply-chat-template, "
                 "--use-session-server or the multi-turn generate function)"
             )
+
+    @property
+    def uses_global_dataset(self) -> bool:
+        """The run reads --prompt-data into its own data source (not a replay, a custom source, or none)."""
+        return not (
+            self.load_debug_rollout_data or self.data_source_path or self.disable_rollout_global_dataset
+        )
+
+    def _check_data_source_flags(self) -> None:
+        """--data-source-path / --disable-rollout-global-dataset where they have an effect (Miles' rules)."""
+        if self.load_debug_rollout_data and (self.data_source_path or self.disable_rollout_global_dataset):
+            raise ConfigError(
+                "--data-source-path / --disable-rollout-global-dataset: --load-debug-rollout-data replays "
+                "rollouts and reads no prompts"
+            )
+        if self.disable_rollout_global_dataset:
+            missing = [f for f, bad in (("--rollout-function-path", not self.rollout_function_path),
+                                        ("--num-rollout", self.num_rollout is None)) if bad]  # fmt: skip
+            if missing:
+                raise ConfigError(
+                    f"--disable-rollout-global-dataset needs {' and '.join(missing)} (as Miles: without the "
+                    "global dataset a custom rollout function brings the data, and the run cannot count rollouts)"
+                )
+            if self.prompt_data and not self.data_source_path:
+                raise ConfigError(
+                    "--disable-rollout-global-dataset: --prompt-data would not be read; drop one (a "
+                    "--data-source-path class may read args.prompt_data itself)"
+                )
 
     def _check_sft_rollout(self) -> None:
         if not self.uses_sft_rollout:

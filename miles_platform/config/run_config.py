@@ -147,6 +147,7 @@ class RunConfig(*reversed(CAPABILITIES)):
         self._check_generate_flags()
         self._check_sft_rollout()
         self._check_chat_template_kwargs()
+        self._check_data_source_flags()
         self._check_lora_flags()
         self._check_score_centering()
         self._check_opd_flags()

@@ -96,10 +96,12 @@ def _check_hooks(cfg, backend: str, paths: StoragePaths) -> None:
     calls = [json.loads(line) for line in open(os.path.join(cfg.storage_root, "hooks.jsonl"))]
     by = lambda name: [c for c in calls if c["hook"] == name]  # noqa: E731
     assert [c["groups"] for c in by("all_samples")] == [[2, 2], [2, 2]]
-    assert {c["source"] for c in by("all_samples")} == {"RolloutDataSource"}
     if backend != "megatron":
+        assert {c["source"] for c in by("all_samples")} == {"CustomDataSource"}
+        assert [(c["rollout_id"], c["offset"]) for c in by("data_source_save")] == [(0, 2), (1, 4)]
         assert not by("megatron_init")
         return
+    assert {c["source"] for c in by("all_samples")} == {"RolloutDataSource"}
     assert [c["tp"] for c in by("megatron_init")] == [1]  # once per rank, not for the reference
     steps = by("megatron_before_step")
     assert [(c["rollout_id"], c["step_id"]) for c in steps] == [(0, 0), (1, 0)]
@@ -129,6 +131,8 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
                           train_env_vars=json.dumps({"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}))  # fmt: skip
     sampling.update(rollout_all_samples_process_path="hook_fns.all_samples_process",
                     **(megatron_hooks if backend == "megatron" else {}))  # fmt: skip
+    if backend == "fsdp":  # Miles' DataSource contract over the same prompts (its save / load logged)
+        sampling["data_source_path"] = "hook_fns.JsonlDataSource"
     gate = dict(
         ci_metric_checker_key="eval/heldout/pass@1", ci_metric_checker_threshold=0.0
     )  # v0 and v2 report it
@@ -186,6 +190,9 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
                 eval_prompt_data=["heldout", _data(tmp_path)])  # fmt: skip
     res2 = train(cfg2)
     assert res2.start_rollout_id == 2 and res2.final_version == 3
+    if backend == "fsdp":  # the resume loaded the data source at the checkpoint's rollout
+        loads = [json.loads(x) for x in open(os.path.join(cfg.storage_root, "hooks.jsonl")) if "_load" in x]
+        assert [c["rollout_id"] for c in loads] == [1]
     assert Catalog(paths).query(evals)[1] == ev
     _, rows = Catalog(paths).query("select distinct rollout_id from rollouts order by 1")
     assert [r[0] for r in rows] == [0, 1, 2]
