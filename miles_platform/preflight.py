@@ -84,12 +84,22 @@ def validate_before_start(cfg: RunConfig) -> None:
 
 
 def check_hooks(cfg: RunConfig) -> None:
-    """Every customization hook given (config/hooks.py) imports and takes Miles' arguments."""
+    """Every customization hook given (config/hooks.py) and the --eval-function-path imports and takes
+    Miles' arguments."""
     from miles_platform.config.hooks import HOOKS
     from miles_platform.plugins import load_hook
 
     for name in HOOKS:
         load_hook(cfg, name)
+    if cfg.eval_function_path:
+        from miles_platform.plugins import EVAL_FLAG, load_rollout_function
+
+        fn = load_rollout_function(cfg.eval_function_path, EVAL_FLAG)
+        if not fn.takes_evaluation and not isinstance(fn.obj, type):
+            raise ConfigError(
+                f"{EVAL_FLAG} {cfg.eval_function_path!r}: takes no `evaluation` argument; Miles calls it as "
+                "generate_rollout(args, rollout_id, data_source, evaluation=True)"
+            )
 
 
 def check_object_store(cfg: RunConfig) -> None:

@@ -125,3 +125,16 @@ class JsonlDataSource:
     def load(self, rollout_id=None) -> None:
         _log(self.args, "data_source_load", rollout_id=rollout_id)
         self.offset = (rollout_id + 1) * self.args.rollout_batch_size  # what the saved run had taken
+
+
+def eval_rollout(args, rollout_id, data_source, evaluation=False):
+    """An --eval-function-path function (Miles' rollout shape, called with evaluation=True)."""
+    from miles_platform.rollout.base_types import RolloutFnEvalOutput
+
+    _record("eval", rollout_id, evaluation, data_source)
+    data = {"d": {"rewards": [1.0, None, 0.0, 1.0], "truncated": [False, True, False, False]}}
+    return RolloutFnEvalOutput(data=data, metrics={"eval/extra": 3.0})
+
+
+def rollout_without_evaluation(args, rollout_id, data_source):
+    """A rollout function Miles could not call for eval (no `evaluation` parameter)."""

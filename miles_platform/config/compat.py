@@ -169,7 +169,6 @@ COMPAT: dict[str, MilesFlag] = {
     "lora_base_cpu_backup": _refused("bool", "an SGLang-side CPU copy of the base weights for LoRA + colocate: LoRA here syncs adapters only and the base never changes; drop it"),
     "experts_shared_outer_loras": _refused("bool", "LoRA on MoE experts is not built (MoE + LoRA is refused)"),
     "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),
-    "eval_function_path": _refused("str", "a custom eval function is not built: evals run the run's own generate and reward on --eval-prompt-data"),
     "log_passrate": _refused("bool", "per-rollout pass rates are not logged; evals report pass@1 and pass@<n>(T=..) per dataset"),
     "log_reward_category": _refused("str", "statistics of a reward-dict category are not logged; log them from --custom-rollout-log-function-path"),
     "filter_zero_reward_samples": _refused("bool", "use --dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
