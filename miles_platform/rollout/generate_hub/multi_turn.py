@@ -116,7 +116,9 @@ async def run_episode(
             break
         calls_made += len(calls)
         text = tool_call.tool_response_text(
-            state.tokenizer, messages, template_kwargs(state.args.apply_chat_template_kwargs)
+            state.tokenizer,
+            messages,
+            template_kwargs(getattr(state.args, "apply_chat_template_kwargs", None)),
         )
         append_tool_tokens(sample, state.tokenizer.encode(text, add_special_tokens=False), text)
         turns.append(
