@@ -171,6 +171,10 @@ class RLRun:
             samples, metrics = s.train_only.generate(rollout_id)
         else:
             samples, metrics = s.manager.generate(rollout_id)
+        if cfg.ci_inject_rollout_data_path and rollout_id >= cfg.ci_inject_rollout_data_start_rollout_id:
+            from miles_platform.store.debug_rollouts import inject_rollout
+
+            samples, metrics["ci/inject_match_ratio"] = inject_rollout(cfg, rollout_id, samples)
         s.trackers.rollout_data(rollout_id, samples, metrics, t0)
         return samples, metrics
 

@@ -14,6 +14,8 @@ RANGES: dict[str, tuple] = {
     "load_debug_rollout_data_subsample": (0, 1, True, "in (0, 1]"),
     "ci_entropy_max": (0, None, True, "> 0"),
     "ci_metric_checker_threshold": FINITE,
+    "ci_inject_rollout_data_start_rollout_id": (0, None, False, ">= 0"),
+    "ci_inject_rollout_data_min_match_ratio": (0, 1, False, "in [0, 1]"),
 }
 
 
@@ -76,6 +78,21 @@ class DebugFlags:
     ci_metric_checker_threshold: float | None = flag(
         None, "debug", "--ci-test gate: at least one eval must report --ci-metric-checker-key >= this"
     )
+    ci_inject_rollout_data_path: str | None = flag(
+        None,
+        "debug",
+        "path template with {rollout_id} of rollouts --save-debug-rollout-data recorded: from "
+        "--ci-inject-rollout-data-start-rollout-id on, each rollout still generates, is compared with the "
+        "recording (mean response-token match) and the recording is trained on",
+    )
+    ci_inject_rollout_data_start_rollout_id: int | None = flag(
+        None, "debug", "the first rollout --ci-inject-rollout-data-path replaces"
+    )
+    ci_inject_rollout_data_min_match_ratio: float = flag(
+        0.9,
+        "debug",
+        "--ci-inject-rollout-data-path: the generated responses' mean token match must exceed it",
+    )
     ci_fault_hooks: str | None = flag(
         None,
         "debug",
@@ -97,6 +114,22 @@ class DebugFlags:
             raise ConfigError(
                 f"--ci-metric-checker-key {self.ci_metric_checker_key}: checks eval metrics, and this run has no "
                 "eval (a run with no eval always fails the gate): add --eval-prompt-data and --eval-interval"
+            )
+        inject = self.ci_inject_rollout_data_path
+        if (inject is None) != (self.ci_inject_rollout_data_start_rollout_id is None):
+            raise ConfigError(
+                "--ci-inject-rollout-data-path and --ci-inject-rollout-data-start-rollout-id: give both (as Miles)"
+            )
+        if inject and (self.load_debug_rollout_data or self.debug_train_only or self.debug_rollout_only):
+            raise ConfigError(
+                "--ci-inject-rollout-data-path: compares live generation with a recording and trains on it; "
+                "--load-debug-rollout-data / --debug-*-only leave no generation or no training to do it with"
+            )
+        if inject:
+            check_rollout_template("--ci-inject-rollout-data-path", inject)
+        if not inject and self.ci_inject_rollout_data_min_match_ratio != 0.9:
+            raise ConfigError(
+                "--ci-inject-rollout-data-min-match-ratio: bounds --ci-inject-rollout-data-path; add it"
             )
         if self.load_debug_rollout_data_subsample is not None and not self.load_debug_rollout_data:
             raise ConfigError(

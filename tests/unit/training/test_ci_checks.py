@@ -153,3 +153,34 @@ def test_load_debug_rollout_data_subsample_keeps_whole_groups_from_both_ends(tmp
         ConfigError, match="keeps 4 of the 8 prompt groups of rollout 3; set --rollout-batch-size 4"
     ):
         load_debug_rollout(RunConfig(rollout_batch_size=8, **kw), 3)
+
+
+def test_ci_inject_rollout_data_trains_the_recording_when_generation_matches_it(tmp_path):
+    """--ci-inject-rollout-data-path: the recording replaces a rollout whose fresh generation matches it
+    (mean response-token match > the ratio); engines holding other weights (half the tokens differ) or a
+    batch of other prompts fail the run."""
+    import copy
+
+    from miles_platform.data.sample import Sample
+    from miles_platform.store.debug_rollouts import inject_rollout, save_debug_rollout
+
+    template = str(tmp_path / "rec_{rollout_id}.parquet")
+    rec = [Sample(prompt="p", prompt_tokens=[1, 2], response_tokens=[3, 4, 5, 6], loss_mask=[1] * 4,
+                  rollout_log_probs=[-1.0] * 4, index=i, reward=1.0, raw_reward=1.0) for i in range(4)]  # fmt: skip
+    save_debug_rollout(RunConfig(rollout_batch_size=2, save_debug_rollout_data=template), 1, rec)
+    cfg = RunConfig(rollout_batch_size=2, n_samples_per_prompt=2, run_name="now", ci_inject_rollout_data_path=template,
+                    ci_inject_rollout_data_start_rollout_id=1).validate()  # fmt: skip
+    fresh = copy.deepcopy(rec)
+    fresh[0].response_tokens = [3, 4, 5, 9]  # one flipped token: 15/16 > 0.9
+    got, ratio = inject_rollout(cfg, 1, fresh)
+    assert ratio == pytest.approx(15 / 16) and [s.response_tokens for s in got] == [[3, 4, 5, 6]] * 4
+    assert {(s.run, s.rollout_id) for s in got} == {("now", 1)}
+    for s in fresh:
+        s.response_tokens = [3, 4, 8, 9]  # half of every response differs
+    with pytest.raises(CITestFailure, match=r"match the recording at 0\.5000 .*min-match-ratio 0\.9"):
+        inject_rollout(cfg, 1, fresh)
+    fresh[2].prompt_tokens = [1, 7]
+    with pytest.raises(CITestFailure, match="prompt tokens differ at sample 2"):
+        inject_rollout(cfg, 1, fresh)
+    with pytest.raises(ConfigError, match="give both"):
+        parse_run_config(["--rollout-batch-size", "2", "--ci-inject-rollout-data-path", template])
