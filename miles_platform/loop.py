@@ -19,13 +19,13 @@ import json
 import sys
 import time
 
-from miles_platform.config import RunConfig, parse_run_config
+from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.errors import ActorDied, NonFiniteTraining
 from miles_platform.preflight import check_batch_fits, fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import exists  # a local path or an object-store URI
-from miles_platform.training.ci_checks import step0_checks
+from miles_platform.training.ci_checks import MetricChecker, step0_checks
 
 __all__ = ["CITestFailure", "PolicyVersion", "RLRun", "Reporter", "RunResult", "train", "validate_before_start"]  # fmt: skip
 
@@ -61,15 +61,9 @@ class RLRun:
                 "weights; weight updates carry the trainer's weights at --rollout-dtype (docs/miles_flags.md)"
             )
         tok = load_tokenizer(cfg.hf_checkpoint)
-        src = None
-        if not cfg.load_debug_rollout_data:
-            from miles_platform.data.dataset import content_hash as data_hash
-            from miles_platform.data.source import RolloutDataSource
-
-            src = RolloutDataSource.from_config(cfg, tokenizer=tok)
-            check_batch_fits(cfg, len(src))
+        src = data_source(cfg, tok)
         fill_defaults(cfg, self.paths, len(src) if src else 1)
-        self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), src and data_hash(src.records)
+        self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), data_version(cfg, src)
         with RunServices(cfg, self.paths, self.reporter, tok, src) as s:
             self.s, state = s, s.state
             self.rec = VersionRecorder(cfg, self.paths, self.reporter, self.base_version, self.data_version,
@@ -82,9 +76,14 @@ class RLRun:
                 initial_sync(cfg, self.paths, s, version, state is not None, self.base_version)
             s.colocation.start()  # --offload-train: the trainer leaves the devices to the engines
             initial_eval = eval_before_train(cfg, self.paths, s, self.reporter, start, version)
+            self.metric_checker = MetricChecker.maybe_create(cfg)  # --ci-metric-checker-key gate
+            if self.metric_checker is not None:
+                self.metric_checker.on_eval(initial_eval, self.reporter.log)
             s.start_async_worker()
             try:
                 result = self._loop(start, version)
+                if self.metric_checker is not None:
+                    self.metric_checker.dispose()
             except Exception as e:
                 died = actor_died(cfg, e, s.hooks.due_in_ranks())
                 if died is None:
@@ -97,8 +96,9 @@ class RLRun:
         from miles_platform.rollout.loop_eval import eval_due, evaluate_and_log
         from miles_platform.store.debug_rollouts import save_debug_rollout
         from miles_platform.store.shards import write_rollout_shard
-        from miles_platform.training.actor import TrainBatch
         from miles_platform.training.checkpoint import iter_dir
+        from miles_platform.training.hooks import post_save_hook
+        from miles_platform.training.train_batch import train_data
         from miles_platform.weights.sync import publish_version, save_hf_copy
 
         cfg, s, rec, run = self.cfg, self.s, self.rec, self.cfg.run_name
@@ -120,7 +120,7 @@ class RLRun:
                     continue
                 s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
                 with phase("train"):
-                    metrics.update(self._train(rollout_id, TrainBatch.from_samples(samples), version))
+                    metrics.update(self._train(rollout_id, train_data(cfg, samples), version))
                 self._check_finite(rollout_id, metrics)
                 if cfg.ci_test and rollout_id == 0:
                     result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
@@ -142,9 +142,10 @@ class RLRun:
                         rec.record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
                 if s.manager is not None and eval_due(cfg, version, hf_dir):
                     with phase("eval"):
-                        metrics.update(
-                            evaluate_and_log(cfg, self.paths, s, self.reporter, version, rollout_id)
-                        )
+                        evaluated = evaluate_and_log(cfg, self.paths, s, self.reporter, version, rollout_id)
+                        metrics.update(evaluated)
+                        if self.metric_checker is not None:
+                            self.metric_checker.on_eval(evaluated, self.reporter.log)
                 with phase("metrics"):
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
                 if save_due:
@@ -152,8 +153,10 @@ class RLRun:
                         self._save(rollout_id, version, sync=forced or rollout_id + 1 == cfg.num_rollout)
                     if forced:  # the checkpoint is durable: "file gone" means "saved" (Miles')
                         rec.save_request_done(rollout_id)
-                    if cfg.save_hf and hf_dir is not None:
+                    hf_copy = cfg.save_hf.format(rollout_id=rollout_id) if cfg.save_hf and hf_dir else None
+                    if hf_copy:
                         save_hf_copy(cfg, rollout_id, hf_dir)
+                    post_save_hook(cfg, rollout_id, iter_dir(cfg.save, rollout_id), hf_copy)
         return result
 
     def _generate(self, rollout_id: int, version: int, t0: float) -> tuple[list, dict]:
@@ -171,6 +174,10 @@ class RLRun:
             samples, metrics = s.train_only.generate(rollout_id)
         else:
             samples, metrics = s.manager.generate(rollout_id)
+        if cfg.ci_inject_rollout_data_path and rollout_id >= cfg.ci_inject_rollout_data_start_rollout_id:
+            from miles_platform.store.debug_rollouts import inject_rollout
+
+            samples, metrics["ci/inject_match_ratio"] = inject_rollout(cfg, rollout_id, samples)
         s.trackers.rollout_data(rollout_id, samples, metrics, t0)
         return samples, metrics
 
@@ -215,6 +222,8 @@ class RLRun:
     def _save(self, rollout_id: int, version: int, sync: bool = True) -> str:
         """The trainers' checkpoint; with --async-save and not `sync` written in the background (the
         run's last save and a sentinel's are synchronous, so the run ends with its checkpoint on disk)."""
+        if hasattr(self.s.src, "saving_rollout_id"):  # --data-source-path: its save(rollout_id)
+            self.s.src.saving_rollout_id = rollout_id
         extra = {"weight_version": version, **self.s.checkpoint_state(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
         from miles_platform.run_services import call_trainers
@@ -225,6 +234,37 @@ class RLRun:
             for path in prune_checkpoints(self.cfg.save, rollout_id, self.cfg.save_retain_interval):
                 self.reporter.log(f"--save-retain-interval {self.cfg.save_retain_interval}: deleted {path}")
         return saved
+
+
+def data_source(cfg: RunConfig, tok):
+    """The run's data source: --prompt-data read here, the --data-source-path class, or none (a replay;
+    --disable-rollout-global-dataset without a class: the rollout function brings its data)."""
+    if cfg.data_source_path:
+        from miles_platform.data.custom_source import CustomDataSource
+
+        src = CustomDataSource(cfg)
+        if not len(src) and cfg.num_rollout is None:
+            raise ConfigError(
+                f"--data-source-path {cfg.data_source_path}: the source has no .dataset to count rollouts by "
+                "(Miles reads len(data_source.dataset)); give --num-rollout"
+            )
+        return src
+    if not cfg.uses_global_dataset:
+        return None
+    from miles_platform.data.source import RolloutDataSource
+
+    src = RolloutDataSource.from_config(cfg, tokenizer=tok)
+    check_batch_fits(cfg, len(src))
+    return src
+
+
+def data_version(cfg: RunConfig, src) -> str | None:
+    """The lineage's data version: the prompts' content hash, or the custom source's path."""
+    from miles_platform.data.dataset import content_hash
+
+    if src is None:
+        return None
+    return content_hash(src.records) if src.records else f"data-source:{cfg.data_source_path}"
 
 
 def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:

@@ -18,6 +18,7 @@ from miles_platform.errors import ConfigError
 
 GENERATE_FLAG = "--custom-generate-function-path"
 ROLLOUT_FLAG = "--rollout-function-path"
+EVAL_FLAG = "--eval-function-path"
 # Miles' built-in functions, as a Miles launch script names them -> this build's equivalents
 MILES_BUILTINS = (
     {
@@ -86,6 +87,29 @@ def load_object(path: str, flag: str) -> Any:
             f"{flag} {path!r}: module {module_name!r} has no attribute {attr!r} (callables: {public})"
         )
     return getattr(module, attr)
+
+
+def load_hook(cfg: Any, name: str) -> Callable[..., Any] | None:
+    """The customization hook in field `name` of `cfg` (config/hooks.py HOOKS), checked to take the
+    arguments Miles passes; None when not given. --rollout-data-postprocess-path takes Miles' `(args)`
+    or `(args, rollout_data)`."""
+    from miles_platform.config.hooks import HOOKS
+
+    path = getattr(cfg, name)
+    if not path:
+        return None
+    flag, (arity, signature) = "--" + name.replace("_", "-"), HOOKS[name]
+    fn = load_function(path, flag)
+    try:
+        try:
+            _check_arity(fn, path, flag, arity)
+        except ConfigError:
+            if name != "rollout_data_postprocess_path":
+                raise
+            _check_arity(fn, path, flag, 2)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; Miles calls it as {signature}") from None
+    return fn
 
 
 def _check_arity(fn: Callable[..., Any], path: str, flag: str, n: int) -> None:
@@ -180,13 +204,24 @@ class RolloutFunction:
     def __init__(self, obj: Any, takes_evaluation: bool):
         self.obj, self.takes_evaluation = obj, takes_evaluation
 
-    def bind(self, args: Any, data_source: Any) -> Callable[[int], Any]:
-        from miles_platform.rollout.base_types import RolloutFnConstructorInput, RolloutFnTrainInput
+    def bind(self, args: Any, data_source: Any, evaluation: bool = False) -> Callable[[int], Any]:
+        """`evaluation`: the eval rollout (--eval-function-path): RolloutFnEvalInput, or evaluation=True."""
+        from miles_platform.rollout.base_types import (
+            RolloutFnConstructorInput,
+            RolloutFnEvalInput,
+            RolloutFnTrainInput,
+        )
 
         if inspect.isclass(self.obj):
             inst = self.obj(RolloutFnConstructorInput(args=args, data_source=data_source))
-            return lambda rollout_id: inst(RolloutFnTrainInput(rollout_id=rollout_id))
-        kw = {"evaluation": False} if self.takes_evaluation else {}
+            make = RolloutFnEvalInput if evaluation else RolloutFnTrainInput
+            return lambda rollout_id: inst(make(rollout_id=rollout_id))
+        if evaluation and not self.takes_evaluation:
+            raise ConfigError(
+                f"{EVAL_FLAG}: the function takes no `evaluation` argument; Miles calls it as "
+                "generate_rollout(args, rollout_id, data_source, evaluation=True)"
+            )
+        kw = {"evaluation": evaluation} if self.takes_evaluation else {}
         return lambda rollout_id: self.obj(args, rollout_id, data_source, **kw)
 
 

@@ -57,10 +57,14 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.trackers import validate_trackers
 
     validate_trackers(cfg, StoragePaths(cfg.storage_root))
+    check_hooks(cfg)
     if cfg.load_debug_rollout_data:
         return
-    if not cfg.prompt_data:
-        raise ConfigError("--prompt-data is required (JSONL or Parquet of prompts)")
+    if not cfg.prompt_data and cfg.uses_global_dataset:
+        raise ConfigError(
+            "--prompt-data is required (JSONL or Parquet of prompts), or a --data-source-path class, or "
+            "--disable-rollout-global-dataset with a --rollout-function-path that brings its data"
+        )
     from miles_platform.rollout import generate_hub
 
     generate_hub.validate_config(cfg)
@@ -80,6 +84,25 @@ def validate_before_start(cfg: RunConfig) -> None:
         load_function(cfg.custom_tis_function_path, "--custom-tis-function-path")
     if cfg.custom_update_weight_post_write_path:
         load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
+
+
+def check_hooks(cfg: RunConfig) -> None:
+    """Every customization hook given (config/hooks.py) and the --eval-function-path imports and takes
+    Miles' arguments."""
+    from miles_platform.config.hooks import HOOKS
+    from miles_platform.plugins import load_hook
+
+    for name in HOOKS:
+        load_hook(cfg, name)
+    if cfg.eval_function_path:
+        from miles_platform.plugins import EVAL_FLAG, load_rollout_function
+
+        fn = load_rollout_function(cfg.eval_function_path, EVAL_FLAG)
+        if not fn.takes_evaluation and not isinstance(fn.obj, type):
+            raise ConfigError(
+                f"{EVAL_FLAG} {cfg.eval_function_path!r}: takes no `evaluation` argument; Miles calls it as "
+                "generate_rollout(args, rollout_id, data_source, evaluation=True)"
+            )
 
 
 def check_object_store(cfg: RunConfig) -> None:

@@ -170,7 +170,10 @@ def run_config_from(
     except ConfigError as e:
         raise launchpad_failure(e, data) from None
     cfg.storage_root = StoragePaths(storage_root).root  # absolute: Ray workers have other working dirs
-    cfg.prompt_data = cfg.prompt_data or latest_path(instance, "prompt_dataset")
+    if (
+        cfg.uses_global_dataset
+    ):  # a --data-source-path class or --disable-rollout-global-dataset: no default data
+        cfg.prompt_data = cfg.prompt_data or latest_path(instance, "prompt_dataset")
     cfg.hf_checkpoint = cfg.hf_checkpoint or latest_path(instance, "base_checkpoint")
     if cfg.prompt_data and cfg.prompt_data.endswith(".parquet") and cfg.input_key == "input":
         cfg.input_key, cfg.label_key = "prompt", cfg.label_key or "label"  # normalized dataset columns
@@ -178,6 +181,16 @@ def run_config_from(
         validate_before_start(cfg)
     except MilesError as e:
         raise launchpad_failure(e, data) from None
+    in_loop = [f for f, on in (("--eval-function-path", cfg.eval_function_path),
+                               ("--ci-metric-checker-key", cfg.ci_metric_checker_key)) if on]  # fmt: skip
+    if in_loop:  # the sensor's eval is the built-in one, outside the run: neither would see an eval
+        raise launchpad_failure(
+            ConfigError(
+                f"{', '.join(in_loop)}: act on the run's own evals; under Dagster the eval_on_new_policy sensor "
+                "evaluates each version (built-in eval) and the run evaluates nothing: use `miles-platform train`"
+            ),
+            data,
+        )
     eval_config = eval_config_for_run(cfg)
     cfg.eval_prompt_data = []  # no in-loop eval (and no v0 eval): one evaluator, one row per metric
     return cfg, eval_config

@@ -6,10 +6,17 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
-from miles_platform.config.flags import POSITIVE, flag
+from miles_platform.config.flags import FINITE, POSITIVE, flag
 from miles_platform.errors import ConfigError
 
-RANGES: dict[str, tuple] = {"log_interval": POSITIVE}
+RANGES: dict[str, tuple] = {
+    "log_interval": POSITIVE,
+    "load_debug_rollout_data_subsample": (0, 1, True, "in (0, 1]"),
+    "ci_entropy_max": (0, None, True, "> 0"),
+    "ci_metric_checker_threshold": FINITE,
+    "ci_inject_rollout_data_start_rollout_id": (0, None, False, ">= 0"),
+    "ci_inject_rollout_data_min_match_ratio": (0, 1, False, "in [0, 1]"),
+}
 
 
 @dataclass
@@ -33,6 +40,12 @@ class DebugFlags:
     load_debug_rollout_data: str | None = flag(
         None, "debug", "replay Parquet rollouts (implies --debug-train-only)"
     )
+    load_debug_rollout_data_subsample: float | None = flag(
+        None,
+        "debug",
+        "with --load-debug-rollout-data: train on this fraction of each replayed rollout's prompt groups "
+        "(half from its start, half from its end, as Miles; --rollout-batch-size must be what is kept)",
+    )
     debug_skip_optimizer_step: bool = flag(
         False, "debug", "freeze weights: any log-prob gap is forward-path difference"
     )
@@ -43,6 +56,43 @@ class DebugFlags:
     ci_logprob_abs_diff_threshold: float = flag(
         0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff"
     )
+    ci_disable_kl_checker: bool = flag(
+        False, "debug", "--ci-test without the step-0 KL checks (ppo_kl, pg_clipfrac, kl_loss == 0)"
+    )
+    ci_disable_logprobs_checker: bool = flag(
+        False,
+        "debug",
+        "--ci-test without the rollout-0 log-prob checks (trainer vs reference and vs engine, entropy range)",
+    )
+    ci_entropy_max: float = flag(
+        0.7,
+        "debug",
+        "--ci-test: upper bound of the trainer's mean token entropy at rollout 0 (Miles' 0.7, for trained "
+        "models; an untrained model is near-uniform, ln(vocab))",
+    )
+    ci_metric_checker_key: str | None = flag(
+        None,
+        "debug",
+        "--ci-test gate: an eval metric (eval/<dataset>/<metric>) that must reach the threshold",
+    )
+    ci_metric_checker_threshold: float | None = flag(
+        None, "debug", "--ci-test gate: at least one eval must report --ci-metric-checker-key >= this"
+    )
+    ci_inject_rollout_data_path: str | None = flag(
+        None,
+        "debug",
+        "path template with {rollout_id} of rollouts --save-debug-rollout-data recorded: from "
+        "--ci-inject-rollout-data-start-rollout-id on, each rollout still generates, is compared with the "
+        "recording (mean response-token match) and the recording is trained on",
+    )
+    ci_inject_rollout_data_start_rollout_id: int | None = flag(
+        None, "debug", "the first rollout --ci-inject-rollout-data-path replaces"
+    )
+    ci_inject_rollout_data_min_match_ratio: float = flag(
+        0.9,
+        "debug",
+        "--ci-inject-rollout-data-path: the generated responses' mean token match must exceed it",
+    )
     ci_fault_hooks: str | None = flag(
         None,
         "debug",
@@ -50,6 +100,41 @@ class DebugFlags:
         "miles_platform/fault_hooks.py lists the hooks and actions",
     )
     log_interval: int = flag(1, "debug", "print metrics every N rollouts")
+
+    def _check_ci_flags(self) -> None:
+        """The --ci-* switches act under --ci-test only; the metric gate needs its threshold and an eval."""
+        given = _ci_flags_given(self)
+        if given and not self.ci_test:
+            raise ConfigError(f"{', '.join(given)}: switches of --ci-test's checks; add --ci-test")
+        if (self.ci_metric_checker_key is None) != (self.ci_metric_checker_threshold is None):
+            raise ConfigError(
+                "--ci-metric-checker-key and --ci-metric-checker-threshold: give both (as Miles)"
+            )
+        if self.ci_metric_checker_key and not (self.eval_prompt_data and self.eval_interval):
+            raise ConfigError(
+                f"--ci-metric-checker-key {self.ci_metric_checker_key}: checks eval metrics, and this run has no "
+                "eval (a run with no eval always fails the gate): add --eval-prompt-data and --eval-interval"
+            )
+        inject = self.ci_inject_rollout_data_path
+        if (inject is None) != (self.ci_inject_rollout_data_start_rollout_id is None):
+            raise ConfigError(
+                "--ci-inject-rollout-data-path and --ci-inject-rollout-data-start-rollout-id: give both (as Miles)"
+            )
+        if inject and (self.load_debug_rollout_data or self.debug_train_only or self.debug_rollout_only):
+            raise ConfigError(
+                "--ci-inject-rollout-data-path: compares live generation with a recording and trains on it; "
+                "--load-debug-rollout-data / --debug-*-only leave no generation or no training to do it with"
+            )
+        if inject:
+            check_rollout_template("--ci-inject-rollout-data-path", inject)
+        if not inject and self.ci_inject_rollout_data_min_match_ratio != 0.9:
+            raise ConfigError(
+                "--ci-inject-rollout-data-min-match-ratio: bounds --ci-inject-rollout-data-path; add it"
+            )
+        if self.load_debug_rollout_data_subsample is not None and not self.load_debug_rollout_data:
+            raise ConfigError(
+                "--load-debug-rollout-data-subsample: subsamples --load-debug-rollout-data; add it"
+            )
 
     def _check_debug_flags(self) -> None:
         """A replay implies train-only; train-only needs something to replay; a dump names each
@@ -76,9 +161,18 @@ class DebugFlags:
         if self.save_debug_train_data:
             ranks = self.actor_num_nodes * self.actor_num_gpus_per_node
             check_rollout_template("--save-debug-train-data", self.save_debug_train_data, ranks > 1)
+        self._check_ci_flags()
         from miles_platform.fault_hooks import parse_fault_hooks
 
         parse_fault_hooks(self.ci_fault_hooks)
+
+
+def _ci_flags_given(cfg) -> list[str]:
+    from miles_platform.config.flags import changed_flags
+
+    names = ("ci_disable_weight_update_checker", "ci_disable_kl_checker", "ci_disable_logprobs_checker",
+             "ci_entropy_max", "ci_logprob_abs_diff_threshold", "ci_metric_checker_key", "ci_metric_checker_threshold")  # fmt: skip
+    return changed_flags(cfg, names)
 
 
 def check_rollout_template(option: str, template: str, per_rank: bool | None = None) -> None:

@@ -3,7 +3,7 @@ from rollout sampling as in Miles."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from miles_platform.config.flags import FRACTION, NON_NEGATIVE, POSITIVE, flag
@@ -33,6 +33,13 @@ class EvalFlags:
     )
     eval_top_p: float | None = flag(None, "eval", "inherits --rollout-top-p")
     eval_top_k: int | None = flag(None, "eval", "inherits --rollout-top-k")
+    eval_function_path: str | None = flag(
+        None,
+        "eval",
+        "the eval rollout <module>.<fn>(args, rollout_id, data_source, evaluation=True) -> RolloutFnEvalOutput "
+        "(or a rollout class called with RolloutFnEvalInput), run at each eval instead of the built-in "
+        "pass@k eval; logged as eval/<dataset> (mean reward), as Miles",
+    )
     skip_eval_before_train: bool = flag(
         False, "eval", "skip the eval of the initial policy (v0) before the first rollout of a fresh run"
     )
@@ -42,6 +49,15 @@ class EvalFlags:
             self.eval_prompt_data = [MILES_LEGACY_EVAL_NAME, self.eval_prompt_data[0]]
         if self.eval_prompt_data and len(self.eval_prompt_data) % 2:
             raise ConfigError(f"--eval-prompt-data takes `name path` pairs, got {self.eval_prompt_data}")
+        if self.eval_function_path and not (self.eval_prompt_data and self.eval_interval):
+            raise ConfigError(
+                "--eval-function-path: runs at this run's evals, and it has none: add --eval-interval and "
+                "--eval-prompt-data (the function reads args.eval_prompt_data or its own data)"
+            )
+        if self.eval_function_path and self.debug_train_only:
+            raise ConfigError(
+                "--eval-function-path: --debug-train-only starts no engines and evaluates nothing"
+            )
 
     def eval_settings(self) -> EvalSettings:
         """The run's eval: sampling inherits from rollout sampling, as in Miles; datasets read with
@@ -60,6 +76,7 @@ class EvalFlags:
             label_key=self.label_key or "label",
             metadata_key=self.metadata_key,
             apply_chat_template=self.apply_chat_template,
+            chat_template_kwargs=self.chat_template_kwargs(),
             rewards=RewardSettings(rm_type="math") if rewards.pure_opd else rewards,
         )
 
@@ -86,6 +103,7 @@ class EvalSettings:
     metadata_key: str
     apply_chat_template: bool
     rewards: RewardSettings
+    chat_template_kwargs: dict = field(default_factory=dict)  # --apply-chat-template-kwargs
 
     @property
     def sampling(self) -> dict[str, Any]:

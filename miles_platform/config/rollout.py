@@ -45,7 +45,26 @@ class RolloutFlags:
     label_key: str | None = flag(None, "rollout", "dataset key for Sample.label")
     metadata_key: str = flag("metadata", "rollout", "dataset key for Sample.metadata")
     apply_chat_template: bool = flag(False, "rollout", "apply the tokenizer's chat template")
+    apply_chat_template_kwargs: str | None = flag(
+        None,
+        "rollout",
+        "JSON object of extra arguments to the tokenizer's apply_chat_template (e.g. "
+        "'{\"enable_thinking\": false}'): train and eval prompts (--apply-chat-template), the multi-turn "
+        "generate function's tool turns, the session server's default (a request's own chat_template_kwargs win)",
+    )
     rollout_shuffle: bool = flag(False, "rollout", "shuffle prompts each epoch")
+    data_source_path: str | None = flag(
+        None,
+        "rollout",
+        "a data source class <module>.<Class>, built as cls(args) (Miles' DataSource: get_samples(n) -> "
+        "list[list[Sample]], add_samples, save(rollout_id), load(rollout_id)); replaces reading --prompt-data",
+    )
+    disable_rollout_global_dataset: bool = flag(
+        False,
+        "rollout",
+        "load no --prompt-data: the --rollout-function-path (with a --data-source-path or on its own) "
+        "brings its data; needs --num-rollout",
+    )
     rollout_seed: int = flag(42, "rollout", "seed of the data-source shuffle")
     num_rollout: int | None = flag(
         None, "rollout", "total rollout iterations (derived from dataset and --num-epoch if unset)"
@@ -80,6 +99,54 @@ class RolloutFlags:
     def uses_sft_rollout(self) -> bool:
         """Miles' SFT: the rollout function hands out finished conversations (messages kept as such)."""
         return self.rollout_function_path in SFT_ROLLOUT_PATHS
+
+    def chat_template_kwargs(self) -> dict:
+        """--apply-chat-template-kwargs as a dict (empty when unset)."""
+        return template_kwargs(self.apply_chat_template_kwargs)
+
+    def _check_chat_template_kwargs(self) -> None:
+        """Parsed, and refused where no chat template is rendered with them."""
+        if not self.chat_template_kwargs():
+            return
+        multi_turn = (self.custom_generate_function_path or "").endswith("multi_turn.generate")
+        if self.uses_sft_rollout:
+            raise ConfigError(
+                "--apply-chat-template-kwargs: the SFT rollout renders its conversations with the template's "
+                "defaults (the loss masks follow that rendering); drop the flag"
+            )
+        if not (self.apply_chat_template or self.use_session_server or multi_turn):
+            raise ConfigError(
+                "--apply-chat-template-kwargs: this run renders no chat template (add --apply-chat-template, "
+                "--use-session-server or the multi-turn generate function)"
+            )
+
+    @property
+    def uses_global_dataset(self) -> bool:
+        """The run reads --prompt-data into its own data source (not a replay, a custom source, or none)."""
+        return not (
+            self.load_debug_rollout_data or self.data_source_path or self.disable_rollout_global_dataset
+        )
+
+    def _check_data_source_flags(self) -> None:
+        """--data-source-path / --disable-rollout-global-dataset where they have an effect (Miles' rules)."""
+        if self.load_debug_rollout_data and (self.data_source_path or self.disable_rollout_global_dataset):
+            raise ConfigError(
+                "--data-source-path / --disable-rollout-global-dataset: --load-debug-rollout-data replays "
+                "rollouts and reads no prompts"
+            )
+        if self.disable_rollout_global_dataset:
+            missing = [f for f, bad in (("--rollout-function-path", not self.rollout_function_path),
+                                        ("--num-rollout", self.num_rollout is None)) if bad]  # fmt: skip
+            if missing:
+                raise ConfigError(
+                    f"--disable-rollout-global-dataset needs {' and '.join(missing)} (as Miles: without the "
+                    "global dataset a custom rollout function brings the data, and the run cannot count rollouts)"
+                )
+            if self.prompt_data and not self.data_source_path:
+                raise ConfigError(
+                    "--disable-rollout-global-dataset: --prompt-data would not be read; drop one (a "
+                    "--data-source-path class may read args.prompt_data itself)"
+                )
 
     def _check_sft_rollout(self) -> None:
         if not self.uses_sft_rollout:
@@ -244,3 +311,19 @@ def derive_batch_knobs(cfg) -> None:
     if gbs * steps != total:
         raise ConfigError(f"contradictory batch knobs: {state()} ({total} != {gbs * steps})")
     cfg.global_batch_size, cfg.num_steps_per_rollout = gbs, steps
+
+
+def template_kwargs(value: str | dict | None) -> dict:
+    """--apply-chat-template-kwargs (JSON text, or a mapping from YAML / the Launchpad) as a dict."""
+    import json
+
+    if not value:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--apply-chat-template-kwargs {value!r}: not JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--apply-chat-template-kwargs {value!r}: expected a JSON object")
+    return dict(value)

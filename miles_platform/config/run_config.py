@@ -39,6 +39,7 @@ from miles_platform.config.compat import COMPAT, accepted_compat_flags, check_co
 from miles_platform.config.debug import DebugFlags
 from miles_platform.config.evaluation import EvalFlags
 from miles_platform.config.flags import check_choices, check_ranges, field_default, flag_name
+from miles_platform.config.hooks import HookFlags
 from miles_platform.config.lora import LoraFlags
 from miles_platform.config.megatron import MegatronFlags
 from miles_platform.config.model_args import MODEL_ARGS, ModelArgsFlags
@@ -72,6 +73,7 @@ GROUPS = (
     "storage",
     "logging",
     "debug",
+    "hooks",
 )
 
 # The capabilities, in field order (which is `--help` order within a group, and the Launchpad's).
@@ -79,6 +81,7 @@ CAPABILITIES = (
     ClusterFlags, CheckpointFlags, ModelArgsFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
     AlgorithmFlags, MoeFlags, CorrectionFlags, ScoreCenteringFlags, OpdFlags, OptimizerFlags, PerfFlags,
     MegatronFlags, PrecisionFlags, WeightUpdateFlags, LoraFlags, AsyncFlags, StorageFlags, LoggingFlags, DebugFlags,
+    HookFlags,
 )  # fmt: skip
 
 # flag -> (low, high, low excluded, what the error says), checked by validate(); None values are skipped
@@ -144,11 +147,14 @@ class RunConfig(*reversed(CAPABILITIES)):
         self._check_moe_flags()
         self._check_generate_flags()
         self._check_sft_rollout()
+        self._check_chat_template_kwargs()
+        self._check_data_source_flags()
         self._check_lora_flags()
         self._check_score_centering()
         self._check_opd_flags()
         self._check_algorithm_flags()
         self._check_logging_flags()
+        self._check_hook_flags()
         check_compat_flags(self)
         return self
 
@@ -235,7 +241,9 @@ RESUMABLE = frozenset(
      "eval_temperature", "eval_top_p", "eval_top_k", "eval_reward_key", "skip_eval_before_train",
      "update_weight_disk_dir", "update_weight_local_checkpoint_dir", "custom_update_weight_post_write_path",
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data", "save_debug_train_data",
-     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "log_interval", "sglang_args", "compat_flags",
+     "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "ci_disable_weight_update_checker",
+     "ci_disable_kl_checker", "ci_disable_logprobs_checker", "ci_entropy_max", "ci_metric_checker_key",
+     "ci_metric_checker_threshold", "log_interval", "sglang_args", "compat_flags",
      "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING | set(MODEL_ARGS)
 )  # fmt: skip
 

@@ -92,8 +92,9 @@ def _parquet_rows(uri: str, required: list[str]) -> Iterator[tuple[str, dict]]:
 
 
 def _render_prompt(
-    value: Any, where: str, input_key: str, tokenizer: Any | None, chat: bool, keep_messages: bool = False
-) -> str:
+    value: Any, where: str, input_key: str, tokenizer: Any | None, chat: bool, keep_messages: bool = False,
+    chat_kwargs: dict | None = None,
+) -> str:  # fmt: skip
     if keep_messages and isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         if not all(isinstance(m.get("role"), str) for m in value):
             raise DataError(f"{where}: key {input_key!r}: every message needs a role")
@@ -107,7 +108,9 @@ def _render_prompt(
             messages = value
         else:
             raise DataError(f"{where}: key {input_key!r} must be a string or a messages list")
-        value = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        value = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(chat_kwargs or {})
+        )
     if isinstance(value, list):
         raise DataError(f"{where}: key {input_key!r} is a messages list; pass --apply-chat-template")
     if not isinstance(value, str) or not value.strip():
@@ -144,9 +147,11 @@ def load_prompt_dataset(
     apply_chat_template: bool = False,
     tokenizer: Any | None = None,
     keep_messages: bool = False,
+    chat_template_kwargs: dict | None = None,
 ) -> list[PromptRecord]:
     """Read a JSONL or Parquet prompt dataset (local path or fsspec URI) into records.
 
+    `chat_template_kwargs`: extra arguments of apply_chat_template (--apply-chat-template-kwargs).
     `keep_messages`: a messages-list prompt stays messages, as its JSON text (the agentic wrapper
     hands it to the agent; the session server renders the template).
 
@@ -175,7 +180,13 @@ def load_prompt_dataset(
             if key is not None and row.get(key) is None:
                 raise DataError(f"{where}: missing key {key!r} ({flag}); keys present: {sorted(row)}")
         prompt = _render_prompt(
-            row[input_key], where, input_key, tokenizer, apply_chat_template, keep_messages
+            row[input_key],
+            where,
+            input_key,
+            tokenizer,
+            apply_chat_template,
+            keep_messages,
+            chat_template_kwargs,
         )
         label = _label(row[label_key]) if label_key else None
         metadata = _metadata(row.get(metadata_key), where, metadata_key)

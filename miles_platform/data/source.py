@@ -36,6 +36,7 @@ class RolloutDataSource:
             label_key=cfg.label_key,
             metadata_key=cfg.metadata_key,
             apply_chat_template=cfg.apply_chat_template,
+            chat_template_kwargs=cfg.chat_template_kwargs(),
             tokenizer=tokenizer,
             # agentic: Sample.prompt stays messages; SFT: the conversation to train on
             keep_messages=bool(

@@ -102,6 +102,24 @@ class RolloutFnTrainInput:
         return False
 
 
+@dataclass(frozen=True)
+class RolloutFnEvalInput:
+    rollout_id: int
+
+    @property
+    def evaluation(self) -> bool:
+        return True
+
+
+@dataclass
+class RolloutFnEvalOutput:
+    """What an --eval-function-path function returns (Miles'): per eval dataset a dict with
+    "rewards" (a list; None counts as 0) and optionally "truncated" and "samples"."""
+
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] | None = None
+
+
 @dataclass
 class RolloutFnTrainOutput:
     samples: list[list[Sample]]  # --rollout-batch-size groups of --n-samples-per-prompt samples

@@ -109,11 +109,13 @@ def load_eval_rows(
     metadata_key: str = "metadata",
     apply_chat_template: bool = False,
     tokenizer: Any | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[dict]:
     """Eval prompts, read exactly like training prompts (same keys, same chat template)."""
     from miles_platform.data.dataset import load_prompt_dataset
 
-    records = load_prompt_dataset(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
+    records = load_prompt_dataset(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer,
+                                  chat_template_kwargs=chat_template_kwargs)  # fmt: skip
     return [{"prompt": r.prompt, "label": r.label, "metadata": r.metadata} for r in records]
 
 
@@ -179,6 +181,7 @@ def evaluate(
     apply_chat_template: bool = False,
     tokenizer: Any | None = None,
     progress: bool = False,
+    chat_template_kwargs: dict | None = None,
 ) -> dict[str, dict[str, Any]]:
     """name -> {"pass@1" (greedy), "pass@<n>(T=<T>)" (unbiased pass@k over n samples at
     `temperature`), "mean_reward@<n>(T=<T>)" (over the n samples), "n", "k", "num_prompts"} and,
@@ -205,7 +208,8 @@ def evaluate(
         greedy_only = temperature is not None and temperature <= 0  # every sample is the greedy answer
         loaded = []  # every dataset read first: the progress total is every response to generate
         for name, path in datasets:
-            rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer)
+            rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer,
+                                  chat_template_kwargs)  # fmt: skip
             loaded.append((name, rows[:max_prompts]))
         total = sum(len(rows) * (1 + (0 if greedy_only else k)) for _, rows in loaded)
         bar = stack.enter_context(Progress("eval", total, unit="response", enabled=progress))

@@ -32,6 +32,7 @@ from miles_platform.plugins import (
     MILES_BUILTINS,
     ROLLOUT_FLAG,
     load_generate_function,
+    load_hook,
     load_rollout_function,
 )
 from miles_platform.rollout import candidates, filter_hub, generate_hub, rm_hub
@@ -76,6 +77,7 @@ class RolloutManager:
         # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
         self.buffer: list[list[Sample]] = []
         self.buffer_filter = filter_hub.load_buffer_filter(cfg)
+        self.all_samples_process = load_hook(cfg, "rollout_all_samples_process_path")
         self.replay = cfg.sampling_support_replay()
         # user code (generate / rollout functions) sees Miles-style args and the run's engine
         self.args = generate_hub.function_args(cfg, self.url)
@@ -158,6 +160,9 @@ class RolloutManager:
         want = c.rollout_batch_size
         per_round = c.over_sampling_batch_size or want
         kept = self.take_from_buffer(rollout_id, want)
+        generated = list(
+            kept
+        )  # every group of the rollout, dropped ones too (--rollout-all-samples-process-path)
         drops: dict[str, int] = {}
         rounds = 0
         while len(kept) < want:
@@ -173,12 +178,13 @@ class RolloutManager:
             for k, s in enumerate(flat):  # provisional ids (rewards such as `random` key on them)
                 s.rollout_id, s.index = rollout_id, (rounds - 1) * len(flat) + k
             self._score(flat)
+            generated += groups
             survivors, d = filter_hub.apply_dynamic_filter(c, groups)
             for k, v in d.items():
                 drops[k] = drops.get(k, 0) + v
             kept += survivors
         self.buffer += kept[want:]
-        samples = self.finalize(rollout_id, kept[:want])
+        samples = self.finalize(rollout_id, kept[:want], generated)
         metrics = self._metrics(samples, drops, time.time() - t0)
         return samples, metrics
 
@@ -215,9 +221,15 @@ class RolloutManager:
             drops["prompt_too_long"] = drops.get("prompt_too_long", 0) + len(records) - len(kept)
         return kept
 
-    def finalize(self, rollout_id: int, groups: list[list[Sample]]) -> list[Sample]:
-        """Run the per-sample filter, number the samples in group order, mask removed and failed ones."""
+    def finalize(
+        self, rollout_id: int, groups: list[list[Sample]], generated: list[list[Sample]] | None = None
+    ) -> list[Sample]:
+        """Run the per-sample filter, then --rollout-all-samples-process-path over every group
+        `generated` (as Miles: the ones dynamic sampling dropped too), number the samples in group
+        order, mask removed and failed ones."""
         filter_hub.apply_rollout_sample_filter(self.cfg, groups)
+        if self.all_samples_process is not None:
+            self.all_samples_process(self.args, generated or groups, self.data_source)
         samples: list[Sample] = []
         for gi, group in enumerate(groups):
             for s in group:

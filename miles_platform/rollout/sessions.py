@@ -163,8 +163,10 @@ class SessionServer:
     def __init__(self, tokenizer: Any, engine_url: str, api_key: str | None, tito_model: str = "default",
                  replay: bool = False, lora_path=None, max_seq_len: int | None = None,
                  context_length: int = 1 << 20, moe_shape: tuple[int, int] | None = None,
-                 max_sessions: int = DEFAULT_MAX_SESSIONS):  # fmt: skip
+                 max_sessions: int = DEFAULT_MAX_SESSIONS, chat_template_kwargs: dict | None = None):  # fmt: skip
         """`lora_path`: a LoRA run's adapter name, or its AdapterName (the served version's name).
+        `chat_template_kwargs`: the template arguments of every request (--apply-chat-template-kwargs),
+        under a request's own.
         `moe_shape` (R3): the MoE model's (num_layers, top_k); training sessions then ask every
         call for `return_routed_experts` and the record carries the routes of the whole session."""
         self.tok, self.tito = tokenizer, TitoTokenizer(tokenizer, tito_model)
@@ -172,6 +174,7 @@ class SessionServer:
         self.max_seq_len, self.context_length = max_seq_len, context_length
         self.moe_shape, self.max_sessions = moe_shape, max_sessions
         self.sessions: dict[str, Session] = {}
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         # TITO tokenization (chat templates: pure Python, the GIL held) on one thread of its own,
         # never on the event loop: a big chat stalled every other request (issue #49, item 9)
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tito")
@@ -260,7 +263,7 @@ class SessionServer:
                 raise AppendOnlyViolation(s.failure)
             s.rollback()  # a retry of the latest turn
             k -= 1
-        kw = req.chat_template_kwargs
+        kw = {**self.chat_template_kwargs, **req.chat_template_kwargs}
         if k == 0:
             ids, text = self.tito.first_prompt(msgs, tools, kw)
             return {
@@ -474,8 +477,11 @@ def start_session_server(cfg: Any, tokenizer: Any, engine_url: str, replay: bool
                          max_sessions: int = DEFAULT_MAX_SESSIONS) -> SessionServerHandle:  # fmt: skip
     """The run's session server (cfg: --session-server-ip/--session-server-port, --tito-model,
     --max-seq-len, --api-key) in a background thread; its /generate calls go to `engine_url`."""
+    from miles_platform.config.rollout import template_kwargs
+
     server = SessionServer(tokenizer, engine_url, cfg.api_key, cfg.tito_model, replay, lora_path,
-                           cfg.max_seq_len, context_length, moe_shape, max_sessions)  # fmt: skip
+                           cfg.max_seq_len, context_length, moe_shape, max_sessions,
+                           template_kwargs(getattr(cfg, "apply_chat_template_kwargs", None)))  # fmt: skip
     app = create_session_app(server, cfg.api_key)
     return SessionServerHandle(
         server, serve_in_thread(app, cfg.session_server_ip, cfg.session_server_port, "sessions")

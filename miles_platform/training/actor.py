@@ -19,7 +19,6 @@ import os
 import random
 import resource
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -36,63 +35,21 @@ from miles_platform.cluster.devices import (
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.store import remote
-from miles_platform.training import actor_checkpoint
+from miles_platform.training import actor_checkpoint, ci_checks
 from miles_platform.training import loss as loss_hub
 from miles_platform.training.backend import ScoreRequest, Scores
 from miles_platform.training.backends import get_backend_class
-from miles_platform.training.checkpoint import check_finite_weights, optimizer_tensors
+from miles_platform.training.checkpoint import (
+    check_finite_weights,
+    optimizer_tensors,
+)
+from miles_platform.training.hooks import TrainerHooks
 from miles_platform.training.opd import OPDPenalty, build_teacher
 from miles_platform.training.schedule import LRScheduler, schedule_of
+from miles_platform.training.train_batch import TrainBatch
 from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
 
-
-@dataclass
-class TrainBatch:
-    """One rollout's training data: per-sample token lists, in group order."""
-
-    tokens: list[list[int]]
-    response_lengths: list[int]
-    loss_masks: list[list[int]]
-    rewards: list[float]
-    rollout_log_probs: list[list[float]]
-    # sampling-support replay: per sample, per response token, the token ids it was drawn from
-    # (None: sampled from the full vocabulary)
-    rollout_sampling_supports: list[list[list[int]] | None] | None = None
-    # on-policy distillation, sglang mode (per sample, per response token; None: not scored)
-    teacher_log_probs: list[list[float] | None] | None = None
-    opd_reverse_kl: list[list[float] | None] | None = None
-    # R3 (MoE): per sample, the engine's top-k experts per token, [tokens - 1][num_layers][top_k]
-    routed_experts: list[list | None] | None = None
-    # score centering: per sample, the engine's K candidates per response token (ids, log-probs)
-    rollout_topk_token_ids: list[list[list[int]] | None] | None = None
-    rollout_topk_log_probs: list[list[list[float]] | None] | None = None
-    sample_indices: list[int] | None = None  # each Sample's index in its rollout (train_samples rows)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @classmethod
-    def from_samples(cls, samples) -> TrainBatch:
-        supports = [s.rollout_sampling_support for s in samples]
-        teacher = [s.teacher_log_probs for s in samples]
-        topk = [s.opd_reverse_kl for s in samples]
-        routes = [s.rollout_routed_experts for s in samples]
-        cand_ids = [s.rollout_topk_token_ids for s in samples]
-        cand_lps = [s.rollout_topk_log_probs for s in samples]
-        return cls(
-            tokens=[s.tokens for s in samples],
-            response_lengths=[s.response_length for s in samples],
-            loss_masks=[list(s.loss_mask) for s in samples],
-            rewards=[s.raw_reward if s.raw_reward is not None else 0.0 for s in samples],
-            rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
-            rollout_sampling_supports=supports if any(x is not None for x in supports) else None,
-            teacher_log_probs=teacher if any(x is not None for x in teacher) else None,
-            opd_reverse_kl=topk if any(x is not None for x in topk) else None,
-            routed_experts=routes if any(x is not None for x in routes) else None,
-            rollout_topk_token_ids=cand_ids if any(x is not None for x in cand_ids) else None,
-            rollout_topk_log_probs=cand_lps if any(x is not None for x in cand_lps) else None,
-            sample_indices=[s.index for s in samples],
-        )
+__all__ = ["TrainBatch", "TrainerActor"]
 
 
 def _rank_log(line: str) -> None:
@@ -170,6 +127,7 @@ class TrainerActor:
         )
         self.global_step = 0
         self.loss_fn = loss_hub.get_loss_function(cfg)
+        self.train_hooks = TrainerHooks(cfg)  # --rollout-data-postprocess-path, megatron's step hook
         self._weight_groups: dict = {}  # group_name -> (process group, backend), broadcast transport
         from miles_platform.fault_hooks import FaultHooks, parse_fault_hooks
 
@@ -420,9 +378,19 @@ class TrainerActor:
         if cfg.normalize_advantages:  # after OPD, as Miles; never fused with OPD (see above)
             self._whiten(batch, mine, adv)
 
+        self.train_hooks.postprocess_rollout(batch, mine, scored, ref, rollout_lp, adv)
+        if (
+            cfg.ci_test and self.global_step == 0 and ref is not None and scored
+        ):  # --ci-test: actor == reference
+            for k, v in ci_checks.mean_log_probs(
+                scored, ref, [self._mask(batch, i) for i in mine], mine
+            ).items():
+                add(k, v)
         if not fused:
             self._alignment_metrics(batch, mine, scored, rollout_lp, add)
         for s in range(steps):
+            self.train_hooks.before_train_step(rollout_id, s, getattr(self.backend, "chunks", [self.model]),
+                                               self.opt, self.sched)  # fmt: skip
             self._train_step(batch, self._my_indices(s), scored, ref, rollout_lp, adv, add, fused, opd)
             if self.critic is not None:
                 self._critic_step(batch, self._my_indices(s), values, returns, add)
@@ -474,6 +442,7 @@ class TrainerActor:
             and not c.debug_skip_optimizer_step  # frozen weights: the gap between passes is the point
             and not (c.use_opd and c.normalize_advantages)  # whitening needs every OPD-shaped advantage
             and not (c.ci_test and self.global_step == 0)
+            and not c.rollout_data_postprocess_path  # the hook sees the old log-probs before any step
         )
 
     def _alignment_metrics(self, batch, mine, old, rollout_lp, add) -> None:
@@ -563,7 +532,9 @@ class TrainerActor:
         tok_global = self._all_reduce_sum(self._token_count(batch, idx))
         self.opt.zero_grad(set_to_none=True)
         self.backend.zero_grad()
-        need_ent = cfg.entropy_coef != 0
+        need_ent = cfg.entropy_coef != 0 or (
+            cfg.ci_test and self.global_step == 0
+        )  # --ci-test: entropy range
         recorded = [None] * len(mbs)
         if getattr(self.loss_fn, "needs_candidate_log_probs", False):  # score centering
             from miles_platform.training.score_centering import rollout_candidates
@@ -590,6 +561,7 @@ class TrainerActor:
                 "ref_log_probs": [ref[i] for i in mb] if ref is not None else None,
                 "loss_masks": [self._mask(batch, i) for i in mb],
                 "response_lengths": [batch.response_lengths[i] for i in mb],
+                "total_lengths": [len(batch.tokens[i]) for i in mb],
             }
             if recorded[k]:  # the rollout's candidates (ids, log q) and the trainer's log p at them
                 mb_batch["rollout_topk_token_ids"] = [c for c, _ in recorded[k]]
@@ -606,6 +578,10 @@ class TrainerActor:
             if self.global_step == 0 and k == 0:
                 add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
                 add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
+            if self.global_step == 0 and cfg.ci_test:  # every micro-batch of step 0
+                add("train/step0_kl_loss", m.get("kl_loss", 0.0))
+                if "entropy_loss" in m:
+                    add("train/step0_entropy", m["entropy_loss"])
             return loss * self._mb_scale(batch, mb, n_local, tok_global)
 
         self.backend.run_micro_batches(reqs, consume)

@@ -16,25 +16,108 @@ def weight_check_on(cfg: RunConfig) -> bool:
     return cfg.check_weight_update_equal or (cfg.ci_test and not cfg.ci_disable_weight_update_checker)
 
 
+REF_LOGPROB_TOL = 1e-8  # Miles: trainer vs reference log-probs at rollout 0 (5e-3 under R3)
+R3_REF_LOGPROB_TOL = 5e-3  # R3: the reference model does not replay the rollout's routes
+
+
+def mean_log_probs(scored: dict, ref: dict, masks: list, idx: list[int]) -> dict[str, float]:
+    """The masked token means of the trainer's and the reference's log-probs of samples `idx` (Miles'
+    rollout/log_probs and rollout/ref_log_probs, compared at rollout 0 by --ci-test)."""
+    import torch
+
+    m = torch.cat([x.float() for x in masks])
+    n = m.sum().clamp_min(1)
+    mean = lambda d: float((torch.cat([d[i].detach().float() for i in idx]) * m).sum() / n)  # noqa: E731
+    return {"train/step0_log_probs": mean(scored), "train/step0_ref_log_probs": mean(ref)}
+
+
 def step0_checks(cfg: RunConfig, m: dict[str, float], log: Callable[[str], None]) -> dict[str, float]:
+    """Miles' --ci-test checkers at rollout 0 (docs/miles_flags.md): KL (ppo_kl, pg_clipfrac and kl_loss
+    zero; --ci-disable-kl-checker) and log-probs (trainer vs reference within 1e-8, trainer vs engine
+    within --ci-logprob-abs-diff-threshold, mean entropy in (0, --ci-entropy-max);
+    --ci-disable-logprobs-checker). Raises CITestFailure naming the first that fails."""
     checks = {
         "step0_ppo_kl": abs(m.get("train/step0_ppo_kl", 0.0)),
         "step0_pg_clipfrac": m.get("train/step0_pg_clipfrac", 0.0),
+        "step0_kl_loss": abs(m.get("train/step0_kl_loss", 0.0)),
         "train_rollout_logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff", 0.0),
     }
+    if "train/step0_ref_log_probs" in m:
+        checks["step0_ref_logprob_abs_diff"] = abs(
+            m["train/step0_log_probs"] - m["train/step0_ref_log_probs"]
+        )
+    if "train/step0_entropy" in m:
+        checks["step0_entropy"] = m["train/step0_entropy"]
     log(f"[ci-test] rollout 0: {json.dumps(checks)}")
-    if checks["step0_ppo_kl"] >= 1e-9:
-        raise CITestFailure(f"--ci-test: |train/ppo_kl| at step 0 = {checks['step0_ppo_kl']:.3g} >= 1e-9")
-    if checks["step0_pg_clipfrac"] >= 1e-10:
-        raise CITestFailure(
-            f"--ci-test: train/pg_clipfrac at step 0 = {checks['step0_pg_clipfrac']:.3g} >= 1e-10"
-        )
-    diff = checks["train_rollout_logprob_abs_diff"]
-    if not cfg.use_rollout_logprobs and diff >= cfg.ci_logprob_abs_diff_threshold:
-        raise CITestFailure(
-            f"--ci-test: trainer-vs-engine log-prob abs diff {diff:.3g} >= {cfg.ci_logprob_abs_diff_threshold}"
-        )
+    failures = [] if cfg.ci_disable_kl_checker else _kl_failures(checks, cfg.use_rollout_routing_replay)
+    if not cfg.ci_disable_logprobs_checker:
+        failures += _logprob_failures(cfg, checks)
+    if failures:
+        raise CITestFailure(f"--ci-test: {failures[0]}")
     return checks
+
+
+def _kl_failures(c: dict[str, float], r3: bool) -> list[str]:
+    """Miles' check_kl (its kl_loss bound is skipped under R3: the reference does not replay routes)."""
+    off = " (--ci-disable-kl-checker turns this checker off)"
+    return [
+        msg + off
+        for msg, bad in (
+            (f"|train/ppo_kl| at step 0 = {c['step0_ppo_kl']:.3g} >= 1e-9", c["step0_ppo_kl"] >= 1e-9),
+            (f"train/pg_clipfrac at step 0 = {c['step0_pg_clipfrac']:.3g} >= 1e-10", c["step0_pg_clipfrac"] >= 1e-10),
+            (f"|train/kl_loss| at step 0 = {c['step0_kl_loss']:.3g} >= 1e-9 (the actor is the reference)",
+             c["step0_kl_loss"] >= 1e-9 and not r3),
+        )
+        if bad
+    ]  # fmt: skip
+
+
+def _logprob_failures(cfg: RunConfig, c: dict[str, float]) -> list[str]:
+    off = " (--ci-disable-logprobs-checker turns this checker off)"
+    tol = R3_REF_LOGPROB_TOL if cfg.use_rollout_routing_replay else REF_LOGPROB_TOL
+    diff, nan = c["train_rollout_logprob_abs_diff"], float("nan")
+    ref, ent = c.get("step0_ref_logprob_abs_diff", nan), c.get("step0_entropy", nan)  # nan: not measured
+    return [
+        msg + off
+        for msg, bad in (
+            (f"trainer vs reference mean log-prob at rollout 0 differ by {ref:.3g} > {tol}", ref > tol),
+            (f"trainer-vs-engine log-prob abs diff {diff:.3g} >= {cfg.ci_logprob_abs_diff_threshold}",
+             not cfg.use_rollout_logprobs and diff >= cfg.ci_logprob_abs_diff_threshold),
+            (f"the trainer's mean token entropy at rollout 0 = {ent:.3g}, not in (0, {cfg.ci_entropy_max}) "
+             "(--ci-entropy-max)", ent == ent and not 0 < ent < cfg.ci_entropy_max),
+        )
+        if bad
+    ]  # fmt: skip
+
+
+class MetricChecker:
+    """Miles' --ci-metric-checker-key / --ci-metric-checker-threshold gate: every eval reports the key;
+    at the end of the run at least one of them must have reached the threshold."""
+
+    def __init__(self, cfg: RunConfig):
+        self.key, self.threshold = cfg.ci_metric_checker_key, cfg.ci_metric_checker_threshold
+        self.seen: list[float] = []
+
+    @classmethod
+    def maybe_create(cls, cfg: RunConfig) -> MetricChecker | None:
+        return cls(cfg) if cfg.ci_test and cfg.ci_metric_checker_key is not None else None
+
+    def on_eval(self, metrics: dict[str, float], log: Callable[[str], None]) -> None:
+        if not metrics:
+            return
+        if self.key not in metrics:
+            keys = sorted(k for k in metrics if k.startswith("eval/"))
+            raise CITestFailure(f"--ci-metric-checker-key {self.key}: not among the eval's metrics {keys}")
+        value = metrics[self.key]
+        self.seen.append(value)
+        log(f"[ci-test] metric checker: {self.key} = {value:.4g} (threshold {self.threshold})")
+
+    def dispose(self) -> None:
+        if not any(v >= self.threshold for v in self.seen):
+            raise CITestFailure(
+                f"--ci-metric-checker-key {self.key}: no eval reached --ci-metric-checker-threshold "
+                f"{self.threshold} (values: {self.seen or 'no eval ran'})"
+            )
 
 
 def check_weights_equal(cfg: RunConfig, engines, weights, version: int) -> None:

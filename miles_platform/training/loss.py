@@ -537,7 +537,7 @@ def policy_loss_function(
         metrics["ois"] = reduce([safe_log_ratio(-k.detach()).exp() for k in ppo_kl], masks).detach()
         for key, value in tis_metrics.items():
             metrics[key] = reduce(split(value.detach().float()), masks).detach()
-    pg_loss = reduce(split(pg_flat), pg_masks, counts)
+    pg_loss = reduce_pg_loss(args, pg_flat, pg_masks, counts, batch)
     loss, reg = add_regularizers(args, pg_loss, log_probs, old, batch.get("ref_log_probs"), entropy, masks)
     metrics.update(
         pg_loss=pg_loss.detach(),
@@ -548,6 +548,27 @@ def policy_loss_function(
         loss=loss.detach(),
     )
     return loss, metrics
+
+
+def reduce_pg_loss(
+    args, pg_flat: torch.Tensor, masks: Tensors, counts: torch.Tensor, batch: dict[str, Any]
+) -> torch.Tensor:
+    """pg_loss of the micro-batch: the run's reduction, or the reducer that
+    --custom-pg-loss-reducer-function-path builds (Miles' contract: from (total_lengths,
+    response_lengths, loss_masks, calculate_per_token_loss), a function that sums over the micro-batch's
+    samples, Miles dividing the loss by the global batch). Divided here by the micro-batch's sample count
+    (its token count with --calculate-per-token-loss), as the built-in reductions are micro-batch means
+    that the trainer weighs into the global batch."""
+    sizes = [m.numel() for m in masks]
+    path = getattr(args, "custom_pg_loss_reducer_function_path", None)
+    if not path:
+        return get_reducer(args)(list(torch.split(pg_flat, sizes)), masks, counts)
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    build = load_function(path, "--custom-pg-loss-reducer-function-path", required_params=4)
+    total_lengths = batch.get("total_lengths") or sizes
+    reducer = build(list(total_lengths), sizes, masks, per_token)
+    total = reducer(at_active(pg_flat, torch.cat(masks)))
+    return total / (counts.clamp_min(1).sum() if per_token else len(sizes))
 
 
 def add_regularizers(

@@ -197,6 +197,10 @@ class MegatronBackend(ModelBackend):
             seed=int(getattr(self.cfg, "seed", 1234)), device=self.device,
         )  # fmt: skip
         self.hf_config = hf_config
+        if trainable:
+            from miles_platform.training.hooks import megatron_init_hook
+
+            megatron_init_hook(self.cfg)
         self.chunks, self.bridge = build_model_chunks(
             hf_config, self.layout, megatron_precision.params_dtype(self.cfg), te_available(),
             megatron_precision.config_kwargs(self.cfg), device=self.device,

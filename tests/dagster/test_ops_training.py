@@ -330,6 +330,11 @@ def test_a_config_error_from_the_launchpad_names_the_yaml_key(tiny_hf_checkpoint
     )
     assert "rollout_batch_size=3" in message and "--" not in message, message
     assert not (tmp_path / "root").exists()
+    # the in-loop eval hooks: the sensor evaluates a Dagster run, so they would never run (refused)
+    kw = {**_job_kwargs(tiny_hf_checkpoint, tmp_path), "ci_test": True, "ci_metric_checker_key": "eval/d/pass@1",
+          "ci_metric_checker_threshold": 0.5, "eval_prompt_data": ["d", kw["prompt_data"]], "eval_interval": 1}  # fmt: skip
+    failure = _execute(kw, tmp_path / "root", raise_on_error=False).failure_data_for_node("rl_training_op")
+    assert "ci_metric_checker_key: act on the run's own evals" in failure.user_failure_data.description
 
 
 def test_presets_are_named_jobs_and_no_tag_of_theirs_sticks_to_a_hand_written_run():

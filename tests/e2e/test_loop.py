@@ -90,6 +90,31 @@ def _not_the_runs() -> frozenset:
     return frozenset((pid, port) for (pid, _), port, _ in _listening() if not rays(pid))
 
 
+def _check_hooks(cfg, backend: str, paths: StoragePaths) -> None:
+    """What each hook saw: every rollout's groups with the data source; on megatron the rank's init, a
+    before-step call per optimizer step with megatron's chunks, a post-save call per complete checkpoint."""
+    calls = [json.loads(line) for line in open(os.path.join(cfg.storage_root, "hooks.jsonl"))]
+    by = lambda name: [c for c in calls if c["hook"] == name]  # noqa: E731
+    assert [c["groups"] for c in by("all_samples")] == [[2, 2], [2, 2]]
+    if backend != "megatron":
+        assert {c["source"] for c in by("all_samples")} == {"CustomDataSource"}
+        assert [(c["rollout_id"], c["offset"]) for c in by("data_source_save")] == [(0, 2), (1, 4)]
+        assert not by("megatron_init")
+        return
+    assert {c["source"] for c in by("all_samples")} == {"RolloutDataSource"}
+    assert [c["tp"] for c in by("megatron_init")] == [1]  # once per rank, not for the reference
+    steps = by("megatron_before_step")
+    assert [(c["rollout_id"], c["step_id"]) for c in steps] == [(0, 0), (1, 0)]
+    assert steps[0]["model"] == ["GPTModel"] and steps[0]["optimizer"] == "AdamW"
+    saves = by("megatron_post_save")
+    assert [(c["rollout_id"], c["complete"], c["hf_written"]) for c in saves] == [
+        (0, True, True),
+        (1, True, True),
+    ]
+    assert saves[1]["checkpoint_dir"] == os.path.join(paths.checkpoints("t"), "iter_0000001")
+    assert saves[1]["hf_checkpoint_dir"] == cfg.save_hf.format(rollout_id=1)
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_loop_runs_versions_shards_checkpoints_and_resumes(
     tiny_hf_checkpoint, tmp_path, backend, mooncake_master
@@ -98,7 +123,20 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
     sampling = (
         dict(rollout_temperature=0.7, rollout_top_k=8, rollout_top_p=0.9) if backend == "megatron" else {}
     )
-    cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend, eval_interval=2, **sampling,
+    # customization hooks (tests/hook_fns.py; each logs to <root>/hooks.jsonl) and the eval gate
+    megatron_hooks = dict(custom_megatron_init_path="hook_fns.megatron_init",
+                          custom_megatron_before_train_step_hook_path="hook_fns.megatron_before_train_step",
+                          custom_megatron_post_save_hook_path="hook_fns.megatron_post_save",
+                          # the trainer ranks import the hooks as a user's ranks would: from their PYTHONPATH
+                          train_env_vars=json.dumps({"PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}))  # fmt: skip
+    sampling.update(rollout_all_samples_process_path="hook_fns.all_samples_process",
+                    **(megatron_hooks if backend == "megatron" else {}))  # fmt: skip
+    if backend == "fsdp":  # Miles' DataSource contract over the same prompts (its save / load logged)
+        sampling["data_source_path"] = "hook_fns.JsonlDataSource"
+    gate = dict(
+        ci_metric_checker_key="eval/heldout/pass@1", ci_metric_checker_threshold=0.0
+    )  # v0 and v2 report it
+    cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend, eval_interval=2, **sampling, **gate,
                eval_prompt_data=["heldout", _data(tmp_path)], save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"))  # fmt: skip
     rep = _HijackProbe()
     res = train(cfg, rep)
@@ -146,11 +184,15 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
     assert src == [("loop", *want, 4)]
     assert 0.0 <= res.eval_before_train["eval/heldout/pass@1"] <= 1.0
     assert os.path.exists(os.path.join(paths.checkpoints("t"), "latest_checkpointed_iteration.txt"))
+    _check_hooks(cfg, backend, paths)
     # relaunching the same command with more rollouts resumes at rollout 2, version 2; no second v0 eval
     cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend, eval_interval=2, **sampling,
                 eval_prompt_data=["heldout", _data(tmp_path)])  # fmt: skip
     res2 = train(cfg2)
     assert res2.start_rollout_id == 2 and res2.final_version == 3
+    if backend == "fsdp":  # the resume loaded the data source at the checkpoint's rollout
+        loads = [json.loads(x) for x in open(os.path.join(cfg.storage_root, "hooks.jsonl")) if "_load" in x]
+        assert [c["rollout_id"] for c in loads] == [1]
     assert Catalog(paths).query(evals)[1] == ev
     _, rows = Catalog(paths).query("select distinct rollout_id from rollouts order by 1")
     assert [r[0] for r in rows] == [0, 1, 2]

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from miles_platform.config import ConfigError
+from miles_platform.config.rollout import template_kwargs
 from miles_platform.data.sample import Sample, Status
 from miles_platform.plugins import load_function, load_object
 from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
@@ -140,7 +141,8 @@ def assemble(
     if not prompt:  # no model call was made: the prompt as the first turn would have rendered it
         from miles_platform.rollout.tito import TitoTokenizer
 
-        prompt = TitoTokenizer(tok, state.args.tito_model).first_prompt(messages, None, {})[0]
+        kw = template_kwargs(getattr(state.args, "apply_chat_template_kwargs", None))
+        prompt = TitoTokenizer(tok, state.args.tito_model).first_prompt(messages, None, kw)[0]
     sample.prompt_tokens = list(prompt)
     sample.response_tokens = list(record["response_token_ids"])
     sample.rollout_log_probs = [float(x) for x in record["response_log_probs"]]

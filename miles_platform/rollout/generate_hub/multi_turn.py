@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Any
 
 from miles_platform.config import ConfigError
+from miles_platform.config.rollout import template_kwargs
 from miles_platform.data.sample import Sample, Status, make_turn
 from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
 from miles_platform.rollout.generate_hub import tool_call
@@ -114,7 +115,11 @@ async def run_episode(
             calls_made += len(done) + 1
             break
         calls_made += len(calls)
-        text = tool_call.tool_response_text(state.tokenizer, messages)
+        text = tool_call.tool_response_text(
+            state.tokenizer,
+            messages,
+            template_kwargs(getattr(state.args, "apply_chat_template_kwargs", None)),
+        )
         append_tool_tokens(sample, state.tokenizer.encode(text, add_special_tokens=False), text)
         turns.append(
             make_turn("tool", text, start, len(sample.response_tokens), tool_calls=_calls(calls, messages))

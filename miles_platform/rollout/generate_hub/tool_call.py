@@ -204,10 +204,13 @@ async def execute_tool_calls(
     return messages
 
 
-def tool_response_text(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+def tool_response_text(
+    tokenizer: Any, messages: list[dict[str, Any]], chat_kwargs: dict | None = None
+) -> str:
     """The text that follows a finished assistant turn: the tool messages and the next assistant
     turn's generation prompt, as the tokenizer's chat template renders them (the template applied
-    to [user, assistant, *tools] minus the same without the tools). Without a chat template:
+    to [user, assistant, *tools] minus the same without the tools; `chat_kwargs`: its extra
+    arguments, --apply-chat-template-kwargs). Without a chat template:
     plain <tool_response> blocks."""
     if not getattr(tokenizer, "chat_template", None):
         return "".join(f"\n<tool_response>\n{m['content']}\n</tool_response>" for m in messages) + "\n"
@@ -216,8 +219,9 @@ def tool_response_text(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
         for i, m in enumerate(messages)
     ]
     base = [{"role": "user", "content": "."}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    without = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=False)
-    full = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+    kw = chat_kwargs or {}
+    without = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=False, **kw)
+    full = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True, **kw)
     if not full.startswith(without):
         raise RuntimeError(
             "multi-turn: the chat template renders earlier messages differently once tool messages follow "

@@ -64,7 +64,8 @@ def _fields_read_outside_config() -> set[str]:
                 read.add(node.attr)
             elif (
                 isinstance(node, ast.Call)
-                and getattr(node.func, "id", None) in ("getattr", "hasattr")
+                and getattr(node.func, "id", None)
+                in ("getattr", "hasattr", "load_hook")  # load_hook(cfg, "field")
                 and len(node.args) >= 2
                 and isinstance(node.args[1], ast.Constant)
             ):

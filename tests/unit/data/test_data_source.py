@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -69,3 +70,67 @@ def test_unfinished_prompts_are_checkpointed_and_served_first():
     assert resumed.state_dict() == {"epoch": 0, "offset": 5}  # old format when nothing is pending
     resumed.put_back([recs[0]])  # --async-unused-samples-handler retry
     assert [r.id for r in resumed.get_samples(2)] == ["0", "0"]  # then the next epoch starts
+
+
+def test_a_data_source_class_is_adapted_with_miles_contract(tmp_path):
+    """--data-source-path: cls(args); its groups become prompts, unfinished prompts go back through
+    add_samples after load(rollout_id), a checkpoint calls save(rollout_id); a broken class is refused."""
+    import hook_fns
+    from loop_helpers import write_prompts
+
+    from miles_platform.config import ConfigError, RunConfig
+    from miles_platform.data.custom_source import CustomDataSource
+
+    root = str(tmp_path / "root")
+    kw = dict(rollout_batch_size=2, n_samples_per_prompt=2, prompt_data=write_prompts(tmp_path), storage_root=root,
+              data_source_path="hook_fns.JsonlDataSource")  # fmt: skip
+    src = CustomDataSource(RunConfig(**kw).validate())
+    assert isinstance(src.inner, hook_fns.JsonlDataSource) and len(src) == len(src.inner.dataset)
+    first = src.get_samples(2)
+    assert [r.prompt for r in first] == [row["prompt"] for row in src.inner.dataset[:2]]
+    src.saving_rollout_id = 0
+    state = src.state_dict(first[1:])  # the second prompt was taken and not trained
+    again = CustomDataSource(RunConfig(**kw).validate())
+    again.load_state_dict(state)
+    assert again.inner.offset == 2 and again.get_samples(1)[0].prompt == first[1].prompt  # from the buffer
+    assert len(again.inner.buffer) == 0
+    logged = [json.loads(x) for x in open(os.path.join(root, "hooks.jsonl"))]
+    assert [(x["hook"], x["rollout_id"]) for x in logged] == [
+        ("data_source_save", 0),
+        ("data_source_load", 0),
+    ]
+    for bad, needle in (
+        ("hook_fns.two_args", "must be a class with get_samples"),
+        ("hook_fns.nope", "no attribute"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            CustomDataSource(RunConfig(**{**kw, "data_source_path": bad}))
+
+
+def test_disable_rollout_global_dataset_reads_no_prompts(tmp_path):
+    from loop_helpers import write_prompts
+
+    from miles_platform.config import ConfigError, parse_run_config
+    from miles_platform.loop import data_source
+
+    base = ["--rollout-batch-size", "2", "--disable-rollout-global-dataset"]
+    with pytest.raises(ConfigError, match="needs --rollout-function-path and --num-rollout"):
+        parse_run_config(base)
+    fn = ["--rollout-function-path", "generate_fns.generate_rollout", "--num-rollout", "3"]
+    with pytest.raises(ConfigError, match="--prompt-data would not be read"):
+        parse_run_config([*base, *fn, "--prompt-data", write_prompts(tmp_path)])
+    with pytest.raises(ConfigError, match="replays rollouts and reads no prompts"):
+        parse_run_config(
+            [
+                "--rollout-batch-size",
+                "2",
+                "--data-source-path",
+                "x.Y",
+                "--load-debug-rollout-data",
+                "/r_{rollout_id}",
+            ]
+        )
+    cfg = parse_run_config([*base, *fn])
+    assert (
+        not cfg.uses_global_dataset and data_source(cfg, None) is None
+    )  # the rollout function brings its data

@@ -279,3 +279,38 @@ def test_rows_written_before_the_names_read_with_them():
     assert metric_name("mean_reward", 2, 0.7) == "mean_reward@2(T=0.7)"
     assert metric_name("mean_reward", 8, None) == "mean_reward"  # a diffusion eval (no temperature)
     assert metric_name("pass@1", 1, 0.0) == "pass@1" and metric_name("pass@4(T=1)", 4, 1.0) == "pass@4(T=1)"
+
+
+def test_eval_function_path_replaces_the_eval_and_logs_as_miles(tmp_path):
+    """--eval-function-path: called with (args, rollout_id, data_source, evaluation=True); its
+    RolloutFnEvalOutput logged as eval/<dataset> (None rewards as 0), -none_reward_ratio,
+    -truncated_ratio, plus its metrics; one evals row per dataset; a function without `evaluation` is refused."""
+    from types import SimpleNamespace
+
+    import hook_fns
+
+    from miles_platform.config import ConfigError, RunConfig, parse_run_config
+    from miles_platform.preflight import check_hooks
+    from miles_platform.rollout.loop_eval import evaluate_policy
+    from miles_platform.store.paths import StoragePaths
+    from miles_platform.store.tables import read_rows
+
+    cfg = RunConfig(rollout_batch_size=1, eval_prompt_data=["d", "unused.jsonl"], eval_interval=1, run_name="r",
+                    storage_root=str(tmp_path), eval_function_path="hook_fns.eval_rollout").validate()  # fmt: skip
+    hook_fns.CALLS.clear()
+    manager = SimpleNamespace(args=SimpleNamespace(), data_source="SRC", client=None)
+    m, _ = evaluate_policy(cfg, StoragePaths(str(tmp_path)), manager, version=3, rollout_id=5)
+    assert hook_fns.CALLS["eval"] == [(5, True, "SRC")]
+    assert (
+        m["eval/d"] == 0.5 and m["eval/d-none_reward_ratio"] == 0.25 and m["eval/d-truncated_ratio"] == 0.25
+    )
+    assert m["eval/extra"] == 3.0
+    rows = read_rows(StoragePaths(str(tmp_path)), "evals", "r")
+    assert [(r["version"], r["dataset"], r["metric"], r["value"]) for r in rows] == [
+        (3, "d", "mean_reward", 0.5)
+    ]
+    with pytest.raises(ConfigError, match="--eval-function-path: runs at this run's evals"):
+        parse_run_config(["--rollout-batch-size", "1", "--eval-function-path", "hook_fns.eval_rollout"])
+    cfg.eval_function_path = "hook_fns.rollout_without_evaluation"
+    with pytest.raises(ConfigError, match="takes no `evaluation` argument"):
+        check_hooks(cfg)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_helpers import random_train_batch, run_ranks
+from loop_helpers import UNTRAINED_ENTROPY_MAX, random_train_batch, run_ranks
 from safetensors.torch import load_file, save_file
 
 from miles_platform.cluster.ports import free_port
@@ -87,6 +87,7 @@ def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint
     flags = dict(
         BF16,
         ci_test=True,
+        ci_entropy_max=UNTRAINED_ENTROPY_MAX,
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
         actor_num_gpus_per_node=tp,

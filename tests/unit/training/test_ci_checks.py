@@ -1,0 +1,186 @@
+"""Miles' --ci-test checkers (training/ci_checks.py) on a real TrainerActor's step-0 metrics: each one
+passes on a sound config and fails on a deliberately broken one, and its --ci-disable-* switch turns it
+off; the --ci-metric-checker-* gate fails a run whose evals never reach the threshold."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from loop_helpers import UNTRAINED_ENTROPY_MAX, random_train_batch
+from safetensors.torch import load_file, save_file
+
+from miles_platform.config import ConfigError, RunConfig, parse_run_config
+from miles_platform.run_types import CITestFailure
+from miles_platform.training.actor import TrainerActor
+from miles_platform.training.ci_checks import MetricChecker, step0_checks
+
+
+def _cfg(ckpt, **kw) -> RunConfig:
+    base = dict(hf_checkpoint=ckpt, rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=4,
+                micro_batch_size=2, lr=1e-3, ci_test=True, ci_entropy_max=UNTRAINED_ENTROPY_MAX)  # fmt: skip
+    return RunConfig(**{**base, **kw}).validate()
+
+
+def _engine_batch(actor):
+    """The trainer tests' batch with the rollout log-probs the trainer itself computes (an engine that agrees)."""
+    batch = random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0])
+    batch.rollout_log_probs = actor.compute_log_probs(batch)
+    return batch
+
+
+@pytest.fixture(scope="module")
+def perturbed_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with noise on every weight: a reference that is not the actor."""
+    out = tmp_path_factory.mktemp("ref") / "perturbed"
+    shutil.copytree(tiny_hf_checkpoint, out)
+    w = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file(
+        {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in w.items()}, out / "model.safetensors"
+    )
+    return str(out)
+
+
+def _step0(cfg) -> dict:
+    actor = TrainerActor(cfg)
+    return actor.train(0, _engine_batch(actor))
+
+
+def test_kl_and_reference_checkers_fail_when_the_reference_is_not_the_actor(
+    tiny_hf_checkpoint, perturbed_checkpoint
+):
+    kl = dict(use_kl_loss=True, kl_loss_coef=0.1)
+    checks = step0_checks(_cfg(tiny_hf_checkpoint), _step0(_cfg(tiny_hf_checkpoint, **kl)), print)
+    assert checks["step0_kl_loss"] < 1e-9 and checks["step0_ref_logprob_abs_diff"] < 1e-8
+    assert (
+        checks["train_rollout_logprob_abs_diff"] < 1e-5
+        and 0 < checks["step0_entropy"] < UNTRAINED_ENTROPY_MAX
+    )
+    broken = _step0(_cfg(tiny_hf_checkpoint, ref_load=perturbed_checkpoint, **kl))
+    assert abs(broken["train/step0_kl_loss"]) > 1e-6
+    with pytest.raises(CITestFailure, match=r"train/kl_loss\| at step 0 .*--ci-disable-kl-checker"):
+        step0_checks(_cfg(tiny_hf_checkpoint), broken, print)
+    with pytest.raises(
+        CITestFailure, match="trainer vs reference mean log-prob .*--ci-disable-logprobs-checker"
+    ):
+        step0_checks(_cfg(tiny_hf_checkpoint, ci_disable_kl_checker=True), broken, print)
+    off = _cfg(tiny_hf_checkpoint, ci_disable_kl_checker=True, ci_disable_logprobs_checker=True)
+    assert step0_checks(off, broken, print)["step0_kl_loss"] > 1e-6
+
+
+def test_entropy_and_engine_logprob_checkers(tiny_hf_checkpoint):
+    m = _step0(_cfg(tiny_hf_checkpoint))
+    # the untrained tiny model is near-uniform: Miles' bound (0, 0.7) fails it
+    with pytest.raises(CITestFailure, match=r"mean token entropy at rollout 0 = \d\.\d+, not in \(0, 0\.7\)"):
+        step0_checks(_cfg(tiny_hf_checkpoint, ci_entropy_max=0.7), m, print)
+    assert step0_checks(
+        _cfg(tiny_hf_checkpoint, ci_entropy_max=0.7, ci_disable_logprobs_checker=True), m, print
+    )
+    # an engine whose log-probs are not the trainer's (all 0): the trainer-vs-engine check
+    actor = TrainerActor(_cfg(tiny_hf_checkpoint))
+    wrong = actor.train(0, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]))
+    with pytest.raises(CITestFailure, match="trainer-vs-engine log-prob abs diff"):
+        step0_checks(_cfg(tiny_hf_checkpoint), wrong, print)
+
+
+def test_metric_checker_gate():
+    cfg = RunConfig(rollout_batch_size=2, ci_test=True, ci_metric_checker_key="eval/d/pass@1",
+                    ci_metric_checker_threshold=0.5, eval_prompt_data=["d", "x.jsonl"], eval_interval=1)  # fmt: skip
+    low = MetricChecker.maybe_create(cfg)
+    low.on_eval({}, print)  # no eval ran this time (a resumed run's v0): nothing to check
+    low.on_eval({"eval/d/pass@1": 0.25}, print)
+    with pytest.raises(
+        CITestFailure, match=r"no eval reached --ci-metric-checker-threshold 0\.5 \(values: \[0\.25\]\)"
+    ):
+        low.dispose()
+    ok = MetricChecker.maybe_create(cfg)
+    for v in (0.25, 0.5):
+        ok.on_eval({"eval/d/pass@1": v}, print)
+    ok.dispose()
+    with pytest.raises(CITestFailure, match=r"not among the eval's metrics \['eval/other/pass@1'\]"):
+        ok.on_eval({"eval/other/pass@1": 1.0}, print)
+    assert MetricChecker.maybe_create(RunConfig(rollout_batch_size=2)) is None
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--ci-disable-kl-checker"], "switches of --ci-test's checks; add --ci-test"),
+        (["--ci-test", "--ci-metric-checker-key", "eval/d/pass@1"], "give both"),
+        (
+            ["--ci-test", "--ci-metric-checker-key", "k", "--ci-metric-checker-threshold", "1"],
+            "this run has no eval",
+        ),
+        (["--load-debug-rollout-data-subsample", "0.5"], "add it"),
+    ],
+)
+def test_ci_flags_are_refused_where_they_do_nothing(argv, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_run_config(["--rollout-batch-size", "2", *argv])
+
+
+def test_load_debug_rollout_data_subsample_keeps_whole_groups_from_both_ends(tmp_path):
+    from miles_platform.data.sample import Sample
+    from miles_platform.store.debug_rollouts import load_debug_rollout, save_debug_rollout
+
+    template = str(tmp_path / "r_{rollout_id}.parquet")
+    samples = [Sample(prompt=f"p{g}", prompt_tokens=[1], response_tokens=[2], loss_mask=[1], rollout_log_probs=[-1.0],
+                      group_index=g, index=2 * g + j, reward=float(g), raw_reward=float(g)) for g in range(8) for j in range(2)]  # fmt: skip
+    save_debug_rollout(RunConfig(rollout_batch_size=8, save_debug_rollout_data=template), 3, samples)
+    kw = dict(n_samples_per_prompt=2, load_debug_rollout_data=template, load_debug_rollout_data_subsample=0.5)
+    got = load_debug_rollout(RunConfig(rollout_batch_size=4, **kw).validate(), 3)
+    assert [s.prompt for s in got] == [
+        "p0",
+        "p0",
+        "p1",
+        "p1",
+        "p6",
+        "p6",
+        "p7",
+        "p7",
+    ]  # int(8 * 0.5) = 4 groups
+    assert (
+        len(
+            load_debug_rollout(
+                RunConfig(rollout_batch_size=8, **{**kw, "load_debug_rollout_data_subsample": 1.0}), 3
+            )
+        )
+        == 16
+    )
+    with pytest.raises(
+        ConfigError, match="keeps 4 of the 8 prompt groups of rollout 3; set --rollout-batch-size 4"
+    ):
+        load_debug_rollout(RunConfig(rollout_batch_size=8, **kw), 3)
+
+
+def test_ci_inject_rollout_data_trains_the_recording_when_generation_matches_it(tmp_path):
+    """--ci-inject-rollout-data-path: the recording replaces a rollout whose fresh generation matches it
+    (mean response-token match > the ratio); engines holding other weights (half the tokens differ) or a
+    batch of other prompts fail the run."""
+    import copy
+
+    from miles_platform.data.sample import Sample
+    from miles_platform.store.debug_rollouts import inject_rollout, save_debug_rollout
+
+    template = str(tmp_path / "rec_{rollout_id}.parquet")
+    rec = [Sample(prompt="p", prompt_tokens=[1, 2], response_tokens=[3, 4, 5, 6], loss_mask=[1] * 4,
+                  rollout_log_probs=[-1.0] * 4, index=i, reward=1.0, raw_reward=1.0) for i in range(4)]  # fmt: skip
+    save_debug_rollout(RunConfig(rollout_batch_size=2, save_debug_rollout_data=template), 1, rec)
+    cfg = RunConfig(rollout_batch_size=2, n_samples_per_prompt=2, run_name="now", ci_inject_rollout_data_path=template,
+                    ci_inject_rollout_data_start_rollout_id=1).validate()  # fmt: skip
+    fresh = copy.deepcopy(rec)
+    fresh[0].response_tokens = [3, 4, 5, 9]  # one flipped token: 15/16 > 0.9
+    got, ratio = inject_rollout(cfg, 1, fresh)
+    assert ratio == pytest.approx(15 / 16) and [s.response_tokens for s in got] == [[3, 4, 5, 6]] * 4
+    assert {(s.run, s.rollout_id) for s in got} == {("now", 1)}
+    for s in fresh:
+        s.response_tokens = [3, 4, 8, 9]  # half of every response differs
+    with pytest.raises(CITestFailure, match=r"match the recording at 0\.5000 .*min-match-ratio 0\.9"):
+        inject_rollout(cfg, 1, fresh)
+    fresh[2].prompt_tokens = [1, 7]
+    with pytest.raises(CITestFailure, match="prompt tokens differ at sample 2"):
+        inject_rollout(cfg, 1, fresh)
+    with pytest.raises(ConfigError, match="give both"):
+        parse_run_config(["--rollout-batch-size", "2", "--ci-inject-rollout-data-path", template])
