@@ -64,7 +64,8 @@ class OptimizerFlags:
     override_lr_scheduler: bool = flag(
         False,
         "optimizer",
-        "resume: take the flags' schedule values over the checkpoint's (the step count stays)",
+        "resume: take the flags' schedule values over the checkpoint's (the step count stays; implied by "
+        "--allow-config-change unless --use-checkpoint-lr-scheduler is given)",
     )
     weight_decay: float = flag(0.1, "optimizer", "decoupled weight decay")
     adam_beta1: float = flag(0.9, "optimizer", "Adam beta1")

@@ -122,9 +122,11 @@ class TrainerActor:
         else:
             self.opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         total = (cfg.num_rollout or 1) * (cfg.num_steps_per_rollout or 1)
-        self.sched = LRScheduler(
-            self.opt, schedule_of(cfg, total), cfg.use_checkpoint_lr_scheduler, cfg.override_lr_scheduler
+        # --allow-config-change: a resume takes the command line's schedule (its changes are recorded)
+        override = cfg.override_lr_scheduler or (
+            cfg.allow_config_change and not cfg.use_checkpoint_lr_scheduler
         )
+        self.sched = LRScheduler(self.opt, schedule_of(cfg, total), cfg.use_checkpoint_lr_scheduler, override)
         self.global_step = 0
         self.loss_fn = loss_hub.get_loss_function(cfg)
         self.train_hooks = TrainerHooks(cfg)  # --rollout-data-postprocess-path, megatron's step hook
