@@ -21,17 +21,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
-LONGEST_FIRST = {  # seconds per file in a full run (3 workers, --durations=150), 2026-12-05
-    "test_learning.py": 203, "test_crash_matrix.py": 173, "test_cluster_ray.py": 113,
-    "test_ui_browser.py": 93, "test_diffusion_loop.py": 90, "test_fault_tolerance.py": 86,
-    "test_model_families_loop.py": 71, "test_loop.py": 63, "test_megatron_weights.py": 58,
-    "test_megatron_layouts.py": 54, "test_ops_training.py": 50, "test_megatron_precision.py": 46,
-    "test_ui_daily_use.py": 40, "test_diffusion_crash.py": 32, "test_trainer_fault_hooks.py": 29,
-    "test_fuzz.py": 29, "test_tito.py": 26, "test_sglang_launcher.py": 24,
-    "test_model_families_megatron.py": 24, "test_kernels.py": 23, "test_opd_loop.py": 18,
-    "test_multi_rank.py": 18, "test_object_store_root.py": 17, "test_sft.py": 14, "test_object_store.py": 14,
-    "test_moe_megatron.py": 13, "test_conversion_asset.py": 13, "test_conversion.py": 13,
-    "test_gpu_checks.py": 11, "test_forkserver.py": 10,
+LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-05 08:25 UTC
+    "test_learning.py": 135, "test_cluster_ray.py": 94, "test_crash_matrix.py": 74,
+    "test_diffusion_loop.py": 68, "test_fault_tolerance.py": 66, "test_ui_browser.py": 56,
+    "test_loop.py": 55, "test_model_families_loop.py": 44, "test_opd_loop.py": 27,
+    "test_megatron_weights.py": 26, "test_megatron_layouts.py": 25, "test_ui_daily_use.py": 24,
+    "test_megatron_precision.py": 23, "test_sglang_launcher.py": 20, "test_ops_training.py": 19,
+    "test_trainer_fault_hooks.py": 19, "test_tito.py": 18, "test_kernels.py": 18,
+    "test_diffusion_crash.py": 16, "test_fuzz.py": 16, "test_megatron_resume.py": 16,
+    "test_sft.py": 15, "test_multi_rank.py": 14, "test_compaction.py": 14,
+    "test_object_store_root.py": 14, "test_engine_control.py": 13,
+    "test_model_families_megatron.py": 12, "test_conversion_asset.py": 12, "test_colocate.py": 10,
+    "test_object_store.py": 8,
 }  # fmt: skip
 
 
