@@ -54,7 +54,6 @@ The flag changes nothing that is trained: a relaunch without it resumes the same
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -121,14 +120,10 @@ def parse_fault_hooks(value: str | list | None) -> list[FaultRequest]:
     """The flag's JSON (or a YAML list) -> requests; any mistake is a ConfigError naming the entry."""
     if value in (None, "", []):
         return []
+    from miles_platform.config.flags import json_flag
+
     flag = "--ci-fault-hooks"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag}: not JSON ({e.msg} at char {e.pos})") from None
-    if not isinstance(value, list):
-        raise ConfigError(f"{flag}: expected a JSON array of hook requests, got {type(value).__name__}")
+    value = json_flag(value, flag, list, "a JSON array of hook requests")
     out = []
     for i, r in enumerate(value):
         where = f"{flag} entry {i}"

@@ -3,13 +3,12 @@ the embedded engines' pause bounds, the run secret and the rollout-data object s
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_platform.config.flags import NON_NEGATIVE, POSITIVE, changed_flags, flag
+from miles_platform.config.flags import NON_NEGATIVE, POSITIVE, changed_flags, flag, json_flag
 from miles_platform.errors import ConfigError
 
 RANGES: dict[str, tuple] = {
@@ -144,13 +143,8 @@ class ClusterFlags:
         """--train-env-vars as a {name: value} dict (empty when unset)."""
         if not self.train_env_vars:
             return {}
-        try:
-            env = json.loads(self.train_env_vars)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--train-env-vars {self.train_env_vars!r}: not JSON ({e.msg})") from None
-        if not isinstance(env, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-        ):
+        env = json_flag(self.train_env_vars, "--train-env-vars", dict, "a JSON object of strings")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ConfigError(f"--train-env-vars {self.train_env_vars!r}: expected a JSON object of strings")
         return env
 

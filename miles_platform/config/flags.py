@@ -166,3 +166,18 @@ def load_yaml(path: str, cls: type, aliases: Mapping[str, str] | None = None) ->
 def parser_groups(parser: argparse.ArgumentParser, groups: Sequence[str]) -> dict[str, Any]:
     """One argparse group per flag group, in `--help` order."""
     return {g: parser.add_argument_group(f"{g} arguments") for g in groups}
+
+
+def json_flag(value: Any, flag: str, expected: type, what: str) -> Any:
+    """A flag given as JSON text (or as the value itself, from YAML or the Launchpad), checked to be
+    `expected` (dict, list): a ConfigError naming the flag and `what` it takes otherwise."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: not JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(value, expected):
+        raise ConfigError(f"{flag}: expected {what}, got {type(value).__name__}")
+    return value

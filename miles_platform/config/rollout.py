@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles_platform.config.flags import FINITE, FRACTION, NON_NEGATIVE, POSITIVE, flag
+from miles_platform.config.flags import FINITE, FRACTION, NON_NEGATIVE, POSITIVE, flag, json_flag
 from miles_platform.errors import ConfigError
 
 RANGES: dict[str, tuple] = {
@@ -315,15 +315,6 @@ def derive_batch_knobs(cfg) -> None:
 
 def template_kwargs(value: str | dict | None) -> dict:
     """--apply-chat-template-kwargs (JSON text, or a mapping from YAML / the Launchpad) as a dict."""
-    import json
-
     if not value:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--apply-chat-template-kwargs {value!r}: not JSON ({e.msg})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--apply-chat-template-kwargs {value!r}: expected a JSON object")
-    return dict(value)
+    return dict(json_flag(value, "--apply-chat-template-kwargs", dict, "a JSON object"))

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_platform.config import ConfigError, RunConfig
+from miles_platform.config.flags import json_flag
 
 CONFIG_ENV = "MILES_RUN_CONFIG"
 ENTRYPOINT = "python -m miles_platform.launch.job_driver"
@@ -94,12 +95,7 @@ def split_launch_flags(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
 def parse_runtime_env(text: str | None, flag: str = "--submit-runtime-env-json") -> dict[str, Any]:
     if not text:
         return {}
-    try:
-        env = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag}: not valid JSON ({e})") from None
-    if not isinstance(env, dict):
-        raise ConfigError(f"{flag}: expected a JSON object of runtime-env fields, got {type(env).__name__}")
+    env = json_flag(text, flag, dict, "a JSON object of runtime-env fields")
     if CONFIG_ENV in (env.get("env_vars") or {}):
         raise ConfigError(f"{flag}: env_vars.{CONFIG_ENV} is the run's config; set flags instead")
     return env

@@ -30,7 +30,7 @@ def test_launch_flags_are_split_from_the_run_flags():
     assert split_launch_flags(["--save", "x"])[0].submit is None  # no abbreviation matching
     with pytest.raises(ConfigError, match="only apply with --submit"):
         split_launch_flags(["--no-wait"])
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ConfigError, match="--submit-runtime-env-json: not JSON"):
         split_launch_flags(["--submit", "--submit-runtime-env-json", "{nope"])
     with pytest.raises(ConfigError, match="expected a JSON object"):
         split_launch_flags(["--submit", "--submit-runtime-env-json", "[1]"])
