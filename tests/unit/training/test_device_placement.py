@@ -18,7 +18,10 @@ from loop_helpers import random_train_batch
 
 from miles_platform.config import RunConfig
 from miles_platform.models.tiny import save_tiny_checkpoint
+from miles_platform.store.paths import StoragePaths
+from miles_platform.store.tables import read_rows
 from miles_platform.training.actor import TrainBatch, TrainerActor
+from miles_platform.training.train_samples import TrainSamplesTarget
 
 TOL = 1e-5
 
@@ -113,9 +116,9 @@ CASES = {
 }
 
 
-def _train(cfg: RunConfig, batch: TrainBatch, device) -> tuple[dict, dict, list]:
+def _train(cfg: RunConfig, batch: TrainBatch, device, samples=None) -> tuple[dict, dict, list]:
     actor = TrainerActor(cfg, device=device)
-    m = actor.train(0, batch)
+    m = actor.train(0, batch, samples)
     lps = actor.compute_log_probs(batch)
     weights = {k: host_values(v).clone() for k, v in actor.get_hf_weights().items()}
     return m, weights, lps
@@ -135,15 +138,25 @@ def _check_same(fake: tuple, cpu: tuple) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_train_step_runs_on_the_ranks_device(case, tiny_hf_checkpoint):
+def test_train_step_runs_on_the_ranks_device(case, tiny_hf_checkpoint, tmp_path):
     flags, extras = CASES[case]
     if flags.get("use_opd"):
         flags = {**flags, "opd_teacher_load": tiny_hf_checkpoint}
-    cfg = _cfg(tiny_hf_checkpoint, **flags)
     make = lambda: _extras(random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]), 1, **extras)  # noqa: E731
+    # the train_samples rows too (training/train_samples.py builds them from the loss's tensors)
+    roots = {where: str(tmp_path / where) for where in ("device", "cpu")}
+    target = TrainSamplesTarget(version=1)
     with fake_device() as dev:
-        got = _train(cfg, make(), dev)
-    _check_same(got, _train(cfg, make(), "cpu"))
+        got = _train(_cfg(tiny_hf_checkpoint, storage_root=roots["device"], **flags), make(), dev, target)
+    _check_same(
+        got, _train(_cfg(tiny_hf_checkpoint, storage_root=roots["cpu"], **flags), make(), "cpu", target)
+    )
+    rows = {w: read_rows(StoragePaths(r), "train_samples") for w, r in roots.items()}
+    assert rows["device"] and len(rows["device"]) == len(rows["cpu"])
+    for a, b in zip(rows["device"], rows["cpu"], strict=True):
+        assert a["index"] == b["index"] and a["loss_mask"] == b["loss_mask"]
+        for c in ("advantage", "log_probs"):
+            assert a[c] == pytest.approx(b[c], abs=1e-6), c
 
 
 def test_moe_routing_replay_and_aux_loss_run_on_the_ranks_device(moe_ckpt):
