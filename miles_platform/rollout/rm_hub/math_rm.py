@@ -51,9 +51,16 @@ def math_equal(pred: str, gold: str) -> bool:
         return False
 
 
+_warm = False
+
+
 def warm_up() -> None:
     """Load the symbolic grader now (import math_verify + sympy, first parse: ~0.35 s on a 2-core
-    CPU) so that the first answer that is not a plain number does not stall a training step."""
+    CPU) so that the first answer that is not a plain number does not stall a training step. Once
+    per process (a fork of the warm fork server inherits it done)."""
+    global _warm
+    if _warm:
+        return
     from math_verify import parse, verify
 
     timeout = _timeout()
@@ -62,6 +69,7 @@ def warm_up() -> None:
         parse("$1+x$", parsing_timeout=timeout),
         timeout_seconds=timeout,
     )
+    _warm = True
 
 
 def _timeout() -> int | None:
