@@ -12,7 +12,12 @@ from miles_platform.errors import ConfigError
 WANDB_MODES = ("online", "offline", "disabled")
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TRAIN_SAMPLES_AUTO_BYTES = 4 << 20  # --save-train-samples auto: a rollout's rows stay under this
-RANGES: dict[str, tuple] = {"log_rollout_samples": NON_NEGATIVE}
+RANGES: dict[str, tuple] = {
+    "log_rollout_samples": NON_NEGATIVE,
+    "profile_step_start": NON_NEGATIVE,
+    "profile_step_end": NON_NEGATIVE,
+}
+PROFILE_TARGETS = ("train_overall", "train_actor", "train_log_probs")
 
 
 @dataclass
@@ -76,11 +81,75 @@ class LoggingFlags:
         "logging",
         "<module>.<fn>(rollout_id, args, data, extra_metrics) -> bool, per eval; True skips its default logging",
     )
+    log_passrate: bool = flag(
+        False,
+        "logging",
+        "log passrate/pass@<k> of each rollout's prompt groups (k = 1, 2, 4, ... <= --n-samples-per-prompt; "
+        "unbiased, a reward of 1 passes) and, with --eval-function-path, eval/<dataset>-pass@<k>",
+    )
+    use_pytorch_profiler: bool = flag(
+        False,
+        "logging",
+        "torch.profiler on every trainer rank: a gzipped trace of rollouts [--profile-step-start, "
+        "--profile-step-end) of this launch in --tensorboard-dir (default <storage-root>/runs/<run>/tensorboard)",
+    )
+    profile_step_start: int = flag(10, "logging", "--use-pytorch-profiler: the first rollout traced")
+    profile_step_end: int = flag(12, "logging", "--use-pytorch-profiler: the rollout the trace stops before")
+    profile_target: list[str] = flag(
+        ["train_overall"],
+        "logging",
+        "--use-pytorch-profiler: what is traced; train_overall (each whole train call) is built",
+        choices=PROFILE_TARGETS,
+        nargs="+",
+    )
 
     def _check_logging_flags(self) -> None:
         if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
             raise ConfigError(f"--wandb-mode {self.wandb_mode!r}: must be one of {', '.join(WANDB_MODES)}")
         train_samples_keep(self.save_train_samples)
+        self._check_profiler_flags()
+        eval_groups = bool(self.eval_function_path) and self.n_samples_per_eval_prompt > 1
+        if self.log_passrate and self.n_samples_per_prompt == 1 and not eval_groups:
+            raise ConfigError(
+                "--log-passrate: pass@k of prompt groups, and --n-samples-per-prompt is 1 (Miles logs nothing "
+                "then); with --eval-function-path it needs --n-samples-per-eval-prompt > 1"
+            )
+
+    def _check_profiler_flags(self) -> None:
+        """Miles' profiler flags where they trace something; refused, naming why, where they would not."""
+        from miles_platform.config.flags import changed_flags
+
+        knobs = changed_flags(self, ("profile_step_start", "profile_step_end", "profile_target"))
+        if knobs and not self.use_pytorch_profiler:
+            raise ConfigError(f"{', '.join(knobs)}: settings of --use-pytorch-profiler; add it")
+        if not self.use_pytorch_profiler:
+            return
+        other = sorted(set(self.profile_target) - {"train_overall"})
+        if other:
+            raise ConfigError(
+                f"--profile-target {' '.join(other)}: a profiler per micro-batch loop is not built (Miles' "
+                "megatron backend refuses it too); --profile-target train_overall traces whole train calls"
+            )
+        if self.debug_rollout_only:
+            raise ConfigError(
+                "--use-pytorch-profiler traces the trainer ranks; --debug-rollout-only trains nothing"
+            )
+        start, end = self.profile_step_start, self.profile_step_end
+        if end <= start:
+            raise ConfigError(
+                f"--profile-step-end {end} must be > --profile-step-start {start} (rollouts traced)"
+            )
+        if self.num_rollout is not None and end > self.num_rollout:
+            raise ConfigError(
+                f"--profile-step-end {end}: the trace is written when rollout {end - 1} of this launch has "
+                f"trained, and --num-rollout is {self.num_rollout}: lower --profile-step-start / -end "
+                "(Miles' defaults are 10 and 12)"
+            )
+        d = self.tensorboard_dir or self.storage_root
+        if "://" in d:
+            raise ConfigError(
+                f"--use-pytorch-profiler writes its traces to a local dir, not {d}: pass --tensorboard-dir <local dir>"
+            )
 
 
 def train_samples_keep(value: str | int) -> str | int:

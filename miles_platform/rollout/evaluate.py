@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from miles_platform.data.sample import Sample, Status
 from miles_platform.metric_names import is_greedy_metric, sampled_name
 from miles_platform.progress import Progress
 from miles_platform.rollout.engine_core import EngineCore
+from miles_platform.rollout.passrate import pass_at_k
 
 GenerateFn = Callable[..., list[list[str]]]
 
@@ -95,13 +95,6 @@ def policy_engine(policy: str | os.PathLike | EngineCore) -> Iterator[EngineCore
 
 
 # ---------------------------------------------------------------- metrics
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
 def load_eval_rows(
     path: str,
     input_key: str = "prompt",

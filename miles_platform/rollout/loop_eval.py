@@ -101,6 +101,11 @@ def custom_eval(
             metrics[f"eval/{name}-truncated_ratio"] = sum(map(bool, d["truncated"])) / max(
                 len(d["truncated"]), 1
             )
+        if cfg.log_passrate:  # Miles' eval/<name>-pass@<k> over groups of --n-samples-per-eval-prompt
+            from miles_platform.rollout.passrate import compute_pass_rate
+
+            pr = compute_pass_rate(rewards, cfg.n_samples_per_eval_prompt)
+            metrics.update({f"eval/{name}-{k}": v for k, v in pr.items()})
         res[name] = {"mean_reward": sum(rewards) / n, "n": len(rewards)}
     rows = evals_table_rows(partition_key(cfg.run_name, version), res, "loop", cfg.eval_settings().sampling)
     append_rows(paths, "evals", cfg.run_name, rows)

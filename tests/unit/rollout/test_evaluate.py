@@ -309,6 +309,10 @@ def test_eval_function_path_replaces_the_eval_and_logs_as_miles(tmp_path):
     assert [(r["version"], r["dataset"], r["metric"], r["value"]) for r in rows] == [
         (3, "d", "mean_reward", 0.5)
     ]
+    # --log-passrate: Miles' eval/<dataset>-pass@<k> over groups of --n-samples-per-eval-prompt ([1, 0], [0, 1])
+    cfg.log_passrate, cfg.n_samples_per_eval_prompt = True, 2
+    m, _ = evaluate_policy(cfg, StoragePaths(str(tmp_path)), manager, version=4, rollout_id=6)
+    assert m["eval/d-pass@1"] == 0.5 and m["eval/d-pass@2"] == 1.0
     with pytest.raises(ConfigError, match="--eval-function-path: runs at this run's evals"):
         parse_run_config(["--rollout-batch-size", "1", "--eval-function-path", "hook_fns.eval_rollout"])
     cfg.eval_function_path = "hook_fns.rollout_without_evaluation"
