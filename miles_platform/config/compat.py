@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_platform.config.flags import flag_name
-from miles_platform.config.opd import MILES_OPD_POST_PROCESS
 from miles_platform.errors import ConfigError
 
 SAME, REFUSED = "same", "refused"
@@ -91,11 +90,6 @@ COMPAT: dict[str, MilesFlag] = {
     "megatron_to_hf_mode": _same("str", "how megatron weights get HF names for the engines (raw / megatron-bridge): this build's bridges (models/bridge/) do it, same HF weights"),
     "enable_experimental": _same("bool", "megatron's gate for experimental features: nothing here is behind it"),
     "no_check_for_nan_in_loss_and_grad": _same("bool", "megatron stops at the first NaN loss or gradient unless this is set: here a non-finite step is skipped, logged, and the run stops only past --max-nonfinite-steps"),
-    "custom_reward_post_process_path": _same(
-        "str", f"Miles' OPD post-process ({MILES_OPD_POST_PROCESS}) is what --use-opd does here (teacher log-probs "
-        "onto each sample, task reward 0); any other reward post-process hook is not built: put its logic in --custom-rm-path",
-        when=lambda cfg, v: v == MILES_OPD_POST_PROCESS and cfg.use_opd,
-    ),
     "loss_mask_type": _same(
         "str", "how Miles' SFT rollout cuts a Qwen chat into loss-masked turns: the SFT rollout here walks the "
         "tokenizer's own chat template turn by turn, which gives qwen's masks (assistant content + end of turn); "

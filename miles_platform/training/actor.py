@@ -513,7 +513,9 @@ class TrainerActor:
             refs = [ref[i] if i in ref else zeros(i) for i in idx]
         masks = [self._mask(batch, i) for i in idx]
         vals = [values[i] for i in idx] if values is not None else None
-        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks)
+        advs, rets = loss_hub.compute_advantages_and_returns(
+            cfg, rewards, lps, refs, vals, masks, normalize=not batch.rewards_normalized
+        )
         keep = set(mine)
         pick = lambda xs: {i: x for i, x in zip(idx, xs, strict=True) if i in keep}  # noqa: E731
         return pick(advs), pick(rets)

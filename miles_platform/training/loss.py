@@ -328,6 +328,7 @@ def compute_advantages_and_returns(
     ref_log_probs: Tensors | None,
     values: Tensors | None,
     loss_masks: Tensors,
+    normalize: bool = True,
 ) -> tuple[Tensors, Tensors]:
     """Per-token advantages and returns of `--advantage-estimator`, before OPD and whitening
     (`normalize_advantages` whitens with --normalize-advantages, after the OPD penalty, as Miles).
@@ -337,7 +338,9 @@ def compute_advantages_and_returns(
     `compute_approx_kl(log_probs, ref_log_probs, --kl-loss-type) * --kl-coef`.
     """
     est = args.advantage_estimator
-    rewards = normalized_rewards(args, torch.as_tensor(rewards, dtype=torch.float32))
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    # normalize False: --custom-reward-post-process-path's rewards, taken as they are (Miles')
+    rewards = normalized_rewards(args, rewards) if normalize else rewards
     masks = [m.float() for m in loss_masks]
     if est in ("grpo", "gspo"):
         advantages = [torch.full_like(m, float(s)) for s, m in zip(rewards, masks, strict=True)]
