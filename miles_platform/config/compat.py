@@ -56,6 +56,12 @@ _FP8 = (
     "dequantized weights), and SGLang engines quantize online with --sglang-quantization fp8"
 )
 
+_MEMORY = (
+    "CUDA memory-history snapshots (Miles' --record-memory-history, torch or memray) are not built: "
+    "--use-pytorch-profiler's trace records the allocations (profile_memory) and each rollout logs "
+    "perf/actor_peak_device_mem_mb; drop the memory snapshot flags"
+)
+
 COMPAT: dict[str, MilesFlag] = {
     # ---- kernels, layouts and speed: the same result here
     "attention_backend": _same("str", "attention kernel (TE flash / fused / unfused): the trainer runs torch's attention, same math"),
@@ -168,6 +174,8 @@ COMPAT: dict[str, MilesFlag] = {
     "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),
     "partial_rollout": _refused("bool", 'partial rollout (continuing generations a rollout aborted in the next one) is not built: a sync rollout here sends each round as one batched request and waits for all of it, so nothing is aborted at the end of a rollout; under --fully-async Miles refuses it too. Drop the flag'),
     "mask_offpolicy_in_partial_rollout": _refused("bool", "masks the earlier policy's tokens of a continued partial rollout: --partial-rollout is not built here (and Miles refuses this flag on its class-based rollout path). Drop the flag"),
+    **{name: _refused(kind, _MEMORY) for name, kind in (("record_memory_history", "bool"), ("memory_snapshot_path", "str"),
+       ("memory_snapshot_dir", "str"), ("memory_snapshot_num_steps", "int"), ("memory_recorder", "str"))},
     "log_reward_category": _refused("str", "statistics of a reward-dict category are not logged; log them from --custom-rollout-log-function-path"),
     "filter_zero_reward_samples": _refused("bool", "use --dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
     "rollout_max_context_len": _refused("int", "the engine's context here is the model's (max_position_embeddings); bound prompts and responses with --rollout-max-prompt-len and --rollout-max-response-len"),

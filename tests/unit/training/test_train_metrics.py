@@ -88,3 +88,24 @@ def test_pytorch_profiler_writes_the_trace_of_the_named_rollouts(tiny_hf_checkpo
     assert any(e.get("name", "").startswith("aten::") for e in events)
     actor.train(2, _batch())  # the window is closed: no second trace
     assert len(list((tmp_path / "tb").glob("*.pt.trace.json.gz"))) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--profile-step-start", "3"], "settings of --use-pytorch-profiler; add it"),
+        (["--use-pytorch-profiler", "--profile-target", "train_actor"], "profiler per micro-batch loop is not built"),
+        (["--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "2"], "must be > --profile-step-start"),
+        (["--use-pytorch-profiler", "--num-rollout", "5"], "--profile-step-end 12: the trace is written when rollout 11"),
+        (["--use-pytorch-profiler", "--storage-root", "s3://b/root"], "writes its traces to a local dir"),
+        (["--observe-training-entropy", "--entropy-coef", "0.01"], "logged already"),
+        (["--use-rollout-entropy"], "fsdp backend scores rollout/entropy with every log-prob pass"),
+        (["--record-memory-history"], "memory-history snapshots .* are not built"),
+        (["--memory-snapshot-num-steps", "3"], "memory-history snapshots .* are not built"),
+    ],
+)  # fmt: skip
+def test_metric_and_profiler_flags_are_refused_where_they_do_nothing(argv, needle):
+    from miles_platform.config import ConfigError, parse_run_config
+
+    with pytest.raises(ConfigError, match=needle):
+        parse_run_config(["--rollout-batch-size", "2", *argv])
