@@ -593,6 +593,8 @@ class TrainerActor:
             self._score_request(self.backend, batch, mb, need_ent, [c for c, _ in rec] if rec else None)
             for mb, rec in zip(mbs, recorded, strict=True)
         ]
+        for r in reqs:  # observed only (rollout/entropy, --observe-training-entropy): no graph for it
+            r.entropy_grad = cfg.entropy_coef != 0
 
         def consume(k: int, scores: Scores) -> torch.Tensor:
             """Micro-batch k's weighted loss from its scores (the last pipeline stage's forward)."""
@@ -617,8 +619,6 @@ class TrainerActor:
                 mb_batch["rollout_topk_token_ids"] = [c for c, _ in recorded[k]]
                 mb_batch["rollout_topk_log_probs"] = [q for _, q in recorded[k]]
                 mb_batch["candidate_log_probs"] = cands
-            if loss_ent and cfg.entropy_coef == 0:  # observed only: out of the backward (Miles')
-                ents = [e.detach() for e in ents]
             loss, m = self.loss_fn(cfg, mb_batch, lps, ents if loss_ent else None)
             if self._rows is not None:
                 self._rows.add(mb, k, self.global_step, mb_batch, lps)

@@ -20,6 +20,7 @@ gradient non-finite.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -166,8 +167,10 @@ def token_log_probs(
     temperature: float = 1.0,
     support: torch.Tensor | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of `targets` under the policy that sampled them (Miles' contract).
+    `entropy_grad` False: the entropy is computed outside autograd (no [..., V] tensor kept for it).
 
     logits [..., V], targets [...]: log softmax(z / T)[target]. `support` [..., K] (token ids, -1
     padding; a row of -1 = no recorded support) is sampling-support replay: where a position has a
@@ -179,7 +182,9 @@ def token_log_probs(
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = (lse - (z.softmax(-1) * z).sum(-1)) if with_entropy else None
+    no_grad = contextlib.nullcontext() if entropy_grad else torch.no_grad()
+    with no_grad:
+        ent = (lse - (z.softmax(-1) * z).sum(-1)) if with_entropy else None
     if support is None:
         return picked - lse, ent
     valid = support >= 0
@@ -188,10 +193,11 @@ def token_log_probs(
     lse_s = torch.logsumexp(zs, dim=-1)
     lp = picked - torch.where(has, lse_s, lse)
     if with_entropy:
-        ps = zs.softmax(-1).nan_to_num(0.0)
-        # not where(valid, ps * zs, 0): its unused branch is 0 * -inf, whose backward is NaN
-        ent_s = lse_s - (ps * zs.masked_fill(~valid, 0.0)).sum(-1)
-        ent = torch.where(has, ent_s, ent)
+        with no_grad:
+            ps = zs.softmax(-1).nan_to_num(0.0)
+            # not where(valid, ps * zs, 0): its unused branch is 0 * -inf, whose backward is NaN
+            ent_s = lse_s - (ps * zs.masked_fill(~valid, 0.0)).sum(-1)
+            ent = torch.where(has, ent_s, ent)
     return lp, ent
 
 

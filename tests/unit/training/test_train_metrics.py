@@ -109,3 +109,16 @@ def test_metric_and_profiler_flags_are_refused_where_they_do_nothing(argv, needl
 
     with pytest.raises(ConfigError, match=needle):
         parse_run_config(["--rollout-batch-size", "2", *argv])
+
+
+def test_an_observed_entropy_is_computed_outside_autograd():
+    """At --entropy-coef 0 the entropy is a metric: no graph (no [..., V] tensor kept for backward)."""
+    from miles_platform.training.loss import token_log_probs
+
+    z = torch.randn(2, 3, 7, requires_grad=True)
+    t, support = torch.randint(0, 7, (2, 3)), torch.tensor([[[0, 1, -1]] * 3] * 2)
+    for sup in (None, support):
+        lp, observed = token_log_probs(z, t, 1.0, sup, with_entropy=True, entropy_grad=False)
+        _, trained = token_log_probs(z, t, 1.0, sup, with_entropy=True)
+        assert lp.requires_grad and not observed.requires_grad and trained.requires_grad
+        assert torch.equal(observed, trained.detach())
