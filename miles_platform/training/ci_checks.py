@@ -46,7 +46,9 @@ def step0_checks(cfg: RunConfig, m: dict[str, float], log: Callable[[str], None]
         checks["step0_ref_logprob_abs_diff"] = abs(
             m["train/step0_log_probs"] - m["train/step0_ref_log_probs"]
         )
-    if "train/step0_entropy" in m:
+    if "rollout/entropy" in m:  # Miles' number: the log-prob pass's, a mean of per-sample means
+        checks["step0_entropy"] = m["rollout/entropy"]
+    elif "train/step0_entropy" in m:  # megatron without --use-rollout-entropy: the step's token mean
         checks["step0_entropy"] = m["train/step0_entropy"]
     log(f"[ci-test] rollout 0: {json.dumps(checks)}")
     failures = [] if cfg.ci_disable_kl_checker else _kl_failures(checks, cfg.use_rollout_routing_replay)
@@ -83,7 +85,7 @@ def _logprob_failures(cfg: RunConfig, c: dict[str, float]) -> list[str]:
             (f"trainer vs reference mean log-prob at rollout 0 differ by {ref:.3g} > {tol}", ref > tol),
             (f"trainer-vs-engine log-prob abs diff {diff:.3g} >= {cfg.ci_logprob_abs_diff_threshold}",
              not cfg.use_rollout_logprobs and diff >= cfg.ci_logprob_abs_diff_threshold),
-            (f"the trainer's mean token entropy at rollout 0 = {ent:.3g}, not in (0, {cfg.ci_entropy_max}) "
+            (f"the trainer's entropy at rollout 0 = {ent:.3g}, not in (0, {cfg.ci_entropy_max}) "
              "(--ci-entropy-max)", ent == ent and not 0 < ent < cfg.ci_entropy_max),
         )
         if bad

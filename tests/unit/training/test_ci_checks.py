@@ -75,7 +75,7 @@ def test_kl_and_reference_checkers_fail_when_the_reference_is_not_the_actor(
 def test_entropy_and_engine_logprob_checkers(tiny_hf_checkpoint):
     m = _step0(_cfg(tiny_hf_checkpoint))
     # the untrained tiny model is near-uniform: Miles' bound (0, 0.7) fails it
-    with pytest.raises(CITestFailure, match=r"mean token entropy at rollout 0 = \d\.\d+, not in \(0, 0\.7\)"):
+    with pytest.raises(CITestFailure, match=r"entropy at rollout 0 = \d\.\d+, not in \(0, 0\.7\)"):
         step0_checks(_cfg(tiny_hf_checkpoint, ci_entropy_max=0.7), m, print)
     assert step0_checks(
         _cfg(tiny_hf_checkpoint, ci_entropy_max=0.7, ci_disable_logprobs_checker=True), m, print
@@ -256,3 +256,12 @@ def test_model_hashes_saved_with_a_checkpoint_catch_a_changed_layer_on_load(tiny
 def test_new_ci_flags_are_refused_where_they_do_nothing(argv, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_run_config(["--rollout-batch-size", "2", *argv])
+
+
+def test_entropy_checker_reads_miles_rollout_entropy_first():
+    cfg = RunConfig(rollout_batch_size=2, ci_test=True)
+    with pytest.raises(CITestFailure, match=r"entropy at rollout 0 = 5, not in \(0, 0\.7\)"):
+        step0_checks(cfg, {"rollout/entropy": 5.0, "train/step0_entropy": 0.5}, print)
+    assert (
+        step0_checks(cfg, {"train/step0_entropy": 0.5}, print)["step0_entropy"] == 0.5
+    )  # megatron's fallback
