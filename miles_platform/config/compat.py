@@ -176,6 +176,7 @@ COMPAT: dict[str, MilesFlag] = {
     "mask_offpolicy_in_partial_rollout": _refused("bool", "masks the earlier policy's tokens of a continued partial rollout: --partial-rollout is not built here (and Miles refuses this flag on its class-based rollout path). Drop the flag"),
     **{name: _refused(kind, _MEMORY) for name, kind in (("record_memory_history", "bool"), ("memory_snapshot_path", "str"),
        ("memory_snapshot_dir", "str"), ("memory_snapshot_num_steps", "int"), ("memory_recorder", "str"))},
+    "ci_ft_test_actions": _refused("str", "Miles' trainer-cell fault-tolerance test actions (stop / start a cell, crash before the all-reduce): trainer cells are not built; --ci-fault-hooks injects a rank's crash (kill_process / exit_process at trainer_step_before_allreduce, target {\"rank\": N})"),
     "log_reward_category": _refused("str", "statistics of a reward-dict category are not logged; log them from --custom-rollout-log-function-path"),
     "filter_zero_reward_samples": _refused("bool", "use --dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
     "rollout_max_context_len": _refused("int", "the engine's context here is the model's (max_position_embeddings); bound prompts and responses with --rollout-max-prompt-len and --rollout-max-response-len"),
