@@ -98,7 +98,8 @@ class LoggingFlags:
     profile_target: list[str] = flag(
         ["train_overall"],
         "logging",
-        "--use-pytorch-profiler: what is traced; train_overall (each whole train call) is built",
+        "--use-pytorch-profiler: what is traced, steps counted in train calls (train_overall) or in the "
+        "micro-batches of each optimizer step (train_actor) / log-prob pass (train_log_probs; both fsdp)",
         choices=PROFILE_TARGETS,
         nargs="+",
     )
@@ -124,12 +125,6 @@ class LoggingFlags:
             raise ConfigError(f"{', '.join(knobs)}: settings of --use-pytorch-profiler; add it")
         if not self.use_pytorch_profiler:
             return
-        other = sorted(set(self.profile_target) - {"train_overall"})
-        if other:
-            raise ConfigError(
-                f"--profile-target {' '.join(other)}: a profiler per micro-batch loop is not built (Miles' "
-                "megatron backend refuses it too); --profile-target train_overall traces whole train calls"
-            )
         if self.debug_rollout_only:
             raise ConfigError(
                 "--use-pytorch-profiler traces the trainer ranks; --debug-rollout-only trains nothing"
@@ -137,18 +132,42 @@ class LoggingFlags:
         start, end = self.profile_step_start, self.profile_step_end
         if end <= start:
             raise ConfigError(
-                f"--profile-step-end {end} must be > --profile-step-start {start} (rollouts traced)"
-            )
-        if self.num_rollout is not None and end > self.num_rollout:
-            raise ConfigError(
-                f"--profile-step-end {end}: the trace is written when rollout {end - 1} of this launch has "
-                f"trained, and --num-rollout is {self.num_rollout}: lower --profile-step-start / -end "
-                "(Miles' defaults are 10 and 12)"
+                f"--profile-step-end {end} must be > --profile-step-start {start} (the steps traced)"
             )
         d = self.tensorboard_dir or self.storage_root
         if "://" in d:
             raise ConfigError(
                 f"--use-pytorch-profiler writes its traces to a local dir, not {d}: pass --tensorboard-dir <local dir>"
+            )
+        if "train_overall" in self.profile_target and self.num_rollout is not None and end > self.num_rollout:
+            raise ConfigError(
+                f"--profile-step-end {end}: the train_overall trace is written when rollout {end - 1} of this launch "
+                f"has trained, and --num-rollout is {self.num_rollout}: lower --profile-step-start / -end "
+                "(Miles' defaults are 10 and 12)"
+            )
+        self._check_loop_profiler()
+
+    def _check_loop_profiler(self) -> None:
+        """--profile-target train_actor / train_log_probs: fsdp, and loops long enough for the window."""
+        loops = sorted(set(self.profile_target) - {"train_overall"})
+        if not loops:
+            return
+        if self.train_backend != "fsdp":
+            raise ConfigError(
+                f"--profile-target {' '.join(loops)}: a profiler per micro-batch loop is fsdp only (Miles' megatron "
+                "backend refuses it too: pipeline stages run the micro-batches); train_overall traces whole train calls"
+            )
+        ranks = self.actor_num_nodes * self.actor_num_gpus_per_node
+        if self.use_dynamic_batch_size or not self.global_batch_size:
+            return  # micro-batches by token budget: their count is the data's
+        per_step = self.global_batch_size // max(ranks * self.micro_batch_size, 1)
+        counts = {"train_actor": per_step, "train_log_probs": per_step * (self.num_steps_per_rollout or 1)}
+        short = [t for t in loops if self.profile_step_end > counts[t]]
+        if short:
+            raise ConfigError(
+                f"--profile-step-end {self.profile_step_end} with --profile-target {' '.join(short)}: steps are a "
+                f"rank's micro-batches there, {counts[short[0]]} per loop here (--global-batch-size / ranks / "
+                "--micro-batch-size): lower --profile-step-start / -end"
             )
 
 

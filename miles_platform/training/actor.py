@@ -45,7 +45,12 @@ from miles_platform.training.checkpoint import (
 )
 from miles_platform.training.hooks import TrainerHooks
 from miles_platform.training.opd import OPDPenalty, build_teacher
-from miles_platform.training.profiler import TrainProfiler, TrainWait
+from miles_platform.training.profiler import (
+    TrainProfiler,
+    TrainWait,
+    finish_micro_batches,
+    profile_micro_batches,
+)
 from miles_platform.training.rollout_metrics import rollout_data_metrics
 from miles_platform.training.schedule import LRScheduler, schedule_of
 from miles_platform.training.train_batch import TrainBatch
@@ -335,7 +340,9 @@ class TrainerActor:
                 ents.update(zip(mbs[k], es, strict=True))
 
         reqs = [self._score_request(backend, batch, mb, ents is not None) for mb in mbs]
+        prof = profile_micro_batches(self.cfg, self.rank, "train_log_probs", reqs)
         backend.run_micro_batches(reqs, consume, True)
+        finish_micro_batches(prof)
         if ents is not None:
             ents.update(backend.from_last_stage(ents))
         return backend.from_last_stage(out)
@@ -636,7 +643,9 @@ class TrainerActor:
                     add("train/step0_entropy", m["entropy_loss"])
             return loss * self._mb_scale(batch, mb, n_local, tok_global)
 
+        prof = profile_micro_batches(cfg, self.rank, "train_actor", reqs)
         self.backend.run_micro_batches(reqs, consume)
+        finish_micro_batches(prof)
         self.hooks.fire("trainer_step_before_allreduce")
         self.backend.finish_grad_sync()  # .grad = the average over data-parallel ranks
         grad_norm = self.backend.clip_grad_norm(cfg.clip_grad)

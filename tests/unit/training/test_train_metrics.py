@@ -90,13 +90,38 @@ def test_pytorch_profiler_writes_the_trace_of_the_named_rollouts(tiny_hf_checkpo
     assert len(list((tmp_path / "tb").glob("*.pt.trace.json.gz"))) == 1
 
 
+def test_loop_profilers_trace_micro_batches(tiny_hf_checkpoint, tmp_path):
+    """--profile-target train_actor train_log_probs (Miles' per-loop profilers): steps are micro-batches,
+    a trace per optimizer step (forward and backward) and per log-prob pass (forward only)."""
+    tb = tmp_path / "tb"
+    cfg = _cfg(tiny_hf_checkpoint, global_batch_size=2, micro_batch_size=1, use_pytorch_profiler=True,
+               profile_step_start=1, profile_step_end=2, profile_target=["train_actor", "train_log_probs"],
+               tensorboard_dir=str(tb))  # fmt: skip
+    TrainerActor(cfg).train(0, _batch())  # two optimizer steps of two micro-batches, one log-prob pass
+
+    def names(prefix):
+        files = sorted(tb.glob(f"{prefix}_rank_0.*.pt.trace.json.gz"))
+        return files, [
+            {e.get("name", "") for e in json.loads(gzip.decompress(f.read_bytes()))["traceEvents"]}
+            for f in files
+        ]
+
+    actor_files, actor = names("train_actor")
+    lp_files, lp = names("train_log_probs")
+    assert len(actor_files) == 2 and len(lp_files) == 1
+    assert all(any("Backward" in n for n in ev) for ev in actor)
+    assert not any("Backward" in n for n in lp[0]) and any(n.startswith("aten::") for n in lp[0])
+    assert not list(tb.glob("train_overall*"))
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
         (["--profile-step-start", "3"], "settings of --use-pytorch-profiler; add it"),
-        (["--use-pytorch-profiler", "--profile-target", "train_actor"], "profiler per micro-batch loop is not built"),
+        (["--use-pytorch-profiler", "--profile-target", "train_actor", "--train-backend", "megatron"], "fsdp only"),
+        (["--use-pytorch-profiler", "--profile-target", "train_log_probs", "--num-rollout", "20"], "2 per loop here"),
         (["--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "2"], "must be > --profile-step-start"),
-        (["--use-pytorch-profiler", "--num-rollout", "5"], "--profile-step-end 12: the trace is written when rollout 11"),
+        (["--use-pytorch-profiler", "--num-rollout", "5"], "--profile-step-end 12: the train_overall trace is written when rollout 11"),
         (["--use-pytorch-profiler", "--storage-root", "s3://b/root"], "writes its traces to a local dir"),
         (["--observe-training-entropy", "--entropy-coef", "0.01"], "logged already"),
         (["--use-rollout-entropy"], "fsdp backend scores rollout/entropy with every log-prob pass"),
