@@ -85,7 +85,7 @@ class LoggingFlags:
         False,
         "logging",
         "log passrate/pass@<k> of each rollout's prompt groups (k = 1, 2, 4, ... <= --n-samples-per-prompt; "
-        "unbiased, a reward of 1 passes) and, with --eval-function-path, eval/<dataset>-pass@<k>",
+        "unbiased, a reward of 1 passes) and each eval's eval/<dataset>-pass@<k> over --n-samples-per-eval-prompt",
     )
     use_pytorch_profiler: bool = flag(
         False,
@@ -109,11 +109,13 @@ class LoggingFlags:
             raise ConfigError(f"--wandb-mode {self.wandb_mode!r}: must be one of {', '.join(WANDB_MODES)}")
         train_samples_keep(self.save_train_samples)
         self._check_profiler_flags()
-        eval_groups = bool(self.eval_function_path) and self.n_samples_per_eval_prompt > 1
+        eval_groups = (
+            bool(self.eval_prompt_data and self.eval_interval) and self.n_samples_per_eval_prompt > 1
+        )
         if self.log_passrate and self.n_samples_per_prompt == 1 and not eval_groups:
             raise ConfigError(
                 "--log-passrate: pass@k of prompt groups, and --n-samples-per-prompt is 1 (Miles logs nothing "
-                "then); with --eval-function-path it needs --n-samples-per-eval-prompt > 1"
+                "then); for evals it needs --n-samples-per-eval-prompt > 1"
             )
 
     def _check_profiler_flags(self) -> None:

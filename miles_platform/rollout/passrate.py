@@ -1,5 +1,6 @@
 """--log-passrate, as Miles logs it: pass@k of each rollout's prompt groups (`passrate/pass@<k>`) and of
-a custom eval's datasets (`eval/<dataset>-pass@<k>`), for k = 1, 2, 4, ... up to the group size, with
+each eval dataset's sampled answers (`eval/<dataset>-pass@<k>`, built-in or custom eval), for
+k = 1, 2, 4, ... up to the group size, with
 the unbiased estimator (Chen et al. 2021) and a reward of exactly 1 counted as a pass.
 
 The rollout side groups samples by `group_index` and keeps complete groups only (Miles'
