@@ -178,6 +178,10 @@ class RLRun:
             from miles_platform.store.debug_rollouts import inject_rollout
 
             samples, metrics["ci/inject_match_ratio"] = inject_rollout(cfg, rollout_id, samples)
+        if cfg.log_passrate:  # Miles' passrate/pass@<k> of the rollout's prompt groups
+            from miles_platform.rollout.passrate import rollout_passrate
+
+            metrics.update(rollout_passrate(samples, cfg.n_samples_per_prompt, cfg.reward_key))
         s.trackers.rollout_data(rollout_id, samples, metrics, t0)
         return samples, metrics
 

@@ -96,7 +96,7 @@ def load_hook(cfg: Any, name: str) -> Callable[..., Any] | None:
     from miles_platform.config.hooks import HOOKS
 
     path = getattr(cfg, name, None)  # a duck-typed `args` (a test's, a user's) may lack the field
-    if not path:
+    if not path or (hasattr(cfg, "is_opd_hook") and cfg.is_opd_hook(name)):  # --use-opd's own
         return None
     flag, (arity, signature) = "--" + name.replace("_", "-"), HOOKS[name]
     fn = load_function(path, flag)

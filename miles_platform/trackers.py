@@ -64,7 +64,12 @@ def validate_trackers(cfg: RunConfig, paths) -> None:
     """Before Ray starts: the packages are there, the dirs are local, the custom functions load,
     and no tracker flag is set without its tracker (it would do nothing: refused, not ignored)."""
     inert = [f for f in _WANDB_FLAGS if not cfg.use_wandb and getattr(cfg, f) not in (None, False)]
-    inert += ["tensorboard_dir"] if cfg.tensorboard_dir and not cfg.use_tensorboard else []
+    # --tensorboard-dir also holds --use-pytorch-profiler's traces (Miles')
+    inert += (
+        ["tensorboard_dir"]
+        if cfg.tensorboard_dir and not (cfg.use_tensorboard or cfg.use_pytorch_profiler)
+        else []
+    )
     inert += (
         ["log_rollout_samples"]
         if cfg.log_rollout_samples and not (cfg.use_wandb or cfg.use_tensorboard)

@@ -52,6 +52,18 @@ class AlgorithmFlags:
     kl_loss_type: str = flag("k1", "algorithm", "KL estimator", choices=("k1", "k2", "k3", "low_var_kl"))
     kl_coef: float = flag(0.0, "algorithm", "KL penalty folded into rewards (reinforce++)")
     entropy_coef: float = flag(0.0, "algorithm", "entropy bonus weight")
+    observe_training_entropy: bool = flag(
+        False,
+        "algorithm",
+        "log train/entropy_loss (the trained tokens' mean entropy) at --entropy-coef 0, detached from the "
+        "backward (Miles')",
+    )
+    use_rollout_entropy: bool = flag(
+        False,
+        "algorithm",
+        "--train-backend megatron: score the trainer's token entropy with its log-probs before the step "
+        "(rollout/entropy); the fsdp backend always does, as Miles'",
+    )
     eps_clip: float = flag(0.2, "algorithm", "PPO/GRPO low clip")
     eps_clip_high: float | None = flag(None, "algorithm", "asymmetric high clip (defaults to --eps-clip)")
     eps_clip_c: float | None = flag(None, "algorithm", "dual-clip constant (>1) for negative advantages")
@@ -154,6 +166,14 @@ class CorrectionFlags:
              "clips the PPO critic: only with --advantage-estimator ppo"),
             (["--tis-batch-normalize"], self.tis_batch_normalize and self.tis_level == "geometric",
              "normalizes token or sequence weights (as Miles), not --tis-level geometric"),
+            (["--observe-training-entropy"], self.observe_training_entropy and self.entropy_coef != 0,
+             "at a non-zero --entropy-coef the entropy is in the loss and train/entropy_loss is logged already"),
+            (["--observe-training-entropy"], self.observe_training_entropy and self.loss_type == "sft_loss",
+             "--loss-type sft_loss takes no entropy (nothing to log it from)"),
+            (["--use-rollout-entropy"], self.use_rollout_entropy and self.train_backend == "fsdp",
+             "the fsdp backend scores rollout/entropy with every log-prob pass already (as Miles'); megatron only"),
+            (["--use-rollout-entropy"], self.use_rollout_entropy and self.use_rollout_logprobs and not self.get_mismatch_metrics,
+             "scores entropy in the trainer's log-prob pass, which --use-rollout-logprobs skips (add --get-mismatch-metrics)"),
         ]  # fmt: skip
         for flags, bad, why in unused:
             if flags and bad:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_platform.config.flags import flag_name
-from miles_platform.config.opd import MILES_OPD_POST_PROCESS
 from miles_platform.errors import ConfigError
 
 SAME, REFUSED = "same", "refused"
@@ -57,6 +56,12 @@ _FP8 = (
     "dequantized weights), and SGLang engines quantize online with --sglang-quantization fp8"
 )
 
+_MEMORY = (
+    "CUDA memory-history snapshots (Miles' --record-memory-history, torch or memray) are not built: "
+    "--use-pytorch-profiler's trace records the allocations (profile_memory) and each rollout logs "
+    "perf/actor_peak_device_mem_mb; drop the memory snapshot flags"
+)
+
 COMPAT: dict[str, MilesFlag] = {
     # ---- kernels, layouts and speed: the same result here
     "attention_backend": _same("str", "attention kernel (TE flash / fused / unfused): the trainer runs torch's attention, same math"),
@@ -91,11 +96,6 @@ COMPAT: dict[str, MilesFlag] = {
     "megatron_to_hf_mode": _same("str", "how megatron weights get HF names for the engines (raw / megatron-bridge): this build's bridges (models/bridge/) do it, same HF weights"),
     "enable_experimental": _same("bool", "megatron's gate for experimental features: nothing here is behind it"),
     "no_check_for_nan_in_loss_and_grad": _same("bool", "megatron stops at the first NaN loss or gradient unless this is set: here a non-finite step is skipped, logged, and the run stops only past --max-nonfinite-steps"),
-    "custom_reward_post_process_path": _same(
-        "str", f"Miles' OPD post-process ({MILES_OPD_POST_PROCESS}) is what --use-opd does here (teacher log-probs "
-        "onto each sample, task reward 0); any other reward post-process hook is not built: put its logic in --custom-rm-path",
-        when=lambda cfg, v: v == MILES_OPD_POST_PROCESS and cfg.use_opd,
-    ),
     "loss_mask_type": _same(
         "str", "how Miles' SFT rollout cuts a Qwen chat into loss-masked turns: the SFT rollout here walks the "
         "tokenizer's own chat template turn by turn, which gives qwen's masks (assistant content + end of turn); "
@@ -174,7 +174,9 @@ COMPAT: dict[str, MilesFlag] = {
     "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),
     "partial_rollout": _refused("bool", 'partial rollout (continuing generations a rollout aborted in the next one) is not built: a sync rollout here sends each round as one batched request and waits for all of it, so nothing is aborted at the end of a rollout; under --fully-async Miles refuses it too. Drop the flag'),
     "mask_offpolicy_in_partial_rollout": _refused("bool", "masks the earlier policy's tokens of a continued partial rollout: --partial-rollout is not built here (and Miles refuses this flag on its class-based rollout path). Drop the flag"),
-    "log_passrate": _refused("bool", "per-rollout pass rates are not logged; evals report pass@1 and pass@<n>(T=..) per dataset"),
+    **{name: _refused(kind, _MEMORY) for name, kind in (("record_memory_history", "bool"), ("memory_snapshot_path", "str"),
+       ("memory_snapshot_dir", "str"), ("memory_snapshot_num_steps", "int"), ("memory_recorder", "str"))},
+    "ci_ft_test_actions": _refused("str", "Miles' trainer-cell fault-tolerance test actions (stop / start a cell, crash before the all-reduce): trainer cells are not built; --ci-fault-hooks injects a rank's crash (kill_process / exit_process at trainer_step_before_allreduce, target {\"rank\": N})"),
     "log_reward_category": _refused("str", "statistics of a reward-dict category are not logged; log them from --custom-rollout-log-function-path"),
     "filter_zero_reward_samples": _refused("bool", "use --dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
     "rollout_max_context_len": _refused("int", "the engine's context here is the model's (max_position_embeddings); bound prompts and responses with --rollout-max-prompt-len and --rollout-max-response-len"),

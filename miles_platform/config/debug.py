@@ -14,6 +14,7 @@ RANGES: dict[str, tuple] = {
     "load_debug_rollout_data_subsample": (0, 1, True, "in (0, 1]"),
     "ci_entropy_max": (0, None, True, "> 0"),
     "ci_metric_checker_threshold": FINITE,
+    "ci_metric_checker_expect_num": POSITIVE,
     "ci_inject_rollout_data_start_rollout_id": (0, None, False, ">= 0"),
     "ci_inject_rollout_data_min_match_ratio": (0, 1, False, "in [0, 1]"),
 }
@@ -78,6 +79,32 @@ class DebugFlags:
     ci_metric_checker_threshold: float | None = flag(
         None, "debug", "--ci-test gate: at least one eval must report --ci-metric-checker-key >= this"
     )
+    ci_metric_checker_expect_num: int | None = flag(
+        None,
+        "debug",
+        "--ci-test gate: exactly this many evals must check --ci-metric-checker-key, every one reaching the threshold",
+    )
+    ci_save_grad_norm: str | None = flag(
+        None,
+        "debug",
+        "--ci-test: rank 0 torch.saves each optimizer step's grad norm to this path template "
+        "({role}, {rollout_id}, {step_id})",
+    )
+    ci_load_grad_norm: str | None = flag(
+        None,
+        "debug",
+        "--ci-test: each optimizer step's grad norm must match what --ci-save-grad-norm wrote there "
+        "(rel_tol = abs_tol = 0.03, Miles')",
+    )
+    ci_save_model_hash: bool = flag(
+        False,
+        "debug",
+        "--ci-test: each save writes per-layer SHA-256 hashes of every rank's parameters "
+        "(iter_*/model_hash_tp*_pp*_dp*_cp0.json)",
+    )
+    ci_check_model_hash: bool = flag(
+        False, "debug", "--ci-test: a loaded checkpoint's weights must hash as its model_hash files say"
+    )
     ci_inject_rollout_data_path: str | None = flag(
         None,
         "debug",
@@ -109,6 +136,32 @@ class DebugFlags:
         if (self.ci_metric_checker_key is None) != (self.ci_metric_checker_threshold is None):
             raise ConfigError(
                 "--ci-metric-checker-key and --ci-metric-checker-threshold: give both (as Miles)"
+            )
+        if self.ci_metric_checker_expect_num is not None and self.ci_metric_checker_key is None:
+            raise ConfigError(
+                "--ci-metric-checker-expect-num: counts --ci-metric-checker-key's checks; add it"
+            )
+        if self.ci_save_grad_norm and self.ci_load_grad_norm:
+            raise ConfigError(
+                "--ci-save-grad-norm and --ci-load-grad-norm: one run records, a later one compares (Miles "
+                "takes the save and ignores the load): give one"
+            )
+        for option, template in (("--ci-save-grad-norm", self.ci_save_grad_norm),
+                                 ("--ci-load-grad-norm", self.ci_load_grad_norm)):  # fmt: skip
+            if template:
+                _check_template(option, template, {"role", "rollout_id", "step_id"})
+        if self.ci_save_model_hash and not self.save:
+            raise ConfigError("--ci-save-model-hash writes into each checkpoint's iter dir: add --save")
+        if self.ci_check_model_hash and not (self.load or self.save):
+            raise ConfigError("--ci-check-model-hash checks the checkpoint a run loads: add --load")
+        if (
+            self.ci_save_grad_norm
+            or self.ci_load_grad_norm
+            or self.ci_save_model_hash
+            or self.ci_check_model_hash
+        ) and self.debug_rollout_only:
+            raise ConfigError(
+                "--ci-*-grad-norm / --ci-*-model-hash check the trainer; --debug-rollout-only trains nothing"
             )
         if self.ci_metric_checker_key and not (self.eval_prompt_data and self.eval_interval):
             raise ConfigError(
@@ -171,8 +224,22 @@ def _ci_flags_given(cfg) -> list[str]:
     from miles_platform.config.flags import changed_flags
 
     names = ("ci_disable_weight_update_checker", "ci_disable_kl_checker", "ci_disable_logprobs_checker",
-             "ci_entropy_max", "ci_logprob_abs_diff_threshold", "ci_metric_checker_key", "ci_metric_checker_threshold")  # fmt: skip
+             "ci_entropy_max", "ci_logprob_abs_diff_threshold", "ci_metric_checker_key", "ci_metric_checker_threshold",
+             "ci_metric_checker_expect_num", "ci_save_grad_norm", "ci_load_grad_norm", "ci_save_model_hash",
+             "ci_check_model_hash")  # fmt: skip
     return changed_flags(cfg, names)
+
+
+def _check_template(option: str, template: str, fields: set[str]) -> None:
+    """A path template that names only `fields` (str.format would fail on another mid-run)."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise ConfigError(f"{option} {template!r}: not a valid path template ({e})") from None
+    if names - fields:
+        raise ConfigError(
+            f"{option} {template!r}: unknown fields {sorted(names - fields)}; it may name {sorted(fields)}"
+        )
 
 
 def check_rollout_template(option: str, template: str, per_rank: bool | None = None) -> None:

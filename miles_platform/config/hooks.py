@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles_platform.config.flags import flag, flag_name
+from miles_platform.config.opd import MILES_OPD_POST_PROCESS
 from miles_platform.errors import ConfigError
 
 # field -> positional arguments Miles passes (the arity preflight checks), as the docs write them
@@ -22,6 +23,7 @@ HOOKS: dict[str, tuple[int, str]] = {
         " -> Callable[[Tensor], Tensor]",
     ),
     "custom_convert_samples_to_train_data_path": (2, "convert_samples_to_train_data(args, samples) -> dict"),
+    "custom_reward_post_process_path": (2, "post_process_rewards(args, samples) -> (raw_rewards, rewards)"),
     "custom_megatron_init_path": (1, "custom_init(args) -> None"),
     "custom_megatron_before_train_step_hook_path": (
         6,
@@ -67,6 +69,13 @@ class HookFlags:
         "<module>.<fn>(args, samples) -> dict of per-sample lists (tokens, response_lengths, rewards, "
         "loss_masks, rollout_log_probs, ...): replaces the rollout's samples -> train data conversion",
     )
+    custom_reward_post_process_path: str | None = flag(
+        None,
+        "hooks",
+        "<module>.<fn>(args, samples) -> (raw_rewards, rewards): replaces the reward normalization (GRPO's group "
+        "mean / std); the advantage estimator takes `rewards` as they are. Miles' OPD post-process "
+        f"({MILES_OPD_POST_PROCESS}) is what --use-opd does here",
+    )
     custom_megatron_init_path: str | None = flag(
         None, "hooks", "--train-backend megatron: <module>.<fn>(args) on each rank after megatron's init"
     )
@@ -84,8 +93,14 @@ class HookFlags:
     )
 
     def hook_paths(self) -> dict[str, str]:
-        """The hooks given, as {flag: dotted path}."""
-        return {flag_name(n): getattr(self, n) for n in HOOKS if getattr(self, n)}
+        """The hooks given, as {flag: dotted path} (Miles' OPD post-process is --use-opd's, not loaded)."""
+        return {flag_name(n): getattr(self, n) for n in HOOKS if getattr(self, n) and not self.is_opd_hook(n)}
+
+    def is_opd_hook(self, name: str) -> bool:
+        return (
+            name == "custom_reward_post_process_path"
+            and self.custom_reward_post_process_path == MILES_OPD_POST_PROCESS
+        )
 
     def _check_hook_flags(self) -> None:
         """Each hook where it has an effect; refused, naming why, where it would have none."""
@@ -106,6 +121,7 @@ class HookFlags:
             raise ConfigError(
                 "--rollout-all-samples-process-path: runs in the rollout; --debug-train-only generates nothing"
             )
+        self._check_reward_post_process()
         if self.custom_pg_loss_reducer_function_path and self.loss_type != "policy_loss":
             raise ConfigError(
                 f"--custom-pg-loss-reducer-function-path: reduces the policy loss's pg_loss, which --loss-type "
@@ -121,3 +137,26 @@ class HookFlags:
                 "--rollout-all-samples-process-path runs inside the built-in rollout; a --rollout-function-path "
                 "replaces it: call your processing from that function"
             )
+
+    def _check_reward_post_process(self) -> None:
+        path, flag_ = self.custom_reward_post_process_path, "--custom-reward-post-process-path"
+        if not path:
+            return
+        if path == MILES_OPD_POST_PROCESS:
+            if not self.use_opd:
+                raise ConfigError(
+                    f"{flag_} {path}: Miles' OPD post-process (teacher log-probs onto each sample, task reward 0) "
+                    "is what --use-opd does here: add --use-opd and its --opd-* flags"
+                )
+            return
+        why = [
+            (self.use_opd, "--use-opd applies Miles' OPD post-process, which another hook would replace"),
+            (bool(self.custom_convert_samples_to_train_data_path),
+             "Miles calls it inside the built-in samples -> train data conversion, which "
+             "--custom-convert-samples-to-train-data-path replaces: post-process the rewards there"),
+            (self.loss_type == "sft_loss", "--loss-type sft_loss trains on no reward"),
+            (self.debug_rollout_only, "--debug-rollout-only trains nothing"),
+        ]  # fmt: skip
+        for bad, reason in why:
+            if bad:
+                raise ConfigError(f"{flag_} {path}: {reason}")

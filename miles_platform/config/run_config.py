@@ -243,7 +243,9 @@ RESUMABLE = frozenset(
      "disk_delta_encode_workers", "check_weight_update_equal", "check_lora_weight_equal", "storage_root", "save_debug_rollout_data", "save_debug_train_data",
      "ci_test", "ci_logprob_abs_diff_threshold", "ci_fault_hooks", "ci_disable_weight_update_checker",
      "ci_disable_kl_checker", "ci_disable_logprobs_checker", "ci_entropy_max", "ci_metric_checker_key",
-     "ci_metric_checker_threshold", "log_interval", "sglang_args", "compat_flags",
+     "ci_metric_checker_threshold", "ci_metric_checker_expect_num", "ci_save_grad_norm", "ci_load_grad_norm",
+     "ci_save_model_hash", "ci_check_model_hash", "observe_training_entropy", "use_rollout_entropy",
+     "log_interval", "sglang_args", "compat_flags",
      "max_nonfinite_steps", "train_timeout_s", "custom_generate_function_timeout"} | LOGGING | set(MODEL_ARGS)
 )  # fmt: skip
 

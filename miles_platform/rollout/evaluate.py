@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from miles_platform.data.sample import Sample, Status
 from miles_platform.metric_names import is_greedy_metric, sampled_name
 from miles_platform.progress import Progress
 from miles_platform.rollout.engine_core import EngineCore
+from miles_platform.rollout.passrate import compute_pass_rate, pass_at_k
 
 GenerateFn = Callable[..., list[list[str]]]
 
@@ -95,13 +95,6 @@ def policy_engine(policy: str | os.PathLike | EngineCore) -> Iterator[EngineCore
 
 
 # ---------------------------------------------------------------- metrics
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
 def load_eval_rows(
     path: str,
     input_key: str = "prompt",
@@ -182,6 +175,7 @@ def evaluate(
     tokenizer: Any | None = None,
     progress: bool = False,
     chat_template_kwargs: dict | None = None,
+    log_passrate: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """name -> {"pass@1" (greedy), "pass@<n>(T=<T>)" (unbiased pass@k over n samples at
     `temperature`), "mean_reward@<n>(T=<T>)" (over the n samples), "n", "k", "num_prompts"} and,
@@ -216,14 +210,16 @@ def evaluate(
         generate = _counted(generate_fn, bar) if generate_fn else engine_generate_fn(core, bar.update)
         sampling = (max_new_tokens, temperature, top_p, top_k)
         return {
-            name: _evaluate_rows(rows, generate, rewards, k, sampling, seed, breakdown_key, bar, name)
+            name: _evaluate_rows(
+                rows, generate, rewards, k, sampling, seed, breakdown_key, bar, name, log_passrate
+            )
             for name, rows in loaded
         }
 
 
 def _evaluate_rows(
     rows: list[dict], generate: GenerateFn, rewards: RewardSettings, k: int, sampling: tuple,
-    seed: int, breakdown_key: str | None, bar: Progress, name: str,
+    seed: int, breakdown_key: str | None, bar: Progress, name: str, log_passrate: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """One dataset's metrics (see `evaluate`); `sampling`: (max_new_tokens, temperature, top_p, top_k)
     of the k samples."""
@@ -245,6 +241,8 @@ def _evaluate_rows(
         "k": k,
         "num_prompts": len(rows),
     }
+    if log_passrate and k > 1:  # Miles' pass@1, 2, 4, ... of the k samples (loop_eval logs them)
+        res["passrate"] = compute_pass_rate([r for rs in sampled for r in rs], k)
     share = tool_call_share(greedy_out)
     if share is not None:
         res["tool_call_share"] = share

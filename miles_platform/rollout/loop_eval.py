@@ -30,9 +30,11 @@ def evaluate_policy(
         None, list(e.datasets), e.n_samples_per_eval_prompt, **e.sampling, rewards=e.rewards, seed=e.seed,
         generate_fn=router_generate_fn(manager), input_key=e.input_key, label_key=e.label_key,
         metadata_key=e.metadata_key, apply_chat_template=e.apply_chat_template, tokenizer=manager.tok,
-        chat_template_kwargs=e.chat_template_kwargs,
+        chat_template_kwargs=e.chat_template_kwargs, log_passrate=cfg.log_passrate,
     )  # fmt: skip
     out = {f"eval/{name}/{k}": v for name, r in res.items() for k, v in r.items() if isinstance(v, float)}
+    # --log-passrate: Miles' eval/<dataset>-pass@<k> over each prompt's sampled answers
+    out.update({f"eval/{name}-{k}": v for name, r in res.items() for k, v in r.get("passrate", {}).items()})
     rows = evals_table_rows(partition_key(cfg.run_name, version), res, "loop", e.sampling)
     append_rows(paths, "evals", cfg.run_name, rows)
     out["perf/eval_time"] = time.time() - t0
@@ -101,6 +103,11 @@ def custom_eval(
             metrics[f"eval/{name}-truncated_ratio"] = sum(map(bool, d["truncated"])) / max(
                 len(d["truncated"]), 1
             )
+        if cfg.log_passrate:  # Miles' eval/<name>-pass@<k> over groups of --n-samples-per-eval-prompt
+            from miles_platform.rollout.passrate import compute_pass_rate
+
+            pr = compute_pass_rate(rewards, cfg.n_samples_per_eval_prompt)
+            metrics.update({f"eval/{name}-{k}": v for k, v in pr.items()})
         res[name] = {"mean_reward": sum(rewards) / n, "n": len(rewards)}
     rows = evals_table_rows(partition_key(cfg.run_name, version), res, "loop", cfg.eval_settings().sampling)
     append_rows(paths, "evals", cfg.run_name, rows)

@@ -462,7 +462,9 @@ class RolloutManager:
             "rollout/response_len/max": float(lens.max()),
             "rollout/truncated": float(np.mean([s.status == Status.TRUNCATED.value for s in samples])),
             "rollout/failed": float(np.mean([s.status == Status.FAILED.value for s in samples])),
-            "rollout/log_probs": float(np.mean(lps)) if lps else 0.0,
+            # the engine's (Miles' name); the trainer replaces it with its loss-masked per-sample mean and
+            # adds rollout/log_probs, its own (training/rollout_metrics.py)
+            "rollout/rollout_log_probs": float(np.mean(lps)) if lps else 0.0,
             "rollout/num_samples": float(len(samples)),
             "rollout/buffer_size": float(len(self.buffer)),
             "perf/rollout_time": seconds,

@@ -45,6 +45,13 @@ from miles_platform.training.checkpoint import (
 )
 from miles_platform.training.hooks import TrainerHooks
 from miles_platform.training.opd import OPDPenalty, build_teacher
+from miles_platform.training.profiler import (
+    TrainProfiler,
+    TrainWait,
+    finish_micro_batches,
+    profile_micro_batches,
+)
+from miles_platform.training.rollout_metrics import rollout_data_metrics
 from miles_platform.training.schedule import LRScheduler, schedule_of
 from miles_platform.training.train_batch import TrainBatch
 from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
@@ -135,6 +142,9 @@ class TrainerActor:
 
         # --ci-fault-hooks' rank hooks, fired in this process (kill_process kills this rank)
         self.hooks = FaultHooks(parse_fault_hooks(cfg.ci_fault_hooks), _rank_log, rank=rank)
+        self.prof = TrainProfiler(cfg, rank)  # --use-pytorch-profiler: stepped once per train call
+        self.prof.start()
+        self.wait = TrainWait()  # perf/train_wait_time: from here until the first train call
 
     # ------------------------------------------------------------------ setup
     def _build_ref(self):
@@ -316,15 +326,31 @@ class TrainerActor:
         return [idx[j : j + m] for j in range(0, len(idx), m)]
 
     @torch.no_grad()
-    def _all_log_probs(self, backend, batch: TrainBatch, idx: list[int]) -> dict[int, torch.Tensor]:
+    def _all_log_probs(
+        self, backend, batch: TrainBatch, idx: list[int], ents: dict | None = None
+    ) -> dict[int, torch.Tensor]:
+        """Each sample's response log-probs; `ents` (a dict): filled with its token entropies too."""
         mbs = self._micro_batches(batch, idx)
         out = {}
 
         def consume(k, scores):
-            out.update(zip(mbs[k], self._per_sample(batch, mbs[k], scores)[0], strict=True))
+            lps, es, _ = self._per_sample(batch, mbs[k], scores)
+            out.update(zip(mbs[k], lps, strict=True))
+            if ents is not None:
+                ents.update(zip(mbs[k], es, strict=True))
 
-        backend.run_micro_batches([self._score_request(backend, batch, mb) for mb in mbs], consume, True)
+        reqs = [self._score_request(backend, batch, mb, ents is not None) for mb in mbs]
+        prof = profile_micro_batches(self.cfg, self.rank, "train_log_probs", reqs)
+        backend.run_micro_batches(reqs, consume, True)
+        finish_micro_batches(prof)
+        if ents is not None:
+            ents.update(backend.from_last_stage(ents))
         return backend.from_last_stage(out)
+
+    def _rollout_entropy_on(self) -> bool:
+        """rollout/entropy, the trainer's token entropy before the step: Miles' fsdp backend always
+        computes it with the log-probs, its megatron backend with --use-rollout-entropy."""
+        return self.cfg.train_backend == "fsdp" or self.cfg.use_rollout_entropy
 
     # ------------------------------------------------------------------ train
     def _my_indices(self, step: int) -> list[int]:
@@ -337,7 +363,8 @@ class TrainerActor:
     ) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics. `samples`:
         record the train_samples rows (the loop's; training/train_samples.py)."""
-        cfg, t0 = self.cfg, time.time()
+        cfg = self.cfg
+        t0 = self.wait.begin()
         if not isinstance(batch, TrainBatch):  # a handle from the object store (ray | mooncake)
             from miles_platform.cluster.object_store import get_rollout_data
 
@@ -353,16 +380,20 @@ class TrainerActor:
         mine = [i for s in range(steps) for i in self._my_indices(s)]
         fused = self._old_log_probs_from_training_forward()
         rollout_lp = {i: self._tensor(batch.rollout_log_probs[i]) for i in mine}
+        ents: dict | None = {} if self._rollout_entropy_on() else None  # rollout/entropy
+        self._fused_ents = ents if fused else None  # filled by the training forward itself
         # `scored`: the trainer's log-probs before the step (fused: filled by the training forward
         # itself, detached, micro-batch by micro-batch); `old`: the ratio's old policy (the rollout's
         # with --use-rollout-logprobs, when the trainer pass runs only for --get-mismatch-metrics)
         if cfg.use_rollout_logprobs:
             scored = (
-                self._all_log_probs(self.backend, batch, mine) if cfg.get_mismatch_metrics else rollout_lp
+                self._all_log_probs(self.backend, batch, mine, ents)
+                if cfg.get_mismatch_metrics
+                else rollout_lp
             )
             old = dict(rollout_lp)
         else:
-            scored = old = {} if fused else self._all_log_probs(self.backend, batch, mine)
+            scored = old = {} if fused else self._all_log_probs(self.backend, batch, mine, ents)
         ref = self._all_log_probs(self.ref, batch, mine) if self.ref is not None else None
         values = self._critic_values(batch, mine) if self.critic is not None else None
         adv, returns = self._advantages(batch, mine, old, ref, values)
@@ -391,6 +422,7 @@ class TrainerActor:
         if not fused:
             self._alignment_metrics(batch, mine, scored, rollout_lp, add)
         for s in range(steps):
+            self.step_id = s  # the optimizer step within this rollout (--ci-*-grad-norm's {step_id})
             self.train_hooks.before_train_step(rollout_id, s, getattr(self.backend, "chunks", [self.model]),
                                                self.opt, self.sched)  # fmt: skip
             self._train_step(batch, self._my_indices(s), scored, ref, rollout_lp, adv, add, fused, opd)
@@ -400,13 +432,23 @@ class TrainerActor:
             self._rows.flush()
         if fused:
             old.update(self.backend.from_last_stage(old))  # pipeline parallel: scored on the last stage
+            if ents is not None:
+                ents.update(self.backend.from_last_stage(ents))
             self._alignment_metrics(batch, mine, old, rollout_lp, add)
         metrics = self.backend.from_last_stage(metrics)  # the loss hub's metrics: the last stage's
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        trainer_lp = old if fused else (scored if scored is not rollout_lp else None)
+        out.update(rollout_data_metrics(
+            mine, {i: self._mask(batch, i) for i in mine}, log_probs=trainer_lp, ref_log_probs=ref,
+            rollout_log_probs=rollout_lp, advantages=adv, returns=returns,
+            values=values, entropy=ents,
+        ))  # fmt: skip
         out["train/nonfinite_steps"] = float(sum(metrics.get("train/nonfinite_steps", [])))
         out["train/lr"] = self.sched.get_last_lr()[0]
         out.update(self._moe_metrics())
         out["perf/actor_train_time"] = time.time() - t0
+        out.update(self.wait.end())  # perf/train_wait_time, perf/train_time, ...
+        self.prof.step()  # --use-pytorch-profiler: one profiler step per rollout (Miles')
         # Miles': tokens (prompt + response) this rank trained on per second of train()
         out["perf/actor_train_tok_per_s"] = (
             sum(len(batch.tokens[i]) for i in mine) / out["perf/actor_train_time"]
@@ -478,7 +520,9 @@ class TrainerActor:
             refs = [ref[i] if i in ref else zeros(i) for i in idx]
         masks = [self._mask(batch, i) for i in idx]
         vals = [values[i] for i in idx] if values is not None else None
-        advs, rets = loss_hub.compute_advantages_and_returns(cfg, rewards, lps, refs, vals, masks)
+        advs, rets = loss_hub.compute_advantages_and_returns(
+            cfg, rewards, lps, refs, vals, masks, normalize=not batch.rewards_normalized
+        )
         keep = set(mine)
         pick = lambda xs: {i: x for i, x in zip(idx, xs, strict=True) if i in keep}  # noqa: E731
         return pick(advs), pick(rets)
@@ -514,7 +558,12 @@ class TrainerActor:
             (loss * self._mb_scale(batch, mb, len(idx), tok_global)).backward()
             for k, val in m.items():
                 add(f"train/{k}", val)
-        add("train/critic_grad_norm", self.critic.step())
+        grad_norm = self.critic.step()
+        if self.cfg.ci_test and self.rank == 0:
+            ci_checks.check_grad_norm(
+                self.cfg, float(grad_norm), self.hooks.rollout_id, self.step_id, "critic"
+            )
+        add("train/critic_grad_norm", grad_norm)
 
     @staticmethod
     def _token_count(batch, idx) -> float:
@@ -534,9 +583,13 @@ class TrainerActor:
         tok_global = self._all_reduce_sum(self._token_count(batch, idx))
         self.opt.zero_grad(set_to_none=True)
         self.backend.zero_grad()
-        need_ent = cfg.entropy_coef != 0 or (
-            cfg.ci_test and self.global_step == 0
-        )  # --ci-test: entropy range
+        # the loss gets the entropy for its bonus, --observe-training-entropy or --ci-test's range;
+        # the fused forward also scores rollout/entropy (the policy before the step)
+        loss_ent = (
+            cfg.entropy_coef != 0 or cfg.observe_training_entropy or (cfg.ci_test and self.global_step == 0)
+        )
+        capture = self._fused_ents if fused else None
+        need_ent = loss_ent or capture is not None
         recorded = [None] * len(mbs)
         if getattr(self.loss_fn, "needs_candidate_log_probs", False):  # score centering
             from miles_platform.training.score_centering import rollout_candidates
@@ -547,6 +600,8 @@ class TrainerActor:
             self._score_request(self.backend, batch, mb, need_ent, [c for c, _ in rec] if rec else None)
             for mb, rec in zip(mbs, recorded, strict=True)
         ]
+        for r in reqs:  # observed only (rollout/entropy, --observe-training-entropy): no graph for it
+            r.entropy_grad = cfg.entropy_coef != 0
 
         def consume(k: int, scores: Scores) -> torch.Tensor:
             """Micro-batch k's weighted loss from its scores (the last pipeline stage's forward)."""
@@ -554,6 +609,8 @@ class TrainerActor:
             lps, ents, cands = self._per_sample(batch, mb, scores)
             if fused:
                 old.update(zip(mb, (lp.detach() for lp in lps), strict=True))
+                if capture is not None:
+                    capture.update(zip(mb, (e.detach() for e in ents), strict=True))
                 if opd is not None:
                     opd.apply(mb, adv, old)
             mb_batch = {
@@ -569,7 +626,7 @@ class TrainerActor:
                 mb_batch["rollout_topk_token_ids"] = [c for c, _ in recorded[k]]
                 mb_batch["rollout_topk_log_probs"] = [q for _, q in recorded[k]]
                 mb_batch["candidate_log_probs"] = cands
-            loss, m = self.loss_fn(cfg, mb_batch, lps, ents if need_ent else None)
+            loss, m = self.loss_fn(cfg, mb_batch, lps, ents if loss_ent else None)
             if self._rows is not None:
                 self._rows.add(mb, k, self.global_step, mb_batch, lps)
             if self.moe_aux is not None:  # --moe-aux-loss-coeff / --moe-z-loss-coeff
@@ -586,11 +643,15 @@ class TrainerActor:
                     add("train/step0_entropy", m["entropy_loss"])
             return loss * self._mb_scale(batch, mb, n_local, tok_global)
 
+        prof = profile_micro_batches(cfg, self.rank, "train_actor", reqs)
         self.backend.run_micro_batches(reqs, consume)
+        finish_micro_batches(prof)
         self.hooks.fire("trainer_step_before_allreduce")
         self.backend.finish_grad_sync()  # .grad = the average over data-parallel ranks
         grad_norm = self.backend.clip_grad_norm(cfg.clip_grad)
         finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
+        if cfg.ci_test and self.rank == 0:  # --ci-save-grad-norm / --ci-load-grad-norm
+            ci_checks.check_grad_norm(cfg, float(grad_norm), self.hooks.rollout_id, self.step_id)
         add("train/grad_norm", grad_norm if finite else 0.0)
         add("train/nonfinite_steps", not finite)  # a NaN / inf loss or gradient: the step is skipped
         if not finite:

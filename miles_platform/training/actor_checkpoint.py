@@ -10,6 +10,9 @@ Miles' checkpoint flags:
   --no-load-rng     resume without the saved torch / numpy / Python RNG states (the seeds' instead)
   --async-save      the files are written on a background thread from copies taken at the save point
                     (Checkpointer.save_async); the next save or train call finishes it first
+
+and --ci-test's per-layer weight hashes (training/ci_checks.py): --ci-save-model-hash writes each rank's
+model_hash_tp*_pp*_dp*_cp0.json into the iter dir, --ci-check-model-hash compares a loaded model with it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING
 from safetensors.torch import load_file, save_file
 
 from miles_platform.errors import CheckpointError
+from miles_platform.run_types import CITestFailure
+from miles_platform.training import ci_checks
 from miles_platform.training.checkpoint import (
     TRAINER_STATE,
     Checkpointer,
@@ -57,6 +62,28 @@ def _write_state(d: str, state: dict) -> None:
     Path(d, TRAINER_STATE).write_text(json.dumps(state, indent=1, default=str))
 
 
+def _parallel_ranks(actor: TrainerActor) -> tuple[int, int, int]:
+    """(tensor, pipeline, data) parallel rank: a model hash file's name."""
+    if actor.cfg.train_backend == "megatron" and actor.world_size > 1:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), actor.dp_rank
+    return 0, 0, actor.dp_rank
+
+
+def _model_hashes(actor: TrainerActor) -> dict[str, str] | None:
+    """--ci-save-model-hash / --ci-check-model-hash: this rank's per-layer hashes (else None)."""
+    cfg = actor.cfg
+    if not (cfg.ci_test and (cfg.ci_save_model_hash or cfg.ci_check_model_hash)):
+        return None
+    return ci_checks.model_hashes_by_layer(getattr(actor.backend, "chunks", [actor.model]))
+
+
+def _write_hashes(actor: TrainerActor, d: str, hashes: dict[str, str] | None) -> None:
+    if hashes is not None and actor.cfg.ci_save_model_hash:
+        Path(ci_checks.model_hash_file(d, _parallel_ranks(actor))).write_text(json.dumps(hashes, indent=2))
+
+
 def finish_pending(actor: TrainerActor) -> str | None:
     """Complete an --async-save in flight (every rank calls it). Returns its iter dir, or None."""
     job, actor.pending_save = getattr(actor, "pending_save", None), None
@@ -74,9 +101,11 @@ def save(actor: TrainerActor, rollout_id: int, extra_state: dict | None = None, 
         write_model = actor.backend.snapshot_model()  # the gathers now; copies the steps do not touch
         opt = None if cfg.no_save_optim else {k: v.clone() for k, v in actor._optimizer_tensors().items()}
         rng, state = rng_tensors(), _trainer_state(actor, rollout_id, extra_state)
+        hashes = _model_hashes(actor)  # the weights at the save point
 
         def write_copies(d: str) -> None:
             write_model(d)
+            _write_hashes(actor, d, hashes)
             if opt is not None:
                 save_file(opt, os.path.join(d, rank_file("optimizer", actor.rank)))
             save_file(rng, os.path.join(d, rank_file("rng", actor.rank)))
@@ -86,6 +115,7 @@ def save(actor: TrainerActor, rollout_id: int, extra_state: dict | None = None, 
 
     def write_rank(d: str) -> None:
         actor.backend.save_model(d)
+        _write_hashes(actor, d, _model_hashes(actor))
         # megatron: resharded like the weights (backend.save_optimizer writes its own files)
         if not cfg.no_save_optim and not actor.backend.save_optimizer(actor.opt, d):
             save_file(actor._optimizer_tensors(), os.path.join(d, rank_file("optimizer", actor.rank)))
@@ -102,6 +132,8 @@ def load(actor: TrainerActor) -> dict | None:
     """Resume from --load (or --save) if a checkpoint exists. Returns trainer_state or None."""
     cfg = actor.cfg
     with Checkpointer(cfg.load or cfg.save, actor.rank, actor.world_size).open_latest() as d:
+        if d is None and cfg.ci_test and cfg.ci_check_model_hash:
+            raise CITestFailure(f"--ci-check-model-hash: no checkpoint in {cfg.load or cfg.save} to check")
         return None if d is None else _load_checkpoint(actor, d)
 
 
@@ -130,6 +162,10 @@ def _load_checkpoint(actor: TrainerActor, d: str) -> dict:
     elif not actor.backend.load_optimizer(actor.opt, d):  # megatron: resharded like the weights
         tensors = load_file(os.path.join(d, rank_file("optimizer", actor.rank)))
         load_optimizer_tensors(actor.opt, actor.backend.named_parameters(), tensors)
+    if cfg.ci_test and cfg.ci_check_model_hash:  # the weights as loaded, before any step
+        ci_checks.check_model_hashes(
+            ci_checks.model_hash_file(d, _parallel_ranks(actor)), _model_hashes(actor)
+        )
     actor.global_step = state["global_step"]
     if "scheduler" in state:
         actor.sched.load_state_dict(state["scheduler"])

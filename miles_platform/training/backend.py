@@ -42,6 +42,9 @@ class ScoreRequest:
     with_entropy: bool = False
     candidates: torch.Tensor | None = None
     context: Callable[[], Any] = field(default=contextlib.nullcontext)
+    # False: the entropy is only observed (a metric), computed outside autograd (Miles' rule: it takes
+    # gradients only at a non-zero --entropy-coef)
+    entropy_grad: bool = True
 
 
 class Scores(NamedTuple):
@@ -58,7 +61,7 @@ def scores_from_logits(logits: torch.Tensor, req: ScoreRequest) -> Scores:
 
     z = logits[:, :-1]
     lp, ent = loss_hub.token_log_probs(
-        z, req.input_ids[:, 1:], req.temperature, req.support, req.with_entropy
+        z, req.input_ids[:, 1:], req.temperature, req.support, req.with_entropy, req.entropy_grad
     )
     cand = None
     if req.candidates is not None:

@@ -46,7 +46,9 @@ def step0_checks(cfg: RunConfig, m: dict[str, float], log: Callable[[str], None]
         checks["step0_ref_logprob_abs_diff"] = abs(
             m["train/step0_log_probs"] - m["train/step0_ref_log_probs"]
         )
-    if "train/step0_entropy" in m:
+    if "rollout/entropy" in m:  # Miles' number: the log-prob pass's, a mean of per-sample means
+        checks["step0_entropy"] = m["rollout/entropy"]
+    elif "train/step0_entropy" in m:  # megatron without --use-rollout-entropy: the step's token mean
         checks["step0_entropy"] = m["train/step0_entropy"]
     log(f"[ci-test] rollout 0: {json.dumps(checks)}")
     failures = [] if cfg.ci_disable_kl_checker else _kl_failures(checks, cfg.use_rollout_routing_replay)
@@ -83,7 +85,7 @@ def _logprob_failures(cfg: RunConfig, c: dict[str, float]) -> list[str]:
             (f"trainer vs reference mean log-prob at rollout 0 differ by {ref:.3g} > {tol}", ref > tol),
             (f"trainer-vs-engine log-prob abs diff {diff:.3g} >= {cfg.ci_logprob_abs_diff_threshold}",
              not cfg.use_rollout_logprobs and diff >= cfg.ci_logprob_abs_diff_threshold),
-            (f"the trainer's mean token entropy at rollout 0 = {ent:.3g}, not in (0, {cfg.ci_entropy_max}) "
+            (f"the trainer's entropy at rollout 0 = {ent:.3g}, not in (0, {cfg.ci_entropy_max}) "
              "(--ci-entropy-max)", ent == ent and not 0 < ent < cfg.ci_entropy_max),
         )
         if bad
@@ -92,10 +94,12 @@ def _logprob_failures(cfg: RunConfig, c: dict[str, float]) -> list[str]:
 
 class MetricChecker:
     """Miles' --ci-metric-checker-key / --ci-metric-checker-threshold gate: every eval reports the key;
-    at the end of the run at least one of them must have reached the threshold."""
+    at the end of the run at least one of them must have reached the threshold, or with
+    --ci-metric-checker-expect-num n exactly n evals ran and every one reached it."""
 
     def __init__(self, cfg: RunConfig):
         self.key, self.threshold = cfg.ci_metric_checker_key, cfg.ci_metric_checker_threshold
+        self.expect_num = cfg.ci_metric_checker_expect_num
         self.seen: list[float] = []
 
     @classmethod
@@ -113,6 +117,15 @@ class MetricChecker:
         log(f"[ci-test] metric checker: {self.key} = {value:.4g} (threshold {self.threshold})")
 
     def dispose(self) -> None:
+        if self.expect_num is not None:
+            low = [v for v in self.seen if v < self.threshold]
+            if len(self.seen) != self.expect_num or low:
+                raise CITestFailure(
+                    f"--ci-metric-checker-expect-num {self.expect_num}: {len(self.seen)} evals checked "
+                    f"{self.key}, {len(low)} below --ci-metric-checker-threshold {self.threshold} "
+                    f"(values: {self.seen or 'no eval ran'})"
+                )
+            return
         if not any(v >= self.threshold for v in self.seen):
             raise CITestFailure(
                 f"--ci-metric-checker-key {self.key}: no eval reached --ci-metric-checker-threshold "
@@ -164,3 +177,96 @@ def check_lora_weights_equal(cfg: RunConfig, engines, adapter: dict, version: in
                 f"--check-lora-weight-equal at v{version}: engine {e.url}: {len(bad)} adapter tensors differ "
                 f"from the trainer's (SHA-256), e.g. {bad[:3]}"
             )
+
+
+GRAD_NORM_TOL = 0.03  # Miles' check_grad_norm: rel_tol = abs_tol = 0.03
+
+
+def check_grad_norm(
+    cfg: RunConfig, grad_norm: float, rollout_id: int, step_id: int, role: str = "actor"
+) -> None:
+    """--ci-save-grad-norm / --ci-load-grad-norm (rank 0, every optimizer step, as Miles): the path
+    template's {role}, {rollout_id} and {step_id} filled; saved with torch.save (a float: Miles' file,
+    so either build's recording compares with the other's), loaded with weights_only."""
+    import math
+
+    import torch
+
+    if cfg.ci_save_grad_norm:
+        path = cfg.ci_save_grad_norm.format(role=role, rollout_id=rollout_id, step_id=step_id)
+        torch.save(float(grad_norm), path)
+    elif cfg.ci_load_grad_norm:
+        path = cfg.ci_load_grad_norm.format(role=role, rollout_id=rollout_id, step_id=step_id)
+        try:
+            expected = float(torch.load(path, weights_only=True))
+        except FileNotFoundError:
+            raise CITestFailure(f"--ci-load-grad-norm: {path} not found (the run that --ci-save-grad-norm'd it "
+                                f"did not reach {role} rollout {rollout_id} step {step_id})") from None  # fmt: skip
+        if not math.isclose(grad_norm, expected, rel_tol=GRAD_NORM_TOL, abs_tol=GRAD_NORM_TOL):
+            raise CITestFailure(
+                f"--ci-load-grad-norm: {role} grad norm at rollout {rollout_id} step {step_id} = {grad_norm:.6g}, "
+                f"the recording {path} says {expected:.6g} (tolerance {GRAD_NORM_TOL} relative and absolute)"
+            )
+
+
+_LAYER_PATTERNS = (r"(?:^|\.)encoder\.layers\.(\d+)(?:\.|$)", r"(?:^|\.)decoder\.layers\.(\d+)(?:\.|$)",
+                   r"(?:^|\.)layers\.(\d+)(?:\.|$)", r"(?:^|\.)layer\.(\d+)(?:\.|$)")  # fmt: skip
+
+
+def _layer_key(name: str) -> str:
+    import re
+
+    for pattern in _LAYER_PATTERNS:
+        m = re.search(pattern, name)
+        if m:
+            return f"layer_{int(m.group(1)):04d}"
+    return "non_layer"
+
+
+def model_hashes_by_layer(chunks) -> dict[str, str]:
+    """Miles' compute_model_hashes_by_layer: SHA-256 per layer over each of this rank's parameters'
+    name (`pp<chunk>.<name>`), shape, dtype and bytes, in name order; parameters outside a layer
+    (embeddings, final norm, head) hash as `non_layer`."""
+    import hashlib
+
+    import torch
+
+    hashers: dict[str, hashlib._Hash] = {}
+    for pp, chunk in enumerate(chunks):
+        for name, p in sorted(chunk.named_parameters(), key=lambda x: x[0]):
+            t = p.detach()
+            t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard: this rank's part
+            full = f"pp{pp}.{name}"
+            h = hashers.setdefault(_layer_key(full), hashlib.sha256())
+            h.update(full.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(str(p.dtype).encode())
+            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {k: h.hexdigest() for k, h in sorted(hashers.items())}
+
+
+def model_hash_file(ckpt_dir: str, ranks: tuple[int, int, int]) -> str:
+    """Miles' name: model_hash_tp<t>_pp<p>_dp<d>_cp0.json in the iter dir (context parallel is 1 here)."""
+    import os
+
+    tp, pp, dp = ranks
+    return os.path.join(ckpt_dir, f"model_hash_tp{tp}_pp{pp}_dp{dp}_cp0.json")
+
+
+def check_model_hashes(expected_file: str, actual: dict[str, str]) -> None:
+    """--ci-check-model-hash after a load: the loaded weights hash as the save recorded, layer by layer."""
+    import os
+
+    if not os.path.exists(expected_file):
+        raise CITestFailure(
+            f"--ci-check-model-hash: {expected_file} missing (save it with --ci-save-model-hash)"
+        )
+    with open(expected_file) as f:
+        expected = json.load(f)
+    if actual != expected:
+        missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+        bad = sorted(k for k in expected.keys() & actual.keys() if expected[k] != actual[k])
+        raise CITestFailure(
+            f"--ci-check-model-hash: the loaded model differs from {expected_file}: mismatched layers {bad[:5]}, "
+            f"missing {missing[:5]}, extra {extra[:5]}"
+        )

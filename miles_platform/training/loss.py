@@ -20,6 +20,7 @@ gradient non-finite.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -166,8 +167,10 @@ def token_log_probs(
     temperature: float = 1.0,
     support: torch.Tensor | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of `targets` under the policy that sampled them (Miles' contract).
+    `entropy_grad` False: the entropy is computed outside autograd (no [..., V] tensor kept for it).
 
     logits [..., V], targets [...]: log softmax(z / T)[target]. `support` [..., K] (token ids, -1
     padding; a row of -1 = no recorded support) is sampling-support replay: where a position has a
@@ -179,7 +182,9 @@ def token_log_probs(
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = (lse - (z.softmax(-1) * z).sum(-1)) if with_entropy else None
+    no_grad = contextlib.nullcontext() if entropy_grad else torch.no_grad()
+    with no_grad:
+        ent = (lse - (z.softmax(-1) * z).sum(-1)) if with_entropy else None
     if support is None:
         return picked - lse, ent
     valid = support >= 0
@@ -188,10 +193,11 @@ def token_log_probs(
     lse_s = torch.logsumexp(zs, dim=-1)
     lp = picked - torch.where(has, lse_s, lse)
     if with_entropy:
-        ps = zs.softmax(-1).nan_to_num(0.0)
-        # not where(valid, ps * zs, 0): its unused branch is 0 * -inf, whose backward is NaN
-        ent_s = lse_s - (ps * zs.masked_fill(~valid, 0.0)).sum(-1)
-        ent = torch.where(has, ent_s, ent)
+        with no_grad:
+            ps = zs.softmax(-1).nan_to_num(0.0)
+            # not where(valid, ps * zs, 0): its unused branch is 0 * -inf, whose backward is NaN
+            ent_s = lse_s - (ps * zs.masked_fill(~valid, 0.0)).sum(-1)
+            ent = torch.where(has, ent_s, ent)
     return lp, ent
 
 
@@ -328,6 +334,7 @@ def compute_advantages_and_returns(
     ref_log_probs: Tensors | None,
     values: Tensors | None,
     loss_masks: Tensors,
+    normalize: bool = True,
 ) -> tuple[Tensors, Tensors]:
     """Per-token advantages and returns of `--advantage-estimator`, before OPD and whitening
     (`normalize_advantages` whitens with --normalize-advantages, after the OPD penalty, as Miles).
@@ -337,7 +344,9 @@ def compute_advantages_and_returns(
     `compute_approx_kl(log_probs, ref_log_probs, --kl-loss-type) * --kl-coef`.
     """
     est = args.advantage_estimator
-    rewards = normalized_rewards(args, torch.as_tensor(rewards, dtype=torch.float32))
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    # normalize False: --custom-reward-post-process-path's rewards, taken as they are (Miles')
+    rewards = normalized_rewards(args, rewards) if normalize else rewards
     masks = [m.float() for m in loss_masks]
     if est in ("grpo", "gspo"):
         advantages = [torch.full_like(m, float(s)) for s, m in zip(rewards, masks, strict=True)]

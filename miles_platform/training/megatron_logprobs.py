@@ -21,6 +21,8 @@ Padded vocabulary rows (zeros up to a multiple of lcm(128, TP)) are masked out: 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -87,10 +89,12 @@ def vocab_parallel_scores(logits: torch.Tensor, req: ScoreRequest, shard: VocabS
     lse = (m + s.log()).squeeze(-1)
     picked = shard.pick(z, req.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     ent = None
+    no_grad = contextlib.nullcontext() if req.entropy_grad else torch.no_grad()  # observed only
     if req.with_entropy:
         # H = lse - sum(e z) / s with both sums reduced from this rank's slice alone: a reduced value
         # (s) must not feed another rank-local sum, or backward would miss the other ranks' terms
-        ent = lse - (shard.sum((e * z).sum(-1, keepdim=True)) / s).squeeze(-1)
+        with no_grad:
+            ent = lse - (shard.sum((e * z).sum(-1, keepdim=True)) / s).squeeze(-1)
     lse_used = lse
     if req.support is not None:  # sampling-support replay: the softmax over the recorded ids
         valid = req.support >= 0
@@ -101,8 +105,9 @@ def vocab_parallel_scores(logits: torch.Tensor, req: ScoreRequest, shard: VocabS
         lse_s = torch.logsumexp(torch.where(valid, zs, pad), dim=-1)
         lse_used = torch.where(has, lse_s, lse)
         if req.with_entropy:
-            ps = torch.exp(zs - lse_s.unsqueeze(-1)) * valid
-            ent = torch.where(has, lse_s - (ps * zs).sum(-1), ent)
+            with no_grad:
+                ps = torch.exp(zs - lse_s.unsqueeze(-1)) * valid
+                ent = torch.where(has, lse_s - (ps * zs).sum(-1), ent)
     cand = None
     if req.candidates is not None:
         got = shard.pick(z, req.candidates) - lse_used.unsqueeze(-1)

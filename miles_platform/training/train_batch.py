@@ -29,6 +29,8 @@ class TrainBatch:
     rollout_topk_token_ids: list[list[list[int]] | None] | None = None
     rollout_topk_log_probs: list[list[list[float]] | None] | None = None
     sample_indices: list[int] | None = None  # each Sample's index in its rollout (train_samples rows)
+    # --custom-reward-post-process-path gave `rewards`: the estimator takes them without normalizing
+    rewards_normalized: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -76,7 +78,7 @@ def train_data(cfg, samples) -> TrainBatch:
 
     fn = load_hook(cfg, "custom_convert_samples_to_train_data_path")
     if fn is None:
-        return TrainBatch.from_samples(samples)
+        return post_process_rewards(cfg, samples, TrainBatch.from_samples(samples))
     out = fn(cfg, samples)
     path = cfg.custom_convert_samples_to_train_data_path
     if not isinstance(out, dict):
@@ -105,4 +107,35 @@ def train_data(cfg, samples) -> TrainBatch:
                 f"{len(batch.loss_masks[i])} loss-mask and {len(lp)} log-prob entries (want 0 < response < "
                 "tokens, one mask entry per response token)"
             )
+    return batch
+
+
+POST_PROCESS_FLAG = "--custom-reward-post-process-path"
+
+
+def post_process_rewards(cfg, samples, batch: TrainBatch) -> TrainBatch:
+    """--custom-reward-post-process-path: Miles' `post_process_rewards(args, samples) -> (raw_rewards,
+    rewards)` in place of the reward normalization; `rewards` (one finite number per sample) are what the
+    advantage estimator takes. `raw_rewards` is what Miles logs: here each sample's raw_reward is logged
+    as scored, so it is checked for length only."""
+    import math
+
+    from miles_platform.errors import ConfigError
+    from miles_platform.plugins import load_hook
+
+    fn = load_hook(cfg, "custom_reward_post_process_path")
+    if fn is None:
+        return batch
+    out, path = fn(cfg, samples), cfg.custom_reward_post_process_path
+    ok = isinstance(out, tuple | list) and len(out) == 2 and all(len(x) == len(samples) for x in out)
+    if not ok:
+        raise ConfigError(
+            f"{POST_PROCESS_FLAG} {path!r}: returned {type(out).__name__}; want (raw_rewards, rewards), each one "
+            f"number per sample ({len(samples)})"
+        )
+    rewards = [float(r) for r in out[1]]
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        raise ConfigError(f"{POST_PROCESS_FLAG} {path!r}: non-finite rewards for samples {bad[:5]}")
+    batch.rewards, batch.rewards_normalized = rewards, True
     return batch

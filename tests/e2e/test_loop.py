@@ -134,10 +134,13 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
     if backend == "fsdp":  # Miles' DataSource contract over the same prompts (its save / load logged)
         sampling["data_source_path"] = "hook_fns.JsonlDataSource"
     gate = dict(
-        ci_metric_checker_key="eval/heldout/pass@1", ci_metric_checker_threshold=0.0
+        ci_metric_checker_key="eval/heldout/pass@1",
+        ci_metric_checker_threshold=0.0,
+        ci_metric_checker_expect_num=2,
     )  # v0 and v2 report it
     cfg = _cfg(tiny_hf_checkpoint, tmp_path, train_backend=backend, eval_interval=2, **sampling, **gate,
-               eval_prompt_data=["heldout", _data(tmp_path)], save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"))  # fmt: skip
+               eval_prompt_data=["heldout", _data(tmp_path)], save_hf=str(tmp_path / "hf" / "iter_{rollout_id}"),
+               log_passrate=True, use_rollout_entropy=backend == "megatron")  # fmt: skip
     rep = _HijackProbe()
     res = train(cfg, rep)
     # a default run (no --api-key) is closed to other local processes: the weight-swap hijack of
@@ -164,6 +167,7 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
     _, pv = Catalog(paths).query("select version, parent_version from policy_versions order by 1")
     assert pv == [(1, 0), (2, 1)]
     _check_train_samples(Catalog(paths))
+    _check_miles_metrics(Catalog(paths), res.metrics)
     # eval before train (Miles: unless --skip-eval-before-train): the initial policy is version 0
     evals = "select version, partition_key, dataset from evals where metric = 'pass@1' order by version"
     _, ev = Catalog(paths).query(evals)
@@ -200,6 +204,22 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
         "select rollout_id, version, status, count(*) from train_samples group by all order by 1"
     )
     assert ts == [(0, 1, "committed", 4), (1, 2, "committed", 4), (2, 3, "committed", 4)]
+
+
+def _check_miles_metrics(cat: Catalog, metrics: list[dict]) -> None:
+    """--log-passrate's passrate/pass@1 and pass@2 of each rollout's groups of 2 (from the rollouts
+    table), the trainer's rollout/* (its log-probs before the step agree with the engine's: the same
+    weights) and perf/train_wait_time."""
+    _, rows = cat.query(
+        "select rollout_id, group_index, sum((raw_reward = 1)::int) from rollouts group by 1, 2 order by 1, 2"
+    )
+    for rid in (0, 1):
+        correct = [c for r, _, c in rows if r == rid]
+        m = metrics[rid]
+        assert m["passrate/pass@1"] == pytest.approx(sum(correct) / (2 * len(correct)))
+        assert m["passrate/pass@2"] == pytest.approx(sum(c > 0 for c in correct) / len(correct))
+        assert abs(m["rollout/log_probs"] - m["rollout/rollout_log_probs"]) < 1e-3
+        assert m["rollout/entropy"] > 0 and m["perf/train_wait_time"] > 0
 
 
 def _check_train_samples(cat: Catalog) -> None:

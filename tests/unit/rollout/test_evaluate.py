@@ -270,6 +270,47 @@ def test_sampled_metrics_are_named_with_their_temperature_and_k(tiny_eval_data):
     assert (rows["pass@1"]["n_samples"], rows["pass@1"]["temperature"]) == (1, 0.0)
 
 
+def test_log_passrate_adds_miles_pass_at_k_of_the_samples(tiny_eval_data):
+    """--log-passrate: Miles' pass@1, 2, 4 of the k = 4 sampled answers (1 and 2 right), unbiased; not
+    an `evals` row (the sampled pass@4(T=..) is)."""
+    from miles_platform.rollout.evaluate import evals_table_rows
+
+    samples = {"12+34=": ["46", "0", "0", "0"], "18+25=": ["43", "43", "0", "0"]}
+
+    def fake_generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        return [samples[p][:n] for p in prompts]
+
+    res = evaluate(None, [("add", tiny_eval_data)], n_samples_per_eval_prompt=4, generate_fn=fake_generate,
+                   log_passrate=True)["add"]  # fmt: skip
+    assert res["passrate"] == pytest.approx({"pass@1": 0.375, "pass@2": (0.5 + 5 / 6) / 2, "pass@4": 1.0})
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8}
+    assert "passrate" not in {
+        r["metric"] for r in evals_table_rows("t.v000001", {"add": res}, "loop", sampling)
+    }
+    assert "passrate" not in evaluate(None, [("add", tiny_eval_data)], n_samples_per_eval_prompt=4,
+                                      generate_fn=fake_generate)["add"]  # fmt: skip
+
+
+def test_the_loop_eval_logs_miles_passrate_names(tiny_eval_data, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from miles_platform.config import RunConfig
+    from miles_platform.rollout import manager as manager_module
+    from miles_platform.rollout.loop_eval import evaluate_policy
+    from miles_platform.store.paths import StoragePaths
+
+    samples = {"12+34=": ["46", "0", "0", "0"], "18+25=": ["43", "43", "0", "0"]}
+
+    def fake(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+        return [samples[p][:n] for p in prompts]
+
+    monkeypatch.setattr(manager_module, "router_generate_fn", lambda manager: fake)
+    cfg = RunConfig(rollout_batch_size=1, rm_type="math", eval_prompt_data=["add", tiny_eval_data], eval_interval=1, input_key="prompt",
+                    n_samples_per_eval_prompt=4, log_passrate=True, run_name="r", storage_root=str(tmp_path)).validate()  # fmt: skip
+    m, _ = evaluate_policy(cfg, StoragePaths(str(tmp_path)), SimpleNamespace(tok=None), version=1)
+    assert m["eval/add-pass@1"] == 0.375 and m["eval/add-pass@4"] == 1.0 and "eval/add/pass@4(T=1)" in m
+
+
 def test_rows_written_before_the_names_read_with_them():
     """Tables are append-only: a row named `pass@k` / `mean_reward` with its sampling columns reads
     as the name it would get now; greedy and diffusion rows keep theirs."""
@@ -309,6 +350,10 @@ def test_eval_function_path_replaces_the_eval_and_logs_as_miles(tmp_path):
     assert [(r["version"], r["dataset"], r["metric"], r["value"]) for r in rows] == [
         (3, "d", "mean_reward", 0.5)
     ]
+    # --log-passrate: Miles' eval/<dataset>-pass@<k> over groups of --n-samples-per-eval-prompt ([1, 0], [0, 1])
+    cfg.log_passrate, cfg.n_samples_per_eval_prompt = True, 2
+    m, _ = evaluate_policy(cfg, StoragePaths(str(tmp_path)), manager, version=4, rollout_id=6)
+    assert m["eval/d-pass@1"] == 0.5 and m["eval/d-pass@2"] == 1.0
     with pytest.raises(ConfigError, match="--eval-function-path: runs at this run's evals"):
         parse_run_config(["--rollout-batch-size", "1", "--eval-function-path", "hook_fns.eval_rollout"])
     cfg.eval_function_path = "hook_fns.rollout_without_evaluation"

@@ -4,6 +4,8 @@ off; the --ci-metric-checker-* gate fails a run whose evals never reach the thre
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 
 import pytest
@@ -73,7 +75,7 @@ def test_kl_and_reference_checkers_fail_when_the_reference_is_not_the_actor(
 def test_entropy_and_engine_logprob_checkers(tiny_hf_checkpoint):
     m = _step0(_cfg(tiny_hf_checkpoint))
     # the untrained tiny model is near-uniform: Miles' bound (0, 0.7) fails it
-    with pytest.raises(CITestFailure, match=r"mean token entropy at rollout 0 = \d\.\d+, not in \(0, 0\.7\)"):
+    with pytest.raises(CITestFailure, match=r"entropy at rollout 0 = \d\.\d+, not in \(0, 0\.7\)"):
         step0_checks(_cfg(tiny_hf_checkpoint, ci_entropy_max=0.7), m, print)
     assert step0_checks(
         _cfg(tiny_hf_checkpoint, ci_entropy_max=0.7, ci_disable_logprobs_checker=True), m, print
@@ -184,3 +186,83 @@ def test_ci_inject_rollout_data_trains_the_recording_when_generation_matches_it(
         inject_rollout(cfg, 1, fresh)
     with pytest.raises(ConfigError, match="give both"):
         parse_run_config(["--rollout-batch-size", "2", "--ci-inject-rollout-data-path", template])
+
+
+def test_metric_checker_expect_num_needs_that_many_evals_all_passing():
+    cfg = RunConfig(rollout_batch_size=2, ci_test=True, ci_metric_checker_key="eval/d/pass@1", ci_metric_checker_threshold=0.5,
+                    ci_metric_checker_expect_num=2, eval_prompt_data=["d", "x.jsonl"], eval_interval=1)  # fmt: skip
+    for values, ok in (([0.5, 0.75], True), ([0.25, 0.75], False), ([0.75], False), ([0.5, 0.5, 0.5], False)):
+        checker = MetricChecker.maybe_create(cfg)
+        for v in values:
+            checker.on_eval({"eval/d/pass@1": v}, print)
+        if ok:
+            checker.dispose()
+        else:
+            with pytest.raises(CITestFailure, match="--ci-metric-checker-expect-num 2"):
+                checker.dispose()
+
+
+def test_grad_norm_recorded_by_one_run_is_checked_by_the_next(tiny_hf_checkpoint, tmp_path):
+    template = str(tmp_path / "gn_{role}_{rollout_id}_{step_id}.pt")
+    two_steps = dict(global_batch_size=2, ci_entropy_max=UNTRAINED_ENTROPY_MAX)
+    rec = TrainerActor(_cfg(tiny_hf_checkpoint, ci_save_grad_norm=template, **two_steps))
+    rec.train(3, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]))
+    assert sorted(p.name for p in tmp_path.glob("gn_*")) == ["gn_actor_3_0.pt", "gn_actor_3_1.pt"]
+    assert torch.load(tmp_path / "gn_actor_3_0.pt", weights_only=True) > 0
+    same = TrainerActor(_cfg(tiny_hf_checkpoint, ci_load_grad_norm=template, **two_steps))
+    same.train(3, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]))
+    other = TrainerActor(_cfg(tiny_hf_checkpoint, ci_load_grad_norm=template, **two_steps))
+    with pytest.raises(CITestFailure, match=r"actor grad norm at rollout 3 step 0 = 0, the recording .*says"):
+        other.train(3, random_train_batch(0, rewards=[1.0, 1.0, 0.0, 1.0]))  # group 0 all right: no gradient
+    with pytest.raises(CITestFailure, match="gn_actor_4_0.pt not found"):
+        TrainerActor(_cfg(tiny_hf_checkpoint, ci_load_grad_norm=template, **two_steps)).train(
+            4, random_train_batch(0)
+        )
+
+
+def test_model_hashes_saved_with_a_checkpoint_catch_a_changed_layer_on_load(tiny_hf_checkpoint, tmp_path):
+    save = str(tmp_path / "ckpt")
+    kw = dict(save=save, ci_entropy_max=UNTRAINED_ENTROPY_MAX)
+    a = TrainerActor(_cfg(tiny_hf_checkpoint, ci_save_model_hash=True, **kw))
+    a.train(0, _engine_batch(a))
+    d = a.save(0)
+    (hashes,) = [p for p in os.listdir(d) if p.startswith("model_hash")]
+    assert hashes == "model_hash_tp0_pp0_dp0_cp0.json"
+    layers = json.loads(open(os.path.join(d, hashes)).read())
+    assert {"layer_0000", "layer_0001", "non_layer"} <= set(layers)
+    TrainerActor(_cfg(tiny_hf_checkpoint, ci_check_model_hash=True, **kw)).load()  # the same weights
+    (model,) = [p for p in os.listdir(d) if p.startswith("model") and p.endswith(".safetensors")]
+    w = load_file(os.path.join(d, model))
+    name = next(k for k in w if ".layers.1." in k)
+    w[name] = w[name] + 1e-3
+    save_file(w, os.path.join(d, model))
+    with pytest.raises(CITestFailure, match=r"mismatched layers \['layer_0001'\], missing \[\], extra \[\]"):
+        TrainerActor(_cfg(tiny_hf_checkpoint, ci_check_model_hash=True, **kw)).load()
+    with pytest.raises(CITestFailure, match="no checkpoint in"):
+        TrainerActor(_cfg(tiny_hf_checkpoint, ci_check_model_hash=True, save=str(tmp_path / "empty"))).load()
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--ci-save-model-hash"], "add --ci-test"),
+        (["--ci-test", "--ci-save-model-hash"], "add --save"),
+        (["--ci-test", "--ci-check-model-hash"], "add --load"),
+        (["--ci-test", "--ci-save-grad-norm", "/t/{x}"], r"unknown fields \['x'\]"),
+        (["--ci-test", "--ci-save-grad-norm", "/t/a", "--ci-load-grad-norm", "/t/a"], "give one"),
+        (["--ci-test", "--ci-metric-checker-expect-num", "2"], "add it"),
+        (["--ci-ft-test-actions", "[]"], "trainer cells are not built"),
+    ],
+)
+def test_new_ci_flags_are_refused_where_they_do_nothing(argv, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_run_config(["--rollout-batch-size", "2", *argv])
+
+
+def test_entropy_checker_reads_miles_rollout_entropy_first():
+    cfg = RunConfig(rollout_batch_size=2, ci_test=True)
+    with pytest.raises(CITestFailure, match=r"entropy at rollout 0 = 5, not in \(0, 0\.7\)"):
+        step0_checks(cfg, {"rollout/entropy": 5.0, "train/step0_entropy": 0.5}, print)
+    assert (
+        step0_checks(cfg, {"train/step0_entropy": 0.5}, print)["step0_entropy"] == 0.5
+    )  # megatron's fallback

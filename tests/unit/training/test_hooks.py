@@ -142,3 +142,43 @@ def test_convert_samples_to_train_data_replaces_the_conversion():
     cfg.custom_convert_samples_to_train_data_path = "hook_fns.two_args"  # returns None
     with pytest.raises(ConfigError, match="returned a NoneType, not a dict"):
         train_data(cfg, samples)
+
+
+def test_reward_post_process_replaces_the_group_normalization(tiny_hf_checkpoint):
+    """--custom-reward-post-process-path: called with (args, samples); its rewards become GRPO's advantages
+    as they are (Miles: the hook replaces the normalization), where the default normalizes per group."""
+    from miles_platform.data.sample import Sample
+    from miles_platform.preflight import check_hooks
+    from miles_platform.training.actor import TrainerActor
+    from miles_platform.training.train_batch import train_data
+
+    kw = dict(
+        hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=4
+    )
+    samples = [Sample(prompt_tokens=[5, 6, 7], response_tokens=[8, 9], loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0],
+                      raw_reward=r, reward=r, group_index=i // 2, index=i) for i, r in enumerate([1.0, 0.0, 1.0, 1.0])]  # fmt: skip
+    hook_fns.CALLS.clear()
+    cfg = RunConfig(**kw, custom_reward_post_process_path="hook_fns.reward_post_process").validate()
+    check_hooks(cfg)
+    actor = TrainerActor(cfg)
+    hooked = train_data(cfg, samples)
+    assert hook_fns.CALLS["reward_post_process"] == [(4,)] and hooked.rewards_normalized
+    adv, _ = actor._advantages(hooked, [0, 1, 2, 3], {}, None)
+    assert [float(adv[i][0]) for i in range(4)] == [0.5, -0.5, 0.5, 0.5]
+    plain = train_data(RunConfig(**kw).validate(), samples)
+    adv, _ = actor._advantages(plain, [0, 1, 2, 3], {}, None)
+    assert [round(float(adv[i][0]), 3) for i in range(4)] == [0.707, -0.707, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--custom-reward-post-process-path", "miles.rollout.on_policy_distillation.post_process_rewards"], "add --use-opd"),
+        (["--custom-reward-post-process-path", "hook_fns.reward_post_process", "--loss-type", "sft_loss"], "trains on no reward"),
+        (["--custom-reward-post-process-path", "hook_fns.reward_post_process",
+          "--custom-convert-samples-to-train-data-path", "hook_fns.convert_samples_to_train_data"], "post-process the rewards there"),
+    ],
+)  # fmt: skip
+def test_reward_post_process_is_refused_where_it_would_not_run(argv, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_run_config(["--rollout-batch-size", "2", *argv])

@@ -50,7 +50,7 @@ def test_the_rollout_removes_a_sample_with_a_nonfinite_reward_or_log_prob(tiny_h
     assert samples[0].loss_mask == [0, 0] and samples[1].loss_mask == [0, 0]
     assert metrics["rollout/nonfinite_samples"] == 2.0
     assert metrics["rollout/raw_reward"] == pytest.approx(2 / 3)  # the finite rewards' mean
-    assert math.isfinite(metrics["rollout/log_probs"])
+    assert math.isfinite(metrics["rollout/rollout_log_probs"])
 
 
 @pytest.fixture
