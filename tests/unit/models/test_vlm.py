@@ -67,3 +67,56 @@ def test_megatron_refuses_vlm_by_name(tiny_vlm):
     cfg = json.loads((__import__("pathlib").Path(tiny_vlm) / "config.json").read_text())
     with pytest.raises(CheckpointError, match="Qwen3VLForConditionalGeneration.*vision-language"):
         get_bridge(cfg)
+
+
+def test_qwen2_5_vl_takes_the_same_path():
+    """A Qwen2.5-VL (14-pixel patches, windowed ViT) runs through the same input path and forward."""
+    import torch
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from miles_platform.models import vlm
+    from miles_platform.models.families import build_model
+
+    tok = vlm.build_vlm_tokenizer(["a b c <image> 1 2"])
+    ids = {t: tok.convert_tokens_to_ids(t) for t in vlm.VISION_TOKENS}
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=32,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    )
+    cfg = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids[vlm.IMAGE_PAD], video_token_id=ids[vlm.VIDEO_PAD],
+        vision_start_token_id=ids[vlm.VISION_START], vision_end_token_id=ids[vlm.VISION_END],
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+    )  # fmt: skip
+    model = build_model(cfg)
+    assert vlm.is_vlm_config(model.config)
+    proc = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=28 * 28,
+                                    max_pixels=56 * 56)  # fmt: skip
+    prompt = tok(f"{vlm.VISION_START}{vlm.IMAGE_PAD}{vlm.VISION_END}hi")["input_ids"]
+    outs = []
+    for seed in (0, 1):
+        vi = vlm.vision_inputs(prompt, [_png(seed)], proc, model.config)
+        with torch.no_grad():
+            outs.append(
+                vlm.vlm_logits(model, torch.tensor([vi.input_ids]), vi.pixel_values, vi.image_grid_thw)
+            )
+    assert outs[0].shape == (1, len(vi.input_ids), len(tok))
+    assert (outs[0][0, -1] - outs[1][0, -1]).abs().max() > 1e-4
