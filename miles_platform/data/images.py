@@ -16,6 +16,7 @@ normalized Parquet's `images` column).
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 from pathlib import PurePosixPath
 from typing import Any
@@ -42,9 +43,9 @@ def from_data_uri(uri: str) -> bytes:
 
 
 def image_hash(data_or_uri: bytes | str) -> str:
-    from miles_platform.models.vlm import image_hash as _hash
-
-    return _hash(from_data_uri(data_or_uri) if isinstance(data_or_uri, str) else data_or_uri)
+    """The content address of an image: sha256 of its encoded bytes (32 hex chars)."""
+    data = from_data_uri(data_or_uri) if isinstance(data_or_uri, str) else data_or_uri
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _resolve(path: str, dataset_uri: str) -> str:

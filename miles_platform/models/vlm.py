@@ -14,7 +14,6 @@ on the same ids and pixels, which is what keeps their log-probs equal.
 
 from __future__ import annotations
 
-import hashlib
 import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,11 +38,6 @@ def is_vlm_config(hf_config: Any) -> bool:
 
     fam = family_of(hf_config)
     return fam is not None and fam.name in VLM_FAMILIES
-
-
-def image_hash(data: bytes) -> str:
-    """The content address of an image: sha256 of its encoded bytes (32 hex chars)."""
-    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def decode_image(data: bytes):
@@ -188,3 +182,40 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch
 
     lp = torch.log_softmax(logits[0, start - 1 : -1].float(), dim=-1)
     return lp.gather(-1, ids[0, start:, None]).squeeze(-1)
+
+
+class PromptVision:
+    """A checkpoint's image processor and config, for the rollout side: a prompt's ids with each
+    image's pad expanded (the ids the engine generates from and the trainer scores)."""
+
+    def __init__(self, hf_checkpoint: str):
+        from transformers import AutoConfig
+
+        self.processor = load_image_processor(hf_checkpoint)
+        self.config = AutoConfig.from_pretrained(str(hf_checkpoint))
+
+    def expand(self, prompt_ids: list[int], image_uris: list[str]) -> list[int]:
+        from miles_platform.data.images import from_data_uri
+
+        px = process_images(self.processor, [from_data_uri(u) for u in image_uris])
+        return expand_image_tokens(prompt_ids, self.config, px["image_grid_thw"])
+
+    def pixels(self, image_uris: list[str]) -> dict:
+        """pixel_values and image_grid_thw of a sample's images (the trainer's batch)."""
+        from miles_platform.data.images import from_data_uri
+
+        return process_images(self.processor, [from_data_uri(u) for u in image_uris])
+
+
+def vision_tower(model):
+    """The vision tower (ViT + merger) of a Qwen-VL model: `model.model.visual`."""
+    inner = getattr(model, "model", model)
+    return inner.visual
+
+
+def set_vision_trainable(model, trainable: bool) -> int:
+    """Freeze (or unfreeze) the vision tower; returns how many parameters it has."""
+    params = list(vision_tower(model).parameters())
+    for p in params:
+        p.requires_grad_(trainable)
+    return sum(p.numel() for p in params)

@@ -42,6 +42,9 @@ class ScoreRequest:
     with_entropy: bool = False
     candidates: torch.Tensor | None = None
     context: Callable[[], Any] = field(default=contextlib.nullcontext)
+    # vision-language samples: per row its images as data URIs (None: text) and its unpadded length
+    images: list[list[str] | None] | None = None
+    lengths: list[int] | None = None
 
 
 class Scores(NamedTuple):

@@ -29,6 +29,9 @@ class TrainBatch:
     rollout_topk_token_ids: list[list[list[int]] | None] | None = None
     rollout_topk_log_probs: list[list[list[float]] | None] | None = None
     sample_indices: list[int] | None = None  # each Sample's index in its rollout (train_samples rows)
+    # vision-language prompts: per sample its images as data URIs (None: a text sample; the whole
+    # field None: no sample has images); tokens carry the expanded image pads
+    images: list[list[str] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -41,6 +44,7 @@ class TrainBatch:
         routes = [s.rollout_routed_experts for s in samples]
         cand_ids = [s.rollout_topk_token_ids for s in samples]
         cand_lps = [s.rollout_topk_log_probs for s in samples]
+        images = [s.image_data or None for s in samples]
         return cls(
             tokens=[s.tokens for s in samples],
             response_lengths=[s.response_length for s in samples],
@@ -54,6 +58,7 @@ class TrainBatch:
             rollout_topk_token_ids=cand_ids if any(x is not None for x in cand_ids) else None,
             rollout_topk_log_probs=cand_lps if any(x is not None for x in cand_lps) else None,
             sample_indices=[s.index for s in samples],
+            images=images if any(images) else None,
         )
 
 
