@@ -90,3 +90,19 @@ def test_multimodal_keys_flag_parsing():
         parse_multimodal_keys('{"video": "clips"}')
     with pytest.raises(ConfigError, match="--multimodal-keys: not JSON"):
         parse_multimodal_keys("images")
+
+
+def test_a_persisted_buffer_group_keeps_its_images():
+    """The fully async buffer saves groups as shard rows (image hashes only); restored, each sample
+    gets its prompt's images back."""
+    from miles_platform.data.dataset import PromptRecord
+    from miles_platform.data.images import to_data_uri
+    from miles_platform.data.sample import Sample
+    from miles_platform.rollout.data_buffer import DataBufferInput, entry_from_json, entry_to_json
+
+    uri = to_data_uri(_png(7))
+    rec = PromptRecord(id="p", prompt="x", images=[uri])
+    entry = DataBufferInput(prompt=rec, group=[Sample(prompt="x", image_data=[uri])], uid=3)
+    saved = json.loads(json.dumps(entry_to_json(entry)))
+    assert saved["samples"][0]["image_hashes"] == [image_hash(uri)] and "image_data" not in saved["samples"][0]
+    assert entry_from_json(saved).group[0].image_data == [uri]
