@@ -104,5 +104,7 @@ def test_a_persisted_buffer_group_keeps_its_images():
     rec = PromptRecord(id="p", prompt="x", images=[uri])
     entry = DataBufferInput(prompt=rec, group=[Sample(prompt="x", image_data=[uri])], uid=3)
     saved = json.loads(json.dumps(entry_to_json(entry)))
-    assert saved["samples"][0]["image_hashes"] == [image_hash(uri)] and "image_data" not in saved["samples"][0]
+    assert (
+        saved["samples"][0]["image_hashes"] == [image_hash(uri)] and "image_data" not in saved["samples"][0]
+    )
     assert entry_from_json(saved).group[0].image_data == [uri]
