@@ -25,6 +25,7 @@ import fsspec
 
 from miles_platform.errors import DataError
 
+IMAGE_PLACEHOLDER = "<image>"  # Miles' MultimodalTypes image placeholder in prompt text
 MULTIMODAL_TYPES = ("image",)  # Miles' MultimodalTypes that are built here (video and audio are not)
 
 

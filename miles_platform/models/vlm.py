@@ -18,10 +18,10 @@ import io
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from miles_platform.data.images import IMAGE_PLACEHOLDER
+
 if TYPE_CHECKING:
     import torch
-
-IMAGE_PLACEHOLDER = "<image>"  # Miles' MultimodalTypes image placeholder in prompt text
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>",
     "<|vision_end|>",
