@@ -167,6 +167,7 @@ def vision_inputs(prompt_ids: list[int], images: list[bytes], image_processor, h
 def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> torch.Tensor:
     """Logits of one unpadded sequence (1, L) with its images: no cache, positions from the ids."""
     cfg = model.config
+    input_ids = _extra_pads_masked(input_ids, cfg, image_grid_thw)
     mm = (input_ids == cfg.image_token_id).to(input_ids.dtype)
     kw: dict[str, Any] = {"mm_token_type_ids": mm}
     if pixel_values is not None:
@@ -174,6 +175,21 @@ def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> 
     model.model.rope_deltas = None  # stateless: positions are recomputed from these ids
     out = model(input_ids=input_ids, use_cache=False, **kw)
     return out.logits
+
+
+def _extra_pads_masked(input_ids: torch.Tensor, cfg, image_grid_thw) -> torch.Tensor:
+    """`<|image_pad|>` tokens beyond the images' (a response that sampled one) enter the forward as
+    `<|vision_end|>`: HF's model would otherwise refuse the sequence (pads without features). Engine
+    and trainer both score through here, so they see the same input."""
+    import torch
+
+    merge = cfg.vision_config.spatial_merge_size
+    want = 0 if image_grid_thw is None else int(image_grid_thw.prod(-1).sum()) // (merge * merge)
+    is_pad = input_ids == cfg.image_token_id
+    if int(is_pad.sum()) <= want:
+        return input_ids
+    extra = is_pad & (is_pad.cumsum(-1) > want)
+    return torch.where(extra, torch.full_like(input_ids, cfg.vision_end_token_id), input_ids)
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -120,3 +120,23 @@ def test_qwen2_5_vl_takes_the_same_path():
             )
     assert outs[0].shape == (1, len(vi.input_ids), len(tok))
     assert (outs[0][0, -1] - outs[1][0, -1]).abs().max() > 1e-4
+
+
+def test_a_sampled_image_pad_in_the_response_scores(tiny_vlm):
+    """A response that sampled `<|image_pad|>` (more pads than images) still scores, as the same
+    input for engine and trainer; the positions before it are unchanged (causal)."""
+    import torch
+
+    from miles_platform.models import vlm
+    from miles_platform.models.checkpoint import load_hf_checkpoint
+
+    model, tok = load_hf_checkpoint(tiny_vlm)
+    proc = vlm.load_image_processor(tiny_vlm)
+    vi = vlm.vision_inputs(tok(f"{vlm.VISION_START}{vlm.IMAGE_PAD}{vlm.VISION_END}?")["input_ids"], [_png(0)], proc,
+                           model.config)  # fmt: skip
+    ids = torch.tensor([vi.input_ids + [model.config.image_token_id, 5]])
+    with torch.no_grad():
+        full = vlm.vlm_logits(model, ids, vi.pixel_values, vi.image_grid_thw)
+        head = vlm.vlm_logits(model, ids[:, :-2], vi.pixel_values, vi.image_grid_thw)
+        text = vlm.vlm_logits(model, torch.tensor([[5, model.config.image_token_id, 6]]), None, None)
+    assert torch.allclose(full[0, :-2], head[0], atol=1e-5) and text.shape == (1, 3, len(tok))
