@@ -26,6 +26,9 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     check_model_args(cfg.model_args_given(), hf, os.path.join(cfg.hf_checkpoint, "config.json"))
     _check_moe(cfg, hf)
+    from miles_platform.config.vision import check_vision_checkpoint
+
+    check_vision_checkpoint(cfg, hf)
     if cfg.megatron_layout_flags() and not cfg.debug_rollout_only:
         from miles_platform.training.megatron_parallel import Layout, check_model_fits
 

@@ -168,7 +168,6 @@ COMPAT: dict[str, MilesFlag] = {
     "fsdp_cpu_offload": _refused("bool", "FSDP CPU offload of parameters and optimizer is not built: the fsdp backend keeps them on the rank's device; drop it"),
     "use_dynamic_global_batch_size": _refused("bool", "a global batch that varies with dynamic sampling is not built: each step trains --global-batch-size samples"),
     "finetune": _refused("bool", "megatron's --finetune (load weights, reset iteration and optimizer) is not built: start a new run from the weights as --hf-checkpoint"),
-    "multimodal_keys": _refused("str", "vision-language models are not built here (text only)"),
     "lora_base_cpu_backup": _refused("bool", "an SGLang-side CPU copy of the base weights for LoRA + colocate: LoRA here syncs adapters only and the base never changes; drop it"),
     "experts_shared_outer_loras": _refused("bool", "LoRA on MoE experts is not built (MoE + LoRA is refused)"),
     "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),

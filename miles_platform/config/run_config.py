@@ -50,6 +50,7 @@ from miles_platform.config.reward import RewardFlags
 from miles_platform.config.rollout import AsyncFlags, RolloutFlags, SamplingFlags, derive_batch_knobs
 from miles_platform.config.score_centering import ScoreCenteringFlags
 from miles_platform.config.training import OptimizerFlags, PerfFlags, PrecisionFlags
+from miles_platform.config.vision import VisionFlags
 from miles_platform.config.weights import ALIASES, WeightUpdateFlags
 from miles_platform.errors import ConfigError
 
@@ -81,7 +82,7 @@ CAPABILITIES = (
     ClusterFlags, CheckpointFlags, ModelArgsFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
     AlgorithmFlags, MoeFlags, CorrectionFlags, ScoreCenteringFlags, OpdFlags, OptimizerFlags, PerfFlags,
     MegatronFlags, PrecisionFlags, WeightUpdateFlags, LoraFlags, AsyncFlags, StorageFlags, LoggingFlags, DebugFlags,
-    HookFlags,
+    HookFlags, VisionFlags,
 )  # fmt: skip
 
 # flag -> (low, high, low excluded, what the error says), checked by validate(); None values are skipped
@@ -155,6 +156,7 @@ class RunConfig(*reversed(CAPABILITIES)):
         self._check_algorithm_flags()
         self._check_logging_flags()
         self._check_hook_flags()
+        self._check_vision_flags()
         check_compat_flags(self)
         return self
 

@@ -5,8 +5,12 @@ Miles keys: `--input-key` (Sample.prompt, default "input"), `--label-key` (Sampl
 prompt as one user message, or take a messages list as is, and render it with the
 tokenizer's chat template, add_generation_prompt=True).
 
-Normalized Parquet has columns (id, prompt, label, metadata JSON). Its content hash is over
-canonical JSON rows, not Parquet bytes, so it only changes when the data does.
+`--multimodal-keys '{"image": KEY}'` (data/images.py): the row's images, read and checked here;
+each `<image>` placeholder of the prompt becomes the Qwen-VL vision tokens (models/vlm.py).
+
+Normalized Parquet has columns (id, prompt, label, metadata JSON), and `images` (a list of encoded
+image bytes per row) when the dataset has images. Its content hash is over canonical JSON rows (and
+the images' content hashes), not Parquet bytes, so it only changes when the data does.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from miles_platform.data.images import from_data_uri, image_hash, load_row_images, to_data_uri
 from miles_platform.errors import DataError
 
 NORMALIZED_SCHEMA = pa.schema(
@@ -36,6 +41,7 @@ class PromptRecord:
     prompt: str
     label: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)  # data URIs (SGLang's image_data), data/images.py
 
 
 @dataclass(frozen=True)
@@ -148,12 +154,16 @@ def load_prompt_dataset(
     tokenizer: Any | None = None,
     keep_messages: bool = False,
     chat_template_kwargs: dict | None = None,
+    multimodal_keys: dict[str, str] | None = None,
 ) -> list[PromptRecord]:
     """Read a JSONL or Parquet prompt dataset (local path or fsspec URI) into records.
 
     `chat_template_kwargs`: extra arguments of apply_chat_template (--apply-chat-template-kwargs).
     `keep_messages`: a messages-list prompt stays messages, as its JSON text (the agentic wrapper
     hands it to the agent; the session server renders the template).
+
+    `multimodal_keys`: {"image": KEY} (--multimodal-keys): the row's images (data/images.py), one
+    per `<image>` placeholder of the prompt, which becomes the Qwen-VL vision tokens.
 
     Ids: the row's `id` if it has one (must be unique), else a hash of the row content
     (duplicates of the same row get `-1`, `-2`, ... suffixes so ids stay unique).
@@ -190,17 +200,21 @@ def load_prompt_dataset(
         )
         label = _label(row[label_key]) if label_key else None
         metadata = _metadata(row.get(metadata_key), where, metadata_key)
+        images = _images(row, where, prompt, uri, multimodal_keys) if multimodal_keys else []
+        if images:
+            prompt = _vision_prompt(prompt)
         if row.get("id") is not None:
             rid = str(row["id"])
             if rid in given_ids:
                 raise DataError(f"{where}: duplicate id {rid!r} (first at {given_ids[rid]})")
             given_ids[rid] = where
         else:
-            base = hashlib.sha256(_canonical(prompt, label, metadata).encode()).hexdigest()[:16]
+            canon = _canonical(prompt, label, metadata) + "".join(map(image_hash, images))
+            base = hashlib.sha256(canon.encode()).hexdigest()[:16]
             n = derived.get(base, 0)
             derived[base] = n + 1
             rid = base if n == 0 else f"{base}-{n}"
-        records.append(PromptRecord(id=rid, prompt=prompt, label=label, metadata=metadata))
+        records.append(PromptRecord(id=rid, prompt=prompt, label=label, metadata=metadata, images=images))
     if not records:
         raise DataError(f"{uri}: dataset is empty (no records)")
     if given_ids and derived:
@@ -208,6 +222,26 @@ def load_prompt_dataset(
         if len(set(ids)) != len(ids):
             raise DataError(f"{uri}: derived ids collide with given ids; give every row an 'id'")
     return records
+
+
+def _images(row: dict, where: str, prompt: str, uri: str, multimodal_keys: dict[str, str]) -> list[str]:
+    from miles_platform.models.vlm import IMAGE_PLACEHOLDER
+
+    key = multimodal_keys["image"]
+    images = load_row_images(row, where, key, uri)
+    n = prompt.count(IMAGE_PLACEHOLDER)
+    if n != len(images):
+        raise DataError(
+            f"{where}: the prompt has {n} {IMAGE_PLACEHOLDER} placeholder(s) for {len(images)} image(s) "
+            f"under key {key!r} (--multimodal-keys): one placeholder per image, in order"
+        )
+    return images
+
+
+def _vision_prompt(prompt: str) -> str:
+    from miles_platform.models.vlm import IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START
+
+    return prompt.replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
 
 
 # ---------------------------------------------------------------- normalizing
@@ -218,11 +252,19 @@ def content_hash(records: list[PromptRecord]) -> str:
         h.update(
             json.dumps([r.id, r.prompt, r.label, r.metadata], sort_keys=True, ensure_ascii=False).encode()
         )
+        for im in r.images:  # text-only datasets keep their hash
+            h.update(image_hash(im).encode())
         h.update(b"\n")
     return h.hexdigest()
 
 
 def records_to_table(records: list[PromptRecord], label_key: str | None = None) -> pa.Table:
+    with_images = any(r.images for r in records)
+    schema = (
+        NORMALIZED_SCHEMA.append(pa.field("images", pa.list_(pa.binary())))
+        if with_images
+        else NORMALIZED_SCHEMA
+    )
     table = pa.Table.from_pylist(
         [
             {
@@ -230,10 +272,11 @@ def records_to_table(records: list[PromptRecord], label_key: str | None = None) 
                 "prompt": r.prompt,
                 "label": r.label,
                 "metadata": json.dumps(r.metadata, sort_keys=True),
+                **({"images": [from_data_uri(im) for im in r.images]} if with_images else {}),
             }
             for r in records
         ],
-        schema=NORMALIZED_SCHEMA,
+        schema=schema,
     )
     meta = {HASH_KEY: content_hash(records).encode(), LABEL_KEY: (label_key or "").encode()}
     return table.replace_schema_metadata(meta)
@@ -256,8 +299,12 @@ def read_normalized_dataset(uri: str) -> list[PromptRecord]:
     rows = _parquet_rows(uri, list(NORMALIZED_SCHEMA.names))
     return [
         PromptRecord(
-            id=r["id"], prompt=r["prompt"], label=r["label"], metadata=json.loads(r["metadata"] or "{}")
-        )
+            id=r["id"],
+            prompt=r["prompt"],
+            label=r["label"],
+            metadata=json.loads(r["metadata"] or "{}"),
+            images=[to_data_uri(b) for b in r.get("images") or []],
+        )  # fmt: skip
         for _, r in rows
     ]
 

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from miles_platform.data.images import image_hash
+
 
 class Status(StrEnum):
     COMPLETED = "completed"
@@ -60,6 +62,10 @@ class Sample:
     # hold id -1 / log-prob -inf. Score centering's H and q[H]; None: not recorded
     rollout_topk_token_ids: list[list[int]] | None = None
     rollout_topk_log_probs: list[list[float]] | None = None
+    # vision-language prompts (--multimodal-keys): the prompt's images as data URIs (SGLang's
+    # image_data), in order; prompt_tokens carry their expanded image pads. Shards keep only each
+    # image's content hash (`image_hashes`, data/images.py). None: a text prompt
+    image_data: list[str] | None = None
 
     def nonfinite_field(self) -> str | None:
         """The first training input of this sample that is NaN or infinite (the reward, or a
@@ -95,6 +101,8 @@ class Sample:
     def to_row(self) -> dict[str, Any]:
         """Flat row for Parquet: reward dicts and metadata as JSON text."""
         row = asdict(self)
+        images = row.pop("image_data")
+        row["image_hashes"] = [image_hash(u) for u in images] if images else None
         reward = row.pop("reward")
         row["reward"] = self.scalar_reward_or_none()
         row["reward_json"] = json.dumps(reward) if isinstance(reward, dict) else None
@@ -112,6 +120,7 @@ class Sample:
     def from_row(cls, row: dict[str, Any]) -> Sample:
         row = dict(row)
         row.pop("response_length", None)
+        row.pop("image_hashes", None)  # the images themselves are the prompt dataset's
         reward_json = row.pop("reward_json", None)
         if reward_json:
             row["reward"] = json.loads(reward_json)

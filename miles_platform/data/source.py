@@ -38,6 +38,7 @@ class RolloutDataSource:
             apply_chat_template=cfg.apply_chat_template,
             chat_template_kwargs=cfg.chat_template_kwargs(),
             tokenizer=tokenizer,
+            multimodal_keys=cfg.image_keys() if hasattr(cfg, "image_keys") else None,
             # agentic: Sample.prompt stays messages; SFT: the conversation to train on
             keep_messages=bool(
                 getattr(cfg, "use_session_server", None) or getattr(cfg, "uses_sft_rollout", False)

@@ -196,8 +196,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--difficulty",
         default=DEFAULT_DIFFICULTY,
-        choices=sorted(DIFFICULTIES) + sorted(tool_use.TOOL_DIFFICULTIES),
-        help="mul3: the tool-use task (3-digit products, a calculator tool; data/tool_use.py)",
+        choices=sorted(DIFFICULTIES) + sorted(tool_use.TOOL_DIFFICULTIES) + ["count_shapes"],
+        help="mul3: the tool-use task (3-digit products, a calculator tool; data/tool_use.py); "
+        "count_shapes: count the squares in a 32x32 image (Parquet with image bytes; data/image_tasks.py)",
     )
     ap.add_argument("--eval-size", type=int, default=DEFAULT_EVAL_SIZE, help="held-out eval prompts")
     ap.add_argument(
@@ -213,11 +214,25 @@ def cli_main(argv: list[str] | None = None) -> int:
         help="mul3: fraction of SFT episodes that call the calculator (the rest guess)",
     )
     ap.add_argument(
-        "--train-size", type=int, default=tool_use.DEFAULT_TRAIN_SIZE, help="mul3: RL / SFT prompts"
+        "--train-size",
+        type=int,
+        default=None,
+        help=f"mul3: RL / SFT prompts (default {tool_use.DEFAULT_TRAIN_SIZE}); count_shapes: train rows (default 512)",
     )
     a = ap.parse_args(argv)
+    if a.difficulty == "count_shapes":
+        from miles_platform.data.image_tasks import write_count_datasets
+
+        paths = write_count_datasets(a.out, a.seed, min(a.eval_size, 64), a.train_size or 512)
+        for split, path in paths.items():
+            import pyarrow.parquet as pq
+
+            print(f"{split}: {path} ({pq.read_metadata(path).num_rows} rows)")
+        return 0
     if a.difficulty in tool_use.TOOL_DIFFICULTIES:
-        paths = write_tool_datasets(a.out, a.seed, a.eval_size, a.train_size, a.tool_share)
+        paths = write_tool_datasets(
+            a.out, a.seed, a.eval_size, a.train_size or tool_use.DEFAULT_TRAIN_SIZE, a.tool_share
+        )
     else:
         paths = write_task_datasets(a.out, a.seed, a.difficulty, a.eval_size, a.carry_error_rate)
     for split, path in paths.items():

@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles_platform.errors import CheckpointError
-from miles_platform.models.families import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from miles_platform.models.families import (
+    REFUSED_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    VLM_FAMILIES,
+    family_of,
+)
 from miles_platform.store.atomic import fsync_tree, replace_dir
 
 if TYPE_CHECKING:  # torch loads with the first model, not with the module (the Dagster code location)
@@ -136,9 +141,16 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or torch.float32
+    cls = AutoModelForCausalLM
+    fam = family_of(json.loads((Path(path) / "config.json").read_text()))
+    if (
+        fam is not None and fam.name in VLM_FAMILIES
+    ):  # the *ForConditionalGeneration class, vision tower included
+        import transformers
 
+        cls = getattr(transformers, fam.architecture)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model = cls.from_pretrained(str(path), dtype=dtype)
     except Exception as e:
         raise CheckpointError(f"HF checkpoint {path}: weights do not load ({type(e).__name__}: {e})") from e
     model.eval()
@@ -150,8 +162,9 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None
     return load_hf_model(path, dtype), load_tokenizer(path)
 
 
-def save_hf_checkpoint(model, tokenizer, path: str | os.PathLike) -> Path:
-    """Write model (safetensors) + config + tokenizer to `path` atomically (temp dir, fsync, rename)."""
+def save_hf_checkpoint(model, tokenizer, path: str | os.PathLike, extra=None) -> Path:
+    """Write model (safetensors) + config + tokenizer to `path` atomically (temp dir, fsync, rename).
+    `extra`: one more object with save_pretrained (a VLM's image processor) written alongside."""
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -159,6 +172,8 @@ def save_hf_checkpoint(model, tokenizer, path: str | os.PathLike) -> Path:
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        if extra is not None:
+            extra.save_pretrained(str(tmp))
         fsync_tree(tmp)
         replace_dir(tmp, dest)
     finally:

@@ -30,6 +30,11 @@ minimax_m2    MiniMaxM2ForCausalLM    full attention with whole-head q/k norm, s
 gemma4        Gemma4ForCausalLM       sliding / full layers (own head dim), per-layer inputs (text model)
 Their on-disk names: models/checkpoint_layout.py. Refused by name (`REFUSED_ARCHITECTURES`): the
 vision-language checkpoints of these families (their text `*ForCausalLM` is taken).
+
+Vision-language families (`VLM_FAMILIES`, models/vlm.py): HF's classes with their vision tower on the
+fsdp backend and the embedded engine (images through `image_data`); megatron refuses them by name.
+qwen3_vl    Qwen3VLForConditionalGeneration     Qwen3 text model + ViT with deepstack, interleaved M-RoPE
+qwen2_5_vl  Qwen2_5_VLForConditionalGeneration  Qwen2.5 text model + windowed ViT, M-RoPE
 """
 
 from __future__ import annotations
@@ -171,7 +176,18 @@ HF_FAMILIES: dict[str, Family] = {
                megatron=_NO_BRIDGE.format(what="Gemma-4's per-layer inputs and mixed head dims")),
     )
 }  # fmt: skip
-ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MOE_FAMILIES, **HF_FAMILIES}
+_NO_VLM_BRIDGE = "no megatron bridge is written here for vision-language models ({what}); train it with --train-backend fsdp"
+# The tiny config of a VLM family is models/vlm.py's (a nested text + vision config), not `tiny_config`.
+VLM_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", {},
+               megatron=_NO_VLM_BRIDGE.format(what="Qwen3-VL")),
+        Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig", {},
+               megatron=_NO_VLM_BRIDGE.format(what="Qwen2.5-VL")),
+    )
+}  # fmt: skip
+ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MOE_FAMILIES, **HF_FAMILIES, **VLM_FAMILIES}
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(f.architecture for f in ALL_FAMILIES.values())
 # Real architectures refused by name, with why (validate_hf_dir raises it).
 _VL = "a vision-language checkpoint: the text model's {arch} checkpoint is taken (no vision tower is served)"
@@ -195,8 +211,11 @@ def is_moe_config(hf_config: Any) -> bool:
 
 def tiny_config(family: str, vocab_size: int, **overrides):
     """A tiny random config of `family` (a few hundred thousand parameters at the defaults)."""
-    if family not in ALL_FAMILIES:
-        raise ValueError(f"model family {family!r}: supported {sorted(ALL_FAMILIES)}")
+    if family not in ALL_FAMILIES or family in VLM_FAMILIES:
+        raise ValueError(
+            f"model family {family!r}: supported {sorted(set(ALL_FAMILIES) - set(VLM_FAMILIES))} "
+            "(a vision-language one: models/vlm.py tiny_vlm_config)"
+        )
     import transformers
 
     fam = ALL_FAMILIES[family]
@@ -245,6 +264,14 @@ def build_model(config, seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
-                p.normal_(0.0, config.initializer_range)
+                p.normal_(0.0, _init_range(config))
     model.eval()
     return model
+
+
+def _init_range(config) -> float:
+    """initializer_range of a config, or of its text config (vision-language configs nest it)."""
+    r = getattr(config, "initializer_range", None)
+    if r is None and hasattr(config, "get_text_config"):
+        r = getattr(config.get_text_config(), "initializer_range", None)
+    return 0.02 if r is None else r

@@ -159,7 +159,7 @@ class AsyncRolloutWorker:
     async def _generate(self, uid: int, rec: PromptRecord) -> DataBufferInput:
         """One group: n requests freeing a slot each (`sample`), or one batched request (`group`)."""
         m, n = self.m, self.n
-        prompt_ids = m.tok.encode(rec.prompt, add_special_tokens=False)
+        prompt_ids = m._prompt_ids(rec)  # images: their pads expanded
         seeds = [_seed(self.cfg.seed, uid, k) for k in range(n)]
         if self.granularity == "sample":
 

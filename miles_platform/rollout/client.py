@@ -53,12 +53,14 @@ async def generate(
     top_logprobs_num: int = 0,
     return_routed_experts: bool = False,
     sampling_logprobs_mode: str | None = None,
+    image_data: list | None = None,
 ) -> dict | list[dict]:
     """POST {url}/generate; returns SGLang's response (a list for a batch of prompts).
     `return_sampling_mask` asks for each token's sampling support (sampling-support replay);
     `lora_path` names the LoRA adapter that serves every prompt (SGLang's field);
     `top_logprobs_num` for the k most likely tokens at each generated position (top-k OPD, score
-    centering); `sampling_logprobs_mode` "support" for each support id's log-prob (score centering)."""
+    centering); `sampling_logprobs_mode` "support" for each support id's log-prob (score centering);
+    `image_data` SGLang's images (a batch: one list or None per prompt; rollout/engine_vlm.py)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": sampling_params or {},
@@ -74,6 +76,8 @@ async def generate(
         body["sampling_logprobs_mode"] = sampling_logprobs_mode
     if return_routed_experts:  # MoE, R3: meta_info.routed_experts (SGLang's)
         body["return_routed_experts"] = True
+    if image_data is not None:
+        body["image_data"] = image_data
     if min_weight_version is not None:
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:

@@ -200,11 +200,11 @@ def entry_to_json(e: DataBufferInput) -> dict[str, Any]:
 
 
 def entry_from_json(d: dict[str, Any]) -> DataBufferInput:
-    return DataBufferInput(
-        prompt=PromptRecord(**d["prompt"]),
-        group=[Sample.from_row(r) for r in d["samples"]],
-        uid=int(d["uid"]),
-    )
+    prompt = PromptRecord(**d["prompt"])
+    group = [Sample.from_row(r) for r in d["samples"]]
+    for s in group:  # a shard row names its images by hash; the prompt holds them (image prompts)
+        s.image_data = list(prompt.images) or None
+    return DataBufferInput(prompt=prompt, group=group, uid=int(d["uid"]))
 
 
 def build_data_buffer(cfg, unused_handler_fn) -> DataBuffer:

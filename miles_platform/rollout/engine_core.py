@@ -43,6 +43,7 @@ import torch
 
 from miles_platform.cluster.devices import rank_device, use_device
 from miles_platform.errors import ConfigError
+from miles_platform.models.vlm import is_vlm_config
 from miles_platform.rollout.engine_batch import (
     Batch,
     keep_rows,
@@ -61,8 +62,10 @@ from miles_platform.rollout.engine_requests import (
     RunningRequest,
     SamplingParams,
     VersionConflict,
+    stream_tokens,
     version_violation,
 )
+from miles_platform.rollout.engine_vlm import VisionPrep, generate_with_images
 from miles_platform.rollout.engine_weights import EngineWeightsMixin, eos_ids, load_model, parse_engine_dtype
 from miles_platform.rollout.lora_serving import LoraSlots
 from miles_platform.rollout.metrics import TokenRate
@@ -196,9 +199,13 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
             self.model, self.tokenizer = load_model(self.model_path, self.dtype)
             self.model.to(self.device)
             self.kv_budget = kv_budget_tokens(self.model, self.device, self.mem_fraction_static)
-            self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
-            self.vocab_size = int(self.model.config.vocab_size)
+            text_cfg = self.model.config.get_text_config()  # a VLM's text model: its vocabulary and context
+            self.context_length = int(getattr(text_cfg, "max_position_embeddings", 2048))
+            self.vocab_size = int(text_cfg.vocab_size)
             self.request_parser = RequestParser(self.tokenizer, self.context_length, self.vocab_size)
+            self.request_parser.vision = (
+                VisionPrep(self.model_path, self.model.config) if is_vlm_config(self.model.config) else None
+            )
             self.eos_ids = eos_ids(self.model, self.tokenizer)
             self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
             self._lora = LoraSlots(self.model)
@@ -545,8 +552,11 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
                 else:
                     new.append(r)
         self._drop_unloaded()
-        scoring = [r for r in new if r.scores_input and r.input_meta is None]
         self._admitting = new  # failed with the step if it raises before they join the batch
+        if any(r.vision is not None for r in new):  # image prompts: rollout/engine_vlm.py
+            generate_with_images(self, [r for r in new if r.vision is not None])
+            new = [r for r in new if r.vision is None]
+        scoring = [r for r in new if r.scores_input and r.input_meta is None]
         if scoring:  # prefill-only scoring (max_new_tokens 0) finishes here, without joining the batch
             self._score_inputs(scoring)
             new = [r for r in new if r.max_new_tokens > 0]
@@ -700,7 +710,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
                 finished.append((r, reason))
                 done.add(i)
         self._record_extras(logits, reqs)
-        self._stream_tokens(reqs)
+        stream_tokens(reqs)
         self._decode_texts([r for r, _ in finished])
         for r, reason in finished:
             self._finish(r, reason)
@@ -718,16 +728,6 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
                     r.output_top += top
                 if ids is not None:
                     r.output_token_ids += ids
-
-    def _stream_tokens(self, reqs: list[Request]) -> None:
-        """Hand each streamed request its new token (before any finishes: every token precedes the answer)."""
-        for r in reqs:
-            if r.on_token is not None:
-                try:
-                    r.on_token(r)
-                except Exception:  # a broken consumer loses its stream, not the batch its step
-                    log.exception("engine: on_token of request %s failed; streaming stops", r.rid)
-                    r.on_token = None
 
     def _decode_texts(self, reqs: list[Request]) -> None:
         """Detokenize the requests that finished in one step with one batch_decode per setting."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import math
 import os
 import time
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field, fields
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout.engine_logprobs import LogprobOptions, parse_logprob_options
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(MilesError, ValueError):
@@ -221,6 +224,9 @@ class Request:
     # streaming (the OpenAI routes): called with the request on the scheduler thread after each
     # generated token, its log-prob and top log-probs recorded; it must be quick
     on_token: Callable[[Request], None] | None = None
+    # SGLang's image_data (a vision-language model, rollout/engine_vlm.py): the processor's
+    # pixel_values and image_grid_thw; prompt_ids then carry the expanded image pads
+    vision: dict | None = None
 
     @property
     def scores_input(self) -> bool:
@@ -234,6 +240,17 @@ class RunningRequest:
     rid: str
     lora: str | None  # the adapter serving it (`lora_path`); None: the base weights
     output_tokens: int  # generated so far
+
+
+def stream_tokens(reqs: list[Request]) -> None:
+    """Hand each streamed request its new token (before any finishes: every token precedes the answer)."""
+    for r in reqs:
+        if r.on_token is not None:
+            try:
+                r.on_token(r)
+            except Exception:  # a broken consumer loses its stream, not the batch its step
+                log.exception("engine: on_token of request %s failed; streaming stops", r.rid)
+                r.on_token = None
 
 
 def version_violation(req: Request, version: int) -> str | None:
@@ -266,7 +283,9 @@ class RequestParser:
         "token_ids_logprob",
         "return_routed_experts",
         "sampling_logprobs_mode",
+        "image_data",
     }
+    vision = None  # a VLM's engine_vlm.VisionPrep: requests may carry image_data
 
     def __init__(self, tokenizer, context_length: int, vocab_size: int):
         self.tokenizer, self.context_length, self.vocab_size = tokenizer, context_length, vocab_size
@@ -338,6 +357,10 @@ class RequestParser:
             reqs[-1].lora = loras[i]
             reqs[-1].return_routed_experts = bool(body.get("return_routed_experts", False))
             reqs[-1].sampling_logprobs_mode = mode
+        if body.get("image_data") is not None:
+            if self.vision is None:
+                raise RequestError("image_data: the served model is not a vision-language model")
+            self.vision.attach(reqs, body, is_batch, self.context_length)
         return reqs, is_batch
 
     def make_request(

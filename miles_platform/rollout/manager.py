@@ -107,6 +107,7 @@ class RolloutManager:
         path = cfg.rollout_function_path
         self.rollout_fn = load_rollout_function(path).bind(self.args, data_source) if path else None
         self._slots: asyncio.Semaphore | None = None  # per-sample generations in flight (client loop)
+        self._vision = None  # models.vlm.PromptVision: image prompts' pad expansion, loaded at the first
         # --use-opd --opd-type sglang: the run's TeacherScorer (set by RunServices), scores `finalize`d samples
         self.opd = None
         self._opd_metrics: dict[str, float] = {}
@@ -266,11 +267,28 @@ class RolloutManager:
     def _generate_groups(self, rollout_id: int, records: list[PromptRecord], rnd: int) -> list[list[Sample]]:
         """One batched `/generate` for every sample of the round (SGLang's list form)."""
         c, n = self.cfg, self.cfg.n_samples_per_prompt
-        prompts = [self.tok.encode(rec.prompt, add_special_tokens=False) for rec in records]
+        prompts = [self._prompt_ids(rec) for rec in records]
         seeds = [
             [hash((c.seed, rollout_id, rnd, gi, k)) % (2**31) for k in range(n)] for gi in range(len(records))
         ]
         return self.generate_groups(records, prompts, seeds)
+
+    def _prompt_ids(self, rec: PromptRecord) -> list[int]:
+        """The prompt's token ids; with images, each image's pad expanded (models/vlm.py), as trained."""
+        ids = self.tok.encode(rec.prompt, add_special_tokens=False)
+        if not rec.images:
+            return ids
+        if self._vision is None:
+            from miles_platform.models.vlm import PromptVision
+
+            self._vision = PromptVision(self.cfg.hf_checkpoint)
+        return self._vision.expand(ids, rec.images)
+
+    def _images(self, records, seeds) -> list | None:
+        """image_data of a batched request: one entry per sample (None: no prompt has images)."""
+        if not any(rec.images for rec in records):
+            return None
+        return [rec.images or None for rec, ss in zip(records, seeds, strict=True) for _ in ss]
 
     def generate_groups(
         self, records: list[PromptRecord], prompts: list[list[int]], seeds: list[list[int]]
@@ -286,6 +304,7 @@ class RolloutManager:
             top_logprobs_num=self.top_logprobs_num,
             return_routed_experts=self.moe_shape is not None,
             sampling_logprobs_mode=self.logprobs_mode,
+            image_data=self._images(records, seeds),
         )
         return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
@@ -301,6 +320,7 @@ class RolloutManager:
             top_logprobs_num=self.top_logprobs_num,
             return_routed_experts=self.moe_shape is not None,
             sampling_logprobs_mode=self.logprobs_mode,
+            image_data=self._images(records, seeds),
         )
         return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
@@ -406,6 +426,7 @@ class RolloutManager:
             prompt_tokens=list(prompt_ids),
             label=rec.label,
             metadata={**rec.metadata, "prompt_id": rec.id},
+            image_data=list(rec.images) or None,
         )
 
     # ------------------------------------------------------------------ --rollout-function-path
@@ -512,7 +533,9 @@ def record_of(group: list[Sample]) -> PromptRecord:
     s = group[0]
     meta = dict(s.metadata)
     pid = meta.pop("prompt_id", None)
-    return PromptRecord(id=str(pid), prompt=s.prompt, label=s.label, metadata=meta)
+    return PromptRecord(
+        id=str(pid), prompt=s.prompt, label=s.label, metadata=meta, images=list(s.image_data or [])
+    )
 
 
 def router_generate_fn(manager: RolloutManager):

@@ -298,7 +298,15 @@ def _is_stream(resp: httpx.Response) -> bool:
 
 # SGLang fields that are one value per prompt when given as a list (token_ids_logprob: a list of
 # lists; a flat list of ids is one value for every prompt)
-_PER_PROMPT = ("input_ids", "text", "sampling_params", "rid", "logprob_start_len", "top_logprobs_num")
+_PER_PROMPT = (
+    "input_ids",
+    "text",
+    "sampling_params",
+    "rid",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "image_data",
+)
 
 
 def _per_prompt(key: str, value) -> bool:

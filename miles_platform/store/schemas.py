@@ -56,6 +56,8 @@ ROLLOUT_SCHEMA = pa.schema(
         # score centering: per response token the engine's K candidates (id -1 / -inf: unused)
         ("rollout_topk_token_ids", pa.list_(pa.list_(pa.int32()))),
         ("rollout_topk_log_probs", pa.list_(pa.list_(pa.float32()))),
+        # vision-language prompts: the content hash of each image the sample saw (null: text only)
+        ("image_hashes", pa.list_(pa.string())),
     ]
 )
 

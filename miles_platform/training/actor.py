@@ -204,10 +204,13 @@ class TrainerActor:
             with self._routing(backend, batch, idx, width), self._aux_loss(backend, batch, idx, width):
                 yield
 
-        return ScoreRequest(
+        req = ScoreRequest(
             ids, pos, self.cfg.rollout_temperature, self._support_index(batch, idx, width - 1),
             with_entropy, index, around_forward,
         )  # fmt: skip
+        if batch.images is not None:  # vision-language samples: the backend runs their images
+            req.images, req.lengths = [batch.images[i] for i in idx], [len(batch.tokens[i]) for i in idx]
+        return req
 
     @staticmethod
     def _per_sample(batch: TrainBatch, idx: list[int], scores: Scores):

@@ -45,6 +45,9 @@ class ScoreRequest:
     # False: the entropy is only observed (a metric), computed outside autograd (Miles' rule: it takes
     # gradients only at a non-zero --entropy-coef)
     entropy_grad: bool = True
+    # vision-language samples: per row its images as data URIs (None: text) and its unpadded length
+    images: list[list[str] | None] | None = None
+    lengths: list[int] | None = None
 
 
 class Scores(NamedTuple):

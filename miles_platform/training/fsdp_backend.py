@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_platform.training.backend import ModelBackend
+from miles_platform.training.backend import ModelBackend, ScoreRequest, Scores, scores_from_logits
 from miles_platform.training.precision import DTYPES
 from miles_platform.weights.quantize import load_dense_hf_model
 
@@ -27,6 +27,13 @@ class FSDPBackend(ModelBackend):
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         model = load_dense_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
         model.config.use_cache = False
+        self._vision = None  # a vision-language model: its image processor (models/vlm.py PromptVision)
+        from miles_platform.models.vlm import PromptVision, is_vlm_config, set_vision_trainable
+
+        if is_vlm_config(model.config):
+            self._vision = PromptVision(hf_checkpoint)
+            if trainable and self.cfg.freeze_vision_tower:  # --freeze-vision-tower: the text model trains
+                set_vision_trainable(model, False)
         self.lora = trainable and self.cfg.uses_lora
         if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:
             from miles_platform.models.moe import routers
@@ -65,6 +72,23 @@ class FSDPBackend(ModelBackend):
         if dt == "fp32":
             return torch.autocast(kind, enabled=False)
         return torch.autocast(kind, dtype=DTYPES[dt])
+
+    def score(self, req: ScoreRequest) -> Scores:
+        """A micro-batch with images (a vision-language model): each sample's own forward with its
+        pixel values (models/vlm.py `vlm_logits`, as the engine scored it), logits padded to the width."""
+        if req.images is None:
+            return super().score(req)
+        from miles_platform.models.vlm import vlm_logits
+
+        rows = []
+        with req.context(), self._autocast():
+            for r, (images, n) in enumerate(zip(req.images, req.lengths, strict=True)):
+                px = self._vision.pixels(images) if images else {"pixel_values": None, "image_grid_thw": None}
+                pv = None if px["pixel_values"] is None else px["pixel_values"].to(self.device)
+                grid = None if px["image_grid_thw"] is None else px["image_grid_thw"].to(self.device)
+                z = vlm_logits(self.module, req.input_ids[r : r + 1, :n], pv, grid)[0]
+                rows.append(torch.nn.functional.pad(z, (0, 0, 0, req.input_ids.shape[1] - n)))
+        return scores_from_logits(torch.stack(rows), req)
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         attn = torch.ones_like(input_ids)

@@ -31,6 +31,9 @@ class TrainBatch:
     sample_indices: list[int] | None = None  # each Sample's index in its rollout (train_samples rows)
     # --custom-reward-post-process-path gave `rewards`: the estimator takes them without normalizing
     rewards_normalized: bool = False
+    # vision-language prompts: per sample its images as data URIs (None: a text sample; the whole
+    # field None: no sample has images); tokens carry the expanded image pads
+    images: list[list[str] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -43,6 +46,7 @@ class TrainBatch:
         routes = [s.rollout_routed_experts for s in samples]
         cand_ids = [s.rollout_topk_token_ids for s in samples]
         cand_lps = [s.rollout_topk_log_probs for s in samples]
+        images = [s.image_data or None for s in samples]
         return cls(
             tokens=[s.tokens for s in samples],
             response_lengths=[s.response_length for s in samples],
@@ -56,6 +60,7 @@ class TrainBatch:
             rollout_topk_token_ids=cand_ids if any(x is not None for x in cand_ids) else None,
             rollout_topk_log_probs=cand_lps if any(x is not None for x in cand_lps) else None,
             sample_indices=[s.index for s in samples],
+            images=images if any(images) else None,
         )
 
 

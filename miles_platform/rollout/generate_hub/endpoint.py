@@ -36,6 +36,8 @@ def request_payload(
         "sampling_params": {**sampling_params, "max_new_tokens": left},
         "return_logprob": True,
     }
+    if sample.image_data:  # a vision-language prompt: its images ride along (SGLang's image_data)
+        body["image_data"] = list(sample.image_data)
     if state.sampling_support_replay and not evaluation:
         body["return_sampling_mask"] = True
     if state.lora_path is not None:

@@ -11,7 +11,14 @@ import torch
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge import get_bridge
 from miles_platform.models.checkpoint import SUPPORTED_ARCHITECTURES, validate_hf_dir
-from miles_platform.models.families import ALL_FAMILIES, FAMILIES, HF_FAMILIES, build_model, tiny_config
+from miles_platform.models.families import (
+    ALL_FAMILIES,
+    FAMILIES,
+    HF_FAMILIES,
+    VLM_FAMILIES,
+    build_model,
+    tiny_config,
+)
 from miles_platform.models.qwen3 import num_parameters
 from miles_platform.models.tiny import save_tiny_checkpoint
 
@@ -57,7 +64,8 @@ def test_other_architectures_refused_with_the_supported_list(arch, tiny_hf_check
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
     assert set(SUPPORTED_ARCHITECTURES) == {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
-                                            "Qwen3MoeForCausalLM", *(f.architecture for f in HF_FAMILIES.values())}  # fmt: skip
+                                            "Qwen3MoeForCausalLM", *(f.architecture for f in HF_FAMILIES.values()),
+                                            *(f.architecture for f in VLM_FAMILIES.values())}  # fmt: skip
     msg = f"architecture ['{arch}'] is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
     with pytest.raises(CheckpointError, match=re.escape(msg)):
         validate_hf_dir(bad)

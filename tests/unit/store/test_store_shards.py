@@ -132,3 +132,25 @@ def test_fsspec_uri_root_round_trip(tmp_path):
         assert list_rollout_shards(paths, "r1") == [3]
     finally:
         fsspec.filesystem("memory").rm("/miles-test-root", recursive=True)
+
+
+def test_image_samples_record_each_image_content_hash(tmp_path):
+    """A vision-language sample's shard row names its images by content hash (not their bytes)."""
+    import base64
+
+    from miles_platform.data.images import image_hash
+
+    paths = StoragePaths(str(tmp_path))
+    samples = make_samples(n=2)
+    uris = ["data:image/png;base64," + base64.b64encode(b).decode() for b in (b"\x89PNG-a", b"\x89PNG-b")]
+    samples[0].image_data = uris
+    info = write_rollout_shard(paths, "r1", 3, samples)
+    rows = pq.read_table(info.path).to_pylist()
+    assert rows[0]["image_hashes"] == [image_hash(b"\x89PNG-a"), image_hash(b"\x89PNG-b")]
+    assert rows[1]["image_hashes"] is None  # a text sample
+    back = read_rollout_shard(paths, "r1", 3)
+    assert back[0].image_data is None and back[1] == samples[1]  # the images live in the prompt dataset
+    hashes = duckdb.sql(f"select image_hashes from read_parquet('{info.path}') where index = 0").fetchall()[
+        0
+    ][0]
+    assert hashes == rows[0]["image_hashes"]
