@@ -20,6 +20,11 @@ Every function has a numpy reference (`*_reference`) that the tests compare byte
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import os
+import sys
+
 import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
@@ -113,114 +118,42 @@ def apply_reference(cur: np.ndarray, low: bytes, pos, highs, low_bits: int) -> n
 # ---- fast paths (numba) ------------------------------------------------------------------------
 
 _KERNELS: dict = {}
+_PACK_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lowbits_pack.py")
+_PACK_LINE = "W, L = 4, 12  # (width in bytes, low bits): the line lowbits rewrites per copy"
+
+
+def kernel_cache_dir() -> str:
+    """Where the (width, L) kernel copies and their compiled code live: $MILES_KERNEL_CACHE, else
+    $XDG_CACHE_HOME/miles-platform/kernels (~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("MILES_KERNEL_CACHE") or os.path.join(base, "miles-platform", "kernels")
 
 
 def _pack_kernels(width: int, low_bits: int):
-    """(encode, unpack-xor) numba kernels specialized for (width, L): constant trip counts, masks
-    and a native-width accumulator let LLVM unroll and vectorize the per-element loops."""
+    """(encode, unpack-xor) numba kernels specialized for (width, L): a copy of lowbits_pack.py with
+    its constants set, compiled once per machine (numba's on-disk cache) rather than per process.
+    A copy is named by the template's hash, so a changed template never reuses old code."""
     key = (width, low_bits)
     if key in _KERNELS:
         return _KERNELS[key]
-    L, W = low_bits, width
-    has_hi = L < 8 * W
-    pairs = L % 8 == 4
-    nb = L // 4 if pairs else L // 8  # bytes per pair (nibble-packed) / per element (byte-aligned)
-    tail_nb = (L + 7) // 8
-    T = np.uint32 if max(8 * W, 2 * L if pairs else L) <= 32 else np.uint64  # accumulator
-    mask = T((1 << L) - 1) if L < 8 * np.dtype(T).itemsize else T(np.iinfo(T).max)
-    sh = T(L % (8 * np.dtype(T).itemsize))
-    ff, c255, zero = T(0xFF), T(255), T(0)
-    ks = tuple(T(8 * k) for k in range(max(nb, tail_nb, 1)))
-
-    @numba.njit(inline="always")
-    def store_pair(low, p, x0, x1):
-        v = (x0 & mask) | ((x1 & mask) << sh)
-        for k in range(nb):
-            low[p * nb + k] = np.uint8((v >> ks[k]) & ff)
-
-    @numba.njit(inline="always")
-    def store_one(low, i, x):
-        for k in range(nb):
-            low[i * nb + k] = np.uint8((x >> ks[k]) & ff)
-
-    def enc(a, b, low, hi8, bm):
-        """low bits -> low, min(x >> L, 255) -> hi8, (x >> L != 0) -> bitmap words bm (each
-        64-element block, the last one partial); returns the number of changed elements."""
-        n = a.size
-        changed = 0
-        for j in range(n // 64):  # one bitmap word per block of 64 elements
-            base = 64 * j
-            w = np.uint64(0)
-            if pairs:  # two elements per step (their nibbles share a byte)
-                for k in range(32):
-                    i = base + 2 * k
-                    x0 = T(a[i] ^ b[i])
-                    x1 = T(a[i + 1] ^ b[i + 1])
-                    store_pair(low, i // 2, x0, x1)
-                    if has_hi:
-                        h0 = min(x0 >> sh, c255)
-                        h1 = min(x1 >> sh, c255)
-                        hi8[i] = np.uint8(h0)
-                        hi8[i + 1] = np.uint8(h1)
-                        w |= np.uint64(h0 != zero) << np.uint64(2 * k)
-                        w |= np.uint64(h1 != zero) << np.uint64(2 * k + 1)
-                    changed += (x0 != zero) + (x1 != zero)
-            else:  # one element per lane (measured ~5x faster than pairs for L = 0)
-                for k in range(64):
-                    x = T(a[base + k] ^ b[base + k])
-                    store_one(low, base + k, x)
-                    if has_hi:
-                        h = min(x >> sh, c255)
-                        hi8[base + k] = np.uint8(h)
-                        w |= np.uint64(h != zero) << np.uint64(k)
-                    changed += x != zero
-            if has_hi:
-                bm[j] = w
-        start = 64 * (n // 64)
-        w = np.uint64(0)
-        for i in range(start, n):
-            x = T(a[i] ^ b[i])
-            if pairs:
-                if i % 2 == 0 and i + 1 < n:
-                    store_pair(low, i // 2, x, T(a[i + 1] ^ b[i + 1]))
-                elif i % 2 == 0:  # the last element alone: its nibbles, the top one padded
-                    v = x & mask
-                    for k in range(tail_nb):
-                        low[(i // 2) * nb + k] = np.uint8((v >> ks[k]) & ff)
-            else:
-                store_one(low, i, x)
-            if has_hi:
-                h = min(x >> sh, c255)
-                hi8[i] = np.uint8(h)
-                w |= np.uint64(h != zero) << np.uint64(i - start)
-            changed += x != zero
-        if has_hi and n % 64:
-            bm[n // 64] = w
-        return changed
-
-    def unpack_xor(cur, low):
-        n = cur.size
-        if pairs:
-            for p in range(n // 2):
-                v = zero
-                for k in range(nb):
-                    v |= T(low[p * nb + k]) << ks[k]
-                cur[2 * p] ^= v & mask
-                cur[2 * p + 1] ^= (v >> sh) & mask
-            if n % 2:
-                v = zero
-                for k in range(tail_nb):
-                    v |= T(low[(n // 2) * nb + k]) << ks[k]
-                cur[n - 1] ^= v & mask
-        elif nb:
-            for i in range(n):
-                v = zero
-                for k in range(nb):
-                    v |= T(low[i * nb + k]) << ks[k]
-                cur[i] ^= v
-
-    jit = numba.njit(nogil=True, boundscheck=False)  # closures over constants: compiled per process
-    _KERNELS[key] = (jit(enc), jit(unpack_xor))
+    with open(_PACK_TEMPLATE, encoding="utf-8") as f:
+        src = f.read()
+    if _PACK_LINE not in src:
+        raise AssertionError(f"{_PACK_TEMPLATE}: the `W, L = ...` line is missing")
+    name = f"lowbits_pack_{hashlib.sha256(src.encode()).hexdigest()[:12]}_w{width}_l{low_bits}"
+    d = kernel_cache_dir()
+    path = os.path.join(d, name + ".py")
+    if not os.path.exists(path):  # written whole, then renamed: a concurrent writer writes the same
+        os.makedirs(d, mode=0o700, exist_ok=True)  # code this process will import: the user's only
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(src.replace(_PACK_LINE, f"W, L = {width}, {low_bits}"))
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _KERNELS[key] = (module.enc, module.unpack_xor)
     return _KERNELS[key]
 
 
