@@ -27,6 +27,9 @@ class FSDPBackend(ModelBackend):
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         model = load_dense_hf_model(hf_checkpoint, dtype=DTYPES[self.cfg.fsdp_master_dtype])
         model.config.use_cache = False
+        from miles_platform.training.qat import maybe_apply_int4_qat
+
+        self.int4_qat_modules = maybe_apply_int4_qat(model, self.cfg.hf_checkpoint)  # actor and reference
         self.lora = trainable and self.cfg.uses_lora
         if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:
             from miles_platform.models.moe import routers

@@ -1,0 +1,152 @@
+"""Low precision that survives updates: a quantized rollout checkpoint's format on every version, and
+INT4 QAT (the trainer's forward sees the int4 weights the engines serve)."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import quant as kq
+from miles_platform.weights.checksum import checksum
+from miles_platform.weights.quantize import load_dense_hf_model, quantize_checkpoint
+from miles_platform.weights.rollout_quant import (
+    dense_from_update,
+    read_served_state,
+    rollout_quant,
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _trained(q: str) -> dict[str, torch.Tensor]:
+    """The trainer's weights after some steps: the dequantized start, moved off the quantization grid."""
+    g = torch.Generator().manual_seed(1)
+    state = load_dense_hf_model(q).state_dict()
+    state.pop("lm_head.weight")  # tied: the trainer exports no lm_head
+    return {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_every_update_is_requantized_bit_for_bit_and_served_in_the_same_format(
+    tiny_hf_checkpoint, tmp_path, fmt
+):
+    from miles_platform.rollout.engine_core import EngineCore
+    from miles_platform.weights.sync import served_weights
+
+    q = str(tmp_path / fmt)
+    quantize_checkpoint(tiny_hf_checkpoint, q, fmt, group_size=16)
+    rq = rollout_quant(q)
+    assert rq.fmt == fmt and rq.modules and (rq.group_size == 16 if fmt == "int4" else True)
+    weights = _trained(q)
+    served = rq.quantize(weights)
+    # the update holds exactly the rollout checkpoint's tensors (names and dtypes) ...
+    with open(Path(q) / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    assert set(served) == set(header)
+    for m in rq.modules:  # ... and each quantized module is quantize(trainer weight), bit for bit
+        w = weights[f"{m}.weight"]
+        if fmt == "fp8":
+            qw, s = kq.fp8_block_quant(w)
+            assert served[f"{m}.weight"].dtype == torch.float8_e4m3fn
+            assert torch.equal(_bits(served[f"{m}.weight"]), _bits(qw)) and torch.equal(
+                served[f"{m}.weight_scale_inv"], s
+            )
+        else:
+            want = kq.int4_pack_quantize(w, rq.group_size)
+            assert all(torch.equal(served[f"{m}.{k}"], v) for k, v in want.items())
+    core = EngineCore(q, num_threads=1)
+    try:
+        v0 = core.served_quantization()
+        _, _, stored = read_served_state(q)
+        assert v0["format"] == fmt and v0["xxh3_128"] == {n: checksum(t) for n, t in stored.items()}
+        core.update_weights_from_tensors(served, 1)
+        v1 = core.served_quantization()
+        assert (v1["weight_version"], v1["format"]) == (1, fmt)
+        assert v1["xxh3_128"] == {n: checksum(t) for n, t in served.items() if n in stored}
+        got = core.get_weights()
+        dense, _ = dense_from_update(served)
+        assert all(torch.equal(got[k], dense[k].to(got[k].dtype)) for k in dense)
+        m = next(iter(sorted(rq.modules)))
+        assert not torch.equal(got[f"{m}.weight"], weights[f"{m}.weight"])  # served quantized, not dense
+        # the run's path: the served copy beside the version's export, loaded from disk as a `disk` update does
+        cfg = SimpleNamespace(hf_checkpoint=q)
+        export = str(tmp_path / "v000002")
+        shipped, served_dir, expected = served_weights(cfg, weights, export)
+        assert served_dir == f"{export}-{fmt}" and rollout_quant(served_dir) == rq
+        core.update_weights_from_disk(served_dir, 2)
+        assert core.served_quantization()["format"] == fmt
+        got = core.get_weights()
+        assert all(torch.equal(got[k], expected[k].to(got[k].dtype)) for k in expected)
+    finally:
+        core.stop()
+
+
+def test_the_dense_export_of_a_quantized_run_claims_no_quantization(tiny_hf_checkpoint, tmp_path):
+    from miles_platform.weights.sync import export_policy
+
+    q = str(tmp_path / "fp8")
+    quantize_checkpoint(tiny_hf_checkpoint, q, "fp8")
+    out = export_policy(_trained(q), SimpleNamespace(hf_checkpoint=q), str(tmp_path / "v1"))
+    assert "quantization_config" not in json.loads((Path(out) / "config.json").read_text())
+    assert rollout_quant(out) is None
+    quantize_checkpoint(out, str(tmp_path / "v1-int4"), "int4", group_size=16)  # the asset can quantize it
+
+
+def test_transports_that_ship_the_trainers_own_tensors_are_refused(tiny_hf_checkpoint, tmp_path):
+    from miles_platform.config import ConfigError
+    from miles_platform.weights.rollout_quant import check_rollout_quant
+
+    q = str(tmp_path / "fp8")
+    quantize_checkpoint(tiny_hf_checkpoint, q, "fp8")
+    base = dict(
+        hf_checkpoint=q, uses_lora=False, debug_train_only=False, colocate=False, train_backend="fsdp"
+    )
+    for mode, colocate in (("broadcast", False), ("tensor", True)):
+        cfg = SimpleNamespace(**{**base, "update_weight_transfer_mode": mode, "colocate": colocate})
+        with pytest.raises(ConfigError, match="fp8-quantized: every update re-quantizes"):
+            check_rollout_quant(cfg)
+    for mode in ("tensor", "disk", "disk-delta", "mooncake"):
+        check_rollout_quant(SimpleNamespace(**base, update_weight_transfer_mode=mode))
+
+
+def test_int4_qat_forward_equals_the_dequantized_int4_forward(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    from miles_platform.config import ConfigError
+    from miles_platform.training.qat import QAT_FLAG_ENV, QAT_GROUP_ENV, check_int4_qat, maybe_apply_int4_qat
+
+    q = str(tmp_path / "int4")
+    quantize_checkpoint(tiny_hf_checkpoint, q, "int4", group_size=16)
+    rq = rollout_quant(q)
+    weights = _trained(q)
+    qat, served = load_dense_hf_model(q), load_dense_hf_model(q)
+    qat.load_state_dict(weights, strict=False)
+    # what int4 engines serve of these weights: dequant(quantize(W)), loaded as plain tensors
+    served.load_state_dict(dense_from_update(rq.quantize(weights))[0], strict=False)
+    assert maybe_apply_int4_qat(qat, q) == 0  # off unless the environment says so
+    monkeypatch.setenv(QAT_FLAG_ENV, "1")
+    monkeypatch.setenv(QAT_GROUP_ENV, "16")
+    assert maybe_apply_int4_qat(qat, q) == len(rq.modules)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    out = qat(input_ids=ids).logits
+    with torch.no_grad():
+        assert torch.equal(out.detach(), served(input_ids=ids).logits)
+        plain = load_dense_hf_model(q)
+        plain.load_state_dict(weights, strict=False)
+        assert not torch.equal(out.detach(), plain(input_ids=ids).logits)  # the hook is what made them equal
+    out.float().pow(2).mean().backward()  # straight-through: the fp32 parameters get the gradient
+    m = sorted(rq.modules)[0]
+    assert qat.get_submodule(m).weight.grad is not None and qat.get_submodule(m).weight.grad.abs().sum() > 0
+    # preflight: QAT needs an int4 rollout checkpoint and the fsdp backend
+    cfg = SimpleNamespace(hf_checkpoint=q, train_backend="fsdp")
+    assert "groups of 16" in check_int4_qat(cfg)
+    with pytest.raises(ConfigError, match="not quantized"):
+        check_int4_qat(SimpleNamespace(hf_checkpoint=tiny_hf_checkpoint, train_backend="fsdp"))
+    with pytest.raises(ConfigError, match="--train-backend megatron"):
+        check_int4_qat(SimpleNamespace(hf_checkpoint=q, train_backend="megatron"))
+    monkeypatch.setenv(QAT_FLAG_ENV, "yes")
+    with pytest.raises(ConfigError, match="must be 1"):
+        check_int4_qat(cfg)
