@@ -53,9 +53,14 @@ class EngineWeightsMixin:
     def update_weights_from_tensors(
         self, named_tensors: dict[str, torch.Tensor], weight_version: int
     ) -> None:
-        """Copy (a subset of) parameters in, atomically between forward passes; set the version."""
+        """Copy (a subset of) parameters in, atomically between forward passes; set the version.
+        `named_tensors` may be raw bytes + a JSON header (weights/transports/mooncake.py encode_state)."""
         from miles_platform.weights.rollout_quant import dense_from_update, quantized_names
 
+        if "__tensors__" in named_tensors:  # the tensor transport's form for dtypes torch cannot pickle
+            from miles_platform.weights.transports.mooncake import decode_state
+
+            named_tensors = decode_state(named_tensors)
         version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
         sums = _checksums({n: named_tensors[n] for n in quantized_names(named_tensors)})
         dense, fmt = dense_from_update(named_tensors)  # fp8 / int4 updates: what this engine serves
