@@ -150,3 +150,54 @@ def test_int4_qat_forward_equals_the_dequantized_int4_forward(tiny_hf_checkpoint
     monkeypatch.setenv(QAT_FLAG_ENV, "yes")
     with pytest.raises(ConfigError, match="must be 1"):
         check_int4_qat(cfg)
+
+
+def test_with_int4_qat_the_trainer_scores_what_the_int4_engine_serves(
+    tiny_hf_checkpoint, tmp_path, monkeypatch
+):
+    """Step 0 (the checkpoint's weights) and after an update (weights off the int4 grid): the fsdp
+    trainer's log-probs of the engine's tokens equal the engine's with QAT on; without, not after an update."""
+    from miles_platform.config import parse_run_config
+    from miles_platform.rollout.engine_core import EngineCore
+    from miles_platform.training.fsdp_backend import FSDPBackend
+    from miles_platform.training.qat import QAT_FLAG_ENV, QAT_GROUP_ENV
+
+    q = str(tmp_path / "int4")
+    quantize_checkpoint(tiny_hf_checkpoint, q, "int4", group_size=16)
+    rq = rollout_quant(q)
+    cfg = parse_run_config(["--rollout-batch-size", "2", "--hf-checkpoint", q])
+    plain = FSDPBackend(cfg, 0, 1)
+    plain.build(q)
+    monkeypatch.setenv(QAT_FLAG_ENV, "1")
+    monkeypatch.setenv(QAT_GROUP_ENV, "16")
+    qat = FSDPBackend(cfg, 0, 1)
+    qat.build(q)
+    assert qat.int4_qat_modules == len(rq.modules) and plain.int4_qat_modules == 0
+    core = EngineCore(q, num_threads=1)
+
+    def gaps():
+        sp = {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 3}
+        out = core.generate([[1, 2, 3, 4]], [sp], return_logprob=True)[0]
+        ids = torch.tensor([[1, 2, 3, 4, *out["output_ids"]]])
+        engine = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        pos = torch.arange(ids.shape[1])[None]
+        res = []
+        for b in (qat, plain):
+            with torch.no_grad():
+                lp = torch.log_softmax(b.logits(ids, pos)[0, 3:-1].float(), -1)
+            res.append(float((lp.gather(1, ids[0, 4:, None])[:, 0] - engine).abs().max()))
+        return res
+
+    try:
+        with_qat, _ = gaps()
+        assert with_qat < 1e-5  # step 0: the ratio is 1
+        with torch.no_grad():  # "training": both trainers move off the int4 grid the same way
+            for b in (qat, plain):
+                for p in b.module.parameters():
+                    p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        core.update_weights_from_tensors(rq.quantize(qat.export_hf_state_dict()), 1)
+        with_qat, without = gaps()
+        # measured: 4.8e-7 with QAT, 0.027 without
+        assert with_qat < 1e-5 and without > 10 * max(with_qat, 1e-6), (with_qat, without)
+    finally:
+        core.stop()
