@@ -1,8 +1,9 @@
 """Miles' INT4 quantization-aware training: training sees the int4 weights the engines serve.
 
 Miles turns it on with two environment variables in every trainer worker's environment (its Ray
-runtime env), not flags: `OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1` and `OPEN_TRAINING_INT4_GROUP_SIZE`
-(default 128). Here, as there, each covered Linear's forward uses `fake_int4_quant(weight)`
+runtime env, or `--train-env-vars`), not flags: `OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1` and
+`OPEN_TRAINING_INT4_GROUP_SIZE` (default 128). Here the driver's values reach the trainer actors'
+runtime env, and `--train-env-vars` overrides them (run_services.py). Here, as there, each covered Linear's forward uses `fake_int4_quant(weight)`
 (kernels/quant.py: `scale = max(amax / 7, 1e-5)`, `clamp(round(w / scale), -7, 7) * scale` per group
 of input columns; backward straight-through), so the parameters, the optimizer and the exported
 weights stay in the training dtype and only the forward sees int4.
@@ -42,9 +43,21 @@ def qat_group_size(environ: Mapping[str, str] = os.environ) -> int | None:
     return int(raw)
 
 
-def check_int4_qat(cfg, environ: Mapping[str, str] = os.environ) -> str | None:
-    """Preflight: refuse INT4 QAT where it cannot mean what it says; the line the run logs, or None."""
-    group = qat_group_size(environ)
+def qat_env_vars(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The driver's INT4 QAT variables, for the trainer actors' runtime env (what preflight checked)."""
+    return {k: environ[k] for k in (QAT_FLAG_ENV, QAT_GROUP_ENV) if k in environ}
+
+
+def trainer_environ(cfg) -> dict[str, str]:
+    """The environment the trainer processes get: the driver's, then --train-env-vars (run_services.py)."""
+    train_env = cfg.train_env() if hasattr(cfg, "train_env") else {}
+    return {**os.environ, **train_env}
+
+
+def check_int4_qat(cfg, environ: Mapping[str, str] | None = None) -> str | None:
+    """Preflight: refuse INT4 QAT where it cannot mean what it says; the line the run logs, or None.
+    `environ`: the trainers' environment (default: the driver's with --train-env-vars over it)."""
+    group = qat_group_size(trainer_environ(cfg) if environ is None else environ)
     if group is None:
         return None
     from miles_platform.weights.rollout_quant import rollout_quant

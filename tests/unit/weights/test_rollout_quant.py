@@ -150,6 +150,10 @@ def test_int4_qat_forward_equals_the_dequantized_int4_forward(tiny_hf_checkpoint
     monkeypatch.setenv(QAT_FLAG_ENV, "yes")
     with pytest.raises(ConfigError, match="must be 1"):
         check_int4_qat(cfg)
+    monkeypatch.delenv(QAT_FLAG_ENV)  # Miles' --train-env-vars reaches the trainers too
+    assert check_int4_qat(cfg) is None
+    cfg.train_env = lambda: {QAT_FLAG_ENV: "1", QAT_GROUP_ENV: "32"}
+    assert "groups of 32; the checkpoint packs groups of 16" in check_int4_qat(cfg)
 
 
 def test_with_int4_qat_the_trainer_scores_what_the_int4_engine_serves(
