@@ -36,9 +36,9 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     check_engine_kind(cfg)
     from miles_platform.training.qat import check_int4_qat
-    from miles_platform.weights.rollout_quant import check_rollout_quant
+    from miles_platform.weights.rollout_quant import rollout_quant
 
-    check_rollout_quant(cfg)  # a quantized --hf-checkpoint: the transports that re-quantize
+    rollout_quant(cfg.hf_checkpoint)  # a quantized one: a variant updates can be re-quantized to
     check_int4_qat(cfg)  # OPEN_TRAINING_INT4_FAKE_QAT_FLAG: an int4 rollout checkpoint, fsdp
     _check_fault_targets(cfg)
     if cfg.embedded_engines_only:

@@ -8,9 +8,11 @@ runtime env, and `--train-env-vars` overrides them (run_services.py). Here, as t
 of input columns; backward straight-through), so the parameters, the optimizer and the exported
 weights stay in the training dtype and only the forward sees int4.
 
-Covered: the Linear modules the int4 rollout checkpoint stores packed (its `weight_packed` names;
-Miles covers the routed experts its int4 checkpoints pack), on the actor and the reference model
-alike, so at step 0 the trainer's log-probs are the int4 engine's. A run without an int4
+Covered: every weight the int4 rollout checkpoint stores packed (its `weight_packed` names): Linear
+layers, MoE routers, and an MoE's fused experts (`mlp.experts.gate_up_proj` / `down_proj`, whose
+per-expert tensors the checkpoint packs; Miles covers exactly those routed experts in its int4
+recipes), on the actor and the reference model alike, so at step 0 the trainer's log-probs are the
+int4 engine's. A run without an int4
 pack-quantized --hf-checkpoint, or on --train-backend megatron, is refused (preflight).
 """
 
@@ -71,38 +73,83 @@ def check_int4_qat(cfg, environ: Mapping[str, str] | None = None) -> str | None:
         )
     if cfg.train_backend != "fsdp":
         raise ConfigError(
-            f"{QAT_FLAG_ENV}=1 on --train-backend {cfg.train_backend}: INT4 QAT hooks the HF model's Linear "
-            "modules of --train-backend fsdp; megatron's layers are not hooked here (use fsdp)"
+            f"{QAT_FLAG_ENV}=1 on --train-backend {cfg.train_backend}: INT4 QAT hooks the HF model's modules "
+            "of --train-backend fsdp; megatron's layers are not hooked here (use fsdp)"
         )
     note = "" if group == rq.group_size else (
         f"; the checkpoint packs groups of {rq.group_size}: training and serving round differently "
         f"(set {QAT_GROUP_ENV}={rq.group_size} to match)"
     )  # fmt: skip
-    return f"INT4 QAT on: {len(rq.modules)} Linear modules fake-quantized in groups of {group}{note}"
+    return f"INT4 QAT on: {len(rq.modules)} packed weights fake-quantized in groups of {group}{note}"
 
 
-def _fake_int4_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x, kq.fake_int4_quant(self.weight, self.int4_qat_group), self.bias)
+def _fake_int4(p: torch.Tensor, group: int) -> torch.Tensor:
+    """A weight [out, in] or an MoE's fused experts [E, out, in] on the int4 grid (rows are
+    independent, so [E * out, in] groups are each expert's, gate and up rows alike)."""
+    return kq.fake_int4_quant(p.reshape(-1, p.shape[-1]), group).reshape(p.shape)
+
+
+def _fake_int4_forward(self: torch.nn.Module, *args, **kwargs):
+    """The module's own forward with its covered parameters swapped for their fake-quantized values
+    for the call (a function of the parameter: the gradient reaches it, straight through)."""
+    saved = {n: self._parameters[n] for n in self.int4_qat_params}
+    try:
+        for n, p in saved.items():
+            del self._parameters[n]
+            self.__dict__[n] = _fake_int4(p, self.int4_qat_group)
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        for n, p in saved.items():
+            self.__dict__.pop(n, None)
+            self._parameters[n] = p
+
+
+def _covered(model: torch.nn.Module, modules: frozenset[str]) -> dict[str, list[str]]:
+    """{module name: its parameters whose on-disk tensors the checkpoint packs}: 2-D `<m>.weight`
+    named in `modules`, and an MoE's fused experts [E, out, in] when every per-expert tensor is."""
+    from miles_platform.models.checkpoint_layout import split_fused_experts
+
+    params = dict(model.named_parameters())
+    # the names the on-disk layout is recognized by (MiniMax-M2, Nemotron-H) go along with each split
+    marks = {n: p.detach().to("meta") for n, p in params.items()
+             if n.endswith(".mlp.e_score_correction_bias") or n == "model.embeddings.weight"}  # fmt: skip
+    mark_out = set(split_fused_experts(marks))
+    out: dict[str, list[str]] = {}
+    for name, p in params.items():
+        owner, _, local = name.rpartition(".")
+        if p.dim() == 2 and local == "weight" and owner in modules:
+            out.setdefault(owner, []).append(local)
+        elif p.dim() == 3:
+            disk = set(split_fused_experts({**marks, name: p.detach().to("meta")})) - mark_out
+            if disk and all(d.endswith(".weight") and d[: -len(".weight")] in modules for d in disk):
+                out.setdefault(owner, []).append(local)
+    return out
 
 
 def apply_int4_qat(model: torch.nn.Module, modules: frozenset[str], group: int) -> int:
-    """Hook the forward of every Linear named in `modules` (HF names); returns how many. Before any
-    wrapping (LoRA keeps the hooked Linear as its base layer; FSDP2 unshards before the forward)."""
-    hooked = set()
-    for name, m in model.named_modules():
-        if name in modules and isinstance(m, torch.nn.Linear):
-            kq.int4_group_size(m.in_features, group)  # raises naming the size that does not divide
-            m.int4_qat_group = group
-            m.forward = types.MethodType(_fake_int4_forward, m)
-            hooked.add(name)
-    missing = sorted(modules - hooked)
+    """Hook the forward of every module holding a weight the int4 checkpoint packs (HF names: Linear
+    layers, routers, an MoE's fused experts); returns how many modules. Before any wrapping (LoRA
+    keeps the hooked Linear as its base layer; FSDP2 unshards before the forward)."""
+    from miles_platform.models.checkpoint_layout import split_fused_experts
+
+    covered = _covered(model, modules)
+    for owner, locals_ in covered.items():
+        m = model.get_submodule(owner)
+        for local in locals_:
+            kq.int4_group_size(
+                getattr(m, local).shape[-1], group
+            )  # raises naming a size that does not divide
+        m.int4_qat_group, m.int4_qat_params = group, tuple(locals_)
+        m.forward = types.MethodType(_fake_int4_forward, m)
+    meta = {f"{o}.{n}": model.get_submodule(o).get_parameter(n).detach().to("meta")
+            for o, ns in covered.items() for n in ns}  # fmt: skip
+    missing = sorted(modules - {d.removesuffix(".weight") for d in split_fused_experts(meta)})
     if missing:
         raise ConfigError(
-            f"INT4 QAT: {len(missing)} modules the int4 checkpoint packs are not torch Linear modules of the "
-            f"trainer's model (e.g. {missing[:3]}; fused MoE experts are not hooked): their training forward "
-            "would not see int4"
+            f"INT4 QAT: {len(missing)} modules the int4 checkpoint packs are not weights of the trainer's "
+            f"model (e.g. {missing[:3]}): their training forward would not see int4"
         )
-    return len(hooked)
+    return len(covered)
 
 
 def maybe_apply_int4_qat(model: torch.nn.Module, hf_checkpoint: str) -> int:

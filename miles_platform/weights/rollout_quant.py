@@ -8,7 +8,8 @@ the modules the checkpoint stores quantized leave as fp8 `weight` + `weight_scal
 `weight_packed` + `weight_scale` + `weight_shape`, with the checkpoint's block / group size; every
 other tensor as it is. So the engines serve `dequant(quantize(trainer weights))` after version 1
 exactly as they served `dequant(checkpoint)` at version 0, and the update carries the quantized
-bytes (about a quarter (fp8, from fp32) or an eighth (int4) of the dense ones).
+bytes (about a quarter (fp8, from fp32) or an eighth (int4) of the dense ones). Where the trainer ranks
+ship the update themselves (broadcast, colocated tensor) they quantize it (training/actor.py).
 
 The quantized tensors are self-describing (their suffixes): `dense_from_update` turns an update
 back into dense module parameters wherever it lands (an engine, the weight check).
@@ -37,13 +38,14 @@ class RolloutQuant:
     modules: frozenset[str]  # the modules the checkpoint stores quantized (HF on-disk names)
     group_size: int = 128  # int4 only (the checkpoint's config_groups group_size)
 
-    def quantize(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def quantize(self, state: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
         """The trainer's HF-named weights as the rollout checkpoint stores them (on-disk layout: an
-        MoE's experts one tensor each). Raises when a module the checkpoint quantized is missing."""
+        MoE's experts one tensor each). Raises when a module the checkpoint quantized is missing,
+        unless `state` is `partial` (one bucket of a streamed update)."""
         from miles_platform.models.checkpoint_layout import split_fused_experts
 
         state = split_fused_experts(state)
-        missing = sorted(m for m in self.modules if f"{m}.weight" not in state)
+        missing = [] if partial else sorted(m for m in self.modules if f"{m}.weight" not in state)
         if missing:
             raise CheckpointError(
                 f"the rollout checkpoint stores {len(missing)} modules {self.fmt}-quantized that the trainer's "
@@ -201,28 +203,6 @@ def served_path(hf_export: str, fmt: str) -> str:
     """Where a version's served quantized checkpoint lives: beside its HF export (`<export>-<fmt>`),
     the path the `quantized_weights` asset writes too."""
     return f"{hf_export.rstrip('/')}-{fmt}"
-
-
-def check_rollout_quant(cfg) -> None:
-    """Preflight: a quantized --hf-checkpoint is one this build re-quantizes, through a transport that
-    ships what the driver quantized (INT4 QAT: training/qat.py `check_int4_qat`)."""
-    from miles_platform.errors import ConfigError
-
-    rq = rollout_quant(cfg.hf_checkpoint)
-    if rq is None or cfg.uses_lora or cfg.debug_train_only:  # LoRA: the quantized base never changes
-        return
-    mode = cfg.update_weight_transfer_mode
-    if mode == "broadcast" or (mode == "tensor" and cfg.colocate):
-        how = (
-            "broadcast (trainer rank 0 sends)"
-            if mode == "broadcast"
-            else "tensor under --colocate (each rank stages)"
-        )
-        raise ConfigError(
-            f"--hf-checkpoint is {rq.fmt}-quantized: every update re-quantizes the trainer's weights for the "
-            f"engines, which --update-weight-transfer-mode {how} does not do (the trainer ships its own "
-            "dense tensors); use --update-weight-transfer-mode tensor (not colocated), disk, disk-delta or mooncake"
-        )
 
 
 def quantized_serving(cfg) -> list[str]:

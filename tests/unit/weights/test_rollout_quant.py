@@ -97,29 +97,73 @@ def test_the_dense_export_of_a_quantized_run_claims_no_quantization(tiny_hf_chec
     quantize_checkpoint(out, str(tmp_path / "v1-int4"), "int4", group_size=16)  # the asset can quantize it
 
 
-def test_transports_that_ship_the_trainers_own_tensors_are_refused(tiny_hf_checkpoint, tmp_path):
-    from miles_platform.config import ConfigError
-    from miles_platform.weights.rollout_quant import check_rollout_quant
+def test_trainer_shipped_updates_are_quantized_too_broadcast_fp8_and_shared_memory(
+    tiny_hf_checkpoint, tmp_path
+):
+    """broadcast (rank 0 sends) and colocated tensor (each rank stages in shared memory): the trainer
+    quantizes what it ships (Miles' fp8 / int4 recipes are colocated); fp8 crosses gloo as bytes."""
+    import threading
+
+    import httpx
+
+    from miles_platform.rollout.engine_server import start_engine_server
+    from miles_platform.training.actor import TrainerActor
+    from miles_platform.weights.shared_tensors import stage
+    from miles_platform.weights.transports.broadcast import (
+        broadcast,
+        dtype_name,
+        new_weights_group,
+        weights_update_endpoint,
+    )
 
     q = str(tmp_path / "fp8")
     quantize_checkpoint(tiny_hf_checkpoint, q, "fp8")
-    base = dict(
-        hf_checkpoint=q, uses_lora=False, debug_train_only=False, colocate=False, train_backend="fsdp"
-    )
-    for mode, colocate in (("broadcast", False), ("tensor", True)):
-        cfg = SimpleNamespace(**{**base, "update_weight_transfer_mode": mode, "colocate": colocate})
-        with pytest.raises(ConfigError, match="fp8-quantized: every update re-quantizes"):
-            check_rollout_quant(cfg)
-    for mode in ("tensor", "disk", "disk-delta", "mooncake"):
-        check_rollout_quant(SimpleNamespace(**base, update_weight_transfer_mode=mode))
+    weights = _trained(q)
+    served = TrainerActor._for_engines(SimpleNamespace(cfg=SimpleNamespace(hf_checkpoint=q)), weights)
+    assert served.keys() == rollout_quant(q).quantize(weights).keys() != weights.keys()
+    dense, _ = dense_from_update(served)
+    server = start_engine_server(q)
+    try:
+        ep, out = weights_update_endpoint(), {}
+        t = threading.Thread(target=lambda: out.setdefault("g", new_weights_group(
+            ep["master_address"], ep["master_port"], 0, 2, "g", "gloo", 30)))  # fmt: skip
+        t.start()
+        body = {**ep, "rank_offset": 1, "world_size": 2, "group_name": "g"}
+        assert httpx.post(f"{server.url}/init_weights_update_group", json=body, timeout=60).status_code == 200
+        t.join(60)
+        send = threading.Thread(target=lambda: [broadcast(out["g"], v.contiguous()) for v in served.values()])
+        send.start()
+        body = {"names": list(served), "dtypes": [dtype_name(v.dtype) for v in served.values()],
+                "shapes": [list(v.shape) for v in served.values()], "group_name": "g", "weight_version": 1}  # fmt: skip
+        r = httpx.post(f"{server.url}/update_weights_from_distributed", json=body, timeout=60)
+        send.join(60)
+        assert r.status_code == 200, r.text
+        got = server.core.get_weights()
+        assert server.core.served_quantization()["format"] == "fp8"
+        assert all(torch.equal(got[k], dense[k].to(got[k].dtype)) for k in dense)
+        staged = stage(served)  # colocated: shared memory, fp8 included
+        try:
+            server.core.update_weights_from_tensor(staged.descriptor, 2)
+        finally:
+            staged.close()
+        assert server.core.served_quantization()["weight_version"] == 2
+        assert all(torch.equal(server.core.get_weights()[k], got[k]) for k in got)
+    finally:
+        server.stop()
 
 
-def test_int4_qat_forward_equals_the_dequantized_int4_forward(tiny_hf_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_int4_qat_forward_equals_the_dequantized_int4_forward(
+    tiny_hf_checkpoint, tmp_path, monkeypatch, family
+):
+    """Every packed weight: Linear layers; for the MoE also its router and fused experts (Miles' QAT scope)."""
     from miles_platform.config import ConfigError
+    from miles_platform.models.tiny import save_tiny_checkpoint
     from miles_platform.training.qat import QAT_FLAG_ENV, QAT_GROUP_ENV, check_int4_qat, maybe_apply_int4_qat
 
     q = str(tmp_path / "int4")
-    quantize_checkpoint(tiny_hf_checkpoint, q, "int4", group_size=16)
+    base = tiny_hf_checkpoint if family == "qwen3" else save_tiny_checkpoint(tmp_path / family, family)
+    quantize_checkpoint(base, q, "int4", group_size=16)
     rq = rollout_quant(q)
     weights = _trained(q)
     qat, served = load_dense_hf_model(q), load_dense_hf_model(q)
@@ -129,7 +173,15 @@ def test_int4_qat_forward_equals_the_dequantized_int4_forward(tiny_hf_checkpoint
     assert maybe_apply_int4_qat(qat, q) == 0  # off unless the environment says so
     monkeypatch.setenv(QAT_FLAG_ENV, "1")
     monkeypatch.setenv(QAT_GROUP_ENV, "16")
-    assert maybe_apply_int4_qat(qat, q) == len(rq.modules)
+    hooked = maybe_apply_int4_qat(qat, q)
+    assert hooked == (
+        len(rq.modules) if family == "qwen3" else 2 * 6
+    )  # per layer: q, k, v, o, router, experts
+    if family == "qwen3_moe":
+        assert qat.get_submodule("model.layers.0.mlp.experts").int4_qat_params == (
+            "gate_up_proj",
+            "down_proj",
+        )
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     out = qat(input_ids=ids).logits
     with torch.no_grad():
@@ -138,8 +190,8 @@ def test_int4_qat_forward_equals_the_dequantized_int4_forward(tiny_hf_checkpoint
         plain.load_state_dict(weights, strict=False)
         assert not torch.equal(out.detach(), plain(input_ids=ids).logits)  # the hook is what made them equal
     out.float().pow(2).mean().backward()  # straight-through: the fp32 parameters get the gradient
-    m = sorted(rq.modules)[0]
-    assert qat.get_submodule(m).weight.grad is not None and qat.get_submodule(m).weight.grad.abs().sum() > 0
+    hooked = [getattr(m, n) for m in qat.modules() for n in getattr(m, "int4_qat_params", ())]
+    assert hooked and all(p.grad is not None and p.grad.abs().sum() > 0 for p in hooked)
     # preflight: QAT needs an int4 rollout checkpoint and the fsdp backend
     cfg = SimpleNamespace(hf_checkpoint=q, train_backend="fsdp")
     assert "groups of 16" in check_int4_qat(cfg)
