@@ -29,7 +29,8 @@ class FSDPBackend(ModelBackend):
         model.config.use_cache = False
         from miles_platform.training.qat import maybe_apply_int4_qat
 
-        self.int4_qat_modules = maybe_apply_int4_qat(model, self.cfg.hf_checkpoint)  # actor and reference
+        rollout_ckpt = getattr(self.cfg, "hf_checkpoint", None) or hf_checkpoint
+        self.int4_qat_modules = maybe_apply_int4_qat(model, rollout_ckpt)  # actor and reference
         self.lora = trainable and self.cfg.uses_lora
         if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:
             from miles_platform.models.moe import routers

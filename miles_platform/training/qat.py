@@ -12,8 +12,8 @@ Covered: every weight the int4 rollout checkpoint stores packed (its `weight_pac
 layers, MoE routers, and an MoE's fused experts (`mlp.experts.gate_up_proj` / `down_proj`, whose
 per-expert tensors the checkpoint packs; Miles covers exactly those routed experts in its int4
 recipes), on the actor and the reference model alike, so at step 0 the trainer's log-probs are the
-int4 engine's. A run without an int4
-pack-quantized --hf-checkpoint, or on --train-backend megatron, is refused (preflight).
+int4 engine's. On --train-backend megatron the layers holding those weights (training/megatron_qat.py).
+A run without an int4 pack-quantized --hf-checkpoint is refused (preflight).
 """
 
 from __future__ import annotations
@@ -71,11 +71,6 @@ def check_int4_qat(cfg, environ: Mapping[str, str] | None = None) -> str | None:
             f"int4 engines serve, but --hf-checkpoint is {f'{rq.fmt}-quantized' if rq else 'not quantized'}: "
             "serve an int4 pack-quantized checkpoint (`miles-platform quantize --format int4`) or unset it"
         )
-    if cfg.train_backend != "fsdp":
-        raise ConfigError(
-            f"{QAT_FLAG_ENV}=1 on --train-backend {cfg.train_backend}: INT4 QAT hooks the HF model's modules "
-            "of --train-backend fsdp; megatron's layers are not hooked here (use fsdp)"
-        )
     note = "" if group == rq.group_size else (
         f"; the checkpoint packs groups of {rq.group_size}: training and serving round differently "
         f"(set {QAT_GROUP_ENV}={rq.group_size} to match)"
@@ -89,7 +84,7 @@ def _fake_int4(p: torch.Tensor, group: int) -> torch.Tensor:
     return kq.fake_int4_quant(p.reshape(-1, p.shape[-1]), group).reshape(p.shape)
 
 
-def _fake_int4_forward(self: torch.nn.Module, *args, **kwargs):
+def fake_int4_forward(self: torch.nn.Module, *args, **kwargs):
     """The module's own forward with its covered parameters swapped for their fake-quantized values
     for the call (a function of the parameter: the gradient reaches it, straight through)."""
     saved = {n: self._parameters[n] for n in self.int4_qat_params}
@@ -140,7 +135,7 @@ def apply_int4_qat(model: torch.nn.Module, modules: frozenset[str], group: int) 
                 getattr(m, local).shape[-1], group
             )  # raises naming a size that does not divide
         m.int4_qat_group, m.int4_qat_params = group, tuple(locals_)
-        m.forward = types.MethodType(_fake_int4_forward, m)
+        m.forward = types.MethodType(fake_int4_forward, m)
     meta = {f"{o}.{n}": model.get_submodule(o).get_parameter(n).detach().to("meta")
             for o, ns in covered.items() for n in ns}  # fmt: skip
     missing = sorted(modules - {d.removesuffix(".weight") for d in split_fused_experts(meta)})
@@ -152,14 +147,22 @@ def apply_int4_qat(model: torch.nn.Module, modules: frozenset[str], group: int) 
     return len(covered)
 
 
-def maybe_apply_int4_qat(model: torch.nn.Module, hf_checkpoint: str) -> int:
-    """The trainer side: INT4 QAT as this worker's environment says (0 when off)."""
+def packed_modules(hf_checkpoint: str) -> tuple[frozenset[str], int] | None:
+    """The trainer side: (the modules the int4 checkpoint packs, the QAT group size) when this
+    worker's environment turns INT4 QAT on, else None."""
     group = qat_group_size()
     if group is None:
-        return 0
+        return None
     from miles_platform.weights.rollout_quant import rollout_quant
 
     rq = rollout_quant(hf_checkpoint)
     if rq is None or rq.fmt != "int4":
         raise ConfigError(f"{QAT_FLAG_ENV}=1 needs an int4 pack-quantized --hf-checkpoint ({hf_checkpoint})")
-    return apply_int4_qat(model, rq.modules, group)
+    return rq.modules, group
+
+
+def maybe_apply_int4_qat(model: torch.nn.Module, hf_checkpoint: str) -> int:
+    """INT4 QAT on the fsdp backend's HF module as the environment says (0 when off); megatron's:
+    training/megatron_qat.py."""
+    packed = packed_modules(hf_checkpoint)
+    return apply_int4_qat(model, *packed) if packed else 0

@@ -197,8 +197,6 @@ def test_int4_qat_forward_equals_the_dequantized_int4_forward(
     assert "groups of 16" in check_int4_qat(cfg)
     with pytest.raises(ConfigError, match="not quantized"):
         check_int4_qat(SimpleNamespace(hf_checkpoint=tiny_hf_checkpoint, train_backend="fsdp"))
-    with pytest.raises(ConfigError, match="--train-backend megatron"):
-        check_int4_qat(SimpleNamespace(hf_checkpoint=q, train_backend="megatron"))
     monkeypatch.setenv(QAT_FLAG_ENV, "yes")
     with pytest.raises(ConfigError, match="must be 1"):
         check_int4_qat(cfg)
@@ -257,3 +255,41 @@ def test_with_int4_qat_the_trainer_scores_what_the_int4_engine_serves(
         assert with_qat < 1e-5 and without > 10 * max(with_qat, 1e-6), (with_qat, without)
     finally:
         core.stop()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_int4_qat_on_megatron_hooks_the_layers_holding_packed_weights(
+    tiny_hf_checkpoint, tmp_path, monkeypatch, family
+):
+    """linear_qkv / linear_proj / linear_fc1 / linear_fc2 (and the MoE's router and local experts): the
+    megatron forward with QAT equals the megatron forward of dequant(quantize(W)), logit for logit."""
+    from miles_platform.models.tiny import save_tiny_checkpoint
+    from miles_platform.training.megatron_backend import MegatronBackend
+    from miles_platform.training.qat import QAT_FLAG_ENV, QAT_GROUP_ENV
+
+    q = str(tmp_path / "int4")
+    base = tiny_hf_checkpoint if family == "qwen3" else save_tiny_checkpoint(tmp_path / family, family)
+    quantize_checkpoint(base, q, "int4", group_size=16)
+    rq, weights = rollout_quant(q), _trained(q)
+    cfg = SimpleNamespace(tensor_model_parallel_size=1, seed=7, ref_load=None, hf_checkpoint=q)
+    ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(10).expand(2, 10)
+
+    def logits(state, qat: bool):
+        if qat:
+            monkeypatch.setenv(QAT_FLAG_ENV, "1")
+            monkeypatch.setenv(QAT_GROUP_ENV, "16")
+        else:
+            monkeypatch.delenv(QAT_FLAG_ENV, raising=False)
+        b = MegatronBackend(cfg)
+        b.build(q)
+        b.load_hf_state_dict(state)
+        with torch.no_grad():
+            return b.logits(ids, pos), b.int4_qat_modules
+
+    with_qat, hooked = logits(weights, True)
+    served, none = logits(dense_from_update(rq.quantize(weights))[0], False)
+    plain, _ = logits(weights, False)
+    # per layer: qkv, proj, fc1, fc2 (dense) / qkv, proj, router, 4 experts x (fc1, fc2) (the tiny MoE)
+    assert (hooked, none) == ((8, 0) if family == "qwen3" else (2 * 11, 0))
+    assert torch.equal(with_qat, served) and not torch.equal(with_qat, plain)
