@@ -26,6 +26,7 @@ import torch
 from kernels import quant as kq
 from miles_platform.errors import CheckpointError
 
+FORMATS = ("fp8", "int4")  # what a served copy beside a version's export can be (`served_path`)
 FP8_SUFFIX = ".weight_scale_inv"
 INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
 

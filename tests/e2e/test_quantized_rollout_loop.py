@@ -9,6 +9,7 @@ import torch
 from loop_helpers import small_run_config
 
 from miles_platform.loop import Reporter, train
+from miles_platform.store.lineage_identity import read_edges
 from miles_platform.store.paths import StoragePaths
 from miles_platform.training.qat import QAT_FLAG_ENV, QAT_GROUP_ENV
 from miles_platform.weights.quantize import quantize_checkpoint
@@ -53,6 +54,8 @@ def test_a_quantized_rollout_checkpoint_is_served_quantized_after_every_update(
     # measured: fp8 2.9e-3; int4 with QAT 2.4e-7 (without QAT 1.0e-2): training sees what serving sees
     assert after < 1e-5 if qat else after > 1e-4, after
     rq, paths = rollout_quant(q), StoragePaths(cfg.storage_root)
+    edges = {(e.child, e.parent, e.relation) for e in read_edges(paths, "t")}
+    assert {(f"quantized:t.v00000{v}:{fmt}", f"t.v00000{v}", "quantized_as") for v in (1, 2)} <= edges
     for v in (1, 2):  # each served version is on disk beside its dense export: quantize(export), bit for bit
         export = paths.hf_export("t", v)
         dense, dense_fmt, _ = read_served_state(export)
