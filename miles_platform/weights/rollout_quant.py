@@ -157,8 +157,6 @@ def dense_from_update(
     int4 = [n.removesuffix(".weight_packed") for n in named if n.endswith(".weight_packed")]
     if fp8 and int4:
         raise CheckpointError("a weight update carries both fp8 and int4 tensors: one format per model")
-    if not fp8 and not int4:
-        return named, None
     out = dict(named)
     for m in fp8:
         q, s = out.pop(f"{m}.weight", None), out.pop(m + FP8_SUFFIX)
@@ -171,6 +169,13 @@ def dense_from_update(
         except KeyError as e:
             raise CheckpointError(f"weight update: int4 module {m} lacks {e.args[0]}") from e
         out[f"{m}.weight"] = kq.int4_dequant(packed, scale, shape, dtype)
+    stray = [n for n, t in out.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if stray:  # an fp8 weight without its scale would load as its raw fp8 values
+        raise CheckpointError(
+            f"weight update: {stray[0]} is fp8 without {stray[0][: -len('.weight')]}{FP8_SUFFIX}"
+        )
+    if not fp8 and not int4:
+        return named, None
     return fuse_checkpoint_experts(out), ("fp8" if fp8 else "int4")
 
 

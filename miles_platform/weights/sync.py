@@ -31,9 +31,11 @@ def _trainer_weights(s) -> dict:
 def export_policy(weights: dict, cfg: RunConfig, out_dir: str) -> str:
     """The version's policy as an HF dir: the trainer's dense weights, so no quantization_config
     (a quantized --hf-checkpoint's is the served copy's: `served_weights`)."""
+    from miles_platform.models.checkpoint import quantization
     from miles_platform.training.export import export_hf_dir
 
-    return export_hf_dir(weights, cfg.hf_checkpoint, out_dir, {"quantization_config": None})
+    dense = {"quantization_config": None} if quantization(cfg.hf_checkpoint) else None  # else config as is
+    return export_hf_dir(weights, cfg.hf_checkpoint, out_dir, dense)
 
 
 def served_weights(cfg: RunConfig, weights: dict, hf_dir: str | None) -> tuple[dict, str | None, dict]:

@@ -2,6 +2,7 @@
 INT4 QAT (the trainer's forward sees the int4 weights the engines serve)."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from kernels import quant as kq
+from miles_platform.errors import CheckpointError
 from miles_platform.weights.checksum import checksum
 from miles_platform.weights.quantize import load_dense_hf_model, quantize_checkpoint
 from miles_platform.weights.rollout_quant import (
@@ -73,6 +75,11 @@ def test_every_update_is_requantized_bit_for_bit_and_served_in_the_same_format(
         assert all(torch.equal(got[k], dense[k].to(got[k].dtype)) for k in dense)
         m = next(iter(sorted(rq.modules)))
         assert not torch.equal(got[f"{m}.weight"], weights[f"{m}.weight"])  # served quantized, not dense
+        # an update missing a quantized tensor is refused before any weight changes
+        drop = f"{m}.weight_scale_inv" if fmt == "fp8" else f"{m}.weight_scale"
+        with pytest.raises(CheckpointError, match=re.escape(m)):
+            core.update_weights_from_tensors({k: v for k, v in served.items() if k != drop}, 2)
+        assert core.weight_version == 1 and torch.equal(core.get_weights()[f"{m}.weight"], got[f"{m}.weight"])
         # the run's path: the served copy beside the version's export, loaded from disk as a `disk` update does
         cfg = SimpleNamespace(hf_checkpoint=q)
         export = str(tmp_path / "v000002")
