@@ -77,7 +77,7 @@ def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: 
         return  # engines already hold v0
     weights = _trainer_weights(s)
     hf_dir = paths.hf_export(cfg.run_name, version)
-    if (resumed and delta) or cfg.use_fault_tolerance:  # what engines (a replacement) load from disk
+    if resumed and (delta or cfg.use_fault_tolerance):  # what engines (a replacement) load from disk
         if not exists(f"{hf_dir}/model.safetensors"):
             hf_dir = export_policy(weights, cfg, hf_dir)
     has_export = exists(f"{hf_dir}/model.safetensors")
