@@ -3,10 +3,11 @@
 Miles turns it on with two environment variables in every trainer worker's environment (its Ray
 runtime env, or `--train-env-vars`), not flags: `OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1` and
 `OPEN_TRAINING_INT4_GROUP_SIZE` (default 128). Here the driver's values reach the trainer actors'
-runtime env, and `--train-env-vars` overrides them (run_services.py). Here, as there, each covered Linear's forward uses `fake_int4_quant(weight)`
-(kernels/quant.py: `scale = max(amax / 7, 1e-5)`, `clamp(round(w / scale), -7, 7) * scale` per group
-of input columns; backward straight-through), so the parameters, the optimizer and the exported
-weights stay in the training dtype and only the forward sees int4.
+runtime env, and `--train-env-vars` overrides them (run_services.py). As there, each covered
+weight's forward uses `fake_int4_quant(weight)` (kernels/quant.py: `scale = max(amax / 7, 1e-5)`,
+`clamp(round(w / scale), -7, 7) * scale` per group of input columns; backward straight-through), so
+the parameters, the optimizer and the exported weights stay in the training dtype and only the
+forward sees int4.
 
 Covered: every weight the int4 rollout checkpoint stores packed (its `weight_packed` names): Linear
 layers, MoE routers, and an MoE's fused experts (`mlp.experts.gate_up_proj` / `down_proj`, whose
