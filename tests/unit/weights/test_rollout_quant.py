@@ -296,7 +296,6 @@ def test_int4_qat_on_megatron_hooks_the_layers_holding_packed_weights(
 
     with_qat, hooked = logits(weights, True)
     served, none = logits(dense_from_update(rq.quantize(weights))[0], False)
-    plain, _ = logits(weights, False)
     # per layer: qkv, proj, fc1, fc2 (dense) / qkv, proj, router, 4 experts x (fc1, fc2) (the tiny MoE)
     assert (hooked, none) == ((8, 0) if family == "qwen3" else (2 * 11, 0))
-    assert torch.equal(with_qat, served) and not torch.equal(with_qat, plain)
+    assert torch.equal(with_qat, served)  # without the hooks: the trained weights' logits, not these
