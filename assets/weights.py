@@ -192,7 +192,10 @@ def quantized_vs_full_precision(
 
 
 def quantized_path(hf_export: str, fmt: str) -> str:
-    return f"{hf_export.rstrip('/')}-{fmt}"
+    """`<export>-<fmt>`: where a run from a quantized --hf-checkpoint writes each served version too."""
+    from miles_platform.weights.rollout_quant import served_path
+
+    return served_path(hf_export, fmt)
 
 
 @dg.asset(

@@ -43,23 +43,22 @@ class RLRun:
         self.nonfinite: list[int] = []  # the rollout of each optimizer step skipped for a NaN / inf
 
     def run(self) -> RunResult:
-        from miles_platform.models.checkpoint import content_hash, load_tokenizer, quantization
+        from miles_platform.models.checkpoint import content_hash, load_tokenizer
         from miles_platform.rollout.loop_eval import eval_before_train
         from miles_platform.run_lifecycle import published_version
         from miles_platform.run_services import RunServices, actor_died
         from miles_platform.store.recorder import VersionRecorder
+        from miles_platform.training.qat import check_int4_qat
+        from miles_platform.weights.rollout_quant import quantized_serving
         from miles_platform.weights.sync import initial_sync
 
         cfg = self.cfg
         validate_before_start(cfg)
         for line in cfg.miles_flags_taken():  # Miles flags taken with the same result: say how
             self.reporter.log(f"[miles flags] {line}")
-        quantized = quantization(cfg.hf_checkpoint)
-        if quantized:  # Miles' fp8 / int4 recipes serve such a checkpoint: say what happens here
-            self.reporter.log(
-                f"--hf-checkpoint is {quantized}-quantized: the trainer and the engines start from its dequantized "
-                "weights; weight updates carry the trainer's weights at --rollout-dtype (docs/miles_flags.md)"
-            )
+        for line in [*quantized_serving(cfg), check_int4_qat(cfg)]:  # Miles' fp8 / int4 recipes, INT4 QAT
+            if line:
+                self.reporter.log(line)
         tok = load_tokenizer(cfg.hf_checkpoint)
         src = data_source(cfg, tok)
         fill_defaults(cfg, self.paths, len(src) if src else 1)

@@ -38,6 +38,11 @@ def validate_before_start(cfg: RunConfig) -> None:
     from miles_platform.weights.transports import check_engine_kind
 
     check_engine_kind(cfg)
+    from miles_platform.training.qat import check_int4_qat
+    from miles_platform.weights.rollout_quant import rollout_quant
+
+    rollout_quant(cfg.hf_checkpoint)  # a quantized one: a variant updates can be re-quantized to
+    check_int4_qat(cfg)  # OPEN_TRAINING_INT4_FAKE_QAT_FLAG: an int4 rollout checkpoint, fsdp
     _check_fault_targets(cfg)
     if cfg.embedded_engines_only:
         from miles_platform.rollout.engine_fleet import (

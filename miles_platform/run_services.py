@@ -203,6 +203,7 @@ class RunServices(contextlib.AbstractContextManager):
         dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
         threads = os.environ.get("MILES_TRAIN_THREADS", "1")
         from miles_platform.rollout.engine_fleet import run_storage_env, run_storage_secrets
+        from miles_platform.training.qat import qat_env_vars
 
         env = {
             "env_vars": {
@@ -210,6 +211,7 @@ class RunServices(contextlib.AbstractContextManager):
                 "MILES_TRAIN_THREADS": threads,
                 **run_storage_env(cfg),
                 **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if cfg.deterministic_mode else {}),
+                **qat_env_vars(),  # Miles' INT4 QAT variables, as preflight read them (training/qat.py)
                 **cfg.train_env(),
             }  # fmt: skip
         }

@@ -48,6 +48,31 @@ def made_events(pv: PolicyVersion, extra: dict[str, Any] | None = None) -> list[
     events = [rollout_shard_event(pv, extra)]
     if pv.adapter_path and pv.base_checkpoint and os.path.isdir(pv.adapter_path):
         events.append(lora_adapter_event(pv, extra))
+    return events + served_quantized_events(pv, extra)
+
+
+def served_quantized_events(
+    pv: PolicyVersion, extra: dict[str, Any] | None = None
+) -> list[dg.AssetMaterialization]:
+    """A version the run's engines served quantized (a quantized --hf-checkpoint: the fp8 / int4 copy
+    beside its HF export, weights/rollout_quant.py) is a `quantized_weights[<version>|<fmt>]`
+    materialization, made by the run rather than by the asset (which writes the same path)."""
+    from assets.partitions import QUANT_FORMATS
+    from miles_platform.weights.rollout_quant import served_path
+
+    events = []
+    for fmt in QUANT_FORMATS if pv.hf_path else ():
+        path = served_path(pv.hf_path, fmt)
+        weights = os.path.join(path, "model.safetensors")
+        if not os.path.exists(weights):
+            continue
+        events.append(dg.AssetMaterialization(
+            asset_key="quantized_weights",
+            partition=dg.MultiPartitionKey({"policy_version": pv.partition_key, "format": fmt}),
+            metadata={**_lineage(pv), "format": fmt, "path": dg.MetadataValue.path(path),
+                      "hf_path": dg.MetadataValue.path(pv.hf_path), "bytes": os.path.getsize(weights),
+                      "served_by_run": True, "weight_version": pv.version, **(extra or {})},
+        ))  # fmt: skip
     return events
 
 

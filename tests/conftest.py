@@ -42,6 +42,7 @@ LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 20
 SLOW = {
     # over ~3 s each in the full run of 2026-12-05 08:40 UTC (make test-fast had reached 131 s):
     "test_a_crash_at_any_step_shows_each_row_once_and_a_rerun_repairs",
+    "test_a_quantized_rollout_checkpoint_is_served_quantized_after_every_update",  # 2-rollout runs on Ray
     "test_offload_and_onload_move_every_tensor_and_change_nothing",
     "test_a_second_writer_with_another_cache_dir_is_refused_until_the_first_releases",
     "test_a_store_that_fails_after_torch_took_its_socket_closes_it_once",

@@ -52,8 +52,9 @@ _DSA = "DeepSeek sparse attention (V3.2 / V4, GLM-5) is " + _FAMILY
 _MTP = "multi-token prediction (MTP) heads are not built: train without them (drop the MTP flags)"
 _FP8 = (
     "FP8 training (transformer-engine) is not built: the trainer computes in fp32 / bf16 "
-    "(--train-forward-dtype); an fp8 / int4 --hf-checkpoint is taken (trainer and engines start from its "
-    "dequantized weights), and SGLang engines quantize online with --sglang-quantization fp8"
+    "(--train-forward-dtype); an fp8 / int4 --hf-checkpoint is taken (the trainer starts from its dequantized "
+    "weights, every update re-quantizes for the engines: docs/weights.md), and SGLang engines quantize online "
+    "with --sglang-quantization fp8"
 )
 
 _MEMORY = (

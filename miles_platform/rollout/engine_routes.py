@@ -84,6 +84,7 @@ def health_router(core: EngineCore) -> APIRouter:
         return {
             "model_path": core.model_path,
             "dtype": str(core.dtype).removeprefix("torch."),
+            "quantization": core.served_quant_format(),  # fp8 / int4 / None, as served now
             "device": str(core.device),
             "mem_fraction_static": core.mem_fraction_static,
             "kv_budget_tokens": core.kv_budget,

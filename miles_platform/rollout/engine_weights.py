@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -54,11 +53,19 @@ class EngineWeightsMixin:
     def update_weights_from_tensors(
         self, named_tensors: dict[str, torch.Tensor], weight_version: int
     ) -> None:
-        """Copy (a subset of) parameters in, atomically between forward passes; set the version."""
+        """Copy (a subset of) parameters in, atomically between forward passes; set the version.
+        `named_tensors` may be raw bytes + a JSON header (weights/transports/mooncake.py encode_state)."""
+        from miles_platform.weights.rollout_quant import dense_from_update, quantized_names
+
+        if "__tensors__" in named_tensors:  # the tensor transport's form for dtypes torch cannot pickle
+            from miles_platform.weights.transports.mooncake import decode_state
+
+            named_tensors = decode_state(named_tensors)
         version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
-        self._in_scheduler(
-            lambda: self._swap(self._prepare_tensors(named_tensors, require_all=False), version)
-        )
+        sums = _checksums({n: named_tensors[n] for n in quantized_names(named_tensors)})
+        dense, fmt = dense_from_update(named_tensors)  # fp8 / int4 updates: what this engine serves
+        self._in_scheduler(lambda: self._swap(self._prepare_tensors(dense, require_all=False), version))
+        self._served_quant = (version, fmt, sums)
 
     def update_weights_from_tensor(self, named_tensors: dict, weight_version: int | None = None) -> int:
         """SGLang's /update_weights_from_tensor for a colocated trainer: `named_tensors` is the
@@ -75,14 +82,37 @@ class EngineWeightsMixin:
         """Load a full HF checkpoint dir (quantized ones via the dequantizing loader); returns the new version."""
         version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)
         from miles_platform.store.remote import local_dir
+        from miles_platform.weights.rollout_quant import read_served_state
 
         with local_dir(str(path)) as local:  # an object-store export: downloaded, read, removed
-            state = read_state_dict(local)
+            state, fmt, quantized = read_served_state(local)
         self._in_scheduler(
             lambda: self._swap(self._prepare_tensors(state, require_all=True, source=str(path)), version)
         )
-        self.model_path = str(path)
+        self.model_path, self._served_quant = str(path), (version, fmt, _checksums(quantized))
         return version
+
+    def served_quantization(self) -> dict:
+        """What the base weights are served as (SGLang's `quantization` server arg, here per version):
+        {"weight_version", "format": "fp8" / "int4" / None, "xxh3_128": {name: checksum} of the
+        quantized tensors as loaded}. Version 0 reads them from the checkpoint it started from."""
+        served = getattr(self, "_served_quant", None)
+        if served is None:  # version 0: --hf-checkpoint, as loaded at start
+            from miles_platform.weights.rollout_quant import read_served_state
+
+            _, fmt, quantized = read_served_state(self.model_path)
+            served = self._served_quant = (self._weight_version, fmt, _checksums(quantized))
+        version, fmt, sums = served
+        return {"weight_version": version, "format": fmt, "xxh3_128": dict(sums)}
+
+    def served_quant_format(self) -> str | None:
+        """The served format without reading a checkpoint (version 0: its config says it)."""
+        served = getattr(self, "_served_quant", None)
+        if served is not None:
+            return served[1]
+        from miles_platform.models.checkpoint import quantization
+
+        return {"fp8": "fp8", "compressed-tensors": "int4"}.get(quantization(self.model_path) or "")
 
     def init_weights_update_group(
         self,
@@ -394,23 +424,10 @@ def check_cache_kwarg(model) -> None:
         )
 
 
-def read_state_dict(path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF checkpoint dir by module name (dequantized when the checkpoint is
-    quantized; an MoE checkpoint's per-expert tensors fused as transformers' modules hold them)."""
-    from safetensors.torch import load_file
+def _checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    from miles_platform.weights.checksum import checksum
 
-    from miles_platform.models.checkpoint import validate_hf_dir
-    from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts
-
-    cfg = validate_hf_dir(path, need_tokenizer=False)
-    if cfg.get("quantization_config"):
-        from miles_platform.weights.quantize import load_dequantized_state_dict
-
-        return fuse_checkpoint_experts(load_dequantized_state_dict(str(path)))
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return fuse_checkpoint_experts(state)
+    return {n: checksum(t) for n, t in tensors.items()}
 
 
 def eos_ids(model, tokenizer) -> set[int]:

@@ -135,8 +135,26 @@ def record_policy_version(
         *(edge(t, kind, "distilled_from", h) for t, kind, h in teachers),
         *([edge(f"config:{config_changed_from}", "run_config", "config_changed_from", config_changed_from)]
           if config_changed_from else []),
+        *served_quantized_edges(pv),
     ])  # fmt: skip
     return pv
+
+
+def served_quantized_edges(pv: PolicyVersion) -> list:
+    """A version the engines served quantized (its fp8 / int4 copy beside the export, written by the
+    run: weights/rollout_quant.py) has the `quantized:<version>:<fmt>` child the asset would write."""
+    from miles_platform.store.lineage_identity import Edge
+    from miles_platform.store.remote import exists
+    from miles_platform.weights.rollout_quant import FORMATS, served_path
+
+    if not pv.hf_path:
+        return []
+    return [
+        Edge(f"quantized:{pv.partition_key}:{fmt}", "quantized_weights", pv.partition_key, "policy_version",
+             "quantized_as", fmt)
+        for fmt in FORMATS
+        if exists(f"{served_path(pv.hf_path, fmt)}/model.safetensors")
+    ]  # fmt: skip
 
 
 def read_policy_versions(

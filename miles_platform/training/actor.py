@@ -706,9 +706,17 @@ class TrainerActor:
 
         self.unstage_weights()
         self.hooks.fire("trainer_weight_update_before_all_gather")
-        self._staged = stage(self.backend.export_hf_state_dict())
+        self._staged = stage(self._for_engines(self.backend.export_hf_state_dict()))
         self.hooks.fire("trainer_weight_update_before_send")
         return self._staged.descriptor
+
+    def _for_engines(self, state: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
+        """What the engines get of `state`: quantized as a quantized --hf-checkpoint is (fp8 / int4,
+        weights/rollout_quant.py; `partial`: one bucket of the model), else `state` itself."""
+        from miles_platform.weights.rollout_quant import rollout_quant
+
+        rq = rollout_quant(self.cfg.hf_checkpoint)
+        return rq.quantize(state, partial=partial) if rq is not None else state
 
     def unstage_weights(self) -> None:
         staged, self._staged = getattr(self, "_staged", None), None
@@ -756,6 +764,7 @@ class TrainerActor:
         self.hooks.fire("trainer_weight_update_before_all_gather")
         buckets = getattr(self.backend, "hf_buckets", None)
         stream = buckets() if buckets is not None else iter([self.backend.export_hf_state_dict()])
+        stream = (self._for_engines(b, partial=buckets is not None) for b in stream)
         if self.rank != 0:
             for _ in stream:  # the collectives of every bucket
                 pass

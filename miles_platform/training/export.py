@@ -30,7 +30,8 @@ def export_hf_dir(
     state: dict[str, torch.Tensor], template_dir: str, out_dir: str, config_overrides: dict | None = None
 ) -> str:
     """Write `state` as model.safetensors next to the template's config + tokenizer, atomically.
-    `config_overrides`: keys replaced in config.json (a merged LoRA head is no longer tied).
+    `config_overrides`: keys replaced in config.json (a merged LoRA head is no longer tied; None
+    removes the key: a dense export of a quantized checkpoint's model drops its quantization_config).
     An object-store `out_dir` is staged locally and uploaded with model.safetensors last (what
     readers check for), and its content hash remembered (no download to hash it again)."""
     if remote.is_remote(out_dir):
@@ -54,8 +55,9 @@ def export_hf_dir(
         if config_overrides:
             import json
 
-            conf = json.loads((tmp / "config.json").read_text())
-            (tmp / "config.json").write_text(json.dumps({**conf, **config_overrides}, indent=2))
+            conf = {**json.loads((tmp / "config.json").read_text()), **config_overrides}
+            conf = {k: v for k, v in conf.items() if not (k in config_overrides and v is None)}
+            (tmp / "config.json").write_text(json.dumps(conf, indent=2))
         save_file(  # in HF's checkpoint layout: an MoE's experts one tensor each, as SGLang reads them
             {k: v.contiguous() for k, v in split_fused_experts(state).items()},
             str(tmp / "model.safetensors"),

@@ -34,6 +34,10 @@ class FSDPBackend(ModelBackend):
             self._vision = PromptVision(hf_checkpoint)
             if trainable and self.cfg.freeze_vision_tower:  # --freeze-vision-tower: the text model trains
                 set_vision_trainable(model, False)
+        from miles_platform.training.qat import maybe_apply_int4_qat
+
+        rollout_ckpt = getattr(self.cfg, "hf_checkpoint", None) or hf_checkpoint
+        self.int4_qat_modules = maybe_apply_int4_qat(model, rollout_ckpt)  # actor and reference
         self.lora = trainable and self.cfg.uses_lora
         if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:
             from miles_platform.models.moe import routers

@@ -211,6 +211,11 @@ class MegatronBackend(ModelBackend):
             load_torch_dist(self.chunks, ref_load)
         else:
             self.load_hf_state_dict(load_dense_hf_model(hf_checkpoint).state_dict())
+        from miles_platform.training.megatron_qat import maybe_apply_megatron_int4_qat
+
+        # Miles' INT4 QAT: actor and reference alike, before DDP wraps them
+        rollout_ckpt = getattr(self.cfg, "hf_checkpoint", None) or hf_checkpoint
+        self.int4_qat_modules = maybe_apply_megatron_int4_qat(self.chunks, rollout_ckpt)
         if trainable and getattr(self.cfg, "moe_router_freeze_gate", False):
             for name, p in self.module.named_parameters():  # MoE routers stay as loaded
                 if name.endswith("mlp.router.weight"):

@@ -30,7 +30,8 @@ from miles_platform.errors import MilesError
 FORMAT = "shared_memory"
 _ALIGN = 64
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                                                     torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
+                                                     torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+                                                     torch.float8_e4m3fn, torch.float8_e5m2)}  # fmt: skip
 
 
 @dataclass

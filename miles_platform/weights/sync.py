@@ -28,9 +28,38 @@ def _trainer_weights(s) -> dict:
     return call_trainers(s.cfg, s.trainers, "get_hf_weights")
 
 
+def export_policy(weights: dict, cfg: RunConfig, out_dir: str) -> str:
+    """The version's policy as an HF dir: the trainer's dense weights, so no quantization_config
+    (a quantized --hf-checkpoint's is the served copy's: `served_weights`)."""
+    from miles_platform.models.checkpoint import quantization
+    from miles_platform.training.export import export_hf_dir
+
+    dense = {"quantization_config": None} if quantization(cfg.hf_checkpoint) else None  # else config as is
+    return export_hf_dir(weights, cfg.hf_checkpoint, out_dir, dense)
+
+
+def served_weights(cfg: RunConfig, weights: dict, hf_dir: str | None) -> tuple[dict, str | None, dict]:
+    """(what the engines get, the HF dir holding it, the dense weights they then serve). A quantized
+    --hf-checkpoint (fp8 / int4, weights/rollout_quant.py): the trainer's weights quantized as it is,
+    written beside the export (`<export>-<fmt>`); a dense one: the weights and the export as they are."""
+    from miles_platform.weights.rollout_quant import (
+        dense_from_update,
+        rollout_quant,
+        served_path,
+        write_served_checkpoint,
+    )
+
+    rq = rollout_quant(cfg.hf_checkpoint)
+    if rq is None:
+        return weights, hf_dir, weights
+    served = rq.quantize(weights)
+    if hf_dir is not None:
+        hf_dir = write_served_checkpoint(served, cfg.hf_checkpoint, served_path(hf_dir, rq.fmt))
+    return served, hf_dir, dense_from_update(served)[0]
+
+
 def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: bool, base_version) -> None:
     """`s`: the run's RunServices (trainers, engines, session)."""
-    from miles_platform.training.export import export_hf_dir
     from miles_platform.weights.delta_format import read_latest
 
     if (
@@ -48,28 +77,27 @@ def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: 
         return  # engines already hold v0
     weights = _trainer_weights(s)
     hf_dir = paths.hf_export(cfg.run_name, version)
+    if resumed and (delta or cfg.use_fault_tolerance):  # what engines (a replacement) load from disk
+        if not exists(f"{hf_dir}/model.safetensors"):
+            hf_dir = export_policy(weights, cfg, hf_dir)
+    has_export = exists(f"{hf_dir}/model.safetensors")
+    served, served_dir, dense = served_weights(cfg, weights, hf_dir if has_export else None)
     if snapshot:
-        s.session.transport.snapshot_base(weights, version)
+        s.session.transport.snapshot_base(served, version)
     elif published:  # engines hold v0 = --hf-checkpoint; the next version goes on top of LATEST
         s.session.transport.load_export(cfg.hf_checkpoint, version)
     elif delta:  # resumed: never republish a version
-        if not exists(f"{hf_dir}/model.safetensors"):
-            hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)
-        s.session.transport.load_export(hf_dir, version)
+        s.session.transport.load_export(served_dir, version)
     else:
-        if cfg.use_fault_tolerance and not exists(f"{hf_dir}/model.safetensors"):
-            hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, hf_dir)  # what a replacement loads
-        s.session.update(weights, version, hf_dir if exists(f"{hf_dir}/model.safetensors") else None)
+        s.session.update(served, version, served_dir)
     if resumed and weight_check_on(cfg):
-        check_weights_equal(cfg, s.engines, weights, version)
+        check_weights_equal(cfg, s.engines, dense, version)
 
 
 def publish_version(
     cfg: RunConfig, paths: StoragePaths, s, version: int, base_version
 ) -> tuple[str, dict[str, Any]]:
     """-> (the version's policy dir: its HF export, or a LoRA run's adapter dir; update metrics)."""
-    from miles_platform.training.export import export_hf_dir
-
     if cfg.uses_lora:
         from miles_platform.weights.lora_publish import publish_adapter
 
@@ -77,12 +105,13 @@ def publish_version(
     if s.monitor is not None:  # --use-fault-tolerance: replace dead engines first
         s.monitor.check_once()
     weights = _trainer_weights(s)
-    hf_dir = export_hf_dir(weights, cfg.hf_checkpoint, paths.hf_export(cfg.run_name, version))
+    hf_dir = export_policy(weights, cfg, paths.hf_export(cfg.run_name, version))
     if s.session is None:  # train-only (Miles' SFT): no engine to load it
         return hf_dir, {}
-    metrics = s.session.update(weights, version, hf_dir)
+    served, served_dir, dense = served_weights(cfg, weights, hf_dir)
+    metrics = s.session.update(served, version, served_dir)
     if weight_check_on(cfg):
-        check_weights_equal(cfg, s.engines, weights, version)
+        check_weights_equal(cfg, s.engines, dense, version)
     return hf_dir, metrics
 
 

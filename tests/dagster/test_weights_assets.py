@@ -100,3 +100,30 @@ def test_sensor_publishes_each_version_once_and_quantizes(tiny_hf_checkpoint, tm
         k for k in r.asset_materializations_for_node("quantized_weights")[0].metadata if "eval/eval/" in k
     ]
     assert "| eval |" in _md(r, "eval") and "| 4 |" in _md(r, "eval")
+
+
+def test_a_version_served_quantized_materializes_quantized_weights(tiny_hf_checkpoint, tmp_path):
+    """A run from a quantized --hf-checkpoint writes each served version beside its export: the training
+    op's reporter (made_events) records it as `quantized_weights[<version>|<fmt>]`; a dense run's versions make none."""
+    from miles_platform.store.versions import PolicyVersion
+    from miles_platform.weights.quantize import quantize_checkpoint
+    from miles_platform.weights.rollout_quant import served_path
+    from ops.version_events import made_events
+
+    export = str(tmp_path / "hf" / "v000001")
+    shutil.copytree(tiny_hf_checkpoint, export)
+    pv = PolicyVersion(run="t", version=1, partition_key="t.v000001", parent_version=0, parent_partition_key="t.v000000",
+                       rollout_id=0, checkpoint_path=None, hf_path=export, content_hash="h", config_hash="c",
+                       base_data_version="b", dataset_data_version="d", shard_path=str(tmp_path / "shard"),
+                       shard_rows=4, mean_reward=0.5, base_checkpoint=tiny_hf_checkpoint, prompt_data=None,
+                       eval_interval=None)  # fmt: skip
+
+    def materialized() -> list:
+        return [e for e in made_events(pv) if e.asset_key.path == ["quantized_weights"]]
+
+    assert materialized() == []
+    quantize_checkpoint(tiny_hf_checkpoint, served_path(export, "fp8"), "fp8")
+    (event,) = materialized()
+    assert event.partition == dg.MultiPartitionKey({"policy_version": "t.v000001", "format": "fp8"})
+    assert event.metadata["path"].value == f"{export}-fp8" and event.metadata["served_by_run"].value is True
+    assert event.metadata["bytes"].value > 0 and event.metadata["version"].value == "1"

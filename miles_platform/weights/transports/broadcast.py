@@ -66,8 +66,11 @@ def new_weights_group(
 
 
 def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
+    """In place on every rank; fp8 (a quantized rollout's update) as its bytes: gloo has no float8."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tensor = tensor.view(torch.uint8)  # the same storage: received bytes land in the fp8 tensor
     group.broadcast([tensor], opts).wait()
 
 

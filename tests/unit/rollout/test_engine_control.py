@@ -248,8 +248,10 @@ def test_quantized_checkpoint_is_served_dequantized(engine, tiny_hf_checkpoint, 
     quantize = pytest.importorskip("miles_platform.weights.quantize")
     qdir = str(tmp_path / fmt)
     quantize.quantize_checkpoint(tiny_hf_checkpoint, qdir, fmt=fmt, group_size=16)
+    assert httpx.get(f"{engine.url}/get_server_info").json()["quantization"] is None
     r = httpx.post(f"{engine.url}/update_weights_from_disk", json={"model_path": qdir}, timeout=60)
     assert r.status_code == 200, r.text
+    assert httpx.get(f"{engine.url}/get_server_info").json()["quantization"] == fmt  # SGLang's field
     res = _gen(engine.url, input_ids=[1, 2, 3], sampling_params=GREEDY, return_logprob=True)
     ref, _ = load_hf_checkpoint(tiny_hf_checkpoint)
     ref.load_state_dict(quantize.load_dequantized_state_dict(qdir, torch.float32), strict=False)
