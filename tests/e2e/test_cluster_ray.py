@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from loop_helpers import warm_python
 from store_builders import point_s3_at
 
 from miles_platform.cluster.ray_cluster import (
@@ -122,6 +123,15 @@ def cluster():
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # a job's `python`
+    # a job's driver on this one-machine cluster forks its actors from a fork server
+    # (ray_cluster.init_ray): this worker's, inherited through the nodes' environment, instead of
+    # one it starts (~6 CPU-s of imports per job) -- the product's own path for a driver forked
+    # from a server (forkserver.INHERITED)
+    from miles_platform.cluster import forkserver, ray_cluster
+
+    ray_cluster.start_fork_server("peft", "megatron")
+    if forkserver.current() is not None:
+        env[forkserver.INHERITED] = forkserver.current().dir
     gcs, client, dashboard, *rest = _free_ports(13)
     head_ports, worker_ports = rest[:5], rest[5:]
     worker_ports[4] = head_ports[4] + 30
@@ -315,7 +325,9 @@ def _dagster_run(kw: dict, root, home, log_path) -> subprocess.Popen:
     env = {**os.environ, "DAGSTER_HOME": str(home), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen([sys.executable, DAGSTER_RUN, json.dumps(kw), str(root)], env=env, cwd=REPO,
+    # a fork of the warm fork server (torch & co. imported): signals, kill -9 included, reach the run
+    # worker as they would a `python` process (cluster/fork_exec.py)
+    return subprocess.Popen([*warm_python(), DAGSTER_RUN, json.dumps(kw), str(root)], env=env, cwd=REPO,
                             stdout=log, stderr=subprocess.STDOUT, preexec_fn=_as_from_a_terminal)  # fmt: skip
 
 
