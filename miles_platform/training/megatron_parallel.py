@@ -250,8 +250,22 @@ def build_model_chunks(
                 parallel_output=True,
                 vp_stage=vp_stage,
             )
+        mark_expert_grads(model, layout)
         chunks.append(to_device(model, device))
     return chunks, bridge
+
+
+def mark_expert_grads(model: torch.nn.Module, layout: Layout) -> None:
+    """Expert weights under an expert TP other than TP are reduced over the expert data-parallel
+    group. megatron-core marks them so (`allreduce = False`) only at EP > 1; at EP 1 with expert TP 1
+    and TP 2 each TP rank's experts take the gradient of its slice of the sequence, and the dense
+    data-parallel group (which leaves out the TP peers) would never sum them (measured: the experts'
+    gradients off by 3e-2 from the 1-rank step)."""
+    if layout.ep > 1 or (layout.etp or layout.tp) == layout.tp:
+        return
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
 
 
 def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
@@ -286,13 +300,28 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "
             "MoE model's experts evenly over its ranks"
         )
-    if experts and (layout.pp > 1 or tp > 1):
+    if layout.etp is not None and not experts:
         raise ConfigError(
-            "an MoE model with --pipeline-model-parallel-size or --tensor-model-parallel-size > 1: not built "
-            "(use --expert-model-parallel-size). Routing replay (R3) and the aux loss read every layer's "
-            "routes for a whole [B, T] micro-batch, while pipeline stages hold some layers and pad "
-            "micro-batches, and megatron's MoE layer needs --sequence-parallel at TP > 1 (docs/moe.md), which "
-            "splits the tokens over the TP ranks"
+            f"--expert-tensor-parallel-size {layout.etp}: the model has no experts (it splits MoE experts only)"
+        )
+    etp = layout.etp or tp
+    ffn = int(hf_config.get("moe_intermediate_size") or 0)
+    if experts and ffn % etp:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp}: the experts' {ffn} hidden units (moe_intermediate_size) "
+            "must divide by it"
+        )
+    if experts and tp > 1 and not layout.sp:
+        raise ConfigError(
+            f"an MoE model at --tensor-model-parallel-size {tp} needs --sequence-parallel: megatron-core's MoE "
+            "layer refuses to train at TP > 1 without it ('performance may degrade if MoE and tensor "
+            "parallelism are enabled without also enabling sequence parallelism')"
+        )
+    if experts and layout.pp > 1:
+        raise ConfigError(
+            "an MoE model with --pipeline-model-parallel-size > 1: not built (use --expert-model-parallel-size "
+            "and --tensor-model-parallel-size). Routing replay (R3) and the aux loss read every layer's routes "
+            "for a whole micro-batch, while pipeline stages hold some layers"
         )
 
 

@@ -170,7 +170,7 @@ def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, 
                 actor_num_gpus_per_node=2,
                 expert_tensor_parallel_size=1,
             ),
-            "--expert-tensor-parallel-size 1",
+            "only with --sequence-parallel",
         ),  # fmt: skip
         (
             dict(train_backend="megatron", context_parallel_size=2, actor_num_gpus_per_node=2),
@@ -225,13 +225,39 @@ def moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
     return save_moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("ep") / "moe")
 
 
-def test_expert_parallel_step_with_routing_replay_equals_single_rank(moe_checkpoint, tmp_path):
-    """EP2 (each rank holds 2 of the 4 experts; data parallel 2 for the rest) with R3 and the
-    load-balancing / z losses: the step of the 1-rank run."""
-    moe = dict(use_rollout_routing_replay=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    single = train_one_step(moe_checkpoint, tmp_path / "ep1", 1, **moe)
-    got = train_one_step(moe_checkpoint, tmp_path / "ep2", 2, expert_model_parallel_size=2, **moe)
-    assert_same_step(single, got)
+MOE = dict(use_rollout_routing_replay=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+EXPERT_LAYOUTS = {
+    "ep2": dict(expert_model_parallel_size=2),
+    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),  # expert TP = TP
+    "tp2_sp_etp1": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
+    "tp2_sp_ep2_etp1": dict(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_single_rank(moe_checkpoint, tmp_path_factory):
+    return train_one_step(moe_checkpoint, tmp_path_factory.mktemp("ep1") / "out", 1, **MOE)
+
+
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
+def test_expert_layout_step_with_routing_replay_equals_single_rank(
+    layout, moe_checkpoint, moe_single_rank, tmp_path
+):
+    """EP2 (each rank holds 2 of the 4 experts; data parallel 2 for the rest), TP2 + SP with the
+    experts unsplit (expert TP 1: each rank runs all experts on its slice of the sequence, expert data
+    parallel 2) and TP2 + SP with EP2 at expert TP 1, with R3 and the load-balancing / z losses: the
+    step of the 1-rank run."""
+    got = train_one_step(moe_checkpoint, tmp_path / layout, 2, **EXPERT_LAYOUTS[layout], **MOE)
+    assert_same_step(moe_single_rank, got)
     assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
-    rows = sample_rows(tmp_path / "ep2")  # data parallel 2: each rank writes its own samples' rows
-    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == {0, 1}
+    rows = sample_rows(tmp_path / layout)
+    tp = EXPERT_LAYOUTS[layout].get("tensor_model_parallel_size", 1)
+    # data parallel 2: each rank writes its own samples' rows; TP 2: TP rank 0 writes them all
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == (
+        {0} if tp > 1 else {0, 1}
+    )
