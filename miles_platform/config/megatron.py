@@ -36,7 +36,7 @@ REFUSED: dict[str, str] = {
     "torch.cuda.FloatTensor ...'); --bf16 needs none: use --bf16",
 }
 
-LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size",
+LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size", "context_parallel_size",
           "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
           "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")  # fmt: skip
 PRECISION = ("bf16", "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32", "recompute_granularity",
@@ -130,6 +130,7 @@ class MegatronFlags:
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
+            "context_parallel_size",
             "expert_model_parallel_size",
         ):
             if getattr(self, name) < 1:
@@ -152,7 +153,8 @@ class MegatronFlags:
         mp = tp * pp * self.context_parallel_size
         if world % mp:
             raise ConfigError(
-                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {mp} ranks per model "
+                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size "
+                f"{self.context_parallel_size} = {mp} ranks per model "
                 f"replica: the {world} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node) must be a "
                 "multiple of it"
             )

@@ -294,11 +294,12 @@ class MegatronRoutingReplay(_AuxLoss):
         def wrapped(logits, *args, **kwargs):
             probs, routing_map = routing(logits, *args, **kwargs)
             if self._aux_mask is not None:
-                mask = sequence_parallel_rows(self._aux_mask, logits.shape[0], False)
+                mask = sequence_parallel_rows(self._aux_mask, routing_map.shape[0], False)
                 if mask is self._aux_mask:
                     self._add_aux_terms(logits, routing_map[mask].sum(0))
-                else:
-                    self._add_sequence_parallel_aux_terms(logits[mask], routing_map[mask].sum(0))
+                else:  # logits: [T / TP, B, E] (or flat), routing_map: [T / TP * B, E]
+                    flat = logits.reshape(-1, logits.shape[-1])
+                    self._add_sequence_parallel_aux_terms(flat[mask], routing_map[mask].sum(0))
             return probs, routing_map
 
         return wrapped

@@ -303,7 +303,9 @@ class TrainerActor:
 
     def _micro_batches(self, batch: TrainBatch, idx: list[int]) -> list[list[int]]:
         if self.cfg.use_dynamic_batch_size:
-            budget, mbs, cur, cur_tokens = self.cfg.max_tokens_per_gpu, [], [], 0
+            # a rank holds 1 / CP of a micro-batch's tokens under context parallelism (Miles' budget)
+            budget = self.cfg.max_tokens_per_gpu * int(getattr(self.cfg, "context_parallel_size", 1) or 1)
+            mbs, cur, cur_tokens = [], [], 0
             for i in idx:
                 n = len(batch.tokens[i])
                 if cur and cur_tokens + n > budget:

@@ -123,10 +123,8 @@ class RMSNorm(torch.nn.Module):
         return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
 
-def _with_norm(spec, norm):
-    """A copy of a local layer spec with every WrappedTorchNorm replaced by `norm`."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
+def _with_modules(spec, replace: dict):
+    """A copy of a local layer spec with every module class in `replace` swapped for its value."""
     spec = copy.deepcopy(spec)
 
     def walk(sub) -> None:
@@ -134,8 +132,8 @@ def _with_norm(spec, norm):
             return
         for f in dataclasses.fields(sub):
             v = getattr(sub, f.name)
-            if v is WrappedTorchNorm:
-                setattr(sub, f.name, norm)
+            if isinstance(v, type) and v in replace:
+                setattr(sub, f.name, replace[v])
             elif hasattr(v, "submodules"):
                 walk(v.submodules)
 
@@ -144,13 +142,22 @@ def _with_norm(spec, norm):
 
 
 def local_block_spec(layer_spec, config, vp_stage: int | None):
-    """The decoder block of this (virtual) pipeline stage on the local spec, our RMSNorm inside."""
+    """The decoder block of this (virtual) pipeline stage on the local spec, our RMSNorm inside (and
+    under context parallelism our core attention, megatron_cp)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    layer = _with_norm(layer_spec, RMSNorm)
+    replace: dict = {WrappedTorchNorm: RMSNorm}
+    if config.context_parallel_size > 1:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from miles_platform.training.megatron_cp import ContextParallelAttention
+
+        replace[DotProductAttention] = ContextParallelAttention
+    layer = _with_modules(layer_spec, replace)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
@@ -316,6 +323,11 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"an MoE model at --tensor-model-parallel-size {tp} needs --sequence-parallel: megatron-core's MoE "
             "layer refuses to train at TP > 1 without it ('performance may degrade if MoE and tensor "
             "parallelism are enabled without also enabling sequence parallelism')"
+        )
+    if experts and layout.cp > 1:
+        raise ConfigError(
+            f"an MoE model with --context-parallel-size {layout.cp}: not built. Routing replay (R3) and the aux "
+            "loss take a micro-batch's tokens in sequence order, which CP splits into zigzag chunks per rank"
         )
     if experts and layout.pp > 1:
         raise ConfigError(

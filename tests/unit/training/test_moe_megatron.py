@@ -176,6 +176,12 @@ def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_h
                 actor_num_gpus_per_node=2,
             )
         )
+    with pytest.raises(ConfigError, match="an MoE model with --context-parallel-size 2: not built"):
+        validate_before_start(
+            small_run_config(
+                hf, tmp_path, train_backend="megatron", context_parallel_size=2, actor_num_gpus_per_node=2
+            )
+        )
     with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1: the model has no experts"):
         validate_before_start(
             small_run_config(
