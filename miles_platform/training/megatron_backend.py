@@ -275,7 +275,9 @@ class MegatronBackend(ModelBackend):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.layout.model_parallel == 1 and self.layout.ep == 1:
             return super().clip_grad_norm(max_norm)
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        # what the optimizer steps: under --bf16 the fp32 main copies hold the gradients (the model's
+        # parameters have none), with the model's TP / shared / expert attributes
+        params = [p for p in self.parameters() if p.grad is not None]
         total = megatron_step.global_grad_norm(params)
         megatron_step.clip_by_total_norm(params, max_norm, total)
         return total
