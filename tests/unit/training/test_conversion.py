@@ -51,7 +51,15 @@ def _no_leftovers(save: Path):
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
-    "ep2": ["--expert-model-parallel-size", "2"],  # the tiny Qwen3-MoE: 2 of its 4 experts per rank
+    # the tiny Qwen3-MoE, Miles' MoE layout: TP2 for attention, 2 of the 4 experts per rank, unsplit
+    "tp2_ep2_etp1": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--expert-tensor-parallel-size",
+        "1",
+    ],
 }
 
 
@@ -66,11 +74,11 @@ def moe_hf_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
 def test_layout_save_loads_at_one_rank(layout, untied_hf_checkpoint, moe_hf_checkpoint, tmp_path):
     """2 gloo ranks each save their shards (TP slices, a pipeline stage's layers, an expert rank's
     experts); a 1-rank load gives back the same tensors."""
-    hf = moe_hf_checkpoint if layout == "ep2" else untied_hf_checkpoint
+    hf = moe_hf_checkpoint if "ep2" in layout else untied_hf_checkpoint
     td, back = tmp_path / "td2", tmp_path / "back2"
     out = _run_script(hf, str(td), str(back), *LAYOUTS[layout])
     assert len(list((td / "release").glob("*.distcp"))) == 2  # one file per rank
-    if layout != "ep2":
+    if "ep2" not in layout:
         assert out["to_torch_dist"]["tensors"] == 11  # untied: + output_layer
     _assert_bit_exact(_hf_tensors(hf), _hf_tensors(back))
 
