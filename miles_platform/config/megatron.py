@@ -165,12 +165,6 @@ class MegatronFlags:
                 f"EP x PP = {etp} x {ep} x {pp} (megatron's expert layout; expert TP is "
                 "--expert-tensor-parallel-size, default --tensor-model-parallel-size)"
             )
-        if ep > 1 and self.use_dynamic_batch_size:
-            raise ConfigError(
-                f"--use-dynamic-batch-size with --expert-model-parallel-size {ep}: the expert ranks exchange "
-                "tokens in every micro-batch, so they must run as many micro-batches each, and token budgets "
-                "pack each rank's samples into its own number; use --micro-batch-size"
-            )
         if self.expert_tensor_parallel_size is not None and tp > 1 and not self.sequence_parallel:
             raise ConfigError(
                 f"--expert-tensor-parallel-size {etp} at --tensor-model-parallel-size {tp}: megatron-core's MoE "

@@ -313,7 +313,11 @@ class TrainerActor:
                     cur, cur_tokens = [], 0
                 cur.append(i)
                 cur_tokens += n
-            return mbs + ([cur] if cur else [])
+            mbs += [cur] if cur else []
+            if int(getattr(self.cfg, "expert_model_parallel_size", 1) or 1) > 1 and self.dp_size > 1:
+                # the expert ranks exchange tokens in every micro-batch: all run the most any packs
+                mbs = split_micro_batches(mbs, int(self._all_reduce_max(len(mbs))))
+            return mbs
         m = self.cfg.micro_batch_size
         return [idx[j : j + m] for j in range(0, len(idx), m)]
 
@@ -612,6 +616,11 @@ class TrainerActor:
         dist.all_reduce(t, group=self.dp_group)
         return float(t.item())
 
+    def _all_reduce_max(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return float(t.item())
+
     def _all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, group=self.dp_group)
@@ -726,3 +735,17 @@ class TrainerActor:
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         return optimizer_tensors(self.opt, self.backend.named_parameters())
+
+
+def split_micro_batches(mbs: list[list[int]], n: int) -> list[list[int]]:
+    """`mbs` split into `n` micro-batches, in order: the largest is halved until there are `n`
+    (every data-parallel rank holds as many samples, so the one that packed `n` has at least `n`,
+    and so does every other)."""
+    mbs = [list(mb) for mb in mbs]
+    while len(mbs) < n:
+        k = max(range(len(mbs)), key=lambda j: len(mbs[j]))
+        if len(mbs[k]) < 2:
+            raise ValueError(f"{sum(map(len, mbs))} samples cannot make {n} micro-batches")
+        half = len(mbs[k]) // 2
+        mbs[k : k + 1] = [mbs[k][:half], mbs[k][half:]]
+    return mbs

@@ -184,16 +184,6 @@ def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, 
             ),
             "x --context-parallel-size 2 = 4 ranks per model",
         ),
-        (
-            dict(
-                train_backend="megatron",
-                expert_model_parallel_size=2,
-                actor_num_gpus_per_node=2,
-                use_dynamic_batch_size=True,
-                max_tokens_per_gpu=64,
-            ),
-            "as many micro-batches",
-        ),  # fmt: skip
     ],
 )
 def test_layout_flags_are_refused_before_anything_starts(tiny_hf_checkpoint, flags, match):
@@ -240,6 +230,11 @@ MOE = dict(use_rollout_routing_replay=True, moe_aux_loss_coeff=0.01, moe_z_loss_
 # 1-rank run's
 EXPERT_LAYOUTS = {
     "ep2": dict(expert_model_parallel_size=2, micro_batch_size=1),
+    # token budget 14: rank 0's samples (5 + 7 tokens) pack into one micro-batch, rank 1's (7 + 9) into
+    # two; the expert ranks must run as many, so rank 0 splits its into two (the 1-rank run's)
+    "ep2_dynamic": dict(
+        expert_model_parallel_size=2, use_dynamic_batch_size=True, max_tokens_per_gpu=14, micro_batch_size=1
+    ),
     "tp2_sp": dict(
         tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=2
     ),  # expert TP = TP
