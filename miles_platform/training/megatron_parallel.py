@@ -4,7 +4,8 @@ layer spec with a norm that supports sequence parallelism, and the model chunks 
 Layout: `--tensor-model-parallel-size` (TP), `--sequence-parallel` (SP), `--pipeline-model-parallel-size`
 (PP) with `--num-layers-per-virtual-pipeline-stage` (interleaved PP) or
 `--decoder-first/last-pipeline-num-layers` (uneven PP), `--expert-model-parallel-size` (EP) and
-`--expert-tensor-parallel-size` (ETP). megatron's rank order is tp-cp-ep-dp-pp: TP ranks are
+`--expert-tensor-parallel-size` (ETP), `--context-parallel-size` (CP: megatron_cp.py's attention in the
+local spec). megatron's rank order is tp-cp-ep-dp-pp: TP ranks are
 consecutive, so with Miles' placement (`--actor-num-gpus-per-node` ranks per node) a TP group sits
 inside a node. Data parallel = world / (TP x PP x CP).
 

@@ -134,7 +134,8 @@ def full_tensor_units(
     """(unit key, {global name: full tensor}) for every unit of the model, in order, on every rank.
 
     Every rank's plan (the global names it holds) is exchanged once; each tensor's owner is the
-    lowest rank holding it: its TP group all-gathers the slices (the experts': its expert TP group), then the owner broadcasts the full tensor to every rank (one bucket at a time)."""
+    lowest rank holding it: its TP group (an expert's: its expert TP group) all-gathers the slices,
+    then the owner broadcasts the full tensor to every rank (one bucket at a time)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     me = dist.get_rank() if dist.is_initialized() else 0
     groups = {e: _tp(e) for e in (False, True)}
