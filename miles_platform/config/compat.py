@@ -109,14 +109,14 @@ COMPAT: dict[str, MilesFlag] = {
     ),
     # companions of megatron's context parallelism and optimizer offload: a no-op where those are off
     "allgather_cp": _same(
-        "bool", "context parallelism's allgather token layout: a no-op at --context-parallel-size 1, the only "
-        "size here (megatron-core's local attention asserts CP 1 without transformer-engine)",
-        when=lambda cfg, v: cfg.context_parallel_size == 1,
+        "bool", "context parallelism's contiguous (instead of zigzag) token layout: a no-op at "
+        "--context-parallel-size 1; above it this build's CP attention (training/megatron_cp.py) keeps megatron's "
+        "zigzag layout, and the scores are gathered back into sequence order either way: the same result",
     ),
     "cp_comm_type": _same(
         "str", "context parallelism's attention communication (p2p / a2a / allgather): a no-op at "
-        "--context-parallel-size 1, the only size here",
-        when=lambda cfg, v: cfg.context_parallel_size == 1,
+        "--context-parallel-size 1; above it this build's CP attention all-gathers keys and values "
+        "(training/megatron_cp.py), which computes the same attention as any of them",
     ),
     "overlap_cpu_optimizer_d2h_h2d": _same(
         "bool", "overlaps the offloaded optimizer's host-device copies: a no-op without --optimizer-cpu-offload, "

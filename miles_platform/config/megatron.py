@@ -36,7 +36,7 @@ REFUSED: dict[str, str] = {
     "torch.cuda.FloatTensor ...'); --bf16 needs none: use --bf16",
 }
 
-LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size",
+LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size", "context_parallel_size",
           "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
           "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")  # fmt: skip
 PRECISION = ("bf16", "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32", "recompute_granularity",
@@ -130,6 +130,7 @@ class MegatronFlags:
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
+            "context_parallel_size",
             "expert_model_parallel_size",
         ):
             if getattr(self, name) < 1:
@@ -152,26 +153,21 @@ class MegatronFlags:
         mp = tp * pp * self.context_parallel_size
         if world % mp:
             raise ConfigError(
-                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {mp} ranks per model "
+                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size "
+                f"{self.context_parallel_size} = {mp} ranks per model "
                 f"replica: the {world} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node) must be a "
                 "multiple of it"
             )
-        if world % (tp * ep * pp):
+        etp = self.expert_tensor_parallel_size or tp
+        if world % (etp * ep * pp):
             raise ConfigError(
                 f"--expert-model-parallel-size {ep}: the {world} trainer ranks must be a multiple of expert TP x "
-                f"EP x PP = {tp * ep * pp} (megatron's expert layout)"
+                f"EP x PP = {etp} x {ep} x {pp} (megatron's expert layout; expert TP is "
+                "--expert-tensor-parallel-size, default --tensor-model-parallel-size)"
             )
-        if ep > 1 and self.use_dynamic_batch_size:
+        if self.expert_tensor_parallel_size is not None and tp > 1 and not self.sequence_parallel:
             raise ConfigError(
-                f"--use-dynamic-batch-size with --expert-model-parallel-size {ep}: the expert ranks exchange "
-                "tokens in every micro-batch, so they must run as many micro-batches each, and token budgets "
-                "pack each rank's samples into its own number; use --micro-batch-size"
-            )
-        etp = self.expert_tensor_parallel_size
-        if etp is not None and etp != tp:
-            raise ConfigError(
-                f"--expert-tensor-parallel-size {etp}: the experts split like the rest of the layer "
-                f"(= --tensor-model-parallel-size {tp}); a separate expert TP is not built (with "
-                "--expert-model-parallel-size > 1 megatron needs --sequence-parallel at TP > 1, which the MoE "
-                "routing replay does not read yet)"
+                f"--expert-tensor-parallel-size {etp} at --tensor-model-parallel-size {tp}: megatron-core's MoE "
+                "layer trains at TP > 1 only with --sequence-parallel (MoELayer: 'performance may degrade if MoE "
+                "and tensor parallelism are enabled without also enabling sequence parallelism'); add it"
             )

@@ -21,11 +21,7 @@ RANGES: dict[str, tuple] = {
 
 # Miles flags this build does not implement. Set to anything but the default they are an error, never
 # silently ignored (tests/unit/config/test_config_flags.py fails on any field that nothing reads and nothing refuses).
-REFUSED: dict[str, str] = {
-    "context_parallel_size": "megatron-core's attention without transformer-engine (the local spec's "
-    "DotProductAttention) asserts context_parallel_size == 1 ('Context parallelism is only supported by "
-    "TEDotProductAttention!', measured with megatron-core 0.16); transformer-engine is not installed here",
-}
+REFUSED: dict[str, str] = {}
 
 
 @dataclass
@@ -119,7 +115,11 @@ class PerfFlags:
     pipeline_model_parallel_size: int = flag(
         1, "perf", "megatron PP: layers split into this many stages (1F1B)"
     )
-    context_parallel_size: int = flag(1, "perf", "CP")
+    context_parallel_size: int = flag(
+        1,
+        "perf",
+        "megatron CP: each sample's tokens split over N ranks (zigzag chunks), attention over gathered K/V",
+    )
     expert_model_parallel_size: int = flag(1, "perf", "megatron EP: MoE experts split over this many ranks")
     gradient_checkpointing: bool = flag(False, "perf", "activation recompute (FSDP)")
     deterministic_mode: bool = flag(

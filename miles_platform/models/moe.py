@@ -294,10 +294,37 @@ class MegatronRoutingReplay(_AuxLoss):
         def wrapped(logits, *args, **kwargs):
             probs, routing_map = routing(logits, *args, **kwargs)
             if self._aux_mask is not None:
-                self._add_aux_terms(logits, routing_map[self._aux_mask].sum(0))
+                mask = sequence_parallel_rows(self._aux_mask, routing_map.shape[0], False)
+                if mask is self._aux_mask:
+                    self._add_aux_terms(logits, routing_map[mask].sum(0))
+                else:  # logits: [T / TP, B, E] (or flat), routing_map: [T / TP * B, E]
+                    flat = logits.reshape(-1, logits.shape[-1])
+                    self._add_sequence_parallel_aux_terms(flat[mask], routing_map[mask].sum(0))
             return probs, routing_map
 
         return wrapped
+
+    def _add_sequence_parallel_aux_terms(self, real: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+        """Under --sequence-parallel a router sees its TP rank's slice of the tokens: the load-balancing
+        and z terms over all of them are sums of per-slice parts once the token counts are the TP
+        group's (as megatron's router reduces `tokens_per_expert` over TP). Each rank's term has the
+        whole value (the TP group's sum) and its own part's gradient: the slices' gradients add up
+        as every sequence-parallel activation's do."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        counts = tokens_per_expert.float()
+        n = torch.tensor(float(real.shape[0]), device=real.device)
+        dist.all_reduce(counts, group=group)
+        dist.all_reduce(n, group=group)
+        probs = F.softmax(real.float(), dim=-1)
+        balance = probs.shape[-1] / (self.top_k * n.clamp_min(1) ** 2) * (probs.sum(0) * counts).sum()
+        z = torch.logsumexp(real.float(), dim=-1).square().sum() / n.clamp_min(1)
+        for terms, part in ((self._aux, balance), (self.z_terms, z)):
+            whole = part.detach().clone()
+            dist.all_reduce(whole, group=group)
+            terms.append(part + (whole - part.detach()))
 
     def _hook(self, layer: int):
         def hook(mod, _inputs, out):
@@ -315,6 +342,24 @@ class MegatronRoutingReplay(_AuxLoss):
     load_balance = RoutingReplay.load_balance
 
 
+def sequence_parallel_rows(full: torch.Tensor, local: int, fill) -> torch.Tensor:
+    """The rows of `full` (one per token of a micro-batch, megatron's sequence-first order) that this
+    TP rank's router sees: all of them, or under --sequence-parallel its slice of the sequence (the
+    width padded to a multiple of TP: padding tokens, `fill`, come last in sequence-first order)."""
+    if full.shape[0] == local:
+        return full
+    from megatron.core import parallel_state as ps
+
+    rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    pad = local * size - full.shape[0]
+    if size == 1 or pad < 0:
+        raise ValueError(
+            f"routing: a router sees {local} tokens of a micro-batch of {full.shape[0]} (TP {size})"
+        )
+    full = torch.cat([full, full.new_full((pad, *full.shape[1:]), fill)])
+    return full[rank * local : (rank + 1) * local]
+
+
 class _LayerReplay:
     """One router's `router_replay` (megatron's RouterReplay interface: `get_replay_topk`)."""
 
@@ -326,7 +371,8 @@ class _LayerReplay:
         routes = self.owner._replay
         if routes is None:
             return probs, idx
-        idx = _replayed(self.owner, self.layer, idx, routes[:, self.layer].to(idx.device))
+        want = sequence_parallel_rows(routes[:, self.layer], idx.shape[0], -1)
+        idx = _replayed(self.owner, self.layer, idx, want.to(idx.device))
         return scores.gather(1, idx), idx
 
 

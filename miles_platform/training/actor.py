@@ -37,6 +37,7 @@ from miles_platform.config import ConfigError, RunConfig
 from miles_platform.store import remote
 from miles_platform.training import actor_checkpoint, ci_checks
 from miles_platform.training import loss as loss_hub
+from miles_platform.training.actor_weights import ActorWeights
 from miles_platform.training.backend import ScoreRequest, Scores
 from miles_platform.training.backends import get_backend_class
 from miles_platform.training.checkpoint import (
@@ -66,7 +67,7 @@ def _rank_log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class TrainerActor:
+class TrainerActor(ActorWeights):
     """Trainer rank. In the loop it is wrapped with `ray.remote`; tests may use it directly."""
 
     def __init__(
@@ -316,7 +317,9 @@ class TrainerActor:
 
     def _micro_batches(self, batch: TrainBatch, idx: list[int]) -> list[list[int]]:
         if self.cfg.use_dynamic_batch_size:
-            budget, mbs, cur, cur_tokens = self.cfg.max_tokens_per_gpu, [], [], 0
+            # a rank holds 1 / CP of a micro-batch's tokens under context parallelism (Miles' budget)
+            budget = self.cfg.max_tokens_per_gpu * int(getattr(self.cfg, "context_parallel_size", 1) or 1)
+            mbs, cur, cur_tokens = [], [], 0
             for i in idx:
                 n = len(batch.tokens[i])
                 if cur and cur_tokens + n > budget:
@@ -324,7 +327,11 @@ class TrainerActor:
                     cur, cur_tokens = [], 0
                 cur.append(i)
                 cur_tokens += n
-            return mbs + ([cur] if cur else [])
+            mbs += [cur] if cur else []
+            if int(getattr(self.cfg, "expert_model_parallel_size", 1) or 1) > 1 and self.dp_size > 1:
+                # the expert ranks exchange tokens in every micro-batch: all run the most any packs
+                mbs = split_micro_batches(mbs, int(self._all_reduce_max(len(mbs))))
+            return mbs
         m = self.cfg.micro_batch_size
         return [idx[j : j + m] for j in range(0, len(idx), m)]
 
@@ -674,6 +681,11 @@ class TrainerActor:
         dist.all_reduce(t, group=self.dp_group)
         return float(t.item())
 
+    def _all_reduce_max(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return float(t.item())
+
     def _all_reduce_tensor(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, group=self.dp_group)
@@ -698,83 +710,6 @@ class TrainerActor:
 
         offload.onload(self)
 
-    def stage_weights(self) -> dict:
-        """The policy under HF names in shared memory for the engine on this rank's device
-        (`--colocate`, weights/shared_tensors.py): the descriptor its /update_weights_from_tensor
-        takes. Collective under FSDP (every rank exports); held until `unstage_weights`."""
-        from miles_platform.weights.shared_tensors import stage
-
-        self.unstage_weights()
-        self.hooks.fire("trainer_weight_update_before_all_gather")
-        self._staged = stage(self._for_engines(self.backend.export_hf_state_dict()))
-        self.hooks.fire("trainer_weight_update_before_send")
-        return self._staged.descriptor
-
-    def _for_engines(self, state: dict[str, torch.Tensor], partial: bool = False) -> dict[str, torch.Tensor]:
-        """What the engines get of `state`: quantized as a quantized --hf-checkpoint is (fp8 / int4,
-        weights/rollout_quant.py; `partial`: one bucket of the model), else `state` itself."""
-        from miles_platform.weights.rollout_quant import rollout_quant
-
-        rq = rollout_quant(self.cfg.hf_checkpoint)
-        return rq.quantize(state, partial=partial) if rq is not None else state
-
-    def unstage_weights(self) -> None:
-        staged, self._staged = getattr(self, "_staged", None), None
-        if staged is not None:
-            staged.close()
-
-    # ------------------------------------------------------------------ weights
-    def get_hf_weights(self) -> dict[str, torch.Tensor]:
-        """The policy under HF names (a LoRA trainer's merged weights: for exports on demand)."""
-        self.hooks.fire("trainer_weight_update_before_all_gather")
-        return self.backend.export_hf_state_dict()
-
-    def get_lora_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """--lora-rank > 0: (lora_A / lora_B tensors, adapter_config.json), what a weight update ships."""
-        self.hooks.fire("trainer_weight_update_before_all_gather")
-        return self.backend.export_adapter()
-
-    def get_base_weights(self) -> dict[str, torch.Tensor]:
-        """--lora-rank > 0: the frozen base under HF names (the engines' base, for the weight check)."""
-        return self.backend.export_base_state_dict()
-
-    # broadcast transport: rank 0 is rank 0 of a standalone group with the engines
-    def weights_update_endpoint(self) -> dict:
-        from miles_platform.weights.transports.broadcast import weights_update_endpoint
-
-        return weights_update_endpoint()
-
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str
-    ) -> None:
-        """Rank 0 only: host the group's store and join as rank 0 (blocks until the engines join)."""
-        from miles_platform.weights.transports.broadcast import new_weights_group
-
-        self._weight_groups[group_name] = (
-            new_weights_group(master_address, master_port, 0, world_size, group_name, backend),
-            backend,
-        )
-
-    def broadcast_weights(self, group_name: str, names: list[str] | None = None) -> dict:
-        """Gather the HF weights bucket by bucket (collective: every rank calls this; megatron:
-        `--update-weight-buffer-size` buckets, fsdp: one), while rank 0 broadcasts each tensor in
-        `names` order (default: export order) as soon as its bucket is in. Returns the metadata."""
-        from miles_platform.weights.transports.broadcast import broadcast_buckets
-
-        self.hooks.fire("trainer_weight_update_before_all_gather")
-        buckets = getattr(self.backend, "hf_buckets", None)
-        stream = buckets() if buckets is not None else iter([self.backend.export_hf_state_dict()])
-        stream = (self._for_engines(b, partial=buckets is not None) for b in stream)
-        if self.rank != 0:
-            for _ in stream:  # the collectives of every bucket
-                pass
-            return {}
-        group, backend = self._weight_groups[group_name]
-        # NCCL sends from this rank's GPU; the hook fires in the sending rank before its first send
-        device = self.device if backend == "nccl" else "cpu"
-        first = lambda: self.hooks.fire("trainer_weight_update_before_send")  # noqa: E731
-        return broadcast_buckets(group, device, stream, names, first)
-
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
         self.onload()
         idx = list(range(len(batch)))
@@ -797,3 +732,17 @@ class TrainerActor:
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         return optimizer_tensors(self.opt, self.backend.named_parameters())
+
+
+def split_micro_batches(mbs: list[list[int]], n: int) -> list[list[int]]:
+    """`mbs` split into `n` micro-batches, in order: the largest is halved until there are `n`
+    (every data-parallel rank holds as many samples, so the one that packed `n` has at least `n`,
+    and so does every other)."""
+    mbs = [list(mb) for mb in mbs]
+    while len(mbs) < n:
+        k = max(range(len(mbs)), key=lambda j: len(mbs[j]))
+        if len(mbs[k]) < 2:
+            raise ValueError(f"{sum(map(len, mbs))} samples cannot make {n} micro-batches")
+        half = len(mbs[k]) // 2
+        mbs[k : k + 1] = [mbs[k][:half], mbs[k][half:]]
+    return mbs

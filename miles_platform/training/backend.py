@@ -58,13 +58,15 @@ class Scores(NamedTuple):
     candidates: torch.Tensor | None = None
 
 
-def scores_from_logits(logits: torch.Tensor, req: ScoreRequest) -> Scores:
-    """Scores from full-vocabulary logits [B, T, V] (the loss hub's token / candidate log-probs)."""
+def scores_from_logits(logits: torch.Tensor, req: ScoreRequest, following: bool = False) -> Scores:
+    """Scores from full-vocabulary logits [B, T, V] (the loss hub's token / candidate log-probs).
+    `following`: every position of `logits` is scored, `req.input_ids` holding the token after each
+    (context parallelism scores a rank's positions so)."""
     from miles_platform.training import loss as loss_hub
 
-    z = logits[:, :-1]
+    z, targets = (logits, req.input_ids) if following else (logits[:, :-1], req.input_ids[:, 1:])
     lp, ent = loss_hub.token_log_probs(
-        z, req.input_ids[:, 1:], req.temperature, req.support, req.with_entropy, req.entropy_grad
+        z, targets, req.temperature, req.support, req.with_entropy, req.entropy_grad
     )
     cand = None
     if req.candidates is not None:

@@ -280,7 +280,9 @@ class MegatronBackend(ModelBackend):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.layout.model_parallel == 1 and self.layout.ep == 1:
             return super().clip_grad_norm(max_norm)
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        # what the optimizer steps: under --bf16 the fp32 main copies hold the gradients (the model's
+        # parameters have none), with the model's TP / shared / expert attributes
+        params = [p for p in self.parameters() if p.grad is not None]
         total = megatron_step.global_grad_norm(params)
         megatron_step.clip_by_total_norm(params, max_norm, total)
         return total
@@ -291,20 +293,31 @@ class MegatronBackend(ModelBackend):
 
     # ---- forward ----
     def _seq_multiple(self) -> int:
-        return self.layout.tp if self.layout.sp and self.layout.tp > 1 else 1
+        """What a micro-batch's width is padded to a multiple of: TP under sequence parallelism,
+        times 2 x CP under context parallelism (its zigzag chunks)."""
+        sp = self.layout.tp if self.layout.sp and self.layout.tp > 1 else 1
+        return sp * 2 * self.layout.cp if self.layout.cp > 1 else sp
 
     def _scores(self, out: torch.Tensor, req: ScoreRequest) -> Scores:
-        """Scores from the last stage's vocab-parallel logits [B, T', V / TP] (T' >= T: SP padding)."""
+        """Scores from the last stage's vocab-parallel logits [B, T', V / TP] (T' >= T: SP padding;
+        under CP this rank's zigzag positions, megatron_cp)."""
+        out = out[: req.input_ids.shape[0]]
+        if self.layout.cp > 1:
+            from miles_platform.training.megatron_cp import context_parallel_scores
+
+            return context_parallel_scores(out, req, lambda o, r: self._position_scores(o, r, True))
+        return self._position_scores(out[:, : req.input_ids.shape[1]], req)
+
+    def _position_scores(self, out: torch.Tensor, req: ScoreRequest, following: bool = False) -> Scores:
         from miles_platform.training.megatron_logprobs import VocabShard, vocab_parallel_scores
 
-        out = out[: req.input_ids.shape[0], : req.input_ids.shape[1]]
         rank, size = _tp_rank_size()
         if size == 1:  # the full vocabulary: the loss hub's own formulas
-            return scores_from_logits(out[..., : self.vocab_size], req)
+            return scores_from_logits(out[..., : self.vocab_size], req, following)
         from megatron.core import parallel_state as ps
 
         shard = VocabShard(out.shape[-1], self.vocab_size, rank, size, ps.get_tensor_model_parallel_group())
-        return vocab_parallel_scores(out, req, shard)
+        return vocab_parallel_scores(out, req, shard, following)
 
     def score(self, req: ScoreRequest) -> Scores:
         if len(self.chunks) > 1 or self.layout.pp > 1:
@@ -330,6 +343,10 @@ class MegatronBackend(ModelBackend):
         out = megatron_step.forward_chunk(
             self.module, ScoreRequest(input_ids, position_ids), self._seq_multiple()
         )
+        if self.layout.cp > 1:
+            from miles_platform.training.megatron_cp import gather_positions
+
+            out = gather_positions(out)
         if _tp_rank_size()[1] > 1:
             out = gather_from_tensor_model_parallel_region(out)
         return out[:, : input_ids.shape[1], : self.vocab_size]

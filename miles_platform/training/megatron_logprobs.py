@@ -74,9 +74,13 @@ class VocabShard:
         return self.sum(torch.where(owned, got, torch.zeros_like(got)))
 
 
-def vocab_parallel_scores(logits: torch.Tensor, req: ScoreRequest, shard: VocabShard) -> Scores:
-    """`Scores` of positions 0..T-2 from this rank's vocab slice [B, T, V / TP] (see module docstring)."""
-    z = logits[:, :-1].float()
+def vocab_parallel_scores(
+    logits: torch.Tensor, req: ScoreRequest, shard: VocabShard, following: bool = False
+) -> Scores:
+    """`Scores` of positions 0..T-2 from this rank's vocab slice [B, T, V / TP] (see module docstring);
+    `following`: of every position, `req.input_ids` holding the token after each (`scores_from_logits`)."""
+    z = (logits if following else logits[:, :-1]).float()
+    targets = req.input_ids if following else req.input_ids[:, 1:]
     if req.temperature != 1.0:
         z = z / req.temperature
     real = shard.real_columns(z.device)  # padding columns: no probability mass, no gradient
@@ -87,7 +91,7 @@ def vocab_parallel_scores(logits: torch.Tensor, req: ScoreRequest, shard: VocabS
         e = e * real
     s = shard.sum(e.sum(-1, keepdim=True))
     lse = (m + s.log()).squeeze(-1)
-    picked = shard.pick(z, req.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    picked = shard.pick(z, targets.unsqueeze(-1)).squeeze(-1)
     ent = None
     no_grad = contextlib.nullcontext() if req.entropy_grad else torch.no_grad()  # observed only
     if req.with_entropy:

@@ -4,7 +4,8 @@ layer spec with a norm that supports sequence parallelism, and the model chunks 
 Layout: `--tensor-model-parallel-size` (TP), `--sequence-parallel` (SP), `--pipeline-model-parallel-size`
 (PP) with `--num-layers-per-virtual-pipeline-stage` (interleaved PP) or
 `--decoder-first/last-pipeline-num-layers` (uneven PP), `--expert-model-parallel-size` (EP) and
-`--expert-tensor-parallel-size` (ETP). megatron's rank order is tp-cp-ep-dp-pp: TP ranks are
+`--expert-tensor-parallel-size` (ETP), `--context-parallel-size` (CP: megatron_cp.py's attention in the
+local spec). megatron's rank order is tp-cp-ep-dp-pp: TP ranks are
 consecutive, so with Miles' placement (`--actor-num-gpus-per-node` ranks per node) a TP group sits
 inside a node. Data parallel = world / (TP x PP x CP).
 
@@ -123,10 +124,8 @@ class RMSNorm(torch.nn.Module):
         return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
 
-def _with_norm(spec, norm):
-    """A copy of a local layer spec with every WrappedTorchNorm replaced by `norm`."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
+def _with_modules(spec, replace: dict):
+    """A copy of a local layer spec with every module class in `replace` swapped for its value."""
     spec = copy.deepcopy(spec)
 
     def walk(sub) -> None:
@@ -134,8 +133,8 @@ def _with_norm(spec, norm):
             return
         for f in dataclasses.fields(sub):
             v = getattr(sub, f.name)
-            if v is WrappedTorchNorm:
-                setattr(sub, f.name, norm)
+            if isinstance(v, type) and v in replace:
+                setattr(sub, f.name, replace[v])
             elif hasattr(v, "submodules"):
                 walk(v.submodules)
 
@@ -144,13 +143,22 @@ def _with_norm(spec, norm):
 
 
 def local_block_spec(layer_spec, config, vp_stage: int | None):
-    """The decoder block of this (virtual) pipeline stage on the local spec, our RMSNorm inside."""
+    """The decoder block of this (virtual) pipeline stage on the local spec, our RMSNorm inside (and
+    under context parallelism our core attention, megatron_cp)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    layer = _with_norm(layer_spec, RMSNorm)
+    replace: dict = {WrappedTorchNorm: RMSNorm}
+    if config.context_parallel_size > 1:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from miles_platform.training.megatron_cp import ContextParallelAttention
+
+        replace[DotProductAttention] = ContextParallelAttention
+    layer = _with_modules(layer_spec, replace)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
@@ -250,8 +258,22 @@ def build_model_chunks(
                 parallel_output=True,
                 vp_stage=vp_stage,
             )
+        mark_expert_grads(model, layout)
         chunks.append(to_device(model, device))
     return chunks, bridge
+
+
+def mark_expert_grads(model: torch.nn.Module, layout: Layout) -> None:
+    """Expert weights under an expert TP other than TP are reduced over the expert data-parallel
+    group. megatron-core marks them so (`allreduce = False`) only at EP > 1; at EP 1 with expert TP 1
+    and TP 2 each TP rank's experts take the gradient of its slice of the sequence, and the dense
+    data-parallel group (which leaves out the TP peers) would never sum them (measured: the experts'
+    gradients off by 3e-2 from the 1-rank step)."""
+    if layout.ep > 1 or (layout.etp or layout.tp) == layout.tp:
+        return
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            p.allreduce = False
 
 
 def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
@@ -286,13 +308,33 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "
             "MoE model's experts evenly over its ranks"
         )
-    if experts and (layout.pp > 1 or tp > 1):
+    if layout.etp is not None and not experts:
         raise ConfigError(
-            "an MoE model with --pipeline-model-parallel-size or --tensor-model-parallel-size > 1: not built "
-            "(use --expert-model-parallel-size). Routing replay (R3) and the aux loss read every layer's "
-            "routes for a whole [B, T] micro-batch, while pipeline stages hold some layers and pad "
-            "micro-batches, and megatron's MoE layer needs --sequence-parallel at TP > 1 (docs/moe.md), which "
-            "splits the tokens over the TP ranks"
+            f"--expert-tensor-parallel-size {layout.etp}: the model has no experts (it splits MoE experts only)"
+        )
+    etp = layout.etp or tp
+    ffn = int(hf_config.get("moe_intermediate_size") or 0)
+    if experts and ffn % etp:
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp}: the experts' {ffn} hidden units (moe_intermediate_size) "
+            "must divide by it"
+        )
+    if experts and tp > 1 and not layout.sp:
+        raise ConfigError(
+            f"an MoE model at --tensor-model-parallel-size {tp} needs --sequence-parallel: megatron-core's MoE "
+            "layer refuses to train at TP > 1 without it ('performance may degrade if MoE and tensor "
+            "parallelism are enabled without also enabling sequence parallelism')"
+        )
+    if experts and layout.cp > 1:
+        raise ConfigError(
+            f"an MoE model with --context-parallel-size {layout.cp}: not built. Routing replay (R3) and the aux "
+            "loss take a micro-batch's tokens in sequence order, which CP splits into zigzag chunks per rank"
+        )
+    if experts and layout.pp > 1:
+        raise ConfigError(
+            "an MoE model with --pipeline-model-parallel-size > 1: not built (use --expert-model-parallel-size "
+            "and --tensor-model-parallel-size). Routing replay (R3) and the aux loss read every layer's routes "
+            "for a whole micro-batch, while pipeline stages hold some layers"
         )
 
 

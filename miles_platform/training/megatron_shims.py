@@ -98,6 +98,7 @@ def apply_cpu_shims() -> bool:
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     _alltoall_dispatcher_on_cpu()
+    _rope_cp_slice_on_cpu()
 
     original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
 
@@ -153,6 +154,22 @@ def _alltoall_dispatcher_on_cpu() -> None:
         return tokens_per_expert
 
     A2A._maybe_dtoh_and_synchronize = dtoh_and_synchronize
+
+
+def _rope_cp_slice_on_cpu() -> None:
+    """RoPE under context parallelism slices its position table for the CP rank with an index built
+    in pinned memory and moved by `.cuda()`: build it where the table is."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        cp, rank = cp_group.size(), cp_group.rank()
+        idx = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
+        pos_emb = pos_emb.index_select(seq_dim, idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+    rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
 
 def _no_cuda_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:

@@ -6,9 +6,12 @@ or interleaved 1F1B with virtual stages): on each stage the forward step runs th
 the micro-batch (the first stage embeds the tokens, the others take the previous stage's
 activations), and on the last stage the loss function scores the vocab-parallel logits
 (`megatron_logprobs`) and asks the actor for the micro-batch's weighted loss. The schedule divides
-a 2-tuple loss by the number of micro-batches (and multiplies it by the context-parallel size);
+a 2-tuple loss by the number of micro-batches and multiplies it by the context-parallel size;
 the actor's loss is already weighted for the global batch, so the loss function hands back
-`loss * n / cp`. Gradients accumulate in megatron DDP's main_grad buffers; `finish_grad_sync`
+`loss * n`. Under CP every rank of the group computes the whole loss from gathered scores but
+back-propagates through its own positions only (megatron_cp); DDP averages gradients over data x
+context parallel ranks, and the CP factor turns that average over the CP group into the sum of the
+ranks' parts. Gradients accumulate in megatron DDP's main_grad buffers; `finish_grad_sync`
 finalizes them after the schedule.
 """
 
@@ -47,6 +50,14 @@ def forward_chunk(model, req: ScoreRequest, seq_multiple: int = 1, shape: tuple[
     width += -width % seq_multiple
     if (rows, width) != tuple(ids.shape):
         ids, pos = pad_to(ids, rows, width)
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() > 1:  # this rank's zigzag chunks; the attention masks by position
+        from miles_platform.training.megatron_cp import local_tokens
+
+        ids, pos = local_tokens(ids, pos)
+        with req.context():
+            return model(ids, pos, None)
     with req.context():
         return model(ids, pos, causal_mask(width, ids.device))
 
@@ -64,7 +75,6 @@ def run_micro_batches(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     n = len(reqs)
-    cp = ps.get_context_parallel_world_size()
     rows = max(r.input_ids.shape[0] for r in reqs)
     width = max(r.input_ids.shape[1] for r in reqs)
     width += -width % seq_multiple
@@ -81,7 +91,7 @@ def run_micro_batches(
             loss = consume(k, scores_of(out, req))
             if loss is None:  # forward only: the schedule still divides a tensor
                 loss = torch.zeros((), device=out.device)
-            return loss * (n / cp), {}
+            return loss * n, {}
 
         return output, loss_func
 

@@ -32,9 +32,18 @@ _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 TIED_COPY = "output_layer.weight"  # the last stage's copy of a tied embedding
 
 
-def _tp() -> tuple[int, int, Any]:
+def is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _tp(expert: bool = False) -> tuple[int, int, Any]:
+    """(rank, size, group) of the tensor-parallel group that splits a tensor: the expert TP group
+    (`--expert-tensor-parallel-size`) for the experts' weights, the TP group for the rest."""
     from megatron.core import parallel_state as ps
 
+    if expert:
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())  # fmt: skip
     return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
             ps.get_tensor_model_parallel_group())  # fmt: skip
 
@@ -77,7 +86,6 @@ def is_tied_copy(model: torch.nn.Module, local: str) -> bool:
 
 def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
     """Copy a full (unsharded, global names) megatron state dict into this rank's TP slices."""
-    rank, size, _ = _tp()
     with torch.no_grad():
         for model in chunks:
             names = global_names(model)
@@ -90,6 +98,7 @@ def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]
             for local, dst in params.items():
                 g = names[local]
                 src = full["embedding.word_embeddings.weight"] if is_tied_copy(model, local) else full[g]
+                rank, size, _ = _tp(is_expert(g))
                 src = tp_shard(g, src, rank, size)
                 if src.shape != dst.shape:
                     raise CheckpointError(
@@ -125,11 +134,14 @@ def full_tensor_units(
     """(unit key, {global name: full tensor}) for every unit of the model, in order, on every rank.
 
     Every rank's plan (the global names it holds) is exchanged once; each tensor's owner is the
-    lowest rank holding it: its TP group all-gathers the slices (experts: TP = expert TP, refused
-    otherwise), then the owner broadcasts the full tensor to every rank (one bucket at a time)."""
+    lowest rank holding it: its TP group (an expert's: its expert TP group) all-gathers the slices,
+    then the owner broadcasts the full tensor to every rank (one bucket at a time)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     me = dist.get_rank() if dist.is_initialized() else 0
-    _, tp_size, tp_group = _tp()
+    groups = {e: _tp(e) for e in (False, True)}
+    my_group = {
+        e: set(dist.get_process_group_ranks(g)) if size > 1 else {me} for e, (_, size, g) in groups.items()
+    }
     mine = _local_plan(chunks)
     plans: list = [mine]
     if world > 1:
@@ -139,7 +151,6 @@ def full_tensor_units(
     for r, plan in enumerate(plans):
         for g, shape, dtype, _ in plan:
             owner.setdefault(g, (r, shape, dtype))
-    my_tp = set(dist.get_process_group_ranks(tp_group)) if tp_size > 1 else {me}
     local = [tensors(m) for m in chunks]
     by_global = {g: local[c][loc] for c, m in enumerate(chunks) for loc, g in global_names(m).items()}
     unit, cur = None, {}
@@ -150,8 +161,9 @@ def full_tensor_units(
             yield unit, cur
             cur = {}
         unit = key
+        _, tp_size, tp_group = groups[is_expert(g)]
         kind = tp_split(g) if tp_size > 1 else None
-        if src in my_tp:  # this rank holds a slice of the owner's copy
+        if src in my_group[is_expert(g)]:  # this rank holds a slice of the owner's copy
             t = by_global[g].detach()
             if kind is not None:
                 shards = [torch.empty_like(t) for _ in range(tp_size)]

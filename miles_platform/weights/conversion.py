@@ -1,6 +1,7 @@
 """HF <-> Megatron torch_dist conversion (`miles-platform convert ...`).
 
     miles-platform convert hf-to-torch-dist --hf-checkpoint DIR --save DIR [--tensor-model-parallel-size N]
+        [--pipeline-model-parallel-size N] [--expert-model-parallel-size N] [--expert-tensor-parallel-size N]
     miles-platform convert torch-dist-to-hf --load DIR --hf-checkpoint DIR --save DIR
 
 hf-to-torch-dist builds megatron-core's GPTModel, loads the bridged weights and writes
@@ -10,8 +11,9 @@ Megatron/Miles write a converted checkpoint:
     <save>/release/                          torch_dist (metadata.json, .metadata, *.distcp, common.pt)
     <save>/latest_checkpointed_iteration.txt "release"  (written last)
 
-With --tensor-model-parallel-size N, N gloo ranks (spawned processes) each save their shard;
-torch_dist reshards on load, so any TP size reads it back. Everything is written under a temp
+With a layout (Miles' flags: TP, PP, EP, expert TP), lcm(TP, expert TP x EP) x PP gloo ranks
+(spawned processes) each save their shards (a pipeline stage's layers, an expert-parallel rank's
+experts, TP slices); torch_dist reshards on load, so any layout reads it back. Everything is written under a temp
 dir next to --save and renamed, so --save never holds a half-written checkpoint.
 
 torch-dist-to-hf loads (TP=1) a torch_dist dir or a save root with the tracker file, maps
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -76,31 +79,34 @@ def _state_dtype(sd: dict[str, torch.Tensor]) -> torch.dtype:
 
 
 def _convert_rank(
-    rank: int, world: int, port: int | None, hf_checkpoint: str, out_dir: str, errors,
+    rank: int, world: int, port: int | None, layout, hf_checkpoint: str, out_dir: str, errors,
     bar: Progress | None = None,
 ) -> None:  # fmt: skip
-    """One TP rank: build GPTModel, load its shard of the bridged HF weights, save torch_dist.
-    `bar` (rank 0 only): a step per phase."""
+    """One rank of the layout: build its GPTModel chunks, load its shards of the bridged HF
+    weights, save torch_dist. `bar` (rank 0 only): a step per phase."""
     from miles_platform.training import megatron_backend as mb
     from miles_platform.training import megatron_shims
+    from miles_platform.training.megatron_parallel import build_model_chunks
 
     step = bar.update if bar is not None else lambda *a, **k: None
 
     try:
         torch.set_num_threads(1)
         cfg, hf_sd = read_hf_state_dict(hf_checkpoint)
-        megatron_shims.init_process_group(rank, world, world, master_port=port)
-        model, bridge = mb.build_gpt_model(cfg, world, params_dtype=_state_dtype(hf_sd))
+        megatron_shims.init_process_group(
+            rank, world, master_port=port, layout=layout, num_layers=cfg["num_hidden_layers"]
+        )
+        chunks, bridge = build_model_chunks(cfg, layout, _state_dtype(hf_sd), mb.te_available())
         step(stage="loading the weights")
         full = bridge.hf_to_megatron(
             hf_sd,
             cfg,
-            fused_norms=mb.uses_fused_norms(model),
-            padded_vocab_size=bridge.gpt_model_kwargs(cfg, world)["vocab_size"],
+            fused_norms=mb.uses_fused_norms(chunks[0]),
+            padded_vocab_size=bridge.gpt_model_kwargs(cfg, layout.tp)["vocab_size"],
         )
-        mb.load_full_state(model, full)
+        mb.load_full_state(chunks, full)
         step(stage="saving torch_dist")
-        mb.save_torch_dist(model, out_dir)
+        mb.save_torch_dist(chunks, out_dir)
         step(stage="finishing")
     except Exception as e:
         if errors is None:
@@ -110,7 +116,7 @@ def _convert_rank(
         megatron_shims.destroy_process_group()
 
 
-def _run_ranks(world: int, hf_checkpoint: str, out_dir: str, bar: Progress | None = None) -> None:
+def _run_ranks(world: int, layout, hf_checkpoint: str, out_dir: str, bar: Progress | None = None) -> None:
     """Rank 0 runs here, ranks 1..world-1 in spawned processes (one megatron import fewer)."""
     import torch.distributed as dist
 
@@ -119,19 +125,19 @@ def _run_ranks(world: int, hf_checkpoint: str, out_dir: str, bar: Progress | Non
     if dist.is_initialized():
         raise CheckpointError("hf-to-torch-dist: run it in a process without a torch.distributed group")
     if world == 1:
-        _convert_rank(0, 1, None, hf_checkpoint, out_dir, None, bar)
+        _convert_rank(0, 1, None, layout, hf_checkpoint, out_dir, None, bar)
         return
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_convert_rank, args=(r, world, port, hf_checkpoint, out_dir, errors))
+        ctx.Process(target=_convert_rank, args=(r, world, port, layout, hf_checkpoint, out_dir, errors))
         for r in range(1, world)
     ]
     for p in procs:
         p.start()
     try:
-        _convert_rank(0, world, port, hf_checkpoint, out_dir, errors, bar)
+        _convert_rank(0, world, port, layout, hf_checkpoint, out_dir, errors, bar)
     finally:
         for p in procs:
             p.join()
@@ -179,40 +185,72 @@ def _count_tensors(path: Path) -> int:
 
 def hf_to_torch_dist(
     hf_checkpoint: str | os.PathLike, save: str | os.PathLike, tensor_model_parallel_size: int = 1,
-    progress: bool = False,
+    progress: bool = False, pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> ConversionResult:  # fmt: skip
-    """HF dir -> <save>/release/ (torch_dist) + latest_checkpointed_iteration.txt, atomically.
-    `progress`: a line on stderr every interval (phase, ETA; miles_platform/progress.py)."""
+    """HF dir -> <save>/release/ (torch_dist) + latest_checkpointed_iteration.txt, atomically, saved
+    by the ranks of the layout (module docstring). `progress`: a line on stderr every interval
+    (phase, ETA; miles_platform/progress.py)."""
+    from miles_platform.training.megatron_parallel import Layout
+
+    layout = Layout(tp=int(tensor_model_parallel_size), pp=int(pipeline_model_parallel_size),
+                    ep=int(expert_model_parallel_size), etp=expert_tensor_parallel_size)  # fmt: skip
     with Progress("convert hf-to-torch-dist", 5, enabled=progress) as bar:
-        return _hf_to_torch_dist(hf_checkpoint, save, tensor_model_parallel_size, bar)
+        return _hf_to_torch_dist(hf_checkpoint, save, layout, bar)
 
 
-def _hf_to_torch_dist(
-    hf_checkpoint, save, tensor_model_parallel_size: int, bar: Progress
-) -> ConversionResult:
+def _check_layout(layout, cfg: dict) -> int:
+    """The layout's world size; CheckpointError names the flag the model does not split by."""
+    for flag, v in (("--tensor-model-parallel-size", layout.tp), ("--pipeline-model-parallel-size", layout.pp),
+                    ("--expert-model-parallel-size", layout.ep),
+                    ("--expert-tensor-parallel-size", layout.etp or 1)):  # fmt: skip
+        if v < 1:
+            raise CheckpointError(f"{flag} {v}: must be >= 1")
+    groups = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if groups % layout.tp:
+        raise CheckpointError(
+            f"--tensor-model-parallel-size {layout.tp}: must divide num_key_value_heads ({groups})"
+        )
+    layers = int(cfg["num_hidden_layers"])
+    if layers % layout.pp:
+        raise CheckpointError(
+            f"--pipeline-model-parallel-size {layout.pp}: must divide num_hidden_layers ({layers})"
+        )
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if (layout.ep > 1 or layout.etp) and not experts:
+        raise CheckpointError(
+            "--expert-model-parallel-size / --expert-tensor-parallel-size: the model has no experts"
+        )
+    if experts % layout.ep:
+        raise CheckpointError(
+            f"--expert-model-parallel-size {layout.ep}: must divide num_experts ({experts})"
+        )
+    etp = layout.etp or layout.tp
+    ffn = int(cfg.get("moe_intermediate_size") or 0)
+    if experts and ffn % etp:
+        raise CheckpointError(
+            f"--expert-tensor-parallel-size {etp}: must divide moe_intermediate_size ({ffn})"
+        )
+    return math.lcm(layout.tp, etp * layout.ep) * layout.pp
+
+
+def _hf_to_torch_dist(hf_checkpoint, save, layout, bar: Progress) -> ConversionResult:
     from miles_platform.models.bridge import get_bridge
 
     t0 = time.perf_counter()
-    tp = int(tensor_model_parallel_size)
-    if tp < 1:
-        raise CheckpointError(f"--tensor-model-parallel-size {tp}: must be >= 1")
     # validate names and shapes here, before any process group or temp dir exists
     bar.update(0, stage="reading the HF weights")
     cfg, hf_sd = read_hf_state_dict(hf_checkpoint)
+    world = _check_layout(layout, cfg)
     digest = tensors_hash(get_bridge(cfg).hf_to_megatron(hf_sd, cfg))
     del hf_sd
-    groups = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    if groups % tp:
-        raise CheckpointError(
-            f"--tensor-model-parallel-size {tp}: must divide num_key_value_heads ({groups})"
-        )
     dest = Path(save)
     tmp = _temp_sibling(dest)
     try:
         data_dir = tmp / RELEASE
         data_dir.mkdir(parents=True)
         bar.update(stage="building the megatron model")
-        _run_ranks(tp, str(hf_checkpoint), str(data_dir), bar)
+        _run_ranks(world, layout, str(hf_checkpoint), str(data_dir), bar)
         write_atomic(tmp / TRACKER_FILE, RELEASE)  # pointer last
         res = _finish(tmp, dest, data_dir, t0)
         bar.update(stage="")
@@ -288,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--hf-checkpoint", required=True)
     a.add_argument("--save", required=True)
     a.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    a.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    a.add_argument("--expert-model-parallel-size", type=int, default=1)
+    a.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: TP")
     b = sub.add_parser("torch-dist-to-hf", help="Megatron torch_dist -> HF safetensors")
     b.add_argument("--load", required=True, help="torch_dist dir, or a save root with the tracker file")
     b.add_argument("--hf-checkpoint", required=True, help="HF dir to take config and tokenizer from")
@@ -298,7 +339,12 @@ def _parser() -> argparse.ArgumentParser:
 def cli_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.direction == "hf-to-torch-dist":
-        res = hf_to_torch_dist(args.hf_checkpoint, args.save, args.tensor_model_parallel_size, progress=True)
+        res = hf_to_torch_dist(
+            args.hf_checkpoint, args.save, args.tensor_model_parallel_size, progress=True,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        )  # fmt: skip
     else:
         res = torch_dist_to_hf(args.load, args.hf_checkpoint, args.save, progress=True)
     print(json.dumps(asdict(res)))

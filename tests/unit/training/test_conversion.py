@@ -48,13 +48,50 @@ def _no_leftovers(save: Path):
     assert not [p for p in save.parent.iterdir() if p.name.startswith(f".{save.name}.")]
 
 
-def test_tp2_save_loads_at_tp1(untied_hf_checkpoint, tmp_path):
-    """2 gloo ranks each save their shard; a TP=1 load gives back the same tensors."""
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    # the tiny Qwen3-MoE, Miles' MoE layout: TP2 for attention, 2 of the 4 experts per rank, unsplit
+    "tp2_ep2_etp1": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--expert-tensor-parallel-size",
+        "1",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_hf_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    from test_moe_megatron import save_moe_checkpoint
+
+    return save_moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("moe") / "hf")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_save_loads_at_one_rank(layout, untied_hf_checkpoint, moe_hf_checkpoint, tmp_path):
+    """2 gloo ranks each save their shards (TP slices, a pipeline stage's layers, an expert rank's
+    experts); a 1-rank load gives back the same tensors."""
+    hf = moe_hf_checkpoint if "ep2" in layout else untied_hf_checkpoint
     td, back = tmp_path / "td2", tmp_path / "back2"
-    out = _run_script("tp2", untied_hf_checkpoint, str(td), str(back))
+    out = _run_script(hf, str(td), str(back), *LAYOUTS[layout])
     assert len(list((td / "release").glob("*.distcp"))) == 2  # one file per rank
-    assert out["to_torch_dist"]["tensors"] == 11  # untied: + output_layer
-    _assert_bit_exact(_hf_tensors(untied_hf_checkpoint), _hf_tensors(back))
+    if "ep2" not in layout:
+        assert out["to_torch_dist"]["tensors"] == 11  # untied: + output_layer
+    _assert_bit_exact(_hf_tensors(hf), _hf_tensors(back))
+
+
+def test_layouts_the_model_does_not_split_are_refused(untied_hf_checkpoint, tmp_path):
+    for flags, match in (
+        (dict(pipeline_model_parallel_size=3), "must divide num_hidden_layers"),
+        (dict(expert_model_parallel_size=2), "the model has no experts"),
+        (dict(tensor_model_parallel_size=4), "must divide num_key_value_heads"),
+    ):
+        with pytest.raises(CheckpointError, match=match):
+            conversion.hf_to_torch_dist(untied_hf_checkpoint, tmp_path / "out", **flags)
+        _no_leftovers(tmp_path / "out")
 
 
 @pytest.fixture(scope="module")
@@ -153,15 +190,11 @@ def test_failure_midway_leaves_previous_save_untouched(tiny_hf_checkpoint, tmp_p
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-def _main(mode: str, hf: str, td: str, back: str) -> None:
+def _main(hf: str, td: str, back: str, *layout: str) -> None:
     torch.set_num_threads(1)
-    tp = "2" if mode == "tp2" else "1"
     results = {}
     for name, argv in (
-        (
-            "to_torch_dist",
-            ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", td, "--tensor-model-parallel-size", tp],
-        ),
+        ("to_torch_dist", ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", td, *layout]),
         ("to_hf", ["torch-dist-to-hf", "--load", td, "--hf-checkpoint", hf, "--save", back]),
     ):
         from contextlib import redirect_stdout

@@ -36,6 +36,7 @@ LAYOUTS = {
     "pp2": dict(pipeline_model_parallel_size=2),
     "pp2_interleaved": dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
     "pp2_uneven": dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
+    "cp2": dict(context_parallel_size=2),
 }
 
 
@@ -138,10 +139,11 @@ def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, 
     got = train_one_step(layout_checkpoint, tmp_path / layout, 2, **LAYOUTS[layout])
     assert_same_step(single_rank, got)
     # one train_samples row per sample: one rank of the model-parallel pair writes (the last
-    # stage at TP rank 0), with the 1-rank step's values
+    # stage at TP and CP rank 0), with the 1-rank step's values: under CP the log-probs gathered
+    # from both ranks' halves of each sample
     ref, rows = sample_rows(Path(single_rank[2])), sample_rows(tmp_path / layout)
     assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == {
-        0 if "tp" in layout else 1
+        1 if layout.startswith("pp") else 0
     }
     for a, b in zip(ref, rows, strict=True):
         for key in ("log_probs", "ratio", "ref_kl", "advantage"):
@@ -170,22 +172,18 @@ def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, 
                 actor_num_gpus_per_node=2,
                 expert_tensor_parallel_size=1,
             ),
-            "--expert-tensor-parallel-size 1",
+            "only with --sequence-parallel",
         ),  # fmt: skip
-        (
-            dict(train_backend="megatron", context_parallel_size=2, actor_num_gpus_per_node=2),
-            "TEDotProductAttention",
-        ),
+        (dict(context_parallel_size=2, actor_num_gpus_per_node=2), "use --train-backend megatron"),
         (
             dict(
                 train_backend="megatron",
-                expert_model_parallel_size=2,
+                context_parallel_size=2,
+                tensor_model_parallel_size=2,
                 actor_num_gpus_per_node=2,
-                use_dynamic_batch_size=True,
-                max_tokens_per_gpu=64,
             ),
-            "as many micro-batches",
-        ),  # fmt: skip
+            "x --context-parallel-size 2 = 4 ranks per model",
+        ),
     ],
 )
 def test_layout_flags_are_refused_before_anything_starts(tiny_hf_checkpoint, flags, match):
@@ -225,13 +223,67 @@ def moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
     return save_moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("ep") / "moe")
 
 
-def test_expert_parallel_step_with_routing_replay_equals_single_rank(moe_checkpoint, tmp_path):
-    """EP2 (each rank holds 2 of the 4 experts; data parallel 2 for the rest) with R3 and the
-    load-balancing / z losses: the step of the 1-rank run."""
-    moe = dict(use_rollout_routing_replay=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
-    single = train_one_step(moe_checkpoint, tmp_path / "ep1", 1, **moe)
-    got = train_one_step(moe_checkpoint, tmp_path / "ep2", 2, expert_model_parallel_size=2, **moe)
-    assert_same_step(single, got)
+MOE = dict(use_rollout_routing_replay=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+# TP layouts take micro-batches of 2 samples (a router's logits are [T / TP, B, E] under SP: B > 1
+# tells a slice of the sequence from a slice of the flat tokens); EP2 is data parallel 2, whose
+# ranks take every other sample, so its micro-batches of 1 make the aux loss's token groups the
+# 1-rank run's
+EXPERT_LAYOUTS = {
+    "ep2": dict(expert_model_parallel_size=2, micro_batch_size=1),
+    # token budget 14: rank 0's samples (5 + 7 tokens) pack into one micro-batch, rank 1's (7 + 9) into
+    # two; the expert ranks must run as many, so rank 0 splits its into two (the 1-rank run's)
+    "ep2_dynamic": dict(
+        expert_model_parallel_size=2, use_dynamic_batch_size=True, max_tokens_per_gpu=14, micro_batch_size=1
+    ),
+    "tp2_sp": dict(
+        tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=2
+    ),  # expert TP = TP
+    "tp2_sp_etp1": dict(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_tensor_parallel_size=1,
+        micro_batch_size=2,
+    ),
+    "tp2_sp_ep2_etp1": dict(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        micro_batch_size=2,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_single_rank(moe_checkpoint, tmp_path_factory):
+    """The 1-rank step per micro-batch size."""
+    runs = {}
+
+    def run(micro_batch_size: int):
+        if micro_batch_size not in runs:
+            out = tmp_path_factory.mktemp(f"ep1_mbs{micro_batch_size}") / "out"
+            runs[micro_batch_size] = train_one_step(
+                moe_checkpoint, out, 1, micro_batch_size=micro_batch_size, **MOE
+            )
+        return runs[micro_batch_size]
+
+    return run
+
+
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
+def test_expert_layout_step_with_routing_replay_equals_single_rank(
+    layout, moe_checkpoint, moe_single_rank, tmp_path
+):
+    """EP2 (each rank holds 2 of the 4 experts; data parallel 2 for the rest), TP2 + SP with the
+    experts unsplit (expert TP 1: each rank runs all experts on its slice of the sequence, expert data
+    parallel 2) and TP2 + SP with EP2 at expert TP 1, with R3 and the load-balancing / z losses: the
+    step of the 1-rank run."""
+    got = train_one_step(moe_checkpoint, tmp_path / layout, 2, **EXPERT_LAYOUTS[layout], **MOE)
+    assert_same_step(moe_single_rank(EXPERT_LAYOUTS[layout]["micro_batch_size"]), got)
     assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
-    rows = sample_rows(tmp_path / "ep2")  # data parallel 2: each rank writes its own samples' rows
-    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == {0, 1}
+    rows = sample_rows(tmp_path / layout)
+    tp = EXPERT_LAYOUTS[layout].get("tensor_model_parallel_size", 1)
+    # data parallel 2: each rank writes its own samples' rows; TP 2: TP rank 0 writes them all
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == (
+        {0} if tp > 1 else {0, 1}
+    )

@@ -97,6 +97,7 @@ def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint
     assert info["forward"] == "bf16"  # --bf16 sets the forward (and the engines') dtype
     assert {str(v.dtype) for v in weights.values()} == {"torch.bfloat16"}  # what bf16 engines load
     m = info["metrics"]
+    assert m["train/grad_norm"] > 0.1  # the fp32 main copies' gradients, over the TP ranks too
     checks = step0_checks(_cfg(layout_checkpoint, **flags), m, print)  # raises CITestFailure on a miss
     assert checks["train_rollout_logprob_abs_diff"] > 0  # megatron's bf16 forward is not the engine's
     init = load_file(Path(layout_checkpoint) / "model.safetensors")

@@ -31,6 +31,7 @@ LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
     "tp2_bf16": (2, dict(tensor_model_parallel_size=2, bf16=True, accumulate_allreduce_grads_in_fp32=True)),
+    "cp2": (2, dict(context_parallel_size=2)),
 }
 
 
@@ -90,7 +91,9 @@ def checkpoints(tiny_hf_checkpoint, tmp_path_factory):
     return ckpt, str(root / "ref_tp2")
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [("tp2", "tp1"), ("pp2", "tp2"), ("tp2_bf16", "tp2_bf16")])
+@pytest.mark.parametrize(
+    ("saved", "resumed"), [("tp2", "tp1"), ("pp2", "tp2"), ("tp2_bf16", "tp2_bf16"), ("tp1", "cp2")]
+)
 def test_checkpoint_saved_at_one_layout_resumes_at_another(checkpoints, tmp_path, saved, resumed):
     ckpt, ref = checkpoints
     save = tmp_path / "ckpt"

@@ -155,7 +155,7 @@ def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_h
             )  # fmt: skip
         )
     with pytest.raises(
-        ConfigError, match="an MoE model with --pipeline-model-parallel-size or --tensor-model"
+        ConfigError, match="an MoE model at --tensor-model-parallel-size 2 needs --sequence-parallel"
     ):
         validate_before_start(
             small_run_config(
@@ -164,7 +164,29 @@ def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_h
                 train_backend="megatron",
                 tensor_model_parallel_size=2,
                 actor_num_gpus_per_node=2,
-            )  # fmt: skip
+            )
+        )
+    with pytest.raises(ConfigError, match="an MoE model with --pipeline-model-parallel-size > 1: not built"):
+        validate_before_start(
+            small_run_config(
+                hf,
+                tmp_path,
+                train_backend="megatron",
+                pipeline_model_parallel_size=2,
+                actor_num_gpus_per_node=2,
+            )
+        )
+    with pytest.raises(ConfigError, match="an MoE model with --context-parallel-size 2: not built"):
+        validate_before_start(
+            small_run_config(
+                hf, tmp_path, train_backend="megatron", context_parallel_size=2, actor_num_gpus_per_node=2
+            )
+        )
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 1: the model has no experts"):
+        validate_before_start(
+            small_run_config(
+                tiny_hf_checkpoint, tmp_path, train_backend="megatron", expert_tensor_parallel_size=1
+            )
         )
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2: the model has no experts"):
         validate_before_start(
