@@ -224,3 +224,18 @@ class RecordingBuffer(DefaultDataBuffer):
     def load_state_dict(self, state):
         self.calls.append(("load_state_dict",))
         return super().load_state_dict(state)
+
+
+def square_image_uri(color, size: int, box: tuple[int, int, int, int]) -> str:
+    """A black `size` x `size` PNG with a `color` square at `box`, as a data URI (the VLM tests' images)."""
+    import io
+
+    from PIL import Image
+
+    from miles_platform.data.images import to_data_uri
+
+    img = Image.new("RGB", (size, size), (0, 0, 0))
+    img.paste(color, box)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return to_data_uri(buf.getvalue())

@@ -3,24 +3,16 @@ loopback: the request shape, text-token log-probs equal to the trainer's forward
 
 from __future__ import annotations
 
-import base64
-import io
-
 import httpx
 import pytest
 import torch
+from loop_helpers import square_image_uri
 
 from miles_platform.models import vlm
 
 
 def _uri(color) -> str:
-    from PIL import Image
-
-    img = Image.new("RGB", (24, 24), (0, 0, 0))
-    img.paste(color, (4, 4, 16, 16))
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return square_image_uri(color, 24, (4, 4, 16, 16))
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,9 @@ trains unless --freeze-vision-tower."""
 
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
 import torch
+from loop_helpers import square_image_uri
 
 from miles_platform.config import RunConfig
 from miles_platform.models import vlm
@@ -17,13 +15,7 @@ from miles_platform.training.train_batch import TrainBatch
 
 
 def _uri(color) -> str:
-    from PIL import Image
-
-    img = Image.new("RGB", (32, 32), (0, 0, 0))
-    img.paste(color, (6, 6, 22, 22))
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return square_image_uri(color, 32, (6, 6, 22, 22))
 
 
 @pytest.fixture(scope="module")
