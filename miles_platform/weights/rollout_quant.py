@@ -180,12 +180,14 @@ def dense_from_update(
 
 
 def read_served_state(path) -> tuple[dict[str, torch.Tensor], str | None, dict[str, torch.Tensor]]:
-    """An HF checkpoint dir as an engine loads it: (dense module parameters, its served format,
-    the quantized tensors as stored). Dense tensors in a dir whose config says quantized (an older
-    export) load as they are, and the format is None: what is served, not what the config claims."""
+    """An HF checkpoint dir as an engine loads it: (dense module parameters, an MoE's per-expert
+    tensors fused as transformers' modules hold them; its served format; the quantized tensors as
+    stored). Dense tensors in a dir whose config says quantized (an older export) load as they are,
+    and the format is None: what is served, not what the config claims."""
     from safetensors.torch import load_file
 
     from miles_platform.models.checkpoint import validate_hf_dir
+    from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts
 
     validate_hf_dir(path, need_tokenizer=False)
     raw: dict[str, torch.Tensor] = {}
@@ -193,7 +195,7 @@ def read_served_state(path) -> tuple[dict[str, torch.Tensor], str | None, dict[s
         raw.update(load_file(str(f)))
     quantized = {n: raw[n] for n in quantized_names(raw)}
     dense, fmt = dense_from_update(raw)
-    return dense, fmt, quantized
+    return fuse_checkpoint_experts(dense), fmt, quantized
 
 
 def write_served_checkpoint(served: dict[str, torch.Tensor], hf_checkpoint: str, out_dir: str) -> str:
