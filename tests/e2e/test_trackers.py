@@ -137,9 +137,13 @@ def test_run_logs_to_wandb_offline_and_tensorboard_and_calls_custom_log_function
     # the eval before training and the one after rollout 0 both stay in the history (step 0)
     assert len([r for r in by_step[0] if "eval/heldout/pass@1" in r]) == 2
     (row1,) = by_step[1]
-    # rollout 1: its log functions returned True, so generation and eval metrics are theirs to log
-    assert "train/loss" in row1 and "perf/update_weights_time" in row1
-    assert not any(k.startswith(("rollout/", "eval/")) and k != "rollout/step" for k in row1), row1
+    # rollout 1: its log functions returned True, so generation and eval metrics are theirs to log;
+    # the trainer's rollout/* (Miles' train-side log_rollout_data: log_probs, advantages, ...) stay
+    from miles_platform.training.rollout_metrics import TOKEN_FIELDS
+
+    trainer_side = {"rollout/step", *(f"rollout/{f}" for f in TOKEN_FIELDS)}
+    assert "train/loss" in row1 and "perf/update_weights_time" in row1 and "rollout/log_probs" in row1
+    assert not any(k.startswith(("rollout/", "eval/")) and k not in trainer_side for k in row1), row1
     assert "perf/rollout_time" not in row1 and "perf/eval_time" not in row1, row1
 
     # TensorBoard: the same scalars, step = rollout id
