@@ -193,7 +193,7 @@ def quantized_vs_full_precision(
 
 def quantized_path(hf_export: str, fmt: str) -> str:
     """`<export>-<fmt>`: where a run from a quantized --hf-checkpoint writes each served version too."""
-    from miles_platform.weights.rollout_quant import served_path
+    from miles_platform.store.paths import served_path
 
     return served_path(hf_export, fmt)
 

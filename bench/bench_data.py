@@ -32,10 +32,10 @@ SQL = (
 
 
 # the columns a single-turn GRPO run at T=1 leaves null (sampling support, OPD, turns, routing
-# replay, diffusion), null here as in its real shards; a new schema column fails until it is placed
+# replay, diffusion, images), null here as in its real shards; a new schema column fails until it is placed
 NULL_COLUMNS = ("rollout_sampling_support", "teacher_log_probs", "opd_reverse_kl", "turns",
                 "rollout_routed_experts", "image_png", "diffusion_steps", "diffusion_log_probs",
-                "rollout_topk_token_ids", "rollout_topk_log_probs")  # fmt: skip
+                "rollout_topk_token_ids", "rollout_topk_log_probs", "image_hashes")  # fmt: skip
 
 
 def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:

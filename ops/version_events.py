@@ -58,7 +58,7 @@ def served_quantized_events(
     beside its HF export, weights/rollout_quant.py) is a `quantized_weights[<version>|<fmt>]`
     materialization, made by the run rather than by the asset (which writes the same path)."""
     from assets.partitions import QUANT_FORMATS
-    from miles_platform.weights.rollout_quant import served_path
+    from miles_platform.store.paths import served_path
 
     events = []
     for fmt in QUANT_FORMATS if pv.hf_path else ():

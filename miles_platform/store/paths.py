@@ -27,6 +27,15 @@ DIFFUSION_CONFIG = "diffusion_config.json"  # a diffusion run dir's (diffusion/l
 TABLES = ("policy_versions", "evals", "lineage", "metrics", "run_events", "train_samples")
 
 
+SERVED_FORMATS = ("fp8", "int4")  # what a served copy beside a version's export can be (`served_path`)
+
+
+def served_path(hf_export: str, fmt: str) -> str:
+    """Where a version's served quantized checkpoint lives: beside its HF export (`<export>-<fmt>`),
+    the path the run (weights/rollout_quant.py) and the `quantized_weights` asset write."""
+    return f"{hf_export.rstrip('/')}-{fmt}"
+
+
 def absolute(path: str | None) -> str | None:
     """The one spelling of a local path the store records: absolute (against this process's cwd),
     normalized, no trailing slash. An object-store URI stays as it is."""

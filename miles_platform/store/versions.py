@@ -144,15 +144,15 @@ def served_quantized_edges(pv: PolicyVersion) -> list:
     """A version the engines served quantized (its fp8 / int4 copy beside the export, written by the
     run: weights/rollout_quant.py) has the `quantized:<version>:<fmt>` child the asset would write."""
     from miles_platform.store.lineage_identity import Edge
+    from miles_platform.store.paths import SERVED_FORMATS, served_path
     from miles_platform.store.remote import exists
-    from miles_platform.weights.rollout_quant import FORMATS, served_path
 
     if not pv.hf_path:
         return []
     return [
         Edge(f"quantized:{pv.partition_key}:{fmt}", "quantized_weights", pv.partition_key, "policy_version",
              "quantized_as", fmt)
-        for fmt in FORMATS
+        for fmt in SERVED_FORMATS
         if exists(f"{served_path(pv.hf_path, fmt)}/model.safetensors")
     ]  # fmt: skip
 

@@ -26,7 +26,6 @@ import torch
 from kernels import quant as kq
 from miles_platform.errors import CheckpointError
 
-FORMATS = ("fp8", "int4")  # what a served copy beside a version's export can be (`served_path`)
 FP8_SUFFIX = ".weight_scale_inv"
 INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
 
@@ -205,12 +204,6 @@ def write_served_checkpoint(served: dict[str, torch.Tensor], hf_checkpoint: str,
     from miles_platform.training.export import export_hf_dir
 
     return export_hf_dir(served, hf_checkpoint, out_dir)
-
-
-def served_path(hf_export: str, fmt: str) -> str:
-    """Where a version's served quantized checkpoint lives: beside its HF export (`<export>-<fmt>`),
-    the path the `quantized_weights` asset writes too."""
-    return f"{hf_export.rstrip('/')}-{fmt}"
 
 
 def quantized_serving(cfg) -> list[str]:

@@ -42,12 +42,8 @@ def served_weights(cfg: RunConfig, weights: dict, hf_dir: str | None) -> tuple[d
     """(what the engines get, the HF dir holding it, the dense weights they then serve). A quantized
     --hf-checkpoint (fp8 / int4, weights/rollout_quant.py): the trainer's weights quantized as it is,
     written beside the export (`<export>-<fmt>`); a dense one: the weights and the export as they are."""
-    from miles_platform.weights.rollout_quant import (
-        dense_from_update,
-        rollout_quant,
-        served_path,
-        write_served_checkpoint,
-    )
+    from miles_platform.store.paths import served_path
+    from miles_platform.weights.rollout_quant import dense_from_update, rollout_quant, write_served_checkpoint
 
     rq = rollout_quant(cfg.hf_checkpoint)
     if rq is None:

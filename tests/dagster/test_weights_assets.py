@@ -105,9 +105,9 @@ def test_sensor_publishes_each_version_once_and_quantizes(tiny_hf_checkpoint, tm
 def test_a_version_served_quantized_materializes_quantized_weights(tiny_hf_checkpoint, tmp_path):
     """A run from a quantized --hf-checkpoint writes each served version beside its export: the training
     op's reporter (made_events) records it as `quantized_weights[<version>|<fmt>]`; a dense run's versions make none."""
+    from miles_platform.store.paths import served_path
     from miles_platform.store.versions import PolicyVersion
     from miles_platform.weights.quantize import quantize_checkpoint
-    from miles_platform.weights.rollout_quant import served_path
     from ops.version_events import made_events
 
     export = str(tmp_path / "hf" / "v000001")

@@ -10,10 +10,10 @@ from loop_helpers import small_run_config
 
 from miles_platform.loop import Reporter, train
 from miles_platform.store.lineage_identity import read_edges
-from miles_platform.store.paths import StoragePaths
+from miles_platform.store.paths import StoragePaths, served_path
 from miles_platform.training.qat import QAT_FLAG_ENV, QAT_GROUP_ENV
 from miles_platform.weights.quantize import quantize_checkpoint
-from miles_platform.weights.rollout_quant import read_served_state, rollout_quant, served_path
+from miles_platform.weights.rollout_quant import read_served_state, rollout_quant
 
 
 class _ServedFormat(Reporter):
