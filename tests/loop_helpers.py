@@ -169,7 +169,8 @@ def warm_python() -> list[str]:
 
 
 SPAWN_PRELOAD = ["torch", "torch.distributed", "miles_platform.training.actor", "megatron.core",
-                 "miles_platform.training.megatron_backend", "miles_platform.training.fsdp_backend"]  # fmt: skip
+                 "miles_platform.training.megatron_backend", "miles_platform.training.fsdp_backend",
+                 "rank_preload"]  # fmt: skip
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):

@@ -104,6 +104,12 @@ def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint
     assert any(not torch.equal(init[k].bfloat16(), weights[k]) for k in init)  # the step moved weights
 
 
+@pytest.fixture(scope="module")
+def plain_step(layout_checkpoint, tmp_path_factory):
+    """The step without activation recompute (the recompute cases' reference, trained once)."""
+    return train_one_step(layout_checkpoint, tmp_path_factory.mktemp("plain") / "out", 1)
+
+
 @pytest.mark.parametrize(
     "recompute",
     [
@@ -112,12 +118,11 @@ def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint
         dict(recompute_granularity="selective"),
     ],  # fmt: skip
 )
-def test_recompute_gives_the_step_without_it(layout_checkpoint, tmp_path, recompute):
-    plain = train_one_step(layout_checkpoint, tmp_path / "plain", 1)
+def test_recompute_gives_the_step_without_it(layout_checkpoint, plain_step, tmp_path, recompute):
     got = train_one_step(layout_checkpoint, tmp_path / "rc", 1, **recompute)
     for key in ("train/loss", "train/grad_norm"):
-        assert got[0]["metrics"][key] == plain[0]["metrics"][key]
-    assert all(torch.equal(got[1][k], v) for k, v in plain[1].items())
+        assert got[0]["metrics"][key] == plain_step[0]["metrics"][key]
+    assert all(torch.equal(got[1][k], v) for k, v in plain_step[1].items())
 
 
 @pytest.mark.parametrize(

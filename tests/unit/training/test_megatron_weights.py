@@ -38,17 +38,28 @@ def _actor(ckpt, rank, world, port, **overrides):
     return TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
 
 
+BUFFERS = (512 * 1024**2, 1)  # one bucket; every unit its own bucket
+
+
 def _export_worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: dict) -> None:
+    """One actor exports at each of BUFFERS (the backend reads --update-weight-buffer-size at each
+    export) into `<out>/<buffer>/`."""
     torch.set_num_threads(1)
     from miles_platform.training import megatron_shims
 
     try:
         actor = _actor(ckpt, rank, world, port, **overrides)
-        sizes = [sum(t.numel() * t.element_size() for t in b.values()) for b in actor.backend.hf_buckets()]
-        weights = actor.get_hf_weights()
-        if weights:
-            save_file(weights, f"{out}/rank{rank}.safetensors")
-        Path(f"{out}/rank{rank}.json").write_text(json.dumps({"buckets": sizes, "kept": len(weights)}))
+        for buffer in BUFFERS:
+            actor.cfg.update_weight_buffer_size = buffer
+            sub = Path(out, str(buffer))
+            sub.mkdir(exist_ok=True)
+            sizes = [
+                sum(t.numel() * t.element_size() for t in b.values()) for b in actor.backend.hf_buckets()
+            ]
+            weights = actor.get_hf_weights()
+            if weights:
+                save_file(weights, f"{sub}/rank{rank}.safetensors")
+            Path(f"{sub}/rank{rank}.json").write_text(json.dumps({"buckets": sizes, "kept": len(weights)}))
     except Exception:
         Path(f"{out}/rank{rank}.error").write_text(traceback.format_exc())
     finally:
@@ -66,22 +77,25 @@ def layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
     return save_layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("weights") / "l4")
 
 
-@pytest.mark.parametrize("buffer", [512 * 1024**2, 1])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_export_is_the_tp1_export_byte_for_byte(layout, buffer, layout_checkpoint, tmp_path):
+def test_export_is_the_tp1_export_byte_for_byte(layout, layout_checkpoint, tmp_path):
     world, flags = LAYOUTS[layout]
     out = tmp_path / "out"
-    flags = {**flags, "update_weight_buffer_size": buffer}
     _run(_export_worker, world, (world, free_port(), layout_checkpoint, str(out), flags), out)
     # the TP1 export is the checkpoint itself (tests/megatron_parity.py); its safetensors bytes are the
     # bytes of the same dict written by the same writer
     reference = tmp_path / "reference.safetensors"
     save_file(load_file(Path(layout_checkpoint) / "model.safetensors"), reference)
-    assert (out / "rank0.safetensors").read_bytes() == reference.read_bytes()
-    info = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    assert [i["kept"] > 0 for i in info] == [True] + [False] * (world - 1)  # only rank 0 keeps the state
     units = 2 + 4  # embedding, 4 layers, final norm (tied: no output layer)
-    assert len(info[0]["buckets"]) == (units if buffer == 1 else 1)
+    for buffer in BUFFERS:
+        got = out / str(buffer)
+        assert (got / "rank0.safetensors").read_bytes() == reference.read_bytes(), f"buffer {buffer}"
+        info = [json.loads((got / f"rank{r}.json").read_text()) for r in range(world)]
+        kept = [i["kept"] > 0 for i in info]
+        assert kept == [True] + [False] * (world - 1), f"buffer {buffer}: only rank 0 keeps the state"
+        assert len(info[0]["buckets"]) == (units if buffer == 1 else 1), (
+            f"buffer {buffer}: {info[0]['buckets']}"
+        )
 
 
 def _broadcast_worker(rank: int, world: int, port: int, group_port: int, ckpt: str, out: str) -> None:
