@@ -39,7 +39,7 @@ class VLMBaseRecipe:
     sft: SFTRecipe = dataclasses.field(
         default_factory=lambda: SFTRecipe(
             lr=3e-3, lr_warmup_iters=5, min_lr=3e-4, global_batch_size=64, micro_batch_size=64,
-            train_iters=150, num_threads=1, log_interval=10,
+            train_iters=250, num_threads=1, log_interval=25,
         )
     )  # fmt: skip
     seed: int = 0
