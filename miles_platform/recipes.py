@@ -60,4 +60,4 @@ DEMO_VLM = dict(
     lr=3e-4,
     eval_interval=None,  # eval datasets read text only (docs/vlm.md); the quickstart evaluates greedily
 )
-VLM_ROLLOUTS = 20
+VLM_ROLLOUTS = 40  # 20: 78.8%, 100%, 100% over GRPO seeds 1-3; 40: 100% on all three (docs/vlm.md)
