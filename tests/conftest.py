@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
 LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-05 08:25 UTC
-    "test_learning.py": 135, "test_vlm_loop.py": 100, "test_cluster_ray.py": 94, "test_crash_matrix.py": 74,
+    "test_learning.py": 135, "test_vlm_loop.py": 70, "test_cluster_ray.py": 94, "test_crash_matrix.py": 74,
     "test_diffusion_loop.py": 68, "test_fault_tolerance.py": 66, "test_ui_browser.py": 56,
     "test_loop.py": 55, "test_model_families_loop.py": 44, "test_opd_loop.py": 27,
     "test_megatron_weights.py": 26, "test_megatron_layouts.py": 25, "test_ui_daily_use.py": 24,
