@@ -15,7 +15,9 @@ from miles_platform.loop import train, validate_before_start
 from miles_platform.recipes import DEMO_VLM
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.shards import shard_path
+from miles_platform.store.tables import read_rows
 from miles_platform.training.vlm_base import VLMBaseRecipe, greedy_count_accuracy, run_vlm_sft
+from ops.version_events import CatalogVersions
 
 ROLLOUTS = 20
 
@@ -39,6 +41,10 @@ def test_grpo_from_a_base_that_counts_4_as_3_lifts_heldout_accuracy(tmp_path):
     final = greedy_count_accuracy(res.final_hf_path, task["eval"])
     assert final["acc"] >= base["acc"] + 0.15, (base, final)
 
-    rows = pq.read_table(shard_path(StoragePaths(cfg.storage_root), cfg.run_name, 0)).to_pylist()
+    paths = StoragePaths(cfg.storage_root)
+    # read back from the catalog, its versions are left to their own evals (the text eval_dataset does not apply)
+    stored = CatalogVersions.read(paths, cfg.run_name, read_rows(paths, "policy_versions", cfg.run_name))
+    assert stored.extra["task"] == "vlm" and stored.extra["evaluated_in_loop"] == "true"
+    rows = pq.read_table(shard_path(paths, cfg.run_name, 0)).to_pylist()
     want = {image_hash(r["images"][0]) for r in pq.read_table(task["train"]).to_pylist()}
     assert len(rows) == 64 and all(len(r["image_hashes"]) == 1 and r["image_hashes"][0] in want for r in rows)
