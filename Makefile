@@ -7,7 +7,7 @@ ROOT      ?= .miles
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install system-deps demo demo-diffusion test test-fast lint ui viewer bench bench-trl-env clean
+.PHONY: install system-deps demo demo-diffusion demo-vlm test test-fast lint ui viewer bench bench-trl-env clean
 
 # apt packages: libibverbs1 for Mooncake's TCP transfer engine, chromium for the UI test.
 system-deps:
@@ -41,6 +41,10 @@ demo: install
 # the diffusion campaign: attribute task -> tiny DiT SFT base -> Flow-GRPO -> held-out evals
 demo-diffusion: install
 	$(BIN)/miles-platform quickstart --task diffusion --storage-root $(ROOT)
+
+# the vision-language campaign: image counting task -> tiny Qwen3-VL SFT base -> GRPO -> held-out evals
+demo-vlm: install
+	$(BIN)/miles-platform quickstart --task vlm --storage-root $(ROOT)
 
 lint: install
 	$(BIN)/ruff check .

@@ -15,6 +15,7 @@ DOMAINS = (
     "scoreboard",
     "weights",
     "diffusion",
+    "vlm",
 )
 
 

@@ -38,5 +38,16 @@ build_diffusion_base = dg.define_asset_job(
     description="The tiny DiT's flow-matching SFT base.",
 )
 
+build_vlm_data = dg.define_asset_job(
+    "build_vlm_data",
+    selection=["vlm_prompt_dataset", "vlm_eval_dataset"],
+    description="The image counting task's train and held-out datasets (Parquet with PNG images).",
+)
+build_vlm_base = dg.define_asset_job(
+    "build_vlm_base",
+    selection=["vlm_base_checkpoint"],
+    description="The tiny Qwen3-VL's SFT base (counts 4 squares as 3).",
+)
+
 ASSET_JOBS = [build_datasets, build_base_checkpoint, convert_checkpoint, quantize_weights,
-              build_diffusion_data, build_diffusion_base]  # fmt: skip
+              build_diffusion_data, build_diffusion_base, build_vlm_data, build_vlm_base]  # fmt: skip

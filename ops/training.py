@@ -232,7 +232,10 @@ def rl_training_op(
         return train_as_ray_job(context, cfg, eval_config, storage.paths, *ray_job, api_key=config.api_key)
     if context.retry_number:
         context.log.info(f"retry {context.retry_number}: run {cfg.run_name} resumes from its last checkpoint")
-    reporter = DagsterReporter(context, eval_config)
+    # image prompts: eval datasets read text only (docs/vlm.md), so the eval sensor must not evaluate
+    # the versions on the text eval_dataset; the VLM quickstart evaluates them itself
+    vlm = {"task": "vlm", "evaluated_in_loop": "true"} if cfg.multimodal_keys else None
+    reporter = DagsterReporter(context, eval_config, vlm)
     try:
         result: RunResult = train(cfg, reporter)
     except CITestFailure as e:  # deterministic: a retry would fail the same way

@@ -346,6 +346,8 @@ class CatalogVersions:
         extra = dict(REPORTED_BY if extra is None else extra)
         if cfg is not None and cfg.eval_prompt_data and cfg.eval_interval:
             extra["evaluated_in_loop"] = "true"  # the run's own evals are in `evals`: the sensor skips it
+        if cfg is not None and cfg.multimodal_keys:  # image prompts: the text eval_dataset does not apply
+            extra.update(task="vlm", evaluated_in_loop="true")
         # a diffusion run evaluates itself
         if os.path.isfile(os.path.join(paths.run_dir(run), DIFFUSION_CONFIG)):
             extra.update(task="diffusion", evaluated_in_loop="true")

@@ -119,3 +119,27 @@ def parse_multimodal_keys(value: Any) -> dict[str, str] | None:
             "are not), each mapped to a dataset key"
         )
     return keys
+
+
+def thumbnail_grid(images: list[bytes], ncol: int = 8, scale: int = 3, pad: int = 2) -> bytes:
+    """PNG of encoded images in rows of `ncol` on grey, each upscaled `scale`x (nearest): a dataset's
+    preview in the UI (the `vlm_prompt_dataset` asset page)."""
+    from PIL import Image
+
+    tiles = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    if not tiles:
+        raise ValueError("thumbnail_grid: no images")
+    w = max(t.width for t in tiles) * scale
+    h = max(t.height for t in tiles) * scale
+    ncol = min(ncol, len(tiles))
+    nrow = -(-len(tiles) // ncol)
+    grid = Image.new("RGB", (ncol * (w + pad) + pad, nrow * (h + pad) + pad), (128, 128, 128))
+    for i, t in enumerate(tiles):
+        r, c = divmod(i, ncol)
+        grid.paste(
+            t.resize((t.width * scale, t.height * scale), Image.NEAREST),
+            (pad + c * (w + pad), pad + r * (h + pad)),
+        )
+    buf = io.BytesIO()
+    grid.save(buf, "PNG")
+    return buf.getvalue()

@@ -93,15 +93,18 @@ def tiny_vlm_config(tokenizer, **text_overrides):
     )  # fmt: skip
 
 
-def save_tiny_vlm_checkpoint(path, corpus: list[str] | None = None, seed: int = 0) -> str:
-    """A random tiny Qwen3-VL + tokenizer + image processor config, saved as an HF dir (< 2 s)."""
+def save_tiny_vlm_checkpoint(
+    path, corpus: list[str] | None = None, seed: int = 0, image_size: int = TINY_IMAGE_SIZE
+) -> str:
+    """A random tiny Qwen3-VL + tokenizer + image processor config (images resized to `image_size`
+    square: 32 -> one merged image token, 64 -> four), saved as an HF dir (< 2 s)."""
     from miles_platform.models.checkpoint import save_hf_checkpoint
     from miles_platform.models.families import build_model
 
     corpus = corpus or [f"How many shapes are in {IMAGE_PLACEHOLDER}? {n}" for n in range(10)]
     tok = build_vlm_tokenizer(corpus)
     model = build_model(tiny_vlm_config(tok), seed=seed)
-    dest = save_hf_checkpoint(model, tok, path, extra=build_image_processor())
+    dest = save_hf_checkpoint(model, tok, path, extra=build_image_processor(image_size))
     return str(dest)
 
 
@@ -175,6 +178,34 @@ def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> 
     model.model.rope_deltas = None  # stateless: positions are recomputed from these ids
     out = model(input_ids=input_ids, use_cache=False, **kw)
     return out.logits
+
+
+def grouped_vlm_logits(model, vision: PromptVision, input_ids, images: list, lengths: list[int], device=None):
+    """Per sample its logits (n_i, V) of `input_ids[i, :lengths[i]]` with its images (data URIs, or
+    None). Samples of one length whose `<|image_pad|>` count is exactly their images' share one
+    batched `vlm_logits` forward (pixel values concatenated in row order, as HF's Qwen-VL takes a
+    batch); a text sample or one whose response sampled an image pad runs alone."""
+    import torch
+
+    cfg = model.config
+    merge = cfg.vision_config.spatial_merge_size
+    px, groups = [], {}
+    for i, (uris, n) in enumerate(zip(images, lengths, strict=True)):
+        p = vision.pixels(uris) if uris else {"pixel_values": None, "image_grid_thw": None}
+        px.append(p)
+        want = 0 if not uris else int(p["image_grid_thw"].prod(-1).sum()) // (merge * merge)
+        exact = bool(uris) and int((input_ids[i, :n] == cfg.image_token_id).sum()) == want
+        groups.setdefault((n, "batch") if exact else (n, i), []).append(i)
+    out: list = [None] * len(lengths)
+    for (n, _), rows in groups.items():
+        pv = [px[i]["pixel_values"] for i in rows]
+        grid = [px[i]["image_grid_thw"] for i in rows]
+        pv = None if pv[0] is None else torch.cat(pv).to(device or pv[0].device)
+        grid = None if grid[0] is None else torch.cat(grid).to(device or grid[0].device)
+        z = vlm_logits(model, input_ids[rows, :n], pv, grid)
+        for j, i in enumerate(rows):
+            out[i] = z[j]
+    return out
 
 
 def _extra_pads_masked(input_ids: torch.Tensor, cfg, image_grid_thw) -> torch.Tensor:

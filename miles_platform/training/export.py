@@ -23,6 +23,7 @@ CONFIG_FILES = (
     "chat_template.jinja",
     "vocab.json",
     "merges.txt",
+    "preprocessor_config.json",  # a vision-language model's image processor (models/vlm.py)
 )
 
 

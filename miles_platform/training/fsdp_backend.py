@@ -78,21 +78,21 @@ class FSDPBackend(ModelBackend):
         return torch.autocast(kind, dtype=DTYPES[dt])
 
     def score(self, req: ScoreRequest) -> Scores:
-        """A micro-batch with images (a vision-language model): each sample's own forward with its
-        pixel values (models/vlm.py `vlm_logits`, as the engine scored it), logits padded to the width."""
+        """A micro-batch with images (a vision-language model): scored through models/vlm.py
+        `vlm_logits`, as the engine scored it; samples of one length whose image pads match their
+        images share a forward, the others get their own; logits padded to the micro-batch width."""
         if req.images is None:
             return super().score(req)
-        from miles_platform.models.vlm import vlm_logits
+        from miles_platform.models.vlm import grouped_vlm_logits
 
-        rows = []
         with req.context(), self._autocast():
-            for r, (images, n) in enumerate(zip(req.images, req.lengths, strict=True)):
-                px = self._vision.pixels(images) if images else {"pixel_values": None, "image_grid_thw": None}
-                pv = None if px["pixel_values"] is None else px["pixel_values"].to(self.device)
-                grid = None if px["image_grid_thw"] is None else px["image_grid_thw"].to(self.device)
-                z = vlm_logits(self.module, req.input_ids[r : r + 1, :n], pv, grid)[0]
-                rows.append(torch.nn.functional.pad(z, (0, 0, 0, req.input_ids.shape[1] - n)))
-        return scores_from_logits(torch.stack(rows), req)
+            rows = grouped_vlm_logits(
+                self.module, self._vision, req.input_ids, req.images, req.lengths, self.device
+            )
+        width = req.input_ids.shape[1]
+        return scores_from_logits(
+            torch.stack([torch.nn.functional.pad(z, (0, 0, 0, width - z.shape[0])) for z in rows]), req
+        )
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         attn = torch.ones_like(input_ids)

@@ -268,10 +268,11 @@ def _warmup_init(recipe: SFTRecipe, iters: int) -> float:
     return recipe.lr / warmup if warmup else 0.0
 
 
-def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor) -> TrainBatch:
+def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor, images: list | None = None) -> TrainBatch:
     """Right-padded (ids, loss mask per token) -> the trainer's TrainBatch: the response starts at
     the first trained token (never token 0: it has no prediction); untrained tokens inside it (tool
-    answers) get mask 0; the padding after the last trained token (EOS) is dropped."""
+    answers) get mask 0; the padding after the last trained token (EOS) is dropped. `images`: per
+    row its images as data URIs (a vision-language model; ids carry the expanded image pads)."""
     tokens, lengths, masks = [], [], []
     for row_ids, row_mask in zip(ids.tolist(), mask.tolist(), strict=True):
         trained = [j for j, m in enumerate(row_mask) if m and j > 0]
@@ -280,7 +281,7 @@ def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor) -> TrainBatch:
         lengths.append(last + 1 - first)
         masks.append([int(m) for m in row_mask[first : last + 1]])
     n = len(tokens)
-    return TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=masks,
+    return TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=masks, images=images,
                       rewards=[0.0] * n, rollout_log_probs=[[] for _ in range(n)])  # fmt: skip
 
 
@@ -298,8 +299,9 @@ def _load_trained(model, state: dict[str, torch.Tensor]) -> None:
 
 
 def _train(
-    actor: TrainerActor, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress: bool
-) -> dict:
+    actor: TrainerActor, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress: bool,
+    images: list | None = None,
+) -> dict:  # fmt: skip
     gen = torch.Generator().manual_seed(recipe.seed)
     curve: list[tuple[int, float]] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -312,7 +314,8 @@ def _train(
                 perm, pos = torch.randperm(n_rows, generator=gen), 0
             rows = perm[pos : pos + recipe.global_batch_size]
             pos += recipe.global_batch_size
-            m = actor.train(step, sft_train_batch(ids[rows], mask[rows]))
+            imgs = None if images is None else [images[i] for i in rows.tolist()]
+            m = actor.train(step, sft_train_batch(ids[rows], mask[rows], imgs))
             window.append(m["train/loss"])
             if (step + 1) % recipe.log_interval == 0 or step == iters - 1:
                 curve.append((step + 1, sum(window) / len(window)))

@@ -47,3 +47,17 @@ def test_make_data_count_shapes(tmp_path, capsys):
         str(tmp_path / "eval.parquet"), "prompt", "label", multimodal_keys={"image": "images"}
     )
     assert len(recs) == len(evals) and all(len(r.images) == 1 for r in recs)
+
+
+def test_thumbnail_grid_tiles_the_images_for_the_asset_preview():
+    from PIL import Image
+
+    from miles_platform.data.image_tasks import draw_shapes
+    from miles_platform.data.images import thumbnail_grid
+
+    pngs = [draw_shapes((i,), seed=i) for i in range(10)]
+    grid = Image.open(io.BytesIO(thumbnail_grid(pngs, ncol=8, scale=3, pad=2)))
+    assert grid.size == (8 * (96 + 2) + 2, 2 * (96 + 2) + 2)
+    # the first tile is the first image upscaled: its square (cell 0) is at the top left
+    assert grid.getpixel((2 + 3 * 3, 2 + 3 * 3)) != (255, 255, 255)
+    assert grid.getpixel((2 + 3 * 20, 2 + 3 * 20)) == (255, 255, 255)

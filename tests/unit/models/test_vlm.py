@@ -140,3 +140,30 @@ def test_a_sampled_image_pad_in_the_response_scores(tiny_vlm):
         head = vlm.vlm_logits(model, ids[:, :-2], vi.pixel_values, vi.image_grid_thw)
         text = vlm.vlm_logits(model, torch.tensor([[5, model.config.image_token_id, 6]]), None, None)
     assert torch.allclose(full[0, :-2], head[0], atol=1e-5) and text.shape == (1, 3, len(tok))
+
+
+def test_grouped_logits_batch_equal_lengths_and_equal_one_forward_each(tiny_vlm):
+    """grouped_vlm_logits: samples of one length share a forward (different images, one text
+    sample, one with a sampled image pad beside them) and each equals its own vlm_logits."""
+    import torch
+
+    from miles_platform.data.images import to_data_uri
+    from miles_platform.models import vlm
+    from miles_platform.models.checkpoint import load_hf_checkpoint
+
+    model, tok = load_hf_checkpoint(tiny_vlm)
+    pv = vlm.PromptVision(tiny_vlm)
+    prompt = tok(f"{vlm.VISION_START}{vlm.IMAGE_PAD}{vlm.VISION_END}?")["input_ids"]
+    uris = [[to_data_uri(_png(s))] for s in range(3)] + [None]
+    rows = [pv.expand(prompt, u) + [5, 6] for u in uris[:2]]
+    rows.append(pv.expand(prompt, uris[2]) + [model.config.image_token_id, 6])  # a sampled pad: alone
+    rows.append([7] * len(rows[0]))  # a text sample
+    ids = torch.tensor(rows)
+    lengths = [ids.shape[1]] * 4
+    with torch.no_grad():
+        got = vlm.grouped_vlm_logits(model, pv, ids, uris, lengths)
+        for i, u in enumerate(uris):
+            px = pv.pixels(u) if u else {"pixel_values": None, "image_grid_thw": None}
+            want = vlm.vlm_logits(model, ids[i : i + 1], px["pixel_values"], px["image_grid_thw"])[0]
+            assert torch.allclose(got[i], want, atol=1e-5), i
+    assert not torch.allclose(got[0], got[1], atol=1e-4)  # each row saw its own image
