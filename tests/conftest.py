@@ -34,7 +34,7 @@ LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 20
     "test_model_families_megatron.py": 12, "test_conversion_asset.py": 12, "test_colocate.py": 10,
     "test_object_store.py": 8,
     # new on 2026-12-05 (session 19; estimates until the next full run's junit times)
-    "test_conversion.py": 25, "test_vlm_loop.py": 15, "test_quantized_rollout_loop.py": 12,
+    "test_conversion.py": 25, "test_quantized_rollout_loop.py": 12,
 }  # fmt: skip
 
 
