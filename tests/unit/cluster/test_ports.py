@@ -57,6 +57,16 @@ def _fds() -> set[int]:
     return {int(f) for f in os.listdir("/proc/self/fd")}
 
 
+def _closed_or_leaked(before: set[int], port: int) -> tuple[set[int], set[int]]:
+    """(fds of `before` closed since: someone else's, closed twice; new fds of sockets on `port`: a
+    leaked store socket). Other new fds are another thread's (a full run's worker has Ray, the fork
+    server and store threads opening files meanwhile: measured, fd 113 in one run)."""
+    import psutil
+
+    mine = {c.fd for c in psutil.Process().net_connections("tcp") if c.laddr and c.laddr.port == port}
+    return before - _fds(), (_fds() - before) & mine
+
+
 def test_a_rendezvous_store_listens_on_its_host_only():
     import torch.distributed as dist
 
@@ -91,13 +101,13 @@ def test_a_store_that_fails_after_torch_took_its_socket_closes_it_once():
     before = _fds()
     with pytest.raises(DistStoreError):
         tcp_store("127.0.0.1", port, 2, True, timeout_s=1, wait_for_workers=True)
-    assert _fds() == before and not _listening(port)
+    assert _closed_or_leaked(before, port) == (set(), set()) and not _listening(port)
     # and the number torch freed is not closed again: open a file, fail once more, the file is fine
     with open(os.devnull) as f:
         with pytest.raises(DistStoreError):
             tcp_store("127.0.0.1", port, 2, True, timeout_s=1, wait_for_workers=True)
         os.fstat(f.fileno())
-    assert _fds() == before
+    assert _closed_or_leaked(before, port) == (set(), set())
 
 
 def test_gloo_goes_on_loopback_for_a_loopback_rendezvous_and_the_users_choice_wins(monkeypatch):
