@@ -196,7 +196,8 @@ def test_aborted_and_too_stale_groups_go_to_the_unused_samples_handler(
     try:
         first, m1 = w.get_rollout(0, 0)
         assert m1["rollout/fully_async/aborted_groups_filtered"] == 1
-        assert PROMPTS[0].prompt not in {s.prompt for s in first}
+        if PROMPTS[0].prompt in {s.prompt for s in first}:  # only as a retry that finished in time
+            assert handler == "retry" and sum(r["prompt"] == PROMPTS[0].prompt for r in engine.requests) > 2
         _wait(lambda: len(w.buffer.state_dict()["entries"]) == 4)
         stale = [e["samples"][0]["prompt"] for e in w.buffer.state_dict()["entries"]]
         engine.version = 3  # a weight update: the buffered groups (version 0) lag by 3 > 1
