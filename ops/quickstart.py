@@ -41,6 +41,20 @@ def _dagster_home(root: str) -> str:
     return home
 
 
+def _campaign(root: str):
+    """(absolute root, the code location's Definitions, the demo's Dagster instance): every
+    campaign's setup, its DAGSTER_HOME and storage root under `root` (the same assets, jobs and
+    resources the UI loads)."""
+    root = os.path.abspath(root)
+    os.environ["DAGSTER_HOME"] = _dagster_home(root)
+    os.environ["MILES_STORAGE_ROOT"] = root
+    import dagster as dg
+
+    import definitions
+
+    return root, definitions.defs, dg.DagsterInstance.get()
+
+
 def _fresh_run_name(root: str, base: str) -> str:
     """`demo`, then `demo-2`, ... : rerunning the demo adds a run next to the earlier ones."""
     from miles_platform.store.paths import StoragePaths
@@ -60,18 +74,12 @@ def run_quickstart(
     root: str, num_rollout: int, seed: int, eval_every: int, sft_iters: int | None
 ) -> dict[str, Any]:
     t0 = time.time()
-    root = os.path.abspath(root)
-    os.environ["DAGSTER_HOME"] = _dagster_home(root)
-    os.environ["MILES_STORAGE_ROOT"] = root
+    root, defs, instance = _campaign(root)
     import dagster as dg
 
-    import definitions  # the code location: same assets, jobs and resources the UI loads
     from assets.evals import run_config_for_version
     from assets.metadata import latest_metadata
     from miles_platform.store.paths import partition_key
-
-    defs = definitions.defs
-    instance = dg.DagsterInstance.get()
 
     _log("materializing prompt_dataset, eval_dataset")
     _run_job(defs, "build_datasets", instance)
@@ -194,14 +202,7 @@ def run_diffusion_quickstart(
 ) -> dict[str, Any]:
     """The diffusion campaign: task datasets -> tiny DiT SFT base -> Flow-GRPO (or NFT) -> evals."""
     t0 = time.time()
-    root = os.path.abspath(root)
-    os.environ["DAGSTER_HOME"] = _dagster_home(root)
-    os.environ["MILES_STORAGE_ROOT"] = root
-    import dagster as dg
-
-    import definitions
-
-    defs, instance = definitions.defs, dg.DagsterInstance.get()
+    root, defs, instance = _campaign(root)
     _log("materializing diffusion_prompt_dataset, diffusion_eval_dataset, diffusion_sft_dataset")
     _run_job(defs, "build_diffusion_data", instance)
     _log("materializing diffusion_base_checkpoint (flow-matching SFT of the tiny DiT)")
@@ -271,18 +272,12 @@ def print_diffusion_summary(s: dict[str, Any]) -> None:
 def run_vlm_quickstart(root: str, num_rollout: int, seed: int) -> dict[str, Any]:
     """Task datasets -> SFT base -> GRPO (rl_training with images) -> greedy held-out evals."""
     t0 = time.time()
-    root = os.path.abspath(root)
-    os.environ["DAGSTER_HOME"] = _dagster_home(root)
-    os.environ["MILES_STORAGE_ROOT"] = root
-    import dagster as dg
-
-    import definitions
+    root, defs, instance = _campaign(root)
     from assets.metadata import latest_metadata
     from miles_platform.store.catalog import Catalog
     from miles_platform.store.paths import StoragePaths, partition_key
     from miles_platform.training.vlm_base import greedy_count_accuracy
 
-    defs, instance = definitions.defs, dg.DagsterInstance.get()
     _log("materializing vlm_prompt_dataset, vlm_eval_dataset (the image counting task)")
     _run_job(defs, "build_vlm_data", instance)
     _log("materializing vlm_base_checkpoint (SFT of a tiny Qwen3-VL, 4 squares mostly labelled 3)")
@@ -379,14 +374,8 @@ def print_summary(s: dict[str, Any]) -> None:
 
 def _run_one_job(root: str, name: str) -> int:
     """One named job into the demo's instance (run beside training by run_quickstart)."""
-    root = os.path.abspath(root)
-    os.environ["DAGSTER_HOME"] = _dagster_home(root)
-    os.environ["MILES_STORAGE_ROOT"] = root
-    import dagster as dg
-
-    import definitions
-
-    _run_job(definitions.defs, name, dg.DagsterInstance.get())
+    _, defs, instance = _campaign(root)
+    _run_job(defs, name, instance)
     return 0
 
 
