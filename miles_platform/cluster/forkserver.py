@@ -51,16 +51,11 @@ PRELOAD = (
     "miles_platform.rollout.engine_server",
     "miles_platform.training.actor",
     "miles_platform.training.fsdp_backend",
-    # a driver's store (pyarrow pulls in pandas) and catalog (duckdb): ~1 CPU-second a process, paid
-    # once here. Not ray: it caches its token-auth mode at import, before the cluster sets it
+    # a trainer rank appends its train_samples rows (store/tables.py: pyarrow, which pulls in pandas).
+    # Not ray: it caches its token-auth mode at import, before the cluster sets it
     "pyarrow.parquet",
     "pandas",
-    "duckdb",
-    "miles_platform.store.catalog",
-    "miles_platform.rollout.rm_hub.math_rm",
 )
-# called once the imports are done: caches every child would otherwise fill itself
-WARM = ("miles_platform.rollout.rm_hub.math_rm:warm_up",)
 # what only some runs use (several CPU-seconds each): preloaded when the run asks for it
 EXTRAS = {
     "peft": ("peft",),
@@ -326,10 +321,6 @@ def serve(d: str, extras: list[str]) -> None:
     for name in PRELOAD + tuple(m for e in extras for m in EXTRAS[e]):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
-    for spec in WARM:
-        module, _, fn = spec.partition(":")
-        with contextlib.suppress(Exception):  # a warm-up that fails is done again where it is needed
-            getattr(importlib.import_module(module), fn)()
     import gc
 
     gc.collect()
