@@ -141,9 +141,26 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
     """
     import ray
 
-    with _single_machine_mode():
+    with _single_machine_mode(), _light_setup_worker():
         ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus,
                  include_dashboard=False, log_to_driver=False, **init_kwargs)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _light_setup_worker():
+    """The cluster's raylet starts its workers through cluster/setup_worker.py (standard library
+    only; same result as Ray's script, ~0.45 CPU-s less per actor start: see that module). Ray's
+    node reads the script's file name when it starts; an absolute name replaces its default path."""
+    from ray._private import ray_constants
+
+    from miles_platform.cluster import setup_worker
+
+    name = ray_constants.SETUP_WORKER_FILENAME
+    ray_constants.SETUP_WORKER_FILENAME = os.path.abspath(setup_worker.__file__)
+    try:
+        yield
+    finally:
+        ray_constants.SETUP_WORKER_FILENAME = name
 
 
 _SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

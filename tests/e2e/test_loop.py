@@ -250,6 +250,14 @@ def _check_train_samples(cat: Catalog) -> None:
         if step == 0:
             assert max(abs(a - b) for a, b in zip(lp, rlp)) < 1e-3, (lp, rlp)
             assert ratio == pytest.approx([1.0] * n, abs=1e-5) and not any(clipped)
+    # the local cluster's raylet starts every worker through our stdlib setup script (not Ray's,
+    # which imports Ray: ~0.45 CPU-s per actor start)
+    import ray
+
+    from miles_platform.cluster import setup_worker
+
+    node = ray._private.worker.global_worker.node
+    assert node._ray_params.setup_worker_path == os.path.abspath(setup_worker.__file__)
 
 
 def test_bad_config_fails_before_any_engine_starts(tiny_hf_checkpoint, tmp_path):
