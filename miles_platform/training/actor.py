@@ -136,6 +136,7 @@ class TrainerActor(ActorWeights):
         )
         self.sched = LRScheduler(self.opt, schedule_of(cfg, total), cfg.use_checkpoint_lr_scheduler, override)
         self.global_step = 0
+        self._masks: tuple = (None, {})  # (batch, {sample: loss mask on the device}): _mask
         self.loss_fn = loss_hub.get_loss_function(cfg)
         self.train_hooks = TrainerHooks(cfg)  # --rollout-data-postprocess-path, megatron's step hook
         self._weight_groups: dict = {}  # group_name -> (process group, backend), broadcast transport
@@ -171,7 +172,14 @@ class TrainerActor(ActorWeights):
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def _mask(self, batch: TrainBatch, i: int) -> torch.Tensor:
-        return self._tensor(batch.loss_masks[i])
+        """Sample i's loss mask on the device, built once per batch (read-only: shared by every
+        consumer of the step)."""
+        if self._masks[0] is not batch:
+            self._masks = (batch, {})
+        m = self._masks[1].get(i)
+        if m is None:
+            m = self._masks[1][i] = self._tensor(batch.loss_masks[i])
+        return m
 
     def _pack(self, batch: TrainBatch, idx: list[int]):
         """[B, width] right-padded token ids and their positions, on the device."""

@@ -22,13 +22,30 @@ TOKEN_FIELDS = (
 )
 
 
+class _Segments:
+    """The samples `idx` laid end to end: their masks and each token's sample, built once per call
+    and shared by every field (one reduction per field instead of a loop over samples)."""
+
+    def __init__(self, masks: dict[int, torch.Tensor], idx: list[int]):
+        ms = [masks[i].float().reshape(-1) for i in idx]
+        self.n = len(idx)
+        self.mask = torch.cat(ms)
+        dev = self.mask.device
+        lens = torch.tensor([m.numel() for m in ms], device=dev)
+        self.seg = torch.repeat_interleave(torch.arange(self.n, device=dev), lens)
+        self.count = self._sum(self.mask).clamp_min(1)
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.n, dtype=x.dtype, device=x.device).index_add_(0, self.seg, x)
+
+    def mean(self, values: dict[int, torch.Tensor], idx: list[int]) -> float:
+        v = torch.cat([values[i].detach().float().reshape(-1) for i in idx]).to(self.mask.device)
+        return float((self._sum(v * self.mask) / self.count).mean())
+
+
 def sample_mean(values: dict[int, torch.Tensor], masks: dict[int, torch.Tensor], idx: list[int]) -> float:
     """Mean over samples `idx` of each one's masked token mean (Miles' sum_of_sample_mean / count)."""
-    total = 0.0
-    for i in idx:
-        m = masks[i].float()
-        total += float((values[i].detach().float() * m).sum() / m.sum().clamp_min(1))
-    return total / max(len(idx), 1)
+    return _Segments(masks, idx).mean(values, idx) if idx else 0.0
 
 
 def rollout_data_metrics(
@@ -36,12 +53,13 @@ def rollout_data_metrics(
 ) -> dict[str, float]:
     """{"rollout/<field>": sample mean} of each field given (None or empty: not measured, not logged);
     a field must have a value for every sample of `idx`."""
-    out = {}
-    for name in TOKEN_FIELDS:
-        values = fields.get(name)
-        if values and all(i in values and len(values[i]) == len(masks[i]) for i in idx):
-            out[f"rollout/{name}"] = sample_mean(values, masks, idx)
     unknown = set(fields) - set(TOKEN_FIELDS)
     if unknown:
         raise ValueError(f"not a rollout field: {sorted(unknown)}")
+    out, segs = {}, None
+    for name in TOKEN_FIELDS:
+        values = fields.get(name)
+        if values and idx and all(i in values and len(values[i]) == len(masks[i]) for i in idx):
+            segs = segs or _Segments(masks, idx)
+            out[f"rollout/{name}"] = segs.mean(values, idx)
     return out

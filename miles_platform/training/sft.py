@@ -273,13 +273,17 @@ def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor, images: list | None =
     the first trained token (never token 0: it has no prediction); untrained tokens inside it (tool
     answers) get mask 0; the padding after the last trained token (EOS) is dropped. `images`: per
     row its images as data URIs (a vision-language model; ids carry the expanded image pads)."""
-    tokens, lengths, masks = [], [], []
-    for row_ids, row_mask in zip(ids.tolist(), mask.tolist(), strict=True):
-        trained = [j for j, m in enumerate(row_mask) if m and j > 0]
-        first, last = trained[0], trained[-1]
-        tokens.append(row_ids[: last + 1])
-        lengths.append(last + 1 - first)
-        masks.append([int(m) for m in row_mask[first : last + 1]])
+    trained = mask.bool()
+    trained[:, 0] = False
+    if not bool(trained.any(1).all()):
+        raise MilesError("an SFT row has no trained token after its first")
+    width = trained.shape[1]
+    firsts = trained.int().argmax(1).tolist()
+    lasts = (width - 1 - trained.flip(1).int().argmax(1)).tolist()
+    rows, row_masks = ids.tolist(), mask.int().tolist()
+    tokens = [r[: last + 1] for r, last in zip(rows, lasts, strict=True)]
+    lengths = [last + 1 - first for first, last in zip(firsts, lasts, strict=True)]
+    masks = [m[first : last + 1] for m, first, last in zip(row_masks, firsts, lasts, strict=True)]
     n = len(tokens)
     return TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=masks, images=images,
                       rewards=[0.0] * n, rollout_log_probs=[[] for _ in range(n)])  # fmt: skip
