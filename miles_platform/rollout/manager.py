@@ -500,7 +500,7 @@ class RolloutManager:
         m.update(self._opd_metrics)
         self._opd_metrics = {}
         if self.partial is not None:
-            m.update(self.partial.metrics())
+            m.update(self.partial.metrics(samples))
         if self.cfg.use_fault_tolerance:  # requests in flight on a dead or hung engine: retried, counted
             retries = self.client.retries
             m["rollout/generate_retries"] = float(retries - self._retries_seen)

@@ -42,6 +42,8 @@ class PartialRollout:
     def __init__(self, manager):
         self.m = manager
         self.pending: list[list[Sample]] = []  # aborted groups to continue, oldest first
+        self._slots: asyncio.Semaphore | None = None  # requests in flight (--rollout-max-concurrency)
+        self._aborted = False  # this rollout has its groups: what is not sent yet stays unsent
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> list[dict[str, Any]]:
@@ -59,6 +61,9 @@ class PartialRollout:
 
     async def _collect(self, rollout_id: int, kept: list[list[Sample]]):
         c = self.m.cfg
+        if self._slots is None:  # made on the client's loop
+            self._slots = asyncio.Semaphore(c.rollout_max_concurrency)
+        self._aborted = False
         want, per_round = c.rollout_batch_size, c.over_sampling_batch_size or c.rollout_batch_size
         generated, drops, ids = list(kept), {}, itertools.count()
         order: dict[int, int] = {}  # id(group) -> submission order: the kept groups' order
@@ -120,43 +125,49 @@ class PartialRollout:
     async def _generate(self, group: list[Sample], rollout_id: int, ids) -> list[Sample]:
         """Generate (or continue) the group's unfinished samples in one batched request; scored once
         none is left aborted."""
-        m = self.m
-        budget = int(m.sampling_params()["max_new_tokens"])
+        budget = int(self.m.sampling_params()["max_new_tokens"])
         todo = []
         for s in (s for s in group if s.status == Status.ABORTED.value):
             if len(s.response_tokens) >= budget:
                 s.status = Status.TRUNCATED.value
             else:
                 todo.append(s)
-        if todo:
-            params = [
-                {**m.sampling_params(), "max_new_tokens": budget - s.response_length,
-                 "sampling_seed": s.metadata["sampling_seed"]}
-                for s in todo
-            ]  # fmt: skip
-            outs = await m.client.agenerate(
-                [s.tokens for s in todo],
-                params,
-                return_sampling_mask=m.replay,
-                top_logprobs_num=m.top_logprobs_num,
-                return_routed_experts=m.moe_shape is not None,
-                sampling_logprobs_mode=m.logprobs_mode,
-            )
-            for s, out in zip(todo, outs, strict=True):
-                start = s.response_length
-                s.status = finish_status(append_output(s, out, m.replay, m.moe_shape, m.topk))
-                _record_segment(s, out, start)
+        async with self._slots:
+            if todo and not self._aborted:  # Miles: a request not sent before the abort stays unsent
+                await self._request(todo, budget)
         if all(s.status != Status.ABORTED.value for s in group) and any(s.reward is None for s in group):
             for s in group:  # provisional ids (rewards such as `random` key on them)
                 s.rollout_id, s.index = rollout_id, next(ids)
-            await asyncio.to_thread(m._score, group)
+            await asyncio.to_thread(self.m._score, group)
         return group
+
+    async def _request(self, todo: list[Sample], budget: int) -> None:
+        """One batched `/generate` that continues each sample from its tokens so far."""
+        m = self.m
+        params = [
+            {**m.sampling_params(), "max_new_tokens": budget - s.response_length,
+             "sampling_seed": s.metadata["sampling_seed"]}
+            for s in todo
+        ]  # fmt: skip
+        outs = await m.client.agenerate(
+            [s.tokens for s in todo],
+            params,
+            return_sampling_mask=m.replay,
+            top_logprobs_num=m.top_logprobs_num,
+            return_routed_experts=m.moe_shape is not None,
+            sampling_logprobs_mode=m.logprobs_mode,
+        )
+        for s, out in zip(todo, outs, strict=True):
+            start = s.response_length
+            s.status = finish_status(append_output(s, out, m.replay, m.moe_shape, m.topk))
+            _record_segment(s, out, start)
 
     async def _abort(self, rollout_id: int, inflight: set[asyncio.Task]) -> None:
         """Abort the engines' requests and keep every group still in flight, as far as it got."""
         if not inflight:
             return
         m = self.m
+        self._aborted = True
         await asyncio.to_thread(
             engine_client.post, m.url, "/abort_request", {"abort_all": True}, m.cfg.api_key
         )
@@ -166,8 +177,13 @@ class PartialRollout:
                     s.metadata.setdefault("start_rollout_id", rollout_id)
             self.pending.append(group)
 
-    def metrics(self) -> dict[str, float]:
-        return {"rollout/partial_rollout/pending_groups": float(len(self.pending))}
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """The store's size after the rollout; the trained samples an earlier rollout began."""
+        earlier = sum(s.metadata.get("start_rollout_id", s.rollout_id) < s.rollout_id for s in samples)
+        return {
+            "rollout/partial_rollout/pending_groups": float(len(self.pending)),
+            "rollout/partial_rollout/continued_samples": float(earlier),
+        }
 
 
 def _record_segment(s: Sample, out: dict, start: int) -> None:

@@ -5,6 +5,7 @@ store survives a checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
@@ -95,8 +96,10 @@ def _resume(m: RolloutManager, state: dict) -> None:
 
 
 def test_over_sampling_aborts_keeps_and_continues_like_an_uninterrupted_generation(
-    engine, tiny_hf_checkpoint, tmp_path
+    engine, tiny_hf_checkpoint, tmp_path, monkeypatch
 ):
+    from miles_platform.rollout.partial_rollout import PartialRollout
+
     core, tok = engine.core, load_tokenizer(tiny_hf_checkpoint)
     cfg = _cfg(tiny_hf_checkpoint, tmp_path, mask_offpolicy_in_partial_rollout=True)
     m = RolloutManager(cfg, tok, _source(), engine.url)
@@ -110,8 +113,16 @@ def test_over_sampling_aborts_keeps_and_continues_like_an_uninterrupted_generati
                 r.output_tokens >= 3 for r in c.running()
             )
 
-        with HoldScheduler(core, second_running):
+        with HoldScheduler(core, second_running) as held:
+            abort = PartialRollout._abort
+
+            async def abort_once_held(self, *args):  # the abort lands when the second group is parked
+                await asyncio.to_thread(held.wait)
+                await abort(self, *args)
+
+            monkeypatch.setattr(PartialRollout, "_abort", abort_once_held)
             samples, metrics = m.generate(0)
+            monkeypatch.setattr(PartialRollout, "_abort", abort)
         assert len(samples) == 2 and all(
             s.status != Status.ABORTED.value and s.reward is not None for s in samples
         )
@@ -134,12 +145,12 @@ def test_over_sampling_aborts_keeps_and_continues_like_an_uninterrupted_generati
         # both groups share the batch and the continued one, 13 tokens short, finishes first
         core.update_weights_from_tensors({}, 1)
         core.max_batch_size = 4
-        samples, _ = m.generate(1)
+        samples, metrics = m.generate(1)
     finally:
         core.max_batch_size = 2
         m.close()
     continued = [s for s in samples if s.metadata.get("start_rollout_id") == 0]
-    assert len(continued) == 2
+    assert len(continued) == 2 and metrics["rollout/partial_rollout/continued_samples"] == 2
     params = m.sampling_params()
     for s in continued:
         ref = core.generate(s.prompt_tokens, {**params, "sampling_seed": s.metadata["sampling_seed"]})
