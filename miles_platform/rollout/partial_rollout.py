@@ -56,7 +56,8 @@ class PartialRollout:
     def collect(
         self, rollout_id: int, kept: list[list[Sample]]
     ) -> tuple[list[list[Sample]], list[list[Sample]], dict[str, int]]:
-        """(the kept groups, every group finished in this rollout, dynamic-filter drops by reason)."""
+        """(the kept groups, at least --rollout-batch-size; every group finished in this rollout;
+        dynamic-filter drops by reason)."""
         return self.m.client.submit(self._collect(rollout_id, list(kept))).result()
 
     async def _collect(self, rollout_id: int, kept: list[list[Sample]]):
@@ -96,8 +97,8 @@ class PartialRollout:
                 t.cancel()
             raise
         await self._abort(rollout_id, inflight)
-        kept = sorted(kept[:want], key=lambda g: order.get(id(g), -1))
-        return kept, generated, drops
+        # in submission order; groups that finished together past the batch are the manager's surplus
+        return sorted(kept, key=lambda g: order.get(id(g), -1)), generated, drops
 
     def _next_groups(self, rollout_id: int, num: int, rnd: int, drops: dict[str, int]) -> list[list[Sample]]:
         """Up to `num` groups: the partial store's first (--buffer-filter-path picks), then new prompts."""
