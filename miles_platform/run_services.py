@@ -127,6 +127,7 @@ class RunServices(contextlib.AbstractContextManager):
         url = self.engines[0].url if direct else self.router.url
         self.manager = RolloutManager(cfg, self.tok, self.src, url)
         s.callback(self.manager.close)
+        self._restore_partial_rollout((self.state or {}).get("partial_rollout") or [])
         if cfg.uses_teacher_engine:
             self._start_opd_teachers(url, teacher)
         if self.trainers:
@@ -179,6 +180,16 @@ class RunServices(contextlib.AbstractContextManager):
             self.cfg, urls, student_url, self.manager.client, student_lora=self.manager.adapter
         )
 
+    def _restore_partial_rollout(self, saved: list) -> None:
+        """A resume: the --partial-rollout store as it was saved (a run resumed without the flag
+        generates those prompts again from the start)."""
+        if self.manager.partial is not None:
+            self.manager.partial.load_state_dict(saved)
+        elif saved:
+            from miles_platform.rollout.data_buffer import entry_from_json
+
+            self.src.put_back([entry_from_json(e).prompt for e in saved])
+
     def start_async_worker(self) -> None:
         """--fully-async: the background generator (started after the initial sync and eval)."""
         if self.cfg.fully_async and self.manager is not None:
@@ -227,11 +238,15 @@ class RunServices(contextlib.AbstractContextManager):
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint records of the rollout side: the data-source position plus every prompt
-        taken and not trained; --fully-async: the data buffer and the worker's finished groups."""
+        taken and not trained; --partial-rollout: the partial store; --fully-async: the data buffer
+        and the worker's finished groups."""
         if self.worker is not None:
             ds, worker = self.worker.checkpoint_state()
             return {"data_source": ds, "async_data_buffer": worker}
-        return {"data_source": self.data_source_state()}
+        state = {"data_source": self.data_source_state()}
+        if self.manager is not None and self.manager.partial is not None:
+            state["partial_rollout"] = self.manager.partial.state_dict()
+        return state
 
     def data_source_state(self) -> dict:
         """The data-source position plus every prompt taken and not trained (sync rollouts)."""

@@ -75,8 +75,6 @@ class CheckpointFlags:
         if not self.async_save:
             return
         why = [
-            (self.train_backend == "megatron", "--train-backend megatron (its dist_checkpointing save is collective; "
-             "the fsdp backend writes in the background)"),
             (self.uses_critic, "a critic (--advantage-estimator ppo: its files are written with the policy's)"),
             (remote.is_remote(self.save), f"an object-store --save {self.save} (uploads are staged; save to a local dir)"),
         ]  # fmt: skip

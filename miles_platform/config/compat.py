@@ -172,8 +172,6 @@ COMPAT: dict[str, MilesFlag] = {
     "lora_base_cpu_backup": _refused("bool", "an SGLang-side CPU copy of the base weights for LoRA + colocate: LoRA here syncs adapters only and the base never changes; drop it"),
     "experts_shared_outer_loras": _refused("bool", "LoRA on MoE experts is not built (MoE + LoRA is refused)"),
     "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),
-    "partial_rollout": _refused("bool", 'partial rollout (continuing generations a rollout aborted in the next one) is not built: a sync rollout here sends each round as one batched request and waits for all of it, so nothing is aborted at the end of a rollout; under --fully-async Miles refuses it too. Drop the flag'),
-    "mask_offpolicy_in_partial_rollout": _refused("bool", "masks the earlier policy's tokens of a continued partial rollout: --partial-rollout is not built here (and Miles refuses this flag on its class-based rollout path). Drop the flag"),
     **{name: _refused(kind, _MEMORY) for name, kind in (("record_memory_history", "bool"), ("memory_snapshot_path", "str"),
        ("memory_snapshot_dir", "str"), ("memory_snapshot_num_steps", "int"), ("memory_recorder", "str"))},
     "ci_ft_test_actions": _refused("str", "Miles' trainer-cell fault-tolerance test actions (stop / start a cell, crash before the all-reduce): trainer cells are not built; --ci-fault-hooks injects a rank's crash (kill_process / exit_process at trainer_step_before_allreduce, target {\"rank\": N})"),

@@ -46,6 +46,7 @@ from miles_platform.config.model_args import MODEL_ARGS, ModelArgsFlags
 from miles_platform.config.moe import MoeFlags
 from miles_platform.config.opd import OpdFlags
 from miles_platform.config.outputs import LoggingFlags, StorageFlags, check_run_name
+from miles_platform.config.partial_rollout import PartialRolloutFlags
 from miles_platform.config.reward import RewardFlags
 from miles_platform.config.rollout import AsyncFlags, RolloutFlags, SamplingFlags, derive_batch_knobs
 from miles_platform.config.score_centering import ScoreCenteringFlags
@@ -81,7 +82,7 @@ GROUPS = (
 CAPABILITIES = (
     ClusterFlags, CheckpointFlags, ModelArgsFlags, RolloutFlags, AgenticFlags, SamplingFlags, RewardFlags, EvalFlags,
     AlgorithmFlags, MoeFlags, CorrectionFlags, ScoreCenteringFlags, OpdFlags, OptimizerFlags, PerfFlags,
-    MegatronFlags, PrecisionFlags, WeightUpdateFlags, LoraFlags, AsyncFlags, StorageFlags, LoggingFlags, DebugFlags,
+    MegatronFlags, PrecisionFlags, WeightUpdateFlags, LoraFlags, AsyncFlags, PartialRolloutFlags, StorageFlags, LoggingFlags, DebugFlags,
     HookFlags, VisionFlags,
 )  # fmt: skip
 
@@ -138,6 +139,7 @@ class RunConfig(*reversed(CAPABILITIES)):
         self._derive_megatron_precision()
         self._check_precision_flags()
         self._check_async_flags()
+        self._check_partial_rollout()
         self._check_weight_update_flags()
         for name, why in REFUSED.items():
             if getattr(self, name) != field_default(RunConfig, name):

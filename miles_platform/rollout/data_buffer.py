@@ -35,6 +35,8 @@ from miles_platform.data.sample import Sample, Status
 from miles_platform.rollout import filter_hub
 
 PREFIX = "rollout/fully_async/"
+# what generation adds to a sample's metadata (--partial-rollout): not the prompt's, so never put back with it
+GENERATION_KEYS = ("sampling_seed", "weight_versions", "weight_version_offsets", "start_rollout_id")
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,16 @@ def staleness(group: list[Sample], current_version: int | None) -> int | None:
     if current_version is None or not group:
         return None
     return current_version - min(s.weight_version_start for s in group)
+
+
+def record_of(group: list[Sample]) -> PromptRecord:
+    """The prompt a group answers (as the data source handed it out)."""
+    s = group[0]
+    meta = {k: v for k, v in s.metadata.items() if k not in GENERATION_KEYS}
+    pid = meta.pop("prompt_id", None)
+    return PromptRecord(
+        id=str(pid), prompt=s.prompt, label=s.label, metadata=meta, images=list(s.image_data or [])
+    )
 
 
 def entry_to_json(e: DataBufferInput) -> dict[str, Any]:

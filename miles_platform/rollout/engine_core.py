@@ -692,7 +692,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
         ps = [r.params for r in reqs]
         d = draw(
             logits, [p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps],
-            [p.min_p for p in ps], [r.seed for r in reqs], [len(r.output_ids) for r in reqs],
+            [p.min_p for p in ps], [r.seed for r in reqs], [r.position for r in reqs],
             [r.return_sampling_mask for r in reqs],
         )  # fmt: skip
         self.stats["num_generated_tokens"] += len(d.tokens)

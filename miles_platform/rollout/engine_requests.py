@@ -197,7 +197,9 @@ class Request:
     min_version: int | None
     exact_version: int | None
     future: Future
-    seed: int  # of the counter-based sampler: draw k of this request is uniforms(seed, k)
+    seed: (
+        int  # of the counter-based sampler: the token at absolute position k is drawn with uniforms(seed, k)
+    )
     max_new_tokens: int
     created: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
@@ -231,6 +233,13 @@ class Request:
     @property
     def scores_input(self) -> bool:
         return self.return_logprob and self.lp_opts.wants_input
+
+    @property
+    def position(self) -> int:
+        """The absolute position of the next token (prompt + output so far): the sampler's step, so
+        a request whose input is an earlier request's prompt + partial output (a continued partial
+        rollout) draws the tokens that request would have drawn."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 @dataclass(frozen=True)

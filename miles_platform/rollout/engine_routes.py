@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from miles_platform.errors import MilesError
+from miles_platform.rollout.engine_abort import abort_requests
 from miles_platform.rollout.engine_core import EngineCore
 from miles_platform.rollout.engine_requests import AdapterOwned, EngineStopped, RequestError
 from miles_platform.rollout.http_common import (
@@ -301,7 +302,7 @@ def _lora_answer(core: EngineCore, success: bool, message: str, status: int = 20
 
 def control_router(core: EngineCore, max_request_bytes: int) -> APIRouter:
     """Generation control around a weight update: pause (abort / retract / in_place), continue, flush;
-    colocation's memory release / resume."""
+    colocation's memory release / resume; aborting requests (SGLang's /abort_request)."""
     router = APIRouter()
 
     @router.post("/pause_generation")
@@ -314,6 +315,20 @@ def control_router(core: EngineCore, max_request_bytes: int) -> APIRouter:
         except RequestError as e:
             return error(400, str(e))
         return {"status": "ok", "message": "Generation paused."}
+
+    @router.post("/abort_request")
+    async def abort_request(request: Request):
+        """SGLang's {"rid": id} or {"abort_all": true}: those requests answer now, finish_reason
+        abort, with their partial output (rollout/engine_abort.py)."""
+        body, err = await json_body(request, max_request_bytes)
+        if err:
+            return err
+        body = body or {}
+        rid = body.get("rid")
+        n = await asyncio.to_thread(
+            abort_requests, core, None if rid is None else str(rid), bool(body.get("abort_all"))
+        )
+        return {"status": "ok", "aborted": n}
 
     @router.post("/continue_generation")
     async def continue_generation():

@@ -125,7 +125,7 @@ def generate_with_images(core: EngineCore, reqs: list[Request]) -> None:
             ids = torch.tensor([r.prompt_ids + r.output_ids], device=core.device)
             logits = vlm_logits(core.model, ids, px, grid)[:, -1].float()
             core.stats["num_forward_calls"] += 1
-            d = draw(logits, [p.temperature], [p.top_p], [p.top_k], [p.min_p], [r.seed], [len(r.output_ids)])
+            d = draw(logits, [p.temperature], [p.top_p], [p.top_k], [p.min_p], [r.seed], [r.position])
             r.output_ids.append(d.tokens[0])
             r.logprobs.append(d.logprobs[0])
             core.stats["num_generated_tokens"] += 1

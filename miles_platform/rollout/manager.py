@@ -44,15 +44,17 @@ from miles_platform.rollout.base_types import (
     GenerateState,
     RolloutFnTrainOutput,
 )
+from miles_platform.rollout.data_buffer import record_of
 from miles_platform.rollout.generate_hub.endpoint import append_output, finish_status, truncate
+from miles_platform.rollout.partial_rollout import PartialRollout
 
 
 class RolloutManager:
     """Miles' rollout manager, in the driver: draws prompt groups from the data source, sends
     them to the engines (one batched SGLang `/generate` per round, or a custom / multi-turn
     generate function per sample), scores rewards, applies the dynamic and buffer filters and
-    over-sampling, and returns one rollout's `Sample`s with their metrics. Holds one HTTP
-    connection pool for the run."""
+    over-sampling (--partial-rollout: rollout/partial_rollout.py), and returns one rollout's `Sample`s
+    with their metrics. Holds one HTTP connection pool for the run."""
 
     def __init__(self, cfg: RunConfig, tokenizer, data_source: RolloutDataSource, url: str):
         """`url`: the router, or the engine itself when there is only one (no hop that adds nothing)."""
@@ -77,6 +79,8 @@ class RolloutManager:
         # buffer); --buffer-filter-path picks from it, oldest first by default (Miles' pop_first)
         self.buffer: list[list[Sample]] = []
         self.buffer_filter = filter_hub.load_buffer_filter(cfg)
+        # --partial-rollout: the aborted groups continued in the next rollout (rollout/partial_rollout.py)
+        self.partial = PartialRollout(self) if cfg.partial_rollout else None
         self.all_samples_process = load_hook(cfg, "rollout_all_samples_process_path")
         self.replay = cfg.sampling_support_replay()
         # user code (generate / rollout functions) sees Miles-style args and the run's engine
@@ -166,6 +170,8 @@ class RolloutManager:
         )  # every group of the rollout, dropped ones too (--rollout-all-samples-process-path)
         drops: dict[str, int] = {}
         rounds = 0
+        if self.partial is not None:  # --partial-rollout: groups taken as they finish, the rest aborted
+            kept, generated, drops = self.partial.collect(rollout_id, kept)
         while len(kept) < want:
             rounds += 1
             if rounds > 50:
@@ -493,6 +499,8 @@ class RolloutManager:
         m.update(token_perf(samples, seconds, self.rollout_devices))
         m.update(self._opd_metrics)
         self._opd_metrics = {}
+        if self.partial is not None:
+            m.update(self.partial.metrics(samples))
         if self.cfg.use_fault_tolerance:  # requests in flight on a dead or hung engine: retried, counted
             retries = self.client.retries
             m["rollout/generate_retries"] = float(retries - self._retries_seen)
@@ -526,16 +534,6 @@ def student_top_k(cfg: RunConfig) -> int:
 
     on = cfg.uses_teacher_engine and cfg.opd_top_k_strategy in NEEDS_STUDENT_TOP
     return cfg.opd_log_prob_top_k if on else 0
-
-
-def record_of(group: list[Sample]) -> PromptRecord:
-    """The prompt a group answers (as the data source handed it out)."""
-    s = group[0]
-    meta = dict(s.metadata)
-    pid = meta.pop("prompt_id", None)
-    return PromptRecord(
-        id=str(pid), prompt=s.prompt, label=s.label, metadata=meta, images=list(s.image_data or [])
-    )
 
 
 def router_generate_fn(manager: RolloutManager):

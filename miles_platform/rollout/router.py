@@ -1,8 +1,8 @@
 """Router in front of engines (the sgl-router subset Miles uses).
 
 `/add_worker`, `/remove_worker`, `/list_workers` manage workers; the broadcast endpoints
-(`/pause_generation`, `/continue_generation`, `/flush_cache`, `/update_weights_from_disk`) go to
-every worker; any other path is proxied to the least-loaded healthy worker, at most
+(`/pause_generation`, `/continue_generation`, `/flush_cache`, `/update_weights_from_disk`,
+`/abort_request`) go to every worker; any other path is proxied to the least-loaded healthy worker, at most
 `max_concurrency_per_worker` requests each (others wait); an event stream (the OpenAI routes'
 `stream: true`) is relayed chunk by chunk as the worker writes it. A background task probes `/health` every
 `health_check_interval_s`; a failing worker (or one that refuses a proxied connection) leaves the
@@ -40,7 +40,9 @@ from miles_platform.rollout.metrics import CONTENT_TYPE, router_exposition
 
 log = logging.getLogger(__name__)
 
-BROADCAST = ("/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk")
+BROADCAST = (
+    "/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk", "/abort_request",
+)  # fmt: skip
 _HOP_HEADERS = {
     "host",
     "content-length",

@@ -1,7 +1,9 @@
 """The one token sampler: temperature, top-k, top-p, min-p and a seeded draw, vectorized over a batch.
 
-Every row's draw comes from a counter-based generator keyed by (its seed, its position in the
-response), so a seeded request gives the same tokens whatever else shares its batch, and the
+Every row's draw comes from a counter-based generator keyed by (its seed, the absolute position of
+the token in the sequence: prompt + response so far), so a seeded request gives the same tokens
+whatever else shares its batch, and a request continued from its own partial response (the prompt
+and the partial response as input, --partial-rollout) draws what the uninterrupted one would; the
 whole batch is sampled with a handful of tensor ops instead of one `torch.multinomial` and one
 `torch.Generator` per row. Greedy rows (temperature 0 or top_k 1) take the argmax.
 

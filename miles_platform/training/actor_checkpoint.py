@@ -9,7 +9,8 @@ Miles' checkpoint flags:
                     scheduler state is still restored (Miles' FSDP backend does the same)
   --no-load-rng     resume without the saved torch / numpy / Python RNG states (the seeds' instead)
   --async-save      the files are written on a background thread from copies taken at the save point
-                    (Checkpointer.save_async); the next save or train call finishes it first
+                    (Checkpointer.save_async; megatron: torch_dist's own async save, its plan at the
+                    save point, its metadata when finished); the next save or train call finishes it first
 
 and --ci-test's per-layer weight hashes (training/ci_checks.py): --ci-save-model-hash writes each rank's
 model_hash_tp*_pp*_dp*_cp0.json into the iter dir, --ci-check-model-hash compares a loaded model with it.
@@ -98,8 +99,15 @@ def save(actor: TrainerActor, rollout_id: int, extra_state: dict | None = None, 
     finish_pending(actor)  # one save in flight at a time (megatron finalizes the previous one too)
     ckpt = Checkpointer(cfg.save, actor.rank, actor.world_size)
     if cfg.async_save and not sync:
-        write_model = actor.backend.snapshot_model()  # the gathers now; copies the steps do not touch
-        opt = None if cfg.no_save_optim else {k: v.clone() for k, v in actor._optimizer_tensors().items()}
+        # megatron: torch_dist's own async save of the weights and the optimizer (its plan now)
+        staged = actor.backend.async_checkpoint(None if cfg.no_save_optim else actor.opt)
+        opt = None
+        if staged is not None:
+            write_model = staged.write
+        else:
+            write_model = actor.backend.snapshot_model()  # the gathers now; copies the steps do not touch
+            if not cfg.no_save_optim:
+                opt = {k: v.clone() for k, v in actor._optimizer_tensors().items()}
         rng, state = rng_tensors(), _trainer_state(actor, rollout_id, extra_state)
         hashes = _model_hashes(actor)  # the weights at the save point
 
@@ -110,7 +118,10 @@ def save(actor: TrainerActor, rollout_id: int, extra_state: dict | None = None, 
                 save_file(opt, os.path.join(d, rank_file("optimizer", actor.rank)))
             save_file(rng, os.path.join(d, rank_file("rng", actor.rank)))
 
-        actor.pending_save = ckpt.save_async(rollout_id, write_copies, lambda d: _write_state(d, state))
+        actor.pending_save = ckpt.save_async(
+            rollout_id, write_copies, lambda d: _write_state(d, state),
+            prepare=staged and staged.prepare, finalize=staged and staged.finalize,
+        )  # fmt: skip
         return iter_dir(cfg.save, rollout_id)
 
     def write_rank(d: str) -> None:

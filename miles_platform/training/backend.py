@@ -172,6 +172,12 @@ class ModelBackend(ABC):
         """Read what save_optimizer wrote (True), or False: the actor reads its per-rank files."""
         return False
 
+    def async_checkpoint(self, opt: torch.optim.Optimizer | None) -> Any:
+        """--async-save of a backend that writes its checkpoint its own way: an object with
+        `prepare(dir)`, `write(dir)`, `finalize(dir)` (Checkpointer.save_async's phases) for the
+        model and `opt` (None: not saved); None: `snapshot_model` and the actor's per-rank files."""
+        return None
+
     def optimizer_stepped(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """After the optimizer stepped `parameters()`: bring the model up to date with them (a
         backend whose optimizer steps copies of the weights, e.g. fp32 main parameters)."""

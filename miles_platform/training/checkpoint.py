@@ -118,24 +118,34 @@ class Checkpointer:
         return final
 
     def save_async(
-        self, rollout_id: int, write_rank: Callable[[str], None], write_marker: Callable[[str], None]
+        self,
+        rollout_id: int,
+        write_rank: Callable[[str], None],
+        write_marker: Callable[[str], None],
+        prepare: Callable[[str], None] | None = None,
+        finalize: Callable[[str], None] | None = None,
     ) -> AsyncSave:
         """`save` with the file writes on a background thread (--async-save; a local root). The
-        writers must only write files (their tensors already copied). Alone, the thread also writes
-        the marker, renames the dir and moves the pointer; with several ranks `AsyncSave.finish`
-        does (every rank, at the next save or train call). Until then the pointer names the previous
-        checkpoint, so a kill -9 mid-save leaves that one to resume from."""
+        writers must only write files (their tensors already copied). `prepare(dir)` runs first, in
+        the caller's thread on every rank (collectives allowed: megatron's save plan); `finalize(dir)`
+        in `AsyncSave.finish`, the same way, once this rank's files are written (megatron's
+        metadata). Alone and without `finalize`, the thread also writes the marker, renames the dir
+        and moves the pointer; otherwise `AsyncSave.finish` does (every rank, at the next save or
+        train call). Until then the pointer names the previous checkpoint, so a kill -9 mid-save
+        leaves that one to resume from."""
         final = iter_dir(self.root, rollout_id)
         tmp = os.path.join(self.root, f".iter_{rollout_id:07d}.tmp-{uuid.uuid4().hex[:6]}")
         if self.world_size > 1:
             tmp = self._broadcast_str(tmp)
-        job = AsyncSave(self, rollout_id, tmp, final, write_marker)
+        job = AsyncSave(self, rollout_id, tmp, final, write_marker, finalize)
+        os.makedirs(tmp, exist_ok=True)
+        if prepare is not None:
+            prepare(tmp)
 
         def work() -> None:
             try:
-                os.makedirs(tmp, exist_ok=True)
                 write_rank(tmp)
-                if self.world_size == 1:
+                if self.world_size == 1 and finalize is None:
                     job.publish()
             except BaseException as e:  # re-raised by finish() in the trainer's thread
                 job.error = e
@@ -184,9 +194,11 @@ class Checkpointer:
 class AsyncSave:
     """A checkpoint being written in the background (`Checkpointer.save_async`)."""
 
-    def __init__(self, ckpt: Checkpointer, rollout_id: int, tmp: str, final: str, write_marker):
+    def __init__(
+        self, ckpt: Checkpointer, rollout_id: int, tmp: str, final: str, write_marker, finalize=None
+    ):
         self.ckpt, self.rollout_id, self.tmp, self.final = ckpt, rollout_id, tmp, final
-        self.write_marker, self.thread, self.error = write_marker, None, None
+        self.write_marker, self.finalize, self.thread, self.error = write_marker, finalize, None, None
 
     def publish(self) -> None:
         """Rank 0: the marker after every rank's files, the rename, the pointer last."""
@@ -197,12 +209,14 @@ class AsyncSave:
             write_atomic(os.path.join(self.ckpt.root, LATEST), str(self.rollout_id))
 
     def finish(self) -> str:
-        """Wait for this rank's files; with several ranks, every rank calls it (a barrier) and rank
-        0 publishes. Returns the iter dir."""
+        """Wait for this rank's files; with several ranks or a `finalize`, every rank calls it (a
+        barrier), finalizes, and rank 0 publishes. Returns the iter dir."""
         self.thread.join()
         if self.error is not None:
             raise CheckpointError(f"--async-save of {self.final} failed: {self.error!r}") from self.error
-        if self.ckpt.world_size > 1:
+        if self.finalize is not None:
+            self.finalize(self.tmp)
+        if self.ckpt.world_size > 1 or self.finalize is not None:
             self.ckpt._barrier()
             self.publish()
             self.ckpt._barrier()

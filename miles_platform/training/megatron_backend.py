@@ -401,6 +401,20 @@ class MegatronBackend(ModelBackend):
                        _save_strategy(), self.main is not None)  # fmt: skip
         return True
 
+    def async_checkpoint(self, opt):
+        """--async-save: torch_dist's asynchronous save of the weights and `opt` (megatron_checkpoint.py)."""
+        from miles_platform.training import megatron_checkpoint as mc
+
+        def model_state() -> dict:
+            megatron_shims.apply_cpu_shims()
+            return {**mc.copied(model_sharded_state(self.chunks)), "checkpoint_version": 3.0, "iteration": 0}
+
+        def opt_state() -> dict:
+            return mc.optimizer_state(self.chunks, self.named_parameters(), self._model_param_of, opt,
+                                      self.main is not None, mc.host_copy)  # fmt: skip
+
+        return mc.AsyncTorchDist(model_state, None if opt is None else opt_state, _save_strategy)
+
     def load_optimizer(self, opt, ckpt_dir: str) -> bool:
         from miles_platform.training.megatron_checkpoint import load_optimizer
 

@@ -35,8 +35,9 @@ def _sharded_params(chunks) -> dict[int, Any]:
     return out
 
 
-def _template(chunks, named_params, model_param_of, state_of, keys: list[str], main: bool) -> dict:
-    """{param name: {state key: sharded tensor}} for the optimizer's parameters."""
+def _template(chunks, named_params, model_param_of, state_of, keys: list[str], main: bool, own=None) -> dict:
+    """{param name: {state key: sharded tensor}} for the optimizer's parameters (`own`: each main
+    parameter as a copy)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     by_param = _sharded_params(chunks)
@@ -47,7 +48,8 @@ def _template(chunks, named_params, model_param_of, state_of, keys: list[str], m
             raise RuntimeError(f"optimizer checkpoint: parameter {name} has no sharded model tensor")
         entry = {k: make_sharded_optimizer_tensor(sh, state_of(p, k), f"optimizer.state.{k}") for k in keys}
         if main:
-            entry["main_param"] = make_sharded_optimizer_tensor(sh, p.data, "optimizer.main_param")
+            data = p.data if own is None else own(p.data)
+            entry["main_param"] = make_sharded_optimizer_tensor(sh, data, "optimizer.main_param")
         out[name] = entry
     return out
 
@@ -72,13 +74,18 @@ def save_optimizer(
     """Collective: the optimizer state (and fp32 main params) into `<ckpt_dir>/optimizer/`."""
     from megatron.core import dist_checkpointing
 
-    keys = _tensor_keys(opt)
-    named_params = list(named_params)
-    sharded = _template(chunks, named_params, model_param_of, lambda p, k: opt.state[p][k], keys, main)
-    state = {"params": sharded, "tensor_keys": keys, "step": _step(opt), "main": main}
+    state = optimizer_state(chunks, named_params, model_param_of, opt, main)
     path = os.path.join(ckpt_dir, OPTIMIZER_DIR)
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(state, path, sharded_strategy=save_strategy)
+
+
+def optimizer_state(chunks, named_params, model_param_of, opt, main: bool, own=None) -> dict:
+    """What `save_optimizer` writes: the sharded state (over copies, made by `own`, when given)."""
+    keys = _tensor_keys(opt)
+    of = (lambda p, k: opt.state[p][k]) if own is None else (lambda p, k: own(opt.state[p][k]))
+    sharded = _template(chunks, list(named_params), model_param_of, of, keys, main, own)
+    return {"params": sharded, "tensor_keys": keys, "step": _step(opt), "main": main}
 
 
 def load_optimizer(chunks, named_params, model_param_of, opt, ckpt_dir: str, main: bool) -> bool:
@@ -106,3 +113,55 @@ def load_optimizer(chunks, named_params, model_param_of, opt, ckpt_dir: str, mai
                     st[k] = got[k].to(p.dtype).clone()
                 st["step"] = torch.tensor(float(step))
     return True
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values at the save point, in host memory (the training steps do not touch it)."""
+    return t.detach().to("cpu", copy=True)
+
+
+def copied(sharded_state: dict) -> dict:
+    """The sharded state dict with every sharded tensor (and factory) over a host copy of its data."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    for v in nested_values(sharded_state):
+        if torch.is_tensor(getattr(v, "data", None)):
+            v.data = host_copy(v.data)
+    return sharded_state
+
+
+class AsyncTorchDist:
+    """--async-save on megatron: dist_checkpointing's own asynchronous save (`async_sharded_save`),
+    its parts placed in Checkpointer.save_async's phases. `prepare` (every rank, at the save point):
+    the weights' and the optimizer state's sharded state dicts over host copies, the save plan and
+    the access check (collectives), the common state; `write` (a background thread): this rank's
+    tensor files (megatron's writer); `finalize` (every rank, at the next save or train call): the
+    global metadata (a collective), after which the torch_dist dirs are complete. A kill -9 before
+    it leaves an unpublished temp dir and the pointer on the previous checkpoint."""
+
+    def __init__(self, model_state, opt_state, strategy):
+        """`model_state()` / `opt_state()` (None: no optimizer saved): the sharded state dicts to
+        write, over copies; `strategy()`: the torch_dist save strategy."""
+        self.parts = [("", model_state)] + ([(OPTIMIZER_DIR, opt_state)] if opt_state is not None else [])
+        self.strategy, self.requests = strategy, []
+
+    def prepare(self, d: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        for sub, state in self.parts:
+            path = os.path.join(d, sub) if sub else d
+            os.makedirs(path, exist_ok=True)
+            req = dist_checkpointing.save(
+                state(), path, sharded_strategy=self.strategy(), async_sharded_save=True
+            )
+            self.requests.append(req)
+
+    def write(self, d: str) -> None:
+        for r in self.requests:  # tensors already in host memory: no preload
+            if r.async_fn is not None:
+                r.async_fn(*r.async_fn_args, **r.async_fn_kwargs)
+
+    def finalize(self, d: str) -> None:
+        for r in self.requests:
+            for fn in r.finalize_fns:
+                fn()

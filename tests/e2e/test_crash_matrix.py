@@ -24,12 +24,14 @@ from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 
 NUM_ROLLOUT = 8
-# (hook, rollout) in launch order; checkpoints at rollouts 1, 3, 5, 7 (--save-interval 2)
+# (hook, rollout) in launch order; checkpoints at rollouts 1, 3, 5, 7 (--save-interval 2), and at 2: the
+# --save-trigger-sentinel file is created before the save_start launch, whose forced save at rollout 2
+# is killed before it writes; the file stays, and the next launch saves rollout 2 and removes it
 MATRIX = [
     ("orchestrator_step_start", 0), ("rollout_end", 0), ("trainer_controller_step_start", 0),
     ("trainer_controller_step_end", 1), ("weight_update_start", 1), ("weight_update_prepared", 2),
     ("weight_update_paused", 2), ("weight_update_activated", 3), ("version_recorded", 3),
-    ("eval_start", 3), ("metrics_recorded", 3), ("save_start", 5), ("save_end", 5),
+    ("eval_start", 3), ("metrics_recorded", 3), ("save_start", 2), ("save_end", 5),
     ("orchestrator_step_end", 6),
 ]  # fmt: skip
 
@@ -43,7 +45,8 @@ def _run_kwargs(ckpt, tmp_path, root):
                           update_weight_transfer_mode="disk-delta", update_weight_disk_dir=str(root / "pub"),
                           eval_prompt_data=["heldout", str(tmp_path / "train.jsonl")], eval_interval=1,
                           skip_eval_before_train=True, rm_type=None,
-                          custom_rm_path="loop_helpers.first_token_parity_rm")  # fmt: skip
+                          custom_rm_path="loop_helpers.first_token_parity_rm",
+                          save_trigger_sentinel=str(root / "save_now"))  # fmt: skip
     kw["save"] = str(StoragePaths(str(root)).checkpoints("t"))
     return kw
 
@@ -84,6 +87,7 @@ def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(tiny_hf
     from miles_platform.cluster import ray_cluster
     from miles_platform.config import RunConfig
     from miles_platform.loop import train
+    from miles_platform.training.checkpoint import iter_dir
     from miles_platform.weights.delta_format import read_latest
     from miles_platform.weights.disk_delta import apply_to_state_dict
 
@@ -103,6 +107,7 @@ def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(tiny_hf
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({k: v for k, v in kw.items()}))
     log = tmp_path / "launches.log"
+    saved_2 = False
     for i, (hook, rollout) in enumerate(MATRIX):
         req = [
             {
@@ -113,11 +118,18 @@ def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(tiny_hf
             }
         ]
         parse_fault_hooks(req)
+        if hook == "save_start":  # a save requested by the sentinel at a rollout that is no save point
+            (root / "save_now").touch()
         rc = _launch(config, address, req, log)
         assert rc == -9, (
             f"launch {i} ({hook} @ rollout {rollout}) exited {rc}, not by SIGKILL:\n{log.read_text()[-3000:]}"
         )
         assert f"kill_process at {hook}, rollout {rollout}" in log.read_text()
+        # killed in its forced save, the request stays; the next launch saves rollout 2 and removes it
+        saved_2 = saved_2 or hook == "save_end"
+        assert (root / "save_now").exists() == (hook == "save_start"), hook
+        assert os.path.exists(iter_dir(kw["save"], 2)) == saved_2, hook
+    assert "--save-trigger-sentinel" in log.read_text() and "saved rollout 2" in log.read_text()
     assert _launch(config, address, None, log) == 0, log.read_text()[-3000:]
 
     paths, cat = StoragePaths(str(root)), Catalog(StoragePaths(str(root)))

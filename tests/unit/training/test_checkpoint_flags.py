@@ -1,5 +1,6 @@
 """Miles' checkpoint flags on the policy trainer (training/actor_checkpoint.py): --no-save-optim,
---no-load-optim, --no-load-rng, --async-save (a kill -9 mid-save leaves the previous checkpoint),
+--no-load-optim, --no-load-rng, --async-save (a kill -9 mid-save leaves the previous checkpoint, fsdp
+and megatron),
 --save-trigger-sentinel (store/recorder.py)."""
 
 import os
@@ -12,7 +13,7 @@ import time
 import pytest
 import torch
 from loop_helpers import random_train_batch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from miles_platform.config import RunConfig
 from miles_platform.errors import CheckpointError, ConfigError
@@ -68,9 +69,9 @@ def test_checkpoint_flags_without_effect_are_refused(tmp_path):
         RunConfig(rollout_batch_size=1, async_save=True).validate()
     with pytest.raises(ConfigError, match="--no-load-rng: no effect without --load or --save"):
         RunConfig(rollout_batch_size=1, no_load_rng=True).validate()
-    with pytest.raises(ConfigError, match="--async-save: not built with --train-backend megatron"):
+    with pytest.raises(ConfigError, match="--async-save: not built with a critic"):
         RunConfig(
-            rollout_batch_size=1, async_save=True, save=str(tmp_path), train_backend="megatron"
+            rollout_batch_size=1, async_save=True, save=str(tmp_path), advantage_estimator="ppo"
         ).validate()
 
 
@@ -121,6 +122,85 @@ def test_a_kill_9_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
             p.kill()
     assert read_latest(save) == 0 and not os.path.exists(iter_dir(save, 1))
     assert open(os.path.join(iter_dir(save, 0), "model.safetensors"), "rb").read() == b"v0"
+
+
+def _megatron_cfg(ckpt: str, save: str) -> RunConfig:
+    return RunConfig(hf_checkpoint=ckpt, train_backend="megatron", rollout_batch_size=2, n_samples_per_prompt=2,
+                     global_batch_size=4, micro_batch_size=2, lr=1e-3, num_rollout=4, save=save,
+                     async_save=True).validate()  # fmt: skip
+
+
+def _saves_then_dies_mid_save(rank: int, ckpt: str, save: str, out: str) -> None:
+    """A megatron trainer: async save 0, finished by the next train call; async save 1 hangs once its
+    tensor files are written (before its metadata and the pointer) until the test kills it."""
+    from miles_platform.training import megatron_checkpoint
+
+    torch.set_num_threads(1)
+    try:
+        a = TrainerActor(_megatron_cfg(ckpt, save))
+        a.train(0, _batch(0))
+        save_file(a.get_hf_weights(), os.path.join(out, "at_save_0.safetensors"))
+        a.save(0)
+        a.train(1, _batch(1))  # finishes save 0 (its metadata, the pointer), then steps
+        write = megatron_checkpoint.AsyncTorchDist.write
+
+        def write_then_hang(self, d):
+            write(self, d)
+            open(os.path.join(out, "started"), "w").close()
+            time.sleep(120)
+
+        megatron_checkpoint.AsyncTorchDist.write = write_then_hang
+        a.save(1)
+        time.sleep(120)
+    except Exception:
+        import traceback
+
+        open(os.path.join(out, "rank0.error"), "w").write(traceback.format_exc())
+
+
+def _relaunch(rank: int, ckpt: str, save: str, weights: str, out: str) -> None:
+    torch.set_num_threads(1)
+    try:
+        b = TrainerActor(_megatron_cfg(ckpt, save))
+        assert b.load()["rollout_id"] == 0 and b.opt.state and b.global_step == 1
+        want, got = load_file(weights), b.get_hf_weights()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+    except BaseException:
+        import traceback
+
+        open(os.path.join(out, "rank0.error"), "w").write(traceback.format_exc())
+
+
+def test_a_kill_9_during_a_megatron_async_save_resumes_from_the_last_complete_checkpoint(
+    tiny_hf_checkpoint, tmp_path
+):
+    """torch_dist's async save: the plan at the save point, the files in the background, the metadata
+    and the pointer at the next train call. A kill -9 between leaves save 0 the one to resume from."""
+    from loop_helpers import run_ranks, spawn_ranks
+
+    save, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    ctx = spawn_ranks(_saves_then_dies_mid_save, (tiny_hf_checkpoint, str(save), str(out)), 1, join=False)
+    (proc,) = ctx.processes
+    try:
+        deadline = time.time() + 120
+        while not (out / "started").exists() and time.time() < deadline and proc.is_alive():
+            time.sleep(0.05)
+        errors = [p.read_text() for p in out.glob("*.error")]
+        assert (out / "started").exists(), errors or "the background save never started"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.join(10)
+    assert read_latest(str(save)) == 0 and not os.path.exists(iter_dir(str(save), 1))
+    assert [d for d in os.listdir(save) if d.startswith(".iter_0000001")]  # the unfinished one, unpublished
+    relaunch = tmp_path / "relaunch"
+    run_ranks(
+        _relaunch,
+        (tiny_hf_checkpoint, str(save), str(out / "at_save_0.safetensors"), str(relaunch)),
+        1,
+        relaunch,
+    )
 
 
 def test_save_trigger_sentinel_makes_any_rollout_a_save_point(tmp_path):

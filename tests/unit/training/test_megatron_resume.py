@@ -2,7 +2,8 @@
 
 Run A trains rollout 0 at layout X, saves (torch_dist weights + the optimizer's state as sharded
 tensors, training/megatron_checkpoint.py), and trains rollout 1. Run B starts at layout Y from A's
-checkpoint and trains rollout 1: its loss, grad norm and updated weights equal A's. Under --bf16 the
+checkpoint and trains rollout 1: its loss, grad norm and updated weights equal A's (A saved
+with --async-save at TP 2: torch_dist's async save, finished by the next train call). Under --bf16 the
 fp32 main parameters come back too (resumed from the bf16 weights alone, the step would differ). Both runs also
 score a reference model from --ref-load, a torch_dist conversion of the checkpoint written at TP 2,
 so the KL term of rollout 1 checks that --ref-load reads at any layout.
@@ -29,6 +30,8 @@ METRICS = ("train/loss", "train/pg_loss", "train/kl_loss", "train/grad_norm")
 LAYOUTS = {
     "tp1": (1, {}),
     "tp2": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    # --async-save: torch_dist's async save, planned at the save point, finalized by the next train call
+    "tp2_async_save": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, async_save=True)),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
     "tp2_bf16": (2, dict(tensor_model_parallel_size=2, bf16=True, accumulate_allreduce_grads_in_fp32=True)),
     "cp2": (2, dict(context_parallel_size=2)),
@@ -92,7 +95,8 @@ def checkpoints(tiny_hf_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("saved", "resumed"), [("tp2", "tp1"), ("pp2", "tp2"), ("tp2_bf16", "tp2_bf16"), ("tp1", "cp2")]
+    ("saved", "resumed"),
+    [("tp2_async_save", "tp1"), ("pp2", "tp2"), ("tp2_bf16", "tp2_bf16"), ("tp1", "cp2")],
 )
 def test_checkpoint_saved_at_one_layout_resumes_at_another(checkpoints, tmp_path, saved, resumed):
     ckpt, ref = checkpoints
