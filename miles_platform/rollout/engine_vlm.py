@@ -73,17 +73,14 @@ class VisionPrep:
 
 
 def expand_pads(prompt_ids: list[int], hf_config: Any, grids) -> list[int]:
-    """Expand one `<|image_pad|>` per image, or take the pads expanded already; else RequestError."""
+    """Each image's pad run as its patch count: one `<|image_pad|>` per image (a placeholder), or the
+    pads expanded already (a processor-built prompt, an earlier turn); else RequestError."""
     from miles_platform.models.vlm import expand_image_tokens
 
-    merge = hf_config.vision_config.spatial_merge_size
-    total = sum(int(g.prod()) // (merge * merge) for g in grids)
-    if sum(1 for t in prompt_ids if t == hf_config.image_token_id) == total:
-        return list(prompt_ids)
     try:
         return expand_image_tokens(prompt_ids, hf_config, grids)
     except ValueError as e:
-        raise RequestError(f"image_data: {e} (one <|image_pad|> per image, or {total} expanded)") from None
+        raise RequestError(f"image_data: {e} (one <|image_pad|> per image, or its pads expanded)") from None
 
 
 def _per_prompt(value: Any, n: int, is_batch: bool) -> list[list | None]:

@@ -21,7 +21,8 @@ def vl_engine(tmp_path_factory):
     from miles_platform.rollout.engine_server import start_engine_server
 
     torch.set_num_threads(1)
-    path = vlm.save_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vl") / "tiny-vl")
+    # 64-pixel images: four merged tokens each, so expansion is seen (prompt_tokens, the prompt limit)
+    path = vlm.save_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vl") / "tiny-vl", image_size=64)
     srv = start_engine_server(path)
     yield srv, path, *load_hf_checkpoint(path)
     srv.stop()
@@ -31,6 +32,11 @@ def _post(url, body, status=200):
     r = httpx.post(f"{url}/generate", json=body, timeout=60)
     assert r.status_code == status, r.text
     return r.json()
+
+
+def _expanded(tok, ids: list[int]) -> list[int]:
+    pad = tok.convert_tokens_to_ids(vlm.IMAGE_PAD)
+    return [x for t in ids for x in ([t] * 4 if t == pad else [t])]
 
 
 def _teacher_forced(model, path, ids, image, start):
@@ -52,10 +58,11 @@ def test_image_data_generate_logprobs_match_the_trainer_forward(vl_engine):
         srv.url, {"input_ids": prompt, "image_data": [red], "sampling_params": sp, "return_logprob": True}
     )
     meta = out["meta_info"]
-    assert meta["prompt_tokens"] == len(prompt)  # 32x32 -> one merged token: the single pad stays one
+    assert meta["prompt_tokens"] == len(prompt) + 3  # 64x64 -> four merged tokens for the one pad
     assert meta["completion_tokens"] == 6 and meta["weight_version_start"] == meta["weight_version_end"] == 0
     lps = meta["output_token_logprobs"]
     assert [t for _, t, _ in lps] == out["output_ids"]
+    prompt = _expanded(tok, prompt)
     ids = prompt + out["output_ids"]
     ref = _teacher_forced(model, path, ids, red, len(prompt))
     assert torch.allclose(torch.tensor([lp for lp, _, _ in lps]), ref, atol=1e-4)
@@ -70,7 +77,7 @@ def test_image_data_generate_logprobs_match_the_trainer_forward(vl_engine):
     batch = _post(srv.url, {"text": [text, "How many?"], "image_data": [[blue], None], "sampling_params": sp,
                             "return_logprob": True})  # fmt: skip
     assert [len(b["output_ids"]) for b in batch] == [6, 6]
-    ids = tok(text)["input_ids"] + batch[0]["output_ids"]
+    ids = _expanded(tok, tok(text)["input_ids"]) + batch[0]["output_ids"]
     ref = _teacher_forced(model, path, ids, blue, len(ids) - 6)
     assert torch.allclose(torch.tensor([lp for lp, _, _ in batch[0]["meta_info"]["output_token_logprobs"]]), ref,
                           atol=1e-4)  # fmt: skip
@@ -101,3 +108,39 @@ def test_a_text_model_refuses_image_data(tiny_hf_checkpoint):
     parser = RequestParser(load_tokenizer(tiny_hf_checkpoint), 256, 128)
     with pytest.raises(RequestError, match="not a vision-language model"):
         parser.parse_body({"input_ids": [1, 2], "image_data": [_uri((1, 2, 3))]})
+
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+
+
+def test_chat_completions_image_parts_are_image_data(vl_engine, monkeypatch):
+    """/v1/chat/completions: an image_url part renders as one pad where it stands and its data URI
+    goes to /generate as image_data; the answer equals /generate's on the same prompt and image."""
+    srv, path, model, tok = vl_engine
+    monkeypatch.setattr(srv.core.tokenizer, "chat_template", CHAT_TEMPLATE)  # a template of its own
+    red = _uri((255, 0, 0))
+    parts = [{"type": "text", "text": "How many shapes are in"}, {"type": "image_url", "image_url": {"url": red}},
+             {"type": "text", "text": "?"}]  # fmt: skip
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 5, "seed": 3, "temperature": 1.0,
+            "logprobs": True, "return_prompt_token_ids": True, "return_token_ids": True}  # fmt: skip
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice, prompt = out["choices"][0], out["choices"][0]["prompt_token_ids"]
+    assert tok.decode(prompt).count(vlm.IMAGE_PAD) == 1 and "in<|vision_start|>" in tok.decode(prompt)
+    assert out["usage"]["prompt_tokens"] == len(prompt) + 3  # counted with the image's four tokens
+    gen = _post(srv.url, {"input_ids": prompt, "image_data": [red], "return_logprob": True,
+                          "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 3}})  # fmt: skip
+    assert choice["token_ids"] == gen["output_ids"]
+    lps = [c["logprob"] for c in choice["logprobs"]["content"]]
+    assert lps == pytest.approx([lp for lp, _, _ in gen["meta_info"]["output_token_logprobs"]], abs=1e-6)
+    blue = {**body, "messages": [{"role": "user", "content": [*parts[:1], {"type": "image_url",
+            "image_url": {"url": _uri((0, 0, 255))}}, *parts[2:]]}]}  # fmt: skip
+    other = httpx.post(f"{srv.url}/v1/chat/completions", json=blue, timeout=60).json()["choices"][0]
+    assert [c["logprob"] for c in other["logprobs"]["content"]] != lps  # the image reached the model
+    two = {**body, "messages": [{"role": "user", "content": [*parts, parts[1]]}], "n": 2}
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=two, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text  # two images, n=2: a batch
