@@ -212,6 +212,14 @@ def _content_part(p: Any, where: str) -> None:
         )
 
 
+def check_content_parts(parts: Any, where: str) -> None:
+    """A list of text / image_url parts (a message's content, a tool's answer); ChatError else."""
+    if not isinstance(parts, list):
+        raise ChatError(f"{where}: a list of content parts, got {type(parts).__name__}")
+    for j, p in enumerate(parts):
+        _content_part(p, f"{where}[{j}]")
+
+
 def image_uris(messages: list[dict[str, Any]]) -> list[str]:
     """The image parts' URLs (data URIs, base64 or paths), in message order: the request's image_data."""
     return [

@@ -99,6 +99,7 @@ class RolloutManager:
             moe_shape=self.moe_shape,
             rollout_top_logprobs_num=cfg.rollout_top_logprobs_num,
         )
+        self._vision = None  # models.vlm.PromptVision: image prompts' pad expansion, loaded at first use
         # --use-session-server: the TITO session server, on loopback in this process (rollout/sessions.py)
         self.sessions = self._start_sessions() if cfg.use_session_server else None
         path = cfg.custom_generate_function_path
@@ -107,7 +108,6 @@ class RolloutManager:
         path = cfg.rollout_function_path
         self.rollout_fn = load_rollout_function(path).bind(self.args, data_source) if path else None
         self._slots: asyncio.Semaphore | None = None  # per-sample generations in flight (client loop)
-        self._vision = None  # models.vlm.PromptVision: image prompts' pad expansion, loaded at the first
         # --use-opd --opd-type sglang: the run's TeacherScorer (set by RunServices), scores `finalize`d samples
         self.opd = None
         self._opd_metrics: dict[str, float] = {}
@@ -134,7 +134,7 @@ class RolloutManager:
         srv = start_session_server(
             self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape,
             context_length=_checkpoint_field(c.hf_checkpoint, context_length) or 1 << 20,
-            max_sessions=max(DEFAULT_MAX_SESSIONS, 4 * live),
+            max_sessions=max(DEFAULT_MAX_SESSIONS, 4 * live), vision=self._prompt_vision() if _is_vlm(c) else None,
         )  # fmt: skip
         a = self.args  # Miles' names; the agentic wrapper reads session_server_url
         a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
@@ -278,11 +278,15 @@ class RolloutManager:
         ids = self.tok.encode(rec.prompt, add_special_tokens=False)
         if not rec.images:
             return ids
+        return self._prompt_vision().expand(ids, rec.images)
+
+    def _prompt_vision(self):
+        """The checkpoint's PromptVision (image processor + config), loaded once."""
         if self._vision is None:
             from miles_platform.models.vlm import PromptVision
 
             self._vision = PromptVision(self.cfg.hf_checkpoint)
-        return self._vision.expand(ids, rec.images)
+        return self._vision
 
     def _images(self, records, seeds) -> list | None:
         """image_data of a batched request: one entry per sample (None: no prompt has images)."""
@@ -604,3 +608,10 @@ def token_perf(samples: list[Sample], seconds: float, devices: int) -> dict[str,
             out[f"perf/{key}tokens_per_gpu_per_sec"] = sum(lengths) / seconds / devices
         out[f"perf/longest_{key}sample_tokens_per_sec"] = max(lengths) / seconds
     return out
+
+
+def _is_vlm(cfg) -> bool:
+    """A vision-language checkpoint: image prompts, or images a session's messages or tools bring."""
+    from pathlib import Path
+
+    return bool(cfg.image_keys()) or (Path(str(cfg.hf_checkpoint)) / "preprocessor_config.json").exists()

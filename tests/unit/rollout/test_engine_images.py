@@ -144,3 +144,93 @@ def test_chat_completions_image_parts_are_image_data(vl_engine, monkeypatch):
     two = {**body, "messages": [{"role": "user", "content": [*parts, parts[1]]}], "n": 2}
     r = httpx.post(f"{srv.url}/v1/chat/completions", json=two, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text  # two images, n=2: a batch
+
+
+def _scored(model, path, s_tokens: list[int], images: list[str], start: int) -> torch.Tensor:
+    """Teacher-forced log-probs of s_tokens[start:] with all the images (the trainer's forward)."""
+    from miles_platform.data.images import from_data_uri
+
+    px = vlm.process_images(vlm.load_image_processor(path), [from_data_uri(u) for u in images])
+    ids = torch.tensor([s_tokens])
+    with torch.no_grad():
+        return vlm.token_logprobs(
+            vlm.vlm_logits(model, ids, px["pixel_values"], px["image_grid_thw"]), ids, start
+        )
+
+
+def test_a_tito_session_with_image_parts_records_its_images(vl_engine):
+    """The session server expands each image part's pad, sends every image so far as image_data,
+    rolls images back with a retried turn and lists them in the record; the model tokens' log-probs
+    equal one forward over the whole session with its two images. A text model's server refuses."""
+    import asyncio
+
+    from miles_platform.rollout.chat import ChatError, parse_request
+    from miles_platform.rollout.sessions import SessionServer
+
+    srv, path, model, tok = vl_engine
+    red, blue = _uri((255, 0, 0)), _uri((0, 0, 255))
+    server = SessionServer(tok, srv.url, None, vision=vlm.PromptVision(path))
+    s = server.create({"temperature": 1.0})
+    first = [{"role": "user", "content": [{"type": "text", "text": "How many in"},
+                                          {"type": "image_url", "image_url": {"url": red}}]}]  # fmt: skip
+
+    async def episode():
+        resp, _ = await server.chat(s, {"messages": first, "max_tokens": 3, "seed": 1})
+        second = [*first, resp["choices"][0]["message"],
+                  {"role": "user", "content": [{"type": "image_url", "image_url": {"url": blue}}]}]  # fmt: skip
+        await server.chat(s, {"messages": second, "max_tokens": 3, "seed": 2})
+        await server.chat(s, {"messages": second, "max_tokens": 3, "seed": 3})  # a retry: rolled back
+        await server.close()
+
+    asyncio.run(episode())
+    rec = s.record()
+    assert rec["image_data"] == [red, blue] and rec["num_calls"] == 2
+    pad = tok.convert_tokens_to_ids(vlm.IMAGE_PAD)
+    tokens = rec["prompt_token_ids"] + rec["response_token_ids"]
+    assert tokens.count(pad) == 8  # four per image, expanded by the session server
+    ref = _scored(model, path, tokens, [red, blue], len(rec["prompt_token_ids"]))
+    on = torch.tensor(rec["loss_mask"], dtype=torch.bool)
+    assert on.sum() == 6 and torch.allclose(torch.tensor(rec["response_log_probs"])[on], ref[on], atol=1e-4)
+    text_only = SessionServer(tok, srv.url, None)
+    with pytest.raises(ChatError, match="not a vision-language model"):
+        text_only._plan(text_only.create({}), parse_request({"messages": first}))
+
+
+def test_a_multi_turn_tool_that_renders_an_image(vl_engine):
+    """multi_turn: a tool answering with an image_url part adds its vision tokens (expanded) to the
+    trajectory and its image to sample.image_data; the next turn's /generate sees both images; the
+    agentic wrapper turns an image prompt into image_url parts."""
+    import asyncio
+    from argparse import Namespace
+
+    from miles_platform.data.sample import Sample
+    from miles_platform.rollout.base_types import GenerateFnInput, GenerateState
+    from miles_platform.rollout.chat import IMAGE_TEXT
+    from miles_platform.rollout.generate_hub.agentic_tool_call import prompt_messages
+    from miles_platform.rollout.generate_hub.multi_turn import run_episode
+    from miles_platform.rollout.generate_hub.tool_call import ToolCall
+
+    srv, path, model, tok = vl_engine
+    red, blue = _uri((255, 0, 0)), _uri((0, 0, 255))
+    prompt = _expanded(tok, tok(f"How many in {IMAGE_TEXT}?")["input_ids"])
+    sample = Sample(prompt=f"How many in {IMAGE_TEXT}?", prompt_tokens=prompt, image_data=[red])
+    state = GenerateState(args=Namespace(hf_checkpoint=path, apply_chat_template_kwargs=None), tokenizer=tok,
+                          url=srv.url, api_key=None)  # fmt: skip
+    turns = iter([[ToolCall("draw", {})], []])
+
+    async def draw(name, params):
+        return [{"type": "text", "text": "drawn:"}, {"type": "image_url", "image_url": {"url": blue}}]
+
+    every = list(range(len(tok)))  # each model turn stops at its first token ("stop": the tool runs)
+    sp = {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 5, "stop_token_ids": every}
+    inp = GenerateFnInput(state, sample, sp)
+    s = asyncio.run(run_episode(inp, lambda text: next(turns), draw, 2, None))
+    assert s.image_data == [red, blue] and s.metadata["turns"] == 2, (s.status, s.metadata)
+    assert s.tokens.count(tok.convert_tokens_to_ids(vlm.IMAGE_PAD)) == 8
+    assert IMAGE_TEXT in s.turns[1]["tool_calls"][0]["result"]  # the record names it, no bytes
+    ref = _scored(model, path, s.tokens, [red, blue], len(prompt))
+    on = torch.tensor(s.loss_mask, dtype=torch.bool)
+    assert torch.allclose(torch.tensor(s.rollout_log_probs)[on], ref[on], atol=1e-4) and (~on).sum() > 0
+    msgs = prompt_messages(f"How many in {IMAGE_TEXT}?", [red])
+    assert msgs[0]["content"] == [{"type": "text", "text": "How many in "},
+                                  {"type": "image_url", "image_url": {"url": red}}, {"type": "text", "text": "?"}]  # fmt: skip
