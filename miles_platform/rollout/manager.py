@@ -217,7 +217,7 @@ class RolloutManager:
         limit = self.cfg.rollout_max_prompt_len
         if not limit:
             return records
-        kept = [r for r in records if len(self.tok.encode(r.prompt, add_special_tokens=False)) <= limit]
+        kept = [r for r in records if self.prompt_len(r) <= limit]
         if len(kept) < len(records):
             drops["prompt_too_long"] = drops.get("prompt_too_long", 0) + len(records) - len(kept)
         return kept
@@ -272,6 +272,11 @@ class RolloutManager:
             [hash((c.seed, rollout_id, rnd, gi, k)) % (2**31) for k in range(n)] for gi in range(len(records))
         ]
         return self.generate_groups(records, prompts, seeds)
+
+    def prompt_len(self, rec: PromptRecord) -> int:
+        """The prompt's token count as generated and trained: image pads expanded (Miles counts the
+        processor's input_ids), what --rollout-max-prompt-len compares."""
+        return len(self._prompt_ids(rec))
 
     def _prompt_ids(self, rec: PromptRecord) -> list[int]:
         """The prompt's token ids; with images, each image's pad expanded (models/vlm.py), as trained."""

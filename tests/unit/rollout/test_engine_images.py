@@ -234,3 +234,28 @@ def test_a_multi_turn_tool_that_renders_an_image(vl_engine):
     msgs = prompt_messages(f"How many in {IMAGE_TEXT}?", [red])
     assert msgs[0]["content"] == [{"type": "text", "text": "How many in "},
                                   {"type": "image_url", "image_url": {"url": red}}, {"type": "text", "text": "?"}]  # fmt: skip
+
+
+def test_rollout_max_prompt_len_counts_the_expanded_image_tokens(vl_engine):
+    """--rollout-max-prompt-len compares the prompt as generated: each image's pads expanded (Miles
+    counts the processor's input_ids); a text prompt of the same unexpanded length is kept."""
+    from miles_platform.config import RunConfig
+    from miles_platform.data.dataset import PromptRecord
+    from miles_platform.rollout.chat import IMAGE_TEXT
+    from miles_platform.rollout.manager import RolloutManager
+
+    _, path, _, tok = vl_engine
+    img = PromptRecord(
+        id="i", prompt=f"How many in {IMAGE_TEXT}?", label="1", metadata={}, images=[_uri((1, 2, 3))]
+    )
+    n = len(tok.encode(img.prompt, add_special_tokens=False))
+    txt = PromptRecord(id="t", prompt="x" * 80, label="1", metadata={})
+    txt.prompt = tok.decode(tok.encode(txt.prompt, add_special_tokens=False)[:n])  # n tokens, no image
+    m = RolloutManager.__new__(RolloutManager)  # only the prompt-length filter's parts
+    m.tok, m._vision = tok, None
+    m.cfg = RunConfig(hf_checkpoint=path, rollout_max_prompt_len=n + 2)
+    drops: dict[str, int] = {}
+    assert m.prompt_len(img) == n + 3 and m._within_prompt_len([img, txt], drops) == [txt]
+    assert drops == {"prompt_too_long": 1}
+    m.cfg.rollout_max_prompt_len = n + 3
+    assert m._within_prompt_len([img, txt], drops) == [img, txt]
