@@ -550,24 +550,29 @@ def record_of(group: list[Sample]) -> PromptRecord:
 def router_generate_fn(manager: RolloutManager):
     """An `evaluate(generate_fn=...)` that generates through the run's engines: one batched request,
     or the run's --custom-generate-function-path per sample with `evaluation=True` (as Miles), whose
-    Samples it answers as they are (status, metadata such as multi-turn's tool_call_count)."""
-    from miles_platform.rollout.evaluate import eval_requests
+    Samples it answers as they are (status, metadata such as multi-turn's tool_call_count). Image
+    prompts (`images`: per prompt its data URIs or None) go with their pads expanded, as a rollout's."""
+    from miles_platform.rollout.evaluate import eval_image_data, eval_requests
 
     tok = manager.tok
 
-    def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+    def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed, images=None):
         ids, sps = eval_requests(tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
+        images = list(images or [None] * len(prompts))
+        if any(images):  # each image's pad expanded, as the rollout's prompts (the same ids either way)
+            ids = [manager._prompt_vision().expand(x, images[i // n]) if images[i // n] else x
+                   for i, x in enumerate(ids)]  # fmt: skip
         if manager.generate_fn is not None and prompts:
-            records = [
-                PromptRecord(id=f"eval-{i}", prompt=p, label=None, metadata={}) for i, p in enumerate(prompts)
-            ]
+            records = [PromptRecord(id=f"eval-{i}", prompt=p, label=None, metadata={}, images=list(images[i] or []))
+                       for i, p in enumerate(prompts)]  # fmt: skip
             params = {k: v for k, v in sps[0].items() if k != "sampling_seed"}
             seeds = [[sp["sampling_seed"] for sp in sps[i * n : (i + 1) * n]] for i in range(len(prompts))]
             run = manager._per_sample(
                 records, ids[::n], seeds, evaluation=True, params={**manager.sampling_params(), **params}
             )
             return manager.client.submit(run).result()  # Samples: evaluate grades them with their status
-        outs = manager.client.generate(ids, sps, return_logprob=False) if ids else []
+        image_data = eval_image_data(images, n)
+        outs = manager.client.generate(ids, sps, return_logprob=False, image_data=image_data) if ids else []
         texts = [o.get("text", "") for o in outs]
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 

@@ -259,3 +259,43 @@ def test_rollout_max_prompt_len_counts_the_expanded_image_tokens(vl_engine):
     assert drops == {"prompt_too_long": 1}
     m.cfg.rollout_max_prompt_len = n + 3
     assert m._within_prompt_len([img, txt], drops) == [img, txt]
+
+
+def test_eval_datasets_with_images(vl_engine, tmp_path):
+    """evaluate(multimodal_keys=...) reads an eval dataset's images as train does and hands them to
+    the generate function; the in-process engine's greedy answer is /generate's with that image;
+    `miles-platform eval` takes --multimodal-keys."""
+    import json
+
+    from miles_platform.rollout.chat import IMAGE_TEXT
+    from miles_platform.rollout.evaluate import build_parser, engine_generate_fn, evaluate
+
+    srv, path, _, tok = vl_engine
+    red, blue = _uri((255, 0, 0)), _uri((0, 0, 255))
+    data = tmp_path / "e.jsonl"
+    rows = [
+        {"prompt": "How many in <image>?", "label": str(i + 1), "images": [u]}
+        for i, u in enumerate((red, blue))
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+
+    def fake(prompts, max_new_tokens, temperature, top_p, top_k, n, seed, images=None):
+        seen.append((prompts, images))
+        return [["1"] * n for _ in prompts]
+
+    res = evaluate(None, [("e", str(data))], generate_fn=fake, temperature=0.0, tokenizer=tok,
+                   multimodal_keys={"image": "images"})["e"]  # fmt: skip
+    prompt = f"How many in {IMAGE_TEXT}?"
+    assert seen == [([prompt, prompt], [[red], [blue]])] and res["pass@1"] == 0.5
+    out = engine_generate_fn(srv.core)([prompt, prompt], 4, 0.0, 1.0, -1, 1, 0, images=[[red], [blue]])
+    sp = {"max_new_tokens": 4, "temperature": 0.0, "stop_token_ids": [tok.eos_token_id]}
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    ref = [
+        _post(srv.url, {"input_ids": ids, "image_data": [u], "sampling_params": sp})["text"]
+        for u in (red, blue)
+    ]
+    assert out == [[ref[0]], [ref[1]]]
+    a = build_parser().parse_args(["--hf-checkpoint", path, "--eval-prompt-data", "e", str(data),
+                                   "--multimodal-keys", '{"image": "images"}'])  # fmt: skip
+    assert a.multimodal_keys == '{"image": "images"}'
