@@ -177,8 +177,9 @@ def vision_inputs(prompt_ids: list[int], images: list[bytes], image_processor, h
     return VisionInputs(ids, px["pixel_values"], px["image_grid_thw"])
 
 
-def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> torch.Tensor:
-    """Logits of one unpadded sequence (1, L) with its images: no cache, positions from the ids."""
+def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw, cache=None) -> torch.Tensor:
+    """Logits of one unpadded sequence (1, L) with its images, positions from the ids. `cache` (an
+    empty DynamicCache): filled with the sequence's keys and values (the engine's prefill)."""
     cfg = model.config
     input_ids = _extra_pads_masked(input_ids, cfg, image_grid_thw)
     mm = (input_ids == cfg.image_token_id).to(input_ids.dtype)
@@ -186,7 +187,9 @@ def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> 
     if pixel_values is not None:
         kw.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     model.model.rope_deltas = None  # stateless: positions are recomputed from these ids
-    out = model(input_ids=input_ids, use_cache=False, **kw)
+    if cache is not None:
+        kw.update(cache=cache, use_cache=True)
+    out = model(input_ids=input_ids, **{"use_cache": False, **kw})
     return out.logits
 
 

@@ -299,3 +299,55 @@ def test_eval_datasets_with_images(vl_engine, tmp_path):
     a = build_parser().parse_args(["--hf-checkpoint", path, "--eval-prompt-data", "e", str(data),
                                    "--multimodal-keys", '{"image": "images"}'])  # fmt: skip
     assert a.multimodal_keys == '{"image": "images"}'
+
+
+def test_the_kv_cache_path_equals_a_full_forward_per_token(vl_engine, monkeypatch):
+    """Image requests prefill once with the pixels and decode through the text model's KV cache: the
+    same tokens and log-probs (1e-5) as a full forward of the prefix per token, with two images; a
+    sampled <|image_pad|> (forced here) enters as <|vision_end|> on both paths."""
+    srv, _, _, tok = vl_engine
+    red, blue = _uri((255, 0, 0)), _uri((0, 0, 255))
+    img = f"{vlm.VISION_START}{vlm.IMAGE_PAD}{vlm.VISION_END}"
+    prompt = tok(f"{img} or {img}?")["input_ids"]
+    pad = tok.convert_tokens_to_ids(vlm.IMAGE_PAD)
+    sps = [
+        {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": s, "ignore_eos": True} for s in range(3)
+    ]
+    body = {
+        "input_ids": [prompt] * 3,
+        "image_data": [[red, blue]] * 3,
+        "sampling_params": sps,
+        "return_logprob": True,
+    }
+
+    def run(cached: bool):
+        monkeypatch.setattr(srv.core, "image_kv_cache", cached, raising=False)
+        return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])
+                for o in _post(srv.url, body)]  # fmt: skip
+
+    cached, full = run(True), run(False)
+    for (ids_c, lps_c), (ids_f, lps_f) in zip(cached, full, strict=True):
+        assert ids_c == ids_f and len(ids_c) == 12
+        assert torch.allclose(torch.tensor(lps_c), torch.tensor(lps_f), atol=1e-5)
+    # forced tokens, a sampled pad among them: the two paths' logits step by step
+    from types import SimpleNamespace
+
+    from miles_platform.data.images import from_data_uri
+    from miles_platform.rollout.engine_vlm import _cached_logits, _full_logits
+
+    core = srv.core
+    px = vlm.process_images(
+        vlm.load_image_processor(core.model_path), [from_data_uri(u) for u in (red, blue)]
+    )
+    ids = vlm.expand_image_tokens(prompt, core.model.config, px["image_grid_thw"])
+    reqs = [SimpleNamespace(prompt_ids=ids, output_ids=[]) for _ in range(2)]
+    with torch.no_grad():
+        gens = [
+            f(core, r, px["pixel_values"], px["image_grid_thw"])
+            for f, r in zip((_cached_logits, _full_logits), reqs)
+        ]
+        for forced in (5, pad, 7, pad, 9):
+            a, b = (next(g) for g in gens)
+            assert torch.allclose(a, b, atol=1e-5), (forced, (a - b).abs().max())
+            for r in reqs:
+                r.output_ids.append(forced)
