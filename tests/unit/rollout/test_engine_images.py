@@ -191,6 +191,14 @@ def test_a_tito_session_with_image_parts_records_its_images(vl_engine):
     ref = _scored(model, path, tokens, [red, blue], len(rec["prompt_token_ids"]))
     on = torch.tensor(rec["loss_mask"], dtype=torch.bool)
     assert on.sum() == 6 and torch.allclose(torch.tensor(rec["response_log_probs"])[on], ref[on], atol=1e-4)
+    from types import SimpleNamespace
+
+    from miles_platform.data.sample import Sample
+    from miles_platform.rollout.generate_hub.agentic_tool_call import assemble
+
+    state = SimpleNamespace(tokenizer=tok, sampling_support_replay=False, moe_shape=None)
+    sample = assemble(Sample(prompt_tokens=[1]), rec, state, first, None)  # the agentic wrapper's Sample
+    assert sample.image_data == [red, blue] and sample.tokens == tokens
     text_only = SessionServer(tok, srv.url, None)
     with pytest.raises(ChatError, match="not a vision-language model"):
         text_only._plan(text_only.create({}), parse_request({"messages": first}))
@@ -296,6 +304,30 @@ def test_eval_datasets_with_images(vl_engine, tmp_path):
         for u in (red, blue)
     ]
     assert out == [[ref[0]], [ref[1]]]
+    # the run's engines (in-loop eval): each image's pads expanded as a rollout's, image_data per request
+    from types import SimpleNamespace
+
+    from miles_platform.rollout.manager import router_generate_fn
+
+    sent = {}
+
+    def client_generate(ids, sps, return_logprob, image_data):
+        sent.update(ids=ids, image_data=image_data)
+        return [{"text": "1"}] * len(ids)
+
+    vision = vlm.PromptVision(path)
+    manager = SimpleNamespace(tok=tok, generate_fn=None, _prompt_vision=lambda: vision,
+                              client=SimpleNamespace(generate=client_generate))  # fmt: skip
+    assert (
+        router_generate_fn(manager)([prompt, "2+2="], 4, 1.0, 1.0, -1, 2, 0, images=[[red], None])
+        == [["1"] * 2] * 2
+    )
+    assert sent["ids"][0] == sent["ids"][1] == _expanded(tok, ids) and sent["image_data"] == [
+        [red],
+        [red],
+        None,
+        None,
+    ]
     a = build_parser().parse_args(["--hf-checkpoint", path, "--eval-prompt-data", "e", str(data),
                                    "--multimodal-keys", '{"image": "images"}'])  # fmt: skip
     assert a.multimodal_keys == '{"image": "images"}'
