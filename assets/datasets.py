@@ -2,7 +2,9 @@
 
 Each reads JSONL or Parquet (any fsspec URI) with the Miles keys, or generates the built-in
 arithmetic task when no path is given, and writes `<root>/datasets/<asset>/data.parquet`
-atomically. The data version is the content hash of the rows. Blocking checks (schema,
+atomically. With `multimodal_keys` (Miles' --multimodal-keys) the rows' images are read and
+checked, stored in the normalized Parquet's `images` column, and the asset page shows the first
+ones as thumbnails; runs then read it with `--multimodal-keys '{"image": "images"}'`. The data version is the content hash of the rows. Blocking checks (schema,
 unique ids, non-empty prompts, labels) gate everything downstream.
 """
 
@@ -11,6 +13,7 @@ import tempfile
 
 import dagster as dg
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from miles_platform.data.dataset import (
@@ -20,9 +23,11 @@ from miles_platform.data.dataset import (
     normalized_label_key,
     write_normalized_dataset,
 )
+from miles_platform.data.images import parse_multimodal_keys
 from resources.storage import StorageRootResource
 
 PREVIEW_ROWS = 5
+THUMBNAILS = 16
 
 
 class DatasetConfig(dg.Config):
@@ -31,6 +36,7 @@ class DatasetConfig(dg.Config):
     label_key: str | None = None  # --label-key (the built-in task uses "label")
     metadata_key: str = "metadata"  # --metadata-key
     seed: int = 0  # seed of the built-in task generator
+    multimodal_keys: str | None = None  # --multimodal-keys, e.g. '{"image": "images"}': image prompts
 
 
 def _builtin_task(split: str, out_dir: str, seed: int) -> str:
@@ -53,6 +59,23 @@ def _preview(records: list[PromptRecord]) -> str:
     return "\n".join(lines)
 
 
+def _image_metadata(records: list[PromptRecord]) -> dict:
+    """Image datasets: the distinct images' count and the first THUMBNAILS as a grid (the labels in
+    the caption), as the vlm_prompt_dataset page shows them."""
+    from assets.metadata import image_markdown
+    from miles_platform.data.images import from_data_uri, image_hash, thumbnail_grid
+
+    with_images = [r for r in records if r.images]
+    if not with_images:
+        return {}
+    first = with_images[:THUMBNAILS]
+    caption = f"first {len(first)} rows' first images; labels: {' '.join(str(r.label) for r in first)}"
+    return {
+        "images": dg.MetadataValue.int(len({image_hash(u) for r in with_images for u in r.images})),
+        "thumbnails": image_markdown(thumbnail_grid([from_data_uri(r.images[0]) for r in first]), caption),
+    }
+
+
 def _build(
     name: str, split: str, config: DatasetConfig, storage: StorageRootResource
 ) -> dg.MaterializeResult:
@@ -62,10 +85,12 @@ def _build(
             source, input_key, label_key = config.path, config.input_key, config.label_key
         else:
             source, input_key, label_key = _builtin_task(split, tmp, config.seed), "prompt", "label"
-        records = load_prompt_dataset(source, input_key, label_key, config.metadata_key)
+        keys = parse_multimodal_keys(config.multimodal_keys)
+        records = load_prompt_dataset(source, input_key, label_key, config.metadata_key, multimodal_keys=keys)
     info = write_normalized_dataset(records, storage.paths.dataset(name), label_key)
     return dg.MaterializeResult(
         metadata={
+            **_image_metadata(records),
             "rows": dg.MetadataValue.int(info.rows),
             "bytes": dg.MetadataValue.int(info.bytes),
             "path": dg.MetadataValue.path(info.path),
@@ -107,6 +132,11 @@ def _check_results(asset_key: dg.AssetKey, path: str) -> list[dg.AssetCheckResul
 
     expected = {f.name: str(f.type) for f in NORMALIZED_SCHEMA}
     actual = {f.name: str(f.type) for f in table.schema}
+    if "images" in actual:  # an image dataset (multimodal_keys): a list of encoded images per row
+        t = table.schema.field("images").type
+        expected["images"] = actual["images"] if pa.types.is_list(t) and pa.types.is_binary(t.value_type) else (
+            "list<binary>"
+        )  # fmt: skip
     out = [result("schema", actual == expected, columns=json.dumps(actual))]
     if actual != expected:  # the remaining checks cannot read a malformed file
         return out + [result(n, False, reason="schema check failed") for n in CHECKS[1:]]

@@ -50,6 +50,7 @@ class EvalConfig(dg.Config):
     label_key: str = "label"
     metadata_key: str = "metadata"
     apply_chat_template: bool = False  # render prompts with the policy's chat template
+    multimodal_keys: str | None = None  # --multimodal-keys (JSON): image prompts, a vision-language policy
     max_prompts: int | None = None  # evaluate only the first N prompts of each dataset
     seed: int = 0
 
@@ -119,7 +120,7 @@ def eval_config_for_run(cfg: RunConfig) -> dict:
         "seed": cfg.seed,
     }
     if cfg.eval_prompt_data:  # read as `train` reads them (the normalized eval_dataset has its own keys)
-        out |= {k: getattr(cfg, k) for k in ("eval_prompt_data", *DATASET_FLAGS)}
+        out |= {k: getattr(cfg, k) for k in ("eval_prompt_data", *DATASET_FLAGS, "multimodal_keys")}
         out["label_key"] = cfg.label_key or "label"
     return {k: v for k, v in out.items() if v is not None and k in EvalConfig.model_fields}
 
@@ -142,6 +143,7 @@ def evaluate_and_record(
     """Evaluate `hf_path` on `datasets` as `config` says; append the `evals` rows (source `asset`) and
     the lineage rows `eval:<partition>` --evaluates--> `evaluates` (key, kind, data version) and
     --evaluated_on--> each dataset. eval_results and the scoreboard's base eval both call it."""
+    from miles_platform.data.images import parse_multimodal_keys
     from miles_platform.rollout.evaluate import evals_table_rows, evaluate
 
     run, _ = parse_partition_key(partition)
@@ -157,6 +159,7 @@ def evaluate_and_record(
         metadata_key=config.metadata_key,
         apply_chat_template=config.apply_chat_template,
         max_prompts=config.max_prompts,
+        multimodal_keys=parse_multimodal_keys(config.multimodal_keys),
     )
     append_rows(paths, "evals", run, evals_table_rows(partition, results, "asset", sampling_of(config)))
     key, kind, data_version = evaluates

@@ -4,7 +4,9 @@ Same model (a small random Qwen3), same prompts, same number of new tokens (EOS 
 Ours: all samples submitted at once to EngineCore (continuous batching + KV cache).
 Baselines: `model.generate(do_sample=True)` one sample at a time (KV cache too, batch 1), and one
 batched left-padded `generate` of all the prompts (the fastest plain HF call), on the same device.
-Rows per device: the CPU always, CUDA when there is one (tag " [cuda]").
+Rows per device: the CPU always, CUDA when there is one (tag " [cuda]"). One more row per device: image
+requests of the tiny Qwen3-VL (rollout/engine_vlm.py) through the KV cache (one prefill with the
+pixels) vs a full forward of the prefix per token (`image_kv_cache = False`), same engine, same seeds.
 
     python -m bench.bench_engine [--json]
 """
@@ -77,7 +79,58 @@ def run() -> list[dict]:
         ckpt = _checkpoint(root)
         for device in devices():
             rows += _device_rows(ckpt, device)
+            rows.append(image_kv_cache_row(root, device))
     return rows
+
+
+def image_kv_cache_row(root: str, device: str, n: int = 8, new_tokens: int = NEW_TOKENS) -> dict:
+    """Tokens/s of `n` image requests (64-pixel images: 4 image tokens each) with the KV cache vs a
+    full forward per token, on one engine; the two paths must draw the same tokens."""
+    import os
+
+    from miles_platform.models.vlm import IMAGE_PAD, VISION_END, VISION_START, save_tiny_vlm_checkpoint
+    from miles_platform.rollout.engine_core import EngineCore
+
+    path = os.path.join(root, "bench-vl")
+    if not os.path.isdir(path):
+        save_tiny_vlm_checkpoint(path, image_size=64)
+    core = EngineCore(path, device=device)
+    try:
+        prompt = core.tokenizer(f"{VISION_START}{IMAGE_PAD}{VISION_END}How many shapes?")["input_ids"]
+        uris = [_square_uri(i) for i in range(n)]
+        body = {"input_ids": [prompt] * n, "image_data": [[u] for u in uris], "return_logprob": False,
+                "sampling_params": [{"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True,
+                                     "sampling_seed": i} for i in range(n)]}  # fmt: skip
+        outs = {}
+
+        def gen(cached: bool):
+            core.image_kv_cache = cached
+            futures, _ = core.submit_json(body)
+            outs[cached] = [f.result()["output_ids"] for f in futures]
+
+        gen(True)  # warm-up
+        t_cached, t_full = best_of(lambda: gen(True), 2), best_of(lambda: gen(False), 2)
+        assert outs[True] == outs[False], "the KV-cache path drew other tokens than the full forwards"
+    finally:
+        core.stop()
+    tag = "" if device == "cpu" else f" [{device}]"
+    tokens = n * new_tokens
+    return row(f"engine image requests batch={n}, KV cache{tag}", tokens / t_cached, tokens / t_full,
+               "tok/s (ratio: x faster than a full forward of the prefix per token)")  # fmt: skip
+
+
+def _square_uri(i: int) -> str:
+    import io
+
+    from PIL import Image
+
+    from miles_platform.data.images import to_data_uri
+
+    img = Image.new("RGB", (32, 32), (0, 0, 0))
+    img.paste((40 * i % 256, 255, 80), (4 * (i % 4), 4, 4 * (i % 4) + 12, 16))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return to_data_uri(buf.getvalue())
 
 
 def _device_rows(ckpt: str, device: str) -> list[dict]:

@@ -145,4 +145,27 @@ def build_viewer_root(root: str, train_samples: bool = True) -> StoragePaths:
         for i in range(4)
     ]  # fmt: skip
     write_rollout_shard(paths, "diffusion", 0, images)
+    _vlm_run(paths)
     return paths
+
+
+def _vlm_run(paths: StoragePaths) -> None:
+    """A vision-language run: its prompt data (JSONL, a data URI per row) and the run_config.json
+    that names it, and one sample that saw the second row's image."""
+    import os
+
+    from miles_platform.data.images import to_data_uri
+
+    uris = [to_data_uri(_png(s)) for s in (10, 200)]
+    data = os.path.join(paths.root, "vl.jsonl")
+    with open(data, "w") as f:
+        f.writelines(
+            json.dumps({"prompt": "How many in <image>?", "label": "1", "images": [u]}) + "\n" for u in uris
+        )
+    os.makedirs(paths.checkpoints("vlm"), exist_ok=True)
+    with open(os.path.join(paths.checkpoints("vlm"), "run_config.json"), "w") as f:
+        json.dump({"prompt_data": data, "input_key": "prompt", "multimodal_keys": '{"image": "images"}'}, f)
+    s = Sample(rollout_id=0, group_index=0, index=0, prompt="How many in <image>?", prompt_tokens=[1, 2],
+               response=" 1", response_tokens=[3], rollout_log_probs=[-0.5], loss_mask=[1], reward=1.0,
+               image_data=[uris[1]])  # fmt: skip
+    write_rollout_shard(paths, "vlm", 0, [s])

@@ -77,6 +77,7 @@ class EvalFlags:
             metadata_key=self.metadata_key,
             apply_chat_template=self.apply_chat_template,
             chat_template_kwargs=self.chat_template_kwargs(),
+            image_keys=self.image_keys(),
             rewards=RewardSettings(rm_type="math") if rewards.pure_opd else rewards,
         )
 
@@ -104,6 +105,7 @@ class EvalSettings:
     apply_chat_template: bool
     rewards: RewardSettings
     chat_template_kwargs: dict = field(default_factory=dict)  # --apply-chat-template-kwargs
+    image_keys: dict | None = None  # --multimodal-keys: eval prompts' images, read as train's
 
     @property
     def sampling(self) -> dict[str, Any]:

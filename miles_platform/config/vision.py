@@ -33,7 +33,6 @@ class VisionFlags:
             return
         blocked = [
             ("LoRA (--lora-rank)", self.uses_lora),
-            ("--use-session-server / agentic generate functions", bool(self.use_session_server)),
             ("SFT rollouts", self.uses_sft_rollout),
             ("--data-source-path (the class reads its own data)", bool(self.data_source_path)),
             ("top-p / top-k sampling-support replay", self.sampling_support_replay()),

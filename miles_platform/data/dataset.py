@@ -238,6 +238,13 @@ def _images(row: dict, where: str, prompt: str, uri: str, multimodal_keys: dict[
     return images
 
 
+def _placeholder_prompt(prompt: str) -> str:
+    """`_vision_prompt` undone: each image's vision tokens back to Miles' `<image>`."""
+    from miles_platform.models.vlm import IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START
+
+    return prompt.replace(VISION_START + IMAGE_PAD + VISION_END, IMAGE_PLACEHOLDER)
+
+
 def _vision_prompt(prompt: str) -> str:
     from miles_platform.models.vlm import IMAGE_PAD, IMAGE_PLACEHOLDER, VISION_END, VISION_START
 
@@ -269,7 +276,8 @@ def records_to_table(records: list[PromptRecord], label_key: str | None = None) 
         [
             {
                 "id": r.id,
-                "prompt": r.prompt,
+                # an image prompt as its source wrote it (Miles' <image>): read back with --multimodal-keys
+                "prompt": _placeholder_prompt(r.prompt) if r.images else r.prompt,
                 "label": r.label,
                 "metadata": json.dumps(r.metadata, sort_keys=True),
                 **({"images": [from_data_uri(im) for im in r.images]} if with_images else {}),
@@ -300,7 +308,7 @@ def read_normalized_dataset(uri: str) -> list[PromptRecord]:
     return [
         PromptRecord(
             id=r["id"],
-            prompt=r["prompt"],
+            prompt=_vision_prompt(r["prompt"]) if r.get("images") else r["prompt"],
             label=r["label"],
             metadata=json.loads(r["metadata"] or "{}"),
             images=[to_data_uri(b) for b in r.get("images") or []],

@@ -121,25 +121,30 @@ def parse_multimodal_keys(value: Any) -> dict[str, str] | None:
     return keys
 
 
-def thumbnail_grid(images: list[bytes], ncol: int = 8, scale: int = 3, pad: int = 2) -> bytes:
-    """PNG of encoded images in rows of `ncol` on grey, each upscaled `scale`x (nearest): a dataset's
-    preview in the UI (the `vlm_prompt_dataset` asset page)."""
+def thumbnail_grid(
+    images: list[bytes], ncol: int = 8, scale: int = 3, pad: int = 2, max_side: int = 96
+) -> bytes:
+    """PNG of encoded images in rows of `ncol` on grey, each upscaled `scale`x (nearest) but at most
+    `max_side` pixels on its longer side (a big photo is shrunk): a dataset's preview in the UI (the
+    `vlm_prompt_dataset` and `prompt_dataset` asset pages)."""
     from PIL import Image
 
-    tiles = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    tiles = []
+    for b in images:
+        t = Image.open(io.BytesIO(b)).convert("RGB")
+        f = min(scale, max_side / max(t.width, t.height))
+        size = (max(1, round(t.width * f)), max(1, round(t.height * f)))
+        tiles.append(t.resize(size, Image.NEAREST if f >= 1 else Image.LANCZOS))
     if not tiles:
         raise ValueError("thumbnail_grid: no images")
-    w = max(t.width for t in tiles) * scale
-    h = max(t.height for t in tiles) * scale
+    w = max(t.width for t in tiles)
+    h = max(t.height for t in tiles)
     ncol = min(ncol, len(tiles))
     nrow = -(-len(tiles) // ncol)
     grid = Image.new("RGB", (ncol * (w + pad) + pad, nrow * (h + pad) + pad), (128, 128, 128))
     for i, t in enumerate(tiles):
         r, c = divmod(i, ncol)
-        grid.paste(
-            t.resize((t.width * scale, t.height * scale), Image.NEAREST),
-            (pad + c * (w + pad), pad + r * (h + pad)),
-        )
+        grid.paste(t, (pad + c * (w + pad), pad + r * (h + pad)))
     buf = io.BytesIO()
     grid.save(buf, "PNG")
     return buf.getvalue()

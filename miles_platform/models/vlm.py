@@ -136,21 +136,31 @@ class VisionInputs:
 
 
 def expand_image_tokens(prompt_ids: list[int], hf_config, grids) -> list[int]:
-    """Each `<|image_pad|>` of `prompt_ids` (one per image, in order) repeated to its image's merged
-    patch count. A prompt with fewer or more pads than images is refused."""
+    """Each image's `<|image_pad|>` run (in order) as its merged patch count: a run of one pad (the
+    placeholder) is repeated, a run of the count already (expanded before, e.g. an earlier turn of
+    a multi-turn trajectory) is kept. A prompt with fewer or more pad runs than images, or a run of
+    another length, is refused."""
     pad = hf_config.image_token_id
     merge = hf_config.vision_config.spatial_merge_size
     counts = [int(g.prod()) // (merge * merge) for g in grids]
-    n_pads = sum(1 for t in prompt_ids if t == pad)
-    if n_pads != len(counts):
-        raise ValueError(f"the prompt has {n_pads} image placeholder(s) for {len(counts)} image(s)")
-    out, k = [], 0
-    for t in prompt_ids:
-        if t == pad:
-            out.extend([pad] * counts[k])
-            k += 1
-        else:
-            out.append(t)
+    runs = [i for i, t in enumerate(prompt_ids) if t == pad and (i == 0 or prompt_ids[i - 1] != pad)]
+    if len(runs) != len(counts):
+        raise ValueError(f"the prompt has {len(runs)} image placeholder(s) for {len(counts)} image(s)")
+    out, i, k = [], 0, 0
+    while i < len(prompt_ids):
+        if prompt_ids[i] != pad:
+            out.append(prompt_ids[i])
+            i += 1
+            continue
+        n = 1
+        while i + n < len(prompt_ids) and prompt_ids[i + n] == pad:
+            n += 1
+        if n not in (1, counts[k]):
+            raise ValueError(
+                f"image {k}: a run of {n} image pads; its image is 1 placeholder or {counts[k]} pads"
+            )
+        out.extend([pad] * counts[k])
+        i, k = i + n, k + 1
     return out
 
 
@@ -167,8 +177,9 @@ def vision_inputs(prompt_ids: list[int], images: list[bytes], image_processor, h
     return VisionInputs(ids, px["pixel_values"], px["image_grid_thw"])
 
 
-def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> torch.Tensor:
-    """Logits of one unpadded sequence (1, L) with its images: no cache, positions from the ids."""
+def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw, cache=None) -> torch.Tensor:
+    """Logits of one unpadded sequence (1, L) with its images, positions from the ids. `cache` (an
+    empty DynamicCache): filled with the sequence's keys and values (the engine's prefill)."""
     cfg = model.config
     input_ids = _extra_pads_masked(input_ids, cfg, image_grid_thw)
     mm = (input_ids == cfg.image_token_id).to(input_ids.dtype)
@@ -176,7 +187,9 @@ def vlm_logits(model, input_ids: torch.Tensor, pixel_values, image_grid_thw) -> 
     if pixel_values is not None:
         kw.update(pixel_values=pixel_values, image_grid_thw=image_grid_thw)
     model.model.rope_deltas = None  # stateless: positions are recomputed from these ids
-    out = model(input_ids=input_ids, use_cache=False, **kw)
+    if cache is not None:
+        kw.update(cache=cache, use_cache=True)
+    out = model(input_ids=input_ids, **{"use_cache": False, **kw})
     return out.logits
 
 

@@ -140,7 +140,7 @@ class AsyncRolloutWorker:
         with self._lock:
             while True:
                 rec = self.m.data_source.get_samples(1)[0]
-                if not limit or len(self.m.tok.encode(rec.prompt, add_special_tokens=False)) <= limit:
+                if not limit or self.m.prompt_len(rec) <= limit:
                     break
                 self.drops["prompt_too_long"] = self.drops.get("prompt_too_long", 0) + 1
                 tried += 1

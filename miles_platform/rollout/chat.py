@@ -16,7 +16,13 @@ Field names follow SGLang's ChatCompletionRequest / ChatCompletionResponse
 per choice), `return_token_ids` / `return_prompt_token_ids`, `chat_template_kwargs`. Tool calls
 are read from the text with the qwen25 parser (SGLang's `--tool-call-parser qwen25`) when `tools`
 are given and `tool_choice` is not "none". What the embedded engine cannot do (penalties,
-constrained decoding, `tool_choice` required/named, images) is a 400 naming the field.
+constrained decoding, `tool_choice` required/named, audio / video parts, image URLs to fetch) is a
+400 naming the field.
+
+Image parts (`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`, OpenAI's
+and SGLang's shape) render as Qwen-VL's `<|vision_start|><|image_pad|><|vision_end|>` where they
+stand, and go to `/generate` as SGLang's `image_data` in message order (`image_uris`); the engine
+expands each pad to its image's patch count (rollout/engine_vlm.py) and refuses them on a text model.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_platform.models.tokenizer import has_learned_chat_template
+from miles_platform.models.vlm import IMAGE_PAD, VISION_END, VISION_START
 from miles_platform.rollout.generate_hub.tool_call import qwen25_parser
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -57,6 +64,8 @@ _FLAGS = ("logprobs", "stream", "return_meta_info", "return_token_ids", "return_
 _KNOWN = {"messages", "tools", "tool_choice", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
           "input_ids", *_FLAGS, *COMMON_FIELDS}  # fmt: skip
 MAX_N = 64
+# what an image part renders as (Qwen-VL's chat templates, SGLang's placeholder): one pad per image
+IMAGE_TEXT = f"{VISION_START}{IMAGE_PAD}{VISION_END}"
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
@@ -171,10 +180,10 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if c is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise ChatError(f"messages[{i}] ({m['role']}): content is required")
         if isinstance(c, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in c):
-                raise ChatError(f"messages[{i}]: only text content parts are supported (no images, audio)")
+            for j, p in enumerate(c):
+                _content_part(p, f"messages[{i}].content[{j}]")
         elif c is not None and not isinstance(c, str):
-            raise ChatError(f"messages[{i}]: content must be a string or a list of text parts")
+            raise ChatError(f"messages[{i}]: content must be a string or a list of text / image_url parts")
         if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
             raise ChatError(f"messages[{i}].tool_calls must be a list")
         for j, call in enumerate(m.get("tool_calls") or []):
@@ -182,6 +191,57 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ChatError(f"messages[{i}].tool_calls[{j}]: needs function.name and function.arguments")
     return messages
+
+
+def _content_part(p: Any, where: str) -> None:
+    kind = p.get("type") if isinstance(p, dict) else None
+    if kind == "text":
+        return
+    if kind != "image_url":
+        raise ChatError(
+            f"{where}: type {kind!r}: only text and image_url parts are supported (no audio, video)"
+        )
+    url = p.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else None
+    if not isinstance(url, str) or not url:
+        raise ChatError(f'{where}: an image_url part is {{"type": "image_url", "image_url": {{"url": ...}}}}')
+    if url.split(":", 1)[0].lower() in ("http", "https"):
+        raise ChatError(
+            f"{where}: image URL {url[:60]!r}: the embedded engine does not fetch URLs; send the image "
+            "as a data:image/...;base64 URI"
+        )
+
+
+def check_content_parts(parts: Any, where: str) -> None:
+    """A list of text / image_url parts (a message's content, a tool's answer); ChatError else."""
+    if not isinstance(parts, list):
+        raise ChatError(f"{where}: a list of content parts, got {type(parts).__name__}")
+    for j, p in enumerate(parts):
+        _content_part(p, f"{where}[{j}]")
+
+
+def image_uris(messages: list[dict[str, Any]]) -> list[str]:
+    """The image parts' URLs (data URIs, base64 or paths), in message order: the request's image_data."""
+    return [
+        p["image_url"]["url"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, dict) and p.get("type") == "image_url"
+    ]
+
+
+def content_text(parts: list[dict[str, Any]]) -> str:
+    """A list content as template text: text parts joined by spaces, each image part `IMAGE_TEXT`."""
+    out, after_text = [], False
+    for p in parts:
+        if p.get("type") == "image_url":
+            out.append(IMAGE_TEXT)
+            after_text = False
+        else:
+            out.append((" " if after_text else "") + str(p.get("text", "")))
+            after_text = True
+    return "".join(out)
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -238,13 +298,13 @@ def sampling_params(body: dict, default_max_tokens: int | None = None) -> dict[s
 
 # ---------------------------------------------------------------------------- prompt
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates read them (SGLang's normalization): text parts joined, tool-call
-    arguments as objects, content None as ""."""
+    """Messages as chat templates read them (SGLang's normalization): text parts joined and image
+    parts as `IMAGE_TEXT` (`content_text`), tool-call arguments as objects, content None as ""."""
     out = []
     for m in messages:
         m = copy.deepcopy(m)
         if isinstance(m.get("content"), list):
-            m["content"] = " ".join(p.get("text", "") for p in m["content"])
+            m["content"] = content_text(m["content"])
         if m.get("content") is None:
             m["content"] = ""
         for call in m.get("tool_calls") or []:
@@ -340,6 +400,9 @@ def generate_body(req: ChatRequest, input_ids: list[int], context_length: int) -
     if sp.get("max_new_tokens") is None:
         sp["max_new_tokens"] = max(0, context_length - len(input_ids))
     body: dict[str, Any] = {"return_logprob": True}
+    images = image_uris(req.messages)
+    if images:  # SGLang's image_data: one prompt's images, or one list per choice of a batch
+        body["image_data"] = images if req.n == 1 else [images] * req.n
     if req.top_logprobs:
         body["top_logprobs_num"] = req.top_logprobs
     if req.lora_path is not None:
@@ -420,6 +483,7 @@ def build_response(
         choices.append(choice)
     meta0 = outputs[0].get("meta_info") or {}
     completion = sum(len(o.get("output_ids") or []) for o in outputs)
+    prompt_n = int(meta0.get("prompt_tokens") or len(prompt_ids))  # with images: the expanded prompt
     return {
         "id": f"chatcmpl-{meta0.get('id') or uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -427,9 +491,9 @@ def build_response(
         "model": req.model,
         "choices": choices,
         "usage": {
-            "prompt_tokens": len(prompt_ids),
+            "prompt_tokens": prompt_n,
             "completion_tokens": completion,
-            "total_tokens": len(prompt_ids) + completion,
+            "total_tokens": prompt_n + completion,
             "prompt_tokens_details": None,
             "reasoning_tokens": 0,
         },

@@ -7,10 +7,12 @@ each image with one `<|image_pad|>` (expanded here to the image's merged patch c
 processor does) or carries the expanded pads already (as a processor-built prompt does); the answer's
 `prompt_tokens` counts the expanded prompt.
 
-Generation: a request with images is generated on the scheduler thread by full forwards of the
-prefix (models/vlm.py `vlm_logits`, the function the trainer scores with), one token at a time, with
-the engine's sampler and seeds; its `output_token_logprobs` are the text tokens' log-probs. It runs
-to its end within one scheduler step (tiny models on the CPU; the batched KV-cache path serves text).
+Generation: a request with images is generated on the scheduler thread, one token at a time with
+the engine's sampler and seeds: a prefill of the prompt with its pixel values (models/vlm.py
+`vlm_logits`, the function the trainer scores with), then the text model's KV cache (the vision
+tower runs once per request); its `output_token_logprobs` are the text tokens' log-probs, equal to a
+full forward's (`core.image_kv_cache = False` runs one per token: the reference). It runs to its end
+within one scheduler step (tiny models on the CPU; the batched KV-cache path serves text).
 Options the batched path adds (LoRA, sampling masks, top-k log-probs, input scoring, routed experts)
 are refused for image requests by name.
 """
@@ -73,17 +75,14 @@ class VisionPrep:
 
 
 def expand_pads(prompt_ids: list[int], hf_config: Any, grids) -> list[int]:
-    """Expand one `<|image_pad|>` per image, or take the pads expanded already; else RequestError."""
+    """Each image's pad run as its patch count: one `<|image_pad|>` per image (a placeholder), or the
+    pads expanded already (a processor-built prompt, an earlier turn); else RequestError."""
     from miles_platform.models.vlm import expand_image_tokens
 
-    merge = hf_config.vision_config.spatial_merge_size
-    total = sum(int(g.prod()) // (merge * merge) for g in grids)
-    if sum(1 for t in prompt_ids if t == hf_config.image_token_id) == total:
-        return list(prompt_ids)
     try:
         return expand_image_tokens(prompt_ids, hf_config, grids)
     except ValueError as e:
-        raise RequestError(f"image_data: {e} (one <|image_pad|> per image, or {total} expanded)") from None
+        raise RequestError(f"image_data: {e} (one <|image_pad|> per image, or its pads expanded)") from None
 
 
 def _per_prompt(value: Any, n: int, is_batch: bool) -> list[list | None]:
@@ -113,17 +112,19 @@ def _image_bytes(value: Any, i: int) -> bytes:
 
 @torch.no_grad()
 def generate_with_images(core: EngineCore, reqs: list[Request]) -> None:
-    """Generate each image request to its end: full forwards of the prefix, the engine's sampler."""
-    from miles_platform.models.vlm import vlm_logits
-
+    """Generate each image request to its end with the engine's sampler: one prefill of the prompt
+    with its pixel values (the vision tower runs once), then one token at a time through the text
+    model's KV cache (`core.image_kv_cache`, default on); off, a full forward of the prefix per
+    token (`vlm_logits`, the trainer's function: the reference the cached path is tested against)."""
     for r in reqs:
         r.version_start = core._version_of(r)
         px = r.vision["pixel_values"].to(core.device, core.dtype)
         grid = r.vision["image_grid_thw"].to(core.device)
+        steps = _cached_logits(core, r, px, grid) if getattr(core, "image_kv_cache", True) else _full_logits(
+            core, r, px, grid
+        )  # fmt: skip
         p = r.params
-        while True:
-            ids = torch.tensor([r.prompt_ids + r.output_ids], device=core.device)
-            logits = vlm_logits(core.model, ids, px, grid)[:, -1].float()
+        for logits in steps:
             core.stats["num_forward_calls"] += 1
             d = draw(logits, [p.temperature], [p.top_p], [p.top_k], [p.min_p], [r.seed], [r.position])
             r.output_ids.append(d.tokens[0])
@@ -133,3 +134,35 @@ def generate_with_images(core: EngineCore, reqs: list[Request]) -> None:
             if reason:
                 core._finish(r, reason)
                 break
+
+
+def _full_logits(core: EngineCore, r: Request, px, grid):
+    """The next token's logits (1, V) of `r`'s prefix, a full forward each time it is asked."""
+    from miles_platform.models.vlm import vlm_logits
+
+    while True:
+        ids = torch.tensor([r.prompt_ids + r.output_ids], device=core.device)
+        yield vlm_logits(core.model, ids, px, grid)[:, -1].float()
+
+
+def _cached_logits(core: EngineCore, r: Request, px, grid):
+    """The same logits through a KV cache: the prompt's forward with pixel values (the model
+    computes its M-RoPE positions and `rope_deltas`), then each sampled token alone, at text
+    positions shifted by those deltas (restored before every step: the model keeps them as state).
+    A sampled `<|image_pad|>` enters as `<|vision_end|>`, as `vlm_logits` masks it."""
+    from transformers import DynamicCache
+
+    from miles_platform.models.vlm import vlm_logits
+
+    model, cfg = core.model, core.model.config
+    cache = DynamicCache(config=cfg.get_text_config())
+    ids = torch.tensor([r.prompt_ids], device=core.device)
+    logits = vlm_logits(model, ids, px, grid, cache=cache)
+    deltas = model.model.rope_deltas
+    yield logits[:, -1].float()
+    while True:
+        tok = r.output_ids[-1]
+        tok = cfg.vision_end_token_id if tok == cfg.image_token_id else tok
+        model.model.rope_deltas = deltas
+        out = model(input_ids=torch.tensor([[tok]], device=core.device), cache=cache, use_cache=True)
+        yield out.logits[:, -1].float()

@@ -8,6 +8,10 @@ reward mean the same thing. Generation runs on the embedded engine (`EngineCore`
 the same scheduler and sampler (rollout/sampling.py) as a rollout, each sample a seeded draw of
 its own (`eval_requests`); a caller that owns engines passes `generate_fn` with the same
 signature to route eval through them instead (`manager.router_generate_fn`, the same requests).
+
+Image prompts (`multimodal_keys`, Miles' `--multimodal-keys` read as `train` reads them): a generate
+function is then called with `images=` (per prompt its data URIs, or None) and sends them as
+SGLang's `image_data` (`eval_image_data`); text datasets call it as before.
 """
 
 from __future__ import annotations
@@ -54,18 +58,29 @@ def eval_requests(
     return ids, [{**params, "sampling_seed": seed * EVAL_SEED_STRIDE + k} for k in range(len(ids))]
 
 
+def eval_image_data(images: Sequence[list[str] | None] | None, n: int) -> list | None:
+    """`image_data` of `eval_requests`' batch: each prompt's images `n` times (None: no images)."""
+    if not images or not any(images):
+        return None
+    return [imgs or None for imgs in images for _ in range(n)]
+
+
 def engine_generate_fn(core: EngineCore, on_response: Callable[[int], Any] | None = None) -> GenerateFn:
     """`evaluate`'s generate function on an in-process `EngineCore`: the engine's scheduler and sampler
     (rollout/sampling.py: seeded per-row draws, top-k / top-p / min-p), one batch per call.
     `on_response(1)` after each response, in order (progress)."""
 
-    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed, images=None):
         ids, params = eval_requests(
             core.tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, n, seed
         )
         texts = []
         if ids:
-            futures, _ = core.submit_json({"input_ids": ids, "sampling_params": params})
+            body = {"input_ids": ids, "sampling_params": params}
+            image_data = eval_image_data(images, n)
+            if image_data is not None:  # the engine expands each image's pad (rollout/engine_vlm.py)
+                body["image_data"] = image_data
+            futures, _ = core.submit_json(body)
             for f in futures:
                 texts.append(f.result()["text"])
                 if on_response is not None:
@@ -103,13 +118,18 @@ def load_eval_rows(
     apply_chat_template: bool = False,
     tokenizer: Any | None = None,
     chat_template_kwargs: dict | None = None,
+    multimodal_keys: dict[str, str] | None = None,
 ) -> list[dict]:
-    """Eval prompts, read exactly like training prompts (same keys, same chat template)."""
+    """Eval prompts, read exactly like training prompts (same keys, same chat template, the
+    images of `multimodal_keys` under "images" as data URIs)."""
     from miles_platform.data.dataset import load_prompt_dataset
 
     records = load_prompt_dataset(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer,
-                                  chat_template_kwargs=chat_template_kwargs)  # fmt: skip
-    return [{"prompt": r.prompt, "label": r.label, "metadata": r.metadata} for r in records]
+                                  chat_template_kwargs=chat_template_kwargs,
+                                  multimodal_keys=multimodal_keys)  # fmt: skip
+    return [
+        {"prompt": r.prompt, "label": r.label, "metadata": r.metadata, "images": r.images} for r in records
+    ]
 
 
 def _eval_sample(row: dict, r: str | Sample, gi: int, index: int) -> Sample:
@@ -176,6 +196,7 @@ def evaluate(
     progress: bool = False,
     chat_template_kwargs: dict | None = None,
     log_passrate: bool = False,
+    multimodal_keys: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """name -> {"pass@1" (greedy), "pass@<n>(T=<T>)" (unbiased pass@k over n samples at
     `temperature`), "mean_reward@<n>(T=<T>)" (over the n samples), "n", "k", "num_prompts"} and,
@@ -191,7 +212,8 @@ def evaluate(
     `apply_chat_template` read the datasets as `train` reads prompts; the chat template is the
     policy's tokenizer's (or `tokenizer`'s, which a caller passing `generate_fn` must give).
     `progress`: a line on stderr every interval (responses generated of all datasets, ETA;
-    miles_platform/progress.py).
+    miles_platform/progress.py). `multimodal_keys` ({"image": KEY}): the datasets' images, sent with
+    their prompts (the policy must be a vision-language model).
     """
     if rewards is None:
         rewards = RewardSettings(rm_type=rm_type)
@@ -203,7 +225,7 @@ def evaluate(
         loaded = []  # every dataset read first: the progress total is every response to generate
         for name, path in datasets:
             rows = load_eval_rows(path, input_key, label_key, metadata_key, apply_chat_template, tokenizer,
-                                  chat_template_kwargs)  # fmt: skip
+                                  chat_template_kwargs, multimodal_keys)  # fmt: skip
             loaded.append((name, rows[:max_prompts]))
         total = sum(len(rows) * (1 + (0 if greedy_only else k)) for _, rows in loaded)
         bar = stack.enter_context(Progress("eval", total, unit="response", enabled=progress))
@@ -226,12 +248,14 @@ def _evaluate_rows(
     max_new_tokens, temperature, _, _ = sampling
     bar.update(0, stage=name)
     prompts = [r["prompt"] for r in rows]
-    greedy_out = generate(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed)
+    images = [r.get("images") or None for r in rows]
+    kw = {"images": images} if any(images) else {}  # text datasets: the generate function as before
+    greedy_out = generate(prompts, max_new_tokens, 0.0, 1.0, -1, 1, seed, **kw)
     greedy = score(rewards, rows, greedy_out)
     if temperature is not None and temperature <= 0:  # every sample is the greedy answer
         sampled = [g * k for g in greedy]
     else:
-        sampled = score(rewards, rows, generate(prompts, *sampling, k, seed))
+        sampled = score(rewards, rows, generate(prompts, *sampling, k, seed, **kw))
     correct = [sum(1 for r in rs if r >= 1.0) for rs in sampled]
     res: dict[str, Any] = {
         "pass@1": sum(g[0] for g in greedy) / len(rows),
@@ -258,8 +282,8 @@ def _evaluate_rows(
 def _counted(generate_fn: GenerateFn, bar: Progress) -> GenerateFn:
     """A caller's generate function, reporting its responses to `bar` after each call."""
 
-    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
-        out = generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
+    def generate(prompts, max_new_tokens, temperature, top_p, top_k, n, seed, **kw):
+        out = generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed, **kw)
         bar.update(len(prompts) * n)
         return out
 
@@ -331,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"top-k {sampled}; -1 disables (default: %(default)s)")  # fmt: skip
     add_flags(ap, REWARD_FLAGS, rm_type="math")
     add_flags(ap, DATASET_FLAGS, input_key="prompt", label_key="label")  # the normalized eval_dataset columns
+    add_flags(ap, ["multimodal_keys"])  # image prompts (a vision-language policy)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     return ap
@@ -345,6 +370,9 @@ def cli_main(argv: list[str] | None = None) -> int:
         ap.error(f"--eval-prompt-data takes NAME PATH pairs, got {a.eval_prompt_data}")
     rewards = RewardSettings.of(a)  # a --custom-rm-path function receives these flags, as in Miles
     validate_reward_config(rewards)
+    from miles_platform.data.images import parse_multimodal_keys
+
+    image_keys = parse_multimodal_keys(a.multimodal_keys)
     it = iter(a.eval_prompt_data)
     res = evaluate(
         a.hf_checkpoint,
@@ -361,6 +389,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         metadata_key=a.metadata_key,
         apply_chat_template=a.apply_chat_template,
         progress=True,
+        multimodal_keys=image_keys,
     )
     if a.json:
         print(json.dumps(res))

@@ -30,7 +30,7 @@ def evaluate_policy(
         None, list(e.datasets), e.n_samples_per_eval_prompt, **e.sampling, rewards=e.rewards, seed=e.seed,
         generate_fn=router_generate_fn(manager), input_key=e.input_key, label_key=e.label_key,
         metadata_key=e.metadata_key, apply_chat_template=e.apply_chat_template, tokenizer=manager.tok,
-        chat_template_kwargs=e.chat_template_kwargs, log_passrate=cfg.log_passrate,
+        chat_template_kwargs=e.chat_template_kwargs, log_passrate=cfg.log_passrate, multimodal_keys=e.image_keys,
     )  # fmt: skip
     out = {f"eval/{name}/{k}": v for name, r in res.items() for k, v in r.items() if isinstance(v, float)}
     # --log-passrate: Miles' eval/<dataset>-pass@<k> over each prompt's sampled answers

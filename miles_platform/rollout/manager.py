@@ -103,6 +103,7 @@ class RolloutManager:
             moe_shape=self.moe_shape,
             rollout_top_logprobs_num=cfg.rollout_top_logprobs_num,
         )
+        self._vision = None  # models.vlm.PromptVision: image prompts' pad expansion, loaded at first use
         # --use-session-server: the TITO session server, on loopback in this process (rollout/sessions.py)
         self.sessions = self._start_sessions() if cfg.use_session_server else None
         path = cfg.custom_generate_function_path
@@ -111,7 +112,6 @@ class RolloutManager:
         path = cfg.rollout_function_path
         self.rollout_fn = load_rollout_function(path).bind(self.args, data_source) if path else None
         self._slots: asyncio.Semaphore | None = None  # per-sample generations in flight (client loop)
-        self._vision = None  # models.vlm.PromptVision: image prompts' pad expansion, loaded at the first
         # --use-opd --opd-type sglang: the run's TeacherScorer (set by RunServices), scores `finalize`d samples
         self.opd = None
         self._opd_metrics: dict[str, float] = {}
@@ -138,7 +138,7 @@ class RolloutManager:
         srv = start_session_server(
             self.cfg, self.tok, self.url, self.replay, self.adapter, moe_shape=self.moe_shape,
             context_length=_checkpoint_field(c.hf_checkpoint, context_length) or 1 << 20,
-            max_sessions=max(DEFAULT_MAX_SESSIONS, 4 * live),
+            max_sessions=max(DEFAULT_MAX_SESSIONS, 4 * live), vision=self._prompt_vision() if _is_vlm(c) else None,
         )  # fmt: skip
         a = self.args  # Miles' names; the agentic wrapper reads session_server_url
         a.session_server_ip, a.session_server_port, a.session_server_ports = srv.host, srv.port, [srv.port]
@@ -223,7 +223,7 @@ class RolloutManager:
         limit = self.cfg.rollout_max_prompt_len
         if not limit:
             return records
-        kept = [r for r in records if len(self.tok.encode(r.prompt, add_special_tokens=False)) <= limit]
+        kept = [r for r in records if self.prompt_len(r) <= limit]
         if len(kept) < len(records):
             drops["prompt_too_long"] = drops.get("prompt_too_long", 0) + len(records) - len(kept)
         return kept
@@ -279,16 +279,25 @@ class RolloutManager:
         ]
         return self.generate_groups(records, prompts, seeds)
 
+    def prompt_len(self, rec: PromptRecord) -> int:
+        """The prompt's token count as generated and trained: image pads expanded (Miles counts the
+        processor's input_ids), what --rollout-max-prompt-len compares."""
+        return len(self._prompt_ids(rec))
+
     def _prompt_ids(self, rec: PromptRecord) -> list[int]:
         """The prompt's token ids; with images, each image's pad expanded (models/vlm.py), as trained."""
         ids = self.tok.encode(rec.prompt, add_special_tokens=False)
         if not rec.images:
             return ids
+        return self._prompt_vision().expand(ids, rec.images)
+
+    def _prompt_vision(self):
+        """The checkpoint's PromptVision (image processor + config), loaded once."""
         if self._vision is None:
             from miles_platform.models.vlm import PromptVision
 
             self._vision = PromptVision(self.cfg.hf_checkpoint)
-        return self._vision.expand(ids, rec.images)
+        return self._vision
 
     def _images(self, records, seeds) -> list | None:
         """image_data of a batched request: one entry per sample (None: no prompt has images)."""
@@ -539,24 +548,29 @@ def student_top_k(cfg: RunConfig) -> int:
 def router_generate_fn(manager: RolloutManager):
     """An `evaluate(generate_fn=...)` that generates through the run's engines: one batched request,
     or the run's --custom-generate-function-path per sample with `evaluation=True` (as Miles), whose
-    Samples it answers as they are (status, metadata such as multi-turn's tool_call_count)."""
-    from miles_platform.rollout.evaluate import eval_requests
+    Samples it answers as they are (status, metadata such as multi-turn's tool_call_count). Image
+    prompts (`images`: per prompt its data URIs or None) go with their pads expanded, as a rollout's."""
+    from miles_platform.rollout.evaluate import eval_image_data, eval_requests
 
     tok = manager.tok
 
-    def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed):
+    def generate_fn(prompts, max_new_tokens, temperature, top_p, top_k, n, seed, images=None):
         ids, sps = eval_requests(tok, prompts, max_new_tokens, temperature, top_p, top_k, n, seed)
+        images = list(images or [None] * len(prompts))
+        if any(images):  # each image's pad expanded, as the rollout's prompts (the same ids either way)
+            ids = [manager._prompt_vision().expand(x, images[i // n]) if images[i // n] else x
+                   for i, x in enumerate(ids)]  # fmt: skip
         if manager.generate_fn is not None and prompts:
-            records = [
-                PromptRecord(id=f"eval-{i}", prompt=p, label=None, metadata={}) for i, p in enumerate(prompts)
-            ]
+            records = [PromptRecord(id=f"eval-{i}", prompt=p, label=None, metadata={}, images=list(images[i] or []))
+                       for i, p in enumerate(prompts)]  # fmt: skip
             params = {k: v for k, v in sps[0].items() if k != "sampling_seed"}
             seeds = [[sp["sampling_seed"] for sp in sps[i * n : (i + 1) * n]] for i in range(len(prompts))]
             run = manager._per_sample(
                 records, ids[::n], seeds, evaluation=True, params={**manager.sampling_params(), **params}
             )
             return manager.client.submit(run).result()  # Samples: evaluate grades them with their status
-        outs = manager.client.generate(ids, sps, return_logprob=False) if ids else []
+        image_data = eval_image_data(images, n)
+        outs = manager.client.generate(ids, sps, return_logprob=False, image_data=image_data) if ids else []
         texts = [o.get("text", "") for o in outs]
         return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -602,3 +616,10 @@ def token_perf(samples: list[Sample], seconds: float, devices: int) -> dict[str,
             out[f"perf/{key}tokens_per_gpu_per_sec"] = sum(lengths) / seconds / devices
         out[f"perf/longest_{key}sample_tokens_per_sec"] = max(lengths) / seconds
     return out
+
+
+def _is_vlm(cfg) -> bool:
+    """A vision-language checkpoint: image prompts, or images a session's messages or tools bring."""
+    from pathlib import Path
+
+    return bool(cfg.image_keys()) or (Path(str(cfg.hf_checkpoint)) / "preprocessor_config.json").exists()

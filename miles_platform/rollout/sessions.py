@@ -14,6 +14,10 @@ when the first turn is retried); an earlier divergence, or a template that re-re
 differently, fails the session (HTTP 400 with the reason; its sample is not trained on).
 TITO control fields (`input_ids`, `logprob_start_len`, `routed_experts_start_len`,
 `return_sampling_mask`) are the server's: set by a client they are a 400. Unknown session: 404.
+Image parts (a vision-language model: the server is given its `PromptVision`) render as one pad each
+(chat.IMAGE_TEXT), expanded here to the image's patch count as the engine does, so the record's
+token ids are the ones the trainer scores; every call sends the session's images so far as
+`image_data`, and the record lists them (`image_data`, data URIs in order).
 Every path needs the run's bearer token, as the engine's do. Runs in the rollout process on
 loopback (RolloutManager starts it).
 """
@@ -59,6 +63,7 @@ class Call:
     assistant: dict[str, Any]
     seen_text: str  # the rendered input the model was prompted with
     start: int  # len(session.tokens) before this call's appended suffix
+    num_images: int  # session.images before this call
     num_turns: int  # session.turns entries before this call
     finish_reason: str
     weight_versions: tuple[int, int]
@@ -78,6 +83,7 @@ class Session:
     routes: Any = None  # R3: int32 [len(tokens) - 1, num_layers, top_k], the latest answer's routed_experts
     turns: list[dict[str, Any]] = field(default_factory=list)  # make_turn entries over the response
     calls: list[Call] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)  # image parts' URLs so far, in order (image_data)
     failure: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -98,6 +104,7 @@ class Session:
         if self.routes is not None:
             self.routes = self.routes[: max(c.start - 1, 0)]
         self.turns = self.turns[: c.num_turns]
+        self.images = self.images[: c.num_images]
         if not self.calls:
             self.prompt_ids, self.tokens = [], []
 
@@ -121,6 +128,7 @@ class Session:
             "weight_version_start": min((a for a, _ in v), default=0),
             "weight_version_end": max((b for _, b in v), default=0),
             "messages": self.history(len(self.calls)),
+            "image_data": list(self.images),
         }
 
 
@@ -137,9 +145,10 @@ def same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _norm(m: dict[str, Any]) -> tuple:
-    content = m.get("content")
+    content, images = m.get("content"), ()
     if isinstance(content, list):
-        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts = [p for p in content if isinstance(p, dict)]
+        content, images = chat.content_text(parts), tuple(chat.image_uris([{"content": parts}]))
     calls = []
     for c in m.get("tool_calls") or []:
         fn = c.get("function") or {}
@@ -150,7 +159,7 @@ def _norm(m: dict[str, Any]) -> tuple:
             pass
         calls.append((c.get("id"), fn.get("name"), json.dumps(args, sort_keys=True)))
     return (m.get("role"), content or "", m.get("reasoning_content") or "", tuple(calls),
-            m.get("tool_call_id") or "", m.get("name") or "")  # fmt: skip
+            m.get("tool_call_id") or "", m.get("name") or "", images)  # fmt: skip
 
 
 def _extends(messages: list, history: list) -> bool:
@@ -163,18 +172,22 @@ class SessionServer:
     def __init__(self, tokenizer: Any, engine_url: str, api_key: str | None, tito_model: str = "default",
                  replay: bool = False, lora_path=None, max_seq_len: int | None = None,
                  context_length: int = 1 << 20, moe_shape: tuple[int, int] | None = None,
-                 max_sessions: int = DEFAULT_MAX_SESSIONS, chat_template_kwargs: dict | None = None):  # fmt: skip
+                 max_sessions: int = DEFAULT_MAX_SESSIONS, chat_template_kwargs: dict | None = None,
+                 vision: Any = None):  # fmt: skip
         """`lora_path`: a LoRA run's adapter name, or its AdapterName (the served version's name).
         `chat_template_kwargs`: the template arguments of every request (--apply-chat-template-kwargs),
         under a request's own.
         `moe_shape` (R3): the MoE model's (num_layers, top_k); training sessions then ask every
-        call for `return_routed_experts` and the record carries the routes of the whole session."""
+        call for `return_routed_experts` and the record carries the routes of the whole session.
+        `vision` (a VLM: models/vlm.py PromptVision): image parts' pads are expanded with it; None:
+        image parts are refused."""
         self.tok, self.tito = tokenizer, TitoTokenizer(tokenizer, tito_model)
         self.engine_url, self.api_key, self.replay, self._lora = engine_url, api_key, replay, lora_path
         self.max_seq_len, self.context_length = max_seq_len, context_length
         self.moe_shape, self.max_sessions = moe_shape, max_sessions
         self.sessions: dict[str, Session] = {}
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.vision = vision
         # TITO tokenization (chat templates: pure Python, the GIL held) on one thread of its own,
         # never on the event loop: a big chat stalled every other request (issue #49, item 9)
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tito")
@@ -266,14 +279,10 @@ class SessionServer:
         kw = {**self.chat_template_kwargs, **req.chat_template_kwargs}
         if k == 0:
             ids, text = self.tito.first_prompt(msgs, tools, kw)
-            return {
-                "tools": tools,
-                "suffix": [],
-                "suffix_text": "",
-                "seen": text,
-                "prompt": ids,
-                "input": ids,
-            }
+            images = chat.image_uris(msgs)
+            ids = self._expand(ids, images)
+            return {"tools": tools, "suffix": [], "suffix_text": "", "seen": text, "prompt": ids, "input": ids,
+                    "images": images}  # fmt: skip
         hist, last = s.history(k), s.calls[k - 1]
         ended = bool(s.tokens) and s.tokens[-1] == self.tito.eot_id
         try:
@@ -281,7 +290,21 @@ class SessionServer:
         except AppendOnlyViolation as e:
             s.failure = str(e)
             raise
-        return {"tools": tools, "suffix": ids, "suffix_text": text, "seen": full, "input": s.tokens + ids}
+        images = chat.image_uris(msgs[len(hist) :])
+        ids = self._expand(ids, images)
+        return {"tools": tools, "suffix": ids, "suffix_text": text, "seen": full, "input": s.tokens + ids,
+                "images": images}  # fmt: skip
+
+    def _expand(self, ids: list[int], images: list[str]) -> list[int]:
+        """The new messages' ids with each image part's pad expanded (the ids the engine runs)."""
+        if not images:
+            return ids
+        if self.vision is None:
+            raise chat.ChatError("image_url parts: the session server's model is not a vision-language model")
+        try:
+            return self.vision.expand(ids, images)
+        except (ValueError, OSError) as e:  # a bad data URI, an undecodable image, a pad count off
+            raise chat.ChatError(f"image_url parts: {type(e).__name__}: {e}") from None
 
     async def _generate(self, s: Session, plan: dict[str, Any], sp: dict[str, Any]) -> dict[str, Any]:
         ids = plan["input"]
@@ -292,6 +315,8 @@ class SessionServer:
             )
         sp = {**sp, "max_new_tokens": min(sp.get("max_new_tokens") or limit, limit - len(ids))}
         body: dict[str, Any] = {"input_ids": ids, "sampling_params": sp, "return_logprob": True}
+        if s.images or plan["images"]:  # a VLM session: every image so far (SGLang's image_data)
+            body["image_data"] = s.images + plan["images"]
         if self.replay and not s.evaluation:
             body["return_sampling_mask"] = True
         if self.moe_shape is not None and not s.evaluation:
@@ -337,7 +362,8 @@ class SessionServer:
             s.tools = plan["tools"]
             if replay:
                 s.support = []
-        start, num_turns = len(s.tokens), len(s.turns)
+        start, num_turns, num_images = len(s.tokens), len(s.turns), len(s.images)
+        s.images = s.images + plan["images"]
         base = len(s.prompt_ids)
         if plan["suffix"]:
             n = len(plan["suffix"])
@@ -368,7 +394,9 @@ class SessionServer:
         s.turns.append(make_turn("assistant", out.get("text", ""), a, a + len(out_ids), fin, calls))
         v0 = int(meta.get("weight_version_start", meta.get("weight_version", 0)) or 0)
         v1 = int(meta.get("weight_version_end", meta.get("weight_version", 0)) or 0)
-        s.calls.append(Call(list(req.messages), msg, plan["seen"], start, num_turns, fin, (v0, v1)))
+        s.calls.append(
+            Call(list(req.messages), msg, plan["seen"], start, num_images, num_turns, fin, (v0, v1))
+        )
         return resp
 
     async def close(self) -> None:
@@ -474,14 +502,14 @@ class SessionServerHandle(ServerHandle):
 def start_session_server(cfg: Any, tokenizer: Any, engine_url: str, replay: bool = False,
                          lora_path=None, context_length: int = 1 << 20,
                          moe_shape: tuple[int, int] | None = None,
-                         max_sessions: int = DEFAULT_MAX_SESSIONS) -> SessionServerHandle:  # fmt: skip
+                         max_sessions: int = DEFAULT_MAX_SESSIONS, vision: Any = None) -> SessionServerHandle:  # fmt: skip
     """The run's session server (cfg: --session-server-ip/--session-server-port, --tito-model,
     --max-seq-len, --api-key) in a background thread; its /generate calls go to `engine_url`."""
     from miles_platform.config.rollout import template_kwargs
 
     server = SessionServer(tokenizer, engine_url, cfg.api_key, cfg.tito_model, replay, lora_path,
                            cfg.max_seq_len, context_length, moe_shape, max_sessions,
-                           template_kwargs(getattr(cfg, "apply_chat_template_kwargs", None)))  # fmt: skip
+                           template_kwargs(getattr(cfg, "apply_chat_template_kwargs", None)), vision)  # fmt: skip
     app = create_session_app(server, cfg.api_key)
     return SessionServerHandle(
         server, serve_in_thread(app, cfg.session_server_ip, cfg.session_server_port, "sessions")

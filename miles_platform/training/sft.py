@@ -7,6 +7,12 @@ episode's tool answers are context), AdamW, the trainers' one LR schedule (train
 grad-norm clip, micro-batches with gradient accumulation up to `--global-batch-size`. Same seed,
 same data, same threads -> same weights, bit for bit.
 
+Image rows (`multimodal_keys`, Miles' `--multimodal-keys '{"image": KEY}'`, a vision-language
+`--hf-checkpoint`): the row's images are read and checked as a prompt dataset's (data/images.py),
+each `<image>` of the prompt becomes the vision tokens with its pads expanded by the checkpoint's
+image processor (as a rollout's prompt), and the batch carries the images; the loss stays on the
+response. The saved dir keeps the checkpoint's `preprocessor_config.json`.
+
 `default_sft_recipe()` is the demo's SFT base: small and short enough for 2 CPU cores, and on the
 dropped-carry SFT split it leaves a policy that is right on non-carry sums and systematically
 wrong on carries -- room for GRPO to show a large, verifiable gain (docs/sft_base.md).
@@ -79,38 +85,63 @@ def default_sft_recipe() -> SFTRecipe:
 
 
 # ---------------------------------------------------------------- data
-def load_sft_rows(path: str, input_key: str = "prompt", response_key: str = "response") -> list[dict]:
+def load_sft_rows(
+    path: str, input_key: str = "prompt", response_key: str = "response", multimodal_keys: dict | None = None
+) -> list[dict]:
     """Rows of prompt + response text, or conversations: a messages list under `input_key` (Miles'
-    SFT data, `--input-key messages`; masked as the SFT rollout function masks them)."""
+    SFT data, `--input-key messages`; masked as the SFT rollout function masks them). JSONL, or
+    Parquet (`.parquet`). With `multimodal_keys` ({"image": KEY}) each row's images are read and
+    checked (`_images`, data URIs) and its prompt's `<image>`s become the vision tokens."""
+    rows = []
+    for where, row in _read_rows(path):
+        if isinstance(row.get(input_key), list):  # a conversation: its assistant turns are the target
+            if multimodal_keys:
+                raise DataError(
+                    f"{where}: a messages row with --multimodal-keys: image SFT takes prompt + response rows"
+                )
+            row["_where"] = where
+            rows.append(row)
+            continue
+        for key, flag in ((input_key, "--input-key"), (response_key, "--response-key")):
+            if not isinstance(row.get(key), str):
+                raise DataError(
+                    f"{where}: missing string key {key!r} (check {flag}), or a messages list under --input-key"
+                )
+        if multimodal_keys:
+            from miles_platform.data.dataset import _images, _vision_prompt
+
+            row["_images"] = _images(row, where, row[input_key], path, multimodal_keys)
+            row[input_key] = _vision_prompt(row[input_key])
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no SFT rows")
+    return rows
+
+
+def _read_rows(path: str):
+    """(where, row) of a JSONL file (line numbers) or a Parquet file (row numbers)."""
     import fsspec
 
-    rows = []
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        with fsspec.open(path, "rb") as f:
+            for i, row in enumerate(pq.read_table(f).to_pylist()):
+                yield f"{path}: row {i}", row
+        return
     with fsspec.open(path, "rt") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: malformed JSON ({e.msg})") from None
-            if isinstance(row.get(input_key), list):  # a conversation: its assistant turns are the target
-                row["_where"] = where
-                rows.append(row)
-                continue
-            for key, flag in ((input_key, "--input-key"), (response_key, "--response-key")):
-                if not isinstance(row.get(key), str):
-                    raise DataError(
-                        f"{where}: missing string key {key!r} (check {flag}), or a messages list under --input-key"
-                    )
-            rows.append(row)
-    if not rows:
-        raise DataError(f"{path}: no SFT rows")
-    return rows
 
 
 def tokenize_sft(
-    rows: list[dict], tokenizer, input_key: str = "prompt", response_key: str = "response"
+    rows: list[dict], tokenizer, input_key: str = "prompt", response_key: str = "response", vision=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [N, L] right-padded, loss_mask [N, L]) with the loss on response + EOS tokens.
 
@@ -118,7 +149,9 @@ def tokenize_sft(
     join to the response; each part is tokenized on its own, as the multi-turn generator appends
     turns, and parts with trained 0 (tool answers, chat markup) get no loss. A conversation row
     (messages under `input_key`) is the chat template's rendering with the loss on its assistant
-    turns, exactly as `train`'s SFT rollout function masks it (rollout/sft_rollout.py)."""
+    turns, exactly as `train`'s SFT rollout function masks it (rollout/sft_rollout.py). A row with
+    `_images` (load_sft_rows with multimodal_keys) has each image's pad expanded by `vision`
+    (models/vlm.py PromptVision), as the rollout manager expands a prompt's."""
     from miles_platform.rollout.sft_rollout import conversation_tokens
 
     seqs, masks = [], []
@@ -134,6 +167,8 @@ def tokenize_sft(
             masks.append(m)
             continue
         p = tokenizer.encode(row[input_key], add_special_tokens=False)
+        if row.get("_images"):
+            p = vision.expand(p, row["_images"])
         r, m = [], []
         for text, trained in _response_parts(row, response_key, i):
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -175,6 +210,7 @@ def run_sft(
     response_key: str = "response",
     progress: bool = True,
     tokenizer: str = "arithmetic",
+    multimodal_keys: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """SFT from scratch (the `tokenizer` task's tokenizer, models.tokenizer.TASK_TOKENIZERS, + tiny
     Qwen3 of recipe.model) or from an HF dir (its own tokenizer), trained by the RL trainer itself
@@ -183,7 +219,8 @@ def run_sft(
     Returns metrics: loss_curve [(step, loss)], final_loss, sft_seconds, sft_cpu_seconds, train_iters,
     num_parameters, num_samples, save (path or None), and the trained HF `model` + `tokenizer`.
     Saves an HF checkpoint when `save` is set. `progress`: a line on stderr every interval (step,
-    loss, lr, ETA; miles_platform/progress.py).
+    loss, lr, ETA; miles_platform/progress.py). `multimodal_keys`: image rows (module docstring),
+    on a vision-language `hf_checkpoint`.
     """
     recipe = recipe or default_sft_recipe()
     if recipe.global_batch_size % recipe.micro_batch_size:
@@ -195,7 +232,16 @@ def run_sft(
         raise MilesError(f"--train-backend {recipe.train_backend!r}: choose fsdp or megatron")
     if not hf_checkpoint and tokenizer not in TASK_TOKENIZERS:
         raise MilesError(f"--tokenizer {tokenizer!r}: choose one of {sorted(TASK_TOKENIZERS)}")
-    rows = load_sft_rows(prompt_data, input_key, response_key)
+    if multimodal_keys and not hf_checkpoint:
+        raise MilesError(
+            "--multimodal-keys: SFT on images starts from a vision-language --hf-checkpoint, not --from-scratch"
+        )
+    vision = None
+    if multimodal_keys:  # a text model is refused here, by name (no preprocessor_config.json)
+        from miles_platform.models.vlm import PromptVision
+
+        vision = PromptVision(str(hf_checkpoint))
+    rows = load_sft_rows(prompt_data, input_key, response_key, multimodal_keys)
     iters = recipe.train_iters
     if iters is None:
         epochs = recipe.num_epoch or 1.0
@@ -209,21 +255,15 @@ def run_sft(
             tok = TASK_TOKENIZERS[tokenizer]()
             model = build_model(tiny_qwen3_config(len(tok), **recipe.model), seed=recipe.seed)
             init = str(save_hf_checkpoint(model, tok, Path(tmp) / "init"))
-        ids, mask = tokenize_sft(rows, tok, input_key, response_key)
-        prev_threads = torch.get_num_threads()
-        try:
-            actor = TrainerActor(sft_run_config(recipe, init, iters))
-            torch.set_num_threads(recipe.num_threads or prev_threads)  # the actor pins its own
-            metrics = _train(actor, ids, mask, recipe, iters, progress)
-        finally:
-            torch.set_num_threads(prev_threads)
-        _load_trained(model, actor.get_hf_weights())
-    model.eval()
+        ids, mask = tokenize_sft(rows, tok, input_key, response_key, vision)
+        images = [r.get("_images") or None for r in rows] if vision is not None else None
+        metrics = train_sft(model, init, ids, mask, recipe, iters, progress, images)
     metrics.update(
         num_parameters=num_parameters(model), num_samples=len(rows), recipe=recipe.to_dict(), save=None
     )
     if save:
-        metrics["save"] = str(save_hf_checkpoint(model, tok, save))
+        extra = None if vision is None else vision.processor  # the VLM's preprocessor_config.json
+        metrics["save"] = str(save_hf_checkpoint(model, tok, save, extra=extra))
     metrics["model"], metrics["tokenizer"] = model, tok
     return metrics
 
@@ -289,7 +329,26 @@ def sft_train_batch(ids: torch.Tensor, mask: torch.Tensor, images: list | None =
                       rewards=[0.0] * n, rollout_log_probs=[[] for _ in range(n)])  # fmt: skip
 
 
-def _load_trained(model, state: dict[str, torch.Tensor]) -> None:
+def train_sft(
+    model, init: str, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int,
+    progress: bool = False, images: list | None = None,
+) -> dict:  # fmt: skip
+    """SFT through the RL trainer: a `TrainerActor` on the HF dir `init` (`sft_run_config`), `iters`
+    optimizer steps over the rows (`train_loop`), at `recipe.num_threads`; the trained weights are
+    loaded into `model` (the HF model of `init`), left in eval mode. Returns train_loop's metrics."""
+    prev_threads = torch.get_num_threads()
+    try:
+        actor = TrainerActor(sft_run_config(recipe, init, iters))
+        torch.set_num_threads(recipe.num_threads or prev_threads)  # the actor pins its own
+        metrics = train_loop(actor, ids, mask, recipe, iters, progress, images)
+    finally:
+        torch.set_num_threads(prev_threads)
+    load_trained(model, actor.get_hf_weights())
+    model.eval()
+    return metrics
+
+
+def load_trained(model, state: dict[str, torch.Tensor]) -> None:
     """The trainer's HF-named weights into the HF model; every parameter must come back (a tied
     lm_head is the embedding)."""
     missing, unexpected = model.load_state_dict(
@@ -302,10 +361,12 @@ def _load_trained(model, state: dict[str, torch.Tensor]) -> None:
         )
 
 
-def _train(
+def train_loop(
     actor: TrainerActor, ids: torch.Tensor, mask: torch.Tensor, recipe: SFTRecipe, iters: int, progress: bool,
     images: list | None = None,
 ) -> dict:  # fmt: skip
+    """`iters` steps of `recipe.global_batch_size` rows drawn without replacement (reshuffled each
+    epoch, seeded); `images`: per row its data URIs (or None). Returns the loss curve and timings."""
     gen = torch.Generator().manual_seed(recipe.seed)
     curve: list[tuple[int, float]] = []
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -354,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--train-backend", default=d.train_backend, choices=("fsdp", "megatron"))
     ap.add_argument("--input-key", default="prompt")
     ap.add_argument("--response-key", default="response", help="key of the target response text")
+    ap.add_argument("--multimodal-keys", default=None,
+                    help='JSON {"image": KEY} (Miles\'): each row\'s images, one <image> each in the prompt; '
+                         "a vision-language --hf-checkpoint")  # fmt: skip
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--lr-decay-style", default=d.lr_decay_style, choices=("constant", "linear", "cosine"))
     ap.add_argument("--lr-warmup-iters", type=int, default=d.lr_warmup_iters)
@@ -400,9 +464,12 @@ def cli_main(argv: list[str] | None = None) -> int:
         recipe.train_iters, recipe.num_epoch = None, a.num_epoch
     elif a.train_iters is not None:
         recipe.train_iters = a.train_iters
+    from miles_platform.data.images import parse_multimodal_keys
+
     m = run_sft(
-        a.prompt_data, a.save, a.hf_checkpoint, recipe, a.input_key, a.response_key, tokenizer=a.tokenizer
-    )
+        a.prompt_data, a.save, a.hf_checkpoint, recipe, a.input_key, a.response_key, tokenizer=a.tokenizer,
+        multimodal_keys=parse_multimodal_keys(a.multimodal_keys),
+    )  # fmt: skip
     summary = {k: v for k, v in m.items() if k not in ("model", "tokenizer")}
     if a.json:
         print(json.dumps(summary))

@@ -1,8 +1,9 @@
 """The VLM demo's SFT base (docs/vlm.md): a tiny Qwen3-VL that reads the image but is systematically
 wrong on one count, as the text demo's base drops the carry (docs/sft_base.md).
 
-SFT runs through the RL trainer (training/sft.py `_train`, a `TrainerActor` with `--loss-type
-sft_loss`, fsdp) on the counting task (data/image_tasks.py) with images in the batch. Its labels are
+SFT runs through the RL trainer (training/sft.py `train_sft`, a `TrainerActor` with `--loss-type
+sft_loss`, fsdp; the rows tokenized by `tokenize_sft`, as `miles-platform sft --multimodal-keys`
+does) on the counting task (data/image_tasks.py) with images in the batch. Its labels are
 right except for one case: `wrong_frac` of the rows with `wrong_count` squares are labelled
 `wrong_as`. The base learns the other counts, answers `wrong_as` on most `wrong_count` images
 greedily, and keeps the right answer in its sampling distribution: room for GRPO, whose reward
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from miles_platform.training.sft import SFTRecipe, _load_trained, _train, sft_run_config
+from miles_platform.training.sft import SFTRecipe, tokenize_sft, train_sft
 
 
 @dataclass
@@ -60,27 +61,14 @@ def biased_sft_rows(rows: list[dict], recipe: VLMBaseRecipe) -> list[dict]:
     return out
 
 
-def _tokenize(rows: list[dict], tok, vision) -> tuple[torch.Tensor, torch.Tensor, list[list[str]]]:
-    """(ids right-padded, loss mask on response + EOS, images as data URIs) with the image pads
-    expanded exactly as the rollout manager expands them (models/vlm.py PromptVision)."""
+def sft_image_rows(rows: list[dict]) -> list[dict]:
+    """biased_sft_rows as `tokenize_sft` takes image rows (what `load_sft_rows` makes of a dataset
+    with --multimodal-keys): the prompt's `<image>` as the vision tokens, the images as data URIs."""
     from miles_platform.data.dataset import _vision_prompt
     from miles_platform.data.images import to_data_uri
 
-    seqs, masks, images = [], [], []
-    for r in rows:
-        uris = [to_data_uri(b) for b in r["images"]]
-        p = vision.expand(tok.encode(_vision_prompt(r["prompt"]), add_special_tokens=False), uris)
-        a = tok.encode(r["response"], add_special_tokens=False) + [tok.eos_token_id]
-        seqs.append(p + a)
-        masks.append([0] * len(p) + [1] * len(a))
-        images.append(uris)
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
-    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return ids, mask, images
+    return [{"prompt": _vision_prompt(r["prompt"]), "response": r["response"],
+             "_images": [to_data_uri(b) for b in r["images"]]} for r in rows]  # fmt: skip
 
 
 def run_vlm_sft(save: str, recipe: VLMBaseRecipe | None = None, progress: bool = False) -> dict[str, Any]:
@@ -89,7 +77,6 @@ def run_vlm_sft(save: str, recipe: VLMBaseRecipe | None = None, progress: bool =
     from miles_platform.data.image_tasks import count_corpus, count_rows, split_layouts
     from miles_platform.models.checkpoint import load_hf_checkpoint, save_hf_checkpoint
     from miles_platform.models.vlm import PromptVision, build_image_processor, save_tiny_vlm_checkpoint
-    from miles_platform.training.actor import TrainerActor
 
     recipe = recipe or VLMBaseRecipe()
     train_layouts, _ = split_layouts(16, 0)  # the layouts make-data trains on (eval's are held out)
@@ -99,17 +86,11 @@ def run_vlm_sft(save: str, recipe: VLMBaseRecipe | None = None, progress: bool =
             Path(tmp) / "init", corpus=count_corpus(), seed=recipe.seed, image_size=recipe.image_size
         )
         model, tok = load_hf_checkpoint(init)
-        ids, mask, images = _tokenize(rows, tok, PromptVision(init))
+        rows = sft_image_rows(rows)
+        ids, mask = tokenize_sft(rows, tok, vision=PromptVision(init))
         sft = dataclasses.replace(recipe.sft, seed=recipe.seed)
-        prev = torch.get_num_threads()
-        try:
-            actor = TrainerActor(sft_run_config(sft, init, sft.train_iters))
-            torch.set_num_threads(sft.num_threads or prev)
-            metrics = _train(actor, ids, mask, sft, sft.train_iters, progress, images=images)
-        finally:
-            torch.set_num_threads(prev)
-        _load_trained(model, actor.get_hf_weights())
-    model.eval()
+        images = [r["_images"] for r in rows]
+        metrics = train_sft(model, init, ids, mask, sft, sft.train_iters, progress, images)
     metrics["save"] = str(
         save_hf_checkpoint(model, tok, save, extra=build_image_processor(recipe.image_size))
     )

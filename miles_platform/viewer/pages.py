@@ -358,6 +358,12 @@ def sample_page(
     ]
     if sample.get("has_image"):
         parts.append(f'<div class="box"><img class="big" src="{e(_image_src(run, rid, idx))}"></div>')
+    if sample.get("image_hashes"):  # a vision-language prompt: the images it saw, in order
+        imgs = "".join(
+            f'<img class="big" title="{e(h)}" alt="image {i}" src="{e(href("/prompt_image", run=run, hash=h))}">'
+            for i, h in enumerate(sample["image_hashes"])
+        )
+        parts.insert(3, f'<div class="box"><b>Images</b> (by content hash)<div>{imgs}</div></div>')
     parts.append(_group(sample, group, shade))
     return layout(f"{run} r{rid} #{idx}", "".join(parts), root)
 

@@ -4,6 +4,7 @@
     GET /samples   one run's samples: version or rollout range, filters, sort, pages
     GET /sample    one sample: prompt, response tokens shaded, turns, its group side by side
     GET /image     a diffusion sample's PNG
+    GET /prompt_image   an image a vision-language sample saw, by content hash (prompt_images.py)
     GET /api/samples, /api/sample   the same as JSON
     GET /health    liveness (the only route without the token)
 
@@ -35,6 +36,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 
 from miles_platform.errors import MilesError
 from miles_platform.viewer import DEFAULT_PORT, VIEWER_URL_ENV, pages
+from miles_platform.viewer.prompt_images import PromptImages
 from miles_platform.viewer.queries import SampleQuery, ViewerError, ViewerStore
 from miles_platform.viewer.tokens import SHADES, token_texts, token_values
 
@@ -46,6 +48,7 @@ def create_app(root: str, token: str, cookie: str = "miles_viewer") -> FastAPI:
     """The viewer's app over the storage root `root`; every route but /health needs `token` (as
     `?token=`, which sets the cookie `cookie`, or the cookie, or `Authorization: Bearer`)."""
     store = ViewerStore(root)
+    prompt_images = PromptImages(store.paths, store.catalog.remote)
     app = FastAPI(title="miles-platform viewer", docs_url=None, redoc_url=None, openapi_url=None)
     want = token.encode()
 
@@ -159,6 +162,11 @@ def create_app(root: str, token: str, cookie: str = "miles_viewer") -> FastAPI:
         with store.connection() as con:
             png = store.image(con, run, rollout_id, index)
         return Response(png, media_type="image/png", headers={"Cache-Control": "private, max-age=3600"})
+
+    @app.get("/prompt_image")
+    def prompt_image(run: str, hash: str) -> Response:
+        data, media_type = prompt_images.get(run, hash)
+        return Response(data, media_type=media_type, headers={"Cache-Control": "private, max-age=3600"})
 
     return app
 

@@ -145,6 +145,8 @@ def test_a_training_runs_eval_config_carries_its_eval_reward_and_dataset_flags()
     got = eval_config_for_run(cfg)
     assert got["eval_prompt_data"] == ["mine", "/data/eval.jsonl"] and got["input_key"] == "question"
     assert EvalConfig(**got).label_key == "label"
+    cfg.multimodal_keys = '{"image": "images"}'  # an image run's eval datasets keep their images
+    assert EvalConfig(**eval_config_for_run(cfg)).multimodal_keys == '{"image": "images"}'
 
 
 def test_the_quickstart_summary_reads_the_numbers_the_asset_recorded(setup):

@@ -82,16 +82,40 @@ def request_kwargs(sampling_params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k in _CHAT_KEYS and v is not None and v != []}
 
 
-def prompt_messages(prompt: str) -> list[dict[str, Any]]:
+def prompt_messages(prompt: str, images: list[str] | None = None) -> list[dict[str, Any]]:
     """Sample.prompt as OpenAI messages: a messages list kept as JSON text by the data loader, or a
-    plain prompt as one user message."""
+    plain prompt as one user message. With `images` (an image prompt: Sample.image_data) each
+    image's vision tokens in the text (chat.IMAGE_TEXT, what the loader made of `<image>`) become
+    an image_url part with that image, in order."""
     try:
         obj = json.loads(prompt)
     except (TypeError, ValueError):
         obj = None
     if isinstance(obj, list) and obj and all(isinstance(m, dict) and "role" in m for m in obj):
-        return obj
-    return [{"role": "user", "content": prompt}]
+        messages = obj
+    else:
+        messages = [{"role": "user", "content": prompt}]
+    return _image_parts(messages, list(images or []))
+
+
+def _image_parts(messages: list[dict[str, Any]], images: list[str]) -> list[dict[str, Any]]:
+    from miles_platform.rollout.chat import IMAGE_TEXT
+
+    if not images:
+        return messages
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str) and IMAGE_TEXT in c:
+            parts: list[dict[str, Any]] = []
+            for i, text in enumerate(c.split(IMAGE_TEXT)):
+                if i:
+                    parts.append({"type": "image_url", "image_url": {"url": images.pop(0)}})
+                if text:
+                    parts.append({"type": "text", "text": text})
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
 
 
 async def generate(input: GenerateFnInput) -> GenerateFnOutput:
@@ -108,7 +132,7 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         sid = r.json()["session_id"]
         base_url = f"{url}/sessions/{sid}"
         metadata = {**sample.metadata, "session_id": sid, "max_seq_len": a.max_seq_len}
-        kwargs = {"base_url": base_url, "prompt": prompt_messages(sample.prompt),
+        kwargs = {"base_url": base_url, "prompt": prompt_messages(sample.prompt, sample.image_data),
                   "request_kwargs": request_kwargs(sp), "metadata": metadata}  # fmt: skip
         # the agent gets the run's generate-only key: it can chat, never swap weights or pause engines
         agent_key = generate_key(state.api_key) if state.api_key else None
@@ -154,6 +178,8 @@ def assemble(
 
         sample.rollout_routed_experts = decode_routes(record["routed_experts"], *state.moe_shape).tolist()
     sample.turns = record["turns"] or None
+    if record.get("image_data") or sample.image_data:  # every image the session saw, in order
+        sample.image_data = list(record.get("image_data") or sample.image_data)
     sample.weight_version_start = int(record["weight_version_start"])
     sample.weight_version_end = int(record["weight_version_end"])
     sample.response = tok.decode(sample.response_tokens, skip_special_tokens=True)

@@ -16,6 +16,11 @@ and, under sampling-support replay, the singleton support [token]. The trajector
 the response budget (status `truncated`); a tool that raises or times out
 (--generate-tool-timeout) ends the episode with status `failed`, which the rollout counts
 (`rollout/failed`) and keeps out of the loss.
+
+A tool may answer with OpenAI content parts (text and `image_url` parts: a tool that renders): on a
+vision-language model each image becomes its vision tokens in the tool turn (pads expanded, as the
+engine runs them) and joins `sample.image_data`, so the next turns' `/generate` and the trainer see
+it; on a text model such an answer fails the episode, naming the tool.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 from miles_platform.config import ConfigError
 from miles_platform.config.rollout import template_kwargs
 from miles_platform.data.sample import Sample, Status, make_turn
+from miles_platform.errors import MilesError
+from miles_platform.rollout import chat
 from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
 from miles_platform.rollout.generate_hub import tool_call
 from miles_platform.rollout.generate_hub.endpoint import (
@@ -115,12 +122,16 @@ async def run_episode(
             calls_made += len(done) + 1
             break
         calls_made += len(calls)
-        text = tool_call.tool_response_text(
-            state.tokenizer,
-            messages,
-            template_kwargs(getattr(state.args, "apply_chat_template_kwargs", None)),
-        )
-        append_tool_tokens(sample, state.tokenizer.encode(text, add_special_tokens=False), text)
+        try:
+            text, ids, images = _tool_tokens(state, messages)
+        except (ValueError, OSError, MilesError) as e:  # bad parts, images on a text model
+            sample.status = Status.FAILED.value
+            sample.metadata = {**sample.metadata, "tool_error": f"tool answer: {type(e).__name__}: {e}"}
+            turns.append(make_turn("tool", "", start, start, tool_calls=_calls(calls, messages)))
+            break
+        if images:  # a tool that renders: its images join the trajectory's
+            sample.image_data = list(sample.image_data or []) + images
+        append_tool_tokens(sample, ids, text)
         turns.append(
             make_turn("tool", text, start, len(sample.response_tokens), tool_calls=_calls(calls, messages))
         )
@@ -135,12 +146,35 @@ async def run_episode(
     return sample
 
 
+def _tool_tokens(state: Any, messages: list[dict[str, Any]]) -> tuple[str, list[int], list[str]]:
+    """The tool turn's text and ids (image parts as their vision tokens, pads expanded) and images."""
+    for m in messages:
+        if isinstance(m["content"], list):
+            chat.check_content_parts(m["content"], f"tool {m['name']!r}'s answer")
+    kw = template_kwargs(getattr(state.args, "apply_chat_template_kwargs", None))
+    text = tool_call.tool_response_text(state.tokenizer, chat.template_messages(messages), kw)
+    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    images = chat.image_uris(messages)
+    if images:
+        ids = _vision(str(state.args.hf_checkpoint)).expand(ids, images)
+    return text, ids, images
+
+
+@lru_cache(maxsize=4)
+def _vision(hf_checkpoint: str):
+    from miles_platform.models.vlm import PromptVision
+
+    return PromptVision(hf_checkpoint)  # a text model: CheckpointError (no preprocessor_config.json)
+
+
 def _calls(
     calls: list[ToolCall], messages: list[dict[str, Any]] | None = None, error: str | None = None
 ) -> list[dict[str, Any]]:
     out = []
     for i, c in enumerate(calls):
         result = messages[i]["content"] if messages is not None and i < len(messages) else None
+        if isinstance(result, list):  # content parts: the text, each image as its vision tokens
+            result = chat.content_text(result)
         out.append({"name": c.name, "arguments": c.arguments, "result": result, "error": error})
     return out
 

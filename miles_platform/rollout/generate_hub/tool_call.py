@@ -8,6 +8,8 @@
                                       qwen3_coder (Qwen3.5 / Qwen3-Next): <tool_call><function=NAME>
                                       <parameter=KEY>VALUE</parameter>...</function></tool_call>
 --generate-execute-tool-function-path <module>.<fn>: async def execute_tool(name: str, params: dict) -> str
+                                      (or a list of OpenAI content parts: text and image_url parts,
+                                      a tool that renders; a vision-language model then sees the images)
 """
 
 from __future__ import annotations
@@ -198,8 +200,11 @@ async def execute_tool_calls(
             raise ToolFailure(f"tool {call.name!r} timed out after {timeout} s", call, messages) from None
         except Exception as e:
             raise ToolFailure(f"tool {call.name!r} raised {type(e).__name__}: {e}", call, messages) from e
-        if not isinstance(result, str):
-            raise ToolFailure(f"tool {call.name!r} returned {type(result).__name__}, not str", call, messages)
+        if not isinstance(result, str | list):  # a list: content parts (multi_turn checks them)
+            raise ToolFailure(
+                f"tool {call.name!r} returned {type(result).__name__}, not str or a list of content parts",
+                call, messages,
+            )  # fmt: skip
         messages.append({"role": "tool", "name": call.name, "content": result})
     return messages
 

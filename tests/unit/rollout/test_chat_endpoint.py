@@ -114,6 +114,9 @@ def test_stream_bad_requests_and_auth(fleet):
         ({"tool_choice": "required", "tools": [ADD]}, "tool_choice='required'"),
         ({"max_tokens": 0}, "must be a positive integer"),
         ({"extra_body": {"bogus": 1}}, "unknown chat completion fields ['bogus']"),
+        ({"messages": [_image_msg("data:image/png;base64,iVBORw0KGgo=")]}, "not a vision-language model"),
+        ({"messages": [_image_msg("https://x.org/a.png")]}, "the embedded engine does not fetch URLs"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "type 'input_audio'"),
     ]:
         body = {"model": "default", "messages": MESSAGES, **kw}
         with pytest.raises(openai.BadRequestError, match=None) as e:
@@ -121,6 +124,13 @@ def test_stream_bad_requests_and_auth(fleet):
         assert e.value.status_code == 400 and needle in str(e.value), (kw, str(e.value))
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{engine.url}/v1", api_key="wrong").models.list()
+
+
+def _image_msg(url: str) -> dict:
+    return {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}],
+    }
 
 
 @pytest.mark.parametrize("via", ["engine", "router"])

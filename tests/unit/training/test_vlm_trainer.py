@@ -80,3 +80,45 @@ def test_the_trainer_sees_the_images(rollout, tmp_path):
     """The same tokens with each prompt's image swapped score away from the engine."""
     m = _actor(rollout[0], str(tmp_path / "ck")).train(0, _batch(rollout, swap=True))
     assert m["train/train_rollout_logprob_abs_diff"] > 1e-3
+
+
+def test_miles_platform_sft_trains_on_image_rows(rollout, tmp_path, capsys):
+    """`miles-platform sft --multimodal-keys`: image + text rows (JSONL, data URIs) train a VLM through
+    the RL trainer; the saved dir loads with its image processor and puts more probability on the
+    response given its image; a bad image names its file and line; --from-scratch is refused."""
+    import json
+
+    from miles_platform.data.images import from_data_uri
+    from miles_platform.errors import DataError, MilesError
+    from miles_platform.models.checkpoint import load_hf_checkpoint
+    from miles_platform.training.sft import cli_main
+
+    path, _, images, _ = rollout
+    data = tmp_path / "sft.jsonl"
+    rows = [{"prompt": "How many shapes are in <image>?", "response": f" {i % 2 + 1}", "images": [images[i % 2]]}
+            for i in range(4)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--hf-checkpoint", path, "--prompt-data", str(data), "--save", str(tmp_path / "out"),
+            "--multimodal-keys", '{"image": "images"}', "--train-iters", "3", "--global-batch-size", "4",
+            "--micro-batch-size", "4", "--lr", "1e-2", "--lr-warmup-iters", "0", "--json"]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["num_samples"] == 4
+
+    def nll(hf_dir) -> float:  # of row 0's response with its image
+        model, tok = load_hf_checkpoint(hf_dir)
+        v = vlm.PromptVision(hf_dir)
+        p = v.expand(
+            tok.encode(f"How many shapes are in {vlm.VISION_START}{vlm.IMAGE_PAD}{vlm.VISION_END}?"),
+            [images[0]],
+        )
+        ids = torch.tensor([p + tok.encode(" 1") + [tok.eos_token_id]])
+        px = vlm.process_images(v.processor, [from_data_uri(images[0])])
+        with torch.no_grad():
+            return -float(vlm.token_logprobs(vlm.vlm_logits(model, ids, **px), ids, len(p)).sum())
+
+    assert nll(tmp_path / "out") < nll(path) - 0.5
+    data.write_text(json.dumps({**rows[0], "images": ["data:image/png;base64,aGVsbG8="]}) + "\n")
+    with pytest.raises(DataError, match=r"sft.jsonl:1: key 'images' image 0: not a readable image"):
+        cli_main(argv)
+    with pytest.raises(MilesError, match="not --from-scratch"):
+        cli_main(["--from-scratch", *argv[2:]])

@@ -108,7 +108,9 @@ def test_a_where_stays_inside_its_select_and_the_connection_reads_only_the_root(
     from miles_platform.viewer.queries import ViewerStore
 
     with ViewerStore(root).connection() as con:
-        assert con.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 21
+        assert (
+            con.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 22
+        )  # demo 16, agent 1, diffusion 4, vlm 1
         for sql in ("SELECT * FROM read_text('/etc/hostname')", "CREATE TABLE t (a INT)",
                     "SET enable_external_access = true"):  # fmt: skip
             with pytest.raises(duckdb.Error):
@@ -178,6 +180,24 @@ def test_diffusion_samples_are_an_image_grid(client):
     assert png.headers["content-type"] == "image/png" and png.content.startswith(b"\x89PNG")
     page = client.get("/sample", params={"run": "diffusion", "rollout_id": 0, "index": 2}).text
     assert 'class="big"' in page and page.count("<img ") == 3  # the image and its group of 2
+
+
+def test_a_vision_language_sample_shows_the_images_it_saw(root, client):
+    """The sample page shows the image(s) of its image_hashes, served from the run's prompt data by
+    hash with the viewer's token; a hash outside the run's data, or a malformed one, is refused."""
+    import hashlib
+
+    page = client.get("/sample", params={"run": "vlm", "rollout_id": 0, "index": 0}).text
+    srcs = re.findall(r'src="(/prompt_image[^"]+)"', page)
+    assert len(srcs) == 1 and "<b>Images</b>" in page
+    r = client.get(unescape(srcs[0]))
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    assert hashlib.sha256(r.content).hexdigest()[:32] in srcs[0]  # the bytes of that hash
+    assert TestClient(create_app(root, TOKEN)).get(unescape(srcs[0])).status_code == 401  # the token
+    other = client.get("/prompt_image", params={"run": "vlm", "hash": "0" * 32})
+    assert other.status_code == 404 and "not in run 'vlm'" in unescape(other.text)
+    assert client.get("/prompt_image", params={"run": "vlm", "hash": "../etc"}).status_code == 400
+    assert client.get("/prompt_image", params={"run": "demo", "hash": "0" * 32}).status_code == 404
 
 
 def test_the_cli_serves_on_loopback_with_the_printed_token_and_stops_on_sigterm(root, tmp_path):
