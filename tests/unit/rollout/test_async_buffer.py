@@ -261,5 +261,8 @@ def test_rollout_max_prompt_len_drops_long_prompts_in_the_worker(tiny_hf_checkpo
         w.stop()
         m.close()
     assert all(len(s.prompt_tokens) <= limit for s in samples)
-    assert metrics["rollout/dynamic_filter/drop_prompt_too_long"] == 2  # 10+10= and 11+11=
+    # 10+10= and 11+11= once per pass over the 12 prompts: the worker keeps fetching for the next
+    # rollout while this one is taken, so under load it may have started the next pass (4)
+    dropped = metrics["rollout/dynamic_filter/drop_prompt_too_long"]
+    assert dropped >= 2 and dropped % 2 == 0, dropped
     assert all(len(tok.encode(p, add_special_tokens=False)) <= limit for p in engine.prompts())
