@@ -23,7 +23,10 @@ import os
 import sys
 from pathlib import Path
 
-GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "unit" / "config" / "flag_surface.json"
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "unit" / "config" / "flag_surface.json"
+# this checkout's package, not the one the venv installed (editable from another worktree)
+sys.path.insert(0, str(REPO))
 
 
 def _value(v):
