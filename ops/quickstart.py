@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -106,6 +107,17 @@ def run_quickstart(
     run = _fresh_run_name(root, DEMO_RL["run_name"])
     # the storage root is the `storage` resource's (MILES_STORAGE_ROOT above), not run config
     rl = dict(DEMO_RL, run_name=run, seed=seed, num_rollout=num_rollout, rollout_seed=seed)
+    from miles_platform.training.sft import default_sft_recipe
+
+    if sft_iters and sft_iters < default_sft_recipe().train_iters:
+        # a shortened base is far less sure of itself than the --ci-test entropy bound (0.7 nats)
+        # assumes of a trained model: bound it by a uniform distribution's entropy instead
+        with open(os.path.join(base_path, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        rl["ci_entropy_max"] = round(math.log(vocab), 3)
+        _log(
+            f"--sft-iters {sft_iters}: the step-0 entropy check is bounded by ln(vocab) = {rl['ci_entropy_max']}"
+        )
     job = defs.get_job_def("rl_training")
     try:
         res = job.execute_in_process(
