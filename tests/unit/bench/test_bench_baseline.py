@@ -109,3 +109,20 @@ def test_run_all_compares_a_results_file_and_updates_the_baseline(tmp_path, caps
     run_all.main(["--compare", str(res), "--baseline", str(base)])
     out = capsys.readouterr().out
     assert "WORSE" in out and "aaa1111" in out and baseline.load(base)["rows"][0]["ratio"] == 1.0
+
+
+def test_bench_startup_reads_the_runs_startup_line():
+    from bench.bench_startup import parse_startup_line
+    from miles_platform.startup import StartupClock, process_age_s
+
+    clock = StartupClock(launch_s=0.5)
+    for phase in ("preflight", "data"):
+        clock.mark(phase)
+    got = parse_startup_line(clock.summary())
+    assert list(got) == ["launch", "preflight", "data", "total"] and got["launch"] == 0.5
+    assert got["total"] == pytest.approx(clock.total(), abs=0.01)
+    assert set(clock.metrics()) == {
+        "perf/startup_time",
+        *(f"perf/startup_{p}_time" for p in got if p != "total"),
+    }
+    assert 0 < process_age_s() < 3600  # this process's age, from /proc
