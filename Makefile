@@ -75,8 +75,10 @@ VIEWER_PORT ?= 8700
 viewer: install
 	$(BIN)/miles-platform viewer --storage-root $(ROOT) --port $(VIEWER_PORT)
 
+# compares with bench/baseline.json at the end; `make bench BENCH_ARGS=--update-baseline` rewrites it
+BENCH_ARGS ?=
 bench: install
-	$(BIN)/python -m bench.run_all
+	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
 # TRL's GRPOTrainer, the e2e bench's further baseline, in its own venv (never .venv: its pins stay)
 TRL_VENV  ?= .venv-trl

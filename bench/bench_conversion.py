@@ -15,6 +15,11 @@ from pathlib import Path
 
 import torch
 
+# Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more): ratios
+# moved up to 3.6x between two quiet runs on 2026-12-05 (h256 0.012 vs 0.032, h512 0.27 vs 0.076):
+# the baseline's fixed copy cost dominates these small checkpoints; only a collapse is news
+NOISE = 3.0
+
 
 def _make_hf(root: Path, hidden: int, layers: int) -> Path:
     from miles_platform.models.checkpoint import save_hf_checkpoint

@@ -24,6 +24,11 @@ from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.shards import ROLLOUT_SCHEMA, shard_path, write_parquet_atomic
 
+# Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more): x
+# faster moved 37.7 vs 45.9 between two quiet runs on 2026-12-05; the bytes row carries its own
+# noise (deterministic data: 0.0945 vs 0.0968)
+NOISE = 0.3
+
 RUN = "bench"
 SQL = (
     "select rollout_id, avg(reward) as reward, avg(response_length) as response_length "
@@ -148,6 +153,7 @@ def run(rows: int = 1_000_000, rollouts: int = 250) -> list[dict]:
                 parquet_bytes / 1e6,
                 jsonl_bytes / 1e6,
                 "MB (ratio: fraction of JSONL)",
+                noise=0.05,  # bytes of generated data, not a timing
             ),
         ]
 

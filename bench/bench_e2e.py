@@ -40,6 +40,10 @@ import torch
 
 from bench.common import error_row, main, row
 
+# Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more): ours /
+# bare moved 1.02-1.63 over 2026-12-04/05 runs, ours / TRL 1.51-1.69 (2.1 under load)
+NOISE = 0.35
+
 ROLLOUTS = 11  # 1 warm-up + 10 measured
 TRL_ROW = "e2e: s per GRPO step, loop.train vs TRL GRPOTrainer"
 TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"

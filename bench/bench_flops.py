@@ -22,6 +22,11 @@ from bench.common import best_of, main, row
 BATCH, NEW_TOKENS, THREADS = 32, 32, 1
 
 
+# Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more):
+# fraction of peak 0.263 vs 0.313 in two quiet runs on 2026-12-05
+NOISE = 0.25
+
+
 def matmul_peak_flops(n: int = 1024, iters: int = 8, repeats: int = 3) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)

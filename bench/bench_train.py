@@ -24,6 +24,11 @@ from bench.common import best_of, error_row, main, row
 PROMPTS, GROUP, PROMPT_LEN, MAX_RESP = 16, 8, 6, 8
 
 
+# Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more): share
+# of plain HF 0.74-0.87 (fsdp) over the 2026-12-04/05 runs
+NOISE = 0.2
+
+
 def make_checkpoint(path: str) -> str:
     """The quickstart's model shape (random weights) with the platform's task tokenizer."""
     from miles_platform.models.checkpoint import save_hf_checkpoint

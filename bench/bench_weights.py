@@ -24,6 +24,11 @@ from kernels import xor_delta as xd
 from miles_platform.weights import disk_delta as dd
 from miles_platform.weights.checksum import CHECKSUM_ALGOS, checksum
 
+# Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more):
+# encode / memcpy 0.25-0.38, bf16 publish 1.5-2.1x, numba 12.8-30x over the 2026-12-04/05 runs;
+# the wire-bytes and density rows carry their own (one seeded AdamW step: within 1-2%)
+NOISE = 0.5
+
 
 def _best(fn, repeat: int = 3) -> float:
     best = float("inf")
@@ -54,6 +59,7 @@ def _row(name, ours, baseline, unit):
         "baseline": baseline,
         "ratio": ours / baseline if baseline else float("nan"),
         "unit": unit,
+        **({"noise": 0.05} if unit.startswith("fraction") else {}),  # bytes, not timings
     }
 
 

@@ -6,6 +6,9 @@ line); a module without that flag is run through `--one <name>` here, which impo
 neither (the multi-seed learning studies: bench_lora_learning, bench_diffusion_learning,
 bench_diffusion_precision, each minutes to hours and run by hand as their docstrings say) is not
 part of `make bench`; the runner names them at the end with their command line.
+
+At the end the run is compared with bench/baseline.json (bench/baseline.py: a table flagging every
+row whose ratio moved the wrong way beyond its noise); `--update-baseline` writes this run into it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import baseline
 from bench.common import error_row, print_table
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -90,8 +94,11 @@ def run_module(name: str, timeout_s: float) -> tuple[list[dict], float]:
     if rows is None:
         tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["no output"])[-1]
         return [error_row(name, f"exit {proc.returncode}: {tail[:200]}")], seconds
+    noise = baseline.module_noise(name)
     for r in rows:
         r.setdefault("module", name)
+        if noise is not None and not r.get("error"):
+            r.setdefault("noise", noise)
         if r.get("ratio") is None and not r.get("error"):
             r["error"] = "no ratio reported"
     return rows, seconds
@@ -126,6 +133,31 @@ def run_one(name: str) -> None:
     print(json.dumps(rows), flush=True)
 
 
+def trl_venv_note() -> str:
+    """Whether bench_e2e's TRL row will run (it does whenever the TRL venv exists)."""
+    from bench.bench_e2e import trl_python
+
+    py = trl_python()
+    if py:
+        return f"TRL baseline: {py} (bench_e2e runs TRL's GRPOTrainer row)"
+    return (
+        "TRL baseline: no .venv-trl (`make bench-trl-env`, or MILES_TRL_PYTHON): its row will say unavailable"
+    )
+
+
+def report_against_baseline(results: dict, path: Path, update: bool) -> None:
+    """Print the comparison with the remembered baseline; with `update`, write this run into it."""
+    old = baseline.load(path)
+    if old is None:
+        print(f"\nno baseline at {path} yet: `python -m bench.run_all --update-baseline` writes one")
+    else:
+        print()
+        print(baseline.format_comparison(baseline.compare(results, old), results, old))
+    if update:
+        baseline.write(baseline.updated(results, old, results.get("commit") or baseline.git_commit()), path)
+        print(f"wrote the baseline {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--one", help="run one module in this process (used by the runner)")
@@ -137,9 +169,19 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds per module (bench_e2e with TRL: ~270 s on a busy 2-core box)",
     )
     p.add_argument("--out", default=str(RESULTS), help="results JSON path")
+    p.add_argument(
+        "--baseline", default=str(baseline.BASELINE), help="the remembered results to compare with"
+    )
+    p.add_argument("--update-baseline", action="store_true",
+                   help="write this run into the baseline (with --only: those modules' rows only)")  # fmt: skip
+    p.add_argument("--compare", metavar="RESULTS_JSON",
+                   help="run nothing: compare a results file (e.g. bench/results.json) with the baseline")  # fmt: skip
     a = p.parse_args(argv)
     if a.one:
         run_one(a.one)
+        return 0
+    if a.compare:
+        report_against_baseline(json.loads(Path(a.compare).read_text()), Path(a.baseline), a.update_baseline)
         return 0
     unknown = sorted(set(a.only or ()) - set(discover()))
     if unknown:
@@ -147,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             f"not a row-reporting bench module: {', '.join(unknown)} (choose from {', '.join(discover())})"
         )
     names = a.only or discover()
+    if "bench_e2e" in names:
+        print(f"[bench] {trl_venv_note()}", flush=True)
     t0 = time.perf_counter()
     rows, timings = [], {}
     for name in names:
@@ -161,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(rows)} rows from {len(names)} modules in {total:.0f}s")
     out = {
         "machine": machine_info(),
+        "commit": baseline.git_commit(),
         "total_seconds": round(total, 2),
         "module_seconds": timings,
         "rows": rows,
@@ -170,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = sum(1 for r in rows if r.get("error"))
     if errors:
         print(f"{errors} row(s) could not be measured: see their unit column")
+    report_against_baseline(out, Path(a.baseline), a.update_baseline)
     if not a.only:
         print("\nnot run by `make bench` (multi-seed studies, run by hand; docs/BENCHMARKS.md):")
         for name, cmd in standalone():

@@ -23,6 +23,7 @@ from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.errors import ActorDied, NonFiniteTraining
 from miles_platform.preflight import check_batch_fits, fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
+from miles_platform.startup import StartupClock
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import exists  # a local path or an object-store URI
 from miles_platform.training.ci_checks import MetricChecker, step0_checks
@@ -38,8 +39,9 @@ class RLRun:
     """One `train`: validate, start the run's services, resume where the checkpoint left off, loop
     over rollouts, record every policy version, tear down in order (see run_services.py)."""
 
-    def __init__(self, cfg: RunConfig, reporter: Reporter | None = None):
+    def __init__(self, cfg: RunConfig, reporter: Reporter | None = None, startup: StartupClock | None = None):
         self.cfg, self.reporter, self.paths = cfg, reporter or Reporter(), StoragePaths(cfg.storage_root)
+        self.startup = startup or StartupClock()  # the phases up to the first rollout (startup.py)
         self.nonfinite: list[int] = []  # the rollout of each optimizer step skipped for a NaN / inf
 
     def run(self) -> RunResult:
@@ -59,11 +61,13 @@ class RLRun:
         for line in [*quantized_serving(cfg), check_int4_qat(cfg)]:  # Miles' fp8 / int4 recipes, INT4 QAT
             if line:
                 self.reporter.log(line)
+        self.startup.mark("preflight")
         tok = load_tokenizer(cfg.hf_checkpoint)
         src = data_source(cfg, tok)
         fill_defaults(cfg, self.paths, len(src) if src else 1)
         self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), data_version(cfg, src)
-        with RunServices(cfg, self.paths, self.reporter, tok, src) as s:
+        self.startup.mark("data")
+        with RunServices(cfg, self.paths, self.reporter, tok, src, startup=self.startup) as s:
             self.s, state = s, s.state
             self.rec = VersionRecorder(cfg, self.paths, self.reporter, self.base_version, self.data_version,
                                        LOG_KEYS, trackers=s.trackers, teachers=s.teachers,
@@ -78,6 +82,8 @@ class RLRun:
             self.metric_checker = MetricChecker.maybe_create(cfg)  # --ci-metric-checker-key gate
             if self.metric_checker is not None:
                 self.metric_checker.on_eval(initial_eval, self.reporter.log)
+            self.startup.mark("resume")
+            self.reporter.log(self.startup.summary())  # the first rollout's generation starts now
             s.start_async_worker()
             try:
                 result = self._loop(start, version)
@@ -111,6 +117,8 @@ class RLRun:
             with phase("step", end=bool(s.trainers)):  # --debug-rollout-only: no phase past the rollout
                 with phase("rollout"):
                     samples, metrics = self._generate(rollout_id, version, t0)
+                    if rollout_id == start:  # where the start-up went (startup.py)
+                        metrics.update(self.startup.metrics())
                     shard = write_rollout_shard(self.paths, run, rollout_id, samples)
                     if cfg.save_debug_rollout_data:
                         save_debug_rollout(cfg, rollout_id, samples)
@@ -270,8 +278,8 @@ def data_version(cfg: RunConfig, src) -> str | None:
     return content_hash(src.records) if src.records else f"data-source:{cfg.data_source_path}"
 
 
-def train(cfg: RunConfig, reporter: Reporter | None = None) -> RunResult:
-    return RLRun(cfg, reporter).run()
+def train(cfg: RunConfig, reporter: Reporter | None = None, startup: StartupClock | None = None) -> RunResult:
+    return RLRun(cfg, reporter, startup).run()
 
 
 def cli_main(argv: list[str], train_async: bool = False) -> int:
@@ -289,7 +297,7 @@ def cli_main(argv: list[str], train_async: bool = False) -> int:
     if opts.submit is not None:
         return submit_cli(cfg, opts)
     try:
-        result = train(cfg)
+        result = train(cfg, startup=StartupClock.from_process_start())  # `launch`: the process's own start
     except (CITestFailure, ActorDied, NonFiniteTraining) as e:
         print(f"miles-platform train: {e}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ from typing import Any
 from miles_platform.config import RunConfig
 from miles_platform.errors import ActorDied
 from miles_platform.run_types import Reporter
+from miles_platform.startup import StartupClock
 from miles_platform.store.paths import StoragePaths
 
 
@@ -21,8 +22,10 @@ class RunServices(contextlib.AbstractContextManager):
     s.manager, s.session, s.worker, s.trackers, s.state (the trainer checkpoint state or None).
     Teardown runs in reverse order whatever failed, and releases the run lock last."""
 
-    def __init__(self, cfg: RunConfig, paths: StoragePaths, reporter: Reporter, tokenizer, data_source):
+    def __init__(self, cfg: RunConfig, paths: StoragePaths, reporter: Reporter, tokenizer, data_source,
+                 startup: StartupClock | None = None):  # fmt: skip
         self.cfg, self.paths, self.reporter, self.tok, self.src = cfg, paths, reporter, tokenizer, data_source
+        self.startup = startup or StartupClock()  # marks the start-up phases (startup.py)
         self.trainers: list = []
         self.engines = self.router = self.manager = self.session = self.worker = self.monitor = None
         self.train_only = None  # --debug-train-only with a rollout function (Miles' SFT): no engines
@@ -71,8 +74,10 @@ class RunServices(contextlib.AbstractContextManager):
 
         cfg, s, log = self.cfg, self._stack, self.reporter.log
         s.enter_context(self.life)
+        self.startup.mark("ray")
         groups = create_placement_groups(cfg)
         s.callback(remove_placement_groups, groups)
+        self.startup.mark("placement")
         # trainers and engines start side by side: the trainers' imports and model build overlap
         # the engines' (each is seconds of CPU on its own process)
         if not cfg.debug_rollout_only:
@@ -99,9 +104,11 @@ class RunServices(contextlib.AbstractContextManager):
                     )
 
                 self.hooks.on_engine = on_engine
+        self.startup.mark("engines")
         if self.trainers:
             ready_or_user_error([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
+        self.startup.mark("trainers")
         if cfg.uses_trainer_teacher:  # the teacher is in the trainer
             from miles_platform.rollout.opd import teacher_sources
 
@@ -144,6 +151,7 @@ class RunServices(contextlib.AbstractContextManager):
         from miles_platform.cluster.colocation import Colocation
 
         self.colocation = Colocation(cfg, self.trainers, self.engines, call_trainers)
+        self.startup.mark("services")
 
     def _start_health_monitor(self, groups) -> None:
         import threading

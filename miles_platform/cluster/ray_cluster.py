@@ -138,9 +138,17 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
     and Windows: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`) keeps 127.0.0.1, and then Ray's C++ servers
     bind loopback (`listen_to_localhost_only`). The mode is set while the cluster starts, so its
     processes inherit it, and restored after, so a later join of a real cluster is unaffected.
+    With this driver's fork server up, Ray prestarts no idle workers (no actor would use them).
     """
     import ray
 
+    from miles_platform.cluster import forkserver
+
+    if forkserver.current() is not None:
+        # the actors fork from this driver's server: the idle workers Ray prestarts for the first
+        # driver (one per core, ~0.5-1 CPU-s each, in the middle of start-up) would serve none of them
+        system = dict(init_kwargs.pop("_system_config", None) or {})
+        init_kwargs["_system_config"] = {"prestart_worker_first_driver": False, **system}
     with _single_machine_mode(), _light_setup_worker():
         ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus,
                  include_dashboard=False, log_to_driver=False, **init_kwargs)  # fmt: skip

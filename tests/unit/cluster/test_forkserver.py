@@ -147,3 +147,23 @@ def test_a_driver_forked_from_a_server_forks_its_actors_from_it_and_leaves_it_ru
     assert p.returncode == 0, out
     assert out.split() == [server.dir, server.dir, "True", server.dir]
     assert server.proc.poll() is None and os.path.exists(server.socket_path)  # not stopped at its exit
+
+
+def test_with_the_fork_server_up_ray_prestarts_no_idle_workers(monkeypatch):
+    """Every actor forks from the server, so the workers Ray would prestart for the first driver
+    (one per core, each importing ray in the middle of start-up) would serve none (startup.py)."""
+    import ray
+
+    from miles_platform.cluster import ray_cluster
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(forkserver, "current", lambda: object())
+    ray_cluster.start_local_ray(2, _system_config={"object_spilling_threshold": 0.9})
+    monkeypatch.setattr(forkserver, "current", lambda: None)
+    ray_cluster.start_local_ray(2)
+    assert calls[0]["_system_config"] == {
+        "prestart_worker_first_driver": False,
+        "object_spilling_threshold": 0.9,
+    }
+    assert "_system_config" not in calls[1] and calls[1]["num_cpus"] == 2

@@ -278,11 +278,27 @@ def test_custom_config_path_applies_after_the_cli_as_miles(env, tmp_path):
 
 def test_the_gsm8k_recipe_runs_two_rollouts_through_miles_platform_train(env, capsys):
     """Miles' reproducibility recipe, its argv as is (tiny Qwen2.5, --deterministic-mode), through the CLI."""
+    from miles_platform.startup import PHASES
+    from miles_platform.store.catalog import Catalog
+    from miles_platform.store.paths import StoragePaths
+
     argv = qwen25_gsm8k(env)
     assert miles_platform(["train", *argv]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(printed[-1])
     assert (out["last_rollout_id"], out["final_version"]) == (1, 2)
     assert out["final_hf_path"].endswith("v000002")
+    # where start-up went (miles_platform/startup.py): every phase, the CLI's launch included, once
+    (line,) = [x for x in printed if x.startswith("[startup]")]
+    assert [w for w in line.split(":", 1)[1].split() if w.isalpha()] == list(PHASES)
+    root = argv[argv.index("--storage-root") + 1]
+    _, rows = Catalog(StoragePaths(root)).query(
+        "select rollout_id, name, value from metrics where name like 'perf/startup%' order by name"
+    )
+    assert {r[0] for r in rows} == {0} and len(rows) == len(PHASES) + 1  # the first rollout's only
+    total = next(v for _, n, v in rows if n == "perf/startup_time")
+    assert total == pytest.approx(sum(v for _, n, v in rows if n != "perf/startup_time"))
+    assert float(line.split()[1]) == pytest.approx(total, abs=0.01)
 
 
 def test_the_moe_recipe_with_routing_replay_runs_two_rollouts_through_miles_platform_train(env, capsys):

@@ -1,0 +1,69 @@
+"""Where a run's start-up goes: wall seconds from `miles-platform train`'s invocation (the process
+start; a run started in-process, e.g. by the Dagster op, from `train()`) to the first rollout's
+generation, by phase. Each phase ends with a `mark`; the run reports them once, when the first
+rollout starts generating: a `[startup]` log line and, in that rollout's metrics,
+`perf/startup_time` (the total) and `perf/startup_<phase>_time`.
+
+Phases of `train` (loop.py, run_services.py), in order:
+  launch     process start -> the run object: interpreter, CLI imports, flag parsing (CLI only)
+  preflight  validate_before_start: every flag's checks, plugin imports, the checkpoint's config
+  data       tokenizer, prompt dataset, defaults, content hashes of checkpoint and data
+  ray        run lock, Ray's local cluster (the fork server starts beside it), trackers
+  placement  placement groups
+  engines    engines up and warm (the trainers build beside them)
+  trainers   what the trainers still need after that: ready + checkpoint load
+  services   rollout manager, weight-update session, colocation
+  resume     resume bookkeeping, the initial weight sync, eval before training, async worker
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PHASES = ("launch", "preflight", "data", "ray", "placement", "engines", "trainers", "services", "resume")
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (/proc: its start in clock ticks since boot), or None."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class StartupClock:
+    """`mark(phase)` ends a phase; `metrics()` / `summary()` report them. `from_process_start()`
+    counts the process's own start-up as the `launch` phase (what `miles-platform train` pays)."""
+
+    def __init__(self, launch_s: float | None = None):
+        self.t0 = time.monotonic()
+        self.last = self.t0
+        self.phases: dict[str, float] = {}
+        if launch_s is not None:
+            self.phases["launch"] = launch_s
+        self.reported = False
+
+    @classmethod
+    def from_process_start(cls) -> StartupClock:
+        return cls(launch_s=process_age_s())
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"perf/startup_{k}_time": v for k, v in self.phases.items()}
+        out["perf/startup_time"] = self.total()
+        return out
+
+    def summary(self) -> str:
+        parts = " ".join(f"{k} {v:.2f}" for k, v in self.phases.items())
+        return f"[startup] {self.total():.2f} s to the first rollout's generation: {parts}"
