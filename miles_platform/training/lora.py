@@ -67,6 +67,7 @@ def resolve_target_modules(
             patterns += [(leaf, False) for leaf in GROUPS[t]]
         else:
             patterns.append((t, True))
+    _refuse_moe_targets(model, wanted, patterns)
     picked: dict[str, bool] = {}
     for pat, explicit in patterns:
         hits = [n for n in linears if _matches(n, pat)]
@@ -94,6 +95,37 @@ def resolve_target_modules(
             f"--target-modules {target_modules!r} --exclude-modules {exclude_modules!r}: no module is left to adapt"
         )
     return out
+
+
+def _refuse_moe_targets(model: nn.Module, wanted: list[str], patterns: list[tuple[str, bool]]) -> None:
+    """An MoE model: routers are never targets (Miles' target groups exclude them) and routed-expert
+    adapters are not built, so the selections that would take them in Miles are refused, not narrowed."""
+    from miles_platform.models.moe import routers
+
+    found = routers(model)
+    if not found:
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    router_names = [names[id(r)] for r in found]
+    expert_params = [n for n, _ in model.named_parameters() if ".experts." in n]
+    for pat, explicit in patterns:
+        if explicit and any(_matches(n, pat) for n in router_names):
+            raise ConfigError(
+                f"--target-modules {pat!r}: an MoE router; Miles' LoRA never adapts routers (its target groups "
+                "exclude them). Adapt attention (--target-modules attn) or dense projections"
+            )
+        if explicit and any(_matches(n.rsplit(".", 1)[0], pat) or _matches(n, pat) for n in expert_params):
+            raise ConfigError(
+                f"--target-modules {pat!r}: routed MoE experts; expert adapters (Miles' per-expert or "
+                "--experts-shared-outer-loras layouts) are not built here. Use --target-modules attn"
+            )
+    implicit = [t for t in wanted if t in ("all-linear", "mlp")]
+    if implicit and expert_params:
+        raise ConfigError(
+            f"--target-modules {','.join(implicit) if wanted != ['all-linear'] else 'all-linear (the default)'}: "
+            "on an MoE model Miles' MLP group includes the routed experts, whose adapters are not built here; "
+            "use --target-modules attn (plus explicit dense or shared-expert projections)"
+        )
 
 
 def lora_config(cfg, targets: list[str]):
@@ -157,11 +189,18 @@ def is_adapter_param(name: str) -> bool:
 
 def adapter_config_dict(peft_model) -> dict:
     """adapter_config.json as PEFT writes it (`base_model_name_or_path` as given to PEFT)."""
-    conf = peft_model.peft_config[ADAPTER_NAME].to_dict()
+    return config_dict(peft_model.peft_config[ADAPTER_NAME])
+
+
+def config_dict(lora_conf) -> dict:
+    """A `peft.LoraConfig` as the JSON of adapter_config.json (sets as sorted lists)."""
+    conf = lora_conf.to_dict()
     conf["target_modules"] = sorted(conf["target_modules"])
     for k, v in list(conf.items()):
         if isinstance(v, set):
             conf[k] = sorted(v)
+    if not conf.get("target_parameters"):  # PEFT writes [] for some MoE models, None otherwise: the same
+        conf["target_parameters"] = None
     return json.loads(json.dumps(conf, default=str))
 
 
@@ -196,6 +235,32 @@ def write_adapter_dir(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return os.fspath(dest)
+
+
+def adapter_writer(state: dict[str, torch.Tensor], conf: dict, base: str, rank: int, copy: bool):
+    """A checkpoint's adapter half (both backends' `snapshot_model`): `iter_N/adapter/`, the PEFT dir,
+    written by rank 0 from copies the training steps do not touch (`copy`, --async-save)."""
+    from miles_platform.models.checkpoint import content_hash
+
+    own = (lambda v: v.detach().clone().contiguous()) if copy else (lambda v: v.contiguous())
+    state = {k: own(v) for k, v in state.items()} if rank == 0 else {}
+
+    def write_adapter(ckpt_dir: str) -> None:
+        if rank == 0:
+            write_adapter_dir(os.path.join(ckpt_dir, "adapter"), state, conf, base, content_hash(base))
+
+    return write_adapter
+
+
+def read_checkpoint_adapter(ckpt_dir: str, base: str) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a LoRA checkpoint `iter_N/`, after checking it was trained on `base`."""
+    adapter = os.path.join(ckpt_dir, "adapter")
+    if not os.path.isdir(adapter):
+        raise ValueError(
+            f"{ckpt_dir}: no adapter/ (saved by a full fine-tuning run?); resume with --lora-rank 0"
+        )
+    check_base(adapter, base)
+    return read_adapter_dir(adapter)[0]
 
 
 def check_base(adapter_dir: str, base_path: str) -> None:

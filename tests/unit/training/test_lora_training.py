@@ -33,7 +33,19 @@ def _batch(seed=0):
     [
         (["--lora-alpha", "32"], "--lora-alpha: LoRA flags, but --lora-rank is 0"),
         (["--target-modules", "attn", "--lora-train-only"], "--target-modules, --lora-train-only"),
-        (["--lora-rank", "8", "--train-backend", "megatron"], "--train-backend megatron"),
+        (
+            [
+                "--lora-rank",
+                "8",
+                "--train-backend",
+                "megatron",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--actor-num-gpus-per-node",
+                "2",
+            ],
+            "--pipeline-model-parallel-size 2: LoRA on the megatron",
+        ),
         (
             [
                 "--lora-rank",

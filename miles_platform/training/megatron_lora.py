@@ -1,0 +1,182 @@
+"""LoRA on the megatron backend (docs/lora.md): one adapter per HF projection on megatron's fused
+layers, trained, saved and exported under PEFT's HF names, so the adapter is the fsdp backend's
+(training/lora.py) tensor for tensor and the engines serve it with the same loader.
+
+    HF module (PEFT target)                  megatron module, rows of its output
+    model.layers.i.self_attn.{q,k,v}_proj    decoder.layers.i.self_attention.linear_qkv, per query group
+                                             [q heads of the group; k; v] (the bridge's layout)
+    model.layers.i.self_attn.o_proj          decoder.layers.i.self_attention.linear_proj
+    model.layers.i.mlp.{gate,up}_proj        decoder.layers.i.mlp.linear_fc1, [gate; up]
+    model.layers.i.mlp.down_proj             decoder.layers.i.mlp.linear_fc2
+    lm_head                                  output_layer (the tied head too: PEFT adapts the head only)
+
+Each target gets its own `lora_A [r, in]` / `lora_B [out, r]` (Miles' `canonical_lora` layout: split
+Q/K/V and gate/up), and a forward hook on the megatron linear adds `scale * B @ A @ dropout(x)` into
+that projection's rows of the fused output: the arithmetic of PEFT's LoRA layer, so a megatron step
+equals the fsdp step (tests/unit/training/test_lora_megatron.py). The adapter parameters live beside
+the GPTModel, not inside it: its state dict, torch_dist checkpoints and bridges are the base's,
+unchanged. Target selection is training/lora.py's, resolved against the HF model's module names.
+
+Built at tensor / pipeline / context / expert parallel 1 (data parallel over the adapter's
+gradients); MoE models take attention (and dense-layer MLP) adapters: routed experts and routers
+are refused by name (config/lora.py)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_platform.errors import ConfigError
+from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
+from miles_platform.training.lora import resolve_target_modules
+
+_HF = re.compile(
+    r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+)
+_MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+             "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+             "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}  # fmt: skip
+
+
+def hf_meta_model(hf_config: dict) -> nn.Module:
+    """The HF model of `hf_config` on the meta device: its module names, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "transformers_version"})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(conf)
+
+
+def megatron_target(hf_name: str) -> tuple[str, str]:
+    """(megatron module name, projection) of a PEFT target; refuses what has no megatron adapter."""
+    if hf_name == "lm_head":
+        return "output_layer", "lm_head"
+    m = _HF.fullmatch(hf_name)
+    if m is None:
+        raise ConfigError(
+            f"--target-modules: {hf_name} has no adapter on the megatron backend (built: q/k/v/o_proj, "
+            "gate/up/down_proj of the decoder layers, lm_head); use --train-backend fsdp or exclude it"
+        )
+    return f"decoder.layers.{m.group(1)}.{_MEGATRON[m.group(3)]}", m.group(3)
+
+
+class MegatronLora(nn.Module):
+    """The adapter factors of one GPTModel and the hooks that apply them.
+
+    Parameters are named `<megatron module>.lora_{A,B}.<projection>` (each a [r, in] / [out, r] factor);
+    `peft_key` gives the PEFT file key of each."""
+
+    def __init__(self, model: nn.Module, hf_config: dict, cfg):
+        super().__init__()
+        self.rank, self.alpha, self.dropout = int(cfg.lora_rank), cfg.lora_alpha, float(cfg.lora_dropout)
+        self.scale = self.alpha / self.rank
+        self.targets = resolve_target_modules(
+            hf_meta_model(hf_config), cfg.target_modules, cfg.exclude_modules
+        )
+        heads = hf_config["num_attention_heads"]
+        self.groups = hf_config.get("num_key_value_heads") or heads
+        self.head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+        self.q_per_group = heads // self.groups
+        modules = dict(model.named_modules())
+        self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
+        self._keys: dict[str, str] = {}  # factor key -> PEFT file key
+        self._parts: dict[str, list[str]] = {}  # megatron module -> its adapted projections
+        dims = _projection_dims(hf_config)
+        for hf_name in self.targets:
+            mod, proj = megatron_target(hf_name)
+            if mod not in modules:
+                raise ConfigError(f"--target-modules: {hf_name}: the megatron model has no {mod}")
+            d_in, d_out = dims[proj]
+            key = f"{mod}.{proj}".replace(".", "__")
+            dev = next(modules[mod].parameters(), torch.empty(0)).device
+            a = torch.empty(self.rank, d_in, device=dev)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's init: B = 0, so v0 is the base policy
+            self.A[key] = nn.Parameter(a)
+            self.B[key] = nn.Parameter(torch.zeros(d_out, self.rank, device=dev))
+            self._keys[key] = f"{PEFT_PREFIX}{hf_name}"
+            self._parts.setdefault(mod, []).append(proj)
+        self._hooks = [
+            modules[mod].register_forward_hook(self._hook(mod), with_kwargs=True) for mod in self._parts
+        ]
+
+    # ---- forward ----
+    def _delta(self, mod: str, proj: str, x: torch.Tensor) -> torch.Tensor:
+        key = f"{mod}.{proj}".replace(".", "__")
+        a, b = self.A[key], self.B[key]
+        x = F.dropout(x.to(a.dtype), self.dropout, self.training) if self.dropout else x.to(a.dtype)
+        return F.linear(F.linear(x, a), b) * self.scale
+
+    def _hook(self, mod: str):
+        parts = self._parts[mod]
+
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
+            out, bias = output
+            deltas = {p: self._delta(mod, p, x) for p in parts}
+            return out + self._fused(mod, deltas, out).to(out.dtype), bias
+
+        return hook
+
+    def _fused(self, mod: str, deltas: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """The deltas of one module's projections placed in its fused output's row layout."""
+        lead = out.shape[:-1]
+        if mod.endswith("linear_qkv"):
+            g, hd, qpg = self.groups, self.head_dim, self.q_per_group
+            zero = out.new_zeros(())
+            q, k, v = (deltas.get(p, zero).expand(*lead, n) for p, n in
+                       (("q_proj", g * qpg * hd), ("k_proj", g * hd), ("v_proj", g * hd)))  # fmt: skip
+            return torch.cat([q.reshape(*lead, g, qpg * hd), k.reshape(*lead, g, hd),
+                              v.reshape(*lead, g, hd)], dim=-1).reshape(*lead, -1)  # fmt: skip
+        if mod.endswith("linear_fc1"):
+            half = out.shape[-1] // 2
+            zero = out.new_zeros(())
+            return torch.cat([deltas.get(p, zero).expand(*lead, half) for p in ("gate_proj", "up_proj")], -1)
+        (d,) = deltas.values()
+        if d.shape[-1] < out.shape[-1]:  # output_layer: the padded vocabulary rows get nothing
+            d = F.pad(d, (0, out.shape[-1] - d.shape[-1]))
+        return d
+
+    # ---- PEFT files ----
+    def peft_state(self) -> dict[str, torch.Tensor]:
+        """{PEFT file key: tensor} (CPU copies), as training/lora.py's fsdp export names them."""
+        out = {}
+        for key, name in self._keys.items():
+            out[f"{name}.lora_A.weight"] = self.A[key].detach().to("cpu").clone()
+            out[f"{name}.lora_B.weight"] = self.B[key].detach().to("cpu").clone()
+        return out
+
+    def load_peft_state(self, state: dict[str, torch.Tensor]) -> None:
+        want = set(self.peft_state())
+        if set(state) != want:
+            raise ValueError(
+                f"adapter mismatch: missing {sorted(want - set(state))[:3]} unexpected {sorted(set(state) - want)[:3]}"
+            )
+        with torch.no_grad():
+            for key, name in self._keys.items():
+                for fac, params in (("A", self.A), ("B", self.B)):
+                    t = state[f"{name}.lora_{fac}.weight"]
+                    if t.shape != params[key].shape:
+                        raise ValueError(f"adapter {name}.lora_{fac}: shape {tuple(t.shape)}, "
+                                         f"expected {tuple(params[key].shape)}")  # fmt: skip
+                    params[key].copy_(t)
+
+    def named_factors(self):
+        """(PEFT-style parameter name, parameter): what the optimizer steps and checkpoints name."""
+        for key, name in self._keys.items():
+            yield f"{name}.lora_A.default.weight", self.A[key]
+            yield f"{name}.lora_B.default.weight", self.B[key]
+
+
+def _projection_dims(c: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each HF projection of the decoder layers and the head."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    groups = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or h // heads
+    ffn = c.get("intermediate_size") or 0
+    return {"q_proj": (h, heads * hd), "k_proj": (h, groups * hd), "v_proj": (h, groups * hd),
+            "o_proj": (heads * hd, h), "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h),
+            "lm_head": (h, c["vocab_size"])}  # fmt: skip
