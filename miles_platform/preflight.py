@@ -26,6 +26,10 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     check_model_args(cfg.model_args_given(), hf, os.path.join(cfg.hf_checkpoint, "config.json"))
     _check_moe(cfg, hf)
+    if cfg.uses_lora and not cfg.debug_rollout_only:
+        from miles_platform.training.lora import check_targets_before_start
+
+        check_targets_before_start(cfg, hf)  # names, MoE routers / experts, megatron's layers
     from miles_platform.config.vision import check_vision_checkpoint
 
     check_vision_checkpoint(cfg, hf)

@@ -128,6 +128,27 @@ def _refuse_moe_targets(model: nn.Module, wanted: list[str], patterns: list[tupl
         )
 
 
+def hf_meta_model(hf_config: dict) -> nn.Module:
+    """The HF model of a config.json dict on the meta device: its module names, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "transformers_version"})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(conf)
+
+
+def check_targets_before_start(cfg, hf_config: dict) -> list[str]:
+    """--target-modules / --exclude-modules resolved against the checkpoint's modules (a meta-device
+    model: no weights), and on megatron each mapped to its layer: every refusal before Ray starts."""
+    targets = resolve_target_modules(hf_meta_model(hf_config), cfg.target_modules, cfg.exclude_modules)
+    if cfg.train_backend == "megatron":
+        from miles_platform.training.megatron_lora import megatron_target
+
+        for t in targets:
+            megatron_target(t)
+    return targets
+
+
 def lora_config(cfg, targets: list[str]):
     from peft import LoraConfig
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from miles_platform.errors import ConfigError
 from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
-from miles_platform.training.lora import resolve_target_modules
+from miles_platform.training.lora import hf_meta_model, resolve_target_modules
 
 _HF = re.compile(
     r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -40,15 +40,6 @@ _HF = re.compile(
 _MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
              "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
              "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}  # fmt: skip
-
-
-def hf_meta_model(hf_config: dict) -> nn.Module:
-    """The HF model of `hf_config` on the meta device: its module names, no weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    conf = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "transformers_version"})
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(conf)
 
 
 def megatron_target(hf_name: str) -> tuple[str, str]:

@@ -148,19 +148,25 @@ def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(re
 
 
 def test_refused_before_start_by_name(tiny_hf_checkpoint, tmp_path):
+    from loop_helpers import small_run_config
     from test_moe_megatron import save_moe_checkpoint
 
     from miles_platform.config import ConfigError
-    from miles_platform.training.lora import resolve_target_modules
-    from miles_platform.training.megatron_lora import hf_meta_model
+    from miles_platform.preflight import validate_before_start
+    from miles_platform.training.lora import hf_meta_model, resolve_target_modules
 
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2: LoRA on the megatron backend"):
         _cfg(tiny_hf_checkpoint, "megatron", None, tensor_model_parallel_size=2, actor_num_gpus_per_node=2)
     with pytest.raises(ConfigError, match="--moe-router-freeze-gate with --lora-rank: no effect"):
         _cfg(tiny_hf_checkpoint, "fsdp", None, moe_router_freeze_gate=True)
-    moe = hf_meta_model(
-        json.loads(Path(save_moe_checkpoint(tiny_hf_checkpoint, tmp_path / "m"), "config.json").read_text())
-    )
+    moe_dir = save_moe_checkpoint(tiny_hf_checkpoint, tmp_path / "m")
+    with pytest.raises(
+        ConfigError, match="all-linear .the default.: on an MoE model"
+    ):  # preflight, before Ray
+        validate_before_start(small_run_config(moe_dir, tmp_path, train_backend="megatron", lora_rank=4))
+    validate_before_start(small_run_config(moe_dir, tmp_path, train_backend="megatron", lora_rank=4,
+                                           target_modules="attn"))  # fmt: skip
+    moe = hf_meta_model(json.loads(Path(moe_dir, "config.json").read_text()))
     for targets, match in ((None, "all-linear .the default.: on an MoE model"), ("attn,mlp", "--target-modules mlp: on an MoE"),
                            ("gate", "an MoE router"), ("experts", "routed MoE experts"),
                            ("gate_up_proj", "routed MoE experts")):  # fmt: skip
