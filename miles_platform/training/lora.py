@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from miles_platform.errors import ConfigError
+from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
 from miles_platform.rollout.lora_serving import read_adapter_dir  # noqa: F401 (re-exported)
 
 GROUPS = {
@@ -164,12 +165,15 @@ def lora_config(cfg, targets: list[str]):
 
 def check_adapter_matches(path: str, cfg, targets: list[str]) -> None:
     """--lora-adapter-path: its rank, alpha and targets must be the flags' (Miles asks for them too)."""
+    from safetensors import safe_open
+
     saved = json.loads(Path(path, "adapter_config.json").read_text())
-    have = {
-        "rank": saved.get("r"),
-        "alpha": saved.get("lora_alpha"),
-        "targets": sorted(saved.get("target_modules") or []),
-    }
+    with safe_open(str(Path(path, "adapter_model.safetensors")), "pt") as f:
+        keys = list(f.keys())
+    # the modules it adapts, from its tensors (PEFT writes `target_modules` shortened to leaf names
+    # when they cover many layers): Miles derives an adapter's targets from its tensor keys too
+    adapted = sorted({k.removeprefix(PEFT_PREFIX).split(".lora_A.")[0] for k in keys if ".lora_A." in k})
+    have = {"rank": saved.get("r"), "alpha": saved.get("lora_alpha"), "targets": adapted}
     want = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": sorted(targets)}
     bad = [f"{k}: adapter {have[k]!r}, flags {want[k]!r}" for k in want if have[k] != want[k]]
     if saved.get("peft_type", "LORA") != "LORA" or saved.get("use_dora"):
@@ -209,14 +213,18 @@ def is_adapter_param(name: str) -> bool:
 
 
 def adapter_config_dict(peft_model) -> dict:
-    """adapter_config.json as PEFT writes it (`base_model_name_or_path` as given to PEFT)."""
-    return config_dict(peft_model.peft_config[ADAPTER_NAME])
+    """adapter_config.json as PEFT writes it (`base_model_name_or_path` as given to PEFT), with
+    `target_modules` the full names of the adapted modules (PEFT may shorten them to leaf names)."""
+    adapted = [n.removeprefix(PEFT_PREFIX) for n, m in peft_model.named_modules()
+               if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and ADAPTER_NAME in m.lora_A]  # fmt: skip
+    return config_dict(peft_model.peft_config[ADAPTER_NAME], adapted)
 
 
-def config_dict(lora_conf) -> dict:
-    """A `peft.LoraConfig` as the JSON of adapter_config.json (sets as sorted lists)."""
+def config_dict(lora_conf, targets: list[str]) -> dict:
+    """A `peft.LoraConfig` as the JSON of adapter_config.json (sets as sorted lists) for the adapted
+    modules `targets` (full names): both backends write the same file for the same adapter."""
     conf = lora_conf.to_dict()
-    conf["target_modules"] = sorted(conf["target_modules"])
+    conf["target_modules"] = sorted(targets)
     for k, v in list(conf.items()):
         if isinstance(v, set):
             conf[k] = sorted(v)

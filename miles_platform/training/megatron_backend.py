@@ -259,6 +259,7 @@ class MegatronBackend(ModelBackend):
         if self.lora is not None and self.world_size > 1:  # the adapter's gradients: the data-parallel mean
             import torch.distributed as dist
 
+            self.lora.reduce_grads()  # tensor parallel: the column-parallel factors' row parts, summed
             _, size, group = self.data_parallel()
             for _, p in self.lora.named_factors():
                 if p.grad is None:
@@ -417,7 +418,9 @@ class MegatronBackend(ModelBackend):
         """(lora_A / lora_B under PEFT's file keys, adapter_config.json): the fsdp backend's, key for key."""
         from miles_platform.training.lora import config_dict, lora_config
 
-        return self.lora.peft_state(), config_dict(lora_config(self.cfg, self.lora.targets))
+        return self.lora.peft_state(), config_dict(
+            lora_config(self.cfg, self.lora.targets), self.lora.targets
+        )
 
     def load_adapter(self, state: dict[str, torch.Tensor]) -> None:
         self.lora.load_peft_state(state)

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_platform.errors import ConfigError
-from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
-from miles_platform.training.lora import hf_meta_model, resolve_target_modules
+from miles_platform.training.lora import PEFT_PREFIX, hf_meta_model, resolve_target_modules
 
 _HF = re.compile(
     r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -103,33 +102,89 @@ class MegatronLora(nn.Module):
 
     def _hook(self, mod: str):
         parts = self._parts[mod]
+        row = mod.endswith(("linear_proj", "linear_fc2"))
 
         def hook(module, args, kwargs, output):
             x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
             out, bias = output
+            x = self._gather_input(x, row, module)
             deltas = {p: self._delta(mod, p, x) for p in parts}
-            return out + self._fused(mod, deltas, out).to(out.dtype), bias
+            full = self._fused(mod, deltas, x.shape[:-1], out.shape[-1] * self.tp)
+            return out + self._to_output(mod, full, row, module).to(out.dtype), bias
 
         return hook
 
-    def _fused(self, mod: str, deltas: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """The deltas of one module's projections placed in its fused output's row layout."""
-        lead = out.shape[:-1]
+    @property
+    def tp(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size()
+
+    def _gather_input(self, x: torch.Tensor, row: bool, module) -> torch.Tensor:
+        """The full input of the adapted projection on every TP rank. Column-parallel: the input is
+        replicated (its gradient all-reduced here, as the base linear does) or, under sequence
+        parallelism, this rank's sequence slice (gathered). Row-parallel: this rank's feature slice
+        (gathered; the backward keeps this rank's part)."""
+        if self.tp == 1:
+            return x
+        from megatron.core import tensor_parallel as tpl
+
+        if row:
+            return tpl.gather_from_tensor_model_parallel_region(x)
+        if getattr(module, "sequence_parallel", False):
+            return tpl.gather_from_sequence_parallel_region(x)
+        return tpl.copy_to_tensor_model_parallel_region(x)
+
+    def _to_output(self, mod: str, full: torch.Tensor, row: bool, module) -> torch.Tensor:
+        """This rank's part of the full delta: a column-parallel module's output rows (megatron's TP
+        split of that weight); a row-parallel one's output whole, or its sequence slice under SP."""
+        if self.tp == 1:
+            return full
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel as tpl
+
+        from miles_platform.models.bridge.base import tp_shard
+
+        if row:
+            seq_par = getattr(module, "sequence_parallel", False)
+            return tpl.scatter_to_sequence_parallel_region(full) if seq_par else full
+        rank = ps.get_tensor_model_parallel_rank()
+        return tp_shard(f"{mod}.weight", full.movedim(-1, 0), rank, self.tp).movedim(0, -1)
+
+    def reduce_grads(self) -> None:
+        """After the backward, over the TP group: a column-parallel module's factors hold the gradient
+        of this rank's output rows only, summed here; a row-parallel module's are complete already."""
+        if self.tp == 1:
+            return
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        for key in self._keys:
+            if "__linear_proj__" in key or "__linear_fc2__" in key:
+                continue
+            for p in (self.A[key], self.B[key]):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
+    def _fused(self, mod: str, deltas: dict[str, torch.Tensor], lead, width: int) -> torch.Tensor:
+        """The deltas of one module's projections placed in its full fused output's row layout
+        (`width`: the full output size, the padded vocabulary for the output layer)."""
+        zero = next(iter(deltas.values())).new_zeros(())
         if mod.endswith("linear_qkv"):
             g, hd, qpg = self.groups, self.head_dim, self.q_per_group
-            zero = out.new_zeros(())
             q, k, v = (deltas.get(p, zero).expand(*lead, n) for p, n in
                        (("q_proj", g * qpg * hd), ("k_proj", g * hd), ("v_proj", g * hd)))  # fmt: skip
             return torch.cat([q.reshape(*lead, g, qpg * hd), k.reshape(*lead, g, hd),
                               v.reshape(*lead, g, hd)], dim=-1).reshape(*lead, -1)  # fmt: skip
         if mod.endswith("linear_fc1"):
-            half = out.shape[-1] // 2
-            zero = out.new_zeros(())
+            half = width // 2
             return torch.cat([deltas.get(p, zero).expand(*lead, half) for p in ("gate_proj", "up_proj")], -1)
         (d,) = deltas.values()
-        if d.shape[-1] < out.shape[-1]:  # output_layer: the padded vocabulary rows get nothing
-            d = F.pad(d, (0, out.shape[-1] - d.shape[-1]))
-        return d
+        if mod.endswith(("linear_proj", "linear_fc2")):
+            return d
+        return F.pad(d, (0, width - d.shape[-1]))  # output_layer: the padded vocabulary rows get nothing
 
     # ---- PEFT files ----
     def peft_state(self) -> dict[str, torch.Tensor]:

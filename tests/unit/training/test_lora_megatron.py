@@ -147,6 +147,43 @@ def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(re
     assert e["resume_identical"], e
 
 
+def _random_adapter_dir(hf: str, out: Path, targets: str) -> str:
+    """A PEFT adapter dir with random A and B over `targets`, as a LoRA checkpoint writes it."""
+    from peft import LoraConfig, get_peft_model
+
+    from miles_platform.models.checkpoint import content_hash, load_hf_model
+    from miles_platform.training import lora
+
+    model = load_hf_model(hf)
+    names = lora.resolve_target_modules(model, targets, None)
+    torch.manual_seed(11)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=names, init_lora_weights=False))
+    state = {lora.adapter_key(n): p.detach() for n, p in peft.named_parameters() if lora.is_adapter_param(n)}
+    return lora.write_adapter_dir(str(out), state, lora.adapter_config_dict(peft), hf, content_hash(hf))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+def test_a_tensor_parallel_lora_step_equals_the_one_rank_step(layout, tiny_hf_checkpoint, tmp_path):
+    """TP2 (and TP2 + SP) on 2 gloo ranks: the step from the same random adapter (--lora-adapter-path)
+    gives the 1-rank step's loss, grad norm and merged weights (base + updated adapter) within 1e-5."""
+    from test_megatron_layouts import train_one_step
+
+    from miles_platform.models.tiny import save_layout_checkpoint
+
+    hf = save_layout_checkpoint(tiny_hf_checkpoint, tmp_path / "l4")
+    targets = "attn,mlp,lm_head"
+    lora = dict(lora_rank=4, lora_alpha=8, target_modules=targets, use_kl_loss=False, kl_loss_coef=0.0,
+                lora_adapter_path=_random_adapter_dir(hf, tmp_path / "adapter", targets))  # fmt: skip
+    split = dict(tensor_model_parallel_size=2, sequence_parallel=layout == "tp2_sp")
+    (one,), w1, _ = train_one_step(hf, tmp_path / "tp1", 1, **lora)
+    metrics, w2, _ = train_one_step(hf, tmp_path / layout, 2, **lora, **split)
+    for m in metrics:
+        for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
+            assert abs(m[key] - one[key]) <= TOL, (key, m[key], one[key])
+    assert one["train/grad_norm"] > 1e-3 and sorted(w1) == sorted(w2)
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= TOL
+
+
 def test_refused_before_start_by_name(tiny_hf_checkpoint, tmp_path):
     from loop_helpers import small_run_config
     from test_moe_megatron import save_moe_checkpoint
@@ -155,8 +192,8 @@ def test_refused_before_start_by_name(tiny_hf_checkpoint, tmp_path):
     from miles_platform.preflight import validate_before_start
     from miles_platform.training.lora import hf_meta_model, resolve_target_modules
 
-    with pytest.raises(ConfigError, match="--tensor-model-parallel-size 2: LoRA on the megatron backend"):
-        _cfg(tiny_hf_checkpoint, "megatron", None, tensor_model_parallel_size=2, actor_num_gpus_per_node=2)
+    with pytest.raises(ConfigError, match="--context-parallel-size 2: LoRA on the megatron backend"):
+        _cfg(tiny_hf_checkpoint, "megatron", None, context_parallel_size=2, actor_num_gpus_per_node=2)
     with pytest.raises(ConfigError, match="--moe-router-freeze-gate with --lora-rank: no effect"):
         _cfg(tiny_hf_checkpoint, "fsdp", None, moe_router_freeze_gate=True)
     moe_dir = save_moe_checkpoint(tiny_hf_checkpoint, tmp_path / "m")
