@@ -30,9 +30,10 @@ def _cfg(hf, backend, targets, **kw):
     return RunConfig(**base).validate()
 
 
-def _step_pair(hf: str, targets: str) -> tuple[dict, object]:
-    """fsdp vs megatron LoRA: one step from the same random adapter. Returns (numbers, megatron actor)."""
-    from loop_helpers import random_train_batch
+def _step_pair(hf: str, targets: str, save: Path | None = None) -> tuple[dict, object]:
+    """fsdp vs megatron LoRA: one step from the same random adapter. Returns (numbers, megatron actor);
+    `save`: the start adapter and the fsdp step's merged weights and metrics go there (the TP reference)."""
+    from safetensors.torch import save_file
 
     from miles_platform.training.actor import TrainerActor
 
@@ -42,8 +43,7 @@ def _step_pair(hf: str, targets: str) -> tuple[dict, object]:
     start = {k: 0.5 * torch.randn(v.shape, generator=g) for k, v in sorted(f_state.items())}
     for a in actors.values():
         a.backend.load_adapter(start)
-    batch = random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0])
-    metrics = {b: a.train(0, batch) for b, a in actors.items()}
+    metrics = {b: a.train(0, _batch()) for b, a in actors.items()}
     grads = {
         b: {n: p.grad for n, p in a.backend.named_parameters() if p.requires_grad} for b, a in actors.items()
     }
@@ -64,7 +64,18 @@ def _step_pair(hf: str, targets: str) -> tuple[dict, object]:
         merged_max_abs_diff=max((merged["fsdp"][k] - merged["megatron"][k]).abs().max().item() for k in merged["fsdp"]),
         merged_same_names=sorted(merged["fsdp"]) == sorted(merged["megatron"]),
     )  # fmt: skip
+    if save is not None:
+        save.mkdir(parents=True)
+        save_file(start, str(save / "start.safetensors"))
+        save_file({k: v.contiguous() for k, v in merged["fsdp"].items()}, str(save / "merged.safetensors"))
+        (save / "metrics.json").write_text(json.dumps(metrics["fsdp"]))
     return out, actors["megatron"]
+
+
+def _batch():
+    from loop_helpers import random_train_batch
+
+    return random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0])
 
 
 def _engine_vs_trainer(hf: str, actor, work: Path) -> dict:
@@ -106,7 +117,7 @@ def _engine_vs_trainer(hf: str, actor, work: Path) -> dict:
 def _main(dense: str, moe: str, work: str) -> None:
     torch.set_num_threads(1)
     report = {}
-    report["dense"], actor = _step_pair(dense, "attn,mlp,lm_head")
+    report["dense"], actor = _step_pair(dense, "attn,mlp,lm_head", Path(work, "tp1"))
     report["engine"] = _engine_vs_trainer(dense, actor, Path(work))
     report["moe"], _ = _step_pair(moe, "attn")
     print(json.dumps(report))
@@ -126,7 +137,10 @@ def report(tiny_hf_checkpoint, tmp_path_factory):
     proc = subprocess.run([*warm_python(), __file__, dense, moe, str(work / "out")], capture_output=True,
                           text=True, env=env, timeout=300, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        **json.loads(proc.stdout.strip().splitlines()[-1]),
+        "paths": {"dense": dense, "moe": moe, "work": str(work)},
+    }
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
@@ -147,46 +161,64 @@ def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(re
     assert e["resume_identical"], e
 
 
-def _random_adapter_dir(hf: str, out: Path, targets: str) -> str:
-    """A PEFT adapter dir with random A and B over `targets`, as a LoRA checkpoint writes it."""
-    from peft import LoraConfig, get_peft_model
-
-    from miles_platform.models.checkpoint import content_hash, load_hf_model
-    from miles_platform.training import lora
-
-    model = load_hf_model(hf)
-    names = lora.resolve_target_modules(model, targets, None)
-    torch.manual_seed(11)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=names, init_lora_weights=False))
-    state = {lora.adapter_key(n): p.detach() for n, p in peft.named_parameters() if lora.is_adapter_param(n)}
-    return lora.write_adapter_dir(str(out), state, lora.adapter_config_dict(peft), hf, content_hash(hf))
+LAYOUTS = {
+    "tp2": dict(tensor_model_parallel_size=2),
+    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+}
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
-def test_a_tensor_parallel_lora_step_equals_the_one_rank_step(layout, tiny_hf_checkpoint, tmp_path):
-    """TP2 (and TP2 + SP) on 2 gloo ranks: the step from the same random adapter (--lora-adapter-path)
-    gives the 1-rank step's loss, grad norm and merged weights (base + updated adapter) within 1e-5."""
-    from test_megatron_layouts import train_one_step
+def _tp_worker(rank: int, world: int, ports: list[int], dense: str, ref: str, out: str) -> None:
+    """Both TP layouts in turn on these 2 ranks: the 1-rank step from its start adapter."""
+    import traceback
 
-    from miles_platform.models.tiny import save_layout_checkpoint
+    from safetensors.torch import load_file, save_file
 
-    hf = save_layout_checkpoint(tiny_hf_checkpoint, tmp_path / "l4")
-    targets = "attn,mlp,lm_head"
-    lora = dict(lora_rank=4, lora_alpha=8, target_modules=targets, use_kl_loss=False, kl_loss_coef=0.0,
-                lora_adapter_path=_random_adapter_dir(hf, tmp_path / "adapter", targets))  # fmt: skip
-    split = dict(tensor_model_parallel_size=2, sequence_parallel=layout == "tp2_sp")
-    (one,), w1, _ = train_one_step(hf, tmp_path / "tp1", 1, **lora)
-    metrics, w2, _ = train_one_step(hf, tmp_path / layout, 2, **lora, **split)
-    for m in metrics:
-        for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
-            assert abs(m[key] - one[key]) <= TOL, (key, m[key], one[key])
-    assert one["train/grad_norm"] > 1e-3 and sorted(w1) == sorted(w2)
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= TOL
+    from miles_platform.training import megatron_shims
+    from miles_platform.training.actor import TrainerActor
+
+    torch.set_num_threads(1)
+    try:
+        for (name, layout), port in zip(LAYOUTS.items(), ports, strict=True):
+            cfg = _cfg(dense, "megatron", "attn,mlp,lm_head", actor_num_gpus_per_node=world, **layout)
+            actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+            actor.backend.load_adapter(load_file(f"{ref}/start.safetensors"))
+            metrics = actor.train(0, _batch())
+            merged = actor.get_hf_weights()  # collective; the first rank of the replica keeps it
+            if rank == 0:
+                save_file({k: v.contiguous() for k, v in merged.items()}, f"{out}/{name}.safetensors")
+            Path(f"{out}/{name}.rank{rank}.json").write_text(json.dumps(metrics))
+            megatron_shims.destroy_process_group()
+    except Exception:
+        Path(f"{out}/rank{rank}.error").write_text(traceback.format_exc())
 
 
-def test_refused_before_start_by_name(tiny_hf_checkpoint, tmp_path):
+def test_a_tensor_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
+    """TP2 and TP2 + SP on 2 gloo ranks, from the dense step's start adapter: the loss, its parts, the
+    grad norm and the merged weights (base + updated adapter) of the 1-rank step within 1e-5."""
+    from loop_helpers import run_ranks
+    from safetensors.torch import load_file
+
+    from miles_platform.cluster.ports import free_port
+
+    ref = Path(report["paths"]["work"], "out", "tp1")
+    one, w1 = json.loads((ref / "metrics.json").read_text()), load_file(str(ref / "merged.safetensors"))
+    out = tmp_path / "tp"
+    run_ranks(
+        _tp_worker, (2, [free_port(), free_port()], report["paths"]["dense"], str(ref), str(out)), 2, out
+    )
+    for name in LAYOUTS:
+        for rank in (0, 1):
+            m = json.loads((out / f"{name}.rank{rank}.json").read_text())
+            for key in ("train/loss", "train/pg_loss"):
+                assert abs(m[key] - one[key]) <= TOL, (name, key, m[key], one[key])
+            assert m["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=TOL), name
+        w2 = load_file(str(out / f"{name}.safetensors"))
+        assert sorted(w1) == sorted(w2) and max((w1[k] - w2[k]).abs().max().item() for k in w1) <= TOL, name
+    assert one["train/grad_norm"] > 1e-3
+
+
+def test_refused_before_start_by_name(report, tiny_hf_checkpoint, tmp_path):
     from loop_helpers import small_run_config
-    from test_moe_megatron import save_moe_checkpoint
 
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
@@ -196,7 +228,7 @@ def test_refused_before_start_by_name(tiny_hf_checkpoint, tmp_path):
         _cfg(tiny_hf_checkpoint, "megatron", None, context_parallel_size=2, actor_num_gpus_per_node=2)
     with pytest.raises(ConfigError, match="--moe-router-freeze-gate with --lora-rank: no effect"):
         _cfg(tiny_hf_checkpoint, "fsdp", None, moe_router_freeze_gate=True)
-    moe_dir = save_moe_checkpoint(tiny_hf_checkpoint, tmp_path / "m")
+    moe_dir = report["paths"]["moe"]
     with pytest.raises(
         ConfigError, match="all-linear .the default.: on an MoE model"
     ):  # preflight, before Ray
