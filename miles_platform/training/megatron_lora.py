@@ -72,6 +72,7 @@ class MegatronLora(nn.Module):
         self.head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
         self.q_per_group = heads // self.groups
         modules = dict(model.named_modules())
+        dev = next(model.parameters()).device  # (a tied output_layer has no parameter of its own)
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
         self._keys: dict[str, str] = {}  # factor key -> PEFT file key
         self._parts: dict[str, list[str]] = {}  # megatron module -> its adapted projections
@@ -82,7 +83,6 @@ class MegatronLora(nn.Module):
                 raise ConfigError(f"--target-modules: {hf_name}: the megatron model has no {mod}")
             d_in, d_out = dims[proj]
             key = f"{mod}.{proj}".replace(".", "__")
-            dev = next(modules[mod].parameters(), torch.empty(0)).device
             a = torch.empty(self.rank, d_in, device=dev)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's init: B = 0, so v0 is the base policy
             self.A[key] = nn.Parameter(a)

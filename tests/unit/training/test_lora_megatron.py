@@ -30,14 +30,14 @@ def _cfg(hf, backend, targets, **kw):
     return RunConfig(**base).validate()
 
 
-def _step_pair(hf: str, targets: str, save: Path | None = None) -> tuple[dict, object]:
+def _step_pair(hf: str, targets: str, save: Path | None = None, **kw) -> tuple[dict, object]:
     """fsdp vs megatron LoRA: one step from the same random adapter. Returns (numbers, megatron actor);
     `save`: the start adapter and the fsdp step's merged weights and metrics go there (the TP reference)."""
     from safetensors.torch import save_file
 
     from miles_platform.training.actor import TrainerActor
 
-    actors = {b: TrainerActor(_cfg(hf, b, targets)) for b in ("fsdp", "megatron")}
+    actors = {b: TrainerActor(_cfg(hf, b, targets, **kw)) for b in ("fsdp", "megatron")}
     (f_state, f_conf), (m_state, m_conf) = (actors[b].get_lora_adapter() for b in ("fsdp", "megatron"))
     g = torch.Generator().manual_seed(3)
     start = {k: 0.5 * torch.randn(v.shape, generator=g) for k, v in sorted(f_state.items())}
@@ -56,6 +56,7 @@ def _step_pair(hf: str, targets: str, save: Path | None = None) -> tuple[dict, o
         fresh_b_zero=all(not t.any() for k, t in m_state.items() if ".lora_B." in k),
         adapters=len(f_state) // 2,
         loss_abs_diff=abs(metrics["fsdp"]["train/loss"] - metrics["megatron"]["train/loss"]),
+        moe_losses={k: [metrics[b].get(k) for b in ("fsdp", "megatron")] for k in ("train/moe_aux_loss", "train/moe_z_loss")},
         grad_norm=[metrics[b]["train/grad_norm"] for b in ("fsdp", "megatron")],
         grad_max_abs_diff=max((grads["fsdp"][n] - grads["megatron"][n]).abs().max().item() for n in grads["fsdp"]),
         grad_min_norm=min(g.norm().item() for g in grads["fsdp"].values()),
@@ -119,7 +120,8 @@ def _main(dense: str, moe: str, work: str) -> None:
     report = {}
     report["dense"], actor = _step_pair(dense, "attn,mlp,lm_head", Path(work, "tp1"))
     report["engine"] = _engine_vs_trainer(dense, actor, Path(work))
-    report["moe"], _ = _step_pair(moe, "attn")
+    # the router's load-balancing and z-loss terms reach the attention adapters through the hidden states
+    report["moe"], _ = _step_pair(moe, "attn", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
     print(json.dumps(report))
 
 
@@ -152,6 +154,9 @@ def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
     assert r["grad_norm"][0] == pytest.approx(r["grad_norm"][1], rel=TOL) and r["grad_min_norm"] > 1e-4, r
     assert r["update_max_abs_diff"] < TOL and r["moved"] > 1e-4, r  # the step moved every adapter tensor
     assert r["merged_same_names"] and r["merged_max_abs_diff"] < TOL, r
+    if model == "moe":  # --moe-aux-loss-coeff / --moe-z-loss-coeff under LoRA: the same terms on both
+        for f, m in r["moe_losses"].values():
+            assert f > 0 and m == pytest.approx(f, rel=TOL), r["moe_losses"]
 
 
 def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(report):
