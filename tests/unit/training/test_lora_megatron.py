@@ -166,14 +166,15 @@ def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(re
     assert e["resume_identical"], e
 
 
-LAYOUTS = {
+LAYOUTS = {  # on 2 ranks
     "tp2": dict(tensor_model_parallel_size=2),
     "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "dp2": dict(),  # the adapter's gradients averaged over the data-parallel pair
 }
 
 
 def _tp_worker(rank: int, world: int, ports: list[int], dense: str, ref: str, out: str) -> None:
-    """Both TP layouts in turn on these 2 ranks: the 1-rank step from its start adapter."""
+    """Each layout in turn on these 2 ranks: the 1-rank step from its start adapter."""
     import traceback
 
     from safetensors.torch import load_file, save_file
@@ -197,8 +198,8 @@ def _tp_worker(rank: int, world: int, ports: list[int], dense: str, ref: str, ou
         Path(f"{out}/rank{rank}.error").write_text(traceback.format_exc())
 
 
-def test_a_tensor_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
-    """TP2 and TP2 + SP on 2 gloo ranks, from the dense step's start adapter: the loss, its parts, the
+def test_a_tensor_and_data_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
+    """TP2, TP2 + SP and DP2 on 2 gloo ranks, from the dense step's start adapter: the loss, its parts, the
     grad norm and the merged weights (base + updated adapter) of the 1-rank step within 1e-5."""
     from loop_helpers import run_ranks
     from safetensors.torch import load_file
@@ -208,9 +209,8 @@ def test_a_tensor_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
     ref = Path(report["paths"]["work"], "out", "tp1")
     one, w1 = json.loads((ref / "metrics.json").read_text()), load_file(str(ref / "merged.safetensors"))
     out = tmp_path / "tp"
-    run_ranks(
-        _tp_worker, (2, [free_port(), free_port()], report["paths"]["dense"], str(ref), str(out)), 2, out
-    )
+    ports = [free_port() for _ in LAYOUTS]
+    run_ranks(_tp_worker, (2, ports, report["paths"]["dense"], str(ref), str(out)), 2, out)
     for name in LAYOUTS:
         for rank in (0, 1):
             m = json.loads((out / f"{name}.rank{rank}.json").read_text())
