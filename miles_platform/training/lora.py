@@ -138,18 +138,6 @@ def hf_meta_model(hf_config: dict) -> nn.Module:
         return AutoModelForCausalLM.from_config(conf)
 
 
-def check_targets_before_start(cfg, hf_config: dict) -> list[str]:
-    """--target-modules / --exclude-modules resolved against the checkpoint's modules (a meta-device
-    model: no weights), and on megatron each mapped to its layer: every refusal before Ray starts."""
-    targets = resolve_target_modules(hf_meta_model(hf_config), cfg.target_modules, cfg.exclude_modules)
-    if cfg.train_backend == "megatron":
-        from miles_platform.training.megatron_lora import megatron_target
-
-        for t in targets:
-            megatron_target(t)
-    return targets
-
-
 def lora_config(cfg, targets: list[str]):
     from peft import LoraConfig
 
