@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable
 
 import torch
@@ -130,7 +131,7 @@ class FSDPBackend(ModelBackend):
 
         sd = {}
         for name, t in self._full_state(lambda n: not is_adapter_param(n)).items():
-            sd[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = t
+            sd[re.sub(r"(\.base_layer)+\.", ".", name.removeprefix("base_model.model."))] = t
         if getattr(self.module.config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)
         return sd

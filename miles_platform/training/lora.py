@@ -25,8 +25,13 @@ import torch
 from torch import nn
 
 from miles_platform.errors import ConfigError
+from miles_platform.rollout.lora_serving import (  # noqa: F401
+    EXPERT_PARAMS,
+    expert_factors,
+    expert_peft_prefix,
+    read_adapter_dir,  # noqa: F401 (re-exported)
+)
 from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
-from miles_platform.rollout.lora_serving import read_adapter_dir  # noqa: F401 (re-exported)
 
 GROUPS = {
     "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -52,11 +57,25 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+def expert_param_names(model: nn.Module) -> list[str]:
+    """The packed routed-expert weights of an MoE model (`...mlp.experts.gate_up_proj` [E, 2I, H],
+    `...down_proj` [E, H, I]): what PEFT adapts through `target_parameters`, one LoRA per expert."""
+    return [n for n, p in model.named_parameters()
+            if n.rsplit(".", 1)[-1] in EXPERT_PARAMS and n.rsplit(".", 2)[-2] == "experts" and p.ndim == 3]  # fmt: skip
+
+
+def _param_matches(name: str, pat: str) -> bool:
+    return _matches(name, pat) or _matches(name.rsplit(".", 1)[0], pat)
+
+
 def resolve_target_modules(
     model: nn.Module, target_modules: str | None, exclude_modules: str | None
 ) -> list[str]:
-    """The full module names of `model` that get an adapter, sorted. Errors name the flag and value."""
-    linears = linear_module_names(model)
+    """The full names of what gets an adapter, sorted: `model`'s linear modules and, on an MoE model, its
+    packed expert weights (`...mlp.experts.gate_up_proj` / `down_proj`: Miles' `mlp` group includes the
+    routed experts). Errors name the flag and value."""
+    experts = expert_param_names(model)
+    candidates = [(n, False) for n in linear_module_names(model)] + [(n, True) for n in experts]
     wanted = _split(target_modules) or ["all-linear"]
     if "all-linear" in wanted and len(wanted) > 1:
         raise ConfigError(f"--target-modules {target_modules!r}: all-linear must be used alone")
@@ -68,12 +87,15 @@ def resolve_target_modules(
             patterns += [(leaf, False) for leaf in GROUPS[t]]
         else:
             patterns.append((t, True))
-    _refuse_moe_targets(model, wanted, patterns)
+        if t in ("all-linear", "mlp"):
+            patterns += [(p, False) for p in EXPERT_PARAMS]
+    _refuse_moe_targets(model, patterns)
+    match = lambda n, pat, param: _param_matches(n, pat) if param else _matches(n, pat)  # noqa: E731
     picked: dict[str, bool] = {}
     for pat, explicit in patterns:
-        hits = [n for n in linears if _matches(n, pat)]
+        hits = [n for n, param in candidates if match(n, pat, param)]
         if explicit and not hits:
-            leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in candidates})
             raise ConfigError(
                 f"--target-modules {pat!r} matches no linear module of the model; its linear leaves are "
                 f"{leaves} (or use the groups {sorted(GROUPS)} / all-linear)"
@@ -82,7 +104,7 @@ def resolve_target_modules(
             picked[n] = picked.get(n, False) or explicit
     excluded = set()
     for pat in _split(exclude_modules):
-        hits = [n for n in picked if _matches(n, pat)]
+        hits = [n for n in picked if match(n, pat, n in experts)]
         clash = [n for n in hits if picked[n]]
         if clash:
             raise ConfigError(
@@ -95,38 +117,40 @@ def resolve_target_modules(
         raise ConfigError(
             f"--target-modules {target_modules!r} --exclude-modules {exclude_modules!r}: no module is left to adapt"
         )
+    _check_expert_layout(model, [n for n in out if n in experts])
     return out
 
 
-def _refuse_moe_targets(model: nn.Module, wanted: list[str], patterns: list[tuple[str, bool]]) -> None:
-    """An MoE model: routers are never targets (Miles' target groups exclude them) and routed-expert
-    adapters are not built, so the selections that would take them in Miles are refused, not narrowed."""
+def _refuse_moe_targets(model: nn.Module, patterns: list[tuple[str, bool]]) -> None:
+    """Routers are never targets (Miles' target groups exclude them)."""
     from miles_platform.models.moe import routers
 
     found = routers(model)
     if not found:
         return
     names = {id(m): n for n, m in model.named_modules()}
-    router_names = [names[id(r)] for r in found]
-    expert_params = [n for n, _ in model.named_parameters() if ".experts." in n]
     for pat, explicit in patterns:
-        if explicit and any(_matches(n, pat) for n in router_names):
+        if explicit and any(_matches(names[id(r)], pat) for r in found):
             raise ConfigError(
                 f"--target-modules {pat!r}: an MoE router; Miles' LoRA never adapts routers (its target groups "
-                "exclude them). Adapt attention (--target-modules attn) or dense projections"
+                "exclude them). Adapt attention, dense or expert projections"
             )
-        if explicit and any(_matches(n.rsplit(".", 1)[0], pat) or _matches(n, pat) for n in expert_params):
+
+
+def _check_expert_layout(model: nn.Module, params: list[str]) -> None:
+    """Expert adapters are built for Qwen-style packed experts (`act(gate) * up`, no biases): the
+    engine's expert forward (rollout/lora_serving.py) computes exactly that."""
+    if not params:
+        return
+    modules = dict(model.named_modules())
+    for name in params:
+        experts = modules[name.rsplit(".", 1)[0]]
+        biased = [n for n, _ in experts.named_parameters() if n not in EXPERT_PARAMS]
+        if biased or not hasattr(experts, "act_fn") or getattr(experts, "is_transposed", False):
             raise ConfigError(
-                f"--target-modules {pat!r}: routed MoE experts; expert adapters (Miles' per-expert or "
-                "--experts-shared-outer-loras layouts) are not built here. Use --target-modules attn"
+                f"--target-modules: {name}: expert adapters are built for Qwen-style packed experts (no biases, "
+                f"[E, out, in] weights); {type(experts).__name__} is not one. Use --target-modules attn"
             )
-    implicit = [t for t in wanted if t in ("all-linear", "mlp")]
-    if implicit and expert_params:
-        raise ConfigError(
-            f"--target-modules {','.join(implicit) if wanted != ['all-linear'] else 'all-linear (the default)'}: "
-            "on an MoE model Miles' MLP group includes the routed experts, whose adapters are not built here; "
-            "use --target-modules attn (plus explicit dense or shared-expert projections)"
-        )
 
 
 def hf_meta_model(hf_config: dict) -> nn.Module:
@@ -138,14 +162,27 @@ def hf_meta_model(hf_config: dict) -> nn.Module:
         return AutoModelForCausalLM.from_config(conf)
 
 
+def split_targets(targets: list[str]) -> tuple[list[str], list[str]]:
+    """(linear module names, packed expert weight names) of resolved targets."""
+    params = [t for t in targets if t.rsplit(".", 1)[-1] in EXPERT_PARAMS and ".experts." in t + "."]
+    return [t for t in targets if t not in params], params
+
+
 def lora_config(cfg, targets: list[str]):
     from peft import LoraConfig
 
+    modules, params = split_targets(targets)
+    if params and cfg.lora_dropout:
+        raise ConfigError(
+            f"--lora-dropout {cfg.lora_dropout} with routed-expert targets: an expert adapter has no dropout "
+            "(PEFT's, Miles'); use --lora-dropout 0 or --target-modules attn"
+        )
     return LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
+        target_modules=modules,
+        target_parameters=params or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -160,7 +197,14 @@ def check_adapter_matches(path: str, cfg, targets: list[str]) -> None:
         keys = list(f.keys())
     # the modules it adapts, from its tensors (PEFT writes `target_modules` shortened to leaf names
     # when they cover many layers): Miles derives an adapter's targets from its tensor keys too
-    adapted = sorted({k.removeprefix(PEFT_PREFIX).split(".lora_A.")[0] for k in keys if ".lora_A." in k})
+    adapted = sorted(
+        {
+            k.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
+            for k in keys
+            if ".lora_A." in k and ".experts." not in k + "."
+        }  # fmt: skip
+        | set(saved.get("target_parameters") or [])
+    )
     have = {"rank": saved.get("r"), "alpha": saved.get("lora_alpha"), "targets": adapted}
     want = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": sorted(targets)}
     bad = [f"{k}: adapter {have[k]!r}, flags {want[k]!r}" for k in want if have[k] != want[k]]
@@ -203,8 +247,13 @@ def is_adapter_param(name: str) -> bool:
 def adapter_config_dict(peft_model) -> dict:
     """adapter_config.json as PEFT writes it (`base_model_name_or_path` as given to PEFT), with
     `target_modules` the full names of the adapted modules (PEFT may shorten them to leaf names)."""
-    adapted = [n.removeprefix(PEFT_PREFIX) for n, m in peft_model.named_modules()
-               if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and ADAPTER_NAME in m.lora_A]  # fmt: skip
+    adapted = []
+    for n, m in peft_model.named_modules():
+        if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and ADAPTER_NAME in m.lora_A:
+            n = n.removeprefix(PEFT_PREFIX)
+            if getattr(m, "parameter_name", None):  # an expert weight: `...experts[.base_layer]*` + its name
+                n = f"{n.split('.base_layer')[0]}.{m.parameter_name}"
+            adapted.append(n)
     return config_dict(peft_model.peft_config[ADAPTER_NAME], adapted)
 
 
@@ -212,11 +261,12 @@ def config_dict(lora_conf, targets: list[str]) -> dict:
     """A `peft.LoraConfig` as the JSON of adapter_config.json (sets as sorted lists) for the adapted
     modules `targets` (full names): both backends write the same file for the same adapter."""
     conf = lora_conf.to_dict()
-    conf["target_modules"] = sorted(targets)
+    modules, params = split_targets(sorted(targets))
+    conf["target_modules"], conf["target_parameters"] = modules, params
     for k, v in list(conf.items()):
         if isinstance(v, set):
             conf[k] = sorted(v)
-    if not conf.get("target_parameters"):  # PEFT writes [] for some MoE models, None otherwise: the same
+    if not conf.get("target_parameters"):  # none: PEFT's null
         conf["target_parameters"] = None
     return json.loads(json.dumps(conf, default=str))
 
@@ -301,8 +351,13 @@ def merged_state_dict(base: dict[str, torch.Tensor], adapter: dict[str, torch.Te
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     scale = alpha / (r**0.5) if config.get("use_rslora") else alpha / r
     out = dict(base)
+    for param, (a, b) in expert_factors(
+        adapter, config
+    ).items():  # packed experts: W[e] + scale * B[e] @ A[e]
+        w = out[param]
+        out[param] = (w.float() + scale * torch.bmm(b.float(), a.float())).to(w.dtype)
     for key, a in adapter.items():
-        if ".lora_A." not in key:
+        if ".lora_A." not in key or ".experts." in key:
             continue
         module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
         b = adapter[key.replace(".lora_A.", ".lora_B.")]

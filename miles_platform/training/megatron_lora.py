@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles_platform.errors import ConfigError
-from miles_platform.training.lora import PEFT_PREFIX, hf_meta_model, resolve_target_modules
+from miles_platform.training.lora import (
+    PEFT_PREFIX,
+    expert_peft_prefix,
+    hf_meta_model,
+    resolve_target_modules,
+    split_targets,
+)
 
 _HF = re.compile(
     r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -41,15 +47,22 @@ _MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.li
              "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}  # fmt: skip
 
 
+_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
 def megatron_target(hf_name: str) -> tuple[str, str]:
-    """(megatron module name, projection) of a PEFT target; refuses what has no megatron adapter."""
+    """(megatron module name, projection) of a PEFT target; refuses what has no megatron adapter. A
+    packed expert weight maps to the layer's `mlp.experts` (its `local_experts.e.linear_fc1 / fc2`)."""
     if hf_name == "lm_head":
         return "output_layer", "lm_head"
+    m = _EXPERTS.fullmatch(hf_name)
+    if m is not None:
+        return f"decoder.layers.{m.group(1)}.mlp.experts", m.group(2)
     m = _HF.fullmatch(hf_name)
     if m is None:
         raise ConfigError(
             f"--target-modules: {hf_name} has no adapter on the megatron backend (built: q/k/v/o_proj, "
-            "gate/up/down_proj of the decoder layers, lm_head); use --train-backend fsdp or exclude it"
+            "gate/up/down_proj of the decoder layers, packed experts, lm_head); use --train-backend fsdp or exclude it"
         )
     return f"decoder.layers.{m.group(1)}.{_MEGATRON[m.group(3)]}", m.group(3)
 
@@ -74,13 +87,18 @@ class MegatronLora(nn.Module):
         modules = dict(model.named_modules())
         dev = next(model.parameters()).device  # (a tied output_layer has no parameter of its own)
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
+        self._hooks_experts: list = []
         self._keys: dict[str, str] = {}  # factor key -> PEFT file key
         self._parts: dict[str, list[str]] = {}  # megatron module -> its adapted projections
         dims = _projection_dims(hf_config)
+        expert_targets = split_targets(self.targets)[1]
         for hf_name in self.targets:
             mod, proj = megatron_target(hf_name)
             if mod not in modules:
                 raise ConfigError(f"--target-modules: {hf_name}: the megatron model has no {mod}")
+            if hf_name in expert_targets:
+                self._add_experts(modules, mod, proj, hf_name, expert_targets, hf_config, dev)
+                continue
             d_in, d_out = dims[proj]
             key = f"{mod}.{proj}".replace(".", "__")
             a = torch.empty(self.rank, d_in, device=dev)
@@ -92,6 +110,44 @@ class MegatronLora(nn.Module):
         self._hooks = [
             modules[mod].register_forward_hook(self._hook(mod), with_kwargs=True) for mod in self._parts
         ]
+
+    def _add_experts(self, modules, mod, proj, hf_name, expert_targets, hf_config, dev) -> None:
+        """PEFT's factors of a packed expert weight (`lora_A [E*r, in]`, `lora_B [out, r*E]`, B's columns
+        rank-major) and a hook per local expert's linear_fc1 / fc2 adding its own `B[e] @ A[e]`."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+            raise ConfigError(
+                f"--target-modules: {hf_name}: expert adapters on megatron are built at tensor parallel 1; use "
+                "--tensor-model-parallel-size 1, --target-modules attn, or --train-backend fsdp"
+            )
+        n, h = int(hf_config.get("num_experts") or hf_config["num_local_experts"]), hf_config["hidden_size"]
+        inter = hf_config["moe_intermediate_size"]
+        d_in, d_out = (h, 2 * inter) if proj == "gate_up_proj" else (inter, h)
+        key = f"{mod}.{proj}".replace(".", "__")
+        a = torch.empty(n * self.rank, d_in, device=dev)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        self.A[key], self.B[key] = (
+            nn.Parameter(a),
+            nn.Parameter(torch.zeros(d_out, self.rank * n, device=dev)),
+        )
+        self._keys[key] = f"{PEFT_PREFIX}{expert_peft_prefix(hf_name, expert_targets)}"
+        fc = "linear_fc1" if proj == "gate_up_proj" else "linear_fc2"
+        for e in range(n):
+            local = modules[f"{mod}.local_experts.{e}.{fc}"]
+            self._hooks_experts.append(
+                local.register_forward_hook(self._expert_hook(key, e, n), with_kwargs=True)
+            )
+
+    def _expert_hook(self, key: str, e: int, n: int):
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
+            out, bias = output
+            a = self.A[key].view(n, self.rank, -1)[e]
+            b = self.B[key].view(-1, self.rank, n)[:, :, e]
+            return out + (F.linear(F.linear(x.to(a.dtype), a), b) * self.scale).to(out.dtype), bias
+
+        return hook
 
     # ---- forward ----
     def _delta(self, mod: str, proj: str, x: torch.Tensor) -> torch.Tensor:

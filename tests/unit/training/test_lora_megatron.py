@@ -96,6 +96,9 @@ def _engine_vs_trainer(hf: str, actor, work: Path) -> dict:
                 "sampling_params": [{"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}]}  # fmt: skip
         out = post(server.url, "/generate", body)[0]
         base = post(server.url, "/generate", {**body, "lora_path": [None]})[0]
+        # one batch, a row with the adapter and one without: each row as served alone
+        both = post(server.url, "/generate", {**body, "input_ids": [prompt] * 2, "lora_path": ["m", None],
+                                               "sampling_params": body["sampling_params"] * 2})  # fmt: skip
     finally:
         server.stop()
     ids = out["output_ids"]
@@ -110,6 +113,15 @@ def _engine_vs_trainer(hf: str, actor, work: Path) -> dict:
     return dict(
         logprob_max_abs_diff=(engine_lp - trainer_lp).abs().max().item(),
         adapter_changes_policy=ids != base["output_ids"],
+        mixed_batch_rows_as_alone=[r["output_ids"] for r in both] == [ids, base["output_ids"]]
+        and max(
+            abs(x[0] - y[0])
+            for r, o in zip(both, (out, base), strict=True)
+            for x, y in zip(
+                r["meta_info"]["output_token_logprobs"], o["meta_info"]["output_token_logprobs"], strict=True
+            )
+        )
+        < 1e-5,
         saved=sorted(os.listdir(ckpt / "adapter")),
         resume_identical=all(torch.equal(before[k], v) for k, v in actor.get_lora_adapter()[0].items()),
     )
@@ -121,7 +133,8 @@ def _main(dense: str, moe: str, work: str) -> None:
     report["dense"], actor = _step_pair(dense, "attn,mlp,lm_head", Path(work, "tp1"))
     report["engine"] = _engine_vs_trainer(dense, actor, Path(work))
     # the router's load-balancing and z-loss terms reach the attention adapters through the hidden states
-    report["moe"], _ = _step_pair(moe, "attn", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    report["moe"], moe_actor = _step_pair(moe, "attn,mlp", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    report["moe_engine"] = _engine_vs_trainer(moe, moe_actor, Path(work, "moe"))
     print(json.dumps(report))
 
 
@@ -149,7 +162,8 @@ def report(tiny_hf_checkpoint, tmp_path_factory):
 def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
     r = report[model]
     assert r["same_keys"] and r["same_config"] and r["fresh_b_zero"], r
-    assert r["adapters"] == (2 * 7 + 1 if model == "dense" else 2 * 4), r  # every projection, every layer
+    # every projection of every layer (MoE: q/k/v/o and the packed gate_up / down experts of each layer)
+    assert r["adapters"] == (2 * 7 + 1 if model == "dense" else 2 * 6), r
     assert r["loss_abs_diff"] < TOL and r["grad_max_abs_diff"] < TOL, r
     assert r["grad_norm"][0] == pytest.approx(r["grad_norm"][1], rel=TOL) and r["grad_min_norm"] > 1e-4, r
     assert r["update_max_abs_diff"] < TOL and r["moved"] > 1e-4, r  # the step moved every adapter tensor
@@ -159,10 +173,12 @@ def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
             assert f > 0 and m == pytest.approx(f, rel=TOL), r["moe_losses"]
 
 
-def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(report):
-    e = report["engine"]
+@pytest.mark.parametrize("model", ["engine", "moe_engine"])
+def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(report, model):
+    e = report[model]
     assert e["saved"] == ["adapter_config.json", "adapter_model.safetensors", "base_checkpoint.json"], e
     assert e["logprob_max_abs_diff"] < 1e-4 and e["adapter_changes_policy"], e
+    assert e["mixed_batch_rows_as_alone"], e  # per-row adapters (experts: each token its row's)
     assert e["resume_identical"], e
 
 
@@ -234,19 +250,25 @@ def test_refused_before_start_by_name(report, tiny_hf_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="--moe-router-freeze-gate with --lora-rank: no effect"):
         _cfg(tiny_hf_checkpoint, "fsdp", None, moe_router_freeze_gate=True)
     moe_dir = report["paths"]["moe"]
-    with pytest.raises(
-        ConfigError, match="all-linear .the default.: on an MoE model"
-    ):  # preflight, before Ray
-        validate_before_start(small_run_config(moe_dir, tmp_path, train_backend="megatron", lora_rank=4))
-    validate_before_start(small_run_config(moe_dir, tmp_path, train_backend="megatron", lora_rank=4,
-                                           target_modules="attn"))  # fmt: skip
     moe = hf_meta_model(json.loads(Path(moe_dir, "config.json").read_text()))
-    for targets, match in ((None, "all-linear .the default.: on an MoE model"), ("attn,mlp", "--target-modules mlp: on an MoE"),
-                           ("gate", "an MoE router"), ("experts", "routed MoE experts"),
-                           ("gate_up_proj", "routed MoE experts")):  # fmt: skip
-        with pytest.raises(ConfigError, match=match):
-            resolve_target_modules(moe, targets, None)
+    # Miles' groups: `mlp` (and the default) takes the packed routed experts; routers never
+    experts = [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
+    assert resolve_target_modules(moe, None, None) == resolve_target_modules(moe, "attn,mlp", None)
+    assert resolve_target_modules(moe, "mlp", None) == experts == resolve_target_modules(moe, "experts", None)
+    assert resolve_target_modules(moe, "gate_up_proj", None) == experts[1::2]
     assert len(resolve_target_modules(moe, "attn", None)) == 8
+    with pytest.raises(ConfigError, match="an MoE router"):
+        resolve_target_modules(moe, "gate", None)
+    for backend, kw, match in (("fsdp", dict(lora_dropout=0.1), "--lora-dropout 0.1 with routed-expert targets"),
+                               ("megatron", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                 actor_num_gpus_per_node=2), "built at tensor parallel 1")):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):  # preflight, before Ray
+            validate_before_start(
+                small_run_config(moe_dir, tmp_path, train_backend=backend, lora_rank=4, **kw)
+            )
+    validate_before_start(small_run_config(moe_dir, tmp_path, train_backend="megatron", lora_rank=4,
+                                           tensor_model_parallel_size=2, sequence_parallel=True,
+                                           actor_num_gpus_per_node=2, target_modules="attn"))  # fmt: skip
 
 
 if __name__ == "__main__":
