@@ -380,7 +380,10 @@ def export_merged_hf_dir(base_dir: str, adapter_dir: str, out_dir: str) -> str:
 
     check_base(adapter_dir, base_dir)
     adapter, config = read_adapter_dir(adapter_dir)
-    merged = merged_state_dict(read_safetensors_dir(base_dir), adapter, config)
+    from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts
+
+    # the module's names (an MoE's per-expert tensors fused, as the adapter's expert weights name them)
+    merged = merged_state_dict(fuse_checkpoint_experts(read_safetensors_dir(base_dir)), adapter, config)
     untie = "lm_head.weight" in merged and any(".lm_head.lora_" in k for k in adapter)
     # a merged head differs from the embedding: the export is no longer tied
     return export_hf_dir(merged, base_dir, out_dir, {"tie_word_embeddings": False} if untie else None)

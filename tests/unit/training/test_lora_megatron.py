@@ -107,11 +107,19 @@ def _engine_vs_trainer(hf: str, actor, work: Path) -> dict:
     with torch.no_grad():
         logits = actor.backend.logits(seq, torch.arange(seq.shape[1])[None])[0, len(prompt) - 1 : -1]
     trainer_lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    # the merged HF export (--save-hf, evals) of the adapter: an ordinary checkpoint with the same logits
+    from miles_platform.models.checkpoint import load_hf_model
+    from miles_platform.training.lora import export_merged_hf_dir
+
+    merged = load_hf_model(export_merged_hf_dir(hf, str(ckpt / "adapter"), str(work / "merged")))
+    with torch.no_grad():
+        merged_diff = (merged(input_ids=seq).logits[0, len(prompt) - 1 : -1] - logits).abs().max().item()
     # the resumed adapter is the saved one
     before = actor.get_lora_adapter()[0]
     actor.backend.load_model(str(ckpt))
     return dict(
         logprob_max_abs_diff=(engine_lp - trainer_lp).abs().max().item(),
+        merged_logits_max_abs_diff=merged_diff,
         adapter_changes_policy=ids != base["output_ids"],
         mixed_batch_rows_as_alone=[r["output_ids"] for r in both] == [ids, base["output_ids"]]
         and max(
@@ -178,7 +186,8 @@ def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(re
     e = report[model]
     assert e["saved"] == ["adapter_config.json", "adapter_model.safetensors", "base_checkpoint.json"], e
     assert e["logprob_max_abs_diff"] < 1e-4 and e["adapter_changes_policy"], e
-    assert e["mixed_batch_rows_as_alone"], e  # per-row adapters (experts: each token its row's)
+    assert e["mixed_batch_rows_as_alone"], e
+    assert e["merged_logits_max_abs_diff"] < 1e-4, e  # per-row adapters (experts: each token its row's)
     assert e["resume_identical"], e
 
 
