@@ -1,10 +1,12 @@
-"""LoRA on the fsdp backend with PEFT: target selection (Miles' groups and names), the adapter's
-PEFT-format files, and the merged export. The base stays frozen; only lora_A / lora_B train.
+"""LoRA with PEFT (the fsdp backend; the megatron backend's training/megatron_lora.py writes the same
+files): target selection (Miles' groups and names), the adapter's PEFT-format files, and the merged
+export. The base stays frozen; only lora_A / lora_B train.
 
 Target selection follows Miles' `hf_lora_targets.py` for the Qwen3 / Llama layout:
 
     attn     q_proj, k_proj, v_proj, o_proj
-    mlp      gate_proj, up_proj, down_proj
+    mlp      gate_proj, up_proj, down_proj; on an MoE model also the packed routed experts
+             (mlp.experts.gate_up_proj / down_proj, PEFT's target_parameters); routers never
     unembed  lm_head
     default  attn + mlp (also what `all-linear` means; `all-linear` must stand alone)
 

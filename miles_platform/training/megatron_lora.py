@@ -9,6 +9,8 @@ layers, trained, saved and exported under PEFT's HF names, so the adapter is the
     model.layers.i.mlp.{gate,up}_proj        decoder.layers.i.mlp.linear_fc1, [gate; up]
     model.layers.i.mlp.down_proj             decoder.layers.i.mlp.linear_fc2
     lm_head                                  output_layer (the tied head too: PEFT adapts the head only)
+    model.layers.i.mlp.experts.gate_up_proj  ...mlp.experts.local_experts.e.linear_fc1 (expert e's factors)
+    model.layers.i.mlp.experts.down_proj     ...mlp.experts.local_experts.e.linear_fc2
 
 Each target gets its own `lora_A [r, in]` / `lora_B [out, r]` (Miles' `canonical_lora` layout: split
 Q/K/V and gate/up), and a forward hook on the megatron linear adds `scale * B @ A @ dropout(x)` into
@@ -17,9 +19,10 @@ equals the fsdp step (tests/unit/training/test_lora_megatron.py). The adapter pa
 the GPTModel, not inside it: its state dict, torch_dist checkpoints and bridges are the base's,
 unchanged. Target selection is training/lora.py's, resolved against the HF model's module names.
 
-Built at tensor / pipeline / context / expert parallel 1 (data parallel over the adapter's
-gradients); MoE models take attention (and dense-layer MLP) adapters: routed experts and routers
-are refused by name (config/lora.py)."""
+Built at pipeline / context / expert parallel 1, at any tensor parallel (sequence parallel too:
+the factors stay whole on every TP rank, see `_gather_input` / `_to_output`) and data parallel (the
+backend averages the factors' gradients). Packed routed experts (PEFT's `target_parameters` layout,
+one LoRA per expert) at TP 1; routers are never targets (training/lora.py)."""
 
 from __future__ import annotations
 
