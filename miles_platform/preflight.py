@@ -26,6 +26,8 @@ def validate_before_start(cfg: RunConfig) -> None:
 
     check_model_args(cfg.model_args_given(), hf, os.path.join(cfg.hf_checkpoint, "config.json"))
     _check_moe(cfg, hf)
+    if cfg.uses_lora and not cfg.debug_rollout_only:
+        _check_lora_targets(cfg, hf)
     from miles_platform.config.vision import check_vision_checkpoint
 
     check_vision_checkpoint(cfg, hf)
@@ -147,6 +149,26 @@ def check_object_store(cfg: RunConfig) -> None:
             "SGLang engines load HF exports from a local path and those are on the object store; use "
             "--rollout-engine embedded (downloads them) or --update-weight-transfer-mode broadcast"
         )
+
+
+def _check_lora_targets(cfg: RunConfig, hf_config: dict) -> None:
+    """--target-modules / --exclude-modules resolved against the checkpoint's modules (a meta-device
+    model: no weights), on megatron each mapped to its layer: the trainer's refusals, before Ray."""
+    from miles_platform.training.lora import hf_meta_model, lora_config, resolve_target_modules, split_targets
+
+    targets = resolve_target_modules(hf_meta_model(hf_config), cfg.target_modules, cfg.exclude_modules)
+    lora_config(cfg, targets)  # (an expert adapter has no dropout)
+    if cfg.train_backend == "megatron":
+        from miles_platform.training.megatron_lora import megatron_target
+
+        for t in targets:
+            megatron_target(t)
+        experts = split_targets(targets)[1]
+        if experts and max(cfg.tensor_model_parallel_size, cfg.expert_tensor_parallel_size or 1) > 1:
+            raise ConfigError(
+                f"--target-modules: {experts[0]}: expert adapters on megatron are built at tensor parallel 1; "
+                "use --tensor-model-parallel-size 1, --target-modules attn, or --train-backend fsdp"
+            )
 
 
 def _check_moe(cfg: RunConfig, hf_config: dict) -> None:

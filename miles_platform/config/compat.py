@@ -170,7 +170,7 @@ COMPAT: dict[str, MilesFlag] = {
     "use_dynamic_global_batch_size": _refused("bool", "a global batch that varies with dynamic sampling is not built: each step trains --global-batch-size samples"),
     "finetune": _refused("bool", "megatron's --finetune (load weights, reset iteration and optimizer) is not built: start a new run from the weights as --hf-checkpoint"),
     "lora_base_cpu_backup": _refused("bool", "an SGLang-side CPU copy of the base weights for LoRA + colocate: LoRA here syncs adapters only and the base never changes; drop it"),
-    "experts_shared_outer_loras": _refused("bool", "LoRA on MoE experts is not built (MoE + LoRA is refused)"),
+    "experts_shared_outer_loras": _refused("bool", "the shared-outer expert LoRA layout is not built: expert adapters here are per expert (Miles' default layout, PEFT's target_parameters); drop it"),
     "eval_config": _refused("str", "an eval config file (per-dataset sampling and rewards) is not built: give the datasets as --eval-prompt-data NAME PATH ... with one set of --eval-* flags"),
     **{name: _refused(kind, _MEMORY) for name, kind in (("record_memory_history", "bool"), ("memory_snapshot_path", "str"),
        ("memory_snapshot_dir", "str"), ("memory_snapshot_num_steps", "int"), ("memory_recorder", "str"))},

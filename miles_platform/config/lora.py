@@ -1,4 +1,4 @@
-"""LoRA (docs/lora.md): PEFT adapters trained on the fsdp backend and synced to the engines through
+"""LoRA (docs/lora.md): PEFT adapters trained on the fsdp or megatron backend and synced to the engines through
 SGLang's LoRA API, under Miles' flag names and defaults. Target names are resolved against the model
 at start (training/lora.py)."""
 
@@ -58,7 +58,7 @@ class LoraFlags:
 
     def _check_lora_flags(self) -> None:
         """LoRA (docs/lora.md): the LoRA flags need --lora-rank > 0; the adapter trains on the fsdp backend
-        and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
+        or on the megatron backend at model parallel 1, and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
         given = changed_flags(self, LORA_FLAGS)
         if self.lora_rank == 0:
             if given:
@@ -69,10 +69,20 @@ class LoraFlags:
             return
         if self.lora_dropout >= 1:
             raise ConfigError(f"--lora-dropout {self.lora_dropout}: must be in [0, 1)")
-        if self.train_backend != "fsdp":
+        if self.train_backend == "megatron":
+            split = [f"--{n.replace('_', '-')}-size {getattr(self, n + '_size')}" for n in
+                     ("pipeline_model_parallel", "context_parallel", "expert_model_parallel")
+                     if (getattr(self, n + "_size") or 1) > 1]  # fmt: skip
+            if split:
+                raise ConfigError(
+                    f"--lora-rank {self.lora_rank} with {', '.join(split)}: LoRA on the megatron backend is built "
+                    "at pipeline, context and expert parallel 1 (tensor and data parallel); use those at 1 "
+                    "or --train-backend fsdp"
+                )
+        if self.moe_router_freeze_gate:
             raise ConfigError(
-                f"--lora-rank {self.lora_rank} with --train-backend {self.train_backend}: LoRA is built on the "
-                "fsdp backend (PEFT adapters) only; use --train-backend fsdp or --lora-rank 0"
+                "--moe-router-freeze-gate with --lora-rank: no effect, LoRA freezes the whole base, the routers "
+                "included; drop the flag"
             )
         mode = self.update_weight_transfer_mode
         if mode not in ("tensor", "disk"):

@@ -57,5 +57,3 @@ class MoeFlags:
                 f"--rollout-dtype {self.rollout_dtype}: routers compute in the forward's dtype, in trainer and "
                 "engine alike; only an fp32 forward has fp32 routers"
             )
-        if self.moe_flags() and self.uses_lora:
-            raise ConfigError(f"{', '.join(self.moe_flags())} with LoRA: MoE + LoRA is not built")

@@ -24,6 +24,7 @@ from torch import nn
 from miles_platform.errors import CheckpointError
 
 PREFIX = "base_model.model."
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # transformers' packed routed experts, [E, out, in]
 # adapter_config.json settings the engine does not implement: refused, never silently ignored
 _UNSUPPORTED = {"use_dora": False, "modules_to_save": None, "bias": "none", "fan_in_fan_out": False}
 
@@ -38,6 +39,8 @@ class LoraAdapter:
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A [r, in], B [out, r])
     tensors: dict[str, torch.Tensor] = field(repr=False)  # file key -> served tensor (checksums)
     owner: str | None = None  # the tenant whose key loaded it (http_common.tenant_key); None: the admin key
+    # packed expert weight (`...mlp.experts.gate_up_proj`) -> (A [E, r, in], B [E, out, r]): one LoRA per expert
+    experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def checksums(self) -> dict[str, str]:
         """SHA-256 of every served tensor's bytes (Miles' --check-lora-weight-equal)."""
@@ -55,6 +58,38 @@ def read_adapter_dir(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     return load_file(str(p / "adapter_model.safetensors")), json.loads(
         (p / "adapter_config.json").read_text()
     )
+
+
+def expert_peft_prefix(param: str, targeted: list[str]) -> str:
+    """PEFT's module path of the adapter on packed expert weight `param` (`...experts.gate_up_proj`):
+    PEFT wraps the experts module once per targeted weight, in the module's parameter order, the first
+    innermost, so with both targeted gate_up_proj's factors are under `experts.base_layer` and
+    down_proj's under `experts`. `targeted`: every targeted weight (adapter_config `target_parameters`)."""
+    module, leaf = param.rsplit(".", 1)
+    mine = [p for p in EXPERT_PARAMS if f"{module}.{p}" in targeted]
+    return module + ".base_layer" * (len(mine) - 1 - mine.index(leaf))
+
+
+def expert_factors(
+    tensors: dict[str, torch.Tensor], config: dict
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{packed expert weight: (A [E, r, in], B [E, out, r])} from PEFT's `lora_A [E*r, in]` /
+    `lora_B [out, r*E]` (B's columns rank-major, expert-minor), so delta_e = B[e] @ A[e]."""
+    targeted = sorted(config.get("target_parameters") or [])
+    r, out = int(config["r"]), {}
+    for param in targeted:
+        key = f"{PREFIX}{expert_peft_prefix(param, targeted)}"
+        a, b = tensors.get(f"{key}.lora_A.weight"), tensors.get(f"{key}.lora_B.weight")
+        if a is None or b is None or a.shape[0] % r or b.shape[1] != a.shape[0]:
+            raise CheckpointError(f"{param}: no lora_A [E*r, in] / lora_B [out, E*r] pair under {key}")
+        e = a.shape[0] // r
+        out[param] = (a.reshape(e, r, a.shape[1]), b.reshape(b.shape[0], r, e).permute(2, 0, 1))
+    return out
+
+
+def expert_keys(config: dict) -> set[str]:
+    targeted = sorted(config.get("target_parameters") or [])
+    return {f"{PREFIX}{expert_peft_prefix(p, targeted)}.lora_{f}.weight" for p in targeted for f in "AB"}
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -82,7 +117,28 @@ def parse_adapter(
         )
     scale = alpha / r**0.5 if config.get("use_rslora") else alpha / r
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    modules, served = {}, {}
+    modules, served, experts = {}, {}, {}
+    try:
+        factors = expert_factors(tensors, config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+    params = dict(model.named_parameters())
+    for param, (a, b) in factors.items():
+        w = params.get(param)
+        if w is None or w.ndim != 3 or not hasattr(model.get_submodule(param.rsplit(".", 1)[0]), "act_fn"):
+            raise CheckpointError(f"{where}: {param}: the served model has no packed expert weight there")
+        if (a.shape[0], a.shape[2], b.shape[1]) != (w.shape[0], w.shape[2], w.shape[1]):
+            raise CheckpointError(f"{where}: {param}: adapter for {a.shape[0]} experts of "
+                                  f"[{b.shape[1]}, {a.shape[2]}], the weight is {tuple(w.shape)}")  # fmt: skip
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise CheckpointError(f"{where}: {param}: lora_A / lora_B hold NaN or inf values")
+        experts[param] = (
+            a.detach().to(w.device, dtype).contiguous(),
+            b.detach().to(w.device, dtype).contiguous(),
+        )
+    for key in expert_keys(config):
+        served[key] = tensors[key].detach().to(dtype)
+    tensors = {k: v for k, v in tensors.items() if k not in served}
     for key in tensors:
         if not (
             key.startswith(PREFIX) and (key.endswith(".lora_A.weight") or key.endswith(".lora_B.weight"))
@@ -109,12 +165,12 @@ def parse_adapter(
         dev = lin.weight.device
         a, b = a.detach().to(dev, dtype).contiguous(), b.detach().to(dev, dtype).contiguous()
         modules[module], served[key], served[bkey] = (a, b), a, b
-    if len(served) != len(tensors):
+    if len(served) != len(tensors) + len(expert_keys(config)):
         orphans = sorted(set(tensors) - set(served))
         raise CheckpointError(f"{where}: lora_B tensors without lora_A: {orphans[:3]}")
-    if not modules:
+    if not modules and not experts:
         raise CheckpointError(f"{where}: no LoRA tensors")
-    return LoraAdapter(name, path, int(version), scale, r, modules, served)
+    return LoraAdapter(name, path, int(version), scale, r, modules, served, experts=experts)
 
 
 class LoraSlots:
@@ -125,6 +181,8 @@ class LoraSlots:
         self.adapters: dict[str, LoraAdapter] = {}
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._groups: dict[str, list[tuple[torch.Tensor, LoraAdapter]]] = {}  # set per forward
+        self._patched: set[str] = set()  # experts modules whose forward applies expert adapters
+        self._rows = 0  # batch rows of the current forward
 
     def load(self, adapter: LoraAdapter, replace: bool = False) -> None:
         if adapter.name in self.adapters and not replace:
@@ -146,6 +204,13 @@ class LoraSlots:
             self._hooks.pop(m).remove()
         for m in wanted - set(self._hooks):
             self._hooks[m] = modules[m].register_forward_hook(self._hook(m))
+        experts = {p.rsplit(".", 1)[0] for a in self.adapters.values() for p in a.experts}
+        for m in set(self._patched) - experts:  # the class's own forward again
+            del modules[m].forward
+            self._patched.discard(m)
+        for m in experts - set(self._patched):
+            modules[m].forward = self._expert_forward(m, modules[m])
+            self._patched.add(m)
 
     @contextlib.contextmanager
     def active(self, rows: list[str | None]) -> Iterator[None]:
@@ -160,11 +225,14 @@ class LoraSlots:
             for m in a.modules:
                 rows_t = torch.tensor(idx, device=a.modules[m][0].device)  # where the adapter (and batch) is
                 groups.setdefault(m, []).append((rows_t, a, len(idx) == len(rows)))
-        self._groups = groups
+            for m in {p.rsplit(".", 1)[0]: p for p in a.experts}.items():
+                rows_t = torch.tensor(idx, device=a.experts[m[1]][0].device)
+                groups.setdefault(m[0], []).append((rows_t, a, len(idx) == len(rows)))
+        self._groups, self._rows = groups, len(rows)
         try:
             yield
         finally:
-            self._groups = {}
+            self._groups, self._rows = {}, 0
 
     def _hook(self, module: str):
         def hook(_mod, inputs, out):
@@ -181,3 +249,49 @@ class LoraSlots:
             return out
 
         return hook
+
+    def _expert_forward(self, name: str, experts: nn.Module):
+        """The packed experts' forward (transformers' Qwen-style loop: `act(gate) * up`, then down,
+        weighted) with each token's adapter added to its experts' gate_up / down projections: the
+        tokens of a batch row (hidden states are the batch's `[rows * T, H]`) use that row's adapter."""
+        base = type(experts).forward.__get__(experts)
+
+        def forward(hidden_states, top_k_index, top_k_weights):
+            groups = self._groups.get(name)
+            if not groups:
+                return base(hidden_states, top_k_index, top_k_weights)
+            n = hidden_states.shape[0]
+            row = torch.arange(n, device=hidden_states.device) // (n // self._rows)
+            users = [(torch.isin(row, idx) if not whole else None, a) for idx, a, whole in groups]
+            out = torch.zeros_like(hidden_states)
+            hit = F.one_hot(top_k_index, experts.num_experts + 1).sum((0, 1)).nonzero()[:, 0].tolist()
+            for e in hit:
+                if e == experts.num_experts:
+                    continue
+                tok, pos = torch.where(top_k_index == e)
+                x = hidden_states[tok]
+                gate, up = self._expert_proj(
+                    x, experts.gate_up_proj[e], f"{name}.gate_up_proj", e, tok, users
+                ).chunk(2, -1)
+                y = self._expert_proj(
+                    experts.act_fn(gate) * up, experts.down_proj[e], f"{name}.down_proj", e, tok, users
+                )
+                out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
+            return out
+
+        return forward
+
+    @staticmethod
+    def _expert_proj(x, weight, param, e, tok, users):
+        y = F.linear(x, weight)
+        for mask, a in users:
+            pair = a.experts.get(param)
+            if pair is None:
+                continue
+            lora_a, lora_b = pair[0][e], pair[1][e]
+            if mask is None:
+                y = y + F.linear(F.linear(x, lora_a), lora_b) * a.scale
+            else:
+                m = mask[tok]
+                y = y.index_add(0, m.nonzero()[:, 0], F.linear(F.linear(x[m], lora_a), lora_b) * a.scale)
+        return y

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable
 
 import torch
@@ -130,7 +131,7 @@ class FSDPBackend(ModelBackend):
 
         sd = {}
         for name, t in self._full_state(lambda n: not is_adapter_param(n)).items():
-            sd[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = t
+            sd[re.sub(r"(\.base_layer)+\.", ".", name.removeprefix("base_model.model."))] = t
         if getattr(self.module.config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)
         return sd
@@ -174,20 +175,9 @@ class FSDPBackend(ModelBackend):
         training steps do not touch (`copy`); the returned writer only writes files (any thread)."""
         own = (lambda v: v.detach().clone().contiguous()) if copy else (lambda v: v.contiguous())
         if self.lora:  # the adapter only; the base is named by content hash, never copied
-            from miles_platform.models.checkpoint import content_hash
-            from miles_platform.training.lora import write_adapter_dir
+            from miles_platform.training.lora import adapter_writer
 
-            state, conf = self.export_adapter()
-            state = {k: own(v) for k, v in state.items()} if self.rank == 0 else {}
-            base = self.cfg.hf_checkpoint
-
-            def write_adapter(ckpt_dir: str) -> None:
-                if self.rank == 0:
-                    write_adapter_dir(
-                        os.path.join(ckpt_dir, "adapter"), state, conf, base, content_hash(base)
-                    )
-
-            return write_adapter
+            return adapter_writer(*self.export_adapter(), self.cfg.hf_checkpoint, self.rank, copy)
         sd = self.export_hf_state_dict()
         sd = {k: own(v) for k, v in sd.items()} if self.rank == 0 else {}
 
@@ -199,14 +189,8 @@ class FSDPBackend(ModelBackend):
 
     def load_model(self, ckpt_dir: str) -> None:
         if self.lora:
-            from miles_platform.training.lora import check_base, read_adapter_dir
+            from miles_platform.training.lora import read_checkpoint_adapter
 
-            adapter = os.path.join(ckpt_dir, "adapter")
-            if not os.path.isdir(adapter):
-                raise ValueError(
-                    f"{ckpt_dir}: no adapter/ (saved by a full fine-tuning run?); resume with --lora-rank 0"
-                )
-            check_base(adapter, self.cfg.hf_checkpoint)
-            self.load_adapter(read_adapter_dir(adapter)[0])
+            self.load_adapter(read_checkpoint_adapter(ckpt_dir, self.cfg.hf_checkpoint))
             return
         self.load_hf_state_dict(load_file(os.path.join(ckpt_dir, "model.safetensors")))

@@ -1,10 +1,12 @@
-"""LoRA on the fsdp backend with PEFT: target selection (Miles' groups and names), the adapter's
-PEFT-format files, and the merged export. The base stays frozen; only lora_A / lora_B train.
+"""LoRA with PEFT (the fsdp backend; the megatron backend's training/megatron_lora.py writes the same
+files): target selection (Miles' groups and names), the adapter's PEFT-format files, and the merged
+export. The base stays frozen; only lora_A / lora_B train.
 
 Target selection follows Miles' `hf_lora_targets.py` for the Qwen3 / Llama layout:
 
     attn     q_proj, k_proj, v_proj, o_proj
-    mlp      gate_proj, up_proj, down_proj
+    mlp      gate_proj, up_proj, down_proj; on an MoE model also the packed routed experts
+             (mlp.experts.gate_up_proj / down_proj, PEFT's target_parameters); routers never
     unembed  lm_head
     default  attn + mlp (also what `all-linear` means; `all-linear` must stand alone)
 
@@ -25,7 +27,13 @@ import torch
 from torch import nn
 
 from miles_platform.errors import ConfigError
-from miles_platform.rollout.lora_serving import read_adapter_dir  # noqa: F401 (re-exported)
+from miles_platform.rollout.lora_serving import (  # noqa: F401
+    EXPERT_PARAMS,
+    expert_factors,
+    expert_peft_prefix,
+    read_adapter_dir,  # noqa: F401 (re-exported)
+)
+from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
 
 GROUPS = {
     "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -51,11 +59,25 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+def expert_param_names(model: nn.Module) -> list[str]:
+    """The packed routed-expert weights of an MoE model (`...mlp.experts.gate_up_proj` [E, 2I, H],
+    `...down_proj` [E, H, I]): what PEFT adapts through `target_parameters`, one LoRA per expert."""
+    return [n for n, p in model.named_parameters()
+            if n.rsplit(".", 1)[-1] in EXPERT_PARAMS and n.rsplit(".", 2)[-2] == "experts" and p.ndim == 3]  # fmt: skip
+
+
+def _param_matches(name: str, pat: str) -> bool:
+    return _matches(name, pat) or _matches(name.rsplit(".", 1)[0], pat)
+
+
 def resolve_target_modules(
     model: nn.Module, target_modules: str | None, exclude_modules: str | None
 ) -> list[str]:
-    """The full module names of `model` that get an adapter, sorted. Errors name the flag and value."""
-    linears = linear_module_names(model)
+    """The full names of what gets an adapter, sorted: `model`'s linear modules and, on an MoE model, its
+    packed expert weights (`...mlp.experts.gate_up_proj` / `down_proj`: Miles' `mlp` group includes the
+    routed experts). Errors name the flag and value."""
+    experts = expert_param_names(model)
+    candidates = [(n, False) for n in linear_module_names(model)] + [(n, True) for n in experts]
     wanted = _split(target_modules) or ["all-linear"]
     if "all-linear" in wanted and len(wanted) > 1:
         raise ConfigError(f"--target-modules {target_modules!r}: all-linear must be used alone")
@@ -67,11 +89,15 @@ def resolve_target_modules(
             patterns += [(leaf, False) for leaf in GROUPS[t]]
         else:
             patterns.append((t, True))
+        if t in ("all-linear", "mlp"):
+            patterns += [(p, False) for p in EXPERT_PARAMS]
+    _refuse_moe_targets(model, patterns)
+    match = lambda n, pat, param: _param_matches(n, pat) if param else _matches(n, pat)  # noqa: E731
     picked: dict[str, bool] = {}
     for pat, explicit in patterns:
-        hits = [n for n in linears if _matches(n, pat)]
+        hits = [n for n, param in candidates if match(n, pat, param)]
         if explicit and not hits:
-            leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in candidates})
             raise ConfigError(
                 f"--target-modules {pat!r} matches no linear module of the model; its linear leaves are "
                 f"{leaves} (or use the groups {sorted(GROUPS)} / all-linear)"
@@ -80,7 +106,7 @@ def resolve_target_modules(
             picked[n] = picked.get(n, False) or explicit
     excluded = set()
     for pat in _split(exclude_modules):
-        hits = [n for n in picked if _matches(n, pat)]
+        hits = [n for n in picked if match(n, pat, n in experts)]
         clash = [n for n in hits if picked[n]]
         if clash:
             raise ConfigError(
@@ -93,17 +119,72 @@ def resolve_target_modules(
         raise ConfigError(
             f"--target-modules {target_modules!r} --exclude-modules {exclude_modules!r}: no module is left to adapt"
         )
+    _check_expert_layout(model, [n for n in out if n in experts])
     return out
+
+
+def _refuse_moe_targets(model: nn.Module, patterns: list[tuple[str, bool]]) -> None:
+    """Routers are never targets (Miles' target groups exclude them)."""
+    from miles_platform.models.moe import routers
+
+    found = routers(model)
+    if not found:
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    for pat, explicit in patterns:
+        if explicit and any(_matches(names[id(r)], pat) for r in found):
+            raise ConfigError(
+                f"--target-modules {pat!r}: an MoE router; Miles' LoRA never adapts routers (its target groups "
+                "exclude them). Adapt attention, dense or expert projections"
+            )
+
+
+def _check_expert_layout(model: nn.Module, params: list[str]) -> None:
+    """Expert adapters are built for Qwen-style packed experts (`act(gate) * up`, no biases): the
+    engine's expert forward (rollout/lora_serving.py) computes exactly that."""
+    if not params:
+        return
+    modules = dict(model.named_modules())
+    for name in params:
+        experts = modules[name.rsplit(".", 1)[0]]
+        biased = [n for n, _ in experts.named_parameters() if n not in EXPERT_PARAMS]
+        if biased or not hasattr(experts, "act_fn") or getattr(experts, "is_transposed", False):
+            raise ConfigError(
+                f"--target-modules: {name}: expert adapters are built for Qwen-style packed experts (no biases, "
+                f"[E, out, in] weights); {type(experts).__name__} is not one. Use --target-modules attn"
+            )
+
+
+def hf_meta_model(hf_config: dict) -> nn.Module:
+    """The HF model of a config.json dict on the meta device: its module names, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "transformers_version"})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(conf)
+
+
+def split_targets(targets: list[str]) -> tuple[list[str], list[str]]:
+    """(linear module names, packed expert weight names) of resolved targets."""
+    params = [t for t in targets if t.rsplit(".", 1)[-1] in EXPERT_PARAMS and ".experts." in t + "."]
+    return [t for t in targets if t not in params], params
 
 
 def lora_config(cfg, targets: list[str]):
     from peft import LoraConfig
 
+    modules, params = split_targets(targets)
+    if params and cfg.lora_dropout:
+        raise ConfigError(
+            f"--lora-dropout {cfg.lora_dropout} with routed-expert targets: an expert adapter has no dropout "
+            "(PEFT's, Miles'); use --lora-dropout 0 or --target-modules attn"
+        )
     return LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
+        target_modules=modules,
+        target_parameters=params or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -111,12 +192,22 @@ def lora_config(cfg, targets: list[str]):
 
 def check_adapter_matches(path: str, cfg, targets: list[str]) -> None:
     """--lora-adapter-path: its rank, alpha and targets must be the flags' (Miles asks for them too)."""
+    from safetensors import safe_open
+
     saved = json.loads(Path(path, "adapter_config.json").read_text())
-    have = {
-        "rank": saved.get("r"),
-        "alpha": saved.get("lora_alpha"),
-        "targets": sorted(saved.get("target_modules") or []),
-    }
+    with safe_open(str(Path(path, "adapter_model.safetensors")), "pt") as f:
+        keys = list(f.keys())
+    # the modules it adapts, from its tensors (PEFT writes `target_modules` shortened to leaf names
+    # when they cover many layers): Miles derives an adapter's targets from its tensor keys too
+    adapted = sorted(
+        {
+            k.removeprefix(PEFT_PREFIX).split(".lora_A.")[0]
+            for k in keys
+            if ".lora_A." in k and ".experts." not in k + "."
+        }  # fmt: skip
+        | set(saved.get("target_parameters") or [])
+    )
+    have = {"rank": saved.get("r"), "alpha": saved.get("lora_alpha"), "targets": adapted}
     want = {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "targets": sorted(targets)}
     bad = [f"{k}: adapter {have[k]!r}, flags {want[k]!r}" for k in want if have[k] != want[k]]
     if saved.get("peft_type", "LORA") != "LORA" or saved.get("use_dora"):
@@ -156,12 +247,29 @@ def is_adapter_param(name: str) -> bool:
 
 
 def adapter_config_dict(peft_model) -> dict:
-    """adapter_config.json as PEFT writes it (`base_model_name_or_path` as given to PEFT)."""
-    conf = peft_model.peft_config[ADAPTER_NAME].to_dict()
-    conf["target_modules"] = sorted(conf["target_modules"])
+    """adapter_config.json as PEFT writes it (`base_model_name_or_path` as given to PEFT), with
+    `target_modules` the full names of the adapted modules (PEFT may shorten them to leaf names)."""
+    adapted = []
+    for n, m in peft_model.named_modules():
+        if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and ADAPTER_NAME in m.lora_A:
+            n = n.removeprefix(PEFT_PREFIX)
+            if getattr(m, "parameter_name", None):  # an expert weight: `...experts[.base_layer]*` + its name
+                n = f"{n.split('.base_layer')[0]}.{m.parameter_name}"
+            adapted.append(n)
+    return config_dict(peft_model.peft_config[ADAPTER_NAME], adapted)
+
+
+def config_dict(lora_conf, targets: list[str]) -> dict:
+    """A `peft.LoraConfig` as the JSON of adapter_config.json (sets as sorted lists) for the adapted
+    modules `targets` (full names): both backends write the same file for the same adapter."""
+    conf = lora_conf.to_dict()
+    modules, params = split_targets(sorted(targets))
+    conf["target_modules"], conf["target_parameters"] = modules, params
     for k, v in list(conf.items()):
         if isinstance(v, set):
             conf[k] = sorted(v)
+    if not conf.get("target_parameters"):  # none: PEFT's null
+        conf["target_parameters"] = None
     return json.loads(json.dumps(conf, default=str))
 
 
@@ -198,6 +306,32 @@ def write_adapter_dir(
     return os.fspath(dest)
 
 
+def adapter_writer(state: dict[str, torch.Tensor], conf: dict, base: str, rank: int, copy: bool):
+    """A checkpoint's adapter half (both backends' `snapshot_model`): `iter_N/adapter/`, the PEFT dir,
+    written by rank 0 from copies the training steps do not touch (`copy`, --async-save)."""
+    from miles_platform.models.checkpoint import content_hash
+
+    own = (lambda v: v.detach().clone().contiguous()) if copy else (lambda v: v.contiguous())
+    state = {k: own(v) for k, v in state.items()} if rank == 0 else {}
+
+    def write_adapter(ckpt_dir: str) -> None:
+        if rank == 0:
+            write_adapter_dir(os.path.join(ckpt_dir, "adapter"), state, conf, base, content_hash(base))
+
+    return write_adapter
+
+
+def read_checkpoint_adapter(ckpt_dir: str, base: str) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a LoRA checkpoint `iter_N/`, after checking it was trained on `base`."""
+    adapter = os.path.join(ckpt_dir, "adapter")
+    if not os.path.isdir(adapter):
+        raise ValueError(
+            f"{ckpt_dir}: no adapter/ (saved by a full fine-tuning run?); resume with --lora-rank 0"
+        )
+    check_base(adapter, base)
+    return read_adapter_dir(adapter)[0]
+
+
 def check_base(adapter_dir: str, base_path: str) -> None:
     """An adapter applies to the base it was trained on: refuse another one (content hash)."""
     from miles_platform.models.checkpoint import content_hash
@@ -219,8 +353,13 @@ def merged_state_dict(base: dict[str, torch.Tensor], adapter: dict[str, torch.Te
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     scale = alpha / (r**0.5) if config.get("use_rslora") else alpha / r
     out = dict(base)
+    for param, (a, b) in expert_factors(
+        adapter, config
+    ).items():  # packed experts: W[e] + scale * B[e] @ A[e]
+        w = out[param]
+        out[param] = (w.float() + scale * torch.bmm(b.float(), a.float())).to(w.dtype)
     for key, a in adapter.items():
-        if ".lora_A." not in key:
+        if ".lora_A." not in key or ".experts." in key:
             continue
         module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
         b = adapter[key.replace(".lora_A.", ".lora_B.")]
@@ -243,7 +382,10 @@ def export_merged_hf_dir(base_dir: str, adapter_dir: str, out_dir: str) -> str:
 
     check_base(adapter_dir, base_dir)
     adapter, config = read_adapter_dir(adapter_dir)
-    merged = merged_state_dict(read_safetensors_dir(base_dir), adapter, config)
+    from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts
+
+    # the module's names (an MoE's per-expert tensors fused, as the adapter's expert weights name them)
+    merged = merged_state_dict(fuse_checkpoint_experts(read_safetensors_dir(base_dir)), adapter, config)
     untie = "lm_head.weight" in merged and any(".lm_head.lora_" in k for k in adapter)
     # a merged head differs from the embedding: the export is no longer tied
     return export_hf_dir(merged, base_dir, out_dir, {"tie_word_embeddings": False} if untie else None)

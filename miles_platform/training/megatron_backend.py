@@ -18,6 +18,7 @@ save_torch_dist, load_torch_dist) are shared with `miles-platform convert`.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,7 @@ class MegatronBackend(ModelBackend):
     name = "megatron"
     ddp: list | None = None  # megatron DDP around each model chunk (world > 1, or --bf16)
     main = None  # --bf16: megatron_precision.MainParams, the fp32 copies the optimizer steps
+    lora = None  # --lora-rank > 0: training/megatron_lora.MegatronLora, the adapter beside the frozen model
 
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
         import torch.distributed as dist
@@ -201,8 +203,11 @@ class MegatronBackend(ModelBackend):
             from miles_platform.training.hooks import megatron_init_hook
 
             megatron_init_hook(self.cfg)
+        # LoRA: the local spec (separate norms), so an adapter on linear_qkv / linear_fc1 sees the
+        # normed input its HF projection sees (TE's fused LayerNormLinear takes the un-normed one)
+        use_te = te_available() and not getattr(self.cfg, "uses_lora", False)
         self.chunks, self.bridge = build_model_chunks(
-            hf_config, self.layout, megatron_precision.params_dtype(self.cfg), te_available(),
+            hf_config, self.layout, megatron_precision.params_dtype(self.cfg), use_te,
             megatron_precision.config_kwargs(self.cfg), device=self.device,
         )  # fmt: skip
         self.module = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
@@ -220,23 +225,47 @@ class MegatronBackend(ModelBackend):
             for name, p in self.module.named_parameters():  # MoE routers stay as loaded
                 if name.endswith("mlp.router.weight"):
                     p.requires_grad_(False)
+        if trainable and getattr(self.cfg, "uses_lora", False):
+            self._attach_lora()
         bf16 = bool(getattr(self.cfg, "bf16", False))
-        if trainable and (self.world_size > 1 or bf16):
+        if trainable and self.lora is None and (self.world_size > 1 or bf16):
             # after the weights are in: DDP keeps param.data where it is (no distributed optimizer);
             # its finalize also reduces sequence-parallel norms over TP and tied embeddings over PP.
             # Under --bf16 its main_grad buffers accumulate in fp32 if asked to, even on one rank.
             fp32_grads = not bf16 or bool(getattr(self.cfg, "accumulate_allreduce_grads_in_fp32", False))
             self.ddp = [wrap_data_parallel(c, fp32_grads) for c in self.chunks]
-        if trainable and bf16:
+        if trainable and bf16 and self.lora is None:  # (LoRA: the adapter is fp32, its own main copy)
             self.main = megatron_precision.MainParams(self.module.named_parameters())
         self.module.train()
         return self.module
+
+    def _attach_lora(self) -> None:
+        """The base freezes; the adapter (fresh, or --lora-adapter-path's) is what trains."""
+        from miles_platform.training.lora import check_adapter_matches, read_adapter_dir
+        from miles_platform.training.megatron_lora import MegatronLora
+
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.lora = MegatronLora(self.chunks[0], self.hf_config, self.cfg)
+        if self.cfg.lora_adapter_path:
+            check_adapter_matches(self.cfg.lora_adapter_path, self.cfg, self.lora.targets)
+            self.lora.load_peft_state(read_adapter_dir(self.cfg.lora_adapter_path)[0])
 
     def zero_grad(self) -> None:
         for d in self.ddp or []:
             d.zero_grad_buffer()
 
     def finish_grad_sync(self) -> None:
+        if self.lora is not None and self.world_size > 1:  # the adapter's gradients: the data-parallel mean
+            import torch.distributed as dist
+
+            self.lora.reduce_grads()  # tensor parallel: the column-parallel factors' row parts, summed
+            _, size, group = self.data_parallel()
+            for _, p in self.lora.named_factors():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(size)
         if self.ddp is None:
             return
         from megatron.core.distributed import finalize_model_grads
@@ -258,6 +287,8 @@ class MegatronBackend(ModelBackend):
 
     def named_parameters(self):
         """What the optimizer steps: the model's parameters, or under --bf16 their fp32 main copies."""
+        if self.lora is not None:  # the frozen model's, then the adapter's (PEFT's parameter names)
+            return itertools.chain(self.module.named_parameters(), self.lora.named_factors())
         return iter(self.main.named_parameters()) if self.main is not None else self.module.named_parameters()
 
     def data_parallel(self):
@@ -358,7 +389,7 @@ class MegatronBackend(ModelBackend):
         return megatron_weights.hf_buckets(self.chunks, self.bridge, self.hf_config, size)
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective. The full HF state on the first rank of each model replica (TP and pipeline
+        """Collective. The policy under HF names (LoRA: merged, base + scale * B @ A). The full HF state on the first rank of each model replica (TP and pipeline
         rank 0, which is what call_trainers reads on rank 0), {} on the others: a rank holds its own
         shards plus one bucket besides what it returns."""
         from megatron.core import parallel_state as ps
@@ -368,9 +399,35 @@ class MegatronBackend(ModelBackend):
         for bucket in self.hf_buckets():
             if keep:
                 out.update(bucket)
+        if self.lora is not None and out:
+            from miles_platform.training.lora import merged_state_dict
+
+            return merged_state_dict(out, *self.export_adapter())
         return out
 
+    # ---- LoRA (training/megatron_lora.py): the fsdp backend's contract, the same PEFT files ----
+    def export_base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The frozen base under HF names (collective; on the first rank of each replica)."""
+        lora, self.lora = self.lora, None
+        try:
+            return self.export_hf_state_dict()
+        finally:
+            self.lora = lora
+
+    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """(lora_A / lora_B under PEFT's file keys, adapter_config.json): the fsdp backend's, key for key."""
+        from miles_platform.training.lora import config_dict, lora_config
+
+        return self.lora.peft_state(), config_dict(
+            lora_config(self.cfg, self.lora.targets), self.lora.targets
+        )
+
+    def load_adapter(self, state: dict[str, torch.Tensor]) -> None:
+        self.lora.load_peft_state(state)
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            raise ValueError("a LoRA trainer loads adapters (load_adapter), not full HF weights")
         bridge: Bridge = self.bridge
         full = bridge.hf_to_megatron(
             state,
@@ -381,9 +438,24 @@ class MegatronBackend(ModelBackend):
         load_full_state(self.chunks, full)
 
     def save_model(self, ckpt_dir: str) -> None:
+        if self.lora is not None:
+            return self.snapshot_model(copy=False)(ckpt_dir)
         save_torch_dist(self.chunks, ckpt_dir)
 
+    def snapshot_model(self, copy: bool = True):
+        """LoRA (--async-save): the adapter dir, as the fsdp backend writes it (the base is named by
+        content hash, never copied). Full weights have no snapshot: torch_dist saves in place."""
+        if self.lora is None:
+            raise NotImplementedError("megatron saves full weights with save_model (torch_dist)")
+        from miles_platform.training.lora import adapter_writer
+
+        return adapter_writer(*self.export_adapter(), self.cfg.hf_checkpoint, self.rank, copy)
+
     def load_model(self, ckpt_dir: str) -> None:
+        if self.lora is not None:
+            from miles_platform.training.lora import read_checkpoint_adapter
+
+            return self.lora.load_peft_state(read_checkpoint_adapter(ckpt_dir, self.cfg.hf_checkpoint))
         load_torch_dist(self.chunks, ckpt_dir)
         if self.main is not None:  # until load_optimizer brings the saved fp32 values
             self.main.from_model()
@@ -395,6 +467,8 @@ class MegatronBackend(ModelBackend):
         return self.main.model_param(p) if self.main is not None else p
 
     def save_optimizer(self, opt, ckpt_dir: str) -> bool:
+        if self.lora is not None:  # the adapter's state: the actor's per-rank file, by parameter name
+            return False
         from miles_platform.training.megatron_checkpoint import save_optimizer
 
         save_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt, ckpt_dir,
@@ -416,6 +490,8 @@ class MegatronBackend(ModelBackend):
         return mc.AsyncTorchDist(model_state, None if opt is None else opt_state, _save_strategy)
 
     def load_optimizer(self, opt, ckpt_dir: str) -> bool:
+        if self.lora is not None:
+            return False
         from miles_platform.training.megatron_checkpoint import load_optimizer
 
         ok = load_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt,

@@ -22,6 +22,9 @@ HOST = torch.device("cpu")
 def trainer_modules(actor) -> list[torch.nn.Module]:
     """Every module a trainer rank holds on its device."""
     mods = [actor.backend.module]
+    lora = getattr(actor.backend, "lora", None)
+    if isinstance(lora, torch.nn.Module):  # megatron LoRA: the adapter factors beside the model
+        mods.append(lora)
     for extra in (actor.ref, actor.teacher):
         if extra is not None:
             mods.append(extra.module)

@@ -33,7 +33,19 @@ def _batch(seed=0):
     [
         (["--lora-alpha", "32"], "--lora-alpha: LoRA flags, but --lora-rank is 0"),
         (["--target-modules", "attn", "--lora-train-only"], "--target-modules, --lora-train-only"),
-        (["--lora-rank", "8", "--train-backend", "megatron"], "--train-backend megatron"),
+        (
+            [
+                "--lora-rank",
+                "8",
+                "--train-backend",
+                "megatron",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--actor-num-gpus-per-node",
+                "2",
+            ],
+            "--pipeline-model-parallel-size 2: LoRA on the megatron",
+        ),
         (
             [
                 "--lora-rank",
@@ -184,3 +196,24 @@ def test_start_from_an_adapter_path(tiny_hf_checkpoint, tmp_path):
     ]
     with pytest.raises(ConfigError, match="does not match"):
         TrainerActor(_cfg(tiny_hf_checkpoint, lora_adapter_path=path, lora_rank=8))
+
+
+def test_an_adapter_peft_saved_with_shortened_target_names_matches(tiny_hf_checkpoint, tmp_path):
+    """PEFT writes `target_modules` as leaf names once they cover 20+ modules; --lora-adapter-path
+    matches an adapter by the modules its tensors adapt (Miles: targets from the tensor keys)."""
+    from peft import LoraConfig, get_peft_model
+
+    from miles_platform.models.tiny import save_layout_checkpoint
+    from miles_platform.training.lora import check_adapter_matches
+
+    hf = save_layout_checkpoint(tiny_hf_checkpoint, tmp_path / "l4")  # 4 layers: 28 default targets
+    targets = resolve_target_modules(load_hf_model(hf), None, None)
+    peft = get_peft_model(load_hf_model(hf), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    peft.save_pretrained(str(tmp_path / "ad"))
+    assert (
+        len(targets) == 28
+        and "q_proj" in json.load(open(tmp_path / "ad" / "adapter_config.json"))["target_modules"]
+    )
+    check_adapter_matches(str(tmp_path / "ad"), _cfg(hf), targets)
+    with pytest.raises(ConfigError, match="targets: adapter"):
+        check_adapter_matches(str(tmp_path / "ad"), _cfg(hf), targets[1:])

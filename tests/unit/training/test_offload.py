@@ -40,9 +40,14 @@ def _snapshot(actor) -> dict[str, torch.Tensor]:
     return {k: host_values(v.detach()).clone() for k, v in _tensors(actor).items()}
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+# megatron LoRA: the adapter factors sit beside the model (training/megatron_lora.py) and move too
+LORA = dict(lora_rank=4, lora_alpha=8, advantage_estimator="grpo")
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron", "megatron_lora"])
 def test_offload_and_onload_move_every_tensor_and_change_nothing(backend, tiny_hf_checkpoint):
-    cfg = _cfg(tiny_hf_checkpoint, train_backend=backend)
+    lora = backend.endswith("_lora")
+    cfg = _cfg(tiny_hf_checkpoint, train_backend=backend.removesuffix("_lora"), **(LORA if lora else {}))
     with fake_device() as dev:
         a, b = TrainerActor(cfg, device=dev), TrainerActor(cfg, device=dev)
         a.train(0, random_train_batch(0))

@@ -1,0 +1,287 @@
+"""LoRA on the megatron backend (docs/lora.md): one adapter per HF projection on megatron's fused
+layers, trained, saved and exported under PEFT's HF names, so the adapter is the fsdp backend's
+(training/lora.py) tensor for tensor and the engines serve it with the same loader.
+
+    HF module (PEFT target)                  megatron module, rows of its output
+    model.layers.i.self_attn.{q,k,v}_proj    decoder.layers.i.self_attention.linear_qkv, per query group
+                                             [q heads of the group; k; v] (the bridge's layout)
+    model.layers.i.self_attn.o_proj          decoder.layers.i.self_attention.linear_proj
+    model.layers.i.mlp.{gate,up}_proj        decoder.layers.i.mlp.linear_fc1, [gate; up]
+    model.layers.i.mlp.down_proj             decoder.layers.i.mlp.linear_fc2
+    lm_head                                  output_layer (the tied head too: PEFT adapts the head only)
+    model.layers.i.mlp.experts.gate_up_proj  ...mlp.experts.local_experts.e.linear_fc1 (expert e's factors)
+    model.layers.i.mlp.experts.down_proj     ...mlp.experts.local_experts.e.linear_fc2
+
+Each target gets its own `lora_A [r, in]` / `lora_B [out, r]` (Miles' `canonical_lora` layout: split
+Q/K/V and gate/up), and a forward hook on the megatron linear adds `scale * B @ A @ dropout(x)` into
+that projection's rows of the fused output: the arithmetic of PEFT's LoRA layer, so a megatron step
+equals the fsdp step (tests/unit/training/test_lora_megatron.py). The adapter parameters live beside
+the GPTModel, not inside it: its state dict, torch_dist checkpoints and bridges are the base's,
+unchanged. Target selection is training/lora.py's, resolved against the HF model's module names.
+
+Built at pipeline / context / expert parallel 1, at any tensor parallel (sequence parallel too:
+the factors stay whole on every TP rank, see `_gather_input` / `_to_output`) and data parallel (the
+backend averages the factors' gradients). Packed routed experts (PEFT's `target_parameters` layout,
+one LoRA per expert) at TP 1; routers are never targets (training/lora.py)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles_platform.errors import ConfigError
+from miles_platform.training.lora import (
+    PEFT_PREFIX,
+    expert_peft_prefix,
+    hf_meta_model,
+    resolve_target_modules,
+    split_targets,
+)
+
+_HF = re.compile(
+    r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+)
+_MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
+             "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
+             "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}  # fmt: skip
+
+
+_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def megatron_target(hf_name: str) -> tuple[str, str]:
+    """(megatron module name, projection) of a PEFT target; refuses what has no megatron adapter. A
+    packed expert weight maps to the layer's `mlp.experts` (its `local_experts.e.linear_fc1 / fc2`)."""
+    if hf_name == "lm_head":
+        return "output_layer", "lm_head"
+    m = _EXPERTS.fullmatch(hf_name)
+    if m is not None:
+        return f"decoder.layers.{m.group(1)}.mlp.experts", m.group(2)
+    m = _HF.fullmatch(hf_name)
+    if m is None:
+        raise ConfigError(
+            f"--target-modules: {hf_name} has no adapter on the megatron backend (built: q/k/v/o_proj, "
+            "gate/up/down_proj of the decoder layers, packed experts, lm_head); use --train-backend fsdp or exclude it"
+        )
+    return f"decoder.layers.{m.group(1)}.{_MEGATRON[m.group(3)]}", m.group(3)
+
+
+class MegatronLora(nn.Module):
+    """The adapter factors of one GPTModel and the hooks that apply them.
+
+    Parameters are named `<megatron module>.lora_{A,B}.<projection>` (each a [r, in] / [out, r] factor);
+    `peft_key` gives the PEFT file key of each."""
+
+    def __init__(self, model: nn.Module, hf_config: dict, cfg):
+        super().__init__()
+        self.rank, self.alpha, self.dropout = int(cfg.lora_rank), cfg.lora_alpha, float(cfg.lora_dropout)
+        self.scale = self.alpha / self.rank
+        self.targets = resolve_target_modules(
+            hf_meta_model(hf_config), cfg.target_modules, cfg.exclude_modules
+        )
+        heads = hf_config["num_attention_heads"]
+        self.groups = hf_config.get("num_key_value_heads") or heads
+        self.head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+        self.q_per_group = heads // self.groups
+        modules = dict(model.named_modules())
+        dev = next(model.parameters()).device  # (a tied output_layer has no parameter of its own)
+        self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
+        self._hooks_experts: list = []
+        self._keys: dict[str, str] = {}  # factor key -> PEFT file key
+        self._parts: dict[str, list[str]] = {}  # megatron module -> its adapted projections
+        dims = _projection_dims(hf_config)
+        expert_targets = split_targets(self.targets)[1]
+        for hf_name in self.targets:
+            mod, proj = megatron_target(hf_name)
+            if mod not in modules:
+                raise ConfigError(f"--target-modules: {hf_name}: the megatron model has no {mod}")
+            if hf_name in expert_targets:
+                self._add_experts(modules, mod, proj, hf_name, expert_targets, hf_config, dev)
+                continue
+            d_in, d_out = dims[proj]
+            key = f"{mod}.{proj}".replace(".", "__")
+            a = torch.empty(self.rank, d_in, device=dev)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's init: B = 0, so v0 is the base policy
+            self.A[key] = nn.Parameter(a)
+            self.B[key] = nn.Parameter(torch.zeros(d_out, self.rank, device=dev))
+            self._keys[key] = f"{PEFT_PREFIX}{hf_name}"
+            self._parts.setdefault(mod, []).append(proj)
+        self._hooks = [
+            modules[mod].register_forward_hook(self._hook(mod), with_kwargs=True) for mod in self._parts
+        ]
+
+    def _add_experts(self, modules, mod, proj, hf_name, expert_targets, hf_config, dev) -> None:
+        """PEFT's factors of a packed expert weight (`lora_A [E*r, in]`, `lora_B [out, r*E]`, B's columns
+        rank-major) and a hook per local expert's linear_fc1 / fc2 adding its own `B[e] @ A[e]`."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+            raise ConfigError(
+                f"--target-modules: {hf_name}: expert adapters on megatron are built at tensor parallel 1; use "
+                "--tensor-model-parallel-size 1, --target-modules attn, or --train-backend fsdp"
+            )
+        n, h = int(hf_config.get("num_experts") or hf_config["num_local_experts"]), hf_config["hidden_size"]
+        inter = hf_config["moe_intermediate_size"]
+        d_in, d_out = (h, 2 * inter) if proj == "gate_up_proj" else (inter, h)
+        key = f"{mod}.{proj}".replace(".", "__")
+        a = torch.empty(n * self.rank, d_in, device=dev)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        self.A[key], self.B[key] = (
+            nn.Parameter(a),
+            nn.Parameter(torch.zeros(d_out, self.rank * n, device=dev)),
+        )
+        self._keys[key] = f"{PEFT_PREFIX}{expert_peft_prefix(hf_name, expert_targets)}"
+        fc = "linear_fc1" if proj == "gate_up_proj" else "linear_fc2"
+        for e in range(n):
+            local = modules[f"{mod}.local_experts.{e}.{fc}"]
+            self._hooks_experts.append(
+                local.register_forward_hook(self._expert_hook(key, e, n), with_kwargs=True)
+            )
+
+    def _expert_hook(self, key: str, e: int, n: int):
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
+            out, bias = output
+            a = self.A[key].view(n, self.rank, -1)[e]
+            b = self.B[key].view(-1, self.rank, n)[:, :, e]
+            return out + (F.linear(F.linear(x.to(a.dtype), a), b) * self.scale).to(out.dtype), bias
+
+        return hook
+
+    # ---- forward ----
+    def _delta(self, mod: str, proj: str, x: torch.Tensor) -> torch.Tensor:
+        key = f"{mod}.{proj}".replace(".", "__")
+        a, b = self.A[key], self.B[key]
+        x = F.dropout(x.to(a.dtype), self.dropout, self.training) if self.dropout else x.to(a.dtype)
+        return F.linear(F.linear(x, a), b) * self.scale
+
+    def _hook(self, mod: str):
+        parts = self._parts[mod]
+        row = mod.endswith(("linear_proj", "linear_fc2"))
+
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
+            out, bias = output
+            x = self._gather_input(x, row, module)
+            deltas = {p: self._delta(mod, p, x) for p in parts}
+            full = self._fused(mod, deltas, x.shape[:-1], out.shape[-1] * self.tp)
+            return out + self._to_output(mod, full, row, module).to(out.dtype), bias
+
+        return hook
+
+    @property
+    def tp(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_world_size()
+
+    def _gather_input(self, x: torch.Tensor, row: bool, module) -> torch.Tensor:
+        """The full input of the adapted projection on every TP rank. Column-parallel: the input is
+        replicated (its gradient all-reduced here, as the base linear does) or, under sequence
+        parallelism, this rank's sequence slice (gathered). Row-parallel: this rank's feature slice
+        (gathered; the backward keeps this rank's part)."""
+        if self.tp == 1:
+            return x
+        from megatron.core import tensor_parallel as tpl
+
+        if row:
+            return tpl.gather_from_tensor_model_parallel_region(x)
+        if getattr(module, "sequence_parallel", False):
+            return tpl.gather_from_sequence_parallel_region(x)
+        return tpl.copy_to_tensor_model_parallel_region(x)
+
+    def _to_output(self, mod: str, full: torch.Tensor, row: bool, module) -> torch.Tensor:
+        """This rank's part of the full delta: a column-parallel module's output rows (megatron's TP
+        split of that weight); a row-parallel one's output whole, or its sequence slice under SP."""
+        if self.tp == 1:
+            return full
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel as tpl
+
+        from miles_platform.models.bridge.base import tp_shard
+
+        if row:
+            seq_par = getattr(module, "sequence_parallel", False)
+            return tpl.scatter_to_sequence_parallel_region(full) if seq_par else full
+        rank = ps.get_tensor_model_parallel_rank()
+        return tp_shard(f"{mod}.weight", full.movedim(-1, 0), rank, self.tp).movedim(0, -1)
+
+    def reduce_grads(self) -> None:
+        """After the backward, over the TP group: a column-parallel module's factors hold the gradient
+        of this rank's output rows only, summed here; a row-parallel module's are complete already."""
+        if self.tp == 1:
+            return
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        for key in self._keys:
+            if "__linear_proj__" in key or "__linear_fc2__" in key:
+                continue
+            for p in (self.A[key], self.B[key]):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
+    def _fused(self, mod: str, deltas: dict[str, torch.Tensor], lead, width: int) -> torch.Tensor:
+        """The deltas of one module's projections placed in its full fused output's row layout
+        (`width`: the full output size, the padded vocabulary for the output layer)."""
+        zero = next(iter(deltas.values())).new_zeros(())
+        if mod.endswith("linear_qkv"):
+            g, hd, qpg = self.groups, self.head_dim, self.q_per_group
+            q, k, v = (deltas.get(p, zero).expand(*lead, n) for p, n in
+                       (("q_proj", g * qpg * hd), ("k_proj", g * hd), ("v_proj", g * hd)))  # fmt: skip
+            return torch.cat([q.reshape(*lead, g, qpg * hd), k.reshape(*lead, g, hd),
+                              v.reshape(*lead, g, hd)], dim=-1).reshape(*lead, -1)  # fmt: skip
+        if mod.endswith("linear_fc1"):
+            half = width // 2
+            return torch.cat([deltas.get(p, zero).expand(*lead, half) for p in ("gate_proj", "up_proj")], -1)
+        (d,) = deltas.values()
+        if mod.endswith(("linear_proj", "linear_fc2")):
+            return d
+        return F.pad(d, (0, width - d.shape[-1]))  # output_layer: the padded vocabulary rows get nothing
+
+    # ---- PEFT files ----
+    def peft_state(self) -> dict[str, torch.Tensor]:
+        """{PEFT file key: tensor} (CPU copies), as training/lora.py's fsdp export names them."""
+        out = {}
+        for key, name in self._keys.items():
+            out[f"{name}.lora_A.weight"] = self.A[key].detach().to("cpu").clone()
+            out[f"{name}.lora_B.weight"] = self.B[key].detach().to("cpu").clone()
+        return out
+
+    def load_peft_state(self, state: dict[str, torch.Tensor]) -> None:
+        want = set(self.peft_state())
+        if set(state) != want:
+            raise ValueError(
+                f"adapter mismatch: missing {sorted(want - set(state))[:3]} unexpected {sorted(set(state) - want)[:3]}"
+            )
+        with torch.no_grad():
+            for key, name in self._keys.items():
+                for fac, params in (("A", self.A), ("B", self.B)):
+                    t = state[f"{name}.lora_{fac}.weight"]
+                    if t.shape != params[key].shape:
+                        raise ValueError(f"adapter {name}.lora_{fac}: shape {tuple(t.shape)}, "
+                                         f"expected {tuple(params[key].shape)}")  # fmt: skip
+                    params[key].copy_(t)
+
+    def named_factors(self):
+        """(PEFT-style parameter name, parameter): what the optimizer steps and checkpoints name."""
+        for key, name in self._keys.items():
+            yield f"{name}.lora_A.default.weight", self.A[key]
+            yield f"{name}.lora_B.default.weight", self.B[key]
+
+
+def _projection_dims(c: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each HF projection of the decoder layers and the head."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    groups = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or h // heads
+    ffn = c.get("intermediate_size") or 0
+    return {"q_proj": (h, heads * hd), "k_proj": (h, groups * hd), "v_proj": (h, groups * hd),
+            "o_proj": (heads * hd, h), "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h),
+            "lm_head": (h, c["vocab_size"])}  # fmt: skip

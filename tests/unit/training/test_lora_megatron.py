@@ -1,0 +1,284 @@
+"""LoRA on the megatron backend (training/megatron_lora.py) against the fsdp backend's PEFT LoRA, fp32:
+the same adapter in both, one GRPO step on the same batch gives the same loss, adapter gradients and
+updated adapter (1e-5), and the megatron export is PEFT's files key for key. A dense model (GQA with 2
+query groups, untied: attention, MLP and lm_head adapters) and the tiny Qwen3-MoE (attention adapters)
+on both backends; the embedded engine serving the megatron export gives the trainer's log-probs (the
+--ci-test check). Refused before anything starts: megatron model parallelism, router / expert targets.
+
+The trainers run once in a subprocess (this file as a script: megatron's gloo group, world size 1)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+TOL = 1e-5
+
+
+def _cfg(hf, backend, targets, **kw):
+    from miles_platform.config import RunConfig
+
+    base = dict(hf_checkpoint=hf, rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=4, lr=0.5,
+                optimizer="sgd", micro_batch_size=2, lora_rank=4, lora_alpha=8, target_modules=targets,
+                train_backend=backend, num_rollout=2)  # fmt: skip
+    base.update(kw)
+    return RunConfig(**base).validate()
+
+
+def _step_pair(hf: str, targets: str, save: Path | None = None, **kw) -> tuple[dict, object]:
+    """fsdp vs megatron LoRA: one step from the same random adapter. Returns (numbers, megatron actor);
+    `save`: the start adapter and the fsdp step's merged weights and metrics go there (the TP reference)."""
+    from safetensors.torch import save_file
+
+    from miles_platform.training.actor import TrainerActor
+
+    actors = {b: TrainerActor(_cfg(hf, b, targets, **kw)) for b in ("fsdp", "megatron")}
+    (f_state, f_conf), (m_state, m_conf) = (actors[b].get_lora_adapter() for b in ("fsdp", "megatron"))
+    g = torch.Generator().manual_seed(3)
+    start = {k: 0.5 * torch.randn(v.shape, generator=g) for k, v in sorted(f_state.items())}
+    for a in actors.values():
+        a.backend.load_adapter(start)
+    metrics = {b: a.train(0, _batch()) for b, a in actors.items()}
+    grads = {
+        b: {n: p.grad for n, p in a.backend.named_parameters() if p.requires_grad} for b, a in actors.items()
+    }
+    after = {b: a.get_lora_adapter()[0] for b, a in actors.items()}
+    merged = {b: a.get_hf_weights() for b, a in actors.items()}
+    drop = lambda c: {k: v for k, v in c.items() if k != "base_model_name_or_path"}  # noqa: E731
+    out = dict(
+        same_keys=sorted(f_state) == sorted(m_state) and sorted(grads["fsdp"]) == sorted(grads["megatron"]),
+        same_config=drop(f_conf) == drop(m_conf),
+        fresh_b_zero=all(not t.any() for k, t in m_state.items() if ".lora_B." in k),
+        adapters=len(f_state) // 2,
+        loss_abs_diff=abs(metrics["fsdp"]["train/loss"] - metrics["megatron"]["train/loss"]),
+        moe_losses={k: [metrics[b].get(k) for b in ("fsdp", "megatron")] for k in ("train/moe_aux_loss", "train/moe_z_loss")},
+        grad_norm=[metrics[b]["train/grad_norm"] for b in ("fsdp", "megatron")],
+        grad_max_abs_diff=max((grads["fsdp"][n] - grads["megatron"][n]).abs().max().item() for n in grads["fsdp"]),
+        grad_min_norm=min(g.norm().item() for g in grads["fsdp"].values()),
+        update_max_abs_diff=max((after["fsdp"][k] - after["megatron"][k]).abs().max().item() for k in start),
+        moved=min((after["megatron"][k] - start[k]).abs().max().item() for k in start),
+        merged_max_abs_diff=max((merged["fsdp"][k] - merged["megatron"][k]).abs().max().item() for k in merged["fsdp"]),
+        merged_same_names=sorted(merged["fsdp"]) == sorted(merged["megatron"]),
+    )  # fmt: skip
+    if save is not None:
+        save.mkdir(parents=True)
+        save_file(start, str(save / "start.safetensors"))
+        save_file({k: v.contiguous() for k, v in merged["fsdp"].items()}, str(save / "merged.safetensors"))
+        (save / "metrics.json").write_text(json.dumps(metrics["fsdp"]))
+    return out, actors["megatron"]
+
+
+def _batch():
+    from loop_helpers import random_train_batch
+
+    return random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0])
+
+
+def _engine_vs_trainer(hf: str, actor, work: Path) -> dict:
+    """The megatron adapter, written as its checkpoint's PEFT dir, loaded by the embedded engine: the
+    engine's log-probs of what it generates equal the trainer's log-probs of the same tokens."""
+    from miles_platform.rollout.client import post
+    from miles_platform.rollout.engine_server import start_engine_server
+
+    ckpt = work / "iter_0000000"
+    ckpt.mkdir(parents=True)
+    actor.backend.save_model(str(ckpt))
+    server = start_engine_server(hf, num_threads=1)
+    try:
+        post(server.url, "/load_lora_adapter", {"lora_name": "m", "lora_path": str(ckpt / "adapter")})
+        prompt = [5, 9, 17, 33, 41]
+        body = {"input_ids": [prompt], "return_logprob": True, "lora_path": ["m"],
+                "sampling_params": [{"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}]}  # fmt: skip
+        out = post(server.url, "/generate", body)[0]
+        base = post(server.url, "/generate", {**body, "lora_path": [None]})[0]
+        # one batch, a row with the adapter and one without: each row as served alone
+        both = post(server.url, "/generate", {**body, "input_ids": [prompt] * 2, "lora_path": ["m", None],
+                                               "sampling_params": body["sampling_params"] * 2})  # fmt: skip
+    finally:
+        server.stop()
+    ids = out["output_ids"]
+    engine_lp = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    seq = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = actor.backend.logits(seq, torch.arange(seq.shape[1])[None])[0, len(prompt) - 1 : -1]
+    trainer_lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    # the merged HF export (--save-hf, evals) of the adapter: an ordinary checkpoint with the same logits
+    from miles_platform.models.checkpoint import load_hf_model
+    from miles_platform.training.lora import export_merged_hf_dir
+
+    merged = load_hf_model(export_merged_hf_dir(hf, str(ckpt / "adapter"), str(work / "merged")))
+    with torch.no_grad():
+        merged_diff = (merged(input_ids=seq).logits[0, len(prompt) - 1 : -1] - logits).abs().max().item()
+    # the resumed adapter is the saved one
+    before = actor.get_lora_adapter()[0]
+    actor.backend.load_model(str(ckpt))
+    return dict(
+        logprob_max_abs_diff=(engine_lp - trainer_lp).abs().max().item(),
+        merged_logits_max_abs_diff=merged_diff,
+        adapter_changes_policy=ids != base["output_ids"],
+        mixed_batch_rows_as_alone=[r["output_ids"] for r in both] == [ids, base["output_ids"]]
+        and max(
+            abs(x[0] - y[0])
+            for r, o in zip(both, (out, base), strict=True)
+            for x, y in zip(
+                r["meta_info"]["output_token_logprobs"], o["meta_info"]["output_token_logprobs"], strict=True
+            )
+        )
+        < 1e-5,
+        saved=sorted(os.listdir(ckpt / "adapter")),
+        resume_identical=all(torch.equal(before[k], v) for k, v in actor.get_lora_adapter()[0].items()),
+    )
+
+
+def _main(dense: str, moe: str, work: str) -> None:
+    torch.set_num_threads(1)
+    report = {}
+    report["dense"], actor = _step_pair(dense, "attn,mlp,lm_head", Path(work, "tp1"))
+    report["engine"] = _engine_vs_trainer(dense, actor, Path(work))
+    # the router's load-balancing and z-loss terms reach the attention adapters through the hidden states
+    report["moe"], moe_actor = _step_pair(moe, "attn,mlp", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    report["moe_engine"] = _engine_vs_trainer(moe, moe_actor, Path(work, "moe"))
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report(tiny_hf_checkpoint, tmp_path_factory):
+    from loop_helpers import warm_python
+    from test_moe_megatron import save_moe_checkpoint
+
+    from miles_platform.models.tiny import save_untied_checkpoint
+
+    work = tmp_path_factory.mktemp("lora_megatron")
+    dense = save_untied_checkpoint(tiny_hf_checkpoint, work / "dense")
+    moe = save_moe_checkpoint(tiny_hf_checkpoint, work / "moe")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    proc = subprocess.run([*warm_python(), __file__, dense, moe, str(work / "out")], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {
+        **json.loads(proc.stdout.strip().splitlines()[-1]),
+        "paths": {"dense": dense, "moe": moe, "work": str(work)},
+    }
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
+    r = report[model]
+    assert r["same_keys"] and r["same_config"] and r["fresh_b_zero"], r
+    # every projection of every layer (MoE: q/k/v/o and the packed gate_up / down experts of each layer)
+    assert r["adapters"] == (2 * 7 + 1 if model == "dense" else 2 * 6), r
+    assert r["loss_abs_diff"] < TOL and r["grad_max_abs_diff"] < TOL, r
+    assert r["grad_norm"][0] == pytest.approx(r["grad_norm"][1], rel=TOL) and r["grad_min_norm"] > 1e-4, r
+    assert r["update_max_abs_diff"] < TOL and r["moved"] > 1e-4, r  # the step moved every adapter tensor
+    assert r["merged_same_names"] and r["merged_max_abs_diff"] < TOL, r
+    if model == "moe":  # --moe-aux-loss-coeff / --moe-z-loss-coeff under LoRA: the same terms on both
+        for f, m in r["moe_losses"].values():
+            assert f > 0 and m == pytest.approx(f, rel=TOL), r["moe_losses"]
+
+
+@pytest.mark.parametrize("model", ["engine", "moe_engine"])
+def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(report, model):
+    e = report[model]
+    assert e["saved"] == ["adapter_config.json", "adapter_model.safetensors", "base_checkpoint.json"], e
+    assert e["logprob_max_abs_diff"] < 1e-4 and e["adapter_changes_policy"], e
+    assert e["mixed_batch_rows_as_alone"], e
+    assert e["merged_logits_max_abs_diff"] < 1e-4, e  # per-row adapters (experts: each token its row's)
+    assert e["resume_identical"], e
+
+
+LAYOUTS = {  # on 2 ranks
+    "tp2": dict(tensor_model_parallel_size=2),
+    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "dp2": dict(),  # the adapter's gradients averaged over the data-parallel pair
+}
+
+
+def _tp_worker(rank: int, world: int, ports: list[int], dense: str, ref: str, out: str) -> None:
+    """Each layout in turn on these 2 ranks: the 1-rank step from its start adapter."""
+    import traceback
+
+    from safetensors.torch import load_file, save_file
+
+    from miles_platform.training import megatron_shims
+    from miles_platform.training.actor import TrainerActor
+
+    torch.set_num_threads(1)
+    try:
+        for (name, layout), port in zip(LAYOUTS.items(), ports, strict=True):
+            cfg = _cfg(dense, "megatron", "attn,mlp,lm_head", actor_num_gpus_per_node=world, **layout)
+            actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+            actor.backend.load_adapter(load_file(f"{ref}/start.safetensors"))
+            metrics = actor.train(0, _batch())
+            merged = actor.get_hf_weights()  # collective; the first rank of the replica keeps it
+            if rank == 0:
+                save_file({k: v.contiguous() for k, v in merged.items()}, f"{out}/{name}.safetensors")
+            Path(f"{out}/{name}.rank{rank}.json").write_text(json.dumps(metrics))
+            megatron_shims.destroy_process_group()
+    except Exception:
+        Path(f"{out}/rank{rank}.error").write_text(traceback.format_exc())
+
+
+def test_a_tensor_and_data_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
+    """TP2, TP2 + SP and DP2 on 2 gloo ranks, from the dense step's start adapter: the loss, its parts, the
+    grad norm and the merged weights (base + updated adapter) of the 1-rank step within 1e-5."""
+    from loop_helpers import run_ranks
+    from safetensors.torch import load_file
+
+    from miles_platform.cluster.ports import free_port
+
+    ref = Path(report["paths"]["work"], "out", "tp1")
+    one, w1 = json.loads((ref / "metrics.json").read_text()), load_file(str(ref / "merged.safetensors"))
+    out = tmp_path / "tp"
+    ports = [free_port() for _ in LAYOUTS]
+    run_ranks(_tp_worker, (2, ports, report["paths"]["dense"], str(ref), str(out)), 2, out)
+    for name in LAYOUTS:
+        for rank in (0, 1):
+            m = json.loads((out / f"{name}.rank{rank}.json").read_text())
+            for key in ("train/loss", "train/pg_loss"):
+                assert abs(m[key] - one[key]) <= TOL, (name, key, m[key], one[key])
+            assert m["train/grad_norm"] == pytest.approx(one["train/grad_norm"], rel=TOL), name
+        w2 = load_file(str(out / f"{name}.safetensors"))
+        assert sorted(w1) == sorted(w2) and max((w1[k] - w2[k]).abs().max().item() for k in w1) <= TOL, name
+    assert one["train/grad_norm"] > 1e-3
+
+
+def test_refused_before_start_by_name(report, tiny_hf_checkpoint, tmp_path):
+    from loop_helpers import small_run_config
+
+    from miles_platform.config import ConfigError
+    from miles_platform.preflight import validate_before_start
+    from miles_platform.training.lora import hf_meta_model, resolve_target_modules
+
+    with pytest.raises(ConfigError, match="--context-parallel-size 2: LoRA on the megatron backend"):
+        _cfg(tiny_hf_checkpoint, "megatron", None, context_parallel_size=2, actor_num_gpus_per_node=2)
+    with pytest.raises(ConfigError, match="--moe-router-freeze-gate with --lora-rank: no effect"):
+        _cfg(tiny_hf_checkpoint, "fsdp", None, moe_router_freeze_gate=True)
+    moe_dir = report["paths"]["moe"]
+    moe = hf_meta_model(json.loads(Path(moe_dir, "config.json").read_text()))
+    # Miles' groups: `mlp` (and the default) takes the packed routed experts; routers never
+    experts = [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
+    assert resolve_target_modules(moe, None, None) == resolve_target_modules(moe, "attn,mlp", None)
+    assert resolve_target_modules(moe, "mlp", None) == experts == resolve_target_modules(moe, "experts", None)
+    assert resolve_target_modules(moe, "gate_up_proj", None) == experts[1::2]
+    assert len(resolve_target_modules(moe, "attn", None)) == 8
+    with pytest.raises(ConfigError, match="an MoE router"):
+        resolve_target_modules(moe, "gate", None)
+    for backend, kw, match in (("fsdp", dict(lora_dropout=0.1), "--lora-dropout 0.1 with routed-expert targets"),
+                               ("megatron", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                 actor_num_gpus_per_node=2), "built at tensor parallel 1")):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):  # preflight, before Ray
+            validate_before_start(
+                small_run_config(moe_dir, tmp_path, train_backend=backend, lora_rank=4, **kw)
+            )
+    validate_before_start(small_run_config(moe_dir, tmp_path, train_backend="megatron", lora_rank=4,
+                                           tensor_model_parallel_size=2, sequence_parallel=True,
+                                           actor_num_gpus_per_node=2, target_modules="attn"))  # fmt: skip
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])
