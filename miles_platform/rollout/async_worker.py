@@ -157,11 +157,23 @@ class AsyncRolloutWorker:
         self._freed.set()
 
     async def _generate(self, uid: int, rec: PromptRecord) -> DataBufferInput:
-        """One group: n requests freeing a slot each (`sample`), or one batched request (`group`)."""
+        """One group: `sample` frees a slot as each sample finishes (one streamed request on the
+        embedded engines, else n requests), `group` frees the n slots when the whole group returns."""
         m, n = self.m, self.n
         prompt_ids = m._prompt_ids(rec)  # images: their pads expanded
         seeds = [_seed(self.cfg.seed, uid, k) for k in range(n)]
-        if self.granularity == "sample":
+        if self.granularity == "sample" and m.streams:  # one request, a slot freed per finished sample
+            freed = [0]
+
+            def one_done(_k: int) -> None:
+                freed[0] += 1
+                self._release(1)
+
+            try:
+                group = await m.agenerate_group_streamed(rec, prompt_ids, seeds, one_done)
+            finally:
+                self._release(n - freed[0])
+        elif self.granularity == "sample":  # a generate function or SGLang: a request per sample
 
             async def one(seed: int) -> Sample:
                 try:

@@ -324,6 +324,29 @@ class RolloutManager:
         )
         return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
+    @property
+    def streams(self) -> bool:
+        """Whether `agenerate_group_streamed` can serve: the run's own embedded engines (they send
+        each prompt's result as it finishes) and no --custom-generate-function-path."""
+        return self.generate_fn is None and self.cfg.embedded_engines_only
+
+    async def agenerate_group_streamed(self, rec, prompt_ids, seeds, on_sample) -> list[Sample]:
+        """One group as one batched, streamed request (its samples prefilled together): `on_sample(k)`
+        on this loop as sample k (of `seeds[k]`) finishes; returns the group in seed order."""
+        outs: list = [None] * len(seeds)
+
+        def got(k: int, out: dict) -> None:
+            outs[k] = out
+            on_sample(k)
+
+        await self.client.astream(
+            *self._batch([prompt_ids], [seeds]), got,
+            return_sampling_mask=self.replay, top_logprobs_num=self.top_logprobs_num,
+            return_routed_experts=self.moe_shape is not None, sampling_logprobs_mode=self.logprobs_mode,
+            image_data=self._images([rec], [seeds]),
+        )  # fmt: skip
+        return self._groups_from([rec], [prompt_ids], [seeds], outs, routes=self.moe_shape is not None)[0]
+
     async def _per_sample(
         self, records, prompts, seeds, evaluation: bool = False, params: dict | None = None
     ) -> list[list[Sample]]:

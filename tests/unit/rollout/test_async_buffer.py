@@ -6,11 +6,13 @@ and a custom buffer class is loaded and called."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from loop_helpers import RecordingBuffer
 
 from miles_platform.config import ConfigError, RunConfig
@@ -26,15 +28,19 @@ PROMPTS = [PromptRecord(id=f"p{i}", prompt=f"{i}+{i}=", label=str(2 * i), metada
 
 
 class StubEngine:
-    """SGLang's `/generate` (batch form), answering after `delay` s: counts trajectories in flight,
-    records every request (prompt ids, seed, request size), serves `version`, and aborts the first
-    request for each prompt in `abort_once`."""
+    """SGLang's `/generate` (batch form), answering after `delay` s: counts trajectories and requests
+    in flight, records every request (prompt ids, seed, request size), serves `version`, and aborts
+    the first request for each prompt in `abort_once`. `stream: true` (the embedded engine's, which
+    the worker's `sample` granularity uses): each result as an SSE chunk with its index, the last
+    one held until another request arrives (at most `hold_s`): a worker that frees a slot per
+    finished sample sends its next group while the previous ones still run."""
 
-    def __init__(self, tok, delay: float = 0.03):
-        self.tok, self.delay, self.version = tok, delay, 0
-        self.inflight = self.max_inflight = 0
+    def __init__(self, tok, delay: float = 0.03, hold_s: float = 0.5):
+        self.tok, self.delay, self.version, self.hold_s = tok, delay, 0, hold_s
+        self.inflight = self.max_inflight = self.open_requests = self.max_open_requests = 0
         self.requests: list[dict] = []  # {"prompt", "seed", "size", "version"} per trajectory
         self.abort_once: set[str] = set()
+        self._arrived = asyncio.Event()
         app = FastAPI()
 
         @app.post("/generate")
@@ -43,13 +49,34 @@ class StubEngine:
             ids, sps = body["input_ids"], body["sampling_params"]
             self.inflight += len(ids)
             self.max_inflight = max(self.max_inflight, self.inflight)
+            self.open_requests += 1
+            self.max_open_requests = max(self.max_open_requests, self.open_requests)
+            self._arrived.set()
+            if body.get("stream"):
+                return StreamingResponse(self._stream(ids, sps), media_type="text/event-stream")
             try:
                 await asyncio.sleep(self.delay)
                 return [self._answer(p, sp, len(ids)) for p, sp in zip(ids, sps, strict=True)]
             finally:
                 self.inflight -= len(ids)
+                self.open_requests -= 1
 
         self.server = serve_in_thread(app, "127.0.0.1", 0, "stub-engine")
+
+    async def _stream(self, ids, sps):
+        try:
+            outs = [self._answer(p, sp, len(ids)) for p, sp in zip(ids, sps, strict=True)]  # recorded now
+            await asyncio.sleep(self.delay)
+            for i, out in enumerate(outs):
+                if i == len(ids) - 1:  # the last sample waits for the next request (or hold_s)
+                    self._arrived.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._arrived.wait(), self.hold_s)
+                self.inflight -= 1
+                yield b"data: " + json.dumps({**out, "index": i}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.open_requests -= 1
 
     def _answer(self, prompt_ids, sp, size) -> dict:
         prompt = self.tok.decode(prompt_ids)
@@ -122,8 +149,10 @@ def test_in_flight_trajectories_are_bounded_by_async_max_concurrent_samples(
         w.stop()
         m.close()
     assert engine.max_inflight == 4
-    # sample: one request per trajectory (each frees its own slot); group: one batch per group
-    assert {r["size"] for r in engine.requests} == {1 if granularity == "sample" else 2}
+    # one batched request per group (n = 2): `sample` streams it and frees a slot per finished sample,
+    # so a third group goes out while two are still running; `group` waits for whole groups
+    assert {r["size"] for r in engine.requests} == {2}
+    assert engine.max_open_requests == (3 if granularity == "sample" else 2)
 
 
 def test_the_default_in_flight_cap_is_the_rollout_batch_and_sample_granularity(
@@ -137,7 +166,8 @@ def test_the_default_in_flight_cap_is_the_rollout_batch_and_sample_granularity(
     finally:
         w.stop()
         m.close()
-    assert engine.max_inflight == 4 and {r["size"] for r in engine.requests} == {1}
+    assert engine.max_inflight == 4 and {r["size"] for r in engine.requests} == {2}
+    assert engine.max_open_requests == 3  # sample granularity: slots freed per finished sample
 
 
 def test_a_checkpointed_buffer_is_restored_on_relaunch_and_no_group_is_generated_twice(

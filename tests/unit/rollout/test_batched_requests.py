@@ -1,8 +1,11 @@
 """Batched `/generate` end to end: the rollout manager sends SGLang's list form (checked by a
 stand-in SGLang server that accepts only SGLang's fields), the router splits a batch over engines
-and joins the results in prompt order, and a seeded batch gives the same tokens however it is routed."""
+and joins the results in prompt order (a streamed group goes whole to one engine), and a seeded batch
+gives the same tokens however it is routed or streamed."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
@@ -127,6 +130,24 @@ def test_router_splits_a_batch_over_engines_in_prompt_order(tiny_hf_checkpoint, 
         assert [x[:2] for x in flat(via_router)] == [x[:2] for x in flat(via_one)]
         for (_, _, a), (_, _, b) in zip(flat(via_router), flat(via_one), strict=True):
             assert a == pytest.approx(b, abs=1e-5)
+        # --fully-async's `sample` granularity: one streamed request per group through the router,
+        # each sample handed over as it finishes; the same tokens (per-sample seeds), one engine per
+        # group, each group's 4 samples prefilled once (counted: not one request and prefill each)
+        shared = [e.core.stats["num_shared_prefill_rows"] for e in engines]
+        finished_at: list[tuple[int, int]] = []
+
+        async def streamed():
+            return await asyncio.gather(*(
+                routed.agenerate_group_streamed(r, p, ss, lambda k, g=g: finished_at.append((g, k)))
+                for g, (r, p, ss) in enumerate(zip(RECORDS, prompts, seeds, strict=True))
+            ))  # fmt: skip
+
+        via_stream = asyncio.run(streamed())
+        assert sorted(finished_at) == [(g, k) for g in range(3) for k in range(4)]
+        assert [x[:2] for x in flat(via_stream)] == [x[:2] for x in flat(via_one)]
+        for (_, _, a), (_, _, b) in zip(flat(via_stream), flat(via_one), strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+        assert sum(e.core.stats["num_shared_prefill_rows"] for e in engines) - sum(shared) == 3 * 3
         # the in-loop eval path: one batch, n per prompt, texts back in prompt order
         texts = router_generate_fn(routed)(["1+1=", "2+2=", "3+3="], 3, 0.0, 1.0, -1, 2, 0)
         assert len(texts) == 3 and all(len(t) == 2 and t[0] == t[1] for t in texts)  # greedy twice
