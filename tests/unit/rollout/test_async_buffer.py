@@ -21,6 +21,7 @@ from miles_platform.data.source import RolloutDataSource
 from miles_platform.models.checkpoint import load_tokenizer
 from miles_platform.preflight import validate_before_start
 from miles_platform.rollout.async_worker import AsyncRolloutWorker
+from miles_platform.rollout.client import EngineHTTPError, stream_generate
 from miles_platform.rollout.engine_server import serve_in_thread
 from miles_platform.rollout.manager import RolloutManager
 
@@ -293,3 +294,44 @@ def test_rollout_max_prompt_len_drops_long_prompts_in_the_worker(tiny_hf_checkpo
     assert all(len(s.prompt_tokens) <= limit for s in samples)
     assert metrics["rollout/dynamic_filter/drop_prompt_too_long"] == 2  # 10+10= and 11+11=
     assert all(len(tok.encode(p, add_special_tokens=False)) <= limit for p in engine.prompts())
+
+
+def test_a_streamed_group_resends_only_the_samples_without_a_result():
+    """`stream_generate`: a retryable error chunk or a stream cut short resends those prompts only;
+    a non-retryable error chunk fails the call."""
+    bodies: list[dict] = []
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        bodies.append(body)
+        ids = body["input_ids"]
+
+        def chunks():
+            for i, p in enumerate(ids):
+                if p == [2] and len(bodies) == 1:
+                    break  # the first stream ends before prompt [2]: lost
+                if p == [1] and len(bodies) == 1:
+                    out = {"error": {"message": "paused", "retryable": True, "status": 503}}
+                elif p == [9]:
+                    out = {"error": {"message": "bad prompt", "status": 400}}
+                else:
+                    out = {"text": str(p[0]), "meta_info": {"finish_reason": {"type": "length"}}}
+                yield b"data: " + json.dumps({**out, "index": i}).encode() + b"\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    server = serve_in_thread(app, "127.0.0.1", 0, "stub-stream")
+    got: list[tuple[int, str]] = []
+    try:
+        sps = [{"sampling_seed": k} for k in range(3)]
+        asyncio.run(stream_generate(server.url, [[0], [1], [2]], sps, lambda i, o: got.append((i, o["text"])),
+                                    backoff_s=0.01))  # fmt: skip
+        assert sorted(got) == [(0, "0"), (1, "1"), (2, "2")]
+        assert [b["input_ids"] for b in bodies] == [[[0], [1], [2]], [[1], [2]]]
+        assert [p["sampling_seed"] for p in bodies[1]["sampling_params"]] == [1, 2]  # each its own seed
+        with pytest.raises(EngineHTTPError, match="bad prompt"):
+            asyncio.run(stream_generate(server.url, [[0], [9]], sps[:2], lambda i, o: None, backoff_s=0.01))
+    finally:
+        server.stop()
