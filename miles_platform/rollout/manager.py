@@ -326,26 +326,27 @@ class RolloutManager:
 
     @property
     def streams(self) -> bool:
-        """Whether `agenerate_group_streamed` can serve: the run's own embedded engines (they send
+        """Whether `agenerate_groups_streamed` can serve: the run's own embedded engines (they send
         each prompt's result as it finishes) and no --custom-generate-function-path."""
         return self.generate_fn is None and self.cfg.embedded_engines_only
 
-    async def agenerate_group_streamed(self, rec, prompt_ids, seeds, on_sample) -> list[Sample]:
-        """One group as one batched, streamed request (its samples prefilled together): `on_sample(k)`
-        on this loop as sample k (of `seeds[k]`) finishes; returns the group in seed order."""
-        outs: list = [None] * len(seeds)
+    async def agenerate_groups_streamed(self, records, prompts, seeds, on_sample) -> None:
+        """Groups gi = len(seeds[gi]) samples of records[gi] as one batched, streamed request (each
+        group's samples prefilled together): `on_sample(gi, k, sample)` on this loop as sample k of
+        group gi (of `seeds[gi][k]`) finishes."""
+        where = [(gi, k) for gi, ss in enumerate(seeds) for k in range(len(ss))]
+        routes = self.moe_shape is not None
 
-        def got(k: int, out: dict) -> None:
-            outs[k] = out
-            on_sample(k)
+        def got(i: int, out: dict) -> None:
+            gi, k = where[i]
+            on_sample(gi, k, self._to_sample(records[gi], prompts[gi], out, 0, routes))  # a group of its own
 
         await self.client.astream(
-            *self._batch([prompt_ids], [seeds]), got,
+            *self._batch(prompts, seeds), got,
             return_sampling_mask=self.replay, top_logprobs_num=self.top_logprobs_num,
-            return_routed_experts=self.moe_shape is not None, sampling_logprobs_mode=self.logprobs_mode,
-            image_data=self._images([rec], [seeds]),
+            return_routed_experts=routes, sampling_logprobs_mode=self.logprobs_mode,
+            image_data=self._images(records, seeds),
         )  # fmt: skip
-        return self._groups_from([rec], [prompt_ids], [seeds], outs, routes=self.moe_shape is not None)[0]
 
     async def _per_sample(
         self, records, prompts, seeds, evaluation: bool = False, params: dict | None = None

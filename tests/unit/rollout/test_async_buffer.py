@@ -29,17 +29,19 @@ PROMPTS = [PromptRecord(id=f"p{i}", prompt=f"{i}+{i}=", label=str(2 * i), metada
 
 
 class StubEngine:
-    """SGLang's `/generate` (batch form), answering after `delay` s: counts trajectories and requests
-    in flight, records every request (prompt ids, seed, request size), serves `version`, and aborts
-    the first request for each prompt in `abort_once`. `stream: true` (the embedded engine's, which
-    the worker's `sample` granularity uses): each result as an SSE chunk with its index, the last
-    one held until another request arrives (at most `hold_s`): a worker that frees a slot per
-    finished sample sends its next group while the previous ones still run."""
+    """SGLang's `/generate` (batch form), answering after `delay` s: counts trajectories in flight,
+    records every request (prompt ids, seed, request size), serves `version`, and aborts the first
+    request for each prompt in `abort_once`. `stream: true` (the embedded engine's, which the
+    worker's `sample` granularity uses): each result as an SSE chunk with its index, the first
+    sample of each prompt first, the others held until another request arrives (at most `hold_s`).
+    `arrivals`: per request, how many streams had sent every sample when it came: a worker that
+    frees a slot per finished sample sends the next group before any group is whole."""
 
-    def __init__(self, tok, delay: float = 0.03, hold_s: float = 0.5):
+    def __init__(self, tok, delay: float = 0.03, hold_s: float = 2.0):
         self.tok, self.delay, self.version, self.hold_s = tok, delay, 0, hold_s
-        self.inflight = self.max_inflight = self.open_requests = self.max_open_requests = 0
+        self.inflight = self.max_inflight = self.streams_done = 0
         self.requests: list[dict] = []  # {"prompt", "seed", "size", "version"} per trajectory
+        self.arrivals: list[int] = []
         self.abort_once: set[str] = set()
         self._arrived = asyncio.Event()
         app = FastAPI()
@@ -50,34 +52,32 @@ class StubEngine:
             ids, sps = body["input_ids"], body["sampling_params"]
             self.inflight += len(ids)
             self.max_inflight = max(self.max_inflight, self.inflight)
-            self.open_requests += 1
-            self.max_open_requests = max(self.max_open_requests, self.open_requests)
+            self.arrivals.append(self.streams_done)
             self._arrived.set()
             if body.get("stream"):
-                return StreamingResponse(self._stream(ids, sps), media_type="text/event-stream")
+                outs = [self._answer(p, sp, len(ids)) for p, sp in zip(ids, sps, strict=True)]  # recorded now
+                return StreamingResponse(self._stream(ids, outs), media_type="text/event-stream")
             try:
                 await asyncio.sleep(self.delay)
                 return [self._answer(p, sp, len(ids)) for p, sp in zip(ids, sps, strict=True)]
             finally:
                 self.inflight -= len(ids)
-                self.open_requests -= 1
 
         self.server = serve_in_thread(app, "127.0.0.1", 0, "stub-engine")
 
-    async def _stream(self, ids, sps):
-        try:
-            outs = [self._answer(p, sp, len(ids)) for p, sp in zip(ids, sps, strict=True)]  # recorded now
-            await asyncio.sleep(self.delay)
-            for i, out in enumerate(outs):
-                if i == len(ids) - 1:  # the last sample waits for the next request (or hold_s)
-                    self._arrived.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._arrived.wait(), self.hold_s)
-                self.inflight -= 1
-                yield b"data: " + json.dumps({**out, "index": i}).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:
-            self.open_requests -= 1
+    async def _stream(self, ids, outs):
+        first = {tuple(p): i for i, p in reversed(list(enumerate(ids)))}.values()  # each prompt's first
+        order = sorted(range(len(ids)), key=lambda i: i not in first)
+        await asyncio.sleep(self.delay)
+        self._arrived.clear()
+        for j, i in enumerate(order):
+            if j == len(first):  # the rest wait for the next request (or hold_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), self.hold_s)
+            self.inflight -= 1
+            yield b"data: " + json.dumps({**outs[i], "index": i}).encode() + b"\n\n"
+        self.streams_done += 1
+        yield b"data: [DONE]\n\n"
 
     def _answer(self, prompt_ids, sp, size) -> dict:
         prompt = self.tok.decode(prompt_ids)
@@ -150,10 +150,12 @@ def test_in_flight_trajectories_are_bounded_by_async_max_concurrent_samples(
         w.stop()
         m.close()
     assert engine.max_inflight == 4
-    # one batched request per group (n = 2): `sample` streams it and frees a slot per finished sample,
-    # so a third group goes out while two are still running; `group` waits for whole groups
-    assert {r["size"] for r in engine.requests} == {2}
-    assert engine.max_open_requests == (3 if granularity == "sample" else 2)
+    if granularity == "group":  # one batched request per group (n = 2), its slots freed when it returns
+        assert {r["size"] for r in engine.requests} == {2}
+    else:  # the groups that can go out as one streamed request, a slot freed per finished sample:
+        # the next group goes out before any group is whole
+        assert engine.requests[0]["size"] == 4 and engine.arrivals[1] == 0
+        assert len(engine.arrivals) < len(engine.requests) / 2
 
 
 def test_the_default_in_flight_cap_is_the_rollout_batch_and_sample_granularity(
@@ -167,8 +169,8 @@ def test_the_default_in_flight_cap_is_the_rollout_batch_and_sample_granularity(
     finally:
         w.stop()
         m.close()
-    assert engine.max_inflight == 4 and {r["size"] for r in engine.requests} == {2}
-    assert engine.max_open_requests == 3  # sample granularity: slots freed per finished sample
+    assert engine.max_inflight == 4 and engine.requests[0]["size"] == 4
+    assert engine.arrivals[1] == 0  # sample granularity: slots freed per finished sample
 
 
 def test_a_checkpointed_buffer_is_restored_on_relaunch_and_no_group_is_generated_twice(

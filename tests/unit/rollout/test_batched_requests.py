@@ -130,23 +130,28 @@ def test_router_splits_a_batch_over_engines_in_prompt_order(tiny_hf_checkpoint, 
         assert [x[:2] for x in flat(via_router)] == [x[:2] for x in flat(via_one)]
         for (_, _, a), (_, _, b) in zip(flat(via_router), flat(via_one), strict=True):
             assert a == pytest.approx(b, abs=1e-5)
-        # --fully-async's `sample` granularity: one streamed request per group through the router,
-        # each sample handed over as it finishes; the same tokens (per-sample seeds), one engine per
-        # group, each group's 4 samples prefilled once (counted: not one request and prefill each)
+        # --fully-async's `sample` granularity: the groups that can go out as one streamed request
+        # through the router, whole to one engine, each sample handed over as it finishes; the same
+        # tokens (per-sample seeds), each group's 4 samples prefilled once (counted)
         shared = [e.core.stats["num_shared_prefill_rows"] for e in engines]
-        finished_at: list[tuple[int, int]] = []
+        before = [e.core.stats["num_finished_requests"] for e in engines]
+        got: dict[tuple[int, int], object] = {}
 
         async def streamed():
-            return await asyncio.gather(*(
-                routed.agenerate_group_streamed(r, p, ss, lambda k, g=g: finished_at.append((g, k)))
-                for g, (r, p, ss) in enumerate(zip(RECORDS, prompts, seeds, strict=True))
-            ))  # fmt: skip
+            await routed.agenerate_groups_streamed(
+                RECORDS, prompts, seeds, lambda g, k, s: got.setdefault((g, k), s)
+            )
 
-        via_stream = asyncio.run(streamed())
-        assert sorted(finished_at) == [(g, k) for g in range(3) for k in range(4)]
+        asyncio.run(streamed())
+        assert sorted(got) == [(g, k) for g in range(3) for k in range(4)]
+        via_stream = [[got[g, k] for k in range(4)] for g in range(3)]
         assert [x[:2] for x in flat(via_stream)] == [x[:2] for x in flat(via_one)]
         for (_, _, a), (_, _, b) in zip(flat(via_stream), flat(via_one), strict=True):
             assert a == pytest.approx(b, abs=1e-5)
+        served = sorted(
+            e.core.stats["num_finished_requests"] - b for e, b in zip(engines, before, strict=True)
+        )
+        assert served == [0, 12]  # not split: one engine streams the batch
         assert sum(e.core.stats["num_shared_prefill_rows"] for e in engines) - sum(shared) == 3 * 3
         # the in-loop eval path: one batch, n per prompt, texts back in prompt order
         texts = router_generate_fn(routed)(["1+1=", "2+2=", "3+3="], 3, 0.0, 1.0, -1, 2, 0)
