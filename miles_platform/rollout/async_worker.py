@@ -6,7 +6,9 @@ scored group into the run's data buffer (rollout/data_buffer.py: `DefaultDataBuf
 it. In flight: `--rollout-batch-size` groups, or `--async-max-concurrent-samples // n` with that
 flag. `--rollout-submission-granularity` decides what frees a submission slot: `sample` (the
 default here) frees one per finished trajectory, and a new group goes out once n are free;
-`group` holds the group's n slots until the whole group returns. A full buffer blocks the
+`group` holds the group's n slots until the whole group returns. On the embedded engines the groups
+that can go out together are one streamed request (each sample's result sent as it finishes): one
+HTTP request and one prefill, not one per sample. A full buffer blocks the
 worker (no new submissions) until the trainer takes groups. Weight updates pause the engines
 (`--pause-generation-mode retract|in_place`), so a group can span versions; its staleness is the
 engine version minus the oldest `weight_version_start` in it.
