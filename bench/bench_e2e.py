@@ -6,7 +6,8 @@ answers end with EOS) on the same arithmetic prompts, with the quickstart's reci
 rollout). The first step of each is warm-up and dropped; the headline rows are medians of the 10
 measured steps (on a 2-core VM one step in ten can take 2-4x the others: a median of 10 moved
 0.14-0.18 s between two runs of the bare loop where the mean of 5 moved 0.13-0.24). Order: the
-bare loop, then ours, then ours --fully-async, in one process.
+bare loop, then ours, then ours --fully-async (its default `--rollout-submission-granularity sample`),
+then --fully-async with `group`, in one process.
 
 - ours: `miles_platform.loop.train` on Ray (trainer actor, embedded engine, batched requests,
   rollout shards, HF export + weight update every step, --ci-test checks, metrics table).
@@ -21,7 +22,9 @@ bare loop, then ours, then ours --fully-async, in one process.
 
 Rows: seconds per step (ratio: ours / bare, goal <= 1.3); ours vs TRL (ratio: ours / TRL, goal
 < 1.0); --fully-async (generation of the next
-rollout overlaps training) vs sync at the same samples per step; then each phase of ours as a
+rollout overlaps training) vs sync at the same samples per step; --fully-async's `sample` vs `group`
+submission granularity (each group is one request either way; `sample` streams it and frees a slot
+per finished sample); then each phase of ours as a
 share of its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
 """
 
@@ -172,6 +175,12 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
             num_rollout=rollouts, storage_root=os.path.join(d, "root_async"), fully_async=True,
         ).validate()  # fmt: skip
         res_async = train(cfg_async)
+        cfg_group = RunConfig(
+            **dict(recipe, run_name="bench_e2e_async_group"), hf_checkpoint=base, prompt_data=data["train"],
+            num_rollout=rollouts, storage_root=os.path.join(d, "root_async_group"), fully_async=True,
+            rollout_submission_granularity="group",
+        ).validate()  # fmt: skip
+        res_group = train(cfg_group)
         measured = res.metrics[1:] or res.metrics
         steps = [m["perf/rollout_total_time"] for m in measured]
         total, mean_total = float(np.median(steps)), float(np.mean(steps))
@@ -182,11 +191,16 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
                 f"s/step (ratio: ours / bare, goal <= 1.3; median of {len(measured)} steps after 1 warm-up)",
                 peak_rss_mb=rss, ours_steps_s=[round(x, 4) for x in steps],
                 bare_steps_s=[round(x, 4) for x in bare]), vs_trl]  # fmt: skip
-    t_async = float(
-        np.median([m["perf/rollout_total_time"] for m in (res_async.metrics[1:] or res_async.metrics)])
-    )
+
+    def median_step(r) -> float:
+        return float(np.median([m["perf/rollout_total_time"] for m in (r.metrics[1:] or r.metrics)]))
+
+    t_async, t_group = median_step(res_async), median_step(res_group)
     rows.append(row("e2e: s per GRPO step, --fully-async vs sync (same samples per step)", t_async, total,
                     "s/step (ratio: async / sync; < 1 = overlap pays)", peak_rss_mb=rss))  # fmt: skip
+    rows.append(row("e2e: s per GRPO step, --fully-async granularity sample vs group", t_async, t_group,
+                    "s/step (ratio: sample / group; sample frees a slot per finished sample)",
+                    peak_rss_mb=rss))  # fmt: skip
     unit = "s/step (ratio: share of our mean step; means over the measured steps)"
     covered = 0.0
     for key in PHASES:

@@ -6,7 +6,9 @@ scored group into the run's data buffer (rollout/data_buffer.py: `DefaultDataBuf
 it. In flight: `--rollout-batch-size` groups, or `--async-max-concurrent-samples // n` with that
 flag. `--rollout-submission-granularity` decides what frees a submission slot: `sample` (the
 default here) frees one per finished trajectory, and a new group goes out once n are free;
-`group` holds the group's n slots until the whole group returns. A full buffer blocks the
+`group` holds the group's n slots until the whole group returns. On the embedded engines the groups
+that can go out together are one streamed request (each sample's result sent as it finishes): one
+HTTP request and one prefill, not one per sample. A full buffer blocks the
 worker (no new submissions) until the trainer takes groups. Weight updates pause the engines
 (`--pause-generation-mode retract|in_place`), so a group can span versions; its staleness is the
 engine version minus the oldest `weight_version_start` in it.
@@ -108,17 +110,21 @@ class AsyncRolloutWorker:
             self.buffer.close()
 
     async def _main(self) -> None:
-        n, tasks = self.n, set()
+        n, tasks, streams = self.n, set(), set()
         self._free = self.max_inflight_groups * n  # submission slots, in trajectories
         self._freed = asyncio.Event()
         for uid in sorted(self._finished):  # restored from a checkpoint: offered first
             await self._put(self._finished[uid])
         try:
             while not self._stop.is_set():
+                ready = []
                 while self._free >= n and not self._stop.is_set():
-                    uid, rec = self._next_prompt()
+                    ready.append(self._next_prompt())
                     self._free -= n
-                    tasks.add(asyncio.create_task(self._generate(uid, rec)))
+                if ready and self.granularity == "sample" and self.m.streams:
+                    tasks |= self._stream_groups(ready, streams)
+                else:
+                    tasks |= {asyncio.create_task(self._generate(uid, rec)) for uid, rec in ready}
                 self._freed.clear()
                 waiter = asyncio.create_task(self._freed.wait())
                 done, _ = await asyncio.wait(
@@ -131,7 +137,7 @@ class AsyncRolloutWorker:
         except _Stopped:
             pass
         finally:
-            for t in tasks:
+            for t in tasks | streams:
                 t.cancel()
 
     def _next_prompt(self) -> tuple[int, PromptRecord]:
@@ -156,8 +162,47 @@ class AsyncRolloutWorker:
         self._free += slots
         self._freed.set()
 
+    def _stream_groups(self, ready: list[tuple[int, PromptRecord]], streams: set) -> set:
+        """`sample` on the embedded engines: the groups that can go out now as one streamed request
+        (prefilled together), a slot freed as each sample finishes; one task per group, done when
+        its n samples are in (then scored, as `_generate`'s)."""
+        m, n, loop = self.m, self.n, asyncio.get_running_loop()
+        recs = [rec for _, rec in ready]
+        seeds = [[_seed(self.cfg.seed, uid, k) for k in range(n)] for uid, _ in ready]
+        groups: list[list] = [[None] * n for _ in ready]
+        left, done = [n] * len(ready), [loop.create_future() for _ in ready]
+
+        def on_sample(gi: int, k: int, sample: Sample) -> None:
+            groups[gi][k] = sample
+            left[gi] -= 1
+            self._release(1)
+            if not left[gi] and not done[gi].done():  # (cancelled with its group task: stopping)
+                done[gi].set_result(groups[gi])
+
+        async def stream() -> None:
+            try:
+                await m.agenerate_groups_streamed(recs, [m._prompt_ids(r) for r in recs], seeds, on_sample)
+            except BaseException as e:  # every group still waiting fails with it (the worker's error)
+                for f in done:
+                    if not f.done():
+                        f.set_exception(e if isinstance(e, Exception) else _Stopped())
+                raise
+            finally:
+                self._release(sum(left))  # the slots of samples that never came
+
+        task = asyncio.create_task(stream())
+        streams.add(task)
+        task.add_done_callback(lambda t: (streams.discard(t), t.cancelled() or t.exception()))
+
+        async def group(uid: int, rec: PromptRecord, fut: asyncio.Future) -> DataBufferInput:
+            return await self._entry(uid, rec, await fut)
+
+        return {asyncio.create_task(group(uid, rec, f)) for (uid, rec), f in zip(ready, done, strict=True)}
+
     async def _generate(self, uid: int, rec: PromptRecord) -> DataBufferInput:
-        """One group: n requests freeing a slot each (`sample`), or one batched request (`group`)."""
+        """One group: `sample` frees a slot as each sample finishes (n requests: a generate function
+        or SGLang engines; the embedded ones stream: `_stream_groups`), `group` frees the n slots
+        when the whole group returns."""
         m, n = self.m, self.n
         prompt_ids = m._prompt_ids(rec)  # images: their pads expanded
         seeds = [_seed(self.cfg.seed, uid, k) for k in range(n)]
@@ -175,9 +220,13 @@ class AsyncRolloutWorker:
                 group = (await m.agenerate_groups([rec], [prompt_ids], [seeds]))[0]
             finally:
                 self._release(n)
+        return await self._entry(uid, rec, group)
+
+    async def _entry(self, uid: int, rec: PromptRecord, group: list[Sample]) -> DataBufferInput:
+        """A generated group, scored and numbered, moved from in flight to finished."""
         for k, s in enumerate(group):  # provisional index (group order) until the trainer numbers them
-            s.index = uid * n + k
-        await asyncio.to_thread(m._score, group)  # an agent's own reward stays
+            s.index = uid * self.n + k
+        await asyncio.to_thread(self.m._score, group)  # an agent's own reward stays
         entry = DataBufferInput(prompt=rec, group=group, uid=uid)
         with self._lock:  # finished and no longer in flight in one step (a checkpoint sees it once)
             self._inflight.pop(uid, None)

@@ -61,6 +61,20 @@ async def generate(
     `top_logprobs_num` for the k most likely tokens at each generated position (top-k OPD, score
     centering); `sampling_logprobs_mode` "support" for each support id's log-prob (score centering);
     `image_data` SGLang's images (a batch: one list or None per prompt; rollout/engine_vlm.py)."""
+    body = generate_body(
+        input_ids, sampling_params, return_logprob, min_weight_version, exact_weight_version,
+        return_sampling_mask, lora_path, top_logprobs_num, return_routed_experts, sampling_logprobs_mode,
+        image_data,
+    )  # fmt: skip
+    return await post_generate(url, body, api_key, timeout, max_retries, backoff_s, max_backoff_s, client)
+
+
+def generate_body(
+    input_ids, sampling_params=None, return_logprob=True, min_weight_version=None, exact_weight_version=None,
+    return_sampling_mask=False, lora_path=None, top_logprobs_num=0, return_routed_experts=False,
+    sampling_logprobs_mode=None, image_data=None,
+) -> dict:  # fmt: skip
+    """SGLang's /generate body of `generate`'s arguments."""
     body = {
         "input_ids": input_ids,
         "sampling_params": sampling_params or {},
@@ -82,7 +96,88 @@ async def generate(
         body["min_weight_version"] = min_weight_version
     if exact_weight_version is not None:
         body["exact_weight_version"] = exact_weight_version
-    return await post_generate(url, body, api_key, timeout, max_retries, backoff_s, max_backoff_s, client)
+    return body
+
+
+async def stream_generate(
+    url: str,
+    input_ids: list[list[int]],
+    sampling_params: list[dict],
+    on_result,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    max_retries: int = 8,
+    backoff_s: float = 0.05,
+    max_backoff_s: float = 2.0,
+    client: httpx.AsyncClient | None = None,
+    image_data: list | None = None,
+    **opts,
+) -> None:
+    """A batch as one `stream: true` POST {url}/generate: `on_result(i, result)` for prompt i as it
+    finishes (the embedded engine sends each prompt's whole result once: http_common.
+    streamed_results). Retries, with `generate`'s backoff, only the prompts without a result: all of
+    them on a retryable status or a connection lost mid-stream, one on its retryable error chunk;
+    anything else raises `EngineHTTPError`. `opts`: `generate`'s other body fields, for every prompt."""
+    url = url.rstrip("/").removesuffix("/generate")
+    client = client or _LOOP_CLIENTS.get(asyncio.get_running_loop())
+    if client is None:
+        async with httpx.AsyncClient(timeout=timeout) as own:
+            return await stream_generate(url, input_ids, sampling_params, on_result, api_key, timeout,
+                                         max_retries, backoff_s, max_backoff_s, own, image_data, **opts)  # fmt: skip
+    left, delay = list(range(len(input_ids))), backoff_s
+    for attempt in range(max_retries + 1):
+        last_try = attempt == max_retries
+        body = generate_body(
+            [input_ids[i] for i in left], [sampling_params[i] for i in left],
+            image_data=None if image_data is None else [image_data[i] for i in left], **opts,
+        )  # fmt: skip
+        body["stream"] = True
+        try:
+            left = await _stream_once(url, body, left, on_result, api_key, client, last_try)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+            if last_try:
+                raise
+        if not left:
+            return
+        if last_try:
+            raise EngineHTTPError(url, 503, f"{len(left)} prompts unanswered after {max_retries} retries")
+        _RETRIES[client] = _RETRIES.get(client, 0) + 1
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_backoff_s)
+
+
+async def _stream_once(url, body, left, on_result, api_key, client, last_try) -> list[int]:
+    """One streamed request for the prompts `left` (their indices in the caller's batch); returns
+    those still without a result (retryable failures, or a stream that ended early)."""
+    headers = {"Content-Type": "application/json", **_headers(api_key)}
+    async with client.stream("POST", f"{url}/generate", content=orjson.dumps(body), headers=headers) as resp:
+        if resp.status_code >= 300:
+            content = await resp.aread()
+            if resp.status_code not in RETRYABLE_STATUS or last_try:
+                raise EngineHTTPError(url, resp.status_code, _parse_bytes(content, resp))
+            return left
+        pending, retry = set(left), []
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            out = orjson.loads(line[6:])
+            i = left[out.pop("index", 0)]
+            pending.discard(i)
+            err = out.get("error")
+            if err is None:
+                on_result(i, out)
+            elif (err.get("retryable") or err.get("status") in RETRYABLE_STATUS) and not last_try:
+                retry.append(i)
+            else:
+                raise EngineHTTPError(url, err.get("status", 500), {"error": err})
+        return sorted(retry + list(pending))
+
+
+def _parse_bytes(content: bytes, resp: httpx.Response):
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode(errors="replace")
 
 
 # the pooled client of each EngineClient's event loop: `post_generate` called from code running
@@ -247,6 +342,21 @@ class EngineClient:
     async def agenerate(self, input_ids, sampling_params=None, **kw):
         """Awaitable from any other event loop."""
         return await asyncio.wrap_future(self.submit(self._generate(input_ids, sampling_params, **kw)))
+
+    async def astream(self, input_ids, sampling_params, on_result, **kw) -> None:
+        """`stream_generate` on this client's pool, awaitable from any other event loop:
+        `on_result(i, result)` runs on the caller's loop, each before this returns."""
+        caller = asyncio.get_running_loop()
+        kw.setdefault("lora_path", self.lora_path)
+        kw.setdefault("max_retries", self.max_retries)
+
+        def relay(i, out):  # FIFO on the caller's loop: every result precedes the return
+            caller.call_soon_threadsafe(on_result, i, out)
+
+        coro = stream_generate(
+            self.url, input_ids, sampling_params, relay, api_key=self.api_key, client=self._client, **kw
+        )
+        await asyncio.wrap_future(self.submit(coro))
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -11,7 +11,7 @@ import asyncio
 
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from miles_platform.errors import MilesError
 from miles_platform.rollout.engine_abort import abort_requests
@@ -25,6 +25,7 @@ from miles_platform.rollout.http_common import (
     engine_error,
     error,
     json_body,
+    streamed_results,
 )
 from miles_platform.rollout.lora_serving import read_adapter_dir
 from miles_platform.rollout.metrics import CONTENT_TYPE, engine_exposition
@@ -39,9 +40,15 @@ def generate_router(core: EngineCore, max_request_bytes: int) -> APIRouter:
         body, err = await json_body(request, max_request_bytes)
         if err:
             return err
+        stream = bool(body.pop("stream", False))  # each prompt's result as it finishes (http_common)
         try:
             # parsing and tokenization off the event loop: a huge prompt cannot stall /health
             futures, is_batch = await asyncio.to_thread(core.submit_json, body)
+            if stream:
+                return StreamingResponse(
+                    streamed_results(futures, is_batch), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )  # fmt: skip
             results = await all_results(futures)
         except ENGINE_ERRORS as e:
             return engine_error(e)

@@ -178,6 +178,41 @@ async def all_results(futures: list) -> list:
     return [f.result() for f in futures]
 
 
+async def streamed_results(futures: list, is_batch: bool):
+    """SSE chunks of a `/generate` with `stream: true`: each prompt's whole result once, as it
+    finishes (in finishing order; a batch's chunks carry SGLang's `index`), then `[DONE]`. A prompt
+    that fails sends `{"index": i, "error": {..., "status": <its HTTP status>}}` (the `retryable`
+    ones: its client sends that prompt again) and the others go on. One chunk per prompt, not per
+    token: a client that frees a slot per finished sample (--rollout-submission-granularity
+    sample) learns of each as it finishes without one HTTP request per sample."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Queue = asyncio.Queue()
+    for i, f in enumerate(futures):
+        f.add_done_callback(lambda f, i=i: loop.call_soon_threadsafe(done.put_nowait, (i, f)))
+    left = len(futures)
+    while left:
+        ready = [await done.get()]
+        while not done.empty():  # finished in the same step: one write (a write costs more than a chunk)
+            ready.append(done.get_nowait())
+        left -= len(ready)
+        yield b"".join(b"data: " + orjson.dumps(_chunk(i, f, is_batch)) + b"\n\n" for i, f in ready)
+    yield b"data: [DONE]\n\n"
+
+
+def _chunk(i: int, f, is_batch: bool) -> dict:
+    """Prompt i's SSE chunk: its result, or its error with the HTTP status it would have had."""
+    try:
+        out = dict(f.result())
+    except ENGINE_ERRORS as e:
+        resp = engine_error(e)
+        out = {"error": {**orjson.loads(resp.body)["error"], "status": resp.status_code}}
+    except Exception as e:  # a failed step (the non-stream answer is a 500)
+        out = {"error": {"message": f"{type(e).__name__}: {e}", "status": 500}}
+    if is_batch:
+        out["index"] = i
+    return out
+
+
 # what an engine call may raise for a request (HTTP 400 / 409 / 503): `engine_error` answers it
 ENGINE_ERRORS = (RequestError, chat.ChatError, VersionConflict, EnginePaused, EngineStopped)
 

@@ -339,6 +339,30 @@ class RolloutManager:
         )
         return self._groups_from(records, prompts, seeds, outs, routes=self.moe_shape is not None)
 
+    @property
+    def streams(self) -> bool:
+        """Whether `agenerate_groups_streamed` can serve: the run's own embedded engines (they send
+        each prompt's result as it finishes) and no --custom-generate-function-path."""
+        return self.generate_fn is None and self.cfg.embedded_engines_only
+
+    async def agenerate_groups_streamed(self, records, prompts, seeds, on_sample) -> None:
+        """Groups gi = len(seeds[gi]) samples of records[gi] as one batched, streamed request (each
+        group's samples prefilled together): `on_sample(gi, k, sample)` on this loop as sample k of
+        group gi (of `seeds[gi][k]`) finishes."""
+        where = [(gi, k) for gi, ss in enumerate(seeds) for k in range(len(ss))]
+        routes = self.moe_shape is not None
+
+        def got(i: int, out: dict) -> None:
+            gi, k = where[i]
+            on_sample(gi, k, self._to_sample(records[gi], prompts[gi], out, 0, routes))  # a group of its own
+
+        await self.client.astream(
+            *self._batch(prompts, seeds), got,
+            return_sampling_mask=self.replay, top_logprobs_num=self.top_logprobs_num,
+            return_routed_experts=routes, sampling_logprobs_mode=self.logprobs_mode,
+            image_data=self._images(records, seeds),
+        )  # fmt: skip
+
     async def _per_sample(
         self, records, prompts, seeds, evaluation: bool = False, params: dict | None = None
     ) -> list[list[Sample]]:

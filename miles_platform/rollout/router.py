@@ -223,10 +223,11 @@ class Router:
     async def generate(self, query: str, body: bytes, headers: dict) -> Response:
         """POST /generate. A batch (SGLang's list form) is split into one contiguous chunk per
         healthy worker, each chunk routed like any request (least loaded first), and the results
-        are joined in prompt order; a single prompt or a single worker is forwarded whole."""
+        are joined in prompt order; a single prompt, a single worker or a streamed batch (each
+        prompt's result as it finishes: one worker serves it) is forwarded whole."""
         healthy = sum(w.healthy for w in self.workers.values())
         parsed = _batch_body(body) if healthy > 1 else None
-        if parsed is None:
+        if parsed is None or parsed[0].get("stream"):
             return await self.proxy("POST", "/generate", query, body, headers)
         req, n = parsed
         bounds = [(n * i // healthy, n * (i + 1) // healthy) for i in range(min(healthy, n))]

@@ -6,11 +6,13 @@ and a custom buffer class is loaded and called."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from loop_helpers import RecordingBuffer
 
 from miles_platform.config import ConfigError, RunConfig
@@ -19,6 +21,7 @@ from miles_platform.data.source import RolloutDataSource
 from miles_platform.models.checkpoint import load_tokenizer
 from miles_platform.preflight import validate_before_start
 from miles_platform.rollout.async_worker import AsyncRolloutWorker
+from miles_platform.rollout.client import EngineHTTPError, stream_generate
 from miles_platform.rollout.engine_server import serve_in_thread
 from miles_platform.rollout.manager import RolloutManager
 
@@ -28,13 +31,19 @@ PROMPTS = [PromptRecord(id=f"p{i}", prompt=f"{i}+{i}=", label=str(2 * i), metada
 class StubEngine:
     """SGLang's `/generate` (batch form), answering after `delay` s: counts trajectories in flight,
     records every request (prompt ids, seed, request size), serves `version`, and aborts the first
-    request for each prompt in `abort_once`."""
+    request for each prompt in `abort_once`. `stream: true` (the embedded engine's, which the
+    worker's `sample` granularity uses): each result as an SSE chunk with its index, the first
+    sample of each prompt first, the others held until another request arrives (at most `hold_s`).
+    `arrivals`: per request, how many streams had sent every sample when it came: a worker that
+    frees a slot per finished sample sends the next group before any group is whole."""
 
-    def __init__(self, tok, delay: float = 0.03):
-        self.tok, self.delay, self.version = tok, delay, 0
-        self.inflight = self.max_inflight = 0
+    def __init__(self, tok, delay: float = 0.03, hold_s: float = 2.0):
+        self.tok, self.delay, self.version, self.hold_s = tok, delay, 0, hold_s
+        self.inflight = self.max_inflight = self.streams_done = 0
         self.requests: list[dict] = []  # {"prompt", "seed", "size", "version"} per trajectory
+        self.arrivals: list[int] = []
         self.abort_once: set[str] = set()
+        self._arrived = asyncio.Event()
         app = FastAPI()
 
         @app.post("/generate")
@@ -43,6 +52,11 @@ class StubEngine:
             ids, sps = body["input_ids"], body["sampling_params"]
             self.inflight += len(ids)
             self.max_inflight = max(self.max_inflight, self.inflight)
+            self.arrivals.append(self.streams_done)
+            self._arrived.set()
+            if body.get("stream"):
+                outs = [self._answer(p, sp, len(ids)) for p, sp in zip(ids, sps, strict=True)]  # recorded now
+                return StreamingResponse(self._stream(ids, outs), media_type="text/event-stream")
             try:
                 await asyncio.sleep(self.delay)
                 return [self._answer(p, sp, len(ids)) for p, sp in zip(ids, sps, strict=True)]
@@ -50,6 +64,20 @@ class StubEngine:
                 self.inflight -= len(ids)
 
         self.server = serve_in_thread(app, "127.0.0.1", 0, "stub-engine")
+
+    async def _stream(self, ids, outs):
+        first = {tuple(p): i for i, p in reversed(list(enumerate(ids)))}.values()  # each prompt's first
+        order = sorted(range(len(ids)), key=lambda i: i not in first)
+        await asyncio.sleep(self.delay)
+        self._arrived.clear()
+        for j, i in enumerate(order):
+            if j == len(first):  # the rest wait for the next request (or hold_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), self.hold_s)
+            self.inflight -= 1
+            yield b"data: " + json.dumps({**outs[i], "index": i}).encode() + b"\n\n"
+        self.streams_done += 1
+        yield b"data: [DONE]\n\n"
 
     def _answer(self, prompt_ids, sp, size) -> dict:
         prompt = self.tok.decode(prompt_ids)
@@ -122,8 +150,12 @@ def test_in_flight_trajectories_are_bounded_by_async_max_concurrent_samples(
         w.stop()
         m.close()
     assert engine.max_inflight == 4
-    # sample: one request per trajectory (each frees its own slot); group: one batch per group
-    assert {r["size"] for r in engine.requests} == {1 if granularity == "sample" else 2}
+    if granularity == "group":  # one batched request per group (n = 2), its slots freed when it returns
+        assert {r["size"] for r in engine.requests} == {2}
+    else:  # the groups that can go out as one streamed request, a slot freed per finished sample:
+        # the next group goes out before any group is whole
+        assert engine.requests[0]["size"] == 4 and engine.arrivals[1] == 0
+        assert len(engine.arrivals) < len(engine.requests) / 2
 
 
 def test_the_default_in_flight_cap_is_the_rollout_batch_and_sample_granularity(
@@ -137,7 +169,8 @@ def test_the_default_in_flight_cap_is_the_rollout_batch_and_sample_granularity(
     finally:
         w.stop()
         m.close()
-    assert engine.max_inflight == 4 and {r["size"] for r in engine.requests} == {1}
+    assert engine.max_inflight == 4 and engine.requests[0]["size"] == 4
+    assert engine.arrivals[1] == 0  # sample granularity: slots freed per finished sample
 
 
 def test_a_checkpointed_buffer_is_restored_on_relaunch_and_no_group_is_generated_twice(
@@ -266,3 +299,44 @@ def test_rollout_max_prompt_len_drops_long_prompts_in_the_worker(tiny_hf_checkpo
     dropped = metrics["rollout/dynamic_filter/drop_prompt_too_long"]
     assert dropped >= 2 and dropped % 2 == 0, dropped
     assert all(len(tok.encode(p, add_special_tokens=False)) <= limit for p in engine.prompts())
+
+
+def test_a_streamed_group_resends_only_the_samples_without_a_result():
+    """`stream_generate`: a retryable error chunk or a stream cut short resends those prompts only;
+    a non-retryable error chunk fails the call."""
+    bodies: list[dict] = []
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        bodies.append(body)
+        ids = body["input_ids"]
+
+        def chunks():
+            for i, p in enumerate(ids):
+                if p == [2] and len(bodies) == 1:
+                    break  # the first stream ends before prompt [2]: lost
+                if p == [1] and len(bodies) == 1:
+                    out = {"error": {"message": "paused", "retryable": True, "status": 503}}
+                elif p == [9]:
+                    out = {"error": {"message": "bad prompt", "status": 400}}
+                else:
+                    out = {"text": str(p[0]), "meta_info": {"finish_reason": {"type": "length"}}}
+                yield b"data: " + json.dumps({**out, "index": i}).encode() + b"\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    server = serve_in_thread(app, "127.0.0.1", 0, "stub-stream")
+    got: list[tuple[int, str]] = []
+    try:
+        sps = [{"sampling_seed": k} for k in range(3)]
+        asyncio.run(stream_generate(server.url, [[0], [1], [2]], sps, lambda i, o: got.append((i, o["text"])),
+                                    backoff_s=0.01))  # fmt: skip
+        assert sorted(got) == [(0, "0"), (1, "1"), (2, "2")]
+        assert [b["input_ids"] for b in bodies] == [[[0], [1], [2]], [[1], [2]]]
+        assert [p["sampling_seed"] for p in bodies[1]["sampling_params"]] == [1, 2]  # each its own seed
+        with pytest.raises(EngineHTTPError, match="bad prompt"):
+            asyncio.run(stream_generate(server.url, [[0], [9]], sps[:2], lambda i, o: None, backoff_s=0.01))
+    finally:
+        server.stop()

@@ -1,8 +1,11 @@
 """Batched `/generate` end to end: the rollout manager sends SGLang's list form (checked by a
 stand-in SGLang server that accepts only SGLang's fields), the router splits a batch over engines
-and joins the results in prompt order, and a seeded batch gives the same tokens however it is routed."""
+and joins the results in prompt order (a streamed group goes whole to one engine), and a seeded batch
+gives the same tokens however it is routed or streamed."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
@@ -127,6 +130,29 @@ def test_router_splits_a_batch_over_engines_in_prompt_order(tiny_hf_checkpoint, 
         assert [x[:2] for x in flat(via_router)] == [x[:2] for x in flat(via_one)]
         for (_, _, a), (_, _, b) in zip(flat(via_router), flat(via_one), strict=True):
             assert a == pytest.approx(b, abs=1e-5)
+        # --fully-async's `sample` granularity: the groups that can go out as one streamed request
+        # through the router, whole to one engine, each sample handed over as it finishes; the same
+        # tokens (per-sample seeds), each group's 4 samples prefilled once (counted)
+        shared = [e.core.stats["num_shared_prefill_rows"] for e in engines]
+        before = [e.core.stats["num_finished_requests"] for e in engines]
+        got: dict[tuple[int, int], object] = {}
+
+        async def streamed():
+            await routed.agenerate_groups_streamed(
+                RECORDS, prompts, seeds, lambda g, k, s: got.setdefault((g, k), s)
+            )
+
+        asyncio.run(streamed())
+        assert sorted(got) == [(g, k) for g in range(3) for k in range(4)]
+        via_stream = [[got[g, k] for k in range(4)] for g in range(3)]
+        assert [x[:2] for x in flat(via_stream)] == [x[:2] for x in flat(via_one)]
+        for (_, _, a), (_, _, b) in zip(flat(via_stream), flat(via_one), strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+        served = sorted(
+            e.core.stats["num_finished_requests"] - b for e, b in zip(engines, before, strict=True)
+        )
+        assert served == [0, 12]  # not split: one engine streams the batch
+        assert sum(e.core.stats["num_shared_prefill_rows"] for e in engines) - sum(shared) == 3 * 3
         # the in-loop eval path: one batch, n per prompt, texts back in prompt order
         texts = router_generate_fn(routed)(["1+1=", "2+2=", "3+3="], 3, 0.0, 1.0, -1, 2, 0)
         assert len(texts) == 3 and all(len(t) == 2 and t[0] == t[1] for t in texts)  # greedy twice
