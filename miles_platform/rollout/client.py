@@ -14,6 +14,11 @@ import httpx
 import orjson
 
 RETRYABLE_STATUS = (409, 502, 503, 504)
+# how long a pooled connection is kept idle: below uvicorn's 5 s keep-alive (our engine and router
+# servers, SGLang's), so a connection is never reused just as the server closes it (httpx's default
+# is also 5 s: the request then fails with a read / protocol error, and the router took its only
+# worker out of rotation for a health-probe period: 503 "no healthy worker")
+KEEPALIVE_S = 2.0
 
 
 class EngineHTTPError(Exception):
@@ -306,7 +311,11 @@ class EngineClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
         self._thread.start()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_S,
+        )
 
         async def make():
             return httpx.AsyncClient(timeout=timeout, limits=limits)

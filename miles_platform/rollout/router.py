@@ -29,6 +29,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from miles_platform.rollout.client import KEEPALIVE_S
 from miles_platform.rollout.engine_server import (
     ServerHandle,
     ServerThread,
@@ -101,7 +102,8 @@ class Router:
     async def start(self) -> None:
         self._changed = asyncio.Condition()
         self._client = httpx.AsyncClient(
-            timeout=self.request_timeout, limits=httpx.Limits(max_connections=None)
+            timeout=self.request_timeout,
+            limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_S),
         )
         self._health_task = asyncio.create_task(self._health_loop())
 

@@ -149,3 +149,30 @@ def test_a_worker_that_takes_a_request_and_hangs_gets_504_and_leaves_rotation():
         for c in conns:
             c.close()
         hung.close()
+
+
+def test_pooled_connections_expire_before_the_servers_keep_alive():
+    """A pooled connection reused just as uvicorn (5 s keep-alive) closes it failed the request, and
+    the router took its only worker out of rotation (503 "no healthy worker" until the next probe)."""
+    import uvicorn
+
+    from miles_platform.rollout.client import KEEPALIVE_S, EngineClient
+    from miles_platform.rollout.router import Router
+
+    server_keep_alive = uvicorn.Config(app=None).timeout_keep_alive
+    assert KEEPALIVE_S < server_keep_alive
+
+    async def router_pool():
+        r = Router()
+        await r.start()
+        try:
+            return r._client._transport._pool._keepalive_expiry
+        finally:
+            await r.close()
+
+    assert asyncio.run(router_pool()) == KEEPALIVE_S
+    c = EngineClient("http://127.0.0.1:9")
+    try:
+        assert c._client._transport._pool._keepalive_expiry == KEEPALIVE_S
+    finally:
+        c.close()
