@@ -95,23 +95,27 @@ def rollout_shard_event(pv: PolicyVersion, extra: dict[str, Any] | None = None) 
             "path": dg.MetadataValue.path(pv.shard_path),
             "rows": pv.shard_rows,
             "mean_reward": float(pv.mean_reward or 0.0),
-            **shard_summary(pv.shard_path),
+            **shard_summary(pv.shard_path, pv.run),
             "viewer": viewer_link(pv, rollout_from=pv.rollout_id, rollout_to=pv.rollout_id),
             **(extra or {}),
         },
     )
 
 
-def shard_summary(path: str) -> dict[str, Any]:
+def shard_summary(path: str, run: str | None = None) -> dict[str, Any]:
     """What the asset page shows of a shard without a query: reward std, truncation share, response
-    lengths, and the first samples (prompt, response, reward, status) as a small table."""
+    lengths, and the first samples (prompt, response, reward, status) as a small table; a
+    vision-language run's samples also name their image (content hash) and show it beside."""
     import fsspec
     import pyarrow.parquet as pq
 
     cols = ["prompt", "response", "reward", "raw_reward", "status", "response_length"]
     try:
         with fsspec.open(path, "rb") as f:
-            rows = pq.read_table(f, columns=cols).to_pylist()
+            table = pq.read_table(f)
+            rows = table.select(
+                [*cols, *(["image_hashes"] if "image_hashes" in table.column_names else [])]
+            ).to_pylist()
     except Exception as e:  # a preview must never fail the version's materialization
         return {"preview": dg.MetadataValue.text(f"preview unavailable: {type(e).__name__}: {e}")}
     if not rows:
@@ -124,18 +128,46 @@ def shard_summary(path: str) -> dict[str, Any]:
         t = str(text).replace("|", "\\|").replace("\n", "\\n")
         return t if len(t) <= n else t[: n - 1] + "…"
 
-    table = ["| prompt | response | reward | status |", "| --- | --- | --- | --- |"]
+    first = rows[:PREVIEW_ROWS]
+    hashes = [(r.get("image_hashes") or [None])[0] for r in first]
+    images = any(hashes)
+    table = ["| prompt | response | reward | status |" + (" image |" if images else ""),
+             "| --- | --- | --- | --- |" + (" --- |" if images else "")]  # fmt: skip
     table += [
         f"| {cell(r['prompt'])} | {cell(r['response'])} | {rw:.3g} | {r['status']} |"
-        for r, rw in zip(rows[:PREVIEW_ROWS], rewards, strict=False)
+        + (f" {(h or '-')[:12]} |" if images else "")
+        for r, rw, h in zip(first, rewards, hashes, strict=False)
     ]
+    extra = _sample_images(path, run, hashes) if images else {}
     return {
+        **extra,
         "reward_std": math.sqrt(sum((x - mean) ** 2 for x in rewards) / len(rewards)),
         "truncated": sum(r["status"] == "truncated" for r in rows) / len(rows),
         "response_len_mean": sum(lens) / len(lens),
         "response_len_max": max(lens),
         "preview": dg.MetadataValue.md("\n".join(table)),
     }
+
+
+def _sample_images(path: str, run: str | None, hashes: list[str | None]) -> dict[str, Any]:
+    """The preview rows' images (from the run's prompt data, as the viewer serves them) as one
+    thumbnail strip; nothing when they cannot be read (a remote root, a run without its config)."""
+    from assets.metadata import image_markdown
+    from miles_platform.data.images import thumbnail_grid
+    from miles_platform.store.paths import StoragePaths
+    from miles_platform.viewer.prompt_images import PromptImages
+
+    root = path.rpartition("/rollouts/run=")[0]
+    try:
+        source = _PROMPT_IMAGES.setdefault(root, PromptImages(StoragePaths(root)))
+        found = [source.get(run, h)[0] for h in hashes if h]
+        png = thumbnail_grid(found)
+    except Exception:  # a preview must never fail the version's materialization
+        return {}
+    return {"images": image_markdown(png, "the images of the samples above, in order")}
+
+
+_PROMPT_IMAGES: dict[str, Any] = {}  # storage root -> its runs' prompt images (loaded once per run)
 
 
 def viewer_link(pv: PolicyVersion, **params: Any) -> dg.MetadataValue:

@@ -17,7 +17,7 @@ from miles_platform.store.paths import StoragePaths
 from miles_platform.store.shards import shard_path
 from miles_platform.store.tables import read_rows
 from miles_platform.training.vlm_base import VLMBaseRecipe, greedy_count_accuracy, run_vlm_sft
-from ops.version_events import CatalogVersions
+from ops.version_events import CatalogVersions, shard_summary
 
 # GRPO seeds 1-3 from this base (8 prompts per rollout; sampler seeded by absolute position since
 # 2026-12-05): 20 rollouts 76.9 / 78.8 / 98.1% held out (one of three clears +15 points), 30
@@ -51,3 +51,8 @@ def test_grpo_from_a_base_that_counts_4_as_3_lifts_heldout_accuracy(tmp_path):
     rows = pq.read_table(shard_path(paths, cfg.run_name, 0)).to_pylist()
     want = {image_hash(r["images"][0]) for r in pq.read_table(task["train"]).to_pylist()}
     assert len(rows) == 64 and all(len(r["image_hashes"]) == 1 and r["image_hashes"][0] in want for r in rows)
+    # the rollout_shards asset page names each preview sample's image and shows it (from the run's prompt data)
+    summary = shard_summary(shard_path(paths, cfg.run_name, 0), cfg.run_name)
+    preview, images = summary["preview"].value, summary["images"].value
+    assert "| image |" in preview.splitlines()[0] and rows[0]["image_hashes"][0][:12] in preview
+    assert images.count("data:image/png;base64,") == 1
