@@ -6,18 +6,21 @@ EP2 at expert TP 1 against its EP1 (1 rank). Same checkpoint, same 128 samples (
 rollout shape), 4 micro-batches of 32, AdamW; each layout's ranks are fresh processes
 (TrainerActor in-process on its rank, as the Ray actor runs it).
 
-Per layout, three rows, each a ratio against the 1-rank run measured in this run:
+Per layout, four rows, each a ratio against the 1-rank run measured in this run:
 - step s: the fastest of 3 timed `TrainerActor.train` calls after a warm-up, slowest rank;
 - peak RSS MiB/rank: the process's VmHWM during the timed steps (reset after the warm-up and a
-  malloc_trim) minus its VmRSS before the actor was built, imports done: what the trainer holds
-  (model, grads, optimizer state, communication buffers) plus a step's transients (activations,
-  logits), largest rank. RSS, not an allocator count: torch has no allocator statistics on CPU;
+  malloc_trim) minus its VmRSS before the actor was built, the trainer's modules imported: what the
+  trainer holds (model, grads, optimizer state, communication buffers, what the build imports or
+  allocates lazily) plus a step's transients (activations, logits), largest rank. RSS, not an allocator count: torch has no allocator statistics on CPU;
+- step RSS MiB/rank: the same VmHWM minus the VmRSS after the warm-up: what a step adds on top of
+  the warmed-up trainer (activations, logits, gathered tensors), largest rank;
 - model state MiB/rank: bytes of this rank's parameters, main grads and AdamW state, counted.
 
-On CPU the point is per-rank memory and that the layouts run, not speed: 2 ranks share the cores of
-one host, and gloo's collectives are memcpy through TCP loopback, so a model-parallel step is slower
-than one rank's (the ratio of step s is > 1); on GPUs model parallelism is how a model that does not
-fit one device trains at all. Correctness is the tests' (tests/unit/training/test_megatron_layouts.py).
+On CPU the point is per-rank memory and that the layouts run, not speed: the 2 ranks share the
+host's cores with each other (and here with whatever else runs), gloo's collectives are memcpy
+through TCP loopback, and a step this small is dominated by per-op overhead, so the step-time ratio
+says little about GPUs, where model parallelism is how a model that does not fit one device trains at
+all. Correctness is the tests' (tests/unit/training/test_megatron_layouts.py).
 """
 
 from __future__ import annotations
@@ -115,13 +118,15 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: di
         actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
         actor.train(0, batch)  # warm-up: first-call allocations, optimizer state
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap the build and warm-up freed goes back to the OS
+        rss1 = _rss_kib("VmRSS")  # the warmed-up trainer: model, grads, optimizer state, buffers
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
         times = []
         for i in range(REPEATS):
             t0 = time.perf_counter()
             actor.train(i + 1, batch)
             times.append(time.perf_counter() - t0)
-        res = dict(step_s=min(times), peak_rss_mib=(_rss_kib("VmHWM") - rss0) / 1024,
+        hwm = _rss_kib("VmHWM")
+        res = dict(step_s=min(times), peak_rss_mib=(hwm - rss0) / 1024, step_rss_mib=(hwm - rss1) / 1024,
                    state_mib=_model_state_bytes(actor) / 2**20)  # fmt: skip
         Path(out, f"rank{rank}.json").write_text(json.dumps(res))
     except Exception:
@@ -148,8 +153,9 @@ def measure(ckpt: str, out: str, world: int, overrides: dict) -> dict:
 
 
 UNITS = {
-    "step_s": "s per GRPO step, slowest rank (ratio vs 1 rank; CPU: > 1 expected, see docstring)",
+    "step_s": "s per GRPO step, slowest rank (ratio vs 1 rank; on CPU not a speed measure, see docstring)",
     "peak_rss_mib": "MiB peak RSS growth per rank, VmHWM over the steps - VmRSS before the actor (ratio vs 1 rank)",
+    "step_rss_mib": "MiB RSS a step adds per rank, VmHWM over the steps - VmRSS after the warm-up (ratio vs 1 rank)",
     "state_mib": "MiB params + main grads + AdamW state per rank, counted (ratio vs 1 rank)",
 }
 
