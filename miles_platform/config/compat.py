@@ -71,8 +71,8 @@ COMPAT: dict[str, MilesFlag] = {
     "qkv_format": _same("str", "packed-sequence tensor layout (bshd / thd): an internal layout, same math"),
     "moe_grouped_gemm": _same("bool", "experts as one grouped GEMM: the experts here run one by one (SequentialMLP / HF's blocks), same math"),
     "moe_permute_fusion": _same("bool", "a fused token-permute kernel: " + _UNFUSED),
-    "moe_token_dispatcher_type": _same("str", "how tokens reach experts on other expert-parallel ranks: experts train at EP 1 here, so no token leaves its rank"),
-    "moe_enable_deepep": _same("bool", "DeepEP all-to-all kernels: experts train at EP 1 here, nothing to dispatch"),
+    "moe_token_dispatcher_type": _same("str", "how tokens reach experts on other expert-parallel ranks (allgather / alltoall / flex): megatron-core's allgather dispatcher at EP 1 and its alltoall one at EP > 1 here; every dispatcher sends the same tokens to the same experts: the same result"),
+    "moe_enable_deepep": _same("bool", "DeepEP's all-to-all kernels (CUDA): at EP > 1 megatron-core's alltoall dispatcher moves the same tokens over gloo / nccl here: the same result"),
     "moe_token_drop_policy": _same("str", "which tokens an expert over capacity drops: no capacity factor is set (dropless, megatron's default), so none is dropped"),
     "moe_router_load_balancing_type": _same(
         "str", "the load-balancing loss kind: at --moe-aux-loss-coeff 0 there is none; a non-zero coefficient takes aux_loss (Switch) only",

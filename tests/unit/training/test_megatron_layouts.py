@@ -287,3 +287,50 @@ def test_expert_layout_step_with_routing_replay_equals_single_rank(
     assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == (
         {0} if tp > 1 else {0, 1}
     )
+
+
+# the head / query-group / layer / expert counts of the models the docs' command lines name
+DOC_MODELS = {
+    "/models/Qwen3-4B": dict(num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36),
+    "/models/Qwen3-30B-A3B": dict(num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48,
+                                  num_experts=128, moe_intermediate_size=768),
+}  # fmt: skip
+
+
+def doc_command_lines(doc: str = "docs/megatron.md") -> list[list[str]]:
+    """The argv of each `miles-platform train` line of the doc's Miles-style block (`$((...))` evaluated,
+    the trailing `...` dropped)."""
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[3] / doc).read_text()
+    block = text.split("### A Miles-style command line", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = re.sub(r"\\\n\s*", " ", block).splitlines()
+    lines = [re.sub(r"\$\(\((.*?)\)\)", lambda m: str(eval(m.group(1))), c) for c in lines]  # noqa: S307
+    return [
+        [a for a in shlex.split(c)[2:] if a != "..."] for c in lines if c.startswith("miles-platform train")
+    ]
+
+
+def test_the_docs_miles_style_command_lines_validate(layout_checkpoint, tmp_path):
+    """docs/megatron.md's TP2 / PP2 / CP2 / EP8 lines parse and validate as `miles-platform train` does
+    before Ray starts: the flags, and the layout against the named model's shapes; the CPU line
+    (`DIR`) through the whole preflight on a 4-layer checkpoint with 4 heads in 2 query groups."""
+    from miles_platform.config.cli import parse_run_config
+    from miles_platform.data.tasks import write_task_datasets
+    from miles_platform.preflight import validate_before_start
+    from miles_platform.training.megatron_parallel import Layout, check_model_fits
+
+    task = write_task_datasets(tmp_path / "task", seed=0)
+    argvs = doc_command_lines()
+    assert len(argvs) == 4 and all("--tensor-model-parallel-size" in a for a in argvs)
+    rest = ["--prompt-data", task["train"], "--rm-type", "math", "--label-key", "label",
+            "--rollout-batch-size", "16", "--storage-root", str(tmp_path / "root")]  # fmt: skip
+    for argv in argvs:
+        ckpt = argv[argv.index("--hf-checkpoint") + 1]
+        cfg = parse_run_config([layout_checkpoint if a == "DIR" else a for a in argv] + rest)
+        if ckpt == "DIR":
+            validate_before_start(cfg)
+        else:
+            check_model_fits(Layout.from_cfg(cfg), DOC_MODELS[ckpt])
+        assert cfg.data_parallel_size() == (1 if ckpt == "DIR" else 2)
