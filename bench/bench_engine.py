@@ -7,6 +7,8 @@ batched left-padded `generate` of all the prompts (the fastest plain HF call), o
 Rows per device: the CPU always, CUDA when there is one (tag " [cuda]"). One more row per device: image
 requests of the tiny Qwen3-VL (rollout/engine_vlm.py) through the KV cache (one prefill with the
 pixels) vs a full forward of the prefix per token (`image_kv_cache = False`), same engine, same seeds.
+And one: MLA decode steps of a small random DeepSeek-V3 in the absorbed form (models/mla_cache.py, as
+the engine runs them) vs HF's decompressing layer, on the same compressed cache, same logits.
 
     python -m bench.bench_engine [--json]
 """
@@ -84,6 +86,7 @@ def run() -> list[dict]:
         for device in devices():
             rows += _device_rows(ckpt, device)
             rows.append(image_kv_cache_row(root, device))
+            rows.append(mla_decode_row(device))
     return rows
 
 
@@ -121,6 +124,46 @@ def image_kv_cache_row(root: str, device: str, n: int = 8, new_tokens: int = NEW
     tokens = n * new_tokens
     return row(f"engine image requests batch={n}, KV cache{tag}", tokens / t_cached, tokens / t_full,
                "tok/s (ratio: x faster than a full forward of the prefix per token)")  # fmt: skip
+
+
+def mla_decode_row(device: str, rows: int = 8, context: int = 256, steps: int = 16) -> dict:
+    """Tokens/s of `steps` greedy decode steps of `rows` rows after a `context`-token prefill, on a
+    random DeepSeek-V3 (8 heads, rank 64): absorbed vs HF's decompression of the context per step."""
+    import copy
+
+    from miles_platform.models.families import build_model, tiny_config
+    from miles_platform.models.mla_cache import absorb_mla_decode, cache_values_per_token
+    from miles_platform.rollout.engine_batch import new_cache
+
+    cfg = tiny_config("deepseek_v3", 512, hidden_size=256, num_attention_heads=8, kv_lora_rank=64,
+                      qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=96,
+                      max_position_embeddings=context + steps + 8)  # fmt: skip
+    hf = build_model(cfg).to(device)
+    ours = copy.deepcopy(hf)
+    absorb_mla_decode(ours)
+    ids = torch.randint(0, 512, (rows, context), generator=torch.Generator().manual_seed(0)).to(device)
+    logits = {}
+
+    def decode(model):
+        cache = new_cache(model.config)
+        with torch.no_grad():
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = model(input_ids=out.argmax(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1]
+            _sync(device)
+        logits[model is ours] = out
+        return time.perf_counter() - t0
+
+    decode(ours)  # warm-up
+    t_ours, t_hf = min(decode(ours) for _ in range(2)), min(decode(hf) for _ in range(2))
+    assert torch.allclose(logits[True], logits[False], atol=1e-4), "absorbed MLA decode drew other logits"
+    per = cache_values_per_token(cfg)
+    tag = "" if device == "cpu" else f" [{device}]"
+    return row(f"engine MLA decode batch={rows} context={context}, absorbed{tag}", rows * steps / t_ours,
+               rows * steps / t_hf, "tok/s (ratio: x faster than HF decompressing the cached context per step)",
+               cache_values_per_token=per["compressed"], decompressed_values_per_token=per["decompressed"])  # fmt: skip
 
 
 def _square_uri(i: int) -> str:

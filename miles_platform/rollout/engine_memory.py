@@ -25,6 +25,7 @@ import torch
 
 from miles_platform.cluster.devices import empty_cache, total_memory
 from miles_platform.errors import ConfigError
+from miles_platform.models.mla_cache import cache_values_per_token
 from miles_platform.rollout.engine_batch import Batch, keep_rows
 from miles_platform.rollout.engine_requests import EnginePaused, RequestError
 
@@ -32,9 +33,12 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Keys and values of one token over every layer, in the serving dtype (MLA: HF's cache holds
-    each head's decompressed key, `qk_head_dim`, and value, `v_head_dim`; linear-attention layers,
+    """Keys and values of one token over every layer, in the serving dtype (MLA: the compressed latent
+    and rope key, plus DeepSeek-V3.2's indexer key, models/mla_cache.py; linear-attention layers,
     whose state does not grow, are counted as attention layers: an upper bound)."""
+    if getattr(config, "kv_lora_rank", None):  # MLA
+        per_layer = sum(v for k, v in cache_values_per_token(config).items() if k != "decompressed")
+        return int(config.num_hidden_layers) * per_layer * torch.finfo(dtype).bits // 8
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     k_dim, v_dim = (

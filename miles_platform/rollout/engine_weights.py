@@ -399,6 +399,7 @@ def parse_engine_dtype(dtype, device: torch.device | str = "cpu") -> torch.dtype
 def load_model(path: str, dtype: torch.dtype):
     """(model, tokenizer) of an HF checkpoint dir, frozen; a quantized one is dequantized to `dtype`."""
     from miles_platform.models.checkpoint import load_tokenizer, validate_hf_dir
+    from miles_platform.models.mla_cache import absorb_mla_decode
     from miles_platform.weights.quantize import load_dense_hf_model
 
     validate_hf_dir(path)
@@ -406,6 +407,7 @@ def load_model(path: str, dtype: torch.dtype):
     for p in model.parameters():
         p.requires_grad_(False)
     check_cache_kwarg(model)
+    absorb_mla_decode(model)  # MLA decode against the compressed cache (models/mla_cache.py)
     return model, tok
 
 

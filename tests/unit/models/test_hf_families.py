@@ -21,6 +21,7 @@ from miles_platform.models.bridge import get_bridge
 from miles_platform.models.checkpoint import load_hf_model, validate_hf_dir
 from miles_platform.models.checkpoint_layout import fuse_checkpoint_experts, split_fused_experts
 from miles_platform.models.families import HF_FAMILIES, REFUSED_ARCHITECTURES, is_moe_config
+from miles_platform.models.mla_cache import is_mla_attention
 from miles_platform.models.moe import RoutingReplay, balance_loss, decode_routes, routed_shape
 from miles_platform.models.tiny import save_tiny_checkpoint
 from miles_platform.preflight import _check_moe
@@ -38,7 +39,7 @@ MOE_LAYERS = {"qwen3_5_moe": 2, "qwen3_next": 2, "glm4_moe": 1, "glm4_moe_lite":
               "deepseek_v32": 1, "gpt_oss": 2, "nemotron_h": 1, "minimax_m2": 2}  # fmt: skip
 
 
-def _rollout(ckpt: str, moe: bool) -> list[dict]:
+def _rollout(ckpt: str, moe: bool, family: str) -> list[dict]:
     core = EngineCore(ckpt, num_threads=1, max_batch_size=4)
     try:
         body = {"input_ids": [p for p in PROMPTS for _ in range(2)], "return_logprob": True,
@@ -48,6 +49,9 @@ def _rollout(ckpt: str, moe: bool) -> list[dict]:
         futures, _ = core.submit_json(body)
         outs = [f.result(120) for f in futures]
         assert core.stats["num_shared_prefill_rows"] > 0
+        # MLA: decode runs absorbed against the compressed cache (models/mla_cache.py)
+        mla = [m._mla_absorbed for m in core.model.modules() if is_mla_attention(m)]
+        assert len(mla) == (2 if HF_FAMILIES[family].mla else 0) and all(mla)
     finally:
         core.stop()
     return outs
@@ -69,7 +73,7 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
     back = fuse_checkpoint_experts(saved)  # what an engine reads from an export / publication
     assert sorted(back) == sorted(module) and all(torch.equal(back[k], module[k]) for k in module)
 
-    outs = _rollout(ckpt, moe)
+    outs = _rollout(ckpt, moe, family)
     prompts = [p for p in PROMPTS for _ in range(2)]
     tokens = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     lens = [len(o["output_ids"]) for o in outs]
