@@ -284,9 +284,9 @@ class SessionServer:
             return {"tools": tools, "suffix": [], "suffix_text": "", "seen": text, "prompt": ids, "input": ids,
                     "images": images}  # fmt: skip
         hist, last = s.history(k), s.calls[k - 1]
-        ended = bool(s.tokens) and s.tokens[-1] == self.tito.eot_id
+        last_id = s.tokens[-1] if s.tokens else None
         try:
-            ids, text, full = self.tito.suffix(hist, msgs[len(hist) :], tools, kw, last.seen_text, ended)
+            ids, text, full = self.tito.suffix(hist, msgs[len(hist) :], tools, kw, last.seen_text, last_id)
         except AppendOnlyViolation as e:
             s.failure = str(e)
             raise

@@ -8,6 +8,14 @@ end-of-turn token (Qwen `<|im_end|>`, Llama 3 `<|eot_id|>`); what the template p
 (Qwen: a newline) is not something the model said, so it opens the appended suffix. A model turn
 that stopped elsewhere (a stop string, the length) gets the end-of-turn token appended too.
 
+GLM-4.7 (`glm47`) has no end-of-turn token of its own: the model stops on the token that opens the
+next message (`<|observation|>` before tool results, `<|user|>` before a user turn), which is also
+where the template's next message begins. That token, when the model produced it and the next
+message opens with it, is the model's and the suffix starts after it (Miles' GLM47 merge strips and
+re-adds it: the same ids). A model that stopped on the other one (`<|observation|>`, then a user
+message) would need its last token trimmed, as Miles' merge does; that is not built: the session
+fails with an AppendOnlyViolation naming it.
+
 Append-only is checked on every turn, never assumed: the template must render the history the
 model saw exactly as it did then (a template that rewrites earlier turns, e.g. one that drops old
 reasoning or counts the turns, breaks it) and `history + appended` must extend `history`.
@@ -23,8 +31,14 @@ from miles_platform.rollout.chat import ChatError, render_text
 # --tito-model -> the end-of-turn token its models end an assistant message with
 END_OF_TURN = {"qwen3": "<|im_end|>", "qwen25": "<|im_end|>", "qwen2": "<|im_end|>", "llama3": "<|eot_id|>",
                # Miles' Qwen3.5, Qwen3-Next and Nemotron 3 TITO: Qwen3's <|im_end|> boundary
-               "qwen35": "<|im_end|>", "qwennext": "<|im_end|>", "nemotron3": "<|im_end|>"}  # fmt: skip
-TITO_MODELS = ("default", *END_OF_TURN)
+               "qwen35": "<|im_end|>", "qwennext": "<|im_end|>", "nemotron3": "<|im_end|>",
+               # MiniMax-M2.5: `[e~[` then a newline the model does not say (Miles' merge adds it)
+               "minimax_m25": "[e~[",
+               # DeepSeek-V3.2: the assistant turn ends with EOS and the next message follows at once
+               "deepseekv32": "<｜end▁of▁sentence｜>"}  # fmt: skip
+# --tito-model -> the tokens that both end the model's turn and open the next message (GLM-4.7)
+OPENS_NEXT = {"glm47": ("<|observation|>", "<|user|>")}
+TITO_MODELS = ("default", *END_OF_TURN, *OPENS_NEXT)
 
 
 class AppendOnlyViolation(ChatError):
@@ -37,14 +51,22 @@ class TitoTokenizer:
             raise ConfigError(f"--tito-model {family!r}: must be one of {', '.join(TITO_MODELS)}")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("--use-session-server: the tokenizer of --hf-checkpoint has no chat template")
-        eot = END_OF_TURN.get(family) or tokenizer.eos_token
-        eot_id = tokenizer.convert_tokens_to_ids(eot) if eot else None
-        if eot_id is None or eot_id == tokenizer.unk_token_id or tokenizer.decode([eot_id]) != eot:
+        self.tok, self.family = tokenizer, family
+        self.opens_next = {t: self._token_id(t) for t in OPENS_NEXT.get(family, ())}
+        self.eot = None if self.opens_next else END_OF_TURN.get(family) or tokenizer.eos_token
+        self.eot_id = None if self.opens_next else self._token_id(self.eot)
+        # the ids a model turn may end with, each closing the turn
+        self.stop_ids = set(self.opens_next.values()) if self.opens_next else {self.eot_id}
+
+    def _token_id(self, token: str | None) -> int:
+        tok = self.tok
+        tid = tok.convert_tokens_to_ids(token) if token else None
+        if tid is None or tid == tok.unk_token_id or tok.decode([tid]) != token:
             raise ConfigError(
-                f"--tito-model {family}: the tokenizer of --hf-checkpoint has no {eot!r} token; pick the "
-                f"family of the model ({', '.join(TITO_MODELS)}; default uses the tokenizer's EOS)"
+                f"--tito-model {self.family}: the tokenizer of --hf-checkpoint has no {token!r} token; pick "
+                f"the family of the model ({', '.join(TITO_MODELS)}; default uses the tokenizer's EOS)"
             )
-        self.tok, self.family, self.eot, self.eot_id = tokenizer, family, eot, int(eot_id)
+        return int(tid)
 
     def first_prompt(self, messages: list, tools: list | None, kwargs: dict) -> tuple[list[int], str]:
         text = render_text(self.tok, messages, tools, kwargs, add_generation_prompt=True)
@@ -57,10 +79,11 @@ class TitoTokenizer:
         tools: list | None,
         kwargs: dict,
         seen_text: str,
-        ended_with_eot: bool,
+        last_id: int | bool | None,
     ) -> tuple[list[int], str, str]:
         """(ids, text) to append after the model's last output, and the rendered text of the next
-        turn's input. `seen_text`: the rendering the model's last turn was prompted with."""
+        turn's input. `seen_text`: the rendering the model's last turn was prompted with; `last_id`:
+        the last token the model produced (True / False: it was / was not the end-of-turn token)."""
         before = render_text(self.tok, history[:-1], tools, kwargs, add_generation_prompt=True)
         if before != seen_text:
             raise AppendOnlyViolation(
@@ -76,6 +99,9 @@ class TitoTokenizer:
                 f"follow (history ends {prev[-120:]!r}, with them {full[len(before) :][:160]!r})"
             )
         turn = prev[len(before) :]  # the assistant turn as the template writes it
+        if self.opens_next:
+            return self._opens_next_suffix(turn, full[len(prev) :], last_id, full)
+        ended_with_eot = last_id is True or (last_id is not False and last_id == self.eot_id)
         cut = turn.rfind(self.eot)
         if cut < 0:
             raise AppendOnlyViolation(
@@ -84,4 +110,22 @@ class TitoTokenizer:
             )
         closing = turn[cut + len(self.eot) :] if ended_with_eot else turn[cut:]
         text = closing + full[len(prev) :]
+        return self.tok.encode(text, add_special_tokens=False), text, full
+
+    def _opens_next_suffix(self, turn: str, nxt: str, last_id: Any, full: str) -> tuple[list[int], str, str]:
+        """GLM-4.7: the appended text opens with a boundary token; the model's stop token, if it is
+        that one, is already in the trajectory."""
+        opener = next((t for t in self.opens_next if nxt.startswith(t)), None)
+        if opener is None:
+            raise AppendOnlyViolation(
+                f"--tito-model {self.family}: the template's next message {nxt[:80]!r} opens with none of "
+                f"{', '.join(self.opens_next)}; pick the model's family"
+            )
+        stopped = next((t for t, i in self.opens_next.items() if i == last_id), None)
+        if stopped is not None and stopped != opener:
+            raise AppendOnlyViolation(
+                f"--tito-model {self.family}: the model stopped with {stopped!r} but the next message opens "
+                f"with {opener!r}; Miles trims the model's stop token here, which is not built"
+            )
+        text = nxt[len(opener) :] if stopped else nxt
         return self.tok.encode(text, add_special_tokens=False), text, full
