@@ -13,8 +13,8 @@ next message (`<|observation|>` before tool results, `<|user|>` before a user tu
 where the template's next message begins. That token, when the model produced it and the next
 message opens with it, is the model's and the suffix starts after it (Miles' GLM47 merge strips and
 re-adds it: the same ids). A model that stopped on the other one (`<|observation|>`, then a user
-message) would need its last token trimmed, as Miles' merge does; that is not built: the session
-fails with an AppendOnlyViolation naming it.
+message, e.g. after a failed tool call) has that stop token trimmed, as Miles' merge does: the suffix
+replaces it (`trim` 1; the session server drops the token, its log-prob and mask).
 
 Append-only is checked on every turn, never assumed: the template must render the history the
 model saw exactly as it did then (a template that rewrites earlier turns, e.g. one that drops old
@@ -39,6 +39,10 @@ END_OF_TURN = {"qwen3": "<|im_end|>", "qwen25": "<|im_end|>", "qwen2": "<|im_end
 # --tito-model -> the tokens that both end the model's turn and open the next message (GLM-4.7)
 OPENS_NEXT = {"glm47": ("<|observation|>", "<|user|>")}
 TITO_MODELS = ("default", *END_OF_TURN, *OPENS_NEXT)
+# --tito-model -> the tool-call parser Miles binds to it (its TITO class' tool_call_parser): the session
+# server reads the model's tool calls with it; the others: qwen25, SGLang's default for Qwen
+TOOL_CALL_PARSER = {"qwen3": "qwen25", "qwen35": "qwen3_coder", "nemotron3": "qwen3_coder", "glm47": "glm47",
+                    "minimax_m25": "minimax-m2", "deepseekv32": "deepseekv32"}  # fmt: skip
 
 
 class AppendOnlyViolation(ChatError):
@@ -52,6 +56,7 @@ class TitoTokenizer:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("--use-session-server: the tokenizer of --hf-checkpoint has no chat template")
         self.tok, self.family = tokenizer, family
+        self.tool_call_parser = TOOL_CALL_PARSER.get(family, "qwen25")
         self.opens_next = {t: self._token_id(t) for t in OPENS_NEXT.get(family, ())}
         self.eot = None if self.opens_next else END_OF_TURN.get(family) or tokenizer.eos_token
         self.eot_id = None if self.opens_next else self._token_id(self.eot)
@@ -80,9 +85,9 @@ class TitoTokenizer:
         kwargs: dict,
         seen_text: str,
         last_id: int | bool | None,
-    ) -> tuple[list[int], str, str]:
-        """(ids, text) to append after the model's last output, and the rendered text of the next
-        turn's input. `seen_text`: the rendering the model's last turn was prompted with; `last_id`:
+    ) -> tuple[list[int], str, str, int]:
+        """(ids, text) to append after the model's last output, the rendered text of the next
+        turn's input, and how many of the model's last tokens the ids replace (GLM-4.7: 0 or 1). `seen_text`: the rendering the model's last turn was prompted with; `last_id`:
         the last token the model produced (True / False: it was / was not the end-of-turn token)."""
         before = render_text(self.tok, history[:-1], tools, kwargs, add_generation_prompt=True)
         if before != seen_text:
@@ -110,9 +115,11 @@ class TitoTokenizer:
             )
         closing = turn[cut + len(self.eot) :] if ended_with_eot else turn[cut:]
         text = closing + full[len(prev) :]
-        return self.tok.encode(text, add_special_tokens=False), text, full
+        return self.tok.encode(text, add_special_tokens=False), text, full, 0
 
-    def _opens_next_suffix(self, turn: str, nxt: str, last_id: Any, full: str) -> tuple[list[int], str, str]:
+    def _opens_next_suffix(
+        self, turn: str, nxt: str, last_id: Any, full: str
+    ) -> tuple[list[int], str, str, int]:
         """GLM-4.7: the appended text opens with a boundary token; the model's stop token, if it is
         that one, is already in the trajectory."""
         opener = next((t for t in self.opens_next if nxt.startswith(t)), None)
@@ -122,10 +129,6 @@ class TitoTokenizer:
                 f"{', '.join(self.opens_next)}; pick the model's family"
             )
         stopped = next((t for t, i in self.opens_next.items() if i == last_id), None)
-        if stopped is not None and stopped != opener:
-            raise AppendOnlyViolation(
-                f"--tito-model {self.family}: the model stopped with {stopped!r} but the next message opens "
-                f"with {opener!r}; Miles trims the model's stop token here, which is not built"
-            )
-        text = nxt[len(opener) :] if stopped else nxt
-        return self.tok.encode(text, add_special_tokens=False), text, full
+        trim = int(stopped is not None and stopped != opener)  # the other opener: trimmed, replaced
+        text = nxt[len(opener) :] if stopped == opener else nxt
+        return self.tok.encode(text, add_special_tokens=False), text, full, trim

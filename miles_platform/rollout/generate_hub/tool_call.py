@@ -266,6 +266,9 @@ TOOL_CALL_PARSERS: dict[str, Callable[[list[dict[str, Any]]], Callable[[str], li
     "minimax-m2": minimax_m2_parser,
     "deepseekv32": deepseekv32_parser,
 }
+# where a parser's first call begins: the text before it is the message's content
+CALL_START = {"qwen25": "<tool_call>", "qwen": "<tool_call>", "qwen3_coder": "<tool_call>", "glm47": "<tool_call>",
+              "minimax-m2": "<minimax:tool_call>", "deepseekv32": f"<{_DSML}function_calls>"}  # fmt: skip
 
 
 def make_parser(name: str | None, specs: list[dict[str, Any]]) -> Callable[[str], list[ToolCall]]:

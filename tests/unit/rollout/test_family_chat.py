@@ -6,7 +6,7 @@ suffix is the template's rendering of the whole chat), and a template that rewri
 
 The templates below keep what matters of the published ones: the turn openers / closers and the
 tool-call syntax (GLM-4.7's chat_template.jinja, MiniMax-M2.5's, DeepSeek-V3.2's encoding_dsv32
-rendered as jinja with thinking off)."""
+rendered as jinja), with thinking off."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ GLM47 = (
     + "</tool_call>{% endfor %}"
     "{% elif m.role == 'tool' %}{% if messages[loop.index0 - 1].role != 'tool' %}<|observation|>{% endif %}"
     "<tool_response>{{ m.content }}</tool_response>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|><think>{% endif %}"
+    "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}"  # enable_thinking=False
 )
 MINIMAX = (
     "]~!b[{% for m in messages %}{% set prev = messages[loop.index0 - 1].role if loop.index0 else '' %}"
@@ -121,24 +121,24 @@ def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_rende
         ("add", {"a": 5, "b": 0}),
     ]
     tools = [{"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "add", "content": "5"}]
-    got, suffix, full = tito.suffix(msgs + [a1], tools, None, {}, text, stop)
+    got, suffix, full, trim = tito.suffix(msgs + [a1], tools, None, {}, text, stop)
     model_text = said + ("<|observation|>" if tito.opens_next else "")
     assert (
         text + model_text + suffix
         == full
         == tok.apply_chat_template(msgs + [a1] + tools, tokenize=False, add_generation_prompt=True)
     )
-    assert got == tok.encode(suffix, add_special_tokens=False)
+    assert got == tok.encode(suffix, add_special_tokens=False) and trim == 0
     # a turn that stopped elsewhere (the length): the closing token is the suffix's
     cut = said[: len(said) - len(tito.eot or "")]
-    _, suffix2, full2 = tito.suffix(msgs + [a1], tools, None, {}, text, None)
+    _, suffix2, full2, _ = tito.suffix(msgs + [a1], tools, None, {}, text, None)
     assert text + cut + suffix2 == full2
     # a user round after a plain answer
     hist = msgs + [a1] + tools
     a2 = {"role": "assistant", "content": "10"}
     said, stop = _turn(tito, hist + [a2], full, user)
     more = [{"role": "user", "content": "And 1+1?"}]
-    _, suffix, full3 = tito.suffix(hist + [a2], more, None, {}, full, stop)
+    _, suffix, full3, _ = tito.suffix(hist + [a2], more, None, {}, full, stop)
     assert full + said + ("<|user|>" if tito.opens_next else "") + suffix == full3
     # a template that rewrites history (counts the messages) is caught
     tok.chat_template = FAMILIES[family][0].replace(
@@ -148,22 +148,13 @@ def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_rende
         tito.suffix(hist + [a2], more, None, {}, full, stop)
 
 
-def test_glm47_a_model_that_stopped_on_the_other_opener_is_named(base_tok):
+def test_glm47_a_stop_token_the_next_message_does_not_open_with_is_trimmed(base_tok):
     tito = TitoTokenizer(_tok(base_tok, "glm47"), "glm47")
     msgs = [{"role": "user", "content": "2+3?"}]
     _, text = tito.first_prompt(msgs, None, {})
-    a1 = {"role": "assistant", "content": "5"}
-    with pytest.raises(
-        AppendOnlyViolation, match="stopped with '<\\|observation\\|>' but the next message opens"
-    ):
-        tito.suffix(
-            msgs + [a1],
-            [{"role": "user", "content": "ok"}],
-            None,
-            {},
-            text,
-            tito.opens_next["<|observation|>"],
-        )
+    hist, more = [*msgs, {"role": "assistant", "content": "5"}], [{"role": "user", "content": "ok"}]
+    _, suffix, full, trim = tito.suffix(hist, more, None, {}, text, tito.opens_next["<|observation|>"])
+    assert trim == 1 and suffix.startswith("<|user|>") and text + "5" + suffix == full
     # a tokenizer without the family's tokens is refused at construction
     with pytest.raises(Exception, match="has no '\\[e~\\[' token"):
         TitoTokenizer(_tok(base_tok, "glm47"), "minimax_m25")
@@ -198,3 +189,55 @@ def test_the_glm47_minimax_and_dsml_parsers_read_calls_as_sglang_does():
     fields = RunConfig.__dataclass_fields__  # the flags offer exactly what is built
     assert set(fields["generate_tool_call_parser"].metadata["choices"]) == set(TOOL_CALL_PARSERS)
     assert set(fields["tito_model"].metadata["choices"]) == set(TITO_MODELS)
+
+
+def test_a_glm47_session_parses_its_calls_and_trims_a_stop_token_the_next_message_replaces(base_tok):
+    """The session server with --tito-model glm47 and a stub engine: the tool calls are read with
+    GLM-4.7's parser (Miles binds it to the family); a turn that stopped on <|observation|> followed
+    by a user message has that token trimmed (Miles' GLM47 merge), log-prob and mask with it, and a
+    retry of that turn restores it first. The session's tokens are the template's text throughout."""
+    import asyncio
+
+    from miles_platform.rollout.chat import template_messages
+    from miles_platform.rollout.sessions import SessionServer
+
+    tok = _tok(base_tok, "glm47")
+    server = SessionServer(tok, "http://127.0.0.1:9", None, "glm47")
+    obs, user = (tok.convert_tokens_to_ids(t) for t in ("<|observation|>", "<|user|>"))
+    answers, inputs = [], []
+
+    async def engine(s, plan, sp):
+        inputs.append(list(plan["input"]))
+        text, stop = answers.pop(0)
+        ids = tok.encode(text, add_special_tokens=False) + [stop]
+        lps = [[-0.5, t] for t in ids]
+        return {"text": text, "output_ids": ids, "meta_info": {"output_token_logprobs": lps,
+                                                               "finish_reason": {"type": "stop"}}}  # fmt: skip
+
+    server._generate = engine
+    s = server.create({})
+    tools = [{"type": "function", "function": SPECS[0]["function"]}]
+    msgs = [{"role": "user", "content": "2+3?"}]
+    call = "<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b</arg_key><arg_value>3</arg_value></tool_call>"
+    answers += [(call, obs), ("5", obs), ("ok", user), ("ok", user)]
+    resp, _ = asyncio.run(server.chat(s, {"messages": msgs, "tools": tools}))
+    a1 = resp["choices"][0]["message"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in a1["tool_calls"]] == [
+        ("add", '{"a": 2, "b": 3}')
+    ]
+    msgs += [a1, {"role": "tool", "name": "add", "content": "5"}]
+    resp, _ = asyncio.run(server.chat(s, {"messages": msgs, "tools": tools}))
+    assert (
+        inputs[1][: len(s.calls[0].seen_text)]
+        and inputs[1][len(inputs[0]) + len(tok.encode(call, add_special_tokens=False))] == obs
+    )
+    n_before = len(s.tokens)  # ends with the model's <|observation|> after "5"
+    msgs += [resp["choices"][0]["message"], {"role": "user", "content": "thanks"}]
+    for _ in range(2):  # the second: a retry of the same turn (rolled back, then trimmed again)
+        asyncio.run(server.chat(s, {"messages": msgs, "tools": tools}))
+        assert inputs[-1][n_before - 1] == user and obs not in inputs[-1][n_before - 1 : n_before]
+        rec = s.record()
+        assert len(rec["response_log_probs"]) == len(rec["loss_mask"]) == len(rec["response_token_ids"])
+        whole = template_messages([*msgs, {"role": "assistant", "content": "ok"}])
+        assert tok.decode(s.tokens) == tok.apply_chat_template(whole, tokenize=False) + "<|user|>"
+        assert s.turns[-3]["end"] == n_before - 1 - len(s.prompt_ids)  # the "5" turn lost its stop token
