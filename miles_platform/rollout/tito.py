@@ -26,7 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 from miles_platform.errors import ConfigError
-from miles_platform.rollout.chat import ChatError, render_text
+from miles_platform.rollout import dsv32
+from miles_platform.rollout.chat import ChatError, render_text, template_messages
 
 # --tito-model -> the end-of-turn token its models end an assistant message with
 END_OF_TURN = {"qwen3": "<|im_end|>", "qwen25": "<|im_end|>", "qwen2": "<|im_end|>", "llama3": "<|eot_id|>",
@@ -53,7 +54,12 @@ class TitoTokenizer:
     def __init__(self, tokenizer: Any, family: str = "default"):
         if family not in TITO_MODELS:
             raise ConfigError(f"--tito-model {family!r}: must be one of {', '.join(TITO_MODELS)}")
-        if not getattr(tokenizer, "chat_template", None):
+        # DeepSeek-V3.2 ships no jinja template: Miles renders a deepseek_v32 checkpoint (and we, one
+        # with no template) through DeepSeek's encoder (rollout/dsv32.py)
+        self.dsv32 = family == "deepseekv32" and (
+            not getattr(tokenizer, "chat_template", None) or _model_type(tokenizer) == "deepseek_v32"
+        )
+        if not self.dsv32 and not getattr(tokenizer, "chat_template", None):
             raise ConfigError("--use-session-server: the tokenizer of --hf-checkpoint has no chat template")
         self.tok, self.family = tokenizer, family
         self.tool_call_parser = TOOL_CALL_PARSER.get(family, "qwen25")
@@ -73,8 +79,16 @@ class TitoTokenizer:
             )
         return int(tid)
 
+    def _render(self, messages: list, tools: list | None, kwargs: dict, add_generation_prompt: bool) -> str:
+        if not self.dsv32:
+            return render_text(self.tok, messages, tools, kwargs, add_generation_prompt)
+        try:
+            return dsv32.render(template_messages(messages), tools, kwargs, add_generation_prompt)
+        except (dsv32.Dsv32Error, KeyError, TypeError, ValueError) as e:
+            raise ChatError(f"--tito-model deepseekv32 cannot render these messages: {e}") from e
+
     def first_prompt(self, messages: list, tools: list | None, kwargs: dict) -> tuple[list[int], str]:
-        text = render_text(self.tok, messages, tools, kwargs, add_generation_prompt=True)
+        text = self._render(messages, tools, kwargs, add_generation_prompt=True)
         return self.tok.encode(text, add_special_tokens=False), text
 
     def suffix(
@@ -89,15 +103,15 @@ class TitoTokenizer:
         """(ids, text) to append after the model's last output, the rendered text of the next
         turn's input, and how many of the model's last tokens the ids replace (GLM-4.7: 0 or 1). `seen_text`: the rendering the model's last turn was prompted with; `last_id`:
         the last token the model produced (True / False: it was / was not the end-of-turn token)."""
-        before = render_text(self.tok, history[:-1], tools, kwargs, add_generation_prompt=True)
+        before = self._render(history[:-1], tools, kwargs, add_generation_prompt=True)
         if before != seen_text:
             raise AppendOnlyViolation(
                 "not append-only: the chat template now renders the earlier messages differently from what "
                 f"the model was prompted with (then {seen_text[-120:]!r}, now {before[-120:]!r}); use a "
                 "template that keeps earlier turns as they were"
             )
-        prev = render_text(self.tok, history, tools, kwargs, add_generation_prompt=False)
-        full = render_text(self.tok, history + appended, tools, kwargs, add_generation_prompt=True)
+        prev = self._render(history, tools, kwargs, add_generation_prompt=False)
+        full = self._render(history + appended, tools, kwargs, add_generation_prompt=True)
         if not full.startswith(prev) or not prev.startswith(before):
             raise AppendOnlyViolation(
                 "not append-only: the chat template renders the history differently once the new messages "
@@ -132,3 +146,15 @@ class TitoTokenizer:
         trim = int(stopped is not None and stopped != opener)  # the other opener: trimmed, replaced
         text = nxt[len(opener) :] if stopped == opener else nxt
         return self.tok.encode(text, add_special_tokens=False), text, full, trim
+
+
+def _model_type(tokenizer: Any) -> str | None:
+    """config.json's model_type next to the tokenizer's files (None: none there)."""
+    import json
+    from pathlib import Path
+
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -15,6 +15,8 @@ from tokenizers import AddedToken
 
 from miles_platform.config import RunConfig
 from miles_platform.models.tokenizer import train_tokenizer
+from miles_platform.rollout import dsv32
+from miles_platform.rollout.chat import ChatError, template_messages
 from miles_platform.rollout.generate_hub.tool_call import TOOL_CALL_PARSERS
 from miles_platform.rollout.tito import TITO_MODELS, AppendOnlyViolation, TitoTokenizer
 
@@ -78,13 +80,14 @@ def base_tok():
     return train_tokenizer([f"What is {a}+{b}? {a + b}" for a in range(9) for b in range(9)], vocab_size=64)
 
 
-def _tok(base, family):
+def _tok(base, family, encoder=False):
+    """The family's tokenizer; `encoder`: no jinja template (DeepSeek-V3.2 as published)."""
     import copy
 
     template, specials, _ = FAMILIES[family]
     tok = copy.deepcopy(base)
     tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in specials]})
-    tok.chat_template = template
+    tok.chat_template = None if encoder else template
     return tok
 
 
@@ -94,8 +97,7 @@ def _call(name, **args):
 
 def _turn(tito, hist, seen_text, last_id=None):
     """The model's turn (the template's own text for it, then the stop token the model ends with)."""
-    before = tito.tok.apply_chat_template(hist[:-1], tokenize=False, add_generation_prompt=True)
-    prev = tito.tok.apply_chat_template(hist, tokenize=False)
+    before, prev = tito._render(hist[:-1], None, {}, True), tito._render(hist, None, {}, False)
     assert before == seen_text and prev.startswith(before)
     turn = prev[len(before) :]
     if tito.opens_next:  # GLM: the model stops on the next message's opener
@@ -104,13 +106,20 @@ def _turn(tito, hist, seen_text, last_id=None):
     return turn[:cut], tito.eot_id
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [*sorted(FAMILIES), "deepseekv32-encoder"])
 def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_renders_them(base_tok, family):
-    tok = _tok(base_tok, family)
+    family, encoder = family.split("-")[0], family.endswith("encoder")
+    tok = _tok(base_tok, family, encoder)
     tito = TitoTokenizer(tok, family)
+    if encoder:  # DeepSeek's encoder (its output checked equal to Miles' vendored encoding_dsv32)
+        render_all = lambda m: dsv32.render(template_messages(m), None, {}, True)  # noqa: E731
+    else:
+        render_all = lambda m: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
     msgs = [{"role": "system", "content": "use tools"}, {"role": "user", "content": "What is 2+3?"}]
     ids, text = tito.first_prompt(msgs, None, {})
     assert tok.decode(ids) == text
+    if encoder:
+        assert text == "<｜begin▁of▁sentence｜>use tools<｜User｜>What is 2+3?<｜Assistant｜><think>"
     a1 = {"role": "assistant", "content": "", "tool_calls": [_call("add", a=2, b=3), _call("add", a=5, b=0)]}
     obs, user = (tito.opens_next.get(t) for t in ("<|observation|>", "<|user|>"))
     said, stop = _turn(tito, msgs + [a1], text, obs)
@@ -123,11 +132,7 @@ def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_rende
     tools = [{"role": "tool", "name": "add", "content": "5"}, {"role": "tool", "name": "add", "content": "5"}]
     got, suffix, full, trim = tito.suffix(msgs + [a1], tools, None, {}, text, stop)
     model_text = said + ("<|observation|>" if tito.opens_next else "")
-    assert (
-        text + model_text + suffix
-        == full
-        == tok.apply_chat_template(msgs + [a1] + tools, tokenize=False, add_generation_prompt=True)
-    )
+    assert text + model_text + suffix == full == render_all(msgs + [a1] + tools)
     assert got == tok.encode(suffix, add_special_tokens=False) and trim == 0
     # a turn that stopped elsewhere (the length): the closing token is the suffix's
     cut = said[: len(said) - len(tito.eot or "")]
@@ -140,6 +145,10 @@ def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_rende
     more = [{"role": "user", "content": "And 1+1?"}]
     _, suffix, full3, _ = tito.suffix(hist + [a2], more, None, {}, full, stop)
     assert full + said + ("<|user|>" if tito.opens_next else "") + suffix == full3
+    if encoder:  # Miles pins drop_thinking=False: dropping old reasoning rewrites history
+        with pytest.raises(ChatError, match="drop_thinking=True"):
+            tito.suffix(hist + [a2], more, None, {"drop_thinking": True}, full, stop)
+        return
     # a template that rewrites history (counts the messages) is caught
     tok.chat_template = FAMILIES[family][0].replace(
         "{{ m.content }}", "{{ m.content }}{{ messages | length }}", 1
@@ -198,7 +207,6 @@ def test_a_glm47_session_parses_its_calls_and_trims_a_stop_token_the_next_messag
     retry of that turn restores it first. The session's tokens are the template's text throughout."""
     import asyncio
 
-    from miles_platform.rollout.chat import template_messages
     from miles_platform.rollout.sessions import SessionServer
 
     tok = _tok(base_tok, "glm47")
