@@ -42,6 +42,11 @@ OPENS_NEXT = {"glm47": ("<|observation|>", "<|user|>")}
 TITO_MODELS = ("default", *END_OF_TURN, *OPENS_NEXT)
 # --tito-model -> the tool-call parser Miles binds to it (its TITO class' tool_call_parser): the session
 # server reads the model's tool calls with it; the others: qwen25, SGLang's default for Qwen
+# --tito-model -> the template arguments Miles fixes for it (FIXED_TEMPLATE.extra_kwargs): they keep
+# earlier turns' reasoning, so the renders stay append-only; a request or config that sets one to
+# another value is refused, as Miles refuses a conflicting kwarg
+FIXED_KWARGS = {f: {"clear_thinking": False} for f in ("qwen3", "qwen35", "qwennext", "glm47", "minimax_m25")}
+FIXED_KWARGS |= {"nemotron3": {"truncate_history_thinking": False}, "deepseekv32": {"drop_thinking": False}}
 TOOL_CALL_PARSER = {"qwen3": "qwen25", "qwen35": "qwen3_coder", "nemotron3": "qwen3_coder", "glm47": "glm47",
                     "minimax_m25": "minimax-m2", "deepseekv32": "deepseekv32"}  # fmt: skip
 
@@ -80,6 +85,14 @@ class TitoTokenizer:
         return int(tid)
 
     def _render(self, messages: list, tools: list | None, kwargs: dict, add_generation_prompt: bool) -> str:
+        fixed = FIXED_KWARGS.get(self.family, {})
+        for k, v in fixed.items():
+            if k in kwargs and kwargs[k] != v:
+                raise ChatError(
+                    f"chat template kwarg {k}={kwargs[k]!r}: --tito-model {self.family} fixes it to {v!r} "
+                    "(Miles' registration; another value rewrites earlier turns)"
+                )
+        kwargs = {**kwargs, **fixed}
         if not self.dsv32:
             return render_text(self.tok, messages, tools, kwargs, add_generation_prompt)
         try:

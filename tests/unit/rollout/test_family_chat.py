@@ -16,6 +16,7 @@ from tokenizers import AddedToken
 from miles_platform.config import RunConfig
 from miles_platform.models.tokenizer import train_tokenizer
 from miles_platform.rollout import dsv32
+from miles_platform.rollout import tito as tito_module
 from miles_platform.rollout.chat import ChatError, template_messages
 from miles_platform.rollout.generate_hub.tool_call import TOOL_CALL_PARSERS
 from miles_platform.rollout.tito import TITO_MODELS, AppendOnlyViolation, TitoTokenizer
@@ -25,16 +26,19 @@ _ARGS = (
     "{% endfor %}"
 )
 GLM47 = (
-    "[gMASK]<sop>{% for m in messages %}"
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}[gMASK]<sop>{% for m in messages %}"
     "{% if m.role == 'system' %}<|system|>{{ m.content }}"
     "{% elif m.role == 'user' %}<|user|>{{ m.content }}"
-    "{% elif m.role == 'assistant' %}<|assistant|><think>{{ m.reasoning_content or '' }}</think>{{ m.content or '' }}"
+    "{% elif m.role == 'assistant' %}<|assistant|><think>{% if (clear_thinking is defined and not clear_thinking)"
+    " or loop.index0 > ns.last_user %}{{ m.reasoning_content or '' }}{% endif %}</think>{{ m.content or '' }}"
     "{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}"
     + _ARGS.replace("{OPEN}", "<arg_key>{{ k }}</arg_key><arg_value>").replace("{CLOSE}", "</arg_value>")
     + "</tool_call>{% endfor %}"
     "{% elif m.role == 'tool' %}{% if messages[loop.index0 - 1].role != 'tool' %}<|observation|>{% endif %}"
     "<tool_response>{{ m.content }}</tool_response>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}"  # enable_thinking=False
+    "{% if add_generation_prompt %}<|assistant|><think>{% if enable_thinking is defined and not enable_thinking %}"
+    "</think>{% endif %}{% endif %}"
 )
 MINIMAX = (
     "]~!b[{% for m in messages %}{% set prev = messages[loop.index0 - 1].role if loop.index0 else '' %}"
@@ -107,7 +111,9 @@ def _turn(tito, hist, seen_text, last_id=None):
 
 
 @pytest.mark.parametrize("family", [*sorted(FAMILIES), "deepseekv32-encoder"])
-def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_renders_them(base_tok, family):
+def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_renders_them(
+    base_tok, family, monkeypatch
+):
     family, encoder = family.split("-")[0], family.endswith("encoder")
     tok = _tok(base_tok, family, encoder)
     tito = TitoTokenizer(tok, family)
@@ -140,14 +146,20 @@ def test_a_family_tito_joins_a_tool_round_and_a_user_round_as_its_template_rende
     assert text + cut + suffix2 == full2
     # a user round after a plain answer
     hist = msgs + [a1] + tools
-    a2 = {"role": "assistant", "content": "10"}
+    a2 = {"role": "assistant", "content": "10", "reasoning_content": "2+3+5"}
     said, stop = _turn(tito, hist + [a2], full, user)
     more = [{"role": "user", "content": "And 1+1?"}]
     _, suffix, full3, _ = tito.suffix(hist + [a2], more, None, {}, full, stop)
     assert full + said + ("<|user|>" if tito.opens_next else "") + suffix == full3
-    if encoder:  # Miles pins drop_thinking=False: dropping old reasoning rewrites history
-        with pytest.raises(ChatError, match="drop_thinking=True"):
-            tito.suffix(hist + [a2], more, None, {"drop_thinking": True}, full, stop)
+    # the template arguments Miles fixes for the family keep old reasoning: another value is refused
+    for k, v in tito_module.FIXED_KWARGS.get(family, {}).items():
+        with pytest.raises(ChatError, match=f"{k}={not v}: --tito-model {family} fixes it"):
+            tito.suffix(hist + [a2], more, None, {k: not v}, full, stop)
+    if family == "glm47":  # without clear_thinking=False GLM's template drops the reasoning: caught
+        monkeypatch.setattr(tito_module, "FIXED_KWARGS", {})
+        with pytest.raises(AppendOnlyViolation, match="not append-only"):
+            tito.suffix(hist + [a2], more, None, {}, full, stop)
+    if encoder:
         return
     # a template that rewrites history (counts the messages) is caught
     tok.chat_template = FAMILIES[family][0].replace(
@@ -163,7 +175,7 @@ def test_glm47_a_stop_token_the_next_message_does_not_open_with_is_trimmed(base_
     _, text = tito.first_prompt(msgs, None, {})
     hist, more = [*msgs, {"role": "assistant", "content": "5"}], [{"role": "user", "content": "ok"}]
     _, suffix, full, trim = tito.suffix(hist, more, None, {}, text, tito.opens_next["<|observation|>"])
-    assert trim == 1 and suffix.startswith("<|user|>") and text + "5" + suffix == full
+    assert trim == 1 and suffix.startswith("<|user|>") and text + "</think>5" + suffix == full
     # a tokenizer without the family's tokens is refused at construction
     with pytest.raises(Exception, match="has no '\\[e~\\[' token"):
         TitoTokenizer(_tok(base_tok, "glm47"), "minimax_m25")
@@ -210,7 +222,9 @@ def test_a_glm47_session_parses_its_calls_and_trims_a_stop_token_the_next_messag
     from miles_platform.rollout.sessions import SessionServer
 
     tok = _tok(base_tok, "glm47")
-    server = SessionServer(tok, "http://127.0.0.1:9", None, "glm47")
+    server = SessionServer(
+        tok, "http://127.0.0.1:9", None, "glm47", chat_template_kwargs={"enable_thinking": False}
+    )
     obs, user = (tok.convert_tokens_to_ids(t) for t in ("<|observation|>", "<|user|>"))
     answers, inputs = [], []
 
@@ -247,5 +261,6 @@ def test_a_glm47_session_parses_its_calls_and_trims_a_stop_token_the_next_messag
         rec = s.record()
         assert len(rec["response_log_probs"]) == len(rec["loss_mask"]) == len(rec["response_token_ids"])
         whole = template_messages([*msgs, {"role": "assistant", "content": "ok"}])
-        assert tok.decode(s.tokens) == tok.apply_chat_template(whole, tokenize=False) + "<|user|>"
+        kw = {"enable_thinking": False, "clear_thinking": False}
+        assert tok.decode(s.tokens) == tok.apply_chat_template(whole, tokenize=False, **kw) + "<|user|>"
         assert s.turns[-3]["end"] == n_before - 1 - len(s.prompt_ids)  # the "5" turn lost its stop token
