@@ -84,15 +84,21 @@ class TitoTokenizer:
             )
         return int(tid)
 
-    def _render(self, messages: list, tools: list | None, kwargs: dict, add_generation_prompt: bool) -> str:
+    def check_kwargs(self, kwargs: dict, where: str = "chat template kwarg") -> dict:
+        """The template arguments Miles fixes for the family; a conflicting value: ChatError (a
+        request) or ConfigError (`where` a flag, before the run starts)."""
         fixed = FIXED_KWARGS.get(self.family, {})
         for k, v in fixed.items():
             if k in kwargs and kwargs[k] != v:
-                raise ChatError(
-                    f"chat template kwarg {k}={kwargs[k]!r}: --tito-model {self.family} fixes it to {v!r} "
+                error = ChatError if where == "chat template kwarg" else ConfigError
+                raise error(
+                    f"{where} {k}={kwargs[k]!r}: --tito-model {self.family} fixes it to {v!r} "
                     "(Miles' registration; another value rewrites earlier turns)"
                 )
-        kwargs = {**kwargs, **fixed}
+        return fixed
+
+    def _render(self, messages: list, tools: list | None, kwargs: dict, add_generation_prompt: bool) -> str:
+        kwargs = {**kwargs, **self.check_kwargs(kwargs)}
         if not self.dsv32:
             return render_text(self.tok, messages, tools, kwargs, add_generation_prompt)
         try:

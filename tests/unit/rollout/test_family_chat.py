@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import AddedToken
 
-from miles_platform.config import RunConfig
+from miles_platform.config import ConfigError, RunConfig
 from miles_platform.models.tokenizer import train_tokenizer
 from miles_platform.rollout import dsv32
 from miles_platform.rollout import tito as tito_module
@@ -176,6 +176,11 @@ def test_glm47_a_stop_token_the_next_message_does_not_open_with_is_trimmed(base_
     hist, more = [*msgs, {"role": "assistant", "content": "5"}], [{"role": "user", "content": "ok"}]
     _, suffix, full, trim = tito.suffix(hist, more, None, {}, text, tito.opens_next["<|observation|>"])
     assert trim == 1 and suffix.startswith("<|user|>") and text + "</think>5" + suffix == full
+    # --apply-chat-template-kwargs against the fixed arguments: before the run starts (validate_config)
+    with pytest.raises(
+        ConfigError, match="--apply-chat-template-kwargs clear_thinking=True: --tito-model glm47"
+    ):
+        tito.check_kwargs({"clear_thinking": True}, "--apply-chat-template-kwargs")
     # a tokenizer without the family's tokens is refused at construction
     with pytest.raises(Exception, match="has no '\\[e~\\[' token"):
         TitoTokenizer(_tok(base_tok, "glm47"), "minimax_m25")
