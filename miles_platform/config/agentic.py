@@ -28,7 +28,7 @@ class AgenticFlags:
         None,
         "rollout",
         "multi_turn: tool-call format in model text (SGLang parser names)",
-        choices=("qwen25", "qwen", "qwen3_coder"),
+        choices=("qwen25", "qwen", "qwen3_coder", "glm47", "minimax-m2", "deepseekv32"),
     )
     generate_execute_tool_function_path: str | None = flag(
         None, "rollout", "multi_turn: async <module>.<fn>(name: str, params: dict) -> str"
@@ -71,7 +71,19 @@ class AgenticFlags:
         "default",
         "rollout",
         "TITO family: its end-of-turn token joins turns (default: the tokenizer's EOS)",
-        choices=("default", "qwen3", "qwen25", "qwen2", "llama3", "qwen35", "qwennext", "nemotron3"),
+        choices=(
+            "default",
+            "qwen3",
+            "qwen25",
+            "qwen2",
+            "llama3",
+            "qwen35",
+            "qwennext",
+            "nemotron3",
+            "glm47",
+            "minimax_m25",
+            "deepseekv32",
+        ),
     )
     max_seq_len: int | None = flag(
         None, "rollout", "session server: max tokens per session (prompt + all turns)"

@@ -36,7 +36,7 @@ from typing import Any
 
 from miles_platform.models.tokenizer import has_learned_chat_template
 from miles_platform.models.vlm import IMAGE_PAD, VISION_END, VISION_START
-from miles_platform.rollout.generate_hub.tool_call import qwen25_parser
+from miles_platform.rollout.generate_hub.tool_call import CALL_START, TOOL_CALL_PARSERS
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # accepted and without effect here (OpenAI bookkeeping, SGLang routing hints)
@@ -415,12 +415,15 @@ def generate_body(req: ChatRequest, input_ids: list[int], context_length: int) -
 
 
 # ---------------------------------------------------------------------------- response
-def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    """qwen25: the text before the first <tool_call> is the content; each parsed block a call."""
-    calls = qwen25_parser(tools)(text)
+def parse_tool_calls(
+    text: str, tools: list[dict[str, Any]], parser: str = "qwen25"
+) -> tuple[str, list[dict[str, Any]]]:
+    """`parser` (SGLang's names; the session server: its --tito-model's, as Miles binds them): the
+    text before the first call's opening tag is the content; each parsed call a tool call."""
+    calls = TOOL_CALL_PARSERS[parser](tools)(text)
     if not calls:
         return text, []
-    content = text[: text.find("<tool_call>")].strip()
+    content = text[: text.find(CALL_START[parser])].strip()
     return content, [
         {"id": f"call_{uuid.uuid4().hex[:24]}", "index": i, "type": "function",
          "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
@@ -428,14 +431,16 @@ def parse_tool_calls(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[
     ]  # fmt: skip
 
 
-def assistant_message(req: ChatRequest, output: dict[str, Any]) -> tuple[dict[str, Any], str, Any]:
-    """(message, finish_reason, matched_stop) of one /generate answer."""
+def assistant_message(
+    req: ChatRequest, output: dict[str, Any], parser: str = "qwen25"
+) -> tuple[dict[str, Any], str, Any]:
+    """(message, finish_reason, matched_stop) of one /generate answer (`parser`: its tool calls')."""
     text = output.get("text", "")
     fin = (output.get("meta_info") or {}).get("finish_reason") or {}
     reason, matched = fin.get("type", "stop"), fin.get("matched")
     calls: list[dict[str, Any]] = []
     if req.parses_tools:
-        text, calls = parse_tool_calls(text, req.tools or [])
+        text, calls = parse_tool_calls(text, req.tools or [], parser)
     if calls and reason == "stop":  # SGLang: a stop with tool calls is finish_reason tool_calls
         reason, matched = "tool_calls", None
     msg = {"role": "assistant", "content": text or "", "reasoning_content": None, "tool_calls": calls or None}
@@ -464,12 +469,17 @@ def _logprobs(output: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
 
 
 def build_response(
-    req: ChatRequest, outputs: list[dict[str, Any]], tokenizer: Any, prompt_ids: list[int]
+    req: ChatRequest,
+    outputs: list[dict[str, Any]],
+    tokenizer: Any,
+    prompt_ids: list[int],
+    parser: str = "qwen25",
 ) -> dict[str, Any]:
-    """SGLang's ChatCompletionResponse from the /generate answers (one per choice)."""
+    """SGLang's ChatCompletionResponse from the /generate answers (one per choice; `parser`: the
+    tool-call parser)."""
     choices = []
     for i, out in enumerate(outputs):
-        msg, reason, matched = assistant_message(req, out)
+        msg, reason, matched = assistant_message(req, out, parser)
         choice: dict[str, Any] = {
             "index": i, "message": msg, "finish_reason": reason, "matched_stop": matched,
             "logprobs": _logprobs(out, tokenizer) if req.logprobs else None,

@@ -67,6 +67,8 @@ class Call:
     num_turns: int  # session.turns entries before this call
     finish_reason: str
     weight_versions: tuple[int, int]
+    # GLM-4.7: the model's stop token this call trimmed (token, log-prob, mask, support, the turn's end)
+    trimmed: tuple | None = None
 
 
 @dataclass
@@ -102,8 +104,18 @@ class Session:
         if self.support is not None:
             self.support = self.support[:n]
         if self.routes is not None:
-            self.routes = self.routes[: max(c.start - 1, 0)]
+            self.routes = self.routes[: max(c.start - 1 + (c.trimmed is not None), 0)]
         self.turns = self.turns[: c.num_turns]
+        if c.trimmed is not None:  # the stop token this call trimmed is the model's again
+            tok, lp, mask, sup, end = c.trimmed
+            self.tokens, self.log_probs, self.loss_mask = (
+                self.tokens + [tok],
+                self.log_probs + [lp],
+                self.loss_mask + [mask],
+            )
+            if self.support is not None:
+                self.support = self.support + [sup]
+            self.turns[-1] = {**self.turns[-1], "end": end}
         self.images = self.images[: c.num_images]
         if not self.calls:
             self.prompt_ids, self.tokens = [], []
@@ -284,16 +296,18 @@ class SessionServer:
             return {"tools": tools, "suffix": [], "suffix_text": "", "seen": text, "prompt": ids, "input": ids,
                     "images": images}  # fmt: skip
         hist, last = s.history(k), s.calls[k - 1]
-        ended = bool(s.tokens) and s.tokens[-1] == self.tito.eot_id
+        last_id = s.tokens[-1] if s.tokens else None
         try:
-            ids, text, full = self.tito.suffix(hist, msgs[len(hist) :], tools, kw, last.seen_text, ended)
+            ids, text, full, trim = self.tito.suffix(
+                hist, msgs[len(hist) :], tools, kw, last.seen_text, last_id
+            )
         except AppendOnlyViolation as e:
             s.failure = str(e)
             raise
         images = chat.image_uris(msgs[len(hist) :])
         ids = self._expand(ids, images)
-        return {"tools": tools, "suffix": ids, "suffix_text": text, "seen": full, "input": s.tokens + ids,
-                "images": images}  # fmt: skip
+        return {"tools": tools, "suffix": ids, "suffix_text": text, "seen": full, "trim": trim,
+                "input": s.tokens[: len(s.tokens) - trim] + ids, "images": images}  # fmt: skip
 
     def _expand(self, ids: list[int], images: list[str]) -> list[int]:
         """The new messages' ids with each image part's pad expanded (the ids the engine runs)."""
@@ -329,7 +343,7 @@ class SessionServer:
         return await engine_client.post_generate(self.engine_url, body, self.api_key, client=self._http)
 
     def _commit(self, s: Session, req: chat.ChatRequest, plan: dict[str, Any], out: dict[str, Any]) -> dict:
-        resp = chat.build_response(copy.copy(req), [out], self.tok, plan["input"])
+        resp = chat.build_response(copy.copy(req), [out], self.tok, plan["input"], self.tito.tool_call_parser)
         for c in resp["choices"]:
             c.pop("meta_info", None)  # Miles: session responses omit meta_info (the record keeps it)
         msg = copy.deepcopy(resp["choices"][0]["message"])
@@ -362,9 +376,22 @@ class SessionServer:
             s.tools = plan["tools"]
             if replay:
                 s.support = []
+        base, trimmed = len(s.prompt_ids), None
+        if plan.get("trim"):  # GLM-4.7: the model's stop token is not the next message's opener
+            k = len(s.tokens) - 1
+            last_turn = s.turns[-1]
+            trimmed = (s.tokens[k], s.log_probs[k - base], s.loss_mask[k - base],
+                       None if s.support is None else s.support[k - base], last_turn["end"])  # fmt: skip
+            s.tokens, s.log_probs, s.loss_mask = (
+                s.tokens[:k],
+                s.log_probs[: k - base],
+                s.loss_mask[: k - base],
+            )
+            if s.support is not None:
+                s.support = s.support[: k - base]
+            s.turns[-1] = {**last_turn, "end": min(last_turn["end"], k - base)}
         start, num_turns, num_images = len(s.tokens), len(s.turns), len(s.images)
         s.images = s.images + plan["images"]
-        base = len(s.prompt_ids)
         if plan["suffix"]:
             n = len(plan["suffix"])
             a = len(s.tokens) - base
@@ -395,7 +422,7 @@ class SessionServer:
         v0 = int(meta.get("weight_version_start", meta.get("weight_version", 0)) or 0)
         v1 = int(meta.get("weight_version_end", meta.get("weight_version", 0)) or 0)
         s.calls.append(
-            Call(list(req.messages), msg, plan["seen"], start, num_images, num_turns, fin, (v0, v1))
+            Call(list(req.messages), msg, plan["seen"], start, num_images, num_turns, fin, (v0, v1), trimmed)
         )
         return resp
 

@@ -56,10 +56,13 @@ def validate_config(cfg: RunConfig) -> None:
 
         agentic_tool_call.validate_args(cfg)
     if cfg.use_session_server:  # the chat template and --tito-model's end-of-turn token
+        from miles_platform.config.rollout import template_kwargs
         from miles_platform.models.checkpoint import load_tokenizer
         from miles_platform.rollout.tito import TitoTokenizer
 
-        TitoTokenizer(load_tokenizer(cfg.hf_checkpoint), cfg.tito_model)
+        TitoTokenizer(load_tokenizer(cfg.hf_checkpoint), cfg.tito_model).check_kwargs(
+            template_kwargs(getattr(cfg, "apply_chat_template_kwargs", None)), "--apply-chat-template-kwargs"
+        )
 
 
 def function_args(cfg: RunConfig, url: str) -> Namespace:

@@ -7,6 +7,13 @@
                                       qwen25 / qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
                                       qwen3_coder (Qwen3.5 / Qwen3-Next): <tool_call><function=NAME>
                                       <parameter=KEY>VALUE</parameter>...</function></tool_call>
+                                      glm47 (GLM-4.7): <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>
+                                      ...</tool_call>
+                                      minimax-m2 (MiniMax-M2/M2.5): <minimax:tool_call><invoke name="NAME">
+                                      <parameter name="K">V</parameter>...</invoke></minimax:tool_call>
+                                      deepseekv32 (DeepSeek-V3.2, DSML): <｜DSML｜function_calls><｜DSML｜invoke
+                                      name="NAME"><｜DSML｜parameter name="K" string="true|false">V
+                                      </｜DSML｜parameter>...</｜DSML｜invoke></｜DSML｜function_calls>
 --generate-execute-tool-function-path <module>.<fn>: async def execute_tool(name: str, params: dict) -> str
                                       (or a list of OpenAI content parts: text and image_url parts,
                                       a tool that renders; a vision-language model then sees the images)
@@ -163,11 +170,105 @@ def qwen3_coder_parser(specs: list[dict[str, Any]]) -> Callable[[str], list[Tool
     return parse
 
 
+def _schemas(specs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """tool name -> its parameters' JSON-schema properties."""
+    return {
+        spec.get("function", spec)["name"]: (spec.get("function", spec).get("parameters") or {}).get(
+            "properties"
+        )
+        or {}
+        for spec in specs
+    }
+
+
+def _xml_parser(call_re: re.Pattern, param_re: re.Pattern, strip: bool = False):
+    """A parser of calls `call_re` (groups: name, body) whose body holds `param_re` (groups: key, value),
+    each value typed by the tool's schema (`_coder_value`); a call naming an undeclared tool is skipped."""
+
+    def make(specs: list[dict[str, Any]]) -> Callable[[str], list[ToolCall]]:
+        schemas = _schemas(specs)
+
+        def parse(text: str) -> list[ToolCall]:
+            calls = []
+            for m in call_re.finditer(text):
+                name = m.group(1).strip()
+                if name not in schemas:
+                    continue
+                args = {
+                    k.strip(): _coder_value(v.strip() if strip else v, schemas[name].get(k.strip()))
+                    for k, v in param_re.findall(m.group(2))
+                }
+                calls.append(ToolCall(name, args))
+            return calls
+
+        return parse
+
+    return make
+
+
+# GLM-4.7 (SGLang's `glm47`): <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>;
+# GLM-4.5's newlines between the parts are tolerated (stripped), as the detector does
+_GLM_CALL = re.compile(r"<tool_call>([^<\n]+?)\s*((?:<arg_key>.*?)?)\s*(?:</tool_call>|$)", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.DOTALL)
+glm47_parser = _xml_parser(_GLM_CALL, _GLM_ARG, strip=True)
+glm47_parser.__doc__ = "GLM-4.7 (SGLang's `glm47`, Miles' glm47 TITO): values typed by the tool's schema."
+
+# MiniMax-M2 / M2.5 (SGLang's `minimax-m2`): <minimax:tool_call> holds one or more <invoke name="NAME">
+_MINIMAX_BLOCK = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.DOTALL)
+_MINIMAX_CALL = re.compile(r'<invoke name="?([^">]+)"?>(.*?)(?:</invoke>|$)', re.DOTALL)
+_MINIMAX_PARAM = re.compile(r'<parameter name="?([^">]+)"?>(.*?)(?:</parameter>|(?=<parameter)|$)', re.DOTALL)
+_minimax_calls = _xml_parser(_MINIMAX_CALL, _MINIMAX_PARAM, strip=True)
+
+
+def minimax_m2_parser(specs: list[dict[str, Any]]) -> Callable[[str], list[ToolCall]]:
+    """MiniMax-M2 / M2.5 (SGLang's `minimax-m2`, Miles' minimax_m25 TITO): invokes inside
+    <minimax:tool_call> blocks only; values typed by the tool's schema."""
+    inner = _minimax_calls(specs)
+    return lambda text: [c for b in _MINIMAX_BLOCK.findall(text) for c in inner(b)]
+
+
+# DeepSeek-V3.2 (SGLang's `deepseekv32`): DSML; string="true" values are raw text, others JSON
+_DSML = "｜DSML｜"
+_DSML_BLOCK = re.compile(rf"<{_DSML}function_calls>(.*?)(?:</{_DSML}function_calls>|$)", re.DOTALL)
+_DSML_CALL = re.compile(rf'<{_DSML}invoke name="([^"]+)">(.*?)(?:</{_DSML}invoke>|$)', re.DOTALL)
+_DSML_PARAM = re.compile(
+    rf'<{_DSML}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)(?:</{_DSML}parameter>|$)', re.DOTALL
+)
+
+
+def deepseekv32_parser(specs: list[dict[str, Any]]) -> Callable[[str], list[ToolCall]]:
+    """DeepSeek-V3.2 (SGLang's `deepseekv32`, Miles' deepseekv32 TITO): DSML invokes inside a
+    <｜DSML｜function_calls> block; a parameter with string="true" is its raw text, any other is
+    JSON (one that does not parse skips the call, as the detector's json.loads fails it)."""
+    names = tool_names(specs)
+
+    def parse(text: str) -> list[ToolCall]:
+        calls = []
+        for block in _DSML_BLOCK.findall(text):
+            for name, body in _DSML_CALL.findall(block):
+                if name not in names:
+                    continue
+                try:
+                    args = {k: v if s == "true" else json.loads(v) for k, s, v in _DSML_PARAM.findall(body)}
+                except json.JSONDecodeError:
+                    continue
+                calls.append(ToolCall(name, args))
+        return calls
+
+    return parse
+
+
 TOOL_CALL_PARSERS: dict[str, Callable[[list[dict[str, Any]]], Callable[[str], list[ToolCall]]]] = {
     "qwen25": qwen25_parser,
     "qwen": qwen25_parser,  # SGLang's alias for the same format
     "qwen3_coder": qwen3_coder_parser,
+    "glm47": glm47_parser,
+    "minimax-m2": minimax_m2_parser,
+    "deepseekv32": deepseekv32_parser,
 }
+# where a parser's first call begins: the text before it is the message's content
+CALL_START = {"qwen25": "<tool_call>", "qwen": "<tool_call>", "qwen3_coder": "<tool_call>", "glm47": "<tool_call>",
+              "minimax-m2": "<minimax:tool_call>", "deepseekv32": f"<{_DSML}function_calls>"}  # fmt: skip
 
 
 def make_parser(name: str | None, specs: list[dict[str, Any]]) -> Callable[[str], list[ToolCall]]:
