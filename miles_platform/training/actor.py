@@ -430,6 +430,7 @@ class TrainerActor(ActorWeights):
             self._whiten(batch, mine, adv)
 
         self.train_hooks.postprocess_rollout(batch, mine, scored, ref, rollout_lp, adv)
+        self._masks = (None, {})  # the hook may have replaced loss masks: built again from the batch
         if (
             cfg.ci_test and self.global_step == 0 and ref is not None and scored
         ):  # --ci-test: actor == reference
