@@ -330,3 +330,67 @@ def tag_pipeline_shape_exchange() -> None:
 
     communicate_shapes._tagged = True
     p2p.P2PCommunicator._communicate_shapes = communicate_shapes
+
+
+_OPTIMIZER_SHIMMED = False
+
+
+def apply_optimizer_cpu_shims() -> bool:
+    """megatron-core's DistributedOptimizer (--use-distributed-optimizer) on a machine without CUDA.
+    No-op with CUDA; idempotent; returns True when active. Measured with megatron-core 0.16 on CPU:
+
+    - `DistributedOptimizer.__init__` files each parameter by `param.type()`, comparing it with
+      'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor', and raises
+      TypeError "Wrapped parameters must be one of torch.cuda.FloatTensor, ..." for anything else (a CPU
+      tensor answers 'torch.FloatTensor'); `clip_grad_by_total_norm_fp32` asserts the same of each
+      gradient. What they check is the dtype: within those two calls only, a CPU tensor's bare `type()`
+      answers its CUDA name (`_cuda_type_names`).
+    - optimizer.py, clip_grads.py, distrib_optimizer.py and the local (no apex / TE) multi-tensor
+      kernels of utils.py allocate their overflow flags, norms and scales with device="cuda": they
+      allocate on the CPU (`_CudaMeansCpu`, as the pipeline schedule's token count)."""
+    global _OPTIMIZER_SHIMMED
+    if cuda_available():
+        return False
+    if _OPTIMIZER_SHIMMED:
+        return True
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for module in (optimizer, clip_grads, distrib_optimizer, mcore_utils):
+        module.torch = _CudaMeansCpu(torch)
+    cls = distrib_optimizer.DistributedOptimizer
+    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
+    _OPTIMIZER_SHIMMED = True
+    return True
+
+
+def _with_cuda_type_names(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """`Tensor.type()` (no arguments) of a CPU tensor answers 'torch.cuda.<X>Tensor' (see
+    apply_optimizer_cpu_shims); any other call of it is torch's."""
+    real = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = real(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or not name.startswith("torch.") or ".cuda." in name:
+            return name
+        return "torch.cuda." + name[len("torch.") :]
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real

@@ -1,0 +1,106 @@
+"""`--use-distributed-optimizer` on the megatron backend: megatron-core's DistributedOptimizer, built
+as Miles builds it (miles/backends/megatron_utils/model.py: `get_megatron_optimizer` over the chunks
+wrapped in megatron-core DDP with `use_distributed_optimizer=True`).
+
+Each data-parallel rank keeps the optimizer state (and under --bf16 the fp32 main parameters) of its
+1 / DP slice of the contiguous gradient buffer only; DDP reduce-scatters the gradients into those
+slices (`finalize_model_grads`), the step updates the slice, and the updated parameters are
+all-gathered back into every rank's model (`start_param_sync`, blocking: no overlap on gloo).
+
+The actor drives it as it drives its torch optimizer (`ActorOptimizer`, the face it sees):
+`finish_grad_sync` reduce-scatters, the backend's `clip_grad_norm` runs megatron's `prepare_grads`
+(the shard's main gradients) and its global norm / clip, `opt.step()` is megatron's
+`step_with_ready_grads`, and the actor's LR schedule writes the `lr` of megatron's param groups.
+One difference from megatron-core's default: weight decay applies to every parameter, as the
+backend's torch AdamW does (megatron's default skips biases and norms; `config_overrides={}`), so
+the step with the distributed optimizer is the step without it.
+
+A checkpoint stores megatron's own sharded optimizer state (`sharded_state_dict`, fully sharded in
+the model's space, so it reshards) in `<iter dir>/optimizer/` with dist_checkpointing.
+
+On a machine without CUDA megatron-core's optimizer needs `megatron_shims.apply_optimizer_cpu_shims`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def optimizer_config(cfg: Any):
+    """megatron-core's OptimizerConfig of the run's optimizer flags."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    bf16 = bool(getattr(cfg, "bf16", False))
+    return OptimizerConfig(
+        optimizer="adam" if cfg.optimizer == "adam" else "sgd",
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        sgd_momentum=0.0,  # the actor's torch SGD has none
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=True,
+    )
+
+
+def build(cfg: Any, ddp_chunks: list):
+    """megatron-core's optimizer (a ChainedOptimizer of DistributedOptimizers: dense and, with
+    experts, expert parameters) over the DDP-wrapped chunks."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from miles_platform.training import megatron_shims
+
+    megatron_shims.apply_optimizer_cpu_shims()
+    return get_megatron_optimizer(optimizer_config(cfg), ddp_chunks, config_overrides={})
+
+
+class ActorOptimizer:
+    """The torch.optim face of megatron's optimizer that the actor drives (see the module docstring)."""
+
+    def __init__(self, mcore):
+        self.mcore = mcore
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.mcore.param_groups
+
+    @property
+    def state(self) -> dict:
+        """{main parameter shard: its state} over the chained optimizers (what this rank holds)."""
+        out: dict = {}
+        for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            out.update(o.optimizer.state)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.mcore.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        self.mcore.step_with_ready_grads()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The shard's main gradients (`prepare_grads`), their global L2 norm, clipped to max_norm."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        self.mcore.prepare_grads()
+        norm = self.mcore.get_grad_norm()
+        if max_norm > 0:
+            for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+                params = o.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm)
+        return torch.tensor(float(norm), dtype=torch.float64)
+
+    # ---- checkpoints: megatron's sharded optimizer state (resharded like the weights) ----
+    def sharded_state_dict(self, model_sharded: dict, is_loading: bool = False) -> dict:
+        return self.mcore.sharded_state_dict(
+            model_sharded, is_loading=is_loading, sharding_type="fully_sharded_model_space"
+        )
+
+    def load_sharded(self, state: dict) -> None:
+        self.mcore.load_state_dict(state)
