@@ -485,6 +485,11 @@ class MegatronBackend(ModelBackend):
     def save_optimizer(self, opt, ckpt_dir: str) -> bool:
         if self.lora is not None:  # the adapter's state: the actor's per-rank file, by parameter name
             return False
+        if self.dist_opt is not None:  # megatron's own sharded state (megatron_distopt)
+            from miles_platform.training import megatron_distopt
+
+            megatron_distopt.save(self.dist_opt, model_sharded_state(self.chunks), ckpt_dir, _save_strategy())
+            return True
         from miles_platform.training.megatron_checkpoint import save_optimizer
 
         save_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt, ckpt_dir,
@@ -500,6 +505,11 @@ class MegatronBackend(ModelBackend):
             return {**mc.copied(model_sharded_state(self.chunks)), "checkpoint_version": 3.0, "iteration": 0}
 
         def opt_state() -> dict:
+            if self.dist_opt is not None:
+                from miles_platform.training.megatron_distopt import MARKER
+
+                state = self.dist_opt.sharded_state_dict(model_sharded_state(self.chunks))
+                return {"optimizer": mc.copied(state), MARKER: True}
             return mc.optimizer_state(self.chunks, self.named_parameters(), self._model_param_of, opt,
                                       self.main is not None, mc.host_copy)  # fmt: skip
 
@@ -508,6 +518,12 @@ class MegatronBackend(ModelBackend):
     def load_optimizer(self, opt, ckpt_dir: str) -> bool:
         if self.lora is not None:
             return False
+        if self.dist_opt is not None:
+            from miles_platform.training import megatron_distopt
+
+            return megatron_distopt.load(
+                self.dist_opt, model_sharded_state(self.chunks), str(resolve_checkpoint_dir(ckpt_dir))
+            )
         from miles_platform.training.megatron_checkpoint import load_optimizer
 
         ok = load_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt,

@@ -15,8 +15,8 @@ One difference from megatron-core's default: weight decay applies to every param
 backend's torch AdamW does (megatron's default skips biases and norms; `config_overrides={}`), so
 the step with the distributed optimizer is the step without it.
 
-A checkpoint stores megatron's own sharded optimizer state (`sharded_state_dict`, fully sharded in
-the model's space, so it reshards) in `<iter dir>/optimizer/` with dist_checkpointing.
+A checkpoint stores megatron's own sharded optimizer state (`sharded_state_dict`, its fully
+reshardable format: any TP / PP / DP reads it) in `<iter dir>/optimizer/` with dist_checkpointing.
 
 On a machine without CUDA megatron-core's optimizer needs `megatron_shims.apply_optimizer_cpu_shims`.
 """
@@ -98,9 +98,71 @@ class ActorOptimizer:
 
     # ---- checkpoints: megatron's sharded optimizer state (resharded like the weights) ----
     def sharded_state_dict(self, model_sharded: dict, is_loading: bool = False) -> dict:
-        return self.mcore.sharded_state_dict(
-            model_sharded, is_loading=is_loading, sharding_type="fully_sharded_model_space"
-        )
+        if is_loading:
+            self._empty_state()
+        return self.mcore.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=SHARDING)
+
+    def _empty_state(self) -> None:
+        """Before a load, a fresh optimizer holds no state, and megatron's state_dict (which its
+        sharded_state_dict starts from) asserts one Adam step count: give each shard torch AdamW's
+        zero state (the load overwrites it; megatron's own dummy step would decay the weights)."""
+        for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            for group in o.optimizer.param_groups:
+                for p in group["params"]:
+                    if not o.optimizer.state[p]:
+                        o.optimizer.state[p] = {
+                            "step": torch.tensor(0.0),
+                            "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p),
+                        }
 
     def load_sharded(self, state: dict) -> None:
         self.mcore.load_state_dict(state)
+
+
+# megatron-core 0.16's fully reshardable format (its default, 'fully_sharded_model_space', raises
+# "ShardedTensor.flattened_range is not supported" at save: measured), "ShardedTensor.flattened_range is not supported": measured), gathered over the data-parallel
+# group's gloo twin (its other variant all-gathers CUDA tensors: `.cuda()`)
+SHARDING = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
+MARKER = "distributed_optimizer"  # in the saved common state: which optimizer wrote it
+
+
+def save(opt: ActorOptimizer, model_sharded: dict, ckpt_dir: str, save_strategy) -> None:
+    """Collective: megatron's sharded optimizer state into `<ckpt_dir>/optimizer/`."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from miles_platform.training.megatron_checkpoint import OPTIMIZER_DIR
+
+    path = os.path.join(ckpt_dir, OPTIMIZER_DIR)
+    os.makedirs(path, exist_ok=True)
+    state = {"optimizer": opt.sharded_state_dict(model_sharded), MARKER: True}
+    dist_checkpointing.save(state, path, sharded_strategy=save_strategy)
+
+
+def load(opt: ActorOptimizer, model_sharded: dict, ckpt_dir: str) -> bool:
+    """Collective: `save`'s state back (resharded); False when the checkpoint has no optimizer."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from miles_platform.errors import CheckpointError
+    from miles_platform.training.megatron_checkpoint import OPTIMIZER_DIR
+
+    path = os.path.join(ckpt_dir, OPTIMIZER_DIR)
+    if not os.path.isdir(path):
+        return False
+    if not dist_checkpointing.load_common_state_dict(path).get(MARKER):
+        raise CheckpointError(
+            f"{path}: saved without --use-distributed-optimizer (the backend's AdamW state, by parameter); "
+            "resume with the flag as saved, or --no-load-optim"
+        )
+    state = dist_checkpointing.load(
+        {"optimizer": opt.sharded_state_dict(model_sharded, is_loading=True)}, path
+    )
+    opt.load_sharded(state["optimizer"])
+    return True
