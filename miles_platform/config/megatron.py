@@ -24,7 +24,7 @@ REFUSED: dict[str, str] = {
     "on the host) moves the state between CUDA and the host with CUDA streams and pinned buffers; not built",
     "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state only with "
     "transformer-engine's FusedAdam, which is not installed; the backend's AdamW state is fp32",
-    "fp16": "fp16 needs megatron-core's dynamic loss scaling (its grad scaler, the skipped steps and the "
+    "fp16": "fp16 needs dynamic loss scaling (megatron-core's grad scaler, the skipped steps and the "
     "scale in the checkpoint), which the actor's step does not carry; --bf16 needs none: use --bf16",
 }
 
@@ -100,6 +100,12 @@ class MegatronFlags:
             raise ConfigError(
                 "--use-distributed-optimizer with LoRA: the adapter is stepped by the actor's optimizer outside "
                 "megatron DDP (as Miles turns the distributed optimizer off for LoRA); drop the flag"
+            )
+        if self.async_save:
+            raise ConfigError(
+                "--use-distributed-optimizer with --async-save: the save of megatron's sharded optimizer state "
+                "gathers over the data-parallel group at the save point, which the async path (host copies "
+                "written later) does not do; not built: drop --async-save"
             )
         if self.offload_train or (self.offload_train is None and self.colocate):
             raise ConfigError(

@@ -505,11 +505,6 @@ class MegatronBackend(ModelBackend):
             return {**mc.copied(model_sharded_state(self.chunks)), "checkpoint_version": 3.0, "iteration": 0}
 
         def opt_state() -> dict:
-            if self.dist_opt is not None:
-                from miles_platform.training.megatron_distopt import MARKER
-
-                state = self.dist_opt.sharded_state_dict(model_sharded_state(self.chunks))
-                return {"optimizer": mc.copied(state), MARKER: True}
             return mc.optimizer_state(self.chunks, self.named_parameters(), self._model_param_of, opt,
                                       self.main is not None, mc.host_copy)  # fmt: skip
 
