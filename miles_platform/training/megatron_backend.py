@@ -406,11 +406,14 @@ class MegatronBackend(ModelBackend):
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective. The policy under HF names (LoRA: merged, base + scale * B @ A). The full HF state on the first rank of each model replica (TP and pipeline
-        rank 0, which is what call_trainers reads on rank 0), {} on the others: a rank holds its own
+        rank 0, context-parallel rank 0: what call_trainers reads on rank 0), {} on the others: a rank holds its own
         shards plus one bucket besides what it returns."""
         from megatron.core import parallel_state as ps
 
-        keep = self.world_size == 1 or ps.get_model_parallel_group().rank() == 0
+        # a replica spans TP x PP x CP: its context-parallel ranks hold the same weights
+        keep = self.world_size == 1 or (
+            ps.get_model_parallel_group().rank() == 0 and ps.get_context_parallel_rank() == 0
+        )
         out: dict[str, torch.Tensor] = {}
         for bucket in self.hf_buckets():
             if keep:
