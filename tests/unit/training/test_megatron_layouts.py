@@ -155,7 +155,11 @@ def test_layout_step_equals_single_rank(layout, layout_checkpoint, request, tmp_
     # stage at TP and CP rank 0), with the 1-rank step's values: under CP the log-probs gathered
     # from both ranks' halves of each sample
     ref, rows = sample_rows(Path(single_rank[2])), sample_rows(tmp_path / layout)
-    writers = {0, 1} if layout.startswith("dp2") else {1 if layout.startswith("pp") else 0}
+    dp2 = layout.startswith("dp2")
+    writers = {0, 1} if dp2 else {1 if layout.startswith("pp") else 0}
+    # the HF export is kept by the first rank of each replica (TP x PP x CP) only: under CP2 rank 1
+    # holds the same weights and keeps none
+    assert (tmp_path / layout / "rank1.safetensors").exists() == dp2
     assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == writers
     for a, b in zip(ref, rows, strict=True):
         for key in ("log_probs", "ratio", "ref_kl", "advantage"):

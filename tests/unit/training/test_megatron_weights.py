@@ -1,6 +1,7 @@
-"""Weights out of any megatron layout: the HF export at TP2, PP2, interleaved PP2, CP2 and EP2 (the tiny
+"""Weights out of any megatron layout: the HF export at TP2, PP2, interleaved PP2 and EP2 (the tiny
 Qwen3-MoE) is the TP1 export byte for byte (the safetensors file an engine or disk-delta reads), kept
-by the first rank of each model replica only, whatever the bucket size, and the
+by the first rank of each model replica only, whatever the bucket size (CP2, which splits no weight:
+test_megatron_layouts.py checks who keeps it), and the
 broadcast transport streams the same tensors bucket by bucket from a TP2 trainer to an engine rank.
 
 Buckets follow Miles' `--update-weight-buffer-size` rule: a unit (the embedding, one layer, the final
@@ -27,7 +28,6 @@ LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
     "pp2_interleaved": (2, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)),
-    "cp2": (2, dict(context_parallel_size=2)),
     "ep2": (2, dict(expert_model_parallel_size=2)),  # the tiny Qwen3-MoE: each rank holds 2 of 4 experts
 }
 
@@ -118,7 +118,7 @@ def test_export_is_the_tp1_export_byte_for_byte(layout, request, tmp_path):
         assert (got / "rank0.safetensors").read_bytes() == reference.read_bytes(), f"buffer {buffer}"
         info = [json.loads((got / f"rank{r}.json").read_text()) for r in range(world)]
         kept = [i["kept"] > 0 for i in info]
-        # the first rank of each model replica (TP x PP x CP) keeps the state; EP2 is data parallel 2
+        # the first rank of each model replica (TP x PP) keeps the state; EP2 is data parallel 2
         replicas = 2 if moe else 1
         assert kept == [True] * replicas + [False] * (world - replicas), f"buffer {buffer}: {kept}"
         assert len(info[0]["buckets"]) == (units if buffer == 1 else 1), (
