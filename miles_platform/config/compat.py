@@ -120,7 +120,7 @@ COMPAT: dict[str, MilesFlag] = {
     ),
     "overlap_cpu_optimizer_d2h_h2d": _same(
         "bool", "overlaps the offloaded optimizer's host-device copies: a no-op without --optimizer-cpu-offload, "
-        "which is refused here (megatron-core's DistributedOptimizer takes CUDA tensors only)",
+        "which is refused here (megatron-core's HybridDeviceOptimizer is not built)",
         when=lambda cfg, v: not cfg.optimizer_cpu_offload,
     ),
     # ---- refused: not built here

@@ -19,21 +19,13 @@ RANGES: dict[str, tuple] = dict.fromkeys(
     POSITIVE,
 )  # fmt: skip
 
-# megatron-core's mixed-precision optimizers take CUDA tensors only (measured: TypeError "Wrapped
-# parameters must be one of torch.cuda.FloatTensor, ..." on CPU)
-_MCORE_OPTIMIZER = (
-    "needs megatron-core's DistributedOptimizer, which takes CUDA tensors only (measured: TypeError "
-    "'Wrapped parameters must be one of torch.cuda.FloatTensor ...' on CPU); the megatron backend steps "
-    "torch AdamW over each rank's parameter shards (fp32 main parameters under --bf16)"
-)
 REFUSED: dict[str, str] = {
-    "use_distributed_optimizer": _MCORE_OPTIMIZER,
-    "optimizer_cpu_offload": f"megatron-core offloads the DistributedOptimizer's state: {_MCORE_OPTIMIZER}",
+    "optimizer_cpu_offload": "megatron-core's HybridDeviceOptimizer (the DistributedOptimizer's state and step "
+    "on the host) moves the state between CUDA and the host with CUDA streams and pinned buffers; not built",
     "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state only with "
     "transformer-engine's FusedAdam, which is not installed; the backend's AdamW state is fp32",
-    "fp16": "fp16 needs dynamic loss scaling, which megatron-core does in Float16OptimizerWithFloat16Params "
-    "(CUDA tensors only, measured on CPU: TypeError 'Wrapped parameters must be one of "
-    "torch.cuda.FloatTensor ...'); --bf16 needs none: use --bf16",
+    "fp16": "fp16 needs dynamic loss scaling (megatron-core's grad scaler, the skipped steps and the "
+    "scale in the checkpoint), which the actor's step does not carry; --bf16 needs none: use --bf16",
 }
 
 LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size", "context_parallel_size",
@@ -91,6 +83,37 @@ class MegatronFlags:
     )  # fmt: skip
     recompute_num_layers: int | None = flag(None, "perf", "full recompute: N of --recompute-method")
 
+    def _check_distributed_optimizer(self) -> None:
+        if not self.use_distributed_optimizer:
+            return
+        if self.train_backend != "megatron":
+            raise ConfigError(
+                "--use-distributed-optimizer: megatron-core's DistributedOptimizer, for --train-backend megatron "
+                "(the fsdp backend shards the optimizer state already)"
+            )
+        if self.optimizer != "adam":
+            raise ConfigError(
+                f"--use-distributed-optimizer with --optimizer {self.optimizer}: megatron-core's DistributedOptimizer "
+                "steps Adam only (it asserts so, for its checkpoint format); Miles turns it on for adam only"
+            )
+        if self.uses_lora:
+            raise ConfigError(
+                "--use-distributed-optimizer with LoRA: the adapter is stepped by the actor's optimizer outside "
+                "megatron DDP (as Miles turns the distributed optimizer off for LoRA); drop the flag"
+            )
+        if self.async_save:
+            raise ConfigError(
+                "--use-distributed-optimizer with --async-save: the save of megatron's sharded optimizer state "
+                "gathers over the data-parallel group at the save point, which the async path (host copies "
+                "written later) does not do; not built: drop --async-save"
+            )
+        if self.offload_train or (self.offload_train is None and self.colocate):
+            raise ConfigError(
+                "--use-distributed-optimizer with --offload-train (on with --colocate): the optimizer's shards "
+                "are views into megatron DDP's parameter buffers, which moving the model to the host detaches; "
+                "not built: add --no-offload-train"
+            )
+
     def megatron_layout_flags(self) -> list[str]:
         """The model-parallel flags set to anything but their default, as `--flag`s."""
         return changed_flags(self, LAYOUT)
@@ -109,6 +132,7 @@ class MegatronFlags:
                 f"{', '.join(given)}: Megatron's precision / recompute flags, for --train-backend megatron; the "
                 "fsdp backend takes --train-forward-dtype, --fsdp-master-dtype, --gradient-checkpointing"
             )
+        self._check_distributed_optimizer()
         if self.bf16 and not self.train_forward_dtype and not self.rollout_dtype:
             self.train_forward_dtype = self.rollout_dtype = "bf16"
         if (self.recompute_method or self.recompute_num_layers) and self.recompute_granularity != "full":

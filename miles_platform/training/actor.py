@@ -119,7 +119,8 @@ class TrainerActor(ActorWeights):
 
             self.critic = Critic(cfg, cfg.hf_checkpoint, world_size, self.device)
         params = [p for p in self.backend.parameters() if p.requires_grad]
-        if cfg.optimizer == "adam":
+        self.opt = self.backend.build_optimizer()  # megatron's distributed optimizer, else torch's
+        if self.opt is None and cfg.optimizer == "adam":
             self.opt = torch.optim.AdamW(
                 params,
                 lr=cfg.lr,
@@ -127,7 +128,7 @@ class TrainerActor(ActorWeights):
                 eps=cfg.adam_eps,
                 weight_decay=cfg.weight_decay,
             )
-        else:
+        elif self.opt is None:
             self.opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         total = (cfg.num_rollout or 1) * (cfg.num_steps_per_rollout or 1)
         # --allow-config-change: a resume takes the command line's schedule (its changes are recorded)

@@ -153,6 +153,11 @@ class ModelBackend(ABC):
         different samples. Without model parallelism every rank is one (group None = world)."""
         return self.rank, self.world_size, None
 
+    def build_optimizer(self) -> Any:
+        """The optimizer this backend steps its own way (megatron's distributed optimizer: an object
+        with torch.optim's param_groups / state / zero_grad / step), or None: the actor's torch one."""
+        return None
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip `.grad` to a global L2 norm of max_norm; returns the norm before clipping."""
         grad_norm = torch.nn.utils.clip_grad_norm_(

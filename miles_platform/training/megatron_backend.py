@@ -160,16 +160,19 @@ def load_torch_dist(model, ckpt_dir: str | os.PathLike) -> Path:
     return p
 
 
-def wrap_data_parallel(model: torch.nn.Module, grad_reduce_in_fp32: bool = True):
+def wrap_data_parallel(
+    model: torch.nn.Module, grad_reduce_in_fp32: bool = True, distributed_optimizer: bool = False
+):
     """megatron-core DDP, configured for what runs here: the actor's torch AdamW over full
-    parameters (no distributed optimizer) and one blocking all-reduce after the last
-    micro-batch (no overlap: gloo on CPU has no side stream to overlap on; one bucket)."""
+    parameters, or with `distributed_optimizer` megatron-core's DistributedOptimizer over the data-
+    parallel shards (megatron_distopt), and one blocking reduction after the last micro-batch (no
+    overlap: gloo on CPU has no side stream to overlap on; one bucket)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
     )
     return DistributedDataParallel(model.config, ddp_config, model)
 
@@ -178,6 +181,7 @@ class MegatronBackend(ModelBackend):
     name = "megatron"
     ddp: list | None = None  # megatron DDP around each model chunk (world > 1, or --bf16)
     main = None  # --bf16: megatron_precision.MainParams, the fp32 copies the optimizer steps
+    dist_opt = None  # --use-distributed-optimizer: megatron_distopt.ActorOptimizer (build_optimizer)
     lora = None  # --lora-rank > 0: training/megatron_lora.MegatronLora, the adapter beside the frozen model
 
     def build(self, hf_checkpoint: str, trainable: bool = True) -> torch.nn.Module:
@@ -228,13 +232,18 @@ class MegatronBackend(ModelBackend):
         if trainable and getattr(self.cfg, "uses_lora", False):
             self._attach_lora()
         bf16 = bool(getattr(self.cfg, "bf16", False))
-        if trainable and self.lora is None and (self.world_size > 1 or bf16):
+        distributed = trainable and bool(getattr(self.cfg, "use_distributed_optimizer", False))
+        if trainable and self.lora is None and (self.world_size > 1 or bf16 or distributed):
             # after the weights are in: DDP keeps param.data where it is (no distributed optimizer);
             # its finalize also reduces sequence-parallel norms over TP and tied embeddings over PP.
             # Under --bf16 its main_grad buffers accumulate in fp32 if asked to, even on one rank.
             fp32_grads = not bf16 or bool(getattr(self.cfg, "accumulate_allreduce_grads_in_fp32", False))
-            self.ddp = [wrap_data_parallel(c, fp32_grads) for c in self.chunks]
-        if trainable and bf16 and self.lora is None:  # (LoRA: the adapter is fp32, its own main copy)
+            self.ddp = [wrap_data_parallel(c, fp32_grads, distributed) for c in self.chunks]
+        if distributed:  # megatron's optimizer keeps the fp32 main parameters of its shard itself
+            from miles_platform.training import megatron_distopt
+
+            self.dist_opt = megatron_distopt.ActorOptimizer(megatron_distopt.build(self.cfg, self.ddp))
+        elif trainable and bf16 and self.lora is None:  # (LoRA: the adapter is fp32, its own main copy)
             self.main = megatron_precision.MainParams(self.module.named_parameters())
         self.module.train()
         return self.module
@@ -270,13 +279,18 @@ class MegatronBackend(ModelBackend):
             return
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads(self.ddp)
+        finalize_model_grads(self.ddp)  # distributed optimizer: reduce-scattered into the shards
+        if self.dist_opt is not None:  # its prepare_grads takes the shards (clip_grad_norm)
+            return
         if self.main is not None:  # --bf16: the fp32 main copies take the gradients
             self.main.grads_from_model()
             return
         for p in self.module.parameters():
             if p.requires_grad:
                 p.grad = p.main_grad  # a view of the averaged buffer, zeroed by zero_grad()
+
+    def build_optimizer(self):
+        return self.dist_opt
 
     def optimizer_stepped(self) -> None:
         if self.main is not None:
@@ -309,6 +323,8 @@ class MegatronBackend(ModelBackend):
                 and ps.get_context_parallel_rank() == 0)  # fmt: skip
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self.dist_opt is not None:
+            return self.dist_opt.clip_grad_norm(max_norm)
         if self.layout.model_parallel == 1 and self.layout.ep == 1:
             return super().clip_grad_norm(max_norm)
         # what the optimizer steps: under --bf16 the fp32 main copies hold the gradients (the model's
@@ -390,11 +406,14 @@ class MegatronBackend(ModelBackend):
 
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective. The policy under HF names (LoRA: merged, base + scale * B @ A). The full HF state on the first rank of each model replica (TP and pipeline
-        rank 0, which is what call_trainers reads on rank 0), {} on the others: a rank holds its own
+        rank 0, context-parallel rank 0: what call_trainers reads on rank 0), {} on the others: a rank holds its own
         shards plus one bucket besides what it returns."""
         from megatron.core import parallel_state as ps
 
-        keep = self.world_size == 1 or ps.get_model_parallel_group().rank() == 0
+        # a replica spans TP x PP x CP: its context-parallel ranks hold the same weights
+        keep = self.world_size == 1 or (
+            ps.get_model_parallel_group().rank() == 0 and ps.get_context_parallel_rank() == 0
+        )
         out: dict[str, torch.Tensor] = {}
         for bucket in self.hf_buckets():
             if keep:
@@ -469,6 +488,11 @@ class MegatronBackend(ModelBackend):
     def save_optimizer(self, opt, ckpt_dir: str) -> bool:
         if self.lora is not None:  # the adapter's state: the actor's per-rank file, by parameter name
             return False
+        if self.dist_opt is not None:  # megatron's own sharded state (megatron_distopt)
+            from miles_platform.training import megatron_distopt
+
+            megatron_distopt.save(self.dist_opt, model_sharded_state(self.chunks), ckpt_dir, _save_strategy())
+            return True
         from miles_platform.training.megatron_checkpoint import save_optimizer
 
         save_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt, ckpt_dir,
@@ -492,6 +516,12 @@ class MegatronBackend(ModelBackend):
     def load_optimizer(self, opt, ckpt_dir: str) -> bool:
         if self.lora is not None:
             return False
+        if self.dist_opt is not None:
+            from miles_platform.training import megatron_distopt
+
+            return megatron_distopt.load(
+                self.dist_opt, model_sharded_state(self.chunks), str(resolve_checkpoint_dir(ckpt_dir))
+            )
         from miles_platform.training.megatron_checkpoint import load_optimizer
 
         ok = load_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt,

@@ -97,6 +97,13 @@ def load_optimizer(chunks, named_params, model_param_of, opt, ckpt_dir: str, mai
     if not os.path.isdir(path):
         return False
     common = dist_checkpointing.load_common_state_dict(path)
+    if common.get("distributed_optimizer"):  # megatron_distopt.MARKER
+        from miles_platform.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{path}: saved with --use-distributed-optimizer (megatron's sharded optimizer state); resume with "
+            "the flag, or --no-load-optim"
+        )
     keys, step = common["tensor_keys"], common["step"]
     main = main and common["main"]  # fp32 main params saved by a --bf16 run, read by one
     named_params = list(named_params)

@@ -330,3 +330,101 @@ def tag_pipeline_shape_exchange() -> None:
 
     communicate_shapes._tagged = True
     p2p.P2PCommunicator._communicate_shapes = communicate_shapes
+
+
+_OPTIMIZER_SHIMMED = False
+
+
+def apply_optimizer_cpu_shims() -> bool:
+    """megatron-core's DistributedOptimizer (--use-distributed-optimizer) on a machine without CUDA.
+    Idempotent; returns True when the CPU shims are active. Measured with megatron-core 0.16 on CPU
+    (and, on any device without apex / TE, the checkpoint fix `_step_kept_on_load`):
+
+    - `DistributedOptimizer.__init__` files each parameter by `param.type()`, comparing it with
+      'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor', and raises
+      TypeError "Wrapped parameters must be one of torch.cuda.FloatTensor, ..." for anything else (a CPU
+      tensor answers 'torch.FloatTensor'); `clip_grad_by_total_norm_fp32` asserts the same of each
+      gradient. What they check is the dtype: within those two calls only, a CPU tensor's bare `type()`
+      answers its CUDA name (`_cuda_type_names`).
+    - optimizer.py, clip_grads.py, distrib_optimizer.py and the local (no apex / TE) multi-tensor
+      kernels of utils.py allocate their overflow flags, norms and scales with device="cuda": they
+      allocate on the CPU (`_CudaMeansCpu`, as the pipeline schedule's token count)."""
+    global _OPTIMIZER_SHIMMED
+    if _OPTIMIZER_SHIMMED:
+        return not cuda_available()
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    _step_kept_on_load(distrib_optimizer)
+    _OPTIMIZER_SHIMMED = True
+    if cuda_available():
+        return False
+
+    for module in (optimizer, clip_grads, distrib_optimizer, mcore_utils):
+        module.torch = _CudaMeansCpu(torch)
+    cls = distrib_optimizer.DistributedOptimizer
+    cls.__init__ = _with_cuda_type_names(cls.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
+    return True
+
+
+def _step_kept_on_load(distrib_optimizer) -> None:
+    """Without apex / TE (any device) megatron-core 0.16's DistributedOptimizer steps torch's Adam,
+    whose per-parameter state has a "step"; loading its 'fully_reshardable' checkpoint sets that step
+    from the saved param groups, then copies every state key from the saved per-parameter tensors,
+    which have none: KeyError 'step' (measured). Copy the keys that were saved; the step stays as set,
+    one tensor per parameter (the load sets one shared tensor, which torch's Adam, incrementing it in
+    place per parameter, would advance N times a step: a resumed step off by ~lr, measured)."""
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    real = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        if (
+            self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            or "step" in tensors
+            or "step" not in state
+        ):
+            return real(self, model_param, tensors)
+        step = state.pop("step")
+        try:
+            return real(self, model_param, tensors)
+        finally:  # its own tensor: torch's Adam increments it in place, and the load gave all one
+            state["step"] = step.clone()
+
+    cls._set_main_param_and_optimizer_states = set_states
+
+
+def _with_cuda_type_names(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """`Tensor.type()` (no arguments) of a CPU tensor answers 'torch.cuda.<X>Tensor' (see
+    apply_optimizer_cpu_shims); any other call of it is torch's."""
+    real = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = real(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or not name.startswith("torch.") or ".cuda." in name:
+            return name
+        return "torch.cuda." + name[len("torch.") :]
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real

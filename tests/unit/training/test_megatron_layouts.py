@@ -37,7 +37,13 @@ LAYOUTS = {
     "pp2_interleaved": dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1),
     "pp2_uneven": dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
     "cp2": dict(context_parallel_size=2),
+    # megatron-core's DistributedOptimizer (megatron_distopt; Adam only): DP2 shards the optimizer state
+    # over the ranks, against the 1-rank AdamW step (ADAM)
+    "dp2_distopt": dict(use_distributed_optimizer=True, optimizer="adam", lr=1e-3, adam_eps=1e-6),
 }
+# AdamW's first step moves each weight by ~lr: at lr 1e-3 and eps 1e-6 a 1e-9 rounding difference of a
+# gradient moves an update by <= lr * 1e-9 / eps = 1e-6 (the docstring's eps effect, bounded below TOL)
+ADAM = dict(optimizer="adam", lr=1e-3, adam_eps=1e-6)
 
 
 def run_config(ckpt: str, **kw):
@@ -113,6 +119,11 @@ def single_rank(layout_checkpoint, tmp_path_factory):
     return train_one_step(layout_checkpoint, tmp_path_factory.mktemp("tp1") / "out", 1)
 
 
+@pytest.fixture(scope="module")
+def single_rank_adam(layout_checkpoint, tmp_path_factory):
+    return train_one_step(layout_checkpoint, tmp_path_factory.mktemp("tp1_adam") / "out", 1, **ADAM)
+
+
 def sample_rows(out: Path) -> list[dict]:
     """The train_samples rows the step's ranks wrote (`out`: the run's dir of rank outputs)."""
     from miles_platform.store.paths import StoragePaths
@@ -135,16 +146,21 @@ def assert_same_step(reference, got) -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_step_equals_single_rank(layout, layout_checkpoint, single_rank, tmp_path):
+def test_layout_step_equals_single_rank(layout, layout_checkpoint, request, tmp_path):
+    adam = LAYOUTS[layout].get("optimizer") == "adam"
+    single_rank = request.getfixturevalue("single_rank_adam" if adam else "single_rank")
     got = train_one_step(layout_checkpoint, tmp_path / layout, 2, **LAYOUTS[layout])
     assert_same_step(single_rank, got)
     # one train_samples row per sample: one rank of the model-parallel pair writes (the last
     # stage at TP and CP rank 0), with the 1-rank step's values: under CP the log-probs gathered
     # from both ranks' halves of each sample
     ref, rows = sample_rows(Path(single_rank[2])), sample_rows(tmp_path / layout)
-    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == {
-        1 if layout.startswith("pp") else 0
-    }
+    dp2 = layout.startswith("dp2")
+    writers = {0, 1} if dp2 else {1 if layout.startswith("pp") else 0}
+    # the HF export is kept by the first rank of each replica (TP x PP x CP) only: under CP2 rank 1
+    # holds the same weights and keeps none
+    assert (tmp_path / layout / "rank1.safetensors").exists() == dp2
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and {r["rank"] for r in rows} == writers
     for a, b in zip(ref, rows, strict=True):
         for key in ("log_probs", "ratio", "ref_kl", "advantage"):
             assert b[key] == pytest.approx(a[key], abs=TOL), key

@@ -129,8 +129,14 @@ def test_recompute_gives_the_step_without_it(layout_checkpoint, plain_step, tmp_
     ("flags", "match"),
     [
         (dict(fp16=True), "--fp16 True: fp16 needs dynamic loss scaling"),
-        (dict(use_distributed_optimizer=True), "--use-distributed-optimizer True: needs megatron-core's"),
-        (dict(optimizer_cpu_offload=True), "--optimizer-cpu-offload True: megatron-core offloads"),
+        (dict(use_distributed_optimizer=True, optimizer="sgd"), "steps Adam only"),
+        (dict(use_distributed_optimizer=True, async_save=True, save="/tmp/x"), "with --async-save"),
+        (dict(use_distributed_optimizer=True, colocate=True), "with --offload-train"),
+        (dict(train_backend="fsdp", use_distributed_optimizer=True), "for --train-backend megatron"),
+        (
+            dict(optimizer_cpu_offload=True),
+            "--optimizer-cpu-offload True: megatron-core's HybridDeviceOptimizer",
+        ),
         (
             dict(use_precision_aware_optimizer=True),
             "--use-precision-aware-optimizer True: .*transformer-engine",

@@ -1,5 +1,7 @@
-"""Weights out of any megatron layout: the HF export at TP2, PP2 and interleaved PP2 is the TP1 export
-byte for byte (the safetensors file an engine or disk-delta reads), whatever the bucket size, and the
+"""Weights out of any megatron layout: the HF export at TP2, PP2, interleaved PP2 and EP2 (the tiny
+Qwen3-MoE) is the TP1 export byte for byte (the safetensors file an engine or disk-delta reads), kept
+by the first rank of each model replica only, whatever the bucket size (CP2, which splits no weight:
+test_megatron_layouts.py checks who keeps it), and the
 broadcast transport streams the same tensors bucket by bucket from a TP2 trainer to an engine rank.
 
 Buckets follow Miles' `--update-weight-buffer-size` rule: a unit (the embedding, one layer, the final
@@ -26,6 +28,7 @@ LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
     "pp2_interleaved": (2, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)),
+    "ep2": (2, dict(expert_model_parallel_size=2)),  # the tiny Qwen3-MoE: each rank holds 2 of 4 experts
 }
 
 
@@ -77,22 +80,47 @@ def layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
     return save_layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("weights") / "l4")
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    from test_moe_megatron import save_moe_checkpoint
+
+    return save_moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory.mktemp("weights_moe") / "moe")
+
+
+@pytest.fixture(scope="module")
+def moe_tp1_export(moe_checkpoint, tmp_path_factory):
+    """The tiny Qwen3-MoE's 1-rank export (its checkpoint stores the experts fused, transformers' layout;
+    the export names each expert, as the engines load Qwen3-MoE)."""
+    out = tmp_path_factory.mktemp("moe_tp1") / "out"
+    _run(_export_worker, 1, (1, free_port(), moe_checkpoint, str(out), {}), out)
+    return out
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_export_is_the_tp1_export_byte_for_byte(layout, layout_checkpoint, tmp_path):
+def test_export_is_the_tp1_export_byte_for_byte(layout, request, tmp_path):
     world, flags = LAYOUTS[layout]
+    moe = layout == "ep2"
+    layout_checkpoint = request.getfixturevalue("moe_checkpoint" if moe else "layout_checkpoint")
     out = tmp_path / "out"
     _run(_export_worker, world, (world, free_port(), layout_checkpoint, str(out), flags), out)
-    # the TP1 export is the checkpoint itself (tests/megatron_parity.py); its safetensors bytes are the
-    # bytes of the same dict written by the same writer
+    # the dense TP1 export is the checkpoint itself (tests/megatron_parity.py); its safetensors bytes are
+    # the bytes of the same dict written by the same writer
     reference = tmp_path / "reference.safetensors"
     save_file(load_file(Path(layout_checkpoint) / "model.safetensors"), reference)
     units = 2 + 4  # embedding, 4 layers, final norm (tied: no output layer)
     for buffer in BUFFERS:
         got = out / str(buffer)
+        if moe:  # the MoE's 1-rank export, and its units: embedding, 2 layers, final norm + output layer
+            reference, units = (
+                request.getfixturevalue("moe_tp1_export") / str(buffer) / "rank0.safetensors",
+                4,
+            )
         assert (got / "rank0.safetensors").read_bytes() == reference.read_bytes(), f"buffer {buffer}"
         info = [json.loads((got / f"rank{r}.json").read_text()) for r in range(world)]
         kept = [i["kept"] > 0 for i in info]
-        assert kept == [True] + [False] * (world - 1), f"buffer {buffer}: only rank 0 keeps the state"
+        # the first rank of each model replica (TP x PP) keeps the state; EP2 is data parallel 2
+        replicas = 2 if moe else 1
+        assert kept == [True] * replicas + [False] * (world - replicas), f"buffer {buffer}: {kept}"
         assert len(info[0]["buckets"]) == (units if buffer == 1 else 1), (
             f"buffer {buffer}: {info[0]['buckets']}"
         )

@@ -1,0 +1,168 @@
+"""`--use-distributed-optimizer` on the megatron backend: megatron-core's DistributedOptimizer, built
+as Miles builds it (miles/backends/megatron_utils/model.py: `get_megatron_optimizer` over the chunks
+wrapped in megatron-core DDP with `use_distributed_optimizer=True`).
+
+Each data-parallel rank keeps the optimizer state (and under --bf16 the fp32 main parameters) of its
+1 / DP slice of the contiguous gradient buffer only; DDP reduce-scatters the gradients into those
+slices (`finalize_model_grads`), the step updates the slice, and the updated parameters are
+all-gathered back into every rank's model (`start_param_sync`, blocking: no overlap on gloo).
+
+The actor drives it as it drives its torch optimizer (`ActorOptimizer`, the face it sees):
+`finish_grad_sync` reduce-scatters, the backend's `clip_grad_norm` runs megatron's `prepare_grads`
+(the shard's main gradients) and its global norm / clip, `opt.step()` is megatron's
+`step_with_ready_grads`, and the actor's LR schedule writes the `lr` of megatron's param groups.
+One difference from megatron-core's default: weight decay applies to every parameter, as the
+backend's torch AdamW does (megatron's default skips biases and norms; `config_overrides={}`), so
+the step with the distributed optimizer is the step without it.
+
+A checkpoint stores megatron's own sharded optimizer state (`sharded_state_dict`, its fully
+reshardable format: any TP / PP / DP reads it) in `<iter dir>/optimizer/` with dist_checkpointing.
+
+On a machine without CUDA megatron-core's optimizer needs `megatron_shims.apply_optimizer_cpu_shims`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def optimizer_config(cfg: Any):
+    """megatron-core's OptimizerConfig of the run's optimizer flags."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    bf16 = bool(getattr(cfg, "bf16", False))
+    return OptimizerConfig(
+        optimizer="adam" if cfg.optimizer == "adam" else "sgd",
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        sgd_momentum=0.0,  # the actor's torch SGD has none
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=True,
+    )
+
+
+def build(cfg: Any, ddp_chunks: list):
+    """megatron-core's optimizer (a ChainedOptimizer of DistributedOptimizers: dense and, with
+    experts, expert parameters) over the DDP-wrapped chunks."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from miles_platform.training import megatron_shims
+
+    megatron_shims.apply_optimizer_cpu_shims()
+    return get_megatron_optimizer(optimizer_config(cfg), ddp_chunks, config_overrides={})
+
+
+class ActorOptimizer:
+    """The torch.optim face of megatron's optimizer that the actor drives (see the module docstring)."""
+
+    def __init__(self, mcore):
+        self.mcore = mcore
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.mcore.param_groups
+
+    @property
+    def state(self) -> dict:
+        """{main parameter shard: its state} over the chained optimizers (what this rank holds)."""
+        out: dict = {}
+        for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            out.update(o.optimizer.state)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.mcore.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        self.mcore.step_with_ready_grads()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The shard's main gradients (`prepare_grads`), their global L2 norm, clipped to max_norm."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        self.mcore.prepare_grads()
+        norm = self.mcore.get_grad_norm()
+        if max_norm > 0:
+            for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+                params = o.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm)
+        return torch.tensor(float(norm), dtype=torch.float64)
+
+    # ---- checkpoints: megatron's sharded optimizer state (resharded like the weights) ----
+    def sharded_state_dict(self, model_sharded: dict, is_loading: bool = False) -> dict:
+        if is_loading:
+            self._empty_state()
+        return self.mcore.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=SHARDING)
+
+    def _empty_state(self) -> None:
+        """Before a load, a fresh optimizer holds no state, and megatron's state_dict (which its
+        sharded_state_dict starts from) asserts one Adam step count: give each shard torch AdamW's
+        zero state (the load overwrites it; megatron's own dummy step would decay the weights)."""
+        for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            for group in o.optimizer.param_groups:
+                for p in group["params"]:
+                    if not o.optimizer.state[p]:
+                        o.optimizer.state[p] = {
+                            "step": torch.tensor(0.0),
+                            "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p),
+                        }
+
+    def load_sharded(self, state: dict) -> None:
+        self.mcore.load_state_dict(state)
+
+
+# megatron-core 0.16's fully reshardable format (its default, 'fully_sharded_model_space', raises
+# "ShardedTensor.flattened_range is not supported" at save: measured), "ShardedTensor.flattened_range is not supported": measured), gathered over the data-parallel
+# group's gloo twin (its other variant all-gathers CUDA tensors: `.cuda()`)
+SHARDING = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
+MARKER = "distributed_optimizer"  # in the saved common state: which optimizer wrote it
+
+
+def save(opt: ActorOptimizer, model_sharded: dict, ckpt_dir: str, save_strategy) -> None:
+    """Collective: megatron's sharded optimizer state into `<ckpt_dir>/optimizer/`."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from miles_platform.training.megatron_checkpoint import OPTIMIZER_DIR
+
+    path = os.path.join(ckpt_dir, OPTIMIZER_DIR)
+    os.makedirs(path, exist_ok=True)
+    state = {"optimizer": opt.sharded_state_dict(model_sharded), MARKER: True}
+    dist_checkpointing.save(state, path, sharded_strategy=save_strategy)
+
+
+def load(opt: ActorOptimizer, model_sharded: dict, ckpt_dir: str) -> bool:
+    """Collective: `save`'s state back (resharded); False when the checkpoint has no optimizer."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from miles_platform.errors import CheckpointError
+    from miles_platform.training.megatron_checkpoint import OPTIMIZER_DIR
+
+    path = os.path.join(ckpt_dir, OPTIMIZER_DIR)
+    if not os.path.isdir(path):
+        return False
+    if not dist_checkpointing.load_common_state_dict(path).get(MARKER):
+        raise CheckpointError(
+            f"{path}: saved without --use-distributed-optimizer (the backend's AdamW state, by parameter); "
+            "resume with the flag as saved, or --no-load-optim"
+        )
+    state = dist_checkpointing.load(
+        {"optimizer": opt.sharded_state_dict(model_sharded, is_loading=True)}, path
+    )
+    opt.load_sharded(state["optimizer"])
+    return True
