@@ -21,17 +21,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
-LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-05 11:33 UTC
-    "test_learning.py": 146, "test_cluster_ray.py": 76, "test_diffusion_loop.py": 60,
-    "test_vlm_loop.py": 55, "test_fault_tolerance.py": 55, "test_megatron_layouts.py": 51,
-    "test_crash_matrix.py": 50, "test_ui_browser.py": 50, "test_model_families_loop.py": 43,
-    "test_ui_daily_use.py": 38, "test_loop.py": 37, "test_conversion.py": 27, "test_compaction.py": 24,
-    "test_trainer_fault_hooks.py": 23, "test_sglang_launcher.py": 22, "test_megatron_precision.py": 21,
-    "test_kernels.py": 21, "test_megatron_weights.py": 20, "test_megatron_resume.py": 20,
-    "test_multi_rank.py": 19, "test_tito.py": 19, "test_fuzz.py": 19, "test_sft.py": 17,
-    "test_ops_training.py": 17, "test_model_families_megatron.py": 16, "test_engine_control.py": 15,
-    "test_diffusion_crash.py": 15, "test_object_store_root.py": 14, "test_conversion_asset.py": 14,
-    "test_object_store.py": 12, "test_sft_train.py": 12, "test_opd_loop.py": 11,
+LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-05 14:00 UTC
+    "test_learning.py": 155, "test_cluster_ray.py": 87, "test_diffusion_loop.py": 67,
+    "test_vlm_loop.py": 63, "test_megatron_layouts.py": 58, "test_ui_browser.py": 57,
+    "test_crash_matrix.py": 51, "test_fault_tolerance.py": 50, "test_model_families_loop.py": 38,
+    "test_loop.py": 35, "test_ui_daily_use.py": 29, "test_ops_training.py": 26, "test_megatron_resume.py": 25,
+    "test_conversion.py": 25, "test_megatron_weights.py": 23, "test_kernels.py": 23,
+    "test_sglang_launcher.py": 22, "test_fuzz.py": 20, "test_diffusion_crash.py": 20,
+    "test_megatron_precision.py": 19, "test_tito.py": 19, "test_compaction.py": 17,
+    "test_trainer_fault_hooks.py": 16, "test_multi_rank.py": 16, "test_opd_loop.py": 15, "test_sft.py": 15,
+    "test_model_families_megatron.py": 15, "test_engine_control.py": 15, "test_conversion_asset.py": 14,
+    "test_object_store.py": 11, "test_object_store_root.py": 10, "test_gpu_checks.py": 10,
 }  # fmt: skip
 
 
