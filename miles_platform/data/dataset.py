@@ -189,8 +189,11 @@ def load_prompt_dataset(
         for key, flag in ((input_key, "--input-key"), (label_key, "--label-key")):
             if key is not None and row.get(key) is None:
                 raise DataError(f"{where}: missing key {key!r} ({flag}); keys present: {sorted(row)}")
+        value = row[input_key]
+        if multimodal_keys and isinstance(value, list):  # messages whose content has image parts
+            value = _image_parts_as_placeholders(value, where, input_key)
         prompt = _render_prompt(
-            row[input_key],
+            value,
             where,
             input_key,
             tokenizer,
@@ -222,6 +225,33 @@ def load_prompt_dataset(
         if len(set(ids)) != len(ids):
             raise DataError(f"{uri}: derived ids collide with given ids; give every row an 'id'")
     return records
+
+
+def _image_parts_as_placeholders(messages: list, where: str, input_key: str) -> list:
+    """Messages whose content is a list of parts (OpenAI / HF style: `{"type": "text", "text": ...}`,
+    `{"type": "image"}` or `{"type": "image_url", ...}`) as text messages with Miles' `<image>`
+    placeholder where each image part stands: the row's images (--multimodal-keys) fill them in order,
+    as for a text prompt. The part's own URL is not read: the images are the row's."""
+    from miles_platform.models.vlm import IMAGE_PLACEHOLDER
+
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        text = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text.append(str(part.get("text", "")))
+            elif kind in ("image", "image_url"):
+                text.append(IMAGE_PLACEHOLDER)
+            else:
+                raise DataError(f"{where}: key {input_key!r}: a content part of type {kind!r}; "
+                                "text, image and image_url parts are read (--multimodal-keys)")  # fmt: skip
+        out.append({**m, "content": "".join(text)})
+    return out
 
 
 def _images(row: dict, where: str, prompt: str, uri: str, multimodal_keys: dict[str, str]) -> list[str]:

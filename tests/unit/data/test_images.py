@@ -108,3 +108,31 @@ def test_a_persisted_buffer_group_keeps_its_images():
         saved["samples"][0]["image_hashes"] == [image_hash(uri)] and "image_data" not in saved["samples"][0]
     )
     assert entry_from_json(saved).group[0].image_data == [uri]
+
+
+def test_messages_with_image_parts_take_the_rows_images_in_order(tmp_path):
+    """Miles' chat prompts with image content parts: each image part becomes the placeholder the
+    row's images fill (as `<image>` in text), rendered through the chat template."""
+
+    class Template:  # the part of a tokenizer _render_prompt uses
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    parts = [{"type": "image"}, {"type": "text", "text": " vs "},
+             {"type": "image_url", "image_url": {"url": "ignored"}}, {"type": "text", "text": "?"}]  # fmt: skip
+    (tmp_path / "a.png").write_bytes(_png(4))
+    (tmp_path / "b.png").write_bytes(_png(5))
+    row = {"messages": [{"role": "system", "content": "count"}, {"role": "user", "content": parts}],
+           "images": ["a.png", "b.png"]}  # fmt: skip
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    (rec,) = load_prompt_dataset(str(path), input_key="messages", apply_chat_template=True,
+                                 tokenizer=Template(), multimodal_keys=KEYS)  # fmt: skip
+    pad = f"{VISION_START}{IMAGE_PAD}{VISION_END}"
+    assert rec.prompt == f"<system>count<user>{pad} vs {pad}?<assistant>"
+    assert [from_data_uri(u) for u in rec.images] == [_png(4), _png(5)]
+    bad = {"messages": [{"role": "user", "content": [{"type": "audio"}]}], "images": ["a.png"]}
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match="content part of type 'audio'"):
+        load_prompt_dataset(str(path), input_key="messages", apply_chat_template=True,
+                            tokenizer=Template(), multimodal_keys=KEYS)  # fmt: skip
