@@ -25,7 +25,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from miles_platform.data.images import from_data_uri, image_hash, load_row_images, to_data_uri
+from miles_platform.data.images import from_data_uri, image_hash, load_row_images, parts_text, to_data_uri
 from miles_platform.errors import DataError
 
 NORMALIZED_SCHEMA = pa.schema(
@@ -230,8 +230,9 @@ def load_prompt_dataset(
 def _image_parts_as_placeholders(messages: list, where: str, input_key: str) -> list:
     """Messages whose content is a list of parts (OpenAI / HF style: `{"type": "text", "text": ...}`,
     `{"type": "image"}` or `{"type": "image_url", ...}`) as text messages with Miles' `<image>`
-    placeholder where each image part stands: the row's images (--multimodal-keys) fill them in order,
-    as for a text prompt. The part's own URL is not read: the images are the row's."""
+    placeholder where each image part stands (`images.parts_text`, as the chat routes read parts): the
+    row's images (--multimodal-keys) fill them in order, as for a text prompt. The part's own URL is
+    not read: the images are the row's."""
     from miles_platform.models.vlm import IMAGE_PLACEHOLDER
 
     out = []
@@ -240,17 +241,12 @@ def _image_parts_as_placeholders(messages: list, where: str, input_key: str) -> 
         if not isinstance(content, list):
             out.append(m)
             continue
-        text = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                text.append(str(part.get("text", "")))
-            elif kind in ("image", "image_url"):
-                text.append(IMAGE_PLACEHOLDER)
-            else:
+            if kind not in ("text", "image", "image_url"):
                 raise DataError(f"{where}: key {input_key!r}: a content part of type {kind!r}; "
                                 "text, image and image_url parts are read (--multimodal-keys)")  # fmt: skip
-        out.append({**m, "content": "".join(text)})
+        out.append({**m, "content": parts_text(content, IMAGE_PLACEHOLDER)})
     return out
 
 

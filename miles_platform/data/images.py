@@ -29,6 +29,22 @@ IMAGE_PLACEHOLDER = "<image>"  # Miles' MultimodalTypes image placeholder in pro
 MULTIMODAL_TYPES = ("image",)  # Miles' MultimodalTypes that are built here (video and audio are not)
 
 
+def parts_text(parts: list[dict[str, Any]], image_text: str) -> str:
+    """OpenAI / HF content parts as one text: each image part (`image`, `image_url`) is `image_text`,
+    text parts are joined by a space when one follows another. The chat routes' template text
+    (rollout/chat.py, with the vision tokens) and a messages prompt of a dataset (with Miles'
+    `<image>` placeholder) both read parts this way."""
+    out, after_text = [], False
+    for p in parts:
+        if p.get("type") in ("image", "image_url"):
+            out.append(image_text)
+            after_text = False
+        else:
+            out.append((" " if after_text else "") + str(p.get("text", "")))
+            after_text = True
+    return "".join(out)
+
+
 def to_data_uri(data: bytes) -> str:
     """`data:image/<format>;base64,...` of encoded image bytes (the format PIL detects)."""
     from PIL import Image

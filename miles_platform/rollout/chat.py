@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_platform.data.images import parts_text
 from miles_platform.models.tokenizer import has_learned_chat_template
 from miles_platform.models.vlm import IMAGE_PAD, VISION_END, VISION_START
 from miles_platform.rollout.generate_hub.tool_call import CALL_START, TOOL_CALL_PARSERS
@@ -233,15 +234,7 @@ def image_uris(messages: list[dict[str, Any]]) -> list[str]:
 
 def content_text(parts: list[dict[str, Any]]) -> str:
     """A list content as template text: text parts joined by spaces, each image part `IMAGE_TEXT`."""
-    out, after_text = [], False
-    for p in parts:
-        if p.get("type") == "image_url":
-            out.append(IMAGE_TEXT)
-            after_text = False
-        else:
-            out.append((" " if after_text else "") + str(p.get("text", "")))
-            after_text = True
-    return "".join(out)
+    return parts_text(parts, IMAGE_TEXT)
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
