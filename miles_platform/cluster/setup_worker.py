@@ -16,6 +16,7 @@ Run as a script (Ray passes its path); imports nothing from this package.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -25,22 +26,6 @@ import sys
 _PLAIN = re.compile(r"[A-Za-z0-9_./:=,@%+-]+")  # words bash would pass through unchanged
 
 
-def _arg(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """`--name=value` or `--name value` taken out of argv (argparse's parse_known_args, for one)."""
-    out, value, i = [], None, 0
-    while i < len(argv):
-        a = argv[i]
-        if a == name and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-            continue
-        if a.startswith(name + "="):
-            value = a[len(name) + 1 :]
-        else:
-            out.append(a)
-        i += 1
-    return value, out
-
-
 def _expand(value: str) -> str:
     # ray._private.utils.update_envs
     return re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
@@ -48,8 +33,11 @@ def _expand(value: str) -> str:
 
 def plan(argv: list[str]) -> tuple[str, list[str]]:
     """(executable, argv) to exec for Ray's setup-worker argv; sets the context's env vars."""
-    ctx_json, rest = _arg(argv, "--serialized-runtime-env-context")
-    language, rest = _arg(rest, "--language")
+    parser = argparse.ArgumentParser()  # Ray's two arguments, read as its script reads them
+    parser.add_argument("--serialized-runtime-env-context", type=str)
+    parser.add_argument("--language", type=str)
+    args, rest = parser.parse_known_args(argv)
+    ctx_json, language = args.serialized_runtime_env_context, args.language
     if language not in (None, "PYTHON"):  # Java / C++ workers: Ray's own script
         import importlib.util
 
