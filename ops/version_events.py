@@ -112,10 +112,9 @@ def shard_summary(path: str, run: str | None = None) -> dict[str, Any]:
     cols = ["prompt", "response", "reward", "raw_reward", "status", "response_length"]
     try:
         with fsspec.open(path, "rb") as f:
-            table = pq.read_table(f)
-            rows = table.select(
-                [*cols, *(["image_hashes"] if "image_hashes" in table.column_names else [])]
-            ).to_pylist()
+            shard = pq.ParquetFile(f)  # the preview's columns only (a shard holds token lists too)
+            images = ["image_hashes"] if "image_hashes" in shard.schema_arrow.names else []
+            rows = shard.read(columns=[*cols, *images]).to_pylist()
     except Exception as e:  # a preview must never fail the version's materialization
         return {"preview": dg.MetadataValue.text(f"preview unavailable: {type(e).__name__}: {e}")}
     if not rows:
