@@ -43,11 +43,6 @@ class _Segments:
         return float((self._sum(v * self.mask) / self.count).mean())
 
 
-def sample_mean(values: dict[int, torch.Tensor], masks: dict[int, torch.Tensor], idx: list[int]) -> float:
-    """Mean over samples `idx` of each one's masked token mean (Miles' sum_of_sample_mean / count)."""
-    return _Segments(masks, idx).mean(values, idx) if idx else 0.0
-
-
 def rollout_data_metrics(
     idx: list[int], masks: dict[int, torch.Tensor], **fields: dict[int, torch.Tensor] | None
 ) -> dict[str, float]:
