@@ -28,7 +28,7 @@ class _Segments:
 
     def __init__(self, masks: dict[int, torch.Tensor], idx: list[int]):
         ms = [masks[i].float().reshape(-1) for i in idx]
-        self.n = len(idx)
+        self.idx, self.n = idx, len(idx)
         self.mask = torch.cat(ms)
         dev = self.mask.device
         lens = torch.tensor([m.numel() for m in ms], device=dev)
@@ -38,8 +38,8 @@ class _Segments:
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(self.n, dtype=x.dtype, device=x.device).index_add_(0, self.seg, x)
 
-    def mean(self, values: dict[int, torch.Tensor], idx: list[int]) -> float:
-        v = torch.cat([values[i].detach().float().reshape(-1) for i in idx]).to(self.mask.device)
+    def mean(self, values: dict[int, torch.Tensor]) -> float:
+        v = torch.cat([values[i].detach().float().reshape(-1) for i in self.idx]).to(self.mask.device)
         return float((self._sum(v * self.mask) / self.count).mean())
 
 
@@ -56,5 +56,5 @@ def rollout_data_metrics(
         values = fields.get(name)
         if values and idx and all(i in values and len(values[i]) == len(masks[i]) for i in idx):
             segs = segs or _Segments(masks, idx)
-            out[f"rollout/{name}"] = segs.mean(values, idx)
+            out[f"rollout/{name}"] = segs.mean(values)
     return out
