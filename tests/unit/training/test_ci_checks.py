@@ -288,6 +288,7 @@ def test_model_hashes_saved_with_a_checkpoint_catch_a_changed_layer_on_load(tiny
         (["--ci-test", "--ci-save-grad-norm", "/t/a", "--ci-load-grad-norm", "/t/a"], "give one"),
         (["--ci-test", "--ci-metric-checker-expect-num", "2"], "add it"),
         (["--ci-ft-test-actions", "[]"], "trainer cells are not built"),
+        (["--ci-test", "--true-on-policy-mode"], "--true-on-policy-mode: bitwise-equal .* not built"),
     ],
 )
 def test_new_ci_flags_are_refused_where_they_do_nothing(argv, needle):
