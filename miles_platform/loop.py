@@ -129,9 +129,10 @@ class RLRun:
                 with phase("train"):
                     metrics.update(self._train(rollout_id, train_data(cfg, samples), version))
                 self._check_finite(rollout_id, metrics)
-                if cfg.ci_test:  # every rollout, as Miles; the result keeps rollout 0's
+                if cfg.ci_test:  # Miles' checkers after every rollout; the result keeps rollout 0's
                     checks = rollout_checks(cfg, rollout_id, metrics, self.reporter.log)
-                    result.ci_checks = checks if rollout_id == 0 else result.ci_checks
+                    if rollout_id == 0:
+                        result.ci_checks = checks
                 hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
                 s.colocation.before_weight_update()
                 if s.publishes_versions and (rollout_id + 1) % cfg.update_weights_interval == 0:
