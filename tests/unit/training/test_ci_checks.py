@@ -114,11 +114,13 @@ def test_every_rollout_is_checked_as_miles_log_rollout_data():
         ),
         ({"rollout/entropy": 0.0}, r"rollout 3: the trainer's mean entropy \(rollout/entropy\) = 0, not in"),
         ({"rollout/entropy": 0.8}, r"rollout 3: the trainer's mean entropy .* = 0\.8, not in \(0, 0\.7\)"),
-        ({"train/step0_ppo_kl": 1e-6}, r"rollout 3: \|train/ppo_kl\| at step 0 = 1e-06"),
+        ({"train/step0_ppo_kl": 5e-9}, r"rollout 3: \|train/ppo_kl\| at step 0 = 5e-09 >= 1e-09"),
         ({"train/step0_pg_clipfrac": 0.1}, r"rollout 3: train/pg_clipfrac at step 0 = 0\.1"),
     ]:
         with pytest.raises(CITestFailure, match=needle):
             rollout_checks(cfg, 3, {**ok, **bad}, print)
+    lora = RunConfig(rollout_batch_size=2, ci_test=True, lora_rank=8)
+    rollout_checks(lora, 3, {**ok, "train/step0_ppo_kl": 5e-9}, print)  # Miles' LoRA bound: 1e-8
     off = RunConfig(rollout_batch_size=2, ci_test=True, ci_disable_logprobs_checker=True)
     rollout_checks(off, 3, {**ok, "rollout/rollout_log_probs": -2.0, "rollout/entropy": 0.8}, print)
 
