@@ -26,7 +26,7 @@ from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, Run
 from miles_platform.startup import StartupClock
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import exists  # a local path or an object-store URI
-from miles_platform.training.ci_checks import MetricChecker, step0_checks
+from miles_platform.training.ci_checks import MetricChecker, rollout_checks
 
 __all__ = ["CITestFailure", "PolicyVersion", "RLRun", "Reporter", "RunResult", "train", "validate_before_start"]  # fmt: skip
 
@@ -129,8 +129,10 @@ class RLRun:
                 with phase("train"):
                     metrics.update(self._train(rollout_id, train_data(cfg, samples), version))
                 self._check_finite(rollout_id, metrics)
-                if cfg.ci_test and rollout_id == 0:
-                    result.ci_checks = step0_checks(cfg, metrics, self.reporter.log)
+                if cfg.ci_test:  # Miles' checkers after every rollout; the result keeps rollout 0's
+                    checks = rollout_checks(cfg, rollout_id, metrics, self.reporter.log)
+                    if rollout_id == 0:
+                        result.ci_checks = checks
                 hf_dir = None  # the version's policy dir: its HF export, or a LoRA run's adapter dir
                 s.colocation.before_weight_update()
                 if s.publishes_versions and (rollout_id + 1) % cfg.update_weights_interval == 0:

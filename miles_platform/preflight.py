@@ -91,7 +91,7 @@ def validate_before_start(cfg: RunConfig) -> None:
     if cfg.custom_loss_function_path:
         load_function(cfg.custom_loss_function_path, "--custom-loss-function-path")
     if cfg.custom_tis_function_path:
-        load_function(cfg.custom_tis_function_path, "--custom-tis-function-path")
+        load_function(cfg.custom_tis_function_path, "--custom-tis-function-path", 1)  # fn(args, *, ...)
     if cfg.custom_update_weight_post_write_path:
         load_function(cfg.custom_update_weight_post_write_path, "--custom-update-weight-post-write-path", 3)
 

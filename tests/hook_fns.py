@@ -146,3 +146,19 @@ def eval_rollout(args, rollout_id, data_source, evaluation=False):
 
 def rollout_without_evaluation(args, rollout_id, data_source):
     """A rollout function Miles could not call for eval (no `evaluation` parameter)."""
+
+
+def custom_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+               response_lengths, **kwargs):  # fmt: skip
+    """Miles' --custom-tis-function-path signature: halves every token's pg loss, drops each sample's
+    first token from the loss, reports a per-token metric."""
+    _record("tis", [len(t) for t in train_log_probs], [len(t) for t in rollout_log_probs], total_lengths,
+            list(response_lengths), sorted(kwargs))  # fmt: skip
+    masks = [m.clone() for m in loss_masks]
+    for m in masks:
+        m[0] = 0
+    return pg_loss * 0.5, masks, {"my_tis_weight": torch.full_like(pg_loss, 0.5)}
+
+
+def tis_two_args(args, pg_loss):
+    return pg_loss, [], {}

@@ -178,6 +178,7 @@ COMPAT: dict[str, MilesFlag] = {
     "log_reward_category": _refused("str", "statistics of a reward-dict category are not logged; log them from --custom-rollout-log-function-path"),
     "filter_zero_reward_samples": _refused("bool", "use --dynamic-sampling-filter-path miles.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
     "rollout_max_context_len": _refused("int", "the engine's context here is the model's (max_position_embeddings); bound prompts and responses with --rollout-max-prompt-len and --rollout-max-response-len"),
+    "true_on_policy_mode": _refused("bool", "bitwise-equal engine and trainer log-probs (Miles' batch-invariant SGLang and trainer kernels) are not built: the gap is measured (train/train_rollout_logprob_abs_diff) and --ci-test bounds it by --ci-logprob-abs-diff-threshold; drop it"),
     "dump_details": _refused("str", "use --save-debug-rollout-data DIR/rollout_{rollout_id}.parquet and --save-debug-train-data DIR/train_{rollout_id}_{rank}.parquet; every rollout and its train_samples rows are also in the catalog (miles-platform query)"),
     "use_miles_dashboard": _refused("bool", "Miles' dashboard is not part of this build: the Dagster UI, `miles-platform query` (DuckDB) and --use-wandb / --use-tensorboard show a run"),
     "router_health_check_interval_secs": _refused("int", "the SGLang router's own health checks: engines here are checked by --use-fault-tolerance with --rollout-health-check-interval / -timeout"),

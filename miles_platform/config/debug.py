@@ -50,25 +50,33 @@ class DebugFlags:
     debug_skip_optimizer_step: bool = flag(
         False, "debug", "freeze weights: any log-prob gap is forward-path difference"
     )
-    ci_test: bool = flag(False, "debug", "assert step-0 KL/clipfrac, log-prob agreement, weight equality")
+    ci_test: bool = flag(
+        False,
+        "debug",
+        "assert each rollout's step-0 KL/clipfrac, log-prob agreement, entropy, weight equality",
+    )
     ci_disable_weight_update_checker: bool = flag(
         False, "debug", "--ci-test without the weight check (for SGLang models lacking get_weights_by_name)"
     )
     ci_logprob_abs_diff_threshold: float = flag(
-        0.03, "debug", "--ci-test bound on trainer-vs-engine log-prob diff"
+        0.03,
+        "debug",
+        "--ci-test bound on |rollout/log_probs - rollout/rollout_log_probs| (means), every rollout",
     )
     ci_disable_kl_checker: bool = flag(
-        False, "debug", "--ci-test without the step-0 KL checks (ppo_kl, pg_clipfrac, kl_loss == 0)"
+        False,
+        "debug",
+        "--ci-test without the KL checks (each rollout's step-0 ppo_kl, pg_clipfrac; rollout 0's kl_loss == 0)",
     )
     ci_disable_logprobs_checker: bool = flag(
         False,
         "debug",
-        "--ci-test without the rollout-0 log-prob checks (trainer vs reference and vs engine, entropy range)",
+        "--ci-test without the log-prob checks (trainer vs engine and entropy range each rollout, vs reference at 0)",
     )
     ci_entropy_max: float = flag(
         0.7,
         "debug",
-        "--ci-test: upper bound of the trainer's mean token entropy at rollout 0 (Miles' 0.7, for trained "
+        "--ci-test: upper bound of the trainer's mean token entropy at every rollout (Miles' 0.7, for trained "
         "models; an untrained model is near-uniform, ln(vocab))",
     )
     ci_metric_checker_key: str | None = flag(

@@ -432,13 +432,6 @@ class TrainerActor(ActorWeights):
 
         self.train_hooks.postprocess_rollout(batch, mine, scored, ref, rollout_lp, adv)
         self._masks = (None, {})  # the hook may have replaced loss masks: built again from the batch
-        if (
-            cfg.ci_test and self.global_step == 0 and ref is not None and scored
-        ):  # --ci-test: actor == reference
-            for k, v in ci_checks.mean_log_probs(
-                scored, ref, [self._mask(batch, i) for i in mine], mine
-            ).items():
-                add(k, v)
         if not fused:
             self._alignment_metrics(batch, mine, scored, rollout_lp, add)
         for s in range(steps):
@@ -654,7 +647,7 @@ class TrainerActor(ActorWeights):
                 m = {**m, "moe_aux_loss": float(self.moe_aux), "moe_z_loss": float(self.moe_z)}
             for key, v in m.items():
                 add(key if "/" in key else f"train/{key}", v)
-            if self.global_step == 0 and k == 0:
+            if self.step_id == 0 and k == 0:  # the rollout's first step (--ci-test's KL checker, Miles')
                 add("train/step0_ppo_kl", m.get("ppo_kl", 0.0))
                 add("train/step0_pg_clipfrac", m.get("pg_clipfrac", 0.0))
             if self.global_step == 0 and cfg.ci_test:  # every micro-batch of step 0

@@ -49,6 +49,7 @@ def test_a_quantized_rollout_checkpoint_is_served_quantized_after_every_update(
     assert res.final_version == 2 and res.ci_checks["train_rollout_logprob_abs_diff"] < 1e-6
     assert probe.served == [[(1, fmt)], [(2, fmt)]]
     assert any(m.startswith("INT4 QAT on") for m in probe.logs) == bool(qat)
+    assert any(m.startswith("[ci-test] rollout 1: ") for m in probe.logs)  # checked at every rollout
     # rollout 1 ran on v1: the trainer (moved off the grid by a step) vs what the engine served of it
     after = res.metrics[1]["train/train_rollout_logprob_abs_diff"]
     # measured: fp8 2.9e-3; int4 with QAT 2.4e-7 (without QAT 1.0e-2): training sees what serving sees

@@ -75,7 +75,7 @@ def run(
     from miles_platform.rollout.engine_core import EngineCore
     from miles_platform.rollout.generate_hub.endpoint import append_output
     from miles_platform.training.actor import TrainBatch, TrainerActor
-    from miles_platform.training.ci_checks import step0_checks
+    from miles_platform.training.ci_checks import rollout_checks
 
     cfg = RunConfig(**{**DEMO_RL, **reward_flags(), "run_name": "gpu"}, hf_checkpoint=base, prompt_data=prompts,
                     num_rollout=num_rollout, seed=seed, rollout_seed=seed, colocate=colocate).validate()  # fmt: skip
@@ -119,7 +119,7 @@ def run(
             if colocate:  # Colocation.after_generate
                 engine.release_memory_occupation(["kv_cache", "cuda_graph", "weights"])
             m = trainer.train(rollout_id, TrainBatch.from_samples(samples))
-            checks = step0_checks(cfg, m, log) if rollout_id == 0 else None
+            checks = rollout_checks(cfg, rollout_id, m, log)  # every rollout, as the loop
             t2 = time.time()
             version += 1
             if colocate:  # before_weight_update, the shared-memory hand-off, after_weight_update
@@ -140,7 +140,7 @@ def run(
                    "logprob_abs_diff": m.get("train/train_rollout_logprob_abs_diff"),
                    "weights_equal": weights_equal, "rollout_s": t1 - t0, "train_s": t2 - t1,
                    "update_s": time.time() - t2, "version": engine.weight_version}  # fmt: skip
-            if checks is not None:
+            if rollout_id == 0:
                 out["ci_checks"] = checks
             out["rollouts"].append(row)
             log(json.dumps(row))

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.run_types import CITestFailure
 from miles_platform.training.actor import TrainerActor
-from miles_platform.training.ci_checks import MetricChecker, step0_checks
+from miles_platform.training.ci_checks import MetricChecker, rollout_checks, step0_checks
 
 
 def _cfg(ckpt, **kw) -> RunConfig:
@@ -58,7 +58,8 @@ def test_kl_and_reference_checkers_fail_when_the_reference_is_not_the_actor(
     assert checks["step0_kl_loss"] < 1e-9 and checks["step0_ref_logprob_abs_diff"] < 1e-8
     assert (
         checks["train_rollout_logprob_abs_diff"] < 1e-5
-        and 0 < checks["step0_entropy"] < UNTRAINED_ENTROPY_MAX
+        and checks["rollout_logprob_abs_diff"] < 1e-6
+        and 0 < checks["entropy"] < UNTRAINED_ENTROPY_MAX
     )
     broken = _step0(_cfg(tiny_hf_checkpoint, ref_load=perturbed_checkpoint, **kl))
     assert abs(broken["train/step0_kl_loss"]) > 1e-6
@@ -75,7 +76,9 @@ def test_kl_and_reference_checkers_fail_when_the_reference_is_not_the_actor(
 def test_entropy_and_engine_logprob_checkers(tiny_hf_checkpoint):
     m = _step0(_cfg(tiny_hf_checkpoint))
     # the untrained tiny model is near-uniform: Miles' bound (0, 0.7) fails it
-    with pytest.raises(CITestFailure, match=r"entropy at rollout 0 = \d\.\d+, not in \(0, 0\.7\)"):
+    with pytest.raises(
+        CITestFailure, match=r"rollout 0: the trainer's mean entropy .* = \d\.\d+, not in \(0, 0\.7\)"
+    ):
         step0_checks(_cfg(tiny_hf_checkpoint, ci_entropy_max=0.7), m, print)
     assert step0_checks(
         _cfg(tiny_hf_checkpoint, ci_entropy_max=0.7, ci_disable_logprobs_checker=True), m, print
@@ -83,8 +86,43 @@ def test_entropy_and_engine_logprob_checkers(tiny_hf_checkpoint):
     # an engine whose log-probs are not the trainer's (all 0): the trainer-vs-engine check
     actor = TrainerActor(_cfg(tiny_hf_checkpoint))
     wrong = actor.train(0, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]))
-    with pytest.raises(CITestFailure, match="trainer-vs-engine log-prob abs diff"):
+    with pytest.raises(CITestFailure, match="rollout 0: trainer vs engine mean log-prob"):
         step0_checks(_cfg(tiny_hf_checkpoint), wrong, print)
+    # and at a later rollout: its first step's KL is recorded, the engine's log-probs are checked again
+    later = actor.train(1, random_train_batch(1, rewards=[1.0, 0.0, 0.0, 1.0]))
+    assert "train/step0_ppo_kl" in later and "rollout/entropy" in later
+    with pytest.raises(CITestFailure, match="--ci-test at rollout 1: trainer vs engine mean log-prob"):
+        rollout_checks(_cfg(tiny_hf_checkpoint), 1, later, print)
+
+
+def test_every_rollout_is_checked_as_miles_log_rollout_data():
+    """Miles' log_rollout_data checks the trainer's mean log-prob against the engine's (abs 0.03) and
+    the entropy at every rollout, check_kl ppo_kl / pg_clipfrac at each rollout's first step; the
+    reference and kl_loss only at rollout 0. The token-level gap is reported, not gated."""
+    cfg = RunConfig(rollout_batch_size=2, ci_test=True)
+    ok = {"rollout/log_probs": -1.0, "rollout/rollout_log_probs": -1.02, "rollout/ref_log_probs": -0.5,
+          "rollout/entropy": 0.3, "train/step0_kl_loss": 0.2, "train/train_rollout_logprob_abs_diff": 0.2}  # fmt: skip
+    checks = rollout_checks(cfg, 3, ok, print)
+    assert "step0_ref_logprob_abs_diff" not in checks and "step0_kl_loss" not in checks
+    assert checks["rollout_logprob_abs_diff"] == pytest.approx(0.02)
+    with pytest.raises(CITestFailure, match=r"--ci-test at rollout 0: \|train/kl_loss\|"):
+        rollout_checks(cfg, 0, ok, print)
+    for bad, needle in [
+        (
+            {"rollout/rollout_log_probs": -1.05},
+            r"rollout 3: trainer vs engine mean log-prob .* by 0\.05 > 0\.03",
+        ),
+        ({"rollout/entropy": 0.0}, r"rollout 3: the trainer's mean entropy \(rollout/entropy\) = 0, not in"),
+        ({"rollout/entropy": 0.8}, r"rollout 3: the trainer's mean entropy .* = 0\.8, not in \(0, 0\.7\)"),
+        ({"train/step0_ppo_kl": 5e-9}, r"rollout 3: \|train/ppo_kl\| at step 0 = 5e-09 >= 1e-09"),
+        ({"train/step0_pg_clipfrac": 0.1}, r"rollout 3: train/pg_clipfrac at step 0 = 0\.1"),
+    ]:
+        with pytest.raises(CITestFailure, match=needle):
+            rollout_checks(cfg, 3, {**ok, **bad}, print)
+    lora = RunConfig(rollout_batch_size=2, ci_test=True, lora_rank=8)
+    rollout_checks(lora, 3, {**ok, "train/step0_ppo_kl": 5e-9}, print)  # Miles' LoRA bound: 1e-8
+    off = RunConfig(rollout_batch_size=2, ci_test=True, ci_disable_logprobs_checker=True)
+    rollout_checks(off, 3, {**ok, "rollout/rollout_log_probs": -2.0, "rollout/entropy": 0.8}, print)
 
 
 def test_metric_checker_gate():
@@ -252,6 +290,7 @@ def test_model_hashes_saved_with_a_checkpoint_catch_a_changed_layer_on_load(tiny
         (["--ci-test", "--ci-save-grad-norm", "/t/a", "--ci-load-grad-norm", "/t/a"], "give one"),
         (["--ci-test", "--ci-metric-checker-expect-num", "2"], "add it"),
         (["--ci-ft-test-actions", "[]"], "trainer cells are not built"),
+        (["--ci-test", "--true-on-policy-mode"], "--true-on-policy-mode: bitwise-equal .* not built"),
     ],
 )
 def test_new_ci_flags_are_refused_where_they_do_nothing(argv, needle):
@@ -261,8 +300,9 @@ def test_new_ci_flags_are_refused_where_they_do_nothing(argv, needle):
 
 def test_entropy_checker_reads_miles_rollout_entropy_first():
     cfg = RunConfig(rollout_batch_size=2, ci_test=True)
-    with pytest.raises(CITestFailure, match=r"entropy at rollout 0 = 5, not in \(0, 0\.7\)"):
+    with pytest.raises(
+        CITestFailure, match=r"rollout 0: the trainer's mean entropy .* = 5, not in \(0, 0\.7\)"
+    ):
         step0_checks(cfg, {"rollout/entropy": 5.0, "train/step0_entropy": 0.5}, print)
-    assert (
-        step0_checks(cfg, {"train/step0_entropy": 0.5}, print)["step0_entropy"] == 0.5
-    )  # megatron's fallback
+    assert step0_checks(cfg, {"train/step0_entropy": 0.5}, print)["entropy"] == 0.5  # megatron's fallback
+    assert "entropy" not in rollout_checks(cfg, 1, {"train/step0_entropy": 5.0}, print)  # rollout 0's only

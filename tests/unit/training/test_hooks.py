@@ -6,9 +6,11 @@ from __future__ import annotations
 import hook_fns
 import pytest
 import torch
+from loop_helpers import small_run_kwargs
 
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.plugins import load_hook
+from miles_platform.preflight import validate_before_start
 from miles_platform.training.loss import policy_loss_function
 
 T = torch.tensor
@@ -58,6 +60,25 @@ def test_per_token_reducer_is_divided_by_the_token_count():
     # the reducer's token sum (-2 + 4) over the micro-batch's 4 loss tokens = the built-in per-token mean
     assert loss.item() == pytest.approx(_loss(per_token=True)[0].item()) == pytest.approx(0.5)
     assert hook_fns.CALLS["reducer"][0][2] is True
+
+
+def test_custom_tis_function_is_called_with_miles_signature_and_its_result_trained(
+    tiny_hf_checkpoint, tmp_path
+):
+    hook_fns.CALLS.clear()
+    args = RunConfig(rollout_batch_size=1, use_tis=True, custom_tis_function_path="hook_fns.custom_tis")
+    lp = [T([-1.0, -1.0, -1.0], requires_grad=True), T([-0.5, -0.5], requires_grad=True)]
+    loss, m = policy_loss_function(args, _batch(), lp)
+    # pg per token -A, halved; first tokens out, denominators kept: mean(-0.5 / 2, 1 / 2) = 0.125
+    assert loss.item() == pytest.approx(0.125) and m["my_tis_weight"].item() == pytest.approx(0.5)
+    loss.backward()
+    assert torch.allclose(lp[0].grad, T([0.0, -0.125, 0.0])) and torch.allclose(lp[1].grad, T([0.0, 0.25]))
+    assert hook_fns.CALLS["tis"] == [([3, 2], [3, 2], [7, 5], [3, 2], ["max_seq_lens", "parallel_state"])]
+    kw = small_run_kwargs(
+        tiny_hf_checkpoint, tmp_path, use_tis=True, custom_tis_function_path="hook_fns.tis_two_args"
+    )
+    with pytest.raises(ConfigError, match=r"--custom-tis-function-path .*must take 1 positional"):
+        validate_before_start(RunConfig(**kw).validate())  # before Ray starts
 
 
 def test_hook_flags_are_checked_before_start():
