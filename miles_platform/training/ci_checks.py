@@ -59,7 +59,7 @@ def rollout_checks(
     failures = (
         []
         if cfg.ci_disable_kl_checker
-        else _kl_failures(checks, cfg.use_rollout_routing_replay, cfg.lora_rank > 0)
+        else _kl_failures(checks, cfg.use_rollout_routing_replay, cfg.uses_lora)
     )
     if not cfg.ci_disable_logprobs_checker:
         failures += _logprob_failures(cfg, checks)
