@@ -32,7 +32,14 @@ def optimizer_config(cfg: Any):
     """megatron-core's OptimizerConfig of the run's optimizer flags."""
     from megatron.core.optimizer import OptimizerConfig
 
-    bf16 = bool(getattr(cfg, "bf16", False))
+    from miles_platform.training.megatron_precision import params_dtype
+
+    bf16, fp16 = bool(getattr(cfg, "bf16", False)), bool(getattr(cfg, "fp16", False))
+    scaling = (  # --fp16: megatron builds its grad scaler from these (megatron_precision.grad_scaler)
+        dict(loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
+             loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
+        if fp16 else {}
+    )  # fmt: skip
     return OptimizerConfig(
         optimizer="adam" if cfg.optimizer == "adam" else "sgd",
         lr=cfg.lr,
@@ -43,8 +50,10 @@ def optimizer_config(cfg: Any):
         sgd_momentum=0.0,  # the actor's torch SGD has none
         clip_grad=cfg.clip_grad,
         bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        params_dtype=params_dtype(cfg),
         use_distributed_optimizer=True,
+        **scaling,
     )
 
 
@@ -64,6 +73,19 @@ class ActorOptimizer:
 
     def __init__(self, mcore):
         self.mcore = mcore
+        self.skipped = False  # --fp16: the last step's gradients overflowed at the loss scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """--fp16: megatron's `grad_scale_func` (the loss times its grad scaler's scale)."""
+        return self.mcore.scale_loss(loss)
+
+    def loss_scale(self) -> float:
+        return float(self.mcore.get_loss_scale())
+
+    @property
+    def grad_scaler(self):
+        """--fp16: megatron's grad scaler of the (first) chained optimizer, the one get_loss_scale reads."""
+        return getattr(self.mcore, "chained_optimizers", [self.mcore])[0].grad_scaler
 
     @property
     def param_groups(self) -> list[dict]:
@@ -87,7 +109,11 @@ class ActorOptimizer:
         """The shard's main gradients (`prepare_grads`), their global L2 norm, clipped to max_norm."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        self.mcore.prepare_grads()
+        # --fp16: prepare_grads unscales them, checks for inf / nan and updates the grad scaler;
+        # an overflow skips the step (megatron's step returns there): the actor skips on an inf norm
+        self.skipped = bool(self.mcore.prepare_grads())
+        if self.skipped:
+            return torch.tensor(float("inf"), dtype=torch.float64)
         norm = self.mcore.get_grad_norm()
         if max_norm > 0:
             for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):

@@ -348,25 +348,34 @@ def apply_optimizer_cpu_shims() -> bool:
       answers its CUDA name (`_cuda_type_names`).
     - optimizer.py, clip_grads.py, distrib_optimizer.py and the local (no apex / TE) multi-tensor
       kernels of utils.py allocate their overflow flags, norms and scales with device="cuda": they
-      allocate on the CPU (`_CudaMeansCpu`, as the pipeline schedule's token count)."""
+      allocate on the CPU (`_CudaMeansCpu`, as the pipeline schedule's token count); so do the
+      --fp16 grad scalers of grad_scaler.py, whose DynamicGradScaler.load_state_dict moves the
+      saved scale with `.cuda(torch.cuda.current_device())`: it is loaded onto the scaler's device."""
     global _OPTIMIZER_SHIMMED
     if _OPTIMIZER_SHIMMED:
         return not cuda_available()
     from megatron.core import utils as mcore_utils
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
 
     _step_kept_on_load(distrib_optimizer)
     _OPTIMIZER_SHIMMED = True
     if cuda_available():
         return False
 
-    for module in (optimizer, clip_grads, distrib_optimizer, mcore_utils):
+    for module in (optimizer, clip_grads, distrib_optimizer, mcore_utils, grad_scaler):
         module.torch = _CudaMeansCpu(torch)
+    grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_on_its_device
     cls = distrib_optimizer.DistributedOptimizer
     cls.__init__ = _with_cuda_type_names(cls.__init__)
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
     return True
+
+
+def _scaler_load_on_its_device(self, state_dict) -> None:
+    self._scale = state_dict["scale"].to(self._scale.device)
+    self._growth_tracker = state_dict["growth_tracker"]
+    self._hysteresis_tracker = state_dict["hysteresis_tracker"]
 
 
 def _step_kept_on_load(distrib_optimizer) -> None:
