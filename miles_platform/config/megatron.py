@@ -23,10 +23,10 @@ RANGES: dict[str, tuple] = dict.fromkeys(
 }  # fmt: skip
 
 REFUSED: dict[str, str] = {
-    "optimizer_cpu_offload": "megatron-core's HybridDeviceOptimizer (the DistributedOptimizer's state and step "
-    "on the host) moves the state between CUDA and the host with CUDA streams and pinned buffers; not built",
-    "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state only with "
-    "transformer-engine's FusedAdam, which is not installed; the backend's AdamW state is fp32",
+    "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state in transformer-engine's "
+    "FusedAdam, which is not installed, or with --optimizer-cpu-offload as fp32 copies inside its "
+    "HybridDeviceOptimizer, a variant not built here; --optimizer-cpu-offload without it steps the same fp32 main "
+    "parameters on the host: drop the flag",
 }
 
 LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size", "context_parallel_size",
@@ -88,7 +88,14 @@ class MegatronFlags:
     use_distributed_optimizer: bool = flag(
         False, "perf", "megatron: shard optimizer state over data-parallel ranks"
     )
-    optimizer_cpu_offload: bool = flag(False, "perf", "megatron: optimizer state and step on the host")
+    optimizer_cpu_offload: bool = flag(
+        False, "perf", "megatron --use-distributed-optimizer: optimizer state and step on the host "
+        "(megatron-core's HybridDeviceOptimizer)",
+    )  # fmt: skip
+    overlap_cpu_optimizer_d2h_h2d: bool = flag(
+        False, "perf", "--optimizer-cpu-offload: one host optimizer per parameter, its copies on their own "
+        "CUDA streams, overlapping the step",
+    )  # fmt: skip
     use_precision_aware_optimizer: bool = flag(
         False, "perf", "megatron: optimizer state in reduced precision (TE)"
     )
@@ -103,6 +110,23 @@ class MegatronFlags:
     recompute_num_layers: int | None = flag(None, "perf", "full recompute: N of --recompute-method")
 
     def _check_distributed_optimizer(self) -> None:
+        if self.overlap_cpu_optimizer_d2h_h2d and not self.optimizer_cpu_offload:
+            raise ConfigError(
+                "--overlap-cpu-optimizer-d2h-h2d overlaps the offloaded optimizer's copies: add --optimizer-cpu-offload"
+            )
+        if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "--optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer, built here under megatron's "
+                "DistributedOptimizer (without it the actor steps torch's AdamW on the trainer's device); add "
+                "--use-distributed-optimizer"
+            )
+        if self.optimizer_cpu_offload and not self.bf16:
+            raise ConfigError(
+                "--optimizer-cpu-offload needs --bf16: megatron-core 0.16's HybridDeviceOptimizer steps the fp32 "
+                "main parameters --bf16 makes (--fp16 with it is not run here) (its docs: 'supports bf16 mixed-precision'); with fp32 parameters "
+                "the distributed optimizer hands it views of the model's parameters, which it refuses "
+                '("can\'t optimize a non-leaf Tensor", measured); add --bf16'
+            )
         if not self.use_distributed_optimizer:
             return
         if self.train_backend != "megatron":

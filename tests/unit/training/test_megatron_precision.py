@@ -145,8 +145,16 @@ def test_recompute_gives_the_step_without_it(layout_checkpoint, plain_step, tmp_
         (dict(use_distributed_optimizer=True, colocate=True), "with --offload-train"),
         (dict(train_backend="fsdp", use_distributed_optimizer=True), "for --train-backend megatron"),
         (
-            dict(optimizer_cpu_offload=True),
-            "--optimizer-cpu-offload True: megatron-core's HybridDeviceOptimizer",
+            dict(optimizer_cpu_offload=True, bf16=True),
+            "--optimizer-cpu-offload: .*add --use-distributed-optimizer",
+        ),
+        (
+            dict(optimizer_cpu_offload=True, use_distributed_optimizer=True),
+            "--optimizer-cpu-offload needs --bf16",
+        ),
+        (
+            dict(overlap_cpu_optimizer_d2h_h2d=True),
+            "--overlap-cpu-optimizer-d2h-h2d .*add --optimizer-cpu-offload",
         ),
         (
             dict(use_precision_aware_optimizer=True),
