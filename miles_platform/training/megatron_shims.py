@@ -432,7 +432,9 @@ def _hybrid_optimizer_on_the_host() -> None:
     not compiled with CUDA enabled', measured). Here the trainer's device is the host itself: while
     it sorts the parameters, every parameter but the host copies it makes counts as the device's
     (`is_cuda`) and pinning is the plain copy, so each parameter gets its own host copy, stepped with
-    its state by the host optimizer, as on a GPU; the streams are `_HostStream`s."""
+    its state by the host optimizer, as on a GPU (without it the host optimizer gets the parameters
+    themselves, and its step looks each up as a host copy: KeyError in `_set_sub_optimizer_grads`,
+    measured); the streams are `_HostStream`s."""
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     hybrid_optimizer.torch = _HostTorch(torch)
