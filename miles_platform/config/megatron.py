@@ -34,8 +34,8 @@ LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_par
           "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")  # fmt: skip
 # --fp16's loss scaling (megatron-core's grad scaler; training/megatron_precision.py)
 LOSS_SCALE = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
-PRECISION = ("bf16", *LOSS_SCALE, "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32", "recompute_granularity",
-             "recompute_method", "recompute_num_layers")  # fmt: skip
+PRECISION = ("bf16", *LOSS_SCALE, "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32",
+             "recompute_granularity", "recompute_method", "recompute_num_layers")  # fmt: skip
 
 
 @dataclass
@@ -123,9 +123,9 @@ class MegatronFlags:
         if self.optimizer_cpu_offload and not self.bf16:
             raise ConfigError(
                 "--optimizer-cpu-offload needs --bf16: megatron-core 0.16's HybridDeviceOptimizer steps the fp32 "
-                "main parameters --bf16 makes (--fp16 with it is not run here) (its docs: 'supports bf16 mixed-precision'); with fp32 parameters "
-                "the distributed optimizer hands it views of the model's parameters, which it refuses "
-                '("can\'t optimize a non-leaf Tensor", measured); add --bf16'
+                "main parameters that --bf16 makes (its docs: 'supports bf16 mixed-precision'; --fp16 with it is "
+                "not run here); with fp32 parameters the distributed optimizer hands it views of the model's "
+                'parameters, which it refuses ("can\'t optimize a non-leaf Tensor", measured); add --bf16'
             )
         if not self.use_distributed_optimizer:
             return
