@@ -107,7 +107,7 @@ COMPAT: dict[str, MilesFlag] = {
         "bool", "SFT computes no advantages (--loss-type sft_loss); the policy losses need them, so with any other loss it is refused",
         when=lambda cfg, v: cfg.loss_type == "sft_loss",
     ),
-    # companions of megatron's context parallelism and optimizer offload: a no-op where those are off
+    # companions of megatron's context parallelism: a no-op where it is off
     "allgather_cp": _same(
         "bool", "context parallelism's contiguous (instead of zigzag) token layout: a no-op at "
         "--context-parallel-size 1; above it this build's CP attention (training/megatron_cp.py) keeps megatron's "
@@ -117,11 +117,6 @@ COMPAT: dict[str, MilesFlag] = {
         "str", "context parallelism's attention communication (p2p / a2a / allgather): a no-op at "
         "--context-parallel-size 1; above it this build's CP attention all-gathers keys and values "
         "(training/megatron_cp.py), which computes the same attention as any of them",
-    ),
-    "overlap_cpu_optimizer_d2h_h2d": _same(
-        "bool", "overlaps the offloaded optimizer's host-device copies: a no-op without --optimizer-cpu-offload, "
-        "which is refused here (megatron-core's HybridDeviceOptimizer is not built)",
-        when=lambda cfg, v: not cfg.optimizer_cpu_offload,
     ),
     # ---- refused: not built here
     "spec": _refused("list", "a custom megatron layer spec (miles_plugins) is " + _FAMILY),

@@ -17,22 +17,25 @@ RANGES: dict[str, tuple] = dict.fromkeys(
      "decoder_last_pipeline_num_layers", "expert_tensor_parallel_size", "update_weight_buffer_size",
      "recompute_num_layers"),
     POSITIVE,
-)  # fmt: skip
+) | {
+    "loss_scale": (0, None, True, "> 0"), "initial_loss_scale": (0, None, True, "> 0"),
+    "min_loss_scale": (0, None, True, "> 0"), "loss_scale_window": POSITIVE, "hysteresis": POSITIVE,
+}  # fmt: skip
 
 REFUSED: dict[str, str] = {
-    "optimizer_cpu_offload": "megatron-core's HybridDeviceOptimizer (the DistributedOptimizer's state and step "
-    "on the host) moves the state between CUDA and the host with CUDA streams and pinned buffers; not built",
-    "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state only with "
-    "transformer-engine's FusedAdam, which is not installed; the backend's AdamW state is fp32",
-    "fp16": "fp16 needs dynamic loss scaling (megatron-core's grad scaler, the skipped steps and the "
-    "scale in the checkpoint), which the actor's step does not carry; --bf16 needs none: use --bf16",
+    "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state in transformer-engine's "
+    "FusedAdam, which is not installed, or with --optimizer-cpu-offload as fp32 copies inside its "
+    "HybridDeviceOptimizer, a variant not built here; --optimizer-cpu-offload without it steps the same fp32 main "
+    "parameters on the host: drop the flag",
 }
 
 LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size", "context_parallel_size",
           "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
           "decoder_last_pipeline_num_layers", "expert_model_parallel_size", "expert_tensor_parallel_size")  # fmt: skip
-PRECISION = ("bf16", "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32", "recompute_granularity",
-             "recompute_method", "recompute_num_layers")  # fmt: skip
+# --fp16's loss scaling (megatron-core's grad scaler; training/megatron_precision.py)
+LOSS_SCALE = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+PRECISION = ("bf16", *LOSS_SCALE, "accumulate_allreduce_grads_in_fp32", "attention_softmax_in_fp32",
+             "recompute_granularity", "recompute_method", "recompute_num_layers")  # fmt: skip
 
 
 @dataclass
@@ -57,7 +60,23 @@ class MegatronFlags:
         False, "precision", "megatron: bf16 parameters and forward, fp32 main parameters for the optimizer "
         "(sets --train-forward-dtype and --rollout-dtype to bf16 when they are not given)",
     )  # fmt: skip
-    fp16: bool = flag(False, "precision", "megatron: fp16 parameters with loss scaling")
+    fp16: bool = flag(
+        False, "precision", "fp16 parameters and forward; megatron: fp32 main parameters and loss scaling "
+        "(sets --train-forward-dtype and --rollout-dtype to fp16 when they are not given)",
+    )  # fmt: skip
+    loss_scale: float | None = flag(
+        None,
+        "precision",
+        "megatron --fp16: a constant loss scale (megatron's ConstantGradScaler); unset: dynamic",
+    )
+    initial_loss_scale: float = flag(2.0**32, "precision", "megatron --fp16: the dynamic loss scale's start")
+    min_loss_scale: float = flag(1.0, "precision", "megatron --fp16: the dynamic loss scale's floor")
+    loss_scale_window: int = flag(
+        1000, "precision", "megatron --fp16: steps without an overflow before the dynamic loss scale doubles"
+    )
+    hysteresis: int = flag(
+        2, "precision", "megatron --fp16: overflows in a row before the dynamic loss scale halves"
+    )
     accumulate_allreduce_grads_in_fp32: bool = flag(
         False,
         "precision",
@@ -69,7 +88,14 @@ class MegatronFlags:
     use_distributed_optimizer: bool = flag(
         False, "perf", "megatron: shard optimizer state over data-parallel ranks"
     )
-    optimizer_cpu_offload: bool = flag(False, "perf", "megatron: optimizer state and step on the host")
+    optimizer_cpu_offload: bool = flag(
+        False, "perf", "megatron --use-distributed-optimizer: optimizer state and step on the host "
+        "(megatron-core's HybridDeviceOptimizer)",
+    )  # fmt: skip
+    overlap_cpu_optimizer_d2h_h2d: bool = flag(
+        False, "perf", "--optimizer-cpu-offload: one host optimizer per parameter, its copies on their own "
+        "CUDA streams, overlapping the step",
+    )  # fmt: skip
     use_precision_aware_optimizer: bool = flag(
         False, "perf", "megatron: optimizer state in reduced precision (TE)"
     )
@@ -84,6 +110,23 @@ class MegatronFlags:
     recompute_num_layers: int | None = flag(None, "perf", "full recompute: N of --recompute-method")
 
     def _check_distributed_optimizer(self) -> None:
+        if self.overlap_cpu_optimizer_d2h_h2d and not self.optimizer_cpu_offload:
+            raise ConfigError(
+                "--overlap-cpu-optimizer-d2h-h2d overlaps the offloaded optimizer's copies: add --optimizer-cpu-offload"
+            )
+        if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
+            raise ConfigError(
+                "--optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer, built here under megatron's "
+                "DistributedOptimizer (without it the actor steps torch's AdamW on the trainer's device); add "
+                "--use-distributed-optimizer"
+            )
+        if self.optimizer_cpu_offload and not self.bf16:
+            raise ConfigError(
+                "--optimizer-cpu-offload needs --bf16: megatron-core 0.16's HybridDeviceOptimizer steps the fp32 "
+                "main parameters that --bf16 makes (its docs: 'supports bf16 mixed-precision'; --fp16 with it is "
+                "not run here); with fp32 parameters the distributed optimizer hands it views of the model's "
+                'parameters, which it refuses ("can\'t optimize a non-leaf Tensor", measured); add --bf16'
+            )
         if not self.use_distributed_optimizer:
             return
         if self.train_backend != "megatron":
@@ -124,14 +167,47 @@ class MegatronFlags:
         mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         return max(1, world // mp)
 
+    def _check_fp16(self) -> None:
+        """--fp16: megatron's fp16 with loss scaling; on fsdp Miles' (fp16 forward, fp32 master
+        parameters, no loss scaling): --train-forward-dtype fp16."""
+        scaling = changed_flags(self, LOSS_SCALE)
+        if scaling and not self.fp16:
+            raise ConfigError(
+                f"{', '.join(scaling)}: megatron's loss scaling, which only --fp16 does (bf16 and fp32 need none); "
+                "add --fp16 or drop them"
+            )
+        if not self.fp16:
+            return
+        if self.bf16:
+            raise ConfigError("--fp16 with --bf16: one parameter dtype; choose one")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(
+                f"--min-loss-scale {self.min_loss_scale} > --initial-loss-scale {self.initial_loss_scale}: "
+                "megatron's DynamicGradScaler asserts min <= initial"
+            )
+        if self.train_backend == "megatron" and self.uses_lora:
+            raise ConfigError(
+                "--fp16 with LoRA: the adapter trains outside megatron's optimizer, without its loss scaling "
+                "(Miles' LoRA optimizers assert bf16 too); use --bf16"
+            )
+        other = {self.train_forward_dtype, self.rollout_dtype} - {None, "fp16"}
+        if other:
+            raise ConfigError(
+                f"--fp16 with --train-forward-dtype / --rollout-dtype {other.pop()}: --fp16 sets both to fp16; drop them"
+            )
+        if not self.train_forward_dtype and not self.rollout_dtype:
+            self.train_forward_dtype = self.rollout_dtype = "fp16"
+
     def _derive_megatron_precision(self) -> None:
-        """--bf16 on megatron: the forward is bf16, so the engines' must be (set when not given)."""
+        """--bf16 / --fp16 on megatron: the forward is bf16 / fp16, so the engines' must be (set when
+        not given)."""
         given = changed_flags(self, PRECISION)
         if given and self.train_backend != "megatron":
             raise ConfigError(
                 f"{', '.join(given)}: Megatron's precision / recompute flags, for --train-backend megatron; the "
                 "fsdp backend takes --train-forward-dtype, --fsdp-master-dtype, --gradient-checkpointing"
             )
+        self._check_fp16()
         self._check_distributed_optimizer()
         if self.bf16 and not self.train_forward_dtype and not self.rollout_dtype:
             self.train_forward_dtype = self.rollout_dtype = "bf16"

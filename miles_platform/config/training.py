@@ -166,7 +166,7 @@ class PrecisionFlags:
             )
         if self.train_backend == "megatron":
             # the fsdp backend's precision and recompute flags; megatron has Megatron's (--bf16, ...)
-            forward = "bf16" if self.bf16 else "fp32"
+            forward = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
             unsupported = [
                 (
                     f"--train-forward-dtype {self.train_forward_dtype}",
@@ -181,6 +181,6 @@ class PrecisionFlags:
             if bad:
                 raise ConfigError(
                     f"{', '.join(bad)}: not supported by --train-backend megatron, which takes Megatron's flags: "
-                    "--bf16 (bf16 forward, fp32 main parameters; the forward dtype follows it), "
+                    "--bf16 / --fp16 (bf16 / fp16 forward, fp32 main parameters; the forward dtype follows it), "
                     "--accumulate-allreduce-grads-in-fp32, --recompute-granularity full|selective"
                 )

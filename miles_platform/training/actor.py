@@ -457,6 +457,8 @@ class TrainerActor(ActorWeights):
             values=values, entropy=ents,
         ))  # fmt: skip
         out["train/nonfinite_steps"] = float(sum(metrics.get("train/nonfinite_steps", [])))
+        if "train/loss_scale_skipped_steps" in metrics:  # --fp16: a count too
+            out["train/loss_scale_skipped_steps"] = float(sum(metrics["train/loss_scale_skipped_steps"]))
         out["train/lr"] = self.sched.get_last_lr()[0]
         out.update(self._moe_metrics())
         out["perf/actor_train_time"] = time.time() - t0
@@ -663,10 +665,14 @@ class TrainerActor(ActorWeights):
         self.backend.finish_grad_sync()  # .grad = the average over data-parallel ranks
         grad_norm = self.backend.clip_grad_norm(cfg.clip_grad)
         finite = bool(torch.isfinite(grad_norm))  # the same on every rank: the norm is global
+        scaled = self.backend.loss_scale_metrics()  # --fp16: an overflow skips the step, the scale backs off
         if cfg.ci_test and self.rank == 0:  # --ci-save-grad-norm / --ci-load-grad-norm
             ci_checks.check_grad_norm(cfg, float(grad_norm), self.hooks.rollout_id, self.step_id)
         add("train/grad_norm", grad_norm if finite else 0.0)
-        add("train/nonfinite_steps", not finite)  # a NaN / inf loss or gradient: the step is skipped
+        # a NaN / inf loss or gradient: the step is skipped (an fp16 overflow is not a divergence)
+        add("train/nonfinite_steps", not finite and not scaled.get("train/loss_scale_skipped_steps"))
+        for k, v in scaled.items():
+            add(k, v)
         if not finite:
             self.opt.zero_grad(set_to_none=True)
             self.backend.zero_grad()

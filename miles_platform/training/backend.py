@@ -183,6 +183,13 @@ class ModelBackend(ABC):
         model and `opt` (None: not saved); None: `snapshot_model` and the actor's per-rank files."""
         return None
 
+    def loss_scale_metrics(self) -> dict[str, float]:
+        """After clip_grad_norm, a backend that scales the loss (megatron --fp16): the scale after
+        this step's update (`train/loss_scale`) and whether the gradients overflowed at the scale
+        (`train/loss_scale_skipped_steps`: the step is skipped, as megatron's, and is not a non-finite
+        step); {} for one that does not."""
+        return {}
+
     def optimizer_stepped(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """After the optimizer stepped `parameters()`: bring the model up to date with them (a
         backend whose optimizer steps copies of the weights, e.g. fp32 main parameters)."""

@@ -180,7 +180,8 @@ def wrap_data_parallel(
 class MegatronBackend(ModelBackend):
     name = "megatron"
     ddp: list | None = None  # megatron DDP around each model chunk (world > 1, or --bf16)
-    main = None  # --bf16: megatron_precision.MainParams, the fp32 copies the optimizer steps
+    main = None  # --bf16 / --fp16: megatron_precision.MainParams, the fp32 copies the optimizer steps
+    loss_scale = None  # --fp16 without the distributed optimizer: megatron_precision.LossScale
     dist_opt = None  # --use-distributed-optimizer: megatron_distopt.ActorOptimizer (build_optimizer)
     lora = None  # --lora-rank > 0: training/megatron_lora.MegatronLora, the adapter beside the frozen model
 
@@ -231,22 +232,47 @@ class MegatronBackend(ModelBackend):
                     p.requires_grad_(False)
         if trainable and getattr(self.cfg, "uses_lora", False):
             self._attach_lora()
-        bf16 = bool(getattr(self.cfg, "bf16", False))
+        low = megatron_precision.reduced_precision(self.cfg)  # --bf16 / --fp16
         distributed = trainable and bool(getattr(self.cfg, "use_distributed_optimizer", False))
-        if trainable and self.lora is None and (self.world_size > 1 or bf16 or distributed):
+        if trainable and self.lora is None and (self.world_size > 1 or low or distributed):
             # after the weights are in: DDP keeps param.data where it is (no distributed optimizer);
             # its finalize also reduces sequence-parallel norms over TP and tied embeddings over PP.
-            # Under --bf16 its main_grad buffers accumulate in fp32 if asked to, even on one rank.
-            fp32_grads = not bf16 or bool(getattr(self.cfg, "accumulate_allreduce_grads_in_fp32", False))
+            # Under --bf16 / --fp16 its main_grad buffers accumulate in fp32 if asked to, even on one rank.
+            fp32_grads = not low or bool(getattr(self.cfg, "accumulate_allreduce_grads_in_fp32", False))
             self.ddp = [wrap_data_parallel(c, fp32_grads, distributed) for c in self.chunks]
         if distributed:  # megatron's optimizer keeps the fp32 main parameters of its shard itself
             from miles_platform.training import megatron_distopt
 
             self.dist_opt = megatron_distopt.ActorOptimizer(megatron_distopt.build(self.cfg, self.ddp))
-        elif trainable and bf16 and self.lora is None:  # (LoRA: the adapter is fp32, its own main copy)
+        elif trainable and low and self.lora is None:  # (LoRA: the adapter is fp32, its own main copy)
             self.main = megatron_precision.MainParams(self.module.named_parameters())
+        if trainable and getattr(self.cfg, "fp16", False):
+            self._scale_losses()
         self.module.train()
         return self.module
+
+    def _scale_losses(self) -> None:
+        """--fp16: megatron's schedule multiplies each micro-batch loss by the grad scaler's scale
+        (`config.grad_scale_func`, as megatron's training loop sets it to the optimizer's scale_loss)."""
+        if self.dist_opt is not None:  # megatron's own optimizer holds the grad scaler
+            scale = self.dist_opt.scale_loss
+        else:
+            from megatron.core import parallel_state as ps
+
+            group = ps.get_model_parallel_group() if self.world_size > 1 else None
+            self.loss_scale = megatron_precision.LossScale(megatron_precision.grad_scaler(self.cfg), group)
+            scale = self.loss_scale.scale_loss
+        for c in self.chunks:
+            c.config.grad_scale_func = scale
+
+    def loss_scale_metrics(self) -> dict[str, float]:
+        if self.dist_opt is not None and getattr(self.cfg, "fp16", False):
+            scale, skipped = self.dist_opt.loss_scale(), self.dist_opt.skipped
+        elif self.loss_scale is not None:
+            scale, skipped = float(self.loss_scale.scaler.scale), self.loss_scale.skipped
+        else:
+            return {}
+        return {"train/loss_scale": scale, "train/loss_scale_skipped_steps": float(skipped)}
 
     def _attach_lora(self) -> None:
         """The base freezes; the adapter (fresh, or --lora-adapter-path's) is what trains."""
@@ -325,6 +351,8 @@ class MegatronBackend(ModelBackend):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self.dist_opt is not None:
             return self.dist_opt.clip_grad_norm(max_norm)
+        if self.loss_scale is not None and self.loss_scale.unscale_and_check(self.parameters()):
+            return torch.tensor(float("inf"))  # --fp16 overflow: the actor skips the step
         if self.layout.model_parallel == 1 and self.layout.ep == 1:
             return super().clip_grad_norm(max_norm)
         # what the optimizer steps: under --bf16 the fp32 main copies hold the gradients (the model's
@@ -482,6 +510,11 @@ class MegatronBackend(ModelBackend):
     # ---- the optimizer's state, resharded like the weights (training/megatron_checkpoint.py) ----
     reshards_checkpoints = True
 
+    def _scaler(self):
+        """--fp16: the grad scaler whose state a checkpoint carries (the distributed optimizer's is in
+        megatron's own optimizer state)."""
+        return self.loss_scale.scaler if self.loss_scale is not None else None
+
     def _model_param_of(self, p):
         return self.main.model_param(p) if self.main is not None else p
 
@@ -496,7 +529,7 @@ class MegatronBackend(ModelBackend):
         from miles_platform.training.megatron_checkpoint import save_optimizer
 
         save_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt, ckpt_dir,
-                       _save_strategy(), self.main is not None)  # fmt: skip
+                       _save_strategy(), self.main is not None, self._scaler())  # fmt: skip
         return True
 
     def async_checkpoint(self, opt):
@@ -509,7 +542,7 @@ class MegatronBackend(ModelBackend):
 
         def opt_state() -> dict:
             return mc.optimizer_state(self.chunks, self.named_parameters(), self._model_param_of, opt,
-                                      self.main is not None, mc.host_copy)  # fmt: skip
+                                      self.main is not None, mc.host_copy, self._scaler())  # fmt: skip
 
         return mc.AsyncTorchDist(model_state, None if opt is None else opt_state, _save_strategy)
 
@@ -525,7 +558,7 @@ class MegatronBackend(ModelBackend):
         from miles_platform.training.megatron_checkpoint import load_optimizer
 
         ok = load_optimizer(self.chunks, self.named_parameters(), self._model_param_of, opt,
-                            str(resolve_checkpoint_dir(ckpt_dir)), self.main is not None)  # fmt: skip
+                            str(resolve_checkpoint_dir(ckpt_dir)), self.main is not None, self._scaler())  # fmt: skip
         if ok and self.main is not None:
             self.main.to_model()
         return ok

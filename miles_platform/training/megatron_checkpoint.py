@@ -69,28 +69,35 @@ def _step(opt: torch.optim.Optimizer) -> float | None:
 
 
 def save_optimizer(
-    chunks, named_params, model_param_of, opt, ckpt_dir: str, save_strategy, main: bool
+    chunks, named_params, model_param_of, opt, ckpt_dir: str, save_strategy, main: bool, scaler=None
 ) -> None:
-    """Collective: the optimizer state (and fp32 main params) into `<ckpt_dir>/optimizer/`."""
+    """Collective: the optimizer state (and fp32 main params, --fp16's grad scaler) into
+    `<ckpt_dir>/optimizer/`."""
     from megatron.core import dist_checkpointing
 
-    state = optimizer_state(chunks, named_params, model_param_of, opt, main)
+    state = optimizer_state(chunks, named_params, model_param_of, opt, main, scaler=scaler)
     path = os.path.join(ckpt_dir, OPTIMIZER_DIR)
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(state, path, sharded_strategy=save_strategy)
 
 
-def optimizer_state(chunks, named_params, model_param_of, opt, main: bool, own=None) -> dict:
-    """What `save_optimizer` writes: the sharded state (over copies, made by `own`, when given)."""
+def optimizer_state(chunks, named_params, model_param_of, opt, main: bool, own=None, scaler=None) -> dict:
+    """What `save_optimizer` writes: the sharded state (over copies, made by `own`, when given);
+    --fp16's grad scaler (scale, growth and hysteresis trackers) as common state."""
+    from miles_platform.training.megatron_precision import scaler_state
+
     keys = _tensor_keys(opt)
     of = (lambda p, k: opt.state[p][k]) if own is None else (lambda p, k: own(opt.state[p][k]))
     sharded = _template(chunks, list(named_params), model_param_of, of, keys, main, own)
-    return {"params": sharded, "tensor_keys": keys, "step": _step(opt), "main": main}
+    out = {"params": sharded, "tensor_keys": keys, "step": _step(opt), "main": main}
+    if scaler is not None:
+        out["grad_scaler"] = scaler_state(scaler)
+    return out
 
 
-def load_optimizer(chunks, named_params, model_param_of, opt, ckpt_dir: str, main: bool) -> bool:
-    """Collective: resharding load of `save_optimizer`'s state into `opt` (and the main params).
-    False when the checkpoint has none (saved by an older build)."""
+def load_optimizer(chunks, named_params, model_param_of, opt, ckpt_dir: str, main: bool, scaler=None) -> bool:
+    """Collective: resharding load of `save_optimizer`'s state into `opt` (and the main params, the
+    grad scaler). False when the checkpoint has none (saved by an older build)."""
     from megatron.core import dist_checkpointing
 
     path = os.path.join(ckpt_dir, OPTIMIZER_DIR)
@@ -105,7 +112,11 @@ def load_optimizer(chunks, named_params, model_param_of, opt, ckpt_dir: str, mai
             "the flag, or --no-load-optim"
         )
     keys, step = common["tensor_keys"], common["step"]
-    main = main and common["main"]  # fp32 main params saved by a --bf16 run, read by one
+    main = main and common["main"]  # fp32 main params saved by a --bf16 / --fp16 run, read by one
+    if scaler is not None and "grad_scaler" in common:  # saved by an --fp16 run
+        from miles_platform.training.megatron_precision import load_scaler_state
+
+        load_scaler_state(scaler, common["grad_scaler"])
     named_params = list(named_params)
     template = _template(chunks, named_params, model_param_of, lambda p, k: torch.empty_like(p), keys, main)
     loaded = dist_checkpointing.load({"params": template}, path)["params"]

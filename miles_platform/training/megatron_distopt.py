@@ -18,6 +18,13 @@ the step with the distributed optimizer is the step without it.
 A checkpoint stores megatron's own sharded optimizer state (`sharded_state_dict`, its fully
 reshardable format: any TP / PP / DP reads it) in `<iter dir>/optimizer/` with dist_checkpointing.
 
+--optimizer-cpu-offload builds megatron-core's HybridDeviceOptimizer in place of its Adam (as
+`get_megatron_optimizer` does): a host copy of every main parameter shard, its gradient copied to the
+host, torch's AdamW stepping the copy and its state on the host, the copy written back to the shard
+(`offload_placement`). Under --bf16 only: with fp32 parameters megatron's shards are views of the
+model's parameters, which a torch optimizer refuses (ValueError "can't optimize a non-leaf Tensor",
+measured).
+
 On a machine without CUDA megatron-core's optimizer needs `megatron_shims.apply_optimizer_cpu_shims`.
 """
 
@@ -32,7 +39,14 @@ def optimizer_config(cfg: Any):
     """megatron-core's OptimizerConfig of the run's optimizer flags."""
     from megatron.core.optimizer import OptimizerConfig
 
-    bf16 = bool(getattr(cfg, "bf16", False))
+    from miles_platform.training.megatron_precision import params_dtype
+
+    bf16, fp16 = bool(getattr(cfg, "bf16", False)), bool(getattr(cfg, "fp16", False))
+    scaling = (  # --fp16: megatron builds its grad scaler from these (megatron_precision.grad_scaler)
+        dict(loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
+             loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
+        if fp16 else {}
+    )  # fmt: skip
     return OptimizerConfig(
         optimizer="adam" if cfg.optimizer == "adam" else "sgd",
         lr=cfg.lr,
@@ -43,8 +57,15 @@ def optimizer_config(cfg: Any):
         sgd_momentum=0.0,  # the actor's torch SGD has none
         clip_grad=cfg.clip_grad,
         bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        params_dtype=params_dtype(cfg),
         use_distributed_optimizer=True,
+        # --optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer, all of the state on the host
+        # (Megatron-LM's --optimizer-offload-fraction default, 1.0)
+        optimizer_cpu_offload=bool(getattr(cfg, "optimizer_cpu_offload", False)),
+        optimizer_offload_fraction=1.0,
+        overlap_cpu_optimizer_d2h_h2d=bool(getattr(cfg, "overlap_cpu_optimizer_d2h_h2d", False)),
+        **scaling,
     )
 
 
@@ -64,6 +85,19 @@ class ActorOptimizer:
 
     def __init__(self, mcore):
         self.mcore = mcore
+        self.skipped = False  # --fp16: the last step's gradients overflowed at the loss scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """--fp16: megatron's `grad_scale_func` (the loss times its grad scaler's scale)."""
+        return self.mcore.scale_loss(loss)
+
+    def loss_scale(self) -> float:
+        return float(self.mcore.get_loss_scale())
+
+    @property
+    def grad_scaler(self):
+        """--fp16: megatron's grad scaler of the (first) chained optimizer, the one get_loss_scale reads."""
+        return getattr(self.mcore, "chained_optimizers", [self.mcore])[0].grad_scaler
 
     @property
     def param_groups(self) -> list[dict]:
@@ -87,7 +121,11 @@ class ActorOptimizer:
         """The shard's main gradients (`prepare_grads`), their global L2 norm, clipped to max_norm."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        self.mcore.prepare_grads()
+        # --fp16: prepare_grads unscales them, checks for inf / nan and updates the grad scaler;
+        # an overflow skips the step (megatron's step returns there): the actor skips on an inf norm
+        self.skipped = bool(self.mcore.prepare_grads())
+        if self.skipped:
+            return torch.tensor(float("inf"), dtype=torch.float64)
         norm = self.mcore.get_grad_norm()
         if max_norm > 0:
             for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
@@ -100,7 +138,9 @@ class ActorOptimizer:
     def sharded_state_dict(self, model_sharded: dict, is_loading: bool = False) -> dict:
         if is_loading:
             self._empty_state()
-        return self.mcore.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=SHARDING)
+        return _no_classes(
+            self.mcore.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=SHARDING)
+        )
 
     def _empty_state(self) -> None:
         """Before a load, a fresh optimizer holds no state, and megatron's state_dict (which its
@@ -118,6 +158,52 @@ class ActorOptimizer:
 
     def load_sharded(self, state: dict) -> None:
         self.mcore.load_state_dict(state)
+        for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            # --optimizer-cpu-offload: the load rebuilds the host copies before it writes the loaded
+            # main parameters into the device shards; the host copies take them (what the host steps)
+            for p, copy in getattr(o.optimizer, "gpu_params_map_cpu_copy", {}).items():
+                copy.data.copy_(p.data)
+
+
+def _no_classes(state):
+    """The optimizer state without the classes in its param groups: --optimizer-cpu-offload's
+    HybridDeviceOptimizer keeps its host / device optimizer classes there (its constructor's defaults),
+    which the checkpoint's common state would pickle and torch.load (weights_only) refuses to read
+    ("Unsupported global: torch.optim.adamw.AdamW", measured); the optimizer keeps them itself."""
+    if isinstance(state, dict):
+        if isinstance(state.get("param_groups"), list):
+            for g in state["param_groups"]:
+                for k in [k for k, v in g.items() if isinstance(v, type)]:
+                    del g[k]
+        for v in state.values():
+            _no_classes(v)
+    elif isinstance(state, list):
+        for v in state:
+            _no_classes(v)
+    return state
+
+
+def offload_placement(opt: ActorOptimizer) -> dict[str, Any]:
+    """--optimizer-cpu-offload: where megatron's HybridDeviceOptimizer keeps what, over the chained
+    optimizers: the devices of the parameter shards it offloads (the trainer's), of their host copies,
+    of the gradients copied to the host and of the optimizer state (the host's); how many host copies
+    share storage with their device shard (none should) and how many device-side optimizers it built
+    (none: Megatron-LM's --optimizer-offload-fraction default 1.0 offloads every shard)."""
+    out: dict[str, Any] = {"param": set(), "host_copy": set(), "host_grad": set(), "state": set()}
+    out["offloaded"] = out["shared"] = out["device_optimizers"] = 0
+    for o in getattr(opt.mcore, "chained_optimizers", [opt.mcore]):
+        hdo = o.optimizer
+        out["device_optimizers"] += hdo.gpu_optimizer is not None
+        for p, copy in hdo.gpu_params_map_cpu_copy.items():
+            out["param"].add(str(p.device))
+            out["host_copy"].add(str(copy.device))
+            out["offloaded"] += 1
+            out["shared"] += copy.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+        out["host_grad"].update(str(g.device) for g in hdo.cpu_copy_map_grad.values())
+        for sub in hdo.sub_optimizers:
+            for st in sub.state.values():
+                out["state"].update(str(t.device) for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
 
 
 # megatron-core 0.16's fully reshardable format (its default, 'fully_sharded_model_space', raises

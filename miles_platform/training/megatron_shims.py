@@ -348,25 +348,169 @@ def apply_optimizer_cpu_shims() -> bool:
       answers its CUDA name (`_cuda_type_names`).
     - optimizer.py, clip_grads.py, distrib_optimizer.py and the local (no apex / TE) multi-tensor
       kernels of utils.py allocate their overflow flags, norms and scales with device="cuda": they
-      allocate on the CPU (`_CudaMeansCpu`, as the pipeline schedule's token count)."""
+      allocate on the CPU (`_CudaMeansCpu`, as the pipeline schedule's token count); so do the
+      --fp16 grad scalers of grad_scaler.py, whose DynamicGradScaler.load_state_dict moves the
+      saved scale with `.cuda(torch.cuda.current_device())`: it is loaded onto the scaler's device."""
     global _OPTIMIZER_SHIMMED
     if _OPTIMIZER_SHIMMED:
         return not cuda_available()
     from megatron.core import utils as mcore_utils
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
 
     _step_kept_on_load(distrib_optimizer)
+    _hybrid_optimizer_loads_fp32_params(distrib_optimizer)
     _OPTIMIZER_SHIMMED = True
     if cuda_available():
         return False
 
-    for module in (optimizer, clip_grads, distrib_optimizer, mcore_utils):
+    for module in (optimizer, clip_grads, distrib_optimizer, mcore_utils, grad_scaler):
         module.torch = _CudaMeansCpu(torch)
+    grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_on_its_device
+    _hybrid_optimizer_on_the_host()
     cls = distrib_optimizer.DistributedOptimizer
     cls.__init__ = _with_cuda_type_names(cls.__init__)
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
     return True
+
+
+class _HostStream:
+    """A CUDA stream / event where there is none: the host runs every copy in order, so waiting on
+    one, recording one, synchronizing one is done already."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostCuda:
+    """`torch.cuda` as megatron's hybrid_optimizer.py sees it without CUDA: its streams (`current_stream`,
+    `Stream`, `stream(...)`) are the host's order of execution."""
+
+    @staticmethod
+    def current_stream(device=None) -> _HostStream:
+        return _HostStream()
+
+    Stream = _HostStream
+
+    @staticmethod
+    def stream(s):
+        return contextlib.nullcontext()
+
+
+class _HostTorch(_CudaMeansCpu):
+    """hybrid_optimizer.py's `torch`: `torch.cuda` is `_HostCuda`, and its host buffers are not
+    pinned (pinning needs an accelerator: RuntimeError 'no pinned memory allocator')."""
+
+    cuda = _HostCuda
+
+    def __getattr__(self, name):
+        attr = super().__getattr__(name)
+        if name != "empty":
+            return attr
+
+        def unpinned(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return attr(*args, **kwargs)
+
+        return unpinned
+
+
+def _hybrid_optimizer_on_the_host() -> None:
+    """--optimizer-cpu-offload without CUDA: megatron-core's HybridDeviceOptimizer offloads the
+    parameters that are `is_cuda` (its `_get_sub_optimizer_param_groups`: a pinned host copy of
+    each, up to --optimizer-offload-fraction of them) and steps the copies with torch's AdamW, moving
+    gradients and parameters over CUDA streams (`torch.cuda.current_stream()`: AssertionError 'Torch
+    not compiled with CUDA enabled', measured). Here the trainer's device is the host itself: while
+    it sorts the parameters, every parameter but the host copies it makes counts as the device's
+    (`is_cuda`) and pinning is the plain copy, so each parameter gets its own host copy, stepped with
+    its state by the host optimizer, as on a GPU (without it the host optimizer gets the parameters
+    themselves, and its step looks each up as a host copy: KeyError in `_set_sub_optimizer_grads`,
+    measured); the streams are `_HostStream`s."""
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    hybrid_optimizer.torch = _HostTorch(torch)
+    cls = hybrid_optimizer.HybridDeviceOptimizer
+    real = cls._get_sub_optimizer_param_groups
+
+    def pinned(t, *args, **kwargs):  # `.cpu().pin_memory()` of a clone: the host copy itself
+        t._host_copy = True
+        return t
+
+    def sort_params(self, offload_fraction):
+        on_device = property(lambda t: not getattr(t, "_host_copy", False))
+        with _tensor_attrs(is_cuda=on_device, pin_memory=pinned):
+            return real(self, offload_fraction)
+
+    cls._get_sub_optimizer_param_groups = sort_params
+
+
+def _hybrid_optimizer_loads_fp32_params(distrib_optimizer) -> None:
+    """Any device: --optimizer-cpu-offload without --use-precision-aware-optimizer hands megatron-core
+    0.16's HybridDeviceOptimizer the distributed optimizer's fp32 main shards, and loading a checkpoint
+    failed twice (measured): its post-load hook looks up an fp32 copy of every parameter, which it
+    makes of reduced-precision ones only (KeyError in `_update_fp32_params_by_new_state`: an fp32
+    parameter is its own copy, skipped here), and the distributed optimizer copies each saved tensor
+    into every key of the parameter's state, which holds the host copy as "master_param", not saved
+    (KeyError 'master_param': left out of the copy; megatron_distopt.ActorOptimizer.load_sharded then
+    refreshes the host copies from the loaded shards)."""
+    hdo = distrib_optimizer.HybridDeviceOptimizer
+
+    def update_fp32_params(self):
+        if not self.param_update_in_fp32:
+            return
+        for param, v in self.state.items():
+            fp32_param = self.param_to_fp32_param.get(param)
+            if fp32_param is not None:
+                fp32_param.data.copy_(v["master_param"])
+
+    hdo._update_fp32_params_by_new_state = update_fp32_params
+    cls = distrib_optimizer.DistributedOptimizer
+    real = cls._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if not isinstance(self.optimizer, hdo) or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return real(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        host = state.pop("master_param", None) if "master_param" not in tensors else None
+        try:
+            return real(self, model_param, tensors)
+        finally:
+            if host is not None:
+                state["master_param"] = host
+
+    cls._set_main_param_and_optimizer_states = set_states
+
+
+@contextlib.contextmanager
+def _tensor_attrs(**attrs):
+    """torch.Tensor's `attrs` replaced for the duration (inherited ones removed again after)."""
+    own = {k: torch.Tensor.__dict__[k] for k in attrs if k in torch.Tensor.__dict__}
+    for k, v in attrs.items():
+        setattr(torch.Tensor, k, v)
+    try:
+        yield
+    finally:
+        for k in attrs:
+            if k in own:
+                setattr(torch.Tensor, k, own[k])
+            else:
+                delattr(torch.Tensor, k)
+
+
+def _scaler_load_on_its_device(self, state_dict) -> None:
+    self._scale = state_dict["scale"].to(self._scale.device)
+    self._growth_tracker = state_dict["growth_tracker"]
+    self._hysteresis_tracker = state_dict["hysteresis_tracker"]
 
 
 def _step_kept_on_load(distrib_optimizer) -> None:

@@ -128,14 +128,33 @@ def test_recompute_gives_the_step_without_it(layout_checkpoint, plain_step, tmp_
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
-        (dict(fp16=True), "--fp16 True: fp16 needs dynamic loss scaling"),
+        (dict(fp16=True, bf16=True), "--fp16 with --bf16"),
+        (
+            dict(initial_loss_scale=2.0**16),
+            "--initial-loss-scale: megatron's loss scaling, which only --fp16",
+        ),
+        (dict(train_backend="fsdp", fp16=True, loss_scale=8.0), "--loss-scale: Megatron's precision"),
+        (dict(fp16=True, min_loss_scale=4.0, initial_loss_scale=2.0), "--min-loss-scale 4.0 > --initial"),
+        (dict(fp16=True, lora_rank=4), "--fp16 with LoRA"),
+        (
+            dict(fp16=True, train_forward_dtype="bf16"),
+            "--fp16 with --train-forward-dtype / --rollout-dtype bf16",
+        ),
         (dict(use_distributed_optimizer=True, optimizer="sgd"), "steps Adam only"),
         (dict(use_distributed_optimizer=True, async_save=True, save="/tmp/x"), "with --async-save"),
         (dict(use_distributed_optimizer=True, colocate=True), "with --offload-train"),
         (dict(train_backend="fsdp", use_distributed_optimizer=True), "for --train-backend megatron"),
         (
-            dict(optimizer_cpu_offload=True),
-            "--optimizer-cpu-offload True: megatron-core's HybridDeviceOptimizer",
+            dict(optimizer_cpu_offload=True, bf16=True),
+            "--optimizer-cpu-offload: .*add --use-distributed-optimizer",
+        ),
+        (
+            dict(optimizer_cpu_offload=True, use_distributed_optimizer=True),
+            "--optimizer-cpu-offload needs --bf16",
+        ),
+        (
+            dict(overlap_cpu_optimizer_d2h_h2d=True),
+            "--overlap-cpu-optimizer-d2h-h2d .*add --optimizer-cpu-offload",
         ),
         (
             dict(use_precision_aware_optimizer=True),
@@ -151,3 +170,11 @@ def test_precision_flags_megatron_cannot_run_here_are_refused(tiny_hf_checkpoint
 
     with pytest.raises(ConfigError, match=match):
         _cfg(tiny_hf_checkpoint, **flags)
+
+
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
+def test_fp16_sets_the_forward_and_engine_dtype(tiny_hf_checkpoint, backend):
+    """Miles' --fp16 on either trainer: fp16 forward, engines serving float16; fsdp's is Miles' FSDP
+    one (fp16 compute, fp32 master parameters, no loss scaling)."""
+    cfg = _cfg(tiny_hf_checkpoint, train_backend=backend, fp16=True)
+    assert (cfg.train_forward_dtype, cfg.rollout_dtype) == ("fp16", "fp16")
