@@ -6,8 +6,8 @@ answers end with EOS) on the same arithmetic prompts, with the quickstart's reci
 rollout). The first step of each is warm-up and dropped; the headline rows are medians of the 10
 measured steps (on a 2-core VM one step in ten can take 2-4x the others: a median of 10 moved
 0.14-0.18 s between two runs of the bare loop where the mean of 5 moved 0.13-0.24). Order: the
-bare loop, then ours, then ours --fully-async (its default `--rollout-submission-granularity sample`),
-then --fully-async with `group`, in one process.
+bare loop, then ours, then ours as `train-async` (Miles' one-step overlap), then ours --fully-async
+(its default `--rollout-submission-granularity sample`), then --fully-async with `group`, in one process.
 
 - ours: `miles_platform.loop.train` on Ray (trainer actor, embedded engine, batched requests,
   rollout shards, HF export + weight update every step, --ci-test checks, metrics table).
@@ -21,8 +21,8 @@ then --fully-async with `group`, in one process.
   torch thread like ours. Without that venv its row says how to create it; the bench goes on.
 
 Rows: seconds per step (ratio: ours / bare, goal <= 1.3); ours vs TRL (ratio: ours / TRL, goal
-< 1.0); --fully-async (generation of the next
-rollout overlaps training) vs sync at the same samples per step; --fully-async's `sample` vs `group`
+< 1.0); `train-async` (rollout k+1 generates while k trains, each weight update waits for it) vs
+sync; --fully-async (generation of the next rollout overlaps training) vs sync at the same samples per step; --fully-async's `sample` vs `group`
 submission granularity (each group is one request either way; `sample` streams it and frees a slot
 per finished sample); then each phase of ours as a
 share of its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
@@ -170,6 +170,11 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
             num_rollout=rollouts, storage_root=os.path.join(d, "root"),
         ).validate()  # fmt: skip
         res = train(cfg)
+        cfg_overlap = RunConfig(  # `miles-platform train-async`: rollout k+1 generates while k trains
+            **dict(recipe, run_name="bench_e2e_overlap"), hf_checkpoint=base, prompt_data=data["train"],
+            num_rollout=rollouts, storage_root=os.path.join(d, "root_overlap"), train_async=True,
+        ).validate()  # fmt: skip
+        res_overlap = train(cfg_overlap)
         cfg_async = RunConfig(
             **dict(recipe, run_name="bench_e2e_async"), hf_checkpoint=base, prompt_data=data["train"],
             num_rollout=rollouts, storage_root=os.path.join(d, "root_async"), fully_async=True,
@@ -195,7 +200,12 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
     def median_step(r) -> float:
         return float(np.median([m["perf/rollout_total_time"] for m in (r.metrics[1:] or r.metrics)]))
 
-    t_async, t_group = median_step(res_async), median_step(res_group)
+    t_async, t_group, t_overlap = median_step(res_async), median_step(res_group), median_step(res_overlap)
+    waits = [m.get("perf/rollout_wait_time", 0.0) for m in res_overlap.metrics[1:]]
+    rows.append(row("e2e: s per GRPO step, train-async (one-step overlap) vs sync", t_overlap, total,
+                    "s/step (ratio: overlap / sync; < 1 = overlap pays)", peak_rss_mb=rss,
+                    overlap_steps_s=[round(m["perf/rollout_total_time"], 4) for m in res_overlap.metrics[1:]],
+                    overlap_median_wait_s=round(float(np.median(waits)), 4)))  # fmt: skip
     rows.append(row("e2e: s per GRPO step, --fully-async vs sync (same samples per step)", t_async, total,
                     "s/step (ratio: async / sync; < 1 = overlap pays)", peak_rss_mb=rss))  # fmt: skip
     rows.append(row("e2e: s per GRPO step, --fully-async granularity sample vs group", t_async, t_group,

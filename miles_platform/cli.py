@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "train-async": (
         "miles_platform.loop:cli_main_async",
-        "Miles' train_async.py argv: the loop with --fully-async (a train-only run, e.g. SFT, as train)",
+        "Miles' train_async.py argv: rollout k+1 generates while k trains; --fully-async: the async worker",
     ),
     "train-diffusion": (
         "miles_platform.diffusion.loop",

@@ -43,6 +43,7 @@ class RLRun:
         self.cfg, self.reporter, self.paths = cfg, reporter or Reporter(), StoragePaths(cfg.storage_root)
         self.startup = startup or StartupClock()  # the phases up to the first rollout (startup.py)
         self.nonfinite: list[int] = []  # the rollout of each optimizer step skipped for a NaN / inf
+        self.ahead: RolloutAhead | None = None  # train-async: the next rollout, generating
 
     def run(self) -> RunResult:
         from miles_platform.models.checkpoint import content_hash, load_tokenizer
@@ -85,6 +86,8 @@ class RLRun:
             self.startup.mark("resume")
             self.reporter.log(self.startup.summary())  # the first rollout's generation starts now
             s.start_async_worker()
+            if cfg.train_async and not cfg.fully_async:  # train-async: Miles' one-step overlap
+                self.ahead = RolloutAhead(cfg, s)
             try:
                 result = self._loop(start, version)
                 if self.metric_checker is not None:
@@ -94,6 +97,9 @@ class RLRun:
                 if died is None:
                     raise
                 raise died from e
+            finally:
+                if self.ahead is not None:  # a rollout still in flight fails with the engines' shutdown
+                    self.ahead.pool.shutdown(wait=False, cancel_futures=True)
             result.eval_before_train = initial_eval
             return result
 
@@ -111,7 +117,7 @@ class RLRun:
         result = RunResult(
             run, start, start - 1, version, last if exists(f"{last}/model.safetensors") else None
         )
-        hook, phase = s.hooks, s.hooks.phase
+        hook, phase, ahead = s.hooks, s.hooks.phase, self.ahead
         for rollout_id in range(start, cfg.num_rollout):
             t0, hook.rollout_id = time.time(), rollout_id
             with phase("step", end=bool(s.trainers)):  # --debug-rollout-only: no phase past the rollout
@@ -119,6 +125,8 @@ class RLRun:
                     samples, metrics = self._generate(rollout_id, version, t0)
                     if rollout_id == start:  # where the start-up went (startup.py)
                         metrics.update(self.startup.metrics())
+                    if ahead is not None and rollout_id + 1 < cfg.num_rollout:
+                        ahead.launch(rollout_id + 1)  # generates on `version` while this rollout trains
                     shard = write_rollout_shard(self.paths, run, rollout_id, samples)
                     if cfg.save_debug_rollout_data:
                         save_debug_rollout(cfg, rollout_id, samples)
@@ -137,6 +145,10 @@ class RLRun:
                 s.colocation.before_weight_update()
                 if s.publishes_versions and (rollout_id + 1) % cfg.update_weights_interval == 0:
                     with phase("weight_update"):
+                        if ahead is not None:  # Miles: no weight update in the middle of a generation
+                            metrics["perf/rollout_wait_time"] = (
+                                metrics.get("perf/rollout_wait_time", 0) + ahead.wait()
+                            )
                         parent, version = rec.next_version(version)
                         hf_dir, m = publish_version(cfg, self.paths, s, version, self.base_version)
                         metrics.update(m)
@@ -177,6 +189,8 @@ class RLRun:
         cfg, s = self.cfg, self.s
         if cfg.load_debug_rollout_data:
             samples, metrics = load_debug_rollout(cfg, rollout_id), {}
+        elif self.ahead is not None and self.ahead.launched == rollout_id:
+            samples, metrics = self.ahead.take()
         elif s.worker is not None:
             samples, metrics = s.worker.get_rollout(rollout_id, version)
         elif s.train_only is not None:
@@ -237,7 +251,8 @@ class RLRun:
         run's last save and a sentinel's are synchronous, so the run ends with its checkpoint on disk)."""
         if hasattr(self.s.src, "saving_rollout_id"):  # --data-source-path: its save(rollout_id)
             self.s.src.saving_rollout_id = rollout_id
-        extra = {"weight_version": version, **self.s.checkpoint_state(), "run": self.cfg.run_name,
+        rollout_side = self.ahead.checkpoint_state() if self.ahead is not None else self.s.checkpoint_state()
+        extra = {"weight_version": version, **rollout_side, "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
         from miles_platform.run_services import call_trainers
         from miles_platform.training.checkpoint import prune_checkpoints
@@ -247,6 +262,44 @@ class RLRun:
             for path in prune_checkpoints(self.cfg.save, rollout_id, self.cfg.save_retain_interval):
                 self.reporter.log(f"--save-retain-interval {self.cfg.save_retain_interval}: deleted {path}")
         return saved
+
+
+class RolloutAhead:
+    """`train-async` without --fully-async, Miles' train_async.py loop: rollout k+1 generates on a
+    thread while rollout k trains, and a weight update first waits for it, so rollout k+1 comes from
+    the version rollout k-1 made (the first two of a launch from its start version); each sample's
+    weight_version_start / _end say which. A checkpoint at rollout k keeps the rollout side as it was
+    before k+1 took its prompts: a resume (after a kill -9 too) generates k+1 again from the same ones."""
+
+    def __init__(self, cfg: RunConfig, services):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.cfg, self.s = cfg, services
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
+        self.future, self.launched, self.state = None, None, None
+
+    def launch(self, rollout_id: int) -> None:
+        self.state = self.s.checkpoint_state() if self.cfg.save else None  # before it takes prompts
+        self.future, self.launched = self.pool.submit(self.s.manager.generate, rollout_id), rollout_id
+
+    def wait(self) -> float:
+        """Block until the launched rollout is generated (its error is raised by `take`); seconds waited."""
+        import concurrent.futures
+
+        t = time.time()
+        if self.future is not None:
+            concurrent.futures.wait([self.future])
+        return time.time() - t
+
+    def take(self) -> tuple[list, dict]:
+        """The launched rollout's (samples, metrics); `perf/rollout_wait_time`: what the loop waited now
+        (the weight update's wait goes to the rollout before it)."""
+        waited = self.wait()
+        (samples, metrics), self.future, self.launched = self.future.result(), None, None
+        return samples, {**metrics, "perf/rollout_wait_time": waited}
+
+    def checkpoint_state(self) -> dict:
+        return self.state if self.launched is not None else self.s.checkpoint_state()
 
 
 def data_source(cfg: RunConfig, tok):
@@ -310,5 +363,6 @@ def cli_main(argv: list[str], train_async: bool = False) -> int:
 
 
 def cli_main_async(argv: list[str]) -> int:
-    """`miles-platform train-async`: Miles' train_async.py argv, run --fully-async (config/cli.py)."""
+    """`miles-platform train-async`: Miles' train_async.py argv and loop: the next rollout generates
+    while this one trains (one step off-policy), or --fully-async's worker (config/cli.py)."""
     return cli_main(argv, train_async=True)

@@ -59,8 +59,9 @@ def parse_run_config(
     """Parse CLI flags (YAML via --config first, CLI overrides) into a validated RunConfig.
 
     `train_async`: the argv of Miles' train_async.py (`miles-platform train-async`), whose loop
-    generates the next rollout while this one trains: --fully-async here, but for a train-only run
-    (Miles' SFT goes through train_async.py), which generates nothing to overlap."""
+    generates the next rollout while this one trains (--train-async; with --fully-async the fully
+    async worker), but for a run that does not both generate and train (Miles' SFT goes through
+    train_async.py with --debug-train-only), which has nothing to overlap: the plain loop."""
     parser = build_parser(prog)
     args, rest = parser.parse_known_args(argv)
     sglang, leftover = _split_passthrough(rest)
@@ -84,8 +85,10 @@ def parse_run_config(
     data.setdefault("custom_function_args", {}).update(extra)
     if getattr(args, "custom_config_path", None):
         _apply_custom_config(data, args.custom_config_path)
-    if train_async and not data.get("debug_train_only") and not data.get("load_debug_rollout_data"):
-        data["fully_async"] = True
+    if train_async and not any(
+        data.get(k) for k in ("debug_train_only", "load_debug_rollout_data", "debug_rollout_only")
+    ):
+        data["train_async"] = True
     return RunConfig.from_dict(data).validate()
 
 

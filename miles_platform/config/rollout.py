@@ -208,6 +208,13 @@ class SamplingFlags:
 @dataclass
 class AsyncFlags:
     fully_async: bool = flag(False, "async", "background generation with a bounded buffer")
+    train_async: bool = flag(
+        False,
+        "async",
+        "Miles' train_async.py loop (set by `miles-platform train-async`): rollout k+1 generates while "
+        "rollout k trains and each weight update waits for it, so rollout k+1 comes from the weights "
+        "rollout k-1 made (one step off-policy); with --fully-async the fully async worker instead",
+    )
     async_unused_samples_handler: str = flag(
         "drop",
         "async",
@@ -240,6 +247,10 @@ class AsyncFlags:
     )  # fmt: skip
 
     def _check_async_flags(self) -> None:
+        if self.fully_async or self.train_async:
+            self._check_off_policy_correction()
+        if self.train_async and not self.fully_async:  # the one-step overlap (loop.py RolloutAhead)
+            self._check_one_step_overlap()
         if not self.fully_async:
             only_async = [f for f, on in (
                 (f"--async-unused-samples-handler {self.async_unused_samples_handler}",
@@ -271,6 +282,44 @@ class AsyncFlags:
                 f"--fully-async does not take {', '.join(clash)}: the worker submits one group at a time as "
                 "slots free (no over-sampling rounds) and its data buffer picks groups first in first out "
                 "(--custom-async-data-buffer-path replaces it)"
+            )
+
+    def _check_off_policy_correction(self) -> None:
+        """Miles' validate_async_off_policy_correction: an async PPO run's rollouts come from older
+        weights than the actor that recomputes the ratio's old log-probs, so the behaviour policy must
+        be chosen explicitly (Miles' third choice, --keep-old-actor, is not built here)."""
+        if self.uses_critic and not (self.use_rollout_logprobs or self.use_tis):
+            mode = "--fully-async" if self.fully_async else "train-async"
+            raise ConfigError(
+                f"{mode} with --advantage-estimator ppo: rollouts are generated before the current weight "
+                "update while the old log-probs are recomputed by the current actor, so PPO needs an explicit "
+                "behaviour-policy correction (as Miles requires): add --use-rollout-logprobs (the engine's "
+                "log-probs are the ratio's denominator) or --use-tis (truncated importance sampling)"
+            )
+
+    def _check_one_step_overlap(self) -> None:
+        """What the one-step overlap loop cannot run, before Ray starts, naming why."""
+        nothing = [f for f, on in (
+            ("--debug-train-only", self.debug_train_only),
+            ("--load-debug-rollout-data", bool(self.load_debug_rollout_data)),
+            ("--debug-rollout-only", self.debug_rollout_only),
+        ) if on]  # fmt: skip
+        if nothing:
+            raise ConfigError(
+                f"--train-async with {', '.join(nothing)}: the run does not both generate and train, so there "
+                "is nothing to overlap; drop --train-async (`miles-platform train-async` leaves it unset here)"
+            )
+        if self.colocate or self.offload_train or self.offload_rollout:
+            raise ConfigError(
+                "train-async generates the next rollout while the trainer trains: it cannot share the engines' "
+                "devices (--colocate; Miles asserts `not args.colocate` too) or take their memory away "
+                "(--offload-train / --offload-rollout); use `miles-platform train` for a colocated run"
+            )
+        if self.data_source_path:
+            raise ConfigError(
+                f"train-async with --data-source-path {self.data_source_path}: rollout k+1 takes its prompts "
+                "before rollout k's checkpoint, and the class's save(rollout_id) records only its live position, "
+                "so a resume would skip them; use `miles-platform train` or add --fully-async"
             )
 
 

@@ -116,3 +116,30 @@ def test_a_refused_flag_set_is_an_error_naming_it(name):
     with pytest.raises(ConfigError, match=flag):
         RunConfig(rollout_batch_size=2, **{name: _non_default(name)}).validate()
     RunConfig(rollout_batch_size=2).validate()  # at its default it is fine
+
+
+def test_train_async_is_the_one_step_overlap_and_refuses_what_cannot_overlap(tiny_hf_checkpoint, tmp_path):
+    """`miles-platform train-async` is Miles' train_async.py: the one-step overlap loop unless --fully-async;
+    what it cannot run is refused before Ray, naming why (Miles' colocate assert, async PPO correction)."""
+    argv = ["--hf-checkpoint", tiny_hf_checkpoint, "--prompt-data", "p.jsonl", "--rollout-batch-size", "2"]
+    cfg = parse_run_config(argv, train_async=True)
+    assert cfg.train_async and not cfg.fully_async
+    assert parse_run_config([*argv, "--fully-async"], train_async=True).fully_async
+    assert not parse_run_config(argv).train_async
+    for extra, match in (
+        (["--colocate"], "Miles asserts `not args.colocate`"),
+        (["--data-source-path", "m.Source"], "a resume would skip them"),
+        (["--advantage-estimator", "ppo"], "--use-rollout-logprobs .* or --use-tis"),
+        (["--max-weight-staleness", "1"], "add --fully-async"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            parse_run_config([*argv, *extra], train_async=True)
+    assert parse_run_config(
+        [*argv, "--advantage-estimator", "ppo", "--use-tis"], train_async=True
+    ).train_async
+    with pytest.raises(ConfigError, match="--fully-async with --advantage-estimator ppo"):
+        parse_run_config([*argv, "--fully-async", "--advantage-estimator", "ppo"])
+    with pytest.raises(ConfigError, match="nothing to overlap"):
+        RunConfig(
+            **small_run_kwargs(tiny_hf_checkpoint, tmp_path, train_async=True, debug_rollout_only=True)
+        ).validate()

@@ -153,7 +153,8 @@ def qwen3_30b_a3b_int4(env):  # examples/infra_features/low_precision/run-qwen3-
 
 def qwen3_sglang_fully_async(env):  # train_async.py on SGLang engines (the --sglang-* flags as Miles')
     return [*MODEL_ARGS["qwen3"], *_ckpt(env, "qwen3", "async"), *_rollout(env), *OPTIMIZER_ARGS, *GRPO_ARGS,
-            "--rollout-engine", "sglang", "--update-weight-transfer-mode", "broadcast", "--max-weight-staleness", "2",
+            "--rollout-engine", "sglang", "--update-weight-transfer-mode", "broadcast", "--fully-async",
+            "--max-weight-staleness", "2",
             "--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs", "1", "2", "4", "8",
             "--sglang-quantization", "fp8", *MISC_ARGS, *_storage(env, "async")]  # fmt: skip
 
@@ -224,7 +225,7 @@ def test_a_miles_recipe_parses_and_validates(env, name):
     if name == "fully-async-sglang":
         assert cfg.fully_async and cfg.sglang_args["cuda-graph-bs"] == ["1", "2", "4", "8"]
     if name == "qwen3-sft":
-        assert not cfg.fully_async and cfg.uses_sft_rollout  # train_async.py's SFT: nothing to overlap
+        assert not (cfg.fully_async or cfg.train_async) and cfg.uses_sft_rollout  # SFT: nothing to overlap
     if name == "eval-only":
         assert cfg.eval_datasets() == [("aime", env["data"]["aime"])]
     if name == "qwen3-8b-opd":
