@@ -26,6 +26,11 @@ sync; --fully-async (generation of the next rollout overlaps training) vs sync a
 submission granularity (each group is one request either way; `sample` streams it and frees a slot
 per finished sample); then each phase of ours as a
 share of its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
+
+Whole runs (with the TRL venv): `miles-platform train` as a user starts it (a fresh process: Ray,
+engine, trainer) vs TRL's script, 100 steps each on seeds 1-3, one after the other: wall from
+process start to exit, peak RSS of each process tree (ours: driver + Ray + actors; sampled every
+0.2 s), and held-out greedy pass@1 of both final policies by the same evaluator (512 prompts).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +57,11 @@ ROLLOUTS = 11  # 1 warm-up + 10 measured
 TRL_ROW = "e2e: s per GRPO step, loop.train vs TRL GRPOTrainer"
 TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
 TRL_TIMEOUT_S = 600
+# whole runs (start to exit, then a held-out greedy eval of the final policy), with the TRL venv only;
+# MILES_BENCH_WHOLE_SEEDS="" skips them (3 seeds x 100 steps x 2 frameworks: ~3 min here)
+WHOLE_SEEDS = tuple(int(x) for x in os.environ.get("MILES_BENCH_WHOLE_SEEDS", "1,2,3").split(",") if x)
+WHOLE_STEPS = 100
+WHOLE_EVAL_PROMPTS = 512
 PHASES = ("perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time")
 
 
@@ -150,6 +161,86 @@ def trl_row(
                trl_final_mean_reward=trl["final_mean_reward"], ours_final_mean_reward=ours_reward)  # fmt: skip
 
 
+def _tree_rss_mb(proc) -> float:
+    """RSS of a process and all its descendants (ours: driver, Ray's daemons, actors, engine)."""
+    import psutil
+
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+def timed_process(cmd: list[str], env: dict, log: str) -> tuple[float, float, str]:
+    """(wall seconds from start to exit, peak RSS of its process tree sampled every 0.2 s, stdout)."""
+    import psutil
+
+    with open(log + ".out", "w") as out, open(log + ".err", "w") as err:
+        t0 = time.perf_counter()
+        proc = psutil.Popen(cmd, env=env, stdout=out, stderr=err)
+        peak = 0.0
+        while proc.poll() is None:
+            peak = max(peak, _tree_rss_mb(proc))
+            time.sleep(0.2)
+        wall = time.perf_counter() - t0
+    text = Path(log + ".out").read_text()
+    if proc.returncode != 0:
+        tail = Path(log + ".err").read_text().strip().splitlines() or ["no output"]
+        raise RuntimeError(f"{cmd[1:4]} exit {proc.returncode}: {tail[-1][:200]}")
+    return wall, peak, text
+
+
+def whole_runs(python: str, base: str, data: dict, root: str, recipe: dict) -> list[dict]:
+    """Whole runs, process start to exit, WHOLE_STEPS steps per seed: `miles-platform train` (Ray,
+    engine, trainer, shards, an HF export per version) vs TRL's GRPOTrainer (one process), the same
+    base, prompts and recipe; both final policies then scored by the same greedy evaluator on the
+    held-out split (outside the timed runs). Medians over the seeds; pass@1 mean and per seed."""
+    import yaml
+
+    from miles_platform.rollout.evaluate import greedy_pass_at_1
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    trl_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    ours, trl = {"wall": [], "rss": [], "acc": []}, {"wall": [], "rss": [], "acc": []}
+    for seed in WHOLE_SEEDS:
+        d = os.path.join(root, f"whole{seed}")
+        os.makedirs(d)
+        cfg = {**recipe, "run_name": f"whole{seed}", "hf_checkpoint": base, "prompt_data": data["train"],
+               "num_rollout": WHOLE_STEPS, "seed": seed, "rollout_seed": seed, "save_interval": None,
+               "storage_root": os.path.join(d, "root")}  # fmt: skip
+        Path(d, "run.yaml").write_text(yaml.safe_dump(cfg))
+        cmd = [sys.executable, "-m", "miles_platform.cli", "train", "--config", os.path.join(d, "run.yaml")]
+        wall, rss, out = timed_process(cmd, env, os.path.join(d, "ours"))
+        final = json.loads(out.strip().splitlines()[-1])["final_hf_path"]
+        ours["wall"].append(wall), ours["rss"].append(rss)
+        ours["acc"].append(greedy_pass_at_1(final, data["eval"], WHOLE_EVAL_PROMPTS))
+        save = os.path.join(d, "trl_final")
+        cmd = [python, str(TRL_SCRIPT), "--base", base, "--prompts", data["train"], "--steps", str(WHOLE_STEPS),
+               "--seed", str(seed), "--save", save]  # fmt: skip
+        wall, rss, _ = timed_process(cmd, trl_env, os.path.join(d, "trl"))
+        trl["wall"].append(wall), trl["rss"].append(rss)
+        trl["acc"].append(greedy_pass_at_1(save, data["eval"], WHOLE_EVAL_PROMPTS))
+    base_acc = greedy_pass_at_1(base, data["eval"], WHOLE_EVAL_PROMPTS)
+    what = f"{len(WHOLE_SEEDS)} seeds x {WHOLE_STEPS} steps, median"
+    return [
+        row("e2e: whole run wall, start to exit, train vs TRL GRPOTrainer", float(np.median(ours["wall"])),
+            float(np.median(trl["wall"])), f"s (ratio: ours / TRL, goal <= 1.0; {what})",
+            ours_s=[round(x, 1) for x in ours["wall"]], trl_s=[round(x, 1) for x in trl["wall"]]),
+        row("e2e: whole run peak RSS of the process tree, train vs TRL", float(np.median(ours["rss"])),
+            float(np.median(trl["rss"])), f"MB (ratio: ours / TRL; {what}; sampled every 0.2 s)",
+            ours_mb=[round(x) for x in ours["rss"]], trl_mb=[round(x) for x in trl["rss"]]),
+        row("e2e: held-out greedy pass@1 after the whole run, train vs TRL", float(np.mean(ours["acc"])),
+            float(np.mean(trl["acc"])),
+            f"pass@1 (ratio: ours / TRL, goal ~1 within seed noise; mean of {len(WHOLE_SEEDS)} seeds, "
+            f"{WHOLE_EVAL_PROMPTS} prompts; base {base_acc:.3f})",
+            ours_acc=[round(x, 3) for x in ours["acc"]], trl_acc=[round(x, 3) for x in trl["acc"]],
+            base_acc=round(base_acc, 3)),
+    ]  # fmt: skip
+
+
 def run(rollouts: int = ROLLOUTS) -> list[dict]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from bench.bench_rollout import sft_base
@@ -191,6 +282,14 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
         total, mean_total = float(np.median(steps)), float(np.mean(steps))
         reward = float(res.metrics[-1].get("rollout/raw_reward", float("nan")))
         vs_trl = trl_row(trl_python(), base, data["train"], rollouts, total, reward)
+        whole = []
+        if trl_python() is not None and WHOLE_SEEDS:
+            try:
+                whole = whole_runs(trl_python(), base, data, d, recipe)
+            except (RuntimeError, json.JSONDecodeError, IndexError, KeyError) as e:
+                whole = [
+                    error_row("e2e: whole run wall, start to exit, train vs TRL GRPOTrainer", str(e)[:240])
+                ]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = [row("e2e: s per GRPO step, loop.train vs bare single-process loop", total, float(np.median(bare)),
                 f"s/step (ratio: ours / bare, goal <= 1.3; median of {len(measured)} steps after 1 warm-up)",
@@ -221,7 +320,7 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
         row("e2e: other (shard, export, checks, save)", max(mean_total - covered, 0.0), mean_total, unit)
     )
     print(json.dumps({"ci_checks": res.ci_checks}))
-    return rows
+    return rows + whole
 
 
 if __name__ == "__main__":

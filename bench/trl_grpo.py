@@ -65,7 +65,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(base: str, prompts: str, steps: int, seed: int, out_dir: str) -> dict:
+def run(base: str, prompts: str, steps: int, seed: int, out_dir: str, save: str | None = None) -> dict:
     import torch
     import transformers
     import trl
@@ -135,6 +135,9 @@ def run(base: str, prompts: str, steps: int, seed: int, out_dir: str) -> dict:
         callbacks=[StepTimes()],
     )  # fmt: skip
     trainer.train()
+    if save:  # the final policy, for a held-out eval outside this process (bench_e2e's whole-run rows)
+        trainer.save_model(save)
+        tok.save_pretrained(save)
     times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     measured = times[1:] or times
     return {
@@ -161,11 +164,12 @@ def main() -> None:
     p.add_argument("--prompts", required=True, help="JSONL with prompt/label keys")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps (the first is warm-up)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--save", default=None, help="save the final model + tokenizer (HF dir) here")
     a = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="trl_grpo_") as out_dir:
-        result = run(a.base, a.prompts, a.steps, a.seed, out_dir)
+        result = run(a.base, a.prompts, a.steps, a.seed, out_dir, a.save)
     print(json.dumps(result), flush=True)
 
 
