@@ -46,7 +46,9 @@ def build_base(work: str, family: str, sft_iters: int | None) -> tuple[dict, str
             recipe.train_iters = sft_iters
         tok = TASK_TOKENIZERS["arithmetic"]()
         init = os.path.join(work, "init")
-        save_hf_checkpoint(build_model(tiny_config(family, len(tok), **recipe.model), seed=recipe.seed), tok, init)
+        save_hf_checkpoint(
+            build_model(tiny_config(family, len(tok), **recipe.model), seed=recipe.seed), tok, init
+        )
         t0 = time.time()
         sft = run_sft(task["sft"], base, hf_checkpoint=init, recipe=recipe, progress=False)
         info = {
@@ -64,7 +66,9 @@ def _std(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
-    ap.add_argument("--family", default="qwen3_5", help="a models/families.py name (dense: qwen3, qwen3_5, ...)")
+    ap.add_argument(
+        "--family", default="qwen3_5", help="a models/families.py name (dense: qwen3, qwen3_5, ...)"
+    )
     ap.add_argument("--rollouts", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sft-iters", type=int, default=None, help="default: the demo recipe's")
@@ -82,7 +86,9 @@ def main() -> None:
     print(json.dumps(out), flush=True)
     for seed in range(1, args.seeds + 1):
         root = os.path.join(work, f"root-{seed}")
-        shutil.rmtree(root, ignore_errors=True)  # a fresh run per seed (never a resume of an earlier invocation)
+        shutil.rmtree(
+            root, ignore_errors=True
+        )  # a fresh run per seed (never a resume of an earlier invocation)
         cfg = RunConfig(**{**DEMO_RL, "save_interval": None, "eval_interval": None},
                         hf_checkpoint=base, prompt_data=task["train"], num_rollout=args.rollouts, seed=seed,
                         rollout_seed=seed, storage_root=root, num_cpus_per_actor=0.5).validate()  # fmt: skip
