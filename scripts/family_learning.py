@@ -29,7 +29,9 @@ def _greedy(hf_dir: str, eval_path: str) -> float:
     return greedy_pass_at_1(hf_dir, eval_path, EVAL_PROMPTS)
 
 
-def build_base(work: str, family: str, sft_iters: int | None) -> tuple[dict, str, dict]:
+def build_base(
+    work: str, family: str, sft_iters: int | None, sft_threads: int | None
+) -> tuple[dict, str, dict]:
     """Task data, and the SFT'd tiny model of `family` (made once per work dir)."""
     from miles_platform.data.tasks import write_task_datasets
     from miles_platform.models.checkpoint import save_hf_checkpoint
@@ -44,6 +46,7 @@ def build_base(work: str, family: str, sft_iters: int | None) -> tuple[dict, str
         recipe = default_sft_recipe()
         if sft_iters:
             recipe.train_iters = sft_iters
+        recipe.num_threads = sft_threads  # 1 on a busy box: 2 contended threads are several x slower
         tok = TASK_TOKENIZERS["arithmetic"]()
         init = os.path.join(work, "init")
         save_hf_checkpoint(
@@ -54,6 +57,7 @@ def build_base(work: str, family: str, sft_iters: int | None) -> tuple[dict, str
         info = {
             "sft_s": time.time() - t0,
             "sft_iters": recipe.train_iters,
+            "sft_s_per_step": (time.time() - t0) / recipe.train_iters,
             "sft_final_loss": sft["final_loss"],
             "params": sft["num_parameters"],
         }
@@ -72,6 +76,14 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sft-iters", type=int, default=None, help="default: the demo recipe's")
+    ap.add_argument(
+        "--sft-threads", type=int, default=None, help="torch threads of the SFT (default: torch's)"
+    )
+    ap.add_argument(
+        "--no-ci-test",
+        action="store_true",
+        help="DEMO_RL without --ci-test (its step-0 entropy bound fails a base left on the loss plateau)",
+    )
     ap.add_argument("--work", default=None, help="work dir; its data and SFT base are reused when there")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -80,7 +92,7 @@ def main() -> None:
     from miles_platform.recipes import DEMO_RL
 
     work = args.work or tempfile.mkdtemp(prefix=f"{args.family}-learning-")
-    task, base, info = build_base(work, args.family, args.sft_iters)
+    task, base, info = build_base(work, args.family, args.sft_iters, args.sft_threads)
     out = {"family": args.family, "base_heldout_pass@1": _greedy(base, task["eval"]), "rollouts": args.rollouts,
            **info, "runs": []}  # fmt: skip
     print(json.dumps(out), flush=True)
@@ -89,7 +101,7 @@ def main() -> None:
         shutil.rmtree(
             root, ignore_errors=True
         )  # a fresh run per seed (never a resume of an earlier invocation)
-        cfg = RunConfig(**{**DEMO_RL, "save_interval": None, "eval_interval": None},
+        cfg = RunConfig(**{**DEMO_RL, "save_interval": None, "eval_interval": None, "ci_test": not args.no_ci_test},
                         hf_checkpoint=base, prompt_data=task["train"], num_rollout=args.rollouts, seed=seed,
                         rollout_seed=seed, storage_root=root, num_cpus_per_actor=0.5).validate()  # fmt: skip
         t0 = time.time()
