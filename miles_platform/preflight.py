@@ -46,9 +46,11 @@ def validate_before_start(cfg: RunConfig) -> None:
     rollout_quant(cfg.hf_checkpoint)  # a quantized one: a variant updates can be re-quantized to
     check_int4_qat(cfg)  # OPEN_TRAINING_INT4_FAKE_QAT_FLAG: an int4 rollout checkpoint, fsdp
     _check_fault_targets(cfg)
+    _check_sglang_args_have_an_engine(cfg)
     if cfg.embedded_engines_only:
         from miles_platform.rollout.engine_fleet import (
             EMBEDDED_SGLANG_ARGS,
+            embedded_chat_parsers,
             embedded_max_running_requests,
             embedded_mem_fraction_static,
         )
@@ -57,11 +59,12 @@ def validate_before_start(cfg: RunConfig) -> None:
         if other:
             raise ConfigError(
                 f"--sglang-{other[0]} (and {len(other) - 1} more) would be ignored: the embedded engine takes "
-                "only --sglang-max-running-requests and --sglang-mem-fraction-static; use --rollout-engine "
+                f"only {', '.join('--sglang-' + a for a in EMBEDDED_SGLANG_ARGS)}; use --rollout-engine "
                 "sglang for the others"
             )
         embedded_max_running_requests(cfg)
         embedded_mem_fraction_static(cfg)
+        embedded_chat_parsers(cfg)
     for flag, d in (("--storage-root", cfg.storage_root), ("--save", cfg.save)):
         check_writable_dir(flag, d)
     from miles_platform.trackers import validate_trackers
@@ -313,3 +316,20 @@ def _check_vocab(cfg: RunConfig, hf: dict) -> None:
             f"--hf-checkpoint {cfg.hf_checkpoint}: its tokenizer has {n} tokens but the model's vocab_size is "
             f"{rows}: ids >= {rows} have no embedding row. Put the model's own tokenizer beside its weights"
         )
+
+
+def _check_sglang_args_have_an_engine(cfg: RunConfig) -> None:
+    """`--sglang-*` flags go to engines the run starts: refused where it starts none (attached
+    engines run with the flags they were started with; --debug-train-only and
+    --load-debug-rollout-data start no engine)."""
+    if not cfg.sglang_args:
+        return
+    flag = "--sglang-" + sorted(cfg.sglang_args)[0].replace("_", "-")
+    why = None
+    if cfg.rollout_external_engine_addrs:
+        why = ("the engines of --rollout-external-engine-addrs are attached, not started: they run with "
+               "the flags they were started with (set it there)")  # fmt: skip
+    elif cfg.debug_train_only or cfg.load_debug_rollout_data:
+        why = "--debug-train-only / --load-debug-rollout-data start no rollout engine"
+    if why:
+        raise ConfigError(f"{flag} (of {len(cfg.sglang_args)} --sglang-* flag(s)) would be ignored: {why}")

@@ -38,12 +38,12 @@ from miles_platform.data.images import parts_text
 from miles_platform.models.tokenizer import has_learned_chat_template
 from miles_platform.models.vlm import IMAGE_PAD, VISION_END, VISION_START
 from miles_platform.rollout.generate_hub.tool_call import CALL_START, TOOL_CALL_PARSERS
+from miles_platform.rollout.reasoning import force_reasoning, split_reasoning
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # accepted and without effect here (OpenAI bookkeeping, SGLang routing hints)
 IGNORED = {
-    "model", "user", "parallel_tool_calls", "stream_options", "store", "metadata", "service_tier",
-    "separate_reasoning", "stream_reasoning", "rid", "extra_key", "cache_salt", "priority",
+    "model", "user", "parallel_tool_calls", "stream_options", "store", "metadata", "service_tier", "rid", "extra_key", "cache_salt", "priority",
     "routed_dp_rank", "data_parallel_rank",
 }  # fmt: skip
 # SGLang fields the embedded engine does not implement: a 400 unless left at the default (or harmless)
@@ -61,7 +61,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop
                    "ignore_eos", "skip_special_tokens", "no_stop_trim")  # fmt: skip
 COMMON_FIELDS = {*SAMPLING_FIELDS, "n", "stream", "lora_path", *IGNORED, *UNSUPPORTED}
 _FLAGS = ("logprobs", "stream", "return_meta_info", "return_token_ids", "return_prompt_token_ids",
-          "ignore_eos", "no_stop_trim")  # fmt: skip
+          "ignore_eos", "no_stop_trim", "separate_reasoning", "stream_reasoning")  # fmt: skip
 _KNOWN = {"messages", "tools", "tool_choice", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
           "input_ids", *_FLAGS, *COMMON_FIELDS}  # fmt: skip
 MAX_N = 64
@@ -92,6 +92,8 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     lora_path: str | None = None
     input_ids: list[int] | None = None  # SGLang: pre-tokenized prompt, bypasses the template
+    separate_reasoning: bool = True  # SGLang's: with a reasoning parser, thinking -> reasoning_content
+    stream_reasoning: bool = True  # SGLang's: stream the thinking as it comes (False: once it closed)
 
     @property
     def parses_tools(self) -> bool:
@@ -138,6 +140,8 @@ def parse_request(body: Any) -> ChatRequest:
     req.stream, req.include_usage = bool(body.get("stream")), include_usage(body)
     for k in ("return_meta_info", "return_token_ids", "return_prompt_token_ids"):
         setattr(req, k, bool(body.get(k)))
+    for k in ("separate_reasoning", "stream_reasoning"):
+        setattr(req, k, body.get(k) is not False)
     kw = body.get("chat_template_kwargs")
     if kw is not None and not isinstance(kw, dict):
         raise ChatError("chat_template_kwargs must be an object")
@@ -424,19 +428,52 @@ def parse_tool_calls(
     ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Reasoning:
+    """A request's reasoning split (`--sglang-reasoning-parser`): the parser, and whether the
+    answer starts inside the thinking block (rollout/reasoning.py `force_reasoning`)."""
+
+    parser: str
+    force: bool
+
+
+def request_reasoning(req: ChatRequest, parser: str | None, tokenizer: Any) -> Reasoning | None:
+    """SGLang's serving_chat: with a reasoning parser and `separate_reasoning` (default true) the
+    thinking is split off; forced by the chat template or the request's template kwargs."""
+    if not parser or not req.separate_reasoning:
+        return None
+    template = getattr(tokenizer, "chat_template", None)
+    return Reasoning(parser, force_reasoning(parser, template if isinstance(template, str) else None,
+                                             req.chat_template_kwargs))  # fmt: skip
+
+
+def split_answer(req: ChatRequest, text: str, reasoning: Reasoning | None) -> tuple[str, str]:
+    """(reasoning_content, the rest) of an answer's text, SGLang's `force_nonempty_content` template
+    kwarg included (an answer with no content after its thinking: the thinking is the content)."""
+    if reasoning is None:
+        return "", text
+    thought, text = split_reasoning(text, reasoning.parser, reasoning.force)
+    if req.chat_template_kwargs.get("force_nonempty_content") is True and not text:
+        thought, text = text, thought
+    return thought, text
+
+
 def assistant_message(
-    req: ChatRequest, output: dict[str, Any], parser: str = "qwen25"
+    req: ChatRequest, output: dict[str, Any], parser: str = "qwen25", reasoning: Reasoning | None = None
 ) -> tuple[dict[str, Any], str, Any]:
-    """(message, finish_reason, matched_stop) of one /generate answer (`parser`: its tool calls')."""
-    text = output.get("text", "")
+    """(message, finish_reason, matched_stop) of one /generate answer, as SGLang's serving_chat
+    builds it: the thinking split off first (`reasoning`), then the tool calls (`parser`) read
+    from the rest."""
     fin = (output.get("meta_info") or {}).get("finish_reason") or {}
     reason, matched = fin.get("type", "stop"), fin.get("matched")
+    thought, text = split_answer(req, output.get("text", ""), reasoning)
     calls: list[dict[str, Any]] = []
     if req.parses_tools:
         text, calls = parse_tool_calls(text, req.tools or [], parser)
     if calls and reason == "stop":  # SGLang: a stop with tool calls is finish_reason tool_calls
         reason, matched = "tool_calls", None
-    msg = {"role": "assistant", "content": text or "", "reasoning_content": None, "tool_calls": calls or None}
+    msg = {"role": "assistant", "content": text or "", "reasoning_content": thought or None,
+           "tool_calls": calls or None}  # fmt: skip
     return msg, reason, matched
 
 
@@ -467,12 +504,14 @@ def build_response(
     tokenizer: Any,
     prompt_ids: list[int],
     parser: str = "qwen25",
+    reasoning_parser: str | None = None,
 ) -> dict[str, Any]:
     """SGLang's ChatCompletionResponse from the /generate answers (one per choice; `parser`: the
-    tool-call parser)."""
+    tool-call parser, `reasoning_parser`: the reasoning one, if any)."""
     choices = []
+    reasoning = request_reasoning(req, reasoning_parser, tokenizer)
     for i, out in enumerate(outputs):
-        msg, reason, matched = assistant_message(req, out, parser)
+        msg, reason, matched = assistant_message(req, out, parser, reasoning)
         choice: dict[str, Any] = {
             "index": i, "message": msg, "finish_reason": reason, "matched_stop": matched,
             "logprobs": _logprobs(out, tokenizer) if req.logprobs else None,
@@ -521,6 +560,8 @@ def sse_chunks(response: dict[str, Any], include_usage: bool = False) -> list[st
             chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         )
         delta: dict[str, Any] = {"content": msg["content"]}
+        if msg.get("reasoning_content"):
+            delta = {"reasoning_content": msg["reasoning_content"], **delta}
         if msg.get("tool_calls"):
             delta["tool_calls"] = msg["tool_calls"]
         out.append(chunk([{"index": i, "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}]))

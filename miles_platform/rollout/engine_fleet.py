@@ -65,6 +65,7 @@ def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
         max_batch_size=embedded_max_running_requests(cfg),
         device="auto",  # the GPU of its bundle (cluster/devices.rank_device), else the CPU
         mem_fraction_static=embedded_mem_fraction_static(cfg),
+        **embedded_chat_parsers(cfg),
         weight_roots=engine_weight_roots(cfg),
         pause_wait_timeout_s=cfg.pause_wait_timeout_s,
         pause_max_queued_requests=cfg.pause_max_queued_requests,
@@ -180,7 +181,19 @@ def embedded_mem_fraction_static(cfg: RunConfig) -> float | None:
     return f
 
 
-EMBEDDED_SGLANG_ARGS = ("max-running-requests", "mem-fraction-static")  # what the embedded engine takes
+def embedded_chat_parsers(cfg: RunConfig) -> dict[str, str | None]:
+    """`--sglang-tool-call-parser` / `--sglang-reasoning-parser` as SGLang's server takes them: how
+    the embedded engine's /v1/chat/completions splits an answer (checked: names it has)."""
+    from miles_platform.rollout.engine_server import check_chat_parsers
+
+    args = {k.replace("_", "-"): v for k, v in cfg.sglang_args.items()}
+    out = {"tool_call_parser": args.get("tool-call-parser"), "reasoning_parser": args.get("reasoning-parser")}
+    check_chat_parsers(out["tool_call_parser"], out["reasoning_parser"])
+    return out
+
+
+# what the embedded engine takes (preflight refuses any other --sglang-* for it)
+EMBEDDED_SGLANG_ARGS = ("max-running-requests", "mem-fraction-static", "tool-call-parser", "reasoning-parser")
 
 SHUTDOWN_WAIT_S = 15.0  # all engines together: a server stops in ~1 s (its thread join is bounded by 10)
 

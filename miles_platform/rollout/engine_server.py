@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
-from miles_platform.errors import MilesError
+from miles_platform.errors import ConfigError, MilesError
 from miles_platform.rollout.engine_core import (
     DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
     DEFAULT_PAUSE_WAIT_TIMEOUT_S,
@@ -33,8 +33,10 @@ from miles_platform.rollout.engine_routes import (
     lora_router,
     weights_router,
 )
+from miles_platform.rollout.generate_hub.tool_call import TOOL_CALL_PARSERS
 from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, WeightRoots, add_guards
 from miles_platform.rollout.openai_api import openai_router
+from miles_platform.rollout.reasoning import check_reasoning_parser
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +48,23 @@ def create_app(
     weight_roots: list[str] | None = None,
     served_model_name: str | None = None,
     run_name: str | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The engine's app: SGLang's routes (engine_routes.py) and the OpenAI ones (openai_api.py) behind
     one guard, the run's key (`api_key`) on every route but `GET /health`. `weight_roots`:
     `/update_weights_from_disk` and `/load_lora_adapter` load only from under these (None: any; `train`
     passes the run's own dirs and --hf-checkpoint's parent, `serve-engine` the latter).
-    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id)."""
+    `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id);
+    `tool_call_parser` / `reasoning_parser`: SGLang's, for chat answers (openai_api.openai_router)."""
     app = FastAPI(title="miles-platform embedded engine")
     add_guards(app, api_key, max_request_bytes)
     roots = WeightRoots(weight_roots)
     for router in (
         generate_router(core, max_request_bytes),  # first: the hot path matches at once
-        openai_router(core, max_request_bytes, served_model_name, run_name),
+        openai_router(
+            core, max_request_bytes, served_model_name, run_name, tool_call_parser, reasoning_parser
+        ),
         health_router(core),
         weights_router(core, max_request_bytes, roots),
         lora_router(core, max_request_bytes, roots),
@@ -65,6 +72,20 @@ def create_app(
     ):
         app.include_router(router)
     return app
+
+
+def check_chat_parsers(
+    tool_call_parser: str | None, reasoning_parser: str | None, prefix: str = "--sglang-"
+) -> None:
+    """SGLang's `--tool-call-parser` / `--reasoning-parser` names the embedded engine has (ConfigError
+    naming the flag and the built ones)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(
+            f"{prefix}tool-call-parser {tool_call_parser!r}: not a tool-call parser of the embedded engine; "
+            f"built: {sorted(TOOL_CALL_PARSERS)} (SGLang's others: --rollout-engine sglang)"
+        )
+    if reasoning_parser is not None:
+        check_reasoning_parser(reasoning_parser, f"{prefix}reasoning-parser")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -160,11 +181,15 @@ def start_engine_server(
     run_name: str | None = None,
     device: str | None = None,
     mem_fraction_static: float | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
     existing EngineCore (it is then not stopped with the server; the pause limits are its own).
     `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id). `device`,
-    `mem_fraction_static`: EngineCore's (the CPU and no KV bound by default)."""
+    `mem_fraction_static`: EngineCore's (the CPU and no KV bound by default). `tool_call_parser`,
+    `reasoning_parser`: SGLang's names, for chat answers (create_app)."""
+    check_chat_parsers(tool_call_parser, reasoning_parser)
     owns = core is None
     if core is None:
         core = EngineCore(
@@ -172,7 +197,8 @@ def start_engine_server(
             pause_wait_timeout_s, pause_max_queued_requests, device, mem_fraction_static,
         )  # fmt: skip
     try:
-        app = create_app(core, api_key, max_request_bytes, weight_roots, served_model_name, run_name)
+        app = create_app(core, api_key, max_request_bytes, weight_roots, served_model_name, run_name,
+                         tool_call_parser, reasoning_parser)  # fmt: skip
         thread = serve_in_thread(app, host, port, "engine-http")
     except Exception:
         if owns:
@@ -251,6 +277,14 @@ def cli_main(argv: list[str]) -> int:
         "--mem-fraction-static", type=float, default=None,
         help="SGLang's: weights + KV cache stay under this fraction of the device's memory (default: no bound)",
     )  # fmt: skip
+    ap.add_argument(
+        "--tool-call-parser", default=None,
+        help="SGLang's: the format /v1/chat/completions reads tool calls in (default: qwen25's)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--reasoning-parser", default=None,
+        help="SGLang's: chat answers' thinking goes to message.reasoning_content (default: no split)",
+    )  # fmt: skip
     ap.add_argument("--max-running-requests", type=int, default=512, help="max batch size")
     ap.add_argument("--batch-wait-ms", type=float, default=5.0)
     ap.add_argument("--weight-version", type=int, default=0)
@@ -277,6 +311,7 @@ def cli_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     try:  # before the model loads
         check_pause_limits(args.pause_wait_timeout_s, args.pause_max_queued_requests)
+        check_chat_parsers(args.tool_call_parser, args.reasoning_parser, "--")
     except MilesError as e:
         ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -296,6 +331,8 @@ def cli_main(argv: list[str]) -> int:
         served_model_name=args.served_model_name,
         device=args.device,
         mem_fraction_static=args.mem_fraction_static,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     core = server.core
     print(f"serve-engine: {args.hf_checkpoint} on {server.url} ({core.device}, {core.dtype})", flush=True)

@@ -27,7 +27,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from miles_platform.rollout import chat, completions
 from miles_platform.rollout.engine_requests import Request as EngineRequest
+from miles_platform.rollout.generate_hub.tool_call import CALL_START
 from miles_platform.rollout.http_common import ENGINE_ERRORS, all_results, engine_error, json_body
+from miles_platform.rollout.reasoning import REASONING_PARSERS, partial_tags, split_reasoning
 from miles_platform.store.paths import partition_key
 
 Token = tuple[int, float, Any]  # (id, logprob, top entries or None)
@@ -90,38 +92,66 @@ async def stream_choices(
 
 class ChoiceText:
     """One streamed choice's text: `grow` gives what may be sent as tokens arrive (never text the
-    final answer will not hold), `finish` the rest of the final text."""
+    final answer will not hold), `finish` the rest of the final text. With a reasoning split
+    (`reasoning`) each is a (reasoning_content, content) pair; without, the reasoning part is ""."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, holds: list[str] = (),
-                 strip: bool = False) -> None:  # fmt: skip
+                 strip: bool = False, reasoning: chat.Reasoning | None = None,
+                 stream_reasoning: bool = True) -> None:  # fmt: skip
         """`holds`: strings the text stops at (stop strings, tool-call markup); `strip`: the final
-        text is stripped (chat content before tool calls), so whitespace waits too."""
+        text is stripped (chat content before tool calls), so whitespace waits too; `reasoning`:
+        the thinking goes apart (as it comes, or once closed when not `stream_reasoning`)."""
         self.tokenizer, self.skip, self.strip = tokenizer, skip_special_tokens, strip
         self.holds = [h for h in holds if h]
+        self.reasoning, self.stream_reasoning = reasoning, stream_reasoning
+        self.tags = partial_tags(reasoning.parser) if reasoning else []
         self.ids: list[int] = []
         self.sent = ""
+        self.sent_thought = ""
 
-    def grow(self, ids: list[int]) -> str:
+    def grow(self, ids: list[int]) -> tuple[str, str]:
         self.ids += ids
-        safe = self._safe(self.tokenizer.decode(self.ids, skip_special_tokens=self.skip))
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
-            return ""
-        delta, self.sent = safe[len(self.sent) :], safe
-        return delta
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip).rstrip("\ufffd")
+        thought = ""
+        if self.reasoning is not None:
+            text = text[: len(text) - _partial_tail(text, self.tags)]  # a tag may be forming
+            closed = REASONING_PARSERS[self.reasoning.parser].end in text
+            thought, text = split_reasoning(text, self.reasoning.parser, self.reasoning.force)
+            if not (self.stream_reasoning or closed or text):
+                thought = ""  # SGLang's stream_reasoning false: the thinking goes once it closed
+        return _delta(thought, self, "sent_thought"), _delta(self._safe(text), self, "sent")
 
-    def finish(self, final: str) -> str:
+    def finish(self, final: str, final_thought: str = "") -> tuple[str, str]:
         # differs only where the final text was trimmed (tool-call content is stripped)
+        thought = (
+            final_thought[len(self.sent_thought) :] if final_thought.startswith(self.sent_thought) else ""
+        )
         rest = final[len(self.sent) :] if final.startswith(self.sent) else ""
-        self.sent = final
-        return rest
+        self.sent, self.sent_thought = final, final_thought
+        return thought, rest
 
     def _safe(self, text: str) -> str:
         cut = min([i for i in (text.find(h) for h in self.holds) if i >= 0], default=len(text))
         text = text[:cut].rstrip("\ufffd")  # a multi-byte character split across tokens
         if self.strip:
             text = text.strip()
-        starts = [k for h in self.holds for k in range(1, min(len(h), len(text) + 1)) if text.endswith(h[:k])]
-        return text[: len(text) - max(starts, default=0)]
+        return text[: len(text) - _partial_tail(text, self.holds)]
+
+
+def _partial_tail(text: str, tags: list[str]) -> int:
+    """The longest end of `text` that begins one of `tags` (and may still become it)."""
+    return max(
+        (k for h in tags for k in range(1, min(len(h), len(text) + 1)) if text.endswith(h[:k])), default=0
+    )
+
+
+def _delta(text: str, choice: ChoiceText, attr: str) -> str:
+    """What of `text` is new since `choice.<attr>` was sent (nothing when it no longer extends it)."""
+    sent = getattr(choice, attr)
+    if len(text) <= len(sent) or not text.startswith(sent):
+        return ""
+    setattr(choice, attr, text)
+    return text[len(sent) :]
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -137,15 +167,17 @@ def sse_error(e: Exception) -> str:
 
 # ---------------------------------------------------------------------------- chat
 async def chat_chunks(req: chat.ChatRequest, prompt_ids: list[int], feed: TokenFeed, futures: list[Future],
-                      tokenizer: Any) -> AsyncIterator[str]:  # fmt: skip
-    """`chat.completion.chunk`s: the role, content deltas as tokens come, the rest with tool calls,
-    the finish reason; the usage chunk when asked; `[DONE]`."""
+                      tokenizer: Any, parser: str = "qwen25",
+                      reasoning: chat.Reasoning | None = None) -> AsyncIterator[str]:  # fmt: skip
+    """`chat.completion.chunk`s: the role, reasoning_content and content deltas as tokens come, the
+    rest with tool calls (`parser`'s), the finish reason; the usage chunk when asked; `[DONE]`."""
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
             "created": int(time.time()), "model": req.model}  # fmt: skip
     sp = req.sampling_params
-    holds = [*(sp.get("stop") or []), *(["<tool_call>"] if req.parses_tools else [])]
+    holds = [*(sp.get("stop") or []), *([CALL_START[parser]] if req.parses_tools else [])]
     skip = sp.get("skip_special_tokens", True)
-    texts = [ChoiceText(tokenizer, skip, holds, strip=req.parses_tools) for _ in range(req.n)]
+    texts = [ChoiceText(tokenizer, skip, holds, req.parses_tools, reasoning, req.stream_reasoning)
+             for _ in range(req.n)]  # fmt: skip
 
     def chunk(i: int, delta: dict, tokens: list[Token] = (), **finish) -> str:
         lps = None
@@ -154,21 +186,24 @@ async def chat_chunks(req: chat.ChatRequest, prompt_ids: list[int], feed: TokenF
         choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": None, **finish}
         return sse({**head, "choices": [choice]})
 
+    def text_delta(thought: str, text: str) -> dict:
+        return {**({"reasoning_content": thought} if thought else {}), "content": text}
+
     for i in range(req.n):
         yield chunk(i, {"role": "assistant", "content": ""})
     completion = 0
     try:
         async for i, tokens, out in stream_choices(feed, futures):
             if out is None:
-                text = texts[i].grow([t for t, _, _ in tokens])
-                if text or (req.logprobs and tokens):
-                    yield chunk(i, {"content": text}, tokens)
+                thought, text = texts[i].grow([t for t, _, _ in tokens])
+                if thought or text or (req.logprobs and tokens):
+                    yield chunk(i, text_delta(thought, text), tokens)
                 continue
-            msg, reason, matched = chat.assistant_message(req, out)
-            delta = {"content": texts[i].finish(msg["content"] or "")}
+            msg, reason, matched = chat.assistant_message(req, out, parser, reasoning)
+            delta = text_delta(*texts[i].finish(msg["content"] or "", msg["reasoning_content"] or ""))
             if msg["tool_calls"]:
                 delta["tool_calls"] = msg["tool_calls"]
-            if delta["content"] or msg["tool_calls"] or (req.logprobs and tokens):
+            if len(delta) > 1 or delta["content"] or (req.logprobs and tokens):
                 yield chunk(i, delta, tokens)
             yield chunk(i, {}, finish_reason=reason, matched_stop=matched)
             completion += len(out.get("output_ids") or [])
@@ -208,12 +243,12 @@ async def completion_chunks(req: completions.CompletionRequest, feed: TokenFeed,
     try:
         async for i, tokens, out in stream_choices(feed, futures):
             if out is None:
-                text = texts[i].grow([t for t, _, _ in tokens])
+                _, text = texts[i].grow([t for t, _, _ in tokens])
                 if text or (req.logprobs is not None and tokens):
                     yield chunk(i, text, tokens)
                 continue
             outputs[i] = out
-            yield chunk(i, texts[i].finish(out.get("text", "")), tokens, *completions.finish(out))
+            yield chunk(i, texts[i].finish(out.get("text", ""))[1], tokens, *completions.finish(out))
     except ENGINE_ERRORS as e:
         yield sse_error(e)
         yield DONE
@@ -236,8 +271,12 @@ def served_model_id(core: Any, served_model_name: str | None = None, run_name: s
 
 
 def openai_router(core: Any, max_request_bytes: int, served_model_name: str | None = None,
-                  run_name: str | None = None) -> APIRouter:  # fmt: skip
-    """The three routes of the engine's app, naming the model `served_model_id`."""
+                  run_name: str | None = None, tool_call_parser: str | None = None,
+                  reasoning_parser: str | None = None) -> APIRouter:  # fmt: skip
+    """The three routes of the engine's app, naming the model `served_model_id`. Chat answers are
+    split as SGLang's server with `--tool-call-parser` / `--reasoning-parser` splits them (the
+    tool calls: qwen25's format when no parser is named; no reasoning split without one)."""
+    tool_call_parser = tool_call_parser or "qwen25"
     app = APIRouter()
     # chat templates render on one thread of their own: jinja holds the GIL, and a pool of them
     # rendering big chats at once starved the engine's scheduler thread (issue #49, item 9)
@@ -276,8 +315,14 @@ def openai_router(core: Any, max_request_bytes: int, served_model_name: str | No
             gen = chat.generate_body(req, ids, core.context_length)
             futures, feed = await submit(gen, req.n, req.stream)
             if feed is not None:
-                return stream(chat_chunks(req, ids, feed, futures, core.tokenizer))
-            return answer(chat.build_response(req, await all_results(futures), core.tokenizer, ids))
+                reasoning = chat.request_reasoning(req, reasoning_parser, core.tokenizer)
+                return stream(
+                    chat_chunks(req, ids, feed, futures, core.tokenizer, tool_call_parser, reasoning)
+                )
+            outputs = await all_results(futures)
+            return answer(
+                chat.build_response(req, outputs, core.tokenizer, ids, tool_call_parser, reasoning_parser)
+            )
         except ENGINE_ERRORS as e:
             return engine_error(e)
 

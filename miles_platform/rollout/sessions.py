@@ -198,6 +198,10 @@ class SessionServer:
         self.max_seq_len, self.context_length = max_seq_len, context_length
         self.moe_shape, self.max_sessions = moe_shape, max_sessions
         self.sessions: dict[str, Session] = {}
+        # SGLang's --tool-call-parser / --reasoning-parser (Miles' sessions proxy SGLang's chat route,
+        # which splits answers with them): set by start_session_server from --sglang-*
+        self.tool_call_parser: str | None = None
+        self.reasoning_parser: str | None = None
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.vision = vision
         # TITO tokenization (chat templates: pure Python, the GIL held) on one thread of its own,
@@ -343,7 +347,8 @@ class SessionServer:
         return await engine_client.post_generate(self.engine_url, body, self.api_key, client=self._http)
 
     def _commit(self, s: Session, req: chat.ChatRequest, plan: dict[str, Any], out: dict[str, Any]) -> dict:
-        resp = chat.build_response(copy.copy(req), [out], self.tok, plan["input"], self.tito.tool_call_parser)
+        resp = chat.build_response(copy.copy(req), [out], self.tok, plan["input"],
+                                   self.tool_call_parser or self.tito.tool_call_parser, self.reasoning_parser)  # fmt: skip
         for c in resp["choices"]:
             c.pop("meta_info", None)  # Miles: session responses omit meta_info (the record keeps it)
         msg = copy.deepcopy(resp["choices"][0]["message"])
@@ -537,6 +542,11 @@ def start_session_server(cfg: Any, tokenizer: Any, engine_url: str, replay: bool
     server = SessionServer(tokenizer, engine_url, cfg.api_key, cfg.tito_model, replay, lora_path,
                            cfg.max_seq_len, context_length, moe_shape, max_sessions,
                            template_kwargs(getattr(cfg, "apply_chat_template_kwargs", None)), vision)  # fmt: skip
+    sglang = {k.replace("_", "-"): v for k, v in (getattr(cfg, "sglang_args", None) or {}).items()}
+    server.tool_call_parser, server.reasoning_parser = (
+        sglang.get("tool-call-parser"),
+        sglang.get("reasoning-parser"),
+    )
     app = create_session_app(server, cfg.api_key)
     return SessionServerHandle(
         server, serve_in_thread(app, cfg.session_server_ip, cfg.session_server_port, "sessions")
