@@ -33,7 +33,7 @@ from miles_platform.store.schemas import SOURCE_PART, TABLE_SCHEMAS  # noqa: F40
 from miles_platform.store.shards import refresh_catalog_after_first_file, write_parquet_atomic
 
 _COMPACTED = re.compile(r"^(part-.+)\.c\d+\.parquet$")
-_READ_ATTEMPTS = 5  # listings retried when a compaction removed a listed part meanwhile
+_READ_ATTEMPTS = 7  # listings retried (with _relist_delay) when a file listed was removed meanwhile
 
 
 def _check_rows(table: str, run: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -102,7 +102,14 @@ def read_table(paths: StoragePaths, table: str, run: str | None = None, after: s
         except FileNotFoundError:
             if attempt == _READ_ATTEMPTS - 1:
                 raise
+            time.sleep(_relist_delay(attempt))
     raise AssertionError("unreachable")
+
+
+def _relist_delay(attempt: int) -> float:
+    """Seconds before listing again (a compaction deleting its parts, or a newer compaction replacing
+    an older compacted file, is done within these ~3 s in all)."""
+    return min(0.05 * 2**attempt, 1.0)
 
 
 def read_files(paths: StoragePaths, table: str, files: list[str], after: str | None = None) -> pa.Table:
@@ -110,10 +117,16 @@ def read_files(paths: StoragePaths, table: str, files: list[str], after: str | N
     fs = fsspec.core.url_to_fs(paths.table_dir(table))[0]
     schema = TABLE_SCHEMAS[table].append(pa.field(SOURCE_PART, pa.string()))
     pieces, holder = [], {}  # holder: (dir, part) -> the greatest file name holding its rows
-    for p in files:
+    held: set[tuple[str, str]] = set()  # (dir, part) read from a compacted file
+    # compacted files first (newest first): a part one of them holds is not opened again, so a part
+    # file the compaction deletes after this listing is never needed (its rows are the same there)
+    compacted = sorted((p for p in files if is_compacted(p.rpartition("/")[2])), reverse=True)
+    for p in compacted + [p for p in files if not is_compacted(p.rpartition("/")[2])]:
         directory, _, name = p.rpartition("/")
         if after is not None and last_part(name) <= after:
             continue  # holds no part after `after`
+        if (directory, name) in held:
+            continue
         with fs.open(p, "rb") as f:
             t = pq.read_table(f, schema=schema)
         if not is_compacted(name):
@@ -122,6 +135,8 @@ def read_files(paths: StoragePaths, table: str, files: list[str], after: str | N
             )
         for part in t.column(SOURCE_PART).unique().to_pylist():
             holder[directory, part] = max(holder.get((directory, part), name), name)
+            if is_compacted(name):
+                held.add((directory, part))
         pieces.append((directory, name, t))
     mine: dict[tuple[str, str], list[str]] = {}  # (dir, file name) -> the parts read from it
     for (directory, part), name in holder.items():
@@ -174,6 +189,7 @@ def part_names(paths: StoragePaths, table: str) -> list[str]:
         except FileNotFoundError:
             if attempt == _READ_ATTEMPTS - 1:
                 raise
+            time.sleep(_relist_delay(attempt))
     raise AssertionError("unreachable")
 
 

@@ -161,6 +161,33 @@ def test_a_reader_that_listed_the_parts_before_a_compaction_lists_again(root, mo
     assert calls[0] > 1 and calls[1] == 1
 
 
+def test_a_reader_that_listed_mid_compaction_needs_no_part_the_compaction_deletes(root, monkeypatch):
+    """Listed after the compacted file was written, before its parts were deleted (which happens
+    right after the listing): the compacted file is read first and the parts it holds are not opened,
+    so the stale listing reads in one go (before: FileNotFoundError, relisted, and under load a
+    Dagster run's reconcile failed when every relisting met another deletion; seen 2026-12-05)."""
+    want = read_rows(root, "metrics", "a")
+    real = tables.list_files
+    calls = []
+
+    def list_mid_compaction(paths, table, run=None):
+        if not calls:
+            parts = real(paths, table, run)
+            monkeypatch.setattr(compaction, "_remove", lambda *a: None)  # the c-file, parts still there
+            compaction.compact_table(paths, table, run)
+            files = real(paths, table, run)
+            for p in parts:  # the compaction's deletion, just after this listing
+                os.remove(p)
+        else:
+            files = real(paths, table, run)
+        calls.append(len(files))
+        return files
+
+    monkeypatch.setattr(tables, "list_files", list_mid_compaction)
+    assert read_rows(root, "metrics", "a") == want
+    assert len(calls) == 1 and calls[0] > 2  # one listing: the compacted file and the deleted parts
+
+
 def test_a_run_being_written_is_not_compacted(root, capsys):
     with RunLock(local_run_dir(root, "a"), "a"):
         with pytest.raises(RunLocked, match="run 'a' is being written"):
