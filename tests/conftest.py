@@ -128,6 +128,20 @@ SLOW = {
 }  # fmt: skip
 
 
+def pytest_unconfigure(config):
+    """Stop this process's multiprocessing fork server (the gloo-rank tests' preload,
+    loop_helpers.spawn_ranks). It stops when its "alive" pipe closes, but every process forked from
+    this one after it started (warm-python forks, Ray's) holds that pipe too, so it outlived pytest,
+    orphaned with ~400 MB each run; multiprocessing's own stop waits on that pipe and can hang."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGTERM)
+            os.waitpid(pid, 0)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
