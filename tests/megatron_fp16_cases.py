@@ -137,6 +137,20 @@ def _shards(actor) -> list[torch.Tensor]:
     ]
 
 
+def _masters_off_model(actor) -> float:
+    """How far the optimizer's fp32 masters of the bf16 shards (and their host copies) are from the
+    model's weights: 0 right after load_model (--no-load-optim) when it refreshes them."""
+    out = 0.0
+    for o in actor.backend.dist_opt.mcore.chained_optimizers:
+        hdo, pairs = o.optimizer, []
+        for shards, mains in zip(o.shard_float16_groups, o.shard_fp32_from_float16_groups, strict=True):
+            for s, m in zip(shards, mains, strict=True):
+                m = hdo.param_to_fp32_param[s] if m is None else m  # the trio: the host's master
+                pairs += [(s, m), (s, hdo.gpu_params_map_cpu_copy.get(m, m))]
+        out = max([out, *(float((m - s.float()).abs().max()) for s, m in pairs)])
+    return out
+
+
 def _max_diff(a: list, b: list) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
@@ -176,6 +190,12 @@ def _offload_cases(ckpt: str, out: Path, rep: dict) -> None:
                     p.copy_(w)
             actor.train(0, random_train_batch(1))
             rep[f"{name}_resumed_diff"] = _max_diff(step2, _shards(actor))
+            # --no-load-optim: weights from a checkpoint (moved on by a step since), no optimizer state
+            actor.backend.save_model(str(out / f"{name}_model"))
+            actor.train(0, random_train_batch(2))
+            rep[f"{name}_stepped_off_model"] = _masters_off_model(actor)  # 0: the step rounds them in
+            actor.backend.load_model(str(out / f"{name}_model"))
+            rep[f"{name}_reloaded_off_model"] = _masters_off_model(actor)
         megatron_shims.destroy_process_group()
 
 

@@ -160,6 +160,27 @@ class ActorOptimizer:
                             "exp_avg_sq": torch.zeros_like(p),
                         }
 
+    def reload_model_params(self) -> None:
+        """The fp32 main parameters (and the offloaded host copies) from the model's, after load_model
+        brought weights without optimizer state (--no-load-optim): megatron's `reload_model_params`.
+        Without it the first step wrote the stale fp32 values of the weights the optimizer was built
+        from back into the model, dropping the loaded ones (measured: moved by the whole difference).
+        megatron-core 0.16's own refreshes only the HybridDeviceOptimizer's fp32 copies of bf16 shards
+        (--use-precision-aware-optimizer), not the distributed optimizer's main shards under it."""
+        for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            hdo = o.optimizer
+            if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                hdo.update_fp32_param_by_new_param()  # bf16 shards -> the host's fp32 masters
+                continue
+            for model_group, main_group in zip(
+                o.model_float16_groups, o.shard_fp32_from_float16_groups, strict=True
+            ):
+                for model_param, main in zip(model_group, main_group, strict=True):
+                    r = o._get_model_param_range_map(model_param)["param"]
+                    main.data.copy_(model_param.detach().view(-1)[r.start : r.end])
+            for p, copy in getattr(hdo, "gpu_params_map_cpu_copy", {}).items():
+                copy.data.copy_(p.data)
+
     def load_sharded(self, state: dict) -> None:
         self.mcore.load_state_dict(state)
         for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
