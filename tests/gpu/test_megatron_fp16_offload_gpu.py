@@ -57,6 +57,9 @@ def test_megatron_optimizer_cpu_offload_on_the_device(report, record, case):
     resumed = "trio" if case == "trio" else "offload"
     assert report[f"{resumed}_loaded"] and report[f"{resumed}_load_diff"] == 0.0
     assert report[f"{resumed}_resumed_diff"] <= 1e-6
+    assert (
+        report[f"{resumed}_reloaded_off_model"] == 0.0
+    )  # --no-load-optim: the loaded weights are the masters
     if case == "trio":
         assert where["master"] == ["cpu"] and where["main_shards"] == 0
         assert where["dtypes"] == ["bfloat16 -> float32"]
