@@ -9,8 +9,9 @@ The checks are ordinary pytest files (tests/gpu/test_{trainer,engine,grpo_run,me
 megatron_fp16_offload,fsdp,kernels}_gpu.py:
 the loop's trainer and the embedded engine on the device against the CPU, the demo's GRPO run on one
 GPU separate and colocated through tests/gpu/ray_free_grpo.py, which needs no Ray; megatron's --fp16
-loss scaling and --optimizer-cpu-offload's host placement with the trainer on the GPU); this
-script runs `pytest tests/gpu -m gpu` in a subprocess with itself as a plugin (`-p gpu_checks`),
+loss scaling and --optimizer-cpu-offload's host placement, with --use-precision-aware-optimizer too,
+with the trainer on the GPU); this script runs `pytest tests/gpu -m gpu` in a subprocess with itself
+as a plugin (`-p gpu_checks`),
 which rewrites DIR/gpu_checks.json after every test: {"cuda", "device_name", "env", "checks":
 {test id: {"status", "duration_s", ...what the test recorded}}, "summary", "all_judged_pass"}.
 Status is "pass", "fail", "error" (a fixture failed) or "skipped" (with its reason). DIR/gpu_checks.log

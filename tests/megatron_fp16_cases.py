@@ -1,4 +1,5 @@
-"""The cases of --fp16 and --optimizer-cpu-offload on the megatron backend, run by one gloo rank in one
+"""The cases of --fp16, --optimizer-cpu-offload and Miles' offloaded optimizer trio
+(--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer) on the megatron backend, run by one gloo rank in one
 process (`run`: its report as a dict), judged by tests/unit/training/test_megatron_fp16_offload.py on
 the CPU and tests/gpu/test_megatron_fp16_offload_gpu.py on CUDA (scripts/gpu_checks.py).
 """
@@ -125,14 +126,29 @@ def _distopt_cases(ckpt: str, out: Path, rep: dict) -> None:
 
 
 def _shards(actor) -> list[torch.Tensor]:
-    """The distributed optimizer's fp32 main parameter shards (what it steps)."""
+    """The fp32 main parameter shards the optimizer steps: the distributed optimizer's own, or with
+    --use-precision-aware-optimizer the host optimizer's fp32 copies of its bf16 shards."""
     opt = actor.backend.dist_opt.mcore
     return [
-        p.detach().clone()
+        getattr(o.optimizer, "param_to_fp32_param", {}).get(p, p).detach().clone()
         for o in opt.chained_optimizers
         for g in o.optimizer.param_groups
         for p in g["params"]
     ]
+
+
+def _masters_off_model(actor) -> float:
+    """How far the optimizer's fp32 masters of the bf16 shards (and their host copies) are from the
+    model's weights: 0 right after load_model (--no-load-optim) when it refreshes them."""
+    out = 0.0
+    for o in actor.backend.dist_opt.mcore.chained_optimizers:
+        hdo, pairs = o.optimizer, []
+        for shards, mains in zip(o.shard_float16_groups, o.shard_fp32_from_float16_groups, strict=True):
+            for s, m in zip(shards, mains, strict=True):
+                m = hdo.param_to_fp32_param[s] if m is None else m  # the trio: the host's master
+                pairs += [(s, m), (s, hdo.gpu_params_map_cpu_copy.get(m, m))]
+        out = max([out, *(float((m - s.float()).abs().max()) for s, m in pairs)])
+    return out
 
 
 def _max_diff(a: list, b: list) -> float:
@@ -143,10 +159,15 @@ def _offload_cases(ckpt: str, out: Path, rep: dict) -> None:
     from miles_platform.training import megatron_distopt, megatron_shims
     from miles_platform.training.actor import TrainerActor
 
-    base = dict(bf16=True, use_distributed_optimizer=True, global_batch_size=2)
+    # fp32 main gradients, as Miles' offloaded recipes run: --use-precision-aware-optimizer clips the
+    # main gradients in place (megatron's `decoupled_grad`), in bf16 without the flag (the trio's step
+    # then measured 4.5e-6 off the plain one, which clips an fp32 copy; 6e-8 with it)
+    base = dict(bf16=True, use_distributed_optimizer=True, global_batch_size=2,
+                accumulate_allreduce_grads_in_fp32=True)  # fmt: skip
     shards = {}
-    for name, kw in (("plain", {}), ("offload", dict(optimizer_cpu_offload=True)),
-                     ("overlap", dict(optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=True))):  # fmt: skip
+    overlap = dict(optimizer_cpu_offload=True, overlap_cpu_optimizer_d2h_h2d=True)
+    for name, kw in (("plain", {}), ("offload", dict(optimizer_cpu_offload=True)), ("overlap", overlap),
+                     ("trio", dict(overlap, use_precision_aware_optimizer=True))):  # fmt: skip
         actor = TrainerActor(_cfg(ckpt, **base, **kw), 0, 1, f"tcp://127.0.0.1:{free_port()}")
         _train(actor)
         shards[name] = _shards(actor)
@@ -157,16 +178,24 @@ def _offload_cases(ckpt: str, out: Path, rep: dict) -> None:
             )
             rep[f"{name}_step_diff"] = _max_diff(shards[name], shards["plain"])
             rep[f"{name}_trainer_device"] = str(actor.backend.device)
-        if name == "offload":  # saved after step 1, loaded after step 2: step 2 again is step 2
-            actor.backend.save_optimizer(actor.opt, str(out / "ockpt"))
+        if name in ("offload", "trio"):  # saved after step 1, loaded after step 2: step 2 again is step 2
+            model = [p.detach().clone() for p in actor.backend.module.parameters()]
+            actor.backend.save_optimizer(actor.opt, str(out / f"{name}_ckpt"))
             actor.train(0, random_train_batch(1))
             step2 = _shards(actor)
-            rep["offload_loaded"] = actor.backend.load_optimizer(actor.opt, str(out / "ockpt"))
-            rep["offload_load_diff"] = _max_diff(shards[name], _shards(actor))
-            for o in actor.backend.dist_opt.mcore.chained_optimizers:  # the weights, as load_model gives them
-                o._copy_main_params_to_model_params()
+            rep[f"{name}_loaded"] = actor.backend.load_optimizer(actor.opt, str(out / f"{name}_ckpt"))
+            rep[f"{name}_load_diff"] = _max_diff(shards[name], _shards(actor))
+            with torch.no_grad():  # the weights, as load_model gives them
+                for p, w in zip(actor.backend.module.parameters(), model, strict=True):
+                    p.copy_(w)
             actor.train(0, random_train_batch(1))
-            rep["offload_resumed_diff"] = _max_diff(step2, _shards(actor))
+            rep[f"{name}_resumed_diff"] = _max_diff(step2, _shards(actor))
+            # --no-load-optim: weights from a checkpoint (moved on by a step since), no optimizer state
+            actor.backend.save_model(str(out / f"{name}_model"))
+            actor.train(0, random_train_batch(2))
+            rep[f"{name}_stepped_off_model"] = _masters_off_model(actor)  # 0: the step rounds them in
+            actor.backend.load_model(str(out / f"{name}_model"))
+            rep[f"{name}_reloaded_off_model"] = _masters_off_model(actor)
         megatron_shims.destroy_process_group()
 
 

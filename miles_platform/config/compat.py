@@ -156,6 +156,15 @@ COMPAT: dict[str, MilesFlag] = {
     "fp8_recipe": _refused("str", _FP8),
     "te_precision_config_file": _refused("str", _FP8),
     "rematerialize_param_from_master_weight": _refused("bool", "rebuilding low-precision params from the fp32 master copy is a megatron precision option this build does not have; drop it"),
+    **{name: _same(
+        "str", f"{what}: fp32 only. Megatron-LM's fp32 default is what this build runs; any other dtype megatron-core "
+        "takes only with --use-precision-aware-optimizer into transformer-engine's FusedAdam (not installed), and with "
+        "--optimizer-cpu-offload its HybridDeviceOptimizer keeps fp32 masters and fp32 Adam state whatever is asked "
+        "(accepted there and ignored): drop it or give fp32",
+        allowed=("fp32",),
+    ) for name, what in (("main_grads_dtype", "the optimizer's main gradients"),
+                         ("main_params_dtype", "the optimizer's master parameters"),
+                         ("exp_avg_dtype", "Adam's first moment"), ("exp_avg_sq_dtype", "Adam's second moment"))},
     "offload_train_target": _same(
         "str", "where --offload-train parks the trainer's state: host memory (cpu) here; disk is not built",
         allowed=("cpu",),

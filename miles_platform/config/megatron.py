@@ -22,12 +22,7 @@ RANGES: dict[str, tuple] = dict.fromkeys(
     "min_loss_scale": (0, None, True, "> 0"), "loss_scale_window": POSITIVE, "hysteresis": POSITIVE,
 }  # fmt: skip
 
-REFUSED: dict[str, str] = {
-    "use_precision_aware_optimizer": "megatron-core keeps reduced-precision optimizer state in transformer-engine's "
-    "FusedAdam, which is not installed, or with --optimizer-cpu-offload as fp32 copies inside its "
-    "HybridDeviceOptimizer, a variant not built here; --optimizer-cpu-offload without it steps the same fp32 main "
-    "parameters on the host: drop the flag",
-}
+REFUSED: dict[str, str] = {}
 
 LAYOUT = ("tensor_model_parallel_size", "sequence_parallel", "pipeline_model_parallel_size", "context_parallel_size",
           "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
@@ -97,8 +92,9 @@ class MegatronFlags:
         "CUDA streams, overlapping the step",
     )  # fmt: skip
     use_precision_aware_optimizer: bool = flag(
-        False, "perf", "megatron: optimizer state in reduced precision (TE)"
-    )
+        False, "perf", "megatron --optimizer-cpu-offload: the fp32 master parameters live in the host optimizer "
+        "only (megatron-core's HybridDeviceOptimizer with param_update_in_fp32); without offload TE's FusedAdam",
+    )  # fmt: skip
     recompute_granularity: str | None = flag(
         None, "perf", "megatron activation recompute: full layers or selective (attention core)",
         choices=("full", "selective"),
@@ -110,6 +106,14 @@ class MegatronFlags:
     recompute_num_layers: int | None = flag(None, "perf", "full recompute: N of --recompute-method")
 
     def _check_distributed_optimizer(self) -> None:
+        if self.use_precision_aware_optimizer and not self.optimizer_cpu_offload:
+            raise ConfigError(
+                "--use-precision-aware-optimizer without --optimizer-cpu-offload: megatron-core steps it with "
+                "transformer-engine's FusedAdam (its master weights and reduced-precision state), and "
+                "transformer-engine is not installed (megatron-core: 'requires FusedAdam from "
+                "TransformerEngine, but not found', measured); add --optimizer-cpu-offload (its host optimizer "
+                "holds the fp32 master weights) or drop the flag"
+            )
         if self.overlap_cpu_optimizer_d2h_h2d and not self.optimizer_cpu_offload:
             raise ConfigError(
                 "--overlap-cpu-optimizer-d2h-h2d overlaps the offloaded optimizer's copies: add --optimizer-cpu-offload"

@@ -506,6 +506,8 @@ class MegatronBackend(ModelBackend):
         load_torch_dist(self.chunks, ckpt_dir)
         if self.main is not None:  # until load_optimizer brings the saved fp32 values
             self.main.from_model()
+        if self.dist_opt is not None:  # the same for megatron's optimizer (its fp32 main shards / copies)
+            self.dist_opt.reload_model_params()
 
     # ---- the optimizer's state, resharded like the weights (training/megatron_checkpoint.py) ----
     reshards_checkpoints = True

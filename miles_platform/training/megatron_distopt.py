@@ -65,6 +65,9 @@ def optimizer_config(cfg: Any):
         optimizer_cpu_offload=bool(getattr(cfg, "optimizer_cpu_offload", False)),
         optimizer_offload_fraction=1.0,
         overlap_cpu_optimizer_d2h_h2d=bool(getattr(cfg, "overlap_cpu_optimizer_d2h_h2d", False)),
+        # with offload (config/megatron.py): HybridDeviceOptimizer(param_update_in_fp32=True) holds the fp32
+        # master copies; the DistributedOptimizer keeps no fp32 main shards and hands it `decoupled_grad`s
+        use_precision_aware_optimizer=bool(getattr(cfg, "use_precision_aware_optimizer", False)),
         **scaling,
     )
 
@@ -130,8 +133,9 @@ class ActorOptimizer:
         if max_norm > 0:
             for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
                 params = o.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(params, max_norm=max_norm, total_norm=norm)
+                if params:  # --use-precision-aware-optimizer: the gradients are `decoupled_grad`s
+                    decoupled = o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                    clip_grad_by_total_norm_fp32(params, max_norm, norm, use_decoupled_grad=decoupled)
         return torch.tensor(float(norm), dtype=torch.float64)
 
     # ---- checkpoints: megatron's sharded optimizer state (resharded like the weights) ----
@@ -156,9 +160,38 @@ class ActorOptimizer:
                             "exp_avg_sq": torch.zeros_like(p),
                         }
 
+    def reload_model_params(self) -> None:
+        """The fp32 main parameters (and the offloaded host copies) from the model's, after load_model
+        brought weights without optimizer state (--no-load-optim): megatron's `reload_model_params`.
+        Without it the first step wrote the stale fp32 values of the weights the optimizer was built
+        from back into the model, dropping the loaded ones (measured: moved by the whole difference).
+        megatron-core 0.16's own refreshes only the HybridDeviceOptimizer's fp32 copies of bf16 shards
+        (--use-precision-aware-optimizer), not the distributed optimizer's main shards under it."""
+        for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            hdo = o.optimizer
+            if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                hdo.update_fp32_param_by_new_param()  # bf16 shards -> the host's fp32 masters
+                continue
+            for model_group, main_group in zip(
+                o.model_float16_groups, o.shard_fp32_from_float16_groups, strict=True
+            ):
+                for model_param, main in zip(model_group, main_group, strict=True):
+                    r = o._get_model_param_range_map(model_param)["param"]
+                    main.data.copy_(model_param.detach().view(-1)[r.start : r.end])
+            for p, copy in getattr(hdo, "gpu_params_map_cpu_copy", {}).items():
+                copy.data.copy_(p.data)
+
     def load_sharded(self, state: dict) -> None:
         self.mcore.load_state_dict(state)
         for o in getattr(self.mcore, "chained_optimizers", [self.mcore]):
+            if o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                # with --use-precision-aware-optimizer the load puts the saved fp32 master parameters and
+                # Adam state into the HybridDeviceOptimizer's state ("master_param") after its own post-load
+                # hook rebuilt the host copies from the bf16 shards; its re-sync (the hook's last step) copies
+                # them into the fp32 copies the host steps, the state onto the host (measured without it:
+                # the masters were the bf16 weights, the resumed step off by 2.5e-3)
+                o.optimizer._sync_hdo_state_to_sub_optimizers()
+                continue
             # --optimizer-cpu-offload: the load rebuilds the host copies before it writes the loaded
             # main parameters into the device shards; the host copies take them (what the host steps)
             for p, copy in getattr(o.optimizer, "gpu_params_map_cpu_copy", {}).items():
@@ -188,15 +221,21 @@ def offload_placement(opt: ActorOptimizer) -> dict[str, Any]:
     optimizers: the devices of the parameter shards it offloads (the trainer's), of their host copies,
     of the gradients copied to the host and of the optimizer state (the host's); how many host copies
     share storage with their device shard (none should) and how many device-side optimizers it built
-    (none: Megatron-LM's --optimizer-offload-fraction default 1.0 offloads every shard)."""
-    out: dict[str, Any] = {"param": set(), "host_copy": set(), "host_grad": set(), "state": set()}
-    out["offloaded"] = out["shared"] = out["device_optimizers"] = 0
+    (none: Megatron-LM's --optimizer-offload-fraction default 1.0 offloads every shard). With
+    --use-precision-aware-optimizer the shards are the model's bf16 ones and the host copies its fp32
+    masters (`master`: their devices); `main_shards` counts the fp32 main shards the distributed
+    optimizer keeps itself (none then)."""
+    out: dict[str, Any] = {k: set() for k in ("param", "host_copy", "host_grad", "state", "master", "dtypes")}
+    out["offloaded"] = out["shared"] = out["device_optimizers"] = out["main_shards"] = 0
     for o in getattr(opt.mcore, "chained_optimizers", [opt.mcore]):
         hdo = o.optimizer
         out["device_optimizers"] += hdo.gpu_optimizer is not None
+        out["main_shards"] += sum(p is not None for g in o.shard_fp32_from_float16_groups for p in g)
+        out["master"].update(str(c.device) for c in hdo.param_to_fp32_param.values())
         for p, copy in hdo.gpu_params_map_cpu_copy.items():
             out["param"].add(str(p.device))
             out["host_copy"].add(str(copy.device))
+            out["dtypes"].add(f"{p.dtype} -> {copy.dtype}".replace("torch.", ""))
             out["offloaded"] += 1
             out["shared"] += copy.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
         out["host_grad"].update(str(g.device) for g in hdo.cpu_copy_map_grad.values())

@@ -359,6 +359,7 @@ def apply_optimizer_cpu_shims() -> bool:
 
     _step_kept_on_load(distrib_optimizer)
     _hybrid_optimizer_loads_fp32_params(distrib_optimizer)
+    _te_version_without_te()
     _OPTIMIZER_SHIMMED = True
     if cuda_available():
         return False
@@ -372,6 +373,19 @@ def apply_optimizer_cpu_shims() -> bool:
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
     return True
+
+
+def _te_version_without_te() -> None:
+    """Any device without transformer-engine: megatron-core 0.16's OptimizerConfig with
+    --use-precision-aware-optimizer asks `is_te_min_version("2.1.0")` (to turn store_param_remainders
+    off below TE 2.1), which compares TE's version, None without TE: TypeError "'>=' not supported
+    between instances of 'NoneType' and 'Version'" (measured). No TE is below every version."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import optimizer_config
+
+    if mcore_utils.get_te_version() is not None:
+        return
+    optimizer_config.is_te_min_version = lambda version, check_equality=True: False
 
 
 class _HostStream:
@@ -430,11 +444,13 @@ def _hybrid_optimizer_on_the_host() -> None:
     each, up to --optimizer-offload-fraction of them) and steps the copies with torch's AdamW, moving
     gradients and parameters over CUDA streams (`torch.cuda.current_stream()`: AssertionError 'Torch
     not compiled with CUDA enabled', measured). Here the trainer's device is the host itself: while
-    it sorts the parameters, every parameter but the host copies it makes counts as the device's
-    (`is_cuda`) and pinning is the plain copy, so each parameter gets its own host copy, stepped with
+    it sorts the parameters, its own parameters count as the device's (`is_cuda`), every copy it makes
+    of them as the host's, and pinning is the plain copy, so each parameter gets its own host copy, stepped with
     its state by the host optimizer, as on a GPU (without it the host optimizer gets the parameters
     themselves, and its step looks each up as a host copy: KeyError in `_set_sub_optimizer_grads`,
-    measured); the streams are `_HostStream`s."""
+    measured); the streams are `_HostStream`s. Under --use-precision-aware-optimizer it makes an fp32
+    copy (`.float()`) of each bf16 host copy, a host copy too (marking the copies instead sent these
+    to a device optimizer no gradient reaches: an empty state and no step, measured)."""
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     hybrid_optimizer.torch = _HostTorch(torch)
@@ -442,11 +458,11 @@ def _hybrid_optimizer_on_the_host() -> None:
     real = cls._get_sub_optimizer_param_groups
 
     def pinned(t, *args, **kwargs):  # `.cpu().pin_memory()` of a clone: the host copy itself
-        t._host_copy = True
         return t
 
     def sort_params(self, offload_fraction):
-        on_device = property(lambda t: not getattr(t, "_host_copy", False))
+        device = {id(p) for g in self.param_groups for p in g["params"]}
+        on_device = property(lambda t: id(t) in device)
         with _tensor_attrs(is_cuda=on_device, pin_memory=pinned):
             return real(self, offload_fraction)
 
@@ -519,7 +535,10 @@ def _step_kept_on_load(distrib_optimizer) -> None:
     from the saved param groups, then copies every state key from the saved per-parameter tensors,
     which have none: KeyError 'step' (measured). Copy the keys that were saved; the step stays as set,
     one tensor per parameter (the load sets one shared tensor, which torch's Adam, incrementing it in
-    place per parameter, would advance N times a step: a resumed step off by ~lr, measured)."""
+    place per parameter, would advance N times a step: a resumed step off by ~lr, measured). With
+    --use-precision-aware-optimizer (offloaded) the load replaces the host optimizer's state tensors
+    and leaves the shared step: each parameter's step is made its own after (measured without: the
+    resumed step off by 6e-4, one step count advanced by every parameter's host optimizer)."""
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     cls = distrib_optimizer.DistributedOptimizer
@@ -529,11 +548,13 @@ def _step_kept_on_load(distrib_optimizer) -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         state = self.optimizer.state[main_param]
-        if (
-            self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-            or "step" in tensors
-            or "step" not in state
-        ):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:  # the state's own keys, replaced
+            try:
+                return real(self, model_param, tensors)
+            finally:
+                if "step" in state and "step" not in tensors:
+                    state["step"] = state["step"].clone()
+        if "step" in tensors or "step" not in state:
             return real(self, model_param, tensors)
         step = state.pop("step")
         try:

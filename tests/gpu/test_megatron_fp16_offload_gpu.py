@@ -34,12 +34,16 @@ def test_megatron_fp16_step_and_loss_scaling_on_the_device(report, record):
     assert report["export_dtypes"] == ["torch.float16"]
 
 
-@pytest.mark.parametrize("case", ["offload", "overlap"])
+@pytest.mark.parametrize("case", ["offload", "overlap", "trio"])
 def test_megatron_optimizer_cpu_offload_on_the_device(report, record, case):
+    """trio: Miles' --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer,
+    the fp32 masters in the host optimizer only (CUDA streams, pinned copies: megatron-core unshimmed)."""
     where = report[f"{case}_placement"]
     record.ran_on(report[f"{case}_trainer_device"].split(":")[0])
     record(
-        placement=where, step_diff=report[f"{case}_step_diff"], resumed_diff=report["offload_resumed_diff"]
+        placement=where,
+        step_diff=report[f"{case}_step_diff"],
+        resumed_diff=report["trio_resumed_diff" if case == "trio" else "offload_resumed_diff"],
     )
     assert (
         all(d.startswith("cuda") for d in where["param"])
@@ -50,5 +54,12 @@ def test_megatron_optimizer_cpu_offload_on_the_device(report, record, case):
     assert where["offloaded"] > 0 and where["shared"] == 0 and where["device_optimizers"] == 0
     assert report[f"{case}_step_diff"] <= 1e-6
     # GPU kernels may reduce in another order between two runs of a step: 1e-6, not bit-equality
-    assert report["offload_loaded"] and report["offload_load_diff"] == 0.0
-    assert report["offload_resumed_diff"] <= 1e-6
+    resumed = "trio" if case == "trio" else "offload"
+    assert report[f"{resumed}_loaded"] and report[f"{resumed}_load_diff"] == 0.0
+    assert report[f"{resumed}_resumed_diff"] <= 1e-6
+    assert (
+        report[f"{resumed}_reloaded_off_model"] == 0.0
+    )  # --no-load-optim: the loaded weights are the masters
+    if case == "trio":
+        assert where["master"] == ["cpu"] and where["main_shards"] == 0
+        assert where["dtypes"] == ["bfloat16 -> float32"]

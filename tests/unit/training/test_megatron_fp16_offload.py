@@ -1,7 +1,7 @@
 """--fp16 on the megatron backend (training/megatron_precision.py): fp16 weights and forward, fp32 main
 parameters, megatron-core's grad scaler around the actor's step, with and without the distributed
 optimizer; --optimizer-cpu-offload (training/megatron_distopt.py): megatron-core's HybridDeviceOptimizer
-under the distributed optimizer. One gloo rank runs every case (tests/megatron_fp16_cases.py); the
+under the distributed optimizer, with --use-precision-aware-optimizer its fp32 master copies. One gloo rank runs every case (tests/megatron_fp16_cases.py); the
 tests assert on its report. tests/gpu/test_megatron_fp16_offload_gpu.py judges the same on CUDA.
 """
 
@@ -54,12 +54,14 @@ def test_fp16_exports_fp16_weights(report):
     assert report["export_dtypes"] == ["torch.float16"]  # Miles serves --fp16 with SGLang dtype float16
 
 
-@pytest.mark.parametrize("case", ["offload", "overlap"])
+@pytest.mark.parametrize("case", ["offload", "overlap", "trio"])
 def test_the_offloaded_step_is_the_step_on_the_device(report, case):
-    assert report[f"{case}_step_diff"] <= 1e-6  # measured 7.5e-9: torch's fused vs foreach AdamW
+    """trio: --use-precision-aware-optimizer too; its host optimizer updates its fp32 master copies
+    as the distributed optimizer updates its fp32 main shards (same gradients, clip, AdamW)."""
+    assert report[f"{case}_step_diff"] <= 1e-6  # measured 6e-8: torch's fused (host) vs foreach AdamW
 
 
-@pytest.mark.parametrize("case", ["offload", "overlap"])
+@pytest.mark.parametrize("case", ["offload", "overlap", "trio"])
 def test_offloaded_state_lives_on_the_host_and_parameters_on_the_trainer_device(report, case):
     """Every main parameter shard is offloaded: a host copy of its own (not the shard's storage, so
     the state is not the device's, on a GPU or here where the trainer's device is the host), its
@@ -69,9 +71,24 @@ def test_offloaded_state_lives_on_the_host_and_parameters_on_the_trainer_device(
     assert where["host_copy"] == where["host_grad"] == where["state"] == ["cpu"]
     assert where["offloaded"] > 0 and where["shared"] == 0 and where["device_optimizers"] == 0
     # --overlap-cpu-optimizer-d2h-h2d: megatron's one host optimizer per shard, else one for all
-    assert report[f"{case}_host_optimizers"] == (where["offloaded"] if case == "overlap" else 1)
+    assert report[f"{case}_host_optimizers"] == (where["offloaded"] if case != "offload" else 1)
+    if case == "trio":  # the fp32 masters live in the host optimizer only; it steps the bf16 shards' copies
+        assert where["master"] == ["cpu"] and where["main_shards"] == 0
+        assert where["dtypes"] == ["bfloat16 -> float32"]
+    else:  # the distributed optimizer's own fp32 main shards, copied to the host
+        assert where["master"] == [] and where["main_shards"] == where["offloaded"]
+        assert where["dtypes"] == ["float32 -> float32"]
 
 
-def test_the_offloaded_optimizer_resumes_to_the_same_step(report):
-    assert report["offload_loaded"] and report["offload_load_diff"] == 0.0
-    assert report["offload_resumed_diff"] == 0.0
+@pytest.mark.parametrize("case", ["offload", "trio"])
+def test_the_offloaded_optimizer_resumes_to_the_same_step(report, case):
+    assert report[f"{case}_loaded"] and report[f"{case}_load_diff"] == 0.0
+    assert report[f"{case}_resumed_diff"] == 0.0
+
+
+@pytest.mark.parametrize("case", ["offload", "trio"])
+def test_weights_loaded_without_the_optimizer_become_its_fp32_masters(report, case):
+    """--no-load-optim: load_model's weights reach the optimizer's fp32 masters and host copies (else the
+    next step writes the stale ones back: measured 5.2e-3 off, the step in between)."""
+    assert report[f"{case}_stepped_off_model"] > 0  # the masters the step left: not the bf16 weights
+    assert report[f"{case}_reloaded_off_model"] == 0.0

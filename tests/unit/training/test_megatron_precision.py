@@ -157,9 +157,14 @@ def test_recompute_gives_the_step_without_it(layout_checkpoint, plain_step, tmp_
             "--overlap-cpu-optimizer-d2h-h2d .*add --optimizer-cpu-offload",
         ),
         (
-            dict(use_precision_aware_optimizer=True),
-            "--use-precision-aware-optimizer True: .*transformer-engine",
+            dict(use_precision_aware_optimizer=True, use_distributed_optimizer=True, bf16=True),
+            "--use-precision-aware-optimizer without --optimizer-cpu-offload: .*FusedAdam",
         ),
+        (
+            dict(compat_flags={"exp_avg_dtype": "bf16"}),
+            "--exp-avg-dtype bf16: Adam's first moment: fp32 only",
+        ),
+        (dict(compat_flags={"main_params_dtype": "fp16"}), "--main-params-dtype fp16: .*fp32 only"),
         (dict(train_backend="fsdp", bf16=True), "--bf16: Megatron's precision"),
         (dict(train_forward_dtype="bf16", rollout_dtype="bf16"), "--train-forward-dtype bf16: not supported"),
         (dict(recompute_granularity="full"), "needs --recompute-method"),
@@ -170,6 +175,16 @@ def test_precision_flags_megatron_cannot_run_here_are_refused(tiny_hf_checkpoint
 
     with pytest.raises(ConfigError, match=match):
         _cfg(tiny_hf_checkpoint, **flags)
+
+
+def test_miles_offloaded_optimizer_trio_validates(tiny_hf_checkpoint):
+    """Miles' most common optimizer line (44 of its launch scripts), with its fp32 optimizer dtypes."""
+    dtypes = dict.fromkeys(
+        ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"), "fp32"
+    )
+    cfg = _cfg(tiny_hf_checkpoint, bf16=True, use_distributed_optimizer=True, optimizer_cpu_offload=True,
+               overlap_cpu_optimizer_d2h_h2d=True, use_precision_aware_optimizer=True, compat_flags=dtypes)  # fmt: skip
+    assert cfg.use_precision_aware_optimizer and cfg.optimizer_cpu_offload
 
 
 @pytest.mark.parametrize("backend", ["megatron", "fsdp"])
