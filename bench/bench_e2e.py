@@ -27,8 +27,9 @@ submission granularity (each group is one request either way; `sample` streams i
 per finished sample); then each phase of ours as a
 share of its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
 
-Whole runs (with the TRL venv): `miles-platform train` as a user starts it (a fresh process: Ray,
-engine, trainer) vs TRL's script, 100 steps each on seeds 1-3, one after the other: wall from
+Whole runs (with the TRL venv), from the demo's SFT base (1200 iterations; ~75 s to build here):
+`miles-platform train` as a user starts it (a fresh process: Ray, engine, trainer) vs TRL's
+script, 100 steps each on seeds 1-3, one after the other: wall from
 process start to exit, peak RSS of each process tree (ours: driver + Ray + actors; sampled every
 0.2 s), and held-out greedy pass@1 of both final policies by the same evaluator (512 prompts).
 """
@@ -284,8 +285,13 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
         vs_trl = trl_row(trl_python(), base, data["train"], rollouts, total, reward)
         whole = []
         if trl_python() is not None and WHOLE_SEEDS:
-            try:
-                whole = whole_runs(trl_python(), base, data, d, recipe)
+            try:  # from the demo's SFT base (1200 iterations, past the loss plateau: RL has room to
+                # learn; the short base above stays on the plateau, where 100 steps move neither side)
+                from miles_platform.training.sft import default_sft_recipe, run_sft
+
+                demo_base = os.path.join(d, "demo_base")
+                run_sft(data["sft"], save=demo_base, recipe=default_sft_recipe(), progress=False)
+                whole = whole_runs(trl_python(), demo_base, data, d, recipe)
             except (RuntimeError, json.JSONDecodeError, IndexError, KeyError) as e:
                 whole = [
                     error_row("e2e: whole run wall, start to exit, train vs TRL GRPOTrainer", str(e)[:240])
