@@ -15,18 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
 
-EVAL_PROMPTS = 200
-
-
-def _greedy(hf_dir: str, eval_path: str) -> float:
-    from miles_platform.rollout.evaluate import greedy_pass_at_1
-
-    return greedy_pass_at_1(hf_dir, eval_path, EVAL_PROMPTS)
+from scripts.study import greedy, seed_run, write_out
 
 
 def build_base(
@@ -88,33 +81,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from miles_platform.config import RunConfig
-    from miles_platform.loop import train
     from miles_platform.recipes import DEMO_RL
 
     work = args.work or tempfile.mkdtemp(prefix=f"{args.family}-learning-")
     task, base, info = build_base(work, args.family, args.sft_iters, args.sft_threads)
-    out = {"family": args.family, "base_heldout_pass@1": _greedy(base, task["eval"]), "rollouts": args.rollouts,
+    out = {"family": args.family, "base_heldout_pass@1": greedy(base, task["eval"]), "rollouts": args.rollouts,
            **info, "runs": []}  # fmt: skip
     print(json.dumps(out), flush=True)
     for seed in range(1, args.seeds + 1):
-        root = os.path.join(work, f"root-{seed}")
-        shutil.rmtree(
-            root, ignore_errors=True
-        )  # a fresh run per seed (never a resume of an earlier invocation)
         cfg = RunConfig(**{**DEMO_RL, "save_interval": None, "eval_interval": None, "ci_test": not args.no_ci_test},
                         hf_checkpoint=base, prompt_data=task["train"], num_rollout=args.rollouts, seed=seed,
-                        rollout_seed=seed, storage_root=root, num_cpus_per_actor=0.5).validate()  # fmt: skip
-        t0 = time.time()
-        res = train(cfg)
-        m = res.metrics
-        r = {
-            "seed": seed,
-            "wall_s": time.time() - t0,
-            "heldout_pass@1": _greedy(res.final_hf_path, task["eval"]),
-            "reward_first5": sum(x["rollout/raw_reward"] for x in m[:5]) / 5,
-            "reward_last5": sum(x["rollout/raw_reward"] for x in m[-5:]) / 5,
-            "logprob_abs_diff_step0": res.ci_checks.get("train_rollout_logprob_abs_diff"),
-        }
+                        rollout_seed=seed, storage_root=os.path.join(work, f"root-{seed}"),
+                        num_cpus_per_actor=0.5).validate()  # fmt: skip
+        r, res = seed_run(cfg, task["eval"])
+        r["logprob_abs_diff_step0"] = res.ci_checks.get("train_rollout_logprob_abs_diff")
         r["gain"] = r["heldout_pass@1"] - out["base_heldout_pass@1"]
         print(json.dumps(r), flush=True)
         out["runs"].append(r)
@@ -122,7 +102,7 @@ def main() -> None:
     gains = [r["gain"] for r in out["runs"]]
     out.update(mean_after=statistics.mean(after), std_after=_std(after),
                mean_gain=statistics.mean(gains), std_gain=_std(gains))  # fmt: skip
-    print(json.dumps(out, indent=1))
+    write_out(out, args.out)
     print(f"\n{args.family}: {out.get('params', '?')} params, base {out['base_heldout_pass@1']:.1%}")
     print("| seed | base | after | gain | run wall |")
     for r in out["runs"]:
@@ -130,9 +110,6 @@ def main() -> None:
               f"{100 * r['gain']:+.1f} | {r['wall_s']:.1f} s |")  # fmt: skip
     print(f"| mean +- std | | {out['mean_after']:.1%} +- {out['std_after']:.1%} | "
           f"{100 * out['mean_gain']:+.1f} +- {100 * out['std_gain']:.1f} | |")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,7 @@ import os
 import tempfile
 import time
 
-EVAL_PROMPTS = 200
-
-
-def _greedy(hf_dir: str, eval_path: str) -> float:
-    from miles_platform.rollout.evaluate import greedy_pass_at_1
-
-    return greedy_pass_at_1(hf_dir, eval_path, EVAL_PROMPTS)
+from scripts.study import greedy, seed_run, write_out
 
 
 def build_base(work: str) -> tuple[dict, str, dict]:
@@ -64,45 +58,30 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from miles_platform.config import RunConfig
-    from miles_platform.loop import train
     from miles_platform.recipes import DEMO_RL
 
     work = args.work or tempfile.mkdtemp(prefix="moe-learning-")
     task, base, info = build_base(work)
-    out = {"base_heldout_pass@1": _greedy(base, task["eval"]), "rollouts": args.rollouts, **info, "runs": []}
+    out = {"base_heldout_pass@1": greedy(base, task["eval"]), "rollouts": args.rollouts, **info, "runs": []}
     print(json.dumps(out), flush=True)
     for seed in range(1, args.seeds + 1):
-        root = os.path.join(work, f"root-{seed}")
-        if os.path.exists(root):  # a fresh run per seed (never a resume of an earlier invocation)
-            import shutil
-
-            shutil.rmtree(root)
         cfg = RunConfig(**{**DEMO_RL, "save_interval": None, "eval_interval": None, "lr": args.lr},
                         hf_checkpoint=base, prompt_data=task["train"], num_rollout=args.rollouts, seed=seed,
-                        rollout_seed=seed, storage_root=root, use_rollout_routing_replay=True,
-                        num_cpus_per_actor=0.5).validate()  # fmt: skip
-        t0 = time.time()
-        res = train(cfg)
+                        rollout_seed=seed, storage_root=os.path.join(work, f"root-{seed}"),
+                        use_rollout_routing_replay=True, num_cpus_per_actor=0.5).validate()  # fmt: skip
+        r, res = seed_run(cfg, task["eval"])
         m = res.metrics
-        r = {
-            "seed": seed,
-            "wall_s": time.time() - t0,
-            "heldout_pass@1": _greedy(res.final_hf_path, task["eval"]),
-            "reward_first5": sum(x["rollout/raw_reward"] for x in m[:5]) / 5,
-            "reward_last5": sum(x["rollout/raw_reward"] for x in m[-5:]) / 5,
-            "route_flips_total": sum(x.get("train/moe_route_flips", 0.0) for x in m),
-            "load_balance_first": m[0].get("train/moe_load_balance"),
-            "load_balance_last": m[-1].get("train/moe_load_balance"),
-            "logprob_abs_diff_step0": res.ci_checks.get("train_rollout_logprob_abs_diff"),
-        }
+        r.update(
+            route_flips_total=sum(x.get("train/moe_route_flips", 0.0) for x in m),
+            load_balance_first=m[0].get("train/moe_load_balance"),
+            load_balance_last=m[-1].get("train/moe_load_balance"),
+            logprob_abs_diff_step0=res.ci_checks.get("train_rollout_logprob_abs_diff"),
+        )
         r["gain"] = r["heldout_pass@1"] - out["base_heldout_pass@1"]
         print(json.dumps(r), flush=True)
         out["runs"].append(r)
     out["mean_gain"] = sum(r["gain"] for r in out["runs"]) / len(out["runs"])
-    print(json.dumps(out, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_out(out, args.out)
 
 
 if __name__ == "__main__":

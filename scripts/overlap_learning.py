@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
-import time
+
+from scripts.study import greedy, seed_run, write_out
 
 MODES = {"sync": {}, "overlap": {"train_async": True}}
 
@@ -40,27 +40,19 @@ def build_base(work: str, seed: int, threads: int | None) -> tuple[dict, str]:
 
 def one_run(task: dict, base: str, root: str, seed: int, rollouts: int, mode: str) -> dict:
     from miles_platform.config import RunConfig
-    from miles_platform.loop import train
     from miles_platform.recipes import DEMO_RL
-    from miles_platform.rollout.evaluate import greedy_pass_at_1
 
-    if os.path.exists(root):  # a fresh run (never a resume of an earlier invocation)
-        shutil.rmtree(root)
     cfg = RunConfig(**{**DEMO_RL, "eval_interval": None, "save_interval": None, **MODES[mode]},
                     hf_checkpoint=base, prompt_data=task["train"], num_rollout=rollouts, seed=seed,
                     rollout_seed=seed, storage_root=root).validate()  # fmt: skip
-    t0 = time.time()
-    res = train(cfg)
-    wall = time.time() - t0
+    r, res = seed_run(cfg, task["eval"], eval_prompts=None)  # the whole held-out split
     m = res.metrics
     rewards = [x["rollout/raw_reward"] for x in m]
     return {
         "mode": mode,
-        "seed": seed,
-        "wall_s": round(wall, 1),
+        **r,
         "median_step_s": round(statistics.median(x["perf/rollout_total_time"] for x in m[1:]), 4),
         "median_wait_s": round(statistics.median(x.get("perf/rollout_wait_time", 0.0) for x in m[1:]), 4),
-        "heldout_pass@1": greedy_pass_at_1(res.final_hf_path, task["eval"]),
         "reward_per_10": [
             round(sum(rewards[i : i + 10]) / len(rewards[i : i + 10]), 4) for i in range(0, len(m), 10)
         ],
@@ -82,11 +74,9 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="work dir; its data and SFT base are reused when there")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from miles_platform.rollout.evaluate import greedy_pass_at_1
-
     work = args.work or tempfile.mkdtemp(prefix="overlap-learning-")
     task, base = build_base(work, args.sft_seed, args.sft_threads)
-    out = {"base_heldout_pass@1": greedy_pass_at_1(base, task["eval"]), "rollouts": args.rollouts, "runs": []}
+    out = {"base_heldout_pass@1": greedy(base, task["eval"], None), "rollouts": args.rollouts, "runs": []}
     print(json.dumps(out), flush=True)
     for seed in range(1, args.seeds + 1):
         for mode in MODES:
@@ -105,10 +95,7 @@ def main() -> None:
                 round(statistics.mean(v), 4) for v in zip(*(r["reward_per_10"] for r in runs))
             ],
         }
-    print(json.dumps(out, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_out(out, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from bench import run_all  # noqa: E402
 # each hand-run study and one flag of its own (argparse's help always has --help)
 STUDIES = {"bench/bench_lora_learning.py": "--lora-lr", "bench/bench_diffusion_learning.py": "--seeds",
            "bench/bench_diffusion_precision.py": "--hf-checkpoint", "scripts/moe_learning.py": "--rollouts",
-           "scripts/opd_learning.py": "--opd-kl-coef", "scripts/tool_learning.py": "--prompt-data"}  # fmt: skip
+           "scripts/opd_learning.py": "--opd-kl-coef", "scripts/tool_learning.py": "--prompt-data",
+           "scripts/family_learning.py": "--sft-iters", "scripts/overlap_learning.py": "--sft-threads"}  # fmt: skip
 
 
 def test_make_bench_runs_the_row_modules_and_names_the_studies():
