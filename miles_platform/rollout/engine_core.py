@@ -128,6 +128,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
         pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
         device: str | torch.device | None = None,
         mem_fraction_static: float | None = None,
+        router_dtype: str | None = None,
     ):
         """`num_threads`: torch intra-op threads of the scheduler thread (None: the process setting).
         With libgomp, two threads that both run multi-threaded torch ops oversubscribe the CPUs and
@@ -136,11 +137,14 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
         engine computes ("cpu", "cuda:N", "auto": the GPU Ray gave this actor, else the CPU; None: the
         CPU). `dtype` "auto": bf16 on CUDA, fp32 on the CPU. `mem_fraction_static` (SGLang's
         --mem-fraction-static): weights + KV cache stay under this fraction of the device's memory;
-        the scheduler admits and keeps only as many tokens as fit (engine_memory.py)."""
+        the scheduler admits and keeps only as many tokens as fit (engine_memory.py). `router_dtype`
+        "fp32" (--moe-router-dtype): an MoE model's routers compute in fp32 under a bf16 / fp16
+        `dtype`, as the trainer's do (models/moe.py route_in_fp32), so both pick the same experts."""
         check_pause_limits(pause_wait_timeout_s, pause_max_queued_requests)
         self.pause_wait_timeout_s = float(pause_wait_timeout_s)
         self.pause_max_queued_requests = int(pause_max_queued_requests)
         self.model_path = str(hf_checkpoint)
+        self.router_dtype = router_dtype
         self.device = torch.device("cpu") if device is None else rank_device(device)
         self.dtype = parse_engine_dtype(dtype, self.device)
         self.mem_fraction_static = mem_fraction_static
@@ -210,8 +214,10 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
             self._params = dict(self.model.state_dict(keep_vars=True))  # tied names alias one Parameter
             self._lora = LoraSlots(self.model)
             self._lora_draining: set[str] = set()  # adapters being unloaded: no new requests
-            from miles_platform.models.moe import RoutingReplay
+            from miles_platform.models.moe import RoutingReplay, route_in_fp32
 
+            if self.router_dtype == "fp32":
+                route_in_fp32(self.model)
             self._routes = RoutingReplay.of(self.model)  # MoE: return_routed_experts (None: dense)
         except BaseException as e:
             self._load_error = e
