@@ -312,7 +312,8 @@ def test_moe_router_dtype_fp32_routes_in_fp32_under_bf16_in_trainer_and_engine(m
     """--moe-router-dtype fp32 with a bf16 forward (megatron-core's moe_router_dtype; megatron itself:
     tests/unit/training/test_moe_megatron.py): in the fsdp trainer and the embedded engine the gate's
     logits are the fp32 product of the bf16 hidden states and the bf16 weight, not the bf16 one (which
-    differs: the test can fail), and both pick the same experts for the engine's tokens."""
+    differs: the test can fail), both pick the same experts for the engine's tokens, and replaying the
+    engine's routes (R3) gives the trainer's own logits."""
     import torch.nn.functional as F
 
     from miles_platform.models.moe import routers
@@ -341,12 +342,18 @@ def test_moe_router_dtype_fp32_routes_in_fp32_under_bf16_in_trainer_and_engine(m
     same = total = 0
     for out, prompt in zip(outs, [p for p in PROMPTS for _ in range(4)], strict=True):
         ids = prompt + out["output_ids"]
-        with torch.no_grad(), rr.record() as rec, forward_autocast(actor.cfg):
-            model(input_ids=torch.tensor([ids]))
+        routes = decode_routes(out["meta_info"]["routed_experts"], 2, 2)
+        replayed = torch.cat([torch.tensor(routes, dtype=torch.long), torch.full((1, 2, 2), -1)])
+        with torch.no_grad(), forward_autocast(actor.cfg):
+            with rr.record() as rec:
+                own = model(input_ids=torch.tensor([ids])).logits
+            with rr.replay(replayed):  # R3: the engine's routes, weighted by the fp32 gate values
+                assert torch.equal(model(input_ids=torch.tensor([ids])).logits, own)
         want = np.sort(torch.stack(rec, dim=1).numpy()[: len(ids) - 1], -1)
-        got = np.sort(decode_routes(out["meta_info"]["routed_experts"], 2, 2), -1)
-        same, total = same + int((got == want).all(-1).sum()), total + want.shape[0] * want.shape[1]
-    assert same == total  # measured 384 of 384 (383 when the trainer's fp32 master weight went in unrounded)
+        same, total = same + int((np.sort(routes, -1) == want).all(-1).sum()), total + want.shape[0] * 2
+    assert (
+        same == total == rr.routed and rr.flips == 0
+    )  # 384 of 384 (383 when the fp32 master weight went in unrounded)
     for name, (x, w, logits) in seen.items():
         assert x.dtype == torch.bfloat16 and logits.dtype == torch.float32, name
         assert torch.equal(logits, F.linear(x.float(), w.bfloat16().float())), (
