@@ -154,12 +154,7 @@ class MegatronFlags:
                 "gathers over the data-parallel group at the save point, which the async path (host copies "
                 "written later) does not do; not built: drop --async-save"
             )
-        if self.offload_train or (self.offload_train is None and self.colocate):
-            raise ConfigError(
-                "--use-distributed-optimizer with --offload-train (on with --colocate): the optimizer's shards "
-                "are views into megatron DDP's parameter buffers, which moving the model to the host detaches; "
-                "not built: add --no-offload-train"
-            )
+        # --offload-train with it: the policy's storages are parked in place (training/offload.py `park`)
 
     def megatron_layout_flags(self) -> list[str]:
         """The model-parallel flags set to anything but their default, as `--flag`s."""

@@ -30,7 +30,7 @@ class MoeFlags:
     )
     moe_router_freeze_gate: bool = flag(False, "algorithm", "MoE: the routers' weights are not trained")
     moe_router_dtype: str | None = flag(
-        None, "algorithm", "MoE: router weights and compute in fp32 (with an fp32 forward; any --fsdp-master-dtype)",
+        None, "algorithm", "MoE: routers compute in fp32 (input and weight cast) under any forward dtype, trainer and engine",
         choices=("fp32",),
     )  # fmt: skip
 
@@ -51,9 +51,7 @@ class MoeFlags:
             raise ConfigError(f"--use-rollout-routing-replay: {why}")
 
     def _check_moe_flags(self) -> None:
-        if self.moe_router_dtype and {self.train_forward_dtype, self.rollout_dtype} - {None, "fp32"}:
-            raise ConfigError(
-                f"--moe-router-dtype {self.moe_router_dtype} with --train-forward-dtype {self.train_forward_dtype} / "
-                f"--rollout-dtype {self.rollout_dtype}: routers compute in the forward's dtype, in trainer and "
-                "engine alike; only an fp32 forward has fp32 routers"
-            )
+        """--moe-router-dtype fp32 holds under any forward dtype (megatron-core's moe_router_dtype: the
+        gates cast their bf16 / fp16 input and weight to fp32; models/moe.py route_in_fp32 does the
+        same for HF's routers in the fsdp trainer and the embedded engine). Other values (Miles'
+        fp64) are refused by --moe-router-dtype's choices."""

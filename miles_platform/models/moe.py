@@ -31,6 +31,44 @@ def routers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def route_in_fp32(model: nn.Module) -> int:
+    """--moe-router-dtype fp32 under a bf16 / fp16 forward, as megatron-core's
+    `TransformerConfig.moe_router_dtype` does (router.py `gating` -> `router_gating_linear`): the
+    router's input (the forward-dtype hidden states) and its weight as a bf16 / fp16 forward holds it
+    (megatron's Float16Module keeps the router weight in bf16 / fp16, the engine gets that copy; an
+    fp32 master here is rounded to the forward dtype first) are cast to fp32, and the gate's linear,
+    softmax / sigmoid, top-k and gate values run in fp32, autocast off (its expert bias: fp32); the logits (hence the aux / z-losses) and the gate values come out fp32,
+    which the experts multiply their outputs by before casting back (megatron's unpermute does the
+    same). Shared by the trainer (fsdp_backend) and the embedded engine (EngineCore) so both route
+    alike; routing replay's hooks see the fp32 logits. Wraps each router's `forward` once; returns
+    the number of routers. (megatron's own routers take it from its TransformerConfig instead.)"""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    found = routers(model)
+    for r in found:
+        if getattr(r, "_miles_fp32_router", False):
+            continue
+
+        def forward(hidden_states, *args, _r=r, _orig=r.forward, **kwargs):
+            low = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else None
+            cast = {  # parameters as the forward holds them (megatron's bf16 / fp16 model), then fp32
+                n: (t.to(low) if low else t).float()
+                for n, t in _r.named_parameters(recurse=False)
+                if t.is_floating_point() and (low or t.dtype != torch.float32)
+            }
+            cast.update(  # buffers (an expert bias) as they are, in fp32 (megatron keeps its bias fp32)
+                (n, t.float())
+                for n, t in _r.named_buffers(recurse=False)
+                if t.is_floating_point() and t.dtype != torch.float32
+            )
+            with torch.autocast(hidden_states.device.type, enabled=False), _reparametrize_module(_r, cast):
+                return _orig(hidden_states.float(), *args, **kwargs)
+
+        r.forward = forward
+        r._miles_fp32_router = True
+    return len(found)
+
+
 def gate_values(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The gate values `router` gives the experts `idx` (`[tokens, top_k]`) from its logits, as its
     own forward does for the experts it picks: what a replayed route is weighted by.

@@ -44,13 +44,7 @@ import torch
 from miles_platform.cluster.devices import rank_device, use_device
 from miles_platform.errors import ConfigError
 from miles_platform.models.vlm import is_vlm_config
-from miles_platform.rollout.engine_batch import (
-    Batch,
-    keep_rows,
-    merge_batches,
-    new_cache,
-    reshaped_cache,
-)
+from miles_platform.rollout.engine_batch import Batch, keep_rows, merge_batches, new_cache, reshaped_cache
 from miles_platform.rollout.engine_logprobs import input_logprobs, step_extras, temperature_of
 from miles_platform.rollout.engine_memory import EngineMemoryMixin, MemoryReleased, kv_budget_tokens
 from miles_platform.rollout.engine_requests import (
@@ -128,6 +122,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
         pause_max_queued_requests: int = DEFAULT_PAUSE_MAX_QUEUED_REQUESTS,
         device: str | torch.device | None = None,
         mem_fraction_static: float | None = None,
+        router_dtype: str | None = None,
     ):
         """`num_threads`: torch intra-op threads of the scheduler thread (None: the process setting).
         With libgomp, two threads that both run multi-threaded torch ops oversubscribe the CPUs and
@@ -136,11 +131,12 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
         engine computes ("cpu", "cuda:N", "auto": the GPU Ray gave this actor, else the CPU; None: the
         CPU). `dtype` "auto": bf16 on CUDA, fp32 on the CPU. `mem_fraction_static` (SGLang's
         --mem-fraction-static): weights + KV cache stay under this fraction of the device's memory;
-        the scheduler admits and keeps only as many tokens as fit (engine_memory.py)."""
+        the scheduler admits and keeps only as many tokens as fit (engine_memory.py). `router_dtype`
+        "fp32" (--moe-router-dtype): MoE routers in fp32 under any `dtype`, as the trainer's (load_model)."""
         check_pause_limits(pause_wait_timeout_s, pause_max_queued_requests)
         self.pause_wait_timeout_s = float(pause_wait_timeout_s)
         self.pause_max_queued_requests = int(pause_max_queued_requests)
-        self.model_path = str(hf_checkpoint)
+        self.model_path, self.router_dtype = str(hf_checkpoint), router_dtype
         self.device = torch.device("cpu") if device is None else rank_device(device)
         self.dtype = parse_engine_dtype(dtype, self.device)
         self.mem_fraction_static = mem_fraction_static
@@ -196,7 +192,7 @@ class EngineCore(EngineWeightsMixin, EngineMemoryMixin):
             torch.set_num_threads(self._num_threads)
         try:
             use_device(self.device)  # CUDA's current device is per thread: this one computes
-            self.model, self.tokenizer = load_model(self.model_path, self.dtype)
+            self.model, self.tokenizer = load_model(self.model_path, self.dtype, self.router_dtype)
             self.model.to(self.device)
             self.kv_budget = kv_budget_tokens(self.model, self.device, self.mem_fraction_static)
             text_cfg = self.model.config.get_text_config()  # a VLM's text model: its vocabulary and context

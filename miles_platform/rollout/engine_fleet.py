@@ -65,6 +65,7 @@ def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
         max_batch_size=embedded_max_running_requests(cfg),
         device="auto",  # the GPU of its bundle (cluster/devices.rank_device), else the CPU
         mem_fraction_static=embedded_mem_fraction_static(cfg),
+        router_dtype=cfg.moe_router_dtype,  # the engine's routers compute as the trainer's
         **embedded_chat_parsers(cfg),
         weight_roots=engine_weight_roots(cfg),
         pause_wait_timeout_s=cfg.pause_wait_timeout_s,

@@ -183,18 +183,20 @@ def start_engine_server(
     mem_fraction_static: float | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    router_dtype: str | None = None,
 ) -> EngineServer:
     """Start the HTTP engine in a background thread (port 0 = free port). Pass `core` to serve an
     existing EngineCore (it is then not stopped with the server; the pause limits are its own).
     `served_model_name` / `run_name`: the OpenAI model id (openai_api.served_model_id). `device`,
     `mem_fraction_static`: EngineCore's (the CPU and no KV bound by default). `tool_call_parser`,
-    `reasoning_parser`: SGLang's names, for chat answers (create_app)."""
+    `reasoning_parser`: SGLang's names, for chat answers (create_app). `router_dtype`: EngineCore's
+    (--moe-router-dtype)."""
     check_chat_parsers(tool_call_parser, reasoning_parser)
     owns = core is None
     if core is None:
         core = EngineCore(
             hf_checkpoint, dtype, max_batch_size, batch_wait_ms, weight_version, num_threads,
-            pause_wait_timeout_s, pause_max_queued_requests, device, mem_fraction_static,
+            pause_wait_timeout_s, pause_max_queued_requests, device, mem_fraction_static, router_dtype,
         )  # fmt: skip
     try:
         app = create_app(core, api_key, max_request_bytes, weight_roots, served_model_name, run_name,

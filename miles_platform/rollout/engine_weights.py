@@ -396,8 +396,11 @@ def parse_engine_dtype(dtype, device: torch.device | str = "cpu") -> torch.dtype
     return table[dtype]
 
 
-def load_model(path: str, dtype: torch.dtype):
-    """(model, tokenizer) of an HF checkpoint dir, frozen; a quantized one is dequantized to `dtype`."""
+def load_model(path: str, dtype: torch.dtype, router_dtype: str | None = None):
+    """(model, tokenizer) of an HF checkpoint dir, frozen; a quantized one is dequantized to `dtype`.
+    `router_dtype` "fp32" (--moe-router-dtype): an MoE model's routers compute in fp32 from the
+    `dtype` hidden states and weights, as the trainer's do (models/moe.py route_in_fp32), so both
+    pick the same experts."""
     from miles_platform.models.checkpoint import load_tokenizer, validate_hf_dir
     from miles_platform.models.mla_cache import absorb_mla_decode
     from miles_platform.weights.quantize import load_dense_hf_model
@@ -408,6 +411,10 @@ def load_model(path: str, dtype: torch.dtype):
         p.requires_grad_(False)
     check_cache_kwarg(model)
     absorb_mla_decode(model)  # MLA decode against the compressed cache (models/mla_cache.py)
+    if router_dtype == "fp32":
+        from miles_platform.models.moe import route_in_fp32
+
+        route_in_fp32(model)
     return model, tok
 
 

@@ -105,7 +105,11 @@ def build_sglang_command(
 
     The run's key never goes in argv (`ps` shows argv to every local user): it goes to SGLang in a
     0600 YAML file under `secret_dir` passed as `--config` (SGLang's ConfigArgumentMerger), merged
-    with the user's own `--sglang-config` file when there is one."""
+    with the user's own `--sglang-config` file when there is one.
+
+    --moe-router-dtype maps to no SGLang argument, as in Miles (its sglang args never read
+    moe_router_dtype): SGLang's routers compute as its model code does, in the served dtype, while
+    the trainer's compute in fp32; the embedded engine instead routes in fp32 like the trainer."""
     if not cfg.hf_checkpoint:
         raise ConfigError("--rollout-engine sglang needs --hf-checkpoint (the model SGLang serves)")
     check_sglang_args(cfg)

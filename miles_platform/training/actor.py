@@ -33,7 +33,7 @@ from miles_platform.cluster.devices import (
     use_device,
 )
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
-from miles_platform.config import ConfigError, RunConfig
+from miles_platform.config import RunConfig
 from miles_platform.store import remote
 from miles_platform.training import actor_checkpoint, ci_checks
 from miles_platform.training import loss as loss_hub
@@ -80,11 +80,6 @@ class TrainerActor(ActorWeights):
         self.device = rank_device(device)
         use_device(self.device)
         cfg = config_on_device(cfg, self.device)  # --train-forward-dtype / --rollout-dtype resolved
-        if cfg.moe_router_dtype and cfg.train_forward_dtype != "fp32":
-            raise ConfigError(
-                f"--moe-router-dtype {cfg.moe_router_dtype}: the forward on {self.device} defaults to "
-                f"{cfg.train_forward_dtype}; pass --train-forward-dtype fp32 --rollout-dtype fp32"
-            )
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.offloaded = False  # --offload-train: model and optimizer parked on the host
         self._moe: set = set()  # the RoutingReplay of each MoE model this actor forwards (policy, reference)

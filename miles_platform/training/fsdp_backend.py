@@ -41,8 +41,10 @@ class FSDPBackend(ModelBackend):
         self.int4_qat_modules = maybe_apply_int4_qat(model, rollout_ckpt)  # actor and reference
         self.lora = trainable and self.cfg.uses_lora
         if self.cfg.moe_router_freeze_gate or self.cfg.moe_router_dtype:
-            from miles_platform.models.moe import routers
+            from miles_platform.models.moe import route_in_fp32, routers
 
+            if self.cfg.moe_router_dtype == "fp32":  # the gates compute in fp32 under any forward dtype
+                route_in_fp32(model)
             for r in routers(model):
                 if self.cfg.moe_router_dtype == "fp32":  # router weights in fp32 whatever --fsdp-master-dtype
                     r.to(torch.float32)

@@ -34,13 +34,15 @@ _TP_ATTRS = (
 
 
 def config_kwargs(cfg: Any) -> dict[str, Any]:
-    """TransformerConfig kwargs of --bf16, --attention-softmax-in-fp32 and --recompute-*."""
+    """TransformerConfig kwargs of --bf16, --attention-softmax-in-fp32, --moe-router-dtype and --recompute-*."""
     out: dict[str, Any] = {}
     for name in ("bf16", "fp16"):
         if getattr(cfg, name, False):
             out.update(
                 {name: True}, attention_softmax_in_fp32=bool(getattr(cfg, "attention_softmax_in_fp32", False))
             )
+    if getattr(cfg, "moe_router_dtype", None):  # --moe-router-dtype: megatron-core's routers cast to it
+        out["moe_router_dtype"] = cfg.moe_router_dtype
     granularity = getattr(cfg, "recompute_granularity", None)
     if granularity:
         out["recompute_granularity"] = granularity

@@ -256,10 +256,11 @@ def test_moe_flags_are_refused_where_they_mean_nothing(moe_ckpt, tiny_hf_checkpo
                                                moe_router_freeze_gate=True))  # fmt: skip
     with pytest.raises(ConfigError, match="--moe-aux-loss-coeff -1"):
         small_run_config(moe_ckpt, tmp_path, moe_aux_loss_coeff=-1.0)
-    with pytest.raises(ConfigError, match="--moe-router-dtype fp32 with --train-forward-dtype bf16"):
-        small_run_config(moe_ckpt, tmp_path, moe_router_dtype="fp32", train_forward_dtype="bf16",
-                         rollout_dtype="bf16")  # fmt: skip
-    small_run_config(moe_ckpt, tmp_path, moe_router_dtype="fp32")  # an fp32 forward: its routers are fp32
+    with pytest.raises(ConfigError, match="--moe-router-dtype.*fp64"):  # Miles' other value: not built
+        small_run_config(moe_ckpt, tmp_path, moe_router_dtype="fp64")
+    for forward in ("fp32", "bf16", "fp16"):  # fp32 routers under any forward dtype (megatron's semantics)
+        small_run_config(moe_ckpt, tmp_path, moe_router_dtype="fp32", train_forward_dtype=forward,
+                         rollout_dtype=forward)  # fmt: skip
     assert not (tmp_path / "root").exists()
 
 
@@ -305,3 +306,57 @@ def test_moe_z_loss_is_refused_on_a_dense_model(tiny_hf_checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="--moe-z-loss-coeff: .*dense"):
         validate_before_start(small_run_config(tiny_hf_checkpoint, tmp_path, moe_z_loss_coeff=0.01))
     assert not (tmp_path / "root").exists()
+
+
+def test_moe_router_dtype_fp32_routes_in_fp32_under_bf16_in_trainer_and_engine(moe_ckpt):
+    """--moe-router-dtype fp32 with a bf16 forward (megatron-core's moe_router_dtype; megatron itself:
+    tests/unit/training/test_moe_megatron.py): in the fsdp trainer and the embedded engine the gate's
+    logits are the fp32 product of the bf16 hidden states and the bf16 weight, not the bf16 one (which
+    differs: the test can fail), both pick the same experts for the engine's tokens, and replaying the
+    engine's routes (R3) gives the trainer's own logits."""
+    import torch.nn.functional as F
+
+    from miles_platform.models.moe import routers
+    from miles_platform.training.actor import TrainerActor
+    from miles_platform.training.fsdp import forward_autocast
+
+    def grab(seen, name):
+        def hook(mod, args, out):
+            w = mod.weight.full_tensor() if hasattr(mod.weight, "full_tensor") else mod.weight
+            seen.setdefault(name, (args[0].detach(), w.detach().clone(), out[0].detach()))
+
+        return hook
+
+    seen: dict = {}
+    server = start_engine_server(moe_ckpt, num_threads=1, dtype="bf16", router_dtype="fp32")
+    routers(server.core.model)[0].register_forward_hook(grab(seen, "engine"))
+    try:
+        outs = _generate(server.url, n_tokens=12)
+    finally:
+        server.stop()
+    actor = TrainerActor(RunConfig(hf_checkpoint=moe_ckpt, rollout_batch_size=1, train_forward_dtype="bf16",
+                                   rollout_dtype="bf16", moe_router_dtype="fp32").validate())  # fmt: skip
+    model = actor.backend.module
+    routers(model)[0].register_forward_hook(grab(seen, "trainer"))
+    rr = RoutingReplay.of(model)
+    same = total = 0
+    for out, prompt in zip(outs, [p for p in PROMPTS for _ in range(4)], strict=True):
+        ids = prompt + out["output_ids"]
+        routes = decode_routes(out["meta_info"]["routed_experts"], 2, 2)
+        replayed = torch.cat([torch.tensor(routes, dtype=torch.long), torch.full((1, 2, 2), -1)])
+        with torch.no_grad(), forward_autocast(actor.cfg):
+            with rr.record() as rec:
+                own = model(input_ids=torch.tensor([ids])).logits
+            with rr.replay(replayed):  # R3: the engine's routes, weighted by the fp32 gate values
+                assert torch.equal(model(input_ids=torch.tensor([ids])).logits, own)
+        want = np.sort(torch.stack(rec, dim=1).numpy()[: len(ids) - 1], -1)
+        same, total = same + int((np.sort(routes, -1) == want).all(-1).sum()), total + want.shape[0] * 2
+    assert (
+        same == total == rr.routed and rr.flips == 0
+    )  # 384 of 384 (383 when the fp32 master weight went in unrounded)
+    for name, (x, w, logits) in seen.items():
+        assert x.dtype == torch.bfloat16 and logits.dtype == torch.float32, name
+        assert torch.equal(logits, F.linear(x.float(), w.bfloat16().float())), (
+            name
+        )  # the weight as bf16 holds it
+        assert (logits - F.linear(x, w.bfloat16()).float()).abs().max() > 1e-4, name  # the bf16 router's

@@ -38,8 +38,11 @@ LAYOUTS = {
     "pp2_uneven": dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1),
     "cp2": dict(context_parallel_size=2),
     # megatron-core's DistributedOptimizer (megatron_distopt; Adam only): DP2 shards the optimizer state
-    # over the ranks, against the 1-rank AdamW step (ADAM)
-    "dp2_distopt": dict(use_distributed_optimizer=True, optimizer="adam", lr=1e-3, adam_eps=1e-6),
+    # over the ranks, against the 1-rank AdamW step (ADAM); each rank offloads and onloads first
+    # (--offload-train parks its storages in place: training/offload.py)
+    "dp2_distopt": dict(
+        use_distributed_optimizer=True, optimizer="adam", lr=1e-3, adam_eps=1e-6, offload_train=True
+    ),
 }
 # AdamW's first step moves each weight by ~lr: at lr 1e-3 and eps 1e-6 a 1e-9 rounding difference of a
 # gradient moves an update by <= lr * 1e-9 / eps = 1e-6 (the docstring's eps effect, bounded below TOL)
@@ -69,6 +72,9 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: di
             ckpt, actor_num_gpus_per_node=world, storage_root=f"{out}/root", run_name="l", **overrides
         )
         actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+        if cfg.offload_train:  # what a colocated rank does around each rollout
+            actor.offload()
+            actor.onload()
         batch = random_train_batch(0)
         if cfg.use_rollout_routing_replay:
             batch.routed_experts = random_routes(batch, ckpt)

@@ -142,7 +142,6 @@ def test_recompute_gives_the_step_without_it(layout_checkpoint, plain_step, tmp_
         ),
         (dict(use_distributed_optimizer=True, optimizer="sgd"), "steps Adam only"),
         (dict(use_distributed_optimizer=True, async_save=True, save="/tmp/x"), "with --async-save"),
-        (dict(use_distributed_optimizer=True, colocate=True), "with --offload-train"),
         (dict(train_backend="fsdp", use_distributed_optimizer=True), "for --train-backend megatron"),
         (
             dict(optimizer_cpu_offload=True, bf16=True),

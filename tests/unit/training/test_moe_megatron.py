@@ -116,6 +116,18 @@ def test_aux_and_z_loss_on_megatron_are_the_fsdp_formulas_over_the_real_tokens(r
     assert moved["none"] == 0.0 and moved["aux"] > 1e-4 and moved["z"] > 1e-4, moved
 
 
+def test_moe_router_dtype_fp32_routes_a_bf16_model_in_fp32(report):
+    """--moe-router-dtype fp32 reaches megatron-core's TransformerConfig: a --bf16 model's router
+    takes bf16 hidden states and returns fp32 logits, the fp32 product (within fp32 rounding: its
+    own GEMM), which differs from the bf16 router's logits (what it returns without the flag)."""
+    got = report[2]["router_dtype"]
+    fp32, bf16 = got["fp32"], got["None"]
+    assert fp32["input"] == bf16["input"] == "torch.bfloat16", got
+    assert (fp32["logits"], bf16["logits"]) == ("torch.float32", "torch.bfloat16"), got
+    assert fp32["to_fp32"] < 1e-5 < fp32["to_bf16"], got
+    assert bf16["to_bf16"] == 0.0, got
+
+
 def test_megatron_takes_moe_and_refuses_what_it_does_not_map_before_start(tiny_hf_checkpoint, tmp_path):
     from miles_platform.preflight import validate_before_start
 
@@ -327,6 +339,41 @@ def _aux(hf_path: str) -> dict:
                 reported=dict(aux=m["train/moe_aux_loss"], z=m["train/moe_z_loss"]), routers_moved=moved)  # fmt: skip
 
 
+def _router_dtype(hf_path: str) -> dict:
+    """--moe-router-dtype through megatron_precision.config_kwargs into a --bf16 model: the first
+    router's gating logits, their dtype and their distance to the fp32 / bf16 product of its input
+    and weight, with fp32 and without."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from miles_platform.models.checkpoint import validate_hf_dir
+    from miles_platform.training import megatron_precision
+    from miles_platform.training.megatron_parallel import Layout, build_model_chunks
+
+    cfg, T = validate_hf_dir(hf_path), 16
+    ids = torch.randint(0, cfg["vocab_size"], (2, T), generator=torch.Generator().manual_seed(2))
+    pos, causal = torch.arange(T).expand(2, T), torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    out = {}
+    for dtype in ("fp32", None):
+        kw = megatron_precision.config_kwargs(SimpleNamespace(bf16=True, moe_router_dtype=dtype))
+        torch.manual_seed(0)
+        (model,), _ = build_model_chunks(cfg, Layout(tp=1), torch.bfloat16, False, kw, device="cpu")
+        router = next(m for m in model.modules() if type(m).__name__ == "TopKRouter")
+        seen, gating = [], router.gating
+        router.gating = lambda x, _g=gating, _s=seen: _s.append((x, _g(x))) or _s[-1][1]
+        with torch.no_grad():
+            model(ids, pos, causal[None, None])
+        x, logits = seen[0]
+        w = router.weight
+        out[str(dtype)] = dict(
+            input=str(x.dtype), weight=str(w.dtype), logits=str(logits.dtype),
+            to_fp32=(logits.float() - F.linear(x.float(), w.float())).abs().max().item(),
+            to_bf16=(logits.float() - F.linear(x.bfloat16(), w.bfloat16()).float()).abs().max().item(),
+        )  # fmt: skip
+    return out
+
+
 def _main(hf: str, work: str) -> None:
     from contextlib import redirect_stdout
     from io import StringIO
@@ -351,6 +398,7 @@ def _main(hf: str, work: str) -> None:
     report.update(_routing_checks(hf))
     report["freeze"] = _freeze(hf)
     report["aux"] = _aux(hf)
+    report["router_dtype"] = _router_dtype(hf)
     megatron_shims.destroy_process_group()
     print(json.dumps(report))
 

@@ -141,3 +141,35 @@ def test_an_engine_takes_a_trainers_weights_through_shared_memory(tiny_hf_checkp
         assert srv.core.weight_version == 3
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{}, dict(bf16=True), dict(bf16=True, optimizer_cpu_offload=True, use_precision_aware_optimizer=True)],
+    ids=["fp32", "bf16", "trio"],
+)
+def test_the_distributed_optimizer_parks_in_place_and_steps_as_the_rank_that_stayed(
+    tiny_hf_checkpoint, flags
+):
+    """--use-distributed-optimizer with --offload-train: the parameters are views into megatron DDP's
+    buffer and the optimizer's shards views or copies stepped through it; every storage is parked in
+    place (0 bytes on the device while offloaded) and refilled, so the next step (with the Adam
+    state of the first) is the step of a rank that never offloaded. DP2: test_megatron_layouts.py."""
+    from miles_platform.training.offload import _policy_storages
+
+    cfg = _cfg(tiny_hf_checkpoint, train_backend="megatron", use_distributed_optimizer=True, optimizer="adam",
+               offload_train=True, advantage_estimator="grpo", **flags)  # fmt: skip
+    a, b = TrainerActor(cfg), TrainerActor(cfg)
+    a.train(0, random_train_batch(0))
+    b.train(0, random_train_batch(0))
+    held = _policy_storages(a)
+    a.offload()
+    assert len(held) > 10 and all(s.nbytes() == 0 for s in held)
+    assert all(p.untyped_storage().nbytes() == 0 for p in a.backend.module.parameters())
+    a.onload()
+    ma, mb = a.train(1, random_train_batch(1)), b.train(1, random_train_batch(1))
+    assert {k: v for k, v in ma.items() if not k.startswith("perf/")} == {
+        k: v for k, v in mb.items() if not k.startswith("perf/")
+    }
+    wa, wb = a.backend.module.state_dict(), b.backend.module.state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wb if torch.is_tensor(wb[k]))
