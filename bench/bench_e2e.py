@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import error_row, main, row
+from bench.common import error_row, main, project_env, row
 
 # Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more): ours /
 # bare moved 1.02-1.63 over 2026-12-04/05 runs, ours / TRL 1.51-1.69 (2.1 under load)
@@ -131,12 +131,18 @@ def trl_python() -> str | None:
     return str(path) if path.exists() else None
 
 
+def trl_env() -> dict[str, str]:
+    """bench/trl_grpo.py's environment: the TRL venv's own packages only, never this repo's; one
+    torch thread, offline."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 def trl_grpo_steps(python: str, base: str, prompts_path: str, steps: int) -> dict:
     """bench/trl_grpo.py under the TRL venv: its JSON (per-step seconds, rewards, peak RSS, versions)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PYTHONPATH", None)  # the TRL venv's own packages only, never this repo's
     cmd = [python, str(TRL_SCRIPT), "--base", base, "--prompts", prompts_path, "--steps", str(steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TRL_TIMEOUT_S)
+    proc = subprocess.run(cmd, env=trl_env(), capture_output=True, text=True, timeout=TRL_TIMEOUT_S)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"{TRL_SCRIPT.name} exit {proc.returncode}: {tail[:200]}")
@@ -203,8 +209,7 @@ def whole_runs(python: str, base: str, data: dict, root: str, recipe: dict) -> l
 
     from miles_platform.rollout.evaluate import greedy_pass_at_1
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    trl_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    env = project_env(OMP_NUM_THREADS="1")
     ours, trl = {"wall": [], "rss": [], "acc": []}, {"wall": [], "rss": [], "acc": []}
     for seed in WHOLE_SEEDS:
         d = os.path.join(root, f"whole{seed}")
@@ -221,7 +226,7 @@ def whole_runs(python: str, base: str, data: dict, root: str, recipe: dict) -> l
         save = os.path.join(d, "trl_final")
         cmd = [python, str(TRL_SCRIPT), "--base", base, "--prompts", data["train"], "--steps", str(WHOLE_STEPS),
                "--seed", str(seed), "--save", save]  # fmt: skip
-        wall, rss, _ = timed_process(cmd, trl_env, os.path.join(d, "trl"))
+        wall, rss, _ = timed_process(cmd, trl_env(), os.path.join(d, "trl"))
         trl["wall"].append(wall), trl["rss"].append(rss)
         trl["acc"].append(greedy_pass_at_1(save, data["eval"], WHOLE_EVAL_PROMPTS))
     base_acc = greedy_pass_at_1(base, data["eval"], WHOLE_EVAL_PROMPTS)

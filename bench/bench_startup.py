@@ -12,7 +12,6 @@ medians, and the spread as the row's noise. The phase rows are medians as shares
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 import subprocess
@@ -20,10 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import error_row, main, row
+from bench.common import ROOT, error_row, main, project_env, row
 
 RUNS = 3
-ROOT = Path(__file__).resolve().parents[1]
 ROW = "startup: train invocation -> first rollout generation vs bare torch+transformers model load"
 
 # the baseline: what any Python trainer pays before its first generate (process age from /proc, as ours)
@@ -61,12 +59,6 @@ def _setup(d: str) -> Path:
     return path
 
 
-def _env() -> dict:
-    # the actors (forked from the run's fork server) import this tree's miles_platform too
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-
-
 def ours_once(config: Path, storage: str) -> dict[str, float]:
     """One `train` in a fresh process: {phase: seconds, "total": seconds} from its `[startup]` line."""
     cmd = [
@@ -79,7 +71,7 @@ def ours_once(config: Path, storage: str) -> dict[str, float]:
         "--storage-root",
         storage,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=project_env(), capture_output=True, text=True, timeout=600)
     line = next((x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("[startup]")), None)
     if proc.returncode != 0 or line is None:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -94,7 +86,7 @@ def parse_startup_line(line: str) -> dict[str, float]:
 
 
 def bare_once(base: str) -> float:
-    proc = subprocess.run([sys.executable, "-c", BARE, base], env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", BARE, base], env=project_env(), capture_output=True, text=True,
                           timeout=300, check=True)  # fmt: skip
     return float(proc.stdout.strip().splitlines()[-1].split()[1])
 

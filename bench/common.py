@@ -8,10 +8,29 @@ could not be measured carries `error` and no numbers -- never a made-up value.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def project_env(**extra: str) -> dict[str, str]:
+    """The environment of a bench's subprocess that runs this tree (`miles-platform train`, a bare
+    loader): this checkout first on PYTHONPATH (its actors, forked from the run's fork server, import
+    this tree's miles_platform too, not a shared venv's editable install), offline, quiet tokenizers."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        **extra,
+    }
+
 
 COLUMNS = ("name", "ours", "baseline", "ratio", "unit")
 
