@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,7 +34,7 @@ from miles_platform.store.schemas import SOURCE_PART, TABLE_SCHEMAS  # noqa: F40
 from miles_platform.store.shards import refresh_catalog_after_first_file, write_parquet_atomic
 
 _COMPACTED = re.compile(r"^(part-.+)\.c\d+\.parquet$")
-_READ_ATTEMPTS = 7  # listings retried (with _relist_delay) when a file listed was removed meanwhile
+_READ_ATTEMPTS = 7  # listings retried (_relisting) when a file listed was removed meanwhile
 
 
 def _check_rows(table: str, run: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -95,21 +96,21 @@ def read_table(paths: StoragePaths, table: str, run: str | None = None, after: s
     """The rows of `table` (one run, or all runs) in append order, each part's rows once, with a
     `_source_part` column (the part each row was appended in). `after`: only the parts whose
     names sort after it. A file a compaction removed after it was listed: listed again."""
+    return _relisting(lambda: read_files(paths, table, list_files(paths, table, run), after))
+
+
+def _relisting(read: Callable[[], Any]) -> Any:
+    """`read()` (a listing and what it reads), again while a file it listed was removed meanwhile:
+    _READ_ATTEMPTS tries, 0.05 s apart doubling to 1 s (a compaction deleting its parts, or a newer
+    one replacing an older compacted file, is done within these ~3 s in all)."""
     for attempt in range(_READ_ATTEMPTS):
-        files = list_files(paths, table, run)
         try:
-            return read_files(paths, table, files, after)
+            return read()
         except FileNotFoundError:
             if attempt == _READ_ATTEMPTS - 1:
                 raise
-            time.sleep(_relist_delay(attempt))
+            time.sleep(min(0.05 * 2**attempt, 1.0))
     raise AssertionError("unreachable")
-
-
-def _relist_delay(attempt: int) -> float:
-    """Seconds before listing again (a compaction deleting its parts, or a newer compaction replacing
-    an older compacted file, is done within these ~3 s in all)."""
-    return min(0.05 * 2**attempt, 1.0)
 
 
 def read_files(paths: StoragePaths, table: str, files: list[str], after: str | None = None) -> pa.Table:
@@ -174,23 +175,20 @@ def read_parts(
 def part_names(paths: StoragePaths, table: str) -> list[str]:
     """The names of every part appended to `table` (all runs), oldest first, whether a compaction
     merged it or not: what changes when rows are appended, and only then."""
-    for attempt in range(_READ_ATTEMPTS):
+
+    def read() -> list[str]:
         names: set[str] = set()
         fs = fsspec.core.url_to_fs(paths.table_dir(table))[0]
-        try:
-            for p in list_files(paths, table):
-                name = p.rsplit("/", 1)[-1]
-                if not is_compacted(name):
-                    names.add(name)
-                    continue
-                with fs.open(p, "rb") as f:
-                    names.update(pq.read_table(f, columns=[SOURCE_PART]).column(0).unique().to_pylist())
-            return sorted(names)
-        except FileNotFoundError:
-            if attempt == _READ_ATTEMPTS - 1:
-                raise
-            time.sleep(_relist_delay(attempt))
-    raise AssertionError("unreachable")
+        for p in list_files(paths, table):
+            name = p.rsplit("/", 1)[-1]
+            if not is_compacted(name):
+                names.add(name)
+                continue
+            with fs.open(p, "rb") as f:
+                names.update(pq.read_table(f, columns=[SOURCE_PART]).column(0).unique().to_pylist())
+        return sorted(names)
+
+    return _relisting(read)
 
 
 def read_rows(paths: StoragePaths, table: str, run: str | None = None) -> list[dict[str, Any]]:
