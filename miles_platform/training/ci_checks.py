@@ -68,11 +68,6 @@ def rollout_checks(
     return checks
 
 
-def step0_checks(cfg: RunConfig, m: dict[str, float], log: Callable[[str], None]) -> dict[str, float]:
-    """rollout_checks of rollout 0."""
-    return rollout_checks(cfg, 0, m, log)
-
-
 def _kl_failures(c: dict[str, float], r3: bool, lora: bool) -> list[str]:
     """Miles' check_kl (its kl_loss bound is skipped under R3: the reference does not replay routes;
     its ppo_kl bound is 1e-8 with LoRA, whose weight conversion it allows small differences)."""

@@ -39,7 +39,7 @@ def test_grpo_run_on_one_gpu_separate_and_colocated(demo_base, device, record):
         train_forward_dtype=sep["train_forward_dtype"],
     )  # fmt: skip
     record.ran_on(torch.device(sep["device"]).type)
-    for res in (sep, col):  # step0_checks raised on a failure; the weights held after every update
+    for res in (sep, col):  # rollout_checks raised on a failure; the weights held after every update
         assert len(res["rollouts"]) == n and all(r["weights_equal"] for r in res["rollouts"])
     if cuda:
         assert sep["reward_second_half"] > sep["reward_first_half"], sep["rollouts"]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.run_types import CITestFailure
 from miles_platform.training.actor import TrainerActor
-from miles_platform.training.ci_checks import MetricChecker, rollout_checks, step0_checks
+from miles_platform.training.ci_checks import MetricChecker, rollout_checks
 
 
 def _cfg(ckpt, **kw) -> RunConfig:
@@ -54,7 +54,7 @@ def test_kl_and_reference_checkers_fail_when_the_reference_is_not_the_actor(
     tiny_hf_checkpoint, perturbed_checkpoint
 ):
     kl = dict(use_kl_loss=True, kl_loss_coef=0.1)
-    checks = step0_checks(_cfg(tiny_hf_checkpoint), _step0(_cfg(tiny_hf_checkpoint, **kl)), print)
+    checks = rollout_checks(_cfg(tiny_hf_checkpoint), 0, _step0(_cfg(tiny_hf_checkpoint, **kl)), print)
     assert checks["step0_kl_loss"] < 1e-9 and checks["step0_ref_logprob_abs_diff"] < 1e-8
     assert (
         checks["train_rollout_logprob_abs_diff"] < 1e-5
@@ -64,13 +64,13 @@ def test_kl_and_reference_checkers_fail_when_the_reference_is_not_the_actor(
     broken = _step0(_cfg(tiny_hf_checkpoint, ref_load=perturbed_checkpoint, **kl))
     assert abs(broken["train/step0_kl_loss"]) > 1e-6
     with pytest.raises(CITestFailure, match=r"train/kl_loss\| at step 0 .*--ci-disable-kl-checker"):
-        step0_checks(_cfg(tiny_hf_checkpoint), broken, print)
+        rollout_checks(_cfg(tiny_hf_checkpoint), 0, broken, print)
     with pytest.raises(
         CITestFailure, match="trainer vs reference mean log-prob .*--ci-disable-logprobs-checker"
     ):
-        step0_checks(_cfg(tiny_hf_checkpoint, ci_disable_kl_checker=True), broken, print)
+        rollout_checks(_cfg(tiny_hf_checkpoint, ci_disable_kl_checker=True), 0, broken, print)
     off = _cfg(tiny_hf_checkpoint, ci_disable_kl_checker=True, ci_disable_logprobs_checker=True)
-    assert step0_checks(off, broken, print)["step0_kl_loss"] > 1e-6
+    assert rollout_checks(off, 0, broken, print)["step0_kl_loss"] > 1e-6
 
 
 def test_entropy_and_engine_logprob_checkers(tiny_hf_checkpoint):
@@ -79,15 +79,15 @@ def test_entropy_and_engine_logprob_checkers(tiny_hf_checkpoint):
     with pytest.raises(
         CITestFailure, match=r"rollout 0: the trainer's mean entropy .* = \d\.\d+, not in \(0, 0\.7\)"
     ):
-        step0_checks(_cfg(tiny_hf_checkpoint, ci_entropy_max=0.7), m, print)
-    assert step0_checks(
-        _cfg(tiny_hf_checkpoint, ci_entropy_max=0.7, ci_disable_logprobs_checker=True), m, print
+        rollout_checks(_cfg(tiny_hf_checkpoint, ci_entropy_max=0.7), 0, m, print)
+    assert rollout_checks(
+        _cfg(tiny_hf_checkpoint, ci_entropy_max=0.7, ci_disable_logprobs_checker=True), 0, m, print
     )
     # an engine whose log-probs are not the trainer's (all 0): the trainer-vs-engine check
     actor = TrainerActor(_cfg(tiny_hf_checkpoint))
     wrong = actor.train(0, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]))
     with pytest.raises(CITestFailure, match="rollout 0: trainer vs engine mean log-prob"):
-        step0_checks(_cfg(tiny_hf_checkpoint), wrong, print)
+        rollout_checks(_cfg(tiny_hf_checkpoint), 0, wrong, print)
     # and at a later rollout: its first step's KL is recorded, the engine's log-probs are checked again
     later = actor.train(1, random_train_batch(1, rewards=[1.0, 0.0, 0.0, 1.0]))
     assert "train/step0_ppo_kl" in later and "rollout/entropy" in later
@@ -303,6 +303,8 @@ def test_entropy_checker_reads_miles_rollout_entropy_first():
     with pytest.raises(
         CITestFailure, match=r"rollout 0: the trainer's mean entropy .* = 5, not in \(0, 0\.7\)"
     ):
-        step0_checks(cfg, {"rollout/entropy": 5.0, "train/step0_entropy": 0.5}, print)
-    assert step0_checks(cfg, {"train/step0_entropy": 0.5}, print)["entropy"] == 0.5  # megatron's fallback
+        rollout_checks(cfg, 0, {"rollout/entropy": 5.0, "train/step0_entropy": 0.5}, print)
+    assert (
+        rollout_checks(cfg, 0, {"train/step0_entropy": 0.5}, print)["entropy"] == 0.5
+    )  # megatron's fallback
     assert "entropy" not in rollout_checks(cfg, 1, {"train/step0_entropy": 5.0}, print)  # rollout 0's only

@@ -82,7 +82,7 @@ def layout_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint, tmp_path, tp):
-    from miles_platform.training.ci_checks import step0_checks
+    from miles_platform.training.ci_checks import rollout_checks
 
     flags = dict(
         BF16,
@@ -98,7 +98,7 @@ def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint
     assert {str(v.dtype) for v in weights.values()} == {"torch.bfloat16"}  # what bf16 engines load
     m = info["metrics"]
     assert m["train/grad_norm"] > 0.1  # the fp32 main copies' gradients, over the TP ranks too
-    checks = step0_checks(_cfg(layout_checkpoint, **flags), m, print)  # raises CITestFailure on a miss
+    checks = rollout_checks(_cfg(layout_checkpoint, **flags), 0, m, print)  # raises CITestFailure on a miss
     assert checks["train_rollout_logprob_abs_diff"] > 0  # megatron's bf16 forward is not the engine's
     init = load_file(Path(layout_checkpoint) / "model.safetensors")
     assert any(not torch.equal(init[k].bfloat16(), weights[k]) for k in init)  # the step moved weights
