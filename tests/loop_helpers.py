@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 from miles_platform.config import RunConfig
 from miles_platform.rollout.data_buffer import DefaultDataBuffer
@@ -182,7 +183,27 @@ def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
+    _start_forkserver_with_tests_on_path()
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
+def _start_forkserver_with_tests_on_path() -> None:
+    """Start the stdlib fork server (if it is not up) with this folder on PYTHONPATH. It preloads
+    SPAWN_PRELOAD in a fresh interpreter that Python 3.11 does not give the parent's sys.path (its
+    `sys_path` argument is ignored there), and it skips a preload it cannot import without a word:
+    `rank_preload`, which lives here, was never loaded, and every rank imported transformers' model
+    code itself (~2.5 CPU-s a rank; a quarter of the gloo-rank tests' CPU in a full run, py-spy)."""
+    from multiprocessing import forkserver
+
+    here, old = str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def run_ranks(fn, args: tuple, nprocs: int, out) -> None:
