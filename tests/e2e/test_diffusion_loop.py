@@ -6,7 +6,6 @@ two rollouts of Flow-GRPO with --ci-test), then the CLI resuming that run's chec
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
@@ -187,7 +186,7 @@ def test_cli_resumes_the_run_from_its_checkpoint(campaign):
 
 def test_a_bad_flag_fails_before_ray_with_the_flag_named(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "miles_platform.cli", "train-diffusion", "--hf-checkpoint", str(tmp_path),
+        [*warm_python(), "-m", "miles_platform.cli", "train-diffusion", "--hf-checkpoint", str(tmp_path),
          "--diffusion-task", "t2i", "--prompt-data", "x.jsonl", "--rollout-batch-size", "2", "--num-rollout", "1",
          "--diffusion-step-strategy-path", "sde_window", "--diffusion-num-sde-steps", "2",
          "--storage-root", str(tmp_path / "root")],

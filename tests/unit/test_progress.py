@@ -9,11 +9,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from loop_helpers import warm_python
 
 from miles_platform.errors import ConfigError
 from miles_platform.progress import Progress, format_duration
@@ -112,7 +112,7 @@ def test_eval_reports_responses(tiny_hf_checkpoint, tmp_path, monkeypatch, capsy
 
 def test_convert_reports_its_phases(tiny_hf_checkpoint, tmp_path):
     env = dict(os.environ, MILES_PROGRESS="0", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    argv = [sys.executable, "-m", "miles_platform.cli", "convert", "hf-to-torch-dist",
+    argv = [*warm_python(), "-m", "miles_platform.cli", "convert", "hf-to-torch-dist",
             "--hf-checkpoint", tiny_hf_checkpoint, "--save", str(tmp_path / "td")]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

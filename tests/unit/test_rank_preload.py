@@ -8,7 +8,11 @@ from loop_helpers import SPAWN_PRELOAD, spawn_ranks
 
 def _report(rank: int, out: str) -> None:
     with open(out, "w") as f:
-        f.write("\n".join(m for m in SPAWN_PRELOAD + ["transformers.models.qwen3.modeling_qwen3"] if m in sys.modules))
+        f.write(
+            "\n".join(
+                m for m in SPAWN_PRELOAD + ["transformers.models.qwen3.modeling_qwen3"] if m in sys.modules
+            )
+        )
 
 
 def test_every_preload_is_loaded_in_a_rank_before_it_starts(tmp_path):

@@ -8,6 +8,7 @@ import asyncio
 import httpx
 import pytest
 import torch
+from loop_helpers import warm_python
 
 from miles_platform.models.checkpoint import load_hf_checkpoint
 from miles_platform.rollout.engine_server import start_engine_server
@@ -245,14 +246,13 @@ def test_info_endpoints(engine, tiny_hf_checkpoint):
 def test_cli_serve_engine_serves_and_stops_on_sigterm(tiny_hf_checkpoint):
     import signal
     import subprocess
-    import sys
     import time
 
     from miles_platform.rollout.engine_server import bind_socket
 
     with bind_socket("127.0.0.1", 0) as s:
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "miles_platform.cli", "serve-engine", "--hf-checkpoint", tiny_hf_checkpoint]
+    cmd = [*warm_python(), "-m", "miles_platform.cli", "serve-engine", "--hf-checkpoint", tiny_hf_checkpoint]
     proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60

@@ -166,7 +166,7 @@ def test_torch_dist_without_metadata_refused_by_cli(tiny_hf_checkpoint, tmp_path
     (tmp_path / "td" / "latest_checkpointed_iteration.txt").write_text("release")
     save = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "miles_platform.cli", "convert", "torch-dist-to-hf", "--load", str(tmp_path / "td"),
+        [*warm_python(), "-m", "miles_platform.cli", "convert", "torch-dist-to-hf", "--load", str(tmp_path / "td"),
          "--hf-checkpoint", tiny_hf_checkpoint, "--save", str(save)],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )  # fmt: skip

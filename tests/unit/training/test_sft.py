@@ -2,10 +2,10 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from loop_helpers import warm_python
 
 from miles_platform.data.tasks import write_task_datasets
 from miles_platform.errors import MilesError
@@ -102,7 +102,7 @@ def test_sft_on_megatron_matches_fsdp(sft_data, tiny_hf_checkpoint, tmp_path):
             "--global-batch-size", "16", "--micro-batch-size", "8", "--lr", "3e-3", "--json"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "miles_platform.cli", "sft", "--train-backend", "megatron",
+        [*warm_python(), "-m", "miles_platform.cli", "sft", "--train-backend", "megatron",
          "--save", str(tmp_path / "mg"), *argv],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
