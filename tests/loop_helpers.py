@@ -2,7 +2,6 @@
 
 import json
 import os
-from pathlib import Path
 
 from miles_platform.config import RunConfig
 from miles_platform.rollout.data_buffer import DefaultDataBuffer
@@ -169,9 +168,10 @@ def warm_python() -> list[str]:
     return forkserver.warm_python()
 
 
-SPAWN_PRELOAD = ["torch", "torch.distributed", "miles_platform.training.actor", "megatron.core",
-                 "miles_platform.training.megatron_backend", "miles_platform.training.fsdp_backend",
-                 "rank_preload"]  # fmt: skip
+# the stdlib fork server's preload (miles_platform/training/rank_preload.py, which a conversion's ranks
+# preload too): tests/conftest.py sets it for the session, so the server has it whichever test starts
+# it; torch first, so that a failure there is not hidden by the server's silent skip
+SPAWN_PRELOAD = ["torch", "miles_platform.training.rank_preload"]
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
@@ -183,27 +183,7 @@ def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
-    _start_forkserver_with_tests_on_path()
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
-
-
-def _start_forkserver_with_tests_on_path() -> None:
-    """Start the stdlib fork server (if it is not up) with this folder on PYTHONPATH. It preloads
-    SPAWN_PRELOAD in a fresh interpreter that Python 3.11 does not give the parent's sys.path (its
-    `sys_path` argument is ignored there), and it skips a preload it cannot import without a word:
-    `rank_preload`, which lives here, was never loaded, and every rank imported transformers' model
-    code itself (~2.5 CPU-s a rank; a quarter of the gloo-rank tests' CPU in a full run, py-spy)."""
-    from multiprocessing import forkserver
-
-    here, old = str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
-    try:
-        forkserver.ensure_running()
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 def run_ranks(fn, args: tuple, nprocs: int, out) -> None:

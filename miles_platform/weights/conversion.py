@@ -12,7 +12,7 @@ Megatron/Miles write a converted checkpoint:
     <save>/latest_checkpointed_iteration.txt "release"  (written last)
 
 With a layout (Miles' flags: TP, PP, EP, expert TP), lcm(TP, expert TP x EP) x PP gloo ranks
-(spawned processes) each save their shards (a pipeline stage's layers, an expert-parallel rank's
+(forks of the stdlib fork server) each save their shards (a pipeline stage's layers, an expert-parallel rank's
 experts, TP slices); torch_dist reshards on load, so any layout reads it back. Everything is written under a temp
 dir next to --save and renamed, so --save never holds a half-written checkpoint.
 
@@ -117,7 +117,10 @@ def _convert_rank(
 
 
 def _run_ranks(world: int, layout, hf_checkpoint: str, out_dir: str, bar: Progress | None = None) -> None:
-    """Rank 0 runs here, ranks 1..world-1 in spawned processes (one megatron import fewer)."""
+    """Rank 0 runs here, ranks 1..world-1 in processes of the stdlib fork server (one megatron
+    import fewer). Its server is a fresh interpreter, as a spawned rank is, started once per process:
+    a later conversion in the same process (a Dagster asset's, a test's) forks from it again. It
+    preloads training/rank_preload.py (what a rank imports), or what the program set before it started."""
     import torch.distributed as dist
 
     from miles_platform.cluster.ports import free_port
@@ -127,7 +130,11 @@ def _run_ranks(world: int, layout, hf_checkpoint: str, out_dir: str, bar: Progre
     if world == 1:
         _convert_rank(0, 1, None, layout, hf_checkpoint, out_dir, None, bar)
         return
-    ctx = mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    if not forkserver._forkserver._forkserver_pid:  # not up yet: it preloads what a rank imports
+        ctx.set_forkserver_preload(["miles_platform.training.rank_preload"])
     errors = ctx.Queue()
     port = free_port()
     procs = [

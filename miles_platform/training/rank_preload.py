@@ -1,6 +1,10 @@
-"""The gloo-rank tests' fork-server preload (last in loop_helpers.SPAWN_PRELOAD): what building a
-TrainerActor imports lazily, ~1.3 CPU-seconds in every rank otherwise (transformers' auto classes and
-model code, megatron-core's GPT model and layer specs, the HF <-> megatron bridges, FSDP2)."""
+"""What a gloo rank imports to build a TrainerActor or convert a checkpoint, for a fork server to
+import once before it forks ranks (`multiprocessing.set_forkserver_preload([__name__])`): torch,
+transformers' auto classes and model code, megatron-core's GPT model and layer specs, the
+HF <-> megatron bridges, FSDP2 (~1.3 CPU-seconds a rank otherwise, most of it lazy imports in the
+actor build). weights/conversion.py forks its ranks 1.. from such a server; the gloo-rank tests do too.
+A module of the package because the server is a fresh interpreter that does not get its parent's
+sys.path (Python 3.11) and skips, without a word, a preload it cannot import."""
 
 # ruff: noqa: F401
 import gc
@@ -19,6 +23,9 @@ import miles_platform.models.bridge.qwen3
 import miles_platform.models.bridge.qwen3_moe
 import miles_platform.models.checkpoint
 import miles_platform.models.checkpoint_layout
+import miles_platform.training.actor
+import miles_platform.training.fsdp_backend
+import miles_platform.training.megatron_backend
 import miles_platform.training.megatron_parallel
 
 # the ranks' first collections do not touch (copy) the preloaded objects (cluster/forkserver.py)
