@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import background_bases
 import pytest
 
 from miles_platform.cluster.ports import free_port
@@ -23,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
 LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-05 14:00 UTC
-    "test_cluster_ray.py": 87, "test_diffusion_loop.py": 67,
+    "test_learning.py": 155, "test_cluster_ray.py": 87, "test_diffusion_loop.py": 67,
     "test_vlm_loop.py": 63, "test_megatron_layouts.py": 58, "test_ui_browser.py": 57,
     "test_crash_matrix.py": 51, "test_fault_tolerance.py": 50, "test_model_families_loop.py": 38,
     "test_loop.py": 35, "test_ui_daily_use.py": 29, "test_ops_training.py": 26, "test_megatron_resume.py": 25,
@@ -33,9 +32,6 @@ LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 20
     "test_trainer_fault_hooks.py": 16, "test_multi_rank.py": 16, "test_opd_loop.py": 15, "test_sft.py": 15,
     "test_model_families_megatron.py": 15, "test_engine_control.py": 15, "test_conversion_asset.py": 14,
     "test_megatron_fp16_offload.py": 20, "test_object_store.py": 11, "test_object_store_root.py": 10, "test_gpu_checks.py": 10,
-    # 155 s, but its SFT base (~100 of them) is built in the background on idle CPU from the session's
-    # start (tests/background_bases.py): it goes once ~3/4 of the suite's work has been handed out
-    "test_learning.py": 12,
 }  # fmt: skip
 
 
@@ -132,16 +128,7 @@ SLOW = {
 }  # fmt: skip
 
 
-def pytest_configure(config):
-    background_bases.start(config)  # the learning test's SFT base, on the CPU the workers leave idle
-
-
 def pytest_unconfigure(config):
-    background_bases.stop(config)
-    _stop_mp_forkserver()
-
-
-def _stop_mp_forkserver():
     """Stop this process's multiprocessing fork server (the gloo-rank tests' preload,
     loop_helpers.spawn_ranks). It stops when its "alive" pipe closes, but every process forked from
     this one after it started (warm-python forks, Ray's) holds that pipe too, so it outlived pytest,
