@@ -23,7 +23,7 @@ from scripts.study import greedy, seed_run, write_out
 
 
 def build_base(
-    work: str, family: str, sft_iters: int | None, sft_threads: int | None
+    work: str, family: str, sft_iters: int | None, sft_threads: int | None, sft_seed: int | None = None
 ) -> tuple[dict, str, dict]:
     """Task data, and the SFT'd tiny model of `family` (made once per work dir)."""
     from miles_platform.data.tasks import write_task_datasets
@@ -39,6 +39,8 @@ def build_base(
         recipe = default_sft_recipe()
         if sft_iters:
             recipe.train_iters = sft_iters
+        if sft_seed is not None:  # the model's init and the SFT batch order
+            recipe.seed = sft_seed
         recipe.num_threads = sft_threads  # 1 on a busy box: 2 contended threads are several x slower
         tok = TASK_TOKENIZERS["arithmetic"]()
         init = os.path.join(work, "init")
@@ -50,6 +52,7 @@ def build_base(
         info = {
             "sft_s": time.time() - t0,
             "sft_iters": recipe.train_iters,
+            "sft_seed": recipe.seed,
             "sft_s_per_step": (time.time() - t0) / recipe.train_iters,
             "sft_final_loss": sft["final_loss"],
             "params": sft["num_parameters"],
@@ -70,6 +73,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--sft-iters", type=int, default=None, help="default: the demo recipe's")
     ap.add_argument(
+        "--sft-seed", type=int, default=None, help="the base's init and batch order (default: the recipe's)"
+    )
+    ap.add_argument(
         "--sft-threads", type=int, default=None, help="torch threads of the SFT (default: torch's)"
     )
     ap.add_argument(
@@ -84,7 +90,7 @@ def main() -> None:
     from miles_platform.recipes import DEMO_RL
 
     work = args.work or tempfile.mkdtemp(prefix=f"{args.family}-learning-")
-    task, base, info = build_base(work, args.family, args.sft_iters, args.sft_threads)
+    task, base, info = build_base(work, args.family, args.sft_iters, args.sft_threads, args.sft_seed)
     out = {"family": args.family, "base_heldout_pass@1": greedy(base, task["eval"]), "rollouts": args.rollouts,
            **info, "runs": []}  # fmt: skip
     print(json.dumps(out), flush=True)
