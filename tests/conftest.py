@@ -166,17 +166,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _warm_gloo_ranks():
-    """The stdlib fork server's preload, whichever test starts it: a gloo-rank test
-    (loop_helpers.spawn_ranks) or a checkpoint conversion's ranks (weights/conversion.py)."""
-    import multiprocessing
-
-    from loop_helpers import SPAWN_PRELOAD
-
-    multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
-
-
-@pytest.fixture(scope="session", autouse=True)
 def _one_thread_per_worker():
     """Before any module fixture (an SFT base) runs: 1 torch thread per pytest-xdist worker."""
     import torch

@@ -168,21 +168,16 @@ def warm_python() -> list[str]:
     return forkserver.warm_python()
 
 
-# the stdlib fork server's preload (miles_platform/training/rank_preload.py, which a conversion's ranks
-# preload too): tests/conftest.py sets it for the session, so the server has it whichever test starts
-# it; torch first, so that a failure there is not hidden by the server's silent skip
-SPAWN_PRELOAD = ["torch", "miles_platform.training.rank_preload"]
-
-
 def spawn_ranks(fn, args: tuple, nprocs: int, join: bool = True):
-    """`torch.multiprocessing.spawn` for gloo-rank tests (its `start_processes`), through the stdlib fork server with the
-    trainer's imports preloaded (each rank is a fork of it, not a fresh interpreter that imports
-    torch and megatron-core again); `fn` and `args` are pickled exactly as with spawn."""
-    import multiprocessing
-
+    """`torch.multiprocessing.spawn` for gloo-rank tests (its `start_processes`), as forks of the stdlib
+    fork server with the trainer's imports preloaded (cluster/forkserver.py `rank_context`, as a
+    conversion's ranks): not fresh interpreters that import torch and megatron-core again; `fn` and
+    `args` are pickled exactly as with spawn."""
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
+    from miles_platform.cluster.forkserver import rank_context
+
+    rank_context()
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
 
 

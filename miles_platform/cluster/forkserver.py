@@ -315,6 +315,26 @@ def warm_python() -> list[str]:
     return [sys.executable, "-m", "miles_platform.cluster.fork_exec", srv.dir]
 
 
+# gloo ranks (a checkpoint conversion's, the tests') fork from the stdlib's fork server instead: its
+# children are multiprocessing Processes (pickled target and args), started fresh like spawned ones
+RANK_PRELOAD = ["torch", "miles_platform.training.rank_preload"]
+
+
+def rank_context():
+    """multiprocessing's "forkserver" context for gloo ranks. Its server (one per process, started
+    at the first rank) preloads training/rank_preload.py (what a rank imports: ~1.3 CPU-s a rank
+    otherwise) unless the program set another preload before it started; a later start of ranks in
+    the same process forks from the same server. `torch` first: the server skips a preload it cannot
+    import without a word."""
+    import multiprocessing
+    from multiprocessing import forkserver as stdlib_forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    if not stdlib_forkserver._forkserver._forkserver_pid:  # not up yet
+        ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 def serve(d: str, extras: list[str]) -> None:
     _die_with_parent()
     t0 = time.monotonic()

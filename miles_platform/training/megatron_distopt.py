@@ -178,8 +178,7 @@ class ActorOptimizer:
                 for model_param, main in zip(model_group, main_group, strict=True):
                     r = o._get_model_param_range_map(model_param)["param"]
                     main.data.copy_(model_param.detach().view(-1)[r.start : r.end])
-            for p, copy in getattr(hdo, "gpu_params_map_cpu_copy", {}).items():
-                copy.data.copy_(p.data)
+            _refresh_host_copies(hdo)
 
     def load_sharded(self, state: dict) -> None:
         self.mcore.load_state_dict(state)
@@ -194,8 +193,14 @@ class ActorOptimizer:
                 continue
             # --optimizer-cpu-offload: the load rebuilds the host copies before it writes the loaded
             # main parameters into the device shards; the host copies take them (what the host steps)
-            for p, copy in getattr(o.optimizer, "gpu_params_map_cpu_copy", {}).items():
-                copy.data.copy_(p.data)
+            _refresh_host_copies(o.optimizer)
+
+
+def _refresh_host_copies(inner) -> None:
+    """--optimizer-cpu-offload: each HybridDeviceOptimizer host copy (what the host steps) takes its
+    device shard's values; no-op for megatron's plain Adam."""
+    for p, copy in getattr(inner, "gpu_params_map_cpu_copy", {}).items():
+        copy.data.copy_(p.data)
 
 
 def _no_classes(state):

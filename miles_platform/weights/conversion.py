@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import math
-import multiprocessing as mp
 import os
 import shutil
 import time
@@ -117,10 +116,9 @@ def _convert_rank(
 
 
 def _run_ranks(world: int, layout, hf_checkpoint: str, out_dir: str, bar: Progress | None = None) -> None:
-    """Rank 0 runs here, ranks 1..world-1 in processes of the stdlib fork server (one megatron
-    import fewer). Its server is a fresh interpreter, as a spawned rank is, started once per process:
-    a later conversion in the same process (a Dagster asset's, a test's) forks from it again. It
-    preloads training/rank_preload.py (what a rank imports), or what the program set before it started."""
+    """Rank 0 runs here, ranks 1..world-1 as forks of the stdlib fork server (cluster/forkserver.py
+    `rank_context`: a fresh interpreter, as a spawned rank is, with what a rank imports preloaded,
+    started once per process, so a later conversion in the same process forks from it again)."""
     import torch.distributed as dist
 
     from miles_platform.cluster.ports import free_port
@@ -130,11 +128,9 @@ def _run_ranks(world: int, layout, hf_checkpoint: str, out_dir: str, bar: Progre
     if world == 1:
         _convert_rank(0, 1, None, layout, hf_checkpoint, out_dir, None, bar)
         return
-    from multiprocessing import forkserver
+    from miles_platform.cluster.forkserver import rank_context
 
-    ctx = mp.get_context("forkserver")
-    if not forkserver._forkserver._forkserver_pid:  # not up yet: it preloads what a rank imports
-        ctx.set_forkserver_preload(["miles_platform.training.rank_preload"])
+    ctx = rank_context()
     errors = ctx.Queue()
     port = free_port()
     procs = [
