@@ -118,15 +118,14 @@ def read_files(paths: StoragePaths, table: str, files: list[str], after: str | N
     fs = fsspec.core.url_to_fs(paths.table_dir(table))[0]
     schema = TABLE_SCHEMAS[table].append(pa.field(SOURCE_PART, pa.string()))
     pieces, holder = [], {}  # holder: (dir, part) -> the greatest file name holding its rows
-    held: set[tuple[str, str]] = set()  # (dir, part) read from a compacted file
     # compacted files first (newest first): a part one of them holds is not opened again, so a part
     # file the compaction deletes after this listing is never needed (its rows are the same there)
-    compacted = sorted((p for p in files if is_compacted(p.rpartition("/")[2])), reverse=True)
-    for p in compacted + [p for p in files if not is_compacted(p.rpartition("/")[2])]:
+    compacted = {p for p in files if is_compacted(p.rpartition("/")[2])}
+    for p in sorted(compacted, reverse=True) + [p for p in files if p not in compacted]:
         directory, _, name = p.rpartition("/")
         if after is not None and last_part(name) <= after:
             continue  # holds no part after `after`
-        if (directory, name) in held:
+        if (directory, name) in holder:  # a part file whose rows a compacted file gave already
             continue
         with fs.open(p, "rb") as f:
             t = pq.read_table(f, schema=schema)
@@ -136,8 +135,6 @@ def read_files(paths: StoragePaths, table: str, files: list[str], after: str | N
             )
         for part in t.column(SOURCE_PART).unique().to_pylist():
             holder[directory, part] = max(holder.get((directory, part), name), name)
-            if is_compacted(name):
-                held.add((directory, part))
         pieces.append((directory, name, t))
     mine: dict[tuple[str, str], list[str]] = {}  # (dir, file name) -> the parts read from it
     for (directory, part), name in holder.items():
