@@ -132,14 +132,19 @@ def pytest_unconfigure(config):
     """Stop this process's multiprocessing fork server (the gloo-rank tests' preload,
     loop_helpers.spawn_ranks). It stops when its "alive" pipe closes, but every process forked from
     this one after it started (warm-python forks, Ray's) holds that pipe too, so it outlived pytest,
-    orphaned with ~400 MB each run; multiprocessing's own stop waits on that pipe and can hang."""
+    orphaned with ~400 MB each run; multiprocessing's own stop waits on that pipe and can hang.
+    SIGKILL, and a bounded wait: after a whole `make test` a SIGTERMed server did not end, this
+    wait blocked, and pytest-xdist killed each worker after its 10 s exit timeout (~20 s idle at
+    the end of every run, 2026-12-05). The server holds nothing to flush."""
     from multiprocessing import forkserver
 
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
     if pid:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGTERM)
-            os.waitpid(pid, 0)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.02)
 
 
 def pytest_collection_modifyitems(config, items):
