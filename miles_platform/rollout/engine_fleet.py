@@ -9,7 +9,7 @@ from typing import Any
 from miles_platform.cluster.devices import run_rollout_dtype
 from miles_platform.config import ConfigError, RunConfig
 from miles_platform.rollout.engine_server import EngineActor
-from miles_platform.weights.transports import EngineHandle
+from miles_platform.weights.transports import EngineHandle, EngineProcess
 
 
 class RolloutEngineActor(EngineActor):
@@ -32,7 +32,6 @@ class RolloutEngineActor(EngineActor):
 
 def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
     """-> (engine handles, router handle with .url/.stop()). Engines start at weight version 0."""
-    import ray
 
     from miles_platform.cluster.ray_cluster import create_role_actors
     from miles_platform.rollout.router import start_router
@@ -47,8 +46,7 @@ def start_engines(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]]):
         actors = create_role_actors(
             RolloutEngineActor, cfg, groups, "rollout", cfg.hf_checkpoint, **_embedded_kwargs(cfg)
         )
-        urls = ray.get([a.url.remote() for a in actors])
-        handles = [EngineHandle(url=u, actor=a) for u, a in zip(urls, actors, strict=True)]
+        handles = engine_handles(actors)
     router = start_router(
         port=cfg.sglang_router_port or 0,
         api_key=cfg.api_key,
@@ -109,7 +107,7 @@ def restart_engine(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]], ind
     bundle = plan_placement(cfg, use_gpu=cluster_has_gpus())["rollout"].bundle
     opts = bundle_actor_options(pg, slot, ENGINE_SHARE, bundle, **kwargs.pop("options"))
     actor = ray.remote(RolloutEngineActor).options(**opts).remote(cfg.hf_checkpoint, rank=index, **kwargs)
-    return EngineHandle(url=ray.get(actor.url.remote()), actor=actor)
+    return engine_handles([actor])[0]
 
 
 def create_teacher_engine(cfg: RunConfig) -> Any:
@@ -131,9 +129,39 @@ def create_teacher_engine(cfg: RunConfig) -> Any:
 
 
 def teacher_handle(actor: Any) -> EngineHandle:
+    return engine_handles([actor])[0]
+
+
+def engine_handles(actors: list[Any]) -> list[EngineHandle]:
+    """Handles of embedded engine actors (waits until they serve): URL, actor and process."""
     import ray
 
-    return EngineHandle(url=ray.get(actor.url.remote()), actor=actor)
+    where = ray.get([a.locate.remote() for a in actors])
+    return [
+        EngineHandle(url=u, actor=a, process=EngineProcess(*p))
+        for a, (u, p) in zip(actors, where, strict=True)
+    ]
+
+
+def kill_engine_process(handle: EngineHandle) -> bool:
+    """SIGKILL an embedded engine's process when it runs on this node (True if it was killed).
+    `ray.kill` asks the actor to exit and force-kills it only after Ray's grace (5 s), which a hung or
+    SIGSTOPped process never answers: that long its in-flight requests hang instead of failing over,
+    and a run's teardown waits. On another node `ray.kill` alone does it."""
+    import psutil
+    import ray
+
+    p = handle.process
+    if p is None or p.node_id != ray.get_runtime_context().get_node_id():
+        return False
+    try:
+        proc = psutil.Process(p.pid)
+        if proc.create_time() != p.started:  # gone, and the pid is another process's now
+            return False
+        proc.kill()
+    except psutil.Error:
+        return False
+    return True
 
 
 def engine_weight_roots(cfg: RunConfig) -> list[str]:
@@ -201,21 +229,27 @@ SHUTDOWN_WAIT_S = 15.0  # all engines together: a server stops in ~1 s (its thre
 
 def stop_engines(handles: list[EngineHandle], wait_s: float = SHUTDOWN_WAIT_S) -> None:
     """Ask every engine to stop its server at once, wait for them together (at most `wait_s`: a
-    hung or stopped engine never answers), then kill every actor."""
+    hung or stopped engine never answers), then kill every actor; one that did not answer is
+    SIGKILLed first where it runs on this node (`kill_engine_process`)."""
     import ray
 
-    actors = [h.actor for h in handles if h.actor is not None]
-    refs = []
-    for a in actors:
-        with contextlib.suppress(Exception):  # the actor may already be gone; the kill is what matters
-            refs.append(a.shutdown.remote())
+    asked: list[tuple[Any, EngineHandle]] = []
+    for h in handles:
+        if h.actor is not None:
+            with contextlib.suppress(Exception):  # the actor may already be gone; the kill is what matters
+                asked.append((h.actor.shutdown.remote(), h))
+    done: list = []
     try:
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        if asked:
+            done, _ = ray.wait([r for r, _ in asked], num_returns=len(asked), timeout=wait_s)
     finally:  # a wait that raises (Ray going down, Ctrl-C) still kills every actor
-        for a in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(a)
+        for r, h in asked:
+            if r not in done:
+                kill_engine_process(h)
+        for h in handles:
+            if h.actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(h.actor)
 
 
 def fault_in_engine(handle: EngineHandle, request) -> int:

@@ -220,6 +220,14 @@ class EngineActor:
     def url(self) -> str:
         return self._server.url
 
+    def locate(self) -> tuple[str, tuple[int, str, float]]:
+        """(URL, (pid, Ray node id, process start time)): what engine_fleet.engine_handle records."""
+        import psutil
+        import ray
+
+        me = psutil.Process()
+        return self._server.url, (me.pid, ray.get_runtime_context().get_node_id(), me.create_time())
+
     def update_weights_from_tensors(self, named_tensors: dict, weight_version: int) -> int:
         self._server.core.update_weights_from_tensors(named_tensors, weight_version)
         return self._server.core.weight_version

@@ -118,6 +118,8 @@ class EngineHealthMonitor:
     def _replace(self, i: int, old: EngineHandle, why: str) -> None:
         import ray
 
+        from miles_platform.rollout.engine_fleet import kill_engine_process
+
         key = self.cfg.api_key
         t0 = time.time()
         with self.lock:
@@ -127,6 +129,7 @@ class EngineHealthMonitor:
             except (EngineHTTPError, httpx.HTTPError):
                 pass  # already out of the router's rotation
             if old.actor is not None:
+                kill_engine_process(old)  # a hung one now: ray.kill waits 5 s for it to answer
                 try:
                     ray.kill(old.actor, no_restart=True)
                 except Exception:

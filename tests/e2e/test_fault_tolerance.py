@@ -45,9 +45,12 @@ def _engine_pid(actor) -> int:
 class Logs(Reporter):
     def __init__(self):
         self.logs = []
+        self.victims_dead_when_replaced: list[bool] = []
 
     def log(self, msg: str) -> None:
         self.logs.append(msg)
+        if msg.startswith("[fault-tolerance] engine 0 replaced by"):  # the victim is gone by now
+            self.victims_dead_when_replaced.append(not _alive(_victims(self.logs)[-1]))
 
     def on_rollout(self, rollout_id, metrics):
         self.last = metrics
@@ -90,13 +93,16 @@ def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(
     try:
         res = RLRun(cfg, rep).run()
     finally:
-        victims = [int(m.rsplit("pid ", 1)[1].rstrip(")")) for m in rep.logs if ": engine 0 (" in m]
+        victims = _victims(rep.logs)
         for pid in victims:  # never leave a stopped process behind
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     assert len(victims) == 2 and victims[0] != victims[1], rep.logs  # the second: the replacement
+    # the hung (SIGSTOPped) engine was SIGKILLed before its replacement started, so its requests
+    # failed over at once (ray.kill alone force-kills a process that cannot answer only after 5 s)
+    assert rep.victims_dead_when_replaced == [True, True], rep.logs
     assert [v["version"] for v in res.versions] == [1, 2, 3, 4]
     said = [m for m in rep.logs if m.startswith("[fault-tolerance]")]
     assert rep.last["rollout/engine_restarts"] == 2.0, said
@@ -116,6 +122,19 @@ def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(
         "select rollout_id, min(weight_version_start), max(weight_version_end) from rollouts group by 1 order by 1"
     )
     assert rows == [(0, 0, 0), (1, 1, 1), (2, 2, 2), (3, 3, 3)]
+
+
+def _victims(logs: list[str]) -> list[int]:
+    return [int(m.rsplit("pid ", 1)[1].rstrip(")")) for m in logs if ": engine 0 (" in m]
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class TrainerKiller(Reporter):
@@ -153,8 +172,7 @@ def test_stopping_the_engines_waits_for_them_together_and_a_hung_one_does_not_ho
 
     from miles_platform.cluster import forkserver
     from miles_platform.cluster.ray_cluster import init_ray
-    from miles_platform.rollout.engine_fleet import RolloutEngineActor, stop_engines
-    from miles_platform.weights.transports import EngineHandle
+    from miles_platform.rollout.engine_fleet import RolloutEngineActor, engine_handles, stop_engines
 
     def alive(proc: psutil.Process) -> bool:  # is_running() is safe against pid reuse
         try:
@@ -164,21 +182,22 @@ def test_stopping_the_engines_waits_for_them_together_and_a_hung_one_does_not_ho
 
     init_ray(RunConfig())
     cls = ray.remote(num_cpus=0.1, runtime_env=forkserver.runtime_env())(RolloutEngineActor)
-    actors = [cls.remote(tiny_hf_checkpoint) for _ in range(3)]
-    urls = ray.get([a.url.remote() for a in actors], timeout=120)
-    pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors], timeout=60)
+    handles = engine_handles([cls.remote(tiny_hf_checkpoint) for _ in range(3)])
+    pids = ray.get([h.actor.__ray_call__.remote(lambda self: os.getpid()) for h in handles], timeout=60)
+    assert pids == [h.process.pid for h in handles]
     procs = [psutil.Process(p) for p in pids]
     try:
         os.kill(pids[0], signal.SIGSTOP)
         os.kill(pids[2], signal.SIGSTOP)
         t0 = time.monotonic()
-        stop_engines([EngineHandle(url=u, actor=a) for u, a in zip(urls, actors, strict=True)], wait_s=3.0)
+        stop_engines(handles, wait_s=3.0)
         took = time.monotonic() - t0
         assert 3.0 <= took < 5.5, took  # one bound for both hung engines, not one each
-        deadline = time.monotonic() + 30
+        # the hung ones are SIGKILLed, not left to ray.kill's 5 s grace they cannot answer
+        deadline = time.monotonic() + 2
         while any(alive(p) for p in procs):
             assert time.monotonic() < deadline, [p.pid for p in procs if alive(p)]
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         for proc in procs:  # a failed assertion must not leave a stopped process behind
             with contextlib.suppress(psutil.Error):

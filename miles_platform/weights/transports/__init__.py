@@ -33,13 +33,25 @@ NOT_BUILT: dict[str, str] = {}
 NEEDS_EMBEDDED_ACTOR = ("tensor", "mooncake")
 
 
+@dataclass(frozen=True)
+class EngineProcess:
+    """An embedded engine actor's process: its pid on Ray node `node_id`, started at `started`
+    (psutil's create_time: a pid the OS gave to another process since does not match)."""
+
+    pid: int
+    node_id: str
+    started: float
+
+
 @dataclass
 class EngineHandle:
-    """What a transport may use of an engine: its URL and, for Ray-hosted engines, the actor."""
+    """What a transport may use of an engine: its URL and, for Ray-hosted engines, the actor (and,
+    for embedded ones, its process: rollout/engine_fleet.py kills a hung one without Ray's grace)."""
 
     url: str
     actor: Any = None
     local_checkpoint_dir: str | None = None
+    process: EngineProcess | None = None
 
 
 @dataclass

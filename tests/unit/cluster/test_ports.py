@@ -100,12 +100,12 @@ def test_a_store_that_fails_after_torch_took_its_socket_closes_it_once():
     port = free_port()
     before = _fds()
     with pytest.raises(DistStoreError):
-        tcp_store("127.0.0.1", port, 2, True, timeout_s=1, wait_for_workers=True)
+        tcp_store("127.0.0.1", port, 2, True, timeout_s=0.2, wait_for_workers=True)
     assert _closed_or_leaked(before, port) == (set(), set()) and not _listening(port)
     # and the number torch freed is not closed again: open a file, fail once more, the file is fine
     with open(os.devnull) as f:
         with pytest.raises(DistStoreError):
-            tcp_store("127.0.0.1", port, 2, True, timeout_s=1, wait_for_workers=True)
+            tcp_store("127.0.0.1", port, 2, True, timeout_s=0.2, wait_for_workers=True)
         os.fstat(f.fileno())
     assert _closed_or_leaked(before, port) == (set(), set())
 

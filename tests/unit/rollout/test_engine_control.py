@@ -332,7 +332,7 @@ def test_weight_group_joins_to_a_dead_port_are_bounded_and_do_not_pile_up(engine
     from miles_platform.cluster.ports import free_port
     from miles_platform.rollout import engine_weights
 
-    monkeypatch.setattr(engine_weights, "GROUP_JOIN_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(engine_weights, "GROUP_JOIN_TIMEOUT_S", 1.0)
     body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
             "group_name": "g", "backend": "gloo"}  # fmt: skip
     with ThreadPoolExecutor(4) as pool:
