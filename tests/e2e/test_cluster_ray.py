@@ -150,10 +150,10 @@ def cluster():
         head += ["--temp-dir", temp_dir] + _node_args(head_ports)
         procs.append(subprocess.Popen(head, env=env, stdout=log, stderr=log, start_new_session=True))
         address, jobs = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
-        _wait_nodes(jobs, 1, procs)
+        _wait_nodes(jobs, 1, procs, Path(temp_dir))
         worker = [RAY_BIN, "start", "--address", address] + _node_args(worker_ports)
         procs.append(subprocess.Popen(worker, env=env, stdout=log, stderr=log, start_new_session=True))
-        _wait_nodes(jobs, 2, procs)
+        _wait_nodes(jobs, 2, procs, Path(temp_dir))
         yield {"gcs": address, "jobs": jobs}
     finally:
         for p in reversed(procs):
@@ -167,9 +167,10 @@ def two_node_cluster(cluster):
     return cluster["gcs"]
 
 
-def _wait_nodes(jobs_address: str, n: int, procs: list, timeout: float = 90.0) -> None:
+def _wait_nodes(jobs_address: str, n: int, procs: list, temp_dir: Path, timeout: float = 90.0) -> None:
     """Until the dashboard's state API lists `n` alive nodes (HTTP with this user's Ray token: no
-    Ray import per probe)."""
+    Ray import per probe). A `ray start` that exits fails with its log's tail (the fixture removes
+    its --temp-dir)."""
     import urllib.error
     import urllib.request
 
@@ -177,7 +178,11 @@ def _wait_nodes(jobs_address: str, n: int, procs: list, timeout: float = 90.0) -
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
-            raise RuntimeError("`ray start` exited early; see its log under --temp-dir")
+            logs = [(temp_dir / "test-ray.log").read_text()[-3000:]]
+            logs += [
+                f.read_text(errors="replace")[-1500:] for f in sorted(temp_dir.glob("session_*/logs/*.err"))
+            ]
+            raise RuntimeError("`ray start` exited early:\n" + "\n".join(logs))
         try:
             headers = {"Authorization": f"Bearer {token_path.read_text().strip()}"}
             req = urllib.request.Request(f"{jobs_address}/api/v0/nodes", headers=headers)
