@@ -263,12 +263,9 @@ def fault_in_engine(handle: EngineHandle, request) -> int:
     from miles_platform.fault_hooks import ENGINE_SIGNALS
 
     sig = ENGINE_SIGNALS[request.kind]
-    pid, node = ray.get(
-        handle.actor.__ray_call__.remote(lambda self: (os.getpid(), ray.get_runtime_context().get_node_id())),
-        timeout=60,
-    )
-    if node == ray.get_runtime_context().get_node_id():
-        os.kill(pid, sig)
+    p = handle.process  # recorded at its start (embedded engines: preflight refuses the others)
+    if p.node_id == ray.get_runtime_context().get_node_id():
+        os.kill(p.pid, sig)
     else:
         handle.actor.__ray_call__.remote(lambda self, s: os.kill(os.getpid(), s), sig)
-    return pid
+    return p.pid
