@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import TextIO
 
 from miles_platform.errors import ConfigError
@@ -56,6 +57,26 @@ def _format_metric(key: str, value) -> str:
     return f"{key} {value}"
 
 
+# running heartbeats: a fork waits for a line being written to end, and the child starts with every
+# write lock free (cluster/forkserver.py `rank_context` forks gloo ranks beside a heartbeat)
+_LIVE: weakref.WeakSet[Progress] = weakref.WeakSet()
+_HELD: list[threading.Lock] = []
+
+
+def _before_fork() -> None:
+    for p in list(_LIVE):
+        p._write_lock.acquire()
+        _HELD.append(p._write_lock)
+
+
+def _after_fork() -> None:
+    while _HELD:
+        _HELD.pop().release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+
+
 class Progress:
     """`update(n, stage=..., loss=...)` after each unit of work; `close()` (or the `with` block's
     end) writes the last line when any line was written. `enabled=False` writes nothing."""
@@ -66,12 +87,15 @@ class Progress:
         self.interval = interval_from_env() if enabled else None
         self._stream = stream  # None: sys.stderr at write time (pytest's capture replaces it)
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # held while a line is written, and across a fork
         self._done, self._stage, self._metrics = 0, "", {}
         self._start, self._lines = time.monotonic(), 0
         self._stop = threading.Event()
         self._thread = None
         if self.interval:
             self._thread = threading.Thread(target=self._heartbeat, name=f"progress-{name}", daemon=True)
+            self._thread.fork_safe = True  # between lines it holds no lock (cluster/forkserver.py)
+            _LIVE.add(self)
             self._thread.start()
 
     def update(self, n: int = 1, stage: str | None = None, **metrics) -> None:
@@ -88,6 +112,7 @@ class Progress:
             self._stop.set()
             self._thread.join()
             self._thread = None
+            _LIVE.discard(self)
         if self.interval is not None and self._lines:
             self._write(final=True)
         self.interval = None
@@ -118,8 +143,9 @@ class Progress:
 
     def _write(self, final: bool = False) -> None:
         stream = self._stream or sys.stderr
-        print(self.line(final), file=stream, flush=True)
-        self._lines += 1
+        with self._write_lock:
+            print(self.line(final), file=stream, flush=True)
+            self._lines += 1
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.interval):

@@ -252,7 +252,9 @@ def _child(conn: socket.socket, req: dict, fds: list[int], inherited: list) -> N
                     pass
             os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Thread(target=_watch, name="fork-exec-watch", daemon=True).start()
+        watch = threading.Thread(target=_watch, name="fork-exec-watch", daemon=True)
+        watch.fork_safe = True  # blocked in recv, holds no lock: `rank_context` may fork beside it
+        watch.start()
         torch = sys.modules.get("torch")
         if torch is not None:
             torch.seed()  # a fresh process's RNG: children must not share the server's (random reseeds itself)
@@ -321,18 +323,49 @@ RANK_PRELOAD = ["torch", "miles_platform.training.rank_preload"]
 
 
 def rank_context():
-    """multiprocessing's "forkserver" context for gloo ranks. Its server (one per process, started
-    at the first rank) preloads training/rank_preload.py (what a rank imports: ~1.3 CPU-s a rank
-    otherwise) unless the program set another preload before it started; a later start of ranks in
-    the same process forks from the same server. `torch` first: the server skips a preload it cannot
-    import without a word."""
+    """multiprocessing's context for gloo ranks.
+
+    A process that can fork safely (`_fork_safe`: no thread but marked idle ones, no native pool,
+    no CUDA) forks its ranks directly ("fork"), after importing what a rank needs
+    (training/rank_preload.py) once here: a checkpoint conversion in a script or `miles-platform
+    convert` (rank 0 runs in this process and imports most of it anyway). It used to start the
+    stdlib fork server there too, a fresh interpreter paying ~6 CPU-s of imports for each such
+    process. Anywhere else (a pytest worker, a Dagster process: Ray's and gloo's threads):
+    the "forkserver" context. Its server (one per process, started at the first rank) preloads the
+    same modules unless the program set another preload before it started; a later start of ranks
+    in the same process forks from the same server. `torch` first: the server skips a preload it
+    cannot import without a word."""
     import multiprocessing
     from multiprocessing import forkserver as stdlib_forkserver
 
+    if _fork_safe():
+        for name in RANK_PRELOAD:
+            importlib.import_module(name)
+        if _fork_safe():  # the imports started no thread
+            return multiprocessing.get_context("fork")
     ctx = multiprocessing.get_context("forkserver")
     if not stdlib_forkserver._forkserver._forkserver_pid:  # not up yet
         ctx.set_forkserver_preload(RANK_PRELOAD)
     return ctx
+
+
+def _fork_safe() -> bool:
+    """Forking this process cannot leave a child holding a lock another thread held: no CUDA
+    context, and every thread but the main one is a Python thread marked `fork_safe` (it holds no
+    lock a child could need while it waits: the fork-exec watch below, progress.py's heartbeat,
+    which pauses across a fork). Native threads are counted too (Linux): a pool torch, gloo or Ray
+    started rules the fork out."""
+    import threading
+
+    try:
+        native = len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: never fork
+        return False
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if native != 1 + len(others) or not all(getattr(t, "fork_safe", False) for t in others):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
 
 
 def serve(d: str, extras: list[str]) -> None:

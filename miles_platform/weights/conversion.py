@@ -116,9 +116,10 @@ def _convert_rank(
 
 
 def _run_ranks(world: int, layout, hf_checkpoint: str, out_dir: str, bar: Progress | None = None) -> None:
-    """Rank 0 runs here, ranks 1..world-1 as forks of the stdlib fork server (cluster/forkserver.py
-    `rank_context`: a fresh interpreter, as a spawned rank is, with what a rank imports preloaded,
-    started once per process, so a later conversion in the same process forks from it again)."""
+    """Rank 0 runs here, ranks 1..world-1 as multiprocessing Processes (cluster/forkserver.py
+    `rank_context`): forks of this process when it is single-threaded, else of the stdlib fork
+    server (with what a rank imports preloaded, started once per process, so a later conversion in
+    the same process forks from it again)."""
     import torch.distributed as dist
 
     from miles_platform.cluster.ports import free_port

@@ -167,3 +167,60 @@ def test_with_the_fork_server_up_ray_prestarts_no_idle_workers(monkeypatch):
         "object_spilling_threshold": 0.9,
     }
     assert "_system_config" not in calls[1] and calls[1]["num_cpus"] == 2
+
+
+RANKS_SCRIPT = """
+import os, sys, threading, time
+from multiprocessing import forkserver as stdlib
+from miles_platform.cluster.forkserver import rank_context
+from miles_platform.progress import Progress
+
+def method():
+    return rank_context().get_start_method()
+
+said = {"warm fork (its launcher watch only)": method()}
+idle = threading.Event()
+marked = threading.Thread(target=idle.wait, daemon=True)
+marked.fork_safe = True
+marked.start()
+said["a thread marked fork_safe"] = method()
+plain = threading.Thread(target=idle.wait, daemon=True)
+plain.start()
+said["a plain thread"] = method()
+idle.set(); marked.join(); plain.join()
+os.environ["MILES_PROGRESS"] = "0.001"
+with Progress("p", 3) as bar:  # a heartbeat writing to stderr all the time
+    said["a progress heartbeat"] = method()
+    for _ in range(20):  # forks beside it: each child writes to its stderr and exits
+        p = rank_context().Process(target=print, args=("child",), kwargs={"file": sys.stderr})
+        p.start(); p.join(10)
+        assert p.exitcode == 0, p.exitcode
+import torch
+torch.set_num_threads(2)
+torch.ones(512, 512) @ torch.ones(512, 512)  # starts the intra-op pool: native threads
+said["torch's thread pool"] = method()
+said["stdlib fork server started"] = stdlib._forkserver._forkserver_pid is not None
+print(said)
+"""
+
+
+def test_gloo_ranks_fork_from_a_single_threaded_process_and_never_beside_a_thread_or_pool(server, tmp_path):
+    """`rank_context`: a warm script (a conversion's process) forks its ranks directly, no fresh
+    interpreter (the stdlib fork server: ~6 CPU-s of imports); not beside a thread that may hold a
+    lock, nor beside torch's native pool; beside a progress heartbeat writing to the same stderr
+    every millisecond, 20 forked children each write there and exit."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_SCRIPT)
+    p = _launch(server.dir, script, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    said = eval(out.strip().splitlines()[-1])  # noqa: S307 - our own script's dict literal
+    assert said == {
+        "warm fork (its launcher watch only)": "fork",
+        "a thread marked fork_safe": "fork",
+        "a plain thread": "forkserver",
+        "a progress heartbeat": "fork",
+        "torch's thread pool": "forkserver",
+        "stdlib fork server started": False,  # only asked for, never started: no rank ran there
+    }, said
+    assert err.count("child") == 20

@@ -78,6 +78,7 @@ def test_layout_save_loads_at_one_rank(layout, untied_hf_checkpoint, moe_hf_chec
     td, back = tmp_path / "td2", tmp_path / "back2"
     out = _run_script(hf, str(td), str(back), *LAYOUTS[layout])
     assert len(list((td / "release").glob("*.distcp"))) == 2  # one file per rank
+    assert out["stdlib_fork_server"] is False  # rank 1 forked from the script, no fresh interpreter
     if "ep2" not in layout:
         assert out["to_torch_dist"]["tensors"] == 11  # untied: + output_layer
     _assert_bit_exact(_hf_tensors(hf), _hf_tensors(back))
@@ -204,6 +205,9 @@ def _main(hf: str, td: str, back: str, *layout: str) -> None:
         with redirect_stdout(buf):
             assert conversion.cli_main(argv) == 0
         results[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
+    from multiprocessing import forkserver
+
+    results["stdlib_fork_server"] = forkserver._forkserver._forkserver_pid is not None
     print(json.dumps(results))
 
 
