@@ -1,6 +1,7 @@
 """converted_checkpoint: the base HF checkpoint as a Megatron torch_dist checkpoint.
 
-The conversion runs in a subprocess (`python -m miles_platform.weights.conversion`): megatron's
+The conversion runs in a subprocess (`python -m miles_platform.weights.conversion`, a fork of this
+process's warm server when one runs: cluster/forkserver.py `warm_python`): megatron's
 dist_checkpointing forks writer processes and initializes torch.distributed, neither of which
 belongs in Dagster's run process. The check `round_trip_bit_exact` converts back to HF and
 compares every tensor with the base checkpoint, byte for byte.
@@ -8,7 +9,6 @@ compares every tensor with the base checkpoint, byte for byte.
 
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,11 +27,15 @@ def _base_hf_path(context) -> str:
 
 
 def _convert(*args: str) -> dict:
-    cmd = [sys.executable, "-m", "miles_platform.weights.conversion", *args]
+    from miles_platform.cluster import forkserver
+
+    # a fork of this process's warm server when one runs (a run worker that trained, a test): torch
+    # and co. already imported (~6 s of a conversion process otherwise); else the interpreter
+    cmd = [*forkserver.warm_python(), "-m", "miles_platform.weights.conversion", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise dg.Failure(
-            description=f"`{' '.join(cmd[2:])}` failed (exit {proc.returncode})",
+            description=f"`{' '.join(cmd[cmd.index('-m') + 1 :])}` failed (exit {proc.returncode})",
             metadata={"stderr": dg.MetadataValue.md(f"```\n{proc.stderr[-4000:]}\n```")},
         )
     return json.loads(proc.stdout.strip().splitlines()[-1])
