@@ -174,3 +174,33 @@ def test_rank_fault_hooks_fire_inside_the_rank_with_its_rollout_id(tiny_hf_check
         "[ci-fault-hooks] s: raise at trainer_step_before_allreduce, rollout 1 in TrainerActor rank 0" in err
     )
     assert "r1:" not in err
+
+
+def test_per_sample_windows_are_one_gather_with_the_slices_values_and_gradients():
+    """A micro-batch's per-sample response windows (position j scores token j + 1): the values and
+    gradients of slicing each sample, from one gather and split (two autograd nodes for the
+    micro-batch: a slice per sample cost the backward ~60 us a sample, ~5% of the demo's SFT step)."""
+    from types import SimpleNamespace
+
+    from miles_platform.training.backend import Scores
+
+    g = torch.Generator().manual_seed(0)
+    batch = SimpleNamespace(tokens=[[1] * n for n in (9, 5, 7, 9)], response_lengths=[3, 1, 4, 2])
+    idx = [2, 0, 3]  # a micro-batch of the batch's samples 2, 0, 3, padded to width 9
+    lp = torch.randn(3, 8, generator=g, requires_grad=True)
+    ent = torch.randn(3, 8, generator=g)
+    cand = torch.randn(3, 8, 4, generator=g)
+    lps, ents, cands = TrainerActor._per_sample(batch, idx, Scores(lp, ent, cand))
+    want = [slice(2, 6), slice(5, 8), slice(6, 8)]  # [total - response - 1, total - 1)
+    for r, (w, got) in enumerate(zip(want, lps, strict=True)):
+        assert (
+            torch.equal(got, lp[r, w])
+            and torch.equal(ents[r], ent[r, w])
+            and torch.equal(cands[r], cand[r, w])
+        )
+    upstream = [torch.randn(x.shape, generator=g) for x in lps]
+    (grad,) = torch.autograd.grad(lps, lp, upstream)
+    ref = lp.detach().clone().requires_grad_()
+    (want_grad,) = torch.autograd.grad([ref[r, w] for r, w in enumerate(want)], ref, upstream)
+    assert torch.equal(grad, want_grad)
+    assert len({x.grad_fn for x in lps}) == 1  # one node for the micro-batch, not one per sample
