@@ -406,15 +406,19 @@ def compute_policy_loss(
     finite); the ratio is exp of the log-ratio clamped to [-20, 20].
     """
     eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
-    ppo_kl, adv = [], []
-    for lp, old, a, m in zip(log_probs, old_log_probs, advantages, loss_masks, strict=True):
-        kl = at_active(old.detach().float(), m) - at_active(lp.float(), m)
-        if sequence_level:
-            kl = masked_mean(kl, m).expand_as(kl)
-        ppo_kl.append(at_active(kl, m, finite=True))
-        adv.append(at_active(a.detach().float(), m, finite=True))
-    sizes = [k.numel() for k in ppo_kl]
-    kl_flat, adv_flat = torch.cat(ppo_kl), torch.cat(adv)
+    sizes = [lp.numel() for lp in log_probs]
+    m_flat = torch.cat(loss_masks)
+    if sequence_level:
+        ppo_kl = []
+        for lp, old, m in zip(log_probs, old_log_probs, loss_masks, strict=True):
+            kl = at_active(old.detach().float(), m) - at_active(lp.float(), m)
+            ppo_kl.append(at_active(masked_mean(kl, m).expand_as(kl), m, finite=True))
+        kl_flat = torch.cat(ppo_kl)
+    else:  # token by token: the same elementwise ops on the micro-batch's tokens laid end to end
+        old_flat = torch.cat(old_log_probs).detach().float()
+        kl = at_active(old_flat, m_flat) - at_active(torch.cat(log_probs).float(), m_flat)
+        kl_flat = at_active(kl, m_flat, finite=True)
+    adv_flat = at_active(torch.cat(advantages).detach().float(), m_flat, finite=True)
     ratio = safe_log_ratio(-kl_flat).exp()
     loss1 = -ratio * adv_flat
     loss2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * adv_flat
@@ -487,14 +491,18 @@ def get_tis_function(args) -> Callable[..., tuple[torch.Tensor, Tensors, dict[st
 
 def _ess_ratio(ppo_kl: Tensors, masks: Tensors, per_token: bool) -> torch.Tensor:
     """Effective sample size of the per-token weights exp(-ppo_kl), per sample:
-    (sum w)^2 / (n sum w^2); mean over samples (per-token mode: weighted by n)."""
-    ess, n = [], []
-    for k, m in zip(ppo_kl, masks, strict=True):
-        w = at_active(safe_log_ratio(-k.detach()).exp(), m) * m
-        cnt = m.sum().clamp_min(1)
-        ess.append(w.sum() ** 2 / (cnt * (w * w).sum().clamp_min(1e-8)))
-        n.append(cnt)
-    ess_t, n_t = torch.stack(ess), torch.stack(n)
+    (sum w)^2 / (n sum w^2); mean over samples (per-token mode: weighted by n). Per-sample sums
+    over the tokens laid end to end (one pass, not a loop over samples)."""
+    m = torch.cat(masks)
+    sizes = torch.tensor([x.numel() for x in masks], device=m.device)
+    seg = torch.repeat_interleave(torch.arange(len(masks), device=m.device), sizes)
+
+    def per_sample(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(masks), dtype=x.dtype, device=x.device).index_add_(0, seg, x)
+
+    w = at_active(safe_log_ratio(-torch.cat(ppo_kl).detach()).exp(), m) * m
+    n_t = per_sample(m).clamp_min(1)
+    ess_t = per_sample(w) ** 2 / (n_t * per_sample(w * w).clamp_min(1e-8))
     return (ess_t * n_t).sum() / n_t.sum() if per_token else ess_t.mean()
 
 
