@@ -162,6 +162,11 @@ def pytest_unconfigure(config):
     SIGKILL, and a bounded wait: after a whole `make test` a SIGTERMed server did not end, this
     wait blocked, and pytest-xdist killed each worker after its 10 s exit timeout (~20 s idle at
     the end of every run, 2026-12-05). The server holds nothing to flush."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # the worker's shared cluster: Ray's exit handler
+        from miles_platform.cluster.ray_cluster import stop_autoscaler_monitor  # stops it next
+
+        stop_autoscaler_monitor()  # without waiting out the monitor's 1 s grace
     from multiprocessing import forkserver
 
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)

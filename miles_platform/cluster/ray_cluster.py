@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import secrets
+import subprocess
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,7 +239,26 @@ def shutdown_ray(ctx: RayContext) -> None:
     import ray
 
     if ctx.connected and ray.is_initialized():
+        if ctx.started_local:
+            stop_autoscaler_monitor()
         ray.shutdown()
+
+
+def stop_autoscaler_monitor() -> None:
+    """SIGKILL the autoscaler monitor of the private one-node cluster this driver started, before
+    `ray.shutdown()`: there is nothing for it to scale or flush, and it does not answer SIGTERM, so
+    Ray's shutdown waited out its whole 1 s grace for it (measured: 1.02 of a 1.44 s shutdown) at
+    the end of every local run. Never for a joined cluster (the caller checks)."""
+    from ray._private import ray_constants
+    from ray._private import worker as ray_worker
+
+    node = ray_worker._global_node
+    if node is None or not getattr(node, "head", False):
+        return
+    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            info.process.kill()
+            info.process.wait(timeout=1)
 
 
 def start_fork_server(*extras: str) -> None:
