@@ -31,11 +31,11 @@ def _convert(*args: str) -> dict:
 
     # a fork of this process's warm server when one runs (a run worker that trained, a test): torch
     # and co. already imported (~6 s of a conversion process otherwise); else the interpreter
-    cmd = [*forkserver.warm_python(), "-m", "miles_platform.weights.conversion", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    module = ["miles_platform.weights.conversion", *args]
+    proc = subprocess.run([*forkserver.warm_python(), "-m", *module], capture_output=True, text=True)
     if proc.returncode != 0:
         raise dg.Failure(
-            description=f"`{' '.join(cmd[cmd.index('-m') + 1 :])}` failed (exit {proc.returncode})",
+            description=f"`{' '.join(module)}` failed (exit {proc.returncode})",
             metadata={"stderr": dg.MetadataValue.md(f"```\n{proc.stderr[-4000:]}\n```")},
         )
     return json.loads(proc.stdout.strip().splitlines()[-1])
