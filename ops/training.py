@@ -328,7 +328,10 @@ def train_as_ray_job(
             try:
                 context.log.warning(f"run cancelled: stopping Ray job {job_id}")
                 stopped = stop_job(client, job_id)
-                reconcile(True)
+                try:
+                    reconcile(True)
+                except Exception as e:  # said, not hidden by the cancel raised below
+                    context.log.error(f"reporting the versions of Ray job {job_id}: {type(e).__name__}: {e}")
             finally:
                 raise _cancelled(f"Ray job {job_id} {stopped}") from None  # noqa: B012 - final, always
         reconcile(True)

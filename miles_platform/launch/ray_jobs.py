@@ -39,7 +39,12 @@ from miles_platform.config import ConfigError, RunConfig
 from miles_platform.config.flags import json_flag
 
 CONFIG_ENV = "MILES_RUN_CONFIG"
-ENTRYPOINT = "python -m miles_platform.launch.job_driver"
+# `exec`: the driver is the process Ray's job supervisor started. Ray runs the entrypoint with
+# `sh -c`, and dash forks a plain command: a stop that came while the job started (a Dagster run
+# cancelled as it submitted) listed the shell's children before python was forked, killed only the
+# shell, and left the driver training, orphaned, while the job read STOPPED (measured: 87 versions
+# written after the stop; tests/e2e/test_cluster_ray.py's cancel case)
+ENTRYPOINT = "exec python -m miles_platform.launch.job_driver"
 META_RUN, META_ROOT, META_HASH = "miles_run", "miles_storage_root", "miles_config_hash"
 ACTIVE = ("PENDING", "RUNNING")
 # RunConfig fields that name local files or dirs: made absolute before submitting (the job's working

@@ -336,6 +336,20 @@ def _dagster_run(kw: dict, root, home, log_path) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT, preexec_fn=_as_from_a_terminal)  # fmt: skip
 
 
+def _parents_of(needle: str) -> list[str]:
+    """The parent process's command line of each process whose command line holds `needle`."""
+    out = []
+    for pid in _pids_mentioning(needle):
+        try:
+            ppid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            out.append(
+                (Path("/proc") / str(ppid) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            )
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
 def _versions(root, run: str) -> list[dict]:
     from miles_platform.store.paths import StoragePaths
     from miles_platform.store.tables import read_rows
@@ -375,6 +389,10 @@ def test_dagster_ray_job_outlives_its_run_worker_then_attaches_reconciles_and_ca
         first.wait()
     jobs = run_jobs(client, "dg", str(root))
     assert [(j.submission_id, j.status) for j in jobs] == [("miles-dg-1", "RUNNING")]  # trains on
+    # the driver is the process Ray's job supervisor started, the one its stop kills: under a shell
+    # (`sh -c` forks a plain command) a stop as the job started killed only the shell and left the
+    # driver training, orphaned, after the job read STOPPED
+    assert _parents_of("miles_platform.launch.job_driver") == ["ray::JobSupervisor"]
     assert len(_versions(root, "dg")) < N_DG
 
     second = _dagster_run(kw, root, home, tmp_path / "second.log")
