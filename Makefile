@@ -6,6 +6,10 @@ STAMP     := $(VENV)/.installed
 ROOT      ?= .miles
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
+# where PYTHONDONTWRITEBYTECODE is set (this machine, CI) every process would compile every module
+# it imports, each time (+4 s for torch + transformers + dagster + ray): the targets here let Python
+# write a module's .pyc the first time it is imported (into __pycache__ dirs git ignores)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install system-deps demo demo-diffusion demo-vlm test test-fast lint ui viewer bench bench-trl-env clean
 
@@ -18,25 +22,20 @@ system-deps:
 
 # torch first, with pip: the pinned CPU wheel (pip finds it in the machine's wheel dir; uv does not
 # look there), then pinned by a constraint so nothing pulls a CUDA build. The rest with uv: the same
-# versions pip resolves, installed and byte-compiled (in parallel) in ~25 s instead of ~110 s
-# (measured 2026-12-05); pip if uv fails. Byte-compiled at install: where PYTHONDONTWRITEBYTECODE is
-# set (this machine, CI), Python would otherwise compile every module it imports in every process.
-# torch and the packages pip brings with it are compiled by compileall on every core, in the
-# background while uv installs the rest (pip compiles them on one core: ~12 s; install 8-14 s
-# faster, the same .pyc files, measured 2026-12-05).
+# versions pip resolves (measured 2026-12-05: ~25 s instead of ~110 s); pip if uv fails.
+# Nothing is byte-compiled at install: a module is compiled the first time a process imports it and
+# its .pyc written then (PYTHONDONTWRITEBYTECODE is unexported below), so only the modules something
+# imports are compiled, once. Compiling all 28.7k modules of the venv took ~88 CPU-s, most of the
+# install's CPU (2026-12-06).
 # Every extra but gpu: the runtime set (what the code imports) holds no test, bench or lint tool.
 EXTRAS    := mooncake,ui-test,trackers,k8s,bench,test,dev
-SITE       = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile torch==2.13.0
 	echo torch==2.13.0 > $(VENV)/constraints.txt
-	$(BIN)/python -m compileall -q -j 0 $$(ls -d $(SITE)/*) >/dev/null & \
-	{ { $(BIN)/pip install -q uv==0.13.9 && \
-	    $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c $(VENV)/constraints.txt \
-	      -e '.[$(EXTRAS)]'; } || \
-	  $(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[$(EXTRAS)]'; } && \
-	{ wait $$! || true; }  # compileall exits 1 for a file it cannot compile: pip ignores those too
+	{ $(BIN)/pip install -q --no-compile uv==0.13.9 && \
+	  $(BIN)/uv pip install -q --python $(BIN)/python -c $(VENV)/constraints.txt -e '.[$(EXTRAS)]'; } || \
+	$(BIN)/pip install -q --no-compile -c $(VENV)/constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 install: system-deps $(STAMP)
