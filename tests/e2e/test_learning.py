@@ -1,41 +1,36 @@
 """RL really learns: the demo recipe (SFT base with systematic carry errors, then GRPO) on fixed seeds.
 
-The shortened CI version of `make demo`: one SFT base (the demo's recipe, 1200 iterations, ~100
-CPU seconds), then a short GRPO run per trainer backend and on megatron at TP2 + SP. Asserts the
+The shortened CI version of `make demo`: one SFT base (the demo's recipe, 1200 iterations, ~90
+CPU seconds; under pytest-xdist trained in the background on the cycles the workers leave idle:
+tests/learning_base.py), then a short GRPO run per trainer backend and on megatron at TP2 + SP. Asserts the
 training reward rises and held-out greedy accuracy improves, with the --ci-test checkers on (step-0
 KL/clipfrac, trainer-vs-engine log-probs, engine weights equal to trainer weights after every sync).
 """
 
-from dataclasses import replace
+import os
 
 import pytest
+from learning_base import BACKGROUND_DIR, train_base, wait_for_background
 
 from miles_platform.config import RunConfig
-from miles_platform.data.tasks import write_task_datasets
 from miles_platform.loop import train
 from miles_platform.recipes import DEMO_RL
 from miles_platform.rollout.evaluate import greedy_pass_at_1
-from miles_platform.training.sft import default_sft_recipe, run_sft
 
 EVAL_PROMPTS = 200
-SFT_ITERS = 1200
 ROLLOUTS = 20
 MOE_ROLLOUTS = 30
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("learn")
-    task = write_task_datasets(d / "task", seed=0)
-    # the demo's recipe (1200 iterations: past the loss plateau, the same systematic carry error;
-    # through the RL trainer since 2026-12-02, whose 600-iteration base stayed on the plateau at
-    # 10.2%), pinned here so a recipe change does not silently change this test
-    run_sft(
-        task["sft"],
-        str(d / "base"),
-        recipe=replace(default_sft_recipe(), train_iters=SFT_ITERS),
-        progress=False,
-    )
+    # trained in the background by the xdist controller where there is one (tests/learning_base.py),
+    # else here; the demo's recipe either way
+    d = tmp_path_factory.getbasetemp().parent / BACKGROUND_DIR  # the controller's basetemp
+    task = wait_for_background(d) if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if task is None:
+        d = tmp_path_factory.mktemp("learn")
+        task = train_base(d)
     acc = _greedy(str(d / "base"), task["eval"])
     assert 0.15 <= acc <= 0.70, f"SFT base must leave room for RL, got {acc:.1%}"
     return d, task, acc
