@@ -36,12 +36,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # group under pytest 9.2: xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.) The
 # longest files go first, so no worker is left with a long file at the end (seconds on 2 cores);
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
-# The learning test (~40 s once its SFT base is trained) goes after the files of 20 s and more, ~6
-# minutes into a run: its base trains in the background from the start on the idle cycles
-# (tests/learning_base.py; ~270 s of a full run for its ~94 CPU-s, measured 2026-12-06).
+# The learning tests go late: their SFT bases train in the background from the start on the idle
+# cycles (tests/background_bases.py): test_learning.py's (~94 CPU-s) took 250 s of a full run
+# (2026-12-06), and the file (~45 s without it) started ~360 s in, after the files of 20 s and more;
+# the vision-language one's (~27 CPU-s) trains next, and its file goes after those of 10 s and more.
 LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-05 14:00 UTC
     "test_learning.py": 19.5, "test_cluster_ray.py": 87, "test_diffusion_loop.py": 67,
-    "test_vlm_loop.py": 63, "test_megatron_layouts.py": 58, "test_ui_browser.py": 57,
+    "test_vlm_loop.py": 9.5, "test_megatron_layouts.py": 58, "test_ui_browser.py": 57,
     "test_crash_matrix.py": 51, "test_fault_tolerance.py": 50, "test_model_families_loop.py": 38,
     "test_loop.py": 35, "test_ui_daily_use.py": 29, "test_ops_training.py": 26, "test_megatron_resume.py": 25,
     "test_conversion.py": 25, "test_megatron_weights.py": 23, "test_kernels.py": 23,
@@ -159,15 +160,16 @@ SLOW = {
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
-    """The xdist controller: once a worker has collected the learning test, train its SFT base in
-    the background on the idle cycles (tests/learning_base.py); the test waits for it."""
+    """The xdist controller: once a worker has collected the learning tests, train their SFT bases
+    in the background on the idle cycles (tests/background_bases.py); the tests wait for them."""
     config = node.config
-    if getattr(config, "_learning_base", None) is None and any(
-        i.startswith("tests/e2e/test_learning.py::") for i in ids
-    ):
-        from learning_base import BACKGROUND_DIR, start_background
+    if getattr(config, "_background_bases", None) is None:
+        from background_bases import BACKGROUND_DIR, start_background, wanted
 
-        config._learning_base = start_background(config._tmp_path_factory.getbasetemp() / BACKGROUND_DIR)
+        names = wanted(ids)
+        config._background_bases = names and start_background(
+            config._tmp_path_factory.getbasetemp() / BACKGROUND_DIR, names
+        )
 
 
 def pytest_unconfigure(config):
@@ -178,8 +180,8 @@ def pytest_unconfigure(config):
     SIGKILL, and a bounded wait: after a whole `make test` a SIGTERMed server did not end, this
     wait blocked, and pytest-xdist killed each worker after its 10 s exit timeout (~20 s idle at
     the end of every run, 2026-12-05). The server holds nothing to flush."""
-    base = getattr(config, "_learning_base", None)  # the controller's background SFT, if still training
-    if base is not None and base.poll() is None:
+    base = getattr(config, "_background_bases", None)  # the controller's background SFT, if still training
+    if base and base.poll() is None:
         base.kill()
         base.wait()
     ray = sys.modules.get("ray")

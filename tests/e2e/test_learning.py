@@ -2,15 +2,13 @@
 
 The shortened CI version of `make demo`: one SFT base (the demo's recipe, 1200 iterations, ~90
 CPU seconds; under pytest-xdist trained in the background on the cycles the workers leave idle:
-tests/learning_base.py), then a short GRPO run per trainer backend and on megatron at TP2 + SP. Asserts the
+tests/background_bases.py), then a short GRPO run per trainer backend and on megatron at TP2 + SP. Asserts the
 training reward rises and held-out greedy accuracy improves, with the --ci-test checkers on (step-0
 KL/clipfrac, trainer-vs-engine log-probs, engine weights equal to trainer weights after every sync).
 """
 
-import os
-
 import pytest
-from learning_base import BACKGROUND_DIR, train_base, wait_for_background
+from background_bases import base_dir
 
 from miles_platform.config import RunConfig
 from miles_platform.loop import train
@@ -24,13 +22,7 @@ MOE_ROLLOUTS = 30
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    # trained in the background by the xdist controller where there is one (tests/learning_base.py),
-    # else here; the demo's recipe either way
-    d = tmp_path_factory.getbasetemp().parent / BACKGROUND_DIR  # the controller's basetemp
-    task = wait_for_background(d) if os.environ.get("PYTEST_XDIST_WORKER") else None
-    if task is None:
-        d = tmp_path_factory.mktemp("learn")
-        task = train_base(d)
+    d, task = base_dir("learning", tmp_path_factory)  # trained in the background under pytest-xdist
     acc = _greedy(str(d / "base"), task["eval"])
     assert 0.15 <= acc <= 0.70, f"SFT base must leave room for RL, got {acc:.1%}"
     return d, task, acc

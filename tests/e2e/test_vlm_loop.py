@@ -7,16 +7,16 @@ The cheapest form of `make demo-vlm`: its SFT base, 8 prompts per rollout (the d
 from __future__ import annotations
 
 import pyarrow.parquet as pq
+from background_bases import base_dir
 
 from miles_platform.config import RunConfig
-from miles_platform.data.image_tasks import write_count_datasets
 from miles_platform.data.images import image_hash
 from miles_platform.loop import train, validate_before_start
 from miles_platform.recipes import DEMO_VLM
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.shards import shard_path
 from miles_platform.store.tables import read_rows
-from miles_platform.training.vlm_base import VLMBaseRecipe, greedy_count_accuracy, run_vlm_sft
+from miles_platform.training.vlm_base import greedy_count_accuracy
 from ops.version_events import CatalogVersions, shard_summary
 
 # GRPO seeds 1-3 from this base (8 prompts per rollout; sampler seeded by absolute position since
@@ -25,17 +25,17 @@ from ops.version_events import CatalogVersions, shard_summary
 ROLLOUTS = 30
 
 
-def test_grpo_from_a_base_that_counts_4_as_3_lifts_heldout_accuracy(tmp_path):
-    task = write_count_datasets(tmp_path / "task", seed=0)
-    run_vlm_sft(str(tmp_path / "base"), VLMBaseRecipe())
-    base = greedy_count_accuracy(str(tmp_path / "base"), task["eval"])
+def test_grpo_from_a_base_that_counts_4_as_3_lifts_heldout_accuracy(tmp_path, tmp_path_factory):
+    # the base trains in the background under pytest-xdist (tests/background_bases.py), else here
+    d, task = base_dir("vlm", tmp_path_factory)
+    base = greedy_count_accuracy(str(d / "base"), task["eval"])
     # reads the image (every other count right) and is systematically wrong on 4 squares
     assert all(base["per_count"][k] >= 0.9 for k in (1, 2, 3)), base
     assert base["per_count"][4] <= 0.25 and base["answers"][4].get("3", 0) >= 12, base
 
     cfg = RunConfig(
         **{**DEMO_VLM, "save_interval": None, "rollout_batch_size": 8},
-        hf_checkpoint=str(tmp_path / "base"), prompt_data=task["train"], num_rollout=ROLLOUTS,
+        hf_checkpoint=str(d / "base"), prompt_data=task["train"], num_rollout=ROLLOUTS,
         seed=1, rollout_seed=1, storage_root=str(tmp_path / "root"), num_cpus_per_actor=0.5,
     ).validate()  # fmt: skip
     validate_before_start(cfg)
