@@ -134,8 +134,22 @@ def _tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
+def _die_with_parent() -> None:
+    """Linux: end with the controller (a killed pytest leaves no trainer behind)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the controller died before the call
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     d, names = Path(argv[0]), argv[1:]
+    _die_with_parent()
     import torch
 
     torch.set_num_threads(1)  # as the test workers (conftest): the same weights as a worker's run
