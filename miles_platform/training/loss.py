@@ -28,6 +28,7 @@ import torch
 
 from miles_platform.config import ConfigError
 from miles_platform.plugins import load_function
+from miles_platform.training.segments import Segments
 
 Tensors = list[torch.Tensor]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -494,12 +495,7 @@ def _ess_ratio(ppo_kl: Tensors, masks: Tensors, per_token: bool) -> torch.Tensor
     (sum w)^2 / (n sum w^2); mean over samples (per-token mode: weighted by n). Per-sample sums
     over the tokens laid end to end (one pass, not a loop over samples)."""
     m = torch.cat(masks)
-    sizes = torch.tensor([x.numel() for x in masks], device=m.device)
-    seg = torch.repeat_interleave(torch.arange(len(masks), device=m.device), sizes)
-
-    def per_sample(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(masks), dtype=x.dtype, device=x.device).index_add_(0, seg, x)
-
+    per_sample = Segments([x.numel() for x in masks], m.device).sum
     w = at_active(safe_log_ratio(-torch.cat(ppo_kl).detach()).exp(), m) * m
     n_t = per_sample(m).clamp_min(1)
     ess_t = per_sample(w) ** 2 / (n_t * per_sample(w * w).clamp_min(1e-8))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from miles_platform.training.segments import Segments
+
 # Miles' key -> what it is (docs/miles_flags.md): the order they are logged in
 TOKEN_FIELDS = (
     "log_probs",
@@ -28,19 +30,14 @@ class _Segments:
 
     def __init__(self, masks: dict[int, torch.Tensor], idx: list[int]):
         ms = [masks[i].float().reshape(-1) for i in idx]
-        self.idx, self.n = idx, len(idx)
+        self.idx = idx
         self.mask = torch.cat(ms)
-        dev = self.mask.device
-        lens = torch.tensor([m.numel() for m in ms], device=dev)
-        self.seg = torch.repeat_interleave(torch.arange(self.n, device=dev), lens)
-        self.count = self._sum(self.mask).clamp_min(1)
-
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.n, dtype=x.dtype, device=x.device).index_add_(0, self.seg, x)
+        self.segments = Segments([m.numel() for m in ms], self.mask.device)
+        self.count = self.segments.sum(self.mask).clamp_min(1)
 
     def mean(self, values: dict[int, torch.Tensor]) -> float:
         v = torch.cat([values[i].detach().float().reshape(-1) for i in self.idx]).to(self.mask.device)
-        return float((self._sum(v * self.mask) / self.count).mean())
+        return float((self.segments.sum(v * self.mask) / self.count).mean())
 
 
 def rollout_data_metrics(
