@@ -281,7 +281,12 @@ class PromptVision:
         return got
 
     def expand(self, prompt_ids: list[int], image_uris: list[str]) -> list[int]:
-        return expand_image_tokens(prompt_ids, self.config, self.pixels(image_uris)["image_grid_thw"])
+        if not image_uris:
+            return expand_image_tokens(prompt_ids, self.config, self.pixels([])["image_grid_thw"])
+        import torch
+
+        # the grids only: no copy of the kept pixel values
+        return expand_image_tokens(prompt_ids, self.config, torch.cat([self._one(u)[1] for u in image_uris]))
 
     def pixels(self, image_uris: list[str]) -> dict:
         """pixel_values and image_grid_thw of a sample's images (the trainer's batch)."""
