@@ -24,7 +24,7 @@ system-deps:
 # look there), then pinned by a constraint so nothing pulls a CUDA build. The rest with uv: the same
 # versions pip resolves (measured 2026-12-05: ~25 s instead of ~110 s); pip if uv fails.
 # Nothing is byte-compiled at install: a module is compiled the first time a process imports it and
-# its .pyc written then (PYTHONDONTWRITEBYTECODE is unexported below), so only the modules something
+# its .pyc written then (PYTHONDONTWRITEBYTECODE is unexported above), so only the modules something
 # imports are compiled, once. Compiling all 28.7k modules of the venv took ~88 CPU-s, most of the
 # install's CPU (2026-12-06).
 # Every extra but gpu: the runtime set (what the code imports) holds no test, bench or lint tool.
