@@ -64,7 +64,7 @@ def _train_sft(config: BaseCheckpointConfig, storage: StorageRootResource, dest:
         log.warning(
             f"SFT base: the loss never fell below {PLATEAU_LOSS} in {recipe.train_iters} iterations (final "
             f"{m['final_loss']:.3f}): the base is still on the plateau where it has not learned addition; "
-            "train longer (config train_iters, `quickstart --sft-iters`) or take another seed"
+            "train longer (config train_iters, `quickstart --sft-iters`) or take another seed (`--sft-seed`)"
         )
     return {
         "model": m["model"],

@@ -72,7 +72,12 @@ def _log(msg: str) -> None:
 
 
 def run_quickstart(
-    root: str, num_rollout: int, seed: int, eval_every: int, sft_iters: int | None
+    root: str,
+    num_rollout: int,
+    seed: int,
+    eval_every: int,
+    sft_iters: int | None,
+    sft_seed: int | None = None,
 ) -> dict[str, Any]:
     t0 = time.time()
     root, defs, instance = _campaign(root)
@@ -84,7 +89,9 @@ def run_quickstart(
 
     _log("materializing prompt_dataset, eval_dataset")
     _run_job(defs, "build_datasets", instance)
-    base_cfg: dict[str, Any] = {"mode": "sft", "seed": seed}
+    base_cfg: dict[str, Any] = {"mode": "sft"}
+    if sft_seed is not None:  # else the recipe's (default_sft_recipe: the demo's base)
+        base_cfg["seed"] = sft_seed
     if sft_iters:
         base_cfg["train_iters"] = sft_iters
     _log("materializing base_checkpoint (SFT)")
@@ -402,6 +409,7 @@ def cli_main(argv: list[str]) -> int:
         "--eval-every", type=int, default=10, help="evaluate every N-th policy version (and the last)"
     )
     ap.add_argument("--sft-iters", type=int, default=None, help="override the SFT recipe's train iterations")
+    ap.add_argument("--sft-seed", type=int, default=None, help="override the SFT recipe's seed (default: 5)")
     ap.add_argument("--run-job", metavar="JOB", help=argparse.SUPPRESS)  # one named job (the demo's helper)
     ap.add_argument("--task", choices=("llm", "diffusion", "vlm"), default="llm",
                     help="llm: arithmetic GRPO (the default demo); diffusion: Flow-GRPO on a tiny DiT; "
@@ -419,7 +427,9 @@ def cli_main(argv: list[str]) -> int:
         n = args.num_rollout if "--num-rollout" in argv else DIFFUSION_ROLLOUTS
         print_diffusion_summary(run_diffusion_quickstart(args.storage_root, n, args.seed, args.loss_type))
         return 0
-    summary = run_quickstart(args.storage_root, args.num_rollout, args.seed, args.eval_every, args.sft_iters)
+    summary = run_quickstart(
+        args.storage_root, args.num_rollout, args.seed, args.eval_every, args.sft_iters, args.sft_seed
+    )
     print_summary(summary)
     return 0
 

@@ -1,7 +1,7 @@
 """Learning of the demo's GRPO phase, strictly on-policy (`train`) vs Miles' one-step overlap
 (`train-async`: rollout k+1 generates while rollout k trains, so it comes from v(k-1)), issue 52.
 
-The demo's SFT base (its task data, `default_sft_recipe()` at the demo's seed 1234), then per seed
+The demo's SFT base (its task data, `default_sft_recipe()`), then per seed
 one run of each mode with the demo's recipe `DEMO_RL` (100 rollouts x 16 prompts x 8 samples), one
 after the other (sync first). Reports held-out greedy pass@1 of the base and of each final policy
 (all 500 eval prompts), the mean raw reward per 10 rollouts, the median seconds per step and the
@@ -23,7 +23,7 @@ from scripts.study import greedy, seed_run, write_out
 MODES = {"sync": {}, "overlap": {"train_async": True}}
 
 
-def build_base(work: str, seed: int, threads: int | None) -> tuple[dict, str]:
+def build_base(work: str, seed: int | None, threads: int | None) -> tuple[dict, str]:
     """The demo's task data and SFT base (made once per work dir)."""
     import dataclasses
 
@@ -33,7 +33,9 @@ def build_base(work: str, seed: int, threads: int | None) -> tuple[dict, str]:
     task = write_task_datasets(os.path.join(work, "task"), seed=0)
     base = os.path.join(work, "base")
     if not os.path.exists(os.path.join(base, "config.json")):
-        recipe = dataclasses.replace(default_sft_recipe(), seed=seed, num_threads=threads)
+        recipe = dataclasses.replace(default_sft_recipe(), num_threads=threads)
+        if seed is not None:
+            recipe = dataclasses.replace(recipe, seed=seed)
         run_sft(task["sft"], base, recipe=recipe, progress=False)
     return task, base
 
@@ -63,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--rollouts", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--sft-seed", type=int, default=1234, help="the demo's seed (quickstart --seed)")
+    ap.add_argument("--sft-seed", type=int, default=None, help="the SFT seed (default: the demo base's)")
     ap.add_argument(
         "--sft-threads",
         type=int,
