@@ -259,6 +259,10 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
     # 0.7, for its CI models; the demo's 1200-iteration base is under it), which the checker reads
     # from rollout/entropy since 2026-12-05
     recipe = dict(DEMO_RL, ci_entropy_max=2.0)
+    # ASYNC_CI: under --fully-async a sample may come from a version several updates old, so the
+    # trainer's mean log-prob moves away from the engine's as fast as the policy learns (0.071 at
+    # rollout 6 from the seed-5 short base, 2026-12-06); Miles applies its 0.03 bound there all the
+    # same, so these timing runs turn the log-prob checker off (its other checks stay on)
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as d:
         base, data = sft_base(d)
         bare = bare_grpo_loop(base, data["train"], rollouts)[1:]
@@ -275,12 +279,13 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
         cfg_async = RunConfig(
             **dict(recipe, run_name="bench_e2e_async"), hf_checkpoint=base, prompt_data=data["train"],
             num_rollout=rollouts, storage_root=os.path.join(d, "root_async"), fully_async=True,
+            ci_disable_logprobs_checker=True,  # see ASYNC_CI below
         ).validate()  # fmt: skip
         res_async = train(cfg_async)
         cfg_group = RunConfig(
             **dict(recipe, run_name="bench_e2e_async_group"), hf_checkpoint=base, prompt_data=data["train"],
             num_rollout=rollouts, storage_root=os.path.join(d, "root_async_group"), fully_async=True,
-            rollout_submission_granularity="group",
+            rollout_submission_granularity="group", ci_disable_logprobs_checker=True,
         ).validate()  # fmt: skip
         res_group = train(cfg_group)
         measured = res.metrics[1:] or res.metrics
