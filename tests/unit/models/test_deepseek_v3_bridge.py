@@ -197,15 +197,20 @@ def test_tensor_parallel_is_refused_and_mtp_layers_are_dropped():
 # ---------------------------------------------------------------- megatron (subprocess)
 
 
-@pytest.fixture(scope="module")
-def parity():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+def _run_script(*args: str) -> dict:
+    """This file as a script (its own gloo group): the JSON line it prints last."""
     from loop_helpers import warm_python
 
-    proc = subprocess.run([*warm_python(), __file__, "parity"], capture_output=True, text=True, env=env,
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    proc = subprocess.run([*warm_python(), __file__, *args], capture_output=True, text=True, env=env,
                           timeout=400, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def parity():
+    return _run_script("parity")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -225,6 +230,55 @@ def test_without_each_mapping_parity_fails(parity, variant):
     yarn = ["yarn"] if VARIANTS[variant].get("rope_parameters") else []
     assert sorted(c) == ["expert_bias", "group_limit", "rope_rows", "routed_scaling", *yarn]
     assert all(v > 1000 * TOL for v in c.values()), c
+
+
+def test_hf_to_torch_dist_to_hf_is_bit_exact_and_tp2_is_refused_before_writing(tiny_hf_checkpoint, tmp_path):
+    """`miles-platform convert` both ways through megatron's torch_dist (the MLA layers' and the
+    router's expert_bias sharded state): HF's on-disk tensors come back bit for bit."""
+    from safetensors.torch import load_file
+
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+    from miles_platform.weights import conversion
+
+    hf, tok = str(tmp_path / "hf"), load_tokenizer(tiny_hf_checkpoint)
+    save_hf_checkpoint(sharp_model(deepseek_config(len(tok))), tok, hf)
+    _run_script("convert", hf, str(tmp_path))
+    a, b = load_file(f"{hf}/model.safetensors"), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and "model.layers.1.mlp.gate.e_score_correction_bias" in a
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    with pytest.raises(CheckpointError, match="--tensor-model-parallel-size 2 .* multi-latent attention"):
+        conversion.hf_to_torch_dist(hf, tmp_path / "tp2", tensor_model_parallel_size=2)
+    assert not (tmp_path / "tp2").exists()
+
+
+def test_preflight_takes_it_on_megatron_and_refuses_tp_and_ep(tiny_hf_checkpoint, tmp_path):
+    from loop_helpers import small_run_config
+
+    from miles_platform.config import ConfigError
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+    from miles_platform.preflight import validate_before_start
+
+    hf, tok = str(tmp_path / "hf"), load_tokenizer(tiny_hf_checkpoint)
+    save_hf_checkpoint(sharp_model(deepseek_config(len(tok))), tok, hf)
+    validate_before_start(
+        small_run_config(hf, tmp_path, train_backend="megatron", use_rollout_routing_replay=True)
+    )
+    for flags in (
+        dict(tensor_model_parallel_size=2, sequence_parallel=True),
+        dict(expert_model_parallel_size=2),
+    ):
+        with pytest.raises(ConfigError, match="with multi-latent attention .* TP 1 and EP 1 only"):
+            validate_before_start(
+                small_run_config(
+                    hf,
+                    tmp_path,
+                    train_backend="megatron",
+                    actor_num_gpus_per_node=2,
+                    global_batch_size=4,
+                    **flags,
+                )  # fmt: skip
+            )
 
 
 # 3 GRPO groups of 2, prompts of 3-7 tokens, as tests/unit/models/test_hf_families.py rolls them out
@@ -389,12 +443,36 @@ def _parity_report(variant: str) -> dict:
     return out
 
 
-def _main(mode: str) -> None:
+def _convert(hf: str, work: str) -> dict:
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from miles_platform.weights import conversion
+
+    report = {}
+    for name, argv in (
+        ("to_torch_dist", ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", f"{work}/td"]),
+        (
+            "to_hf",
+            ["torch-dist-to-hf", "--load", f"{work}/td", "--hf-checkpoint", hf, "--save", f"{work}/back"],
+        ),
+    ):
+        buf = StringIO()
+        with redirect_stdout(buf):
+            assert conversion.cli_main(argv) == 0
+        report[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
+    return report
+
+
+def _main(mode: str, *args: str) -> None:
     from miles_platform.training import megatron_shims
 
     torch.set_num_threads(1)
+    if mode == "convert":  # the conversion starts its own group
+        print(json.dumps(_convert(*args)))
+        return
     megatron_shims.init_single_process_group()
-    report = {v: _parity_report(v) for v in VARIANTS} if mode == "parity" else {}
+    report = {v: _parity_report(v) for v in VARIANTS}
     megatron_shims.destroy_process_group()
     print(json.dumps(report))
 
