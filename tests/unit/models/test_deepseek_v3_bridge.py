@@ -252,7 +252,7 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact_and_tp2_is_refused_before_writing(t
     assert not (tmp_path / "tp2").exists()
 
 
-def test_preflight_takes_it_on_megatron_and_refuses_tp_and_ep(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_it_on_megatron_and_refuses_tp_ep_and_lora(tiny_hf_checkpoint, tmp_path):
     from loop_helpers import small_run_config
 
     from miles_platform.config import ConfigError
@@ -261,24 +261,22 @@ def test_preflight_takes_it_on_megatron_and_refuses_tp_and_ep(tiny_hf_checkpoint
 
     hf, tok = str(tmp_path / "hf"), load_tokenizer(tiny_hf_checkpoint)
     save_hf_checkpoint(sharp_model(deepseek_config(len(tok))), tok, hf)
-    validate_before_start(
-        small_run_config(hf, tmp_path, train_backend="megatron", use_rollout_routing_replay=True)
-    )
+
+    def run(**flags):
+        return small_run_config(hf, tmp_path, train_backend="megatron", **flags)
+
+    validate_before_start(run(use_rollout_routing_replay=True))
+    two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
     for flags in (
         dict(tensor_model_parallel_size=2, sequence_parallel=True),
         dict(expert_model_parallel_size=2),
     ):
         with pytest.raises(ConfigError, match="with multi-latent attention .* TP 1 and EP 1 only"):
-            validate_before_start(
-                small_run_config(
-                    hf,
-                    tmp_path,
-                    train_backend="megatron",
-                    actor_num_gpus_per_node=2,
-                    global_batch_size=4,
-                    **flags,
-                )  # fmt: skip
-            )
+            validate_before_start(run(**two, **flags))
+    with pytest.raises(
+        ConfigError, match="--lora-rank with --train-backend megatron: .* multi-latent attention"
+    ):
+        validate_before_start(run(lora_rank=4))
 
 
 # 3 GRPO groups of 2, prompts of 3-7 tokens, as tests/unit/models/test_hf_families.py rolls them out
