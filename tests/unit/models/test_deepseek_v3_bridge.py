@@ -98,6 +98,19 @@ def test_round_trip_is_bit_exact(variant, fused_norms):
     assert sorted(again) == sorted(mc) and all(torch.equal(again[k], mc[k]) for k in mc)
 
 
+def test_the_te_spec_names_are_told_from_the_local_ones():
+    """What picks `fused_norms` for a built model (megatron_backend.uses_fused_norms) sees MLA's TE names."""
+    from types import SimpleNamespace
+
+    from miles_platform.training.megatron_backend import uses_fused_norms
+
+    cfg = deepseek_config()
+    sd, bridge = _state(cfg, sharp_model(cfg)), get_bridge(cfg)
+    for fused in (False, True):
+        mc = bridge.hf_to_megatron(sd, cfg, fused_norms=fused)
+        assert uses_fused_norms(SimpleNamespace(state_dict=lambda mc=mc: mc)) is fused
+
+
 def test_megatron_names_of_the_dense_and_the_moe_layer():
     cfg = deepseek_config()
     sd = _state(cfg, sharp_model(cfg))
