@@ -9,6 +9,10 @@ local spec). megatron's rank order is tp-cp-ep-dp-pp: TP ranks are
 consecutive, so with Miles' placement (`--actor-num-gpus-per-node` ranks per node) a TP group sits
 inside a node. Data parallel = world / (TP x PP x CP).
 
+Layer specs: the bridge's, per decoder layer (`decoder_layer_specs`: an MoE model whose config has a
+`moe_layer_freq` list gets its dense layers' spec without experts, DeepSeek-V3's first layers), sliced
+per (virtual) pipeline stage (`stage_block_spec`); MLA models get `MLATransformerConfig`.
+
 `RMSNorm` replaces the local spec's `WrappedTorchNorm` (torch.nn.RMSNorm, which refuses
 `sequence_parallel`): the same arithmetic (`F.rms_norm`), and its weight carries
 `sequence_parallel = config.sequence_parallel`. Under SP each TP rank normalizes its slice of the

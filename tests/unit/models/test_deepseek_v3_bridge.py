@@ -3,8 +3,10 @@ layers dense, sigmoid routing with the score-correction bias, group-limited top-
 routed_scaling_factor). HF <-> megatron names bit-exact both ways; megatron's GPTModel logits, loss and
 gradients equal transformers' DeepseekV3ForCausalLM in fp32, for DeepSeek's interleaved rope with
 q_lora and for HF's half-split rope without q_lora under yarn; controls show each mapping is what
-makes it pass (the rope row order, the expert bias, the group limit, the scaling factor); and one
---ci-test GRPO step with R3 on --train-backend megatron gives the embedded engine's log-probs.
+makes it pass (the rope row order, the expert bias, the group limit, the scaling factor, yarn);
+torch_dist conversion both ways is bit-exact; preflight takes the family on megatron and refuses TP,
+EP and LoRA there by name; and one --ci-test GRPO step with R3 on --train-backend megatron gives the
+embedded engine's log-probs.
 
 Everything touching torch.distributed runs in a subprocess (this file as a script, or run_ranks).
 """
