@@ -66,21 +66,15 @@ from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_meg
 
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FAMILY = "DeepSeek-V3"
-
-
-def _refuse(what: str) -> CheckpointError:
-    return CheckpointError(
-        f"{_FAMILY} config: {what}; the megatron mapping cannot reproduce it: use --train-backend fsdp "
-        "for this checkpoint"
-    )
+_MLP_KINDS = ("dense", "sparse")  # mlp_layer_types (GLM-4.7-Flash)
 
 
 class DeepseekDims:
     """The DeepSeek-V3 config fields the mapping needs, checked against what megatron reproduces."""
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: Any, family: str = "DeepSeek-V3"):
         c = hf_config_dict(hf_config)
+        self.family = family
         self.hidden, self.layers = c["hidden_size"], c["num_hidden_layers"]
         self.heads, self.vocab, self.ffn = c["num_attention_heads"], c["vocab_size"], c["intermediate_size"]
         self.tied = bool(c.get("tie_word_embeddings", False))
@@ -98,49 +92,59 @@ class DeepseekDims:
         self.top_k = int(c["num_experts_per_tok"])
         self.moe_ffn = int(c["moe_intermediate_size"])
         self.shared = int(c.get("n_shared_experts") or 0)
-        self.first_dense = min(int(c.get("first_k_dense_replace") or 0), self.layers)
+        kinds = c.get("mlp_layer_types")  # GLM-4.7-Flash; DeepSeek: the first first_k_dense_replace dense
+        if kinds is None:
+            kinds = [
+                "dense" if i < int(c.get("first_k_dense_replace") or 0) else "sparse"
+                for i in range(self.layers)
+            ]
+        if len(kinds) != self.layers or set(kinds) - set(_MLP_KINDS):
+            raise self.refuse(f"mlp_layer_types {kinds} (one of {_MLP_KINDS} per layer)")
+        self.moe_layers = [k == "sparse" for k in kinds]
         self.scaling = float(c.get("routed_scaling_factor", 1.0))
         n_group, topk_group = int(c.get("n_group") or 1), int(c.get("topk_group") or 1)
         # group selection that keeps every group is no selection (megatron: no group-limited routing)
         self.groups = (n_group, topk_group) if 1 < n_group and topk_group < n_group else None
         if c.get("hidden_act", "silu") != "silu":
-            raise _refuse(f"hidden_act {c['hidden_act']!r} (the bridge maps silu)")
+            raise self.refuse(f"hidden_act {c['hidden_act']!r} (the bridge maps silu)")
         if c.get("attention_bias"):
-            raise _refuse("attention_bias = true (q_a / kv_a / o_proj biases)")
+            raise self.refuse("attention_bias = true (q_a / kv_a / o_proj biases)")
         if not c.get("norm_topk_prob", True) or self.top_k < 2:
-            raise _refuse(
+            raise self.refuse(
                 f"norm_topk_prob {c.get('norm_topk_prob')} with num_experts_per_tok {self.top_k} "
                 "(megatron's sigmoid router renormalizes the gates exactly when top-k > 1)"
             )
         if self.top_k > self.experts:
-            raise _refuse(f"num_experts_per_tok {self.top_k} > n_routed_experts {self.experts}")
+            raise self.refuse(f"num_experts_per_tok {self.top_k} > n_routed_experts {self.experts}")
         if self.groups and (self.experts % n_group or self.top_k != 2 * topk_group):
-            raise _refuse(
+            raise self.refuse(
                 f"n_group {n_group} / topk_group {topk_group} with {self.experts} experts, top-{self.top_k} "
                 "(HF ranks a group by its top-2 scores, megatron by its top-(topk / topk_group): topk must "
                 "be 2 x topk_group, the experts divide into the groups)"
             )
         if self.shared < 1:
-            raise _refuse("n_shared_experts 0 (megatron's layer here has a shared expert)")
+            raise self.refuse("n_shared_experts 0 (megatron's layer here has a shared expert)")
         self.rope_config = self._rope(c)
 
     def _rope(self, c: dict[str, Any]) -> dict[str, Any]:
         """MLATransformerConfig's rope fields for HF's rope parameters."""
         r = rope_params(c)
         if float(r.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise _refuse(f"partial_rotary_factor {r['partial_rotary_factor']}")
+            raise self.refuse(f"partial_rotary_factor {r['partial_rotary_factor']}")
         base = float(r["rope_theta"])
         if r["rope_type"] == "default":
             return dict(rope_type="rope", rotary_base=base, rotary_scaling_factor=1.0, mscale_all_dim=0.0)
         if r["rope_type"] != "yarn":
-            raise _refuse(f"rope_type {r['rope_type']!r} (mapped: default, yarn)")
+            raise self.refuse(f"rope_type {r['rope_type']!r} (mapped: default, yarn)")
         original = int(r["original_max_position_embeddings"])
         factor = float(r.get("factor") or self.max_pos / original)
         mscale, all_dim = r.get("mscale"), r.get("mscale_all_dim")
         if r.get("attention_factor") is not None or r.get("truncate", True) is False:
-            raise _refuse("yarn with attention_factor / truncate = false (megatron derives / truncates them)")
+            raise self.refuse(
+                "yarn with attention_factor / truncate = false (megatron derives / truncates them)"
+            )
         if all_dim and not mscale:  # HF: attention factor get_mscale(factor); megatron: a ratio with all_dim
-            raise _refuse("yarn with mscale_all_dim but no mscale")
+            raise self.refuse("yarn with mscale_all_dim but no mscale")
         return dict(
             rope_type="yarn", rotary_base=base, rotary_scaling_factor=factor,
             original_max_position_embeddings=original, beta_fast=float(r.get("beta_fast") or 32),
@@ -149,7 +153,13 @@ class DeepseekDims:
         )  # fmt: skip
 
     def moe_layer(self, i: int) -> bool:
-        return i >= self.first_dense
+        return self.moe_layers[i]
+
+    def refuse(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.family} config: {what}; the megatron mapping cannot reproduce it: use --train-backend fsdp "
+            "for this checkpoint"
+        )
 
     @property
     def q_head(self) -> int:
@@ -174,8 +184,10 @@ def _permute_rope(w: torch.Tensor, d: DeepseekDims, order: torch.Tensor | None, 
 
 @register_bridge("DeepseekV3ForCausalLM")
 class DeepseekV3Bridge(Bridge):
+    family = "DeepSeek-V3"
+
     def dims(self, hf_config: Any) -> DeepseekDims:
-        return DeepseekDims(hf_config)
+        return DeepseekDims(hf_config, self.family)
 
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:
         d = self.dims(hf_config)
@@ -208,7 +220,7 @@ class DeepseekV3Bridge(Bridge):
         d = self.dims(hf_config)
         if tensor_model_parallel_size > 1:  # the down projections split differently per spec (local / TE)
             raise CheckpointError(
-                f"{_FAMILY} at tensor parallel {tensor_model_parallel_size}: the MLA mapping is built at TP 1 "
+                f"{self.family} at tensor parallel {tensor_model_parallel_size}: the MLA mapping is built at TP 1 "
                 "only (models/bridge/deepseek_v3.py); use --tensor-model-parallel-size 1"
             )
         return dict(

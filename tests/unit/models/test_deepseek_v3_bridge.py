@@ -30,18 +30,20 @@ TOL = 1e-5  # fp32 parity, as the other families (tests/unit/training/test_model
 # != mscale so both the rotary attention factor and the softmax scale differ from 1
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7}  # fmt: skip
-# the two parity shapes: DeepSeek-V3's own layout (rope_interleave, q_lora_rank), and the other branch
-# of each mapping (HF's half-split rope, one q_proj, yarn)
+# the parity shapes: DeepSeek-V3's own layout (rope_interleave, q_lora_rank), the other branch of each
+# mapping (HF's half-split rope, one q_proj, yarn), and GLM-4.7-Flash (DeepSeek-V3's classes renamed,
+# dense layers by mlp_layer_types, no group limit)
 VARIANTS = {
     "v3": {},
     "halves_no_q_lora_yarn": {"rope_interleave": False, "q_lora_rank": None, "rope_parameters": YARN},
+    "glm4_7_flash": {"family": "glm4_moe_lite"},
 }
 
 
-def deepseek_config(vocab: int = 128, **overrides):
+def deepseek_config(vocab: int = 128, family: str = "deepseek_v3", **overrides):
     """The tiny DeepSeek-V3 (families.py: layer 0 dense, layer 1 MoE: 4 experts in 2 groups, top-2
-    from 1 group, 1 shared expert), untied."""
-    return tiny_config("deepseek_v3", vocab, tie_word_embeddings=False, **overrides)
+    from 1 group, 1 shared expert), untied; `family="glm4_moe_lite"`: the tiny GLM-4.7-Flash."""
+    return tiny_config(family, vocab, tie_word_embeddings=False, **overrides)
 
 
 def sharp_model(cfg, seed: int = 5):
@@ -243,7 +245,8 @@ def test_without_each_mapping_parity_fails(parity, variant):
     zeroed, no group limit, no routed_scaling_factor, default rope for yarn. Each is far outside the bound."""
     c = parity[variant]["controls"]
     yarn = ["yarn"] if VARIANTS[variant].get("rope_parameters") else []
-    assert sorted(c) == ["expert_bias", "group_limit", "rope_rows", "routed_scaling", *yarn]
+    groups = [] if VARIANTS[variant].get("family") else ["group_limit"]  # the tiny GLM has one group
+    assert sorted(c) == sorted(["expert_bias", "rope_rows", "routed_scaling", *groups, *yarn])
     assert all(v > 1000 * TOL for v in c.values()), c
 
 
@@ -331,7 +334,8 @@ def _train_worker(rank: int, world: int, port: int, ckpt: str, out: str, batch) 
         megatron_shims.destroy_process_group()
 
 
-def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(tiny_hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, tiny_hf_checkpoint, tmp_path):
     """The embedded engine (transformers' model) rolls out with R3; the megatron trainer's log-probs of
     those tokens equal the engine's, one --ci-test GRPO step passes the step-0 checks with the routes
     replayed, moves the weights and keeps the score-correction bias the checkpoint's."""
@@ -347,7 +351,7 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(tiny_hf_c
 
     tok = load_tokenizer(tiny_hf_checkpoint)
     ckpt = str(tmp_path / "dsv3")
-    save_hf_checkpoint(sharp_model(deepseek_config(len(tok))), tok, ckpt)
+    save_hf_checkpoint(sharp_model(deepseek_config(len(tok), family)), tok, ckpt)
     core = EngineCore(ckpt, num_threads=1, max_batch_size=4)
     try:
         body = {"input_ids": [p for p in PROMPTS for _ in range(2)], "return_logprob": True,
@@ -436,9 +440,10 @@ def _parity_report(variant: str) -> dict:
     controls = {
         "rope_rows": ({**cfg, "rope_interleave": not cfg["rope_interleave"]}, False),
         "expert_bias": (cfg, True),
-        "group_limit": ({**cfg, "n_group": 1, "topk_group": 1}, False),
         "routed_scaling": ({**cfg, "routed_scaling_factor": 1.0}, False),
     }
+    if cfg["n_group"] > 1:
+        controls["group_limit"] = ({**cfg, "n_group": 1, "topk_group": 1}, False)
     if cfg["rope_parameters"]["rope_type"] == "yarn":  # its frequencies, attention factor, softmax scale
         controls["yarn"] = ({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, False)
     out["controls"] = {}
