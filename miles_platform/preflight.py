@@ -162,8 +162,9 @@ def _check_lora_targets(cfg: RunConfig, hf_config: dict) -> None:
     targets = resolve_target_modules(hf_meta_model(hf_config), cfg.target_modules, cfg.exclude_modules)
     lora_config(cfg, targets)  # (an expert adapter has no dropout)
     if cfg.train_backend == "megatron":
-        from miles_platform.training.megatron_lora import megatron_target
+        from miles_platform.training.megatron_lora import check_lora_model, megatron_target
 
+        check_lora_model(hf_config)
         for t in targets:
             megatron_target(t)
         experts = split_targets(targets)[1]

@@ -14,15 +14,19 @@ replay in `models/moe.py`); the megatron backend maps them to TopKRouter + Seque
 expert parallel 1, R3 through its routers' replay hook (`models/bridge/qwen3_moe.py`, docs/moe.md).
 qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`num_experts`)
 
-HF-only families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
-(whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py); the megatron
-backend refuses them by name with `Family.megatron` (the reason), before anything starts.
+HF families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
+(whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py). The megatron
+backend refuses all but deepseek_v3 and glm4_moe_lite by name with `Family.megatron` (the reason),
+before anything starts; those two have a bridge (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at
+TP 1, EP 1, R3 through the routers' replay hook; GLM-4.7-Flash's classes are DeepSeek-V3's renamed,
+its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`). deepseek_v32 (the DSA indexer) stays
+refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert
 qwen3_next    Qwen3NextForCausalLM    the same as Qwen3.5-MoE (its predecessor)
 glm4_moe      Glm4MoeForCausalLM      GLM-4.5: partial rotary, q/k norm, sigmoid group routing, shared expert
-glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-style MoE
-deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc)
+glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-style MoE; megatron too
+deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc); megatron too
 deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache
 gpt_oss       GptOssForCausalLM       sliding-window / full layers, attention sinks, biased fused experts
 nemotron_h    NemotronHForCausalLM    Mamba-2 (conv + SSM state) / attention / relu2 MoE layers
@@ -137,14 +141,14 @@ HF_FAMILIES: dict[str, Family] = {
                {**_DEEPSEEK_MOE, "routed_scaling_factor": 1.0, "use_qk_norm": True, "n_group": 1, "topk_group": 1,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
                moe=True, megatron=_NO_BRIDGE.format(what="GLM-4.5's partial-rotary attention with shared experts")),
+        # megatron: models/bridge/glm4_moe_lite.py (DeepSeek-V3's mapping; dense layers by mlp_layer_types)
         Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig",
                {**_DEEPSEEK_MOE, **_MLA, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8},
-               layer_pattern={"mlp_layer_types": ("dense", "sparse")}, mla=True,
-               moe=True, megatron=_NO_BRIDGE.format(what="MLA attention (GLM-4.7-Flash)")),
+               layer_pattern={"mlp_layer_types": ("dense", "sparse")}, mla=True, moe=True),
         # 2 groups of 2 experts, 1 group per token: the group-limited routing runs
+        # megatron: models/bridge/deepseek_v3.py (MLA, first layers dense, sigmoid group routing, expert bias)
         Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
-               {**_DEEPSEEK_MOE, **_MLA, "n_group": 2, "topk_group": 1}, mla=True,
-               moe=True, megatron=_NO_BRIDGE.format(what="MLA attention (DeepSeek-V3)")),
+               {**_DEEPSEEK_MOE, **_MLA, "n_group": 2, "topk_group": 1}, mla=True, moe=True),
         # the indexer keeps 8 of the context's tokens per query: the sparse attention runs at test lengths;
         # 8 indexer heads keep its ReLU scores off ties (ties make top-k differ between shapes)
         Family("deepseek_v32", "DeepseekV32ForCausalLM", "DeepseekV32Config",

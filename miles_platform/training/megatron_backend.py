@@ -67,8 +67,10 @@ def build_gpt_model(
 
 
 def uses_fused_norms(model: torch.nn.Module) -> bool:
-    """TE spec: layer norms live inside linear_qkv / linear_fc1."""
-    return any(k.endswith("linear_qkv.layer_norm_weight") for k in model.state_dict())
+    """TE spec: layer norms live inside linear_qkv / linear_fc1 (MLA: the latent norms inside
+    linear_kv_up_proj / linear_q_up_proj)."""
+    fused = ("linear_qkv.layer_norm_weight", "linear_kv_up_proj.layer_norm_weight")
+    return any(k.endswith(fused) for k in model.state_dict())
 
 
 def _tp_rank_size() -> tuple[int, int]:

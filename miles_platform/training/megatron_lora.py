@@ -53,6 +53,16 @@ _MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.li
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
+def check_lora_model(hf_config: dict) -> None:
+    """LoRA on megatron is built for the GQA attention and gated MLPs the dense / Qwen3-MoE bridges map:
+    an MLA model (DeepSeek-V3's bridge) is refused by name."""
+    if hf_config.get("kv_lora_rank"):
+        raise ConfigError(
+            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} has multi-latent "
+            "attention and DeepSeek MoE layers, which have no megatron adapters here; use --train-backend fsdp"
+        )
+
+
 def megatron_target(hf_name: str) -> tuple[str, str]:
     """(megatron module name, projection) of a PEFT target; refuses what has no megatron adapter. A
     packed expert weight maps to the layer's `mlp.experts` (its `local_experts.e.linear_fc1 / fc2`)."""
@@ -78,6 +88,7 @@ class MegatronLora(nn.Module):
 
     def __init__(self, model: nn.Module, hf_config: dict, cfg):
         super().__init__()
+        check_lora_model(hf_config)
         self.rank, self.alpha, self.dropout = int(cfg.lora_rank), cfg.lora_alpha, float(cfg.lora_dropout)
         self.scale = self.alpha / self.rank
         self.targets = resolve_target_modules(

@@ -9,6 +9,10 @@ local spec). megatron's rank order is tp-cp-ep-dp-pp: TP ranks are
 consecutive, so with Miles' placement (`--actor-num-gpus-per-node` ranks per node) a TP group sits
 inside a node. Data parallel = world / (TP x PP x CP).
 
+Layer specs: the bridge's, per decoder layer (`decoder_layer_specs`: an MoE model whose config has a
+`moe_layer_freq` list gets its dense layers' spec without experts, DeepSeek-V3's first layers), sliced
+per (virtual) pipeline stage (`stage_block_spec`); MLA models get `MLATransformerConfig`.
+
 `RMSNorm` replaces the local spec's `WrappedTorchNorm` (torch.nn.RMSNorm, which refuses
 `sequence_parallel`): the same arithmetic (`F.rms_norm`), and its weight carries
 `sequence_parallel = config.sequence_parallel`. Under SP each TP rank normalizes its slice of the
@@ -142,25 +146,59 @@ def _with_modules(spec, replace: dict):
     return spec
 
 
-def local_block_spec(layer_spec, config, vp_stage: int | None):
-    """The decoder block of this (virtual) pipeline stage on the local spec, our RMSNorm inside (and
-    under context parallelism our core attention, megatron_cp)."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+def decoder_layer_specs(bridge, hf_config: dict[str, Any], config, use_te: bool) -> list:
+    """The layer spec of every decoder layer of the model: the bridge's, and where the bridge's
+    `moe_layer_freq` list has a 0 (DeepSeek-V3's first dense layers) the same without experts."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    def spec(**kw):
+        if use_te:
+            return specs.get_gpt_layer_with_transformer_engine_spec(**kw)
+        return specs.get_gpt_layer_local_spec(**kw, normalization="RMSNorm")
+
+    kwargs = bridge.layer_spec_kwargs(hf_config)
+    layer = spec(**kwargs)
+    if not isinstance(config.moe_layer_freq, list):
+        return [layer] * config.num_layers
+    dense = spec(**{**kwargs, "num_experts": None})
+    return [layer if moe else dense for moe in config.moe_layer_freq]
+
+
+def stage_block_spec(layer_specs: list, config, vp_stage: int | None, use_te: bool):
+    """The decoder block of this (virtual) pipeline stage: its slice of `layer_specs`. The local spec
+    gets our RMSNorm inside (under context parallelism our core attention, megatron_cp; with MLA
+    megatron_mla's); a transformer-engine model of one layer kind keeps its single layer spec."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = layer_offset(config, vp_stage)
+    mine = layer_specs[offset : offset + n]
+    if use_te:
+        if all(s is layer_specs[0] for s in layer_specs):
+            return layer_specs[0]
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=mine, layer_norm=TENorm)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     replace: dict = {WrappedTorchNorm: RMSNorm}
     if config.context_parallel_size > 1:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
         from miles_platform.training.megatron_cp import ContextParallelAttention
 
         replace[DotProductAttention] = ContextParallelAttention
-    layer = _with_modules(layer_spec, replace)
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
+    if config.multi_latent_attention:
+        from miles_platform.training.megatron_mla import MLADotProductAttention
+
+        replace[DotProductAttention] = MLADotProductAttention
+    swapped: dict[int, Any] = {}  # one copy per layer kind
+    for s in mine:
+        if id(s) not in swapped:
+            swapped[id(s)] = _with_modules(s, replace)
+    return TransformerBlockSubmodules(layer_specs=[swapped[id(s)] for s in mine], layer_norm=RMSNorm)
 
 
 def stage_flags(vp_stage: int | None) -> tuple[bool, bool]:
@@ -206,8 +244,8 @@ def build_model_chunks(
 
     Logits stay vocab-parallel (`parallel_output=True`): [B, T, V / TP] on the last stage."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from miles_platform.models.bridge import get_bridge
     from miles_platform.training import megatron_shims
@@ -225,7 +263,8 @@ def build_model_chunks(
     variable = layout.pp > 1 and "num_moe_experts" not in base
     if variable:  # megatron refuses variable lengths with its default (MoE-only) allgather dispatcher
         base["moe_token_dispatcher_type"] = "alltoall"
-    cfg = TransformerConfig(
+    config_class = MLATransformerConfig if base.get("multi_latent_attention") else TransformerConfig
+    cfg = config_class(
         **base,
         **layout.transformer_config_kwargs(base["num_layers"]),
         batch_p2p_comm=not _gloo_pipeline(),
@@ -237,17 +276,13 @@ def build_model_chunks(
         use_cpu_initialization=device.type != "cuda",
         **(config_overrides or {}),
     )
-    spec_kwargs = bridge.layer_spec_kwargs(hf_config)
-    if use_te:
-        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
-    else:
-        layer_spec = specs.get_gpt_layer_local_spec(**spec_kwargs, normalization="RMSNorm")
+    layer_specs = decoder_layer_specs(bridge, hf_config, cfg, use_te)
     stages = cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(stages or 1):
         vp_stage = vp if stages else None
         pre, post = stage_flags(vp_stage)
-        spec = layer_spec if use_te else local_block_spec(layer_spec, cfg, vp_stage)
+        spec = stage_block_spec(layer_specs, cfg, vp_stage, use_te)
         with megatron_shims.tensor_cuda_is_cpu():
             model = GPTModel(
                 cfg,
@@ -302,7 +337,18 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
         )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
-    experts = int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    experts = int(
+        hf_config.get("num_experts")
+        or hf_config.get("num_local_experts")
+        or hf_config.get("n_routed_experts")
+        or 0
+    )
+    if hf_config.get("kv_lora_rank") and (tp > 1 or layout.ep > 1):
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {layout.ep} with multi-latent "
+            f"attention ({hf_config.get('architectures')}): the megatron mapping (models/bridge/deepseek_v3.py) "
+            "is built and checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
+        )
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(
             f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "

@@ -16,7 +16,9 @@ checkpointing otherwise do not need. Each shim below is a no-op when CUDA is ava
 Without transformer-engine (any machine, CUDA or not), `moe/moe_utils.py` leaves the names it
 imports from TE undefined (its `except ImportError` only sets HAVE_TE = False), and the MoE
 router's `router_gating_linear` reads `te_general_gemm`: `apply_no_te_shims` defines them as None,
-which selects the torch paths.
+which selects the torch paths. MLA (DeepSeek-V3) imports TE's `TELinear`, which without TE is a
+MagicMock instance (megatron subclasses a mocked `te`), and tests `isinstance(linear_proj, TELinear)`
+under its own HAVE_TE: `apply_no_te_shims` turns that HAVE_TE off.
 
 Process groups: `init_process_group` (gloo; world size 1 meets in a HashStore, more ranks at a
 TCPStore that listens on 127.0.0.1 only, `cluster.ports.tcp_store`) and `destroy_process_group` wrap torch.distributed and megatron's parallel_state together.
@@ -56,8 +58,14 @@ _TE_MOE_NAMES = (
 
 def apply_no_te_shims() -> None:
     """Define moe_utils' TE names as None when TE did not import (see the module docstring)."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
+    # Without TE, megatron's extensions/transformer_engine.py subclasses a MagicMock, so MLA imports
+    # `TELinear` as a mock instance and sets its HAVE_TE; `isinstance(linear_proj, TELinear)` in
+    # MLA's constructor then raises TypeError (measured): MLA's TE branches are off without TE.
+    if not isinstance(multi_latent_attention.TELinear, type | None):
+        multi_latent_attention.HAVE_TE = False
     if moe_utils.HAVE_TE:
         return
     for name in _TE_MOE_NAMES:

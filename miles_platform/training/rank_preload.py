@@ -17,6 +17,7 @@ import transformers.models.qwen3.modeling_qwen3
 import transformers.models.qwen3_moe.modeling_qwen3_moe
 from transformers import AutoConfig, AutoModelForCausalLM  # resolves the lazy auto classes
 
+import miles_platform.models.bridge.deepseek_v3
 import miles_platform.models.bridge.llama
 import miles_platform.models.bridge.qwen2
 import miles_platform.models.bridge.qwen3

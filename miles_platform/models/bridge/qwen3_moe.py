@@ -91,38 +91,50 @@ class Qwen3MoeBridge(DenseBridge):
         return dict(qk_layernorm=True, num_experts=self.dims(hf_config).experts, moe_grouped_gemm=False)
 
     def mlp_to_megatron(self, hf_sd, get, d: MoeDims, hp: str, mp: str) -> dict[str, torch.Tensor]:
-        E, H, inter = d.experts, d.hidden, d.moe_ffn
-        out = {mp + "mlp.router.weight": get(hp + "mlp.gate.weight", (E, H))}
-        fused = hp + "mlp.experts.gate_up_proj" in hf_sd
-        if fused:  # transformers' module parameters
-            gate_up = get(hp + "mlp.experts.gate_up_proj", (E, 2 * inter, H))
-            down = get(hp + "mlp.experts.down_proj", (E, H, inter))
-        for e in range(E):
-            xp, ep = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{e}."
-            if fused:
-                fc1, fc2 = gate_up[e], down[e]
-            else:  # the checkpoint's per-expert tensors
-                fc1 = torch.cat(
-                    [get(xp + "gate_proj.weight", (inter, H)), get(xp + "up_proj.weight", (inter, H))]
-                )
-                fc2 = get(xp + "down_proj.weight", (H, inter))
-            out[ep + "linear_fc1.weight"] = fc1
-            out[ep + "linear_fc2.weight"] = fc2
+        out = {mp + "mlp.router.weight": get(hp + "mlp.gate.weight", (d.experts, d.hidden))}
+        out.update(experts_to_megatron(hf_sd, get, d.experts, d.hidden, d.moe_ffn, hp, mp))
         return out
 
     def mlp_to_hf(self, get, d: MoeDims, hp: str, mp: str) -> dict[str, torch.Tensor]:
-        E, H, inter = d.experts, d.hidden, d.moe_ffn
-        ep = [f"{mp}mlp.experts.local_experts.{e}." for e in range(E)]
-        return {
-            hp + "mlp.gate.weight": get(mp + "mlp.router.weight", (E, H)),
-            hp + "mlp.experts.gate_up_proj": torch.stack(
-                [get(p + "linear_fc1.weight", (2 * inter, H)) for p in ep]
-            ),
-            hp + "mlp.experts.down_proj": torch.stack([get(p + "linear_fc2.weight", (H, inter)) for p in ep]),
-        }
+        out = {hp + "mlp.gate.weight": get(mp + "mlp.router.weight", (d.experts, d.hidden))}
+        out.update(experts_to_hf(get, d.experts, d.hidden, d.moe_ffn, hp, mp))
+        return out
 
     def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         """The fused expert parameters split into HF's per-expert checkpoint tensors."""
         from miles_platform.models.checkpoint_layout import split_fused_experts
 
         return split_fused_experts(hf_sd)
+
+
+def experts_to_megatron(hf_sd, get, E: int, H: int, inter: int, hp: str, mp: str) -> dict[str, torch.Tensor]:
+    """One layer's routed experts, HF `hp` prefix -> megatron `mp` prefix (SequentialMLP), from either
+    HF layout; `get(name, shape)` takes a tensor."""
+    out = {}
+    fused = hp + "mlp.experts.gate_up_proj" in hf_sd
+    if fused:  # transformers' module parameters
+        gate_up = get(hp + "mlp.experts.gate_up_proj", (E, 2 * inter, H))
+        down = get(hp + "mlp.experts.down_proj", (E, H, inter))
+    for e in range(E):
+        xp, ep = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{e}."
+        if fused:
+            fc1, fc2 = gate_up[e], down[e]
+        else:  # the checkpoint's per-expert tensors
+            fc1 = torch.cat(
+                [get(xp + "gate_proj.weight", (inter, H)), get(xp + "up_proj.weight", (inter, H))]
+            )
+            fc2 = get(xp + "down_proj.weight", (H, inter))
+        out[ep + "linear_fc1.weight"] = fc1
+        out[ep + "linear_fc2.weight"] = fc2
+    return out
+
+
+def experts_to_hf(get, E: int, H: int, inter: int, hp: str, mp: str) -> dict[str, torch.Tensor]:
+    """The inverse of `experts_to_megatron`, into transformers' fused module parameters."""
+    ep = [f"{mp}mlp.experts.local_experts.{e}." for e in range(E)]
+    return {
+        hp + "mlp.experts.gate_up_proj": torch.stack(
+            [get(p + "linear_fc1.weight", (2 * inter, H)) for p in ep]
+        ),
+        hp + "mlp.experts.down_proj": torch.stack([get(p + "linear_fc2.weight", (H, inter)) for p in ep]),
+    }

@@ -109,7 +109,8 @@ def test_missing_megatron_tensor_is_named():
 
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "GPT2LMHeadModel"])
 def test_unsupported_architecture_lists_supported(arch):
-    supported = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
+    supported = ["DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]  # fmt: skip
     assert supported_architectures() == supported
     with pytest.raises(
         CheckpointError, match=re.escape(f"['{arch}'] has no megatron bridge; supported: {supported}")
