@@ -54,10 +54,15 @@ class Bridge(ABC):
     ) -> dict[str, torch.Tensor]:
         """HF state dict -> full megatron state dict. CheckpointError names a missing/misshapen tensor."""
 
-    @abstractmethod
     def megatron_to_hf(self, mcore_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         """Full megatron state dict (local or TE names) -> HF state dict under the module names of
-        transformers' model (`model.state_dict()`: what engines load and the fsdp backend exports)."""
+        transformers' model (`model.state_dict()`: what engines load and the fsdp backend exports):
+        every unit of `megatron_to_hf_part`."""
+        out = self.megatron_to_hf_part(mcore_sd, config, (0, 0))
+        for i in range(int(hf_config_dict(config)["num_hidden_layers"])):
+            out.update(self.megatron_to_hf_part(mcore_sd, config, (1, i)))
+        out.update(self.megatron_to_hf_part(mcore_sd, config, (2, 0)))
+        return out
 
     def megatron_to_hf_part(
         self, mcore_sd: dict[str, torch.Tensor], config: Any, unit: tuple[int, int]

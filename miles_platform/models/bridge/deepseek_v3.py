@@ -300,14 +300,6 @@ class DeepseekV3Bridge(Bridge):
         out.update(_gated_to_megatron(get, hp + "mlp.shared_experts.", mp + "mlp.shared_experts.", shared, H))
         return out
 
-    def megatron_to_hf(self, mcore_sd, config):
-        d = self.dims(config)
-        out = self.megatron_to_hf_part(mcore_sd, config, (0, 0))
-        for i in range(d.layers):
-            out.update(self.megatron_to_hf_part(mcore_sd, config, (1, i)))
-        out.update(self.megatron_to_hf_part(mcore_sd, config, (2, 0)))
-        return out
-
     def megatron_to_hf_part(self, mcore_sd, config, unit: tuple[int, int]) -> dict[str, torch.Tensor]:
         d = self.dims(config)
         H, V = d.hidden, d.vocab

@@ -236,14 +236,6 @@ class DenseBridge(Bridge):
             raise CheckpointError(f"{where}: unexpected tensor(s) for this config: {sorted(extra)[:5]}")
         return out
 
-    def megatron_to_hf(self, mcore_sd, config):
-        d = self.dims(config)
-        out = self.megatron_to_hf_part(mcore_sd, config, (0, 0))
-        for i in range(d.layers):
-            out.update(self.megatron_to_hf_part(mcore_sd, config, (1, i)))
-        out.update(self.megatron_to_hf_part(mcore_sd, config, (2, 0)))
-        return out
-
     def megatron_to_hf_part(self, mcore_sd, config, unit: tuple[int, int]) -> dict[str, torch.Tensor]:
         """One unit of `megatron_to_hf`: (0, 0) the embedding, (1, i) decoder layer i, (2, 0) the
         final norm and the output layer; `mcore_sd` needs only that unit's tensors."""
