@@ -81,9 +81,9 @@ def default_sft_recipe() -> SFTRecipe:
     """The demo's SFT base: see docs/sft_base.md for the measured accuracy, time and RL headroom."""
     return SFTRecipe(
         model=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2),
-        # the seed whose loss leaves the plateau earliest on every CPU measured (step 250 on two VMs:
-        # 4.8x margin to 1200); Miles' default 1234 left it at ~400-950 on earlier VMs and not within
-        # 1200 iterations on the 2026-12-06 one (6% greedy: no addition learned), docs/sft_base.md
+        # the seed whose loss left the plateau earliest on the 2026-12-06 VM (step 250: 4.8x margin to
+        # 1200; 250 on the first VM too, with the SFT loop of that time); Miles' default 1234 left it
+        # at ~300-950 on earlier VMs and not within 1200 iterations there (6% greedy), docs/sft_base.md
         seed=5,
     )
 
