@@ -208,6 +208,24 @@ def family_of(hf_config: Any) -> Family | None:
     return next((f for f in ALL_FAMILIES.values() if f.architecture in archs), None)
 
 
+def routed_experts(cfg: dict[str, Any]) -> int:
+    """A config.json's routed expert count (0: dense), under any family's name for it."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+
+
+def mla_layout_refusal(cfg: dict[str, Any], tp: int, ep: int) -> str | None:
+    """Why an MLA model (DeepSeek-V3's bridge) cannot take this megatron layout, or None: the mapping is
+    built and checked at TP 1 and EP 1 only (the local and TE specs split MLA's down projections
+    differently)."""
+    if cfg.get("kv_lora_rank") and (tp > 1 or ep > 1):
+        return (
+            f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} with multi-latent attention "
+            f"({cfg.get('architectures')}): the megatron mapping (models/bridge/deepseek_v3.py) is built and "
+            "checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
+        )
+    return None
+
+
 def is_moe_config(hf_config: Any) -> bool:
     fam = family_of(hf_config)
     return fam is not None and fam.moe

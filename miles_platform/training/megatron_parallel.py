@@ -337,18 +337,11 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
         )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
-    experts = int(
-        hf_config.get("num_experts")
-        or hf_config.get("num_local_experts")
-        or hf_config.get("n_routed_experts")
-        or 0
-    )
-    if hf_config.get("kv_lora_rank") and (tp > 1 or layout.ep > 1):
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {layout.ep} with multi-latent "
-            f"attention ({hf_config.get('architectures')}): the megatron mapping (models/bridge/deepseek_v3.py) "
-            "is built and checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
-        )
+    from miles_platform.models.families import mla_layout_refusal, routed_experts
+
+    experts = routed_experts(hf_config)
+    if why := mla_layout_refusal(hf_config, tp, layout.ep):
+        raise ConfigError(why)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(
             f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "

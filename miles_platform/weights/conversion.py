@@ -220,12 +220,11 @@ def _check_layout(layout, cfg: dict) -> int:
         raise CheckpointError(
             f"--pipeline-model-parallel-size {layout.pp}: must divide num_hidden_layers ({layers})"
         )
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-    if cfg.get("kv_lora_rank") and (layout.tp > 1 or layout.ep > 1):
-        raise CheckpointError(
-            f"--tensor-model-parallel-size {layout.tp} / --expert-model-parallel-size {layout.ep} with multi-latent "
-            "attention: the megatron mapping (models/bridge/deepseek_v3.py) is built at TP 1 and EP 1 only"
-        )
+    from miles_platform.models.families import mla_layout_refusal, routed_experts
+
+    experts = routed_experts(cfg)
+    if why := mla_layout_refusal(cfg, layout.tp, layout.ep):
+        raise CheckpointError(why)
     if (layout.ep > 1 or layout.etp) and not experts:
         raise CheckpointError(
             "--expert-model-parallel-size / --expert-tensor-parallel-size: the model has no experts"

@@ -61,7 +61,7 @@ import torch
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge.base import Bridge, hf_config_dict, padded_vocab, register_bridge
-from miles_platform.models.bridge.dense import _pad_rows, rope_params, take
+from miles_platform.models.bridge.dense import _pad_rows, ends_to_hf, rope_params, take
 from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_megatron
 
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -307,25 +307,10 @@ class DeepseekV3Bridge(Bridge):
         def get(name, shape):
             return take(mcore_sd, name, shape, "megatron state")
 
-        def get_vocab(name):  # padded rows (a multiple of 128) dropped
-            t = mcore_sd.get(name)
-            if t is None:
-                raise CheckpointError(f"megatron state: missing tensor {name!r}")
-            if t.dim() != 2 or t.shape[1] != H or t.shape[0] < V:
-                raise CheckpointError(
-                    f"megatron state: tensor {name!r} has shape {tuple(t.shape)}, config expects ({V}, {H})"
-                )
-            return t[:V]
-
         kind, i = unit
-        if kind == 0:
-            out = {"model.embed_tokens.weight": get_vocab("embedding.word_embeddings.weight")}
-        elif kind == 2:
-            out = {"model.norm.weight": get("decoder.final_layernorm.weight", (H,))}
-            if not d.tied:
-                out["lm_head.weight"] = get_vocab("output_layer.weight")
-        else:
-            out = self._layer_to_hf(mcore_sd, get, d, i)
+        out = (
+            ends_to_hf(mcore_sd, kind, V, H, d.tied) if kind != 1 else self._layer_to_hf(mcore_sd, get, d, i)
+        )
         return {k: v.contiguous() for k, v in out.items()}
 
     def _layer_to_hf(self, mcore_sd, get, d: DeepseekDims, i: int) -> dict[str, torch.Tensor]:

@@ -41,6 +41,28 @@ MEGATRON_LLAMA3_ROPE = {
 }
 
 
+def ends_to_hf(mcore_sd, kind: int, V: int, H: int, tied: bool) -> dict[str, torch.Tensor]:
+    """Units (0, 0) and (2, 0) of `megatron_to_hf_part`, the same for every decoder: the embedding, or
+    the final norm and (untied) the output layer; the vocab's padding rows dropped."""
+
+    def vocab_rows(name):
+        t = mcore_sd.get(name)
+        if t is None:
+            raise CheckpointError(f"megatron state: missing tensor {name!r}")
+        if t.dim() != 2 or t.shape[1] != H or t.shape[0] < V:
+            raise CheckpointError(
+                f"megatron state: tensor {name!r} has shape {tuple(t.shape)}, config expects ({V}, {H})"
+            )
+        return t[:V]
+
+    if kind == 0:
+        return {"model.embed_tokens.weight": vocab_rows("embedding.word_embeddings.weight")}
+    out = {"model.norm.weight": take(mcore_sd, "decoder.final_layernorm.weight", (H,), "megatron state")}
+    if not tied:
+        out["lm_head.weight"] = vocab_rows("output_layer.weight")
+    return out
+
+
 def rope_params(c: dict[str, Any]) -> dict[str, Any]:
     """rope_theta + scaling of a config.json dict: transformers 5 writes `rope_parameters`, older
     checkpoints (Llama 3.x as published) `rope_theta` + `rope_scaling`."""
@@ -247,27 +269,13 @@ class DenseBridge(Bridge):
         def get(name, shape):
             return take(mcore_sd, name, shape, where)
 
-        def get_vocab(name):
-            if name not in mcore_sd:
-                raise CheckpointError(f"{where}: missing tensor {name!r}")
-            t = mcore_sd[name]
-            if t.dim() != 2 or t.shape[1] != H or t.shape[0] < V:
-                raise CheckpointError(
-                    f"{where}: tensor {name!r} has shape {tuple(t.shape)}, config expects ({V}, {H})"
-                )
-            return t[:V]
-
         def norm(fused: str, local: str):
             return get(fused if fused in mcore_sd else local, (H,))
 
         kind, i = unit
         out: dict[str, torch.Tensor] = {}
-        if kind == 0:
-            out["model.embed_tokens.weight"] = get_vocab("embedding.word_embeddings.weight")
-        elif kind == 2:
-            out["model.norm.weight"] = get("decoder.final_layernorm.weight", (H,))
-            if not d.tied:
-                out["lm_head.weight"] = get_vocab("output_layer.weight")
+        if kind != 1:
+            out = ends_to_hf(mcore_sd, kind, V, H, d.tied)
         else:
             hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
             qkv = get(mp + "self_attention.linear_qkv.weight", (g * (qpg + 2) * hd, H)).reshape(
