@@ -158,6 +158,27 @@ async def first_token_parity_rm(args, sample):
     return float(bool(sample.response_tokens) and sample.response_tokens[0] % 2 == 0)
 
 
+def engine_rollout(ckpt: str, prompts, new_tokens, routes: bool, check=None) -> list[dict]:
+    """Each prompt twice (GRPO groups of 2) through an in-process EngineCore at T = 1, seeded per row,
+    `new_tokens[i]` tokens each (EOS ignored), log-probs and (`routes`) routed experts returned: the
+    /generate answers. `check(core)` runs before the engine stops."""
+    from miles_platform.rollout.engine_core import EngineCore
+
+    core = EngineCore(ckpt, num_threads=1, max_batch_size=4)
+    try:
+        body = {"input_ids": [p for p in prompts for _ in range(2)], "return_logprob": True,
+                "return_routed_experts": routes,
+                "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i}
+                                    for i, n in enumerate(new_tokens)]}  # fmt: skip
+        futures, _ = core.submit_json(body)
+        outs = [f.result(120) for f in futures]
+        if check is not None:
+            check(core)
+    finally:
+        core.stop()
+    return outs
+
+
 def warm_python() -> list[str]:
     """`python` for a test's subprocess script: a fork of this pytest process's fork server (torch,
     transformers, PEFT and megatron-core already imported; cluster/forkserver.py), else the

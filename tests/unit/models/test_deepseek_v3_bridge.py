@@ -339,29 +339,19 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, t
     """The embedded engine (transformers' model) rolls out with R3; the megatron trainer's log-probs of
     those tokens equal the engine's, one --ci-test GRPO step passes the step-0 checks with the routes
     replayed, moves the weights and keeps the score-correction bias the checkpoint's."""
-    from loop_helpers import run_ranks
+    from loop_helpers import engine_rollout, run_ranks
     from safetensors.torch import load_file
 
     from miles_platform.cluster.ports import free_port
     from miles_platform.models.checkpoint import load_hf_model, load_tokenizer, save_hf_checkpoint
     from miles_platform.models.moe import decode_routes, routed_shape
-    from miles_platform.rollout.engine_core import EngineCore
     from miles_platform.training.ci_checks import rollout_checks
     from miles_platform.training.train_batch import TrainBatch
 
     tok = load_tokenizer(tiny_hf_checkpoint)
     ckpt = str(tmp_path / "dsv3")
     save_hf_checkpoint(sharp_model(deepseek_config(len(tok), family)), tok, ckpt)
-    core = EngineCore(ckpt, num_threads=1, max_batch_size=4)
-    try:
-        body = {"input_ids": [p for p in PROMPTS for _ in range(2)], "return_logprob": True,
-                "return_routed_experts": True,
-                "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i}
-                                    for i, n in enumerate(NEW_TOKENS)]}  # fmt: skip
-        futures, _ = core.submit_json(body)
-        outs = [f.result(120) for f in futures]
-    finally:
-        core.stop()
+    outs = engine_rollout(ckpt, PROMPTS, NEW_TOKENS, routes=True)
     prompts = [p for p in PROMPTS for _ in range(2)]
     tokens = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     engine_lp = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]

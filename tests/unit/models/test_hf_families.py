@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from loop_helpers import engine_rollout
 from safetensors.torch import load_file
 
 from miles_platform.config import ConfigError, RunConfig
@@ -25,7 +26,6 @@ from miles_platform.models.mla_cache import is_mla_attention
 from miles_platform.models.moe import RoutingReplay, balance_loss, decode_routes, routed_shape
 from miles_platform.models.tiny import save_tiny_checkpoint
 from miles_platform.preflight import _check_moe
-from miles_platform.rollout.engine_core import EngineCore
 from miles_platform.training.actor import TrainBatch, TrainerActor
 
 # 3 GRPO groups of 2 (shared prefills), prompts of 3-9 tokens; with at most 4 rows running, rows
@@ -40,21 +40,13 @@ MOE_LAYERS = {"qwen3_5_moe": 2, "qwen3_next": 2, "glm4_moe": 1, "glm4_moe_lite":
 
 
 def _rollout(ckpt: str, moe: bool, family: str) -> list[dict]:
-    core = EngineCore(ckpt, num_threads=1, max_batch_size=4)
-    try:
-        body = {"input_ids": [p for p in PROMPTS for _ in range(2)], "return_logprob": True,
-                "return_routed_experts": moe,
-                "sampling_params": [{"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i}
-                                    for i, n in enumerate(NEW_TOKENS)]}  # fmt: skip
-        futures, _ = core.submit_json(body)
-        outs = [f.result(120) for f in futures]
+    def check(core):
         assert core.stats["num_shared_prefill_rows"] > 0
         # MLA: decode runs absorbed against the compressed cache (models/mla_cache.py)
         mla = [m._mla_absorbed for m in core.model.modules() if is_mla_attention(m)]
         assert len(mla) == (2 if HF_FAMILIES[family].mla else 0) and all(mla)
-    finally:
-        core.stop()
-    return outs
+
+    return engine_rollout(ckpt, PROMPTS, NEW_TOKENS, moe, check)
 
 
 @pytest.mark.parametrize("family", sorted(HF_FAMILIES))
