@@ -279,7 +279,7 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
         cfg_async = RunConfig(
             **dict(recipe, run_name="bench_e2e_async"), hf_checkpoint=base, prompt_data=data["train"],
             num_rollout=rollouts, storage_root=os.path.join(d, "root_async"), fully_async=True,
-            ci_disable_logprobs_checker=True,  # see ASYNC_CI below
+            ci_disable_logprobs_checker=True,  # see ASYNC_CI above
         ).validate()  # fmt: skip
         res_async = train(cfg_async)
         cfg_group = RunConfig(

@@ -409,7 +409,12 @@ def cli_main(argv: list[str]) -> int:
         "--eval-every", type=int, default=10, help="evaluate every N-th policy version (and the last)"
     )
     ap.add_argument("--sft-iters", type=int, default=None, help="override the SFT recipe's train iterations")
-    ap.add_argument("--sft-seed", type=int, default=None, help="override the SFT recipe's seed (default: 5)")
+    ap.add_argument(
+        "--sft-seed",
+        type=int,
+        default=None,
+        help="override the SFT recipe's seed (default: default_sft_recipe's)",
+    )
     ap.add_argument("--run-job", metavar="JOB", help=argparse.SUPPRESS)  # one named job (the demo's helper)
     ap.add_argument("--task", choices=("llm", "diffusion", "vlm"), default="llm",
                     help="llm: arithmetic GRPO (the default demo); diffusion: Flow-GRPO on a tiny DiT; "
