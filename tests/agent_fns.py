@@ -7,8 +7,6 @@ import asyncio
 import json
 import os
 
-from openai import AsyncOpenAI
-
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 _OPENAI_KEYS = {"max_tokens", "temperature", "top_p", "seed", "stop"}
 
@@ -26,6 +24,11 @@ async def three_turns(base_url, prompt, request_kwargs, metadata, api_key=None, 
         os._exit(3)  # the whole agent process dies
     if metadata.get("prompt_id") == "hang":
         await asyncio.sleep(3600)
+    # imported here, not at the top: the crashing and the hung agent's processes (started beside this
+    # one) then cost an interpreter start each, not openai's import too (~1 CPU-s), which under a full
+    # `make test` kept this agent past its timeout
+    from openai import AsyncOpenAI
+
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key or os.environ["OPENAI_API_KEY"])
     messages = list(prompt)
     for turn in range(3):
@@ -67,6 +70,8 @@ async def grabs_the_engine(base_url, prompt, request_kwargs, metadata, api_key=N
                                ("/pause_generation", {}), ("/continue_generation", {})):  # fmt: skip
                 r = await http.post(f"{url}{path}", json=body, headers=h)
                 tried[f"{name}{path}"] = r.status_code
+    from openai import AsyncOpenAI
+
     client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key)
     await client.chat.completions.create(model="default", messages=prompt, **_split(request_kwargs))
     await client.close()

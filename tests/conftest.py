@@ -184,11 +184,6 @@ def pytest_unconfigure(config):
     if base and base.poll() is None:
         base.kill()
         base.wait()
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():  # the worker's shared cluster: Ray's exit handler
-        from miles_platform.cluster.ray_cluster import stop_autoscaler_monitor  # stops it next
-
-        stop_autoscaler_monitor()  # without waiting out the monitor's 1 s grace
     from multiprocessing import forkserver
 
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)

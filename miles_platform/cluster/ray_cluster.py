@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import secrets
-import subprocess
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +139,7 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
     bind loopback (`listen_to_localhost_only`). The mode is set while the cluster starts, so its
     processes inherit it, and restored after, so a later join of a real cluster is unaffected.
     With this driver's fork server up, Ray prestarts no idle workers (no actor would use them).
+    Nor does it start the two Python servers a private cluster has no use for (`_without_monitors`).
     """
     import ray
 
@@ -150,9 +150,37 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
         # driver (one per core, ~0.5-1 CPU-s each, in the middle of start-up) would serve none of them
         system = dict(init_kwargs.pop("_system_config", None) or {})
         init_kwargs["_system_config"] = {"prestart_worker_first_driver": False, **system}
-    with _single_machine_mode(), _light_setup_worker():
+    with _single_machine_mode(), _light_setup_worker(), _without_monitors():
         ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus,
                  include_dashboard=False, log_to_driver=False, **init_kwargs)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _without_monitors():
+    """The head node `ray.init` starts here runs no log monitor and no autoscaler monitor.
+
+    The log monitor tails every worker's log file to stream it to drivers, and every driver of ours
+    connects with `log_to_driver=False`: it streamed to no one, and its polling grew with the log
+    files of each actor the cluster had run (up to 9 CPU-s over a `make test` worker's cluster; 27
+    CPU-s in all, 2026-12-06). The autoscaler monitor has nothing to scale on one fixed node; it did
+    not answer SIGTERM, so Ray's shutdown waited out its 1 s grace at the end of each local run.
+    Together ~1.2 CPU-s per start plus ~0.3 CPU-s a minute idle. (`ray.init` exposes neither switch:
+    they are its node parameters `include_log_monitor` and `no_monitor`.)"""
+    from ray._private import node as ray_node
+
+    real = ray_node.Node.__init__
+
+    def init(self, ray_params, *args, **kwargs):
+        if kwargs.get("head", args[0] if args else False):
+            ray_params.include_log_monitor = False
+            ray_params.no_monitor = True
+        real(self, ray_params, *args, **kwargs)
+
+    ray_node.Node.__init__ = init
+    try:
+        yield
+    finally:
+        ray_node.Node.__init__ = real
 
 
 @contextlib.contextmanager
@@ -239,26 +267,7 @@ def shutdown_ray(ctx: RayContext) -> None:
     import ray
 
     if ctx.connected and ray.is_initialized():
-        if ctx.started_local:
-            stop_autoscaler_monitor()
         ray.shutdown()
-
-
-def stop_autoscaler_monitor() -> None:
-    """SIGKILL the autoscaler monitor of the private one-node cluster this driver started, before
-    `ray.shutdown()`: there is nothing for it to scale or flush, and it does not answer SIGTERM, so
-    Ray's shutdown waited out its whole 1 s grace for it (measured: 1.02 of a 1.44 s shutdown) at
-    the end of every local run. Never for a joined cluster (the caller checks)."""
-    from ray._private import ray_constants
-    from ray._private import worker as ray_worker
-
-    node = ray_worker._global_node
-    if node is None or not getattr(node, "head", False):
-        return
-    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            info.process.kill()
-            info.process.wait(timeout=1)
 
 
 def start_fork_server(*extras: str) -> None:
