@@ -157,15 +157,18 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
 
 @contextlib.contextmanager
 def _without_monitors():
-    """The head node `ray.init` starts here runs no log monitor and no autoscaler monitor.
+    """The head node `ray.init` starts here runs no log monitor, no autoscaler monitor and no
+    dashboard API server: three Python servers a private one-node cluster has no use for.
 
     The log monitor tails every worker's log file to stream it to drivers, and every driver of ours
     connects with `log_to_driver=False`: it streamed to no one, and its polling grew with the log
     files of each actor the cluster had run (up to 9 CPU-s over a `make test` worker's cluster; 27
     CPU-s in all, 2026-12-06). The autoscaler monitor has nothing to scale on one fixed node; it did
     not answer SIGTERM, so Ray's shutdown waited out its 1 s grace at the end of each local run.
-    Together ~1.2 CPU-s per start plus ~0.3 CPU-s a minute idle. (`ray.init` exposes neither switch:
-    they are its node parameters `include_log_monitor` and `no_monitor`.)"""
+    The API server (started even with `include_dashboard=False`) serves Ray's job-submission and
+    state HTTP APIs, on a random loopback port no one is told of. Together ~2.3 CPU-s and ~1.3 s of
+    wall time off each start (`bench_startup`'s `ray` phase). `ray.init` exposes none of the three
+    switches: the node's `include_log_monitor` and `no_monitor` parameters, its `start_api_server`."""
     from ray._private import node as ray_node
 
     real = ray_node.Node.__init__
@@ -176,11 +179,17 @@ def _without_monitors():
             ray_params.no_monitor = True
         real(self, ray_params, *args, **kwargs)
 
+    def no_api_server(self, **kwargs):
+        self._webui_url = None
+
+    api = ray_node.Node.start_api_server
     ray_node.Node.__init__ = init
+    ray_node.Node.start_api_server = no_api_server
     try:
         yield
     finally:
         ray_node.Node.__init__ = real
+        ray_node.Node.start_api_server = api
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
-"""The private one-node Ray cluster a driver starts (cluster/ray_cluster.py) runs no log monitor and
-no autoscaler monitor: every driver of ours connects with log_to_driver=False, so the log monitor
+"""The private one-node Ray cluster a driver starts (cluster/ray_cluster.py) runs no log monitor, no
+autoscaler monitor and no dashboard API server: every driver of ours connects with log_to_driver=False, so the log monitor
 streamed to no one while its polling grew with each actor's log files (27 CPU-s over a `make test`,
 2026-12-06), and the autoscaler monitor has nothing to scale on one node and did not answer
-SIGTERM (Ray's shutdown waited out a 1 s grace for it at the end of every local run)."""
+SIGTERM (Ray's shutdown waited out a 1 s grace for it at the end of every local run); the API
+server served Ray's job and state APIs on a port no one is told of."""
 
 import time
 
@@ -12,7 +13,7 @@ import pytest
 pytestmark = [pytest.mark.own_ray, pytest.mark.slow]  # a Ray start of its own
 
 
-def test_a_private_cluster_runs_neither_monitor_and_stops_without_a_grace_wait():
+def test_a_private_cluster_runs_no_monitor_nor_api_server_and_stops_without_a_grace_wait():
     import ray
     from ray._private import ray_constants
     from ray._private import worker as ray_worker
@@ -28,6 +29,7 @@ def test_a_private_cluster_runs_neither_monitor_and_stops_without_a_grace_wait()
         )
         assert ray_constants.PROCESS_TYPE_LOG_MONITOR not in started
         assert ray_constants.PROCESS_TYPE_MONITOR not in started
+        assert ray_constants.PROCESS_TYPE_DASHBOARD not in started
         # and none on the machine either: no process of this session's dir runs either script
         session = node.get_session_dir_path()
         scripts = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
@@ -44,3 +46,4 @@ def test_a_private_cluster_runs_neither_monitor_and_stops_without_a_grace_wait()
     from ray._private import node as ray_node
 
     assert ray_node.Node.__init__.__qualname__ == "Node.__init__"
+    assert ray_node.Node.start_api_server.__qualname__ == "Node.start_api_server"
