@@ -17,6 +17,30 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _share_the_default_tls_context() -> None:
+    """The tests' own `httpx.get(...)` / `httpx.post(...)` calls (~150 call sites, some in loops of
+    60 fuzzed examples) make a new client each, and httpx builds each one a TLS context from
+    certifi's bundle (~40-100 ms of CPU; ~50 CPU-s over test_fuzz.py's two HTTP tests alone) for
+    loopback `http://` URLs that never use it. A client of the default verification gets the one
+    context the platform's clients share (miles_platform/tls.py: the same verification, built once).
+    Clients that pass their own `verify`, as the platform's do, are untouched."""
+    import httpx._transports.default as transports
+
+    real = transports.create_ssl_context
+
+    def shared(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            from miles_platform.tls import client_tls
+
+            return client_tls()
+        return real(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = shared
+
+
+_share_the_default_tls_context()
+
+
 def _exit_without_finalizing() -> None:
     """A pytest-xdist worker's last exit handler (registered before any other of this session's, so it
     runs after them: Ray's shutdown, multiprocessing's): end the process without the interpreter's

@@ -24,6 +24,7 @@ import torch
 from miles_platform.data.sample import Sample
 from miles_platform.diffusion.config import NFT_STRATEGIES, STEP_STRATEGIES, DiffusionRunConfig
 from miles_platform.plugins import load_function
+from miles_platform.tls import client_tls
 
 EVAL_SEED_OFFSET = 1_000_003  # eval noise never collides with a training stream
 
@@ -80,7 +81,7 @@ class DiffusionRollout:
     def __init__(self, cfg: DiffusionRunConfig, engine_url: str, api_key: str):
         self.cfg, self.url = cfg, engine_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"}
-        self.client = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0))
+        self.client = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), verify=client_tls())
         self.strategy = step_strategy(cfg)
         self.rm = reward_function(cfg)
 

@@ -13,6 +13,8 @@ import weakref
 import httpx
 import orjson
 
+from miles_platform.tls import client_tls
+
 RETRYABLE_STATUS = (409, 502, 503, 504)
 # how long a pooled connection is kept idle: below uvicorn's 5 s keep-alive (our engine and router
 # servers, SGLang's), so a connection is never reused just as the server closes it (httpx's default
@@ -126,7 +128,7 @@ async def stream_generate(
     url = url.rstrip("/").removesuffix("/generate")
     client = client or _LOOP_CLIENTS.get(asyncio.get_running_loop())
     if client is None:
-        async with httpx.AsyncClient(timeout=timeout) as own:
+        async with httpx.AsyncClient(timeout=timeout, verify=client_tls()) as own:
             return await stream_generate(url, input_ids, sampling_params, on_result, api_key, timeout,
                                          max_retries, backoff_s, max_backoff_s, own, image_data, **opts)  # fmt: skip
     left, delay = list(range(len(input_ids))), backoff_s
@@ -208,7 +210,7 @@ async def post_generate(
     url = url.rstrip("/").removesuffix("/generate")
     client = client or _LOOP_CLIENTS.get(asyncio.get_running_loop())
     own = client is None
-    client = client or httpx.AsyncClient(timeout=timeout)
+    client = client or httpx.AsyncClient(timeout=timeout, verify=client_tls())
     try:
         delay = backoff_s
         for attempt in range(max_retries + 1):
@@ -245,7 +247,7 @@ def _sync() -> httpx.Client:
     client per call costs ~40 ms (TLS context) plus a TCP connect, twice per weight update."""
     global _sync_client
     if _sync_client is None:
-        _sync_client = httpx.Client()
+        _sync_client = httpx.Client(verify=client_tls())
     return _sync_client
 
 
@@ -318,7 +320,7 @@ class EngineClient:
         )
 
         async def make():
-            return httpx.AsyncClient(timeout=timeout, limits=limits)
+            return httpx.AsyncClient(timeout=timeout, limits=limits, verify=client_tls())
 
         self._client = self.submit(make()).result()
         _LOOP_CLIENTS[self._loop] = self._client

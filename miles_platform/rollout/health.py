@@ -29,6 +29,7 @@ import httpx
 
 from miles_platform.config import RunConfig
 from miles_platform.rollout.client import EngineHTTPError, post
+from miles_platform.tls import client_tls
 from miles_platform.weights.transports import EngineHandle
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class EngineHealthMonitor:
         try:
             r = httpx.get(
                 f"{e.url}/health_generate",
+                verify=client_tls(),
                 headers={"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else None,
                 timeout=self.cfg.rollout_health_check_timeout,
             )

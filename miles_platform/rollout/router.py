@@ -38,6 +38,7 @@ from miles_platform.rollout.engine_server import (
 )
 from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, add_guards, error, json_body
 from miles_platform.rollout.metrics import CONTENT_TYPE, router_exposition
+from miles_platform.tls import client_tls
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Router:
         self._client = httpx.AsyncClient(
             timeout=self.request_timeout,
             limits=httpx.Limits(max_connections=None, keepalive_expiry=KEEPALIVE_S),
+            verify=client_tls(),
         )
         self._health_task = asyncio.create_task(self._health_loop())
 

@@ -43,6 +43,7 @@ from miles_platform.rollout import client as engine_client
 from miles_platform.rollout.engine_server import ServerHandle, serve_in_thread
 from miles_platform.rollout.http_common import DEFAULT_MAX_REQUEST_BYTES, add_guards, error, json_body
 from miles_platform.rollout.tito import AppendOnlyViolation, TitoTokenizer
+from miles_platform.tls import client_tls
 
 # open sessions at once; the run's server allows more when its rollouts need it (start_session_server)
 DEFAULT_MAX_SESSIONS = 4096
@@ -343,7 +344,7 @@ class SessionServer:
         if lora is not None:
             body["lora_path"] = lora
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=600.0)
+            self._http = httpx.AsyncClient(timeout=600.0, verify=client_tls())
         return await engine_client.post_generate(self.engine_url, body, self.api_key, client=self._http)
 
     def _commit(self, s: Session, req: chat.ChatRequest, plan: dict[str, Any], out: dict[str, Any]) -> dict:

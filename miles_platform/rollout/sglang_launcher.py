@@ -178,9 +178,11 @@ def probe_engine(address: str, api_key: str | None = None, timeout_s: float = 5.
     """`GET /health` then `GET /get_server_info`; raises ConfigError naming the address on failure."""
     import httpx
 
+    from miles_platform.tls import client_tls
+
     url = f"http://{address}"
     try:
-        with httpx.Client(timeout=timeout_s, headers=_headers(api_key)) as client:
+        with httpx.Client(timeout=timeout_s, headers=_headers(api_key), verify=client_tls()) as client:
             health = client.get(f"{url}/health")
             health.raise_for_status()
             info = client.get(f"{url}/get_server_info")

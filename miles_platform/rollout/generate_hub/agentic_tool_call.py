@@ -40,6 +40,7 @@ from miles_platform.plugins import load_function, load_object
 from miles_platform.rollout.base_types import GenerateFnInput, GenerateFnOutput
 from miles_platform.rollout.generate_hub.endpoint import finish_status, truncate
 from miles_platform.rollout.http_common import generate_key
+from miles_platform.tls import client_tls
 
 AGENT_FLAG = "--custom-agent-function-path"
 # our sampling names -> ChatCompletionRequest's (Miles' build_chat_request_kwargs)
@@ -125,7 +126,7 @@ async def generate(input: GenerateFnInput) -> GenerateFnOutput:
         ({"Authorization": f"Bearer {state.api_key}"} if state.api_key else {}),
     )
     sp = input.sampling_params
-    async with httpx.AsyncClient(timeout=60.0, headers=headers) as http:
+    async with httpx.AsyncClient(timeout=60.0, headers=headers, verify=client_tls()) as http:
         r = await http.post(f"{url}/sessions", json={"evaluation": input.evaluation,
                             **{k: sp.get(k) for k in ("temperature", "top_p", "top_k")}})  # fmt: skip
         r.raise_for_status()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 
 from miles_platform.errors import MilesError
+from miles_platform.tls import client_tls
 
 TIMEOUT_S = 60.0
 
@@ -26,7 +27,7 @@ async def remote_rm(rewards, sample, response: str) -> float | dict:
         "metadata": sample.metadata,
     }
     try:
-        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S, verify=client_tls()) as client:
             resp = await client.post(url, json=payload)
     except httpx.HTTPError as e:
         raise RemoteRewardError(f"--rm-url {url}: request failed: {type(e).__name__}: {e}") from e

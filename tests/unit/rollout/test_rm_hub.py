@@ -229,6 +229,31 @@ def test_remote_rm_over_http(reward_server):
         compute_rewards(args, [Sample(response="x", label="boom")])
 
 
+def test_remote_rm_and_the_engine_clients_build_no_tls_context_per_call(reward_server, monkeypatch):
+    """A remote reward's client per sample uses the process's one TLS context (miles_platform/tls.py,
+    as every client the platform makes): a new one loads certifi's CA bundle, ~40-100 ms of CPU."""
+    import ssl
+
+    import httpx._config
+    import httpx._transports.default
+
+    from miles_platform.tls import client_tls
+
+    # httpx's own default, not the suite's shared one (tests/conftest.py), for clients that ask for it
+    monkeypatch.setattr(httpx._transports.default, "create_ssl_context", httpx._config.create_ssl_context)
+
+    ctx = client_tls()
+    assert ctx is client_tls() and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    made = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    url = f"http://127.0.0.1:{reward_server.server_port}/reward"
+    args = cfg(rm_type="remote_rm", rm_url=url)
+    samples = [Sample(index=i, response="yes", label="yes") for i in range(6)]
+    assert compute_rewards(args, samples) == [1.0] * 6
+    assert made == []
+
+
 def test_remote_rm_unreachable_names_url():
     args = RewardSettings(rm_type="remote_rm", rm_url="http://127.0.0.1:9/none")
     with pytest.raises(RemoteRewardError, match="127.0.0.1:9"):
