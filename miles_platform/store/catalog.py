@@ -193,17 +193,21 @@ class Catalog:
             return True  # nothing stored: views are built per query
         if not os.path.exists(self.path):
             return False
-        want = {n: self._signature(s) for n, s in self.view_sql().items()}
         try:
             con = duckdb.connect(self.path, read_only=True)
         except duckdb.Error:
             return False
         try:
-            have = dict(
-                con.execute("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall()
-            )
+            return self._views_match(con)
         finally:
             con.close()
+
+    def _views_match(self, con: duckdb.DuckDBPyConnection) -> bool:
+        """The catalog `con` is open on holds every view as view_sql() would make it now."""
+        want = {n: self._signature(s) for n, s in self.view_sql().items()}
+        have = dict(
+            con.execute("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall()
+        )
         return all(have.get(n) == sig for n, sig in want.items())
 
     def refresh(self, best_effort: bool = False) -> bool:
@@ -243,7 +247,19 @@ class Catalog:
         catalog wait): read-only on the catalog file, or in memory over an object-store root."""
         if self.remote:
             return self._remote_connection()
-        self.ensure_fresh()
+        if os.path.exists(self.path):
+            # the freshness check on the connection the queries then use: one DuckDB open per
+            # query, not two (~20-45 ms each on 2 cores, 2026-12-06), when the views are current
+            con = _connect(self.path, read_only=True)
+            try:
+                if self._views_match(con):
+                    return con
+            except duckdb.Error:
+                pass
+            con.close()
+            self.refresh(best_effort=True)  # stale: rebuilt, unless another process holds it
+        else:
+            self.refresh()
         return _connect(self.path, read_only=True)
 
     def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
