@@ -260,21 +260,38 @@ def test_remote_rm_unreachable_names_url():
         asyncio.run(async_rm(args, Sample()))
 
 
-@pytest.mark.parametrize(
-    ("rm_types", "loads"),
-    [(("math",), True), (("boxed_math",), True), (("deepscaler", None), True), (("f1", "dapo", None), False)],
-)
-def test_warm_up_rewards_loads_the_symbolic_grader_only_when_the_run_grades_with_it(rm_types, loads):
-    # a fresh interpreter: this one may have imported math_verify already
+WARM_UP_CASES = [(("math",), True), (("boxed_math",), True), (("deepscaler", None), True),
+                 (("f1", "dapo", None), False)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def warm_up_loads() -> dict:
+    """Each case's answer from a fresh interpreter (this one may have imported math_verify already):
+    one that imports rm_hub once (~3 CPU-s: torch, transformers), then each case in a fork of it."""
     import subprocess
 
-    code = (
-        "import sys; from miles_platform.rollout.rm_hub import warm_up_rewards; "
-        f"assert 'math_verify' not in sys.modules; warm_up_rewards(*{rm_types!r}); "
-        "print('math_verify' in sys.modules)"
-    )
+    code = f"""
+import os, sys
+from miles_platform.rollout.rm_hub import warm_up_rewards
+assert 'math_verify' not in sys.modules
+for rm_types, _ in {WARM_UP_CASES!r}:
+    r, w = os.pipe()
+    if os.fork() == 0:
+        warm_up_rewards(*rm_types)
+        os.write(w, str('math_verify' in sys.modules).encode())
+        os._exit(0)
+    os.close(w)
+    print(repr(rm_types), os.read(r, 16).decode())
+"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(loads)
+    return dict(line.rsplit(" ", 1) for line in out.strip().splitlines())
+
+
+@pytest.mark.parametrize(("rm_types", "loads"), WARM_UP_CASES)
+def test_warm_up_rewards_loads_the_symbolic_grader_only_when_the_run_grades_with_it(
+    warm_up_loads, rm_types, loads
+):
+    assert warm_up_loads[repr(rm_types)] == str(loads)
 
 
 def test_warm_up_and_grading_work_off_the_main_thread():
