@@ -164,7 +164,7 @@ def test_megatron_logits_loss_grads_match_hf_in_fp32(megatron_report, variant):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_without_each_mapping_parity_fails(megatron_report, variant):
+def test_without_each_glm_mapping_parity_fails(megatron_report, variant):
     """The same weights with one mapping dropped: the whole head rotated, the q/k/v biases, the q/k
     norms or the expert bias zeroed / unit, no routed_scaling_factor, no group limit. Each is far outside
     the bound."""
