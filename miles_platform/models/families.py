@@ -17,10 +17,11 @@ qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`
 HF families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
 (whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py). The megatron
 backend refuses all but deepseek_v3, glm4_moe_lite and glm4_moe by name with `Family.megatron` (the
-reason), before anything starts; those three have a bridge at TP 1, EP 1, R3 through the routers' replay
-hook (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE; GLM-4.7-Flash's classes are DeepSeek-V3's
-renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA attention with a
-partial rotary + DeepSeek's MoE, `glm4_moe.py`). deepseek_v32 (the DSA indexer) stays refused.
+reason), before anything starts; those three have a bridge, R3 through the routers' replay hook
+(`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
+DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
+attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE).
+deepseek_v32 (the DSA indexer) stays refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert
 qwen3_next    Qwen3NextForCausalLM    the same as Qwen3.5-MoE (its predecessor)
@@ -214,23 +215,17 @@ def routed_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
 
-def megatron_layout_refusal(cfg: dict[str, Any], tp: int, ep: int) -> str | None:
-    """Why a model of the DeepSeek-V3 / GLM-4.5 bridges cannot take this megatron layout, or None: their
-    mappings are built and checked against HF at TP 1 and EP 1 only (an MLA model: the local and TE
-    specs split MLA's down projections differently; GLM-4.5: its TP / EP steps are not checked)."""
-    if tp == 1 and ep == 1:
-        return None
-    if cfg.get("kv_lora_rank"):
-        what, where = "multi-latent attention", "models/bridge/deepseek_v3.py"
-    elif "Glm4MoeForCausalLM" in (cfg.get("architectures") or []):
-        what, where = "GLM-4.5's MoE (Glm4MoeForCausalLM)", "models/bridge/glm4_moe.py"
-    else:
-        return None
-    return (
-        f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} with {what} "
-        f"({cfg.get('architectures')}): the megatron mapping ({where}) is built and "
-        "checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
-    )
+def mla_layout_refusal(cfg: dict[str, Any], tp: int, ep: int) -> str | None:
+    """Why an MLA model (DeepSeek-V3's bridge) cannot take this megatron layout, or None: the mapping is
+    built and checked at TP 1 and EP 1 only (the local and TE specs split MLA's down projections
+    differently)."""
+    if cfg.get("kv_lora_rank") and (tp > 1 or ep > 1):
+        return (
+            f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} with multi-latent attention "
+            f"({cfg.get('architectures')}): the megatron mapping (models/bridge/deepseek_v3.py) is built and "
+            "checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
+        )
+    return None
 
 
 def is_moe_config(hf_config: Any) -> bool:

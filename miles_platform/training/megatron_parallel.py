@@ -337,10 +337,10 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
         )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
-    from miles_platform.models.families import megatron_layout_refusal, routed_experts
+    from miles_platform.models.families import mla_layout_refusal, routed_experts
 
     experts = routed_experts(hf_config)
-    if why := megatron_layout_refusal(hf_config, tp, layout.ep):
+    if why := mla_layout_refusal(hf_config, tp, layout.ep):
         raise ConfigError(why)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(

@@ -1,5 +1,7 @@
 """GLM-4.5 / GLM-4.5-Air (`Glm4MoeForCausalLM`) <-> megatron-core GPTModel: GQA attention as dense.py
-and DeepSeek's MoE as deepseek_v3.py, expert parallel 1, tensor parallel 1.
+and DeepSeek's MoE as deepseek_v3.py; tensor / sequence / expert parallel as Qwen3-MoE (its names split
+by base.tp_shard; one step at TP2 + SP and TP2 + SP + EP2 equals the 1-rank step:
+tests/unit/training/test_megatron_layouts.py).
 
 transformers' `Glm4MoeAttention` is Qwen2's / Qwen3's GQA attention: q/k/v projections with biases
 when `attention_bias` (o_proj never has one: megatron `add_qkv_bias`), per-head q/k RMSNorm before the
@@ -22,8 +24,7 @@ transformers drops it.
 Refused by name (CheckpointError; preflight turns it into a ConfigError before Ray): rope types other
 than default (no yarn / llama3 mapping is checked for a partial rotary), deepseek_v3.py's routing
 refusals (norm_topk_prob false, top-1, a group limit megatron ranks otherwise, no shared expert),
-hidden_act other than silu; tensor or expert parallel > 1 (families.megatron_layout_refusal: not
-checked against HF).
+hidden_act other than silu; LoRA on megatron (training/megatron_lora.py: no shared-expert adapters).
 """
 
 from __future__ import annotations

@@ -468,7 +468,8 @@ def _parity_report(variant: str) -> dict:
     return out
 
 
-def _convert(hf: str, work: str) -> dict:
+def _convert(hf: str, work: str, *layout: str) -> dict:
+    """hf-to-torch-dist (at the `layout` flags) then torch-dist-to-hf: the CLI's JSON reports."""
     from contextlib import redirect_stdout
     from io import StringIO
 
@@ -476,7 +477,7 @@ def _convert(hf: str, work: str) -> dict:
 
     report = {}
     for name, argv in (
-        ("to_torch_dist", ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", f"{work}/td"]),
+        ("to_torch_dist", ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", f"{work}/td", *layout]),
         (
             "to_hf",
             ["torch-dist-to-hf", "--load", f"{work}/td", "--hf-checkpoint", hf, "--save", f"{work}/back"],

@@ -5,8 +5,8 @@ HF <-> megatron names bit-exact both ways; megatron's GPTModel logits, loss and 
 transformers' Glm4MoeForCausalLM in fp32, for GLM-4.5's layout (q/k norm, scaling 2.5) and GLM-4.5-Air's
 (no q/k norm) with a group limit; controls show each mapping is what makes it pass (the rotary
 fraction, the q/k/v biases, the q/k norm, the expert bias, the scaling factor, the group limit);
-torch_dist conversion both ways is bit-exact; what megatron cannot reproduce, TP / EP > 1 and LoRA are
-refused by name. The --ci-test GRPO step on megatron: test_deepseek_v3_bridge.py (parametrized by family).
+torch_dist conversion both ways (at TP 2, EP 2) is bit-exact; preflight takes TP / SP / EP (their steps:
+tests/unit/training/test_megatron_layouts.py); what megatron cannot reproduce and LoRA are refused by name. The --ci-test GRPO step on megatron: test_deepseek_v3_bridge.py (parametrized by family).
 
 Everything touching torch.distributed runs in a subprocess (this file as a script).
 """
@@ -113,7 +113,8 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
         get_bridge(c).transformer_config(c)
 
 
-def test_preflight_takes_it_on_megatron_and_refuses_tp_ep_and_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_it_on_megatron_at_tp_and_ep_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
+    """TP / SP / EP as Qwen3-MoE's (the steps: test_megatron_layouts.py); LoRA refused by name."""
     from loop_helpers import small_run_config
 
     from miles_platform.config import ConfigError
@@ -128,12 +129,12 @@ def test_preflight_takes_it_on_megatron_and_refuses_tp_ep_and_lora(tiny_hf_check
 
     validate_before_start(run(use_rollout_routing_replay=True))
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
-    for flags in (
-        dict(tensor_model_parallel_size=2, sequence_parallel=True),
-        dict(expert_model_parallel_size=2),
+    validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
+    validate_before_start(run(**two, expert_model_parallel_size=2))
+    with pytest.raises(
+        ConfigError, match="MoE model at --tensor-model-parallel-size 2 needs --sequence-parallel"
     ):
-        with pytest.raises(ConfigError, match="with GLM-4.5's MoE .* TP 1 and EP 1 only"):
-            validate_before_start(run(**two, **flags))
+        validate_before_start(run(**two, tensor_model_parallel_size=2))
     with pytest.raises(ConfigError, match="--lora-rank with --train-backend megatron: .* DeepSeek-style MoE"):
         validate_before_start(run(lora_rank=4))
 
@@ -175,11 +176,12 @@ def test_without_each_glm_mapping_parity_fails(megatron_report, variant):
 
 
 def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
-    """`miles-platform convert` both ways through megatron's torch_dist: HF's on-disk tensors (one per
-    expert, the q/k/v biases, the router's bias) come back bit for bit."""
+    """`miles-platform convert` both ways through megatron's torch_dist, written at TP 2 and EP 2: HF's
+    on-disk tensors (one per expert, the q/k/v biases, the router's bias) come back bit for bit."""
     from safetensors.torch import load_file
 
     hf, work = megatron_report["hf"], megatron_report["work"]
+    assert len(list((work / "td" / "release").glob("*.distcp"))) == 4  # TP 2 x EP 2: one file per rank
     a, b = load_file(f"{hf}/model.safetensors"), load_file(str(work / "back" / "model.safetensors"))
     assert sorted(a) == sorted(b) and {"model.layers.1.mlp.gate.e_score_correction_bias",
                                         "model.layers.0.self_attn.k_proj.bias"} <= set(a)  # fmt: skip
@@ -221,7 +223,8 @@ def _main(mode: str, hf: str, work: str) -> None:
     megatron_shims.init_single_process_group()
     parity = {v: _parity_report(v) for v in VARIANTS}
     megatron_shims.destroy_process_group()
-    convert = _convert(hf, work)  # the conversion starts its own group
+    # the conversion starts its own group; at TP 2 and EP 2: torch_dist reshards on load
+    convert = _convert(hf, work, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2")
     print(json.dumps({"parity": parity, "convert": convert}))
 
 
