@@ -16,15 +16,16 @@ qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`
 
 HF families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
 (whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py). The megatron
-backend refuses all but deepseek_v3 and glm4_moe_lite by name with `Family.megatron` (the reason),
-before anything starts; those two have a bridge (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at
-TP 1, EP 1, R3 through the routers' replay hook; GLM-4.7-Flash's classes are DeepSeek-V3's renamed,
-its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`). deepseek_v32 (the DSA indexer) stays
-refused.
+backend refuses all but deepseek_v3, glm4_moe_lite and glm4_moe by name with `Family.megatron` (the
+reason), before anything starts; those three have a bridge, R3 through the routers' replay hook
+(`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
+DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
+attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE).
+deepseek_v32 (the DSA indexer) stays refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert
 qwen3_next    Qwen3NextForCausalLM    the same as Qwen3.5-MoE (its predecessor)
-glm4_moe      Glm4MoeForCausalLM      GLM-4.5: partial rotary, q/k norm, sigmoid group routing, shared expert
+glm4_moe      Glm4MoeForCausalLM      GLM-4.5: partial rotary, q/k norm, sigmoid group routing, shared expert; megatron too
 glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-style MoE; megatron too
 deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc); megatron too
 deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache
@@ -137,10 +138,11 @@ HF_FAMILIES: dict[str, Family] = {
         Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                {**_QWEN_NEXT_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
                moe=True, megatron=_NO_BRIDGE.format(what="gated-DeltaNet linear attention (Qwen3-Next)")),
+        # megatron: models/bridge/glm4_moe.py (GQA + partial rotary as dense.py, DeepSeek-V3's MoE)
         Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
                {**_DEEPSEEK_MOE, "routed_scaling_factor": 1.0, "use_qk_norm": True, "n_group": 1, "topk_group": 1,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-               moe=True, megatron=_NO_BRIDGE.format(what="GLM-4.5's partial-rotary attention with shared experts")),
+               moe=True),
         # megatron: models/bridge/glm4_moe_lite.py (DeepSeek-V3's mapping; dense layers by mlp_layer_types)
         Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", "Glm4MoeLiteConfig",
                {**_DEEPSEEK_MOE, **_MLA, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8},

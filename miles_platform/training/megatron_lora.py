@@ -55,11 +55,14 @@ _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_p
 
 def check_lora_model(hf_config: dict) -> None:
     """LoRA on megatron is built for the GQA attention and gated MLPs the dense / Qwen3-MoE bridges map:
-    an MLA model (DeepSeek-V3's bridge) is refused by name."""
-    if hf_config.get("kv_lora_rank"):
+    a model with DeepSeek's MoE (shared experts, the router's score-correction bias: the DeepSeek-V3,
+    GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not."""
+    if hf_config.get("kv_lora_rank") or hf_config.get("n_routed_experts"):
+        mla = "multi-latent attention and " if hf_config.get("kv_lora_rank") else ""
         raise ConfigError(
-            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} has multi-latent "
-            "attention and DeepSeek MoE layers, which have no megatron adapters here; use --train-backend fsdp"
+            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} has {mla}DeepSeek-style "
+            "MoE layers (shared experts, a score-correction bias), which have no megatron adapters here; use "
+            "--train-backend fsdp"
         )
 
 

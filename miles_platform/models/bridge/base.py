@@ -72,9 +72,12 @@ class Bridge(ABC):
         raise NotImplementedError(f"{type(self).__name__}: no per-unit megatron_to_hf")
 
     def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-        """megatron_to_hf's state dict as `save_pretrained` lays it out on disk; the same dict for the
-        families whose module names are their checkpoint names (the dense ones)."""
-        return hf_sd
+        """megatron_to_hf's state dict as `save_pretrained` lays it out on disk: the fused expert
+        parameters split into HF's per-expert tensors (models/checkpoint_layout.py); the same tensors
+        for the families whose module names are their checkpoint names (the dense ones)."""
+        from miles_platform.models.checkpoint_layout import split_fused_experts
+
+        return split_fused_experts(hf_sd)
 
 
 def register_bridge(*architectures: str):

@@ -69,25 +69,14 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MLP_KINDS = ("dense", "sparse")  # mlp_layer_types (GLM-4.7-Flash)
 
 
-class DeepseekDims:
-    """The DeepSeek-V3 config fields the mapping needs, checked against what megatron reproduces."""
+class DeepseekMoe:
+    """DeepSeek's MoE fields of a config (DeepSeek-V3, GLM-4.7-Flash, GLM-4.5: sigmoid routing with the
+    score-correction bias, group-limited top-k, shared experts, dense first layers), checked against
+    what megatron's router reproduces."""
 
-    def __init__(self, hf_config: Any, family: str = "DeepSeek-V3"):
-        c = hf_config_dict(hf_config)
+    def __init__(self, c: dict[str, Any], family: str):
         self.family = family
-        self.hidden, self.layers = c["hidden_size"], c["num_hidden_layers"]
-        self.heads, self.vocab, self.ffn = c["num_attention_heads"], c["vocab_size"], c["intermediate_size"]
-        self.tied = bool(c.get("tie_word_embeddings", False))
-        self.eps = c.get("rms_norm_eps", 1e-6)
-        self.max_pos = c.get("max_position_embeddings", 4096)
-        self.q_lora = c.get("q_lora_rank")  # None: one q_proj (DeepSeek-V2-Lite, Moonlight)
-        self.kv_lora = int(c["kv_lora_rank"])
-        self.nope, self.rope, self.v = (
-            int(c["qk_nope_head_dim"]),
-            int(c["qk_rope_head_dim"]),
-            int(c["v_head_dim"]),
-        )
-        self.rope_interleave = bool(c.get("rope_interleave", True))
+        self.layers = c["num_hidden_layers"]
         self.experts = int(c["n_routed_experts"])
         self.top_k = int(c["num_experts_per_tok"])
         self.moe_ffn = int(c["moe_intermediate_size"])
@@ -107,8 +96,6 @@ class DeepseekDims:
         self.groups = (n_group, topk_group) if 1 < n_group and topk_group < n_group else None
         if c.get("hidden_act", "silu") != "silu":
             raise self.refuse(f"hidden_act {c['hidden_act']!r} (the bridge maps silu)")
-        if c.get("attention_bias"):
-            raise self.refuse("attention_bias = true (q_a / kv_a / o_proj biases)")
         if not c.get("norm_topk_prob", True) or self.top_k < 2:
             raise self.refuse(
                 f"norm_topk_prob {c.get('norm_topk_prob')} with num_experts_per_tok {self.top_k} "
@@ -124,6 +111,54 @@ class DeepseekDims:
             )
         if self.shared < 1:
             raise self.refuse("n_shared_experts 0 (megatron's layer here has a shared expert)")
+
+    def moe_layer(self, i: int) -> bool:
+        return self.moe_layers[i]
+
+    def refuse(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.family} config: {what}; the megatron mapping cannot reproduce it: use --train-backend fsdp "
+            "for this checkpoint"
+        )
+
+    def moe_config(self) -> dict[str, Any]:
+        """TransformerConfig's MoE fields: the routing above, no load-balancing loss inside the model."""
+        return dict(
+            num_moe_experts=self.experts, moe_router_topk=self.top_k, moe_ffn_hidden_size=self.moe_ffn,
+            moe_layer_freq=[int(self.moe_layer(i)) for i in range(self.layers)],
+            moe_shared_expert_intermediate_size=self.moe_ffn * self.shared,
+            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0, moe_router_pre_softmax=False,
+            moe_router_num_groups=self.groups[0] if self.groups else None,
+            moe_router_group_topk=self.groups[1] if self.groups else None,
+            moe_router_topk_scaling_factor=self.scaling,
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
+            moe_router_fusion=False,
+        )  # fmt: skip
+
+
+class DeepseekDims(DeepseekMoe):
+    """The DeepSeek-V3 config fields the mapping needs, checked against what megatron reproduces."""
+
+    def __init__(self, hf_config: Any, family: str = "DeepSeek-V3"):
+        c = hf_config_dict(hf_config)
+        super().__init__(c, family)
+        self.hidden = c["hidden_size"]
+        self.heads, self.vocab, self.ffn = c["num_attention_heads"], c["vocab_size"], c["intermediate_size"]
+        self.tied = bool(c.get("tie_word_embeddings", False))
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.max_pos = c.get("max_position_embeddings", 4096)
+        self.q_lora = c.get("q_lora_rank")  # None: one q_proj (DeepSeek-V2-Lite, Moonlight)
+        self.kv_lora = int(c["kv_lora_rank"])
+        self.nope, self.rope, self.v = (
+            int(c["qk_nope_head_dim"]),
+            int(c["qk_rope_head_dim"]),
+            int(c["v_head_dim"]),
+        )
+        self.rope_interleave = bool(c.get("rope_interleave", True))
+        if c.get("attention_bias"):
+            raise self.refuse("attention_bias = true (q_a / kv_a / o_proj biases)")
         self.rope_config = self._rope(c)
 
     def _rope(self, c: dict[str, Any]) -> dict[str, Any]:
@@ -151,15 +186,6 @@ class DeepseekDims:
             beta_slow=float(r.get("beta_slow") or 1), mscale=float(mscale) if all_dim else 1.0,
             mscale_all_dim=float(all_dim or 0.0),
         )  # fmt: skip
-
-    def moe_layer(self, i: int) -> bool:
-        return self.moe_layers[i]
-
-    def refuse(self, what: str) -> CheckpointError:
-        return CheckpointError(
-            f"{self.family} config: {what}; the megatron mapping cannot reproduce it: use --train-backend fsdp "
-            "for this checkpoint"
-        )
 
     @property
     def q_head(self) -> int:
@@ -203,17 +229,7 @@ class DeepseekV3Bridge(Bridge):
             # fused kernels are CUDA/TE-only or change rounding; the torch paths match HF in fp32
             bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
             persist_layer_norm=False, gradient_accumulation_fusion=False,
-            num_moe_experts=d.experts, moe_router_topk=d.top_k, moe_ffn_hidden_size=d.moe_ffn,
-            moe_layer_freq=[int(d.moe_layer(i)) for i in range(d.layers)],
-            moe_shared_expert_intermediate_size=d.moe_ffn * d.shared,
-            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0, moe_router_pre_softmax=False,
-            moe_router_num_groups=d.groups[0] if d.groups else None,
-            moe_router_group_topk=d.groups[1] if d.groups else None,
-            moe_router_topk_scaling_factor=d.scaling,
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
-            moe_router_fusion=False,
+            **d.moe_config(),
         )  # fmt: skip
 
     def gpt_model_kwargs(self, hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
@@ -260,7 +276,9 @@ class DeepseekV3Bridge(Bridge):
         else:
             used.add("lm_head.weight")  # tied copies, if saved, are the embedding
         extra = [
-            k for k in hf_sd if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES) and not _mtp(k, d)
+            k
+            for k in hf_sd
+            if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES) and not mtp_layer(k, d.layers)
         ]
         if extra:
             raise CheckpointError(f"HF checkpoint: unexpected tensor(s) for this config: {sorted(extra)[:5]}")
@@ -293,11 +311,7 @@ class DeepseekV3Bridge(Bridge):
             out.update(_gated_to_megatron(get, hp + "mlp.", mp + "mlp.", d.ffn, H))
             return out
         out[mp + "pre_mlp_layernorm.weight"] = mlp_norm
-        out[mp + "mlp.router.weight"] = get(hp + "mlp.gate.weight", (d.experts, H))
-        out[mp + "mlp.router.expert_bias"] = get(hp + "mlp.gate.e_score_correction_bias", (d.experts,))
-        out.update(experts_to_megatron(hf_sd, get, d.experts, H, d.moe_ffn, hp, mp))
-        shared = d.moe_ffn * d.shared
-        out.update(_gated_to_megatron(get, hp + "mlp.shared_experts.", mp + "mlp.shared_experts.", shared, H))
+        out.update(moe_to_megatron(hf_sd, get, d, H, hp, mp))
         return out
 
     def megatron_to_hf_part(self, mcore_sd, config, unit: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -347,25 +361,40 @@ class DeepseekV3Bridge(Bridge):
         if not d.moe_layer(i):
             out.update(_gated_to_hf(get, hp + "mlp.", mp + "mlp.", d.ffn, H))
             return out
-        out[hp + "mlp.gate.weight"] = get(mp + "mlp.router.weight", (d.experts, H))
-        out[hp + "mlp.gate.e_score_correction_bias"] = get(mp + "mlp.router.expert_bias", (d.experts,))
-        out.update(experts_to_hf(get, d.experts, H, d.moe_ffn, hp, mp))
-        shared = d.moe_ffn * d.shared
-        out.update(_gated_to_hf(get, hp + "mlp.shared_experts.", mp + "mlp.shared_experts.", shared, H))
+        out.update(moe_to_hf(get, d, H, hp, mp))
         return out
 
-    def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-        """The fused expert parameters split into HF's per-expert checkpoint tensors."""
-        from miles_platform.models.checkpoint_layout import split_fused_experts
 
-        return split_fused_experts(hf_sd)
-
-
-def _mtp(name: str, d: DeepseekDims) -> bool:
+def mtp_layer(name: str, num_layers: int) -> bool:
     """A published checkpoint's multi-token-prediction layer (`model.layers.<num_hidden_layers + k>.*`),
     which transformers drops on load and megatron does not build."""
     m = _LAYER.match(name)
-    return m is not None and int(m.group(1)) >= d.layers
+    return m is not None and int(m.group(1)) >= num_layers
+
+
+def moe_to_megatron(hf_sd, get, m: DeepseekMoe, H: int, hp: str, mp: str) -> dict[str, torch.Tensor]:
+    """One DeepSeek MoE block (HF `hp` layer prefix -> megatron `mp`): router, its score-correction
+    bias, routed experts, shared experts; `get(name, shape)` takes a tensor."""
+    out = {
+        mp + "mlp.router.weight": get(hp + "mlp.gate.weight", (m.experts, H)),
+        mp + "mlp.router.expert_bias": get(hp + "mlp.gate.e_score_correction_bias", (m.experts,)),
+    }
+    out.update(experts_to_megatron(hf_sd, get, m.experts, H, m.moe_ffn, hp, mp))
+    shared = m.moe_ffn * m.shared
+    out.update(_gated_to_megatron(get, hp + "mlp.shared_experts.", mp + "mlp.shared_experts.", shared, H))
+    return out
+
+
+def moe_to_hf(get, m: DeepseekMoe, H: int, hp: str, mp: str) -> dict[str, torch.Tensor]:
+    """The inverse of `moe_to_megatron`, into transformers' module names."""
+    out = {
+        hp + "mlp.gate.weight": get(mp + "mlp.router.weight", (m.experts, H)),
+        hp + "mlp.gate.e_score_correction_bias": get(mp + "mlp.router.expert_bias", (m.experts,)),
+    }
+    out.update(experts_to_hf(get, m.experts, H, m.moe_ffn, hp, mp))
+    shared = m.moe_ffn * m.shared
+    out.update(_gated_to_hf(get, hp + "mlp.shared_experts.", mp + "mlp.shared_experts.", shared, H))
+    return out
 
 
 def _gated_to_megatron(get, hp: str, mp: str, ffn: int, H: int) -> dict[str, torch.Tensor]:

@@ -76,10 +76,11 @@ def rope_params(c: dict[str, Any]) -> dict[str, Any]:
 class Dims:
     """The HF config fields the mapping needs, checked against what megatron can represent."""
 
-    def __init__(self, hf_config: Any, family: str, qkv_bias: bool):
+    def __init__(self, hf_config: Any, family: str, qkv_bias: bool, qk_norm: bool = False):
         c = hf_config_dict(hf_config)
         self.family = family
         self.qkv_bias = qkv_bias
+        self.qk_norm = qk_norm  # per-head RMSNorm on q and k (Qwen3; GLM-4.5 with use_qk_norm)
         self.hidden = c["hidden_size"]
         self.layers = c["num_hidden_layers"]
         self.heads = c["num_attention_heads"]
@@ -107,7 +108,10 @@ class Dims:
                 "default, llama3); use --train-backend fsdp for this checkpoint"
             )
         if c.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"{family} config: hidden_act {c['hidden_act']!r}; the bridge maps silu")
+            raise CheckpointError(
+                f"{family} config: hidden_act {c['hidden_act']!r}; the bridge maps silu: use --train-backend fsdp "
+                "for this checkpoint"
+            )
         if self.heads % self.groups:
             raise CheckpointError(
                 f"{family} config: num_attention_heads {self.heads} not divisible by num_key_value_heads {self.groups}"
@@ -143,7 +147,7 @@ class DenseBridge(Bridge):
 
     def dims(self, hf_config: Any) -> Dims:
         c = hf_config_dict(hf_config)
-        return Dims(c, self.family, self.qkv_bias(c))
+        return Dims(c, self.family, self.qkv_bias(c), self.qk_norm)
 
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:
         d = self.dims(hf_config)
@@ -160,7 +164,7 @@ class DenseBridge(Bridge):
             activation_func=torch.nn.functional.silu,
             add_bias_linear=False,
             add_qkv_bias=d.qkv_bias,
-            qk_layernorm=self.qk_norm,
+            qk_layernorm=d.qk_norm,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             # fused kernels are CUDA/TE-only or change rounding; the torch paths match HF in fp32
@@ -185,13 +189,19 @@ class DenseBridge(Bridge):
         return kw
 
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
-        return dict(qk_layernorm=self.qk_norm)
+        return dict(qk_layernorm=self.dims(hf_config).qk_norm)
 
-    # the TE spec fuses pre_mlp_layernorm into linear_fc1; an MoE layer keeps it (the router reads it)
-    mlp_norm_fuses = True
+    def mlp_norm_fuses(self, d: Dims, i: int) -> bool:
+        """Whether the TE spec fuses layer i's pre_mlp_layernorm into linear_fc1: a dense MLP's; an MoE
+        layer keeps it (the router reads it)."""
+        return True
 
-    def mlp_to_megatron(self, hf_sd, get, d: Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
-        """One layer's MLP: HF `hp` prefix -> megatron `mp` prefix. `get(name, shape)` takes a tensor."""
+    def unmapped_hf(self, name: str, d: Dims) -> bool:
+        """An HF checkpoint tensor the mapping drops on purpose (besides rotary caches)."""
+        return False
+
+    def mlp_to_megatron(self, hf_sd, get, d: Dims, hp: str, mp: str, i: int) -> dict[str, torch.Tensor]:
+        """Layer i's MLP: HF `hp` prefix -> megatron `mp` prefix. `get(name, shape)` takes a tensor."""
         gate = get(hp + "mlp.gate_proj.weight", (d.ffn, d.hidden))
         up = get(hp + "mlp.up_proj.weight", (d.ffn, d.hidden))
         return {
@@ -199,7 +209,7 @@ class DenseBridge(Bridge):
             mp + "mlp.linear_fc2.weight": get(hp + "mlp.down_proj.weight", (d.hidden, d.ffn)),
         }
 
-    def mlp_to_hf(self, get, d: Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
+    def mlp_to_hf(self, get, d: Dims, hp: str, mp: str, i: int) -> dict[str, torch.Tensor]:
         gate, up = get(mp + "mlp.linear_fc1.weight", (2 * d.ffn, d.hidden)).chunk(2, dim=0)
         return {
             hp + "mlp.gate_proj.weight": gate,
@@ -231,20 +241,20 @@ class DenseBridge(Bridge):
                 kb = get(hp + "self_attn.k_proj.bias", (g * hd,)).reshape(g, hd)
                 vb = get(hp + "self_attn.v_proj.bias", (g * hd,)).reshape(g, hd)
                 out[mp + "self_attention.linear_qkv.bias"] = torch.cat([qb, kb, vb], dim=1).reshape(-1)
-            if self.qk_norm:
+            if d.qk_norm:
                 out[mp + "self_attention.q_layernorm.weight"] = get(hp + "self_attn.q_norm.weight", (hd,))
                 out[mp + "self_attention.k_layernorm.weight"] = get(hp + "self_attn.k_norm.weight", (hd,))
             out[mp + "self_attention.linear_proj.weight"] = get(
                 hp + "self_attn.o_proj.weight", (H, d.heads * hd)
             )
-            out.update(self.mlp_to_megatron(hf_sd, get, d, hp, mp))
+            out.update(self.mlp_to_megatron(hf_sd, get, d, hp, mp, i))
             in_norm = get(hp + "input_layernorm.weight", (H,))
             mlp_norm = get(hp + "post_attention_layernorm.weight", (H,))
             if fused_norms:
                 out[mp + "self_attention.linear_qkv.layer_norm_weight"] = in_norm
             else:
                 out[mp + "input_layernorm.weight"] = in_norm
-            if fused_norms and self.mlp_norm_fuses:
+            if fused_norms and self.mlp_norm_fuses(d, i):
                 out[mp + "mlp.linear_fc1.layer_norm_weight"] = mlp_norm
             else:
                 out[mp + "pre_mlp_layernorm.weight"] = mlp_norm
@@ -253,7 +263,11 @@ class DenseBridge(Bridge):
             out["output_layer.weight"] = _pad_rows(get("lm_head.weight", (d.vocab, H)), padded_vocab_size)
         else:
             used.add("lm_head.weight")  # tied copies, if saved, are the embedding
-        extra = [k for k in hf_sd if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES)]
+        extra = [
+            k
+            for k in hf_sd
+            if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES) and not self.unmapped_hf(k, d)
+        ]
         if extra:
             raise CheckpointError(f"{where}: unexpected tensor(s) for this config: {sorted(extra)[:5]}")
         return out
@@ -291,13 +305,13 @@ class DenseBridge(Bridge):
                 out[hp + "self_attn.q_proj.bias"] = qb.reshape(-1)
                 out[hp + "self_attn.k_proj.bias"] = kb.reshape(-1)
                 out[hp + "self_attn.v_proj.bias"] = vb.reshape(-1)
-            if self.qk_norm:
+            if d.qk_norm:
                 out[hp + "self_attn.q_norm.weight"] = get(mp + "self_attention.q_layernorm.weight", (hd,))
                 out[hp + "self_attn.k_norm.weight"] = get(mp + "self_attention.k_layernorm.weight", (hd,))
             out[hp + "self_attn.o_proj.weight"] = get(
                 mp + "self_attention.linear_proj.weight", (H, d.heads * hd)
             )
-            out.update(self.mlp_to_hf(get, d, hp, mp))
+            out.update(self.mlp_to_hf(get, d, hp, mp, i))
             out[hp + "input_layernorm.weight"] = norm(
                 mp + "self_attention.linear_qkv.layer_norm_weight", mp + "input_layernorm.weight"
             )

@@ -36,8 +36,8 @@ from miles_platform.models.bridge.dense import DenseBridge, Dims
 
 
 class MoeDims(Dims):
-    def __init__(self, hf_config: Any, family: str, qkv_bias: bool):
-        super().__init__(hf_config, family, qkv_bias)
+    def __init__(self, hf_config: Any, family: str, qkv_bias: bool, qk_norm: bool):
+        super().__init__(hf_config, family, qkv_bias, qk_norm)
         c = hf_config_dict(hf_config)
         # published Qwen3-MoE configs write num_experts; transformers 5 saves it as num_local_experts
         self.experts = int(c.get("num_experts") or c["num_local_experts"])
@@ -64,11 +64,10 @@ class MoeDims(Dims):
 class Qwen3MoeBridge(DenseBridge):
     family = "Qwen3-MoE"
     qk_norm = True
-    mlp_norm_fuses = False
 
     def dims(self, hf_config: Any) -> MoeDims:
         c = hf_config_dict(hf_config)
-        return MoeDims(c, self.family, self.qkv_bias(c))
+        return MoeDims(c, self.family, self.qkv_bias(c), self.qk_norm)
 
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:
         d = self.dims(hf_config)
@@ -90,21 +89,18 @@ class Qwen3MoeBridge(DenseBridge):
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
         return dict(qk_layernorm=True, num_experts=self.dims(hf_config).experts, moe_grouped_gemm=False)
 
-    def mlp_to_megatron(self, hf_sd, get, d: MoeDims, hp: str, mp: str) -> dict[str, torch.Tensor]:
+    def mlp_norm_fuses(self, d: MoeDims, i: int) -> bool:
+        return False  # every layer is an MoE block
+
+    def mlp_to_megatron(self, hf_sd, get, d: MoeDims, hp: str, mp: str, i: int) -> dict[str, torch.Tensor]:
         out = {mp + "mlp.router.weight": get(hp + "mlp.gate.weight", (d.experts, d.hidden))}
         out.update(experts_to_megatron(hf_sd, get, d.experts, d.hidden, d.moe_ffn, hp, mp))
         return out
 
-    def mlp_to_hf(self, get, d: MoeDims, hp: str, mp: str) -> dict[str, torch.Tensor]:
+    def mlp_to_hf(self, get, d: MoeDims, hp: str, mp: str, i: int) -> dict[str, torch.Tensor]:
         out = {hp + "mlp.gate.weight": get(mp + "mlp.router.weight", (d.experts, d.hidden))}
         out.update(experts_to_hf(get, d.experts, d.hidden, d.moe_ffn, hp, mp))
         return out
-
-    def checkpoint_layout(self, hf_sd: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-        """The fused expert parameters split into HF's per-expert checkpoint tensors."""
-        from miles_platform.models.checkpoint_layout import split_fused_experts
-
-        return split_fused_experts(hf_sd)
 
 
 def experts_to_megatron(hf_sd, get, E: int, H: int, inter: int, hp: str, mp: str) -> dict[str, torch.Tensor]:

@@ -214,12 +214,12 @@ def test_tensor_parallel_is_refused_and_mtp_layers_are_dropped():
 # ---------------------------------------------------------------- megatron (subprocess)
 
 
-def _run_script(*args: str) -> dict:
-    """This file as a script (its own gloo group): the JSON line it prints last."""
+def _run_script(*args: str, script: str = __file__) -> dict:
+    """This file (or `script`) as a script (its own gloo group): the JSON line it prints last."""
     from loop_helpers import warm_python
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    proc = subprocess.run([*warm_python(), __file__, *args], capture_output=True, text=True, env=env,
+    proc = subprocess.run([*warm_python(), script, *args], capture_output=True, text=True, env=env,
                           timeout=400, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -334,11 +334,16 @@ def _train_worker(rank: int, world: int, port: int, ckpt: str, out: str, batch) 
         megatron_shims.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+# an attention weight of each family the step must move: MLA's kv_b_proj, GLM-4.5's q_proj (GQA)
+ATTENTION_WEIGHT = {"deepseek_v3": "kv_b_proj", "glm4_moe_lite": "kv_b_proj", "glm4_moe": "q_proj"}
+
+
+@pytest.mark.parametrize("family", sorted(ATTENTION_WEIGHT))
 def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, tiny_hf_checkpoint, tmp_path):
     """The embedded engine (transformers' model) rolls out with R3; the megatron trainer's log-probs of
     those tokens equal the engine's, one --ci-test GRPO step passes the step-0 checks with the routes
-    replayed, moves the weights and keeps the score-correction bias the checkpoint's."""
+    replayed, moves the weights and keeps the score-correction bias the checkpoint's. GLM-4.5
+    (models/bridge/glm4_moe.py) with its q/k/v biases and partial rotary."""
     from loop_helpers import engine_rollout, run_ranks
     from safetensors.torch import load_file
 
@@ -350,7 +355,8 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, t
 
     tok = load_tokenizer(tiny_hf_checkpoint)
     ckpt = str(tmp_path / "dsv3")
-    save_hf_checkpoint(sharp_model(deepseek_config(len(tok), family)), tok, ckpt)
+    biases = {"attention_bias": True} if family == "glm4_moe" else {}  # as GLM-4.5 publishes
+    save_hf_checkpoint(sharp_model(deepseek_config(len(tok), family, **biases)), tok, ckpt)
     outs = engine_rollout(ckpt, PROMPTS, NEW_TOKENS, routes=True)
     prompts = [p for p in PROMPTS for _ in range(2)]
     tokens = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
@@ -374,16 +380,16 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, t
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert torch.equal(after[bias], start[bias]) and start[bias].abs().max() > 0.1
     assert not torch.equal(after["model.layers.1.mlp.gate.weight"], start["model.layers.1.mlp.gate.weight"])
-    assert not torch.equal(
-        after["model.layers.0.self_attn.kv_b_proj.weight"], start["model.layers.0.self_attn.kv_b_proj.weight"]
-    )
+    attention = f"model.layers.0.self_attn.{ATTENTION_WEIGHT[family]}.weight"
+    assert not torch.equal(after[attention], start[attention])
 
 
-def _parity_report(variant: str) -> dict:
+def megatron_vs_hf(cfg_obj, hf):
+    """megatron's GPTModel built from `hf`'s state (fp32, T = 48, batch 2) against `hf`: (the report:
+    logits, loss, every parameter's gradient, the export; the config dict; HF's state; `control`, which
+    measures a model with one mapping dropped). Also the GLM-4.5 bridge's (test_glm4_moe_bridge.py)."""
     from miles_platform.training import megatron_backend as mb
 
-    cfg_obj = deepseek_config(**VARIANTS[variant])
-    hf = sharp_model(cfg_obj)
     cfg, sd = cfg_obj.to_dict(), _state(cfg_obj, hf)
     T, V = 48, cfg["vocab_size"]
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
@@ -394,18 +400,20 @@ def _parity_report(variant: str) -> dict:
     want = hf(input_ids=ids, position_ids=pos).logits
     hook.remove()
 
-    def build(c, state, zero_bias=False):
+    def build(c, state):
         model, bridge = mb.build_gpt_model(c)
-        full = bridge.hf_to_megatron(state, c, padded_vocab_size=bridge.gpt_model_kwargs(c)["vocab_size"])
-        if zero_bias:
-            full = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in full.items()}
-        mb.load_full_state(model, full)
+        mb.load_full_state(model, state)
         return model, bridge
+
+    def megatron_state(c, state):
+        return get_bridge(c).hf_to_megatron(
+            state, c, padded_vocab_size=get_bridge(c).gpt_model_kwargs(c)["vocab_size"]
+        )
 
     def logits(model):
         return model(ids, pos, causal)[..., :V]
 
-    model, bridge = build(cfg, sd)
+    model, bridge = build(cfg, megatron_state(cfg, sd))
     got = logits(model)
     nll = torch.nn.functional.cross_entropy
     m_loss = nll(got[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
@@ -427,31 +435,41 @@ def _parity_report(variant: str) -> dict:
         export_identical=sorted(exported) == sorted(sd) and all(torch.equal(exported[n], sd[n]) for n in sd),
         experts_routed=int(torch.unique(chosen[0]).numel()),
     )
-    controls = {
-        "rope_rows": ({**cfg, "rope_interleave": not cfg["rope_interleave"]}, False),
-        "expert_bias": (cfg, True),
-        "routed_scaling": ({**cfg, "routed_scaling_factor": 1.0}, False),
+
+    @torch.no_grad()
+    def control(c: dict, mapped_for: dict | None = None, edit=None) -> float:
+        """max |logit diff| from HF's of a model built for config `c` holding HF's state mapped for
+        `mapped_for` (default: `c`), then `edit`ed: each one mapping dropped."""
+        full = megatron_state(mapped_for or c, sd)
+        return (logits(build(c, edit(full) if edit else full)[0]) - want).abs().max().item()
+
+    return out, cfg, sd, control
+
+
+def zero_expert_bias(full: dict) -> dict:
+    return {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in full.items()}
+
+
+def _parity_report(variant: str) -> dict:
+    cfg_obj = deepseek_config(**VARIANTS[variant])
+    out, cfg, _, control = megatron_vs_hf(cfg_obj, sharp_model(cfg_obj))
+    controls = {  # the other rope row order loaded into the model built for this config
+        "rope_rows": lambda: control(cfg, mapped_for={**cfg, "rope_interleave": not cfg["rope_interleave"]}),
+        "expert_bias": lambda: control(cfg, edit=zero_expert_bias),
+        "routed_scaling": lambda: control({**cfg, "routed_scaling_factor": 1.0}),
     }
     if cfg["n_group"] > 1:
-        controls["group_limit"] = ({**cfg, "n_group": 1, "topk_group": 1}, False)
+        controls["group_limit"] = lambda: control({**cfg, "n_group": 1, "topk_group": 1})
     if cfg["rope_parameters"]["rope_type"] == "yarn":  # its frequencies, attention factor, softmax scale
-        controls["yarn"] = ({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, False)
-    out["controls"] = {}
-    with torch.no_grad():
-        for name, (c, zero_bias) in controls.items():
-            if name == "rope_rows":  # the other row order loaded into the model built for this config
-                wrong = bridge.hf_to_megatron(
-                    sd, c, padded_vocab_size=bridge.gpt_model_kwargs(c)["vocab_size"]
-                )
-                mb.load_full_state(model, wrong)
-                m = model
-            else:
-                m, _ = build(c, sd, zero_bias)
-            out["controls"][name] = (logits(m) - want).abs().max().item()
+        controls["yarn"] = lambda: control(
+            {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+        )
+    out["controls"] = {name: run() for name, run in controls.items()}
     return out
 
 
-def _convert(hf: str, work: str) -> dict:
+def _convert(hf: str, work: str, *layout: str) -> dict:
+    """hf-to-torch-dist (at the `layout` flags) then torch-dist-to-hf: the CLI's JSON reports."""
     from contextlib import redirect_stdout
     from io import StringIO
 
@@ -459,7 +477,7 @@ def _convert(hf: str, work: str) -> dict:
 
     report = {}
     for name, argv in (
-        ("to_torch_dist", ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", f"{work}/td"]),
+        ("to_torch_dist", ["hf-to-torch-dist", "--hf-checkpoint", hf, "--save", f"{work}/td", *layout]),
         (
             "to_hf",
             ["torch-dist-to-hf", "--load", f"{work}/td", "--hf-checkpoint", hf, "--save", f"{work}/back"],

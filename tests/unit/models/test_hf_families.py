@@ -4,8 +4,9 @@ engine's continuous batch (left padding, shared GRPO prefills, rows joining and 
 linear-attention and Mamba state, sliding windows and sinks, MLA and the DSA indexer carried across steps)
 gives the log-probs the fsdp trainer computes, and one --ci-test GRPO step holds the step-0 checks
 (with R3 on the MoE ones: the engine's routes, replayed, reproduce the trainer's own) and moves the
-weights. Megatron refuses each by name but DeepSeek-V3 and GLM-4.7-Flash (test_deepseek_v3_bridge.py);
-their vision-language checkpoints and mxfp4 weights are refused at validation."""
+weights. Megatron refuses each by name but DeepSeek-V3, GLM-4.7-Flash (test_deepseek_v3_bridge.py) and
+GLM-4.5 (test_glm4_moe_bridge.py); their vision-language checkpoints and mxfp4 weights are refused at
+validation."""
 
 import json
 import math
@@ -99,7 +100,7 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
     assert all(bool(torch.isfinite(v).all()) for v in after.values()) and math.isfinite(m["train/grad_norm"])
 
     arch = HF_FAMILIES[family].architecture
-    if not HF_FAMILIES[family].megatron:  # DeepSeek-V3, GLM-4.7-Flash: test_deepseek_v3_bridge.py
+    if not HF_FAMILIES[family].megatron:  # DeepSeek-V3, GLM-4.7-Flash, GLM-4.5: their bridges' tests
         _check_moe(RunConfig(hf_checkpoint=ckpt, train_backend="megatron"), hf)
         assert get_bridge(hf).architectures == (arch,)
         return

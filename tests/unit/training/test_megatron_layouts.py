@@ -17,6 +17,7 @@ trivial GRPO step-0 value. The checkpoint: 4 layers, 4 heads in 2 query groups, 
 from __future__ import annotations
 
 import json
+import sys
 import traceback
 from pathlib import Path
 
@@ -90,15 +91,13 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out: str, overrides: di
 
 
 def random_routes(batch, ckpt: str) -> list:
-    """R3 routes as an engine returns them: per sample [tokens - 1][layers][top_k] distinct experts."""
+    """R3 routes as an engine returns them: per sample [tokens - 1][MoE layers][top_k] distinct experts."""
     from miles_platform.models.checkpoint import validate_hf_dir
+    from miles_platform.models.families import routed_experts
+    from miles_platform.models.moe import routed_shape
 
-    c = validate_hf_dir(ckpt, need_tokenizer=False)
-    experts, layers, k = (
-        c.get("num_experts") or c["num_local_experts"],
-        c["num_hidden_layers"],
-        c["num_experts_per_tok"],
-    )
+    experts = routed_experts(validate_hf_dir(ckpt, need_tokenizer=False))
+    layers, k = routed_shape(ckpt)  # GLM-4.5's first layer is dense: it routes nothing
     g = torch.Generator().manual_seed(7)
     return [
         torch.rand(len(t) - 1, layers, experts, generator=g).argsort(-1)[..., :k].tolist()
@@ -274,6 +273,37 @@ EXPERT_LAYOUTS = {
         micro_batch_size=2,
     ),
 }
+
+
+@pytest.fixture(scope="module")
+def glm_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny GLM-4.5 (test_glm4_moe_bridge.py: q/k/v biases, q/k norm, partial rotary, a dense first
+    layer, shared expert, expert bias), routed_scaling_factor 2.5."""
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_glm4_moe_bridge import glm_config, sharp_model
+
+    tok, ckpt = load_tokenizer(tiny_hf_checkpoint), str(tmp_path_factory.mktemp("glm") / "glm4_moe")
+    save_hf_checkpoint(sharp_model(glm_config(len(tok), routed_scaling_factor=2.5)), tok, ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def glm_single_rank(glm_checkpoint, tmp_path_factory):
+    return train_one_step(
+        glm_checkpoint, tmp_path_factory.mktemp("glm1") / "out", 1, micro_batch_size=2, **MOE
+    )
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp2_sp_ep2_etp1"])
+def test_glm4_moe_layout_step_equals_single_rank(layout, glm_checkpoint, glm_single_rank, tmp_path):
+    """GLM-4.5 (models/bridge/glm4_moe.py) at TP2 + SP with its experts split by TP, and at TP2 + SP + EP2
+    with expert TP 1, R3 and the load-balancing / z losses: the step of the 1-rank run (the q/k/v biases,
+    shared experts and score-correction bias split, replicated or reduced as megatron's layout has them)."""
+    got = train_one_step(glm_checkpoint, tmp_path / layout, 2, **EXPERT_LAYOUTS[layout], **MOE)
+    assert_same_step(glm_single_rank, got)
+    assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
 
 
 @pytest.fixture(scope="module")
