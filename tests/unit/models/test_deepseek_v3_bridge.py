@@ -270,19 +270,22 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact_and_tp2_is_refused_before_writing(t
     assert not (tmp_path / "tp2").exists()
 
 
-def test_preflight_takes_it_on_megatron_and_refuses_tp_ep_and_lora(tiny_hf_checkpoint, tmp_path):
+def megatron_runs(make_config, tiny_hf_checkpoint, tmp_path):
+    """A maker of validated megatron RunConfigs on a saved `sharp_model(make_config(vocab size))`."""
     from loop_helpers import small_run_config
 
-    from miles_platform.config import ConfigError
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-    from miles_platform.preflight import validate_before_start
 
     hf, tok = str(tmp_path / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_model(deepseek_config(len(tok))), tok, hf)
+    save_hf_checkpoint(sharp_model(make_config(len(tok))), tok, hf)
+    return lambda **flags: small_run_config(hf, tmp_path, train_backend="megatron", **flags)
 
-    def run(**flags):
-        return small_run_config(hf, tmp_path, train_backend="megatron", **flags)
 
+def test_preflight_takes_it_on_megatron_and_refuses_tp_ep_and_lora(tiny_hf_checkpoint, tmp_path):
+    from miles_platform.config import ConfigError
+    from miles_platform.preflight import validate_before_start
+
+    run = megatron_runs(deepseek_config, tiny_hf_checkpoint, tmp_path)
     validate_before_start(run(use_rollout_routing_replay=True))
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
     for flags in (

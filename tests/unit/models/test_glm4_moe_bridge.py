@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_deepseek_v3_bridge import TOL, _convert, _state, megatron_vs_hf, sharp_model, zero_expert_bias
+from test_deepseek_v3_bridge import (
+    TOL,
+    _convert,
+    _state,
+    megatron_runs,
+    megatron_vs_hf,
+    sharp_model,
+    zero_expert_bias,
+)
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge import get_bridge
@@ -115,18 +123,10 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
 
 def test_preflight_takes_it_on_megatron_at_tp_and_ep_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
     """TP / SP / EP as Qwen3-MoE's (the steps: test_megatron_layouts.py); LoRA refused by name."""
-    from loop_helpers import small_run_config
-
     from miles_platform.config import ConfigError
-    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
     from miles_platform.preflight import validate_before_start
 
-    hf, tok = str(tmp_path / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_model(glm_config(len(tok))), tok, hf)
-
-    def run(**flags):
-        return small_run_config(hf, tmp_path, train_backend="megatron", **flags)
-
+    run = megatron_runs(glm_config, tiny_hf_checkpoint, tmp_path)
     validate_before_start(run(use_rollout_routing_replay=True))
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
     validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
