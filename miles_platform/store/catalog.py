@@ -211,7 +211,8 @@ class Catalog:
         return all(have.get(n) == sig for n, sig in want.items())
 
     def refresh(self, best_effort: bool = False) -> bool:
-        """(Re)create every view under one short write connection. Returns False if skipped.
+        """(Re)create every view whose SQL changed under one short write connection. Returns False
+        if skipped.
 
         best_effort: if another process holds the catalog, skip instead of raising (writers
         of shards and tables call it this way: data on disk is the truth, views are derived).
@@ -229,9 +230,15 @@ class Catalog:
             raise
         try:
             con.execute("BEGIN TRANSACTION")
+            have = dict(
+                con.execute("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall()
+            )
             for name, sql in self.view_sql().items():
+                sig = self._signature(sql)
+                if have.get(name) == sig:  # the same SQL: DuckDB would bind it (read the files) again
+                    continue
                 con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {sql}')
-                con.execute(f"COMMENT ON VIEW \"{name}\" IS '{self._signature(sql)}'")
+                con.execute(f"COMMENT ON VIEW \"{name}\" IS '{sig}'")
             con.execute("COMMIT")
         finally:
             con.close()

@@ -166,3 +166,32 @@ def test_a_query_on_current_views_opens_the_catalog_once_and_stale_views_are_reb
     assert cat.query("select count(*) from rollouts")[1] == [(3,)]
     assert [kw.get("read_only") for kw in opens] == [True, False, True]
     assert cat.is_fresh()
+
+
+def test_a_refresh_recreates_only_the_views_whose_sql_changed(root_with_rollouts, monkeypatch):
+    """DuckDB binds a view when it is created (it reads the files' metadata): a refresh leaves the
+    views whose SQL is unchanged alone. A table's first file changes its own view only."""
+    import miles_platform.store.catalog as catalog_module
+
+    paths = StoragePaths(root_with_rollouts)
+    Catalog(paths).refresh()
+    created = []
+    real = catalog_module._connect
+
+    class Recording:
+        def __init__(self, con):
+            self.con = con
+
+        def execute(self, sql, *args):
+            if sql.startswith("CREATE OR REPLACE VIEW"):
+                created.append(sql.split('"')[1])
+            return self.con.execute(sql, *args)
+
+        def __getattr__(self, name):
+            return getattr(self.con, name)
+
+    monkeypatch.setattr(catalog_module, "_connect", lambda *a, **kw: Recording(real(*a, **kw)))
+    assert Catalog(paths).refresh() and created == []
+    append_rows(paths, "metrics", "r", [{"rollout_id": 0, "step": 0, "name": "train/loss", "value": 1.0}])
+    assert created == ["metrics"]  # the table's first file: its view now reads the files
+    assert Catalog(paths).query("select count(*) from metrics")[1] == [(1,)] and created == ["metrics"]
