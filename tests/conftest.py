@@ -64,17 +64,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # cycles (tests/background_bases.py): test_learning.py's (~94 CPU-s) took 250 s of a full run
 # (2026-12-06), and the file (~45 s without it) started ~360 s in, after the files of 20 s and more;
 # the vision-language one's (~27 CPU-s) trains next, and its file goes after those of 10 s and more.
-LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-05 14:00 UTC
-    "test_learning.py": 19.5, "test_cluster_ray.py": 87, "test_diffusion_loop.py": 67,
-    "test_vlm_loop.py": 9.5, "test_megatron_layouts.py": 58, "test_ui_browser.py": 57,
-    "test_crash_matrix.py": 51, "test_fault_tolerance.py": 50, "test_model_families_loop.py": 38,
-    "test_loop.py": 35, "test_ui_daily_use.py": 29, "test_ops_training.py": 26, "test_megatron_resume.py": 25,
-    "test_conversion.py": 25, "test_megatron_weights.py": 23, "test_kernels.py": 23,
-    "test_sglang_launcher.py": 22, "test_fuzz.py": 20, "test_diffusion_crash.py": 20,
-    "test_megatron_precision.py": 19, "test_tito.py": 19, "test_compaction.py": 17,
-    "test_trainer_fault_hooks.py": 16, "test_multi_rank.py": 16, "test_opd_loop.py": 15, "test_sft.py": 15,
-    "test_model_families_megatron.py": 15, "test_engine_control.py": 15, "test_conversion_asset.py": 14,
-    "test_megatron_fp16_offload.py": 20, "test_object_store.py": 11, "test_object_store_root.py": 10, "test_gpu_checks.py": 10,
+LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-06 08:10 UTC
+    "test_learning.py": 19.5, "test_cluster_ray.py": 86, "test_diffusion_loop.py": 82,
+    "test_vlm_loop.py": 9.5, "test_megatron_layouts.py": 41, "test_ui_browser.py": 53,
+    "test_crash_matrix.py": 53, "test_fault_tolerance.py": 46, "test_model_families_loop.py": 61,
+    "test_loop.py": 36, "test_ui_daily_use.py": 30, "test_ops_training.py": 21,
+    "test_megatron_resume.py": 14, "test_kernels.py": 8, "test_sglang_launcher.py": 15,
+    "test_diffusion_crash.py": 14, "test_tito.py": 17, "test_compaction.py": 15,
+    "test_trainer_fault_hooks.py": 19, "test_opd_loop.py": 8, "test_sft.py": 10,
+    "test_engine_control.py": 11, "test_object_store_root.py": 14, "test_deepseek_v3_bridge.py": 21,
+    "test_glm4_moe_bridge.py": 16, "test_generate_hub.py": 13,
 }  # fmt: skip
 
 
