@@ -263,6 +263,9 @@ def build_model_chunks(
     variable = layout.pp > 1 and "num_moe_experts" not in base
     if variable:  # megatron refuses variable lengths with its default (MoE-only) allgather dispatcher
         base["moe_token_dispatcher_type"] = "alltoall"
+    # GPTModel's yarn rope reads `yarn_*` attributes TransformerConfig does not declare (Megatron-LM sets
+    # them from its arguments): the bridge names them, they are set on the built config (GPT-OSS)
+    yarn = {k: base.pop(k) for k in list(base) if k.startswith("yarn_")}
     config_class = MLATransformerConfig if base.get("multi_latent_attention") else TransformerConfig
     cfg = config_class(
         **base,
@@ -276,6 +279,8 @@ def build_model_chunks(
         use_cpu_initialization=device.type != "cuda",
         **(config_overrides or {}),
     )
+    for k, v in yarn.items():
+        setattr(cfg, k, v)
     layer_specs = decoder_layer_specs(bridge, hf_config, cfg, use_te)
     stages = cfg.virtual_pipeline_model_parallel_size
     chunks = []
@@ -294,6 +299,7 @@ def build_model_chunks(
                 vp_stage=vp_stage,
             )
         mark_expert_grads(model, layout)
+        own_biased_expert_outputs(model)
         chunks.append(to_device(model, device))
     return chunks, bridge
 
@@ -309,6 +315,25 @@ def mark_expert_grads(model: torch.nn.Module, layout: Layout) -> None:
     for name, p in model.named_parameters():
         if ".mlp.experts." in name:
             p.allreduce = False
+
+
+def own_biased_expert_outputs(model: torch.nn.Module) -> None:
+    """megatron-core 0.16's MLP adds a biased expert's fc2 bias into fc2's output in place (`output +=
+    output_bias * per_token_scale`, transformer/mlp.py). At TP 1 and EP 1 that output is the input that
+    `_ReduceFromModelParallelRegion` hands back as it is, which autograd refuses to modify in place
+    ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace", measured with
+    GPT-OSS's experts): the fc2 of each biased expert returns its own copy."""
+    for name, m in model.named_modules():
+        if ".local_experts." in name and name.endswith("linear_fc2") and getattr(m, "bias", None) is not None:
+            m.forward = _copying_output(m.forward)
+
+
+def _copying_output(forward):
+    def copied(*args, **kwargs):
+        output, bias = forward(*args, **kwargs)
+        return output.clone(), bias
+
+    return copied
 
 
 def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
@@ -337,10 +362,10 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
         )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
-    from miles_platform.models.families import mla_layout_refusal, routed_experts
+    from miles_platform.models.families import megatron_layout_refusal, routed_experts
 
     experts = routed_experts(hf_config)
-    if why := mla_layout_refusal(hf_config, tp, layout.ep):
+    if why := megatron_layout_refusal(hf_config, tp, layout.ep):
         raise ConfigError(why)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(
