@@ -21,7 +21,7 @@ backend refuses all but deepseek_v3, glm4_moe_lite, glm4_moe and gpt_oss by name
 (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
 DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
 attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
-sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP 1, EP 1).
+sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP with expert TP 1).
 deepseek_v32 (the DSA indexer) stays refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert
@@ -160,7 +160,7 @@ HF_FAMILIES: dict[str, Family] = {
                layer_pattern={"mlp_layer_types": ("dense", "sparse")}, mla=True,
                moe=True, megatron=_NO_BRIDGE.format(what="MLA with DSA sparse attention (DeepSeek-V3.2)")),
         # an 8-token window: the sliding layers drop context at test lengths
-        # megatron: models/bridge/gpt_oss.py (sinks, windows, biased clamped experts; TP 1, EP 1)
+        # megatron: models/bridge/gpt_oss.py (sinks, windows, biased clamped experts; expert TP 1)
         Family("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
                {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
@@ -216,23 +216,24 @@ def routed_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
 
-def megatron_layout_refusal(cfg: dict[str, Any], tp: int, ep: int) -> str | None:
+def megatron_layout_refusal(cfg: dict[str, Any], tp: int, ep: int, etp: int | None = None) -> str | None:
     """Why a model cannot take this megatron layout, or None: the MLA mapping (DeepSeek-V3's bridge; the
-    local and TE specs split MLA's down projections differently) and GPT-OSS's are built and checked at
-    TP 1 and EP 1 only."""
-    if tp == 1 and ep == 1:
-        return None
-    if cfg.get("kv_lora_rank"):
-        what, bridge = "multi-latent attention", "deepseek_v3.py"
-    elif "GptOssForCausalLM" in (cfg.get("architectures") or []):
-        what, bridge = "GPT-OSS's sinks and biased experts", "gpt_oss.py"
-    else:
-        return None
-    return (
-        f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} with {what} "
-        f"({cfg.get('architectures')}): the megatron mapping (models/bridge/{bridge}) is built and "
-        "checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
-    )
+    local and TE specs split MLA's down projections differently) is built and checked at TP 1 and EP 1
+    only; GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
+    when ETP==1"; expert TP defaults to TP)."""
+    if cfg.get("kv_lora_rank") and (tp > 1 or ep > 1):
+        return (
+            f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} with multi-latent attention "
+            f"({cfg.get('architectures')}): the megatron mapping (models/bridge/deepseek_v3.py) is built and "
+            "checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
+        )
+    if "GptOssForCausalLM" in (cfg.get("architectures") or []) and (etp or tp) > 1:
+        return (
+            f"expert tensor parallel {etp or tp} (--expert-tensor-parallel-size, default: "
+            f"--tensor-model-parallel-size {tp}) with GPT-OSS's biased experts: megatron-core builds biased "
+            "experts at expert TP 1 only; add --expert-tensor-parallel-size 1"
+        )
+    return None
 
 
 def is_moe_config(hf_config: Any) -> bool:

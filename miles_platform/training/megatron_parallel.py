@@ -299,7 +299,7 @@ def build_model_chunks(
                 vp_stage=vp_stage,
             )
         mark_expert_grads(model, layout)
-        own_biased_expert_outputs(model)
+        fix_sinks_and_biased_experts(model)
         chunks.append(to_device(model, device))
     return chunks, bridge
 
@@ -317,15 +317,30 @@ def mark_expert_grads(model: torch.nn.Module, layout: Layout) -> None:
             p.allreduce = False
 
 
-def own_biased_expert_outputs(model: torch.nn.Module) -> None:
-    """megatron-core 0.16's MLP adds a biased expert's fc2 bias into fc2's output in place (`output +=
-    output_bias * per_token_scale`, transformer/mlp.py). At TP 1 and EP 1 that output is the input that
-    `_ReduceFromModelParallelRegion` hands back as it is, which autograd refuses to modify in place
-    ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace", measured with
-    GPT-OSS's experts): the fc2 of each biased expert returns its own copy."""
+def fix_sinks_and_biased_experts(model: torch.nn.Module) -> None:
+    """Three megatron-core 0.16 spots of GPT-OSS's layers on the local spec, measured against the 1-rank
+    step (tests/unit/training/test_megatron_layouts.py):
+    - the learnable softmax offset (the sinks) is split with the heads over TP but carries no
+      `tensor_model_parallel` mark, so the gradient norm counts TP rank 0's heads only: it is marked
+      as split on dim 0, as the column-parallel weights are.
+    - MLP adds an expert's fc2 bias into fc2's output in place (`output += output_bias *
+      per_token_scale`, transformer/mlp.py). At TP 1 and EP 1 that output is the input that
+      `_ReduceFromModelParallelRegion` hands back as it is, which autograd refuses to modify in place
+      ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace"): the fc2
+      of each biased expert returns its own copy.
+    - RowParallelLinear marks its bias `sequence_parallel` under SP, so finalize_model_grads sums its
+      gradient over the TP group; an expert's gradients are also reduced over the expert data-parallel
+      group, which at expert TP 1 holds those TP ranks: the fc2 bias counted twice (its update 5.7e-4
+      off the 1-rank step at TP2 + SP). Its gradient is an expert's, reduced as the expert weights are."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
     for name, m in model.named_modules():
+        offset = getattr(m, "softmax_offset", None)
+        if isinstance(offset, torch.nn.Parameter) and not hasattr(offset, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(offset, True, 0, 1)
         if ".local_experts." in name and name.endswith("linear_fc2") and getattr(m, "bias", None) is not None:
             m.forward = _copying_output(m.forward)
+            m.bias.sequence_parallel = False
 
 
 def _copying_output(forward):
@@ -365,7 +380,7 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
     from miles_platform.models.families import megatron_layout_refusal, routed_experts
 
     experts = routed_experts(hf_config)
-    if why := megatron_layout_refusal(hf_config, tp, layout.ep):
+    if why := megatron_layout_refusal(hf_config, tp, layout.ep, layout.etp):
         raise ConfigError(why)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(

@@ -223,7 +223,7 @@ def _check_layout(layout, cfg: dict) -> int:
     from miles_platform.models.families import megatron_layout_refusal, routed_experts
 
     experts = routed_experts(cfg)
-    if why := megatron_layout_refusal(cfg, layout.tp, layout.ep):
+    if why := megatron_layout_refusal(cfg, layout.tp, layout.ep, layout.etp):
         raise CheckpointError(why)
     if (layout.ep > 1 or layout.etp) and not experts:
         raise CheckpointError(

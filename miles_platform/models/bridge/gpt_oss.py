@@ -36,8 +36,10 @@ with a control that drops it):
 Refused by name (CheckpointError; preflight turns it into a ConfigError before Ray): attention_bias false
 (megatron's add_bias_linear biases attention and experts together), layer types other than sliding / full,
 sliding layers without a sliding_window, top-1 routing (megatron's softmax-after-top-k router refuses k = 1),
-rope types other than default / yarn, a partial rotary, yarn with an explicit attention_factor; TP / EP > 1
-(families.megatron_layout_refusal). The published mxfp4 experts are refused at validation (bring bf16).
+rope types other than default / yarn, a partial rotary, yarn with an explicit attention_factor; expert TP > 1
+(families.megatron_layout_refusal: megatron-core builds biased experts at expert TP 1 only). TP / SP / EP train
+as Qwen3-MoE's (the sinks split with the heads; megatron_parallel.fix_sinks_and_biased_experts has the three
+megatron-core spots this needed). The published mxfp4 experts are refused at validation (bring bf16).
 """
 
 from __future__ import annotations

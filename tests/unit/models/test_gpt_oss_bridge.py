@@ -5,8 +5,9 @@ megatron's GPTModel logits, loss and gradients equal transformers' GptOssForCaus
 default rope and with GPT-OSS's yarn (truncate false) and an active clamp; controls show each mapping
 is what makes it pass (the sinks, the window and its width, the router and expert biases, the gate / up
 interleave, the +1 on up, the sigmoid gain, the clamp, yarn and its truncation); torch_dist conversion
-both ways is bit-exact; preflight takes it on megatron and refuses TP, EP and LoRA by name; one
---ci-test GRPO step with R3 on --train-backend megatron gives the embedded engine's log-probs.
+both ways (at TP 2, EP 2) is bit-exact; preflight takes TP / SP / EP at expert TP 1 (their steps:
+tests/unit/training/test_megatron_layouts.py) and refuses expert TP > 1 and LoRA by name; one --ci-test
+GRPO step with R3 on --train-backend megatron gives the embedded engine's log-probs.
 
 Everything touching torch.distributed runs in a subprocess (this file as a script, or run_ranks).
 """
@@ -138,21 +139,22 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
         get_bridge(c).transformer_config(c)
 
 
-def test_preflight_takes_it_on_megatron_and_refuses_tp_ep_and_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_tp_sp_ep_at_expert_tp_1_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
+    """TP / SP / EP as Qwen3-MoE's with expert TP 1 (the steps: test_megatron_layouts.py); expert TP > 1
+    and LoRA refused by name."""
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
     run = megatron_runs(gpt_oss_config, tiny_hf_checkpoint, tmp_path)
     validate_before_start(run(use_rollout_routing_replay=True))
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
-    for flags in (
-        dict(tensor_model_parallel_size=2, sequence_parallel=True),
-        dict(expert_model_parallel_size=2),
+    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    validate_before_start(run(**two, **tp2, expert_tensor_parallel_size=1))
+    validate_before_start(run(**two, expert_model_parallel_size=2))
+    with pytest.raises(
+        ConfigError, match="expert tensor parallel 2 .* GPT-OSS's biased experts: .* add --expert-tensor"
     ):
-        with pytest.raises(
-            ConfigError, match="with GPT-OSS's sinks and biased experts .* TP 1 and EP 1 only"
-        ):
-            validate_before_start(run(**two, **flags))
+        validate_before_start(run(**two, **tp2))
     # attention adapters: fsdp refuses expert adapters on GPT-OSS's biased experts already
     with pytest.raises(ConfigError, match="--lora-rank with --train-backend megatron: .*GPT-OSS"):
         validate_before_start(run(lora_rank=4, target_modules="attn"))
@@ -197,11 +199,14 @@ def test_without_each_gpt_oss_mapping_parity_fails(megatron_report, variant):
 
 
 def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
-    """`miles-platform convert` both ways through megatron's torch_dist: HF's tensors (the fused experts
-    and their biases, the sinks, o_proj's and the router's biases) come back bit for bit."""
+    """`miles-platform convert` both ways through megatron's torch_dist, written at TP 2, EP 2, expert TP 1:
+    HF's tensors (the fused experts and their biases, the sinks split by TP, o_proj's and the router's
+    biases) come back bit for bit."""
     from safetensors.torch import load_file
 
     hf, work = megatron_report["hf"], megatron_report["work"]
+    # 2 ranks: TP 2, and EP 2 x expert TP 1 over the same two: one file per rank
+    assert len(list((work / "td" / "release").glob("*.distcp"))) == 2
     a, b = load_file(f"{hf}/model.safetensors"), load_file(str(work / "back" / "model.safetensors"))
     assert sorted(a) == sorted(b) and {"model.layers.0.self_attn.sinks", "model.layers.1.mlp.router.bias",
                                         "model.layers.1.mlp.experts.down_proj_bias"} <= set(a)  # fmt: skip
@@ -288,7 +293,9 @@ def _main(mode: str, hf: str, work: str) -> None:
     megatron_shims.init_single_process_group()
     parity = {v: _parity_report(v) for v in VARIANTS}
     megatron_shims.destroy_process_group()
-    convert = _convert(hf, work)  # the conversion starts its own group
+    # the conversion starts its own group; at TP 2, EP 2, expert TP 1: torch_dist reshards on load
+    layout = "--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"
+    convert = _convert(hf, work, *layout.split())
     print(json.dumps({"parity": parity, "convert": convert}))
 
 
