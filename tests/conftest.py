@@ -140,7 +140,9 @@ SLOW = {
     "test_megatron_logits_loss_grads_match_hf_in_fp32", "test_without_the_family_mapping_parity_fails",
     "test_without_each_glm_mapping_parity_fails",  # test_glm4_moe_bridge.py's megatron subprocess (~8 s)
     "test_without_each_mapping_parity_fails",  # test_deepseek_v3_bridge.py's parity subprocess (~10-30 s)
-    "test_glm4_moe_layout_step_equals_single_rank",  # 2 gloo ranks, ~10 s each
+    "test_without_each_gpt_oss_mapping_parity_fails",  # test_gpt_oss_bridge.py's megatron subprocess
+    "test_one_ci_test_grpo_step_with_r3_on_megatron_gives_the_engines_log_probs",  # GPT-OSS: engine + 1 rank
+    "test_bridge_layout_step_equals_single_rank",  # GLM-4.5 / GPT-OSS: 2 gloo ranks, ~10 s each
     "test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes",
     "test_a_dead_trainer_stops_the_run_with_the_actor_and_the_resume_command",
     "test_the_smoke_preset_trains_from_the_latest_assets",

@@ -16,11 +16,12 @@ qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`
 
 HF families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
 (whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py). The megatron
-backend refuses all but deepseek_v3, glm4_moe_lite and glm4_moe by name with `Family.megatron` (the
-reason), before anything starts; those three have a bridge, R3 through the routers' replay hook
+backend refuses all but deepseek_v3, glm4_moe_lite, glm4_moe and gpt_oss by name with `Family.megatron`
+(the reason), before anything starts; those four have a bridge, R3 through the routers' replay hook
 (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
 DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
-attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE).
+attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
+sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP with expert TP 1).
 deepseek_v32 (the DSA indexer) stays refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert
@@ -29,7 +30,7 @@ glm4_moe      Glm4MoeForCausalLM      GLM-4.5: partial rotary, q/k norm, sigmoid
 glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-style MoE; megatron too
 deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc); megatron too
 deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache
-gpt_oss       GptOssForCausalLM       sliding-window / full layers, attention sinks, biased fused experts
+gpt_oss       GptOssForCausalLM       sliding-window / full layers, attention sinks, biased fused experts; megatron too
 nemotron_h    NemotronHForCausalLM    Mamba-2 (conv + SSM state) / attention / relu2 MoE layers
 minimax_m2    MiniMaxM2ForCausalLM    full attention with whole-head q/k norm, sigmoid-routed MoE
 gemma4        Gemma4ForCausalLM       sliding / full layers (own head dim), per-layer inputs (text model)
@@ -159,11 +160,11 @@ HF_FAMILIES: dict[str, Family] = {
                layer_pattern={"mlp_layer_types": ("dense", "sparse")}, mla=True,
                moe=True, megatron=_NO_BRIDGE.format(what="MLA with DSA sparse attention (DeepSeek-V3.2)")),
         # an 8-token window: the sliding layers drop context at test lengths
+        # megatron: models/bridge/gpt_oss.py (sinks, windows, biased clamped experts; expert TP 1)
         Family("gpt_oss", "GptOssForCausalLM", "GptOssConfig",
                {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-               layer_pattern={"layer_types": ("sliding_attention", "full_attention")},
-               moe=True, megatron=_NO_BRIDGE.format(what="GPT-OSS's attention sinks and biased, clamped experts")),
+               layer_pattern={"layer_types": ("sliding_attention", "full_attention")}, moe=True),
         # Mamba-2 / attention / MoE layers (3 at least, one of each); relu2 experts without a gate
         Family("nemotron_h", "NemotronHForCausalLM", "NemotronHConfig",
                {"head_dim": 32, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1,
@@ -215,15 +216,22 @@ def routed_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
 
-def mla_layout_refusal(cfg: dict[str, Any], tp: int, ep: int) -> str | None:
-    """Why an MLA model (DeepSeek-V3's bridge) cannot take this megatron layout, or None: the mapping is
-    built and checked at TP 1 and EP 1 only (the local and TE specs split MLA's down projections
-    differently)."""
+def megatron_layout_refusal(cfg: dict[str, Any], tp: int, ep: int, etp: int | None = None) -> str | None:
+    """Why a model cannot take this megatron layout, or None: the MLA mapping (DeepSeek-V3's bridge; the
+    local and TE specs split MLA's down projections differently) is built and checked at TP 1 and EP 1
+    only; GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
+    when ETP==1"; expert TP defaults to TP)."""
     if cfg.get("kv_lora_rank") and (tp > 1 or ep > 1):
         return (
             f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} with multi-latent attention "
             f"({cfg.get('architectures')}): the megatron mapping (models/bridge/deepseek_v3.py) is built and "
             "checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
+        )
+    if "GptOssForCausalLM" in (cfg.get("architectures") or []) and (etp or tp) > 1:
+        return (
+            f"expert tensor parallel {etp or tp} (--expert-tensor-parallel-size, default: "
+            f"--tensor-model-parallel-size {tp}) with GPT-OSS's biased experts: megatron-core builds biased "
+            "experts at expert TP 1 only; add --expert-tensor-parallel-size 1"
         )
     return None
 

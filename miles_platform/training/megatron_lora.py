@@ -56,7 +56,14 @@ _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_p
 def check_lora_model(hf_config: dict) -> None:
     """LoRA on megatron is built for the GQA attention and gated MLPs the dense / Qwen3-MoE bridges map:
     a model with DeepSeek's MoE (shared experts, the router's score-correction bias: the DeepSeek-V3,
-    GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not."""
+    GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not; so is GPT-OSS (its bridge, biases on
+    every projection, is not checked with adapters)."""
+    if "GptOssForCausalLM" in (hf_config.get("architectures") or []):
+        raise ConfigError(
+            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} (GPT-OSS): its megatron "
+            "bridge (biased projections, sinks) is not built with adapters here; use --train-backend fsdp "
+            "(attention adapters)"
+        )
     if hf_config.get("kv_lora_rank") or hf_config.get("n_routed_experts"):
         mla = "multi-latent attention and " if hf_config.get("kv_lora_rank") else ""
         raise ConfigError(

@@ -263,6 +263,9 @@ def build_model_chunks(
     variable = layout.pp > 1 and "num_moe_experts" not in base
     if variable:  # megatron refuses variable lengths with its default (MoE-only) allgather dispatcher
         base["moe_token_dispatcher_type"] = "alltoall"
+    # GPTModel's yarn rope reads `yarn_*` attributes TransformerConfig does not declare (Megatron-LM sets
+    # them from its arguments): the bridge names them, they are set on the built config (GPT-OSS)
+    yarn = {k: base.pop(k) for k in list(base) if k.startswith("yarn_")}
     config_class = MLATransformerConfig if base.get("multi_latent_attention") else TransformerConfig
     cfg = config_class(
         **base,
@@ -276,6 +279,8 @@ def build_model_chunks(
         use_cpu_initialization=device.type != "cuda",
         **(config_overrides or {}),
     )
+    for k, v in yarn.items():
+        setattr(cfg, k, v)
     layer_specs = decoder_layer_specs(bridge, hf_config, cfg, use_te)
     stages = cfg.virtual_pipeline_model_parallel_size
     chunks = []
@@ -294,6 +299,7 @@ def build_model_chunks(
                 vp_stage=vp_stage,
             )
         mark_expert_grads(model, layout)
+        fix_sinks_and_biased_experts(model)
         chunks.append(to_device(model, device))
     return chunks, bridge
 
@@ -309,6 +315,40 @@ def mark_expert_grads(model: torch.nn.Module, layout: Layout) -> None:
     for name, p in model.named_parameters():
         if ".mlp.experts." in name:
             p.allreduce = False
+
+
+def fix_sinks_and_biased_experts(model: torch.nn.Module) -> None:
+    """Three megatron-core 0.16 spots of GPT-OSS's layers on the local spec, measured against the 1-rank
+    step (tests/unit/training/test_megatron_layouts.py):
+    - the learnable softmax offset (the sinks) is split with the heads over TP but carries no
+      `tensor_model_parallel` mark, so the gradient norm counts TP rank 0's heads only: it is marked
+      as split on dim 0, as the column-parallel weights are.
+    - MLP adds an expert's fc2 bias into fc2's output in place (`output += output_bias *
+      per_token_scale`, transformer/mlp.py). At TP 1 and EP 1 that output is the input that
+      `_ReduceFromModelParallelRegion` hands back as it is, which autograd refuses to modify in place
+      ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace"): the fc2
+      of each biased expert returns its own copy.
+    - RowParallelLinear marks its bias `sequence_parallel` under SP, so finalize_model_grads sums its
+      gradient over the TP group; an expert's gradients are also reduced over the expert data-parallel
+      group, which at expert TP 1 holds those TP ranks: the fc2 bias counted twice (its update 5.7e-4
+      off the 1-rank step at TP2 + SP). Its gradient is an expert's, reduced as the expert weights are."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for name, m in model.named_modules():
+        offset = getattr(m, "softmax_offset", None)
+        if isinstance(offset, torch.nn.Parameter) and not hasattr(offset, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(offset, True, 0, 1)
+        if ".local_experts." in name and name.endswith("linear_fc2") and getattr(m, "bias", None) is not None:
+            m.forward = _copying_output(m.forward)
+            m.bias.sequence_parallel = False
+
+
+def _copying_output(forward):
+    def copied(*args, **kwargs):
+        output, bias = forward(*args, **kwargs)
+        return output.clone(), bias
+
+    return copied
 
 
 def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
@@ -337,10 +377,10 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
         )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
-    from miles_platform.models.families import mla_layout_refusal, routed_experts
+    from miles_platform.models.families import megatron_layout_refusal, routed_experts
 
     experts = routed_experts(hf_config)
-    if why := mla_layout_refusal(hf_config, tp, layout.ep):
+    if why := megatron_layout_refusal(hf_config, tp, layout.ep, layout.etp):
         raise ConfigError(why)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(

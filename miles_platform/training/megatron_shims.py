@@ -8,6 +8,7 @@ checkpointing otherwise do not need. Each shim below is a no-op when CUDA is ava
   with `initialize_rng_tracker(inference_rng_tracker=True)`, which forks no CUDA state.
 - `FileSystemWriterAsync.preload_tensors` defaults to pinned, non-blocking D2H copies followed
   by `torch.cuda.synchronize()`: force `non_blocking=False`.
+- the sliding-window attention mask (GPT-OSS) is built on "cuda": build it on the rank's device.
 - `torch.cuda.current_device()` is called for RoPE frequencies, attention buffers and the
   failure flag that `dist_checkpointing.save` all-reduces: on a machine without CUDA (where the
   call could only raise) it answers the rank's device (`set_shim_device`; "cpu" unless a test runs
@@ -107,6 +108,7 @@ def apply_cpu_shims() -> bool:
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     _alltoall_dispatcher_on_cpu()
     _rope_cp_slice_on_cpu()
+    _sliding_window_mask_on_cpu()
 
     original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
 
@@ -178,6 +180,22 @@ def _rope_cp_slice_on_cpu() -> None:
 
     rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+
+
+def _sliding_window_mask_on_cpu() -> None:
+    """The local attention's sliding-window layers (GPT-OSS) build their [sq, skv] mask on "cuda"
+    (`get_sliding_window_causal_mask`, imported into fused_softmax): build the same mask on the rank's
+    device."""
+    from megatron.core.fusions import fused_softmax
+
+    def sliding_window_causal_mask(sq, skv, window_size):
+        m = torch.ones(sq, skv, dtype=torch.bool, device=_DEVICE)
+        kept = torch.tril(
+            torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1]
+        )
+        return ~kept
+
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_causal_mask
 
 
 def _no_cuda_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:

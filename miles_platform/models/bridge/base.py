@@ -16,7 +16,14 @@ from miles_platform.models.families import family_of
 _REGISTRY: dict[str, type[Bridge]] = {}
 
 # megatron GPT tensor-parallel layout: how each parameter (by name suffix) is split over TP ranks
-_COLUMN_PARALLEL = ("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")
+# (core_attention.softmax_offset: one per head, GPT-OSS's sinks, split with the heads)
+_COLUMN_PARALLEL = (
+    "word_embeddings.weight",
+    "output_layer.weight",
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "core_attention.softmax_offset",
+)
 _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
 _GATED_COLUMN_PARALLEL = ("linear_fc1.weight",)  # [gate; up], each half split on dim 0
 

@@ -61,7 +61,7 @@ import torch
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge.base import Bridge, hf_config_dict, padded_vocab, register_bridge
-from miles_platform.models.bridge.dense import _pad_rows, ends_to_hf, rope_params, take
+from miles_platform.models.bridge.dense import _pad_rows, ends_to_hf, rope_params, take, yarn_fields
 from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_megatron
 
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -171,8 +171,7 @@ class DeepseekDims(DeepseekMoe):
             return dict(rope_type="rope", rotary_base=base, rotary_scaling_factor=1.0, mscale_all_dim=0.0)
         if r["rope_type"] != "yarn":
             raise self.refuse(f"rope_type {r['rope_type']!r} (mapped: default, yarn)")
-        original = int(r["original_max_position_embeddings"])
-        factor = float(r.get("factor") or self.max_pos / original)
+        y = yarn_fields(r, self.max_pos)
         mscale, all_dim = r.get("mscale"), r.get("mscale_all_dim")
         if r.get("attention_factor") is not None or r.get("truncate", True) is False:
             raise self.refuse(
@@ -181,10 +180,9 @@ class DeepseekDims(DeepseekMoe):
         if all_dim and not mscale:  # HF: attention factor get_mscale(factor); megatron: a ratio with all_dim
             raise self.refuse("yarn with mscale_all_dim but no mscale")
         return dict(
-            rope_type="yarn", rotary_base=base, rotary_scaling_factor=factor,
-            original_max_position_embeddings=original, beta_fast=float(r.get("beta_fast") or 32),
-            beta_slow=float(r.get("beta_slow") or 1), mscale=float(mscale) if all_dim else 1.0,
-            mscale_all_dim=float(all_dim or 0.0),
+            rope_type="yarn", rotary_base=base, rotary_scaling_factor=y["factor"],
+            original_max_position_embeddings=y["original"], beta_fast=y["beta_fast"], beta_slow=y["beta_slow"],
+            mscale=float(mscale) if all_dim else 1.0, mscale_all_dim=float(all_dim or 0.0),
         )  # fmt: skip
 
     @property

@@ -94,19 +94,7 @@ class Dims:
         rope = rope_params(c)
         self.rope_theta = rope["rope_theta"]
         self.rope_scaling_factor: float | None = None
-        if rope["rope_type"] == "llama3":
-            fixed = {k: rope.get(k) for k in MEGATRON_LLAMA3_ROPE}
-            if fixed != MEGATRON_LLAMA3_ROPE:
-                raise CheckpointError(
-                    f"{family} config: llama3 rope with {fixed}; the megatron backend supports "
-                    f"{MEGATRON_LLAMA3_ROPE} (Llama 3.1-3.3); use --train-backend fsdp for this checkpoint"
-                )
-            self.rope_scaling_factor = float(rope["factor"])
-        elif rope["rope_type"] != "default":
-            raise CheckpointError(
-                f"{family} config: rope_type {rope['rope_type']!r} has no megatron mapping (supported: "
-                "default, llama3); use --train-backend fsdp for this checkpoint"
-            )
+        self.rope_scaling(rope)
         if c.get("hidden_act", "silu") != "silu":
             raise CheckpointError(
                 f"{family} config: hidden_act {c['hidden_act']!r}; the bridge maps silu: use --train-backend fsdp "
@@ -117,6 +105,35 @@ class Dims:
                 f"{family} config: num_attention_heads {self.heads} not divisible by num_key_value_heads {self.groups}"
             )
         self.q_per_group = self.heads // self.groups
+
+    def rope_scaling(self, rope: dict[str, Any]) -> None:
+        """The rope scaling of `rope_params`: default, or llama3 with megatron's fixed parameters
+        (`rope_scaling_factor`); a family with other rope types overrides this."""
+        if rope["rope_type"] == "llama3":
+            fixed = {k: rope.get(k) for k in MEGATRON_LLAMA3_ROPE}
+            if fixed != MEGATRON_LLAMA3_ROPE:
+                raise CheckpointError(
+                    f"{self.family} config: llama3 rope with {fixed}; the megatron backend supports "
+                    f"{MEGATRON_LLAMA3_ROPE} (Llama 3.1-3.3); use --train-backend fsdp for this checkpoint"
+                )
+            self.rope_scaling_factor = float(rope["factor"])
+        elif rope["rope_type"] != "default":
+            raise CheckpointError(
+                f"{self.family} config: rope_type {rope['rope_type']!r} has no megatron mapping (supported: "
+                "default, llama3); use --train-backend fsdp for this checkpoint"
+            )
+
+
+def yarn_fields(rope: dict[str, Any], max_pos: int) -> dict[str, float]:
+    """A yarn `rope_params`' factor (HF's default: the context over the original one), original context
+    and beta_fast / beta_slow (HF's defaults 32 / 1), as transformers' `_compute_yarn_parameters` reads them."""
+    original = int(rope["original_max_position_embeddings"])
+    return dict(
+        factor=float(rope.get("factor") or max_pos / original),
+        original=original,
+        beta_fast=float(rope.get("beta_fast") or 32),
+        beta_slow=float(rope.get("beta_slow") or 1),
+    )
 
 
 def take(sd: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], where: str) -> torch.Tensor:
@@ -200,6 +217,14 @@ class DenseBridge(Bridge):
         """An HF checkpoint tensor the mapping drops on purpose (besides rotary caches)."""
         return False
 
+    def attention_extras_to_megatron(self, get, d: Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
+        """A layer's attention tensors beyond q/k/v (+ biases, norms) and o_proj's weight (GPT-OSS:
+        o_proj's bias, the sinks); `get(name, shape)` takes a tensor."""
+        return {}
+
+    def attention_extras_to_hf(self, get, d: Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
+        return {}
+
     def mlp_to_megatron(self, hf_sd, get, d: Dims, hp: str, mp: str, i: int) -> dict[str, torch.Tensor]:
         """Layer i's MLP: HF `hp` prefix -> megatron `mp` prefix. `get(name, shape)` takes a tensor."""
         gate = get(hp + "mlp.gate_proj.weight", (d.ffn, d.hidden))
@@ -247,6 +272,7 @@ class DenseBridge(Bridge):
             out[mp + "self_attention.linear_proj.weight"] = get(
                 hp + "self_attn.o_proj.weight", (H, d.heads * hd)
             )
+            out.update(self.attention_extras_to_megatron(get, d, hp, mp))
             out.update(self.mlp_to_megatron(hf_sd, get, d, hp, mp, i))
             in_norm = get(hp + "input_layernorm.weight", (H,))
             mlp_norm = get(hp + "post_attention_layernorm.weight", (H,))
@@ -311,6 +337,7 @@ class DenseBridge(Bridge):
             out[hp + "self_attn.o_proj.weight"] = get(
                 mp + "self_attention.linear_proj.weight", (H, d.heads * hd)
             )
+            out.update(self.attention_extras_to_hf(get, d, hp, mp))
             out.update(self.mlp_to_hf(get, d, hp, mp, i))
             out[hp + "input_layernorm.weight"] = norm(
                 mp + "self_attention.linear_qkv.layer_norm_weight", mp + "input_layernorm.weight"

@@ -73,17 +73,7 @@ class Qwen3MoeBridge(DenseBridge):
         d = self.dims(hf_config)
         return dict(
             super().transformer_config(hf_config),
-            num_moe_experts=d.experts,
-            moe_router_topk=d.top_k,
-            moe_ffn_hidden_size=d.moe_ffn,
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=not d.norm_topk_prob,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather",
-            moe_grouped_gemm=False,
-            moe_permute_fusion=False,
-            moe_router_fusion=False,
+            **softmax_moe_config(d.experts, d.top_k, d.moe_ffn, pre_softmax=not d.norm_topk_prob),
         )
 
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
@@ -101,6 +91,25 @@ class Qwen3MoeBridge(DenseBridge):
         out = {hp + "mlp.gate.weight": get(mp + "mlp.router.weight", (d.experts, d.hidden))}
         out.update(experts_to_hf(get, d.experts, d.hidden, d.moe_ffn, hp, mp))
         return out
+
+
+def softmax_moe_config(experts: int, top_k: int, ffn: int, pre_softmax: bool) -> dict[str, Any]:
+    """TransformerConfig's fields of a softmax top-k router (Qwen3-MoE, GPT-OSS): pre_softmax takes the
+    top-k of the softmax over all experts, else the softmax over the top-k logits; no load-balancing loss
+    inside the model, the allgather dispatcher, no fused kernels."""
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=top_k,
+        moe_ffn_hidden_size=ffn,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=pre_softmax,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
 
 
 def experts_to_megatron(hf_sd, get, E: int, H: int, inter: int, hp: str, mp: str) -> dict[str, torch.Tensor]:

@@ -83,23 +83,29 @@ def _state(cfg, model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("fused_norms", [False, True])
 def test_round_trip_is_bit_exact(variant, fused_norms):
     cfg = deepseek_config(**VARIANTS[variant])
-    model = sharp_model(cfg)
-    sd = _state(cfg, model)
+    back, disk = round_trip(cfg, _state(cfg, sharp_model(cfg)), fused_norms)[1:]
+    # the on-disk layout is one tensor per expert
+    from miles_platform.models.checkpoint_layout import split_fused_experts
+
+    split = split_fused_experts(back)
+    assert sorted(disk) == sorted(split) and all(torch.equal(disk[k], split[k]) for k in split)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in disk
+
+
+def round_trip(cfg, sd: dict, fused_norms: bool) -> tuple[dict, dict, dict]:
+    """HF -> megatron (local or TE names) -> HF is bit-exact, and HF's on-disk layout of it
+    (`checkpoint_layout`) maps to the same megatron state: (megatron state, HF state back, on disk).
+    Also the GLM-4.5 and GPT-OSS bridges' (test_glm4_moe_bridge.py, test_gpt_oss_bridge.py)."""
     bridge = get_bridge(cfg)
     mc = bridge.hf_to_megatron(sd, cfg, fused_norms=fused_norms, padded_vocab_size=256)
     back = bridge.megatron_to_hf(mc, cfg)
     assert sorted(back) == sorted(sd)
     for k in sd:
         assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k]), k
-    # the on-disk layout (one tensor per expert) maps to the same megatron state
-    from miles_platform.models.checkpoint_layout import split_fused_experts
-
     disk = bridge.checkpoint_layout(back, cfg)
-    split = split_fused_experts(back)
-    assert sorted(disk) == sorted(split) and all(torch.equal(disk[k], split[k]) for k in split)
-    assert "model.layers.1.mlp.experts.3.up_proj.weight" in disk
     again = bridge.hf_to_megatron(disk, cfg, fused_norms=fused_norms, padded_vocab_size=256)
     assert sorted(again) == sorted(mc) and all(torch.equal(again[k], mc[k]) for k in mc)
+    return mc, back, disk
 
 
 def test_the_te_spec_names_are_told_from_the_local_ones():
@@ -347,24 +353,39 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, t
     those tokens equal the engine's, one --ci-test GRPO step passes the step-0 checks with the routes
     replayed, moves the weights and keeps the score-correction bias the checkpoint's. GLM-4.5
     (models/bridge/glm4_moe.py) with its q/k/v biases and partial rotary."""
-    from loop_helpers import engine_rollout, run_ranks
-    from safetensors.torch import load_file
-
-    from miles_platform.cluster.ports import free_port
-    from miles_platform.models.checkpoint import load_hf_model, load_tokenizer, save_hf_checkpoint
-    from miles_platform.models.moe import decode_routes, routed_shape
-    from miles_platform.training.ci_checks import rollout_checks
-    from miles_platform.training.train_batch import TrainBatch
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
 
     tok = load_tokenizer(tiny_hf_checkpoint)
     ckpt = str(tmp_path / "dsv3")
     biases = {"attention_bias": True} if family == "glm4_moe" else {}  # as GLM-4.5 publishes
     save_hf_checkpoint(sharp_model(deepseek_config(len(tok), family, **biases)), tok, ckpt)
+    start, after = megatron_grpo_step(ckpt, tmp_path, moe_layers=1)  # layer 0 dense, layer 1 routed
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(after[bias], start[bias]) and start[bias].abs().max() > 0.1
+    assert not torch.equal(after["model.layers.1.mlp.gate.weight"], start["model.layers.1.mlp.gate.weight"])
+    attention = f"model.layers.0.self_attn.{ATTENTION_WEIGHT[family]}.weight"
+    assert not torch.equal(after[attention], start[attention])
+
+
+def megatron_grpo_step(ckpt: str, tmp_path, moe_layers: int) -> tuple[dict, dict]:
+    """The embedded engine rolls PROMPTS out of `ckpt` (top-2 routes in `moe_layers` layers, R3); one
+    megatron rank's log-probs of those tokens equal the engine's (< 1e-4) and one --ci-test GRPO step
+    passes the step-0 checks with the routes replayed (0 flips): (HF state before, HF export after),
+    under transformers' module names. Also GPT-OSS's (test_gpt_oss_bridge.py)."""
+    from loop_helpers import engine_rollout, run_ranks
+    from safetensors.torch import load_file
+
+    from miles_platform.cluster.ports import free_port
+    from miles_platform.models.checkpoint import load_hf_model
+    from miles_platform.models.moe import decode_routes, routed_shape
+    from miles_platform.training.ci_checks import rollout_checks
+    from miles_platform.training.train_batch import TrainBatch
+
     outs = engine_rollout(ckpt, PROMPTS, NEW_TOKENS, routes=True)
     prompts = [p for p in PROMPTS for _ in range(2)]
     tokens = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     engine_lp = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    assert routed_shape(ckpt) == (1, 2)  # layer 0 dense, layer 1 routed
+    assert routed_shape(ckpt) == (moe_layers, 2)
     routes = [decode_routes(o["meta_info"]["routed_experts"], *routed_shape(ckpt)).tolist() for o in outs]
     batch = TrainBatch(tokens, NEW_TOKENS, [[1] * n for n in NEW_TOKENS], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0],
                        engine_lp, routed_experts=routes)  # fmt: skip
@@ -379,18 +400,15 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, t
     rollout_checks(_run_config(ckpt, str(tmp_path / "ck")), 0, m, print)  # raises CITestFailure on a miss
     assert abs(m["train/step0_ppo_kl"]) < 1e-9 and m["train/moe_route_flips"] == 0, m
     start, after = load_hf_model(ckpt).state_dict(), load_file(out / "rank0.safetensors")
-    assert sorted(after) == sorted(start)  # transformers' module names, the bias buffer included
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert torch.equal(after[bias], start[bias]) and start[bias].abs().max() > 0.1
-    assert not torch.equal(after["model.layers.1.mlp.gate.weight"], start["model.layers.1.mlp.gate.weight"])
-    attention = f"model.layers.0.self_attn.{ATTENTION_WEIGHT[family]}.weight"
-    assert not torch.equal(after[attention], start[attention])
+    assert sorted(after) == sorted(start)  # transformers' module names, buffers included
+    return start, after
 
 
 def megatron_vs_hf(cfg_obj, hf):
     """megatron's GPTModel built from `hf`'s state (fp32, T = 48, batch 2) against `hf`: (the report:
     logits, loss, every parameter's gradient, the export; the config dict; HF's state; `control`, which
-    measures a model with one mapping dropped). Also the GLM-4.5 bridge's (test_glm4_moe_bridge.py)."""
+    measures a model with one mapping dropped). Also the GLM-4.5 and GPT-OSS bridges' (test_glm4_moe_bridge.py,
+    test_gpt_oss_bridge.py)."""
     from miles_platform.training import megatron_backend as mb
 
     cfg, sd = cfg_obj.to_dict(), _state(cfg_obj, hf)
@@ -399,7 +417,9 @@ def megatron_vs_hf(cfg_obj, hf):
     pos = torch.arange(T).expand(2, T)
     causal = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]
     chosen = []
-    hook = hf.model.layers[1].mlp.gate.register_forward_hook(lambda m, i, o: chosen.append(o[2]))
+    mlp = hf.model.layers[1].mlp
+    router = mlp.router if hasattr(mlp, "router") else mlp.gate  # GPT-OSS's is `router`; o[2]: the experts
+    hook = router.register_forward_hook(lambda m, i, o: chosen.append(o[2]))
     want = hf(input_ids=ids, position_ids=pos).logits
     hook.remove()
 
