@@ -174,6 +174,16 @@ def test_megatron_config_follows_the_routing_and_mla_fields():
     )
 
 
+def megatron_config_of(config, change: dict, family: str, match: str | None):
+    """The bridge's megatron config of `config` changed by `change`; with `match`, its refusal: a
+    CheckpointError naming the family, the field and the way out (`--train-backend fsdp`)."""
+    c = {**config.to_dict(), **change}
+    if match is None:
+        return get_bridge(c).transformer_config(c)
+    with pytest.raises(CheckpointError, match=f"{family} config: .*{match}.*--train-backend fsdp"):
+        get_bridge(c).transformer_config(c)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
@@ -196,13 +206,7 @@ def test_megatron_config_follows_the_routing_and_mla_fields():
     ],
 )
 def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
-    c = deepseek_config().to_dict()
-    c.update(change)
-    if match is None:
-        get_bridge(c).transformer_config(c)
-        return
-    with pytest.raises(CheckpointError, match=f"DeepSeek-V3 config: .*{match}.*--train-backend fsdp"):
-        get_bridge(c).transformer_config(c)
+    megatron_config_of(deepseek_config(), change, "DeepSeek-V3", match)
 
 
 def test_tensor_parallel_is_refused_and_mtp_layers_are_dropped():
@@ -511,6 +515,18 @@ def _convert(hf: str, work: str, *layout: str) -> dict:
             assert conversion.cli_main(argv) == 0
         report[name] = json.loads(buf.getvalue().strip().splitlines()[-1])
     return report
+
+
+def parity_then_convert(report, variants, hf: str, work: str, *layout: str) -> None:
+    """A bridge test's megatron subprocess: each variant's `report` on one single-process group,
+    then hf -> torch_dist (written at `layout`) -> hf in a group of its own; JSON on stdout."""
+    from miles_platform.training import megatron_shims
+
+    torch.set_num_threads(1)
+    megatron_shims.init_single_process_group()
+    parity = {v: report(v) for v in variants}
+    megatron_shims.destroy_process_group()
+    print(json.dumps({"parity": parity, "convert": _convert(hf, work, *layout)}))
 
 
 def _main(mode: str, *args: str) -> None:

@@ -12,18 +12,18 @@ GRPO step with R3 on --train-backend megatron gives the embedded engine's log-pr
 Everything touching torch.distributed runs in a subprocess (this file as a script, or run_ranks).
 """
 
-import json
 import sys
 
 import pytest
 import torch
 from test_deepseek_v3_bridge import (
     TOL,
-    _convert,
     _state,
+    megatron_config_of,
     megatron_grpo_step,
     megatron_runs,
     megatron_vs_hf,
+    parity_then_convert,
     round_trip,
     sharp_model,
 )
@@ -134,9 +134,7 @@ def test_megatron_config_follows_the_window_sinks_experts_and_rope(models):
     ],
 )
 def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
-    c = {**gpt_oss_config().to_dict(), **change}
-    with pytest.raises(CheckpointError, match=f"GPT-OSS config: .*{match}.*--train-backend fsdp"):
-        get_bridge(c).transformer_config(c)
+    megatron_config_of(gpt_oss_config(), change, "GPT-OSS", match)
 
 
 def test_preflight_takes_tp_sp_ep_at_expert_tp_1_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
@@ -287,16 +285,9 @@ def _parity_report(variant: str) -> dict:
 
 
 def _main(mode: str, hf: str, work: str) -> None:
-    from miles_platform.training import megatron_shims
-
-    torch.set_num_threads(1)
-    megatron_shims.init_single_process_group()
-    parity = {v: _parity_report(v) for v in VARIANTS}
-    megatron_shims.destroy_process_group()
-    # the conversion starts its own group; at TP 2, EP 2, expert TP 1: torch_dist reshards on load
+    # the conversion at TP 2, EP 2, expert TP 1: torch_dist reshards on load
     layout = "--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"
-    convert = _convert(hf, work, *layout.split())
-    print(json.dumps({"parity": parity, "convert": convert}))
+    parity_then_convert(_parity_report, VARIANTS, hf, work, *layout.split())
 
 
 if __name__ == "__main__":
