@@ -61,10 +61,16 @@ import torch
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge.base import Bridge, hf_config_dict, padded_vocab, register_bridge
-from miles_platform.models.bridge.dense import _pad_rows, ends_to_hf, rope_params, take, yarn_fields
+from miles_platform.models.bridge.dense import (
+    _pad_rows,
+    ends_to_hf,
+    ends_to_megatron,
+    rope_params,
+    take,
+    yarn_fields,
+)
 from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_megatron
 
-_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MLP_KINDS = ("dense", "sparse")  # mlp_layer_types (GLM-4.7-Flash)
 
@@ -268,19 +274,8 @@ class DeepseekV3Bridge(Bridge):
         }
         for i in range(d.layers):
             out.update(self._layer_to_megatron(hf_sd, get, d, i, fused_norms))
-        out["decoder.final_layernorm.weight"] = get("model.norm.weight", (H,))
-        if not d.tied:
-            out["output_layer.weight"] = _pad_rows(get("lm_head.weight", (d.vocab, H)), padded_vocab_size)
-        else:
-            used.add("lm_head.weight")  # tied copies, if saved, are the embedding
-        extra = [
-            k
-            for k in hf_sd
-            if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES) and not mtp_layer(k, d.layers)
-        ]
-        if extra:
-            raise CheckpointError(f"HF checkpoint: unexpected tensor(s) for this config: {sorted(extra)[:5]}")
-        return out
+        unmapped = lambda k: mtp_layer(k, d.layers)  # noqa: E731
+        return ends_to_megatron(out, hf_sd, get, used, d, padded_vocab_size, "HF checkpoint", unmapped)
 
     def _layer_to_megatron(self, hf_sd, get, d: DeepseekDims, i: int, fused: bool) -> dict[str, torch.Tensor]:
         H, n, order = d.hidden, d.heads, rope_row_order(d)

@@ -41,6 +41,22 @@ MEGATRON_LLAMA3_ROPE = {
 }
 
 
+def ends_to_megatron(out, hf_sd, get, used: set[str], d, padded_vocab_size, where: str, unmapped):
+    """The end of every decoder's `hf_to_megatron`: the final norm and (untied) the output layer
+    into `out`, then a refusal of any HF tensor no mapping took (`get` records what it takes in
+    `used`; `unmapped(name)`: tensors a bridge drops on purpose, e.g. MTP layers). Returns `out`."""
+    H = d.hidden
+    out["decoder.final_layernorm.weight"] = get("model.norm.weight", (H,))
+    if not d.tied:
+        out["output_layer.weight"] = _pad_rows(get("lm_head.weight", (d.vocab, H)), padded_vocab_size)
+    else:
+        used.add("lm_head.weight")  # tied copies, if saved, are the embedding
+    extra = [k for k in hf_sd if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES) and not unmapped(k)]
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor(s) for this config: {sorted(extra)[:5]}")
+    return out
+
+
 def ends_to_hf(mcore_sd, kind: int, V: int, H: int, tied: bool) -> dict[str, torch.Tensor]:
     """Units (0, 0) and (2, 0) of `megatron_to_hf_part`, the same for every decoder: the embedding, or
     the final norm and (untied) the output layer; the vocab's padding rows dropped."""
@@ -284,19 +300,9 @@ class DenseBridge(Bridge):
                 out[mp + "mlp.linear_fc1.layer_norm_weight"] = mlp_norm
             else:
                 out[mp + "pre_mlp_layernorm.weight"] = mlp_norm
-        out["decoder.final_layernorm.weight"] = get("model.norm.weight", (H,))
-        if not d.tied:
-            out["output_layer.weight"] = _pad_rows(get("lm_head.weight", (d.vocab, H)), padded_vocab_size)
-        else:
-            used.add("lm_head.weight")  # tied copies, if saved, are the embedding
-        extra = [
-            k
-            for k in hf_sd
-            if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES) and not self.unmapped_hf(k, d)
-        ]
-        if extra:
-            raise CheckpointError(f"{where}: unexpected tensor(s) for this config: {sorted(extra)[:5]}")
-        return out
+        return ends_to_megatron(
+            out, hf_sd, get, used, d, padded_vocab_size, where, lambda k: self.unmapped_hf(k, d)
+        )
 
     def megatron_to_hf_part(self, mcore_sd, config, unit: tuple[int, int]) -> dict[str, torch.Tensor]:
         """One unit of `megatron_to_hf`: (0, 0) the embedding, (1, i) decoder layer i, (2, 0) the
