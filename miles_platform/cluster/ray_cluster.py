@@ -139,7 +139,7 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
     bind loopback (`listen_to_localhost_only`). The mode is set while the cluster starts, so its
     processes inherit it, and restored after, so a later join of a real cluster is unaffected.
     With this driver's fork server up, Ray prestarts no idle workers (no actor would use them).
-    Nor does it start the two Python servers a private cluster has no use for (`_without_monitors`).
+    Nor does it start the three Python servers a private cluster has no use for (`_without_monitors`).
     """
     import ray
 

@@ -104,6 +104,11 @@ def _connect(path: str, read_only: bool, attempts: int = 40) -> duckdb.DuckDBPyC
     raise AssertionError("unreachable")
 
 
+def _stored_signatures(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
+    """{view name: the signature its comment holds} in the catalog `con` is open on."""
+    return dict(con.execute("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall())
+
+
 _QUERY_ATTEMPTS = 3
 
 
@@ -136,7 +141,7 @@ def _table_view(lit: str, schema: pa.Schema, hive_types: str) -> str:
 
 class Catalog:
     """The DuckDB views over a storage root's Parquet (module docstring): `query(sql)` read-only,
-    `refresh()` / `ensure_fresh()` recreate stale views under a short write lock; an object-store
+    `refresh()` recreates stale views under a short write lock (`connect()` first, when stale); an object-store
     root builds the same views in memory per query."""
 
     def __init__(self, paths: StoragePaths):
@@ -204,11 +209,8 @@ class Catalog:
 
     def _views_match(self, con: duckdb.DuckDBPyConnection) -> bool:
         """The catalog `con` is open on holds every view as view_sql() would make it now."""
-        want = {n: self._signature(s) for n, s in self.view_sql().items()}
-        have = dict(
-            con.execute("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall()
-        )
-        return all(have.get(n) == sig for n, sig in want.items())
+        have = _stored_signatures(con)
+        return all(have.get(n) == self._signature(s) for n, s in self.view_sql().items())
 
     def refresh(self, best_effort: bool = False) -> bool:
         """(Re)create every view whose SQL changed under one short write connection. Returns False
@@ -230,9 +232,7 @@ class Catalog:
             raise
         try:
             con.execute("BEGIN TRANSACTION")
-            have = dict(
-                con.execute("SELECT view_name, comment FROM duckdb_views() WHERE NOT internal").fetchall()
-            )
+            have = _stored_signatures(con)
             for name, sql in self.view_sql().items():
                 sig = self._signature(sql)
                 if have.get(name) == sig:  # the same SQL: DuckDB would bind it (read the files) again
@@ -243,10 +243,6 @@ class Catalog:
         finally:
             con.close()
         return True
-
-    def ensure_fresh(self) -> None:
-        if not self.is_fresh():
-            self.refresh(best_effort=os.path.exists(self.path))
 
     # ------------------------------------------------------------- queries
     def connect(self) -> duckdb.DuckDBPyConnection:
