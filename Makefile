@@ -26,7 +26,8 @@ system-deps:
 # Nothing is byte-compiled at install: a module is compiled the first time a process imports it and
 # its .pyc written then (PYTHONDONTWRITEBYTECODE is unexported above), so only the modules something
 # imports are compiled, once. Compiling all 28.7k modules of the venv took ~88 CPU-s, most of the
-# install's CPU (2026-12-06).
+# install's CPU (2026-12-06). `make test` first compiles the ~5.3k its collection imports, on every
+# core (scripts/warm_bytecode.py): its xdist workers would otherwise each compile all of them.
 # Every extra but gpu: the runtime set (what the code imports) holds no test, bench or lint tool.
 EXTRAS    := mooncake,ui-test,trackers,k8s,bench,test,dev
 $(STAMP): pyproject.toml
@@ -62,11 +63,13 @@ TEST_WORKERS ?= 2
 XDIST     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install lint
+	$(BIN)/python scripts/warm_bytecode.py
 	$(BIN)/python -m pytest -q -m "not gpu" $(XDIST) --durations=15
 
 # the inner loop: tests/unit + tests/dagster without the ~15 s+ tests (SFT bases, gloo groups, whole
 # runs); tests/e2e (the loop, learning, crash matrix, cluster, browser) and tests/gpu only in `make test`
 test-fast: install
+	$(BIN)/python scripts/warm_bytecode.py
 	$(BIN)/python -m pytest -q -m "not gpu and not slow" $(XDIST) tests/unit tests/dagster
 
 # dagster dev against the demo instance; Ctrl-C (or SIGTERM to make) stops every process it started
