@@ -1,8 +1,11 @@
 """The SFT bases of the learning tests, trained in the background while the suite runs.
 
-Two learning checks start from an SFT base: tests/e2e/test_learning.py (the demo's recipe pinned,
-1200 compute-bound iterations, ~94 CPU-s on one core: the largest single cost of `make test`) and
-tests/e2e/test_vlm_loop.py (the counting task's tiny Qwen3-VL, ~27 CPU-s). Under pytest-xdist the
+Three learning checks start from an SFT base: tests/e2e/test_learning.py (the demo's recipe pinned,
+1200 compute-bound iterations, ~94 CPU-s on one core: the largest single cost of `make test`),
+tests/e2e/test_vlm_loop.py (the counting task's tiny Qwen3-VL, ~27 CPU-s) and
+tests/e2e/test_diffusion_loop.py (the diffusion datasets and tiny DiT base materialized through
+Dagster, ~35 CPU-s; its instance is on disk, so the test reads those materializations and runs the
+training job in the same instance). Under pytest-xdist the
 controller starts one process as soon as a worker has collected those tests
 (`conftest.pytest_xdist_node_collection_finished`); it trains the bases one after the other at the
 lowest CPU priority (nice 19, one torch thread), so they run on the cycles the two workers leave
@@ -56,10 +59,39 @@ def vlm_base(d: Path) -> dict[str, str]:
     return task
 
 
-# name -> (the test file whose collection starts it, the builder, its task files); in training order
+DIFFUSION_SFT_STEPS = 600  # half the demo's recipe: a base that draws the dark squares (~32 CPU-s)
+DIFFUSION_ASSETS = ("diffusion_prompt_dataset", "diffusion_eval_dataset", "diffusion_sft_dataset",
+                    "diffusion_base_checkpoint")  # fmt: skip
+
+
+def diffusion_assets(d: Path) -> dict[str, str]:
+    """test_diffusion_loop's: the diffusion datasets and SFT base, materialized through Dagster into
+    the storage root `d/root`, recorded in a Dagster instance on disk in `d/dagster` (the test opens
+    it and runs the training job in it); the paths of both."""
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:  # `definitions` and `resources` (this file runs as a script from tests/)
+        sys.path.insert(0, repo)
+    import dagster as dg
+
+    import definitions
+    from resources.storage import StorageRootResource
+
+    (d / "dagster").mkdir(parents=True, exist_ok=True)
+    resources = {**definitions.defs.resources, "storage": StorageRootResource(root=str(d / "root"))}
+    with dg.DagsterInstance.local_temp(tempdir=str(d / "dagster")) as instance:
+        res = dg.materialize(list(definitions.defs.assets), selection=list(DIFFUSION_ASSETS), instance=instance,
+                             resources=resources,
+                             run_config={"ops": {"diffusion_base_checkpoint": {"config": {"steps": DIFFUSION_SFT_STEPS}}}})  # fmt: skip
+        assert res.success
+    return {"root": str(d / "root"), "dagster": str(d / "dagster")}
+
+
+# name -> (the test file whose collection starts it, the builder, its outputs: task files under
+# NAME/task, or the builder's own dict of paths when None); in training order
 BASES = {
     "learning": ("tests/e2e/test_learning.py::", learning_base, ("train.jsonl", "eval.jsonl", "sft.jsonl")),
     "vlm": ("tests/e2e/test_vlm_loop.py::", vlm_base, ("train.parquet", "eval.parquet")),
+    "diffusion": ("tests/e2e/test_diffusion_loop.py::", diffusion_assets, None),
 }
 
 
@@ -113,7 +145,10 @@ def wait_for_background(d: Path, name: str, timeout_s: float = 900.0) -> dict[st
                 f"the background {name} base is not done after {timeout_s:.0f} s ({d / 'log'})"
             )
         time.sleep(0.5)
-    return {Path(f).stem: str(d / name / "task" / f) for f in BASES[name][2]}
+    files = BASES[name][2]
+    if files is None:
+        return {"root": str(d / name / "root"), "dagster": str(d / name / "dagster")}
+    return {Path(f).stem: str(d / name / "task" / f) for f in files}
 
 
 def _alive(pid: int) -> bool:

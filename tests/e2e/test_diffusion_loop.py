@@ -1,7 +1,8 @@
 """Diffusion RL end to end on Ray: the Dagster assets and job, the store, the CLI, resume.
 
-One short campaign in an ephemeral Dagster instance (datasets -> a briefly SFT'd tiny DiT ->
-two rollouts of Flow-GRPO with --ci-test), then the CLI resuming that run's checkpoint.
+One short campaign in a Dagster instance on disk (datasets -> a briefly SFT'd tiny DiT, both
+materialized in the background under pytest-xdist -> six rollouts of Flow-GRPO with --ci-test),
+then the CLI resuming that run's checkpoint.
 """
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from background_bases import DIFFUSION_SFT_STEPS, base_dir
 from loop_helpers import warm_python
 
 from miles_platform.diffusion.config import DiffusionRunConfig
@@ -23,32 +25,27 @@ RUN = dict(
     num_rollout=6, diffusion_num_steps=10, diffusion_step_strategy_path="sde_window", diffusion_num_sde_steps=3,
     micro_batch_size=128, lr=3e-4, eval_interval=3, n_samples_per_eval_prompt=2, ci_test=True, save_interval=3,
 )  # fmt: skip
-SFT_STEPS = 600  # half the demo's recipe: a base that draws the dark squares, in ~25 s
 
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
+    """The datasets and the briefly SFT'd base are materialized in the background under pytest-xdist
+    (tests/background_bases.py: the same assets through `dg.materialize`, into a Dagster instance on
+    disk), else here; the training job runs in that instance."""
     import definitions
 
-    root = tmp_path_factory.mktemp("diffusion_root")
+    _, made = base_dir("diffusion", tmp_path_factory)
+    root = Path(made["root"])
     resources = {**definitions.defs.resources, "storage": StorageRootResource(root=str(root))}
-    instance = dg.DagsterInstance.ephemeral()
-    assets = list(definitions.defs.assets)
-    keys = [
-        "diffusion_prompt_dataset",
-        "diffusion_eval_dataset",
-        "diffusion_sft_dataset",
-        "diffusion_base_checkpoint",
-    ]
-    res = dg.materialize(assets, selection=keys, instance=instance, resources=resources,
-                         run_config={"ops": {"diffusion_base_checkpoint": {"config": {"steps": SFT_STEPS}}}})  # fmt: skip
-    assert res.success
-    cfg = dict(RUN, save=str(StoragePaths(str(root)).checkpoints("d")))
-    job = definitions.defs.get_job_def("diffusion_training")
-    result = job.execute_in_process(
-        run_config={"ops": {"diffusion_training_op": {"config": cfg}}}, instance=instance, resources=resources
-    )
-    return result, instance, root
+    with dg.DagsterInstance.local_temp(tempdir=made["dagster"]) as instance:
+        cfg = dict(RUN, save=str(StoragePaths(str(root)).checkpoints("d")))
+        job = definitions.defs.get_job_def("diffusion_training")
+        result = job.execute_in_process(
+            run_config={"ops": {"diffusion_training_op": {"config": cfg}}},
+            instance=instance,
+            resources=resources,
+        )
+        yield result, instance, root
 
 
 def _latest(instance, key, partition=None):
@@ -64,7 +61,10 @@ def test_assets_show_data_and_the_base_with_sample_images(campaign):
     sft = _latest(instance, "diffusion_sft_dataset")
     assert sft.metadata["rows"].value > 0 and "data:image/png;base64," in sft.metadata["samples"].value
     base = _latest(instance, "diffusion_base_checkpoint")
-    assert base.metadata["steps"].value == SFT_STEPS and 0 <= base.metadata["base_eval_reward"].value <= 1
+    assert (
+        base.metadata["steps"].value == DIFFUSION_SFT_STEPS
+        and 0 <= base.metadata["base_eval_reward"].value <= 1
+    )
     assert str(base.metadata["path"].value).startswith(str(root))
 
 
