@@ -4,7 +4,7 @@ Three learning checks start from an SFT base: tests/e2e/test_learning.py (the de
 1200 compute-bound iterations, ~94 CPU-s on one core: the largest single cost of `make test`),
 tests/e2e/test_vlm_loop.py (the counting task's tiny Qwen3-VL, ~27 CPU-s) and
 tests/e2e/test_diffusion_loop.py (the diffusion datasets and tiny DiT base materialized through
-Dagster, ~35 CPU-s; its instance is on disk, so the test reads those materializations and runs the
+Dagster, ~30 CPU-s; its instance is on disk, so the test reads those materializations and runs the
 training job in the same instance). Under pytest-xdist the
 controller starts one process as soon as a worker has collected those tests
 (`conftest.pytest_xdist_node_collection_finished`); it trains the bases one after the other at the

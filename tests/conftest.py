@@ -64,7 +64,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # cycles (tests/background_bases.py): test_learning.py's (~94 CPU-s) took 250 s of a full run
 # (2026-12-06), and the file (~45 s without it) started ~360 s in, after the files of 20 s and more;
 # the vision-language one's (~27 CPU-s) trains next, and its file goes after those of 10 s and more;
-# the diffusion assets (~35 CPU-s, in test_diffusion_loop.py's setup until 2026-12-06: 32 s of its
+# the diffusion assets (~30 CPU-s, in test_diffusion_loop.py's setup until 2026-12-06: 32 s of its
 # worker's wall) train last, and that file (~45 s without them) goes right after the VLM one.
 LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-06 08:10 UTC
     "test_learning.py": 19.5, "test_cluster_ray.py": 86, "test_diffusion_loop.py": 9.4,
