@@ -15,11 +15,12 @@ and find their base trained, or wait for it. Where there is no controller (a sin
 the test trains its base itself with the same function. Same seed, same single thread: the same
 weights either way.
 
-    python tests/background_bases.py DIR NAME...   # the controller's process: DIR/NAME/{base,done}
+    python tests/background_bases.py DIR NAME...   # the controller's process: DIR/NAME/{base,paths.json,done}
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -86,12 +87,12 @@ def diffusion_assets(d: Path) -> dict[str, str]:
     return {"root": str(d / "root"), "dagster": str(d / "dagster")}
 
 
-# name -> (the test file whose collection starts it, the builder, its outputs: task files under
-# NAME/task, or the builder's own dict of paths when None); in training order
+# name -> (the test file whose collection starts it, the builder: DIR -> the paths the test reads);
+# in training order. The background process writes what the builder returned to NAME/paths.json
 BASES = {
-    "learning": ("tests/e2e/test_learning.py::", learning_base, ("train.jsonl", "eval.jsonl", "sft.jsonl")),
-    "vlm": ("tests/e2e/test_vlm_loop.py::", vlm_base, ("train.parquet", "eval.parquet")),
-    "diffusion": ("tests/e2e/test_diffusion_loop.py::", diffusion_assets, None),
+    "learning": ("tests/e2e/test_learning.py::", learning_base),
+    "vlm": ("tests/e2e/test_vlm_loop.py::", vlm_base),
+    "diffusion": ("tests/e2e/test_diffusion_loop.py::", diffusion_assets),
 }
 
 
@@ -109,7 +110,7 @@ def base_dir(name: str, tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
 def wanted(ids: list[str]) -> list[str]:
     """The bases the collected test ids need, in training order."""
-    return [n for n, (prefix, _, _) in BASES.items() if any(i.startswith(prefix) for i in ids)]
+    return [n for n, (prefix, _) in BASES.items() if any(i.startswith(prefix) for i in ids)]
 
 
 def start_background(d: Path, names: list[str]):
@@ -145,10 +146,7 @@ def wait_for_background(d: Path, name: str, timeout_s: float = 900.0) -> dict[st
                 f"the background {name} base is not done after {timeout_s:.0f} s ({d / 'log'})"
             )
         time.sleep(0.5)
-    files = BASES[name][2]
-    if files is None:
-        return {"root": str(d / name / "root"), "dagster": str(d / name / "dagster")}
-    return {Path(f).stem: str(d / name / "task" / f) for f in files}
+    return json.loads((d / name / "paths.json").read_text())
 
 
 def _alive(pid: int) -> bool:
@@ -191,7 +189,8 @@ def main(argv: list[str]) -> int:
     try:
         for name in names:
             t0, c0 = time.time(), time.process_time()
-            BASES[name][1](d / name)
+            paths = BASES[name][1](d / name)
+            (d / name / "paths.json").write_text(json.dumps(paths))  # before `done`, which says it is there
             tmp = d / name / "done.tmp"
             tmp.write_text(f"wall {time.time() - t0:.1f} s, CPU {time.process_time() - c0:.1f} s\n")
             os.replace(tmp, d / name / "done")
