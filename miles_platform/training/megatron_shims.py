@@ -30,6 +30,8 @@ dist_checkpointing.save forks writer processes, so entry points that save need a
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 import torch
 
@@ -120,10 +122,30 @@ def apply_cpu_shims() -> bool:
     # interpreter that re-imports the parent's __main__ (torch, dagster, ...), ~7 s before the first
     # torch_dist save of a process. A forked Manager serves the same queue in ~0.1 s (the writer
     # processes themselves are forked already); CPU only, where no CUDA context can be forked.
+    # The Manager's server watches this process: a rank killed -9 (a fault hook, the OOM killer)
+    # left it serving forever, ~370 MB with torch, orphaned (one per killed megatron rank)
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = torch.multiprocessing.get_context("fork").Manager().Queue()
+        from multiprocessing.managers import SyncManager
+
+        manager = SyncManager(ctx=torch.multiprocessing.get_context("fork"))
+        manager.start(_exit_with_parent, (os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
     _APPLIED = True
     return True
+
+
+def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """In a forked helper process: exit once `parent` is gone (this process is re-parented). A
+    thread polling the parent pid, not PR_SET_PDEATHSIG, which fires when the *thread* that forked
+    exits (a rank may build its trainer off the main thread)."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def init_rng(seed: int) -> None:

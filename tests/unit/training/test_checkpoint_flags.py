@@ -203,6 +203,58 @@ def test_a_kill_9_during_a_megatron_async_save_resumes_from_the_last_complete_ch
     )
 
 
+def _shims_then_wait(rank: int, out: str) -> None:
+    """A megatron rank's CPU set-up (the torch_dist writer's results Manager, a forked helper), then
+    its helper pids, then nothing until it is killed."""
+    import json
+    import multiprocessing
+
+    from miles_platform.training.megatron_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    with open(os.path.join(out, "helpers.tmp"), "w") as f:
+        json.dump([p.pid for p in multiprocessing.active_children()], f)
+    os.replace(os.path.join(out, "helpers.tmp"), os.path.join(out, "helpers.json"))
+    time.sleep(120)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def test_a_killed_megatron_rank_leaves_no_helper_process_behind(tmp_path):
+    """kill -9 of a megatron rank (a fault hook, the OOM killer): the writer's results Manager it
+    forked exits with it. It used to stay, orphaned, serving forever (~370 MB each, one per
+    killed rank; one was left after every `make test`)."""
+    import json
+
+    from loop_helpers import spawn_ranks
+
+    ctx = spawn_ranks(_shims_then_wait, (str(tmp_path),), 1, join=False)
+    (proc,) = ctx.processes
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "helpers.json").exists() and time.time() < deadline and proc.is_alive():
+            time.sleep(0.05)
+        helpers = json.loads((tmp_path / "helpers.json").read_text())
+        assert helpers, "the rank started no helper process: nothing to check"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.join(10)
+    deadline = time.time() + 10
+    while not all(_gone(p) for p in helpers) and time.time() < deadline:
+        time.sleep(0.1)
+    left = [p for p in helpers if not _gone(p)]
+    for p in left:  # never leave one behind, even when the check fails
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"helper processes {left} outlived their killed rank"
+
+
 def test_save_trigger_sentinel_makes_any_rollout_a_save_point(tmp_path):
     from miles_platform.run_types import Reporter
     from miles_platform.store.paths import StoragePaths
