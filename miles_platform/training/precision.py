@@ -459,6 +459,10 @@ def apply_input_dtype_policy(
 def _flat(x: Any) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().reshape(-1).double()
+    if isinstance(x, list | tuple) and x and all(isinstance(t, torch.Tensor) for t in x):
+        # one tensor per sample (the trainer's case): one cat and one cast, not three ops a sample
+        with torch.no_grad():
+            return torch.cat([t.reshape(-1) for t in x]).double()
     if isinstance(x, list | tuple) and any(isinstance(t, torch.Tensor | list | tuple) for t in x):
         return torch.cat([_flat(t) for t in x])
     return torch.as_tensor(list(x), dtype=torch.float64).reshape(-1)

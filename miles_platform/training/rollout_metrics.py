@@ -29,15 +29,16 @@ class _Segments:
     and shared by every field (one reduction per field instead of a loop over samples)."""
 
     def __init__(self, masks: dict[int, torch.Tensor], idx: list[int]):
-        ms = [masks[i].float().reshape(-1) for i in idx]
+        ms = [masks[i].reshape(-1) for i in idx]
         self.idx = idx
-        self.mask = torch.cat(ms)
+        self.mask = torch.cat(ms).float()
         self.segments = Segments([m.numel() for m in ms], self.mask.device)
         self.count = self.segments.sum(self.mask).clamp_min(1)
 
     def mean(self, values: dict[int, torch.Tensor]) -> float:
-        v = torch.cat([values[i].detach().float().reshape(-1) for i in self.idx]).to(self.mask.device)
-        return float((self.segments.sum(v * self.mask) / self.count).mean())
+        with torch.no_grad():  # one cat and one cast per field, not per sample
+            v = torch.cat([values[i].reshape(-1) for i in self.idx]).float().to(self.mask.device)
+            return float((self.segments.sum(v * self.mask) / self.count).mean())
 
 
 def rollout_data_metrics(
@@ -51,7 +52,7 @@ def rollout_data_metrics(
     out, segs = {}, None
     for name in TOKEN_FIELDS:
         values = fields.get(name)
-        if values and idx and all(i in values and len(values[i]) == len(masks[i]) for i in idx):
+        if values and idx and all(i in values and values[i].shape[:1] == masks[i].shape[:1] for i in idx):
             segs = segs or _Segments(masks, idx)
             out[f"rollout/{name}"] = segs.mean(values)
     return out
