@@ -90,6 +90,20 @@ class ModelArgsFlags:
     moe_router_enable_expert_bias: bool = flag(False, _G, "aux-loss-free expert bias (topk_method noaux_tc)")
     moe_router_num_groups: int | None = flag(None, _G, "expert groups of group-limited routing (n_group)")
     moe_router_group_topk: int | None = flag(None, _G, "groups routed to per token (topk_group)")
+    softmax_type: str | None = flag(
+        None, _G, "attention softmax: learnable = GPT-OSS's attention sinks (model_type)",
+        choices=("vanilla", "off-by-one", "learnable"),
+    )  # fmt: skip
+    window_size: str | None = flag(
+        None, _G, "sliding window LEFT,RIGHT of the windowed layers (sliding_window W: W,0 as Miles' "
+        "gpt-oss script, or megatron's exact W-1,0; both train HF's W keys)"
+    )  # fmt: skip
+    window_attn_skip_freq: str | None = flag(
+        None,
+        _G,
+        "which layers attend fully: N (every Nth, 1-based) or a 0/1 list, 1 = windowed (layer_types)",
+    )
+    activation_func_clamp_value: float | None = flag(None, _G, "clamped SwiGLU limit (swiglu_limit)")
     model_name: str | None = flag(None, _G, "Miles' converter name (model_type, e.g. qwen3, qwen3_moe)")
 
     def model_args_given(self) -> dict[str, object]:
@@ -112,6 +126,10 @@ class ModelArgsFlags:
             )
         if self.moe_layer_freq is not None:
             moe_layer_pattern(self.moe_layer_freq, self.num_layers or 1)
+        if self.window_size is not None:
+            window_pair(self.window_size)
+        if self.window_attn_skip_freq is not None:
+            windowed_layers(self.window_attn_skip_freq, self.num_layers or 1)
 
 
 MODEL_ARGS = tuple(f.name for f in dataclasses.fields(ModelArgsFlags))
@@ -149,4 +167,32 @@ def moe_layer_pattern(value: str, num_layers: int) -> list[int]:
     except (SyntaxError, ValueError, TypeError):
         raise ConfigError(
             f"--moe-layer-freq {value!r}: expected N or a 0/1 list such as [1,1,1] or ([0]*3+[1]*45)"
+        ) from None
+
+
+def window_pair(value: str) -> tuple[int, int]:
+    """megatron's --window-size LEFT,RIGHT (tokens before and after a query it attends to)."""
+    parts = [p.strip() for p in str(value).strip("()[] ").split(",")]
+    if len(parts) != 2 or not all(p.lstrip("-").isdigit() for p in parts):
+        raise ConfigError(f"--window-size {value}: expected LEFT,RIGHT, e.g. 128,0")
+    left, right = int(parts[0]), int(parts[1])
+    if left < 0 or right < 0:
+        raise ConfigError(f"--window-size {value}: LEFT and RIGHT are token counts >= 0")
+    return left, right
+
+
+def windowed_layers(value: str, num_layers: int) -> list[int]:
+    """megatron's --window-attn-skip-freq as one 0/1 per layer, 1 = sliding-window attention: an int N
+    (layer numbers, 1-based, that are multiples of N attend fully) or a 0/1 list expression."""
+    text = str(value).strip()
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise ConfigError(f"--window-attn-skip-freq {value}: must be >= 1")
+        return [int((i + 1) % n != 0) for i in range(num_layers)]
+    try:
+        return moe_layer_pattern(text, num_layers)  # the same list syntax, read as-is
+    except ConfigError:
+        raise ConfigError(
+            f"--window-attn-skip-freq {value}: expected N or a 0/1 list such as [1,0]*12"
         ) from None

@@ -12,10 +12,11 @@ import math
 from typing import Any
 
 from miles_platform.config.flags import flag_name
-from miles_platform.config.model_args import moe_layer_pattern
+from miles_platform.config.model_args import moe_layer_pattern, window_pair, windowed_layers
 from miles_platform.errors import ConfigError
 
 # per-head RMSNorm on q and k (GLM-4.5: with use_qk_norm)
+SINK_TYPES = ("gpt_oss",)  # attention sinks (megatron's learnable softmax) and a clamped SwiGLU
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")  # biases on q/k/v only
 QKV_ONLY_ATTENTION_BIAS = ("glm4_moe",)  # attention_bias puts biases on q/k/v, none on o_proj
@@ -69,6 +70,10 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
     shared = (c.get("shared_expert_intermediate_size") or c.get("moe_shared_expert_intermediate_size")
               or (c["n_shared_experts"] * c["moe_intermediate_size"] if c.get("n_shared_experts") else None))  # fmt: skip
 
+    kinds = c.get("layer_types")
+    windowed = [int(k == "sliding_attention") for k in kinds or []]
+    window = c.get("sliding_window") if any(windowed) else None  # HF: W keys, i - W < j <= i
+
     def key(k: str) -> tuple[str, Any, Any]:
         return (k, c.get(k), c.get(k))
 
@@ -121,9 +126,23 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "moe_router_enable_expert_bias": ("topk_method", c.get("topk_method"), c.get("topk_method") == "noaux_tc" or sigmoid),
         "moe_router_num_groups": key("n_group"),
         "moe_router_group_topk": key("topk_group"),
+        "softmax_type": ("model_type", mt, "learnable" if mt in SINK_TYPES else "vanilla"),
+        "window_size": ("sliding_window / layer_types", window, f"{window},0" if window else None),
+        "window_attn_skip_freq": ("layer_types", kinds, windowed if window else None),
+        "activation_func_clamp_value": (
+            "swiglu_limit", c.get("swiglu_limit"), c.get("swiglu_limit") if mt in SINK_TYPES else None
+        ),
         "model_name": ("model_type", mt, mt),
     }  # fmt: skip
     return out
+
+
+def _skip_freq(windowed: list[int]) -> str:
+    """--window-attn-skip-freq for a 0/1 per layer (1 = windowed): N where that is the pattern."""
+    for n in range(1, len(windowed) + 1):
+        if windowed == [int((i + 1) % n != 0) for i in range(len(windowed))]:
+            return str(n)
+    return str(windowed)
 
 
 # flags whose view is None where megatron does not read them for the checkpoint's model: any value
@@ -150,6 +169,11 @@ def _agrees(name: str, given: Any, want: Any) -> bool:
         return _norm_name(given) in (_norm_name(want), _norm_name(want) + "config")
     if name == "moe_layer_freq":
         return want is not None and moe_layer_pattern(given, len(want)) == want
+    if name == "window_size":  # Miles' gpt-oss script: W,0; megatron's exact window of HF's W keys: W-1,0
+        w = window_pair(want)[0] if want is not None else None
+        return w is not None and window_pair(given) in ((w, 0), (w - 1, 0))
+    if name == "window_attn_skip_freq":
+        return want is not None and windowed_layers(given, len(want)) == want
     if isinstance(given, bool):
         return bool(want) is given
     if isinstance(given, int | float) and isinstance(want, int | float) and not isinstance(want, bool):
@@ -170,7 +194,8 @@ def check_model_args(given: dict[str, Any], config: dict, where: str) -> None:
             continue
         shown = "set" if value is True else f"{value:g}" if isinstance(value, float) else value
         said = f"has no {key}" if raw is None else f"{key} is {raw!r}"
-        means = "" if want == raw or isinstance(want, bool) else f", i.e. {flag_name(name)} {want}"
+        shown_want = _skip_freq(want) if name == "window_attn_skip_freq" and want else want
+        means = "" if want == raw or isinstance(want, bool) else f", i.e. {flag_name(name)} {shown_want}"
         if isinstance(want, bool):
             means = f" ({'needs' if want else 'rules out'} {flag_name(name)})"
         raise ConfigError(

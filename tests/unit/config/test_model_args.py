@@ -128,3 +128,72 @@ def test_miles_glm_model_flags_agree_with_the_glm_config(flags, config):
         ConfigError, match="--moe-router-score-function softmax: .*i.e. --moe-router-score-function sigmoid"
     ):
         check_model_args({"moe_router_score_function": "softmax"}, config, "config.json")
+
+
+# Miles' scripts/models/gpt-oss-20b.py model_args(), verbatim, and GPT-OSS-20B's config.json
+GPT_OSS_20B_ARGS = (
+    "--num-layers 24 --hidden-size 2880 --ffn-hidden-size 2880 --num-attention-heads 64 --group-query-attention "
+    "--num-query-groups 8 --kv-channels 64 --use-rotary-position-embeddings --rotary-percent 1.0 "
+    "--rotary-base 150000 --max-position-embeddings 131072 --normalization RMSNorm --norm-epsilon 1e-5 --swiglu "
+    "--untie-embeddings-and-output-weights --vocab-size 201088 --softmax-type learnable --window-size 128,0 "
+    "--window-attn-skip-freq 2 --no-masked-softmax-fusion --no-rope-fusion --num-experts 32 --moe-router-topk 4 "
+    "--moe-aux-loss-coeff 0.0 --moe-token-dispatcher-type alltoall --moe-router-dtype fp32 --moe-grouped-gemm"
+)
+GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_hidden_layers=24, hidden_size=2880,
+    intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, rope_theta=150000,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                  "original_max_position_embeddings": 4096},
+    max_position_embeddings=131072, rms_norm_eps=1e-5, vocab_size=201088, tie_word_embeddings=False,
+    num_local_experts=32, num_experts_per_tok=4, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
+    layer_types=["sliding_attention", "full_attention"] * 12, hidden_act="silu",
+)  # fmt: skip
+
+
+def _gpt_oss_cfg(extra: str = ""):
+    return parse_run_config(["--hf-checkpoint", "/x", "--rollout-batch-size", "4", "--global-batch-size", "4",
+                             *GPT_OSS_20B_ARGS.split(), *extra.split()])  # fmt: skip
+
+
+def test_miles_gpt_oss_model_flags_agree_with_the_gpt_oss_config():
+    """The window, the sinks and the clamp are model flags like the others: Miles' own gpt-oss script passes
+    as is (its --window-size 128,0, and megatron's exact 127,0 for HF's 128 keys), each checked."""
+    check_model_args(_gpt_oss_cfg().model_args_given(), GPT_OSS_20B, "config.json")
+    for ok in ("--window-size 127,0", "--window-attn-skip-freq [1,0]*12", "--activation-func-clamp-value 7.0"):
+        check_model_args(_gpt_oss_cfg(ok).model_args_given(), GPT_OSS_20B, "config.json")
+
+
+@pytest.mark.parametrize(
+    ("extra", "config", "match"),
+    [
+        ("--window-size 64,0", GPT_OSS_20B, r"--window-size 64,0: .*sliding_window / layer_types is 128, i\.e\. --window-size 128,0"),
+        ("--window-size 128,8", GPT_OSS_20B, r"--window-size 128,8: "),
+        ("--window-attn-skip-freq 3", GPT_OSS_20B, r"--window-attn-skip-freq 3: .*layer_types.*i\.e\. --window-attn-skip-freq 2"),
+        ("--activation-func-clamp-value 10", GPT_OSS_20B, r"--activation-func-clamp-value 10: .*swiglu_limit is 7\.0"),
+        ("--softmax-type vanilla", GPT_OSS_20B, r"--softmax-type vanilla: .*model_type is 'gpt_oss', i\.e\. --softmax-type learnable"),
+    ],
+)  # fmt: skip
+def test_a_window_sink_or_clamp_the_checkpoint_contradicts_is_named(extra, config, match):
+    with pytest.raises(ConfigError, match=match):
+        check_model_args(_gpt_oss_cfg(extra).model_args_given(), config, "config.json")
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--softmax-type", "learnable"], r"--softmax-type learnable: .*model_type is 'qwen3', i\.e\. --softmax-type vanilla"),
+        (["--window-size", "128,0"], r"--window-size 128,0: the checkpoint's config.json has no sliding_window / layer_types"),
+        (["--window-attn-skip-freq", "2"], r"--window-attn-skip-freq 2: the checkpoint's config.json"),
+        (["--activation-func-clamp-value", "7"], r"--activation-func-clamp-value 7: the checkpoint's config.json has no swiglu_limit"),
+    ],
+)  # fmt: skip
+def test_a_window_sink_or_clamp_on_a_model_without_one_is_refused(families, argv, match):
+    cfg = parse_run_config(["--rollout-batch-size", "2", *argv])
+    with pytest.raises(ConfigError, match=match):
+        check_model_args(cfg.model_args_given(), families["qwen3"], "config.json")
+
+
+@pytest.mark.parametrize("argv", [["--window-size", "128"], ["--window-size", "a,b"], ["--window-attn-skip-freq", "x"]])
+def test_a_malformed_window_flag_is_refused_at_parse(argv):
+    with pytest.raises(ConfigError, match=argv[0]):
+        parse_run_config(["--rollout-batch-size", "2", *argv]).validate()
