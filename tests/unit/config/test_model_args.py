@@ -159,7 +159,11 @@ def test_miles_gpt_oss_model_flags_agree_with_the_gpt_oss_config():
     """The window, the sinks and the clamp are model flags like the others: Miles' own gpt-oss script passes
     as is (its --window-size 128,0, and megatron's exact 127,0 for HF's 128 keys), each checked."""
     check_model_args(_gpt_oss_cfg().model_args_given(), GPT_OSS_20B, "config.json")
-    for ok in ("--window-size 127,0", "--window-attn-skip-freq [1,0]*12", "--activation-func-clamp-value 7.0"):
+    for ok in (
+        "--window-size 127,0",
+        "--window-attn-skip-freq [1,0]*12",
+        "--activation-func-clamp-value 7.0",
+    ):
         check_model_args(_gpt_oss_cfg(ok).model_args_given(), GPT_OSS_20B, "config.json")
 
 
@@ -193,7 +197,9 @@ def test_a_window_sink_or_clamp_on_a_model_without_one_is_refused(families, argv
         check_model_args(cfg.model_args_given(), families["qwen3"], "config.json")
 
 
-@pytest.mark.parametrize("argv", [["--window-size", "128"], ["--window-size", "a,b"], ["--window-attn-skip-freq", "x"]])
+@pytest.mark.parametrize(
+    "argv", [["--window-size", "128"], ["--window-size", "a,b"], ["--window-attn-skip-freq", "x"]]
+)
 def test_a_malformed_window_flag_is_refused_at_parse(argv):
     with pytest.raises(ConfigError, match=argv[0]):
         parse_run_config(["--rollout-batch-size", "2", *argv]).validate()
