@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from miles_platform.config.flags import POSITIVE, changed_flags, flag, flag_name
 from miles_platform.errors import ConfigError
 
+# Miles' --tito-model names whose turn format is not built here: what each needs
+TITO_NOT_BUILT = {
+    "kimi25": "Kimi K2.5's <|im_assistant|> segments and Miles' patched kimi_k25_fixed.jinja",
+    "kimi26": "Kimi K2.6's <|im_assistant|> segments and its kimi_k2_raw_id tool-call parser",
+    "deepseekv4": "DeepSeek-V4's encoder and its deepseekv4 tool-call parser",
+    "inkling": "Miles' inkling_fixed.jinja and its inkling tool-call parser",
+}
+
 RANGES: dict[str, tuple] = {
     "generate_max_turns": POSITIVE,
     "generate_tool_timeout": (0, None, True, "> 0 (seconds)"),
@@ -82,7 +90,12 @@ class AgenticFlags:
             "nemotron3",
             "glm47",
             "minimax_m25",
+            "minimax_m27",
             "deepseekv32",
+            "kimi25",
+            "kimi26",
+            "deepseekv4",
+            "inkling",
         ),
     )
     max_seq_len: int | None = flag(
@@ -152,3 +165,9 @@ class AgenticFlags:
         given = changed_flags(self, session_flags)
         if given and not self.use_session_server:
             raise ConfigError(f"{', '.join(given)}: session server flags; set --use-session-server")
+        if self.tito_model in TITO_NOT_BUILT:
+            raise ConfigError(
+                f"--tito-model {self.tito_model}: Miles' turn format for it ({TITO_NOT_BUILT[self.tito_model]}) is "
+                "not built here; built: default, qwen3, qwen25, qwen2, llama3, qwen35, qwennext, nemotron3, glm47, "
+                "minimax_m25, minimax_m27, deepseekv32 (docs/models.md)"
+            )

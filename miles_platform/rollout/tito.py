@@ -33,8 +33,9 @@ from miles_platform.rollout.chat import ChatError, render_text, template_message
 END_OF_TURN = {"qwen3": "<|im_end|>", "qwen25": "<|im_end|>", "qwen2": "<|im_end|>", "llama3": "<|eot_id|>",
                # Miles' Qwen3.5, Qwen3-Next and Nemotron 3 TITO: Qwen3's <|im_end|> boundary
                "qwen35": "<|im_end|>", "qwennext": "<|im_end|>", "nemotron3": "<|im_end|>",
-               # MiniMax-M2.5: `[e~[` then a newline the model does not say (Miles' merge adds it)
-               "minimax_m25": "[e~[",
+               # MiniMax-M2.5 / M2.7 (one tokenizer and stop semantics; Miles' fixed templates differ
+               # only in the default system identity): `[e~[` then a newline the model does not say
+               "minimax_m25": "[e~[", "minimax_m27": "[e~[",
                # DeepSeek-V3.2: the assistant turn ends with EOS and the next message follows at once
                "deepseekv32": "<｜end▁of▁sentence｜>"}  # fmt: skip
 # --tito-model -> the tokens that both end the model's turn and open the next message (GLM-4.7)
@@ -45,10 +46,13 @@ TITO_MODELS = ("default", *END_OF_TURN, *OPENS_NEXT)
 # --tito-model -> the template arguments Miles fixes for it (FIXED_TEMPLATE.extra_kwargs): they keep
 # earlier turns' reasoning, so the renders stay append-only; a request or config that sets one to
 # another value is refused, as Miles refuses a conflicting kwarg
-FIXED_KWARGS = {f: {"clear_thinking": False} for f in ("qwen3", "qwen35", "qwennext", "glm47", "minimax_m25")}
+FIXED_KWARGS = {
+    f: {"clear_thinking": False}
+    for f in ("qwen3", "qwen35", "qwennext", "glm47", "minimax_m25", "minimax_m27")
+}
 FIXED_KWARGS |= {"nemotron3": {"truncate_history_thinking": False}, "deepseekv32": {"drop_thinking": False}}
 TOOL_CALL_PARSER = {"qwen3": "qwen25", "qwen35": "qwen3_coder", "nemotron3": "qwen3_coder", "glm47": "glm47",
-                    "minimax_m25": "minimax-m2", "deepseekv32": "deepseekv32"}  # fmt: skip
+                    "minimax_m25": "minimax-m2", "minimax_m27": "minimax-m2", "deepseekv32": "deepseekv32"}  # fmt: skip
 
 
 class AppendOnlyViolation(ChatError):

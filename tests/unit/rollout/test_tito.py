@@ -195,6 +195,12 @@ def test_agentic_flags_are_validated_before_start(tiny_hf_checkpoint, tmp_path):
             "read by --custom-generate-function-path",
         ),
         (["--tito-model", "qwen3"], "session server flags; set --use-session-server"),
+        # Miles' names whose turn format is not built: refused by name, not an argparse "invalid choice"
+        (
+            agentic + ["--use-session-server", "--tito-model", "kimi25"],
+            "--tito-model kimi25: Miles' turn format",
+        ),
+        (agentic + ["--use-session-server", "--tito-model", "deepseekv4"], "DeepSeek-V4's encoder"),
         (agentic + ["--use-session-server", "--apply-chat-template"], "--apply-chat-template with agentic"),
     ]:
         with pytest.raises(ConfigError, match=None) as e:
