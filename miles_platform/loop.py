@@ -46,6 +46,9 @@ class RLRun:
         self.ahead: RolloutAhead | None = None  # train-async: the next rollout, generating
 
     def run(self) -> RunResult:
+        from miles_platform.cluster.ray_cluster import prestart_fork_server
+
+        prestart_fork_server(self.cfg)  # the actors' warm process imports beside what follows
         from miles_platform.models.checkpoint import content_hash, load_tokenizer
         from miles_platform.rollout.loop_eval import eval_before_train
         from miles_platform.run_lifecycle import published_version

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,6 +278,17 @@ def shutdown_ray(ctx: RayContext) -> None:
 
     if ctx.connected and ray.is_initialized():
         ray.shutdown()
+
+
+def prestart_fork_server(cfg: RunConfig) -> None:
+    """Start the fork server a local cluster's actors will fork from now, at the run's start: its
+    imports (torch, transformers, the trainer's and engine's modules: seconds of CPU in its own
+    process) then run beside the preflight on another core, not after Ray's start, when the engines
+    and trainers wait for them. Nothing Ray: validation still comes first. Only where `init_ray`
+    would start it: a local cluster this process starts (a joined one decides once joined)."""
+    ray = sys.modules.get("ray")
+    if resolve_ray_address(cfg) is None and not (ray is not None and ray.is_initialized()):
+        start_fork_server(*_fork_extras(cfg))
 
 
 def start_fork_server(*extras: str) -> None:
