@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 from miles_platform.errors import MilesError
 
@@ -77,7 +78,38 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one subcommand -> its exit status. Without `argv` this is the process's entry point (the
+    console script, `python -m miles_platform.cli`): a command that returns ends the process at once
+    (`exit_now`)."""
+    if argv is None:
+        exit_now(_main(sys.argv[1:]))
+    return _main(list(argv))
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` as Python's own exit would, less its last step. Python's exit
+    waits for non-daemon threads, runs the atexit handlers (Ray's shutdown, the fork server's stop,
+    logging's flush, multiprocessing's cleanup) and then tears down every module and object; after
+    torch, transformers and Ray that last part alone took ~0.7-1.3 s per `train` on a 2-core VM
+    (2026-12-06), with nothing left to write. The same first steps here, stdio flushed, os._exit."""
+    import atexit
+    import os
+    import threading
+
+    main_thread = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main_thread and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say there
+            pass
+    os._exit(code)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
@@ -95,4 +127,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
