@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,6 +53,7 @@ __all__ = [
     "valid_rm_types",
     "validate_reward_config",
     "warm_up_rewards",
+    "warm_up_rewards_in_background",
 ]
 
 
@@ -157,11 +159,39 @@ def validate_reward_config(args: RewardSettings | Any) -> None:
             )
 
 
+def _warm_ups(rm_types: tuple[str | None, ...]) -> set[Callable[[], None]]:
+    return {WARM_UPS[n] for t in rm_types if t and (n := t.removeprefix("boxed_")) in WARM_UPS}
+
+
+_warming: dict[Callable[[], None], threading.Thread] = {}
+
+
+def warm_up_rewards_in_background(*rm_types: str | None) -> None:
+    """Start loading these graders on a daemon thread (a run starts it as Ray starts, which the main
+    thread mostly waits through: math_verify + sympy are ~0.6 s of imports); `warm_up_rewards`
+    waits for it."""
+    for fn in _warm_ups(rm_types):
+        if fn not in _warming:
+            _warming[fn] = threading.Thread(target=_quietly, args=(fn,), name="warm-up-rewards", daemon=True)
+            _warming[fn].start()
+
+
+def _quietly(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - warm_up_rewards runs it again on the caller's thread and raises there
+        pass
+
+
 def warm_up_rewards(*rm_types: str | None) -> None:
     """Load the graders of these --rm-type values (boxed_ included) before the first rollout, so a
     step never pays a grader's one-time import (math_verify: ~0.35 s, fired by the first answer
-    that is not a plain number)."""
-    for fn in {WARM_UPS[n] for t in rm_types if t and (n := t.removeprefix("boxed_")) in WARM_UPS}:
+    that is not a plain number). One started in the background is waited for (and run again here,
+    a no-op once done, so a failure there is raised here)."""
+    for fn in _warm_ups(rm_types):
+        started = _warming.pop(fn, None)
+        if started is not None:
+            started.join()
         fn()
 
 

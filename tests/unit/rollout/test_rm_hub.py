@@ -311,3 +311,36 @@ def test_warm_up_and_grading_work_off_the_main_thread():
     t.start()
     t.join()
     assert not errors and results == [True]
+
+
+def test_a_background_warm_up_runs_beside_the_caller_and_the_run_waits_for_it(monkeypatch):
+    """A run starts its graders' imports as Ray starts (loop.py) and the rollout manager waits for them:
+    a first step never pays them, and a failure there is raised by the manager's own call."""
+    import time
+
+    from miles_platform.rollout import rm_hub
+
+    calls, release = [], threading.Event()
+
+    def slow_warm_up():
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            release.wait(10)  # still importing when the caller goes on
+            calls.append("first done")
+
+    monkeypatch.setitem(rm_hub.WARM_UPS, "math", slow_warm_up)
+    t0 = time.monotonic()
+    rm_hub.warm_up_rewards_in_background("boxed_math", None)
+    assert time.monotonic() - t0 < 1 and calls == ["warm-up-rewards"]  # returned at once, on its own thread
+    threading.Timer(0.3, release.set).start()
+    rm_hub.warm_up_rewards("math")  # waits for the background one, then runs it here (a no-op when done)
+    assert calls == ["warm-up-rewards", "first done", threading.current_thread().name]
+    assert not rm_hub._warming  # nothing left waiting
+
+    def broken():
+        raise RuntimeError("no grader")
+
+    monkeypatch.setitem(rm_hub.WARM_UPS, "math", broken)
+    rm_hub.warm_up_rewards_in_background("math")
+    with pytest.raises(RuntimeError, match="no grader"):
+        rm_hub.warm_up_rewards("math")
