@@ -40,6 +40,11 @@ def driver_main() -> int:
     from miles_platform.errors import MilesError
     from miles_platform.loop import ActorDied, CITestFailure, Reporter, train
 
+    if os.environ.get(WARM):
+        from miles_platform.cluster.forkserver import INHERITED
+
+        print(f"[job driver] pid {os.getpid()}: a fork of the fork server in {os.environ.get(INHERITED)}",
+              file=sys.stderr, flush=True)  # fmt: skip
     text = os.environ.get(CONFIG_ENV)
     if not text:
         print(f"miles_platform.launch.job_driver: {CONFIG_ENV} is not set (submit with `train --submit`)",
@@ -68,5 +73,27 @@ def driver_main() -> int:
     return 0
 
 
+WARM = "MILES_JOB_DRIVER_WARM"  # set in the driver's environment once it runs as a fork of the server
+
+
+def run_warm_if_possible() -> None:
+    """On a machine whose fork server the job inherited through the node's environment
+    (forkserver.INHERITED: a one-machine cluster started beside one, as the tests' two-node cluster)
+    the driver runs as a fork of that server, as Ray's workers there do: torch, transformers and the
+    loop's modules already imported (~6 CPU-s of a cold start, measured 2026-12-06). This process
+    becomes the server's launcher (cluster/fork_exec.py: same environment, working dir, stdio; signals
+    reach the fork, its exit status is this process's). Anywhere else: nothing, the driver runs here."""
+    from miles_platform.cluster import forkserver
+
+    d = os.environ.get(forkserver.INHERITED)
+    if not d or os.environ.get(WARM) or not forkserver.ForkServer(None, d).alive():
+        return
+    os.environ[WARM] = "1"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "miles_platform.cluster.fork_exec", d,
+                              "-m", "miles_platform.launch.job_driver", *sys.argv[1:]])  # fmt: skip
+
+
 if __name__ == "__main__":
+    run_warm_if_possible()
     sys.exit(driver_main())

@@ -177,3 +177,32 @@ def test_a_resolved_api_key_never_travels_in_the_job(tiny_hf_checkpoint, tmp_pat
         assert sent["api_key"] == given.get("api_key")
         assert "s3cret" not in json.dumps(jobs.submitted)
         RunConfig.from_dict(sent).validate()  # the driver's own validation accepts it
+
+
+def test_the_job_driver_runs_as_a_fork_of_the_server_its_node_passed_on(tmp_path):
+    """A Ray job's entrypoint on a machine with an inherited fork server (a one-machine cluster started
+    beside one) runs as a fork of it, torch & co. imported; without one, as itself. Here without a run
+    config: the driver's own error and exit status either way."""
+    import os
+    import subprocess
+    import sys
+
+    from miles_platform.cluster import forkserver, ray_cluster
+    from miles_platform.launch.job_driver import WARM
+
+    ray_cluster.start_fork_server("peft", "megatron")
+    srv = forkserver.current()
+    if srv is None:
+        pytest.skip("fork server disabled (MILES_FORK_WORKERS=0)")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(srv.socket_path):  # a server this test just started is still importing
+        assert srv.alive() and time.monotonic() < deadline, "fork server did not come up"
+        time.sleep(0.1)
+    env = {k: v for k, v in os.environ.items() if k not in (CONFIG_ENV, WARM, forkserver.INHERITED)}
+    run = lambda extra: subprocess.run([sys.executable, "-m", "miles_platform.launch.job_driver"],  # noqa: E731
+                                       env={**env, **extra}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    warm, cold = run({forkserver.INHERITED: srv.dir}), run({})
+    for r in (warm, cold):
+        assert r.returncode == 2 and f"{CONFIG_ENV} is not set" in r.stderr, r.stderr
+    assert f"a fork of the fork server in {srv.dir}" in warm.stderr
+    assert "a fork of the fork server" not in cold.stderr
