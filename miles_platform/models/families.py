@@ -218,14 +218,14 @@ def routed_experts(cfg: dict[str, Any]) -> int:
 
 def megatron_layout_refusal(cfg: dict[str, Any], tp: int, ep: int, etp: int | None = None) -> str | None:
     """Why a model cannot take this megatron layout, or None: the MLA mapping (DeepSeek-V3's bridge; the
-    local and TE specs split MLA's down projections differently) is built and checked at TP 1 and EP 1
-    only; GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
+    local and TE specs split MLA's down projections differently) is built and checked at TP 1 (its experts
+    at EP 1 and 2: tests/unit/training/test_megatron_layouts.py, test_deepseek_v3_bridge.py); GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
     when ETP==1"; expert TP defaults to TP)."""
-    if cfg.get("kv_lora_rank") and (tp > 1 or ep > 1):
+    if cfg.get("kv_lora_rank") and tp > 1:
         return (
-            f"--tensor-model-parallel-size {tp} / --expert-model-parallel-size {ep} with multi-latent attention "
-            f"({cfg.get('architectures')}): the megatron mapping (models/bridge/deepseek_v3.py) is built and "
-            "checked at TP 1 and EP 1 only; use 1 for both, or --train-backend fsdp"
+            f"--tensor-model-parallel-size {tp} with multi-latent attention ({cfg.get('architectures')}): the "
+            "megatron mapping (models/bridge/deepseek_v3.py) is built and checked at TP 1 (its experts split "
+            "over --expert-model-parallel-size ranks); use TP 1, or --train-backend fsdp"
         )
     if "GptOssForCausalLM" in (cfg.get("architectures") or []) and (etp or tp) > 1:
         return (

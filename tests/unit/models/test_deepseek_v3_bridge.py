@@ -260,7 +260,9 @@ def test_without_each_mapping_parity_fails(parity, variant):
     assert all(v > 1000 * TOL for v in c.values()), c
 
 
-def test_hf_to_torch_dist_to_hf_is_bit_exact_and_tp2_is_refused_before_writing(tiny_hf_checkpoint, tmp_path):
+def test_hf_to_torch_dist_to_hf_is_bit_exact_at_ep1_and_ep2_and_tp2_is_refused_before_writing(
+    tiny_hf_checkpoint, tmp_path
+):
     """`miles-platform convert` both ways through megatron's torch_dist (the MLA layers' and the
     router's expert_bias sharded state): HF's on-disk tensors come back bit for bit."""
     from safetensors.torch import load_file
@@ -278,6 +280,12 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact_and_tp2_is_refused_before_writing(t
     with pytest.raises(CheckpointError, match="--tensor-model-parallel-size 2 .* multi-latent attention"):
         conversion.hf_to_torch_dist(hf, tmp_path / "tp2", tensor_model_parallel_size=2)
     assert not (tmp_path / "tp2").exists()
+    # written with the experts split over 2 ranks (EP2), read back whole: the same bits
+    _run_script("convert", hf, str(tmp_path / "ep2"), "--expert-model-parallel-size", "2")
+    c = load_file(str(tmp_path / "ep2" / "back" / "model.safetensors"))
+    assert sorted(a) == sorted(c) and all(
+        torch.equal(a[k].view(torch.uint8), c[k].view(torch.uint8)) for k in a
+    )
 
 
 def megatron_runs(make_config, tiny_hf_checkpoint, tmp_path):
@@ -291,19 +299,17 @@ def megatron_runs(make_config, tiny_hf_checkpoint, tmp_path):
     return lambda **flags: small_run_config(hf, tmp_path, train_backend="megatron", **flags)
 
 
-def test_preflight_takes_it_on_megatron_and_refuses_tp_ep_and_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_it_on_megatron_and_ep_and_refuses_tp_and_lora(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
     run = megatron_runs(deepseek_config, tiny_hf_checkpoint, tmp_path)
     validate_before_start(run(use_rollout_routing_replay=True))
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
-    for flags in (
-        dict(tensor_model_parallel_size=2, sequence_parallel=True),
-        dict(expert_model_parallel_size=2),
-    ):
-        with pytest.raises(ConfigError, match="with multi-latent attention .* TP 1 and EP 1 only"):
-            validate_before_start(run(**two, **flags))
+    with pytest.raises(ConfigError, match="with multi-latent attention .* is built and checked at TP 1"):
+        validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
+    # the experts split over ranks, attention replicated: test_megatron_layouts' EP2 step equals one rank's
+    validate_before_start(run(**two, expert_model_parallel_size=2, use_rollout_routing_replay=True))
     with pytest.raises(
         ConfigError, match="--lora-rank with --train-backend megatron: .* multi-latent attention"
     ):

@@ -290,6 +290,11 @@ def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
         from test_glm4_moe_bridge import glm_config, sharp_model
 
         model = sharp_model(glm_config(len(tok), routed_scaling_factor=2.5))
+    elif family == "deepseek_v3":
+        from test_deepseek_v3_bridge import deepseek_config
+        from test_deepseek_v3_bridge import sharp_model as sharp_deepseek
+
+        model = sharp_deepseek(deepseek_config(len(tok)))
     else:
         from test_gpt_oss_bridge import gpt_oss_config, sharp_gpt_oss
 
@@ -330,6 +335,18 @@ def test_bridge_layout_step_equals_single_rank(family, layout, bridge_single_ran
     replicated or reduced as megatron's layout has them)."""
     ckpt, single = bridge_single_rank(family)
     got = train_one_step(ckpt, tmp_path / layout, 2, **EXPERT_LAYOUTS[layout], **MOE)
+    assert_same_step(single, got)
+    assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
+
+
+def test_mla_experts_split_over_ranks_step_as_one_rank(tiny_hf_checkpoint, tmp_path_factory):
+    """DeepSeek-V3 (models/bridge/deepseek_v3.py: MLA, a dense first layer, sigmoid group-limited routing,
+    a shared expert, the score-correction bias) at EP2, attention replicated (TP 1): the 1-rank step,
+    R3 and the load-balancing / z losses included (micro-batches of 1: EP2 is data parallel 2)."""
+    work = tmp_path_factory.mktemp("deepseek_ep")
+    ckpt = bridge_checkpoint("deepseek_v3", tiny_hf_checkpoint, work / "hf")
+    single = train_one_step(ckpt, work / "ep1", 1, micro_batch_size=1, **MOE)
+    got = train_one_step(ckpt, work / "ep2", 2, **EXPERT_LAYOUTS["ep2"], **MOE)
     assert_same_step(single, got)
     assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
 
