@@ -7,8 +7,9 @@ rollout starts generating: a `[startup]` log line and, in that rollout's metrics
 Phases of `train` (loop.py, run_services.py), in order:
   launch     process start -> the run object: interpreter, CLI imports, flag parsing (CLI only)
   preflight  validate_before_start: every flag's checks, plugin imports, the checkpoint's config
+             (a local run's fork server, started just before, imports the actors' modules beside it)
   data       tokenizer, prompt dataset, defaults, content hashes of checkpoint and data
-  ray        run lock, Ray's local cluster (the fork server starts beside it), trackers
+  ray        run lock, Ray's local cluster, trackers (the graders import beside it)
   placement  placement groups
   engines    engines up and warm (the trainers build beside them)
   trainers   what the trainers still need after that: ready + checkpoint load

@@ -155,8 +155,8 @@ def enabled() -> bool:
 
 
 def start(extras: tuple[str, ...] = ()) -> ForkServer | None:
-    """This driver's server: started once per process (it imports in the background, beside Ray's
-    own start), then kept for every local cluster this process starts; it stops at exit. `extras`:
+    """This driver's server: started once per process (it imports in the background, beside the run's
+    preflight and Ray's start: ray_cluster.prestart_fork_server), then kept for every local cluster this process starts; it stops at exit. `extras`:
     keys of EXTRAS to preload too (a later run needing others imports them in its own worker)."""
     global _current
     if not enabled() or not hasattr(os, "fork"):
