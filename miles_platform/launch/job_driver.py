@@ -37,19 +37,19 @@ class _PipesReporter:
 
 def driver_main() -> int:
     """The entrypoint of a submitted run, on the cluster."""
-    from miles_platform.errors import MilesError
-    from miles_platform.loop import ActorDied, CITestFailure, Reporter, train
-
     if os.environ.get(WARM):
         from miles_platform.cluster.forkserver import INHERITED
 
         print(f"[job driver] pid {os.getpid()}: a fork of the fork server in {os.environ.get(INHERITED)}",
               file=sys.stderr, flush=True)  # fmt: skip
     text = os.environ.get(CONFIG_ENV)
-    if not text:
+    if not text:  # before the loop's imports (torch & co.): a misconfigured job says so at once
         print(f"miles_platform.launch.job_driver: {CONFIG_ENV} is not set (submit with `train --submit`)",
               file=sys.stderr)  # fmt: skip
         return 2
+    from miles_platform.errors import MilesError
+    from miles_platform.loop import ActorDied, CITestFailure, Reporter, train
+
     try:
         cfg = RunConfig.from_dict(json.loads(text)).validate()
         if os.environ.get("DAGSTER_PIPES_CONTEXT"):
