@@ -140,7 +140,7 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
 def _skip_freq(windowed: list[int]) -> str:
     """--window-attn-skip-freq for a 0/1 per layer (1 = windowed): N where that is the pattern."""
     for n in range(1, len(windowed) + 1):
-        if windowed == [int((i + 1) % n != 0) for i in range(len(windowed))]:
+        if windowed == windowed_layers(str(n), len(windowed)):
             return str(n)
     return str(windowed)
 
