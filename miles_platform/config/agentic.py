@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from miles_platform.config.flags import POSITIVE, changed_flags, flag, flag_name
 from miles_platform.errors import ConfigError
 
-# Miles' --tito-model names whose turn format is not built here: what each needs
+# --tito-model: the turn formats built here (rollout/tito.py has one table entry per name) and Miles'
+# names whose turn format is not, with what each needs
+TITO_BUILT = ("default", "qwen3", "qwen25", "qwen2", "llama3", "qwen35", "qwennext", "nemotron3", "glm47",
+              "minimax_m25", "minimax_m27", "deepseekv32")  # fmt: skip
 TITO_NOT_BUILT = {
     "kimi25": "Kimi K2.5's <|im_assistant|> segments and Miles' patched kimi_k25_fixed.jinja",
     "kimi26": "Kimi K2.6's <|im_assistant|> segments and its kimi_k2_raw_id tool-call parser",
@@ -79,24 +82,7 @@ class AgenticFlags:
         "default",
         "rollout",
         "TITO family: its end-of-turn token joins turns (default: the tokenizer's EOS)",
-        choices=(
-            "default",
-            "qwen3",
-            "qwen25",
-            "qwen2",
-            "llama3",
-            "qwen35",
-            "qwennext",
-            "nemotron3",
-            "glm47",
-            "minimax_m25",
-            "minimax_m27",
-            "deepseekv32",
-            "kimi25",
-            "kimi26",
-            "deepseekv4",
-            "inkling",
-        ),
+        choices=(*TITO_BUILT, *TITO_NOT_BUILT),
     )
     max_seq_len: int | None = flag(
         None, "rollout", "session server: max tokens per session (prompt + all turns)"
@@ -168,6 +154,5 @@ class AgenticFlags:
         if self.tito_model in TITO_NOT_BUILT:
             raise ConfigError(
                 f"--tito-model {self.tito_model}: Miles' turn format for it ({TITO_NOT_BUILT[self.tito_model]}) is "
-                "not built here; built: default, qwen3, qwen25, qwen2, llama3, qwen35, qwennext, nemotron3, glm47, "
-                "minimax_m25, minimax_m27, deepseekv32 (docs/models.md)"
+                f"not built here; built: {', '.join(TITO_BUILT)} (docs/models.md)"
             )
