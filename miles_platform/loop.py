@@ -74,7 +74,7 @@ class RLRun:
         if not cfg.debug_train_only:  # the graders import while Ray starts (the manager waits for them)
             from miles_platform.rollout import rm_hub
 
-            rm_hub.warm_up_rewards_in_background(cfg.rm_type or ("math" if cfg.eval_interval else None))
+            rm_hub.warm_up_rewards_in_background(*rm_hub.run_graders(cfg))
         with RunServices(cfg, self.paths, self.reporter, tok, src, startup=self.startup) as s:
             self.s, state = s, s.state
             self.rec = VersionRecorder(cfg, self.paths, self.reporter, self.base_version, self.data_version,

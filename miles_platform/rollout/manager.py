@@ -122,7 +122,7 @@ class RolloutManager:
         self.logprobs_mode = sc.get("sampling_logprobs_mode")
         self.topk = cfg.rollout_top_logprobs_num or self.top_logprobs_num
         # the run's and the in-loop eval's graders load now, not inside the first step that needs them
-        rm_hub.warm_up_rewards(cfg.rm_type or ("math" if cfg.eval_interval else None))
+        rm_hub.warm_up_rewards(*rm_hub.run_graders(cfg))
 
     def close(self) -> None:
         self.client.close()

@@ -52,6 +52,7 @@ __all__ = [
     "compute_rewards",
     "valid_rm_types",
     "validate_reward_config",
+    "run_graders",
     "warm_up_rewards",
     "warm_up_rewards_in_background",
 ]
@@ -157,6 +158,12 @@ def validate_reward_config(args: RewardSettings | Any) -> None:
             raise ConfigError(
                 f"--rm-type {rewards.rm_type} returns a dict {{'score', 'acc'}}: pass --reward-key score (or acc)"
             )
+
+
+def run_graders(cfg: Any) -> tuple[str | None, ...]:
+    """The --rm-type values a run grades with, to warm up: its own, else the in-loop eval's `math`
+    when it evaluates."""
+    return (cfg.rm_type or ("math" if cfg.eval_interval else None),)
 
 
 def _warm_ups(rm_types: tuple[str | None, ...]) -> set[Callable[[], None]]:
