@@ -52,9 +52,22 @@ PRELOAD = (
     "miles_platform.training.actor",
     "miles_platform.training.fsdp_backend",
     # a trainer rank appends its train_samples rows (store/tables.py: pyarrow, which pulls in pandas).
-    # Not ray: it caches its token-auth mode at import, before the cluster sets it
     "pyarrow.parquet",
     "pandas",
+    # what `import ray` pulls in besides itself (~0.1 CPU-s of each actor's start). Not ray itself: its
+    # native module keeps the importing process's state (the auth mode, read at import before the
+    # cluster sets it); workers forked from a server that had imported it failed to start (2026-12-06)
+    "requests",
+    "google.protobuf.json_format",
+    "google.protobuf.text_format",
+    "google.protobuf.timestamp_pb2",
+    "attr",
+    "jsonschema",
+    "charset_normalizer",
+    "msgpack",
+    "uvloop",
+    "pdb",
+    "tracemalloc",
 )
 # what only some runs use (several CPU-seconds each): preloaded when the run asks for it
 EXTRAS = {

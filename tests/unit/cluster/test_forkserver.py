@@ -120,11 +120,24 @@ def test_ray_actors_fork_from_the_server_with_their_runtime_env_and_own_rng(serv
         def pid(self):
             return os.getpid()
 
+        def modules(self):
+            import sys
+
+            return sorted(sys.modules)
+
     env = forkserver.runtime_env({"env_vars": {"PROBE": "y", "OMP_NUM_THREADS": "1"}})
     a, b = (Probe.options(runtime_env=env).remote() for _ in range(2))
     (ppa, pa, ta, sa), (ppb, _, _, sb) = ray.get([a.info.remote(), b.info.remote()])
     assert ppa == ppb == server.proc.pid and pa == "y" and ta == 1
     assert sa != sb  # each fork reseeds: no two actors share torch's default generator
+    # what the actor imported after its fork: Ray's own modules (its native module is not preloaded),
+    # not the packages Ray pulls in (forkserver.PRELOAD has them: ~0.1 CPU-s of each actor's start)
+    script = "import sys; print(' '.join(sorted(sys.modules)))"
+    p = subprocess.run([*forkserver.warm_python(), "-c", script], capture_output=True, text=True, timeout=60)
+    late = {m.split(".")[0] for m in ray.get(a.modules.remote())} - {
+        m.split(".")[0] for m in p.stdout.split()
+    }
+    assert {m for m in late if not m.startswith("_cython_")} <= {"ray", "colorama"}, sorted(late)
     pid = ray.get(a.pid.remote())
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(ray.exceptions.RayActorError):
