@@ -182,8 +182,8 @@ def _check_moe(cfg: RunConfig, hf_config: dict) -> None:
     moe = is_moe_config(hf_config)
     if cfg.train_backend == "megatron" and not cfg.debug_rollout_only:
         _check_megatron_family(cfg, hf_config)
-    if moe and cfg.train_backend == "megatron" and not cfg.debug_rollout_only:
-        _check_megatron_moe(cfg, hf_config)
+    if cfg.train_backend == "megatron" and not cfg.debug_rollout_only and (moe or _hf_family(hf_config)):
+        _check_bridge_refusals(cfg, hf_config)
     if cfg.moe_flags() and not moe:
         raise ConfigError(
             f"{', '.join(cfg.moe_flags())}: --hf-checkpoint {cfg.hf_checkpoint} is "
@@ -237,8 +237,17 @@ def _check_megatron_family(cfg: RunConfig, hf_config: dict) -> None:
         )
 
 
-def _check_megatron_moe(cfg: RunConfig, hf_config: dict) -> None:
-    """The bridge's own refusals (e.g. dense layers between the sparse ones), before Ray."""
+def _hf_family(hf_config: dict) -> bool:
+    """An HF-only family (models/families.py HF_FAMILIES) with a megatron bridge, e.g. Qwen3.5."""
+    from miles_platform.models.families import HF_FAMILIES, family_of
+
+    fam = family_of(hf_config)
+    return fam is not None and fam.name in HF_FAMILIES
+
+
+def _check_bridge_refusals(cfg: RunConfig, hf_config: dict) -> None:
+    """The bridge's own refusals (e.g. dense layers between the sparse ones, Qwen3.5's attention_bias),
+    before Ray."""
     from miles_platform.errors import CheckpointError
     from miles_platform.models.bridge import get_bridge
 

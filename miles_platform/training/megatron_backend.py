@@ -69,7 +69,11 @@ def build_gpt_model(
 def uses_fused_norms(model: torch.nn.Module) -> bool:
     """TE spec: layer norms live inside linear_qkv / linear_fc1 (MLA: the latent norms inside
     linear_kv_up_proj / linear_q_up_proj)."""
-    fused = ("linear_qkv.layer_norm_weight", "linear_kv_up_proj.layer_norm_weight")
+    fused = (
+        "linear_qkv.layer_norm_weight",
+        "linear_kv_up_proj.layer_norm_weight",
+        "in_proj.layer_norm_weight",
+    )
     return any(k.endswith(fused) for k in model.state_dict())
 
 

@@ -121,11 +121,15 @@ class RMSNorm(torch.nn.Module):
             raise ValueError(f"RMSNorm built for normalization={config.normalization!r}")
         self.normalized_shape = (hidden_size,)
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # layernorm_zero_centered_gamma (Qwen3.5): the weight is stored as w and applied as 1 + w
+        self.zero_centered = bool(config.layernorm_zero_centered_gamma)
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        w = 1.0 + self.weight if self.zero_centered else self.weight
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
 def _with_modules(spec, replace: dict):
@@ -159,9 +163,19 @@ def decoder_layer_specs(bridge, hf_config: dict[str, Any], config, use_te: bool)
     kwargs = bridge.layer_spec_kwargs(hf_config)
     layer = spec(**kwargs)
     if not isinstance(config.moe_layer_freq, list):
-        return [layer] * config.num_layers
-    dense = spec(**{**kwargs, "num_experts": None})
-    return [layer if moe else dense for moe in config.moe_layer_freq]
+        layers = [layer] * config.num_layers
+    else:
+        dense = spec(**{**kwargs, "num_experts": None})
+        layers = [layer if moe else dense for moe in config.moe_layer_freq]
+    if config.experimental_attention_variant == "gated_delta_net":  # Qwen3.5's linear-attention layers
+        from miles_platform.training.megatron_gdn import gdn_layer_spec
+
+        gdn = {id(s): gdn_layer_spec(s, use_te) for s in layers}
+        layers = [
+            gdn[id(s)] if linear else s
+            for s, linear in zip(layers, config.linear_attention_freq, strict=True)
+        ]
+    return layers
 
 
 def stage_block_spec(layer_specs: list, config, vp_stage: int | None, use_te: bool):
@@ -256,6 +270,10 @@ def build_model_chunks(
     device = torch.device(device)
     megatron_shims.apply_no_te_shims()
     base = bridge.transformer_config(hf_config)
+    if base.get("experimental_attention_variant") == "gated_delta_net":
+        from miles_platform.training.megatron_gdn import check_fla
+
+        check_fla(device)
     if _gloo_pipeline():
         megatron_shims.tag_pipeline_shape_exchange()
     if layout.ep > 1:  # tokens per rank differ (samples of different lengths): allgather needs them equal
@@ -380,7 +398,7 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
     from miles_platform.models.families import megatron_layout_refusal, routed_experts
 
     experts = routed_experts(hf_config)
-    if why := megatron_layout_refusal(hf_config, tp, layout.ep, layout.etp):
+    if why := megatron_layout_refusal(hf_config, tp, layout.ep, layout.etp, layout.cp):
         raise ConfigError(why)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(

@@ -9,6 +9,8 @@ checkpointing otherwise do not need. Each shim below is a no-op when CUDA is ava
 - `FileSystemWriterAsync.preload_tensors` defaults to pinned, non-blocking D2H copies followed
   by `torch.cuda.synchronize()`: force `non_blocking=False`.
 - the sliding-window attention mask (GPT-OSS) is built on "cuda": build it on the rank's device.
+- GatedDeltaNet (Qwen3.5) needs flash-linear-attention's CUDA kernels: megatron_gdn.install_cpu_fla
+  gives it their torch equivalents.
 - `torch.cuda.current_device()` is called for RoPE frequencies, attention buffers and the
   failure flag that `dist_checkpointing.save` all-reduces: on a machine without CUDA (where the
   call could only raise) it answers the rank's device (`set_shim_device`; "cpu" unless a test runs
@@ -111,6 +113,9 @@ def apply_cpu_shims() -> bool:
     _alltoall_dispatcher_on_cpu()
     _rope_cp_slice_on_cpu()
     _sliding_window_mask_on_cpu()
+    from miles_platform.training.megatron_gdn import install_cpu_fla
+
+    install_cpu_fla()  # Qwen3.5's GatedDeltaNet: fla's two functions in torch (megatron_gdn.py)
 
     original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
 

@@ -321,17 +321,17 @@ PROMPTS = [[5, 9, 17, 33, 41, 7, 70], [12, 4, 99], [60, 61, 62, 63]]
 NEW_TOKENS = [10, 6, 8, 10, 4, 9]
 
 
-def _run_config(ckpt: str, save: str):
+def _run_config(ckpt: str, save: str, r3: bool = True):
     from loop_helpers import UNTRAINED_ENTROPY_MAX
 
     from miles_platform.config import RunConfig
 
     return RunConfig(hf_checkpoint=ckpt, train_backend="megatron", rollout_batch_size=3, n_samples_per_prompt=2,
                      global_batch_size=6, micro_batch_size=6, lr=3e-3, save=save, num_rollout=1, ci_test=True,
-                     ci_entropy_max=UNTRAINED_ENTROPY_MAX, use_rollout_routing_replay=True).validate()  # fmt: skip
+                     ci_entropy_max=UNTRAINED_ENTROPY_MAX, use_rollout_routing_replay=r3).validate()  # fmt: skip
 
 
-def _train_worker(rank: int, world: int, port: int, ckpt: str, out: str, batch) -> None:
+def _train_worker(rank: int, world: int, port: int, ckpt: str, out: str, batch, r3: bool = True) -> None:
     import traceback
 
     from safetensors.torch import save_file
@@ -342,7 +342,9 @@ def _train_worker(rank: int, world: int, port: int, ckpt: str, out: str, batch) 
     torch.set_num_threads(1)
     path = Path(out, f"rank{rank}")
     try:
-        actor = TrainerActor(_run_config(ckpt, str(Path(out, "ck"))), rank, world, f"tcp://127.0.0.1:{port}")
+        actor = TrainerActor(
+            _run_config(ckpt, str(Path(out, "ck")), r3), rank, world, f"tcp://127.0.0.1:{port}"
+        )
         log_probs = actor.compute_log_probs(batch)
         metrics = actor.train(0, batch)
         save_file(actor.get_hf_weights(), f"{path}.safetensors")
@@ -378,10 +380,11 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, t
 
 
 def megatron_grpo_step(ckpt: str, tmp_path, moe_layers: int) -> tuple[dict, dict]:
-    """The embedded engine rolls PROMPTS out of `ckpt` (top-2 routes in `moe_layers` layers, R3); one
-    megatron rank's log-probs of those tokens equal the engine's (< 1e-4) and one --ci-test GRPO step
-    passes the step-0 checks with the routes replayed (0 flips): (HF state before, HF export after),
-    under transformers' module names. Also GPT-OSS's (test_gpt_oss_bridge.py)."""
+    """The embedded engine rolls PROMPTS out of `ckpt` (top-2 routes in `moe_layers` layers, R3; a dense
+    model at 0: no routes); one megatron rank's log-probs of those tokens equal the engine's (< 1e-4) and one
+    --ci-test GRPO step passes the step-0 checks with the routes replayed (0 flips): (HF state before, HF
+    export after), under transformers' module names. Also GPT-OSS's and Qwen3.5's (test_gpt_oss_bridge.py,
+    test_qwen3_5_bridge.py)."""
     from loop_helpers import engine_rollout, run_ranks
     from safetensors.torch import load_file
 
@@ -391,47 +394,52 @@ def megatron_grpo_step(ckpt: str, tmp_path, moe_layers: int) -> tuple[dict, dict
     from miles_platform.training.ci_checks import rollout_checks
     from miles_platform.training.train_batch import TrainBatch
 
-    outs = engine_rollout(ckpt, PROMPTS, NEW_TOKENS, routes=True)
+    r3 = moe_layers > 0
+    outs = engine_rollout(ckpt, PROMPTS, NEW_TOKENS, routes=r3)
     prompts = [p for p in PROMPTS for _ in range(2)]
     tokens = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     engine_lp = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-    assert routed_shape(ckpt) == (moe_layers, 2)
-    routes = [decode_routes(o["meta_info"]["routed_experts"], *routed_shape(ckpt)).tolist() for o in outs]
+    routes = None
+    if r3:
+        assert routed_shape(ckpt) == (moe_layers, 2)
+        routes = [decode_routes(o["meta_info"]["routed_experts"], *routed_shape(ckpt)).tolist() for o in outs]
     batch = TrainBatch(tokens, NEW_TOKENS, [[1] * n for n in NEW_TOKENS], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0],
                        engine_lp, routed_experts=routes)  # fmt: skip
     out = tmp_path / "out"
-    run_ranks(_train_worker, (1, free_port(), ckpt, str(out), batch), 1, out)
+    run_ranks(_train_worker, (1, free_port(), ckpt, str(out), batch, r3), 1, out)
     r = json.loads((out / "rank0.json").read_text())
     diff = max(
         abs(a - b) for t, e in zip(r["log_probs"], engine_lp, strict=True) for a, b in zip(t, e, strict=True)
     )
     assert diff < 1e-4, f"trainer-vs-engine log-prob max abs diff {diff:.3g}"
     m = r["metrics"]
-    rollout_checks(_run_config(ckpt, str(tmp_path / "ck")), 0, m, print)  # raises CITestFailure on a miss
-    assert abs(m["train/step0_ppo_kl"]) < 1e-9 and m["train/moe_route_flips"] == 0, m
+    rollout_checks(_run_config(ckpt, str(tmp_path / "ck"), r3), 0, m, print)  # raises CITestFailure on a miss
+    assert abs(m["train/step0_ppo_kl"]) < 1e-9 and (not r3 or m["train/moe_route_flips"] == 0), m
     start, after = load_hf_model(ckpt).state_dict(), load_file(out / "rank0.safetensors")
     assert sorted(after) == sorted(start)  # transformers' module names, buffers included
     return start, after
 
 
-def megatron_vs_hf(cfg_obj, hf):
-    """megatron's GPTModel built from `hf`'s state (fp32, T = 48, batch 2) against `hf`: (the report:
+def megatron_vs_hf(cfg_obj, hf, T: int = 48):
+    """megatron's GPTModel built from `hf`'s state (fp32, T tokens, batch 2) against `hf`: (the report:
     logits, loss, every parameter's gradient, the export; the config dict; HF's state; `control`, which
     measures a model with one mapping dropped). Also the GLM-4.5 and GPT-OSS bridges' (test_glm4_moe_bridge.py,
     test_gpt_oss_bridge.py)."""
     from miles_platform.training import megatron_backend as mb
 
     cfg, sd = cfg_obj.to_dict(), _state(cfg_obj, hf)
-    T, V = 48, cfg["vocab_size"]
+    V = cfg["vocab_size"]
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(T).expand(2, T)
     causal = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)[None, None]
     chosen = []
     mlp = hf.model.layers[1].mlp
-    router = mlp.router if hasattr(mlp, "router") else mlp.gate  # GPT-OSS's is `router`; o[2]: the experts
-    hook = router.register_forward_hook(lambda m, i, o: chosen.append(o[2]))
+    # GPT-OSS's router is `router`, the others' `gate` (o[2]: the experts); a dense MLP (Qwen3.5) has none
+    router = mlp.router if hasattr(mlp, "router") else getattr(mlp, "gate", None)
+    hook = router.register_forward_hook(lambda m, i, o: chosen.append(o[2])) if router is not None else None
     want = hf(input_ids=ids, position_ids=pos).logits
-    hook.remove()
+    if hook is not None:
+        hook.remove()
 
     def build(c, state):
         model, bridge = mb.build_gpt_model(c)
@@ -466,7 +474,7 @@ def megatron_vs_hf(cfg_obj, hf):
         grads_compared=len(set(m_grads) & set(h_grads)),
         hf_params=len(h_grads),
         export_identical=sorted(exported) == sorted(sd) and all(torch.equal(exported[n], sd[n]) for n in sd),
-        experts_routed=int(torch.unique(chosen[0]).numel()),
+        experts_routed=int(torch.unique(chosen[0]).numel()) if chosen else 0,
     )
 
     @torch.no_grad()
