@@ -74,7 +74,7 @@ def check_fla(device: torch.device) -> None:
     if device.type == "cuda" and not fla_available():
         raise ConfigError(
             "gated-DeltaNet layers (Qwen3.5) on --train-backend megatron with CUDA need flash-linear-attention "
-            "(`pip install .[gpu]`, or flash-linear-attention==0.6.0); or use --train-backend fsdp"
+            "(`pip install .[gpu]`, or flash-linear-attention==0.5.2); or use --train-backend fsdp"
         )
 
 

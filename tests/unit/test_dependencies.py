@@ -22,7 +22,7 @@ NOT_IMPORTED = {
     "s3fs": "fsspec's s3:// protocol",
 }
 # what this CPU machine does not install (the gpu extra): top-level module -> its distribution
-NOT_INSTALLED_HERE = {"transformer_engine": "transformer-engine"}
+NOT_INSTALLED_HERE = {"transformer_engine": "transformer-engine", "fla": "flash-linear-attention"}
 TEST_TOOLS = {
     "pytest",
     "pytest-timeout",

@@ -149,6 +149,18 @@ def test_the_cpu_fla_matches_transformers_delta_rule():
     assert torch.equal(megatron_gdn.l2norm(q), hf.l2norm(q))
 
 
+def test_a_cuda_build_without_flash_linear_attention_is_refused_by_name():
+    """The torch `fla` is the CPU's; a CUDA rank without the real one stops at the build, naming the package."""
+    from miles_platform.config import ConfigError
+    from miles_platform.training.megatron_gdn import check_fla, fla_available
+
+    check_fla(torch.device("cpu"))
+    if fla_available():
+        pytest.skip("flash-linear-attention is installed here")
+    with pytest.raises(ConfigError, match="need flash-linear-attention .*--train-backend fsdp"):
+        check_fla(torch.device("cuda", 0))
+
+
 # ---------------------------------------------------------------- megatron (subprocess)
 
 
