@@ -280,8 +280,9 @@ EXPERT_LAYOUTS = {
 
 def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
     """The tiny GLM-4.5 (test_glm4_moe_bridge.py: q/k/v biases, q/k norm, partial rotary, a dense first
-    layer, shared expert, expert bias), routed_scaling_factor 2.5; or the tiny GPT-OSS
-    (test_gpt_oss_bridge.py: sinks, an 8-token window, biased clamped experts, every bias drawn)."""
+    layer, shared expert, expert bias), routed_scaling_factor 2.5; the tiny Qwen3.5 (test_qwen3_5_bridge.py:
+    a gated-DeltaNet and a gated attention layer); or the tiny GPT-OSS (test_gpt_oss_bridge.py: sinks, an
+    8-token window, biased clamped experts, every bias drawn)."""
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -290,6 +291,11 @@ def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
         from test_glm4_moe_bridge import glm_config, sharp_model
 
         model = sharp_model(glm_config(len(tok), routed_scaling_factor=2.5))
+    elif family == "qwen3_5":
+        from test_deepseek_v3_bridge import sharp_model as sharp_any
+        from test_qwen3_5_bridge import q35_config
+
+        model = sharp_any(q35_config(len(tok)))
     elif family == "deepseek_v3":
         from test_deepseek_v3_bridge import deepseek_config
         from test_deepseek_v3_bridge import sharp_model as sharp_deepseek
@@ -337,6 +343,15 @@ def test_bridge_layout_step_equals_single_rank(family, layout, bridge_single_ran
     got = train_one_step(ckpt, tmp_path / layout, 2, **EXPERT_LAYOUTS[layout], **MOE)
     assert_same_step(single, got)
     assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
+
+
+@pytest.mark.slow
+def test_qwen3_5_pipeline_stages_step_as_one_rank(tiny_hf_checkpoint, tmp_path):
+    """Qwen3.5 (models/bridge/qwen3_5.py) at PP2: the gated-DeltaNet layer on stage 0, the gated attention
+    layer on stage 1 (its layer specs sliced per stage), the 1-rank step."""
+    ckpt = bridge_checkpoint("qwen3_5", tiny_hf_checkpoint, tmp_path / "hf")
+    single = train_one_step(ckpt, tmp_path / "one", 1)
+    assert_same_step(single, train_one_step(ckpt, tmp_path / "pp2", 2, **LAYOUTS["pp2"]))
 
 
 def test_mla_experts_split_over_ranks_step_as_one_rank(tiny_hf_checkpoint, tmp_path_factory):
