@@ -18,7 +18,7 @@ HF families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and t
 (whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py). The megatron
 backend refuses all but qwen3_5, deepseek_v3, glm4_moe_lite, glm4_moe and gpt_oss by name with
 `Family.megatron` (the reason), before anything starts; Qwen3.5 has a bridge (`qwen3_5.py`: megatron-core's
-GatedDeltaNet + gated attention, TP 1, CP 1), the other four a bridge, R3 through the routers' replay hook
+GatedDeltaNet + gated attention, TP + SP / PP, CP 1), the other four a bridge, R3 through the routers' replay hook
 (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
 DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
 attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
@@ -133,7 +133,7 @@ _NO_BRIDGE = "no megatron bridge is written here for {what}; train it with --tra
 HF_FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        # megatron: models/bridge/qwen3_5.py (megatron-core's GatedDeltaNet, gated attention; TP 1, CP 1)
+        # megatron: models/bridge/qwen3_5.py (megatron-core's GatedDeltaNet, gated attention; TP + SP / PP, CP 1)
         Family("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(_LINEAR)),
         Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", _QWEN_NEXT_MOE,
                moe=True, megatron=_NO_BRIDGE.format(what="gated-DeltaNet linear attention (Qwen3.5-MoE)")),
@@ -223,14 +223,11 @@ def megatron_layout_refusal(
     """Why a model cannot take this megatron layout, or None: the MLA mapping (DeepSeek-V3's bridge; the
     local and TE specs split MLA's down projections differently) is built and checked at TP 1 (its experts
     at EP 1 and 2: tests/unit/training/test_megatron_layouts.py, test_deepseek_v3_bridge.py); GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
-    when ETP==1"; expert TP defaults to TP); Qwen3.5's gated-DeltaNet layers at TP 1 and CP 1 (models/bridge/qwen3_5.py)."""
-    if "Qwen3_5ForCausalLM" in (cfg.get("architectures") or []) and (tp > 1 or cp > 1):
+    when ETP==1"; expert TP defaults to TP); Qwen3.5's gated-DeltaNet layers at CP 1 (models/bridge/qwen3_5.py)."""
+    if "Qwen3_5ForCausalLM" in (cfg.get("architectures") or []) and cp > 1:
         return (
-            f"--tensor-model-parallel-size {tp} / --context-parallel-size {cp} with Qwen3.5's gated-DeltaNet layers: "
-            "the megatron mapping (models/bridge/qwen3_5.py) is built and checked at TP 1 (a TP split would shard "
-            "the fused in_proj [qkv; z; b; a] rank-major, which the bridge does not lay out) and CP 1 (megatron-core "
-            "0.16's GatedDeltaNet has no context parallelism); use TP 1 and CP 1 (data / pipeline parallel), or "
-            "--train-backend fsdp"
+            f"--context-parallel-size {cp} with Qwen3.5's gated-DeltaNet layers: megatron-core 0.16's GatedDeltaNet "
+            "has no context parallelism; use CP 1 (tensor / sequence / data / pipeline parallel), or --train-backend fsdp"
         )
     if cfg.get("kv_lora_rank") and tp > 1:
         return (

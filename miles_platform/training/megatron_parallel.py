@@ -400,6 +400,7 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
     experts = routed_experts(hf_config)
     if why := megatron_layout_refusal(hf_config, tp, layout.ep, layout.etp, layout.cp):
         raise ConfigError(why)
+    _check_linear_attention_fits(layout, hf_config)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(
             f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "
@@ -432,6 +433,25 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             "an MoE model with --pipeline-model-parallel-size > 1: not built (use --expert-model-parallel-size "
             "and --tensor-model-parallel-size). Routing replay (R3) and the aux loss read every layer's routes "
             "for a whole micro-batch, while pipeline stages hold some layers"
+        )
+
+
+def _check_linear_attention_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
+    """Gated-DeltaNet layers (Qwen3.5) over TP: whole key / value heads per rank, and sequence parallelism, under
+    which megatron sums the TP ranks' partial gradients of the DeltaNet's output norm (megatron_gdn.GatedOutNorm)."""
+    nk, nv, tp = hf_config.get("linear_num_key_heads"), hf_config.get("linear_num_value_heads"), layout.tp
+    if not nv or tp == 1:
+        return
+    if int(nk) % tp or int(nv) % tp:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp}: the gated-DeltaNet layers' {nk} key and {nv} value heads "
+            "(linear_num_key_heads / linear_num_value_heads) must both divide by it"
+        )
+    if not layout.sp:
+        raise ConfigError(
+            f"gated-DeltaNet layers (Qwen3.5) at --tensor-model-parallel-size {tp} need --sequence-parallel: "
+            "each TP rank normalizes its own value heads with the shared output norm, and megatron-core sums "
+            "that norm's partial gradients over TP only for sequence-parallel weights"
         )
 
 

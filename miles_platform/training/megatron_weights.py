@@ -79,6 +79,16 @@ def global_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def tp_parts(model: torch.nn.Module, local: str) -> list[int] | None:
+    """The full row counts of a tensor TP splits part by part (base.tp_split 'parts': GatedDeltaNet's
+    in_proj [q; k; v; z; b; a] and conv1d [q; k; v]), read from its layer; None for any other tensor."""
+    if tp_split(local) != "parts":
+        return None
+    gdn = model.get_submodule(local.rsplit(".", 2)[0])
+    qk, v, nv = gdn.qk_dim, gdn.v_dim, gdn.num_value_heads
+    return [qk, qk, v, v, nv, nv] if local.endswith("in_proj.weight") else [qk, qk, v]
+
+
 def is_tied_copy(model: torch.nn.Module, local: str) -> bool:
     """The last pipeline stage's copy of a tied embedding (kept equal to the first stage's)."""
     return local == TIED_COPY and bool(getattr(model, "share_embeddings_and_output_weights", False))
@@ -99,7 +109,7 @@ def load_full_state(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]
                 g = names[local]
                 src = full["embedding.word_embeddings.weight"] if is_tied_copy(model, local) else full[g]
                 rank, size, _ = _tp(is_expert(g))
-                src = tp_shard(g, src, rank, size)
+                src = tp_shard(g, src, rank, size, tp_parts(model, local))
                 if src.shape != dst.shape:
                     raise CheckpointError(
                         f"megatron state: tensor {g!r} shard has shape {tuple(src.shape)}, model has {tuple(dst.shape)}"
@@ -153,6 +163,7 @@ def full_tensor_units(
             owner.setdefault(g, (r, shape, dtype))
     local = [tensors(m) for m in chunks]
     by_global = {g: local[c][loc] for c, m in enumerate(chunks) for loc, g in global_names(m).items()}
+    parts = {g: tp_parts(m, loc) for m in chunks for loc, g in global_names(m).items()}
     unit, cur = None, {}
     for g in sorted(owner, key=lambda name: (_unit_of(name), name)):
         src, shape, dtype = owner[g]
@@ -168,7 +179,7 @@ def full_tensor_units(
             if kind is not None:
                 shards = [torch.empty_like(t) for _ in range(tp_size)]
                 dist.all_gather(shards, t.contiguous(), group=tp_group)
-                t = tp_unshard(g, shards)
+                t = tp_unshard(g, shards, parts[g])
             t = t.contiguous()
         else:
             full_shape = list(shape)

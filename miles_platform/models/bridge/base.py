@@ -24,8 +24,13 @@ _COLUMN_PARALLEL = (
     "linear_qkv.bias",
     "core_attention.softmax_offset",
 )
-_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")
 _GATED_COLUMN_PARALLEL = ("linear_fc1.weight",)  # [gate; up], each half split on dim 0
+# megatron's GatedDeltaNet (Qwen3.5): per value head, split with the heads; in_proj [q; k; v; z; b; a] and
+# conv1d [q; k; v] are split part by part (each rank: its slice of every part, rank-major), sizes from the
+# layer (megatron_weights.tp_parts)
+_GDN_COLUMN_PARALLEL = ("self_attention.dt_bias", "self_attention.A_log")
+_PARTS = ("self_attention.in_proj.weight", "self_attention.conv1d.weight")
 
 
 class Bridge(ABC):
@@ -136,36 +141,52 @@ def get_bridge(hf_config: Any) -> Bridge:
 
 
 def tp_split(name: str) -> str | None:
-    """'column' | 'row' | 'gated' | None (replicated) for a megatron GPT parameter name."""
+    """'column' | 'row' | 'gated' | 'parts' | None (replicated) for a megatron GPT parameter name."""
     if name.endswith(_GATED_COLUMN_PARALLEL):
         return "gated"
-    if name.endswith(_COLUMN_PARALLEL):
+    if name.endswith(_PARTS):
+        return "parts"
+    if name.endswith(_COLUMN_PARALLEL + _GDN_COLUMN_PARALLEL):
         return "column"
     if name.endswith(_ROW_PARALLEL):
         return "row"
     return None
 
 
-def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This TP rank's slice of a full megatron tensor."""
+def tp_shard(
+    name: str, full: torch.Tensor, rank: int, size: int, parts: list[int] | None = None
+) -> torch.Tensor:
+    """This TP rank's slice of a full megatron tensor (`parts`: the full row counts of a 'parts' tensor)."""
     kind = tp_split(name)
     if kind is None or size == 1:
         return full
-    if kind == "gated":
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    if kind in ("gated", "parts"):
+        pieces = full.chunk(2, dim=0) if kind == "gated" else full.split(_need(name, parts), dim=0)
+        return torch.cat([p.chunk(size, dim=0)[rank] for p in pieces], dim=0)
     return full.chunk(size, dim=0 if kind == "column" else 1)[rank]
 
 
-def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+def tp_unshard(name: str, shards: list[torch.Tensor], parts: list[int] | None = None) -> torch.Tensor:
     """Inverse of tp_shard over all ranks' slices (in rank order)."""
     kind = tp_split(name)
     if kind is None or len(shards) == 1:
         return shards[0]
-    if kind == "gated":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if kind in ("gated", "parts"):
+        n = len(shards)
+        local = (
+            [2 * [s.shape[0] // 2] for s in shards]
+            if kind == "gated"
+            else [[p // n for p in _need(name, parts)]] * n
+        )
+        pieces = [s.split(sizes, dim=0) for s, sizes in zip(shards, local, strict=True)]
+        return torch.cat([ps[i] for i in range(len(local[0])) for ps in pieces], dim=0)
     return torch.cat(shards, dim=0 if kind == "column" else 1)
+
+
+def _need(name: str, parts: list[int] | None) -> list[int]:
+    if parts is None:
+        raise ValueError(f"{name}: a tensor split part by part over TP needs its parts' sizes")
+    return parts
 
 
 # Megatron's default --make-vocab-size-divisible-by; a multiple of every power-of-two TP size up

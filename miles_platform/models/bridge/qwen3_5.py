@@ -33,7 +33,9 @@ with a control that drops it):
 - partial rotary: `partial_rotary_factor` -> GPTModel `rotary_percent`, as glm4_moe.py. HF's text positions are
   one M-RoPE section repeated, i.e. a plain rotary.
 
-Layouts: TP 1, CP 1 (families.megatron_layout_refusal names why); data and pipeline parallel as any dense model.
+Layouts: TP with SP (base.tp_shard splits in_proj and conv1d part by part, rank-major: each rank its key /
+value heads' rows of every part; megatron_weights.tp_parts reads the sizes off the layer), PP, DP; CP 1
+(families.megatron_layout_refusal; megatron_parallel.check_model_fits names why TP needs SP).
 Batches reach GatedDeltaNet as right-padded rows (megatron_step.forward_chunk, never packed THD, which it refuses);
 it ignores the attention mask, and the padding after a row's last token cannot reach the earlier (causal) tokens.
 Refused by name (CheckpointError; preflight turns it into a ConfigError before Ray): attention_bias, hidden_act

@@ -82,6 +82,12 @@ def test_tp_shards_reassemble():
         assert torch.equal(tp_unshard(name, shards), full), name
     gate_up = [tp_shard("m.linear_fc1.weight", full, r, 2) for r in range(2)]
     assert torch.equal(gate_up[0], torch.cat([full[0:2], full[4:6]]))  # gate and up halves split each
+    # GatedDeltaNet's in_proj: each part split (rows 2 + 2 + 4 of q, k, v...), rank-major; its parts' sizes named
+    name, parts = "decoder.layers.0.self_attention.in_proj.weight", [2, 2, 4]
+    gdn = [tp_shard(name, full, r, 2, parts) for r in range(2)]
+    assert torch.equal(gdn[1], full[[1, 3, 6, 7]]) and torch.equal(tp_unshard(name, gdn, parts), full)
+    with pytest.raises(ValueError, match="needs its parts' sizes"):
+        tp_shard(name, full, 0, 2)
     assert padded_vocab(259, 1) == 384 and padded_vocab(259, 256) == 512
 
 
@@ -110,7 +116,7 @@ def test_missing_megatron_tensor_is_named():
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "GPT2LMHeadModel"])
 def test_unsupported_architecture_lists_supported(arch):
     supported = ["DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]  # fmt: skip
+                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM"]  # fmt: skip
     assert supported_architectures() == supported
     with pytest.raises(
         CheckpointError, match=re.escape(f"['{arch}'] has no megatron bridge; supported: {supported}")

@@ -4,8 +4,9 @@ linear-attention layers (on the CPU through training/megatron_gdn.py's torch `fl
 megatron's GPTModel logits, loss and gradients equal transformers' Qwen3_5ForCausalLM in fp32 over two of the
 DeltaNet's 64-token chunks; controls show each non-obvious mapping is what makes it pass (the in_proj order,
 the zero-centering and the output norm's lack of it, the gate rows, the rotary fraction); torch_dist conversion
-both ways is bit-exact; preflight takes it at TP 1 and refuses TP, CP and LoRA by name; one --ci-test GRPO step
-on megatron gives the embedded engine's log-probs.
+both ways (written at TP 2) is bit-exact; preflight takes TP + SP and PP (their steps: test_megatron_layouts.py)
+and refuses TP without SP, CP and LoRA by name; one --ci-test GRPO step on megatron gives the embedded engine's
+log-probs.
 
 Everything touching torch.distributed runs in a subprocess (this file as a script, or run_ranks).
 """
@@ -115,7 +116,7 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
     megatron_config_of(q35_config(), change, "Qwen3.5", match)
 
 
-def test_preflight_takes_it_on_megatron_and_refuses_tp_cp_and_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_tp_sp_and_pp_and_refuses_tp_without_sp_cp_and_lora(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
@@ -123,9 +124,16 @@ def test_preflight_takes_it_on_megatron_and_refuses_tp_cp_and_lora(tiny_hf_check
     validate_before_start(run())
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
     validate_before_start(run(**two))  # data parallel
-    for layout in ({"tensor_model_parallel_size": 2}, {"context_parallel_size": 2}):
-        with pytest.raises(ConfigError, match="Qwen3.5's gated-DeltaNet layers: .* TP 1 .* CP 1"):
-            validate_before_start(run(**two, **layout))
+    # TP2 + SP and PP2: their steps equal the 1-rank step (tests/unit/training/test_megatron_layouts.py)
+    validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
+    validate_before_start(run(**two, pipeline_model_parallel_size=2))
+    with pytest.raises(
+        ConfigError,
+        match="gated-DeltaNet layers .* at --tensor-model-parallel-size 2 need --sequence-parallel",
+    ):
+        validate_before_start(run(**two, tensor_model_parallel_size=2))
+    with pytest.raises(ConfigError, match="--context-parallel-size 2 with Qwen3.5's gated-DeltaNet layers"):
+        validate_before_start(run(**two, context_parallel_size=2))
     with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*\(Qwen3.5\)"):
         validate_before_start(run(lora_rank=4))
 
@@ -196,11 +204,13 @@ def test_without_each_qwen3_5_mapping_parity_fails(megatron_report):
 
 
 def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
-    """`miles-platform convert` both ways through megatron's torch_dist (GatedDeltaNet's sharded state splits
-    in_proj and conv1d by part): HF's tensors come back bit for bit."""
+    """`miles-platform convert` both ways through megatron's torch_dist, written at TP 2 (each rank its slice of
+    every in_proj / conv1d part; GatedDeltaNet's sharded state names the parts) and read back whole: HF's
+    tensors come back bit for bit."""
     from safetensors.torch import load_file
 
     hf, work = megatron_report["hf"], megatron_report["work"]
+    assert len(list((work / "td" / "release").glob("*.distcp"))) == 2  # TP 2: one file per rank
     a, b = load_file(f"{hf}/model.safetensors"), load_file(str(work / "back" / "model.safetensors"))
     assert sorted(a) == sorted(b) and {"model.layers.0.linear_attn.A_log",
                                         "model.layers.1.self_attn.q_proj.weight"} <= set(a)  # fmt: skip
@@ -282,7 +292,7 @@ def _parity_report(variant: str) -> dict:
 
 
 def _main(mode: str, hf: str, work: str) -> None:
-    parity_then_convert(_parity_report, VARIANTS, hf, work)
+    parity_then_convert(_parity_report, VARIANTS, hf, work, "--tensor-model-parallel-size", "2")
 
 
 if __name__ == "__main__":

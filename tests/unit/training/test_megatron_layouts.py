@@ -345,13 +345,22 @@ def test_bridge_layout_step_equals_single_rank(family, layout, bridge_single_ran
     assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_single_rank(tiny_hf_checkpoint, tmp_path_factory):
+    work = tmp_path_factory.mktemp("qwen3_5")
+    ckpt = bridge_checkpoint("qwen3_5", tiny_hf_checkpoint, work / "hf")
+    return ckpt, train_one_step(ckpt, work / "one", 1)
+
+
 @pytest.mark.slow
-def test_qwen3_5_pipeline_stages_step_as_one_rank(tiny_hf_checkpoint, tmp_path):
-    """Qwen3.5 (models/bridge/qwen3_5.py) at PP2: the gated-DeltaNet layer on stage 0, the gated attention
-    layer on stage 1 (its layer specs sliced per stage), the 1-rank step."""
-    ckpt = bridge_checkpoint("qwen3_5", tiny_hf_checkpoint, tmp_path / "hf")
-    single = train_one_step(ckpt, tmp_path / "one", 1)
-    assert_same_step(single, train_one_step(ckpt, tmp_path / "pp2", 2, **LAYOUTS["pp2"]))
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_qwen3_5_layout_step_equals_single_rank(layout, qwen3_5_single_rank, tmp_path):
+    """Qwen3.5 (models/bridge/qwen3_5.py) at TP2 + SP: each rank holds its key / value heads' slice of every
+    part of the DeltaNet's in_proj [q; k; v; z; b; a] and conv1d, of dt_bias / A_log, and whole query groups of
+    the gated linear_qkv; the DeltaNet's output norm's partial gradients summed over TP. At PP2: the DeltaNet
+    on stage 0, the gated attention on stage 1. Each: the 1-rank step."""
+    ckpt, single = qwen3_5_single_rank
+    assert_same_step(single, train_one_step(ckpt, tmp_path / layout, 2, **LAYOUTS[layout]))
 
 
 def test_mla_experts_split_over_ranks_step_as_one_rank(tiny_hf_checkpoint, tmp_path_factory):
