@@ -128,8 +128,10 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = 1.0 + self.weight if self.zero_centered else self.weight
-        return torch.nn.functional.rms_norm(x, self.normalized_shape, w, self.eps)
+        if self.zero_centered:  # 1 + w and the scaling in fp32, then cast (HF's Qwen3_5RMSNorm; TE's kernel)
+            w = 1.0 + self.weight.float()
+            return torch.nn.functional.rms_norm(x.float(), self.normalized_shape, w, self.eps).to(x.dtype)
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
 
 def _with_modules(spec, replace: dict):
