@@ -59,7 +59,7 @@ def check_lora_model(hf_config: dict) -> None:
     GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not; so is GPT-OSS (its bridge, biases on
     every projection, is not checked with adapters), and Qwen3.5 (its gated-DeltaNet projections and gated q_proj
     have no megatron adapters)."""
-    if "Qwen3_5ForCausalLM" in (hf_config.get("architectures") or []):
+    if {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"} & set(hf_config.get("architectures") or []):
         raise ConfigError(
             f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} (Qwen3.5): its gated-DeltaNet "
             "projections (in_proj_qkv / z / b / a -> one in_proj) and gated q_proj have no megatron adapters here; "

@@ -223,9 +223,8 @@ class Qwen35Bridge(DenseBridge):
             out[fused_in if fused_norms else mp + "input_layernorm.weight"] = get(
                 hp + "input_layernorm.weight", (H,)
             )
-            mlp_norm = mp + (
-                "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
-            )
+            fused_mlp = fused_norms and self.mlp_norm_fuses(d, i)  # an MoE layer's router reads the norm
+            mlp_norm = mp + ("mlp.linear_fc1.layer_norm_weight" if fused_mlp else "pre_mlp_layernorm.weight")
             out[mlp_norm] = get(hp + "post_attention_layernorm.weight", (H,))
         return ends_to_megatron(out, hf_sd, get, used, d, padded_vocab_size, where, lambda k: False)
 

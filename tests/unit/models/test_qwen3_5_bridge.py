@@ -34,19 +34,32 @@ from miles_platform.models.families import tiny_config
 
 REPO = Path(__file__).resolve().parents[3]
 T = 80  # two of the DeltaNet's 64-token chunks: the recurrent state crosses a chunk boundary
-VARIANTS = {"qwen3_5": {}}
+# Qwen3.5 and Qwen3.5-MoE (models/bridge/qwen3_5_moe.py: its MLPs 4 experts, top-2, a gated shared expert)
+VARIANTS = {"qwen3_5": {}, "qwen3_5_moe": {"family": "qwen3_5_moe"}}
 
 
-def q35_config(vocab: int = 128, **overrides):
+def q35_config(vocab: int = 128, family: str = "qwen3_5", **overrides):
     """The tiny Qwen3.5 (families.py: layer 0 gated DeltaNet with 2 key / 4 value heads, layer 1 gated
     full attention with 4 heads in 2 query groups, a quarter of each head rotated), untied."""
-    return tiny_config("qwen3_5", vocab, tie_word_embeddings=False, **overrides)
+    return tiny_config(family, vocab, tie_word_embeddings=False, **overrides)
+
+
+def sharp_q35(cfg, seed: int = 5):
+    """test_deepseek_v3_bridge's sharp model, the shared expert's gate drawn at std 0.5 (HF's init keeps
+    sigmoid(gate) near 1/2 for every token, which a gate mapped nowhere would match)."""
+    model = sharp_model(cfg, seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("shared_expert_gate.weight"):
+                p.normal_(0.0, 0.5, generator=g)
+    return model
 
 
 @pytest.fixture(scope="module")
 def model():
     cfg = q35_config()
-    return cfg, sharp_model(cfg)
+    return cfg, sharp_q35(cfg)
 
 
 # ---------------------------------------------------------------- names, without megatron
@@ -67,6 +80,28 @@ def test_round_trip_is_bit_exact_for_both_layer_kinds(model):
         bridge.hf_to_megatron({**sd, "model.layers.0.linear_attn.extra.weight": torch.zeros(1)}, cfg)
     with pytest.raises(CheckpointError, match="missing tensor 'model.layers.0.linear_attn.in_proj_z.weight'"):
         bridge.hf_to_megatron({k: v for k, v in sd.items() if "in_proj_z" not in k}, cfg)
+
+
+def test_qwen3_5_moe_round_trip_and_its_moe_fields():
+    """Qwen3.5-MoE: Qwen3.5's layers, qwen3_moe.py's experts (per expert on disk), the gated shared expert."""
+    cfg = q35_config(family="qwen3_5_moe")
+    sd, bridge = _state(cfg, sharp_q35(cfg)), get_bridge(cfg)
+    for fused_norms in (False, True):
+        mc, _, disk = round_trip(cfg, sd, fused_norms)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in disk  # one tensor per expert on disk
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in mc  # the router reads it: not fused under TE
+    assert torch.equal(
+        mc["decoder.layers.0.mlp.shared_experts.gate_weight"],
+        sd["model.layers.0.mlp.shared_expert_gate.weight"],
+    )
+    tc = bridge.transformer_config(cfg)
+    assert (
+        tc["moe_router_pre_softmax"],
+        tc["moe_shared_expert_gate"],
+        tc["moe_shared_expert_intermediate_size"],
+    ) == (False, True, 48)
+    assert tc["experimental_attention_variant"] == "gated_delta_net" and tc["num_moe_experts"] == 4
+    megatron_config_of(cfg, {"num_experts_per_tok": 1}, "Qwen3.5-MoE", "num_experts_per_tok 1")
 
 
 def test_megatron_config_and_the_fused_layouts(model):
@@ -136,6 +171,10 @@ def test_preflight_takes_tp_sp_and_pp_and_refuses_tp_without_sp_cp_and_lora(tiny
         validate_before_start(run(**two, context_parallel_size=2))
     with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*\(Qwen3.5\)"):
         validate_before_start(run(lora_rank=4))
+    moe = megatron_runs(lambda v: q35_config(v, "qwen3_5_moe"), tiny_hf_checkpoint, tmp_path / "moe")
+    validate_before_start(moe(use_rollout_routing_replay=True))
+    with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*\(Qwen3.5\)"):
+        validate_before_start(moe(lora_rank=4))
 
 
 def test_the_cpu_fla_matches_transformers_delta_rule():
@@ -181,25 +220,29 @@ def megatron_report(tiny_hf_checkpoint, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("qwen3_5")
     hf, tok = str(work / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_model(q35_config(len(tok))), tok, hf)
+    save_hf_checkpoint(sharp_q35(q35_config(len(tok))), tok, hf)
     return {**_run_script("parity", hf, str(work), script=__file__), "hf": hf, "work": work}
 
 
-def test_megatron_logits_loss_grads_match_hf_in_fp32(megatron_report):
-    p = megatron_report["parity"]["qwen3_5"]
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_megatron_logits_loss_grads_match_hf_in_fp32(megatron_report, variant):
+    p = megatron_report["parity"][variant]
     assert p["logits_max_abs_diff"] < TOL and p["loss_abs_diff"] < TOL and p["grad_max_abs_diff"] < TOL, p
     assert p["grads_compared"] == p["hf_params"]  # every HF parameter: conv, dt_bias, A_log, both norms kinds
     assert p["export_identical"] and p["logits_scale"] > 0.5
+    assert p["experts_routed"] == (4 if variant == "qwen3_5_moe" else 0)  # every expert used
 
 
-def test_without_each_qwen3_5_mapping_parity_fails(megatron_report):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_without_each_qwen3_5_mapping_parity_fails(megatron_report, variant):
     """The same weights with one mapping dropped: in_proj as [qkv; z; a; b] (or z first), the norms applied
     as x * w (no zero-centering), the DeltaNet's output norm zero-centered (x * (1 + w), what the model-wide
-    flag would do to it), HF's q_proj rows [q_h; gate_h] copied as they are, the whole head rotated. Each is
-    far outside the bound."""
-    c = megatron_report["parity"]["qwen3_5"]["controls"]
+    flag would do to it), HF's q_proj rows [q_h; gate_h] copied as they are, the whole head rotated; Qwen3.5-MoE:
+    the shared expert's gate at 0 (sigmoid 1/2). Each is far outside the bound."""
+    c = megatron_report["parity"][variant]["controls"]
     want = {"in_proj_b_a_swapped", "in_proj_z_first", "no_zero_centering", "out_norm_zero_centered",
             "gate_rows_interleaved", "rotary_percent"}  # fmt: skip
+    want |= {"shared_expert_gate"} if variant == "qwen3_5_moe" else set()
     assert set(c) == want and all(v > 1000 * TOL for v in c.values()), c
 
 
@@ -227,10 +270,25 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(tiny_hf_c
 
     tok = load_tokenizer(tiny_hf_checkpoint)
     ckpt = str(tmp_path / "qwen3_5")
-    save_hf_checkpoint(sharp_model(q35_config(len(tok))), tok, ckpt)
+    save_hf_checkpoint(sharp_q35(q35_config(len(tok))), tok, ckpt)
     start, after = megatron_grpo_step(ckpt, tmp_path, moe_layers=0)
     for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.A_log",
                  "model.layers.1.self_attn.q_proj.weight"):  # fmt: skip
+        assert not torch.equal(after[name], start[name]), name
+
+
+@pytest.mark.slow
+def test_qwen3_5_moe_grpo_step_with_r3_on_megatron_gives_the_engines_log_probs(tiny_hf_checkpoint, tmp_path):
+    """Qwen3.5-MoE: the engine's routes replayed (R3) in both layers' routers; the trainer's log-probs equal the
+    engine's, one --ci-test GRPO step passes with 0 route flips and moves the router and the shared expert's gate."""
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+
+    tok = load_tokenizer(tiny_hf_checkpoint)
+    ckpt = str(tmp_path / "qwen3_5_moe")
+    save_hf_checkpoint(sharp_q35(q35_config(len(tok), "qwen3_5_moe")), tok, ckpt)
+    start, after = megatron_grpo_step(ckpt, tmp_path, moe_layers=2)
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight",
+                 "model.layers.0.linear_attn.in_proj_qkv.weight"):  # fmt: skip
         assert not torch.equal(after[name], start[name]), name
 
 
@@ -258,7 +316,7 @@ def _in_proj_order(order: tuple[str, ...]):
 
 def _parity_report(variant: str) -> dict:
     cfg_obj = q35_config(**VARIANTS[variant])
-    out, cfg, _, control = megatron_vs_hf(cfg_obj, sharp_model(cfg_obj), T=T)
+    out, cfg, _, control = megatron_vs_hf(cfg_obj, sharp_q35(cfg_obj), T=T)
     zero_centered = ("layernorm.weight", "q_layernorm.weight", "k_layernorm.weight", "final_layernorm.weight")
 
     def shift(suffixes, by: float, skip: str = "out_norm"):
@@ -287,8 +345,14 @@ def _parity_report(variant: str) -> dict:
         "gate_rows_interleaved": lambda: control(cfg, edit=interleaved_gates),
         "rotary_percent": lambda: control({**cfg, "rope_parameters": {**rope, "partial_rotary_factor": 1.0}}),
     }
+    if variant == "qwen3_5_moe":
+        controls["shared_expert_gate"] = lambda: control(cfg, edit=_zero("shared_experts.gate_weight"))
     out["controls"] = {name: run() for name, run in controls.items()}
     return out
+
+
+def _zero(suffix: str):
+    return lambda full: {k: torch.zeros_like(t) if k.endswith(suffix) else t for k, t in full.items()}
 
 
 def _main(mode: str, hf: str, work: str) -> None:

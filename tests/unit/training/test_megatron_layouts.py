@@ -282,7 +282,8 @@ def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
     """The tiny GLM-4.5 (test_glm4_moe_bridge.py: q/k/v biases, q/k norm, partial rotary, a dense first
     layer, shared expert, expert bias), routed_scaling_factor 2.5; the tiny Qwen3.5 (test_qwen3_5_bridge.py:
     a gated-DeltaNet and a gated attention layer); or the tiny GPT-OSS (test_gpt_oss_bridge.py: sinks, an
-    8-token window, biased clamped experts, every bias drawn)."""
+    8-token window, biased clamped experts, every bias drawn); the tiny Qwen3.5-MoE (its experts and gated
+    shared expert behind both layer kinds)."""
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -291,11 +292,10 @@ def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
         from test_glm4_moe_bridge import glm_config, sharp_model
 
         model = sharp_model(glm_config(len(tok), routed_scaling_factor=2.5))
-    elif family == "qwen3_5":
-        from test_deepseek_v3_bridge import sharp_model as sharp_any
-        from test_qwen3_5_bridge import q35_config
+    elif family.startswith("qwen3_5"):
+        from test_qwen3_5_bridge import q35_config, sharp_q35
 
-        model = sharp_any(q35_config(len(tok)))
+        model = sharp_q35(q35_config(len(tok), family))
     elif family == "deepseek_v3":
         from test_deepseek_v3_bridge import deepseek_config
         from test_deepseek_v3_bridge import sharp_model as sharp_deepseek
@@ -331,6 +331,7 @@ def bridge_single_rank(tiny_hf_checkpoint, tmp_path_factory):
         ("glm4_moe", "tp2_sp_ep2_etp1"),
         ("gpt_oss", "tp2_sp_etp1"),
         ("gpt_oss", "tp2_sp_ep2_etp1"),
+        pytest.param("qwen3_5_moe", "tp2_sp", marks=pytest.mark.slow),
     ],
 )
 def test_bridge_layout_step_equals_single_rank(family, layout, bridge_single_rank, tmp_path):
