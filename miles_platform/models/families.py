@@ -16,10 +16,10 @@ qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`
 
 HF families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
 (whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py). The megatron
-backend refuses all but qwen3_5, qwen3_5_moe, deepseek_v3, glm4_moe_lite, glm4_moe and gpt_oss by name with
+backend refuses all but qwen3_5, qwen3_5_moe, qwen3_next, deepseek_v3, glm4_moe_lite, glm4_moe and gpt_oss by name with
 `Family.megatron` (the reason), before anything starts; Qwen3.5 has a bridge (`qwen3_5.py`: megatron-core's
 GatedDeltaNet + gated attention, TP + SP / PP, CP 1; `qwen3_5_moe.py`: + experts and a gated shared expert,
-R3), the other four a bridge, R3 through the routers' replay hook
+R3; `qwen3_next.py`: + its fused in_proj_qkvz / in_proj_ba), the other four a bridge, R3 through the routers' replay hook
 (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
 DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
 attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
@@ -27,7 +27,7 @@ sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP wi
 deepseek_v32 (the DSA indexer) stays refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full; megatron too
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert; megatron too
-qwen3_next    Qwen3NextForCausalLM    the same as Qwen3.5-MoE (its predecessor)
+qwen3_next    Qwen3NextForCausalLM    the same as Qwen3.5-MoE (its predecessor); megatron too
 glm4_moe      Glm4MoeForCausalLM      GLM-4.5: partial rotary, q/k norm, sigmoid group routing, shared expert; megatron too
 glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-style MoE; megatron too
 deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc); megatron too
@@ -138,9 +138,10 @@ HF_FAMILIES: dict[str, Family] = {
         Family("qwen3_5", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig", dict(_LINEAR)),
         # megatron: models/bridge/qwen3_5_moe.py (Qwen3.5's layers + softmax top-k experts, gated shared expert)
         Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", _QWEN_NEXT_MOE, moe=True),
+        # megatron: models/bridge/qwen3_next.py (Qwen3.5-MoE's mapping, its fused in_proj_qkvz / in_proj_ba)
         Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
                {**_QWEN_NEXT_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
-               moe=True, megatron=_NO_BRIDGE.format(what="gated-DeltaNet linear attention (Qwen3-Next)")),
+               moe=True),
         # megatron: models/bridge/glm4_moe.py (GQA + partial rotary as dense.py, DeepSeek-V3's MoE)
         Family("glm4_moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
                {**_DEEPSEEK_MOE, "routed_scaling_factor": 1.0, "use_qk_norm": True, "n_group": 1, "topk_group": 1,
@@ -218,16 +219,20 @@ def routed_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
 
+# megatron-core's GatedDeltaNet behind these bridges (models/bridge/qwen3_5.py, qwen3_5_moe.py, qwen3_next.py)
+GATED_DELTANET_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+
+
 def megatron_layout_refusal(
     cfg: dict[str, Any], tp: int, ep: int, etp: int | None = None, cp: int = 1
 ) -> str | None:
     """Why a model cannot take this megatron layout, or None: the MLA mapping (DeepSeek-V3's bridge; the
     local and TE specs split MLA's down projections differently) is built and checked at TP 1 (its experts
     at EP 1 and 2: tests/unit/training/test_megatron_layouts.py, test_deepseek_v3_bridge.py); GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
-    when ETP==1"; expert TP defaults to TP); Qwen3.5's gated-DeltaNet layers at CP 1 (models/bridge/qwen3_5.py)."""
-    if {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"} & set(cfg.get("architectures") or []) and cp > 1:
+    when ETP==1"; expert TP defaults to TP); gated-DeltaNet layers (Qwen3.5, Qwen3-Next) at CP 1 (models/bridge/qwen3_5.py)."""
+    if set(GATED_DELTANET_ARCHITECTURES) & set(cfg.get("architectures") or []) and cp > 1:
         return (
-            f"--context-parallel-size {cp} with Qwen3.5's gated-DeltaNet layers: megatron-core 0.16's GatedDeltaNet "
+            f"--context-parallel-size {cp} with gated-DeltaNet layers (Qwen3.5 / Qwen3-Next): megatron-core 0.16's GatedDeltaNet "
             "has no context parallelism; use CP 1 (tensor / sequence / data / pipeline parallel), or --train-backend fsdp"
         )
     if cfg.get("kv_lora_rank") and tp > 1:

@@ -73,7 +73,7 @@ def check_fla(device: torch.device) -> None:
     """A GatedDeltaNet model on CUDA needs flash-linear-attention (megatron's kernels); the CPU has the torch one."""
     if device.type == "cuda" and not fla_available():
         raise ConfigError(
-            "gated-DeltaNet layers (Qwen3.5) on --train-backend megatron with CUDA need flash-linear-attention "
+            "gated-DeltaNet layers (Qwen3.5 / Qwen3-Next) on --train-backend megatron with CUDA need flash-linear-attention "
             "(`pip install .[gpu]`, or flash-linear-attention==0.5.2); or use --train-backend fsdp"
         )
 

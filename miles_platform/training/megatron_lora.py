@@ -57,12 +57,14 @@ def check_lora_model(hf_config: dict) -> None:
     """LoRA on megatron is built for the GQA attention and gated MLPs the dense / Qwen3-MoE bridges map:
     a model with DeepSeek's MoE (shared experts, the router's score-correction bias: the DeepSeek-V3,
     GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not; so is GPT-OSS (its bridge, biases on
-    every projection, is not checked with adapters), and Qwen3.5 (its gated-DeltaNet projections and gated q_proj
-    have no megatron adapters)."""
-    if {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"} & set(hf_config.get("architectures") or []):
+    every projection, is not checked with adapters), and Qwen3.5 / Qwen3-Next (gated-DeltaNet projections, gated q_proj:
+    no megatron adapters)."""
+    from miles_platform.models.families import GATED_DELTANET_ARCHITECTURES
+
+    if set(GATED_DELTANET_ARCHITECTURES) & set(hf_config.get("architectures") or []):
         raise ConfigError(
-            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} (Qwen3.5): its gated-DeltaNet "
-            "projections (in_proj_qkv / z / b / a -> one in_proj) and gated q_proj have no megatron adapters here; "
+            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')}: its gated-DeltaNet "
+            "projections (fused into one megatron in_proj) and gated q_proj have no megatron adapters here; "
             "use --train-backend fsdp"
         )
     if "GptOssForCausalLM" in (hf_config.get("architectures") or []):

@@ -451,7 +451,7 @@ def _check_linear_attention_fits(layout: Layout, hf_config: dict[str, Any]) -> N
         )
     if not layout.sp:
         raise ConfigError(
-            f"gated-DeltaNet layers (Qwen3.5) at --tensor-model-parallel-size {tp} need --sequence-parallel: "
+            f"gated-DeltaNet layers (Qwen3.5 / Qwen3-Next) at --tensor-model-parallel-size {tp} need --sequence-parallel: "
             "each TP rank normalizes its own value heads with the shared output norm, and megatron-core sums "
             "that norm's partial gradients over TP only for sequence-parallel weights"
         )

@@ -142,11 +142,18 @@ class Qwen35Bridge(DenseBridge):
             "in_proj_a.weight": (d.nv, H),
         }
 
+    def in_proj_to_megatron(self, get, d: Qwen35Dims, h: str) -> list[torch.Tensor]:
+        """A DeltaNet's in_proj parts in megatron's order, [Q_all; K_all; V_all], Z, B, A (Qwen3-Next: its fused ones)."""
+        return [get(h + k, s) for k, s in self._gdn_shapes(d).items()]
+
+    def in_proj_to_hf(self, parts: list[torch.Tensor], d: Qwen35Dims, h: str) -> dict[str, torch.Tensor]:
+        """The inverse of `in_proj_to_megatron`: HF's tensors from [qkv, z, b, a]."""
+        return {h + k: p for k, p in zip(self._gdn_shapes(d), parts, strict=True)}
+
     def _linear_to_megatron(self, get, d: Qwen35Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
         h, m = hp + "linear_attn.", mp + "self_attention."
-        parts = [get(h + k, s) for k, s in self._gdn_shapes(d).items()]  # [qkv; z; b; a]
         return {
-            m + "in_proj.weight": torch.cat(parts, dim=0),
+            m + "in_proj.weight": torch.cat(self.in_proj_to_megatron(get, d, h), dim=0),  # [qkv; z; b; a]
             m + "conv1d.weight": get(h + "conv1d.weight", (d.conv_dim, 1, d.conv_kernel)),
             m + "dt_bias": get(h + "dt_bias", (d.nv,)),
             m + "A_log": get(h + "A_log", (d.nv,)),
@@ -156,10 +163,9 @@ class Qwen35Bridge(DenseBridge):
 
     def _linear_to_hf(self, get, d: Qwen35Dims, hp: str, mp: str) -> dict[str, torch.Tensor]:
         h, m = hp + "linear_attn.", mp + "self_attention."
-        shapes = self._gdn_shapes(d)
-        rows = sum(s[0] for s in shapes.values())
-        parts = get(m + "in_proj.weight", (rows, d.hidden)).split([s[0] for s in shapes.values()], dim=0)
-        out = {h + k: p for k, p in zip(shapes, parts, strict=True)}
+        sizes = [d.conv_dim, d.nv * d.dv, d.nv, d.nv]
+        parts = list(get(m + "in_proj.weight", (sum(sizes), d.hidden)).split(sizes, dim=0))
+        out = self.in_proj_to_hf(parts, d, h)
         out.update({
             h + "conv1d.weight": get(m + "conv1d.weight", (d.conv_dim, 1, d.conv_kernel)),
             h + "dt_bias": get(m + "dt_bias", (d.nv,)),

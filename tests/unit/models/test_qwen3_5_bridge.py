@@ -35,7 +35,7 @@ from miles_platform.models.families import tiny_config
 REPO = Path(__file__).resolve().parents[3]
 T = 80  # two of the DeltaNet's 64-token chunks: the recurrent state crosses a chunk boundary
 # Qwen3.5 and Qwen3.5-MoE (models/bridge/qwen3_5_moe.py: its MLPs 4 experts, top-2, a gated shared expert)
-VARIANTS = {"qwen3_5": {}, "qwen3_5_moe": {"family": "qwen3_5_moe"}}
+VARIANTS = {"qwen3_5": {}, "qwen3_5_moe": {"family": "qwen3_5_moe"}, "qwen3_next": {"family": "qwen3_next"}}
 
 
 def q35_config(vocab: int = 128, family: str = "qwen3_5", **overrides):
@@ -82,9 +82,11 @@ def test_round_trip_is_bit_exact_for_both_layer_kinds(model):
         bridge.hf_to_megatron({k: v for k, v in sd.items() if "in_proj_z" not in k}, cfg)
 
 
-def test_qwen3_5_moe_round_trip_and_its_moe_fields():
-    """Qwen3.5-MoE: Qwen3.5's layers, qwen3_moe.py's experts (per expert on disk), the gated shared expert."""
-    cfg = q35_config(family="qwen3_5_moe")
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_round_trip_and_its_moe_fields(family):
+    """Qwen3.5-MoE / Qwen3-Next: Qwen3.5's layers (Qwen3-Next: the fused in_proj_qkvz / in_proj_ba regrouped),
+    qwen3_moe.py's experts (per expert on disk), the gated shared expert."""
+    cfg = q35_config(family=family)
     sd, bridge = _state(cfg, sharp_q35(cfg)), get_bridge(cfg)
     for fused_norms in (False, True):
         mc, _, disk = round_trip(cfg, sd, fused_norms)
@@ -101,7 +103,13 @@ def test_qwen3_5_moe_round_trip_and_its_moe_fields():
         tc["moe_shared_expert_intermediate_size"],
     ) == (False, True, 48)
     assert tc["experimental_attention_variant"] == "gated_delta_net" and tc["num_moe_experts"] == 4
-    megatron_config_of(cfg, {"num_experts_per_tok": 1}, "Qwen3.5-MoE", "num_experts_per_tok 1")
+    name = {"qwen3_5_moe": "Qwen3.5-MoE", "qwen3_next": "Qwen3-Next"}[family]
+    megatron_config_of(cfg, {"num_experts_per_tok": 1}, name, "num_experts_per_tok 1")
+    if family == "qwen3_next":
+        megatron_config_of(cfg, {"decoder_sparse_step": 2}, name, r"layers \[0\] are dense MLPs")
+        assert (
+            megatron_config_of(cfg, {"norm_topk_prob": False}, name, None)["moe_router_pre_softmax"] is True
+        )
 
 
 def test_megatron_config_and_the_fused_layouts(model):
@@ -167,13 +175,13 @@ def test_preflight_takes_tp_sp_and_pp_and_refuses_tp_without_sp_cp_and_lora(tiny
         match="gated-DeltaNet layers .* at --tensor-model-parallel-size 2 need --sequence-parallel",
     ):
         validate_before_start(run(**two, tensor_model_parallel_size=2))
-    with pytest.raises(ConfigError, match="--context-parallel-size 2 with Qwen3.5's gated-DeltaNet layers"):
+    with pytest.raises(ConfigError, match=r"--context-parallel-size 2 with gated-DeltaNet layers \(Qwen3.5"):
         validate_before_start(run(**two, context_parallel_size=2))
-    with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*\(Qwen3.5\)"):
+    with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*gated-DeltaNet"):
         validate_before_start(run(lora_rank=4))
     moe = megatron_runs(lambda v: q35_config(v, "qwen3_5_moe"), tiny_hf_checkpoint, tmp_path / "moe")
     validate_before_start(moe(use_rollout_routing_replay=True))
-    with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*\(Qwen3.5\)"):
+    with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*gated-DeltaNet"):
         validate_before_start(moe(lora_rank=4))
 
 
@@ -230,7 +238,7 @@ def test_megatron_logits_loss_grads_match_hf_in_fp32(megatron_report, variant):
     assert p["logits_max_abs_diff"] < TOL and p["loss_abs_diff"] < TOL and p["grad_max_abs_diff"] < TOL, p
     assert p["grads_compared"] == p["hf_params"]  # every HF parameter: conv, dt_bias, A_log, both norms kinds
     assert p["export_identical"] and p["logits_scale"] > 0.5
-    assert p["experts_routed"] == (4 if variant == "qwen3_5_moe" else 0)  # every expert used
+    assert p["experts_routed"] == (0 if variant == "qwen3_5" else 4)  # every expert used
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -242,7 +250,8 @@ def test_without_each_qwen3_5_mapping_parity_fails(megatron_report, variant):
     c = megatron_report["parity"][variant]["controls"]
     want = {"in_proj_b_a_swapped", "in_proj_z_first", "no_zero_centering", "out_norm_zero_centered",
             "gate_rows_interleaved", "rotary_percent"}  # fmt: skip
-    want |= {"shared_expert_gate"} if variant == "qwen3_5_moe" else set()
+    want |= set() if variant == "qwen3_5" else {"shared_expert_gate"}
+    want |= {"in_proj_qkvz_flat"} if variant == "qwen3_next" else set()
     assert set(c) == want and all(v > 1000 * TOL for v in c.values()), c
 
 
@@ -278,17 +287,18 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(tiny_hf_c
 
 
 @pytest.mark.slow
-def test_qwen3_5_moe_grpo_step_with_r3_on_megatron_gives_the_engines_log_probs(tiny_hf_checkpoint, tmp_path):
-    """Qwen3.5-MoE: the engine's routes replayed (R3) in both layers' routers; the trainer's log-probs equal the
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_grpo_step_with_r3_on_megatron_gives_the_engines_log_probs(family, tiny_hf_checkpoint, tmp_path):
+    """Qwen3.5-MoE / Qwen3-Next: the engine's routes replayed (R3) in both layers' routers; the trainer's log-probs equal the
     engine's, one --ci-test GRPO step passes with 0 route flips and moves the router and the shared expert's gate."""
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
 
     tok = load_tokenizer(tiny_hf_checkpoint)
-    ckpt = str(tmp_path / "qwen3_5_moe")
-    save_hf_checkpoint(sharp_q35(q35_config(len(tok), "qwen3_5_moe")), tok, ckpt)
+    ckpt = str(tmp_path / family)
+    save_hf_checkpoint(sharp_q35(q35_config(len(tok), family)), tok, ckpt)
     start, after = megatron_grpo_step(ckpt, tmp_path, moe_layers=2)
     for name in ("model.layers.0.mlp.gate.weight", "model.layers.1.mlp.shared_expert_gate.weight",
-                 "model.layers.0.linear_attn.in_proj_qkv.weight"):  # fmt: skip
+                 f"model.layers.0.linear_attn.in_proj_{'qkvz' if family == 'qwen3_next' else 'qkv'}.weight"):  # fmt: skip
         assert not torch.equal(after[name], start[name]), name
 
 
@@ -316,7 +326,7 @@ def _in_proj_order(order: tuple[str, ...]):
 
 def _parity_report(variant: str) -> dict:
     cfg_obj = q35_config(**VARIANTS[variant])
-    out, cfg, _, control = megatron_vs_hf(cfg_obj, sharp_q35(cfg_obj), T=T)
+    out, cfg, sd, control = megatron_vs_hf(cfg_obj, sharp_q35(cfg_obj), T=T)
     zero_centered = ("layernorm.weight", "q_layernorm.weight", "k_layernorm.weight", "final_layernorm.weight")
 
     def shift(suffixes, by: float, skip: str = "out_norm"):
@@ -345,10 +355,26 @@ def _parity_report(variant: str) -> dict:
         "gate_rows_interleaved": lambda: control(cfg, edit=interleaved_gates),
         "rotary_percent": lambda: control({**cfg, "rope_parameters": {**rope, "partial_rotary_factor": 1.0}}),
     }
-    if variant == "qwen3_5_moe":
+    if variant != "qwen3_5":
         controls["shared_expert_gate"] = lambda: control(cfg, edit=_zero("shared_experts.gate_weight"))
+    if variant == "qwen3_next":  # HF's per-key-head groups of in_proj_qkvz / in_proj_ba read as flat parts
+        controls["in_proj_qkvz_flat"] = lambda: control(cfg, edit=_flat_qkvz(sd))
     out["controls"] = {name: run() for name, run in controls.items()}
     return out
+
+
+def _flat_qkvz(sd: dict):
+    def edit(full):
+        out = dict(full)
+        for k in full:
+            if k.endswith("self_attention.in_proj.weight"):
+                h = k.replace("decoder.", "model.").replace(
+                    "self_attention.in_proj", "linear_attn.in_proj_qkvz"
+                )
+                out[k] = torch.cat([sd[h], sd[h.replace("in_proj_qkvz", "in_proj_ba")]])
+        return out
+
+    return edit
 
 
 def _zero(suffix: str):
