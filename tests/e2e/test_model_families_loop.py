@@ -1,7 +1,8 @@
 """Qwen2, Llama and Qwen3-MoE through the whole loop on both trainer backends (Qwen3-MoE with R3, the
 aux loss and the z-loss on both; tests/unit/training/test_model_families_megatron.py /
 test_moe_megatron.py check the families' megatron conversion and logits parity on their own), and
-Qwen3.5-MoE (linear attention, gated shared expert, R3) on fsdp, the one HF-only family here
+Qwen3.5-MoE (linear attention, gated shared expert, R3) on both (megatron: models/bridge/qwen3_5_moe.py,
+megatron-core's GatedDeltaNet), the one HF-only family here
 (tests/unit/models/test_hf_families.py checks each of them in a step): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
 trainer's after every sync, over HTTP), weights to the engine by disk-delta, resume from the
@@ -28,7 +29,7 @@ def family_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize(
     ("family", "backend"),
     [(f, b) for f in ("llama", "qwen2", "qwen3_moe") for b in ("fsdp", "megatron")]
-    + [("qwen3_5_moe", "fsdp")],
+    + [("qwen3_5_moe", "fsdp"), ("qwen3_5_moe", "megatron")],
 )
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
