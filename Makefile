@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE ?= 1
 # write a module's .pyc the first time it is imported (into __pycache__ dirs git ignores)
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install system-deps demo demo-diffusion demo-vlm test test-fast lint ui viewer bench bench-trl-env clean
+.PHONY: install system-deps demo demo-diffusion demo-vlm test test-fast test-extended lint ui viewer bench bench-trl-env clean
 
 # apt packages: libibverbs1 for Mooncake's TCP transfer engine, chromium for the UI test.
 system-deps:
@@ -64,7 +64,13 @@ XDIST     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: install lint
 	$(BIN)/python scripts/warm_bytecode.py
-	$(BIN)/python -m pytest -q -m "not gpu" $(XDIST) --durations=15
+	$(BIN)/python -m pytest -q -m "not gpu and not extended" $(XDIST) --durations=15
+
+# checks each built of parts `make test` already checks one by one (a family's loop or layout on top
+# of its bridge's parity and step tests), kept out of its 10-minute budget; run before touching those parts
+test-extended: install
+	$(BIN)/python scripts/warm_bytecode.py
+	$(BIN)/python -m pytest -q -m "extended and not gpu" $(XDIST)
 
 # the inner loop: tests/unit + tests/dagster without the ~15 s+ tests (SFT bases, gloo groups, whole
 # runs); tests/e2e (the loop, learning, crash matrix, cluster, browser) and tests/gpu only in `make test`

@@ -331,7 +331,9 @@ def bridge_single_rank(tiny_hf_checkpoint, tmp_path_factory):
         ("glm4_moe", "tp2_sp_ep2_etp1"),
         ("gpt_oss", "tp2_sp_etp1"),
         ("gpt_oss", "tp2_sp_ep2_etp1"),
-        pytest.param("qwen3_5_moe", "tp2_sp", marks=pytest.mark.slow),
+        # ~22 s: the GatedDeltaNet split (test_qwen3_5_layout_step_equals_single_rank) and MoE layouts
+        # (the rows above) checked apart in `make test`; together in `make test-extended`
+        pytest.param("qwen3_5_moe", "tp2_sp", marks=[pytest.mark.slow, pytest.mark.extended]),
     ],
 )
 def test_bridge_layout_step_equals_single_rank(family, layout, bridge_single_rank, tmp_path):
