@@ -28,11 +28,12 @@ def family_checkpoints(tmp_path_factory):
 # Qwen3-MoE with R3, the aux loss and the z-loss on both backends (docs/moe.md)
 @pytest.mark.parametrize(
     ("family", "backend"),
-    [(f, b) for f in ("llama", "qwen2", "qwen3_moe") for b in ("fsdp", "megatron")]
-    + [("qwen3_5_moe", "fsdp")]
-    # ~20-25 s: its bridge's parity, GRPO step with R3 and layouts are in `make test`
-    # (test_qwen3_5_bridge.py, test_megatron_layouts.py); the whole loop in `make test-extended`
-    + [pytest.param("qwen3_5_moe", "megatron", marks=pytest.mark.extended)],
+    [(f, "fsdp") for f in ("llama", "qwen2", "qwen3_moe", "qwen3_5_moe")]
+    + [("qwen3_moe", "megatron")]
+    # 10-25 s each: their bridges' conversion and parity (test_model_families_megatron.py,
+    # test_qwen3_5_bridge.py), GRPO steps and layouts, and the megatron loop (test_loop.py, the
+    # Qwen3-MoE cell) are in `make test`; these loops, composed of them, in `make test-extended`
+    + [pytest.param(f, "megatron", marks=pytest.mark.extended) for f in ("llama", "qwen2", "qwen3_5_moe")],
 )
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
