@@ -44,7 +44,7 @@ _UNFUSED = "an unfused kernel: what the trainer here runs anyway (torch ops, meg
 _FAMILY = (
     "a megatron layer this build's megatron backend does not build from flags (its bridges build each model "
     "from config.json: Qwen3, Qwen2/2.5, Llama 3, Qwen3-MoE, Qwen3.5 / -MoE, Qwen3-Next, DeepSeek-V3, GLM-4.7-Flash, "
-    "GLM-4.5, GPT-OSS); DeepSeek-V3.2 and Gemma-4 train on "
+    "GLM-4.5, GPT-OSS, MiniMax-M2); DeepSeek-V3.2 and Gemma-4 train on "
     "--train-backend fsdp, built from config.json (models/families.py): drop the flag; other models: run them with Miles"
 )
 _MLA = "multi-latent attention (DeepSeek-V3 / Kimi / GLM-5) is " + _FAMILY

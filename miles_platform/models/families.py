@@ -16,14 +16,15 @@ qwen3_moe Qwen3MoeForCausalLM  Qwen3 attention, every layer a top-k MoE block (`
 
 HF families (`HF_FAMILIES`): transformers' own classes on the fsdp backend and the embedded engine
 (whose batched KV cache carries every cache layer kind they use, rollout/engine_batch.py). The megatron
-backend refuses all but qwen3_5, qwen3_5_moe, qwen3_next, deepseek_v3, glm4_moe_lite, glm4_moe and gpt_oss by name with
+backend refuses all but qwen3_5, qwen3_5_moe, qwen3_next, deepseek_v3, glm4_moe_lite, glm4_moe, gpt_oss and minimax_m2 by name with
 `Family.megatron` (the reason), before anything starts; Qwen3.5 has a bridge (`qwen3_5.py`: megatron-core's
 GatedDeltaNet + gated attention, TP + SP / PP, CP 1; `qwen3_5_moe.py`: + experts and a gated shared expert,
-R3; `qwen3_next.py`: + its fused in_proj_qkvz / in_proj_ba), the other four a bridge, R3 through the routers' replay hook
+R3; `qwen3_next.py`: + its fused in_proj_qkvz / in_proj_ba), the other five a bridge, R3 through the routers' replay hook
 (`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
 DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
 attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
-sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP with expert TP 1).
+sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP with expert TP 1; MiniMax-M2:
+whole-projection q/k norms + sigmoid-routed experts, `minimax_m2.py`, at TP 1).
 deepseek_v32 (the DSA indexer) stays refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full; megatron too
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert; megatron too
@@ -34,7 +35,7 @@ deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-lim
 deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache
 gpt_oss       GptOssForCausalLM       sliding-window / full layers, attention sinks, biased fused experts; megatron too
 nemotron_h    NemotronHForCausalLM    Mamba-2 (conv + SSM state) / attention / relu2 MoE layers
-minimax_m2    MiniMaxM2ForCausalLM    full attention with whole-head q/k norm, sigmoid-routed MoE
+minimax_m2    MiniMaxM2ForCausalLM    full attention with whole-projection q/k norm, sigmoid-routed MoE; megatron too
 gemma4        Gemma4ForCausalLM       sliding / full layers (own head dim), per-layer inputs (text model)
 Their on-disk names: models/checkpoint_layout.py. Refused by name (`REFUSED_ARCHITECTURES`): the
 vision-language checkpoints of these families (their text `*ForCausalLM` is taken).
@@ -179,7 +180,7 @@ HF_FAMILIES: dict[str, Family] = {
                {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "bos_token_id": None,
                 "eos_token_id": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-               moe=True, megatron=_NO_BRIDGE.format(what="MiniMax-M2 (none is written: its whole-head q/k norm, sigmoid routing)")),
+               moe=True),  # megatron: models/bridge/minimax_m2.py (whole-projection q/k norms; TP 1)
         Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig",
                {"head_dim": 32, "sliding_window": 8, "hidden_size_per_layer_input": 8},
                layer_pattern={"layer_types": ("sliding_attention", "full_attention")},
@@ -223,13 +224,20 @@ def routed_experts(cfg: dict[str, Any]) -> int:
 GATED_DELTANET_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
+# why MiniMax-M2's megatron mapping (models/bridge/minimax_m2.py) is built at TP 1 only
+MINIMAX_TP_REFUSAL = (
+    "MiniMax-M2's q/k norms span all heads of the projection (megatron's qk_layernorm is per head; at TP > 1 "
+    "each rank holds a slice of the heads and the norm would need an all-reduce)"
+)
+
+
 def megatron_layout_refusal(
     cfg: dict[str, Any], tp: int, ep: int, etp: int | None = None, cp: int = 1
 ) -> str | None:
     """Why a model cannot take this megatron layout, or None: the MLA mapping (DeepSeek-V3's bridge; the
     local and TE specs split MLA's down projections differently) is built and checked at TP 1 (its experts
     at EP 1 and 2: tests/unit/training/test_megatron_layouts.py, test_deepseek_v3_bridge.py); GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
-    when ETP==1"; expert TP defaults to TP); gated-DeltaNet layers (Qwen3.5, Qwen3-Next) at CP 1 (models/bridge/qwen3_5.py)."""
+    when ETP==1"; expert TP defaults to TP); gated-DeltaNet layers (Qwen3.5, Qwen3-Next) at CP 1 (models/bridge/qwen3_5.py); MiniMax-M2 at TP 1 (its q/k norms span all heads)."""
     if set(GATED_DELTANET_ARCHITECTURES) & set(cfg.get("architectures") or []) and cp > 1:
         return (
             f"--context-parallel-size {cp} with gated-DeltaNet layers (Qwen3.5 / Qwen3-Next): megatron-core 0.16's GatedDeltaNet "
@@ -241,6 +249,8 @@ def megatron_layout_refusal(
             "megatron mapping (models/bridge/deepseek_v3.py) is built and checked at TP 1 (its experts split "
             "over --expert-model-parallel-size ranks); use TP 1, or --train-backend fsdp"
         )
+    if "MiniMaxM2ForCausalLM" in (cfg.get("architectures") or []) and tp > 1:
+        return f"--tensor-model-parallel-size {tp}: {MINIMAX_TP_REFUSAL}; use TP 1, or --train-backend fsdp"
     if "GptOssForCausalLM" in (cfg.get("architectures") or []) and (etp or tp) > 1:
         return (
             f"expert tensor parallel {etp or tp} (--expert-tensor-parallel-size, default: "

@@ -57,7 +57,7 @@ def check_lora_model(hf_config: dict) -> None:
     """LoRA on megatron is built for the GQA attention and gated MLPs the dense / Qwen3-MoE bridges map:
     a model with DeepSeek's MoE (shared experts, the router's score-correction bias: the DeepSeek-V3,
     GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not; so is GPT-OSS (its bridge, biases on
-    every projection, is not checked with adapters), and Qwen3.5 / Qwen3-Next (gated-DeltaNet projections, gated q_proj:
+    every projection, is not checked with adapters), MiniMax-M2 (likewise), and Qwen3.5 / Qwen3-Next (gated-DeltaNet projections, gated q_proj:
     no megatron adapters)."""
     from miles_platform.models.families import GATED_DELTANET_ARCHITECTURES
 
@@ -66,6 +66,12 @@ def check_lora_model(hf_config: dict) -> None:
             f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')}: its gated-DeltaNet "
             "projections (fused into one megatron in_proj) and gated q_proj have no megatron adapters here; "
             "use --train-backend fsdp"
+        )
+    if "MiniMaxM2ForCausalLM" in (hf_config.get("architectures") or []):
+        raise ConfigError(
+            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} (MiniMax-M2): its megatron "
+            "bridge (whole-projection q/k norms, routed experts) is not built with adapters here; use "
+            "--train-backend fsdp"
         )
     if "GptOssForCausalLM" in (hf_config.get("architectures") or []):
         raise ConfigError(

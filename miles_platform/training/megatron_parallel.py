@@ -154,7 +154,8 @@ def _with_modules(spec, replace: dict):
 
 def decoder_layer_specs(bridge, hf_config: dict[str, Any], config, use_te: bool) -> list:
     """The layer spec of every decoder layer of the model: the bridge's, and where the bridge's
-    `moe_layer_freq` list has a 0 (DeepSeek-V3's first dense layers) the same without experts."""
+    `moe_layer_freq` list has a 0 (DeepSeek-V3's first dense layers) the same without experts; each
+    then as the bridge's `adapt_layer_spec` changes it (MiniMax-M2's whole-projection q/k norms)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     def spec(**kw):
@@ -169,6 +170,8 @@ def decoder_layer_specs(bridge, hf_config: dict[str, Any], config, use_te: bool)
     else:
         dense = spec(**{**kwargs, "num_experts": None})
         layers = [layer if moe else dense for moe in config.moe_layer_freq]
+    adapted = {id(s): bridge.adapt_layer_spec(s, use_te) for s in layers}  # one copy per distinct spec
+    layers = [adapted[id(s)] for s in layers]
     if config.experimental_attention_variant == "gated_delta_net":  # Qwen3.5's linear-attention layers
         from miles_platform.training.megatron_gdn import gdn_layer_spec
 

@@ -55,6 +55,11 @@ class Bridge(ABC):
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
         """kwargs shared by get_gpt_layer_local_spec / get_gpt_layer_with_transformer_engine_spec."""
 
+    def adapt_layer_spec(self, spec: Any, use_te: bool) -> Any:
+        """The family's changes to megatron's layer spec beyond `layer_spec_kwargs` (MiniMax-M2's whole-
+        projection q/k norms); the spec itself when none."""
+        return spec
+
     @abstractmethod
     def hf_to_megatron(
         self,

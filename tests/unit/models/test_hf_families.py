@@ -100,7 +100,9 @@ def test_family_exports_rolls_out_and_trains_under_ci_test(family, tmp_path):
     assert all(bool(torch.isfinite(v).all()) for v in after.values()) and math.isfinite(m["train/grad_norm"])
 
     arch = HF_FAMILIES[family].architecture
-    if not HF_FAMILIES[family].megatron:  # Qwen3.5, DeepSeek-V3, GLM-4.x, GPT-OSS: their bridges' tests
+    if not HF_FAMILIES[
+        family
+    ].megatron:  # Qwen3.5, DeepSeek-V3, GLM-4.x, GPT-OSS, MiniMax-M2: their bridges' tests
         _check_moe(RunConfig(hf_checkpoint=ckpt, train_backend="megatron"), hf)
         assert get_bridge(hf).architectures == (arch,)
         return
