@@ -79,6 +79,16 @@ def ends_to_hf(mcore_sd, kind: int, V: int, H: int, tied: bool) -> dict[str, tor
     return out
 
 
+def checked_rotary_percent(percent: float, head_dim: int, refuse) -> float:
+    """A partial rotary's fraction of each head (megatron's `rotary_percent`): in (0, 1] and an even number
+    of rotated dims, else `refuse(what)` is raised (GLM-4.5, MiniMax-M2)."""
+    if not 0.0 < percent <= 1.0 or int(head_dim * percent) % 2:
+        raise refuse(
+            f"partial_rotary_factor {percent} of head_dim {head_dim} (an even number of rotated dims, at most head_dim)"
+        )
+    return percent
+
+
 def rope_params(c: dict[str, Any]) -> dict[str, Any]:
     """rope_theta + scaling of a config.json dict: transformers 5 writes `rope_parameters`, older
     checkpoints (Llama 3.x as published) `rope_theta` + `rope_scaling`."""

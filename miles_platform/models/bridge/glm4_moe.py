@@ -35,7 +35,7 @@ import torch
 
 from miles_platform.models.bridge.base import hf_config_dict, register_bridge
 from miles_platform.models.bridge.deepseek_v3 import DeepseekMoe, moe_to_hf, moe_to_megatron, mtp_layer
-from miles_platform.models.bridge.dense import DenseBridge, Dims, rope_params
+from miles_platform.models.bridge.dense import DenseBridge, Dims, checked_rotary_percent, rope_params
 
 GLM_DEFAULT_PARTIAL_ROTARY = 0.5  # Glm4MoeConfig.__post_init__'s default
 
@@ -53,12 +53,9 @@ class Glm4MoeDims(Dims):
         if rope["rope_type"] != "default":
             raise self.moe.refuse(f"rope_type {rope['rope_type']!r} (mapped: default, with a partial rotary)")
         partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor"))
-        self.rotary_percent = float(GLM_DEFAULT_PARTIAL_ROTARY if partial is None else partial)
-        if not 0.0 < self.rotary_percent <= 1.0 or int(self.head_dim * self.rotary_percent) % 2:
-            raise self.moe.refuse(
-                f"partial_rotary_factor {self.rotary_percent} of head_dim {self.head_dim} (an even number of "
-                "rotated dims, at most head_dim)"
-            )
+        self.rotary_percent = checked_rotary_percent(
+            float(GLM_DEFAULT_PARTIAL_ROTARY if partial is None else partial), self.head_dim, self.moe.refuse
+        )
 
 
 @register_bridge("Glm4MoeForCausalLM")

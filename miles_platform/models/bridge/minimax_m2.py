@@ -42,8 +42,8 @@ import torch
 
 from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge.base import hf_config_dict, register_bridge
-from miles_platform.models.bridge.dense import DenseBridge, Dims, rope_params
-from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_megatron
+from miles_platform.models.bridge.dense import DenseBridge, Dims, checked_rotary_percent, rope_params
+from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_megatron, softmax_moe_config
 from miles_platform.models.families import MINIMAX_TP_REFUSAL
 
 
@@ -96,12 +96,9 @@ class MiniMaxM2Dims(Dims):
             "rotary_dim"
         ):  # published configs: rotary_dim (MiniMaxM2Config reads it)
             partial = int(c["rotary_dim"]) / self.head_dim
-        self.rotary_percent = float(1.0 if partial is None else partial)
-        if not 0.0 < self.rotary_percent <= 1.0 or int(self.head_dim * self.rotary_percent) % 2:
-            raise self.refuse(
-                f"partial_rotary_factor {self.rotary_percent} of head_dim {self.head_dim} (an even number of "
-                "rotated dims, at most head_dim)"
-            )
+        self.rotary_percent = checked_rotary_percent(
+            float(1.0 if partial is None else partial), self.head_dim, self.refuse
+        )
 
     def refuse(self, what: str) -> CheckpointError:
         return CheckpointError(
@@ -122,20 +119,14 @@ class MiniMaxM2Bridge(DenseBridge):
         return dict(
             super().transformer_config(hf_config),
             qk_layernorm=True,  # WholeQNorm / WholeKNorm (adapt_layer_spec)
-            num_moe_experts=d.experts,
-            moe_router_topk=d.top_k,
-            moe_ffn_hidden_size=d.ffn,
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,
-            moe_router_pre_softmax=False,
-            moe_router_topk_scaling_factor=1.0,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather",
-            moe_grouped_gemm=False,
-            moe_permute_fusion=False,
-            moe_router_fusion=False,
+            # qwen3_moe's router fields with sigmoid scores and the checkpoint's score-correction bias, kept
+            **{
+                **softmax_moe_config(d.experts, d.top_k, d.ffn, pre_softmax=False),
+                "moe_router_score_function": "sigmoid",
+                "moe_router_enable_expert_bias": True,
+                "moe_router_bias_update_rate": 0.0,
+                "moe_router_topk_scaling_factor": 1.0,
+            },
         )
 
     def gpt_model_kwargs(self, hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:

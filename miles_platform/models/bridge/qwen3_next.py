@@ -23,7 +23,6 @@ import torch
 
 from miles_platform.models.bridge.base import hf_config_dict, register_bridge
 from miles_platform.models.bridge.qwen3_5_moe import Qwen35MoeBridge, Qwen35MoeDims
-from miles_platform.models.bridge.qwen3_moe import softmax_moe_config
 
 
 class Qwen3NextDims(Qwen35MoeDims):
@@ -46,10 +45,10 @@ class Qwen3NextBridge(Qwen35MoeBridge):
         return Qwen3NextDims(hf_config_dict(hf_config), self.family)
 
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:
-        d = self.dims(hf_config)
-        pre = softmax_moe_config(d.experts, d.top_k, d.moe_ffn, pre_softmax=not d.norm_topk_prob)
+        # the router follows norm_topk_prob, as qwen3_moe.py's: top-k of the softmax over all experts when unset
         return dict(
-            super().transformer_config(hf_config), moe_router_pre_softmax=pre["moe_router_pre_softmax"]
+            super().transformer_config(hf_config),
+            moe_router_pre_softmax=not self.dims(hf_config).norm_topk_prob,
         )
 
     def in_proj_to_megatron(self, get, d: Qwen3NextDims, h: str) -> list[torch.Tensor]:
