@@ -56,29 +56,12 @@ _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_p
 def check_lora_model(hf_config: dict) -> None:
     """LoRA on megatron is built for the GQA attention and gated MLPs the dense / Qwen3-MoE bridges map:
     a model with DeepSeek's MoE (shared experts, the router's score-correction bias: the DeepSeek-V3,
-    GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not; so is GPT-OSS (its bridge, biases on
-    every projection, is not checked with adapters), MiniMax-M2 (likewise), and Qwen3.5 / Qwen3-Next (gated-DeltaNet projections, gated q_proj:
-    no megatron adapters)."""
-    from miles_platform.models.families import GATED_DELTANET_ARCHITECTURES
+    GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not; so is every other family whose bridge
+    says why (`Bridge.lora_refusal`: GPT-OSS, MiniMax-M2, Qwen3.5 / Qwen3-Next, and any bridge that does
+    not declare adapters built)."""
+    from miles_platform.errors import CheckpointError
+    from miles_platform.models.bridge import get_bridge
 
-    if set(GATED_DELTANET_ARCHITECTURES) & set(hf_config.get("architectures") or []):
-        raise ConfigError(
-            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')}: its gated-DeltaNet "
-            "projections (fused into one megatron in_proj) and gated q_proj have no megatron adapters here; "
-            "use --train-backend fsdp"
-        )
-    if "MiniMaxM2ForCausalLM" in (hf_config.get("architectures") or []):
-        raise ConfigError(
-            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} (MiniMax-M2): its megatron "
-            "bridge (whole-projection q/k norms, routed experts) is not built with adapters here; use "
-            "--train-backend fsdp"
-        )
-    if "GptOssForCausalLM" in (hf_config.get("architectures") or []):
-        raise ConfigError(
-            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} (GPT-OSS): its megatron "
-            "bridge (biased projections, sinks) is not built with adapters here; use --train-backend fsdp "
-            "(attention adapters)"
-        )
     if hf_config.get("kv_lora_rank") or hf_config.get("n_routed_experts"):
         mla = "multi-latent attention and " if hf_config.get("kv_lora_rank") else ""
         raise ConfigError(
@@ -86,6 +69,12 @@ def check_lora_model(hf_config: dict) -> None:
             "MoE layers (shared experts, a score-correction bias), which have no megatron adapters here; use "
             "--train-backend fsdp"
         )
+    try:
+        why = get_bridge(hf_config).lora_refusal
+    except CheckpointError:  # no bridge: the megatron backend refuses the model itself (preflight)
+        return
+    if why:
+        raise ConfigError(f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')}{why}")
 
 
 def megatron_target(hf_name: str) -> tuple[str, str]:

@@ -42,6 +42,12 @@ class Bridge(ABC):
     """
 
     architectures: tuple[str, ...] = ()
+    # why LoRA adapters are not built on megatron for this family (the text after its architectures in the
+    # refusal, training/megatron_lora.check_lora_model); None where they are (the dense / Qwen3-MoE bridges).
+    # Refused unless a bridge says otherwise: a new family's projections are not checked with adapters
+    lora_refusal: str | None = (
+        ": its megatron bridge is not built with adapters here; use --train-backend fsdp"
+    )
 
     @abstractmethod
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:

@@ -177,6 +177,7 @@ class DenseBridge(Bridge):
     """A dense GQA decoder with SwiGLU MLP and RMSNorm; subclasses name the family's differences."""
 
     family = "dense"
+    lora_refusal = None  # training/megatron_lora.py maps these projections (and Qwen3-MoE's experts)
     qk_norm = False  # per-head RMSNorm on q and k (Qwen3)
 
     def qkv_bias(self, c: dict[str, Any]) -> bool:

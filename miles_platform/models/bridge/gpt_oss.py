@@ -123,6 +123,10 @@ class GptOssDims(Dims):
 @register_bridge("GptOssForCausalLM")
 class GptOssBridge(DenseBridge):
     family = "GPT-OSS"
+    lora_refusal = (
+        " (GPT-OSS): its megatron bridge (biased projections, sinks) is not built with adapters here; use "
+        "--train-backend fsdp (attention adapters)"
+    )
 
     def dims(self, hf_config: Any) -> GptOssDims:
         return GptOssDims(hf_config_dict(hf_config), self.family)

@@ -110,6 +110,10 @@ class MiniMaxM2Dims(Dims):
 @register_bridge("MiniMaxM2ForCausalLM")
 class MiniMaxM2Bridge(DenseBridge):
     family = "MiniMax-M2"
+    lora_refusal = (
+        " (MiniMax-M2): its megatron bridge (whole-projection q/k norms, routed experts) is not built with "
+        "adapters here; use --train-backend fsdp"
+    )
 
     def dims(self, hf_config: Any) -> MiniMaxM2Dims:
         return MiniMaxM2Dims(hf_config_dict(hf_config), self.family)

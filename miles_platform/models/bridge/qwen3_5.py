@@ -107,6 +107,10 @@ class Qwen35Dims(Dims):
 @register_bridge("Qwen3_5ForCausalLM")
 class Qwen35Bridge(DenseBridge):
     family = "Qwen3.5"
+    lora_refusal = (
+        ": its gated-DeltaNet projections (fused into one megatron in_proj) and gated q_proj have no megatron "
+        "adapters here; use --train-backend fsdp"
+    )
     qk_norm = True
 
     def dims(self, hf_config: Any) -> Qwen35Dims:
