@@ -10,7 +10,8 @@ GatedDeltaNet imports flash-linear-attention (`fla`: triton kernels, CUDA only) 
 build without it. On a machine without CUDA, `install_cpu_fla` (called by megatron_shims.apply_cpu_shims) gives
 megatron's module the two functions it takes from fla, in torch: `l2norm` (fla's and HF's arithmetic, eps 1e-6)
 and `chunk_gated_delta_rule` (megatron's own `torch_chunk_gated_delta_rule`, the chunked form HF's reference
-computes), and unwraps its torch.compiled gated norm. It sets the names inside megatron's module rather than
+computes); its torch.compiled gated norm runs eagerly there like every megatron `jit_fuser` function
+(megatron_shims). It sets the names inside megatron's module rather than
 registering an `fla` package: transformers would then take that package for the real library in the same
 process (the embedded engine's HF model). With CUDA, the real fla is required (`check_fla`, the `gpu` extra).
 """
@@ -64,8 +65,6 @@ def install_cpu_fla() -> bool:
     gdn.HAVE_FLA = True
     gdn.l2norm = l2norm
     gdn.chunk_gated_delta_rule = chunk_gated_delta_rule
-    norm = gdn.GatedDeltaNet._apply_gated_norm  # torch.compile'd (megatron's jit_fuser): inductor on a CPU
-    gdn.GatedDeltaNet._apply_gated_norm = getattr(norm, "_torchdynamo_orig_callable", norm)
     return True
 
 

@@ -11,6 +11,9 @@ checkpointing otherwise do not need. Each shim below is a no-op when CUDA is ava
 - the sliding-window attention mask (GPT-OSS) is built on "cuda": build it on the rank's device.
 - GatedDeltaNet (Qwen3.5) needs flash-linear-attention's CUDA kernels: megatron_gdn.install_cpu_fla
   gives it their torch equivalents.
+- megatron's `jit_fuser` is `torch.compile`: on a CPU, inductor compiles C++ for each decorated
+  function in each process (the gated attention's output gate alone ~2.9 s of a 3.5 s Qwen3.5 step,
+  once per rank), to fuse a few elementwise ops; `_eager_jit_fuser` runs them as written.
 - `torch.cuda.current_device()` is called for RoPE frequencies, attention buffers and the
   failure flag that `dist_checkpointing.save` all-reduces: on a machine without CUDA (where the
   call could only raise) it answers the rank's device (`set_shim_device`; "cpu" unless a test runs
@@ -78,6 +81,37 @@ def apply_no_te_shims() -> None:
             setattr(moe_utils, name, None)
 
 
+def _eager_jit_fuser() -> None:
+    """Every function megatron-core compiled with its `jit_fuser` (`torch.compile`) runs eagerly: the
+    ones already defined (methods such as `SelfAttention._apply_output_gate`, `Router._apply_expert_bias`,
+    `GatedDeltaNet._apply_gated_norm`; module functions and their from-imports) get their original back,
+    and `megatron.core.jit.jit_fuser` is megatron's own no-op for modules imported later and for the
+    functions experts build per instance (`disable_jit_fuser`). CPU only: on CUDA the fusion is the point."""
+    import sys
+    import types
+
+    from megatron.core import jit
+
+    def compiled(value) -> bool:  # torch.compile's wrapper function (not a mock answering every name)
+        if not isinstance(value, types.FunctionType) or "_torchdynamo_orig_callable" not in vars(value):
+            return False
+        return (getattr(value._torchdynamo_orig_callable, "__module__", None) or "").startswith("megatron.")
+
+    jit.disable_jit_fuser()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.") or not isinstance(module, types.ModuleType):
+            continue
+        if "jit_fuser" in vars(module):
+            module.jit_fuser = jit.noop_decorator
+        for attr, value in list(vars(module).items()):
+            if compiled(value):
+                setattr(module, attr, value._torchdynamo_orig_callable)
+            elif isinstance(value, type) and value.__module__ == name:
+                for key, member in list(vars(value).items()):
+                    if compiled(member):
+                        setattr(value, key, member._torchdynamo_orig_callable)
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for CPU. Idempotent; returns True when shims are active (no CUDA)."""
     global _APPLIED
@@ -116,6 +150,7 @@ def apply_cpu_shims() -> bool:
     from miles_platform.training.megatron_gdn import install_cpu_fla
 
     install_cpu_fla()  # Qwen3.5's GatedDeltaNet: fla's two functions in torch (megatron_gdn.py)
+    _eager_jit_fuser()
 
     original_preload = filesystem_async.FileSystemWriterAsync.preload_tensors
 
