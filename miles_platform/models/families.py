@@ -20,7 +20,7 @@ backend refuses all but qwen3_5, qwen3_5_moe, qwen3_next, deepseek_v3, glm4_moe_
 `Family.megatron` (the reason), before anything starts; Qwen3.5 has a bridge (`qwen3_5.py`: megatron-core's
 GatedDeltaNet + gated attention, TP + SP / PP, CP 1; `qwen3_5_moe.py`: + experts and a gated shared expert,
 R3; `qwen3_next.py`: + its fused in_proj_qkvz / in_proj_ba), the other five a bridge, R3 through the routers' replay hook
-(`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP 1, EP 1; GLM-4.7-Flash's classes are
+(`models/bridge/deepseek_v3.py`: MLA + DeepSeek MoE at TP / SP / EP; GLM-4.7-Flash's classes are
 DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
 attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
 sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP with expert TP 1; MiniMax-M2:
@@ -234,20 +234,14 @@ MINIMAX_TP_REFUSAL = (
 def megatron_layout_refusal(
     cfg: dict[str, Any], tp: int, ep: int, etp: int | None = None, cp: int = 1
 ) -> str | None:
-    """Why a model cannot take this megatron layout, or None: the MLA mapping (DeepSeek-V3's bridge; the
-    local and TE specs split MLA's down projections differently) is built and checked at TP 1 (its experts
-    at EP 1 and 2: tests/unit/training/test_megatron_layouts.py, test_deepseek_v3_bridge.py); GPT-OSS's biased experts at expert TP 1 only (megatron-core: "Bias in Moe is only supported
-    when ETP==1"; expert TP defaults to TP); gated-DeltaNet layers (Qwen3.5, Qwen3-Next) at CP 1 (models/bridge/qwen3_5.py); MiniMax-M2 at TP 1 (its q/k norms span all heads)."""
+    """Why a model cannot take this megatron layout, or None: GPT-OSS's biased experts at expert TP 1 only
+    (megatron-core: "Bias in Moe is only supported when ETP==1"; expert TP defaults to TP); gated-DeltaNet layers
+    (Qwen3.5, Qwen3-Next) at CP 1 (models/bridge/qwen3_5.py); MiniMax-M2 at TP 1 (its q/k norms span all heads).
+    MLA at TP > 1 needs --sequence-parallel (megatron_parallel.check_model_fits)."""
     if set(GATED_DELTANET_ARCHITECTURES) & set(cfg.get("architectures") or []) and cp > 1:
         return (
             f"--context-parallel-size {cp} with gated-DeltaNet layers (Qwen3.5 / Qwen3-Next): megatron-core 0.16's GatedDeltaNet "
             "has no context parallelism; use CP 1 (tensor / sequence / data / pipeline parallel), or --train-backend fsdp"
-        )
-    if cfg.get("kv_lora_rank") and tp > 1:
-        return (
-            f"--tensor-model-parallel-size {tp} with multi-latent attention ({cfg.get('architectures')}): the "
-            "megatron mapping (models/bridge/deepseek_v3.py) is built and checked at TP 1 (its experts split "
-            "over --expert-model-parallel-size ranks); use TP 1, or --train-backend fsdp"
         )
     if "MiniMaxM2ForCausalLM" in (cfg.get("architectures") or []) and tp > 1:
         return f"--tensor-model-parallel-size {tp}: {MINIMAX_TP_REFUSAL}; use TP 1, or --train-backend fsdp"

@@ -405,6 +405,11 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
     experts = routed_experts(hf_config)
     if why := megatron_layout_refusal(hf_config, tp, layout.ep, layout.etp, layout.cp):
         raise ConfigError(why)
+    if hf_config.get("kv_lora_rank") and tp > 1 and not layout.sp:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} with multi-latent attention needs --sequence-parallel: megatron-core's "
+            "MLA sums the shared rope key's gradient over the heads' TP ranks on that path only (training/megatron_mla.py)"
+        )
     _check_linear_attention_fits(layout, hf_config)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(

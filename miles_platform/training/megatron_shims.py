@@ -74,6 +74,9 @@ def apply_no_te_shims() -> None:
     # MLA's constructor then raises TypeError (measured): MLA's TE branches are off without TE.
     if not isinstance(multi_latent_attention.TELinear, type | None):
         multi_latent_attention.HAVE_TE = False
+    from miles_platform.training.megatron_mla import install_duplicated_linear
+
+    install_duplicated_linear()  # MLA's down projections whole on every TP rank, as TE's spec (megatron_mla)
     if moe_utils.HAVE_TE:
         return
     for name in _TE_MOE_NAMES:

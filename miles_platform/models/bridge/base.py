@@ -23,6 +23,11 @@ _COLUMN_PARALLEL = (
     "linear_qkv.weight",
     "linear_qkv.bias",
     "core_attention.softmax_offset",
+    # MLA (DeepSeek-V3): the up projections' rows are whole heads; the latent down projections are whole
+    # on every rank (duplicated, in both specs: training/megatron_mla.py)
+    "linear_q_proj.weight",
+    "linear_q_up_proj.weight",
+    "linear_kv_up_proj.weight",
 )
 _ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight", "self_attention.out_proj.weight")
 _GATED_COLUMN_PARALLEL = ("linear_fc1.weight",)  # [gate; up], each half split on dim 0

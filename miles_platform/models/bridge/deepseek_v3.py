@@ -1,5 +1,11 @@
 """DeepSeek-V3 <-> megatron-core GPTModel: MLA attention (`MLATransformerConfig`, the layer spec's
-`multi_latent_attention=True`) and DeepSeek's MoE, expert parallel 1, tensor parallel 1.
+`multi_latent_attention=True`) and DeepSeek's MoE, at any expert and tensor parallel size.
+
+Tensor parallel: the up projections (`linear_q_up_proj` / `linear_q_proj`, `linear_kv_up_proj`) split whole
+heads' rows, `linear_proj` their columns; the latent down projections and norms are whole on every rank, in TE's
+spec (duplicated TELinear) and in the local one (`adapt_layer_spec`: training/megatron_mla.py's
+DuplicatedLinear, where it says why), with --sequence-parallel (the shared rope key's gradient is summed over
+the heads' ranks on that path only).
 
 HF (module names)                                    megatron (local spec; TE spec name in brackets)
 model.layers.i.self_attn.q_a_proj.weight             decoder.layers.i.self_attention.linear_q_down_proj.weight
@@ -238,11 +244,6 @@ class DeepseekV3Bridge(Bridge):
 
     def gpt_model_kwargs(self, hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
         d = self.dims(hf_config)
-        if tensor_model_parallel_size > 1:  # the down projections split differently per spec (local / TE)
-            raise CheckpointError(
-                f"{self.family} at tensor parallel {tensor_model_parallel_size}: the MLA mapping is built at TP 1 "
-                "only (models/bridge/deepseek_v3.py); use --tensor-model-parallel-size 1"
-            )
         return dict(
             vocab_size=padded_vocab(d.vocab, tensor_model_parallel_size),
             max_sequence_length=d.max_pos,
@@ -250,6 +251,14 @@ class DeepseekV3Bridge(Bridge):
             rotary_base=d.rope_config["rotary_base"],
             share_embeddings_and_output_weights=d.tied,
         )
+
+    def adapt_layer_spec(self, spec: Any, use_te: bool) -> Any:
+        """The local spec's latent down projections duplicated, as TE's (training/megatron_mla.py)."""
+        if use_te:
+            return spec
+        from miles_platform.training.megatron_mla import duplicated_down_projections
+
+        return duplicated_down_projections(spec)
 
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
         """The MoE layers' spec; megatron_parallel builds the dense layers' without `num_experts`."""

@@ -209,11 +209,9 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
     megatron_config_of(deepseek_config(), change, "DeepSeek-V3", match)
 
 
-def test_tensor_parallel_is_refused_and_mtp_layers_are_dropped():
+def test_mtp_layers_are_dropped():
     cfg = deepseek_config()
     bridge = get_bridge(cfg)
-    with pytest.raises(CheckpointError, match="tensor parallel 2: the MLA mapping is built at TP 1"):
-        bridge.gpt_model_kwargs(cfg, tensor_model_parallel_size=2)
     sd = _state(cfg, sharp_model(cfg))
     mtp = {"model.layers.2.eh_proj.weight": torch.zeros(4, 4), "model.layers.2.enorm.weight": torch.ones(4)}
     assert sorted(bridge.hf_to_megatron({**sd, **mtp}, cfg)) == sorted(bridge.hf_to_megatron(sd, cfg))
@@ -260,15 +258,14 @@ def test_without_each_mapping_parity_fails(parity, variant):
     assert all(v > 1000 * TOL for v in c.values()), c
 
 
-def test_hf_to_torch_dist_to_hf_is_bit_exact_at_ep1_and_ep2_and_tp2_is_refused_before_writing(
-    tiny_hf_checkpoint, tmp_path
-):
+def test_hf_to_torch_dist_to_hf_is_bit_exact_at_ep1_ep2_and_tp2(tiny_hf_checkpoint, tmp_path):
     """`miles-platform convert` both ways through megatron's torch_dist (the MLA layers' and the
-    router's expert_bias sharded state): HF's on-disk tensors come back bit for bit."""
+    router's expert_bias sharded state): HF's on-disk tensors come back bit for bit, written whole, with
+    the experts split over 2 ranks, and at TP2 (the up projections' heads and the experts' hidden units
+    split, the latent down projections whole on each rank)."""
     from safetensors.torch import load_file
 
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-    from miles_platform.weights import conversion
 
     hf, tok = str(tmp_path / "hf"), load_tokenizer(tiny_hf_checkpoint)
     save_hf_checkpoint(sharp_model(deepseek_config(len(tok))), tok, hf)
@@ -277,15 +274,16 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact_at_ep1_and_ep2_and_tp2_is_refused_b
     assert sorted(a) == sorted(b) and "model.layers.1.mlp.gate.e_score_correction_bias" in a
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
-    with pytest.raises(CheckpointError, match="--tensor-model-parallel-size 2 .* multi-latent attention"):
-        conversion.hf_to_torch_dist(hf, tmp_path / "tp2", tensor_model_parallel_size=2)
-    assert not (tmp_path / "tp2").exists()
-    # written with the experts split over 2 ranks (EP2), read back whole: the same bits
-    _run_script("convert", hf, str(tmp_path / "ep2"), "--expert-model-parallel-size", "2")
-    c = load_file(str(tmp_path / "ep2" / "back" / "model.safetensors"))
-    assert sorted(a) == sorted(c) and all(
-        torch.equal(a[k].view(torch.uint8), c[k].view(torch.uint8)) for k in a
-    )
+    # written with the experts split over 2 ranks (EP2), and at TP2, read back whole: the same bits
+    for name, layout in (
+        ("ep2", ["--expert-model-parallel-size", "2"]),
+        ("tp2", ["--tensor-model-parallel-size", "2"]),
+    ):
+        _run_script("convert", hf, str(tmp_path / name), *layout)
+        c = load_file(str(tmp_path / name / "back" / "model.safetensors"))
+        assert sorted(a) == sorted(c) and all(
+            torch.equal(a[k].view(torch.uint8), c[k].view(torch.uint8)) for k in a
+        ), name
 
 
 def megatron_runs(make_config, tiny_hf_checkpoint, tmp_path):
@@ -299,17 +297,21 @@ def megatron_runs(make_config, tiny_hf_checkpoint, tmp_path):
     return lambda **flags: small_run_config(hf, tmp_path, train_backend="megatron", **flags)
 
 
-def test_preflight_takes_it_on_megatron_and_ep_and_refuses_tp_and_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_it_on_megatron_at_ep_and_tp_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
     run = megatron_runs(deepseek_config, tiny_hf_checkpoint, tmp_path)
     validate_before_start(run(use_rollout_routing_replay=True))
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
-    with pytest.raises(ConfigError, match="with multi-latent attention .* is built and checked at TP 1"):
-        validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
-    # the experts split over ranks, attention replicated: test_megatron_layouts' EP2 step equals one rank's
+    # test_megatron_layouts: the EP2 step (attention replicated) and the TP2 + SP step equal one rank's
+    validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
     validate_before_start(run(**two, expert_model_parallel_size=2, use_rollout_routing_replay=True))
+    with pytest.raises(
+        ConfigError,
+        match="--tensor-model-parallel-size 2 with multi-latent attention needs --sequence-parallel",
+    ):
+        validate_before_start(run(**two, tensor_model_parallel_size=2))
     with pytest.raises(
         ConfigError, match="--lora-rank with --train-backend megatron: .* multi-latent attention"
     ):

@@ -367,15 +367,34 @@ def test_qwen3_5_layout_step_equals_single_rank(layout, qwen3_5_single_rank, tmp
     assert_same_step(single, train_one_step(ckpt, tmp_path / layout, 2, **LAYOUTS[layout]))
 
 
-def test_mla_experts_split_over_ranks_step_as_one_rank(tiny_hf_checkpoint, tmp_path_factory):
+@pytest.fixture(scope="module")
+def deepseek_single_rank(tiny_hf_checkpoint, tmp_path_factory):
+    """The tiny DeepSeek-V3 and its 1-rank step per micro-batch size."""
+    work = tmp_path_factory.mktemp("deepseek")
+    ckpt, runs = bridge_checkpoint("deepseek_v3", tiny_hf_checkpoint, work / "hf"), {}
+
+    def run(micro_batch_size: int):
+        if micro_batch_size not in runs:
+            runs[micro_batch_size] = train_one_step(
+                ckpt, work / f"one_mbs{micro_batch_size}", 1, micro_batch_size=micro_batch_size, **MOE
+            )
+        return runs[micro_batch_size]
+
+    return ckpt, run
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2_sp"])
+def test_mla_split_over_ranks_steps_as_one_rank(layout, deepseek_single_rank, tmp_path):
     """DeepSeek-V3 (models/bridge/deepseek_v3.py: MLA, a dense first layer, sigmoid group-limited routing,
-    a shared expert, the score-correction bias) at EP2, attention replicated (TP 1): the 1-rank step,
-    R3 and the load-balancing / z losses included (micro-batches of 1: EP2 is data parallel 2)."""
-    work = tmp_path_factory.mktemp("deepseek_ep")
-    ckpt = bridge_checkpoint("deepseek_v3", tiny_hf_checkpoint, work / "hf")
-    single = train_one_step(ckpt, work / "ep1", 1, micro_batch_size=1, **MOE)
-    got = train_one_step(ckpt, work / "ep2", 2, **EXPERT_LAYOUTS["ep2"], **MOE)
-    assert_same_step(single, got)
+    a shared expert, the score-correction bias) at EP2, attention replicated (micro-batches of 1: EP2 is
+    data parallel 2), and at TP2 + SP: each rank holds whole heads of the q / kv up projections and of
+    linear_proj, and its slice of the latent down projections' rows (the local spec gathers their output
+    before the q / kv latent norms, which then see the sequence slice under SP); the experts split by
+    expert TP 2. R3 and the load-balancing / z losses included: the 1-rank step."""
+    ckpt, single = deepseek_single_rank
+    flags = EXPERT_LAYOUTS[layout]
+    got = train_one_step(ckpt, tmp_path / layout, 2, **flags, **MOE)
+    assert_same_step(single(flags["micro_batch_size"]), got)
     assert got[0][0]["train/moe_route_flip_frac"] > 0  # the routes replayed are not the model's own
 
 
