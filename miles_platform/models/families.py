@@ -220,40 +220,6 @@ def routed_experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
 
-# megatron-core's GatedDeltaNet behind these bridges (models/bridge/qwen3_5.py, qwen3_5_moe.py, qwen3_next.py)
-GATED_DELTANET_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
-
-
-# why MiniMax-M2's megatron mapping (models/bridge/minimax_m2.py) is built at TP 1 only
-MINIMAX_TP_REFUSAL = (
-    "MiniMax-M2's q/k norms span all heads of the projection (megatron's qk_layernorm is per head; at TP > 1 "
-    "each rank holds a slice of the heads and the norm would need an all-reduce)"
-)
-
-
-def megatron_layout_refusal(
-    cfg: dict[str, Any], tp: int, ep: int, etp: int | None = None, cp: int = 1
-) -> str | None:
-    """Why a model cannot take this megatron layout, or None: GPT-OSS's biased experts at expert TP 1 only
-    (megatron-core: "Bias in Moe is only supported when ETP==1"; expert TP defaults to TP); gated-DeltaNet layers
-    (Qwen3.5, Qwen3-Next) at CP 1 (models/bridge/qwen3_5.py); MiniMax-M2 at TP 1 (its q/k norms span all heads).
-    MLA at TP > 1 needs --sequence-parallel (megatron_parallel.check_model_fits)."""
-    if set(GATED_DELTANET_ARCHITECTURES) & set(cfg.get("architectures") or []) and cp > 1:
-        return (
-            f"--context-parallel-size {cp} with gated-DeltaNet layers (Qwen3.5 / Qwen3-Next): megatron-core 0.16's GatedDeltaNet "
-            "has no context parallelism; use CP 1 (tensor / sequence / data / pipeline parallel), or --train-backend fsdp"
-        )
-    if "MiniMaxM2ForCausalLM" in (cfg.get("architectures") or []) and tp > 1:
-        return f"--tensor-model-parallel-size {tp}: {MINIMAX_TP_REFUSAL}; use TP 1, or --train-backend fsdp"
-    if "GptOssForCausalLM" in (cfg.get("architectures") or []) and (etp or tp) > 1:
-        return (
-            f"expert tensor parallel {etp or tp} (--expert-tensor-parallel-size, default: "
-            f"--tensor-model-parallel-size {tp}) with GPT-OSS's biased experts: megatron-core builds biased "
-            "experts at expert TP 1 only; add --expert-tensor-parallel-size 1"
-        )
-    return None
-
-
 def is_moe_config(hf_config: Any) -> bool:
     fam = family_of(hf_config)
     return fam is not None and fam.moe

@@ -87,7 +87,7 @@ class GatedOutNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # replicated over TP, but each TP rank normalizes its own value heads: its gradient is a partial sum,
         # which megatron's finalize_model_grads sums over TP for weights so marked under sequence parallelism
-        # (megatron_parallel.check_model_fits: Qwen3.5 at TP > 1 needs --sequence-parallel)
+        # (Qwen35Bridge.layout_refusal: Qwen3.5 at TP > 1 needs --sequence-parallel)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ each TP rank's heads give it a partial gradient, and the gather's backward keeps
 without summing them (measured: a TP2 + SP step's gradients 1e-5..8e-3 off the 1-rank step's, embeddings
 worst). On the duplicated branch MLA gathers `k_pos_emb` from the sequence-parallel region, whose
 backward reduce-scatters, i.e. sums the heads' partial gradients: so TP > 1 needs --sequence-parallel
-(megatron_parallel.check_model_fits). Under SP each rank projects its slice of the sequence: the weight's
+(`DeepseekV3Bridge.layout_refusal`). Under SP each rank projects its slice of the sequence: the weight's
 gradient is a partial sum, marked `sequence_parallel` for megatron's finalize_model_grads to sum over TP.
 MLA passes `parallel_mode="duplicated"` only to the class its module knows as `TELinear`, which without
 transformer-engine is a MagicMock instance: `install_duplicated_linear` names this class there.

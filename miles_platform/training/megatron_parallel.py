@@ -400,17 +400,11 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
             f"--pipeline-model-parallel-size {pp}: the model's {layers} layers do not divide by it"
         )
     layout.virtual_stages(layers)  # raises for --num-layers-per-virtual-pipeline-stage
-    from miles_platform.models.families import megatron_layout_refusal, routed_experts
+    from miles_platform.models.families import routed_experts
 
     experts = routed_experts(hf_config)
-    if why := megatron_layout_refusal(hf_config, tp, layout.ep, layout.etp, layout.cp):
+    if why := layout_refusal(hf_config, layout):
         raise ConfigError(why)
-    if hf_config.get("kv_lora_rank") and tp > 1 and not layout.sp:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp} with multi-latent attention needs --sequence-parallel: megatron-core's "
-            "MLA sums the shared rope key's gradient over the heads' TP ranks on that path only (training/megatron_mla.py)"
-        )
-    _check_linear_attention_fits(layout, hf_config)
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConfigError(
             f"--expert-model-parallel-size {layout.ep}: the model has {experts or 'no'} experts; EP splits an "
@@ -446,23 +440,17 @@ def check_model_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
         )
 
 
-def _check_linear_attention_fits(layout: Layout, hf_config: dict[str, Any]) -> None:
-    """Gated-DeltaNet layers (Qwen3.5) over TP: whole key / value heads per rank, and sequence parallelism, under
-    which megatron sums the TP ranks' partial gradients of the DeltaNet's output norm (megatron_gdn.GatedOutNorm)."""
-    nk, nv, tp = hf_config.get("linear_num_key_heads"), hf_config.get("linear_num_value_heads"), layout.tp
-    if not nv or tp == 1:
-        return
-    if int(nk) % tp or int(nv) % tp:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tp}: the gated-DeltaNet layers' {nk} key and {nv} value heads "
-            "(linear_num_key_heads / linear_num_value_heads) must both divide by it"
-        )
-    if not layout.sp:
-        raise ConfigError(
-            f"gated-DeltaNet layers (Qwen3.5 / Qwen3-Next) at --tensor-model-parallel-size {tp} need --sequence-parallel: "
-            "each TP rank normalizes its own value heads with the shared output norm, and megatron-core sums "
-            "that norm's partial gradients over TP only for sequence-parallel weights"
-        )
+def layout_refusal(hf_config: dict[str, Any], layout: Layout, *, step: bool = True) -> str | None:
+    """The family's own refusal of `layout` (`Bridge.layout_refusal`); None for a model without a bridge,
+    whose megatron refusal is its family's (preflight)."""
+    from miles_platform.errors import CheckpointError
+    from miles_platform.models.bridge import get_bridge
+
+    try:
+        bridge = get_bridge(hf_config)
+    except CheckpointError:
+        return None
+    return bridge.layout_refusal(hf_config, layout, step=step)
 
 
 def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

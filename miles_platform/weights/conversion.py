@@ -220,10 +220,11 @@ def _check_layout(layout, cfg: dict) -> int:
         raise CheckpointError(
             f"--pipeline-model-parallel-size {layout.pp}: must divide num_hidden_layers ({layers})"
         )
-    from miles_platform.models.families import megatron_layout_refusal, routed_experts
+    from miles_platform.models.families import routed_experts
+    from miles_platform.training.megatron_parallel import layout_refusal
 
     experts = routed_experts(cfg)
-    if why := megatron_layout_refusal(cfg, layout.tp, layout.ep, layout.etp):
+    if why := layout_refusal(cfg, layout, step=False):
         raise CheckpointError(why)
     if (layout.ep > 1 or layout.etp) and not experts:
         raise CheckpointError(

@@ -66,6 +66,13 @@ class Bridge(ABC):
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
         """kwargs shared by get_gpt_layer_local_spec / get_gpt_layer_with_transformer_engine_spec."""
 
+    def layout_refusal(self, hf_config: dict[str, Any], layout: Any, *, step: bool = True) -> str | None:
+        """Why this family cannot take a megatron layout (training/megatron_parallel.Layout), or None: the
+        family's own limits beyond the shapes every model splits by. `step=False`: a conversion, which
+        runs no step (a limit of the step's arithmetic, such as a needed --sequence-parallel, does not apply).
+        Checked before Ray (megatron_parallel.check_model_fits) and before a conversion writes."""
+        return None
+
     def adapt_layer_spec(self, spec: Any, use_te: bool) -> Any:
         """The family's changes to megatron's layer spec beyond `layer_spec_kwargs` (MiniMax-M2's whole-
         projection q/k norms); the spec itself when none."""

@@ -252,6 +252,15 @@ class DeepseekV3Bridge(Bridge):
             share_embeddings_and_output_weights=d.tied,
         )
 
+    def layout_refusal(self, hf_config: dict[str, Any], layout: Any, *, step: bool = True) -> str | None:
+        if step and layout.tp > 1 and not layout.sp:
+            return (
+                f"--tensor-model-parallel-size {layout.tp} with multi-latent attention needs --sequence-parallel: "
+                "megatron-core's MLA sums the shared rope key's gradient over the heads' TP ranks on that path only "
+                "(training/megatron_mla.py)"
+            )
+        return None
+
     def adapt_layer_spec(self, spec: Any, use_te: bool) -> Any:
         """The local spec's latent down projections duplicated, as TE's (training/megatron_mla.py)."""
         if use_te:

@@ -37,7 +37,7 @@ Refused by name (CheckpointError; preflight turns it into a ConfigError before R
 (megatron's add_bias_linear biases attention and experts together), layer types other than sliding / full,
 sliding layers without a sliding_window, top-1 routing (megatron's softmax-after-top-k router refuses k = 1),
 rope types other than default / yarn, a partial rotary, yarn with an explicit attention_factor; expert TP > 1
-(families.megatron_layout_refusal: megatron-core builds biased experts at expert TP 1 only). TP / SP / EP train
+(`layout_refusal`: megatron-core builds biased experts at expert TP 1 only). TP / SP / EP train
 as Qwen3-MoE's (the sinks split with the heads; megatron_parallel.fix_sinks_and_biased_experts has the three
 megatron-core spots this needed). The published mxfp4 experts are refused at validation (bring bf16).
 """
@@ -130,6 +130,16 @@ class GptOssBridge(DenseBridge):
 
     def dims(self, hf_config: Any) -> GptOssDims:
         return GptOssDims(hf_config_dict(hf_config), self.family)
+
+    def layout_refusal(self, hf_config: dict[str, Any], layout: Any, *, step: bool = True) -> str | None:
+        etp = layout.etp or layout.tp
+        if etp > 1:
+            return (
+                f"expert tensor parallel {etp} (--expert-tensor-parallel-size, default: "
+                f"--tensor-model-parallel-size {layout.tp}) with GPT-OSS's biased experts: megatron-core builds "
+                "biased experts at expert TP 1 only; add --expert-tensor-parallel-size 1"
+            )
+        return None
 
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:
         """dense.py's fields with biases, sinks, windows, the clamped SwiGLU, the softmax router; the

@@ -8,7 +8,7 @@ SelfAttention applies `q_layernorm` / `k_layernorm` to [sq, b, heads, head_dim] 
 order, grouped per query group), built with hidden_size = head_dim; `adapt_layer_spec` puts
 `WholeQNorm` / `WholeKNorm` there, which normalize heads x head_dim jointly with a weight of that size.
 At TP > 1 each rank holds a slice of the heads and the norm would need an all-reduce of the sums of
-squares: refused by name (families.megatron_layout_refusal, before Ray).
+squares: refused by name (`layout_refusal`, before Ray).
 
 HF (module names)                                megatron
 model.layers.i.self_attn.{q,k,v}_proj / o_proj   as models/bridge/dense.py (linear_qkv grouped per query group)
@@ -44,7 +44,12 @@ from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge.base import hf_config_dict, register_bridge
 from miles_platform.models.bridge.dense import DenseBridge, Dims, checked_rotary_percent, rope_params
 from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_megatron, softmax_moe_config
-from miles_platform.models.families import MINIMAX_TP_REFUSAL
+
+# why the mapping is built at TP 1 only
+TP_REFUSAL = (
+    "MiniMax-M2's q/k norms span all heads of the projection (megatron's qk_layernorm is per head; at TP > 1 "
+    "each rank holds a slice of the heads and the norm would need an all-reduce)"
+)
 
 
 class WholeProjectionNorm(torch.nn.Module):
@@ -133,11 +138,16 @@ class MiniMaxM2Bridge(DenseBridge):
             },
         )
 
+    def layout_refusal(self, hf_config: dict[str, Any], layout: Any, *, step: bool = True) -> str | None:
+        if layout.tp > 1:
+            return (
+                f"--tensor-model-parallel-size {layout.tp}: {TP_REFUSAL}; use TP 1, or --train-backend fsdp"
+            )
+        return None
+
     def gpt_model_kwargs(self, hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
         if tensor_model_parallel_size > 1:
-            raise CheckpointError(
-                f"tensor parallel {tensor_model_parallel_size}: {MINIMAX_TP_REFUSAL}; use TP 1"
-            )
+            raise CheckpointError(f"tensor parallel {tensor_model_parallel_size}: {TP_REFUSAL}; use TP 1")
         kw = super().gpt_model_kwargs(hf_config, tensor_model_parallel_size)
         return dict(kw, rotary_percent=self.dims(hf_config).rotary_percent)
 

@@ -35,7 +35,7 @@ with a control that drops it):
 
 Layouts: TP with SP (base.tp_shard splits in_proj and conv1d part by part, rank-major: each rank its key /
 value heads' rows of every part; megatron_weights.tp_parts reads the sizes off the layer), PP, DP; CP 1
-(families.megatron_layout_refusal; megatron_parallel.check_model_fits names why TP needs SP).
+(`Qwen35Bridge.layout_refusal`, which names why TP needs SP).
 Batches reach GatedDeltaNet as right-padded rows (megatron_step.forward_chunk, never packed THD, which it refuses);
 it ignores the attention mask, and the padding after a row's last token cannot reach the earlier (causal) tokens.
 Refused by name (CheckpointError; preflight turns it into a ConfigError before Ray): attention_bias, hidden_act
@@ -115,6 +115,31 @@ class Qwen35Bridge(DenseBridge):
 
     def dims(self, hf_config: Any) -> Qwen35Dims:
         return Qwen35Dims(hf_config_dict(hf_config), self.family)
+
+    def layout_refusal(self, hf_config: dict[str, Any], layout: Any, *, step: bool = True) -> str | None:
+        """CP 1; TP splits whole key / value heads of the DeltaNet, and a step at TP > 1 needs SP, under which
+        megatron sums the TP ranks' partial gradients of the DeltaNet's output norm (megatron_gdn.GatedOutNorm)."""
+        if layout.cp > 1:
+            return (
+                f"--context-parallel-size {layout.cp} with gated-DeltaNet layers (Qwen3.5 / Qwen3-Next): megatron-core "
+                "0.16's GatedDeltaNet has no context parallelism; use CP 1 (tensor / sequence / data / pipeline "
+                "parallel), or --train-backend fsdp"
+            )
+        nk, nv, tp = hf_config.get("linear_num_key_heads"), hf_config.get("linear_num_value_heads"), layout.tp
+        if not nv or tp == 1:
+            return None
+        if int(nk) % tp or int(nv) % tp:
+            return (
+                f"--tensor-model-parallel-size {tp}: the gated-DeltaNet layers' {nk} key and {nv} value heads "
+                "(linear_num_key_heads / linear_num_value_heads) must both divide by it"
+            )
+        if step and not layout.sp:
+            return (
+                f"gated-DeltaNet layers (Qwen3.5 / Qwen3-Next) at --tensor-model-parallel-size {tp} need --sequence-parallel: "
+                "each TP rank normalizes its own value heads with the shared output norm, and megatron-core sums "
+                "that norm's partial gradients over TP only for sequence-parallel weights"
+            )
+        return None
 
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:
         d = self.dims(hf_config)
