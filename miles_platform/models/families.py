@@ -24,7 +24,7 @@ R3; `qwen3_next.py`: + its fused in_proj_qkvz / in_proj_ba), the other five a br
 DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_lite.py`; GLM-4.5: GQA
 attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
 sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP with expert TP 1; MiniMax-M2:
-whole-projection q/k norms + sigmoid-routed experts, `minimax_m2.py`, at TP 1).
+whole-projection q/k norms + sigmoid-routed experts, `minimax_m2.py`, at TP + SP / EP).
 deepseek_v32 (the DSA indexer) stays refused.
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full; megatron too
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert; megatron too

@@ -1,4 +1,4 @@
-"""MiniMax-M2 (`MiniMaxM2ForCausalLM`) <-> megatron-core GPTModel, tensor parallel 1.
+"""MiniMax-M2 (`MiniMaxM2ForCausalLM`) <-> megatron-core GPTModel, at any tensor / expert parallel size.
 
 transformers' `MiniMaxM2Attention` is GQA attention without biases whose q_norm / k_norm are RMSNorms over
 the WHOLE projection (num_heads x head_dim for q, num_kv_heads x head_dim for k), applied before the
@@ -7,8 +7,13 @@ head_dim) in HF's half-split layout: megatron's `rotary_percent` as in glm4_moe.
 SelfAttention applies `q_layernorm` / `k_layernorm` to [sq, b, heads, head_dim] (query heads in HF's
 order, grouped per query group), built with hidden_size = head_dim; `adapt_layer_spec` puts
 `WholeQNorm` / `WholeKNorm` there, which normalize heads x head_dim jointly with a weight of that size.
-At TP > 1 each rank holds a slice of the heads and the norm would need an all-reduce of the sums of
-squares: refused by name (`layout_refusal`, before Ray).
+At TP > 1 each rank holds whole heads (whole query groups and their query heads, in rank order): the sums
+of squares are all-reduced over the TP group, their gradient all-reduced back (torch.distributed.nn's autograd
+all-reduce: each rank's heads add their part of d loss / d sum), and each rank applies its heads' slice of
+the norm's weight, which every rank holds whole: its gradient is nonzero on that slice only, and megatron's
+finalize_model_grads sums every `q_layernorm` / `k_layernorm` gradient over TP (for its per-head norms,
+whose gradients are partial over the heads), which assembles the whole one. (A weight split over TP would
+have each slice summed with the other ranks' slices there.)
 
 HF (module names)                                megatron
 model.layers.i.self_attn.{q,k,v}_proj / o_proj   as models/bridge/dense.py (linear_qkv grouped per query group)
@@ -30,7 +35,7 @@ layer without shared experts is Qwen3-MoE's, so this bridge maps none.
 
 Refused by name (CheckpointError; preflight turns it into a ConfigError before Ray): top-1 routing (HF's
 gate is then 1, megatron's the raw sigmoid), router_jitter_noise > 0, rope types other than default,
-hidden_act other than silu, attention_bias; TP > 1 (above); LoRA on megatron (training/megatron_lora.py).
+hidden_act other than silu, attention_bias; LoRA on megatron (training/megatron_lora.py).
 """
 
 from __future__ import annotations
@@ -45,26 +50,35 @@ from miles_platform.models.bridge.base import hf_config_dict, register_bridge
 from miles_platform.models.bridge.dense import DenseBridge, Dims, checked_rotary_percent, rope_params
 from miles_platform.models.bridge.qwen3_moe import experts_to_hf, experts_to_megatron, softmax_moe_config
 
-# why the mapping is built at TP 1 only
-TP_REFUSAL = (
-    "MiniMax-M2's q/k norms span all heads of the projection (megatron's qk_layernorm is per head; at TP > 1 "
-    "each rank holds a slice of the heads and the norm would need an all-reduce)"
-)
-
 
 class WholeProjectionNorm(torch.nn.Module):
     """HF's MiniMaxM2RMSNorm over heads x head_dim of a [..., heads, head_dim] tensor, built by megatron's
-    SelfAttention in place of its per-head q_layernorm / k_layernorm (whose hidden_size is head_dim)."""
+    SelfAttention in place of its per-head q_layernorm / k_layernorm (whose hidden_size is head_dim). At TP > 1
+    the tensor holds this rank's heads (see the module docstring)."""
 
     def __init__(self, config, heads: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(heads * config.kv_channels, dtype=config.params_dtype))
+        self.tp = int(config.tensor_model_parallel_size)
+        self.width = heads * config.kv_channels  # the whole projection's
+        self.weight = torch.nn.Parameter(torch.ones(self.width, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(*x.shape[:-2], -1).float()  # HF: in fp32, cast back, then the weight
-        flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * flat.to(x.dtype)).reshape(x.shape)
+        if self.tp == 1:
+            flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight * flat.to(x.dtype)).reshape(x.shape)
+        from megatron.core import parallel_state
+        from torch.distributed.nn.functional import all_reduce
+
+        # the sum over every rank's heads; its gradient summed back over them (each rank's heads' part)
+        total = all_reduce(
+            flat.pow(2).sum(-1, keepdim=True), group=parallel_state.get_tensor_model_parallel_group()
+        )
+        flat = flat * torch.rsqrt(total / self.width + self.eps)
+        n = flat.shape[-1]  # this rank's heads: their slice of the whole weight
+        weight = self.weight[parallel_state.get_tensor_model_parallel_rank() * n :][:n]
+        return (weight * flat.to(x.dtype)).reshape(x.shape)
 
 
 class WholeQNorm(WholeProjectionNorm):
@@ -138,16 +152,7 @@ class MiniMaxM2Bridge(DenseBridge):
             },
         )
 
-    def layout_refusal(self, hf_config: dict[str, Any], layout: Any, *, step: bool = True) -> str | None:
-        if layout.tp > 1:
-            return (
-                f"--tensor-model-parallel-size {layout.tp}: {TP_REFUSAL}; use TP 1, or --train-backend fsdp"
-            )
-        return None
-
     def gpt_model_kwargs(self, hf_config: Any, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
-        if tensor_model_parallel_size > 1:
-            raise CheckpointError(f"tensor parallel {tensor_model_parallel_size}: {TP_REFUSAL}; use TP 1")
         kw = super().gpt_model_kwargs(hf_config, tensor_model_parallel_size)
         return dict(kw, rotary_percent=self.dims(hf_config).rotary_percent)
 

@@ -4,8 +4,9 @@ projection (all heads jointly: WholeQNorm / WholeKNorm in the layer spec), a par
 shared expert. HF <-> megatron names bit-exact both ways (module and on-disk layouts); megatron's GPTModel
 logits, loss and every gradient equal transformers' MiniMaxM2ForCausalLM in fp32; controls show each
 non-obvious mapping is what makes it pass (a per-head q/k norm, the expert bias zeroed, the whole head
-rotated); torch_dist conversion both ways at TP 1 is bit-exact; preflight takes TP 1 and EP 2 and refuses
-TP 2 and LoRA by name; one --ci-test GRPO step on megatron (extended).
+rotated); torch_dist conversion both ways, written at TP 2, is bit-exact; preflight takes TP + SP and EP 2 and
+refuses LoRA by name (test_megatron_layouts: the TP2 + SP step equals the 1-rank step); one --ci-test GRPO
+step on megatron (extended).
 
 Everything touching torch.distributed runs in a subprocess (this file as a script).
 """
@@ -85,8 +86,7 @@ def test_megatron_config_follows_the_rotary_and_routing_fields(model):
     # config.json as MiniMax publishes it: `rotary_dim` (64 of 128 per head) and a top-level rope_theta
     c = {k: v for k, v in cfg.to_dict().items() if k != "rope_parameters"}
     assert bridge.gpt_model_kwargs({**c, "rope_theta": 5e6, "rotary_dim": 8})["rotary_percent"] == 0.25
-    with pytest.raises(CheckpointError, match="tensor parallel 2: MiniMax-M2's q/k norms span all heads"):
-        bridge.gpt_model_kwargs(cfg, tensor_model_parallel_size=2)
+    assert bridge.gpt_model_kwargs(cfg, tensor_model_parallel_size=2)["rotary_percent"] == 0.5
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
     megatron_config_of(minimax_config(), change, "MiniMax-M2", match)
 
 
-def test_preflight_takes_tp1_and_ep2_and_refuses_tp2_and_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_tp_and_ep_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
@@ -112,10 +112,8 @@ def test_preflight_takes_tp1_and_ep2_and_refuses_tp2_and_lora(tiny_hf_checkpoint
     validate_before_start(run(use_rollout_routing_replay=True))
     two = dict(actor_num_gpus_per_node=2, global_batch_size=4)
     validate_before_start(run(**two, expert_model_parallel_size=2))
-    with pytest.raises(
-        ConfigError, match="--tensor-model-parallel-size 2: MiniMax-M2's q/k norms span all heads"
-    ):
-        validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
+    # test_megatron_layouts: the TP2 + SP step equals the 1-rank step
+    validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
     with pytest.raises(
         ConfigError, match=r"--lora-rank with --train-backend megatron: .*\(MiniMax-M2\): its megatron bridge"
     ):
@@ -156,8 +154,9 @@ def test_without_each_minimax_mapping_parity_fails(megatron_report):
 
 
 def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
-    """`miles-platform convert` both ways through megatron's torch_dist at TP 1: HF's on-disk tensors (one per
-    expert, the whole-projection norms, the score-correction bias) come back bit for bit."""
+    """`miles-platform convert` both ways through megatron's torch_dist, written at TP 2 (each rank its heads'
+    slice of the whole-projection norms, its half of every expert's hidden units): HF's on-disk tensors (one
+    per expert, the whole-projection norms, the score-correction bias) come back bit for bit."""
     from safetensors.torch import load_file
 
     hf, work = megatron_report["hf"], megatron_report["work"]
@@ -225,7 +224,7 @@ def _parity_report(variant: str) -> dict:
 
 
 def _main(mode: str, hf: str, work: str) -> None:
-    parity_then_convert(_parity_report, VARIANTS, hf, work)  # the conversion at TP 1
+    parity_then_convert(_parity_report, VARIANTS, hf, work, "--tensor-model-parallel-size", "2")
 
 
 if __name__ == "__main__":

@@ -283,7 +283,8 @@ def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
     layer, shared expert, expert bias), routed_scaling_factor 2.5; the tiny Qwen3.5 (test_qwen3_5_bridge.py:
     a gated-DeltaNet and a gated attention layer); or the tiny GPT-OSS (test_gpt_oss_bridge.py: sinks, an
     8-token window, biased clamped experts, every bias drawn); the tiny Qwen3.5-MoE (its experts and gated
-    shared expert behind both layer kinds)."""
+    shared expert behind both layer kinds); the tiny MiniMax-M2 (test_minimax_m2_bridge.py: whole-projection
+    q/k norms, a partial rotary, sigmoid-routed experts with the score-correction bias)."""
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -296,6 +297,11 @@ def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
         from test_qwen3_5_bridge import q35_config, sharp_q35
 
         model = sharp_q35(q35_config(len(tok), family))
+    elif family == "minimax_m2":
+        from test_minimax_m2_bridge import minimax_config
+        from test_minimax_m2_bridge import sharp_model as sharp_minimax
+
+        model = sharp_minimax(minimax_config(len(tok)))
     elif family == "deepseek_v3":
         from test_deepseek_v3_bridge import deepseek_config
         from test_deepseek_v3_bridge import sharp_model as sharp_deepseek
@@ -331,6 +337,7 @@ def bridge_single_rank(tiny_hf_checkpoint, tmp_path_factory):
         ("glm4_moe", "tp2_sp_ep2_etp1"),
         ("gpt_oss", "tp2_sp_etp1"),
         ("gpt_oss", "tp2_sp_ep2_etp1"),
+        ("minimax_m2", "tp2_sp"),
         # ~22 s: the GatedDeltaNet split (test_qwen3_5_layout_step_equals_single_rank) and MoE layouts
         # (the rows above) checked apart in `make test`; together in `make test-extended`
         pytest.param("qwen3_5_moe", "tp2_sp", marks=[pytest.mark.slow, pytest.mark.extended]),
@@ -339,9 +346,10 @@ def bridge_single_rank(tiny_hf_checkpoint, tmp_path_factory):
 def test_bridge_layout_step_equals_single_rank(family, layout, bridge_single_rank, tmp_path):
     """GLM-4.5 (models/bridge/glm4_moe.py) at TP2 + SP with its experts split by TP, and at TP2 + SP + EP2
     with expert TP 1; GPT-OSS (gpt_oss.py) at TP2 + SP and TP2 + SP + EP2, both with expert TP 1
-    (megatron builds biased experts at 1 only); R3 and the load-balancing / z losses: the step of the 1-rank run (the q/k/v biases, shared
-    experts, score-correction bias, sinks, o_proj's / the routers' / the experts' biases split,
-    replicated or reduced as megatron's layout has them)."""
+    (megatron builds biased experts at 1 only); MiniMax-M2 (minimax_m2.py) at TP2 + SP, each rank its heads'
+    slice of the whole-projection q/k norms with the sums of squares all-reduced; R3 and the load-balancing /
+    z losses: the step of the 1-rank run (the q/k/v biases, shared experts, score-correction bias, sinks,
+    o_proj's / the routers' / the experts' biases split, replicated or reduced as megatron's layout has them)."""
     ckpt, single = bridge_single_rank(family)
     got = train_one_step(ckpt, tmp_path / layout, 2, **EXPERT_LAYOUTS[layout], **MOE)
     assert_same_step(single, got)
