@@ -222,6 +222,11 @@ class MegatronBackend(ModelBackend):
             megatron_precision.config_kwargs(self.cfg), device=self.device,
         )  # fmt: skip
         self.module = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
+        from miles_platform.models.gdn import keep_decay_fp32
+
+        keep_decay_fp32(
+            self.module
+        )  # Qwen3.5's A_log in fp32 under --bf16 / --fp16, as Miles (models/gdn.py)
         ref_load = getattr(self.cfg, "ref_load", None)
         if ref_load:
             load_torch_dist(self.chunks, ref_load)

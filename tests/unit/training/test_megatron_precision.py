@@ -30,12 +30,12 @@ def _cfg(ckpt: str, **kw):
 
 
 def engine_batch(ckpt: str, dtype: torch.dtype):
-    """The trainer tests' batch with rollout log-probs from transformers' model in `dtype`: what an
-    engine serving the checkpoint in that dtype reports."""
-    from miles_platform.models.checkpoint import load_hf_model
+    """The trainer tests' batch with rollout log-probs from the embedded engine's model in `dtype`
+    (transformers' model as the engine loads it): what an engine serving the checkpoint reports."""
+    from miles_platform.rollout.engine_weights import load_model
 
     batch = random_train_batch(0)
-    model = load_hf_model(ckpt, dtype=dtype)
+    model, _ = load_model(ckpt, dtype)
     for i, toks in enumerate(batch.tokens):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([toks])).logits[0, :-1].float()
@@ -102,6 +102,32 @@ def test_bf16_with_fp32_main_params_passes_the_step0_ci_checks(layout_checkpoint
     assert checks["train_rollout_logprob_abs_diff"] > 0  # megatron's bf16 forward is not the engine's
     init = load_file(Path(layout_checkpoint) / "model.safetensors")
     assert any(not torch.equal(init[k].bfloat16(), weights[k]) for k in init)  # the step moved weights
+
+
+def test_qwen3_5_under_bf16_keeps_a_log_fp32_in_the_trainer_and_the_engine(tiny_hf_checkpoint, tmp_path):
+    """Qwen3.5's log decay rates (models/gdn.py): fp32 in the megatron trainer under --bf16 (model, main
+    copy and export) and in the engine serving bf16, as Miles and SGLang hold them; every other weight bf16.
+    The step-0 --ci-test checks hold against that engine's log-probs."""
+    import sys
+
+    from miles_platform.rollout.engine_weights import load_model
+    from miles_platform.training.ci_checks import rollout_checks
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_megatron_layouts import bridge_checkpoint
+
+    ckpt = bridge_checkpoint("qwen3_5", tiny_hf_checkpoint, tmp_path / "hf")
+    flags = dict(BF16, ci_test=True, ci_entropy_max=UNTRAINED_ENTROPY_MAX)
+    info, weights = train_one_step(ckpt, tmp_path / "out", 1, **flags)
+    assert info["model"] == ["torch.bfloat16", "torch.float32"] and info["main"] == ["torch.float32"]
+    a_log = sorted(k for k in weights if k.endswith(".A_log"))
+    assert a_log and {str(weights[k].dtype) for k in a_log} == {"torch.float32"}
+    assert {str(v.dtype) for k, v in weights.items() if k not in a_log} == {"torch.bfloat16"}
+    served, _ = load_model(ckpt, torch.bfloat16)
+    dtypes = {n: str(p.dtype) for n, p in served.named_parameters()}
+    assert {dtypes[k] for k in a_log} == {"torch.float32"}
+    assert {d for n, d in dtypes.items() if n not in a_log} == {"torch.bfloat16"}
+    rollout_checks(_cfg(ckpt, **flags), 0, info["metrics"], print)  # raises CITestFailure on a miss
 
 
 @pytest.fixture(scope="module")
