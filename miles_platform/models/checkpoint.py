@@ -149,6 +149,9 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype | None = None):
         import transformers
 
         cls = getattr(transformers, fam.architecture)
+    from miles_platform.models.gdn import load_decay_fp32
+
+    load_decay_fp32(json.loads((Path(path) / "config.json").read_text()).get("architectures") or ())
     try:
         model = cls.from_pretrained(str(path), dtype=dtype)
     except Exception as e:

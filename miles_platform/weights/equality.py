@@ -2,7 +2,8 @@
 
 Each engine answers SGLang's `POST /get_weights_by_name` {"name": <HF name>, "truncate_size": n}
 with the first n rows of that parameter as float32 values (a bare JSON list). The trainer's tensor,
-cast to the engine's serving dtype, must match them bit for bit. A small model is compared whole;
+cast to the engine's serving dtype (fp32 for Qwen3.5's A_log at any dtype, as SGLang: models/gdn.py),
+must match them bit for bit. A small model is compared whole;
 a big one by a row prefix of every tensor, so the check stays a few MB of JSON per tensor.
 
 An engine that serves our `POST /weights_checksum` extension (the embedded engine) is checked in
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from miles_platform.models.gdn import served_dtype
 from miles_platform.rollout.client import EngineHTTPError, post
 from miles_platform.training.precision import DTYPES  # the one dtype-name table
 
@@ -41,7 +43,7 @@ def _checksum_mismatch(url, weights, dtype, api_key, timeout) -> tuple[bool, lis
         return False, []
     bad = []
     for name, t in weights.items():
-        want = t.detach().to("cpu", dtype).contiguous()
+        want = t.detach().to("cpu", served_dtype(name, dtype)).contiguous()
         have = got.get(name) if isinstance(got, dict) else None
         if (
             not isinstance(have, dict)
@@ -86,7 +88,7 @@ def _values_mismatch(url, weights, dtype, api_key, timeout) -> str | None:
                 "serves it only for model classes that implement get_weights_by_name (e.g. Llama); "
                 "for others run without --check-weight-update-equal (--ci-disable-weight-update-checker)"
             )
-        want = t.detach()[:n].to("cpu", dtype).to(torch.float32)
+        want = t.detach()[:n].to("cpu", served_dtype(name, dtype)).to(torch.float32)
         try:
             have = torch.from_numpy(np.asarray(got, dtype=np.float32))
         except (TypeError, ValueError):

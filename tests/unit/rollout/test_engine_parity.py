@@ -123,3 +123,37 @@ def test_checked_rows_cover_small_tensors_whole_and_bound_big_ones():
     assert checked_rows(torch.zeros(8, 4)) == 8
     assert checked_rows(torch.zeros(MAX_CHECKED_ELEMENTS, 4)) == MAX_CHECKED_ELEMENTS // 4
     assert checked_rows(torch.zeros(7)) == 7
+
+
+def test_a_bf16_engine_serves_qwen3_5s_a_log_in_fp32_as_stored_and_the_check_expects_it(
+    tiny_hf_checkpoint, tmp_path
+):
+    """models/gdn.py: Qwen3.5's log decay rates load into fp32 as stored (not rounded through bf16) and are
+    served in fp32 at --dtype bf16, as SGLang serves them; the weight-equality check casts the trainer's A_log
+    to fp32 and everything else to bf16, so the checkpoint's own weights pass and a bf16-rounded A_log fails."""
+    import sys
+    from pathlib import Path
+
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_qwen3_5_bridge import q35_config, sharp_q35
+
+    ckpt = str(tmp_path / "q35")
+    save_hf_checkpoint(sharp_q35(q35_config(len(load_tokenizer(tiny_hf_checkpoint)), "qwen3_5")),
+                       load_tokenizer(tiny_hf_checkpoint), ckpt)  # fmt: skip
+    weights = load_file(f"{ckpt}/model.safetensors")
+    a_log = [k for k in weights if k.endswith(".linear_attn.A_log")]
+    assert a_log and weights[a_log[0]].dtype == torch.float32
+    server = start_engine_server(ckpt, api_key="s3cret", dtype="bf16", max_batch_size=4)
+    try:
+        served = httpx.post(f"{server.url}/weights_checksum", json={"names": [a_log[0], "lm_head.weight"]},
+                            headers={"Authorization": "Bearer s3cret"}).json()  # fmt: skip
+        assert served[a_log[0]]["dtype"] == "float32" and served["lm_head.weight"]["dtype"] == "bfloat16"
+        assert first_mismatch(server.url, weights, "bf16", api_key="s3cret") is None
+        rounded = {**weights, a_log[0]: weights[a_log[0]].bfloat16().float()}
+        assert not torch.equal(rounded[a_log[0]], weights[a_log[0]])
+        why = first_mismatch(server.url, rounded, "bf16", api_key="s3cret")
+        assert why and f"tensor {a_log[0]} differs" in why
+    finally:
+        server.stop()
