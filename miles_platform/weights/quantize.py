@@ -251,6 +251,9 @@ def load_dense_hf_model(path: str, dtype: torch.dtype = torch.float32):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    from miles_platform.models.gdn import keep_decay_fp32
+
+    keep_decay_fp32(model)  # Qwen3.5's A_log (kept unquantized) loads as stored, as from_pretrained does
     state = fuse_checkpoint_experts(load_dequantized_state_dict(str(path)))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]

@@ -157,3 +157,10 @@ def test_a_bf16_engine_serves_qwen3_5s_a_log_in_fp32_as_stored_and_the_check_exp
         assert why and f"tensor {a_log[0]} differs" in why
     finally:
         server.stop()
+    # an fp8-quantized checkpoint (its Linear weights; A_log stays as stored) is served with A_log as stored too
+    from miles_platform.weights.quantize import load_dense_hf_model, quantize_checkpoint
+
+    quantize_checkpoint(ckpt, str(tmp_path / "q35_fp8"), "fp8")
+    model = load_dense_hf_model(str(tmp_path / "q35_fp8"), torch.bfloat16)
+    got = dict(model.named_parameters())[a_log[0]]
+    assert got.dtype == torch.float32 and torch.equal(got, weights[a_log[0]])
