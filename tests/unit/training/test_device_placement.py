@@ -198,41 +198,17 @@ def test_a_cpu_tensor_in_the_step_is_caught(tiny_hf_checkpoint, monkeypatch):
         TrainerActor(_cfg(tiny_hf_checkpoint), device=dev).train(0, random_train_batch(0))
 
 
-def _bridge_checkpoint(family: str, tok_dir: str, path) -> str:
-    """The bridge tests' tiny models: Qwen3.5 (a gated-DeltaNet and a gated attention layer), DeepSeek-V3
-    (MLA, a dense and an MoE layer), MiniMax-M2 (whole-projection q/k norms, sigmoid-routed experts)."""
-    import sys
-    from pathlib import Path
-
-    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-    tok = load_tokenizer(tok_dir)
-    if family == "qwen3_5":
-        from test_qwen3_5_bridge import q35_config, sharp_q35
-
-        model = sharp_q35(q35_config(len(tok), family))
-    elif family == "deepseek_v3":
-        from test_deepseek_v3_bridge import deepseek_config, sharp_model
-
-        model = sharp_model(deepseek_config(len(tok)))
-    else:
-        from test_minimax_m2_bridge import minimax_config, sharp_model
-
-        model = sharp_model(minimax_config(len(tok)))
-    save_hf_checkpoint(model, tok, path)
-    return str(path)
-
-
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "minimax_m2"])
 def test_megatron_bridge_layers_run_on_the_ranks_device(family, tiny_hf_checkpoint, tmp_path):
     """The megatron layers the bridges add: Qwen3.5's GatedDeltaNet (the CPU's torch stand-in for fla),
     gated attention, zero-centered and gated output norms; DeepSeek-V3's MLA (duplicated down projections,
     yarn-free rope, latent norms) and sigmoid group-limited router with its expert bias; MiniMax-M2's
     whole-projection q/k norms. R3 for the routed ones."""
+    from test_megatron_layouts import bridge_checkpoint  # the bridge tests' tiny models (same directory)
+
     from miles_platform.models.moe import routed_shape
 
-    ckpt = _bridge_checkpoint(family, tiny_hf_checkpoint, tmp_path / "hf")
+    ckpt = bridge_checkpoint(family, tiny_hf_checkpoint, tmp_path / "hf")
     moe = family != "qwen3_5"
     flags = dict(train_backend="megatron", **(dict(use_rollout_routing_replay=True) if moe else {}))
     routes = (*routed_shape(ckpt), 4) if moe else None
