@@ -180,7 +180,7 @@ HF_FAMILIES: dict[str, Family] = {
                {"head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "bos_token_id": None,
                 "eos_token_id": None,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-               moe=True),  # megatron: models/bridge/minimax_m2.py (whole-projection q/k norms; TP 1)
+               moe=True),  # megatron: models/bridge/minimax_m2.py (whole-projection q/k norms over TP)
         Family("gemma4", "Gemma4ForCausalLM", "Gemma4TextConfig",
                {"head_dim": 32, "sliding_window": 8, "hidden_size_per_layer_input": 8},
                layer_pattern={"layer_types": ("sliding_attention", "full_attention")},
