@@ -47,8 +47,6 @@ _FAMILY = (
     "GLM-4.5, GPT-OSS, MiniMax-M2); DeepSeek-V3.2 and Gemma-4 train on "
     "--train-backend fsdp, built from config.json (models/families.py): drop the flag; other models: run them with Miles"
 )
-_MLA = "multi-latent attention (DeepSeek-V3 / Kimi / GLM-5) is " + _FAMILY
-_YARN = "YaRN rope scaling (DeepSeek / Kimi) is " + _FAMILY
 _DSA = "DeepSeek sparse attention (V3.2 / V4, GLM-5) is " + _FAMILY
 _MTP = "multi-token prediction (MTP) heads are not built: train without them (drop the MTP flags)"
 _FP8 = (
@@ -122,16 +120,6 @@ COMPAT: dict[str, MilesFlag] = {
     # ---- refused: not built here
     "spec": _refused("list", "a custom megatron layer spec (miles_plugins) is " + _FAMILY),
     "custom_model_provider_path": _refused("str", "a custom megatron model provider (miles_plugins) is " + _FAMILY),
-    "multi_latent_attention": _refused("bool", _MLA),
-    "q_lora_rank": _refused("int", _MLA),
-    "kv_lora_rank": _refused("int", _MLA),
-    "qk_head_dim": _refused("int", _MLA),
-    "qk_pos_emb_head_dim": _refused("int", _MLA),
-    "v_head_dim": _refused("int", _MLA),
-    "beta_fast": _refused("float", _YARN),
-    "beta_slow": _refused("float", _YARN),
-    "mscale": _refused("float", _YARN),
-    "mscale_all_dim": _refused("float", _YARN),
     "dsa_attention_backend": _refused("str", _DSA),
     "dsa_indexer_head_dim": _refused("int", _DSA),
     "dsa_indexer_n_heads": _refused("int", _DSA),

@@ -22,7 +22,8 @@ RANGES: dict[str, tuple] = dict.fromkeys(
     ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
      "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings", "num_experts",
      "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
-     "original_max_position_embeddings"),
+     "original_max_position_embeddings", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+     "v_head_dim"),
     POSITIVE,
 )  # fmt: skip
 
@@ -104,6 +105,18 @@ class ModelArgsFlags:
         "which layers attend fully: N (every Nth, 1-based) or a 0/1 list, 1 = windowed (layer_types)",
     )
     activation_func_clamp_value: float | None = flag(None, _G, "clamped SwiGLU limit (swiglu_limit)")
+    multi_latent_attention: bool = flag(
+        False, _G, "multi-latent attention (DeepSeek-V3 / Kimi: kv_lora_rank)"
+    )
+    q_lora_rank: int | None = flag(None, _G, "MLA's query latent rank (q_lora_rank; none: one q projection)")
+    kv_lora_rank: int | None = flag(None, _G, "MLA's key / value latent rank (kv_lora_rank)")
+    qk_head_dim: int | None = flag(None, _G, "MLA's per-head q/k dim without rope (qk_nope_head_dim)")
+    qk_pos_emb_head_dim: int | None = flag(None, _G, "MLA's per-head rope dim (qk_rope_head_dim)")
+    v_head_dim: int | None = flag(None, _G, "MLA's per-head value dim (v_head_dim)")
+    beta_fast: float | None = flag(None, _G, "YaRN's beta_fast (rope_scaling.beta_fast, default 32)")
+    beta_slow: float | None = flag(None, _G, "YaRN's beta_slow (rope_scaling.beta_slow, default 1)")
+    mscale: float | None = flag(None, _G, "YaRN's mscale (rope_scaling.mscale)")
+    mscale_all_dim: float | None = flag(None, _G, "YaRN's mscale_all_dim (rope_scaling.mscale_all_dim)")
     model_name: str | None = flag(None, _G, "Miles' converter name (model_type, e.g. qwen3, qwen3_moe)")
 
     def model_args_given(self) -> dict[str, object]:

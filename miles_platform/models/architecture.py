@@ -77,6 +77,19 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
     def key(k: str) -> tuple[str, Any, Any]:
         return (k, c.get(k), c.get(k))
 
+    yarn = rope["rope_type"] == "yarn"
+    # megatron reads the YaRN fields only for a yarn rope (None: any value otherwise); its view of HF's, as
+    # models/bridge/deepseek_v3.py maps them (HF's defaults beta_fast 32, beta_slow 1; mscale applies with
+    # mscale_all_dim only)
+    all_dim = rope.get("mscale_all_dim")
+    yarn_view = {
+        "beta_fast": ("rope_scaling.beta_fast", rope.get("beta_fast"), float(rope.get("beta_fast") or 32) if yarn else None),
+        "beta_slow": ("rope_scaling.beta_slow", rope.get("beta_slow"), float(rope.get("beta_slow") or 1) if yarn else None),
+        "mscale": ("rope_scaling.mscale", rope.get("mscale"),
+                   (float(rope.get("mscale") or 1.0) if all_dim else 1.0) if yarn else None),
+        "mscale_all_dim": ("rope_scaling.mscale_all_dim", all_dim, float(all_dim or 0.0) if yarn else None),
+    }  # fmt: skip
+
     out = {
         "num_layers": key("num_hidden_layers"),
         "hidden_size": key("hidden_size"),
@@ -132,6 +145,13 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "activation_func_clamp_value": (
             "swiglu_limit", c.get("swiglu_limit"), c.get("swiglu_limit") if mt in SINK_TYPES else None
         ),
+        "multi_latent_attention": ("kv_lora_rank", c.get("kv_lora_rank"), mla),
+        "q_lora_rank": key("q_lora_rank"),
+        "kv_lora_rank": key("kv_lora_rank"),
+        "qk_head_dim": key("qk_nope_head_dim"),
+        "qk_pos_emb_head_dim": key("qk_rope_head_dim"),
+        "v_head_dim": key("v_head_dim"),
+        **yarn_view,
         "model_name": ("model_type", mt, mt),
     }  # fmt: skip
     return out
@@ -146,7 +166,7 @@ def _skip_freq(windowed: list[int]) -> str:
 
 
 # flags whose view is None where megatron does not read them for the checkpoint's model: any value
-ANY_VALUE = ("moe_router_pre_softmax", "add_qkv_bias")
+ANY_VALUE = ("moe_router_pre_softmax", "add_qkv_bias", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def _moe_layers(c: dict, layers: int) -> list[int]:

@@ -246,8 +246,8 @@ def test_miles_refusals_name_the_flag(env):
     base = ["--rollout-batch-size", "2"]
     with pytest.raises(ConfigError, match=r"^--update-weight-transfer-mode p2p: Miles' point-to-point"):
         parse_run_config([*base, "--update-weight-transfer-mode", "p2p"])
-    with pytest.raises(ConfigError, match=r"^--multi-latent-attention: multi-latent attention"):
-        parse_run_config([*base, "--multi-latent-attention"])
+    with pytest.raises(ConfigError, match=r"^--apply-layernorm-1p: \(1 \+ weight\) norms"):
+        parse_run_config([*base, "--apply-layernorm-1p"])
     with pytest.raises(ConfigError, match=r"^--attention-dropout 0.1: .*0 only"):
         parse_run_config([*base, "--attention-dropout", "0.1"])
     with pytest.raises(

@@ -101,7 +101,9 @@ GLM47_FLASH = ("--moe-layer-freq [0]*1+[1]*46 --num-experts 64 --moe-shared-expe
                "--num-layers 47 --hidden-size 2048 --ffn-hidden-size 10240 --num-attention-heads 20 "
                "--disable-bias-linear --add-qkv-bias --swiglu --untie-embeddings-and-output-weights "
                "--position-embedding-type rope --no-position-embedding --normalization RMSNorm "
-               "--norm-epsilon 1e-5 --qk-layernorm --kv-channels 192 --rotary-base 1000000")  # fmt: skip
+               "--norm-epsilon 1e-5 --qk-layernorm --kv-channels 192 --rotary-base 1000000 "
+               "--multi-latent-attention --q-lora-rank 768 --kv-lora-rank 512 --qk-head-dim 192 --v-head-dim 256 "
+               "--qk-pos-emb-head-dim 64")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -128,6 +130,58 @@ def test_miles_glm_model_flags_agree_with_the_glm_config(flags, config):
         ConfigError, match="--moe-router-score-function softmax: .*i.e. --moe-router-score-function sigmoid"
     ):
         check_model_args({"moe_router_score_function": "softmax"}, config, "config.json")
+
+
+# Miles' scripts/models/deepseek-v3.py model_args() (61 layers), verbatim, and DeepSeek-V3's config.json
+DEEPSEEK_V3_ARGS = (
+    "--disable-bias-linear --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 "
+    "--kv-channels 128 --normalization RMSNorm --position-embedding-type rope --norm-epsilon 1e-6 --swiglu "
+    "--untie-embeddings-and-output-weights --vocab-size 129280 --multi-latent-attention --q-lora-rank 1536 "
+    "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
+    "--rotary-scaling-factor 40 --rotary-base 10000 --mscale 1.0 --mscale-all-dim 1.0 --attention-softmax-in-fp32 "
+    "--no-rope-fusion --num-experts 256 --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048 "
+    "--moe-router-topk 8 --moe-shared-expert-intermediate-size 2048 --moe-router-pre-softmax "
+    "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-load-balancing-type "
+    "seq_aux_loss --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0 --moe-router-bias-update-rate 0 "
+    "--moe-router-group-topk 4 --moe-router-num-groups 8 --moe-grouped-gemm --moe-router-topk-scaling-factor 2.5 "
+    "--moe-router-dtype fp32 --moe-permute-fusion"
+)
+DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+    num_attention_heads=128, num_key_value_heads=128, num_hidden_layers=61, vocab_size=129280, rms_norm_eps=1e-6,
+    hidden_act="silu", tie_word_embeddings=False, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, rope_theta=10000, max_position_embeddings=163840,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "type": "yarn"},
+    n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_shared_experts=1,
+    first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=8, topk_group=4, topk_method="noaux_tc",
+    scoring_func="sigmoid", norm_topk_prob=True, attention_bias=False,
+)  # fmt: skip
+
+
+def test_miles_deepseek_v3_mla_and_yarn_flags_are_checked_not_refused():
+    """Miles' deepseek-v3 script's MLA (--multi-latent-attention, the latent ranks, the head dims) and YaRN
+    (--mscale / --mscale-all-dim) flags describe DeepSeek-V3's config.json: they pass as is; each contradicted
+    one is named with both values and the config key; on a model without MLA the flag is refused."""
+    cfg = parse_run_config(["--hf-checkpoint", "/x", "--rollout-batch-size", "4", "--global-batch-size", "4",
+                            "--train-backend", "megatron", *DEEPSEEK_V3_ARGS.split()])  # fmt: skip
+    given = cfg.model_args_given()
+    assert {"multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+            "v_head_dim", "mscale", "mscale_all_dim"} <= set(given)  # fmt: skip
+    check_model_args(given, DEEPSEEK_V3, "config.json")
+    check_model_args({"beta_fast": 32.0, "beta_slow": 1.0}, DEEPSEEK_V3, "config.json")  # HF's values
+    for flags, match in (
+        ({"kv_lora_rank": 256}, r"--kv-lora-rank 256: .*kv_lora_rank is 512"),
+        ({"qk_head_dim": 192}, r"--qk-head-dim 192: .*qk_nope_head_dim is 128"),
+        ({"qk_pos_emb_head_dim": 32}, r"--qk-pos-emb-head-dim 32: .*qk_rope_head_dim is 64"),
+        ({"mscale_all_dim": 0.707}, r"--mscale-all-dim 0.707: .*rope_scaling.mscale_all_dim is 1.0"),
+        ({"beta_fast": 16.0}, r"--beta-fast 16: .*rope_scaling.beta_fast is 32"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            check_model_args(flags, DEEPSEEK_V3, "config.json")
+    dense = {**GPT_OSS_20B, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"--multi-latent-attention set: .*has no kv_lora_rank \(rules out"):
+        check_model_args({"multi_latent_attention": True}, dense, "config.json")
 
 
 # Miles' scripts/models/gpt-oss-20b.py model_args(), verbatim, and GPT-OSS-20B's config.json
