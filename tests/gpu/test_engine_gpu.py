@@ -198,3 +198,46 @@ def test_broadcast_puts_exactly_the_trainer_weights_into_the_engine(tiny_hf_chec
     assert version == 1
     assert diff == 0.0
     assert len(compared) >= len(got)
+
+
+def test_a_bf16_engine_holds_qwen3_5s_a_log_in_fp32_on_the_device(
+    tiny_hf_checkpoint, tmp_path, device, record
+):
+    """models/gdn.py on the device: the engine serving a tiny Qwen3.5 in bf16 holds A_log in fp32 as stored
+    (SGLang's choice), every other weight bf16, and its log-probs are a teacher-forced bf16 forward's of the
+    same model with A_log kept so (transformers' GatedDeltaNet: fla's kernels when installed, else torch's)."""
+    from safetensors.torch import load_file
+
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+    from miles_platform.models.gdn import keep_decay_fp32
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "models"))
+    from test_qwen3_5_bridge import q35_config, sharp_q35
+
+    tok = load_tokenizer(tiny_hf_checkpoint)
+    ckpt = str(tmp_path / "q35")
+    save_hf_checkpoint(sharp_q35(q35_config(len(tok), "qwen3_5")), tok, ckpt)
+    stored = load_file(f"{ckpt}/model.safetensors")
+    eng = EngineCore(ckpt, dtype="bf16", max_batch_size=8, device=device)
+    try:
+        dtypes = {n: p.dtype for n, p in eng.model.named_parameters()}
+        a_log = sorted(n for n in dtypes if n.endswith(".linear_attn.A_log"))
+        exact = all(torch.equal(dict(eng.model.named_parameters())[n].cpu(), stored[n]) for n in a_log)
+        prompt = tok("What is 7+11?")["input_ids"]
+        r = eng.generate(input_ids=[prompt], sampling_params={"max_new_tokens": MAX_NEW, "temperature": 1.0,
+                                                              "sampling_seed": 3}, return_logprob=True, timeout=120)[0]  # fmt: skip
+    finally:
+        eng.stop()
+    model = load_hf_checkpoint(ckpt)[0].to(device=device, dtype=torch.bfloat16)
+    keep_decay_fp32(model)
+    with torch.no_grad():
+        for n in a_log:
+            dict(model.named_parameters())[n].copy_(stored[n].to(device))
+    lps = torch.tensor([lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]])
+    diff = _maxdiff(lps, _teacher_forced(model, prompt, r["output_ids"], device))
+    record(a_log=a_log, a_log_dtypes=[str(dtypes[n]) for n in a_log], a_log_as_stored=exact,
+           engine_vs_forward_max_abs_diff=diff)  # fmt: skip
+    record.ran_on(device)
+    assert a_log and all(dtypes[n] == torch.float32 for n in a_log) and exact
+    assert {d for n, d in dtypes.items() if n not in a_log} == {torch.bfloat16}
+    assert diff < 5e-2, diff  # bf16: batch shape changes rounding (test_engine_default_dtype_on_the_device)
