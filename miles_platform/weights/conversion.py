@@ -73,8 +73,26 @@ def tensors_hash(sd: dict[str, torch.Tensor]) -> str:
 
 
 def _state_dtype(sd: dict[str, torch.Tensor]) -> torch.dtype:
-    dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+    """The dtype most of a state's floating-point elements have (the model is built in it; a tensor
+    stored in another dtype, e.g. Qwen3.5's fp32 A_log beside bf16 weights, keeps its own: _keep_dtypes)."""
+    count: dict[torch.dtype, int] = {}
+    for t in sd.values():
+        if t.is_floating_point():
+            count[t.dtype] = count.get(t.dtype, 0) + t.numel()
+    return max(count, key=count.get) if count else torch.float32
+
+
+def _keep_dtypes(chunks, dtype_of) -> None:
+    """Each parameter in the dtype its source has (`dtype_of(global name)`, None: the model's): a conversion
+    writes every tensor in the dtype it read it in, so both ways are bit for bit, dtypes included."""
+    from miles_platform.training.megatron_weights import global_names
+
+    for model in chunks:
+        params = dict(model.named_parameters())
+        for local, name in global_names(model).items():
+            p, want = params.get(local), dtype_of(name)
+            if p is not None and want is not None and p.dtype != want:
+                p.data = p.data.to(want)
 
 
 def _convert_rank(
@@ -103,6 +121,7 @@ def _convert_rank(
             fused_norms=mb.uses_fused_norms(chunks[0]),
             padded_vocab_size=bridge.gpt_model_kwargs(cfg, layout.tp)["vocab_size"],
         )
+        _keep_dtypes(chunks, lambda name: full[name].dtype if name in full else None)
         mb.load_full_state(chunks, full)
         step(stage="saving torch_dist")
         mb.save_torch_dist(chunks, out_dir)
@@ -280,6 +299,22 @@ def _checkpoint_dtype(ckpt_dir: Path, cfg: dict) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _stored_dtypes(ckpt_dir: Path):
+    """global name -> the dtype a torch_dist checkpoint stores it in (a tensor megatron shards by parts,
+    GatedDeltaNet's in_proj, is stored as `<name>.<part>` entries of one dtype), else None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    dtypes = {k: v.properties.dtype for k, v in md.items() if hasattr(v, "properties")}
+
+    def dtype_of(name: str):
+        if name in dtypes:
+            return dtypes[name]
+        return next((d for k, d in dtypes.items() if k.startswith(name + ".")), None)
+
+    return dtype_of
+
+
 def torch_dist_to_hf(
     load: str | os.PathLike, hf_checkpoint: str | os.PathLike, save: str | os.PathLike, progress: bool = False
 ) -> ConversionResult:
@@ -303,6 +338,7 @@ def _torch_dist_to_hf(load, hf_checkpoint, save, bar: Progress) -> ConversionRes
     megatron_shims.init_single_process_group()
     try:
         model, bridge = mb.build_gpt_model(cfg, 1, params_dtype=_checkpoint_dtype(ckpt_dir, cfg))
+        _keep_dtypes([model], _stored_dtypes(ckpt_dir))
         bar.update(stage="loading torch_dist")
         mb.load_torch_dist(model, ckpt_dir)
         bar.update(stage="mapping to HF names")

@@ -221,14 +221,18 @@ def test_a_cuda_build_without_flash_linear_attention_is_refused_by_name():
 
 @pytest.fixture(scope="module")
 def megatron_report(tiny_hf_checkpoint, tmp_path_factory):
-    """One subprocess: the parity and its controls, then hf -> torch_dist -> hf of a saved checkpoint."""
+    """One subprocess: the parity and its controls, then hf -> torch_dist -> hf of a saved checkpoint, in bf16
+    with A_log in fp32 as Qwen3.5 ships it (models/gdn.py)."""
     from test_deepseek_v3_bridge import _run_script
 
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+    from miles_platform.models.gdn import keep_decay_fp32
 
     work = tmp_path_factory.mktemp("qwen3_5")
     hf, tok = str(work / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_q35(q35_config(len(tok))), tok, hf)
+    model = sharp_q35(q35_config(len(tok))).to(torch.bfloat16)
+    keep_decay_fp32(model)  # A_log's bf16-rounded draw, held in fp32
+    save_hf_checkpoint(model, tok, hf)
     return {**_run_script("parity", hf, str(work), script=__file__), "hf": hf, "work": work}
 
 
@@ -258,7 +262,8 @@ def test_without_each_qwen3_5_mapping_parity_fails(megatron_report, variant):
 def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
     """`miles-platform convert` both ways through megatron's torch_dist, written at TP 2 (each rank its slice of
     every in_proj / conv1d part; GatedDeltaNet's sharded state names the parts) and read back whole: HF's
-    tensors come back bit for bit."""
+    tensors come back bit for bit, each in its own dtype (bf16, A_log fp32 as Qwen3.5 ships it; a mixed
+    checkpoint was written all fp32 before)."""
     from safetensors.torch import load_file
 
     hf, work = megatron_report["hf"], megatron_report["work"]
@@ -266,6 +271,8 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
     a, b = load_file(f"{hf}/model.safetensors"), load_file(str(work / "back" / "model.safetensors"))
     assert sorted(a) == sorted(b) and {"model.layers.0.linear_attn.A_log",
                                         "model.layers.1.self_attn.q_proj.weight"} <= set(a)  # fmt: skip
+    assert a["model.layers.0.linear_attn.A_log"].dtype == torch.float32
+    assert a["model.layers.1.self_attn.q_proj.weight"].dtype == torch.bfloat16
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
 
