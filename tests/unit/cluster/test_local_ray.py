@@ -3,7 +3,8 @@ autoscaler monitor and no dashboard API server: every driver of ours connects wi
 streamed to no one while its polling grew with each actor's log files (27 CPU-s over a `make test`,
 2026-12-06), and the autoscaler monitor has nothing to scale on one node and did not answer
 SIGTERM (Ray's shutdown waited out a 1 s grace for it at the end of every local run); the API
-server served Ray's job and state APIs on a port no one is told of."""
+server served Ray's job and state APIs on a port no one is told of. Its dashboard agent runs minimal and
+loads no modules (they serve the dashboard and its API server), and the raylet waits for that agent."""
 
 import time
 
@@ -37,6 +38,10 @@ def test_a_private_cluster_runs_no_monitor_nor_api_server_and_stops_without_a_gr
         assert ours and not [
             c for c in ours if "log_monitor.py" in c or "autoscaler/_private/monitor.py" in c
         ]
+        # its dashboard agent: Ray's, minimal, through our launcher (cluster/dashboard_agent.py: no modules)
+        agent = [c.split() for c in ours if "dashboard/agent.py" in c]
+        assert len(agent) == 1 and "--minimal" in agent[0], agent
+        assert any(a.endswith("miles_platform/cluster/dashboard_agent.py") for a in agent[0]), agent
         assert ray.get(ray.remote(lambda: 7).remote(), timeout=60) == 7  # and the cluster works
     finally:
         t0 = time.monotonic()
@@ -47,3 +52,8 @@ def test_a_private_cluster_runs_no_monitor_nor_api_server_and_stops_without_a_gr
 
     assert ray_node.Node.__init__.__qualname__ == "Node.__init__"
     assert ray_node.Node.start_api_server.__qualname__ == "Node.start_api_server"
+    from ray._private import services
+    from ray._private import utils as ray_utils
+
+    assert ray_utils.get_dashboard_dependency_error.__qualname__ == "get_dashboard_dependency_error"
+    assert services._build_python_executable_command_memory_profileable.__module__ == "ray._private.services"
