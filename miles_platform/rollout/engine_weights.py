@@ -411,9 +411,7 @@ def load_model(path: str, dtype: torch.dtype, router_dtype: str | None = None):
         p.requires_grad_(False)
     check_cache_kwarg(model)
     absorb_mla_decode(model)  # MLA decode against the compressed cache (models/mla_cache.py)
-    from miles_platform.models.gdn import keep_decay_fp32
-
-    keep_decay_fp32(model)  # Qwen3.5's A_log in fp32 at any --dtype, as SGLang (models/gdn.py)
+    # Qwen3.5's A_log is already fp32 at any --dtype, as SGLang holds it: load_dense_hf_model loads it so (models/gdn.py)
     if router_dtype == "fp32":
         from miles_platform.models.moe import route_in_fp32
 
