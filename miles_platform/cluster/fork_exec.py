@@ -45,6 +45,11 @@ def _connect(d: str) -> socket.socket | None:
         time.sleep(0.05)
 
 
+# what `python` does with SIGINT at its start: a KeyboardInterrupt, or nothing where it was ignored when
+# the process started (a background job of a shell; `nohup`): read before this file handles it
+_SIGINT_IGNORED = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
 def main(argv: list[str]) -> int:
     d, worker_argv = argv[0], argv[1:]
     s = _connect(d)
@@ -57,6 +62,7 @@ def main(argv: list[str]) -> int:
             "env": {**os.environ, INHERITED: d},  # the child knows its server (forkserver.start)
             "cwd": os.getcwd(),
             "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "sigint_ignored": _SIGINT_IGNORED,
         },
         [0, 1, 2],
     )

@@ -241,8 +241,12 @@ def _child(conn: socket.socket, req: dict, fds: list[int], inherited: list) -> N
         for obj in inherited:
             with contextlib.suppress(OSError):
                 obj.close() if hasattr(obj, "close") else os.close(obj)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        # SIGINT as `python` starts: KeyboardInterrupt (a CLI's Ctrl-C cleanup runs), or ignored where
+        # the launcher started with it ignored; SIG_DFL here killed a Ctrl-C'd command on the spot
+        ignored = req.get("sigint_ignored", False)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
         for i, fd in enumerate(fds[:3]):
             os.dup2(fd, i)
         for fd in fds:

@@ -82,6 +82,39 @@ def test_signals_reach_the_fork_and_it_dies_with_its_launcher(server, tmp_path):
     assert p.wait(30) == -signal.SIGKILL
 
 
+CTRL_C = """
+import signal, sys, time
+print("up", signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("cleaned up", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_ctrl_c_reaches_the_fork_as_python_takes_it(server, tmp_path, ignored):
+    """A Ctrl-C'd command (a CLI's cleanup: `train --submit` stops its Ray job) gets a KeyboardInterrupt
+    as under `python`; started with SIGINT ignored (a shell's background job), it keeps ignoring it."""
+    script = tmp_path / "c.py"
+    script.write_text(CTRL_C)
+
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.SIG_DFL)
+
+    p = _launch(server.dir, script, preexec_fn=ignore_sigint)
+    assert p.stdout.readline().split() == ["up", str(ignored)]
+    p.send_signal(signal.SIGINT)
+    if ignored:
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(1.0)
+        p.terminate()
+        assert p.wait(30) == -signal.SIGTERM
+    else:
+        assert p.wait(30) == 130 and p.stdout.read() == "cleaned up\n"
+
+
 def _gone(pid, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
