@@ -2,7 +2,8 @@
 
 Three learning checks start from an SFT base: tests/e2e/test_learning.py (the demo's recipe pinned,
 1200 compute-bound iterations, ~94 CPU-s on one core: the largest single cost of `make test`),
-tests/e2e/test_vlm_loop.py (the counting task's tiny Qwen3-VL, ~27 CPU-s) and
+tests/e2e/test_vlm_loop.py's learning check (the counting task's tiny Qwen3-VL, ~27 CPU-s; `make
+test-extended` only: its base is trained only when that test is collected) and
 tests/e2e/test_diffusion_loop.py (the diffusion datasets and tiny DiT base materialized through
 Dagster, ~30 CPU-s; its instance is on disk, so the test reads those materializations and runs the
 training job in the same instance). Under pytest-xdist the
@@ -91,7 +92,7 @@ def diffusion_assets(d: Path) -> dict[str, str]:
 # in training order. The background process writes what the builder returned to NAME/paths.json
 BASES = {
     "learning": ("tests/e2e/test_learning.py::", learning_base),
-    "vlm": ("tests/e2e/test_vlm_loop.py::", vlm_base),
+    "vlm": ("tests/e2e/test_vlm_loop.py::test_grpo_from_a_base", vlm_base),
     "diffusion": ("tests/e2e/test_diffusion_loop.py::", diffusion_assets),
 }
 

@@ -67,7 +67,11 @@ FAULTS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("transport", ["tensor", "disk-delta", "broadcast", "mooncake"])
+# mooncake's replacement reads the store like any engine (its transport: test_loop.py's mooncake
+# handoff), no path of its own here: `make test-extended`, for `make test`'s 10-minute budget
+@pytest.mark.parametrize(
+    "transport", ["tensor", "disk-delta", "broadcast", pytest.param("mooncake", marks=pytest.mark.extended)]
+)
 def test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes(
     tiny_hf_checkpoint, tmp_path, transport, request, monkeypatch
 ):
