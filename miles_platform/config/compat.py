@@ -44,10 +44,14 @@ _UNFUSED = "an unfused kernel: what the trainer here runs anyway (torch ops, meg
 _FAMILY = (
     "a megatron layer this build's megatron backend does not build from flags (its bridges build each model "
     "from config.json: Qwen3, Qwen2/2.5, Llama 3, Qwen3-MoE, Qwen3.5 / -MoE, Qwen3-Next, DeepSeek-V3, GLM-4.7-Flash, "
-    "GLM-4.5, GPT-OSS, MiniMax-M2); DeepSeek-V3.2 and Gemma-4 train on "
+    "DeepSeek-V3.2, GLM-4.5, GPT-OSS, MiniMax-M2); Gemma-4 trains on "
     "--train-backend fsdp, built from config.json (models/families.py): drop the flag; other models: run them with Miles"
 )
-_DSA = "DeepSeek sparse attention (V3.2 / V4, GLM-5) is " + _FAMILY
+_DSA = (
+    "a DSA kernel choice: DeepSeek-V3.2's sparse attention runs megatron-core's unfused DSAttention here, its "
+    "indexer frozen as at Miles' default --dsa-indexer-loss-coeff 0 (training/megatron_dsa.py), built from "
+    "config.json: drop the flag; V4's and GLM-5's sparse attention are not built (run them with Miles)"
+)
 _MTP = "multi-token prediction (MTP) heads are not built: train without them (drop the MTP flags)"
 _FP8 = (
     "FP8 training (transformer-engine) is not built: the trainer computes in fp32 / bf16 "
@@ -121,10 +125,6 @@ COMPAT: dict[str, MilesFlag] = {
     "spec": _refused("list", "a custom megatron layer spec (miles_plugins) is " + _FAMILY),
     "custom_model_provider_path": _refused("str", "a custom megatron model provider (miles_plugins) is " + _FAMILY),
     "dsa_attention_backend": _refused("str", _DSA),
-    "dsa_indexer_head_dim": _refused("int", _DSA),
-    "dsa_indexer_n_heads": _refused("int", _DSA),
-    "dsa_indexer_topk": _refused("int", _DSA),
-    "experimental_attention_variant": _refused("str", _DSA),
     **{f"dsv4_{k}": _refused("list" if k == "compress_ratios" else "int", "DeepSeek-V4 attention is " + _FAMILY)
        for k in ("compress_ratios", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "n_hash_layers",
                  "o_groups", "o_lora_rank", "window_size")},

@@ -23,7 +23,7 @@ RANGES: dict[str, tuple] = dict.fromkeys(
      "vocab_size", "make_vocab_size_divisible_by", "max_position_embeddings", "num_experts",
      "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
      "original_max_position_embeddings", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-     "v_head_dim"),
+     "v_head_dim", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"),
     POSITIVE,
 )  # fmt: skip
 
@@ -113,6 +113,13 @@ class ModelArgsFlags:
     qk_head_dim: int | None = flag(None, _G, "MLA's per-head q/k dim without rope (qk_nope_head_dim)")
     qk_pos_emb_head_dim: int | None = flag(None, _G, "MLA's per-head rope dim (qk_rope_head_dim)")
     v_head_dim: int | None = flag(None, _G, "MLA's per-head value dim (v_head_dim)")
+    experimental_attention_variant: str | None = flag(
+        None, _G, "DeepSeek sparse attention (dsa: index_topk) or gated DeltaNet layers (gated_delta_net: "
+        "linear_attention in layer_types)", choices=("dsa", "gated_delta_net"),
+    )  # fmt: skip
+    dsa_indexer_n_heads: int | None = flag(None, _G, "DSA indexer heads (index_n_heads)")
+    dsa_indexer_head_dim: int | None = flag(None, _G, "DSA indexer head dim (index_head_dim)")
+    dsa_indexer_topk: int | None = flag(None, _G, "keys each query keeps under DSA (index_topk)")
     beta_fast: float | None = flag(None, _G, "YaRN's beta_fast (rope_scaling.beta_fast, default 32)")
     beta_slow: float | None = flag(None, _G, "YaRN's beta_slow (rope_scaling.beta_slow, default 1)")
     mscale: float | None = flag(None, _G, "YaRN's mscale (rope_scaling.mscale)")

@@ -74,6 +74,11 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
     windowed = [int(k == "sliding_attention") for k in kinds or []]
     window = c.get("sliding_window") if any(windowed) else None  # HF: W keys, i - W < j <= i
 
+    # megatron's layer variant: DeepSeek-V3.2's sparse attention, Qwen3.5 / Qwen3-Next's DeltaNet layers
+    variant = (
+        "dsa" if c.get("index_topk") else "gated_delta_net" if "linear_attention" in (kinds or []) else None
+    )
+
     def key(k: str) -> tuple[str, Any, Any]:
         return (k, c.get(k), c.get(k))
 
@@ -151,6 +156,10 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "qk_head_dim": key("qk_nope_head_dim"),
         "qk_pos_emb_head_dim": key("qk_rope_head_dim"),
         "v_head_dim": key("v_head_dim"),
+        "experimental_attention_variant": ("index_topk / layer_types", c.get("index_topk") or kinds, variant),
+        "dsa_indexer_n_heads": key("index_n_heads"),
+        "dsa_indexer_head_dim": key("index_head_dim"),
+        "dsa_indexer_topk": key("index_topk"),
         **yarn_view,
         "model_name": ("model_type", mt, mt),
     }  # fmt: skip

@@ -25,14 +25,14 @@ DeepSeek-V3's renamed, its dense layers named by `mlp_layer_types`: `glm4_moe_li
 attention with a partial rotary + DeepSeek's MoE, `glm4_moe.py`, at TP / SP / EP as Qwen3-MoE; GPT-OSS:
 sinks, sliding windows, biased clamped experts, `gpt_oss.py`, at TP / SP / EP with expert TP 1; MiniMax-M2:
 whole-projection q/k norms + sigmoid-routed experts, `minimax_m2.py`, at TP + SP / EP).
-deepseek_v32 (the DSA indexer) stays refused.
+DeepSeek-V3.2: DeepSeek-V3's bridge plus the DSA indexer on megatron-core's DSAttention (`deepseek_v32.py`).
 qwen3_5       Qwen3_5ForCausalLM      gated-DeltaNet linear attention (conv + recurrent state) / full; megatron too
 qwen3_5_moe   Qwen3_5MoeForCausalLM   the same, MoE with a gated shared expert; megatron too
 qwen3_next    Qwen3NextForCausalLM    the same as Qwen3.5-MoE (its predecessor); megatron too
 glm4_moe      Glm4MoeForCausalLM      GLM-4.5: partial rotary, q/k norm, sigmoid group routing, shared expert; megatron too
 glm4_moe_lite Glm4MoeLiteForCausalLM  GLM-4.7-Flash: MLA attention, DeepSeek-style MoE; megatron too
 deepseek_v3   DeepseekV3ForCausalLM   MLA, first layers dense, sigmoid group-limited routing (noaux_tc); megatron too
-deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache
+deepseek_v32  DeepseekV32ForCausalLM  V3 + the DSA indexer: top-k sparse attention over its own key cache; megatron too
 gpt_oss       GptOssForCausalLM       sliding-window / full layers, attention sinks, biased fused experts; megatron too
 nemotron_h    NemotronHForCausalLM    Mamba-2 (conv + SSM state) / attention / relu2 MoE layers
 minimax_m2    MiniMaxM2ForCausalLM    full attention with whole-projection q/k norm, sigmoid-routed MoE; megatron too
@@ -156,13 +156,14 @@ HF_FAMILIES: dict[str, Family] = {
         # megatron: models/bridge/deepseek_v3.py (MLA, first layers dense, sigmoid group routing, expert bias)
         Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
                {**_DEEPSEEK_MOE, **_MLA, "n_group": 2, "topk_group": 1}, mla=True, moe=True),
+        # megatron: models/bridge/deepseek_v32.py (V3's mapping + the indexer, on megatron-core's DSAttention)
         # the indexer keeps 8 of the context's tokens per query: the sparse attention runs at test lengths;
         # 8 indexer heads keep its ReLU scores off ties (ties make top-k differ between shapes)
         Family("deepseek_v32", "DeepseekV32ForCausalLM", "DeepseekV32Config",
                {**_DEEPSEEK_MOE, **_MLA, "n_group": 2, "topk_group": 1, "index_topk": 8, "index_head_dim": 16,
                 "index_n_heads": 8},
                layer_pattern={"mlp_layer_types": ("dense", "sparse")}, mla=True,
-               moe=True, megatron=_NO_BRIDGE.format(what="MLA with DSA sparse attention (DeepSeek-V3.2)")),
+               moe=True),
         # an 8-token window: the sliding layers drop context at test lengths
         # megatron: models/bridge/gpt_oss.py (sinks, windows, biased clamped experts; expert TP 1)
         Family("gpt_oss", "GptOssForCausalLM", "GptOssConfig",

@@ -466,7 +466,8 @@ def megatron_vs_hf(cfg_obj, hf, T: int = 48):
     grads = {n: torch.zeros_like(t) for n, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
     grads.update({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     m_grads = bridge.megatron_to_hf(grads, cfg)
-    h_grads = {n: p.grad for n, p in hf.named_parameters()}
+    # a parameter transformers computes under no_grad (DeepSeek-V3.2's indexer) has none: zeros to compare
+    h_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in hf.named_parameters()}
     exported = bridge.megatron_to_hf(mb.gather_full_state(model), cfg)
     out = dict(
         logits_max_abs_diff=(got - want).abs().max().item(),
@@ -477,6 +478,9 @@ def megatron_vs_hf(cfg_obj, hf, T: int = 48):
         hf_params=len(h_grads),
         export_identical=sorted(exported) == sorted(sd) and all(torch.equal(exported[n], sd[n]) for n in sd),
         experts_routed=int(torch.unique(chosen[0]).numel()) if chosen else 0,
+        megatron_indexer_grads=sum(
+            p.grad is not None for n, p in model.named_parameters() if ".indexer." in n
+        ),
     )
 
     @torch.no_grad()
