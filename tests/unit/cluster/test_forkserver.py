@@ -84,8 +84,8 @@ def test_signals_reach_the_fork_and_it_dies_with_its_launcher(server, tmp_path):
 
 CTRL_C = """
 import signal, sys, time
-print("up", signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
-try:
+try:  # a Ctrl-C as soon as "up" is read lands inside the try
+    print("up", signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     print("cleaned up", flush=True)
