@@ -62,13 +62,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # `make test` passes --no-loadscope-reorder, without which xdist orders files by number of tests.
 # The learning tests go late: their SFT bases train in the background from the start on the idle
 # cycles (tests/background_bases.py): test_learning.py's (~94 CPU-s) took 250 s of a full run
-# (2026-12-06), and the file (~45 s without it) started ~360 s in, after the files of 20 s and more;
-# the vision-language one's (~27 CPU-s) trains next, and its file goes after those of 10 s and more;
-# the diffusion assets (~30 CPU-s, in test_diffusion_loop.py's setup until 2026-12-06: 32 s of its
-# worker's wall) train last, and that file (~45 s without them) goes right after the VLM one.
+# (2026-12-06), and the file (~45 s without it) starts after the files of 15 s and more (at 19.5, after
+# those of 20 s, it started 249 s in and waited 11 s for its base, done at 260 s: 2026-12-06 20:02 UTC);
+# the diffusion assets (~30-40 CPU-s, in test_diffusion_loop.py's setup until 2026-12-06: 32 s of its
+# worker's wall) train next, and that file (~45 s without them) goes after those of 10 s and more.
+# (The vision-language learning check's base trains only under `make test-extended`.)
 LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-06 08:10 UTC
-    "test_learning.py": 19.5, "test_cluster_ray.py": 86, "test_diffusion_loop.py": 9.4,
-    "test_vlm_loop.py": 9.5, "test_megatron_layouts.py": 41, "test_ui_browser.py": 53,
+    "test_learning.py": 14.5, "test_cluster_ray.py": 86, "test_diffusion_loop.py": 9.4,
+    "test_deepseek_v32_bridge.py": 22, "test_megatron_layouts.py": 41, "test_ui_browser.py": 53,
     "test_crash_matrix.py": 53, "test_fault_tolerance.py": 46, "test_model_families_loop.py": 61,
     "test_loop.py": 36, "test_ui_daily_use.py": 30, "test_ops_training.py": 21,
     "test_megatron_resume.py": 14, "test_kernels.py": 8, "test_sglang_launcher.py": 15,

@@ -377,6 +377,10 @@ RUN_EVENTS = """{ logsForRun(runId: "%s") { ... on EventConnection { events { __
   ... on ExecutionStepFailureEvent { error { message } failureMetadata { description } } } } } }"""
 
 
+# its parts in `make test` (tests/dagster/test_ops_training.py): the op's schema marks rm_type required (what
+# the Launchpad lists as missing) and `rm_type: none` fails before Ray naming the key; here, through the
+# browser and a launched run (~12 s: the run's subprocess), in `make test-extended`
+@pytest.mark.extended
 def test_the_launchpad_rejects_a_run_without_a_reward_naming_the_key(page, webserver, tiny_hf_checkpoint):
     """A newcomer writes an rl_training config with a model and prompts but no reward: the Launchpad
     lists `rm_type` as missing config and will not launch; with `rm_type: none` (and no

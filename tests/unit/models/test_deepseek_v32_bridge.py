@@ -117,7 +117,7 @@ def test_preflight_takes_it_on_megatron_at_ep_and_tp_and_refuses_cp(tiny_hf_chec
 
 @pytest.fixture(scope="module")
 def megatron_report(tiny_hf_checkpoint, tmp_path_factory):
-    """One subprocess: the parity report, then hf -> torch_dist (at EP 2) -> hf of a saved checkpoint."""
+    """One subprocess: the parity report, then hf -> torch_dist -> hf of a saved checkpoint."""
     from test_deepseek_v3_bridge import _run_script
 
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
@@ -146,8 +146,8 @@ def test_without_the_sparse_attention_or_each_indexer_mapping_parity_fails(megat
 
 
 def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
-    """`miles-platform convert` both ways through torch_dist written at EP 2: the indexer's tensors
-    come back bit for bit with the rest."""
+    """`miles-platform convert` both ways through torch_dist: the indexer's tensors come back bit for
+    bit with the rest."""
     from safetensors.torch import load_file
 
     hf, work = megatron_report["hf"], megatron_report["work"]
@@ -207,7 +207,7 @@ def _parity_report(variant: str) -> dict:
 
 
 def _main(mode: str, hf: str, work: str) -> None:
-    parity_then_convert(_parity_report, ["v32"], hf, work, "--expert-model-parallel-size", "2")
+    parity_then_convert(_parity_report, ["v32"], hf, work)  # EP / TP splits: as DeepSeek-V3's (its tests)
 
 
 if __name__ == "__main__":
