@@ -1,4 +1,6 @@
-"""kill -9 of the driver at every --ci-fault-hooks point, then the same command again (issue 19).
+"""kill -9 of the driver at every --ci-fault-hooks point, then the same command again (issue 19);
+`make test` runs the chain over one hook of each part of a step (`PARTS`), `make test-extended` over
+every hook.
 
 One chain of `miles-platform train` processes on one run: each launch is SIGKILLed at the next
 point of the matrix (a later rollout than the last checkpoint, so every launch gets further), the
@@ -36,8 +38,17 @@ MATRIX = [
 ]  # fmt: skip
 
 
+# `make test`'s chain: one hook of each part, in the matrix's order (the orchestrator's step and
+# rollout, the trainer's step, an update with the engines paused, the version row, a forced save and
+# a periodic one, the step's end); every hook: `make test-extended` (14 launches, ~60 s of a full run)
+PARTS = [m for m in MATRIX if m[0] in ("orchestrator_step_start", "rollout_end", "trainer_controller_step_end",
+                                       "weight_update_paused", "version_recorded", "save_start", "save_end",
+                                       "orchestrator_step_end")]  # fmt: skip
+
+
 def test_the_matrix_covers_every_hook():
     assert sorted(h for h, _ in MATRIX) == sorted(HOOKS)
+    assert len(PARTS) == 8 and [m for m in MATRIX if m in PARTS] == PARTS
 
 
 def _run_kwargs(ckpt, tmp_path, root):
@@ -81,7 +92,11 @@ def _launch(config: Path, ray_address: str, hooks: list | None, log: Path) -> in
 
 
 @pytest.mark.slow
-def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(tiny_hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("matrix", [pytest.param(PARTS, id="parts"),
+                                    pytest.param(MATRIX, id="every_hook", marks=pytest.mark.extended)])  # fmt: skip
+def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(
+    tiny_hf_checkpoint, tmp_path, matrix
+):
     import ray
 
     from miles_platform.cluster import ray_cluster
@@ -108,7 +123,7 @@ def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(tiny_hf
     config.write_text(yaml.safe_dump({k: v for k, v in kw.items()}))
     log = tmp_path / "launches.log"
     saved_2 = False
-    for i, (hook, rollout) in enumerate(MATRIX):
+    for i, (hook, rollout) in enumerate(matrix):
         req = [
             {
                 "request_id": f"k{i}",
@@ -147,7 +162,7 @@ def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(tiny_hf
     assert abandoned and final == max(numbers)
     _, events = cat.query("select count(*) from run_events where event = 'resume'")
     # every launch after the second found rows of a crashed one (the first crash left none)
-    assert events[0][0] == len(MATRIX) - 1
+    assert events[0][0] == len(matrix) - 1
     # the committed metrics: every rollout exactly once per metric
     _, dup = cat.query("select rollout_id, name, count(*) from metrics where status = 'committed' "
                        "group by 1, 2 having count(*) <> 1")  # fmt: skip
