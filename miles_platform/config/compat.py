@@ -122,7 +122,6 @@ COMPAT: dict[str, MilesFlag] = {
         "(training/megatron_cp.py), which computes the same attention as any of them",
     ),
     # ---- refused: not built here
-    "spec": _refused("list", "a custom megatron layer spec (miles_plugins) is " + _FAMILY),
     "custom_model_provider_path": _refused("str", "a custom megatron model provider (miles_plugins) is " + _FAMILY),
     "dsa_attention_backend": _refused("str", _DSA),
     **{f"dsv4_{k}": _refused("list" if k == "compress_ratios" else "int", "DeepSeek-V4 attention is " + _FAMILY)

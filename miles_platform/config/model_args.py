@@ -27,6 +27,7 @@ RANGES: dict[str, tuple] = dict.fromkeys(
     POSITIVE,
 )  # fmt: skip
 
+ATTENTION_VARIANTS = ("dsa", "gated_delta_net")  # megatron-core's, as the bridges build them
 VOCAB_PAD_MULTIPLE = 128  # models/bridge/base.py pads megatron's embedding to lcm(this, TP)
 _G = "model"
 
@@ -115,7 +116,7 @@ class ModelArgsFlags:
     v_head_dim: int | None = flag(None, _G, "MLA's per-head value dim (v_head_dim)")
     experimental_attention_variant: str | None = flag(
         None, _G, "DeepSeek sparse attention (dsa: index_topk) or gated DeltaNet layers (gated_delta_net: "
-        "linear_attention in layer_types)", choices=("dsa", "gated_delta_net"),
+        "linear_attention in layer_types)",
     )  # fmt: skip
     dsa_indexer_n_heads: int | None = flag(None, _G, "DSA indexer heads (index_n_heads)")
     dsa_indexer_head_dim: int | None = flag(None, _G, "DSA indexer head dim (index_head_dim)")
@@ -125,6 +126,11 @@ class ModelArgsFlags:
     mscale: float | None = flag(None, _G, "YaRN's mscale (rope_scaling.mscale)")
     mscale_all_dim: float | None = flag(None, _G, "YaRN's mscale_all_dim (rope_scaling.mscale_all_dim)")
     model_name: str | None = flag(None, _G, "Miles' converter name (model_type, e.g. qwen3, qwen3_moe)")
+    spec: list[str] | None = flag(
+        None, _G, "Miles' layer-spec plugin (MODULE FUNCTION, its scripts/models/*.py): taken where it is the "
+        "checkpoint's own (Qwen3.5 / -MoE, Qwen3-Next, DeepSeek-V3.2: their bridges build the same layers from "
+        "config.json)", nargs="+",
+    )  # fmt: skip
 
     def model_args_given(self) -> dict[str, object]:
         """The model flags set (a bool set means true), by field name."""
@@ -143,6 +149,13 @@ class ModelArgsFlags:
                 f"lcm({VOCAB_PAD_MULTIPLE}, TP), so its torch_dist tensors do not depend on the TP size; pass "
                 f"{VOCAB_PAD_MULTIPLE} or drop the flag (the HF weights are the same either way; start from "
                 "--hf-checkpoint rather than a Miles torch_dist padded otherwise)"
+            )
+        v = self.experimental_attention_variant
+        if v is not None and v not in ATTENTION_VARIANTS:
+            raise ConfigError(
+                f"--experimental-attention-variant {v}: not built here (the megatron bridges build "
+                f"{', '.join(ATTENTION_VARIANTS)}: DeepSeek-V3.2's sparse attention, Qwen3.5 / Qwen3-Next's DeltaNet "
+                "layers); DeepSeek-V4's attention runs with Miles"
             )
         if self.moe_layer_freq is not None:
             moe_layer_pattern(self.moe_layer_freq, self.num_layers or 1)

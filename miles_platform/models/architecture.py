@@ -15,6 +15,14 @@ from miles_platform.config.flags import flag_name
 from miles_platform.config.model_args import moe_layer_pattern, window_pair, windowed_layers
 from miles_platform.errors import ConfigError
 
+# Miles' `--spec` layer plugins (its scripts/models/*.py) for the architectures whose bridge here builds
+# the same layers from config.json: the flag is taken where it names the checkpoint's own
+MILES_SPECS = {
+    "Qwen3_5ForCausalLM": ("miles_plugins.models.qwen3_5", "get_qwen3_5_spec"),
+    "Qwen3_5MoeForCausalLM": ("miles_plugins.models.qwen3_5", "get_qwen3_5_spec"),
+    "Qwen3NextForCausalLM": ("miles_plugins.models.qwen3_next", "get_qwen3_next_spec"),
+    "DeepseekV32ForCausalLM": ("miles_plugins.models.glm5.glm5", "get_glm5_spec"),  # DSA: V3.2 and GLM-5's
+}
 # per-head RMSNorm on q and k (GLM-4.5: with use_qk_norm)
 SINK_TYPES = ("gpt_oss",)  # attention sinks (megatron's learnable softmax) and a clamped SwiGLU
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -61,6 +69,7 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
     qkv_only = mt in QKV_ONLY_ATTENTION_BIAS
     bias = bool((c.get("attention_bias") and not qkv_only) or c.get("mlp_bias"))
     layers = c.get("num_hidden_layers")
+    archs = list(c.get("architectures") or [])
     rotary = c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get("partial_rotary_factor")
     sigmoid = mt in SIGMOID_ROUTER_TYPES
     mla = bool(c.get("kv_lora_rank"))  # megatron's MLA: kv_channels is the no-rope q/k dim; q/kv latent norms
@@ -162,6 +171,7 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "dsa_indexer_topk": key("index_topk"),
         **yarn_view,
         "model_name": ("model_type", mt, mt),
+        "spec": ("architectures", archs, list(MILES_SPECS[archs[0]]) if archs[:1] and archs[0] in MILES_SPECS else None),
     }  # fmt: skip
     return out
 
@@ -203,6 +213,8 @@ def _agrees(name: str, given: Any, want: Any) -> bool:
         return w is not None and window_pair(given) in ((w, 0), (w - 1, 0))
     if name == "window_attn_skip_freq":
         return want is not None and windowed_layers(given, len(want)) == want
+    if name == "spec":  # Miles' `--spec MODULE FUNCTION`
+        return want is not None and list(given) == want
     if isinstance(given, bool):
         return bool(want) is given
     if isinstance(given, int | float) and isinstance(want, int | float) and not isinstance(want, bool):
@@ -221,6 +233,14 @@ def check_model_args(given: dict[str, Any], config: dict, where: str) -> None:
         key, raw, want = view[name]
         if _agrees(name, value, want) or (name in ANY_VALUE and want is None):
             continue
+        if name == "spec":
+            took = ", ".join(" ".join(v) for v in MILES_SPECS.values())
+            raise ConfigError(
+                f"--spec {' '.join(map(str, value))}: a custom megatron layer spec; this build's bridges build each "
+                f"model from config.json ({where}: architectures {raw}), and take Miles' spec flag only where it is "
+                f"the checkpoint's own ({took}, for Qwen3.5 / -MoE, Qwen3-Next, DeepSeek-V3.2): drop the flag, or "
+                "run that spec with Miles"
+            )
         shown = "set" if value is True else f"{value:g}" if isinstance(value, float) else value
         said = f"has no {key}" if raw is None else f"{key} is {raw!r}"
         shown_want = _skip_freq(want) if name == "window_attn_skip_freq" and want else want

@@ -257,3 +257,32 @@ def test_a_window_sink_or_clamp_on_a_model_without_one_is_refused(families, argv
 def test_a_malformed_window_flag_is_refused_at_parse(argv):
     with pytest.raises(ConfigError, match=argv[0]):
         parse_run_config(["--rollout-batch-size", "2", *argv]).validate()
+
+
+def test_miles_spec_plugins_and_dsa_flags_are_checked_not_refused():
+    """Miles' Qwen3.5 / Qwen3-Next / DeepSeek-V3.2 scripts pass `--spec <plugin> <function>` (and V3.2's
+    DSA shapes): taken where the plugin is the checkpoint's own layers, which the bridge builds from
+    config.json; another spec, or one on a model without a plugin, is refused naming what is taken."""
+    from miles_platform.models.families import tiny_config
+
+    v32 = tiny_config("deepseek_v32", 128).to_dict()
+    q35 = tiny_config("qwen3_5", 128).to_dict()
+    cfg = parse_run_config(["--rollout-batch-size", "2", "--spec", "miles_plugins.models.glm5.glm5", "get_glm5_spec",
+                            "--experimental-attention-variant", "dsa", "--dsa-indexer-topk", "8",
+                            "--dsa-indexer-n-heads", "8", "--dsa-indexer-head-dim", "16"])  # fmt: skip
+    check_model_args(cfg.model_args_given(), v32, "config.json")
+    check_model_args({"spec": ["miles_plugins.models.qwen3_5", "get_qwen3_5_spec"]}, q35, "config.json")
+    check_model_args({"experimental_attention_variant": "gated_delta_net"}, q35, "config.json")
+    for flags, config, match in (
+        ({"spec": ["miles_plugins.models.qwen3_5", "get_qwen3_5_spec"]}, v32,
+         r"--spec miles_plugins.models.qwen3_5 get_qwen3_5_spec: a custom megatron layer spec; .*DeepseekV32"),
+        ({"spec": ["miles_plugins.models.glm4", "get_glm_spec"]}, q35, r"take Miles' spec flag only where"),
+        ({"dsa_indexer_topk": 2048}, v32, r"--dsa-indexer-topk 2048: .*index_topk is 8"),
+        ({"experimental_attention_variant": "dsa"}, q35, r"--experimental-attention-variant dsa: .*gated_delta_net"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            check_model_args(flags, config, "config.json")
+    with pytest.raises(ConfigError, match=r"--experimental-attention-variant dsv4: not built here"):
+        parse_run_config(
+            ["--rollout-batch-size", "2", "--experimental-attention-variant", "dsv4"]
+        )  # Miles' V4

@@ -115,7 +115,7 @@ def test_missing_megatron_tensor_is_named():
 
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "GPT2LMHeadModel"])
 def test_unsupported_architecture_lists_supported(arch):
-    supported = ["DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MiniMaxM2ForCausalLM", "Qwen2ForCausalLM",
+    supported = ["DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MiniMaxM2ForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]  # fmt: skip
     assert supported_architectures() == supported
     with pytest.raises(
