@@ -127,11 +127,8 @@ COMPAT: dict[str, MilesFlag] = {
     **{f"dsv4_{k}": _refused("list" if k == "compress_ratios" else "int", "DeepSeek-V4 attention is " + _FAMILY)
        for k in ("compress_ratios", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "n_hash_layers",
                  "o_groups", "o_lora_rank", "window_size")},
-    "moe_shared_expert_gate": _refused("bool", "a gated shared expert (Qwen2-MoE / Qwen3-Next) is " + _FAMILY),
     "moe_latent_size": _refused("int", "latent MoE (Nemotron-3) is " + _FAMILY),
     "freeze_e_score_correction_bias": _refused("bool", "the expert score-correction bias (DeepSeek-V3) is " + _FAMILY),
-    "apply_layernorm_1p": _refused("bool", "(1 + weight) norms (Gemma / Nemotron) is " + _FAMILY),
-    "attention_output_gate": _refused("bool", "gated attention output (Qwen3-Next / Qwen3.5) is " + _FAMILY),
     "no_activation_func_clamp_shared_expert": _refused("bool", "an unclamped shared expert beside clamped routed ones (DeepSeek-V4) is " + _FAMILY),
     "mtp_num_layers": _refused("int", _MTP),
     "enable_mtp_training": _refused("bool", _MTP),

@@ -114,6 +114,15 @@ class ModelArgsFlags:
     qk_head_dim: int | None = flag(None, _G, "MLA's per-head q/k dim without rope (qk_nope_head_dim)")
     qk_pos_emb_head_dim: int | None = flag(None, _G, "MLA's per-head rope dim (qk_rope_head_dim)")
     v_head_dim: int | None = flag(None, _G, "MLA's per-head value dim (v_head_dim)")
+    apply_layernorm_1p: bool = flag(
+        False, _G, "(1 + weight) norms (Qwen3.5 / Qwen3-Next's zero-centered RMSNorm)"
+    )
+    attention_output_gate: bool = flag(
+        False, _G, "gated attention output (Qwen3.5 / Qwen3-Next's full-attention layers)"
+    )
+    moe_shared_expert_gate: bool = flag(
+        False, _G, "a sigmoid-gated shared expert (Qwen3.5-MoE / Qwen3-Next: shared_expert_gate)"
+    )
     experimental_attention_variant: str | None = flag(
         None, _G, "DeepSeek sparse attention (dsa: index_topk) or gated DeltaNet layers (gated_delta_net: "
         "linear_attention in layer_types)",

@@ -23,6 +23,10 @@ MILES_SPECS = {
     "Qwen3NextForCausalLM": ("miles_plugins.models.qwen3_next", "get_qwen3_next_spec"),
     "DeepseekV32ForCausalLM": ("miles_plugins.models.glm5.glm5", "get_glm5_spec"),  # DSA: V3.2 and GLM-5's
 }
+# Qwen3.5 / Qwen3-Next: zero-centered (1 + w) norms, gated attention output; the MoE ones a gated shared
+# expert (the layers their bridges build; Gemma's 1 + w norms have no megatron bridge here)
+GATED_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+GATED_SHARED_EXPERT_TYPES = ("qwen3_5_moe_text", "qwen3_next")
 # per-head RMSNorm on q and k (GLM-4.5: with use_qk_norm)
 SINK_TYPES = ("gpt_oss",)  # attention sinks (megatron's learnable softmax) and a clamped SwiGLU
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -165,6 +169,9 @@ def megatron_model_args(config: dict) -> dict[str, tuple[str, Any, Any]]:
         "qk_head_dim": key("qk_nope_head_dim"),
         "qk_pos_emb_head_dim": key("qk_rope_head_dim"),
         "v_head_dim": key("v_head_dim"),
+        "apply_layernorm_1p": ("model_type", mt, mt in GATED_TYPES),
+        "attention_output_gate": ("model_type", mt, mt in GATED_TYPES),
+        "moe_shared_expert_gate": ("model_type", mt, mt in GATED_SHARED_EXPERT_TYPES),
         "experimental_attention_variant": ("index_topk / layer_types", c.get("index_topk") or kinds, variant),
         "dsa_indexer_n_heads": key("index_n_heads"),
         "dsa_indexer_head_dim": key("index_head_dim"),

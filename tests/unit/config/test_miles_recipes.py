@@ -246,8 +246,13 @@ def test_miles_refusals_name_the_flag(env):
     base = ["--rollout-batch-size", "2"]
     with pytest.raises(ConfigError, match=r"^--update-weight-transfer-mode p2p: Miles' point-to-point"):
         parse_run_config([*base, "--update-weight-transfer-mode", "p2p"])
-    with pytest.raises(ConfigError, match=r"^--apply-layernorm-1p: \(1 \+ weight\) norms"):
-        parse_run_config([*base, "--apply-layernorm-1p"])
+    with pytest.raises(ConfigError, match=r"^--moe-latent-size 4: latent MoE \(Nemotron-3\)"):
+        parse_run_config([*base, "--moe-latent-size", "4"])
+    with pytest.raises(
+        ConfigError, match=r"^--apply-layernorm-1p set: the checkpoint's config.json model_type is 'qwen3'"
+    ):
+        validate_before_start(parse_run_config([*base, "--apply-layernorm-1p", "--hf-checkpoint", env["ckpt"]["qwen3"],
+                                                "--prompt-data", env["data"]["dapo"], "--input-key", "prompt", "--rm-type", "math"]))  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--attention-dropout 0.1: .*0 only"):
         parse_run_config([*base, "--attention-dropout", "0.1"])
     with pytest.raises(

@@ -273,6 +273,15 @@ def test_miles_spec_plugins_and_dsa_flags_are_checked_not_refused():
     check_model_args(cfg.model_args_given(), v32, "config.json")
     check_model_args({"spec": ["miles_plugins.models.qwen3_5", "get_qwen3_5_spec"]}, q35, "config.json")
     check_model_args({"experimental_attention_variant": "gated_delta_net"}, q35, "config.json")
+    gates = {"apply_layernorm_1p": True, "attention_output_gate": True}  # Qwen3.5's norms, gated attention
+    check_model_args(gates, q35, "config.json")
+    check_model_args(
+        {**gates, "moe_shared_expert_gate": True}, tiny_config("qwen3_5_moe", 128).to_dict(), "c.json"
+    )
+    with pytest.raises(ConfigError, match=r"--moe-shared-expert-gate set: .*model_type is 'qwen3_5_text'"):
+        check_model_args({"moe_shared_expert_gate": True}, q35, "config.json")
+    with pytest.raises(ConfigError, match=r"--attention-output-gate set: .*model_type is 'deepseek_v32'"):
+        check_model_args({"attention_output_gate": True}, v32, "config.json")
     for flags, config, match in (
         ({"spec": ["miles_plugins.models.qwen3_5", "get_qwen3_5_spec"]}, v32,
          r"--spec miles_plugins.models.qwen3_5 get_qwen3_5_spec: a custom megatron layer spec; .*DeepseekV32"),
