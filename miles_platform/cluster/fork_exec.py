@@ -1,5 +1,6 @@
 """Ray's worker command on a local CPU cluster (`py_executable`, see forkserver.py):
-`python -m miles_platform.cluster.fork_exec <server dir> default_worker.py <args>`.
+`python -S .../miles_platform/cluster/fork_exec.py <server dir> default_worker.py <args>`
+(`forkserver.launcher_argv`: without site-packages, it imports the stdlib and fork_wire.py only).
 
 Asks the fork server for a warm process running `default_worker.py <args>` with this process's
 environment, working dir and stdio, then stands in for it: signals go to the worker, this process
@@ -14,7 +15,10 @@ import socket
 import sys
 import time
 
-from miles_platform.cluster.forkserver import INHERITED, _recv_msg, _send_msg
+if __package__:  # imported (tests), or `python -m miles_platform.cluster.fork_exec`
+    from miles_platform.cluster.fork_wire import INHERITED, _recv_msg, _send_msg
+else:  # `python -S .../fork_exec.py` (forkserver.launcher_argv): its own directory is sys.path[0]
+    from fork_wire import INHERITED, _recv_msg, _send_msg
 
 WAIT_FOR_SERVER_S = 60.0  # the server is importing (started beside Ray): wait rather than duplicate
 

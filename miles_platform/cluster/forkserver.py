@@ -22,17 +22,27 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import selectors
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from miles_platform.cluster.fork_wire import INHERITED, _recv_msg, _send_msg  # noqa: F401 (INHERITED: re-exported)
+
+# the launcher: run by path without site-packages (it needs the stdlib only: cluster/fork_wire.py)
+FORK_EXEC = str(Path(__file__).resolve().with_name("fork_exec.py"))
+
+
+def launcher_argv(server_dir: str) -> list[str]:
+    """The command that stands in for a process the server at `server_dir` forks (fork_exec.py)."""
+    return [sys.executable, "-S", FORK_EXEC, server_dir]
+
 
 # imported before the first fork (each optional: a missing extra is skipped)
 PRELOAD = (
@@ -76,42 +86,6 @@ EXTRAS = {
     "diffusion": ("diffusers", "miles_platform.diffusion.engine", "miles_platform.diffusion.trainer"),
 }
 ENV_SWITCH = "MILES_FORK_WORKERS"
-# set by fork_exec in every process a server forks: a driver forked from a server (a test's
-# `train` launched with warm_python) forks its actors from that one instead of starting its own
-# (~5 s of imports per launch)
-INHERITED = "MILES_FORK_SERVER"
-
-
-def _send_msg(sock: socket.socket, obj: dict, fds: list[int] | None = None) -> None:
-    data = json.dumps(obj).encode()
-    head = struct.pack("!I", len(data))
-    if fds:
-        socket.send_fds(sock, [head], fds)
-    else:
-        sock.sendall(head)
-    sock.sendall(data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError("peer closed")
-        buf += chunk
-    return buf
-
-
-def _recv_msg(sock: socket.socket, maxfds: int = 0) -> tuple[dict, list[int]]:
-    fds: list[int] = []
-    if maxfds:
-        head, fds, _, _ = socket.recv_fds(sock, 4, maxfds)
-        if len(head) < 4:
-            head += _recv_exact(sock, 4 - len(head))
-    else:
-        head = _recv_exact(sock, 4)
-    (n,) = struct.unpack("!I", head)
-    return json.loads(_recv_exact(sock, n)), fds
 
 
 # ---------------------------------------------------------------------------------- the driver side
@@ -142,7 +116,7 @@ class ForkServer:
 
     @property
     def py_executable(self) -> str:
-        return f"{sys.executable} -m miles_platform.cluster.fork_exec {self.dir}"
+        return " ".join(launcher_argv(self.dir))
 
     def stop(self) -> None:
         if self.proc is None:  # inherited: its owner stops it
@@ -331,7 +305,7 @@ def warm_python() -> list[str]:
     srv = current()
     if srv is None:
         return [sys.executable]
-    return [sys.executable, "-m", "miles_platform.cluster.fork_exec", srv.dir]
+    return launcher_argv(srv.dir)
 
 
 # gloo ranks (a checkpoint conversion's, the tests') fork from the stdlib's fork server instead: its

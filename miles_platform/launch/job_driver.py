@@ -90,8 +90,10 @@ def run_warm_if_possible() -> None:
         return
     os.environ[WARM] = "1"
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "miles_platform.cluster.fork_exec", d,
-                              "-m", "miles_platform.launch.job_driver", *sys.argv[1:]])  # fmt: skip
+    os.execv(
+        sys.executable,
+        [*forkserver.launcher_argv(d), "-m", "miles_platform.launch.job_driver", *sys.argv[1:]],
+    )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ def test_converted_checkpoint_and_round_trip_check(tiny_hf_checkpoint, tmp_path,
     assert check.passed, check.metadata
     assert check.metadata["tensors_compared"].value == 24  # tied: no lm_head.weight in the file
     # both conversions ran as forks of the warm server (torch & co. imported: ~0.6 s, not ~6 s each)
-    assert [c[1:3] for c in launched] == [["-m", "miles_platform.cluster.fork_exec"]] * 2, launched
+    from miles_platform.cluster.forkserver import FORK_EXEC
+
+    assert [c[1:3] for c in launched] == [["-S", FORK_EXEC]] * 2, launched
     assert [c[c.index("miles_platform.weights.conversion") + 1] for c in launched] == [
         "hf-to-torch-dist", "torch-dist-to-hf",
     ]  # fmt: skip

@@ -18,7 +18,7 @@ WORKER = ["/venv/ray/_private/workers/default_worker.py", "--node-ip-address=127
 CONTEXTS = [
     {},
     {"env_vars": {"OMP_NUM_THREADS": "1", "P": "${SW_TEST_HOME}/bin:${SW_TEST_NOPE}", "Q": "$SW_TEST_HOME"}},
-    {"py_executable": f"{sys.executable} -m miles_platform.cluster.fork_exec /tmp/fs dir"},
+    {"py_executable": f"{sys.executable} -S /repo/miles_platform/cluster/fork_exec.py /tmp/fs dir"},
     {"override_worker_entrypoint": "/other/entry.py", "env_vars": {"A": "1"}},
     {"command_prefix": ["cd", "/tmp/work dir", "&&"], "py_executable": "python3"},
     {"py_executable": "python3 $SW_TEST_FLAGS"},  # shell syntax: through bash, as Ray
