@@ -215,7 +215,7 @@ def _permute_rope(w: torch.Tensor, d: DeepseekDims, order: torch.Tensor | None, 
     if order is None:
         return w
     blocks = w.reshape(heads, lead + d.rope, -1)
-    return torch.cat([blocks[:, :lead], blocks[:, lead:][:, order]], dim=1).reshape(w.shape)
+    return torch.cat([blocks[:, :lead], blocks[:, lead:][:, order.to(w.device)]], dim=1).reshape(w.shape)
 
 
 @register_bridge("DeepseekV3ForCausalLM")

@@ -55,7 +55,8 @@ def indexer_row_order(d: DeepseekV32Dims) -> torch.Tensor:
 
 
 def _rows(w: torch.Tensor, order: torch.Tensor, heads: int) -> torch.Tensor:
-    return w.reshape(heads, len(order), *w.shape[1:])[:, order].reshape(w.shape)
+    """`w`'s rows as `heads` blocks, each block's rows taken in `order` (on `w`'s device)."""
+    return w.reshape(heads, len(order), *w.shape[1:])[:, order.to(w.device)].reshape(w.shape)
 
 
 @register_bridge("DeepseekV32ForCausalLM")
@@ -97,8 +98,8 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
             get(a + "wq_b.weight", (d.index_heads * D, d.q_lora)), order, d.index_heads
         )
         out[ix + "linear_wk.weight"] = _rows(get(a + "wk.weight", (D, H)), order, 1)
-        out[ix + "k_norm.weight"] = get(a + "k_norm.weight", (D,))[order]
-        out[ix + "k_norm.bias"] = get(a + "k_norm.bias", (D,))[order]
+        out[ix + "k_norm.weight"] = _rows(get(a + "k_norm.weight", (D,)), order, 1)
+        out[ix + "k_norm.bias"] = _rows(get(a + "k_norm.bias", (D,)), order, 1)
         out[ix + "linear_weights_proj.weight"] = get(a + "weights_proj.weight", (d.index_heads, H))
         return out
 
@@ -117,7 +118,7 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
             mc("linear_wq_b.weight", (d.index_heads * D, d.q_lora)), inverse, d.index_heads
         )
         out[a + "wk.weight"] = _rows(mc("linear_wk.weight", (D, H)), inverse, 1)
-        out[a + "k_norm.weight"] = mc("k_norm.weight", (D,))[inverse]
-        out[a + "k_norm.bias"] = mc("k_norm.bias", (D,))[inverse]
+        out[a + "k_norm.weight"] = _rows(mc("k_norm.weight", (D,)), inverse, 1)
+        out[a + "k_norm.bias"] = _rows(mc("k_norm.bias", (D,)), inverse, 1)
         out[a + "weights_proj.weight"] = mc("linear_weights_proj.weight", (d.index_heads, H))
         return out

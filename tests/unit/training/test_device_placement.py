@@ -10,6 +10,8 @@ numbers (fp32 rounding: the fake device runs SDPA's math path), so the check ran
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,12 +200,13 @@ def test_a_cpu_tensor_in_the_step_is_caught(tiny_hf_checkpoint, monkeypatch):
         TrainerActor(_cfg(tiny_hf_checkpoint), device=dev).train(0, random_train_batch(0))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "minimax_m2", "deepseek_v32"])
 def test_megatron_bridge_layers_run_on_the_ranks_device(family, tiny_hf_checkpoint, tmp_path):
     """The megatron layers the bridges add: Qwen3.5's GatedDeltaNet (the CPU's torch stand-in for fla),
     gated attention, zero-centered and gated output norms; DeepSeek-V3's MLA (duplicated down projections,
     yarn-free rope, latent norms) and sigmoid group-limited router with its expert bias; MiniMax-M2's
-    whole-projection q/k norms. R3 for the routed ones."""
+    whole-projection q/k norms; DeepSeek-V3.2's DSA (the frozen indexer's scores, top-k and sparse mask). R3
+    for the routed ones."""
     from test_megatron_layouts import bridge_checkpoint  # the bridge tests' tiny models (same directory)
 
     from miles_platform.models.moe import routed_shape
@@ -220,3 +223,24 @@ def test_megatron_bridge_layers_run_on_the_ranks_device(family, tiny_hf_checkpoi
     # megatron keeps the aux losses' backward scale on its class, made on the first run's device (one per process)
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     _check_same(got, _train(_cfg(ckpt, **flags), make(), "cpu"))
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3_half_split_rope", "deepseek_v32_indexer"])
+def test_the_bridges_row_permutations_run_on_the_tensors_device(variant):
+    """DeepSeek-V3's rope rows for HF's half-split layout and DeepSeek-V3.2's indexer rows are permuted by
+    an index tensor built on the CPU: the mapping of a state on the rank's device (the trainer's HF
+    export, weight sync) moves it there (it met the device as a CPU index before: DeviceMismatch)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_deepseek_v3_bridge import _state, deepseek_config, sharp_model
+
+    from miles_platform.models.bridge import get_bridge
+
+    family = "deepseek_v32" if variant.startswith("deepseek_v32") else "deepseek_v3"
+    extra = {} if family == "deepseek_v32" else {"rope_interleave": False}
+    cfg = deepseek_config(family=family, **extra)
+    sd, bridge = _state(cfg, sharp_model(cfg)), get_bridge(cfg)
+    with fake_device() as dev:
+        on_dev = {k: v.to(dev) for k, v in sd.items()}
+        back = bridge.megatron_to_hf(bridge.hf_to_megatron(on_dev, cfg), cfg)
+        assert all(back[k].device == dev for k in back)
+    assert all(torch.equal(host_values(back[k]), sd[k]) for k in sd)
