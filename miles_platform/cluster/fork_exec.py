@@ -18,7 +18,10 @@ import time
 if __package__:  # imported (tests), or `python -m miles_platform.cluster.fork_exec`
     from miles_platform.cluster.fork_wire import INHERITED, _recv_msg, _send_msg
 else:  # `python -S .../fork_exec.py` (forkserver.launcher_argv): its own directory is sys.path[0]
-    from fork_wire import INHERITED, _recv_msg, _send_msg
+    import importlib
+
+    _wire = importlib.import_module("fork_wire")  # this directory's fork_wire.py, not a distribution
+    INHERITED, _recv_msg, _send_msg = _wire.INHERITED, _wire._recv_msg, _wire._send_msg
 
 WAIT_FOR_SERVER_S = 60.0  # the server is importing (started beside Ray): wait rather than duplicate
 
