@@ -11,7 +11,6 @@ Everything touching torch.distributed runs in a subprocess (this file as a scrip
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +29,6 @@ from miles_platform.errors import CheckpointError
 from miles_platform.models.bridge import get_bridge
 from miles_platform.models.families import tiny_config
 
-REPO = Path(__file__).resolve().parents[3]
 INDEXER = ("linear_wq_b.weight", "linear_wk.weight", "k_norm.weight", "k_norm.bias")
 
 
@@ -118,14 +116,11 @@ def test_preflight_takes_it_on_megatron_at_ep_and_tp_and_refuses_cp(tiny_hf_chec
 @pytest.fixture(scope="module")
 def megatron_report(tiny_hf_checkpoint, tmp_path_factory):
     """One subprocess: the parity report, then hf -> torch_dist -> hf of a saved checkpoint."""
-    from test_deepseek_v3_bridge import _run_script
+    from test_deepseek_v3_bridge import bridge_report
 
-    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-
-    work = tmp_path_factory.mktemp("dsv32")
-    hf, tok = str(work / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_v32(v32_config(len(tok))), tok, hf)
-    return {**_run_script("parity", hf, str(work), script=__file__), "hf": hf, "work": work}
+    return bridge_report(
+        lambda v: sharp_v32(v32_config(v)), tiny_hf_checkpoint, tmp_path_factory, "dsv32", __file__
+    )
 
 
 def test_megatron_logits_loss_grads_match_hf_in_fp32(megatron_report):

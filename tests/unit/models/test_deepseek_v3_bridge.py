@@ -222,6 +222,17 @@ def test_mtp_layers_are_dropped():
 # ---------------------------------------------------------------- megatron (subprocess)
 
 
+def bridge_report(make_model, tok_dir: str, tmp_path_factory, name: str, script: str) -> dict:
+    """A bridge test's module fixture: `make_model(vocab)`'s HF model saved with `tok_dir`'s tokenizer,
+    then `script`'s parity-then-convert subprocess on it: its JSON plus the HF dir and the work dir."""
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+
+    work = tmp_path_factory.mktemp(name)
+    hf, tok = str(work / "hf"), load_tokenizer(tok_dir)
+    save_hf_checkpoint(make_model(len(tok)), tok, hf)
+    return {**_run_script("parity", hf, str(work), script=script), "hf": hf, "work": work}
+
+
 def _run_script(*args: str, script: str = __file__) -> dict:
     """This file (or `script`) as a script (its own gloo group): the JSON line it prints last."""
     from loop_helpers import warm_python

@@ -138,14 +138,15 @@ def test_preflight_takes_it_on_megatron_at_tp_and_ep_and_refuses_lora(tiny_hf_ch
 @pytest.fixture(scope="module")
 def megatron_report(tiny_hf_checkpoint, tmp_path_factory):
     """One subprocess: the parity of each variant, then hf -> torch_dist -> hf of a saved checkpoint."""
-    from test_deepseek_v3_bridge import _run_script
+    from test_deepseek_v3_bridge import bridge_report
 
-    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-
-    work = tmp_path_factory.mktemp("glm4_moe")
-    hf, tok = str(work / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_model(glm_config(len(tok), **VARIANTS["glm4_5"])), tok, hf)
-    return {**_run_script("parity", hf, str(work), script=__file__), "hf": hf, "work": work}
+    return bridge_report(
+        lambda v: sharp_model(glm_config(v, **VARIANTS["glm4_5"])),
+        tiny_hf_checkpoint,
+        tmp_path_factory,
+        "glm4_moe",
+        __file__,
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

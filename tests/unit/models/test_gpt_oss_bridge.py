@@ -164,14 +164,11 @@ def test_preflight_takes_tp_sp_ep_at_expert_tp_1_and_refuses_lora(tiny_hf_checkp
 @pytest.fixture(scope="module")
 def megatron_report(tiny_hf_checkpoint, tmp_path_factory):
     """One subprocess: the parity of each variant with its controls, then hf -> torch_dist -> hf."""
-    from test_deepseek_v3_bridge import _run_script
+    from test_deepseek_v3_bridge import bridge_report
 
-    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-
-    work = tmp_path_factory.mktemp("gpt_oss")
-    hf, tok = str(work / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_gpt_oss(gpt_oss_config(len(tok))), tok, hf)
-    return {**_run_script("parity", hf, str(work), script=__file__), "hf": hf, "work": work}
+    return bridge_report(
+        lambda v: sharp_gpt_oss(gpt_oss_config(v)), tiny_hf_checkpoint, tmp_path_factory, "gpt_oss", __file__
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

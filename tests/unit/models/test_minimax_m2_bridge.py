@@ -126,14 +126,11 @@ def test_preflight_takes_tp_and_ep_and_refuses_lora(tiny_hf_checkpoint, tmp_path
 @pytest.fixture(scope="module")
 def megatron_report(tiny_hf_checkpoint, tmp_path_factory):
     """One subprocess: the parity with its controls, then hf -> torch_dist -> hf of a saved checkpoint."""
-    from test_deepseek_v3_bridge import _run_script
+    from test_deepseek_v3_bridge import bridge_report
 
-    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
-
-    work = tmp_path_factory.mktemp("minimax_m2")
-    hf, tok = str(work / "hf"), load_tokenizer(tiny_hf_checkpoint)
-    save_hf_checkpoint(sharp_model(minimax_config(len(tok))), tok, hf)
-    return {**_run_script("parity", hf, str(work), script=__file__), "hf": hf, "work": work}
+    return bridge_report(
+        lambda v: sharp_model(minimax_config(v)), tiny_hf_checkpoint, tmp_path_factory, "minimax_m2", __file__
+    )
 
 
 def test_megatron_logits_loss_grads_match_hf_in_fp32(megatron_report):
