@@ -144,6 +144,7 @@ SLOW = {
     "test_without_each_glm_mapping_parity_fails",  # test_glm4_moe_bridge.py's megatron subprocess (~8 s)
     "test_without_each_mapping_parity_fails",  # test_deepseek_v3_bridge.py's parity subprocess (~10-30 s)
     "test_without_each_gpt_oss_mapping_parity_fails",  # test_gpt_oss_bridge.py's megatron subprocess
+    "test_without_the_sparse_attention_or_each_indexer_mapping_parity_fails",  # test_deepseek_v32_bridge.py's (~13 s)
     "test_one_ci_test_grpo_step_with_r3_on_megatron_gives_the_engines_log_probs",  # GPT-OSS: engine + 1 rank
     "test_bridge_layout_step_equals_single_rank",  # GLM-4.5 / GPT-OSS: 2 gloo ranks, ~10 s each
     "test_a_killed_and_a_hung_engine_are_replaced_and_the_run_finishes",
