@@ -54,6 +54,12 @@ def _template(chunks, named_params, model_param_of, state_of, keys: list[str], m
     return out
 
 
+def _trained(named_params, model_param_of) -> list:
+    """The parameters with optimizer state: a frozen one (DeepSeek-V3.2's DSA indexer,
+    --moe-router-freeze-gate's routers) never steps, so it has none (its weights are the model's)."""
+    return [(n, p) for n, p in named_params if model_param_of(p).requires_grad]
+
+
 def _tensor_keys(opt: torch.optim.Optimizer) -> list[str]:
     """The per-parameter tensor state of an optimizer that has stepped (AdamW: exp_avg, exp_avg_sq)."""
     for st in opt.state.values():
@@ -88,7 +94,7 @@ def optimizer_state(chunks, named_params, model_param_of, opt, main: bool, own=N
 
     keys = _tensor_keys(opt)
     of = (lambda p, k: opt.state[p][k]) if own is None else (lambda p, k: own(opt.state[p][k]))
-    sharded = _template(chunks, list(named_params), model_param_of, of, keys, main, own)
+    sharded = _template(chunks, _trained(named_params, model_param_of), model_param_of, of, keys, main, own)
     out = {"params": sharded, "tensor_keys": keys, "step": _step(opt), "main": main}
     if scaler is not None:
         out["grad_scaler"] = scaler_state(scaler)
@@ -117,7 +123,7 @@ def load_optimizer(chunks, named_params, model_param_of, opt, ckpt_dir: str, mai
         from miles_platform.training.megatron_precision import load_scaler_state
 
         load_scaler_state(scaler, common["grad_scaler"])
-    named_params = list(named_params)
+    named_params = _trained(named_params, model_param_of)
     template = _template(chunks, named_params, model_param_of, lambda p, k: torch.empty_like(p), keys, main)
     loaded = dist_checkpointing.load({"params": template}, path)["params"]
     with torch.no_grad():

@@ -100,10 +100,11 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
 
 
 @pytest.mark.extended  # ~15 s each: their TP2 + SP steps equal the 1-rank step in `make test` (test_megatron_layouts)
-@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2", "deepseek_v32"])
 def test_megatron_tp2_sp_loop_gives_the_engines_log_probs(family, tiny_hf_checkpoint, tmp_path):
-    """DeepSeek-V3 (MLA: heads split, latent down projections duplicated) and MiniMax-M2 (whole-projection q/k
-    norms over TP) through the loop on megatron at TP2 + SP on 2 ranks: 2 GRPO rollouts with --ci-test and R3,
+    """DeepSeek-V3 (MLA: heads split, latent down projections duplicated), MiniMax-M2 (whole-projection q/k
+    norms over TP) and DeepSeek-V3.2 (MLA + DSA: the frozen indexer whole on each rank; the engine caches its
+    keys) through the loop on megatron at TP2 + SP on 2 ranks: 2 GRPO rollouts with --ci-test and R3,
     weights to the engine by disk-delta: the trainer's log-probs are the engine's, step-0 ppo_kl 0, no route
     flips (the tests' sharp models: routers and biases drawn so routing depends on them)."""
     import sys
@@ -115,6 +116,9 @@ def test_megatron_tp2_sp_loop_gives_the_engines_log_probs(family, tiny_hf_checkp
     if family == "deepseek_v3":
         from test_deepseek_v3_bridge import deepseek_config as make_config
         from test_deepseek_v3_bridge import sharp_model
+    elif family == "deepseek_v32":
+        from test_deepseek_v32_bridge import sharp_v32 as sharp_model
+        from test_deepseek_v32_bridge import v32_config as make_config
     else:
         from test_minimax_m2_bridge import minimax_config as make_config
         from test_minimax_m2_bridge import sharp_model

@@ -155,13 +155,15 @@ def test_hf_to_torch_dist_to_hf_is_bit_exact(megatron_report):
 def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(tiny_hf_checkpoint, tmp_path):
     """The embedded engine (transformers' model, the indexer's keys cached) rolls out with R3; the
     megatron trainer's log-probs of those tokens equal the engine's; one --ci-test GRPO step passes the
-    step-0 checks, moves the attention and leaves the frozen indexer as it was."""
+    step-0 checks, moves the attention and leaves the frozen indexer as it was; the checkpoint after it
+    saves the optimizer's state without the indexer's (it never stepped: the save raised KeyError before)."""
     from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
 
     tok = load_tokenizer(tiny_hf_checkpoint)
     ckpt = str(tmp_path / "dsv32")
     save_hf_checkpoint(sharp_v32(v32_config(len(tok))), tok, ckpt)
-    start, after = megatron_grpo_step(ckpt, tmp_path, moe_layers=1)
+    start, after = megatron_grpo_step(ckpt, tmp_path, moe_layers=1, save=True)
+    assert (tmp_path / "out" / "ck" / "iter_0000000" / "optimizer" / ".metadata").exists()
     a = "model.layers.0.self_attn."
     assert not torch.equal(after[a + "kv_b_proj.weight"], start[a + "kv_b_proj.weight"])
     for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"):

@@ -344,7 +344,9 @@ def _run_config(ckpt: str, save: str, r3: bool = True):
                      ci_entropy_max=UNTRAINED_ENTROPY_MAX, use_rollout_routing_replay=r3).validate()  # fmt: skip
 
 
-def _train_worker(rank: int, world: int, port: int, ckpt: str, out: str, batch, r3: bool = True) -> None:
+def _train_worker(
+    rank: int, world: int, port: int, ckpt: str, out: str, batch, r3: bool = True, save: bool = False
+) -> None:
     import traceback
 
     from safetensors.torch import save_file
@@ -360,6 +362,8 @@ def _train_worker(rank: int, world: int, port: int, ckpt: str, out: str, batch, 
         )
         log_probs = actor.compute_log_probs(batch)
         metrics = actor.train(0, batch)
+        if save:  # torch_dist weights + the optimizer's sharded state (training/megatron_checkpoint.py)
+            actor.save(0)
         save_file(actor.get_hf_weights(), f"{path}.safetensors")
         Path(f"{path}.json").write_text(json.dumps({"log_probs": log_probs, "metrics": metrics}))
     except Exception:
@@ -392,7 +396,7 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(family, t
     assert not torch.equal(after[attention], start[attention])
 
 
-def megatron_grpo_step(ckpt: str, tmp_path, moe_layers: int) -> tuple[dict, dict]:
+def megatron_grpo_step(ckpt: str, tmp_path, moe_layers: int, save: bool = False) -> tuple[dict, dict]:
     """The embedded engine rolls PROMPTS out of `ckpt` (top-2 routes in `moe_layers` layers, R3; a dense
     model at 0: no routes); one megatron rank's log-probs of those tokens equal the engine's (< 1e-4) and one
     --ci-test GRPO step passes the step-0 checks with the routes replayed (0 flips): (HF state before, HF
@@ -419,7 +423,7 @@ def megatron_grpo_step(ckpt: str, tmp_path, moe_layers: int) -> tuple[dict, dict
     batch = TrainBatch(tokens, NEW_TOKENS, [[1] * n for n in NEW_TOKENS], [1.0, 0.0, 0.0, 1.0, 1.0, 0.0],
                        engine_lp, routed_experts=routes)  # fmt: skip
     out = tmp_path / "out"
-    run_ranks(_train_worker, (1, free_port(), ckpt, str(out), batch, r3), 1, out)
+    run_ranks(_train_worker, (1, free_port(), ckpt, str(out), batch, r3, save), 1, out)
     r = json.loads((out / "rank0.json").read_text())
     diff = max(
         abs(a - b) for t, e in zip(r["log_probs"], engine_lp, strict=True) for a, b in zip(t, e, strict=True)
