@@ -343,6 +343,7 @@ def bridge_single_rank(tiny_hf_checkpoint, tmp_path_factory):
         ("gpt_oss", "tp2_sp_ep2_etp1"),
         ("minimax_m2", "tp2_sp"),
         ("deepseek_v32", "tp2_sp"),
+        ("deepseek_v32", "tp2_sp_ep2_etp1"),
         # ~22 s: the GatedDeltaNet split (test_qwen3_5_layout_step_equals_single_rank) and MoE layouts
         # (the rows above) checked apart in `make test`; together in `make test-extended`
         pytest.param("qwen3_5_moe", "tp2_sp", marks=[pytest.mark.slow, pytest.mark.extended]),
@@ -355,8 +356,9 @@ def test_bridge_layout_step_equals_single_rank(family, layout, bridge_single_ran
     slice of the whole-projection q/k norms with the sums of squares all-reduced; R3 and the load-balancing /
     z losses: the step of the 1-rank run (the q/k/v biases, shared experts, score-correction bias, sinks,
     o_proj's / the routers' / the experts' biases split, replicated or reduced as megatron's layout has them);
-    DeepSeek-V3.2 (deepseek_v32.py) at TP2 + SP: MLA split as DeepSeek-V3's, the frozen DSA indexer whole on
-    each rank over the gathered sequence, each rank's heads attending to the keys it picked."""
+    DeepSeek-V3.2 (deepseek_v32.py) at TP2 + SP (and + EP2 at expert TP 1): MLA split as DeepSeek-V3's, the
+    frozen DSA indexer whole on each rank over the gathered sequence, each rank's heads attending to the keys it
+    picked."""
     ckpt, single = bridge_single_rank(family)
     got = train_one_step(ckpt, tmp_path / layout, 2, **EXPERT_LAYOUTS[layout], **MOE)
     assert_same_step(single, got)
