@@ -12,6 +12,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 from background_bases import base_dir
+from loop_helpers import UNTRAINED_ENTROPY_MAX
 
 from miles_platform.config import RunConfig
 from miles_platform.data.images import image_hash
@@ -22,8 +23,6 @@ from miles_platform.store.shards import shard_path
 from miles_platform.store.tables import read_rows
 from miles_platform.training.vlm_base import greedy_count_accuracy
 from ops.version_events import CatalogVersions, shard_summary
-
-UNTRAINED_ENTROPY_MAX = 10.0  # --ci-test's entropy bound for a fresh model (loop_helpers')
 
 # GRPO seeds 1-3 from this base (8 prompts per rollout; sampler seeded by absolute position since
 # 2026-12-05): 20 rollouts 76.9 / 78.8 / 98.1% held out (one of three clears +15 points), 30
