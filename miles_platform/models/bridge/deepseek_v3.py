@@ -210,12 +210,17 @@ def rope_row_order(d: DeepseekDims) -> torch.Tensor | None:
     return torch.stack([half, half + d.rope // 2], dim=1).reshape(-1)
 
 
+def permute_head_rows(w: torch.Tensor, order: torch.Tensor, heads: int) -> torch.Tensor:
+    """`w`'s rows as `heads` equal blocks, each block's rows taken in `order` (an index built on the
+    CPU, moved to `w`'s device: the trainer maps states on the rank's device)."""
+    return w.reshape(heads, len(order), *w.shape[1:])[:, order.to(w.device)].reshape(w.shape)
+
+
 def _permute_rope(w: torch.Tensor, d: DeepseekDims, order: torch.Tensor | None, heads: int, lead: int):
     """`w`'s rows as `heads` blocks of [lead rows; rope rows], the rope rows taken in `order`."""
     if order is None:
         return w
-    blocks = w.reshape(heads, lead + d.rope, -1)
-    return torch.cat([blocks[:, :lead], blocks[:, lead:][:, order.to(w.device)]], dim=1).reshape(w.shape)
+    return permute_head_rows(w, torch.cat([torch.arange(lead), lead + order]), heads)
 
 
 @register_bridge("DeepseekV3ForCausalLM")

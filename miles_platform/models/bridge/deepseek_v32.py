@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from miles_platform.models.bridge.base import hf_config_dict, register_bridge
-from miles_platform.models.bridge.deepseek_v3 import DeepseekDims, DeepseekV3Bridge
+from miles_platform.models.bridge.deepseek_v3 import DeepseekDims, DeepseekV3Bridge, permute_head_rows
 from miles_platform.models.bridge.dense import take
 
 
@@ -52,11 +52,6 @@ def indexer_row_order(d: DeepseekV32Dims) -> torch.Tensor:
     half = torch.arange(d.rope // 2)
     rope = torch.stack([half, half + d.rope // 2], dim=1).reshape(-1)
     return torch.cat([torch.arange(d.rope, d.index_dim), rope])
-
-
-def _rows(w: torch.Tensor, order: torch.Tensor, heads: int) -> torch.Tensor:
-    """`w`'s rows as `heads` blocks, each block's rows taken in `order` (on `w`'s device)."""
-    return w.reshape(heads, len(order), *w.shape[1:])[:, order.to(w.device)].reshape(w.shape)
 
 
 @register_bridge("DeepseekV32ForCausalLM")
@@ -94,12 +89,12 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
             out[sa + "q_layernorm.weight"] = out.pop(sa + "linear_q_up_proj.layer_norm_weight")
         a, ix = f"model.layers.{i}.self_attn.indexer.", sa + "core_attention.indexer."
         order, H, D = indexer_row_order(d), d.hidden, d.index_dim
-        out[ix + "linear_wq_b.weight"] = _rows(
+        out[ix + "linear_wq_b.weight"] = permute_head_rows(
             get(a + "wq_b.weight", (d.index_heads * D, d.q_lora)), order, d.index_heads
         )
-        out[ix + "linear_wk.weight"] = _rows(get(a + "wk.weight", (D, H)), order, 1)
-        out[ix + "k_norm.weight"] = _rows(get(a + "k_norm.weight", (D,)), order, 1)
-        out[ix + "k_norm.bias"] = _rows(get(a + "k_norm.bias", (D,)), order, 1)
+        out[ix + "linear_wk.weight"] = permute_head_rows(get(a + "wk.weight", (D, H)), order, 1)
+        out[ix + "k_norm.weight"] = permute_head_rows(get(a + "k_norm.weight", (D,)), order, 1)
+        out[ix + "k_norm.bias"] = permute_head_rows(get(a + "k_norm.bias", (D,)), order, 1)
         out[ix + "linear_weights_proj.weight"] = get(a + "weights_proj.weight", (d.index_heads, H))
         return out
 
@@ -114,11 +109,11 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
         def mc(name, shape):
             return take(mcore_sd, ix + name, shape, "megatron state")
 
-        out[a + "wq_b.weight"] = _rows(
+        out[a + "wq_b.weight"] = permute_head_rows(
             mc("linear_wq_b.weight", (d.index_heads * D, d.q_lora)), inverse, d.index_heads
         )
-        out[a + "wk.weight"] = _rows(mc("linear_wk.weight", (D, H)), inverse, 1)
-        out[a + "k_norm.weight"] = _rows(mc("k_norm.weight", (D,)), inverse, 1)
-        out[a + "k_norm.bias"] = _rows(mc("k_norm.bias", (D,)), inverse, 1)
+        out[a + "wk.weight"] = permute_head_rows(mc("linear_wk.weight", (D, H)), inverse, 1)
+        out[a + "k_norm.weight"] = permute_head_rows(mc("k_norm.weight", (D,)), inverse, 1)
+        out[a + "k_norm.bias"] = permute_head_rows(mc("k_norm.bias", (D,)), inverse, 1)
         out[a + "weights_proj.weight"] = mc("linear_weights_proj.weight", (d.index_heads, H))
         return out

@@ -171,7 +171,8 @@ def test_one_ci_test_grpo_step_on_megatron_gives_the_engines_log_probs(tiny_hf_c
 
 
 def _parity_report(variant: str) -> dict:
-    from miles_platform.models.bridge.deepseek_v32 import _rows, indexer_row_order
+    from miles_platform.models.bridge.deepseek_v3 import permute_head_rows
+    from miles_platform.models.bridge.deepseek_v32 import indexer_row_order
 
     cfg_obj = v32_config()
     hf = sharp_v32(cfg_obj)
@@ -183,7 +184,7 @@ def _parity_report(variant: str) -> dict:
     def hf_order(full: dict) -> dict:  # the indexer's rows as HF stores them
         heads = {"linear_wq_b.weight": cfg["index_n_heads"]}
         return {
-            k: _rows(t, inverse, heads.get(k.rsplit("indexer.", 1)[1], 1))
+            k: permute_head_rows(t, inverse, heads.get(k.rsplit("indexer.", 1)[1], 1))
             if "indexer." in k and k.endswith(INDEXER)
             else t
             for k, t in full.items()
