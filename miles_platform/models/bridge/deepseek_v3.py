@@ -226,6 +226,8 @@ def _permute_rope(w: torch.Tensor, d: DeepseekDims, order: torch.Tensor | None, 
 @register_bridge("DeepseekV3ForCausalLM")
 class DeepseekV3Bridge(Bridge):
     family = "DeepSeek-V3"
+    # TE's MLA spec fuses the q latent's norm into linear_q_up_proj (DeepSeek-V3.2 keeps it apart)
+    te_fuses_q_norm = True
 
     def dims(self, hf_config: Any) -> DeepseekDims:
         return DeepseekDims(hf_config, self.family)
@@ -310,7 +312,11 @@ class DeepseekV3Bridge(Bridge):
             out[sa + "linear_q_proj.weight"] = _permute_rope(q, d, order, n, d.nope)
         else:
             out[sa + "linear_q_down_proj.weight"] = get(a + "q_a_proj.weight", (d.q_lora, H))
-            q_norm = "linear_q_up_proj.layer_norm_weight" if fused else "q_layernorm.weight"
+            q_norm = (
+                "linear_q_up_proj.layer_norm_weight"
+                if fused and self.te_fuses_q_norm
+                else "q_layernorm.weight"
+            )
             out[sa + q_norm] = get(a + "q_a_layernorm.weight", (d.q_lora,))
             q = get(a + "q_b_proj.weight", (n * d.q_head, d.q_lora))
             out[sa + "linear_q_up_proj.weight"] = _permute_rope(q, d, order, n, d.nope)

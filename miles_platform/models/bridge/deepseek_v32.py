@@ -57,6 +57,7 @@ def indexer_row_order(d: DeepseekV32Dims) -> torch.Tensor:
 @register_bridge("DeepseekV32ForCausalLM")
 class DeepseekV32Bridge(DeepseekV3Bridge):
     family = "DeepSeek-V3.2"
+    te_fuses_q_norm = False  # the indexer reads the normed query latent: the norm stays apart on TE too
 
     def dims(self, hf_config: Any) -> DeepseekV32Dims:
         return DeepseekV32Dims(hf_config, self.family)
@@ -85,8 +86,6 @@ class DeepseekV32Bridge(DeepseekV3Bridge):
     def _layer_to_megatron(self, hf_sd, get, d, i: int, fused: bool) -> dict[str, torch.Tensor]:
         out = super()._layer_to_megatron(hf_sd, get, d, i, fused)
         sa = f"decoder.layers.{i}.self_attention."
-        if fused:  # the indexer reads the normed query latent: the norm stays apart on TE too
-            out[sa + "q_layernorm.weight"] = out.pop(sa + "linear_q_up_proj.layer_norm_weight")
         a, ix = f"model.layers.{i}.self_attn.indexer.", sa + "core_attention.indexer."
         order, H, D = indexer_row_order(d), d.hidden, d.index_dim
         out[ix + "linear_wq_b.weight"] = permute_head_rows(
