@@ -553,15 +553,18 @@ def _convert(hf: str, work: str, *layout: str) -> dict:
 
 
 def parity_then_convert(report, variants, hf: str, work: str, *layout: str) -> None:
-    """A bridge test's megatron subprocess: each variant's `report` on one single-process group,
-    then hf -> torch_dist (written at `layout`) -> hf in a group of its own; JSON on stdout."""
+    """A bridge test's megatron subprocess: hf -> torch_dist (written at `layout`) -> hf in a group of
+    its own, then each variant's `report` on one single-process group; JSON on stdout. The conversion
+    first: this process is single-threaded then, so its ranks fork from it (forkserver.rank_context);
+    after a gloo group's threads they would fork from a fresh stdlib fork server (~7 CPU-s of imports)."""
     from miles_platform.training import megatron_shims
 
     torch.set_num_threads(1)
+    convert = _convert(hf, work, *layout)
     megatron_shims.init_single_process_group()
     parity = {v: report(v) for v in variants}
     megatron_shims.destroy_process_group()
-    print(json.dumps({"parity": parity, "convert": _convert(hf, work, *layout)}))
+    print(json.dumps({"parity": parity, "convert": convert}))
 
 
 def _main(mode: str, *args: str) -> None:
