@@ -4,7 +4,9 @@ export. The base stays frozen; only lora_A / lora_B train.
 
 Target selection follows Miles' `hf_lora_targets.py` for the Qwen3 / Llama layout:
 
-    attn     q_proj, k_proj, v_proj, o_proj
+    attn     q_proj, k_proj, v_proj, o_proj; with multi-latent attention (DeepSeek-V3 / V3.2,
+             GLM-4.7-Flash) also q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj (Miles' MLA targets;
+             DeepSeek-V3.2's indexer never)
     mlp      gate_proj, up_proj, down_proj; on an MoE model also the packed routed experts
              (mlp.experts.gate_up_proj / down_proj, PEFT's target_parameters); routers never
     unembed  lm_head
@@ -18,6 +20,7 @@ names is an error (Miles'), while groups and defaults may be narrowed by exclusi
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -36,7 +39,17 @@ from miles_platform.rollout.lora_serving import (  # noqa: F401
 from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
 
 GROUPS = {
-    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    # the MLA leaves name no module of a GQA model (and the V3.2 indexer's wq_b / wk / weights_proj none)
+    "attn": (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+    ),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
     "unembed": ("lm_head",),
 }
@@ -221,20 +234,51 @@ def check_adapter_matches(path: str, cfg, targets: list[str]) -> None:
 
 
 def wrap_model(model: nn.Module, cfg) -> nn.Module:
-    """The PEFT-wrapped model: fresh adapters (B = 0, so v0 is the base policy) or --lora-adapter-path's."""
+    """The PEFT-wrapped model: fresh adapters (B = 0, so v0 is the base policy) or --lora-adapter-path's;
+    every resolved target holds an adapter (checked: PEFT may drop one without a word)."""
     from peft import PeftModel, get_peft_model
 
     targets = resolve_target_modules(model, cfg.target_modules, cfg.exclude_modules)
-    if cfg.lora_adapter_path:
-        check_adapter_matches(cfg.lora_adapter_path, cfg, targets)
-        peft_model = PeftModel.from_pretrained(model, cfg.lora_adapter_path, is_trainable=True)
-        peft_model.peft_config[ADAPTER_NAME].lora_dropout = cfg.lora_dropout
-    else:
-        peft_model = get_peft_model(model, lora_config(cfg, targets))
+    with _exact_targets():
+        if cfg.lora_adapter_path:
+            check_adapter_matches(cfg.lora_adapter_path, cfg, targets)
+            peft_model = PeftModel.from_pretrained(model, cfg.lora_adapter_path, is_trainable=True)
+            peft_model.peft_config[ADAPTER_NAME].lora_dropout = cfg.lora_dropout
+        else:
+            peft_model = get_peft_model(model, lora_config(cfg, targets))
     bad = [n for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
     if bad:
         raise RuntimeError(f"LoRA: base parameters left trainable: {bad[:5]}")
+    adapted = {
+        adapter_key(n).rsplit(".lora_", 1)[0] for n, _ in peft_model.named_parameters() if "lora_" in n
+    }
+    experts = split_targets(targets)[1]
+    missing = [
+        t
+        for t in targets
+        if PEFT_PREFIX + (expert_peft_prefix(t, experts) if t in experts else t) not in adapted
+    ]
+    if missing:
+        raise RuntimeError(f"LoRA: PEFT built no adapter on {missing[:5]} (of {len(targets)} targets)")
     return peft_model
+
+
+@contextlib.contextmanager
+def _exact_targets():
+    """PEFT 0.21 on transformers v5 rewrites the targets of an MoE model whose conversion pattern is
+    qwen2_moe's (DeepSeek-V3 / V3.2, GLM-4.5, GLM-4.7-Flash, Qwen3-MoE, Qwen3-Next) as transformers-v4
+    names, to load v4 adapters: every `*.gate_proj / up_proj / down_proj` becomes the packed experts'
+    parameter, so a dense layer's MLP and a shared expert lose their adapters without a word. Our targets
+    are the v5 model's own module and parameter names (`resolve_target_modules`) and our adapter files
+    are written with them, so the rewrite is skipped while PEFT builds the model."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    keep = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = keep
 
 
 def adapter_key(param_name: str) -> str:

@@ -95,6 +95,33 @@ def test_target_groups_names_and_exclusions_resolve_as_miles_does(tiny_hf_checkp
         resolve_target_modules(m, "q_proj,v_proj", "q_proj")
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
+def test_mla_targets_and_every_dense_and_shared_expert_mlp_get_their_adapter(family):
+    """Miles' MLA targets (q_a / q_b / kv_a_proj_with_mqa / kv_b beside o_proj; the V3.2 indexer never), and
+    every resolved target holds a PEFT adapter: PEFT 0.21 on transformers v5 rewrote `*.gate_proj / up_proj /
+    down_proj` targets of these MoE models to the packed experts' parameters, so the dense layer's MLP and
+    the shared expert were silently left without one (training/lora._exact_targets)."""
+    from types import SimpleNamespace
+
+    from miles_platform.models.families import build_model, tiny_config
+    from miles_platform.training.lora import wrap_model
+
+    model = build_model(tiny_config(family, 128), seed=0)
+    targets = resolve_target_modules(model, None, None)
+    mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"] if family != "glm4_moe" else []
+    attn = mla + (["q_proj", "k_proj", "v_proj"] if not mla else []) + ["o_proj"]
+    assert sorted(t for t in targets if ".self_attn." in t) == sorted(
+        f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in attn
+    )
+    cfg = SimpleNamespace(target_modules=None, exclude_modules=None, lora_adapter_path=None, lora_rank=4,
+                          lora_alpha=8, lora_dropout=0.0)  # fmt: skip
+    adapted = {n.split(".lora_")[0] for n, _ in wrap_model(model, cfg).named_parameters() if ".lora_" in n}
+    for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.down_proj",
+                 "model.layers.1.mlp.shared_experts.up_proj", "model.layers.1.mlp.experts"):  # fmt: skip
+        assert f"base_model.model.{name}" in adapted, name
+    assert not any(".indexer." in n for n in adapted)
+
+
 # ---------------------------------------------------------------- training
 
 
