@@ -166,7 +166,7 @@ def _check_lora_targets(cfg: RunConfig, hf_config: dict) -> None:
 
         check_lora_model(hf_config)
         for t in targets:
-            megatron_target(t)
+            megatron_target(t, mla=bool(hf_config.get("kv_lora_rank")))
         experts = split_targets(targets)[1]
         if experts and max(cfg.tensor_model_parallel_size, cfg.expert_tensor_parallel_size or 1) > 1:
             raise ConfigError(

@@ -11,6 +11,20 @@ layers, trained, saved and exported under PEFT's HF names, so the adapter is the
     lm_head                                  output_layer (the tied head too: PEFT adapts the head only)
     model.layers.i.mlp.experts.gate_up_proj  ...mlp.experts.local_experts.e.linear_fc1 (expert e's factors)
     model.layers.i.mlp.experts.down_proj     ...mlp.experts.local_experts.e.linear_fc2
+    model.layers.i.mlp.shared_experts.{gate,up,down}_proj
+                                             ...mlp.shared_experts.linear_fc1 [gate; up] / linear_fc2
+
+Multi-latent attention (DeepSeek-V3 / V3.2, GLM-4.7-Flash: models/bridge/deepseek_v3.py), Miles' MLA
+targets (`q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj` beside `o_proj`; the V3.2 indexer never):
+
+    model.layers.i.self_attn.q_a_proj            self_attention.linear_q_down_proj (whole on every TP rank)
+    model.layers.i.self_attn.q_b_proj            self_attention.linear_q_up_proj, rope rows in megatron's order
+    model.layers.i.self_attn.q_proj (no q latent) self_attention.linear_q_proj, likewise
+    model.layers.i.self_attn.kv_a_proj_with_mqa  self_attention.linear_kv_down_proj (whole), likewise
+    model.layers.i.self_attn.kv_b_proj           self_attention.linear_kv_up_proj
+
+The bridge stores a head's rope rows in megatron's order where HF's differ (`rope_row_order`); the hook
+computes the HF projection's delta and takes its rows in that order, so the factors stay PEFT's.
 
 Each target gets its own `lora_A [r, in]` / `lora_B [out, r]` (Miles' `canonical_lora` layout: split
 Q/K/V and gate/up), and a forward hook on the megatron linear adds `scale * B @ A @ dropout(x)` into
@@ -20,9 +34,10 @@ the GPTModel, not inside it: its state dict, torch_dist checkpoints and bridges 
 unchanged. Target selection is training/lora.py's, resolved against the HF model's module names.
 
 Built at pipeline / context / expert parallel 1, at any tensor parallel (sequence parallel too:
-the factors stay whole on every TP rank, see `_gather_input` / `_to_output`) and data parallel (the
-backend averages the factors' gradients). Packed routed experts (PEFT's `target_parameters` layout,
-one LoRA per expert) at TP 1; routers are never targets (training/lora.py)."""
+the factors stay whole on every TP rank, see `_gather_input` / `_to_output`; MLA's duplicated latent
+down projections see this rank's sequence slice and sum their factors' gradients over TP) and data
+parallel (the backend averages the factors' gradients). Packed routed experts (PEFT's
+`target_parameters` layout, one LoRA per expert) at TP 1; routers are never targets (training/lora.py)."""
 
 from __future__ import annotations
 
@@ -43,32 +58,33 @@ from miles_platform.training.lora import (
 )
 
 _HF = re.compile(
-    r"model\.layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    r"model\.layers\.(\d+)\.(self_attn|mlp\.shared_experts|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"
 )
 _MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
              "v_proj": "self_attention.linear_qkv", "o_proj": "self_attention.linear_proj",
-             "gate_proj": "mlp.linear_fc1", "up_proj": "mlp.linear_fc1", "down_proj": "mlp.linear_fc2"}  # fmt: skip
+             "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}  # fmt: skip
+# multi-latent attention's projections (no k_proj / v_proj: the keys and values come from the latent)
+_MLA = {"q_proj": "self_attention.linear_q_proj", "q_a_proj": "self_attention.linear_q_down_proj",
+        "q_b_proj": "self_attention.linear_q_up_proj", "kv_a_proj_with_mqa": "self_attention.linear_kv_down_proj",
+        "kv_b_proj": "self_attention.linear_kv_up_proj", "o_proj": "self_attention.linear_proj"}  # fmt: skip
+_DUPLICATED = (
+    "linear_q_down_proj",
+    "linear_kv_down_proj",
+)  # whole on every TP rank (training/megatron_mla.py)
 
 
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
 def check_lora_model(hf_config: dict) -> None:
-    """LoRA on megatron is built for the GQA attention and gated MLPs the dense / Qwen3-MoE bridges map:
-    a model with DeepSeek's MoE (shared experts, the router's score-correction bias: the DeepSeek-V3,
-    GLM-4.7-Flash and GLM-4.5 bridges) is refused by name, MLA or not; so is every other family whose bridge
-    says why (`Bridge.lora_refusal`: GPT-OSS, MiniMax-M2, Qwen3.5 / Qwen3-Next, and any bridge that does
-    not declare adapters built)."""
+    """LoRA on megatron is built for the layers the dense / Qwen3-MoE, GLM-4.5 and DeepSeek-V3 bridges map
+    (GQA or multi-latent attention, gated MLPs, packed routed and shared experts); a family whose bridge
+    says why is refused by name (`Bridge.lora_refusal`: GPT-OSS, MiniMax-M2, Qwen3.5 / Qwen3-Next, and any
+    bridge that does not declare adapters built)."""
     from miles_platform.errors import CheckpointError
     from miles_platform.models.bridge import get_bridge
 
-    if hf_config.get("kv_lora_rank") or hf_config.get("n_routed_experts"):
-        mla = "multi-latent attention and " if hf_config.get("kv_lora_rank") else ""
-        raise ConfigError(
-            f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')} has {mla}DeepSeek-style "
-            "MoE layers (shared experts, a score-correction bias), which have no megatron adapters here; use "
-            "--train-backend fsdp"
-        )
     try:
         why = get_bridge(hf_config).lora_refusal
     except CheckpointError:  # no bridge: the megatron backend refuses the model itself (preflight)
@@ -77,21 +93,26 @@ def check_lora_model(hf_config: dict) -> None:
         raise ConfigError(f"--lora-rank with --train-backend megatron: {hf_config.get('architectures')}{why}")
 
 
-def megatron_target(hf_name: str) -> tuple[str, str]:
+def megatron_target(hf_name: str, mla: bool = False) -> tuple[str, str]:
     """(megatron module name, projection) of a PEFT target; refuses what has no megatron adapter. A
-    packed expert weight maps to the layer's `mlp.experts` (its `local_experts.e.linear_fc1 / fc2`)."""
+    packed expert weight maps to the layer's `mlp.experts` (its `local_experts.e.linear_fc1 / fc2`);
+    `mla`: the model's attention is multi-latent (DeepSeek-V3's projections)."""
     if hf_name == "lm_head":
         return "output_layer", "lm_head"
     m = _EXPERTS.fullmatch(hf_name)
     if m is not None:
         return f"decoder.layers.{m.group(1)}.mlp.experts", m.group(2)
     m = _HF.fullmatch(hf_name)
-    if m is None:
+    table = _MLA if mla and m is not None and m.group(2) == "self_attn" else _MEGATRON
+    if m is None or m.group(3) not in table:
         raise ConfigError(
-            f"--target-modules: {hf_name} has no adapter on the megatron backend (built: q/k/v/o_proj, "
-            "gate/up/down_proj of the decoder layers, packed experts, lm_head); use --train-backend fsdp or exclude it"
+            f"--target-modules: {hf_name} has no adapter on the megatron backend (built: q/k/v/o_proj or "
+            "multi-latent attention's q_a/q_b/kv_a_proj_with_mqa/kv_b/o_proj, gate/up/down_proj of the dense MLPs "
+            "and shared experts, packed experts, lm_head); use --train-backend fsdp or exclude it"
         )
-    return f"decoder.layers.{m.group(1)}.{_MEGATRON[m.group(3)]}", m.group(3)
+    block = "mlp.shared_experts" if m.group(2) == "mlp.shared_experts" else "mlp"
+    sub = table[m.group(3)] if m.group(2) == "self_attn" else f"{block}.{table[m.group(3)]}"
+    return f"decoder.layers.{m.group(1)}.{sub}", m.group(3)
 
 
 class MegatronLora(nn.Module):
@@ -112,22 +133,32 @@ class MegatronLora(nn.Module):
         self.groups = hf_config.get("num_key_value_heads") or heads
         self.head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
         self.q_per_group = heads // self.groups
+        mla = bool(hf_config.get("kv_lora_rank"))
         modules = dict(model.named_modules())
         dev = next(model.parameters()).device  # (a tied output_layer has no parameter of its own)
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
         self._hooks_experts: list = []
         self._keys: dict[str, str] = {}  # factor key -> PEFT file key
         self._parts: dict[str, list[str]] = {}  # megatron module -> its adapted projections
+        # megatron module -> the HF delta's output rows in the module's order (MLA's rope rows)
+        self._rows: dict[str, torch.Tensor] = {}
         dims = _projection_dims(hf_config)
         expert_targets = split_targets(self.targets)[1]
         for hf_name in self.targets:
-            mod, proj = megatron_target(hf_name)
+            mod, proj = megatron_target(hf_name, mla)
             if mod not in modules:
                 raise ConfigError(f"--target-modules: {hf_name}: the megatron model has no {mod}")
             if hf_name in expert_targets:
                 self._add_experts(modules, mod, proj, hf_name, expert_targets, hf_config, dev)
                 continue
-            d_in, d_out = dims[proj]
+            mla_attn = mla and ".self_attention." in mod
+            d_in, d_out = dims[
+                ("shared_" if ".shared_experts." in mod else "mla_" if mla_attn else "") + proj
+            ]
+            if mla_attn:
+                rows = _mla_row_order(hf_config, proj)
+                if rows is not None:
+                    self._rows[mod] = rows.to(dev)
             key = f"{mod}.{proj}".replace(".", "__")
             a = torch.empty(self.rank, d_in, device=dev)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's init: B = 0, so v0 is the base policy
@@ -138,6 +169,7 @@ class MegatronLora(nn.Module):
         self._hooks = [
             modules[mod].register_forward_hook(self._hook(mod), with_kwargs=True) for mod in self._parts
         ]
+        self._sequence_parallel = bool(getattr(getattr(model, "config", None), "sequence_parallel", False))
 
     def _add_experts(self, modules, mod, proj, hf_name, expert_targets, hf_config, dev) -> None:
         """PEFT's factors of a packed expert weight (`lora_A [E*r, in]`, `lora_B [out, r*E]`, B's columns
@@ -149,7 +181,12 @@ class MegatronLora(nn.Module):
                 f"--target-modules: {hf_name}: expert adapters on megatron are built at tensor parallel 1; use "
                 "--tensor-model-parallel-size 1, --target-modules attn, or --train-backend fsdp"
             )
-        n, h = int(hf_config.get("num_experts") or hf_config["num_local_experts"]), hf_config["hidden_size"]
+        n = int(
+            hf_config.get("num_experts")
+            or hf_config.get("n_routed_experts")
+            or hf_config["num_local_experts"]
+        )
+        h = hf_config["hidden_size"]
         inter = hf_config["moe_intermediate_size"]
         d_in, d_out = (h, 2 * inter) if proj == "gate_up_proj" else (inter, h)
         key = f"{mod}.{proj}".replace(".", "__")
@@ -187,12 +224,19 @@ class MegatronLora(nn.Module):
     def _hook(self, mod: str):
         parts = self._parts[mod]
         row = mod.endswith(("linear_proj", "linear_fc2"))
+        rows = self._rows.get(mod)
 
         def hook(module, args, kwargs, output):
             x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
             out, bias = output
+            if mod.endswith(_DUPLICATED):  # the whole weight here, on this rank's tokens: a plain linear
+                (p,) = parts
+                d = self._delta(mod, p, x)
+                return out + (d if rows is None else d[..., rows]).to(out.dtype), bias
             x = self._gather_input(x, row, module)
             deltas = {p: self._delta(mod, p, x) for p in parts}
+            if rows is not None:
+                deltas = {p: d[..., rows] for p, d in deltas.items()}
             full = self._fused(mod, deltas, x.shape[:-1], out.shape[-1] * self.tp)
             return out + self._to_output(mod, full, row, module).to(out.dtype), bias
 
@@ -244,8 +288,13 @@ class MegatronLora(nn.Module):
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_model_parallel_group()
+        sequence_parallel = self._sequence_parallel
         for key in self._keys:
             if "__linear_proj__" in key or "__linear_fc2__" in key:
+                continue
+            # MLA's latent down projections: each rank's factors saw its own tokens under sequence
+            # parallelism (summed, as megatron sums the weight's); all tokens, the same gradient, without
+            if any(f"__{d}__" in key for d in _DUPLICATED) and not sequence_parallel:
                 continue
             for p in (self.A[key], self.B[key]):
                 if p.grad is None:
@@ -302,11 +351,37 @@ class MegatronLora(nn.Module):
 
 
 def _projection_dims(c: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each HF projection of the decoder layers and the head."""
+    """(in, out) features of each HF projection of the decoder layers and the head; `shared_*`: a
+    shared expert's (DeepSeek MoE), `mla_*`: multi-latent attention's."""
     h, heads = c["hidden_size"], c["num_attention_heads"]
     groups = c.get("num_key_value_heads") or heads
     hd = c.get("head_dim") or h // heads
     ffn = c.get("intermediate_size") or 0
-    return {"q_proj": (h, heads * hd), "k_proj": (h, groups * hd), "v_proj": (h, groups * hd),
-            "o_proj": (heads * hd, h), "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h),
-            "lm_head": (h, c["vocab_size"])}  # fmt: skip
+    shared = (c.get("moe_intermediate_size") or 0) * (c.get("n_shared_experts") or 0)
+    out = {"q_proj": (h, heads * hd), "k_proj": (h, groups * hd), "v_proj": (h, groups * hd),
+           "o_proj": (heads * hd, h), "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h),
+           "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
+           "lm_head": (h, c["vocab_size"])}  # fmt: skip
+    if c.get("kv_lora_rank"):
+        nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+        q_lora, kv_lora = c.get("q_lora_rank"), c["kv_lora_rank"]
+        out.update({"mla_q_proj": (h, heads * (nope + rope)), "mla_q_a_proj": (h, q_lora or 0),
+                    "mla_q_b_proj": (q_lora or 0, heads * (nope + rope)),
+                    "mla_kv_a_proj_with_mqa": (h, kv_lora + rope), "mla_kv_b_proj": (kv_lora, heads * (nope + v)),
+                    "mla_o_proj": (heads * v, h)})  # fmt: skip
+    return out
+
+
+def _mla_row_order(c: dict, proj: str) -> torch.Tensor | None:
+    """The rows of an MLA projection's HF output in the megatron module's order (the bridge's rope
+    permutation of q_proj / q_b_proj per head and of kv_a_proj_with_mqa's rope rows); None: the same."""
+    from miles_platform.models.bridge import get_bridge
+    from miles_platform.models.bridge.deepseek_v3 import permute_head_rows, rope_row_order
+
+    d = get_bridge(c).dims(c)
+    order = rope_row_order(d)
+    if order is None or proj not in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
+        return None
+    heads, lead = (c["num_attention_heads"], d.nope) if proj != "kv_a_proj_with_mqa" else (1, d.kv_lora)
+    per_head = torch.cat([torch.arange(lead), lead + order])
+    return permute_head_rows(torch.arange(heads * len(per_head))[:, None], per_head, heads)[:, 0]

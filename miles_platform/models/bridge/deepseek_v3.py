@@ -228,6 +228,7 @@ class DeepseekV3Bridge(Bridge):
     family = "DeepSeek-V3"
     # TE's MLA spec fuses the q latent's norm into linear_q_up_proj (DeepSeek-V3.2 keeps it apart)
     te_fuses_q_norm = True
+    lora_refusal = None  # training/megatron_lora.py: MLA's projections, dense MLPs, shared and routed experts
 
     def dims(self, hf_config: Any) -> DeepseekDims:
         return DeepseekDims(hf_config, self.family)

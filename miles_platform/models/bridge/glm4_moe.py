@@ -24,7 +24,8 @@ transformers drops it.
 Refused by name (CheckpointError; preflight turns it into a ConfigError before Ray): rope types other
 than default (no yarn / llama3 mapping is checked for a partial rotary), deepseek_v3.py's routing
 refusals (norm_topk_prob false, top-1, a group limit megatron ranks otherwise, no shared expert),
-hidden_act other than silu; LoRA on megatron (training/megatron_lora.py: no shared-expert adapters).
+hidden_act other than silu. LoRA on megatron: training/megatron_lora.py (attention, dense MLPs, shared
+and routed experts).
 """
 
 from __future__ import annotations

@@ -308,7 +308,7 @@ def megatron_runs(make_config, tiny_hf_checkpoint, tmp_path):
     return lambda **flags: small_run_config(hf, tmp_path, train_backend="megatron", **flags)
 
 
-def test_preflight_takes_it_on_megatron_at_ep_and_tp_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_it_on_megatron_at_ep_and_tp_and_lora(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
@@ -323,10 +323,13 @@ def test_preflight_takes_it_on_megatron_at_ep_and_tp_and_refuses_lora(tiny_hf_ch
         match="--tensor-model-parallel-size 2 with multi-latent attention needs --sequence-parallel",
     ):
         validate_before_start(run(**two, tensor_model_parallel_size=2))
-    with pytest.raises(
-        ConfigError, match="--lora-rank with --train-backend megatron: .* multi-latent attention"
-    ):
-        validate_before_start(run(lora_rank=4))
+    # LoRA on megatron (tests/unit/training/test_lora_megatron.py: MLA's steps equal fsdp's, TP2 + SP too);
+    # the routed experts' adapters at tensor parallel 1
+    validate_before_start(run(lora_rank=4))
+    validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True, lora_rank=4,
+                              target_modules="attn,mlp", exclude_modules="experts"))  # fmt: skip
+    with pytest.raises(ConfigError, match="expert adapters on megatron are built at tensor parallel 1"):
+        validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True, lora_rank=4))
 
 
 # 3 GRPO groups of 2, prompts of 3-7 tokens, as tests/unit/models/test_hf_families.py rolls them out

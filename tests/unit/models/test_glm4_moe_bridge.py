@@ -114,8 +114,9 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
     megatron_config_of(glm_config(), change, "GLM-4.5", match)
 
 
-def test_preflight_takes_it_on_megatron_at_tp_and_ep_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
-    """TP / SP / EP as Qwen3-MoE's (the steps: test_megatron_layouts.py); LoRA refused by name."""
+def test_preflight_takes_it_on_megatron_at_tp_and_ep_and_lora(tiny_hf_checkpoint, tmp_path):
+    """TP / SP / EP as Qwen3-MoE's (the steps: test_megatron_layouts.py); LoRA on its attention, dense MLP,
+    shared and routed experts (the DeepSeek MoE adapters: test_lora_megatron.py)."""
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
@@ -128,8 +129,7 @@ def test_preflight_takes_it_on_megatron_at_tp_and_ep_and_refuses_lora(tiny_hf_ch
         ConfigError, match="MoE model at --tensor-model-parallel-size 2 needs --sequence-parallel"
     ):
         validate_before_start(run(**two, tensor_model_parallel_size=2))
-    with pytest.raises(ConfigError, match="--lora-rank with --train-backend megatron: .* DeepSeek-style MoE"):
-        validate_before_start(run(lora_rank=4))
+    validate_before_start(run(lora_rank=4))
 
 
 # ---------------------------------------------------------------- megatron (subprocess)

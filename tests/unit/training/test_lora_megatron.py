@@ -1,9 +1,12 @@
 """LoRA on the megatron backend (training/megatron_lora.py) against the fsdp backend's PEFT LoRA, fp32:
 the same adapter in both, one GRPO step on the same batch gives the same loss, adapter gradients and
 updated adapter (1e-5), and the megatron export is PEFT's files key for key. A dense model (GQA with 2
-query groups, untied: attention, MLP and lm_head adapters) and the tiny Qwen3-MoE (attention adapters)
-on both backends; the embedded engine serving the megatron export gives the trainer's log-probs (the
---ci-test check). Refused before anything starts: megatron model parallelism, router / expert targets.
+query groups, untied: attention, MLP and lm_head adapters), the tiny Qwen3-MoE (attention and packed
+expert adapters), DeepSeek-V3 (multi-latent attention with and without the q latent, its rope rows in
+megatron's order; the dense MLP, the shared expert, the routed experts), DeepSeek-V3.2 and GLM-4.5 on both
+backends, the dense model and MLA at TP2 + SP too; the embedded engine serving the megatron export gives
+the trainer's log-probs (the --ci-test check). Refused before anything starts: megatron model
+parallelism, router / expert targets.
 
 The trainers run once in a subprocess (this file as a script: megatron's gloo group, world size 1)."""
 
@@ -135,14 +138,27 @@ def _engine_vs_trainer(hf: str, actor, work: Path) -> dict:
     )
 
 
-def _main(dense: str, moe: str, work: str) -> None:
+def _main(paths: str, work: str) -> None:
     torch.set_num_threads(1)
+    paths = json.loads(paths)
+    dense, moe, mla, mla_q = (paths[k] for k in ("dense", "moe", "mla", "mla_q"))
     report = {}
     report["dense"], actor = _step_pair(dense, "attn,mlp,lm_head", Path(work, "tp1"))
     report["engine"] = _engine_vs_trainer(dense, actor, Path(work))
     # the router's load-balancing and z-loss terms reach the attention adapters through the hidden states
     report["moe"], moe_actor = _step_pair(moe, "attn,mlp", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
     report["moe_engine"] = _engine_vs_trainer(moe, moe_actor, Path(work, "moe"))
+    # DeepSeek-V3 (MLA with a q latent, rope rows in halves: the bridge permutes them), the default
+    # targets: MLA's five projections, the dense MLP, the shared expert and the packed routed experts
+    report["mla"], mla_actor = _step_pair(mla, None, Path(work, "mla_tp1"))
+    report["mla_engine"] = _engine_vs_trainer(mla, mla_actor, Path(work, "mla"))
+    # no q latent: one q_proj, its rope rows permuted; the dense MLP and the shared expert, not the
+    # routed experts (built at TP 1): the reference of the TP2 + SP step
+    report["mla_q"], _ = _step_pair(mla_q, "attn,mlp", Path(work, "mla_q_tp1"), exclude_modules="experts")
+    # DeepSeek-V3.2 (MLA in DSA's attention, the indexer frozen and never a target) and GLM-4.5 (GQA with
+    # q/k/v biases, DeepSeek's MoE): the default targets
+    report["v32"], _ = _step_pair(paths["v32"], None)
+    report["glm4_5"], _ = _step_pair(paths["glm4_5"], None)
     print(json.dumps(report))
 
 
@@ -156,22 +172,42 @@ def report(tiny_hf_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("lora_megatron")
     dense = save_untied_checkpoint(tiny_hf_checkpoint, work / "dense")
     moe = save_moe_checkpoint(tiny_hf_checkpoint, work / "moe")
+    paths = {"dense": dense, "moe": moe, **{n: _deepseek_checkpoint(tiny_hf_checkpoint, work / n, **kw)
+                                            for n, kw in DEEPSEEK.items()}}  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    proc = subprocess.run([*warm_python(), __file__, dense, moe, str(work / "out")], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=REPO)  # fmt: skip
+    proc = subprocess.run([*warm_python(), __file__, json.dumps(paths), str(work / "out")],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {
-        **json.loads(proc.stdout.strip().splitlines()[-1]),
-        "paths": {"dense": dense, "moe": moe, "work": str(work)},
-    }
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "paths": {**paths, "work": str(work)}}
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
+# the tiny DeepSeek-V3 (layer 0 dense, layer 1 MoE with a shared expert), rope rows in halves; with one
+# q_proj; the tiny DeepSeek-V3.2 and GLM-4.5 (q/k/v biases, as GLM-4.5 publishes)
+DEEPSEEK = {"mla": dict(rope_interleave=False), "mla_q": dict(rope_interleave=False, q_lora_rank=None),
+            "v32": dict(family="deepseek_v32"), "glm4_5": dict(family="glm4_moe", attention_bias=True)}  # fmt: skip
+
+
+def _deepseek_checkpoint(tok_dir: str, path: Path, **overrides) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_deepseek_v3_bridge import deepseek_config, sharp_model
+
+    from miles_platform.models.checkpoint import load_tokenizer, save_hf_checkpoint
+
+    tok = load_tokenizer(tok_dir)
+    save_hf_checkpoint(sharp_model(deepseek_config(len(tok), **overrides)), tok, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("model", ["dense", "moe", "mla", "mla_q", "v32", "glm4_5"])
 def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
     r = report[model]
     assert r["same_keys"] and r["same_config"] and r["fresh_b_zero"], r
-    # every projection of every layer (MoE: q/k/v/o and the packed gate_up / down experts of each layer)
-    assert r["adapters"] == (2 * 7 + 1 if model == "dense" else 2 * 6), r
+    # every projection of every layer (MoE: q/k/v/o and the packed gate_up / down experts of each layer;
+    # MLA: q_a / q_b / kv_a / kv_b / o of both layers, layer 0's MLP, layer 1's shared expert and experts;
+    # without the q latent: q / kv_a / kv_b / o, layer 0's MLP and layer 1's shared expert)
+    counts = {"dense": 2 * 7 + 1, "moe": 2 * 6, "mla": 2 * 5 + 3 + 3 + 2, "mla_q": 2 * 4 + 3 + 3,
+              "v32": 2 * 5 + 3 + 3 + 2, "glm4_5": 2 * 4 + 3 + 3 + 2}  # fmt: skip
+    assert r["adapters"] == counts[model], r
     assert r["loss_abs_diff"] < TOL and r["grad_max_abs_diff"] < TOL, r
     assert r["grad_norm"][0] == pytest.approx(r["grad_norm"][1], rel=TOL) and r["grad_min_norm"] > 1e-4, r
     assert r["update_max_abs_diff"] < TOL and r["moved"] > 1e-4, r  # the step moved every adapter tensor
@@ -181,7 +217,7 @@ def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
             assert f > 0 and m == pytest.approx(f, rel=TOL), r["moe_losses"]
 
 
-@pytest.mark.parametrize("model", ["engine", "moe_engine"])
+@pytest.mark.parametrize("model", ["engine", "moe_engine", "mla_engine"])
 def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(report, model):
     e = report[model]
     assert e["saved"] == ["adapter_config.json", "adapter_model.safetensors", "base_checkpoint.json"], e
@@ -191,14 +227,20 @@ def test_the_engine_serving_the_megatron_adapter_gives_the_trainers_log_probs(re
     assert e["resume_identical"], e
 
 
-LAYOUTS = {  # on 2 ranks
-    "tp2": dict(tensor_model_parallel_size=2),
-    "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
-    "dp2": dict(),  # the adapter's gradients averaged over the data-parallel pair
+LAYOUTS = {  # on 2 ranks: (model, its 1-rank reference, flags)
+    "tp2": ("dense", "tp1", dict(tensor_model_parallel_size=2)),
+    "tp2_sp": ("dense", "tp1", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "dp2": ("dense", "tp1", dict()),  # the adapter's gradients averaged over the data-parallel pair
+    # MLA's duplicated kv_a (each rank its tokens: the factors' gradients summed over TP), the column-
+    # parallel q / kv_b (whole heads, rope rows permuted), row-parallel o_proj, the dense MLP and the
+    # shared expert
+    "mla_tp2_sp": ("mla_q", "mla_q_tp1", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
 }
+TARGETS = {"dense": dict(target_modules="attn,mlp,lm_head"),
+           "mla_q": dict(target_modules="attn,mlp", exclude_modules="experts")}  # fmt: skip
 
 
-def _tp_worker(rank: int, world: int, ports: list[int], dense: str, ref: str, out: str) -> None:
+def _tp_worker(rank: int, world: int, ports: list[int], paths: dict, out: str) -> None:
     """Each layout in turn on these 2 ranks: the 1-rank step from its start adapter."""
     import traceback
 
@@ -209,10 +251,12 @@ def _tp_worker(rank: int, world: int, ports: list[int], dense: str, ref: str, ou
 
     torch.set_num_threads(1)
     try:
-        for (name, layout), port in zip(LAYOUTS.items(), ports, strict=True):
-            cfg = _cfg(dense, "megatron", "attn,mlp,lm_head", actor_num_gpus_per_node=world, **layout)
+        for (name, (model, ref, layout)), port in zip(LAYOUTS.items(), ports, strict=True):
+            t = TARGETS[model]
+            cfg = _cfg(paths[model], "megatron", t["target_modules"], actor_num_gpus_per_node=world,
+                       **{k: v for k, v in t.items() if k != "target_modules"}, **layout)  # fmt: skip
             actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
-            actor.backend.load_adapter(load_file(f"{ref}/start.safetensors"))
+            actor.backend.load_adapter(load_file(f"{paths['work']}/out/{ref}/start.safetensors"))
             metrics = actor.train(0, _batch())
             merged = actor.get_hf_weights()  # collective; the first rank of the replica keeps it
             if rank == 0:
@@ -224,19 +268,20 @@ def _tp_worker(rank: int, world: int, ports: list[int], dense: str, ref: str, ou
 
 
 def test_a_tensor_and_data_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
-    """TP2, TP2 + SP and DP2 on 2 gloo ranks, from the dense step's start adapter: the loss, its parts, the
-    grad norm and the merged weights (base + updated adapter) of the 1-rank step within 1e-5."""
+    """TP2, TP2 + SP and DP2 on 2 gloo ranks, from the dense step's start adapter, and DeepSeek-V3's MLA at
+    TP2 + SP: the loss, its parts, the grad norm and the merged weights (base + updated adapter) of the
+    1-rank step within 1e-5."""
     from loop_helpers import run_ranks
     from safetensors.torch import load_file
 
     from miles_platform.cluster.ports import free_port
 
-    ref = Path(report["paths"]["work"], "out", "tp1")
-    one, w1 = json.loads((ref / "metrics.json").read_text()), load_file(str(ref / "merged.safetensors"))
     out = tmp_path / "tp"
     ports = [free_port() for _ in LAYOUTS]
-    run_ranks(_tp_worker, (2, ports, report["paths"]["dense"], str(ref), str(out)), 2, out)
-    for name in LAYOUTS:
+    run_ranks(_tp_worker, (2, ports, report["paths"], str(out)), 2, out)
+    for name, (_, ref_name, _) in LAYOUTS.items():
+        ref = Path(report["paths"]["work"], "out", ref_name)
+        one, w1 = json.loads((ref / "metrics.json").read_text()), load_file(str(ref / "merged.safetensors"))
         for rank in (0, 1):
             m = json.loads((out / f"{name}.rank{rank}.json").read_text())
             for key in ("train/loss", "train/pg_loss"):
