@@ -75,6 +75,9 @@ def test_grpo_lifts_reward_and_heldout_accuracy(base, grpo, backend):
     assert_learns(base[2], *grpo(backend, train_backend=backend))
 
 
+# ~19 s of `make test`: built of what it checks one by one (test_megatron_layouts.py: the TP2 + SP step
+# equals one rank's; the megatron learning check above), so in `make test-extended`
+@pytest.mark.extended
 def test_grpo_at_tp2_learns_as_at_tp1(base, grpo):
     """The same recipe and seeds on megatron at TP2 + SP (2 gloo ranks, DP 1) learns as the TP1 megatron
     run does, on the same trajectory within noise. fp32 TP2 computes the TP1 step up to the rounding of
