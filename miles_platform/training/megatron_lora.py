@@ -58,7 +58,7 @@ from miles_platform.training.lora import (
 )
 
 _HF = re.compile(
-    r"model\.layers\.(\d+)\.(self_attn|mlp\.shared_experts|mlp)\."
+    r"model\.layers\.(\d+)\.(self_attn|mlp\.shared_experts?|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"
 )
 _MEGATRON = {"q_proj": "self_attention.linear_qkv", "k_proj": "self_attention.linear_qkv",
@@ -110,7 +110,7 @@ def megatron_target(hf_name: str, mla: bool = False) -> tuple[str, str]:
             "multi-latent attention's q_a/q_b/kv_a_proj_with_mqa/kv_b/o_proj, gate/up/down_proj of the dense MLPs "
             "and shared experts, packed experts, lm_head); use --train-backend fsdp or exclude it"
         )
-    block = "mlp.shared_experts" if m.group(2) == "mlp.shared_experts" else "mlp"
+    block = "mlp.shared_experts" if m.group(2).startswith("mlp.shared_expert") else "mlp"
     sub = table[m.group(3)] if m.group(2) == "self_attn" else f"{block}.{table[m.group(3)]}"
     return f"decoder.layers.{m.group(1)}.{sub}", m.group(3)
 
@@ -133,6 +133,8 @@ class MegatronLora(nn.Module):
         self.groups = hf_config.get("num_key_value_heads") or heads
         self.head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
         self.q_per_group = heads // self.groups
+        # Qwen3.5 / Qwen3-Next: q_proj's rows are [query; gate] per head, megatron's [queries; gates] per group
+        self.q_gate = _gated_q(hf_config)
         mla = bool(hf_config.get("kv_lora_rank"))
         modules = dict(model.named_modules())
         dev = next(model.parameters()).device  # (a tied output_layer has no parameter of its own)
@@ -155,6 +157,8 @@ class MegatronLora(nn.Module):
             d_in, d_out = dims[
                 ("shared_" if ".shared_experts." in mod else "mla_" if mla_attn else "") + proj
             ]
+            if proj == "q_proj" and self.q_gate:
+                d_out *= 2
             if mla_attn:
                 rows = _mla_row_order(hf_config, proj)
                 if rows is not None:
@@ -187,7 +191,9 @@ class MegatronLora(nn.Module):
             or hf_config["num_local_experts"]
         )
         h = hf_config["hidden_size"]
-        inter = hf_config["moe_intermediate_size"]
+        inter = (
+            hf_config.get("moe_intermediate_size") or hf_config["intermediate_size"]
+        )  # (MiniMax-M2: the latter)
         d_in, d_out = (h, 2 * inter) if proj == "gate_up_proj" else (inter, h)
         key = f"{mod}.{proj}".replace(".", "__")
         a = torch.empty(n * self.rank, d_in, device=dev)
@@ -307,9 +313,12 @@ class MegatronLora(nn.Module):
         zero = next(iter(deltas.values())).new_zeros(())
         if mod.endswith("linear_qkv"):
             g, hd, qpg = self.groups, self.head_dim, self.q_per_group
+            gated = 2 if self.q_gate else 1
             q, k, v = (deltas.get(p, zero).expand(*lead, n) for p, n in
-                       (("q_proj", g * qpg * hd), ("k_proj", g * hd), ("v_proj", g * hd)))  # fmt: skip
-            return torch.cat([q.reshape(*lead, g, qpg * hd), k.reshape(*lead, g, hd),
+                       (("q_proj", g * qpg * gated * hd), ("k_proj", g * hd), ("v_proj", g * hd)))  # fmt: skip
+            if self.q_gate:  # per head [query; gate] -> per group [queries; gates]
+                q = q.reshape(*lead, g, qpg, 2, hd).transpose(-3, -2)
+            return torch.cat([q.reshape(*lead, g, gated * qpg * hd), k.reshape(*lead, g, hd),
                               v.reshape(*lead, g, hd)], dim=-1).reshape(*lead, -1)  # fmt: skip
         if mod.endswith("linear_fc1"):
             half = width // 2
@@ -357,7 +366,9 @@ def _projection_dims(c: dict) -> dict[str, tuple[int, int]]:
     groups = c.get("num_key_value_heads") or heads
     hd = c.get("head_dim") or h // heads
     ffn = c.get("intermediate_size") or 0
-    shared = (c.get("moe_intermediate_size") or 0) * (c.get("n_shared_experts") or 0)
+    shared = c.get("shared_expert_intermediate_size") or (  # Qwen3.5-MoE / Qwen3-Next; DeepSeek's below
+        (c.get("moe_intermediate_size") or 0) * (c.get("n_shared_experts") or 0)
+    )
     out = {"q_proj": (h, heads * hd), "k_proj": (h, groups * hd), "v_proj": (h, groups * hd),
            "o_proj": (heads * hd, h), "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h),
            "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
@@ -370,6 +381,17 @@ def _projection_dims(c: dict) -> dict[str, tuple[int, int]]:
                     "mla_kv_a_proj_with_mqa": (h, kv_lora + rope), "mla_kv_b_proj": (kv_lora, heads * (nope + v)),
                     "mla_o_proj": (heads * v, h)})  # fmt: skip
     return out
+
+
+def _gated_q(c: dict) -> bool:
+    """The bridge gates the attention output with half of q_proj's rows (megatron's attention_output_gate)."""
+    from miles_platform.errors import CheckpointError
+    from miles_platform.models.bridge import get_bridge
+
+    try:
+        return bool(get_bridge(c).transformer_config(c).get("attention_output_gate"))
+    except CheckpointError:
+        return False
 
 
 def _mla_row_order(c: dict, proj: str) -> torch.Tensor | None:

@@ -123,10 +123,9 @@ class GptOssDims(Dims):
 @register_bridge("GptOssForCausalLM")
 class GptOssBridge(DenseBridge):
     family = "GPT-OSS"
-    lora_refusal = (
-        " (GPT-OSS): its megatron bridge (biased projections, sinks) is not built with adapters here; use "
-        "--train-backend fsdp (attention adapters)"
-    )
+    # training/megatron_lora.py: attention adapters (the biases and sinks are the base's); its experts
+    # (biased, interleaved gate / up) take none on either backend (training/lora._check_expert_layout)
+    lora_refusal = None
 
     def dims(self, hf_config: Any) -> GptOssDims:
         return GptOssDims(hf_config_dict(hf_config), self.family)

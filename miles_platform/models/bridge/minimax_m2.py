@@ -35,7 +35,7 @@ layer without shared experts is Qwen3-MoE's, so this bridge maps none.
 
 Refused by name (CheckpointError; preflight turns it into a ConfigError before Ray): top-1 routing (HF's
 gate is then 1, megatron's the raw sigmoid), router_jitter_noise > 0, rope types other than default,
-hidden_act other than silu, attention_bias; LoRA on megatron (training/megatron_lora.py).
+hidden_act other than silu, attention_bias. LoRA on megatron: training/megatron_lora.py.
 """
 
 from __future__ import annotations
@@ -129,10 +129,9 @@ class MiniMaxM2Dims(Dims):
 @register_bridge("MiniMaxM2ForCausalLM")
 class MiniMaxM2Bridge(DenseBridge):
     family = "MiniMax-M2"
-    lora_refusal = (
-        " (MiniMax-M2): its megatron bridge (whole-projection q/k norms, routed experts) is not built with "
-        "adapters here; use --train-backend fsdp"
-    )
+    # training/megatron_lora.py: the q/k/v/o adapters add to linear_qkv's rows before the whole-projection
+    # norms, as PEFT's add to q_proj / k_proj before HF's; the routed experts are Qwen-style
+    lora_refusal = None
 
     def dims(self, hf_config: Any) -> MiniMaxM2Dims:
         return MiniMaxM2Dims(hf_config_dict(hf_config), self.family)

@@ -107,10 +107,10 @@ class Qwen35Dims(Dims):
 @register_bridge("Qwen3_5ForCausalLM")
 class Qwen35Bridge(DenseBridge):
     family = "Qwen3.5"
-    lora_refusal = (
-        ": its gated-DeltaNet projections (fused into one megatron in_proj) and gated q_proj have no megatron "
-        "adapters here; use --train-backend fsdp"
-    )
+    # training/megatron_lora.py: the full-attention layers' q/k/v/o (q_proj's [query; gate] rows regrouped as
+    # linear_qkv's), the MLPs and experts; the gated-DeltaNet projections (one fused megatron in_proj) take
+    # none, as Miles' native LoRA (a target naming one is refused)
+    lora_refusal = None
     qk_norm = True
 
     def dims(self, hf_config: Any) -> Qwen35Dims:

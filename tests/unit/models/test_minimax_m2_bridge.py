@@ -104,7 +104,7 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
     megatron_config_of(minimax_config(), change, "MiniMax-M2", match)
 
 
-def test_preflight_takes_tp_and_ep_and_refuses_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_tp_and_ep_and_lora(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
@@ -114,10 +114,9 @@ def test_preflight_takes_tp_and_ep_and_refuses_lora(tiny_hf_checkpoint, tmp_path
     validate_before_start(run(**two, expert_model_parallel_size=2))
     # test_megatron_layouts: the TP2 + SP step equals the 1-rank step
     validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True))
-    with pytest.raises(
-        ConfigError, match=r"--lora-rank with --train-backend megatron: .*\(MiniMax-M2\): its megatron bridge"
-    ):
-        validate_before_start(run(lora_rank=4))
+    validate_before_start(run(lora_rank=4))  # attention and expert adapters (test_lora_megatron.py)
+    with pytest.raises(ConfigError, match="expert adapters on megatron are built at tensor parallel 1"):
+        validate_before_start(run(**two, tensor_model_parallel_size=2, sequence_parallel=True, lora_rank=4))
 
 
 # ---------------------------------------------------------------- megatron (subprocess)

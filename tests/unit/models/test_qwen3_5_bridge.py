@@ -159,7 +159,7 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
     megatron_config_of(q35_config(), change, "Qwen3.5", match)
 
 
-def test_preflight_takes_tp_sp_and_pp_and_refuses_tp_without_sp_cp_and_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_tp_sp_pp_and_lora_and_refuses_tp_without_sp_cp(tiny_hf_checkpoint, tmp_path):
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
@@ -177,12 +177,13 @@ def test_preflight_takes_tp_sp_and_pp_and_refuses_tp_without_sp_cp_and_lora(tiny
         validate_before_start(run(**two, tensor_model_parallel_size=2))
     with pytest.raises(ConfigError, match=r"--context-parallel-size 2 with gated-DeltaNet layers \(Qwen3.5"):
         validate_before_start(run(**two, context_parallel_size=2))
-    with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*gated-DeltaNet"):
-        validate_before_start(run(lora_rank=4))
+    # LoRA (test_lora_megatron.py): the full-attention layers and the MLPs; a DeltaNet projection refused
+    validate_before_start(run(lora_rank=4))
+    with pytest.raises(ConfigError, match=r"in_proj_qkv has no adapter on the megatron backend"):
+        validate_before_start(run(lora_rank=4, target_modules="attn,in_proj_qkv"))
     moe = megatron_runs(lambda v: q35_config(v, "qwen3_5_moe"), tiny_hf_checkpoint, tmp_path / "moe")
     validate_before_start(moe(use_rollout_routing_replay=True))
-    with pytest.raises(ConfigError, match=r"--lora-rank with --train-backend megatron: .*gated-DeltaNet"):
-        validate_before_start(moe(lora_rank=4))
+    validate_before_start(moe(lora_rank=4))
 
 
 def test_the_cpu_fla_matches_transformers_delta_rule():

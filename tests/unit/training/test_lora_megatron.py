@@ -159,6 +159,12 @@ def _main(paths: str, work: str) -> None:
     # q/k/v biases, DeepSeek's MoE): the default targets
     report["v32"], _ = _step_pair(paths["v32"], None)
     report["glm4_5"], _ = _step_pair(paths["glm4_5"], None)
+    # Qwen3.5 (q_proj's [query; gate] rows per head; the gated-DeltaNet layers take none), Qwen3.5-MoE and
+    # Qwen3-Next (their gated shared expert, routed experts), MiniMax-M2 (whole-projection q/k norms, routed experts) and
+    # GPT-OSS (biased projections, sinks; attention only: its experts take no adapter on either backend)
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2"):
+        report[name], _ = _step_pair(paths[name], None)
+    report["gpt_oss"], _ = _step_pair(paths["gpt_oss"], "attn")
     print(json.dumps(report))
 
 
@@ -172,8 +178,8 @@ def report(tiny_hf_checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("lora_megatron")
     dense = save_untied_checkpoint(tiny_hf_checkpoint, work / "dense")
     moe = save_moe_checkpoint(tiny_hf_checkpoint, work / "moe")
-    paths = {"dense": dense, "moe": moe, **{n: _deepseek_checkpoint(tiny_hf_checkpoint, work / n, **kw)
-                                            for n, kw in DEEPSEEK.items()}}  # fmt: skip
+    paths = {"dense": dense, "moe": moe, **{n: _family_checkpoint(tiny_hf_checkpoint, work / n, **kw)
+                                            for n, kw in FAMILIES.items()}}  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     proc = subprocess.run([*warm_python(), __file__, json.dumps(paths), str(work / "out")],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)  # fmt: skip
@@ -182,12 +188,16 @@ def report(tiny_hf_checkpoint, tmp_path_factory):
 
 
 # the tiny DeepSeek-V3 (layer 0 dense, layer 1 MoE with a shared expert), rope rows in halves; with one
-# q_proj; the tiny DeepSeek-V3.2 and GLM-4.5 (q/k/v biases, as GLM-4.5 publishes)
-DEEPSEEK = {"mla": dict(rope_interleave=False), "mla_q": dict(rope_interleave=False, q_lora_rank=None),
-            "v32": dict(family="deepseek_v32"), "glm4_5": dict(family="glm4_moe", attention_bias=True)}  # fmt: skip
+# q_proj; the tiny DeepSeek-V3.2 and GLM-4.5 (q/k/v biases, as GLM-4.5 publishes); families.py's others
+FAMILIES = {"mla": dict(rope_interleave=False), "mla_q": dict(rope_interleave=False, q_lora_rank=None),
+            "v32": dict(family="deepseek_v32"), "glm4_5": dict(family="glm4_moe", attention_bias=True),
+            **{f: dict(family=f) for f in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2", "gpt_oss")}}  # fmt: skip
 
 
-def _deepseek_checkpoint(tok_dir: str, path: Path, **overrides) -> str:
+FULL = 1  # the tiny Qwen3.5's full-attention layers (families.py: a linear-attention layer, then a full one)
+
+
+def _family_checkpoint(tok_dir: str, path: Path, **overrides) -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from test_deepseek_v3_bridge import deepseek_config, sharp_model
 
@@ -198,7 +208,22 @@ def _deepseek_checkpoint(tok_dir: str, path: Path, **overrides) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("model", ["dense", "moe", "mla", "mla_q", "v32", "glm4_5"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "dense",
+        "moe",
+        "mla",
+        "mla_q",
+        "v32",
+        "glm4_5",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "minimax_m2",
+        "gpt_oss",
+    ],
+)
 def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
     r = report[model]
     assert r["same_keys"] and r["same_config"] and r["fresh_b_zero"], r
@@ -206,7 +231,8 @@ def test_a_megatron_lora_step_equals_the_fsdp_lora_step(report, model):
     # MLA: q_a / q_b / kv_a / kv_b / o of both layers, layer 0's MLP, layer 1's shared expert and experts;
     # without the q latent: q / kv_a / kv_b / o, layer 0's MLP and layer 1's shared expert)
     counts = {"dense": 2 * 7 + 1, "moe": 2 * 6, "mla": 2 * 5 + 3 + 3 + 2, "mla_q": 2 * 4 + 3 + 3,
-              "v32": 2 * 5 + 3 + 3 + 2, "glm4_5": 2 * 4 + 3 + 3 + 2}  # fmt: skip
+              "v32": 2 * 5 + 3 + 3 + 2, "glm4_5": 2 * 4 + 3 + 3 + 2, "minimax_m2": 2 * 4 + 2 * 2, "gpt_oss": 2 * 4,
+              "qwen3_5": FULL * 4 + 2 * 3, "qwen3_5_moe": FULL * 4 + 2 * (3 + 2), "qwen3_next": FULL * 4 + 2 * (3 + 2)}  # fmt: skip
     assert r["adapters"] == counts[model], r
     assert r["loss_abs_diff"] < TOL and r["grad_max_abs_diff"] < TOL, r
     assert r["grad_norm"][0] == pytest.approx(r["grad_norm"][1], rel=TOL) and r["grad_min_norm"] > 1e-4, r
