@@ -60,6 +60,17 @@ def read_adapter_dir(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     )
 
 
+def expert_layout(experts: nn.Module) -> str | None:
+    """How a transformers experts module computes, if the engine's expert-adapter forward knows it:
+    "qwen" ([E, out, in] weights, no biases, `act_fn(gate) * up` on the halves) or "gpt_oss" ([E, in, out]
+    weights with biases, gate / up interleaved, its clamped `_apply_gate`); None otherwise."""
+    names = {n for n, _ in experts.named_parameters(recurse=False)}
+    if getattr(experts, "is_transposed", False):
+        biased = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+        return "gpt_oss" if names == biased and type(experts).__name__ == "GptOssExperts" else None
+    return "qwen" if hasattr(experts, "act_fn") and names <= set(EXPERT_PARAMS) else None
+
+
 def expert_peft_prefix(param: str, targeted: list[str]) -> str:
     """PEFT's module path of the adapter on packed expert weight `param` (`...experts.gate_up_proj`):
     PEFT wraps the experts module once per targeted weight, in the module's parameter order, the first
@@ -125,9 +136,11 @@ def parse_adapter(
     params = dict(model.named_parameters())
     for param, (a, b) in factors.items():
         w = params.get(param)
-        if w is None or w.ndim != 3 or not hasattr(model.get_submodule(param.rsplit(".", 1)[0]), "act_fn"):
+        layout = expert_layout(model.get_submodule(param.rsplit(".", 1)[0])) if w is not None else None
+        if w is None or w.ndim != 3 or layout is None:
             raise CheckpointError(f"{where}: {param}: the served model has no packed expert weight there")
-        if (a.shape[0], a.shape[2], b.shape[1]) != (w.shape[0], w.shape[2], w.shape[1]):
+        e, d_out, d_in = (w.shape[0], w.shape[2], w.shape[1]) if layout == "gpt_oss" else w.shape
+        if (a.shape[0], a.shape[2], b.shape[1]) != (e, d_in, d_out):
             raise CheckpointError(f"{where}: {param}: adapter for {a.shape[0]} experts of "
                                   f"[{b.shape[1]}, {a.shape[2]}], the weight is {tuple(w.shape)}")  # fmt: skip
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
@@ -251,10 +264,17 @@ class LoraSlots:
         return hook
 
     def _expert_forward(self, name: str, experts: nn.Module):
-        """The packed experts' forward (transformers' Qwen-style loop: `act(gate) * up`, then down,
-        weighted) with each token's adapter added to its experts' gate_up / down projections: the
-        tokens of a batch row (hidden states are the batch's `[rows * T, H]`) use that row's adapter."""
+        """The packed experts' forward (transformers' loop: gate_up, the experts' gate (`act(gate) * up`;
+        GPT-OSS: interleaved, clamped, biased), then down, weighted) with each token's adapter added to its
+        experts' gate_up / down projections: the tokens of a batch row (hidden states are the batch's
+        `[rows * T, H]`) use that row's adapter."""
         base = type(experts).forward.__get__(experts)
+        gpt_oss = expert_layout(experts) == "gpt_oss"
+
+        def proj(x, which: str, e: int, tok, users):
+            w = getattr(experts, which)[e]
+            y = self._expert_proj(x, w.t() if gpt_oss else w, f"{name}.{which}", e, tok, users)
+            return y + getattr(experts, f"{which}_bias")[e] if gpt_oss else y
 
         def forward(hidden_states, top_k_index, top_k_weights):
             groups = self._groups.get(name)
@@ -270,12 +290,13 @@ class LoraSlots:
                     continue
                 tok, pos = torch.where(top_k_index == e)
                 x = hidden_states[tok]
-                gate, up = self._expert_proj(
-                    x, experts.gate_up_proj[e], f"{name}.gate_up_proj", e, tok, users
-                ).chunk(2, -1)
-                y = self._expert_proj(
-                    experts.act_fn(gate) * up, experts.down_proj[e], f"{name}.down_proj", e, tok, users
-                )
+                gate_up = proj(x, "gate_up_proj", e, tok, users)
+                if gpt_oss:
+                    act = experts._apply_gate(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, -1)
+                    act = experts.act_fn(gate) * up
+                y = proj(act, "down_proj", e, tok, users)
                 out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
             return out
 

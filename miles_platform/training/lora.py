@@ -33,6 +33,7 @@ from miles_platform.errors import ConfigError
 from miles_platform.rollout.lora_serving import (  # noqa: F401
     EXPERT_PARAMS,
     expert_factors,
+    expert_layout,
     expert_peft_prefix,
     read_adapter_dir,  # noqa: F401 (re-exported)
 )
@@ -153,18 +154,18 @@ def _refuse_moe_targets(model: nn.Module, patterns: list[tuple[str, bool]]) -> N
 
 
 def _check_expert_layout(model: nn.Module, params: list[str]) -> None:
-    """Expert adapters are built for Qwen-style packed experts (`act(gate) * up`, no biases): the
-    engine's expert forward (rollout/lora_serving.py) computes exactly that."""
+    """Expert adapters are built for the packed experts the engine's expert forward computes
+    (rollout/lora_serving.expert_layout): Qwen-style (`act(gate) * up`, no biases) and GPT-OSS's (biased,
+    interleaved gate / up, clamped); their biases are never targets."""
     if not params:
         return
     modules = dict(model.named_modules())
     for name in params:
         experts = modules[name.rsplit(".", 1)[0]]
-        biased = [n for n, _ in experts.named_parameters() if n not in EXPERT_PARAMS]
-        if biased or not hasattr(experts, "act_fn") or getattr(experts, "is_transposed", False):
+        if expert_layout(experts) is None:
             raise ConfigError(
-                f"--target-modules: {name}: expert adapters are built for Qwen-style packed experts (no biases, "
-                f"[E, out, in] weights); {type(experts).__name__} is not one. Use --target-modules attn"
+                f"--target-modules: {name}: expert adapters are built for Qwen-style packed experts and GPT-OSS's; "
+                f"{type(experts).__name__} is neither. Use --target-modules attn"
             )
 
 
@@ -400,8 +401,10 @@ def merged_state_dict(base: dict[str, torch.Tensor], adapter: dict[str, torch.Te
     for param, (a, b) in expert_factors(
         adapter, config
     ).items():  # packed experts: W[e] + scale * B[e] @ A[e]
-        w = out[param]
-        out[param] = (w.float() + scale * torch.bmm(b.float(), a.float())).to(w.dtype)
+        w, delta = out[param], torch.bmm(b.float(), a.float())
+        # GPT-OSS's experts (the biased layout, rollout/lora_serving.expert_layout) hold [E, in, out]
+        delta = delta.transpose(1, 2) if f"{param}_bias" in out else delta
+        out[param] = (w.float() + scale * delta).to(w.dtype)
     for key, a in adapter.items():
         if ".lora_A." not in key or ".experts." in key:
             continue

@@ -196,6 +196,9 @@ class MegatronLora(nn.Module):
         )  # (MiniMax-M2: the latter)
         d_in, d_out = (h, 2 * inter) if proj == "gate_up_proj" else (inter, h)
         key = f"{mod}.{proj}".replace(".", "__")
+        rows = None  # GPT-OSS: HF's gate_up columns interleave gate and up, megatron's fc1 rows [gate; up]
+        if proj == "gate_up_proj" and getattr(_bridge(hf_config), "interleaved_gate_up", False):
+            rows = torch.cat([torch.arange(0, d_out, 2), torch.arange(1, d_out, 2)]).to(dev)
         a = torch.empty(n * self.rank, d_in, device=dev)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))
         self.A[key], self.B[key] = (
@@ -207,16 +210,17 @@ class MegatronLora(nn.Module):
         for e in range(n):
             local = modules[f"{mod}.local_experts.{e}.{fc}"]
             self._hooks_experts.append(
-                local.register_forward_hook(self._expert_hook(key, e, n), with_kwargs=True)
+                local.register_forward_hook(self._expert_hook(key, e, n, rows), with_kwargs=True)
             )
 
-    def _expert_hook(self, key: str, e: int, n: int):
+    def _expert_hook(self, key: str, e: int, n: int, rows: torch.Tensor | None = None):
         def hook(module, args, kwargs, output):
             x = args[0] if args else kwargs.get("input_", kwargs.get("input"))
             out, bias = output
             a = self.A[key].view(n, self.rank, -1)[e]
             b = self.B[key].view(-1, self.rank, n)[:, :, e]
-            return out + (F.linear(F.linear(x.to(a.dtype), a), b) * self.scale).to(out.dtype), bias
+            d = F.linear(F.linear(x.to(a.dtype), a), b) * self.scale
+            return out + (d if rows is None else d[..., rows]).to(out.dtype), bias
 
         return hook
 
@@ -383,13 +387,23 @@ def _projection_dims(c: dict) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _gated_q(c: dict) -> bool:
-    """The bridge gates the attention output with half of q_proj's rows (megatron's attention_output_gate)."""
+def _bridge(c: dict):
     from miles_platform.errors import CheckpointError
     from miles_platform.models.bridge import get_bridge
 
     try:
-        return bool(get_bridge(c).transformer_config(c).get("attention_output_gate"))
+        return get_bridge(c)
+    except CheckpointError:
+        return None
+
+
+def _gated_q(c: dict) -> bool:
+    """The bridge gates the attention output with half of q_proj's rows (megatron's attention_output_gate)."""
+    from miles_platform.errors import CheckpointError
+
+    try:
+        bridge = _bridge(c)
+        return bridge is not None and bool(bridge.transformer_config(c).get("attention_output_gate"))
     except CheckpointError:
         return False
 

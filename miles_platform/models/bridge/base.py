@@ -53,6 +53,9 @@ class Bridge(ABC):
     lora_refusal: str | None = (
         ": its megatron bridge is not built with adapters here; use --train-backend fsdp"
     )
+    # HF's packed gate_up_proj interleaves the gate and up columns (GPT-OSS); megatron's fc1 rows are
+    # [gate; up] either way (training/megatron_lora.py orders an expert adapter's rows by it)
+    interleaved_gate_up = False
 
     @abstractmethod
     def transformer_config(self, hf_config: Any) -> dict[str, Any]:

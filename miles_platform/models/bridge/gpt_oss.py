@@ -123,9 +123,9 @@ class GptOssDims(Dims):
 @register_bridge("GptOssForCausalLM")
 class GptOssBridge(DenseBridge):
     family = "GPT-OSS"
-    # training/megatron_lora.py: attention adapters (the biases and sinks are the base's); its experts
-    # (biased, interleaved gate / up) take none on either backend (training/lora._check_expert_layout)
+    # training/megatron_lora.py: attention and expert adapters (the biases and sinks are the base's)
     lora_refusal = None
+    interleaved_gate_up = True  # HF's gate_up_proj columns [g0, u0, g1, u1, ...]; fc1's rows [gate; up]
 
     def dims(self, hf_config: Any) -> GptOssDims:
         return GptOssDims(hf_config_dict(hf_config), self.family)

@@ -137,9 +137,9 @@ def test_what_megatron_cannot_reproduce_is_refused_by_name(change, match):
     megatron_config_of(gpt_oss_config(), change, "GPT-OSS", match)
 
 
-def test_preflight_takes_tp_sp_ep_at_expert_tp_1_and_attention_lora(tiny_hf_checkpoint, tmp_path):
+def test_preflight_takes_tp_sp_ep_at_expert_tp_1_and_lora(tiny_hf_checkpoint, tmp_path):
     """TP / SP / EP as Qwen3-MoE's with expert TP 1 (the steps: test_megatron_layouts.py); expert TP > 1
-    refused by name; LoRA on attention (test_lora_megatron.py), not on its biased experts."""
+    refused by name; LoRA on attention and experts (test_lora_megatron.py)."""
     from miles_platform.config import ConfigError
     from miles_platform.preflight import validate_before_start
 
@@ -153,9 +153,9 @@ def test_preflight_takes_tp_sp_ep_at_expert_tp_1_and_attention_lora(tiny_hf_chec
         ConfigError, match="expert tensor parallel 2 .* GPT-OSS's biased experts: .* add --expert-tensor"
     ):
         validate_before_start(run(**two, **tp2))
-    validate_before_start(run(lora_rank=4, target_modules="attn"))
-    with pytest.raises(ConfigError, match="expert adapters are built for Qwen-style packed experts"):
-        validate_before_start(run(lora_rank=4))  # the default takes the experts (mlp): both backends refuse
+    validate_before_start(run(lora_rank=4))  # the default: attention and the experts
+    with pytest.raises(ConfigError, match="expert adapters on megatron are built at tensor parallel 1"):
+        validate_before_start(run(**two, **tp2, expert_tensor_parallel_size=1, lora_rank=4))
 
 
 # ---------------------------------------------------------------- megatron (subprocess)
