@@ -96,6 +96,7 @@ def resolve_target_modules(
     if "all-linear" in wanted and len(wanted) > 1:
         raise ConfigError(f"--target-modules {target_modules!r}: all-linear must be used alone")
     patterns: list[tuple[str, bool]] = []  # (pattern, explicit)
+    packed = _packed_pairs(wanted, experts)
     for t in wanted:
         if t == "all-linear":
             patterns += [(leaf, False) for g in DEFAULT_GROUPS for leaf in GROUPS[g]]
@@ -108,9 +109,11 @@ def resolve_target_modules(
     _refuse_moe_targets(model, patterns)
     match = lambda n, pat, param: _param_matches(n, pat) if param else _matches(n, pat)  # noqa: E731
     picked: dict[str, bool] = {}
+    patterns += [(p, False) for p in packed]
+    replaced = {p.removesuffix("gate_up_proj") + leaf for p in packed for leaf in ("gate_proj", "up_proj")}
     for pat, explicit in patterns:
         hits = [n for n, param in candidates if match(n, pat, param)]
-        if explicit and not hits:
+        if explicit and not hits and pat not in replaced:
             leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in candidates})
             raise ConfigError(
                 f"--target-modules {pat!r} matches no linear module of the model; its linear leaves are "
@@ -134,6 +137,28 @@ def resolve_target_modules(
             f"--target-modules {target_modules!r} --exclude-modules {exclude_modules!r}: no module is left to adapt"
         )
     _check_expert_layout(model, [n for n in out if n in experts])
+    return out
+
+
+def _packed_pairs(wanted: list[str], experts: list[str]) -> list[str]:
+    """Miles': a `gate_proj` and an `up_proj` selector with the same prefix (a leaf name or a scoped path,
+    not a glob) also select the packed `gate_up_proj` where the model has packed experts, with a warning;
+    one of the two alone does not. Returns those gate_up_proj selectors."""
+    import logging
+
+    out = []
+    for t in wanted:
+        prefix = t.removesuffix("gate_proj")
+        if prefix == t or any(c in t for c in "*?[") or (prefix and not prefix.endswith(".")):
+            continue
+        if prefix + "up_proj" in wanted and any(_param_matches(n, prefix + "gate_up_proj") for n in experts):
+            out.append(prefix + "gate_up_proj")
+            logging.getLogger(__name__).warning(
+                "--target-modules %s + %s: also the packed experts' %s (Miles' reading of the pair)",
+                t,
+                prefix + "up_proj",
+                prefix + "gate_up_proj",
+            )
     return out
 
 

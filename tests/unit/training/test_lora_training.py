@@ -122,6 +122,30 @@ def test_mla_targets_and_every_dense_and_shared_expert_mlp_get_their_adapter(fam
     assert not any(".indexer." in n for n in adapted)
 
 
+def test_a_gate_and_up_pair_selects_the_packed_experts_as_miles_does(caplog):
+    """Miles' GPT-OSS LoRA recipe (`--target-modules "gate_proj,up_proj,down_proj"`): a gate_proj / up_proj
+    pair also selects the packed `gate_up_proj` (with a warning), scoped pairs keep their prefix, one of the
+    two alone does not expand; split modules stay selected where the model has them (DeepSeek-V3's dense
+    MLP and shared expert)."""
+    from miles_platform.models.families import tiny_config
+    from miles_platform.training.lora import hf_meta_model
+
+    gpt_oss = hf_meta_model(tiny_config("gpt_oss", 128).to_dict())
+    experts = [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")]
+    assert resolve_target_modules(gpt_oss, "gate_proj,up_proj,down_proj", None) == experts
+    assert "also the packed experts' gate_up_proj" in caplog.text
+    scoped = "model.layers.1.mlp.experts.gate_proj,model.layers.1.mlp.experts.up_proj"
+    assert resolve_target_modules(gpt_oss, scoped, None) == ["model.layers.1.mlp.experts.gate_up_proj"]
+    with pytest.raises(ConfigError, match="'gate_proj' matches no linear module"):
+        resolve_target_modules(gpt_oss, "gate_proj,down_proj", None)
+    v3 = resolve_target_modules(
+        hf_meta_model(tiny_config("deepseek_v3", 128).to_dict()), "gate_proj,up_proj", None
+    )
+    assert v3 == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+                  "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.shared_experts.gate_proj",
+                  "model.layers.1.mlp.shared_experts.up_proj"]  # fmt: skip
+
+
 # ---------------------------------------------------------------- training
 
 
