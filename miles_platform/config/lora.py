@@ -71,12 +71,12 @@ class LoraFlags:
             raise ConfigError(f"--lora-dropout {self.lora_dropout}: must be in [0, 1)")
         if self.train_backend == "megatron":
             split = [f"--{n.replace('_', '-')}-size {getattr(self, n + '_size')}" for n in
-                     ("pipeline_model_parallel", "context_parallel", "expert_model_parallel")
+                     ("pipeline_model_parallel", "context_parallel")
                      if (getattr(self, n + "_size") or 1) > 1]  # fmt: skip
             if split:
                 raise ConfigError(
                     f"--lora-rank {self.lora_rank} with {', '.join(split)}: LoRA on the megatron backend is built "
-                    "at pipeline, context and expert parallel 1 (tensor and data parallel); use those at 1 "
+                    "at pipeline and context parallel 1 (tensor, data and expert parallel); use those at 1 "
                     "or --train-backend fsdp"
                 )
         if self.moe_router_freeze_gate:

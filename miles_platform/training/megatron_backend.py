@@ -296,6 +296,11 @@ class MegatronBackend(ModelBackend):
         if self.cfg.lora_adapter_path:
             check_adapter_matches(self.cfg.lora_adapter_path, self.cfg, self.lora.targets)
             self.lora.load_peft_state(read_adapter_dir(self.cfg.lora_adapter_path)[0])
+        elif self.world_size > 1:  # the factors are replicated: every rank starts from rank 0's draw
+            import torch.distributed as dist
+
+            for _, p in self.lora.named_factors():  # (a rank's RNG may have drawn more for its own shards)
+                dist.broadcast(p.data, src=0)
 
     def zero_grad(self) -> None:
         for d in self.ddp or []:

@@ -33,11 +33,12 @@ equals the fsdp step (tests/unit/training/test_lora_megatron.py). The adapter pa
 the GPTModel, not inside it: its state dict, torch_dist checkpoints and bridges are the base's,
 unchanged. Target selection is training/lora.py's, resolved against the HF model's module names.
 
-Built at pipeline / context / expert parallel 1, at any tensor parallel (sequence parallel too:
+Built at pipeline / context parallel 1, at any tensor parallel (sequence parallel too:
 the factors stay whole on every TP rank, see `_gather_input` / `_to_output`; MLA's duplicated latent
 down projections see this rank's sequence slice and sum their factors' gradients over TP) and data
-parallel (the backend averages the factors' gradients). Packed routed experts (PEFT's
-`target_parameters` layout, one LoRA per expert) at TP 1; routers are never targets (training/lora.py)."""
+parallel (the backend averages the factors' gradients) and expert parallel (each rank hooks its own experts).
+Packed routed experts (PEFT's `target_parameters` layout, one LoRA per expert) at TP 1; routers are never
+targets (training/lora.py)."""
 
 from __future__ import annotations
 
@@ -207,10 +208,14 @@ class MegatronLora(nn.Module):
         )
         self._keys[key] = f"{PEFT_PREFIX}{expert_peft_prefix(hf_name, expert_targets)}"
         fc = "linear_fc1" if proj == "gate_up_proj" else "linear_fc2"
-        for e in range(n):
+        # expert parallel: this rank's experts are local 0.. of its slice of the global ids; the factors of
+        # every expert stay on every rank (the others' get no gradient here: the data-parallel sum fills them)
+        n_local = n // ps.get_expert_model_parallel_world_size()
+        first = ps.get_expert_model_parallel_rank() * n_local
+        for e in range(n_local):
             local = modules[f"{mod}.local_experts.{e}.{fc}"]
             self._hooks_experts.append(
-                local.register_forward_hook(self._expert_hook(key, e, n, rows), with_kwargs=True)
+                local.register_forward_hook(self._expert_hook(key, first + e, n, rows), with_kwargs=True)
             )
 
     def _expert_hook(self, key: str, e: int, n: int, rows: torch.Tensor | None = None):

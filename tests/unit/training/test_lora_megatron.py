@@ -147,6 +147,9 @@ def _main(paths: str, work: str) -> None:
     report["engine"] = _engine_vs_trainer(dense, actor, Path(work))
     # the router's load-balancing and z-loss terms reach the attention adapters through the hidden states
     report["moe"], moe_actor = _step_pair(moe, "attn,mlp", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    # the EP2 reference: without the aux / z losses, which megatron takes over each data-parallel rank's
+    # own tokens (EP2 on 2 ranks is DP2: not one rank's whole-batch value)
+    _step_pair(moe, "attn,mlp", Path(work, "moe_tp1"))
     report["moe_engine"] = _engine_vs_trainer(moe, moe_actor, Path(work, "moe"))
     # DeepSeek-V3 (MLA with a q latent, rope rows in halves: the bridge permutes them), the default
     # targets: MLA's five projections, the dense MLP, the shared expert and the packed routed experts
@@ -266,9 +269,12 @@ LAYOUTS = {  # on 2 ranks: (model, its 1-rank reference, flags)
     # parallel q / kv_b (whole heads, rope rows permuted), row-parallel o_proj, the dense MLP and the
     # shared expert
     "mla_tp2_sp": ("mla_q", "mla_q_tp1", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    # each rank hooks its 2 of the 4 experts and holds every expert's factors
+    "moe_ep2": ("moe", "moe_tp1", dict(expert_model_parallel_size=2)),
 }
 TARGETS = {"dense": dict(target_modules="attn,mlp,lm_head"),
-           "mla_q": dict(target_modules="attn,mlp", exclude_modules="experts")}  # fmt: skip
+           "mla_q": dict(target_modules="attn,mlp", exclude_modules="experts"),
+           "moe": dict(target_modules="attn,mlp")}  # fmt: skip
 
 
 def _tp_worker(rank: int, world: int, ports: list[int], paths: dict, out: str) -> None:
@@ -287,6 +293,10 @@ def _tp_worker(rank: int, world: int, ports: list[int], paths: dict, out: str) -
             cfg = _cfg(paths[model], "megatron", t["target_modules"], actor_num_gpus_per_node=world,
                        **{k: v for k, v in t.items() if k != "target_modules"}, **layout)  # fmt: skip
             actor = TrainerActor(cfg, rank, world, f"tcp://127.0.0.1:{port}")
+            fresh = actor.get_lora_adapter()[0]  # every rank's fresh factors: rank 0's draw
+            Path(f"{out}/{name}.rank{rank}.fresh").write_text(
+                json.dumps({k: v.double().sum().item() for k, v in fresh.items()})
+            )
             actor.backend.load_adapter(load_file(f"{paths['work']}/out/{ref}/start.safetensors"))
             metrics = actor.train(0, _batch())
             merged = actor.get_hf_weights()  # collective; the first rank of the replica keeps it
@@ -298,10 +308,11 @@ def _tp_worker(rank: int, world: int, ports: list[int], paths: dict, out: str) -
         Path(f"{out}/rank{rank}.error").write_text(traceback.format_exc())
 
 
-def test_a_tensor_and_data_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
-    """TP2, TP2 + SP and DP2 on 2 gloo ranks, from the dense step's start adapter, and DeepSeek-V3's MLA at
-    TP2 + SP: the loss, its parts, the grad norm and the merged weights (base + updated adapter) of the
-    1-rank step within 1e-5."""
+def test_a_tensor_data_and_expert_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
+    """TP2, TP2 + SP and DP2 on 2 gloo ranks, from the dense step's start adapter, DeepSeek-V3's MLA at
+    TP2 + SP and the Qwen3-MoE's expert adapters at EP2: the loss, its parts, the grad norm and the merged
+    weights (base + updated adapter) of the 1-rank step within 1e-5; a fresh adapter is the same on both
+    ranks."""
     from loop_helpers import run_ranks
     from safetensors.torch import load_file
 
@@ -313,6 +324,7 @@ def test_a_tensor_and_data_parallel_lora_step_equals_the_one_rank_step(report, t
     for name, (_, ref_name, _) in LAYOUTS.items():
         ref = Path(report["paths"]["work"], "out", ref_name)
         one, w1 = json.loads((ref / "metrics.json").read_text()), load_file(str(ref / "merged.safetensors"))
+        assert (out / f"{name}.rank0.fresh").read_text() == (out / f"{name}.rank1.fresh").read_text(), name
         for rank in (0, 1):
             m = json.loads((out / f"{name}.rank{rank}.json").read_text())
             for key in ("train/loss", "train/pg_loss"):
