@@ -95,7 +95,7 @@ def test_target_groups_names_and_exclusions_resolve_as_miles_does(tiny_hf_checkp
         resolve_target_modules(m, "q_proj,v_proj", "q_proj")
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm4_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm4_moe"])
 def test_mla_targets_and_every_dense_and_shared_expert_mlp_get_their_adapter(family):
     """Miles' MLA targets (q_a / q_b / kv_a_proj_with_mqa / kv_b beside o_proj; the V3.2 indexer never), and
     every resolved target holds a PEFT adapter: PEFT 0.21 on transformers v5 rewrote `*.gate_proj / up_proj /
