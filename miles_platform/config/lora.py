@@ -58,7 +58,7 @@ class LoraFlags:
 
     def _check_lora_flags(self) -> None:
         """LoRA (docs/lora.md): the LoRA flags need --lora-rank > 0; the adapter trains on the fsdp backend
-        or on the megatron backend at model parallel 1, and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
+        or on the megatron backend at pipeline parallel 1, and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
         given = changed_flags(self, LORA_FLAGS)
         if self.lora_rank == 0:
             if given:
@@ -70,14 +70,11 @@ class LoraFlags:
         if self.lora_dropout >= 1:
             raise ConfigError(f"--lora-dropout {self.lora_dropout}: must be in [0, 1)")
         if self.train_backend == "megatron":
-            split = [f"--{n.replace('_', '-')}-size {getattr(self, n + '_size')}" for n in
-                     ("pipeline_model_parallel", "context_parallel")
-                     if (getattr(self, n + "_size") or 1) > 1]  # fmt: skip
-            if split:
+            if (self.pipeline_model_parallel_size or 1) > 1:
                 raise ConfigError(
-                    f"--lora-rank {self.lora_rank} with {', '.join(split)}: LoRA on the megatron backend is built "
-                    "at pipeline and context parallel 1 (tensor, data and expert parallel); use those at 1 "
-                    "or --train-backend fsdp"
+                    f"--lora-rank {self.lora_rank} with --pipeline-model-parallel-size "
+                    f"{self.pipeline_model_parallel_size}: LoRA on the megatron backend is built at pipeline "
+                    "parallel 1 (tensor, data, context and expert parallel); use it at 1 or --train-backend fsdp"
                 )
         if self.moe_router_freeze_gate:
             raise ConfigError(

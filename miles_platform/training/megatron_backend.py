@@ -311,7 +311,12 @@ class MegatronBackend(ModelBackend):
             import torch.distributed as dist
 
             self.lora.reduce_grads()  # tensor parallel: the column-parallel factors' row parts, summed
-            _, size, group = self.data_parallel()
+            from megatron.core import parallel_state as ps
+
+            # over data x context parallel ranks, as DDP averages the base's: the schedule's CP factor makes
+            # the context-parallel ranks' parts (each its own tokens) add up (megatron_cp.py)
+            group = ps.get_data_parallel_group(with_context_parallel=True)
+            size = ps.get_data_parallel_world_size(with_context_parallel=True)
             for _, p in self.lora.named_factors():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

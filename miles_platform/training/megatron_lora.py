@@ -33,10 +33,11 @@ equals the fsdp step (tests/unit/training/test_lora_megatron.py). The adapter pa
 the GPTModel, not inside it: its state dict, torch_dist checkpoints and bridges are the base's,
 unchanged. Target selection is training/lora.py's, resolved against the HF model's module names.
 
-Built at pipeline / context parallel 1, at any tensor parallel (sequence parallel too:
+Built at pipeline parallel 1, at any tensor parallel (sequence parallel too:
 the factors stay whole on every TP rank, see `_gather_input` / `_to_output`; MLA's duplicated latent
 down projections see this rank's sequence slice and sum their factors' gradients over TP) and data
-parallel (the backend averages the factors' gradients) and expert parallel (each rank hooks its own experts).
+and context parallel (the backend averages the factors' gradients over data x context parallel ranks) and
+expert parallel (each rank hooks its own experts).
 Packed routed experts (PEFT's `target_parameters` layout, one LoRA per expert) at TP 1; routers are never
 targets (training/lora.py)."""
 
