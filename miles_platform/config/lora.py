@@ -58,7 +58,7 @@ class LoraFlags:
 
     def _check_lora_flags(self) -> None:
         """LoRA (docs/lora.md): the LoRA flags need --lora-rank > 0; the adapter trains on the fsdp backend
-        or on the megatron backend at pipeline parallel 1, and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
+        or on the megatron backend (no virtual pipeline stages), and reaches engines through SGLang's LoRA API. (Target names are resolved against the model at start.)"""
         given = changed_flags(self, LORA_FLAGS)
         if self.lora_rank == 0:
             if given:
@@ -70,11 +70,11 @@ class LoraFlags:
         if self.lora_dropout >= 1:
             raise ConfigError(f"--lora-dropout {self.lora_dropout}: must be in [0, 1)")
         if self.train_backend == "megatron":
-            if (self.pipeline_model_parallel_size or 1) > 1:
+            if self.num_layers_per_virtual_pipeline_stage:
                 raise ConfigError(
-                    f"--lora-rank {self.lora_rank} with --pipeline-model-parallel-size "
-                    f"{self.pipeline_model_parallel_size}: LoRA on the megatron backend is built at pipeline "
-                    "parallel 1 (tensor, data, context and expert parallel); use it at 1 or --train-backend fsdp"
+                    f"--lora-rank {self.lora_rank} with --num-layers-per-virtual-pipeline-stage "
+                    f"{self.num_layers_per_virtual_pipeline_stage}: LoRA on the megatron backend is built for one "
+                    "model chunk per pipeline stage; drop the flag or use --train-backend fsdp"
                 )
         if self.moe_router_freeze_gate:
             raise ConfigError(

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from miles_platform.errors import CheckpointError
+from miles_platform.errors import CheckpointError, ConfigError
 from miles_platform.models.bridge import Bridge
 from miles_platform.models.bridge.base import padded_vocab
 from miles_platform.training import megatron_precision, megatron_shims, megatron_step, megatron_weights
@@ -292,15 +292,27 @@ class MegatronBackend(ModelBackend):
 
         for p in self.module.parameters():
             p.requires_grad_(False)
+        if len(self.chunks) > 1:
+            raise ConfigError(
+                "--lora-rank with virtual pipeline stages (--num-layers-per-virtual-pipeline-stage): LoRA on "
+                "megatron is built for one model chunk per stage; drop the flag or use --train-backend fsdp"
+            )
         self.lora = MegatronLora(self.chunks[0], self.hf_config, self.cfg)
         if self.cfg.lora_adapter_path:
             check_adapter_matches(self.cfg.lora_adapter_path, self.cfg, self.lora.targets)
             self.lora.load_peft_state(read_adapter_dir(self.cfg.lora_adapter_path)[0])
-        elif self.world_size > 1:  # the factors are replicated: every rank starts from rank 0's draw
+        elif self.world_size > 1:  # the factors are replicated in a stage: its ranks start from one draw
             import torch.distributed as dist
+            from megatron.core import parallel_state as ps
 
-            for _, p in self.lora.named_factors():  # (a rank's RNG may have drawn more for its own shards)
-                dist.broadcast(p.data, src=0)
+            # (a rank's RNG may have drawn more for its own shards); over the data x context and the tensor
+            # parallel ranks of this pipeline stage (another stage holds other layers' factors)
+            groups = ((ps.get_data_parallel_group(with_context_parallel=True),
+                       ps.get_data_parallel_src_rank(with_context_parallel=True)),
+                      (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_src_rank()))  # fmt: skip
+            for group, src in groups:
+                for _, p in self.lora.named_factors():
+                    dist.broadcast(p.data, src=src, group=group)
 
     def zero_grad(self) -> None:
         for d in self.ddp or []:
@@ -463,14 +475,15 @@ class MegatronBackend(ModelBackend):
         keep = self.world_size == 1 or (
             ps.get_model_parallel_group().rank() == 0 and ps.get_context_parallel_rank() == 0
         )
+        adapter = self.export_adapter() if self.lora is not None else None  # (collective over the stages)
         out: dict[str, torch.Tensor] = {}
         for bucket in self.hf_buckets():
             if keep:
                 out.update(bucket)
-        if self.lora is not None and out:
+        if adapter is not None and out:
             from miles_platform.training.lora import merged_state_dict
 
-            return merged_state_dict(out, *self.export_adapter())
+            return merged_state_dict(out, *adapter)
         return out
 
     # ---- LoRA (training/megatron_lora.py): the fsdp backend's contract, the same PEFT files ----
@@ -486,7 +499,7 @@ class MegatronBackend(ModelBackend):
         """(lora_A / lora_B under PEFT's file keys, adapter_config.json): the fsdp backend's, key for key."""
         from miles_platform.training.lora import config_dict, lora_config
 
-        return self.lora.peft_state(), config_dict(
+        return self.lora.gathered_peft_state(), config_dict(
             lora_config(self.cfg, self.lora.targets), self.lora.targets
         )
 

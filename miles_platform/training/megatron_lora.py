@@ -33,11 +33,12 @@ equals the fsdp step (tests/unit/training/test_lora_megatron.py). The adapter pa
 the GPTModel, not inside it: its state dict, torch_dist checkpoints and bridges are the base's,
 unchanged. Target selection is training/lora.py's, resolved against the HF model's module names.
 
-Built at pipeline parallel 1, at any tensor parallel (sequence parallel too:
+Built at any tensor parallel (sequence parallel too:
 the factors stay whole on every TP rank, see `_gather_input` / `_to_output`; MLA's duplicated latent
 down projections see this rank's sequence slice and sum their factors' gradients over TP) and data
-and context parallel (the backend averages the factors' gradients over data x context parallel ranks) and
-expert parallel (each rank hooks its own experts).
+and context parallel (the backend averages the factors' gradients over data x context parallel ranks),
+expert parallel (each rank hooks its own experts) and pipeline parallel (each stage holds its layers' factors;
+the adapter file gathers them), without virtual pipeline stages.
 Packed routed experts (PEFT's `target_parameters` layout, one LoRA per expert) at TP 1; routers are never
 targets (training/lora.py)."""
 
@@ -148,8 +149,22 @@ class MegatronLora(nn.Module):
         self._rows: dict[str, torch.Tensor] = {}
         dims = _projection_dims(hf_config)
         expert_targets = split_targets(self.targets)[1]
+        # pipeline parallel: this stage's decoder layers by global index (megatron's 1-based layer_number);
+        # a target of another stage's layer (or of the head, off the last stage) has no factors here
+        local = {m.layer_number - 1: n for n, m in modules.items()
+                 if re.fullmatch(r"decoder\.layers\.\d+", n) and hasattr(m, "layer_number")}  # fmt: skip
+        # every target's PEFT file keys, this stage's or not (an adapter file holds them all)
+        self.all_keys = {f"{PEFT_PREFIX}{expert_peft_prefix(t, expert_targets) if t in expert_targets else t}"
+                         f".lora_{f}.weight" for t in self.targets for f in "AB"}  # fmt: skip
         for hf_name in self.targets:
             mod, proj = megatron_target(hf_name, mla)
+            layer = re.match(r"decoder\.layers\.(\d+)\.", mod)
+            if layer is not None:
+                if int(layer.group(1)) not in local:
+                    continue
+                mod = local[int(layer.group(1))] + mod[layer.end() - 1 :]
+            elif mod == "output_layer" and mod not in modules:
+                continue
             if mod not in modules:
                 raise ConfigError(f"--target-modules: {hf_name}: the megatron model has no {mod}")
             if hf_name in expert_targets:
@@ -347,8 +362,21 @@ class MegatronLora(nn.Module):
             out[f"{name}.lora_B.weight"] = self.B[key].detach().to("cpu").clone()
         return out
 
+    def gathered_peft_state(self) -> dict[str, torch.Tensor]:
+        """Collective over the pipeline stages: every stage's `peft_state` in one dict (the adapter file)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return self.peft_state()
+        import torch.distributed as dist
+
+        parts: list = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(parts, self.peft_state(), group=ps.get_pipeline_model_parallel_group())
+        return {k: v for part in parts for k, v in part.items()}
+
     def load_peft_state(self, state: dict[str, torch.Tensor]) -> None:
-        want = set(self.peft_state())
+        """A whole adapter (every stage's keys); this stage takes its own factors."""
+        want = self.all_keys
         if set(state) != want:
             raise ValueError(
                 f"adapter mismatch: missing {sorted(want - set(state))[:3]} unexpected {sorted(set(state) - want)[:3]}"

@@ -266,6 +266,7 @@ LAYOUTS = {  # on 2 ranks: (model, its 1-rank reference, flags)
     "tp2_sp": ("dense", "tp1", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "dp2": ("dense", "tp1", dict()),  # the adapter's gradients averaged over the data-parallel pair
     "cp2": ("dense", "tp1", dict(context_parallel_size=2)),  # each rank its zigzag tokens, the parts added
+    "pp2": ("dense", "tp1", dict(pipeline_model_parallel_size=2)),  # each stage its layers' factors
     # MLA's duplicated kv_a (each rank its tokens: the factors' gradients summed over TP), the column-
     # parallel q / kv_b (whole heads, rope rows permuted), row-parallel o_proj, the dense MLP and the
     # shared expert
@@ -310,7 +311,7 @@ def _tp_worker(rank: int, world: int, ports: list[int], paths: dict, out: str) -
 
 
 def test_a_tensor_data_and_expert_parallel_lora_step_equals_the_one_rank_step(report, tmp_path):
-    """TP2, TP2 + SP, DP2 and CP2 on 2 gloo ranks, from the dense step's start adapter, DeepSeek-V3's MLA at
+    """TP2, TP2 + SP, DP2, CP2 and PP2 on 2 gloo ranks, from the dense step's start adapter, DeepSeek-V3's MLA at
     TP2 + SP and the Qwen3-MoE's expert adapters at EP2: the loss, its parts, the grad norm and the merged
     weights (base + updated adapter) of the 1-rank step within 1e-5; a fresh adapter is the same on both
     ranks."""
@@ -343,8 +344,9 @@ def test_refused_before_start_by_name(report, tiny_hf_checkpoint, tmp_path):
     from miles_platform.preflight import validate_before_start
     from miles_platform.training.lora import hf_meta_model, resolve_target_modules
 
-    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 2: LoRA on the megatron backend"):
-        _cfg(tiny_hf_checkpoint, "megatron", None, pipeline_model_parallel_size=2, actor_num_gpus_per_node=2)
+    with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage 1: LoRA on the megatron"):
+        _cfg(tiny_hf_checkpoint, "megatron", None, pipeline_model_parallel_size=2, actor_num_gpus_per_node=2,
+             num_layers_per_virtual_pipeline_stage=1)  # fmt: skip
     with pytest.raises(ConfigError, match="--moe-router-freeze-gate with --lora-rank: no effect"):
         _cfg(tiny_hf_checkpoint, "fsdp", None, moe_router_freeze_gate=True)
     moe_dir = report["paths"]["moe"]

@@ -41,10 +41,12 @@ def _batch(seed=0):
                 "megatron",
                 "--pipeline-model-parallel-size",
                 "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
                 "--actor-num-gpus-per-node",
                 "2",
             ],
-            "--pipeline-model-parallel-size 2: LoRA on the megatron",
+            "--num-layers-per-virtual-pipeline-stage 1: LoRA on the megatron",
         ),
         (
             [
