@@ -81,6 +81,12 @@ def expert_peft_prefix(param: str, targeted: list[str]) -> str:
     return module + ".base_layer" * (len(mine) - 1 - mine.index(leaf))
 
 
+def peft_module(target: str, expert_targets: list[str]) -> str:
+    """PEFT's file-key prefix of a resolved target (`base_model.model.<module>`; a packed expert weight's
+    per `expert_peft_prefix`); `expert_targets`: every targeted packed expert weight."""
+    return PREFIX + (expert_peft_prefix(target, expert_targets) if target in expert_targets else target)
+
+
 def expert_factors(
     tensors: dict[str, torch.Tensor], config: dict
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -89,7 +95,7 @@ def expert_factors(
     targeted = sorted(config.get("target_parameters") or [])
     r, out = int(config["r"]), {}
     for param in targeted:
-        key = f"{PREFIX}{expert_peft_prefix(param, targeted)}"
+        key = peft_module(param, targeted)
         a, b = tensors.get(f"{key}.lora_A.weight"), tensors.get(f"{key}.lora_B.weight")
         if a is None or b is None or a.shape[0] % r or b.shape[1] != a.shape[0]:
             raise CheckpointError(f"{param}: no lora_A [E*r, in] / lora_B [out, E*r] pair under {key}")
@@ -100,7 +106,7 @@ def expert_factors(
 
 def expert_keys(config: dict) -> set[str]:
     targeted = sorted(config.get("target_parameters") or [])
-    return {f"{PREFIX}{expert_peft_prefix(p, targeted)}.lora_{f}.weight" for p in targeted for f in "AB"}
+    return {f"{peft_module(p, targeted)}.lora_{f}.weight" for p in targeted for f in "AB"}
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

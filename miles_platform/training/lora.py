@@ -34,7 +34,7 @@ from miles_platform.rollout.lora_serving import (  # noqa: F401
     EXPERT_PARAMS,
     expert_factors,
     expert_layout,
-    expert_peft_prefix,
+    peft_module,
     read_adapter_dir,  # noqa: F401 (re-exported)
 )
 from miles_platform.rollout.lora_serving import PREFIX as PEFT_PREFIX
@@ -279,11 +279,7 @@ def wrap_model(model: nn.Module, cfg) -> nn.Module:
         adapter_key(n).rsplit(".lora_", 1)[0] for n, _ in peft_model.named_parameters() if "lora_" in n
     }
     experts = split_targets(targets)[1]
-    missing = [
-        t
-        for t in targets
-        if PEFT_PREFIX + (expert_peft_prefix(t, experts) if t in experts else t) not in adapted
-    ]
+    missing = [t for t in targets if peft_module(t, experts) not in adapted]
     if missing:
         raise RuntimeError(f"LoRA: PEFT built no adapter on {missing[:5]} (of {len(targets)} targets)")
     return peft_model

@@ -53,9 +53,8 @@ from torch import nn
 
 from miles_platform.errors import ConfigError
 from miles_platform.training.lora import (
-    PEFT_PREFIX,
-    expert_peft_prefix,
     hf_meta_model,
+    peft_module,
     resolve_target_modules,
     split_targets,
 )
@@ -136,8 +135,13 @@ class MegatronLora(nn.Module):
         self.groups = hf_config.get("num_key_value_heads") or heads
         self.head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
         self.q_per_group = heads // self.groups
+        from miles_platform.models.bridge import get_bridge
+
+        bridge = get_bridge(hf_config)  # (the model was built with it)
         # Qwen3.5 / Qwen3-Next: q_proj's rows are [query; gate] per head, megatron's [queries; gates] per group
-        self.q_gate = _gated_q(hf_config)
+        self.q_gate = bool(bridge.transformer_config(hf_config).get("attention_output_gate"))
+        # GPT-OSS: HF's gate_up columns interleave gate and up, megatron's fc1 rows are [gate; up]
+        self._interleaved_gate_up = bridge.interleaved_gate_up
         mla = bool(hf_config.get("kv_lora_rank"))
         modules = dict(model.named_modules())
         dev = next(model.parameters()).device  # (a tied output_layer has no parameter of its own)
@@ -154,8 +158,9 @@ class MegatronLora(nn.Module):
         local = {m.layer_number - 1: n for n, m in modules.items()
                  if re.fullmatch(r"decoder\.layers\.\d+", n) and hasattr(m, "layer_number")}  # fmt: skip
         # every target's PEFT file keys, this stage's or not (an adapter file holds them all)
-        self.all_keys = {f"{PEFT_PREFIX}{expert_peft_prefix(t, expert_targets) if t in expert_targets else t}"
-                         f".lora_{f}.weight" for t in self.targets for f in "AB"}  # fmt: skip
+        self.all_keys = {
+            f"{peft_module(t, expert_targets)}.lora_{f}.weight" for t in self.targets for f in "AB"
+        }
         for hf_name in self.targets:
             mod, proj = megatron_target(hf_name, mla)
             layer = re.match(r"decoder\.layers\.(\d+)\.", mod)
@@ -177,7 +182,7 @@ class MegatronLora(nn.Module):
             if proj == "q_proj" and self.q_gate:
                 d_out *= 2
             if mla_attn:
-                rows = _mla_row_order(hf_config, proj)
+                rows = _mla_row_order(bridge, hf_config, proj)
                 if rows is not None:
                     self._rows[mod] = rows.to(dev)
             key = f"{mod}.{proj}".replace(".", "__")
@@ -185,7 +190,7 @@ class MegatronLora(nn.Module):
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's init: B = 0, so v0 is the base policy
             self.A[key] = nn.Parameter(a)
             self.B[key] = nn.Parameter(torch.zeros(d_out, self.rank, device=dev))
-            self._keys[key] = f"{PEFT_PREFIX}{hf_name}"
+            self._keys[key] = peft_module(hf_name, expert_targets)
             self._parts.setdefault(mod, []).append(proj)
         self._hooks = [
             modules[mod].register_forward_hook(self._hook(mod), with_kwargs=True) for mod in self._parts
@@ -213,8 +218,8 @@ class MegatronLora(nn.Module):
         )  # (MiniMax-M2: the latter)
         d_in, d_out = (h, 2 * inter) if proj == "gate_up_proj" else (inter, h)
         key = f"{mod}.{proj}".replace(".", "__")
-        rows = None  # GPT-OSS: HF's gate_up columns interleave gate and up, megatron's fc1 rows [gate; up]
-        if proj == "gate_up_proj" and getattr(_bridge(hf_config), "interleaved_gate_up", False):
+        rows = None
+        if proj == "gate_up_proj" and self._interleaved_gate_up:
             rows = torch.cat([torch.arange(0, d_out, 2), torch.arange(1, d_out, 2)]).to(dev)
         a = torch.empty(n * self.rank, d_in, device=dev)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))
@@ -222,7 +227,7 @@ class MegatronLora(nn.Module):
             nn.Parameter(a),
             nn.Parameter(torch.zeros(d_out, self.rank * n, device=dev)),
         )
-        self._keys[key] = f"{PEFT_PREFIX}{expert_peft_prefix(hf_name, expert_targets)}"
+        self._keys[key] = peft_module(hf_name, expert_targets)
         fc = "linear_fc1" if proj == "gate_up_proj" else "linear_fc2"
         # expert parallel: this rank's experts are local 0.. of its slice of the global ids; the factors of
         # every expert stay on every rank (the others' get no gradient here: the data-parallel sum fills them)
@@ -421,34 +426,12 @@ def _projection_dims(c: dict) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _bridge(c: dict):
-    from miles_platform.errors import CheckpointError
-    from miles_platform.models.bridge import get_bridge
-
-    try:
-        return get_bridge(c)
-    except CheckpointError:
-        return None
-
-
-def _gated_q(c: dict) -> bool:
-    """The bridge gates the attention output with half of q_proj's rows (megatron's attention_output_gate)."""
-    from miles_platform.errors import CheckpointError
-
-    try:
-        bridge = _bridge(c)
-        return bridge is not None and bool(bridge.transformer_config(c).get("attention_output_gate"))
-    except CheckpointError:
-        return False
-
-
-def _mla_row_order(c: dict, proj: str) -> torch.Tensor | None:
+def _mla_row_order(bridge, c: dict, proj: str) -> torch.Tensor | None:
     """The rows of an MLA projection's HF output in the megatron module's order (the bridge's rope
     permutation of q_proj / q_b_proj per head and of kv_a_proj_with_mqa's rope rows); None: the same."""
-    from miles_platform.models.bridge import get_bridge
     from miles_platform.models.bridge.deepseek_v3 import permute_head_rows, rope_row_order
 
-    d = get_bridge(c).dims(c)
+    d = bridge.dims(c)
     order = rope_row_order(d)
     if order is None or proj not in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
         return None
