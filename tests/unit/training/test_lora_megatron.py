@@ -153,7 +153,7 @@ def _main(paths: str, work: str) -> None:
     report["moe_engine"] = _engine_vs_trainer(moe, moe_actor, Path(work, "moe"))
     # DeepSeek-V3 (MLA with a q latent, rope rows in halves: the bridge permutes them), the default
     # targets: MLA's five projections, the dense MLP, the shared expert and the packed routed experts
-    report["mla"], mla_actor = _step_pair(mla, None, Path(work, "mla_tp1"))
+    report["mla"], mla_actor = _step_pair(mla, None)
     report["mla_engine"] = _engine_vs_trainer(mla, mla_actor, Path(work, "mla"))
     # no q latent: one q_proj, its rope rows permuted; the dense MLP and the shared expert, not the
     # routed experts (built at TP 1): the reference of the TP2 + SP step
