@@ -132,9 +132,14 @@ def cluster():
     ray_cluster.start_fork_server("peft", "megatron")
     if forkserver.current() is not None:
         env[forkserver.INHERITED] = forkserver.current().dir
-    gcs, client, dashboard, *rest = _free_ports(13)
-    head_ports, worker_ports = rest[:5], rest[5:]
-    worker_ports[4] = head_ports[4] + 30
+    while True:  # the nodes' worker-port ranges [lo, lo + 20] and [lo + 30, lo + 50] clear of every other
+        gcs, client, dashboard, *rest = _free_ports(13)  # port: Ray refuses a range holding one (it did once)
+        head_ports, worker_ports = rest[:5], rest[5:]
+        lo = head_ports[4]
+        worker_ports[4] = lo + 30
+        singles = [gcs, client, dashboard, *head_ports[:4], *worker_ports[:4]]
+        if not any(lo <= p <= lo + 50 for p in singles):
+            break
     procs: list[subprocess.Popen] = []
     log = open(Path(temp_dir) / "test-ray.log", "w")  # noqa: SIM115
     try:
