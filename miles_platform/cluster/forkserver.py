@@ -78,6 +78,10 @@ PRELOAD = (
     "uvloop",
     "pdb",
     "tracemalloc",
+    # what Ray's serialization add-ons import at a worker's first deserialization (its pydantic
+    # serializers: ~0.06 CPU-s of each actor's start)
+    "pydantic.fields",
+    "pydantic.v1.fields",
 )
 # what only some runs use (several CPU-seconds each): preloaded when the run asks for it
 EXTRAS = {
@@ -359,12 +363,23 @@ def _fork_safe() -> bool:
     return torch is None or not torch.cuda.is_initialized()
 
 
+def warm_caches() -> None:
+    """Fill the per-process caches every child would fill on its own: transformers builds its table
+    of checkpoint key conversions for every model family (~0.1 CPU-s) at a process's first
+    `from_pretrained`, i.e. in each engine and trainer rank that loads a model."""
+    with contextlib.suppress(Exception):
+        from transformers import conversion_mapping
+
+        conversion_mapping.get_checkpoint_conversion_mapping("qwen3")
+
+
 def serve(d: str, extras: list[str]) -> None:
     _die_with_parent()
     t0 = time.monotonic()
     for name in PRELOAD + tuple(m for e in extras for m in EXTRAS[e]):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    warm_caches()
     import gc
 
     gc.collect()

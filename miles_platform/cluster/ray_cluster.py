@@ -487,6 +487,22 @@ def bundle_actor_options(
     return opts
 
 
+_REMOTE_CLASSES: dict[type, Any] = {}
+
+
+def remote_class(cls: type) -> Any:
+    """`ray.remote(cls)`, made once per process. Ray exports an actor class to the cluster the first
+    time one of its actors is created and fingerprints it by disassembling every method (~0.2 s of
+    the driver's CPU for the trainer's); a fresh `ray.remote` wrapper each run exported the class
+    again on every run of a process (the Dagster op's, a test worker's). The wrapper re-exports by
+    itself when the cluster or job changed."""
+    import ray
+
+    if cls not in _REMOTE_CLASSES:
+        _REMOTE_CLASSES[cls] = ray.remote(cls)
+    return _REMOTE_CLASSES[cls]
+
+
 def create_role_actors(
     actor_cls: Any,
     cfg: RunConfig,
@@ -502,14 +518,13 @@ def create_role_actors(
     `actor_cls` is a plain class or an `@ray.remote` class. Engine i sits on the first bundle of
     its TP group. Each actor receives `rank=` as a keyword argument.
     """
-    import ray
 
     pg, indices = groups[role]
     if pg is None:
         return []
     use_gpu = cluster_has_gpus() if use_gpu is None else use_gpu
     bundle = plan_placement(cfg, use_gpu=use_gpu)[role].bundle
-    remote_cls = actor_cls if hasattr(actor_cls, "remote") else ray.remote(actor_cls)
+    remote_cls = actor_cls if hasattr(actor_cls, "remote") else remote_class(actor_cls)
     if role == "actor":
         slots, share = indices, ACTOR_SHARE[cfg.colocate]
     else:

@@ -134,6 +134,7 @@ class DiffusionRun:
         import ray
 
         from miles_platform.cluster import forkserver
+        from miles_platform.cluster.ray_cluster import remote_class
         from miles_platform.diffusion.engine import DiffusionEngineActor
         from miles_platform.diffusion.rollout import DiffusionRollout
         from miles_platform.diffusion.trainer import DiffusionTrainerActor
@@ -141,7 +142,7 @@ class DiffusionRun:
         cfg = self.cfg
         opts = {"num_cpus": 1, "runtime_env": forkserver.runtime_env({"env_vars": {"OMP_NUM_THREADS": "1"}})}
         roots = [self.paths.run_dir(cfg.run_name), os.path.dirname(os.path.abspath(cfg.hf_checkpoint))]
-        self.engine = ray.remote(DiffusionEngineActor).options(**opts).remote(
+        self.engine = remote_class(DiffusionEngineActor).options(**opts).remote(
             cfg.hf_checkpoint, api_key=cfg.api_key, dit_precision=cfg.sglang_dit_precision, weight_roots=roots,
             num_threads=1,
         )  # fmt: skip
@@ -149,7 +150,7 @@ class DiffusionRun:
         self.trainer = None
         if not cfg.debug_rollout_only:
             self.trainer = (
-                ray.remote(DiffusionTrainerActor).options(**opts).remote(cfg.to_dict(), num_threads=1)
+                remote_class(DiffusionTrainerActor).options(**opts).remote(cfg.to_dict(), num_threads=1)
             )
         url = ray.get(self.engine.url.remote())
         self.rollout = DiffusionRollout(cfg, url, cfg.api_key)

@@ -92,13 +92,13 @@ def run_storage_secrets(cfg: RunConfig) -> dict[str, str]:
 def restart_engine(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]], index: int) -> EngineHandle:
     """A fresh embedded engine on the bundle of engine `index` (--use-fault-tolerance: the dead
     one was killed first, so its resources are free). It serves --hf-checkpoint until loaded."""
-    import ray
 
     from miles_platform.cluster.ray_cluster import (
         ENGINE_SHARE,
         bundle_actor_options,
         cluster_has_gpus,
         plan_placement,
+        remote_class,
     )
 
     pg, indices = groups["rollout"]
@@ -106,7 +106,7 @@ def restart_engine(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]], ind
     kwargs = _embedded_kwargs(cfg)
     bundle = plan_placement(cfg, use_gpu=cluster_has_gpus())["rollout"].bundle
     opts = bundle_actor_options(pg, slot, ENGINE_SHARE, bundle, **kwargs.pop("options"))
-    actor = ray.remote(RolloutEngineActor).options(**opts).remote(cfg.hf_checkpoint, rank=index, **kwargs)
+    actor = remote_class(RolloutEngineActor).options(**opts).remote(cfg.hf_checkpoint, rank=index, **kwargs)
     return engine_handles([actor])[0]
 
 
@@ -114,13 +114,12 @@ def create_teacher_engine(cfg: RunConfig) -> Any:
     """--opd-teacher-hf-checkpoint: the embedded engine serving the teacher for the run (its own Ray
     actor, outside the placement plan: it only prefills, once per rollout; it never loads weights).
     Created, not waited on: it starts beside the run's trainers and engines (teacher_handle waits)."""
-    import ray
-
     from miles_platform.cluster import forkserver
+    from miles_platform.cluster.ray_cluster import remote_class
 
     env = forkserver.runtime_env({"env_vars": {"OMP_NUM_THREADS": "1"}})
     return (
-        ray.remote(EngineActor)
+        remote_class(EngineActor)
         .options(num_cpus=0, runtime_env=env)
         .remote(
             cfg.opd_teacher_hf_checkpoint, api_key=cfg.api_key, dtype=run_rollout_dtype(cfg), weight_roots=[]

@@ -28,6 +28,9 @@ import miles_platform.training.actor
 import miles_platform.training.fsdp_backend
 import miles_platform.training.megatron_backend
 import miles_platform.training.megatron_parallel
+from miles_platform.cluster.forkserver import warm_caches
+
+warm_caches()  # the caches each rank's first `from_pretrained` fills (transformers' key conversions)
 
 # the ranks' first collections do not touch (copy) the preloaded objects (cluster/forkserver.py)
 gc.collect()

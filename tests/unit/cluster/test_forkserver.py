@@ -315,3 +315,17 @@ def test_a_run_starts_its_fork_server_before_the_preflight(monkeypatch, tiny_hf_
     with pytest.raises(_Stop):
         loop.RLRun(cfg).run()
     assert calls == [*prestarts, "preflight"]
+
+
+def test_a_fork_finds_the_caches_every_actor_would_fill_already_filled(server, tmp_path):
+    """transformers' checkpoint key conversions (built at a process's first `from_pretrained`) and
+    the pydantic modules Ray's serializers import at a worker's first deserialization: once, in
+    the server, not in each engine and trainer rank."""
+    script = tmp_path / "c.py"
+    script.write_text(
+        "import sys\nfrom transformers import conversion_mapping as cm\n"
+        "print(cm._checkpoint_conversion_mapping_cache is not None, 'pydantic.v1.fields' in sys.modules)\n"
+    )
+    p = _launch(server.dir, script)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and out.split() == ["True", "True"], out

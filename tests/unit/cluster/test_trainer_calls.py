@@ -47,3 +47,45 @@ def test_a_rank_that_does_not_answer_stops_the_run_by_name(ray_local, tmp_path):
         call_trainers(cfg, ranks, "train", 3)
     assert time.monotonic() - t0 < 30  # without the bound: forever
     assert call_trainers(cfg, ranks[:1], "train", 4) == {"rollout": 4}
+
+
+class _Rank:  # module level: the same class each run, as the trainer's and engine's are
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def ready(self) -> int:
+        return self.rank
+
+
+@pytest.mark.slow  # a local Ray start
+def test_an_actor_class_is_exported_to_the_cluster_once_per_process_not_per_run(ray_local, monkeypatch):
+    """Ray fingerprints and exports an actor class the first time its wrapper creates an actor (~0.2
+    CPU-s of the driver for the trainer's): a second run in the same process (the Dagster op's, a
+    test worker's) creates its actors from the same wrapper and exports nothing again."""
+    from ray._private.function_manager import FunctionActorManager
+
+    from miles_platform.cluster.ray_cluster import (
+        create_placement_groups,
+        create_role_actors,
+        remove_placement_groups,
+    )
+
+    import sys
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+    exports = []
+    real = FunctionActorManager.export_actor_class
+    monkeypatch.setattr(FunctionActorManager, "export_actor_class",
+                        lambda self, cls, *a: (exports.append(cls.__name__), real(self, cls, *a))[1])  # fmt: skip
+    cfg = RunConfig(rollout_batch_size=1)
+    for _ in range(2):  # two runs
+        groups = create_placement_groups(cfg, use_gpu=False)
+        ranks = create_role_actors(_Rank, cfg, groups, "actor")
+        assert ray_local.get([r.ready.remote() for r in ranks], timeout=60) == [0]
+        for r in ranks:
+            ray_local.kill(r)
+        remove_placement_groups(groups)
+    cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert exports == ["_Rank"]
