@@ -62,6 +62,9 @@ def test_an_actor_class_is_exported_to_the_cluster_once_per_process_not_per_run(
     """Ray fingerprints and exports an actor class the first time its wrapper creates an actor (~0.2
     CPU-s of the driver for the trainer's): a second run in the same process (the Dagster op's, a
     test worker's) creates its actors from the same wrapper and exports nothing again."""
+    import sys
+
+    from ray import cloudpickle
     from ray._private.function_manager import FunctionActorManager
 
     from miles_platform.cluster.ray_cluster import (
@@ -69,10 +72,6 @@ def test_an_actor_class_is_exported_to_the_cluster_once_per_process_not_per_run(
         create_role_actors,
         remove_placement_groups,
     )
-
-    import sys
-
-    from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
     exports = []
