@@ -274,6 +274,14 @@ def _few_threads():
 SHARED_RAY_CPUS = 32
 
 
+def _all_extras(real, every):
+    def extras(cfg):
+        return list(every)
+
+    extras.real = getattr(real, "real", real)  # the run's own choice (test_forkserver checks it)
+    return extras
+
+
 @pytest.fixture(autouse=True)
 def _one_ray_per_worker(request, monkeypatch):
     ray = sys.modules.get("ray")
@@ -285,6 +293,12 @@ def _one_ray_per_worker(request, monkeypatch):
     from miles_platform.cluster import ray_cluster
 
     real = ray_cluster.init_ray
+    # the worker's one fork server preloads every extra, whichever run starts it: a run starts the
+    # server at its own start with only the extras it needs (prestart_fork_server), and later runs in
+    # the worker reuse it, so a first fsdp run left every megatron actor after it importing
+    # megatron-core itself (~4 CPU-s each), a LoRA actor PEFT (~1.7), a diffusion one diffusers (~1)
+    every = ["peft", "megatron", "diffusion"]
+    monkeypatch.setattr(ray_cluster, "_fork_extras", _all_extras(ray_cluster._fork_extras, every))
 
     def init_shared(cfg, namespace=None, **init_kwargs):
         import ray
@@ -295,7 +309,7 @@ def _one_ray_per_worker(request, monkeypatch):
             and not init_kwargs
             and not ray_cluster.resolve_ray_address(cfg)
         ):
-            ray_cluster.start_fork_server("peft", "megatron")  # one server for every test
+            ray_cluster.start_fork_server(*every)  # one server for every test
             ray_cluster.start_local_ray(SHARED_RAY_CPUS)
         return real(cfg, namespace, **init_kwargs)
 

@@ -26,7 +26,7 @@ sys.exit(int(sys.argv[2]))
 @pytest.fixture(scope="module")
 def server():
     srv = forkserver.start(
-        ("peft", "megatron")
+        ("peft", "megatron", "diffusion")
     )  # this pytest process's server (the shared Ray fixture uses it too)
     if srv is None:
         pytest.skip("fork server disabled (MILES_FORK_WORKERS=0)")
@@ -302,6 +302,10 @@ def test_a_run_starts_its_fork_server_before_the_preflight(monkeypatch, tiny_hf_
     from miles_platform.config import RunConfig
 
     calls: list[tuple] = []
+    # the run's own extras, not the test suite's every-extra server (conftest)
+    monkeypatch.setattr(
+        ray_cluster, "_fork_extras", getattr(ray_cluster._fork_extras, "real", ray_cluster._fork_extras)
+    )
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster, "start_fork_server", lambda *extras: calls.append(extras))
     monkeypatch.setattr(ray_cluster, "sys", type("S", (), {"modules": {}})())  # as in a fresh `train`
