@@ -2,8 +2,9 @@
 aux loss and the z-loss on both; tests/unit/training/test_model_families_megatron.py /
 test_moe_megatron.py check the families' megatron conversion and logits parity on their own), and
 Qwen3.5-MoE (linear attention, gated shared expert, R3) on both (megatron: models/bridge/qwen3_5_moe.py,
-megatron-core's GatedDeltaNet), the one HF-only family here
-(tests/unit/models/test_hf_families.py checks each of them in a step): 3 GRPO rollouts with --ci-test
+megatron-core's GatedDeltaNet); under `make test-extended` every other HF-only family too, on fsdp
+and on megatron where it has a bridge (tests/unit/models/test_hf_families.py checks each of them in
+a step in `make test`): 3 GRPO rollouts with --ci-test
 (step-0 ppo_kl = 0, trainer-vs-engine log-prob diff within bound, engine weights equal to the
 trainer's after every sync, over HTTP), weights to the engine by disk-delta, resume from the
 checkpoint, and the publications applied to a fresh replica give the trainer's exported weights."""
@@ -14,15 +15,34 @@ from loop_helpers import small_run_config
 from safetensors.torch import load_file
 
 from miles_platform.loop import train
+from miles_platform.models.families import HF_FAMILIES
+from miles_platform.models.moe import routed_shape
 from miles_platform.models.tiny import save_tiny_checkpoint
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
 
 
+class _Checkpoints(dict):
+    """family -> its tiny checkpoint, built the first time a test asks for it (module-wide)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family):
+        self[family] = save_tiny_checkpoint(self.root / family, family)
+        return self[family]
+
+
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: save_tiny_checkpoint(root / f, f) for f in ("qwen2", "llama", "qwen3_moe", "qwen3_5_moe")}
+    return _Checkpoints(tmp_path_factory.mktemp("families"))
+
+
+# every other family HF's classes run: on fsdp, and on megatron through its bridge (issue 53's loop
+# per family); built of what make test checks per family (test_hf_families.py: the engine's rollout
+# and one --ci-test GRPO step on fsdp; each bridge's parity and megatron step), so `make test-extended`
+HF_ONLY = sorted(set(HF_FAMILIES) - {"qwen3_5_moe"})
 
 
 # Qwen3-MoE with R3, the aux loss and the z-loss on both backends (docs/moe.md)
@@ -33,17 +53,21 @@ def family_checkpoints(tmp_path_factory):
     # 10-25 s each: their bridges' conversion and parity (test_model_families_megatron.py,
     # test_qwen3_5_bridge.py), GRPO steps and layouts, and the megatron loop (test_loop.py, the
     # Qwen3-MoE cell) are in `make test`; these loops, composed of them, in `make test-extended`
-    + [pytest.param(f, "megatron", marks=pytest.mark.extended) for f in ("llama", "qwen2", "qwen3_5_moe")],
+    + [pytest.param(f, "megatron", marks=pytest.mark.extended) for f in ("llama", "qwen2", "qwen3_5_moe")]
+    + [pytest.param(f, "fsdp", marks=pytest.mark.extended) for f in HF_ONLY]
+    + [
+        pytest.param(f, "megatron", marks=pytest.mark.extended)
+        for f in HF_ONLY
+        if not HF_FAMILIES[f].megatron
+    ],
 )
 def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, family, backend):
     from miles_platform.weights.delta_format import committed_versions
     from miles_platform.weights.disk_delta import apply_publication
 
     ckpt, pub = family_checkpoints[family], str(tmp_path / "pub")
-    r3 = family in (
-        "qwen3_moe",
-        "qwen3_5_moe",
-    )  # R3 on both backends (megatron: its TopKRouters' replay hook)
+    # R3, the aux loss and the z-loss where the family routes (megatron: its TopKRouters' replay hook)
+    r3 = family == "qwen3_moe" or (family in HF_FAMILIES and HF_FAMILIES[family].moe)
 
     def cfg(num_rollout):
         return small_run_config(ckpt, tmp_path, ci_test=True, save_interval=1, num_rollout=num_rollout,
@@ -61,8 +85,9 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
     assert not moe or all(1.0 <= m["train/moe_load_balance"] <= 2.0 for m in res.metrics)  # k=2 of 4: <= 2
     # the aux and z-loss terms join the loss on both backends (their formulas: test_moe_r3 / test_moe_megatron)
     assert all(("train/moe_aux_loss" in m) is moe and ("train/moe_z_loss" in m) is moe for m in res.metrics)
+    # ~1 with the load even; DeepSeek-V3.2's sigmoid scores on megatron read 0.9999 (measured)
     assert not moe or all(
-        1.0 <= m["train/moe_aux_loss"] <= 2.0 and m["train/moe_z_loss"] > 0 for m in res.metrics
+        0.9 <= m["train/moe_aux_loss"] <= 2.0 and m["train/moe_z_loss"] > 0 for m in res.metrics
     )
     assert res.ci_checks["step0_ppo_kl"] < 1e-9  # the run itself raises past 1e-9 / the diff bound
     assert res.ci_checks["train_rollout_logprob_abs_diff"] < cfg(2).ci_logprob_abs_diff_threshold
@@ -82,15 +107,18 @@ def test_family_loop_ci_disk_delta_and_resume(family_checkpoints, tmp_path, fami
             "select distinct len(rollout_routed_experts) = len(prompt_tokens) + len(response_tokens) - 1, "
             "len(rollout_routed_experts[1]), len(rollout_routed_experts[1][1]) from rollouts"
         )
-        assert shapes == [(True, 2, 2)], shapes
+        assert shapes == [(True, routed_shape(ckpt)[0], 2)], (
+            shapes
+        )  # DeepSeek / GLM / Nemotron-H: 1 routed layer
     # a fresh replica that applies the publications holds what the trainer exported at v3
     assert apply_publication(pub, tmp_path / "replica") == 3
     got, want = (
         load_file(str(tmp_path / "replica" / "model.safetensors")),
         load_file(str(tmp_path / "hf" / "iter_2" / "model.safetensors")),
     )
-    assert sorted(got) == sorted(want) and any(k.endswith("q_proj.bias") for k in got) is (family == "qwen2")
     start = load_file(f"{ckpt}/model.safetensors")
+    biased = any(k.endswith("q_proj.bias") for k in start)  # Qwen2's, GLM-4.5's, GPT-OSS's
+    assert sorted(got) == sorted(want) and any(k.endswith("q_proj.bias") for k in got) is biased
     # training moved the weights (names both hold: an MoE checkpoint keeps HF's per-expert tensors
     # on disk, the export the fused experts of the module; the rest is named alike)
     common = [k for k in want if k in start]
