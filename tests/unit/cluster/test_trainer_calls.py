@@ -12,8 +12,9 @@ from miles_platform.errors import ActorDied
 from miles_platform.run_services import call_trainers
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_local():
+    """The worker's shared Ray (conftest), started if it is not up yet, and left running."""
     import ray
 
     from miles_platform.cluster.ray_cluster import init_ray, shutdown_ray
