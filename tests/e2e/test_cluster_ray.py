@@ -444,6 +444,10 @@ def _stream_until(proc: subprocess.Popen, marker: str) -> list[str]:
     return seen
 
 
+# ~18-28 s of `make test`: built of what it checks one by one (launch/ray_jobs.py's submit, attach,
+# stream and stop: the Dagster Ray job test above and tests/unit/launch/test_ray_jobs.py; an S3 root
+# through a run: tests/e2e/test_object_store_root.py), so in `make test-extended`
+@pytest.mark.extended
 def test_train_submit_on_an_s3_root_attaches_streams_and_ctrl_c_stops(
     cluster, s3_server, tiny_hf_checkpoint, tmp_path, monkeypatch
 ):

@@ -2,7 +2,8 @@
 
 The shortened CI version of `make demo`: one SFT base (the demo's recipe, 1200 iterations, ~90
 CPU seconds; under pytest-xdist trained in the background on the cycles the workers leave idle:
-tests/background_bases.py), then a short GRPO run per trainer backend and on megatron at TP2 + SP. Asserts the
+tests/background_bases.py), then a short GRPO run on fsdp (`make test`), on megatron, at TP2 + SP and on
+an upcycled MoE with R3 (`make test-extended`). Asserts the
 training reward rises and held-out greedy accuracy improves, with the --ci-test checkers on (step-0
 KL/clipfrac, trainer-vs-engine log-probs, engine weights equal to trainer weights after every sync).
 """
@@ -70,7 +71,10 @@ def assert_learns(base_acc: float, res, rewards: list[float], final_acc: float) 
     assert late > early + 0.05, f"training reward did not rise: {rewards}"
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+# megatron: ~11-21 s of `make test`, built of what it checks one by one (its logits and gradients
+# equal HF's: the bridge parity tests; its GRPO step and weight sync through the loop:
+# test_loop.py[megatron]; the recipe learns: the fsdp case), so in `make test-extended`
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("megatron", marks=pytest.mark.extended)])
 def test_grpo_lifts_reward_and_heldout_accuracy(base, grpo, backend):
     assert_learns(base[2], *grpo(backend, train_backend=backend))
 
@@ -104,6 +108,10 @@ def test_grpo_at_tp2_learns_as_at_tp1(base, grpo):
     assert abs(acc - tp1_acc) <= 0.03, f"held-out greedy {acc:.1%} at TP2, {tp1_acc:.1%} at TP1"
 
 
+# ~20-24 s of `make test`: built of what it checks one by one (R3 replays every route: the MoE loop
+# cells of test_model_families_loop.py on both backends, zero route flips; the recipe learns: the
+# dense case above), so in `make test-extended`
+@pytest.mark.extended
 def test_grpo_with_routing_replay_lifts_an_upcycled_moe(base):
     """The tiny MoE of issue 23, upcycled from the same SFT base (models/moe.py: every expert a copy
     of the dense MLP, random routers; the same function, so the same carry error), then GRPO with

@@ -81,8 +81,6 @@ FAKE_SERVER = textwrap.dedent(
     """
 )
 
-pytestmark = pytest.mark.own_ray  # starts, joins and stops Ray itself
-
 
 def _cfg(**kw) -> RunConfig:
     base = {
@@ -238,17 +236,17 @@ def test_weight_check_over_http_against_stand_in_sglang(fake_server_module, tiny
 
 
 def test_ray_actor_launches_engine_on_rollout_bundle(fake_server_module, monkeypatch):
-    """init_ray (local start) -> placement groups -> engine actor -> server process -> /health."""
+    """init_ray -> placement groups -> engine actor -> server process -> /health, on the worker's
+    shared local Ray (a private local start: test_local_ray.py)."""
     import ray
 
-    from miles_platform.cluster.ray_cluster import create_placement_groups, init_ray, shutdown_ray
+    from miles_platform.cluster.ray_cluster import create_placement_groups, init_ray, remove_placement_groups
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = _cfg(rollout_num_gpus_per_engine=1, rollout_num_gpus=1, sglang_args={"mem-fraction-static": "0.7"})
-    ctx = init_ray(cfg)
+    init_ray(cfg)
+    groups, actors = create_placement_groups(cfg, use_gpu=False), []
     try:
-        assert ctx.started_local
-        groups = create_placement_groups(cfg, use_gpu=False)
         env = {"PYTHONPATH": str(fake_server_module)}
         actors, engines = launch_sglang_engines(
             cfg, groups, module="fake_sglang", env=env, timeout_s=60, use_gpu=False
@@ -263,8 +261,9 @@ def test_ray_actor_launches_engine_on_rollout_bundle(fake_server_module, monkeyp
         assert ray.get(actors[0].stop.remote()) is not None
         assert not ray.get(actors[0].is_alive.remote())
     finally:
-        shutdown_ray(ctx)
-    assert not ray.is_initialized()
+        for a in actors:
+            ray.kill(a)
+        remove_placement_groups(groups)
 
 
 def test_the_engine_log_is_private_and_never_follows_a_planted_link(
