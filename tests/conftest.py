@@ -66,9 +66,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # those of 20 s, it started 249 s in and waited 11 s for its base, done at 260 s: 2026-12-06 20:02 UTC);
 # the diffusion assets (~30-40 CPU-s, in test_diffusion_loop.py's setup until 2026-12-06: 32 s of its
 # worker's wall) train next, and that file (~45 s without them) goes after those of 10 s and more.
-# (The vision-language learning check's base trains only under `make test-extended`.)
+# (The vision-language learning check's base trains only under `make test-extended`.) On a slow VM
+# (2026-12-07, a bare SFT step 65 ms against 51) test_learning.py, then at 14.5 with its fsdp case
+# only, started 282 s in and waited ~22 s; the diffusion file, at 9.4, 363 s in and ~17 s: both later.
 LONGEST_FIRST = {  # seconds per file in a full run (2 workers, junit times), 2026-12-06 08:10 UTC
-    "test_learning.py": 14.5, "test_cluster_ray.py": 86, "test_diffusion_loop.py": 9.4,
+    "test_learning.py": 8.5, "test_cluster_ray.py": 86, "test_diffusion_loop.py": 5,
     "test_deepseek_v32_bridge.py": 22, "test_megatron_layouts.py": 41, "test_ui_browser.py": 53,
     "test_crash_matrix.py": 53, "test_fault_tolerance.py": 46, "test_model_families_loop.py": 61,
     "test_loop.py": 36, "test_ui_daily_use.py": 30, "test_ops_training.py": 21,
