@@ -42,6 +42,16 @@ def _launch(srv_dir, script, *args, env=None, **kw):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})), **kw)
 
 
+def _fork_prints(srv, tmp_path, code: str) -> list[str]:
+    """What `code`, run as a script forked from the server, printed (split); it must exit 0."""
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    p = _launch(srv.dir, script)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    return out.split()
+
+
 def _fields(line):
     f = line.split()
     head, i, j = f[: f.index("argv")], f.index("argv"), f.index("nice")
@@ -195,15 +205,10 @@ def test_ray_actors_fork_from_the_server_with_their_runtime_env_and_own_rng(serv
 def test_a_driver_forked_from_a_server_forks_its_actors_from_it_and_leaves_it_running(server, tmp_path):
     # a test's `train` launched with warm_python: its init_ray adopts the server it was forked from
     # instead of starting (and importing torch & co. into) one of its own
-    script = tmp_path / "driver.py"
-    script.write_text(
-        "import os\nfrom miles_platform.cluster import forkserver\n"
-        "s = forkserver.start()\nprint(os.environ['MILES_FORK_SERVER'], s.dir, s.proc is None, forkserver.warm_python()[-1])\n"
-    )
-    p = _launch(server.dir, script)
-    out, _ = p.communicate(timeout=60)
-    assert p.returncode == 0, out
-    assert out.split() == [server.dir, server.dir, "True", server.dir]
+    out = _fork_prints(server, tmp_path,
+                       "import os\nfrom miles_platform.cluster import forkserver\ns = forkserver.start()\n"
+                       "print(os.environ['MILES_FORK_SERVER'], s.dir, s.proc is None, forkserver.warm_python()[-1])\n")  # fmt: skip
+    assert out == [server.dir, server.dir, "True", server.dir]
     assert server.proc.poll() is None and os.path.exists(server.socket_path)  # not stopped at its exit
 
 
@@ -325,11 +330,7 @@ def test_a_fork_finds_the_caches_every_actor_would_fill_already_filled(server, t
     """transformers' checkpoint key conversions (built at a process's first `from_pretrained`) and
     the pydantic modules Ray's serializers import at a worker's first deserialization: once, in
     the server, not in each engine and trainer rank."""
-    script = tmp_path / "c.py"
-    script.write_text(
-        "import sys\nfrom transformers import conversion_mapping as cm\n"
-        "print(cm._checkpoint_conversion_mapping_cache is not None, 'pydantic.v1.fields' in sys.modules)\n"
-    )
-    p = _launch(server.dir, script)
-    out, _ = p.communicate(timeout=60)
-    assert p.returncode == 0 and out.split() == ["True", "True"], out
+    out = _fork_prints(server, tmp_path,
+                       "import sys\nfrom transformers import conversion_mapping as cm\n"
+                       "print(cm._checkpoint_conversion_mapping_cache is not None, 'pydantic.v1.fields' in sys.modules)\n")  # fmt: skip
+    assert out == ["True", "True"]
