@@ -99,6 +99,7 @@ CASES = {
         {},
     ),  # fmt: skip
     "fsdp-lora": ({"lora_rank": 4}, {}),
+    "megatron-lora": ({"train_backend": "megatron", "lora_rank": 4}, {}),
     "fsdp-opd-in-trainer-teacher": ({"use_opd": True, "opd_type": "megatron"}, {}),
     "megatron-opd-in-trainer-teacher": (
         {"train_backend": "megatron", "use_opd": True, "opd_type": "megatron"},
@@ -200,20 +201,27 @@ def test_a_cpu_tensor_in_the_step_is_caught(tiny_hf_checkpoint, monkeypatch):
         TrainerActor(_cfg(tiny_hf_checkpoint), device=dev).train(0, random_train_batch(0))
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "minimax_m2", "deepseek_v32"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_5", "deepseek_v3", "minimax_m2", "deepseek_v32", "deepseek_v3_halves-lora"]
+)
 def test_megatron_bridge_layers_run_on_the_ranks_device(family, tiny_hf_checkpoint, tmp_path):
     """The megatron layers the bridges add: Qwen3.5's GatedDeltaNet (the CPU's torch stand-in for fla),
     gated attention, zero-centered and gated output norms; DeepSeek-V3's MLA (duplicated down projections,
     yarn-free rope, latent norms) and sigmoid group-limited router with its expert bias; MiniMax-M2's
     whole-projection q/k norms; DeepSeek-V3.2's DSA (the frozen indexer's scores, top-k and sparse mask). R3
-    for the routed ones."""
+    for the routed ones. DeepSeek-V3 with LoRA (no R3: refused with it) in HF's half-split rope layout:
+    the adapters on MLA's projections (their rows in the bridge's rope order: an index tensor) and the
+    experts, the fresh factors, the adapter export."""
     from test_megatron_layouts import bridge_checkpoint  # the bridge tests' tiny models (same directory)
 
     from miles_platform.models.moe import routed_shape
 
+    family, lora = family.removesuffix("-lora"), family.endswith("-lora")
     ckpt = bridge_checkpoint(family, tiny_hf_checkpoint, tmp_path / "hf")
-    moe = family != "qwen3_5"
+    moe = family != "qwen3_5" and not lora  # R3 with LoRA is refused (config/moe.py)
     flags = dict(train_backend="megatron", **(dict(use_rollout_routing_replay=True) if moe else {}))
+    if lora:
+        flags.update(lora_rank=4, target_modules="all-linear")
     routes = (*routed_shape(ckpt), 4) if moe else None
     make = lambda: _extras(random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]), 1, routes=routes)  # noqa: E731
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler

@@ -302,11 +302,11 @@ def bridge_checkpoint(family: str, tok_dir: str, path: Path) -> str:
         from test_minimax_m2_bridge import sharp_model as sharp_minimax
 
         model = sharp_minimax(minimax_config(len(tok)))
-    elif family == "deepseek_v3":
+    elif family in ("deepseek_v3", "deepseek_v3_halves"):  # halves: HF's half-split rope rows (permuted)
         from test_deepseek_v3_bridge import deepseek_config
         from test_deepseek_v3_bridge import sharp_model as sharp_deepseek
 
-        model = sharp_deepseek(deepseek_config(len(tok)))
+        model = sharp_deepseek(deepseek_config(len(tok), rope_interleave=family == "deepseek_v3"))
     elif family == "deepseek_v32":
         from test_deepseek_v32_bridge import sharp_v32, v32_config
 
