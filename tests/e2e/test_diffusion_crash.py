@@ -106,7 +106,11 @@ def test_a_second_writer_of_the_save_dir_is_refused_before_anything_is_written_t
     assert os.listdir(cfg.save) == ["writer.lock"]  # no run_config.json, no checkpoint
 
 
+# ~16-31 s of `make test`: built of what it checks one by one (the run lifecycle and version recorder it
+# shares with the LLM loop: test_crash_matrix.py's kill -9 chain; the diffusion checkpoint and resume:
+# test_diffusion_loop.py's CLI resume), so in `make test-extended`
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kill_9_of_train_diffusion_then_relaunch_abandons_past_the_checkpoint_and_reuses_no_version(
     base_and_data, tmp_path
 ):
