@@ -518,7 +518,6 @@ def create_role_actors(
     `actor_cls` is a plain class or an `@ray.remote` class. Engine i sits on the first bundle of
     its TP group. Each actor receives `rank=` as a keyword argument.
     """
-
     pg, indices = groups[role]
     if pg is None:
         return []

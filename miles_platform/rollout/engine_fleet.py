@@ -92,7 +92,6 @@ def run_storage_secrets(cfg: RunConfig) -> dict[str, str]:
 def restart_engine(cfg: RunConfig, groups: dict[str, tuple[Any, list[int]]], index: int) -> EngineHandle:
     """A fresh embedded engine on the bundle of engine `index` (--use-fault-tolerance: the dead
     one was killed first, so its resources are free). It serves --hf-checkpoint until loaded."""
-
     from miles_platform.cluster.ray_cluster import (
         ENGINE_SHARE,
         bundle_actor_options,

@@ -74,6 +74,26 @@ def scores_from_logits(logits: torch.Tensor, req: ScoreRequest, following: bool 
     return Scores(lp, ent, cand)
 
 
+def all_reduce_grads(params, group=None, mean_over: int | None = None) -> None:
+    """Sum the gradients of `params` over `group` (the world when None), or average them with `mean_over`
+    ranks: one collective per dtype on a flat buffer, not one per tensor. A parameter without a gradient
+    contributes zeros; each gradient keeps its tensor (the result is copied into it)."""
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if mean_over:
+            flat /= mean_over
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
+
+
 class ModelBackend(ABC):
     name: str = ""
 

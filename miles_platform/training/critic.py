@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from miles_platform.config import RunConfig
+from miles_platform.training.backend import all_reduce_grads
 from miles_platform.training.checkpoint import load_optimizer_tensors, optimizer_tensors, rank_file
 from miles_platform.weights.quantize import load_dense_hf_model
 
@@ -53,13 +53,7 @@ class Critic(torch.nn.Module):
 
     def average_grads(self) -> None:
         """The mean of every parameter's gradient over the ranks (a zero gradient where unset)."""
-        params = list(self.parameters())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.world_size
-        for p, g in zip(params, flat.split([q.numel() for q in params]), strict=True):
-            p.grad = g.view_as(p)
+        all_reduce_grads(self.parameters(), mean_over=self.world_size)
 
     def step(self) -> float:
         if self.world_size > 1:

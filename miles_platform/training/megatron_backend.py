@@ -320,20 +320,16 @@ class MegatronBackend(ModelBackend):
 
     def finish_grad_sync(self) -> None:
         if self.lora is not None and self.world_size > 1:  # the adapter's gradients: the data-parallel mean
-            import torch.distributed as dist
-
-            self.lora.reduce_grads()  # tensor parallel: the column-parallel factors' row parts, summed
             from megatron.core import parallel_state as ps
 
+            from miles_platform.training.backend import all_reduce_grads
+
+            self.lora.reduce_grads()  # tensor parallel: the column-parallel factors' row parts, summed
             # over data x context parallel ranks, as DDP averages the base's: the schedule's CP factor makes
             # the context-parallel ranks' parts (each its own tokens) add up (megatron_cp.py)
-            group = ps.get_data_parallel_group(with_context_parallel=True)
-            size = ps.get_data_parallel_world_size(with_context_parallel=True)
-            for _, p in self.lora.named_factors():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(size)
+            all_reduce_grads((p for _, p in self.lora.named_factors()),
+                             group=ps.get_data_parallel_group(with_context_parallel=True),
+                             mean_over=ps.get_data_parallel_world_size(with_context_parallel=True))  # fmt: skip
         if self.ddp is None:
             return
         from megatron.core.distributed import finalize_model_grads

@@ -320,11 +320,11 @@ class MegatronLora(nn.Module):
         of this rank's output rows only, summed here; a row-parallel module's are complete already."""
         if self.tp == 1:
             return
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        group = ps.get_tensor_model_parallel_group()
-        sequence_parallel = self._sequence_parallel
+        from miles_platform.training.backend import all_reduce_grads
+
+        sequence_parallel, summed = self._sequence_parallel, []
         for key in self._keys:
             if "__linear_proj__" in key or "__linear_fc2__" in key:
                 continue
@@ -332,10 +332,8 @@ class MegatronLora(nn.Module):
             # parallelism (summed, as megatron sums the weight's); all tokens, the same gradient, without
             if any(f"__{d}__" in key for d in _DUPLICATED) and not sequence_parallel:
                 continue
-            for p in (self.A[key], self.B[key]):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+            summed += [self.A[key], self.B[key]]
+        all_reduce_grads(summed, group=ps.get_tensor_model_parallel_group())
 
     def _fused(self, mod: str, deltas: dict[str, torch.Tensor], lead, width: int) -> torch.Tensor:
         """The deltas of one module's projections placed in its full fused output's row layout
