@@ -300,14 +300,14 @@ def _one_ray_per_worker(request, monkeypatch):
             ray.shutdown()
         yield
         return
-    from miles_platform.cluster import ray_cluster
+    from miles_platform.cluster import forkserver, ray_cluster
 
     real = ray_cluster.init_ray
     # the worker's one fork server preloads every extra, whichever run starts it: a run starts the
     # server at its own start with only the extras it needs (prestart_fork_server), and later runs in
     # the worker reuse it, so a first fsdp run left every megatron actor after it importing
     # megatron-core itself (~4 CPU-s each), a LoRA actor PEFT (~1.7), a diffusion one diffusers (~1)
-    every = ["peft", "megatron", "diffusion"]
+    every = list(forkserver.EXTRAS)
     monkeypatch.setattr(ray_cluster, "_fork_extras", _all_extras(ray_cluster._fork_extras, every))
 
     def init_shared(cfg, namespace=None, **init_kwargs):

@@ -185,7 +185,7 @@ def warm_python() -> list[str]:
     interpreter. The script runs as it would under `python`: same env, args, cwd and exit status."""
     from miles_platform.cluster import forkserver, ray_cluster
 
-    ray_cluster.start_fork_server("peft", "megatron", "diffusion")
+    ray_cluster.start_fork_server(*forkserver.EXTRAS)  # every extra, as the shared fixture's
     return forkserver.warm_python()
 
 

@@ -129,7 +129,7 @@ def cluster():
     # from a server (forkserver.INHERITED)
     from miles_platform.cluster import forkserver, ray_cluster
 
-    ray_cluster.start_fork_server("peft", "megatron", "diffusion")
+    ray_cluster.start_fork_server(*forkserver.EXTRAS)
     if forkserver.current() is not None:
         env[forkserver.INHERITED] = forkserver.current().dir
     while True:  # the nodes' worker-port ranges [lo, lo + 20] and [lo + 30, lo + 50] clear of every other

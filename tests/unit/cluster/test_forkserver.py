@@ -26,7 +26,7 @@ sys.exit(int(sys.argv[2]))
 @pytest.fixture(scope="module")
 def server():
     srv = forkserver.start(
-        ("peft", "megatron", "diffusion")
+        tuple(forkserver.EXTRAS)
     )  # this pytest process's server (the shared Ray fixture uses it too)
     if srv is None:
         pytest.skip("fork server disabled (MILES_FORK_WORKERS=0)")

@@ -190,7 +190,7 @@ def test_the_job_driver_runs_as_a_fork_of_the_server_its_node_passed_on(tmp_path
     from miles_platform.cluster import forkserver, ray_cluster
     from miles_platform.launch.job_driver import WARM
 
-    ray_cluster.start_fork_server("peft", "megatron", "diffusion")
+    ray_cluster.start_fork_server(*forkserver.EXTRAS)
     srv = forkserver.current()
     if srv is None:
         pytest.skip("fork server disabled (MILES_FORK_WORKERS=0)")
