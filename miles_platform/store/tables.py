@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import is_remote
 from miles_platform.store.schemas import SOURCE_PART, TABLE_SCHEMAS  # noqa: F401 (re-exported)
-from miles_platform.store.shards import refresh_catalog_after_first_file, write_parquet_atomic
+from miles_platform.store.shards import has_parquet, refresh_catalog_after_first_file, write_parquet_atomic
 
 _COMPACTED = re.compile(r"^(part-.+)\.c\d+\.parquet$")
 _READ_ATTEMPTS = 7  # listings retried (_relisting) when a file listed was removed meanwhile
@@ -60,17 +60,13 @@ def append_rows(paths: StoragePaths, table: str, run: str, rows: list[dict[str, 
     if not rows:
         return None
     data = pa.Table.from_pylist(_check_rows(table, run, rows), schema=TABLE_SCHEMAS[table])
-    first = not is_remote(paths.root) and not _has_rows_dir(paths.table_dir(table))  # remote: no catalog file
+    # remote: no catalog file
+    first = not is_remote(paths.root) and not has_parquet(paths.table_dir(table), "run=")
     path = f"{paths.table_dir(table, run)}/part-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.parquet"
     write_parquet_atomic(data, path)
     if first:
         refresh_catalog_after_first_file(paths)
     return path
-
-
-def _has_rows_dir(directory: str) -> bool:
-    fs, root = fsspec.core.url_to_fs(directory)
-    return fs.exists(root) and bool(fs.glob(f"{root}/run=*/*.parquet"))
 
 
 def last_part(name: str) -> str:

@@ -154,3 +154,43 @@ def test_image_samples_record_each_image_content_hash(tmp_path):
         0
     ][0]
     assert hashes == rows[0]["image_hashes"]
+
+
+def test_has_parquet_finds_a_file_where_the_catalog_reads_one(tmp_path):
+    """The first-file check of shards (any depth) and table parts (`run=*/` directly)."""
+    d = tmp_path / "t"
+    assert not shards.has_parquet(str(d)) and not shards.has_parquet(str(d), "run=")  # absent
+    (d / "run=a").mkdir(parents=True)
+    (d / "run=a" / ".part-1.parquet.tmp-0123").write_bytes(b"")  # a write in progress
+    (d / "other").mkdir()
+    (d / "other" / "x.parquet").write_bytes(b"")  # not a run's directory
+    (d / "run=a" / "deeper").mkdir()
+    (d / "run=a" / "deeper" / "y.parquet").write_bytes(b"")  # below a run's files
+    assert not shards.has_parquet(str(d), "run=")
+    assert shards.has_parquet(str(d))  # at any depth
+    (d / "run=a" / "part-1.parquet").write_bytes(b"")
+    assert shards.has_parquet(str(d), "run=")
+
+
+def test_writing_a_shard_or_a_part_does_not_list_every_file_of_the_root(tmp_path, monkeypatch):
+    """Each shard and table part first asks whether it is the catalog's first file: that check
+    stops at the first file found. It listed every shard and part directory of the root (an
+    fsspec glob), so a run's step grew with its rollouts (rollout 400 of the bench recipe: the
+    shard write 6 -> 30 ms, the version's rows 8 -> 21 ms)."""
+    from miles_platform.store.tables import append_rows
+
+    paths = StoragePaths(str(tmp_path))
+    for rid in range(60):
+        write_rollout_shard(paths, "r1", rid, make_samples(rid, n=1))
+        append_rows(paths, "metrics", "r1", [{"rollout_id": rid, "step": rid, "name": "x", "value": 1.0}])
+    listed = []
+    real = os.scandir
+
+    def scandir(path="."):
+        listed.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    write_rollout_shard(paths, "r1", 60, make_samples(60, n=1))
+    append_rows(paths, "metrics", "r1", [{"rollout_id": 60, "step": 60, "name": "x", "value": 1.0}])
+    assert len(listed) <= 6, listed
