@@ -6,6 +6,12 @@ miles_platform.store.catalog.Catalog. The baseline reads the same rows dumped as
 other RL frameworks write) with pandas.read_json(lines=True) -- its fastest engine, pyarrow --
 and a groupby. Both are timed end to
 end (file read included, page cache warm for both) and must return the same numbers.
+
+Writes that must not grow with a run: one step's rollout shard (128 samples) and a metrics part
+into that store (250 shards, 250 parts) vs into a root holding one of each, median of 25 each
+(each write first asks whether it is the catalog's first file: a glob of every shard and part
+directory made it grow with the rollouts before it: 2.0-2.6x here at 250 before 2026-12-07, 0.9-1.4
+since, the spread of the row's noise).
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import pandas as pd
 import pyarrow as pa
 
 from bench.common import best_of, main, row
+from miles_platform.data.sample import Sample
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
-from miles_platform.store.shards import ROLLOUT_SCHEMA, shard_path, write_parquet_atomic
+from miles_platform.store.shards import ROLLOUT_SCHEMA, shard_path, write_parquet_atomic, write_rollout_shard
+from miles_platform.store.tables import append_rows
 
 # Tolerance (bench/baseline.py: `make bench` flags a ratio that moved the wrong way by more): x
 # faster moved 37.7 vs 45.9 between two quiet runs on 2026-12-05; the bytes row carries its own
@@ -107,6 +115,18 @@ def build_store(root: str, rows: int, rollouts: int) -> tuple[StoragePaths, str]
     return paths, jsonl
 
 
+def step_writes_s(paths: StoragePaths, first_id: int, repeats: int = 25) -> float:
+    """Median seconds of one step's writes: its rollout shard (128 samples) and a metrics part."""
+    times = []
+    for rid in range(first_id, first_id + repeats):
+        samples = [Sample(run=RUN, rollout_id=rid, index=i, reward=float(i % 2)) for i in range(128)]
+        t0 = time.perf_counter()
+        write_rollout_shard(paths, RUN, rid, samples)
+        append_rows(paths, "metrics", RUN, [{"rollout_id": rid, "step": rid, "name": "x", "value": 1.0}])
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
@@ -138,6 +158,12 @@ def run(rows: int = 1_000_000, rollouts: int = 250) -> list[dict]:
             assert x[0] == y[0] and abs(x[1] - y[1]) < 1e-9 and abs(x[2] - y[2]) < 1e-9, (x, y)
         n = (rows // rollouts) * rollouts
         parquet_bytes, jsonl_bytes = _dir_bytes(paths.rollouts), os.path.getsize(jsonl)
+        for rid in range(rollouts):  # the run's table parts beside its shards
+            append_rows(paths, "metrics", RUN, [{"rollout_id": rid, "step": rid, "name": "x", "value": 1.0}])
+        late = step_writes_s(paths, rollouts)
+        small = StoragePaths(os.path.join(root, "small"))
+        step_writes_s(small, 0, repeats=1)  # one of each: no write below is the catalog's first
+        early = step_writes_s(small, 1)
         return [
             row(
                 f"data: per-rollout mean reward+len, {n / 1e6:g}M rows (DuckDB/Parquet vs pandas/JSONL)",
@@ -154,6 +180,12 @@ def run(rows: int = 1_000_000, rollouts: int = 250) -> list[dict]:
                 jsonl_bytes / 1e6,
                 "MB (ratio: fraction of JSONL)",
                 noise=0.05,  # bytes of generated data, not a timing
+            ),
+            row(
+                f"data: a step's shard + metrics part, at rollout {rollouts} vs at rollout 1",
+                late * 1e3,
+                early * 1e3,
+                "ms (ratio: goal ~1, the writes do not grow with the run; median of 25)",
             ),
         ]
 
