@@ -22,14 +22,15 @@ bare loop, then ours, then ours as `train-async` (Miles' one-step overlap), then
 
 Rows: seconds per step (ratio: ours / bare, goal <= 1.3); ours vs TRL (ratio: ours / TRL, goal
 < 1.0); `train-async` (rollout k+1 generates while k trains, each weight update waits for it) vs
-sync; --fully-async (generation of the next rollout overlaps training) vs sync at the same samples per step; --fully-async's `sample` vs `group`
+sync and vs TRL (goal <= 0.8, #52's); --fully-async (generation of the next rollout overlaps training) vs sync at the same samples per step; --fully-async's `sample` vs `group`
 submission granularity (each group is one request either way; `sample` streams it and frees a slot
 per finished sample); then each phase of ours as a
 share of its step. peak_rss_mb: the driver's peak (Ray actors are other processes).
 
 Whole runs (with the TRL venv), from the demo's SFT base (1200 iterations; ~75 s to build here):
-`miles-platform train` as a user starts it (a fresh process: Ray, engine, trainer) vs TRL's
-script, 100 steps each on seeds 1-3, one after the other: wall from
+`miles-platform train` as a user starts it (a fresh process: Ray, engine, trainer), then
+`miles-platform train-async` (Miles' one-step overlap), vs TRL's script, 100 steps each on seeds
+1-3, one after the other: wall from
 process start to exit, peak RSS of each process tree (ours: driver + Ray + actors; sampled every
 0.2 s), and held-out greedy pass@1 of both final policies by the same evaluator (512 prompts).
 """
@@ -59,7 +60,7 @@ TRL_ROW = "e2e: s per GRPO step, loop.train vs TRL GRPOTrainer"
 TRL_SCRIPT = Path(__file__).resolve().parent / "trl_grpo.py"
 TRL_TIMEOUT_S = 600
 # whole runs (start to exit, then a held-out greedy eval of the final policy), with the TRL venv only;
-# MILES_BENCH_WHOLE_SEEDS="" skips them (3 seeds x 100 steps x 2 frameworks: ~3 min here)
+# MILES_BENCH_WHOLE_SEEDS="" skips them (3 seeds x 100 steps x 3 loops: ~5 min here)
 WHOLE_SEEDS = tuple(int(x) for x in os.environ.get("MILES_BENCH_WHOLE_SEEDS", "1,2,3").split(",") if x)
 WHOLE_STEPS = 100
 WHOLE_EVAL_PROMPTS = 512
@@ -211,18 +212,20 @@ def whole_runs(python: str, base: str, data: dict, root: str, recipe: dict) -> l
 
     env = project_env(OMP_NUM_THREADS="1")
     ours, trl = {"wall": [], "rss": [], "acc": []}, {"wall": [], "rss": [], "acc": []}
+    overlap = {"wall": [], "rss": [], "acc": []}  # `train-async`: Miles' one-step overlap loop
     for seed in WHOLE_SEEDS:
         d = os.path.join(root, f"whole{seed}")
         os.makedirs(d)
-        cfg = {**recipe, "run_name": f"whole{seed}", "hf_checkpoint": base, "prompt_data": data["train"],
-               "num_rollout": WHOLE_STEPS, "seed": seed, "rollout_seed": seed, "save_interval": None,
-               "storage_root": os.path.join(d, "root")}  # fmt: skip
-        Path(d, "run.yaml").write_text(yaml.safe_dump(cfg))
-        cmd = [sys.executable, "-m", "miles_platform.cli", "train", "--config", os.path.join(d, "run.yaml")]
-        wall, rss, out = timed_process(cmd, env, os.path.join(d, "ours"))
-        final = json.loads(out.strip().splitlines()[-1])["final_hf_path"]
-        ours["wall"].append(wall), ours["rss"].append(rss)
-        ours["acc"].append(greedy_pass_at_1(final, data["eval"], WHOLE_EVAL_PROMPTS))
+        for command, tag, out_of in (("train", "ours", ours), ("train-async", "overlap", overlap)):
+            cfg = {**recipe, "run_name": f"{tag}{seed}", "hf_checkpoint": base, "prompt_data": data["train"],
+                   "num_rollout": WHOLE_STEPS, "seed": seed, "rollout_seed": seed, "save_interval": None,
+                   "storage_root": os.path.join(d, f"root_{tag}")}  # fmt: skip
+            Path(d, f"{tag}.yaml").write_text(yaml.safe_dump(cfg))
+            cmd = [sys.executable, "-m", "miles_platform.cli", command, "--config", f"{d}/{tag}.yaml"]
+            wall, rss, out = timed_process(cmd, env, os.path.join(d, tag))
+            final = json.loads(out.strip().splitlines()[-1])["final_hf_path"]
+            out_of["wall"].append(wall), out_of["rss"].append(rss)
+            out_of["acc"].append(greedy_pass_at_1(final, data["eval"], WHOLE_EVAL_PROMPTS))
         save = os.path.join(d, "trl_final")
         cmd = [python, str(TRL_SCRIPT), "--base", base, "--prompts", data["train"], "--steps", str(WHOLE_STEPS),
                "--seed", str(seed), "--save", save]  # fmt: skip
@@ -244,6 +247,15 @@ def whole_runs(python: str, base: str, data: dict, root: str, recipe: dict) -> l
             f"{WHOLE_EVAL_PROMPTS} prompts; base {base_acc:.3f})",
             ours_acc=[round(x, 3) for x in ours["acc"]], trl_acc=[round(x, 3) for x in trl["acc"]],
             base_acc=round(base_acc, 3)),
+        row("e2e: whole run wall, start to exit, train-async vs TRL GRPOTrainer", float(np.median(overlap["wall"])),
+            float(np.median(trl["wall"])), f"s (ratio: train-async / TRL, goal <= 1.0; {what})",
+            ours_s=[round(x, 1) for x in overlap["wall"]], trl_s=[round(x, 1) for x in trl["wall"]],
+            train_s=[round(x, 1) for x in ours["wall"]]),
+        row("e2e: held-out greedy pass@1 after the whole run, train-async vs train", float(np.mean(overlap["acc"])),
+            float(np.mean(ours["acc"])),
+            f"pass@1 (ratio: one-step overlap / on-policy, goal ~1 within seed noise; mean of {len(WHOLE_SEEDS)} "
+            f"seeds, {WHOLE_EVAL_PROMPTS} prompts)",
+            ours_acc=[round(x, 3) for x in overlap["acc"]], train_acc=[round(x, 3) for x in ours["acc"]]),
     ]  # fmt: skip
 
 
@@ -321,6 +333,10 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
                     "s/step (ratio: overlap / sync; < 1 = overlap pays)", peak_rss_mb=rss,
                     overlap_steps_s=[round(m["perf/rollout_total_time"], 4) for m in res_overlap.metrics[1:]],
                     overlap_median_wait_s=round(float(np.median(waits)), 4)))  # fmt: skip
+    if vs_trl.get("baseline"):  # the same TRL steps as the sync row's
+        rows.append(row("e2e: s per GRPO step, train-async (one-step overlap) vs TRL GRPOTrainer", t_overlap,
+                        vs_trl["baseline"], "s/step (ratio: overlap / TRL, goal <= 0.8; medians of the measured steps)",
+                        peak_rss_mb=rss))  # fmt: skip
     rows.append(row("e2e: s per GRPO step, --fully-async vs sync (same samples per step)", t_async, total,
                     "s/step (ratio: async / sync; < 1 = overlap pays)", peak_rss_mb=rss))  # fmt: skip
     rows.append(row("e2e: s per GRPO step, --fully-async granularity sample vs group", t_async, t_group,
