@@ -64,7 +64,10 @@ TRL_TIMEOUT_S = 600
 WHOLE_SEEDS = tuple(int(x) for x in os.environ.get("MILES_BENCH_WHOLE_SEEDS", "1,2,3").split(",") if x)
 WHOLE_STEPS = 100
 WHOLE_EVAL_PROMPTS = 512
-PHASES = ("perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time")
+PHASES = ("perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time",
+          # the driver's own: the shard, the trainer's weights to it, the version's HF export, its rows
+          "perf/rollout_shard_time", "perf/get_weights_time", "perf/export_hf_time",
+          "perf/record_version_time")  # fmt: skip
 
 
 def bare_grpo_loop(base: str, prompts_path: str, steps: int) -> list[float]:
@@ -349,7 +352,12 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
         covered += s
         rows.append(row(f"e2e: {key}", s, mean_total, unit))
     rows.append(
-        row("e2e: other (shard, export, checks, save)", max(mean_total - covered, 0.0), mean_total, unit)
+        row(
+            "e2e: other (checks, metrics, eval, save, handoffs)",
+            max(mean_total - covered, 0.0),
+            mean_total,
+            unit,
+        )
     )
     print(json.dumps({"ci_checks": res.ci_checks}))
     return rows + whole

@@ -134,7 +134,9 @@ class RLRun:
                         metrics.update(self.startup.metrics())
                     if ahead is not None and rollout_id + 1 < cfg.num_rollout:
                         ahead.launch(rollout_id + 1)  # generates on `version` while this rollout trains
+                    t = time.time()
                     shard = write_rollout_shard(self.paths, run, rollout_id, samples)
+                    metrics["perf/rollout_shard_time"] = time.time() - t
                     if cfg.save_debug_rollout_data:
                         save_debug_rollout(cfg, rollout_id, samples)
                 if not s.trainers:
@@ -166,8 +168,9 @@ class RLRun:
                 save_due = rec.save_due(rollout_id)
                 if hf_dir is not None:
                     with phase("record"):
-                        ckpt = iter_dir(cfg.save, rollout_id) if save_due else None
+                        t, ckpt = time.time(), iter_dir(cfg.save, rollout_id) if save_due else None
                         rec.record(result, version, parent, rollout_id, shard, hf_dir, ckpt)
+                        metrics["perf/record_version_time"] = time.time() - t
                 if s.manager is not None and eval_due(cfg, version, hf_dir):
                     with phase("eval"):
                         evaluated = evaluate_and_log(cfg, self.paths, s, self.reporter, version, rollout_id)

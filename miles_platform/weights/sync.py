@@ -14,6 +14,7 @@ HF export (a LoRA run: the adapter dir) and stops there.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from miles_platform.config import RunConfig
@@ -100,12 +101,16 @@ def publish_version(
         return publish_adapter(cfg, paths, s, version, base_version)
     if s.monitor is not None:  # --use-fault-tolerance: replace dead engines first
         s.monitor.check_once()
+    t0 = time.time()
     weights = _trainer_weights(s)
+    t1 = time.time()
     hf_dir = export_policy(weights, cfg, paths.hf_export(cfg.run_name, version))
+    # the driver's share of a version beside the engines' update (perf/update_weights_*)
+    timed = {"perf/get_weights_time": t1 - t0, "perf/export_hf_time": time.time() - t1}
     if s.session is None:  # train-only (Miles' SFT): no engine to load it
-        return hf_dir, {}
+        return hf_dir, timed
     served, served_dir, dense = served_weights(cfg, weights, hf_dir)
-    metrics = s.session.update(served, version, served_dir)
+    metrics = {**timed, **s.session.update(served, version, served_dir)}
     if weight_check_on(cfg):
         check_weights_equal(cfg, s.engines, dense, version)
     return hf_dir, metrics

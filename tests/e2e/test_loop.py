@@ -220,6 +220,12 @@ def _check_miles_metrics(cat: Catalog, metrics: list[dict]) -> None:
         assert m["passrate/pass@2"] == pytest.approx(sum(c > 0 for c in correct) / len(correct))
         assert abs(m["rollout/log_probs"] - m["rollout/rollout_log_probs"]) < 1e-3
         assert m["rollout/entropy"] > 0 and m["perf/train_wait_time"] > 0
+        # the driver's own share of the step, beside the rollout, the trainer and the engines' update
+        driver = ["perf/rollout_shard_time", "perf/get_weights_time", "perf/export_hf_time"]
+        driver.append("perf/record_version_time")
+        assert all(m[k] > 0 for k in driver), {k: m.get(k) for k in driver}
+        parts = m["perf/rollout_time"] + m["perf/actor_train_time"] + m["perf/update_weights_time"]
+        assert parts + sum(m[k] for k in driver) < m["perf/rollout_total_time"]
 
 
 def _check_train_samples(cat: Catalog) -> None:
