@@ -152,6 +152,9 @@ def list_rollout_shards(paths: StoragePaths, run: str) -> list[int]:
     return sorted(ids)
 
 
+MAX_SCAN_DEPTH = 4  # shards lie at rollouts/run=<run>/rollout_id=<id>/shard.parquet: depth 2
+
+
 def has_parquet(directory: str, subdirs: str = "") -> bool:
     """Whether the local `directory` holds a `*.parquet` file: at any depth, or with `subdirs`
     directly in a subdirectory whose name starts with it (a table's `run=<run>/`). Depth-first,
@@ -166,9 +169,10 @@ def has_parquet(directory: str, subdirs: str = "") -> bool:
             return False
         with entries:
             for e in entries:
-                if e.is_dir(follow_symlinks=False):
+                # a run's directory may be a link to another disk; a link loop ends at MAX_SCAN_DEPTH
+                if e.is_dir():
                     descend = not subdirs or (depth == 0 and e.name.startswith(subdirs))
-                    if descend and scan(e.path, depth + 1):
+                    if descend and depth < MAX_SCAN_DEPTH and scan(e.path, depth + 1):
                         return True
                 elif e.name.endswith(".parquet") and (not subdirs or depth == 1):
                     return True

@@ -170,6 +170,18 @@ def test_has_parquet_finds_a_file_where_the_catalog_reads_one(tmp_path):
     assert shards.has_parquet(str(d))  # at any depth
     (d / "run=a" / "part-1.parquet").write_bytes(b"")
     assert shards.has_parquet(str(d), "run=")
+    # a run's directory linked from another disk counts (fsspec's glob did not follow the link, so every
+    # write into such a root refreshed the catalog again); a link loop ends
+    elsewhere = tmp_path / "disk2" / "run=b"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "part-2.parquet").write_bytes(b"")
+    linked = tmp_path / "linked"
+    (linked / "run=b").parent.mkdir()
+    (linked / "run=b").symlink_to(elsewhere)
+    assert shards.has_parquet(str(linked), "run=") and shards.has_parquet(str(linked))
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "self").symlink_to(tmp_path / "loop")
+    assert not shards.has_parquet(str(tmp_path / "loop"))
 
 
 def test_writing_a_shard_or_a_part_does_not_list_every_file_of_the_root(tmp_path, monkeypatch):
