@@ -7,7 +7,8 @@ rollout). The first step of each is warm-up and dropped; the headline rows are m
 measured steps (on a 2-core VM one step in ten can take 2-4x the others: a median of 10 moved
 0.14-0.18 s between two runs of the bare loop where the mean of 5 moved 0.13-0.24). Order: the
 bare loop, then ours, then ours as `train-async` (Miles' one-step overlap), then ours --fully-async
-(its default `--rollout-submission-granularity sample`), then --fully-async with `group`, in one process.
+(its default `--rollout-submission-granularity sample`), then --fully-async with `group`, then `train`
+without the recipe's `--ci-test` checks (TRL runs none of the kind), in one process.
 
 - ours: `miles_platform.loop.train` on Ray (trainer actor, embedded engine, batched requests,
   rollout shards, HF export + weight update every step, --ci-test checks, metrics table).
@@ -303,6 +304,12 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
             rollout_submission_granularity="group", ci_disable_logprobs_checker=True,
         ).validate()  # fmt: skip
         res_group = train(cfg_group)
+        plain = {k: v for k, v in recipe.items() if not k.startswith("ci_")}  # TRL checks nothing of the kind
+        cfg_plain = RunConfig(
+            **dict(plain, run_name="bench_e2e_plain"), hf_checkpoint=base, prompt_data=data["train"],
+            num_rollout=rollouts, storage_root=os.path.join(d, "root_plain"),
+        ).validate()  # fmt: skip
+        res_plain = train(cfg_plain)
         measured = res.metrics[1:] or res.metrics
         steps = [m["perf/rollout_total_time"] for m in measured]
         total, mean_total = float(np.median(steps)), float(np.mean(steps))
@@ -339,6 +346,14 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
     if vs_trl.get("baseline"):  # the same TRL steps as the sync row's
         rows.append(row("e2e: s per GRPO step, train-async (one-step overlap) vs TRL GRPOTrainer", t_overlap,
                         vs_trl["baseline"], "s/step (ratio: overlap / TRL, goal <= 0.8; medians of the measured steps)",
+                        peak_rss_mb=rss))  # fmt: skip
+    t_plain = median_step(res_plain)
+    rows.append(row("e2e: s per GRPO step, train with --ci-test vs without", total, t_plain,
+                    "s/step (ratio: the demo recipe's Miles CI checks: weight equality, entropy, checkers)",
+                    peak_rss_mb=rss))  # fmt: skip
+    if vs_trl.get("baseline"):
+        rows.append(row("e2e: s per GRPO step, train without --ci-test vs TRL GRPOTrainer", t_plain,
+                        vs_trl["baseline"], "s/step (ratio: ours / TRL, goal <= 0.8; the same TRL steps)",
                         peak_rss_mb=rss))  # fmt: skip
     rows.append(row("e2e: s per GRPO step, --fully-async vs sync (same samples per step)", t_async, total,
                     "s/step (ratio: async / sync; < 1 = overlap pays)", peak_rss_mb=rss))  # fmt: skip
