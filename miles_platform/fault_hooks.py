@@ -22,6 +22,9 @@ rollout reaches them:
     save_start / save_end           around the trainer checkpoint (when one is due)
     orchestrator_step_end           the rollout is done
 
+(`train-async` queues rollout k+1's train behind rollout k's where it can: then k+1's rollout_end and
+trainer_controller_step_start fire inside rollout k's train phase; docs/rollout.md.)
+
 Inside each trainer rank (`training/actor.py`, the rank's own process: `kill_process` there kills
 the rank, and the driver stops with `ActorDied` naming it and the resume command), Miles' names:
 

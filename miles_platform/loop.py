@@ -44,6 +44,7 @@ class RLRun:
         self.startup = startup or StartupClock()  # the phases up to the first rollout (startup.py)
         self.nonfinite: list[int] = []  # the rollout of each optimizer step skipped for a NaN / inf
         self.ahead: RolloutAhead | None = None  # train-async: the next rollout, generating
+        self.queued: tuple | None = None  # train-async's pipeline: the next rollout, its train queued
 
     def run(self) -> RunResult:
         from miles_platform.cluster.ray_cluster import prestart_fork_server
@@ -107,16 +108,16 @@ class RLRun:
             finally:
                 if self.ahead is not None:  # a rollout still in flight fails with the engines' shutdown
                     self.ahead.pool.shutdown(wait=False, cancel_futures=True)
+                if self.queued is not None:  # a failed run: the queued rollout's data leaves the store
+                    _, store, handle, _ = self.queued[3]
+                    store.remove(handle)
             result.eval_before_train = initial_eval
             return result
 
     def _loop(self, start: int, version: int) -> RunResult:
         from miles_platform.rollout.loop_eval import eval_due, evaluate_and_log
-        from miles_platform.store.debug_rollouts import save_debug_rollout
-        from miles_platform.store.shards import write_rollout_shard
         from miles_platform.training.checkpoint import iter_dir
         from miles_platform.training.hooks import post_save_hook
-        from miles_platform.training.train_batch import train_data
         from miles_platform.weights.sync import publish_version, save_hf_copy
 
         cfg, s, rec, run = self.cfg, self.s, self.rec, self.cfg.run_name
@@ -125,26 +126,33 @@ class RLRun:
             run, start, start - 1, version, last if exists(f"{last}/model.safetensors") else None
         )
         hook, phase, ahead = s.hooks, s.hooks.phase, self.ahead
+        pipeline = self._pipelines()
         for rollout_id in range(start, cfg.num_rollout):
             t0, hook.rollout_id = time.time(), rollout_id
             with phase("step", end=bool(s.trainers)):  # --debug-rollout-only: no phase past the rollout
                 with phase("rollout"):
-                    samples, metrics = self._generate(rollout_id, version, t0)
-                    if rollout_id == start:  # where the start-up went (startup.py)
-                        metrics.update(self.startup.metrics())
-                    if ahead is not None and rollout_id + 1 < cfg.num_rollout:
-                        ahead.launch(rollout_id + 1)  # generates on `version` while this rollout trains
-                    t = time.time()
-                    shard = write_rollout_shard(self.paths, run, rollout_id, samples)
-                    metrics["perf/rollout_shard_time"] = time.time() - t
-                    if cfg.save_debug_rollout_data:
-                        save_debug_rollout(cfg, rollout_id, samples)
+                    if self.queued is not None:  # taken, written, queued while the rollout before it trained
+                        samples, metrics, shard, pending = self.queued
+                        self.queued = None
+                    else:
+                        samples, metrics, shard = self._take_rollout(rollout_id, version, t0, start)
+                        pending = None
                 if not s.trainers:
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
                     continue
                 s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
+                decided = None  # (forced, save due), when decided before the train ends
                 with phase("train"):
-                    metrics.update(self._train(rollout_id, train_data(cfg, samples), version))
+                    if pending is None:
+                        pending = self._submit_train(rollout_id, samples, version, pipeline)
+                    if pipeline and rollout_id + 1 < cfg.num_rollout:
+                        # the trainer never waits on the driver: rollout k+1 (generated while k-1
+                        # trained) queues behind k unless a checkpoint of k is due, which must hold k's weights
+                        decided = rec.save_requested(), rec.save_due(rollout_id)
+                        if not decided[1]:
+                            self.queued = self._queue_next(rollout_id + 1, version)
+                    trained, weights = self._wait_train(pending)
+                    metrics.update(trained)
                 self._check_finite(rollout_id, metrics)
                 if cfg.ci_test:  # Miles' checkers after every rollout; the result keeps rollout 0's
                     checks = rollout_checks(cfg, rollout_id, metrics, self.reporter.log)
@@ -159,13 +167,15 @@ class RLRun:
                                 metrics.get("perf/rollout_wait_time", 0) + ahead.wait()
                             )
                         parent, version = rec.next_version(version)
-                        hf_dir, m = publish_version(cfg, self.paths, s, version, self.base_version)
+                        hf_dir, m = publish_version(cfg, self.paths, s, version, self.base_version, weights)
                         metrics.update(m)
+                    if self.queued is not None and rollout_id + 2 < cfg.num_rollout:
+                        ahead.launch(rollout_id + 2)  # on the version just published, as train_async.py
                 s.colocation.after_weight_update()  # --colocate: the trainer parks, the engines resume
                 metrics.update(s.colocation.metrics())
                 # the row, the eval, the metrics, the checkpoint last (store/recorder.py)
-                forced = rec.save_requested()  # --save-trigger-sentinel: a save now, written synchronously
-                save_due = rec.save_due(rollout_id)
+                # --save-trigger-sentinel: a save now, written synchronously
+                forced, save_due = decided or (rec.save_requested(), rec.save_due(rollout_id))
                 if hf_dir is not None:
                     with phase("record"):
                         t, ckpt = time.time(), iter_dir(cfg.save, rollout_id) if save_due else None
@@ -189,6 +199,66 @@ class RLRun:
                         save_hf_copy(cfg, rollout_id, hf_dir)
                     post_save_hook(cfg, rollout_id, iter_dir(cfg.save, rollout_id), hf_copy)
         return result
+
+    def _pipelines(self) -> bool:
+        """train-async queues rollout k+1's train behind rollout k's (the trainer hands each version's
+        weights back with its train call, so the driver publishes, records and evaluates k while k+1
+        trains; the versions each rollout is generated and trained on are train_async.py's). Only
+        where nothing between two trains needs the trainer: a version every rollout through a
+        transport the driver feeds (not the trainer-driven broadcast / colocated ones), no LoRA
+        adapter to ask for, no offload schedule. A checkpoint's rollout never queues the next."""
+        cfg, s = self.cfg, self.s
+        return (
+            self.ahead is not None
+            and s.session is not None
+            and cfg.update_weights_interval == 1
+            and not cfg.uses_lora
+            and not s.session.transport.needs_trainers
+            and not s.colocation.active
+        )
+
+    def _take_rollout(self, rollout_id: int, version: int, t0: float, start: int) -> tuple[list, dict, str]:
+        """The rollout's samples and metrics, its shard written (train-async: the next one launched)."""
+        from miles_platform.store.debug_rollouts import save_debug_rollout
+        from miles_platform.store.shards import write_rollout_shard
+
+        cfg, ahead = self.cfg, self.ahead
+        samples, metrics = self._generate(rollout_id, version, t0)
+        if rollout_id == start:  # where the start-up went (startup.py)
+            metrics.update(self.startup.metrics())
+        if ahead is not None and rollout_id + 1 < cfg.num_rollout:
+            ahead.launch(rollout_id + 1)  # generates on `version` while this rollout trains
+        t = time.time()
+        shard = write_rollout_shard(self.paths, cfg.run_name, rollout_id, samples)
+        metrics["perf/rollout_shard_time"] = time.time() - t
+        if cfg.save_debug_rollout_data:
+            save_debug_rollout(cfg, rollout_id, samples)
+        return samples, metrics, shard
+
+    def _queue_next(self, rollout_id: int, version: int) -> tuple:
+        """Train-async's pipeline: take rollout `rollout_id` (it was generated while the one before it
+        trained), write its shard and queue its train behind the one running; its next rollout is
+        launched after the version now training is published (`_loop`). Its rollout_end and
+        trainer_controller_step_start hooks fire here, inside the previous rollout's train phase."""
+        from miles_platform.store.debug_rollouts import save_debug_rollout
+        from miles_platform.store.shards import write_rollout_shard
+
+        cfg, hook = self.cfg, self.s.hooks
+        hook.rollout_id = rollout_id
+        try:
+            with hook.phase("rollout"):
+                samples, metrics = self._generate(rollout_id, version, time.time())
+                t = time.time()
+                shard = write_rollout_shard(self.paths, cfg.run_name, rollout_id, samples)
+                metrics["perf/rollout_shard_time"] = time.time() - t
+                if cfg.save_debug_rollout_data:
+                    save_debug_rollout(cfg, rollout_id, samples)
+            hook.fire("trainer_controller_step_start")
+            # the version it makes: the one after the version the running train makes
+            pending = self._submit_train(rollout_id, samples, version, True, later=1)
+        finally:
+            hook.rollout_id = rollout_id - 1
+        return samples, metrics, shard, pending
 
     def _generate(self, rollout_id: int, version: int, t0: float) -> tuple[list, dict]:
         """The rollout's samples and metrics: from --load-debug-rollout-data, the fully async
@@ -237,26 +307,42 @@ class RLRun:
                 "settings; relaunching resumes from the last checkpoint"
             )
 
-    def _train(self, rollout_id: int, batch, version: int) -> dict[str, float]:
-        """Rollout data to the trainer ranks through the object store (`--object-store-backend`); they
-        record its train_samples rows under the version their steps make (none in a replay)."""
+    def _submit_train(self, rollout_id: int, samples: list, version: int, with_weights: bool,
+                      later: int = 0) -> tuple:  # fmt: skip
+        """Rollout data to the trainer ranks through the object store (`--object-store-backend`), their
+        train call queued; they record its train_samples rows under the version their steps make
+        (`later` versions past the next one; none in a replay). -> what `_wait_train` reads."""
         import dataclasses
 
         from miles_platform.cluster.object_store import put_rollout_data, store_from_config
+        from miles_platform.run_services import submit_trainers
+        from miles_platform.training.train_batch import train_data
         from miles_platform.training.train_samples import TrainSamplesTarget
 
-        target = TrainSamplesTarget(self.rec.upcoming_version(version) if self.s.publishes_versions else None)
-
+        upcoming = self.rec.upcoming_version(version) + later if self.s.publishes_versions else None
+        batch = train_data(self.cfg, samples)
         store = store_from_config(self.cfg)
         # shallow (the store serializes it now): asdict's deep copy of every list cost ~4 ms a step
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
         handle = put_rollout_data(fields, store)
         try:
-            from miles_platform.run_services import call_trainers
+            refs = submit_trainers(self.s.trainers, "train", rollout_id, handle, TrainSamplesTarget(upcoming),
+                                   with_weights)  # fmt: skip
+        except BaseException:
+            store.remove(handle)
+            raise
+        return refs, store, handle, with_weights
 
-            return call_trainers(self.cfg, self.s.trainers, "train", rollout_id, handle, target)
+    def _wait_train(self, pending: tuple) -> tuple[dict[str, float], dict | None]:
+        """(the train call's metrics, the version's weights when it was asked for them, else None)."""
+        from miles_platform.run_services import wait_trainers
+
+        refs, store, handle, with_weights = pending
+        try:
+            out = wait_trainers(self.cfg, refs, "train")
         finally:
             store.remove(handle)
+        return out if with_weights else (out, None)
 
     def _save(self, rollout_id: int, version: int, sync: bool = True) -> str:
         """The trainers' checkpoint; with --async-save and not `sync` written in the background (the

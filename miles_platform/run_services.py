@@ -277,9 +277,19 @@ def call_trainers(cfg, trainers: list, method: str, *args: Any) -> Any:
     """`method(*args)` on every trainer rank; rank 0's answer. A rank that does not answer within
     --train-timeout-s (a stopped or deadlocked process, a peer waiting on it) stops the run with one
     message naming the ranks; without the bound a SIGSTOPped trainer hung the run forever."""
+    return wait_trainers(cfg, submit_trainers(trainers, method, *args), method)
+
+
+def submit_trainers(trainers: list, method: str, *args: Any) -> list:
+    """`method(*args)` queued on every trainer rank (each actor runs its calls in order); the refs
+    `wait_trainers` reads."""
+    return [getattr(t, method).remote(*args) for t in trainers]
+
+
+def wait_trainers(cfg, refs: list, method: str) -> Any:
+    """Rank 0's answer to `submit_trainers`' call, bounded by --train-timeout-s (`call_trainers`)."""
     import ray
 
-    refs = [getattr(t, method).remote(*args) for t in trainers]
     timeout = cfg.train_timeout_s or None
     try:
         return ray.get(refs, timeout=timeout)[0]

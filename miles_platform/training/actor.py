@@ -387,10 +387,17 @@ class TrainerActor(ActorWeights):
         return list(range(step * gbs + self.dp_rank, (step + 1) * gbs, self.dp_size))
 
     def train(
-        self, rollout_id: int, batch: TrainBatch, samples: TrainSamplesTarget | None = None
-    ) -> dict[str, float]:
+        self,
+        rollout_id: int,
+        batch: TrainBatch,
+        samples: TrainSamplesTarget | None = None,
+        with_weights: bool = False,
+    ) -> dict[str, float] | tuple[dict[str, float], dict[str, torch.Tensor] | None]:
         """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics. `samples`:
-        record the train_samples rows (the loop's; training/train_samples.py)."""
+        record the train_samples rows (the loop's; training/train_samples.py). `with_weights`: returns
+        (metrics, the trained policy under HF names: `get_hf_weights`, rank 0's; None on the others),
+        so a loop that queued the next rollout's train behind this one still gets this version's
+        weights (train-async's pipeline, loop.py)."""
         cfg = self.cfg
         t0 = self.wait.begin()
         if not isinstance(batch, TrainBatch):  # a handle from the object store (ray | mooncake)
@@ -494,7 +501,12 @@ class TrainerActor(ActorWeights):
         out["train/step"] = self.global_step
         if self.world_size > 1:
             out = self._reduce_metrics(out)
-        return out
+        if not with_weights:
+            return out
+        t = time.time()
+        weights = self.get_hf_weights()  # every rank: the gather is collective
+        out["perf/get_weights_time"] = time.time() - t
+        return out, (weights if self.rank == 0 else None)
 
     def _old_log_probs_from_training_forward(self) -> bool:
         """One optimizer step per rollout: the policy before the step is the one the training

@@ -92,21 +92,25 @@ def initial_sync(cfg: RunConfig, paths: StoragePaths, s, version: int, resumed: 
 
 
 def publish_version(
-    cfg: RunConfig, paths: StoragePaths, s, version: int, base_version
+    cfg: RunConfig, paths: StoragePaths, s, version: int, base_version, weights: dict | None = None
 ) -> tuple[str, dict[str, Any]]:
-    """-> (the version's policy dir: its HF export, or a LoRA run's adapter dir; update metrics)."""
+    """-> (the version's policy dir: its HF export, or a LoRA run's adapter dir; update metrics).
+    `weights`: the trainer's, as its train call returned them (train-async's pipeline); None: asked
+    of the trainer now."""
     if cfg.uses_lora:
         from miles_platform.weights.lora_publish import publish_adapter
 
         return publish_adapter(cfg, paths, s, version, base_version)
     if s.monitor is not None:  # --use-fault-tolerance: replace dead engines first
         s.monitor.check_once()
-    t0 = time.time()
-    weights = _trainer_weights(s)
+    timed = {}  # the driver's share of a version beside the engines' update (perf/update_weights_*)
+    if weights is None:  # given: the trainer timed its own gather (perf/get_weights_time in its metrics)
+        t0 = time.time()
+        weights = _trainer_weights(s)
+        timed["perf/get_weights_time"] = time.time() - t0
     t1 = time.time()
     hf_dir = export_policy(weights, cfg, paths.hf_export(cfg.run_name, version))
-    # the driver's share of a version beside the engines' update (perf/update_weights_*)
-    timed = {"perf/get_weights_time": t1 - t0, "perf/export_hf_time": time.time() - t1}
+    timed["perf/export_hf_time"] = time.time() - t1
     if s.session is None:  # train-only (Miles' SFT): no engine to load it
         return hf_dir, timed
     served, served_dir, dense = served_weights(cfg, weights, hf_dir)

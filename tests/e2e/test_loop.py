@@ -23,6 +23,14 @@ def _cfg(ckpt, tmp_path, **kw):
     return small_run_config(ckpt, tmp_path, **{"ci_test": True, "save_interval": 1, **kw})
 
 
+class _Logs(Reporter):
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def log(self, msg: str) -> None:
+        self.lines.append(msg)
+
+
 class _HijackProbe(Reporter):
     """At the first rollout, tries what any local process could: swap the run's weights."""
 
@@ -411,9 +419,19 @@ def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp
 
     trackers = dict(use_tensorboard=True, tensorboard_dir=str(tmp_path / "tb"), use_wandb=True,
                     wandb_mode="offline", wandb_dir=str(tmp_path / "wb"))  # fmt: skip
+    # where each train begins and ends (the hooks change nothing trained: the relaunch drops them)
+    seen = [{"request_id": f"{h}{k}", "hook_name": h, "action": {"kind": "observe"}, "rollout_id": k}
+            for h in ("trainer_controller_step_start", "trainer_controller_step_end") for k in (0, 1, 2)]  # fmt: skip
     cfg = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, save_interval=2, ci_test=False, train_async=True,
-               **trackers)  # fmt: skip
-    first = train(cfg)  # versions 1, 2, 3; checkpoints at rollout 1 (v2) and rollout 2 (v3, the last)
+               ci_fault_hooks=json.dumps(seen), **trackers)  # fmt: skip
+    logs = _Logs()
+    first = train(cfg, logs)  # versions 1, 2, 3; checkpoints at rollout 1 (v2) and rollout 2 (v3, the last)
+    # the pipeline: rollout 1 (generated while 0 trained) queued its train before rollout 0's ended;
+    # rollout 2 waited for rollout 1's checkpoint, which must hold rollout 1's weights
+    order = [re.search(r"\] (\w+?)(\d): observe", line).groups() for line in logs.lines if ": observe at " in line]
+    assert [f"{h.removeprefix('trainer_controller_')}{k}" for h, k in order] == [
+        "step_start0", "step_start1", "step_end0", "step_end1", "step_start2", "step_end2"
+    ], order
     assert [("perf/rollout_wait_time" in m) for m in first.metrics] == [
         True,
         True,

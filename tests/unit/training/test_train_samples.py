@@ -148,3 +148,24 @@ def test_a_trainer_rank_writes_its_rows_and_the_debug_file(tiny_hf_checkpoint, t
     # without a target (a library call) nothing goes to the table
     actor.train(6, batch)
     assert len(read_rows(StoragePaths(str(root)), "train_samples", "u")) == 3
+
+
+def test_train_with_weights_returns_the_trained_policy(tiny_hf_checkpoint):
+    """train-async's pipeline queues rollout k+1's train behind k's, so k's weights come back with its
+    train call: the policy after the step (not before it, not a view the next step would move)."""
+    cfg = RunConfig(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=2, n_samples_per_prompt=2,
+                    global_batch_size=4, lr=1e-2).validate()  # fmt: skip
+    actor = TrainerActor(cfg)
+    before = {k: v.clone() for k, v in actor.get_hf_weights().items()}
+    metrics, weights = actor.train(0, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]), None, True)
+    assert "train/loss" in metrics and metrics["perf/get_weights_time"] >= 0
+    after = actor.get_hf_weights()
+    assert weights.keys() == after.keys() == before.keys()
+    assert all(torch.equal(weights[k], after[k]) for k in after)
+    assert any(not torch.equal(weights[k], before[k]) for k in before)  # the step moved them
+    kept = {k: v.clone() for k, v in weights.items()}
+    actor.train(1, random_train_batch(1, rewards=[0.0, 1.0, 1.0, 0.0]))
+    moved = actor.get_hf_weights()
+    assert any(not torch.equal(moved[k], kept[k]) for k in kept)
+    # what the driver holds is a copy: the next step leaves it as it was
+    assert all(torch.equal(weights[k], kept[k]) for k in kept), "returned weights alias the live parameters"
