@@ -126,7 +126,7 @@ class RLRun:
             run, start, start - 1, version, last if exists(f"{last}/model.safetensors") else None
         )
         hook, phase, ahead = s.hooks, s.hooks.phase, self.ahead
-        pipeline = self._pipelines()
+        with_weights, pipeline = self._weights_with_train(), self._pipelines()
         for rollout_id in range(start, cfg.num_rollout):
             t0, hook.rollout_id = time.time(), rollout_id
             with phase("step", end=bool(s.trainers)):  # --debug-rollout-only: no phase past the rollout
@@ -143,8 +143,9 @@ class RLRun:
                 s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
                 decided = None  # (forced, save due), when decided before the train ends
                 with phase("train"):
-                    if pending is None:
-                        pending = self._submit_train(rollout_id, samples, version, pipeline)
+                    if pending is None:  # the version's weights come back with its train call
+                        publishes = (rollout_id + 1) % cfg.update_weights_interval == 0
+                        pending = self._submit_train(rollout_id, samples, version, with_weights and publishes)
                     if pipeline and rollout_id + 1 < cfg.num_rollout:
                         # the trainer never waits on the driver: rollout k+1 (generated while k-1
                         # trained) queues behind k unless a checkpoint of k is due, which must hold k's weights
@@ -200,21 +201,25 @@ class RLRun:
                     post_save_hook(cfg, rollout_id, iter_dir(cfg.save, rollout_id), hf_copy)
         return result
 
+    def _weights_with_train(self) -> bool:
+        """A publishing rollout's train call hands back the version's weights (one call, not a second
+        one to ask for them: ~10 ms a step on the demo) where the driver feeds them to the engines:
+        not through the trainer-driven transports (broadcast, colocated) nor for a LoRA adapter."""
+        s = self.s
+        return s.session is not None and not self.cfg.uses_lora and not s.session.transport.needs_trainers
+
     def _pipelines(self) -> bool:
         """train-async queues rollout k+1's train behind rollout k's (the trainer hands each version's
         weights back with its train call, so the driver publishes, records and evaluates k while k+1
         trains; the versions each rollout is generated and trained on are train_async.py's). Only
-        where nothing between two trains needs the trainer: a version every rollout through a
-        transport the driver feeds (not the trainer-driven broadcast / colocated ones), no LoRA
-        adapter to ask for, no offload schedule. A checkpoint's rollout never queues the next."""
-        cfg, s = self.cfg, self.s
+        where nothing between two trains needs the trainer: the weights with the train call
+        (`_weights_with_train`), a version every rollout, no offload schedule. A checkpoint's rollout
+        never queues the next."""
         return (
             self.ahead is not None
-            and s.session is not None
-            and cfg.update_weights_interval == 1
-            and not cfg.uses_lora
-            and not s.session.transport.needs_trainers
-            and not s.colocation.active
+            and self._weights_with_train()
+            and self.cfg.update_weights_interval == 1
+            and not self.s.colocation.active
         )
 
     def _take_rollout(self, rollout_id: int, version: int, t0: float, start: int) -> tuple[list, dict, str]:

@@ -7,6 +7,7 @@ import re
 
 import httpx
 import pytest
+import torch
 from loop_helpers import small_run_config, write_prompts
 
 from miles_platform.config import ConfigError, RunConfig
@@ -196,6 +197,12 @@ def test_loop_runs_versions_shards_checkpoints_and_resumes(
     assert src == [("loop", *want, 4)]
     assert 0.0 <= res.eval_before_train["eval/heldout/pass@1"] <= 1.0
     assert os.path.exists(os.path.join(paths.checkpoints("t"), "latest_checkpointed_iteration.txt"))
+    if backend == "fsdp":  # v2's export came back with rollout 1's train call: the trainer's weights after it
+        from safetensors.torch import load_file
+
+        exported = load_file(os.path.join(paths.hf_export("t", 2), "model.safetensors"))
+        saved = load_file(os.path.join(paths.checkpoints("t"), "iter_0000001", "model.safetensors"))
+        assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
     _check_hooks(cfg, backend, paths)
     # relaunching the same command with more rollouts resumes at rollout 2, version 2; no second v0 eval
     cfg2 = _cfg(tiny_hf_checkpoint, tmp_path, num_rollout=3, train_backend=backend, eval_interval=2, **sampling,
