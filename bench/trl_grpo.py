@@ -15,7 +15,8 @@ one process and one micro-batch of all 128 completions that is our `--calculate-
 token mean ("bnpo" divides by the local micro-batch's tokens, equal here too, but not once the
 batch is split). Set for speed on CPU as a user would: fp32 (no bf16 autocast, the
 GRPOConfig default), no gradient checkpointing (on by default in GRPOConfig), no vLLM, no
-logging, saving or eval, the default fused AdamW, one torch thread (as every bench here).
+logging, saving or eval, the default fused AdamW, torch's default threads (one per core: what a
+user gets; `--threads N` pins them).
 
 The reward is ours (`--rm-type math`'s fast path): plain-number answers compared with the label as
 decimals; anything else scores 0. Prints one JSON line: per-step seconds (the
@@ -65,7 +66,10 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(base: str, prompts: str, steps: int, seed: int, out_dir: str, save: str | None = None) -> dict:
+def run(
+    base: str, prompts: str, steps: int, seed: int, out_dir: str, save: str | None = None,
+    threads: int | None = None,
+) -> dict:  # fmt: skip
     import torch
     import transformers
     import trl
@@ -73,7 +77,8 @@ def run(base: str, prompts: str, steps: int, seed: int, out_dir: str, save: str 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(1)
+    if threads:
+        torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with open(prompts) as f:
@@ -165,11 +170,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="optimizer steps (the first is warm-up)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--save", default=None, help="save the final model + tokenizer (HF dir) here")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     a = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="trl_grpo_") as out_dir:
-        result = run(a.base, a.prompts, a.steps, a.seed, out_dir, a.save)
+        result = run(a.base, a.prompts, a.steps, a.seed, out_dir, a.save, a.threads)
     print(json.dumps(result), flush=True)
 
 
