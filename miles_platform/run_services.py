@@ -220,9 +220,7 @@ class RunServices(contextlib.AbstractContextManager):
         cfg = self.cfg
         world = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
         dist_init = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
-        from miles_platform.cluster.ray_cluster import cluster_has_gpus
-
-        threads = trainer_threads(cfg, world, cluster_has_gpus())
+        threads = trainer_threads()
         from miles_platform.rollout.engine_fleet import run_storage_env, run_storage_secrets
         from miles_platform.training.qat import qat_env_vars
 
@@ -266,17 +264,17 @@ class RunServices(contextlib.AbstractContextManager):
         return m.data_source.state_dict(m.unfinished_records()) if m else {}
 
 
-def trainer_threads(cfg: RunConfig, world: int, gpus: bool) -> str:
-    """Each trainer rank's torch threads: $MILES_TRAIN_THREADS when set; else, in the sync loop on a
-    one-node CPU run, this host's cores shared by the ranks (the engines are idle while the trainer
-    trains: 2 threads took the demo's step 108 -> 86 ms on the 2-core VM, 2026-12-07); one where
-    generation runs beside training (`train-async`, `--fully-async`: a second thread there fought
-    the engine for its core, 0.15-0.19 -> 0.20 s a step) and on GPUs (the CPU only feeds them)."""
-    if os.environ.get("MILES_TRAIN_THREADS"):
-        return os.environ["MILES_TRAIN_THREADS"]
-    if gpus or cfg.train_async or cfg.fully_async or cfg.actor_num_nodes > 1:
-        return "1"
-    return str(max(1, len(os.sched_getaffinity(0)) // max(world, 1)))
+def trainer_threads() -> str:
+    """Each trainer rank's torch threads: $MILES_TRAIN_THREADS, else 1. One by default even in the
+    sync loop on CPU, where the engines sit idle while the trainer trains: two threads took a quiet
+    2-core VM's demo step 205 -> 186 ms, but any other load on either core stalls the pair (the
+    quickstart's GRPO op, beside its checkpoint conversion: 51 -> 74 s), 2026-12-07."""
+    given = os.environ.get("MILES_TRAIN_THREADS", "").strip() or "1"
+    if not given.isdigit() or int(given) < 1:
+        from miles_platform.errors import ConfigError
+
+        raise ConfigError(f"MILES_TRAIN_THREADS={given!r}: a whole number of torch threads >= 1, or unset")
+    return given
 
 
 def resume_hint(cfg) -> str:

@@ -15,9 +15,6 @@ from miles_platform.models.tiny import save_tiny_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# the suite's xdist workers already share the cores: a sync run's trainer takes one thread, not the
-# host's cores (run_services.trainer_threads; its own test unsets this)
-os.environ.setdefault("MILES_TRAIN_THREADS", "1")
 
 
 def _share_the_default_tls_context() -> None:

@@ -76,7 +76,7 @@ class TrainerActor(ActorWeights):
     ):  # fmt: skip
         """`device`: the rank's device; None: the one Ray assigned (cluster/devices.rank_device)."""
         remote.apply_secret_env(secret_env)  # the object store's credentials (never in the runtime env)
-        torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS", "1"))))
+        torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS") or "1")))
         self.device = rank_device(device)
         use_device(self.device)
         cfg = config_on_device(cfg, self.device)  # --train-forward-dtype / --rollout-dtype resolved

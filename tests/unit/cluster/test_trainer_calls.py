@@ -8,7 +8,7 @@ import time
 import pytest
 
 from miles_platform.config import RunConfig
-from miles_platform.errors import ActorDied
+from miles_platform.errors import ActorDied, ConfigError
 from miles_platform.run_services import call_trainers
 
 
@@ -91,26 +91,15 @@ def test_an_actor_class_is_exported_to_the_cluster_once_per_process_not_per_run(
     assert exports == ["_Rank"]
 
 
-def test_trainer_threads_take_the_cores_idle_engines_leave(monkeypatch):
-    """Sync loop on CPU: the host's cores shared by the ranks; one where generation runs beside
-    training or on GPUs; $MILES_TRAIN_THREADS wins."""
-    import os
-    from types import SimpleNamespace
-
+def test_trainer_threads_one_unless_told(monkeypatch):
+    """One torch thread a trainer rank unless $MILES_TRAIN_THREADS says; a bad value is refused."""
     from miles_platform.run_services import trainer_threads
 
     monkeypatch.delenv("MILES_TRAIN_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-
-    def cfg(**kw):
-        return SimpleNamespace(**{"train_async": False, "fully_async": False, "actor_num_nodes": 1, **kw})
-
-    assert trainer_threads(cfg(), 1, gpus=False) == "4"
-    assert trainer_threads(cfg(), 2, gpus=False) == "2"
-    assert trainer_threads(cfg(), 8, gpus=False) == "1"
-    assert trainer_threads(cfg(train_async=True), 1, gpus=False) == "1"
-    assert trainer_threads(cfg(fully_async=True), 1, gpus=False) == "1"
-    assert trainer_threads(cfg(actor_num_nodes=2), 1, gpus=False) == "1"
-    assert trainer_threads(cfg(), 1, gpus=True) == "1"
+    assert trainer_threads() == "1"
     monkeypatch.setenv("MILES_TRAIN_THREADS", "3")
-    assert trainer_threads(cfg(train_async=True), 1, gpus=False) == "3"
+    assert trainer_threads() == "3"
+    for bad in ("two", "0", "-1"):
+        monkeypatch.setenv("MILES_TRAIN_THREADS", bad)
+        with pytest.raises(ConfigError, match=f"MILES_TRAIN_THREADS='{bad}'"):
+            trainer_threads()
