@@ -435,9 +435,16 @@ def test_resume_after_a_crash_never_reuses_a_version_key(tiny_hf_checkpoint, tmp
     first = train(cfg, logs)  # versions 1, 2, 3; checkpoints at rollout 1 (v2) and rollout 2 (v3, the last)
     # the pipeline: rollout 1 (generated while 0 trained) queued its train before rollout 0's ended;
     # rollout 2 waited for rollout 1's checkpoint, which must hold rollout 1's weights
-    order = [re.search(r"\] (\w+?)(\d): observe", line).groups() for line in logs.lines if ": observe at " in line]
+    order = [
+        re.search(r"\] (\w+?)(\d): observe", line).groups() for line in logs.lines if ": observe at " in line
+    ]
     assert [f"{h.removeprefix('trainer_controller_')}{k}" for h, k in order] == [
-        "step_start0", "step_start1", "step_end0", "step_end1", "step_start2", "step_end2"
+        "step_start0",
+        "step_start1",
+        "step_end0",
+        "step_end1",
+        "step_start2",
+        "step_end2",
     ], order
     assert [("perf/rollout_wait_time" in m) for m in first.metrics] == [
         True,
