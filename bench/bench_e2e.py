@@ -73,7 +73,8 @@ WHOLE_SEEDS = tuple(int(x) for x in os.environ.get("MILES_BENCH_WHOLE_SEEDS", "1
 WHOLE_STEPS = 100
 WHOLE_EVAL_PROMPTS = 512
 PHASES = ("perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time",
-          # the driver's own: the shard, the trainer's weights to it, the version's HF export, its rows
+          # the driver's own: the shard, the version's weights (gathered in the train call where the
+          # driver feeds the engines), its HF export, its rows
           "perf/rollout_shard_time", "perf/get_weights_time", "perf/export_hf_time",
           "perf/record_version_time")  # fmt: skip
 
@@ -96,7 +97,7 @@ def bare_grpo_loop(base: str, prompts_path: str, steps: int) -> list[float]:
     rm_hub.warm_up_rewards(cfg.rm_type)
     n, b = cfg.n_samples_per_prompt, cfg.rollout_batch_size
     rng = np.random.default_rng(0)
-    times = []
+    times, threads = [], torch.get_num_threads()
     torch.set_num_threads(CORES)  # as a user's script runs (module docstring); ours pins its own
     for step in range(steps):
         t0 = time.perf_counter()
@@ -134,7 +135,7 @@ def bare_grpo_loop(base: str, prompts_path: str, steps: int) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
         opt.step()
         times.append(time.perf_counter() - t0)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     return times
 
 

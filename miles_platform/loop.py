@@ -135,7 +135,9 @@ class RLRun:
                         samples, metrics, shard, pending = self.queued
                         self.queued = None
                     else:
-                        samples, metrics, shard = self._take_rollout(rollout_id, version, t0, start)
+                        samples, metrics, shard = self._take_rollout(rollout_id, version, t0, launch=True)
+                        if rollout_id == start:  # where the start-up went (startup.py)
+                            metrics.update(self.startup.metrics())
                         pending = None
                 if not s.trainers:
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
@@ -222,16 +224,15 @@ class RLRun:
             and not self.s.colocation.active
         )
 
-    def _take_rollout(self, rollout_id: int, version: int, t0: float, start: int) -> tuple[list, dict, str]:
-        """The rollout's samples and metrics, its shard written (train-async: the next one launched)."""
+    def _take_rollout(self, rollout_id: int, version: int, t0: float, launch: bool) -> tuple[list, dict, str]:
+        """The rollout's samples and metrics, its shard written; `launch` (train-async): the next
+        rollout starts generating on `version` as soon as this one is taken."""
         from miles_platform.store.debug_rollouts import save_debug_rollout
         from miles_platform.store.shards import write_rollout_shard
 
         cfg, ahead = self.cfg, self.ahead
         samples, metrics = self._generate(rollout_id, version, t0)
-        if rollout_id == start:  # where the start-up went (startup.py)
-            metrics.update(self.startup.metrics())
-        if ahead is not None and rollout_id + 1 < cfg.num_rollout:
+        if launch and ahead is not None and rollout_id + 1 < cfg.num_rollout:
             ahead.launch(rollout_id + 1)  # generates on `version` while this rollout trains
         t = time.time()
         shard = write_rollout_shard(self.paths, cfg.run_name, rollout_id, samples)
@@ -245,19 +246,11 @@ class RLRun:
         trained), write its shard and queue its train behind the one running; its next rollout is
         launched after the version now training is published (`_loop`). Its rollout_end and
         trainer_controller_step_start hooks fire here, inside the previous rollout's train phase."""
-        from miles_platform.store.debug_rollouts import save_debug_rollout
-        from miles_platform.store.shards import write_rollout_shard
-
-        cfg, hook = self.cfg, self.s.hooks
+        hook = self.s.hooks
         hook.rollout_id = rollout_id
         try:
             with hook.phase("rollout"):
-                samples, metrics = self._generate(rollout_id, version, time.time())
-                t = time.time()
-                shard = write_rollout_shard(self.paths, cfg.run_name, rollout_id, samples)
-                metrics["perf/rollout_shard_time"] = time.time() - t
-                if cfg.save_debug_rollout_data:
-                    save_debug_rollout(cfg, rollout_id, samples)
+                samples, metrics, shard = self._take_rollout(rollout_id, version, time.time(), launch=False)
             hook.fire("trainer_controller_step_start")
             # the version it makes: the one after the version the running train makes
             pending = self._submit_train(rollout_id, samples, version, True, later=1)
