@@ -72,10 +72,6 @@ class RLRun:
         fill_defaults(cfg, self.paths, len(src) if src else 1)
         self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), data_version(cfg, src)
         self.startup.mark("data")
-        if not cfg.debug_train_only:  # the graders import while Ray starts (the manager waits for them)
-            from miles_platform.rollout import rm_hub
-
-            rm_hub.warm_up_rewards_in_background(*rm_hub.run_graders(cfg))
         with RunServices(cfg, self.paths, self.reporter, tok, src, startup=self.startup) as s:
             self.s, state = s, s.state
             self.rec = VersionRecorder(cfg, self.paths, self.reporter, self.base_version, self.data_version,

@@ -75,6 +75,7 @@ class RunServices(contextlib.AbstractContextManager):
         cfg, s, log = self.cfg, self._stack, self.reporter.log
         s.enter_context(self.life)
         self.startup.mark("ray")
+        self._warm_up_driver()
         groups = create_placement_groups(cfg)
         s.callback(remove_placement_groups, groups)
         self.startup.mark("placement")
@@ -152,6 +153,20 @@ class RunServices(contextlib.AbstractContextManager):
 
         self.colocation = Colocation(cfg, self.trainers, self.engines, call_trainers)
         self.startup.mark("services")
+
+    def _warm_up_driver(self) -> None:
+        """What this process imports later (the graders, which the first grading waits for; pandas,
+        which pyarrow pulls in at the first table read or write: the resume's, ~1 s on the critical
+        path before), on daemon threads from now on: until the engines are up, this thread mostly
+        waits for the actors. Not before Ray's start: up to there both cores are busy (this process's
+        validation and imports beside the fork server's), and the graders' ~2 CPU-s there delayed it."""
+        from miles_platform.startup import import_in_background
+
+        import_in_background("pandas", name="warm-up-pandas")
+        if not self.cfg.debug_train_only:
+            from miles_platform.rollout import rm_hub
+
+            rm_hub.warm_up_rewards_in_background(*rm_hub.run_graders(self.cfg))
 
     def _start_health_monitor(self, groups) -> None:
         import threading

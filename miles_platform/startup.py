@@ -19,7 +19,10 @@ Phases of `train` (loop.py, run_services.py), in order:
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import threading
 import time
 
 PHASES = ("launch", "preflight", "data", "ray", "placement", "engines", "trainers", "services", "resume")
@@ -68,3 +71,19 @@ class StartupClock:
     def summary(self) -> str:
         parts = " ".join(f"{k} {v:.2f}" for k, v in self.phases.items())
         return f"[startup] {self.total():.2f} s to the first rollout's generation: {parts}"
+
+
+def import_in_background(*modules: str, name: str = "warm-imports") -> threading.Thread:
+    """Import `modules` on a daemon thread, quietly (a module that fails to import is imported again,
+    and fails loudly, where it is used): for a process that mostly waits at that point of its start.
+    pyarrow, for one, imports pandas (~1 CPU-s) the first time it builds any array: a run's first
+    table read or write paid it on the critical path of its start."""
+
+    def run() -> None:
+        for m in modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(m)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t

@@ -1,0 +1,23 @@
+"""startup.py: the background imports a run's processes start while they wait."""
+
+from __future__ import annotations
+
+import sys
+
+
+def test_import_in_background_imports_on_a_daemon_thread_and_skips_a_failure(tmp_path, monkeypatch):
+    (tmp_path / "warm_mod_a.py").write_text("import time\ntime.sleep(0.2)\nVALUE = 7\n")
+    (tmp_path / "warm_mod_b.py").write_text("raise ImportError('broken on purpose')\n")
+    (tmp_path / "warm_mod_c.py").write_text("VALUE = 9\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for m in ("warm_mod_a", "warm_mod_b", "warm_mod_c"):
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    from miles_platform.startup import import_in_background
+
+    t = import_in_background("warm_mod_a", "warm_mod_b", "warm_mod_c", name="warm-test")
+    assert t.daemon and t.name == "warm-test"
+    assert t.is_alive()  # returned while the first import still runs (it sleeps)
+    t.join(10)
+    # a failed import is skipped (it fails again, loudly, where the module is used); the next one runs
+    assert sys.modules["warm_mod_a"].VALUE == 7 and sys.modules["warm_mod_c"].VALUE == 9
+    assert "warm_mod_b" not in sys.modules
