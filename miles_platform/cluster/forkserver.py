@@ -61,9 +61,10 @@ PRELOAD = (
     "miles_platform.rollout.engine_server",
     "miles_platform.training.actor",
     "miles_platform.training.fsdp_backend",
-    # a trainer rank appends its train_samples rows (store/tables.py: pyarrow, which pulls in pandas).
+    # a trainer rank appends its train_samples rows (store/tables.py). Not pandas, which pyarrow pulls
+    # in at its first array: ~0.9 CPU-s of this server's ~11, whose imports are the critical path of a
+    # run's start on 2 cores; a trainer imports it on a thread while it waits for its first rollout
     "pyarrow.parquet",
-    "pandas",
     # what `import ray` pulls in besides itself (~0.1 CPU-s of each actor's start). Not ray itself: its
     # native module keeps the importing process's state (the auth mode, read at import before the
     # cluster sets it); workers forked from a server that had imported it failed to start (2026-12-06)
@@ -452,3 +453,7 @@ def serve(d: str, extras: list[str]) -> None:
 
 if __name__ == "__main__":
     serve(sys.argv[1], sys.argv[2:])
+    sys.stderr.flush()
+    # no interpreter teardown of the preloaded modules (~0.15 s the driver's exit waited for): the
+    # server holds no buffered file and no state anyone reads after it
+    os._exit(0)

@@ -34,6 +34,7 @@ from miles_platform.cluster.devices import (
 )
 from miles_platform.cluster.ports import gloo_on_loopback, tcp_store
 from miles_platform.config import RunConfig
+from miles_platform.startup import import_in_background
 from miles_platform.store import remote
 from miles_platform.training import actor_checkpoint, ci_checks
 from miles_platform.training import loss as loss_hub
@@ -76,6 +77,9 @@ class TrainerActor(ActorWeights):
     ):  # fmt: skip
         """`device`: the rank's device; None: the one Ray assigned (cluster/devices.rank_device)."""
         remote.apply_secret_env(secret_env)  # the object store's credentials (never in the runtime env)
+        # pandas, which pyarrow imports for the first train_samples rows: while the rank waits for
+        # its first rollout, not in the fork server's preload (forkserver.PRELOAD says why)
+        import_in_background("pandas", name="warm-up-pandas")
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS") or "1")))
         self.device = rank_device(device)
         use_device(self.device)
