@@ -219,6 +219,45 @@ def test_a_run_compacts_its_tables_when_it_ends_not_when_it_fails(tmp_path, monk
     assert any("[compact] run 'ok': metrics 3 files -> 1 (9 rows)" in m for m in lines), lines
 
 
+def test_the_compaction_runs_beside_rays_shutdown_and_ends_before_the_run_lock_goes(tmp_path, monkeypatch):
+    """Ray's shutdown mostly waits for its processes: the compaction runs on a thread beside it (the
+    shutdown here returns only once the compaction has started, which a serial order never does),
+    and the run lock is released after both."""
+    import threading
+
+    import miles_platform.cluster.ray_cluster as rc
+    import miles_platform.store.compaction as compaction
+    from miles_platform.run_lifecycle import RunLifecycle
+    from miles_platform.store.run_lock import RunLock
+
+    started, seen, order = threading.Event(), threading.Event(), []
+    real = compaction.compact_tables
+
+    def compact(*a, **kw):
+        started.set()
+        seen.wait(5)
+        out = real(*a, **kw)
+        order.append("compacted")
+        return out
+
+    def shutdown(ctx):
+        order.append(f"shutdown saw the compaction started: {started.wait(5)}")
+        seen.set()
+
+    release = RunLock.release
+    monkeypatch.setattr(RunLock, "release", lambda self: (order.append("lock released"), release(self)))
+    monkeypatch.setattr(compaction, "compact_tables", compact)
+    monkeypatch.setattr(rc, "init_ray", lambda cfg, **kw: None)
+    monkeypatch.setattr(rc, "shutdown_ray", shutdown)
+    paths = StoragePaths(str(tmp_path / "root"))
+    cfg = RunConfig(run_name="ok", storage_root=paths.root)
+    with RunLifecycle(cfg, paths, lambda m: None):
+        for rid in range(3):
+            append_rows(paths, "metrics", "ok", _metrics(rid))
+    assert order == ["shutdown saw the compaction started: True", "compacted", "lock released"], order
+    assert len(list_files(paths, "metrics", "ok")) == 1
+
+
 def _nothing():
     import contextlib
 
