@@ -17,6 +17,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# As the Makefile's `unexport PYTHONDONTWRITEBYTECODE`: every process a bench starts (a `train`, its
+# Ray workers and fork server, TRL, a bare loader) writes the .pyc of a module it compiles and reads
+# it the next time, as in a user's venv after its first run (TRL's venv is byte-compiled at install).
+# Where the variable is set (this machine's shell, CI) and a bench was run without make, each of our
+# processes compiled every module it imported, every time: a whole `train` read ~24-25 s instead of
+# ~17-18, its start-up 11-14 s instead of 5-6 (2026-12-07), and TRL's precompiled venv did not pay it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 
 def project_env(**extra: str) -> dict[str, str]:
     """The environment of a bench's subprocess that runs this tree (`miles-platform train`, a bare

@@ -126,3 +126,20 @@ def test_bench_startup_reads_the_runs_startup_line():
         *(f"perf/startup_{p}_time" for p in got if p != "total"),
     }
     assert 0 < process_age_s() < 3600  # this process's age, from /proc
+
+
+def test_bench_processes_write_bytecode_where_the_shell_forbids_it():
+    """A bench run outside make (PYTHONDONTWRITEBYTECODE set, as in this machine's shell) made each of
+    our processes compile every module it imported, every run; TRL's venv is precompiled."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.common import ROOT
+
+    code = "import os, sys, bench.common; print(os.environ.get('PYTHONDONTWRITEBYTECODE'), sys.dont_write_bytecode)"
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["None", "False"], out.stderr[-500:]
