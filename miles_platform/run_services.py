@@ -31,6 +31,7 @@ class RunServices(contextlib.AbstractContextManager):
         self.train_only = None  # --debug-train-only with a rollout function (Miles' SFT): no engines
         self.teachers: list[tuple[str, str, str | None]] = []  # OPD: (teacher, kind, content hash)
         self.state: dict[str, Any] | None = None
+        self.cpu_plan: str | None = None  # --pin-trainer-cpus (cluster/cpu_pinning.py)
         from miles_platform.run_lifecycle import RunLifecycle
 
         # run lock, dead writers' staging, resume config, Ray, trackers: up first, down last
@@ -70,9 +71,14 @@ class RunServices(contextlib.AbstractContextManager):
     def _start(self) -> None:
         import ray
 
+        from miles_platform.cluster.cpu_pinning import pin_driver, plan
         from miles_platform.cluster.ray_cluster import create_placement_groups, remove_placement_groups
 
         cfg, s, log = self.cfg, self._stack, self.reporter.log
+        self.cpu_plan = plan(cfg, int(trainer_threads()))  # --pin-trainer-cpus (validated in preflight)
+        undo = pin_driver(self.cpu_plan)  # this process and what it starts (Ray's daemons) off the
+        if undo is not None:  # trainers' cores; given back to an in-process caller at the end
+            s.callback(undo)
         s.enter_context(self.life)
         self.startup.mark("ray")
         self._warm_up_driver()
@@ -109,6 +115,13 @@ class RunServices(contextlib.AbstractContextManager):
         if self.trainers:
             ready_or_user_error([a.ready.remote() for a in self.trainers])
             self.state = ray.get([t.load.remote() for t in self.trainers])[0]
+            if self.cpu_plan:  # where the ranks really run, as each reports it
+                from miles_platform.cluster.cpu_pinning import cores_of
+
+                ranks = ray.get([t.__ray_call__.remote(cores_of) for t in self.trainers])
+                log(
+                    f"[pin-trainer-cpus] trainer rank cores {ranks}; the engines and this driver on {cores_of()}"
+                )
         self.startup.mark("trainers")
         if cfg.uses_trainer_teacher:  # the teacher is in the trainer
             from miles_platform.rollout.opd import teacher_sources
@@ -228,6 +241,7 @@ class RunServices(contextlib.AbstractContextManager):
     def _create_trainers(self, groups) -> list:
         """The trainer actors, created (not yet waited on: `.ready` does that)."""
 
+        from miles_platform.cluster.cpu_pinning import ENV
         from miles_platform.cluster.ports import free_port
         from miles_platform.cluster.ray_cluster import create_role_actors
         from miles_platform.training.actor import TrainerActor
@@ -246,6 +260,7 @@ class RunServices(contextlib.AbstractContextManager):
                 **run_storage_env(cfg),
                 **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if cfg.deterministic_mode else {}),
                 **qat_env_vars(),  # Miles' INT4 QAT variables, as preflight read them (training/qat.py)
+                **({ENV: self.cpu_plan} if self.cpu_plan else {}),  # --pin-trainer-cpus: each rank's cores
                 **cfg.train_env(),
             }  # fmt: skip
         }

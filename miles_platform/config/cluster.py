@@ -63,6 +63,12 @@ class ClusterFlags:
     )  # fmt: skip
     # --- end of the devices and colocation block ---
     num_cpus_per_actor: float = flag(1.0, "cluster", "Ray CPUs reserved per trainer rank / engine on CPU")
+    pin_trainer_cpus: bool = flag(
+        False, "cluster",
+        "CPU-only local runs: each trainer rank on cores of its own (its MILES_TRAIN_THREADS), the engines "
+        "and the driver on the others, so that generation and the driver's work never preempt a train "
+        "step (train-async / --fully-async on a few cores; cluster/cpu_pinning.py)",
+    )  # fmt: skip
     rollout_engine: str = flag("embedded", "cluster", "rollout engine kind", choices=("embedded", "sglang"))
     rollout_external_engine_addrs: list[str] = flag(
         [], "cluster", "attach engines started elsewhere (host:port ...)", nargs="*"

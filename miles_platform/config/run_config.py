@@ -236,7 +236,7 @@ LOGGING = frozenset(f.name for f in dataclasses.fields(RunConfig) if f.metadata[
 # is trained (data, model, algorithm, batch, optimizer, sampling, precision, weight transport).
 RESUMABLE = frozenset(
     {"ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-     "colocate", "num_cpus_per_actor", "rollout_engine", "rollout_external_engine_addrs", "sglang_router_port",
+     "colocate", "num_cpus_per_actor", "pin_trainer_cpus", "rollout_engine", "rollout_external_engine_addrs", "sglang_router_port",
      "use_fault_tolerance", "rollout_health_check_interval", "rollout_health_check_timeout",
      "rollout_health_check_first_wait", "pause_wait_timeout_s", "pause_max_queued_requests", "api_key", "api_key_file", "allow_config_change", "object_store_backend", "mooncake_store_init_kwargs",
      "load", "save", "save_interval", "no_save_optim", "no_load_optim", "no_load_rng", "async_save",

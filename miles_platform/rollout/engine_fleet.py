@@ -70,8 +70,18 @@ def _embedded_kwargs(cfg: RunConfig) -> dict[str, Any]:
         pause_max_queued_requests=cfg.pause_max_queued_requests,
         secret_env=run_storage_secrets(cfg),
         run_name=cfg.run_name,  # the OpenAI model id: <run>.v<NNNNNN>
-        options={"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", **run_storage_env(cfg)}}},
+        options={
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", **run_storage_env(cfg), **pin_env(cfg)}}
+        },
     )
+
+
+def pin_env(cfg: RunConfig) -> dict[str, str]:
+    """--pin-trainer-cpus: the plan an engine pins itself by (off the trainers' cores): the one the
+    driver pinned itself by (cluster/cpu_pinning.pin_driver)."""
+    from miles_platform.cluster import cpu_pinning
+
+    return {cpu_pinning.ENV: cpu_pinning.active} if cfg.pin_trainer_cpus and cpu_pinning.active else {}
 
 
 def run_storage_env(cfg: RunConfig) -> dict[str, str]:

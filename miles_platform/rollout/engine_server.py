@@ -214,6 +214,9 @@ class EngineActor:
     serves HTTP for the router and takes in-process weight updates from the trainer."""
 
     def __init__(self, hf_checkpoint: str, **kwargs):
+        from miles_platform.cluster.cpu_pinning import pin_others
+
+        pin_others()  # --pin-trainer-cpus: off the trainer ranks' cores (the run's plan, in the env)
         kwargs.setdefault("host", "127.0.0.1")
         self._server = start_engine_server(hf_checkpoint, **kwargs)
 

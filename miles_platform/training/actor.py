@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from miles_platform.cluster.cpu_pinning import pin_trainer_rank
 from miles_platform.cluster.devices import (
     config_on_device,
     group_backend,
@@ -79,6 +80,7 @@ class TrainerActor(ActorWeights):
         remote.apply_secret_env(secret_env)  # the object store's credentials (never in the runtime env)
         # pandas, which pyarrow imports for the first train_samples rows: while the rank waits for
         # its first rollout, not in the fork server's preload (forkserver.PRELOAD says why)
+        pin_trainer_rank(rank)  # --pin-trainer-cpus: this rank's own cores (the run's plan, in the env)
         import_in_background("pandas", name="warm-up-pandas")
         torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS") or "1")))
         self.device = rank_device(device)
