@@ -239,13 +239,15 @@ def whole_runs(python: str, base: str, data: dict, root: str, recipe: dict) -> l
     env = project_env(OMP_NUM_THREADS="1")
     ours, trl = {"wall": [], "rss": [], "acc": []}, {"wall": [], "rss": [], "acc": []}
     overlap = {"wall": [], "rss": [], "acc": []}  # `train-async`: Miles' one-step overlap loop
+    pinned = {"wall": [], "rss": [], "acc": []}  # `train-async --pin-trainer-cpus`
     for seed in WHOLE_SEEDS:
         d = os.path.join(root, f"whole{seed}")
         os.makedirs(d)
-        for command, tag, out_of in (("train", "ours", ours), ("train-async", "overlap", overlap)):
+        for command, tag, out_of, extra in (("train", "ours", ours, {}), ("train-async", "overlap", overlap, {}),
+                                            ("train-async", "pinned", pinned, {"pin_trainer_cpus": CORES >= 2})):  # fmt: skip
             cfg = {**recipe, "run_name": f"{tag}{seed}", "hf_checkpoint": base, "prompt_data": data["train"],
                    "num_rollout": WHOLE_STEPS, "seed": seed, "rollout_seed": seed, "save_interval": None,
-                   "storage_root": os.path.join(d, f"root_{tag}")}  # fmt: skip
+                   "storage_root": os.path.join(d, f"root_{tag}"), **extra}  # fmt: skip
             Path(d, f"{tag}.yaml").write_text(yaml.safe_dump(cfg))
             cmd = [sys.executable, "-m", "miles_platform.cli", command, "--config", f"{d}/{tag}.yaml"]
             wall, rss, out = timed_process(cmd, env, os.path.join(d, tag))
@@ -277,6 +279,11 @@ def whole_runs(python: str, base: str, data: dict, root: str, recipe: dict) -> l
             float(np.median(trl["wall"])), f"s (ratio: train-async / TRL, goal <= 1.0; {what})",
             ours_s=[round(x, 1) for x in overlap["wall"]], trl_s=[round(x, 1) for x in trl["wall"]],
             train_s=[round(x, 1) for x in ours["wall"]]),
+        row("e2e: whole run wall, start to exit, train-async --pin-trainer-cpus vs TRL GRPOTrainer",
+            float(np.median(pinned["wall"])), float(np.median(trl["wall"])),
+            f"s (ratio: pinned train-async / TRL, goal <= 1.0; {what})",
+            ours_s=[round(x, 1) for x in pinned["wall"]], trl_s=[round(x, 1) for x in trl["wall"]],
+            overlap_s=[round(x, 1) for x in overlap["wall"]], pinned_acc=[round(x, 3) for x in pinned["acc"]]),
         row("e2e: held-out greedy pass@1 after the whole run, train-async vs train", float(np.mean(overlap["acc"])),
             float(np.mean(ours["acc"])),
             f"pass@1 (ratio: one-step overlap / on-policy, goal ~1 within seed noise; mean of {len(WHOLE_SEEDS)} "
@@ -315,6 +322,14 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
             num_rollout=rollouts, storage_root=os.path.join(d, "root_overlap"), train_async=True,
         ).validate()  # fmt: skip
         res_overlap = train(cfg_overlap)
+        # the same, the trainer on a core of its own, the engine and the driver on the other
+        # (--pin-trainer-cpus, cluster/cpu_pinning.py): off by default, for CPU-only local runs
+        cfg_pinned = RunConfig(
+            **dict(recipe, run_name="bench_e2e_pinned"), hf_checkpoint=base, prompt_data=data["train"],
+            num_rollout=rollouts, storage_root=os.path.join(d, "root_pinned"), train_async=True,
+            pin_trainer_cpus=CORES >= 2,
+        ).validate()  # fmt: skip
+        res_pinned = train(cfg_pinned)
         cfg_async = RunConfig(
             **dict(recipe, run_name="bench_e2e_async"), hf_checkpoint=base, prompt_data=data["train"],
             num_rollout=rollouts, storage_root=os.path.join(d, "root_async"), fully_async=True,
@@ -370,6 +385,15 @@ def run(rollouts: int = ROLLOUTS) -> list[dict]:
     if vs_trl.get("baseline"):  # the same TRL steps as the sync row's
         rows.append(row("e2e: s per GRPO step, train-async (one-step overlap) vs TRL GRPOTrainer", t_overlap,
                         vs_trl["baseline"], "s/step (ratio: overlap / TRL, goal <= 0.8; medians of the measured steps)",
+                        peak_rss_mb=rss))  # fmt: skip
+    t_pinned = median_step(res_pinned)
+    rows.append(row("e2e: s per GRPO step, train-async --pin-trainer-cpus vs train-async", t_pinned, t_overlap,
+                    f"s/step (ratio: pinned / not; < 1 = pinning pays; {'pinned' if CORES >= 2 else 'one core: not pinned'})",
+                    pinned_steps_s=[round(m["perf/rollout_total_time"], 4) for m in res_pinned.metrics[1:]],
+                    peak_rss_mb=rss))  # fmt: skip
+    if vs_trl.get("baseline"):
+        rows.append(row("e2e: s per GRPO step, train-async --pin-trainer-cpus vs TRL GRPOTrainer", t_pinned,
+                        vs_trl["baseline"], "s/step (ratio: ours / TRL, goal <= 0.8; the same TRL steps)",
                         peak_rss_mb=rss))  # fmt: skip
     t_plain = median_step(res_plain)
     rows.append(row("e2e: s per GRPO step, train with --ci-test vs without", total, t_plain,
