@@ -76,7 +76,7 @@ class StartupClock:
 def import_in_background(*modules: str, name: str = "warm-imports") -> threading.Thread:
     """Import `modules` on a daemon thread, quietly (a module that fails to import is imported again,
     and fails loudly, where it is used): for a process that mostly waits at that point of its start.
-    pyarrow, for one, imports pandas (~1 CPU-s) the first time it builds any array: a run's first
+    pyarrow, for one, imports pandas (0.3-1 CPU-s) the first time it builds any array: a run's first
     table read or write paid it on the critical path of its start."""
 
     def run() -> None:
