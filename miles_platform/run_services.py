@@ -168,7 +168,7 @@ class RunServices(contextlib.AbstractContextManager):
         self.startup.mark("services")
 
     def _warm_up_driver(self) -> None:
-        """What this process imports later (the graders, which the first grading waits for; pandas,
+        """What this process imports later (the graders, which the rollout manager waits for; pandas,
         which pyarrow pulls in at the first table read or write: the resume's), on daemon threads
         from now on: until the engines are up, this thread mostly waits for the actors. Not before
         Ray's start: up to there both cores are busy (this process's validation and imports beside

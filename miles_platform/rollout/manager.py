@@ -122,9 +122,9 @@ class RolloutManager:
         self.logprobs_mode = sc.get("sampling_logprobs_mode")
         self.topk = cfg.rollout_top_logprobs_num or self.top_logprobs_num
         # the run's and the in-loop eval's graders load now (a run started them once Ray was up), not
-        # inside a step that needs them: the first grading waits for them (rm_hub.async_rm), while the
-        # first rollout generates, not the manager's start
-        rm_hub.warm_up_rewards_in_background(*rm_hub.run_graders(cfg))
+        # inside a step that needs them. Waited for here, not at the first grading: an await there
+        # reordered which over-sampled groups finish first (tests/unit/rollout/test_partial_rollout.py)
+        rm_hub.warm_up_rewards(*rm_hub.run_graders(cfg))
 
     def close(self) -> None:
         self.client.close()

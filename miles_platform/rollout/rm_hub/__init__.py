@@ -176,7 +176,7 @@ _warming: dict[Callable[[], None], threading.Thread] = {}
 def warm_up_rewards_in_background(*rm_types: str | None) -> None:
     """Start loading these graders on a daemon thread (a run starts it once Ray is up, while its
     main thread waits for the actors: math_verify + sympy are ~0.6 CPU-s of imports on this 2-core
-    VM, ~2 where no .pyc is written); `warm_up_rewards`, or the first grading (`async_rm`), waits for it."""
+    VM, ~2 where no .pyc is written); `warm_up_rewards` (the rollout manager's start) waits for it."""
     for fn in _warm_ups(rm_types):
         if fn not in _warming:
             _warming[fn] = threading.Thread(target=_quietly, args=(fn,), name="warm-up-rewards", daemon=True)
@@ -202,24 +202,12 @@ def warm_up_rewards(*rm_types: str | None) -> None:
         fn()
 
 
-def _finish_warm_ups() -> None:
-    """The graders loading in the background: waited for, and their failure raised, here (a run's
-    first grading, `async_rm`; its first rollout generated meanwhile). Nothing once they are done."""
-    for fn in list(_warming):
-        started = _warming.pop(fn, None)
-        if started is not None:
-            started.join()
-            fn()
-
-
 async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
 
 
 async def async_rm(args: RewardSettings | Any, sample: Sample) -> Reward:
     """The reward of one sample (float, or a dict for multi-part rewards)."""
-    if _warming:  # a run's first grading: its graders may still be loading (a thread, not this loop)
-        await asyncio.to_thread(_finish_warm_ups)
     rewards = RewardSettings.of(args)
     if rewards.pure_opd and not (sample.metadata or {}).get("rm_type"):
         return 0.0

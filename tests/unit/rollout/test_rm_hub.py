@@ -344,34 +344,3 @@ def test_a_background_warm_up_runs_beside_the_caller_and_the_run_waits_for_it(mo
     rm_hub.warm_up_rewards_in_background("math")
     with pytest.raises(RuntimeError, match="no grader"):
         rm_hub.warm_up_rewards("math")
-
-
-def test_the_first_grading_waits_for_a_background_warm_up_and_raises_its_failure(monkeypatch):
-    """The rollout manager no longer waits for the graders' imports at its start (the first rollout
-    generates meanwhile): the first grading does, and a grader that failed to load fails it."""
-    from miles_platform.rollout import rm_hub
-
-    calls, release = [], threading.Event()
-
-    def slow_warm_up():
-        calls.append(threading.current_thread().name)
-        if len(calls) == 1:
-            release.wait(10)
-            calls.append("loaded")
-
-    monkeypatch.setitem(rm_hub.WARM_UPS, "math", slow_warm_up)
-    monkeypatch.setattr(rm_hub, "_warming", {})
-    rm_hub.warm_up_rewards_in_background("math")
-    threading.Timer(0.3, release.set).start()
-    samples = [Sample(index=0, response="5", label="5")]
-    compute_rewards(cfg(rm_type="math"), samples)
-    assert calls[:2] == ["warm-up-rewards", "loaded"] and samples[0].reward == 1.0  # graded after it loaded
-    assert not rm_hub._warming
-
-    def broken():
-        raise RuntimeError("no grader")
-
-    monkeypatch.setitem(rm_hub.WARM_UPS, "math", broken)
-    rm_hub.warm_up_rewards_in_background("math")
-    with pytest.raises(RuntimeError, match="no grader"):
-        compute_rewards(cfg(rm_type="math"), [Sample(index=0, response="5", label="5")])
