@@ -23,7 +23,7 @@ from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.errors import ActorDied, NonFiniteTraining
 from miles_platform.preflight import check_batch_fits, fill_defaults, validate_before_start
 from miles_platform.run_types import CITestFailure, PolicyVersion, Reporter, RunResult
-from miles_platform.startup import StartupClock
+from miles_platform.startup import StartupClock, bytecode_note
 from miles_platform.store.paths import StoragePaths
 from miles_platform.store.remote import exists  # a local path or an object-store URI
 from miles_platform.training.ci_checks import MetricChecker, rollout_checks
@@ -63,7 +63,7 @@ class RLRun:
         validate_before_start(cfg)
         for line in cfg.miles_flags_taken():  # Miles flags taken with the same result: say how
             self.reporter.log(f"[miles flags] {line}")
-        for line in [*quantized_serving(cfg), check_int4_qat(cfg)]:  # Miles' fp8 / int4 recipes, INT4 QAT
+        for line in [*quantized_serving(cfg), check_int4_qat(cfg), bytecode_note()]:  # fp8 / int4, QAT, .pyc
             if line:
                 self.reporter.log(line)
         self.startup.mark("preflight")

@@ -21,3 +21,23 @@ def test_import_in_background_imports_on_a_daemon_thread_and_skips_a_failure(tmp
     # a failed import is skipped (it fails again, loudly, where the module is used); the next one runs
     assert sys.modules["warm_mod_a"].VALUE == 7 and sys.modules["warm_mod_c"].VALUE == 9
     assert "warm_mod_b" not in sys.modules
+
+
+def test_a_run_says_when_every_process_would_compile_its_modules(tmp_path, monkeypatch):
+    import importlib.util
+
+    from miles_platform.startup import bytecode_note
+
+    src = tmp_path / "heavy_mod.py"
+    src.write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert bytecode_note("heavy_mod") is None  # .pyc files get written: nothing to say
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    note = bytecode_note("heavy_mod")
+    assert note and "PYTHONDONTWRITEBYTECODE is set and heavy_mod has no .pyc" in note
+    import py_compile
+
+    py_compile.compile(str(src), cfile=importlib.util.cache_from_source(str(src)))
+    assert bytecode_note("heavy_mod") is None  # compiled once: nothing to say
+    assert bytecode_note("no_such_module_here") is None
