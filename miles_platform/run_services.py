@@ -6,10 +6,10 @@ trainer actors, engines + router, rollout manager, weight-update session, fully 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import Any
 
+from miles_platform.cluster.cpu_pinning import trainer_threads
 from miles_platform.config import RunConfig
 from miles_platform.errors import ActorDied
 from miles_platform.run_types import Reporter
@@ -294,19 +294,6 @@ class RunServices(contextlib.AbstractContextManager):
             return self.src.state_dict()
         m = self.manager
         return m.data_source.state_dict(m.unfinished_records()) if m else {}
-
-
-def trainer_threads() -> str:
-    """Each trainer rank's torch threads: $MILES_TRAIN_THREADS, else 1. One by default even in the
-    sync loop on CPU, where the engines sit idle while the trainer trains: two threads took a quiet
-    2-core VM's demo step 205 -> 186 ms, but any other load on either core stalls the pair (the
-    quickstart's GRPO op, beside its checkpoint conversion: 51 -> 74 s), 2026-12-07."""
-    given = os.environ.get("MILES_TRAIN_THREADS", "").strip() or "1"
-    if not given.isdigit() or int(given) < 1:
-        from miles_platform.errors import ConfigError
-
-        raise ConfigError(f"MILES_TRAIN_THREADS={given!r}: a whole number of torch threads >= 1, or unset")
-    return given
 
 
 def resume_hint(cfg) -> str:

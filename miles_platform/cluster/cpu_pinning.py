@@ -1,4 +1,5 @@
-"""--pin-trainer-cpus: on a CPU-only machine, each trainer rank computes on cores of its own and the
+"""Where a trainer rank computes on a CPU: its torch threads (`trainer_threads`: MILES_TRAIN_THREADS,
+read by the driver before Ray and by each rank) and, with --pin-trainer-cpus, cores of its own, the
 engines, the driver and their threads on the others.
 
 Under `train-async` (or --fully-async) the engine generates the next rollout and the driver
@@ -25,6 +26,17 @@ from miles_platform.errors import ConfigError
 
 ENV = "MILES_PIN_CPUS"  # "0;1|2,3": rank 0 on {0}, rank 1 on {1}, the others on {2, 3}
 active: str | None = None  # the plan of the run this driver runs (`pin_driver`): what its actors get
+
+
+def trainer_threads() -> str:
+    """Each trainer rank's torch threads: $MILES_TRAIN_THREADS, else 1. One by default even in the
+    sync loop on CPU, where the engines sit idle while the trainer trains: two threads took a quiet
+    2-core VM's demo step 205 -> 186 ms, but any other load on either core stalls the pair (the
+    quickstart's GRPO op, beside its checkpoint conversion: 51 -> 74 s), 2026-12-07."""
+    given = os.environ.get("MILES_TRAIN_THREADS", "").strip() or "1"
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(f"MILES_TRAIN_THREADS={given!r}: a whole number of torch threads >= 1, or unset")
+    return given
 
 
 def plan(cfg, threads: int) -> str | None:

@@ -15,7 +15,6 @@ mixes a CPU tensor into the device's computation.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import resource
 import time
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from miles_platform.cluster.cpu_pinning import pin_trainer_rank
+from miles_platform.cluster.cpu_pinning import pin_trainer_rank, trainer_threads
 from miles_platform.cluster.devices import (
     config_on_device,
     group_backend,
@@ -82,7 +81,7 @@ class TrainerActor(ActorWeights):
         # its first rollout, not in the fork server's preload (forkserver.PRELOAD says why)
         pin_trainer_rank(rank)  # --pin-trainer-cpus: this rank's own cores (the run's plan, in the env)
         import_in_background("pandas", name="warm-up-pandas")
-        torch.set_num_threads(max(1, int(os.environ.get("MILES_TRAIN_THREADS") or "1")))
+        torch.set_num_threads(int(trainer_threads()))  # the driver's validated MILES_TRAIN_THREADS
         self.device = rank_device(device)
         use_device(self.device)
         cfg = config_on_device(cfg, self.device)  # --train-forward-dtype / --rollout-dtype resolved
