@@ -37,11 +37,9 @@ def validate_before_start(cfg: RunConfig) -> None:
         check_model_fits(Layout.from_cfg(cfg), hf)
     _check_vocab(cfg, hf)
     cfg.resolve_api_key()  # secure by default: no run is open to other local processes
-    from miles_platform.run_services import trainer_threads
+    from miles_platform.cluster.cpu_pinning import plan, trainer_threads
 
     threads = trainer_threads()  # $MILES_TRAIN_THREADS, read here so a bad value fails before Ray
-    from miles_platform.cluster.cpu_pinning import plan
-
     plan(cfg, int(threads))  # --pin-trainer-cpus: honoured on this machine, or refused here
     from miles_platform.weights.transports import check_engine_kind
 

@@ -77,9 +77,9 @@ class TrainerActor(ActorWeights):
     ):  # fmt: skip
         """`device`: the rank's device; None: the one Ray assigned (cluster/devices.rank_device)."""
         remote.apply_secret_env(secret_env)  # the object store's credentials (never in the runtime env)
+        pin_trainer_rank(rank)  # --pin-trainer-cpus: this rank's own cores (the run's plan, in the env)
         # pandas, which pyarrow imports for the first train_samples rows: while the rank waits for
         # its first rollout, not in the fork server's preload (forkserver.PRELOAD says why)
-        pin_trainer_rank(rank)  # --pin-trainer-cpus: this rank's own cores (the run's plan, in the env)
         import_in_background("pandas", name="warm-up-pandas")
         torch.set_num_threads(int(trainer_threads()))  # the driver's validated MILES_TRAIN_THREADS
         self.device = rank_device(device)

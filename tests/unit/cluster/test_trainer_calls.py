@@ -93,7 +93,7 @@ def test_an_actor_class_is_exported_to_the_cluster_once_per_process_not_per_run(
 
 def test_trainer_threads_one_unless_told(monkeypatch):
     """One torch thread a trainer rank unless $MILES_TRAIN_THREADS says; a bad value is refused."""
-    from miles_platform.run_services import trainer_threads
+    from miles_platform.cluster.cpu_pinning import trainer_threads
 
     monkeypatch.delenv("MILES_TRAIN_THREADS", raising=False)
     assert trainer_threads() == "1"
