@@ -4,9 +4,10 @@ One rollout of the quickstart's shape (16 prompts x 8 samples, 6-token prompts, 
 responses) goes through TrainerActor.train in-process (no Ray) for --train-backend fsdp
 (torch-native) and megatron. That call is the whole GRPO step: old log-prob recompute, advantages,
 loss, backward, grad clip, AdamW (old log-probs come from the training forward itself: one step
-per rollout). The baseline is the bare HF model on the same padded tokens: forward, next-token
-cross-entropy, backward, AdamW step. The ratio is the
-share of the bare fwd+bwd speed a full step keeps (lower = more overhead around the math).
+per rollout; a prompt's samples share its forward, training/shared_prefix.py, and a row compares
+that with the same step on padded rows). The baseline is the bare HF model on the same padded
+tokens: forward, next-token cross-entropy, backward, AdamW step. The ratio is the share of the bare
+fwd+bwd speed a full step keeps (lower = more overhead around the math).
 Per device: the CPU always; with CUDA the same rows tagged " [cuda]", where both sides run the
 device's default forward (bf16 autocast over fp32 weights for fsdp, the baseline too).
 """
@@ -83,10 +84,13 @@ def run_config(ckpt: str, backend: str):
     ).validate()
 
 
-def grpo_step_seconds(ckpt: str, backend: str, batch, repeats: int, device: str = "cpu") -> float:
+def grpo_step_seconds(
+    ckpt: str, backend: str, batch, repeats: int, device: str = "cpu", share_prefixes: bool = True
+) -> float:
     from miles_platform.training.actor import TrainerActor
 
     actor = TrainerActor(run_config(ckpt, backend), device=device)
+    actor.share_prefixes = share_prefixes  # False: every sample its own padded row
     actor.train(0, batch)  # warm-up: first-call allocations, optimizer state
     rid = iter(range(1, 100))
     return best_of(lambda: actor.train(next(rid), batch), repeats)  # train() ends in host reads: synced
@@ -156,6 +160,10 @@ def _device_rows(ckpt: str, batch, repeats: int, device: str) -> list[dict]:
     fwd = default_dtype(device)
     rows.append(row(f"train: GRPO step, fsdp (torch-native){tag}", n_tok / fsdp_s, n_tok / base[fwd],
                     unit.format(fwd), ours_s=fsdp_s, baseline_s=base[fwd]))  # fmt: skip
+    padded_s = grpo_step_seconds(ckpt, "fsdp", batch, repeats, device, share_prefixes=False)
+    rows.append(row(f"train: GRPO step, fsdp, shared-prefix packing vs padded rows{tag}", n_tok / fsdp_s,
+                    n_tok / padded_s, f"tok/s (ratio: packed / padded; {GROUP} samples a {PROMPT_LEN}-token "
+                    "prompt, training/shared_prefix.py)", ours_s=fsdp_s, baseline_s=padded_s))  # fmt: skip
     try:
         mega_s = grpo_step_seconds(ckpt, "megatron", batch, repeats, device)
     except Exception as e:  # the backend is optional: report why, never a number

@@ -55,6 +55,7 @@ from miles_platform.training.profiler import (
 )
 from miles_platform.training.rollout_metrics import rollout_data_metrics
 from miles_platform.training.schedule import LRScheduler, schedule_of
+from miles_platform.training.shared_prefix import pack_shared_prefixes
 from miles_platform.training.train_batch import TrainBatch
 from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
 
@@ -148,6 +149,9 @@ class TrainerActor(ActorWeights):
         self.prof = TrainProfiler(cfg, rank)  # --use-pytorch-profiler: stepped once per train call
         self.prof.start()
         self.wait = TrainWait()  # perf/train_wait_time: from here until the first train call
+        # the samples of a prompt share its forward where the backend can (training/shared_prefix.py);
+        # False: every sample its own padded row (a benchmark's or a test's comparison)
+        self.share_prefixes = True
 
     # ------------------------------------------------------------------ setup
     def _build_ref(self):
@@ -226,6 +230,10 @@ class TrainerActor(ActorWeights):
         )  # fmt: skip
         if batch.images is not None:  # vision-language samples: the backend runs their images
             req.images, req.lengths = [batch.images[i] for i in idx], [len(batch.tokens[i]) for i in idx]
+        elif backend.shares_prefixes and self.share_prefixes:  # one forward of each prompt
+            seqs = [batch.tokens[i] for i in idx]
+            prompts = [len(s) - batch.response_lengths[i] for s, i in zip(seqs, idx, strict=True)]
+            req.packed = pack_shared_prefixes(seqs, prompts, width, self.device)
         return req
 
     @staticmethod

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from miles_platform.config import RunConfig
+from miles_platform.training.shared_prefix import PackedRows
 
 
 @dataclass
@@ -48,6 +49,8 @@ class ScoreRequest:
     # vision-language samples: per row its images as data URIs (None: text) and its unpadded length
     images: list[list[str] | None] | None = None
     lengths: list[int] | None = None
+    # the same rows packed by shared prompt (training/shared_prefix.py), where the backend takes it
+    packed: PackedRows | None = None
 
 
 class Scores(NamedTuple):
@@ -96,6 +99,8 @@ def all_reduce_grads(params, group=None, mean_over: int | None = None) -> None:
 
 class ModelBackend(ABC):
     name: str = ""
+    # its `packed_logits` computes shared-prefix packed rows (set by `build` for the model it built)
+    shares_prefixes: bool = False
 
     def __init__(
         self, cfg: RunConfig, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"
@@ -139,10 +144,17 @@ class ModelBackend(ABC):
         average over data-parallel ranks. FSDP2 reduce-scatters inside backward: nothing to do."""
 
     # ---- the train step's micro-batches (megatron: its pipeline schedule) ----
+    def packed_logits(self, packed: PackedRows) -> torch.Tensor:
+        """[G, L] shared-prefix packed rows -> [G, L, V] logits under their mask (shares_prefixes)."""
+        raise NotImplementedError(f"--train-backend {self.name} does not compute packed rows")
+
     def score(self, req: ScoreRequest) -> Scores:
-        """One micro-batch forward and its scores."""
+        """One micro-batch forward and its scores (of its packed rows when it has them)."""
         with req.context():
-            logits = self.logits(req.input_ids, req.position_ids)
+            if req.packed is not None:
+                logits = req.packed.unpack(self.packed_logits(req.packed))
+            else:
+                logits = self.logits(req.input_ids, req.position_ids)
         return scores_from_logits(logits, req)
 
     def run_micro_batches(

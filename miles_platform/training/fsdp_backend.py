@@ -65,6 +65,9 @@ class FSDPBackend(ModelBackend):
             model = shard_model(model, self.cfg)
         model.train()
         self.module = model
+        from miles_platform.training.shared_prefix import model_shares_prefixes
+
+        self.shares_prefixes = self._vision is None and model_shares_prefixes(model.config)
         return model
 
     def _compute_dtype(self) -> str:
@@ -103,6 +106,14 @@ class FSDPBackend(ModelBackend):
             out = self.module(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=attn, use_cache=False
             )
+        return out.logits
+
+    def packed_logits(self, packed) -> torch.Tensor:
+        with self._autocast():  # sdpa takes the boolean 4D mask as is (True: attend)
+            out = self.module(
+                input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=packed.keep,
+                use_cache=False,
+            )  # fmt: skip
         return out.logits
 
     def _full_state(self, keep=lambda name: True) -> dict[str, torch.Tensor]:
