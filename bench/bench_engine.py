@@ -8,7 +8,8 @@ Rows per device: the CPU always, CUDA when there is one (tag " [cuda]"). One mor
 requests of the tiny Qwen3-VL (rollout/engine_vlm.py) through the KV cache (one prefill with the
 pixels) vs a full forward of the prefix per token (`image_kv_cache = False`), same engine, same seeds.
 And one: MLA decode steps of a small random DeepSeek-V3 in the absorbed form (models/mla_cache.py, as
-the engine runs them) vs HF's decompressing layer, on the same compressed cache, same logits.
+the engine runs them) vs HF's decompressing layer, on the same compressed cache, same logits. And the
+engine HTTP guard's cost on a streamed answer (`http_guard_row`).
 
     python -m bench.bench_engine [--json]
 """
@@ -87,7 +88,62 @@ def run() -> list[dict]:
             rows += _device_rows(ckpt, device)
             rows.append(image_kv_cache_row(root, device))
             rows.append(mla_decode_row(device))
+    rows.append(http_guard_row())
     return rows
+
+
+def http_guard_row(chunks: int = 128, requests: int = 200) -> dict:
+    """The engine's HTTP guard (rollout/http_common.py add_guards: auth, size limit, counts) on a
+    streamed answer of `chunks` lines, what a batched /generate sends (one per finished sample), vs
+    the same app without it; CPU of this process (server thread + client) per request."""
+    import asyncio
+
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from miles_platform.rollout.engine_server import serve_in_thread
+    from miles_platform.rollout.http_common import add_guards
+
+    line = b'{"text": "123", "meta_info": {"output_token_logprobs": [[-0.1, 5, null]]}}\n'
+
+    def app(guarded: bool) -> FastAPI:
+        a = FastAPI()
+        if guarded:
+            add_guards(a, "key", 1 << 20)
+
+        @a.post("/generate")
+        async def generate():
+            async def lines():
+                for _ in range(chunks):
+                    yield line
+                    await asyncio.sleep(0)
+
+            return StreamingResponse(lines())
+
+        return a
+
+    cpu = {}
+    for guarded in (True, False):
+        server = serve_in_thread(app(guarded), "127.0.0.1", 0, "bench-http")
+        try:
+            with httpx.Client(headers={"Authorization": "Bearer key"}) as c:
+
+                def answer(url=f"{server.url}/generate"):
+                    r = c.post(url)
+                    assert r.status_code == 200 and len(r.content) == chunks * len(line)
+
+                for _ in range(20):
+                    answer()
+                t = time.process_time()
+                for _ in range(requests):
+                    answer()
+                cpu[guarded] = (time.process_time() - t) / requests
+        finally:
+            server.stop()
+    return row(f"engine HTTP: a {chunks}-line streamed answer, guarded vs bare app", cpu[True] * 1e3,
+               cpu[False] * 1e3, "ms CPU / request (ratio: guarded / bare; lower = a cheaper guard; "
+               "server thread + client, one process)")  # fmt: skip
 
 
 def image_kv_cache_row(root: str, device: str, n: int = 8, new_tokens: int = NEW_TOKENS) -> dict:

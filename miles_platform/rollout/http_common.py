@@ -132,12 +132,36 @@ def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> Non
             return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}")
         return None
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        response = refused(request) or await call_next(request)
-        route = request.scope.get("route")  # the template (bounded), not the path; none: never routed
-        counts.observe(getattr(route, "path", "none"), response.status_code)
-        return response
+    class Guard:
+        """Plain ASGI, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hands every
+        chunk of a streamed answer (one per finished sample of a batched /generate) through a
+        memory stream, ~28 us of CPU a chunk: a 128-line answer cost 2.1x a bare app's, now 1.0x
+        (bench_engine's guard row)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            response = refused(Request(scope))  # request.state lives in the scope: routes see it
+            if response is not None:
+                await response(scope, receive, send)
+                status = response.status_code
+            else:
+                status = 500  # the app raised before answering: the server answers 500
+
+                async def observed(message):
+                    nonlocal status
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                    await send(message)
+
+                await self.inner(scope, receive, observed)
+            route = scope.get("route")  # the template (bounded), not the path; none: never routed
+            counts.observe(getattr(route, "path", "none"), status)
+
+    app.add_middleware(Guard)
 
 
 async def json_body(request: Request, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
