@@ -4,7 +4,8 @@ Every throughput is compared with a plain memcpy of the same bytes (a warm copy 
 tensors) measured in the same run; encode is the in-memory part of a publish (XOR, packing,
 checksums), verify+apply brings an engine's in-memory weights to the new version (read, verify,
 patch); wire bytes are reported as a fraction of the full checkpoint after one AdamW step at
-lr 1e-6 (fp32 master weights, published as fp32 and as a bf16 export).
+lr 1e-6 (fp32 master weights, published as fp32 and as a bf16 export). One row times a version's
+handoff through Ray (trainer -> driver -> engine) as raw bytes against torch tensors.
 
     .venv/bin/python bench/bench_weights.py [--mb 48]
 """
@@ -102,6 +103,68 @@ def _publish_best(a: dict, b: dict, repeat: int = 3, **kw):
     return st, min(r[0].seconds for r in runs), min(r[1] for r in runs)
 
 
+def ray_handoff_row(n: int = 40, tensors: int = 24, numel: int = 17800) -> dict:
+    """A version's weights as train-async hands them over, through a private local Ray: a trainer
+    actor returns them with its train call, the driver reads them (its HF export) and puts them for an
+    engine actor, which reads them: as `encode_state` raw bytes (weights/transports) vs the torch
+    tensors themselves. The quickstart model's shape (24 tensors, 1.7 MB); ms per handoff, and each
+    process's CPU."""
+    import ray
+
+    from miles_platform.cluster.ray_cluster import start_local_ray
+    from miles_platform.weights.transports import decode_state, encode_state
+
+    @ray.remote
+    class Trainer:
+        def __init__(self):
+            self.state = {f"model.layers.{i}.w": torch.randn(numel) for i in range(tensors)}
+
+        def train(self, raw: bool):
+            return {"train/loss": 0.0}, (encode_state(self.state) if raw else self.state)
+
+        def cpu(self) -> float:
+            return time.process_time()
+
+    @ray.remote
+    class Engine:
+        def load(self, state) -> int:
+            state = decode_state(state) if "__tensors__" in state else state
+            return sum(t.numel() for t in state.values())
+
+        def cpu(self) -> float:
+            return time.process_time()
+
+    start_local_ray(2)
+    try:
+        trainer, engine = Trainer.remote(), Engine.remote()
+
+        def handoff(raw: bool) -> None:
+            _, w = ray.get(trainer.train.remote(raw))
+            w = decode_state(w) if raw else w
+            ray.get(engine.load.remote(ray.put(encode_state(w) if raw else w)))
+
+        got = {}
+        for raw in (False, True, False, True):  # alternated, the second of each kept
+            for _ in range(5):
+                handoff(raw)
+            c0, t = (
+                [time.process_time(), *ray.get([trainer.cpu.remote(), engine.cpu.remote()])],
+                time.perf_counter(),
+            )
+            for _ in range(n):
+                handoff(raw)
+            c1 = [time.process_time(), *ray.get([trainer.cpu.remote(), engine.cpu.remote()])]
+            got[raw] = (
+                (time.perf_counter() - t) / n * 1e3,
+                [round((b - a) / n * 1e3, 2) for a, b in zip(c0, c1)],
+            )
+    finally:
+        ray.shutdown()
+    return _row("weights handoff trainer -> driver -> engine through Ray: raw bytes vs torch tensors",
+                got[True][0], got[False][0], "ms / handoff (ratio: raw / torch; lower = cheaper)") | {
+        "cpu_ms_driver_trainer_engine_raw": got[True][1], "cpu_ms_driver_trainer_engine_torch": got[False][1]}  # fmt: skip
+
+
 def run(mb: int = 48) -> list[dict]:
     torch.set_num_threads(1)
     model = _model(mb)
@@ -190,6 +253,7 @@ def run(mb: int = 48) -> list[dict]:
     int4_s = _best(lambda: [kq.int4_pack_quantize(w, 128) for w in ws], 1)
     rows.append(_row("quantize fp8 block 128x128 (fp32 in)", wgb / fp8_s, gb / memcpy, "GB/s"))
     rows.append(_row("quantize int4 g128 pack (fp32 in)", wgb / int4_s, gb / memcpy, "GB/s"))
+    rows.append(ray_handoff_row())
     return rows
 
 

@@ -330,13 +330,14 @@ class RLRun:
     def _wait_train(self, pending: tuple) -> tuple[dict[str, float], dict | None]:
         """(the train call's metrics, the version's weights when it was asked for them, else None)."""
         from miles_platform.run_services import wait_trainers
+        from miles_platform.weights.transports import decode_state
 
         refs, store, handle, with_weights = pending
         try:
             out = wait_trainers(self.cfg, refs, "train")
         finally:
             store.remove(handle)
-        return out if with_weights else (out, None)
+        return (out[0], decode_state(out[1])) if with_weights else (out, None)
 
     def _save(self, rollout_id: int, version: int, sync: bool = True) -> str:
         """The trainers' checkpoint; with --async-save and not `sync` written in the background (the

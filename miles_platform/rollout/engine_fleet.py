@@ -25,7 +25,7 @@ class RolloutEngineActor(EngineActor):
     def update_weights_from_store(self, handle, weight_version: int) -> int:
         """Load weights put into the object store by the trainer (`--update-weight-transfer-mode mooncake`)."""
         from miles_platform.cluster.object_store import get_rollout_data
-        from miles_platform.weights.transports.mooncake import decode_state
+        from miles_platform.weights.transports import decode_state
 
         return self.update_weights_from_tensors(decode_state(get_rollout_data(handle)), weight_version)
 

@@ -54,11 +54,11 @@ class EngineWeightsMixin:
         self, named_tensors: dict[str, torch.Tensor], weight_version: int
     ) -> None:
         """Copy (a subset of) parameters in, atomically between forward passes; set the version.
-        `named_tensors` may be raw bytes + a JSON header (weights/transports/mooncake.py encode_state)."""
+        `named_tensors` may be raw bytes + a JSON header (weights/transports/__init__.py encode_state)."""
         from miles_platform.weights.rollout_quant import dense_from_update, quantized_names
 
-        if "__tensors__" in named_tensors:  # the tensor transport's form for dtypes torch cannot pickle
-            from miles_platform.weights.transports.mooncake import decode_state
+        if "__tensors__" in named_tensors:  # the tensor and mooncake transports' form
+            from miles_platform.weights.transports import decode_state
 
             named_tensors = decode_state(named_tensors)
         version = parse_weight_version(weight_version, self._weight_version + 1, self._weight_version)

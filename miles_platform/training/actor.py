@@ -58,6 +58,7 @@ from miles_platform.training.schedule import LRScheduler, schedule_of
 from miles_platform.training.shared_prefix import pack_shared_prefixes
 from miles_platform.training.train_batch import TrainBatch
 from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
+from miles_platform.weights.transports import encode_state
 
 __all__ = ["TrainBatch", "TrainerActor"]
 
@@ -405,10 +406,11 @@ class TrainerActor(ActorWeights):
         batch: TrainBatch,
         samples: TrainSamplesTarget | None = None,
         with_weights: bool = False,
-    ) -> dict[str, float] | tuple[dict[str, float], dict[str, torch.Tensor] | None]:
+    ) -> dict[str, float] | tuple[dict[str, float], dict | None]:
         """num_steps_per_rollout optimizer steps over one rollout's samples. Returns metrics. `samples`:
         record the train_samples rows (the loop's; training/train_samples.py). `with_weights`: returns
-        (metrics, the trained policy under HF names: `get_hf_weights`, rank 0's; None on the others),
+        (metrics, the trained policy under HF names: `get_hf_weights` as `encode_state` bytes, which
+        `decode_state` reads back; rank 0's, None on the others),
         so a loop that queued the next rollout's train behind this one still gets this version's
         weights (train-async's pipeline, loop.py)."""
         cfg = self.cfg
@@ -519,7 +521,8 @@ class TrainerActor(ActorWeights):
         t = time.time()
         weights = self.get_hf_weights()  # every rank: the gather is collective
         out["perf/get_weights_time"] = time.time() - t
-        return out, (weights if self.rank == 0 else None)
+        # as raw bytes: Ray pickles a tensor at ~3x the CPU of its bytes (weights/transports encode_state)
+        return out, (encode_state(weights) if self.rank == 0 else None)
 
     def _old_log_probs_from_training_forward(self) -> bool:
         """One optimizer step per rollout: the policy before the step is the one the training

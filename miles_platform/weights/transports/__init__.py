@@ -33,6 +33,31 @@ NOT_BUILT: dict[str, str] = {}
 NEEDS_EMBEDDED_ACTOR = ("tensor", "mooncake")
 
 
+def encode_state(state: dict[str, torch.Tensor]) -> dict:
+    """A state dict as each tensor's raw bytes (numpy uint8) + {name: [dtype, shape]}: what Ray and
+    Mooncake move without pickling a tensor (torch cannot unpickle float8 storages, and Ray pickles
+    a torch tensor at ~3x the CPU of the same bytes as an array: 8 ms against 2.8 for the quickstart
+    model's 24 tensors, and 2.7 ms against 0.1 to read them back)."""
+    meta = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in state.items()}
+    arrays = {
+        n: t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for n, t in state.items()
+    }  # 0-dim too
+    return {"__tensors__": meta, **arrays}
+
+
+def decode_state(data: dict) -> dict[str, torch.Tensor]:
+    """`encode_state`'s tensors; bytes Ray handed over read-only (its object store) are copied once,
+    so no tensor aliases memory a write would fault on."""
+    import numpy as np
+
+    out = {}
+    for name, (dtype, shape) in data["__tensors__"].items():
+        arr = data[name]
+        arr = np.ascontiguousarray(arr) if arr.flags.writeable else np.array(arr)
+        out[name] = torch.from_numpy(arr).view(getattr(torch, dtype)).reshape(shape)
+    return out
+
+
 @dataclass(frozen=True)
 class EngineProcess:
     """An embedded engine actor's process: its pid on Ray node `node_id`, started at `started`

@@ -8,26 +8,10 @@ place. Same master / protocol settings as `--object-store-backend mooncake`
 
 from __future__ import annotations
 
-import numpy as np
 import ray
-import torch
 
 from miles_platform.cluster.object_store import MooncakeRolloutStore, get_store, resolve_mooncake_kwargs
-from miles_platform.weights.transports import TransferStats, Transport, full_bytes
-
-
-def encode_state(state: dict[str, torch.Tensor]) -> dict:
-    meta = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in state.items()}
-    arrays = {n: t.detach().contiguous().view(torch.uint8).reshape(-1).numpy() for n, t in state.items()}
-    return {"__tensors__": meta, **arrays}
-
-
-def decode_state(data: dict) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, (dtype, shape) in data["__tensors__"].items():
-        raw = torch.from_numpy(np.ascontiguousarray(data[name]))
-        out[name] = raw.view(getattr(torch, dtype)).reshape(shape)
-    return out
+from miles_platform.weights.transports import TransferStats, Transport, encode_state, full_bytes
 
 
 class MooncakeTransport(Transport):

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import ray
-import torch
 
-from miles_platform.weights.transports import TransferStats, Transport, full_bytes
-from miles_platform.weights.transports.mooncake import encode_state
+from miles_platform.weights.transports import TransferStats, Transport, encode_state, full_bytes
 
 
 class TensorTransport(Transport):
@@ -18,10 +16,9 @@ class TensorTransport(Transport):
             raise RuntimeError(
                 f"tensor transport needs Ray-hosted engines; {missing} are external (use disk-delta)"
             )
-        # torch cannot unpickle float8 storages (a quantized rollout's fp8 update): those travel as
-        # raw bytes with a JSON header, as through Mooncake, and the engine decodes them
-        raw = any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in state.values())
-        self._ref = ray.put(encode_state(state) if raw else state)
+        # raw bytes with a JSON header, as through Mooncake (a quantized rollout's fp8 update too,
+        # whose storages torch cannot unpickle); the engine decodes them
+        self._ref = ray.put(encode_state(state))
         n = full_bytes(state)
         return TransferStats(wire_bytes=n * len(self.engines), full_bytes=n * len(self.engines))
 
