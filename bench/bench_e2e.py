@@ -73,10 +73,10 @@ WHOLE_SEEDS = tuple(int(x) for x in os.environ.get("MILES_BENCH_WHOLE_SEEDS", "1
 WHOLE_STEPS = 100
 WHOLE_EVAL_PROMPTS = 512
 PHASES = ("perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time",
-          # the driver's own: the shard, the version's weights (gathered in the train call where the
-          # driver feeds the engines), its HF export, its rows
-          "perf/rollout_shard_time", "perf/get_weights_time", "perf/export_hf_time",
-          "perf/record_version_time")  # fmt: skip
+          # the driver's own: the version's weights (gathered in the train call where the driver
+          # feeds the engines), its HF export, its rows (the shard is written beside the train call:
+          # perf/rollout_shard_time overlaps it, so it is not one of the step's parts)
+          "perf/get_weights_time", "perf/export_hf_time", "perf/record_version_time")  # fmt: skip
 
 
 def bare_grpo_loop(base: str, prompts_path: str, steps: int) -> list[float]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from miles_platform.config import ConfigError, RunConfig, parse_run_config
 from miles_platform.errors import ActorDied, NonFiniteTraining
@@ -45,6 +46,8 @@ class RLRun:
         self.nonfinite: list[int] = []  # the rollout of each optimizer step skipped for a NaN / inf
         self.ahead: RolloutAhead | None = None  # train-async: the next rollout, generating
         self.queued: tuple | None = None  # train-async's pipeline: the next rollout, its train queued
+        # each rollout's shard is written beside its train call (taken before its version's record)
+        self.shards = ThreadPoolExecutor(1, thread_name_prefix="rollout-shard")
 
     def run(self) -> RunResult:
         from miles_platform.cluster.ray_cluster import prestart_fork_server
@@ -102,6 +105,7 @@ class RLRun:
                     raise
                 raise died from e
             finally:
+                self.shards.shutdown(wait=True)  # a shard being written is whole or absent (atomic)
                 if self.ahead is not None:  # a rollout still in flight fails with the engines' shutdown
                     self.ahead.pool.shutdown(wait=False, cancel_futures=True)
                 if self.queued is not None:  # a failed run: the queued rollout's data leaves the store
@@ -136,6 +140,7 @@ class RLRun:
                             metrics.update(self.startup.metrics())
                         pending = None
                 if not s.trainers:
+                    shard, metrics["perf/rollout_shard_time"] = shard.result()
                     rec.finish_rollout(result, rollout_id, metrics, t0, version)
                     continue
                 s.colocation.after_generate()  # --colocate / --offload-rollout: engines release their memory
@@ -175,6 +180,8 @@ class RLRun:
                 # the row, the eval, the metrics, the checkpoint last (store/recorder.py)
                 # --save-trigger-sentinel: a save now, written synchronously
                 forced, save_due = decided or (rec.save_requested(), rec.save_due(rollout_id))
+                # on disk before anything names it (the version's row, a checkpoint)
+                shard, metrics["perf/rollout_shard_time"] = shard.result()
                 if hf_dir is not None:
                     with phase("record"):
                         t, ckpt = time.time(), iter_dir(cfg.save, rollout_id) if save_due else None
@@ -220,19 +227,28 @@ class RLRun:
             and not self.s.colocation.active
         )
 
-    def _take_rollout(self, rollout_id: int, version: int, t0: float, launch: bool) -> tuple[list, dict, str]:
-        """The rollout's samples and metrics, its shard written; `launch` (train-async): the next
+    def _take_rollout(
+        self, rollout_id: int, version: int, t0: float, launch: bool
+    ) -> tuple[list, dict, Future]:
+        """The rollout's samples and metrics, and its shard being written (a future: the train call
+        need not wait for the file, the version's row does); `launch` (train-async): the next
         rollout starts generating on `version` as soon as this one is taken."""
         from miles_platform.store.debug_rollouts import save_debug_rollout
-        from miles_platform.store.shards import write_rollout_shard
+        from miles_platform.store.shards import shard_table, write_shard_table
 
         cfg, ahead = self.cfg, self.ahead
         samples, metrics = self._generate(rollout_id, version, t0)
         if launch and ahead is not None and rollout_id + 1 < cfg.num_rollout:
             ahead.launch(rollout_id + 1)  # generates on `version` while this rollout trains
         t = time.time()
-        shard = write_rollout_shard(self.paths, cfg.run_name, rollout_id, samples)
-        metrics["perf/rollout_shard_time"] = time.time() - t
+        table = shard_table(cfg.run_name, rollout_id, samples)  # as taken, whatever changes them later
+        encode = time.time() - t
+
+        def write():  # perf/rollout_shard_time: the table's and the file's own time, not the wait
+            t = time.time()
+            return write_shard_table(self.paths, cfg.run_name, rollout_id, *table), encode + time.time() - t
+
+        shard = self.shards.submit(write)
         if cfg.save_debug_rollout_data:
             save_debug_rollout(cfg, rollout_id, samples)
         return samples, metrics, shard

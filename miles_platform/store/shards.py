@@ -119,6 +119,12 @@ def _mean_reward(samples: list[Sample]) -> float | None:
 
 def write_rollout_shard(paths: StoragePaths, run: str, rollout_id: int, samples: list[Sample]) -> ShardInfo:
     """Write one rollout's samples as its shard (replacing any previous shard of that id)."""
+    return write_shard_table(paths, run, rollout_id, *shard_table(run, rollout_id, samples))
+
+
+def shard_table(run: str, rollout_id: int, samples: list[Sample]) -> tuple[pa.Table, float]:
+    """One rollout's samples as its shard's table (and their mean reward): a snapshot, so the file
+    can be written while the samples go on to the trainer (a custom convert hook may change them)."""
     for s in samples:
         if s.run not in ("", run) or s.rollout_id != rollout_id:
             raise ValueError(
@@ -126,12 +132,19 @@ def write_rollout_shard(paths: StoragePaths, run: str, rollout_id: int, samples:
                 f"(run={run!r}, rollout_id={rollout_id})"
             )
     samples = [s if s.run else replace(s, run=run) for s in samples]
+    return samples_to_table(samples), _mean_reward(samples)
+
+
+def write_shard_table(
+    paths: StoragePaths, run: str, rollout_id: int, table: pa.Table, mean_reward: float
+) -> ShardInfo:
+    """`shard_table`'s table as the rollout's shard file (atomic: whole or absent)."""
     path = shard_path(paths, run, rollout_id)
     first = not is_remote(paths.root) and not has_parquet(paths.rollouts)  # remote: no catalog file
-    size = write_parquet_atomic(samples_to_table(samples), path)
+    size = write_parquet_atomic(table, path)
     if first:
         refresh_catalog_after_first_file(paths)
-    return ShardInfo(path=path, rows=len(samples), bytes=size, mean_reward=_mean_reward(samples))
+    return ShardInfo(path=path, rows=table.num_rows, bytes=size, mean_reward=mean_reward)
 
 
 def read_rollout_shard(paths: StoragePaths, run: str, rollout_id: int) -> list[Sample]:
