@@ -21,6 +21,7 @@ from miles_platform.training.train_samples import (
     kept_positions,
     micro_batch_rows,
 )
+from miles_platform.weights.transports import decode_state
 
 
 def _cfg(**kw):
@@ -157,7 +158,8 @@ def test_train_with_weights_returns_the_trained_policy(tiny_hf_checkpoint):
                     global_batch_size=4, lr=1e-2).validate()  # fmt: skip
     actor = TrainerActor(cfg)
     before = {k: v.clone() for k, v in actor.get_hf_weights().items()}
-    metrics, weights = actor.train(0, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]), None, True)
+    metrics, raw = actor.train(0, random_train_batch(0, rewards=[1.0, 0.0, 0.0, 1.0]), None, True)
+    weights = decode_state(raw)  # raw bytes, as Ray moves them best (weights/transports encode_state)
     assert "train/loss" in metrics and metrics["perf/get_weights_time"] >= 0
     after = actor.get_hf_weights()
     assert weights.keys() == after.keys() == before.keys()
