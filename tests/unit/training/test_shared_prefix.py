@@ -78,12 +78,15 @@ def _backend(ckpt: str):
     return be
 
 
-def test_packed_scores_and_gradients_are_the_padded_ones(tiny_hf_checkpoint):
-    """Fails with a mask that lets a response see another's tokens, positions that do not restart,
-    or a gather off by one: each changes the log-probs at 1e-2 or more."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_packed_scores_and_gradients_are_the_padded_ones(tmp_path, family):
+    """Each family that packs (DENSE_FULL_ATTENTION). Fails with a mask that lets a response see
+    another's tokens, positions that do not restart, or a gather off by one: each changes the
+    log-probs at 1e-2 or more."""
+    from miles_platform.models.tiny import save_tiny_checkpoint
     from miles_platform.training.backend import ScoreRequest
 
-    be = _backend(tiny_hf_checkpoint)
+    be = _backend(save_tiny_checkpoint(tmp_path / family, family))
     assert be.shares_prefixes
     seqs, plens, width = _rows(vocab=be.module.config.vocab_size)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
