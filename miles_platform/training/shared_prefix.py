@@ -1,8 +1,8 @@
 """Shared-prefix packing: one forward of a prompt for all the samples that share it.
 
 GRPO's n samples of a prompt repeat its tokens n times in a right-padded micro-batch, and every row
-is padded to the longest sample; on the quickstart (6-token prompts, 2-8-token answers, 8 samples a
-prompt) two thirds of the tokens a padded forward computes are repeats or padding. Packed, each
+is padded to the longest sample; on the quickstart's shape (6-token prompts, 2-8-token answers, 8
+samples a prompt: bench_train's batch) a padded forward computes 1792 positions, packed 928. Packed, each
 group of samples with the same prompt is one row: the prompt once, then each sample's response, the
 positions of each response starting again at the prompt's length, and a mask under which a token
 sees the prompt and the earlier tokens of its own response only. Each real position then gets the
