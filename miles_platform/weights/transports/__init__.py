@@ -39,9 +39,10 @@ def encode_state(state: dict[str, torch.Tensor]) -> dict:
     a torch tensor at ~3x the CPU of the same bytes as an array: 8 ms against 2.8 for the quickstart
     model's 24 tensors, and 2.7 ms against 0.1 to read them back)."""
     meta = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in state.items()}
+    # on the host (a device tensor is copied there), a 0-dim tensor as one element
     arrays = {
-        n: t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for n, t in state.items()
-    }  # 0-dim too
+        n: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy() for n, t in state.items()
+    }
     return {"__tensors__": meta, **arrays}
 
 

@@ -44,3 +44,17 @@ def test_read_only_bytes_decode_to_tensors_of_their_own():
         back = decode_state(enc)
     back["w32"].add_(1.0)  # a write lands in the tensor's own memory
     assert not np.shares_memory(back["w32"].numpy(), enc["w32"])
+
+
+def test_tensors_on_a_device_are_encoded_from_the_host():
+    """A rank's weights on an accelerator (tests/device_check.py's fake one: `.numpy()` of a device
+    tensor fails there, as on a GPU) are encoded from their host copy."""
+    from device_check import fake_device
+
+    state = _state()
+    with fake_device() as dev:
+        on_device = {n: t.to(dev) for n, t in state.items() if n != "w8"}
+        enc = encode_state(on_device)
+    back = decode_state(enc)
+    for n in on_device:
+        assert back[n].device.type == "cpu" and torch.equal(back[n], state[n]), n
