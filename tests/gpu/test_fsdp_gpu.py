@@ -168,3 +168,52 @@ def test_backend_bf16_rules_follow_the_plan(tiny_hf_checkpoint, cpu_step, proces
     assert dtensor
     assert s["moved"] == s["n_params"]
     assert bool(torch.isfinite(torch.tensor(s["loss"])))
+
+
+@pytest.mark.parametrize("forward", ["fp32", "bf16"])
+def test_shared_prefix_packing_on_the_device(tiny_hf_checkpoint, device, record, forward):
+    """training/shared_prefix.py on the device: sdpa's boolean 4D mask there (a CUDA kernel with a
+    mask, not the causal one), the packed rows' log-probs against the padded forward's of the same
+    backend, fp32 and the bf16 autocast (whose sums in another order move by bf16's rounding)."""
+    from miles_platform.training.backend import ScoreRequest
+    from miles_platform.training.shared_prefix import pack_shared_prefixes
+
+    if forward == "bf16" and device == "cpu":
+        pytest.skip("bf16 autocast: the CUDA default")
+    cfg = RunConfig(
+        hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=1, train_forward_dtype=forward
+    ).validate()
+    be = FSDPBackend(cfg, device=device)
+    be.build(tiny_hf_checkpoint)
+    assert be.shares_prefixes
+    g = torch.Generator().manual_seed(0)
+    seqs, plens = [], []
+    for _ in range(4):
+        prompt = torch.randint(3, 60, (6,), generator=g).tolist()
+        for _ in range(8):
+            seqs.append(
+                prompt
+                + torch.randint(3, 60, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+            )
+            plens.append(6)
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    ids, pos = ids.to(device), torch.arange(width, device=device).expand(len(seqs), -1)
+    packed = pack_shared_prefixes(seqs, plens, width, device)
+    real = torch.zeros(len(seqs), width - 1, dtype=torch.bool, device=device)
+    for i, s in enumerate(seqs):
+        real[i, : len(s) - 1] = True
+    with torch.no_grad():
+        padded = be.score(ScoreRequest(ids, pos)).log_probs[real]
+        shared = be.score(ScoreRequest(ids, pos, packed=packed)).log_probs[real]
+    diff = _maxdiff(shared, padded)
+    record(
+        forward=forward,
+        positions_padded=ids.numel(),
+        positions_packed=packed.input_ids.numel(),
+        max_diff=diff,
+    )
+    record.ran_on(shared.device.type, *{p.device.type for p in be.parameters()})
+    assert diff < (2e-5 if forward == "fp32" else 0.1)
