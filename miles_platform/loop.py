@@ -2,7 +2,7 @@
 
     for rollout_id in range(start_rollout_id, num_rollout):
         samples = rollout_manager.generate(rollout_id)
-        store.write_shard(rollout_id, samples)
+        store.write_shard(rollout_id, samples)  # on a thread, beside the train call
         actor.train(rollout_id, samples)
         actor.update_weights()          # new policy version, HF export, engines load it
         if save due: actor.save(rollout_id)
