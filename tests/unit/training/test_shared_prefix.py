@@ -3,6 +3,7 @@ every score and gradient is the padded layout's."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -142,3 +143,34 @@ def test_a_train_step_packed_is_the_padded_step(tiny_hf_checkpoint, extra):
         assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7), k
     for n in w0:  # SGD: the weights moved by lr x the gradient, packed as padded
         torch.testing.assert_close(w1[n], w0[n], atol=1e-6, rtol=0)
+
+
+def test_a_packed_step_runs_on_the_ranks_device(tiny_hf_checkpoint):
+    """The packed rows, their mask and the gather index live on the rank's device
+    (tests/device_check.py's fake one: a CPU tensor meeting device tensors fails the op, as on a GPU),
+    and the step there is the CPU's."""
+    from device_check import fake_device, on_device
+
+    from miles_platform.training.actor import TrainBatch, TrainerActor
+
+    seqs, plens, _ = _rows(prompts=2, group=4, seed=1, vocab=60)
+    resp = [len(s) - p for s, p in zip(seqs, plens, strict=True)]
+    batch = TrainBatch(seqs, resp, [[1] * n for n in resp], [1.0, 0.0] * 4, [[-2.0] * n for n in resp])
+    cfg = RunConfig(hf_checkpoint=tiny_hf_checkpoint, rollout_batch_size=2, n_samples_per_prompt=4,
+                    micro_batch_size=8, lr=1e-3).validate()  # fmt: skip
+    got = {}
+    for where in ("device", "cpu"):
+        with fake_device() if where == "device" else contextlib.nullcontext("cpu") as dev:
+            actor = TrainerActor(cfg, device=dev)
+            seen = []
+            real = actor.backend.packed_logits
+            actor.backend.packed_logits = lambda packed, real=real, seen=seen: (
+                seen.append(packed) or real(packed)
+            )
+            got[where] = actor.train(0, batch)
+            assert seen, "the step did not pack"
+            if where == "device":
+                for name in ("input_ids", "position_ids", "keep", "index"):
+                    assert on_device(getattr(seen[0], name)), name
+    for k in ("train/loss", "train/grad_norm"):
+        assert got["device"][k] == pytest.approx(got["cpu"][k], rel=1e-5, abs=1e-7), k
