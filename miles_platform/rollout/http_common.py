@@ -149,7 +149,7 @@ def add_guards(app: FastAPI, api_key: str | None, max_request_bytes: int) -> Non
                 await response(scope, receive, send)
                 status = response.status_code
             else:
-                status = 500  # the app raised before answering: the server answers 500
+                status = 500  # an app that ends without answering (one that raises propagates, uncounted)
 
                 async def observed(message):
                     nonlocal status
