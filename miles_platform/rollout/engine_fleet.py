@@ -156,15 +156,23 @@ def kill_engine_process(handle: EngineHandle) -> bool:
     `ray.kill` asks the actor to exit and force-kills it only after Ray's grace (5 s), which a hung or
     SIGSTOPped process never answers: that long its in-flight requests hang instead of failing over,
     and a run's teardown waits. On another node `ray.kill` alone does it."""
-    import psutil
     import ray
 
     p = handle.process
     if p is None or p.node_id != ray.get_runtime_context().get_node_id():
         return False
+    return kill_local_process(p)
+
+
+def kill_local_process(p: EngineProcess) -> bool:
+    """SIGKILL process `p` of this node unless its pid is another process's by now (True if killed)."""
+    import psutil
+
+    from miles_platform.weights.transports import process_started
+
     try:
         proc = psutil.Process(p.pid)
-        if proc.create_time() != p.started:  # gone, and the pid is another process's now
+        if process_started(p.pid) != p.started:  # gone, and the pid is another process's now
             return False
         proc.kill()
     except psutil.Error:

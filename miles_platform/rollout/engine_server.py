@@ -225,11 +225,14 @@ class EngineActor:
 
     def locate(self) -> tuple[str, tuple[int, str, float]]:
         """(URL, (pid, Ray node id, process start time)): what engine_fleet.engine_handle records."""
-        import psutil
+        import os
+
         import ray
 
-        me = psutil.Process()
-        return self._server.url, (me.pid, ray.get_runtime_context().get_node_id(), me.create_time())
+        from miles_platform.weights.transports import process_started
+
+        pid = os.getpid()
+        return self._server.url, (pid, ray.get_runtime_context().get_node_id(), process_started(pid))
 
     def update_weights_from_tensors(self, named_tensors: dict, weight_version: int) -> int:
         self._server.core.update_weights_from_tensors(named_tensors, weight_version)

@@ -9,6 +9,7 @@ is one file plus one line in TRANSPORTS.
 from __future__ import annotations
 
 import importlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,12 +62,29 @@ def decode_state(data: dict) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class EngineProcess:
-    """An embedded engine actor's process: its pid on Ray node `node_id`, started at `started`
-    (psutil's create_time: a pid the OS gave to another process since does not match)."""
+    """An embedded engine actor's process: its pid on Ray node `node_id`, started `started` seconds
+    after the node booted (a pid the OS gave to another process since does not match)."""
 
     pid: int
     node_id: str
     started: float
+
+
+def process_started(pid: int) -> float:
+    """When process `pid` started: on Linux, clock ticks since boot (/proc/<pid>/stat's starttime).
+    Not psutil's create_time there: it adds /proc/stat's btime, which a clock adjustment moves by a
+    second, and then the same process reads as another one (a hung engine was spared its SIGKILL
+    that way). Raises psutil.NoSuchProcess when there is no such process."""
+    import psutil
+
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            raise psutil.NoSuchProcess(pid) from None
+        return psutil.Process(pid).create_time()  # no procfs: macOS, where the driver may run
+    return float(stat.rsplit(b")", 1)[1].split()[19])  # field 22; comm may hold spaces and ')'
 
 
 @dataclass
