@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # pack only when the packed rows hold at most (1 - MIN_SAVING) of the padded layout's positions: a
@@ -79,26 +80,29 @@ def pack_shared_prefixes(
     n_rows, length = len(groups), max(sizes)
     if n_rows * length > (1 - MIN_SAVING) * len(seqs) * width or n_rows * length**2 > MAX_MASK_ELEMENTS:
         return None
-    ids = torch.zeros(n_rows, length, dtype=torch.long)
-    pos = torch.zeros(n_rows, length, dtype=torch.long)
+    # numpy slices, torch once at the end: a torch op per sample cost ~9 ms a 128-sample step
+    ids = np.zeros((n_rows, length), dtype=np.int64)
+    pos = np.zeros((n_rows, length), dtype=np.int64)
     # segment of each packed position: -1 the prompt, j the j-th sample's response, a pad its own
-    seg = (length + torch.arange(length)).repeat(n_rows, 1)
-    index = torch.empty(len(seqs), width, dtype=torch.long)
+    seg = np.tile(length + np.arange(length), (n_rows, 1))
+    index = np.empty((len(seqs), width), dtype=np.int64)
+    ramp = np.arange(max(length, width))
     for g, (prompt, members) in enumerate(groups.items()):
         p, base = len(prompt), g * length
-        ids[g, :p], pos[g, :p], seg[g, :p] = torch.tensor(prompt), torch.arange(p), -1
+        ids[g, :p], pos[g, :p], seg[g, :p] = prompt, ramp[:p], -1
         at = p
         for j, i in enumerate(members):
             n = len(seqs[i]) - p
-            ids[g, at : at + n] = torch.tensor(seqs[i][p:])
-            pos[g, at : at + n], seg[g, at : at + n] = torch.arange(p, p + n), j
-            row = torch.cat([torch.arange(p), torch.arange(at, at + n)]) + base
-            index[i, : p + n] = row
-            index[i, p + n :] = row[-1]
+            ids[g, at : at + n] = seqs[i][p:]
+            pos[g, at : at + n], seg[g, at : at + n] = ramp[p : p + n], j
+            index[i, :p] = ramp[:p] + base
+            index[i, p : p + n] = ramp[at : at + n] + base
+            index[i, p + n :] = base + (at + n - 1 if n else p - 1)
             at += n
+    seg = torch.from_numpy(seg)
     q, k = seg[:, :, None], seg[:, None, :]
     keep = torch.ones(length, length, dtype=torch.bool).tril() & ((k == -1) | (q == k))
     return PackedRows(
-        ids.to(device), pos.to(device), keep[:, None].to(device), index.reshape(-1).to(device),
-        len(seqs), width,
+        torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device), keep[:, None].to(device),
+        torch.from_numpy(index).reshape(-1).to(device), len(seqs), width,
     )  # fmt: skip
