@@ -92,6 +92,7 @@ class RLRun:
                 self.metric_checker.on_eval(initial_eval, self.reporter.log)
             self.startup.mark("resume")
             self.reporter.log(self.startup.summary())  # the first rollout's generation starts now
+            self.startup.started()
             s.start_async_worker()
             if cfg.train_async and not cfg.fully_async:  # train-async: Miles' one-step overlap
                 self.ahead = RolloutAhead(cfg, s)
@@ -461,7 +462,9 @@ def cli_main(argv: list[str], train_async: bool = False) -> int:
     if opts.submit is not None:
         return submit_cli(cfg, opts)
     try:
-        result = train(cfg, startup=StartupClock.from_process_start())  # `launch`: the process's own start
+        startup = StartupClock.from_process_start()  # `launch`: the process's own start
+        startup.pause_gc()  # this process's own: until the first rollout (startup.py)
+        result = train(cfg, startup=startup)
     except (CITestFailure, ActorDied, NonFiniteTraining) as e:
         print(f"miles-platform train: {e}", file=sys.stderr)
         return 1

@@ -41,3 +41,42 @@ def test_a_run_says_when_every_process_would_compile_its_modules(tmp_path, monke
     py_compile.compile(str(src), cfile=importlib.util.cache_from_source(str(src)))
     assert bytecode_note("heavy_mod") is None  # compiled once: nothing to say
     assert bytecode_note("no_such_module_here") is None
+
+
+def test_a_clock_that_paused_the_gc_freezes_start_up_and_collects_again_once_started():
+    """`miles-platform train`'s process collects no cyclic garbage during start-up (each full
+    collection walks everything imported so far); once the first rollout starts, what start-up
+    built is frozen out of every later collection and collection resumes."""
+    import gc
+
+    from miles_platform.startup import StartupClock
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    clock = StartupClock()
+    try:
+        clock.pause_gc()
+        assert not gc.isenabled()
+        kept = [[] for _ in range(1000)]  # start-up's long-lived objects
+        clock.started()
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+        clock.started()  # once only
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_a_clock_that_did_not_pause_the_gc_leaves_it_as_the_caller_set_it():
+    """A run started in-process (the Dagster op, a test) keeps its process's collector as it was."""
+    import gc
+
+    from miles_platform.startup import StartupClock
+
+    frozen = gc.get_freeze_count()
+    gc.disable()
+    try:
+        StartupClock().started()
+        assert not gc.isenabled() and gc.get_freeze_count() == frozen
+    finally:
+        gc.enable()

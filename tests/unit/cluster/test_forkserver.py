@@ -334,3 +334,13 @@ def test_a_fork_finds_the_caches_every_actor_would_fill_already_filled(server, t
                        "import sys\nfrom transformers import conversion_mapping as cm\n"
                        "print(cm._checkpoint_conversion_mapping_cache is not None, 'pydantic.v1.fields' in sys.modules)\n")  # fmt: skip
     assert out == ["True", "True"]
+
+
+def test_the_server_imports_without_collecting_and_its_forks_collect_around_what_it_froze(server, tmp_path):
+    """No full collection while the server imports (each walked all it had imported: 8 of them,
+    1.5 CPU-s beside a run's start-up), one after; its forks collect, never walking what it preloaded
+    (a fork inherits its parent's collection counts: they say what the server did)."""
+    out = _fork_prints(server, tmp_path, "import gc\nprint(gc.isenabled(), gc.get_stats()[2]['collections'], gc.get_freeze_count())\n")  # fmt: skip
+    enabled, full, frozen = out
+    assert enabled == "True" and int(frozen) > 100_000
+    assert int(full) <= 2, full  # the server's one, and one in the fork at most
