@@ -93,11 +93,12 @@ def record_policy_version(
     cfg: RunConfig, paths: StoragePaths, version: int, parent_version: int, rollout_id: int,
     shard, hf_dir: str, ckpt: str | None, base_version: str | None, data_version: str | None,
     teachers: list[tuple[str, str, str | None]] = (), config_changed_from: str | None = None,
-    code: CodeVersion | None = None,
+    code: CodeVersion | None = None, config_hash: str | None = None,
 ) -> PolicyVersion:  # fmt: skip
     """`config_changed_from`: the config hash of the checkpoint this version's run resumed from
     under --allow-config-change (an edge `config_changed_from`; the flags are in run_events).
-    `code`: the code that trained it (default: this process's, `code_version()`)."""
+    `code`: the code that trained it (default: this process's, `code_version()`); `config_hash`:
+    `cfg.config_hash()`, when the caller has it."""
     from miles_platform.models.checkpoint import content_hash
     from miles_platform.store.lineage_identity import Edge, write_edges
     from miles_platform.store.tables import append_rows
@@ -112,7 +113,7 @@ def record_policy_version(
     pv = PolicyVersion(
         run=run, version=version, partition_key=partition_key(run, version), parent_version=parent_version,
         parent_partition_key=partition_key(run, parent_version), rollout_id=rollout_id, checkpoint_path=ckpt,
-        hf_path=hf_dir, content_hash=content_hash(adapter_dir or hf_dir), config_hash=cfg.config_hash(),
+        hf_path=hf_dir, content_hash=content_hash(adapter_dir or hf_dir), config_hash=config_hash or cfg.config_hash(),
         base_data_version=base_version, dataset_data_version=data_version, shard_path=absolute(shard.path),
         shard_rows=shard.rows, mean_reward=shard.mean_reward, base_checkpoint=base,
         prompt_data=data, eval_interval=cfg.eval_interval, adapter_path=adapter_dir,

@@ -63,3 +63,28 @@ def test_a_rollouts_metrics_go_to_the_table_the_reporter_the_log_and_the_result(
     ]
     assert rep.rollouts == [0] and rep.lines == ["rollout 0: train/loss=0.5"]
     assert (result.last_rollout_id, result.final_version, result.metrics) == (0, 1, [metrics])
+
+
+def test_each_version_carries_the_runs_config_hash_computed_once(tmp_path, monkeypatch):
+    """The config hash (a deep copy and JSON of every flag, ~3 ms) is the run's: hashed at its first
+    version, not again at each."""
+    import torch
+    from safetensors.torch import save_file
+
+    from miles_platform.store.shards import ShardInfo
+
+    rec, _ = _recorder(tmp_path)
+    calls = []
+    real = RunConfig.config_hash
+    monkeypatch.setattr(RunConfig, "config_hash", lambda self: calls.append(1) or real(self))
+    result = RunResult("r", 0, -1, 0, None)
+    for v in (1, 2, 3):
+        hf = tmp_path / f"hf{v}"
+        hf.mkdir()
+        (hf / "config.json").write_text("{}")
+        save_file({"w": torch.full((2,), float(v))}, str(hf / "model.safetensors"))
+        shard = ShardInfo(path=str(tmp_path / f"s{v}.parquet"), rows=1, bytes=1, mean_reward=0.5)
+        rec.record(result, v, v - 1, v - 1, shard, str(hf), None)
+    rows = read_rows(rec.paths, "policy_versions", "r")
+    assert [r["config_hash"] for r in rows] == [real(rec.cfg)] * 3 and len(calls) == 1
+    assert len({r["content_hash"] for r in rows}) == 3
