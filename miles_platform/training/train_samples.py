@@ -68,29 +68,35 @@ def kept_positions(setting: str | int, batch, group_size: int) -> range:
     return range(end)
 
 
-def token_columns(cfg: RunConfig, mb_batch: dict[str, Any], log_probs: list[torch.Tensor]) -> dict[str, list]:
-    """Per column of TOKEN_COLUMNS, per sample of the micro-batch, a 1-D tensor over its response
-    tokens (None: the column does not apply): the loss's inputs and what it computed from them."""
-    masks = [m.float() for m in mb_batch["loss_masks"]]
-    lps = [lp.detach().float() for lp in log_probs]
-    adv = [a.detach().float() for a in mb_batch["advantages"]]
-    rollout = [r.detach().float() for r in mb_batch["rollout_log_probs"]]
-    n = len(masks)
-    cols: dict[str, list] = {"advantage": adv, "log_probs": lps, "loss_mask": masks, "ratio": [None] * n,
-                             "clipped": [None] * n, "ref_kl": [None] * n,
-                             "rollout_log_probs": [r if r.numel() == m.numel() else None for r, m in zip(rollout, masks)]}  # fmt: skip
+@torch.no_grad()
+def token_columns(cfg: RunConfig, mb_batch: dict[str, Any], log_probs: list[torch.Tensor]
+                  ) -> tuple[dict[str, torch.Tensor | None], list[bool]]:  # fmt: skip
+    """Per column of TOKEN_COLUMNS, one 1-D tensor over the samples' response tokens laid end to end
+    (None: the column does not apply), and per sample whether `rollout_log_probs` covers its
+    tokens: the loss's inputs and what it computed from them. Each op once over the micro-batch's
+    tokens (an op per sample, ~20 us each, made it 3 ms a 128-sample step)."""
+    sizes = [m.numel() for m in mb_batch["loss_masks"]]
+    masks = torch.cat(mb_batch["loss_masks"]).float()
+    lps = torch.cat(log_probs).float()
+    adv = torch.cat(mb_batch["advantages"]).float()
+    has_rollout = [r.numel() == n for r, n in zip(mb_batch["rollout_log_probs"], sizes, strict=True)]
+    rollout = torch.cat([r if ok else masks.new_zeros(n) for r, n, ok
+                         in zip(mb_batch["rollout_log_probs"], sizes, has_rollout, strict=True)]).float()  # fmt: skip
+    cols: dict[str, torch.Tensor | None] = {"advantage": adv, "log_probs": lps, "loss_mask": masks, "ratio": None,
+                                            "clipped": None, "ref_kl": None, "rollout_log_probs": rollout}  # fmt: skip
     if cfg.loss_type == "policy_loss":  # the PPO clip of policy_loss_function, on the same inputs
-        old = rollout if cfg.use_rollout_logprobs else mb_batch["old_log_probs"]
+        split = lambda t: list(torch.split(t, sizes))  # noqa: E731
+        old = split(rollout) if cfg.use_rollout_logprobs else mb_batch["old_log_probs"]
         _, clipped, ppo_kl = loss_hub.compute_policy_loss(
-            lps, old, adv, masks, cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c,
+            split(lps), old, split(adv), split(masks), cfg.eps_clip, cfg.eps_clip_high, cfg.eps_clip_c,
             sequence_level=cfg.advantage_estimator == "gspo",
         )  # fmt: skip
-        cols["ratio"] = [loss_hub.safe_log_ratio(-k).exp() for k in ppo_kl]
-        cols["clipped"] = clipped
+        cols["ratio"] = loss_hub.safe_log_ratio(-torch.cat(ppo_kl)).exp()
+        cols["clipped"] = torch.cat(clipped)
     ref = mb_batch.get("ref_log_probs")
     if ref is not None:
-        cols["ref_kl"] = [_ref_kl(cfg, lp, r, m) for lp, r, m in zip(lps, ref, masks, strict=True)]
-    return cols
+        cols["ref_kl"] = _ref_kl(cfg, lps, torch.cat(list(ref)), masks)
+    return cols, has_rollout
 
 
 def _ref_kl(cfg: RunConfig, lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -110,18 +116,19 @@ def micro_batch_rows(cfg: RunConfig, mb_batch: dict[str, Any], log_probs: list[t
     pick = {name: [mb_batch[name][j] for j in want] for name in ("advantages", "old_log_probs", "rollout_log_probs", "loss_masks")}  # fmt: skip
     ref = mb_batch.get("ref_log_probs")
     pick["ref_log_probs"] = [ref[j] for j in want] if ref is not None else None
-    cols = token_columns(cfg, pick, [log_probs[j] for j in want])
-    sizes = [m.numel() for m in cols["loss_mask"]]
-    present = {c: [t is not None for t in cols[c]] for c in TOKEN_COLUMNS}
-    flat = torch.stack([
-        torch.cat([t if t is not None else torch.zeros_like(m) for t, m in zip(cols[c], cols["loss_mask"])])
-        for c in TOKEN_COLUMNS
-    ]).cpu().tolist()  # fmt: skip
+    cols, has_rollout = token_columns(cfg, pick, [log_probs[j] for j in want])
+    sizes = [m.numel() for m in pick["loss_masks"]]
+    zeros = torch.zeros_like(cols["loss_mask"])
+    flat = torch.stack([zeros if cols[c] is None else cols[c] for c in TOKEN_COLUMNS]).cpu().tolist()
     rows, at = [], 0
     for r, j in enumerate(want):
         row = dict(keys[j])
         for c, values in zip(TOKEN_COLUMNS, flat, strict=True):
-            v = values[at : at + sizes[r]] if present[c][r] else None
+            v = (
+                None
+                if cols[c] is None or (c == "rollout_log_probs" and not has_rollout[r])
+                else values[at : at + sizes[r]]
+            )
             if v is not None and c == "clipped":
                 v = [x > 0 for x in v]
             elif v is not None and c == "loss_mask":
