@@ -109,6 +109,22 @@ def _relisting(read: Callable[[], Any]) -> Any:
     raise AssertionError("unreachable")
 
 
+def conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`t` as `schema` lays it out, as `pq.read_table(f, schema=schema)` reads a file: its columns in
+    the schema's order and types, a column the file lacks (written before it existed) all null, one
+    the schema lacks dropped. `pq.ParquetFile(f).read()` + this: 0.33 ms a small part file against
+    0.95 ms for `read_table` (its dataset machinery), which a run's end-of-run compaction paid ~400
+    times (~1 s of the run's teardown)."""
+    cols = []
+    for field in schema:
+        if field.name in t.column_names:
+            col = t.column(field.name)
+            cols.append(col if col.type == field.type else col.cast(field.type))
+        else:
+            cols.append(pa.nulls(len(t), field.type))
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
 def read_files(paths: StoragePaths, table: str, files: list[str], after: str | None = None) -> pa.Table:
     """`read_table` of these files (module docstring: each part's rows from one file only)."""
     fs = fsspec.core.url_to_fs(paths.table_dir(table))[0]
