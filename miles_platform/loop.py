@@ -76,6 +76,10 @@ class RLRun:
         self.base_version, self.data_version = content_hash(cfg.hf_checkpoint), data_version(cfg, src)
         self.startup.mark("data")
         with RunServices(cfg, self.paths, self.reporter, tok, src, startup=self.startup) as s:
+            # the imports and actors are up: GC again before the initial sync and eval, whose garbage
+            # (~6k objects for a 512-prompt eval) is then collected; start-up's (~10k objects, a few
+            # MB, 2026-12-07) is frozen with what start-up built
+            self.startup.started()
             self.s, state = s, s.state
             self.rec = VersionRecorder(cfg, self.paths, self.reporter, self.base_version, self.data_version,
                                        LOG_KEYS, trackers=s.trackers, teachers=s.teachers,
@@ -92,7 +96,6 @@ class RLRun:
                 self.metric_checker.on_eval(initial_eval, self.reporter.log)
             self.startup.mark("resume")
             self.reporter.log(self.startup.summary())  # the first rollout's generation starts now
-            self.startup.started()
             s.start_async_worker()
             if cfg.train_async and not cfg.fully_async:  # train-async: Miles' one-step overlap
                 self.ahead = RolloutAhead(cfg, s)
@@ -463,7 +466,7 @@ def cli_main(argv: list[str], train_async: bool = False) -> int:
         return submit_cli(cfg, opts)
     try:
         startup = StartupClock.from_process_start()  # `launch`: the process's own start
-        startup.pause_gc()  # this process's own: until the first rollout (startup.py)
+        startup.pause_gc()  # this process's own: until its services are up (startup.py)
         result = train(cfg, startup=startup)
     except (CITestFailure, ActorDied, NonFiniteTraining) as e:
         print(f"miles-platform train: {e}", file=sys.stderr)

@@ -60,16 +60,17 @@ class StartupClock:
     def pause_gc(self) -> None:
         """No cyclic garbage collection until `started` (a run's own process: the CLI). Start-up
         imports and builds the objects the process keeps to its end, and each full collection walks
-        all of them again: `train-async`'s driver made 6 (~0.75 CPU-s) before its first rollout and
-        one of 270 ms in its loop (2026-12-07). `started` freezes them out of every later collection."""
+        all of them again: `train-async`'s driver made 6 (~0.75 CPU-s) before its services were up
+        and one of 270 ms in its loop (2026-12-07). `started` freezes them out of every later one."""
         import gc
 
         self.paused_gc = gc.isenabled()
         gc.disable()
 
     def started(self) -> None:
-        """The first rollout's generation starts: what start-up built is frozen (never collected: it
-        lives to the end, and reference counting still frees what it drops) and collection resumes."""
+        """The run's services are up: what start-up built is frozen (never collected: it lives to
+        the end, and reference counting still frees what it drops; with it the cyclic garbage
+        start-up left, ~10k objects, once) and collection resumes."""
         import gc
 
         if getattr(self, "paused_gc", False):
