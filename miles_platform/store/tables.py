@@ -140,7 +140,7 @@ def read_files(paths: StoragePaths, table: str, files: list[str], after: str | N
         if (directory, name) in holder:  # a part file whose rows a compacted file gave already
             continue
         with fs.open(p, "rb") as f:
-            t = pq.read_table(f, schema=schema)
+            t = conform(pq.ParquetFile(f).read(use_threads=False), schema)
         if not is_compacted(name):
             t = t.set_column(
                 t.schema.get_field_index(SOURCE_PART), SOURCE_PART, pa.array([name] * len(t), pa.string())
