@@ -52,6 +52,7 @@ class StartupClock:
         if launch_s is not None:
             self.phases["launch"] = launch_s
         self.reported = False
+        self.paused_gc = False  # pause_gc turned the collector off; started turns it back on
 
     @classmethod
     def from_process_start(cls) -> StartupClock:
@@ -73,7 +74,7 @@ class StartupClock:
         start-up left, ~10k objects, once) and collection resumes."""
         import gc
 
-        if getattr(self, "paused_gc", False):
+        if self.paused_gc:
             gc.freeze()
             gc.enable()
             self.paused_gc = False
