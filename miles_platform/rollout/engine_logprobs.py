@@ -47,7 +47,11 @@ class LogprobOptions:
 
 
 def parse_logprob_options(body: dict, n: int, is_batch: bool, vocab_size: int, error) -> list[LogprobOptions]:
-    """The per-prompt LogprobOptions of a `/generate` body; `error(msg)` raises the engine's 400."""
+    """The per-prompt LogprobOptions of a `/generate` body; `error(msg)` raises the engine's 400.
+    A body that sets none of them shares one (frozen) default among its prompts."""
+    text = bool(body.get("return_text_in_logprobs", False))
+    if all(body.get(k) is None for k in ("logprob_start_len", "top_logprobs_num", "token_ids_logprob")):
+        return [LogprobOptions(with_text=text)] * n
 
     def per_prompt(name, default, is_one):
         v = body.get(name)
@@ -65,7 +69,6 @@ def parse_logprob_options(body: dict, n: int, is_batch: bool, vocab_size: int, e
     starts = per_prompt("logprob_start_len", -1, lambda v: False)
     tops = per_prompt("top_logprobs_num", 0, lambda v: False)
     ids = per_prompt("token_ids_logprob", [], is_id_list)
-    text = bool(body.get("return_text_in_logprobs", False))
     out = []
     for s, k, t in zip(starts, tops, ids, strict=True):
         if not isinstance(s, int) or isinstance(s, bool) or s < -1:

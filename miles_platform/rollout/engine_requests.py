@@ -7,7 +7,6 @@ sampling params, errors (400 / 409 / 503) and version constraints every path che
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import math
@@ -153,32 +152,45 @@ class SamplingParams:
 
 def parse_sampling_params(dicts: list) -> list[SamplingParams]:
     """SamplingParams per prompt; a batch whose entries differ only in `sampling_seed` (a GRPO group,
-    a whole rollout) is parsed and validated once, the seed set per copy."""
+    a whole rollout) is parsed and validated once, the seed set per copy. An entry equal to the one
+    before it but for its seed (how a rollout's batch comes) is matched by one dict comparison
+    (~0.5 us) before the sorted key (~3 us a prompt)."""
     parsed: dict = {}
     out = []
+    prev, prev_params = None, None  # the last entry without its seed, and what it parsed to
     for d in dicts:
         if not isinstance(d, dict):
             out.append(SamplingParams.from_dict(d))
+            prev = None
             continue
         seed = d.get("sampling_seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise RequestError(f"sampling_params.sampling_seed={seed!r}: must be an integer or null")
+        rest = dict(d)
+        rest.pop("sampling_seed", None)
+        if prev is not None and rest == prev:
+            out.append(_with_seed(prev_params, seed))
+            continue
         try:
-            key = tuple(
-                sorted(
-                    (k, tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k != "sampling_seed"
-                )
-            )
+            key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rest.items()))
             hash(key)
         except TypeError:  # an unhashable value: parse it alone (from_dict names what is wrong)
             out.append(SamplingParams.from_dict(d))
+            prev = None
             continue
         if key not in parsed:
-            parsed[key] = SamplingParams.from_dict({k: v for k, v in d.items() if k != "sampling_seed"})
-        p = copy.copy(parsed[key])
-        p.sampling_seed = seed
-        out.append(p)
+            parsed[key] = SamplingParams.from_dict(rest)
+        prev, prev_params = rest, parsed[key]
+        out.append(_with_seed(prev_params, seed))
     return out
+
+
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    """A shallow copy of `params` with its `sampling_seed` (copy.copy's generic path is ~4x this)."""
+    p = object.__new__(SamplingParams)
+    p.__dict__.update(params.__dict__)
+    p.sampling_seed = seed
+    return p
 
 
 def _raise_request_error(message: str):
