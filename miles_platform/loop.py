@@ -208,6 +208,10 @@ class RLRun:
                     if hf_copy:
                         save_hf_copy(cfg, rollout_id, hf_dir)
                     post_save_hook(cfg, rollout_id, iter_dir(cfg.save, rollout_id), hf_copy)
+        if s.trainers:  # the last train call's train_samples rows (written beside the steps) are in
+            from miles_platform.run_services import call_trainers
+
+            call_trainers(cfg, s.trainers, "drain_rows")
         return result
 
     def _weights_with_train(self) -> bool:
@@ -340,8 +344,8 @@ class RLRun:
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
         handle = put_rollout_data(fields, store)
         try:
-            refs = submit_trainers(self.s.trainers, "train", rollout_id, handle, TrainSamplesTarget(upcoming),
-                                   with_weights)  # fmt: skip
+            refs = submit_trainers(self.s.trainers, "train", rollout_id, handle,
+                                   TrainSamplesTarget(upcoming, background=True), with_weights)  # fmt: skip
         except BaseException:
             store.remove(handle)
             raise

@@ -57,7 +57,7 @@ from miles_platform.training.rollout_metrics import rollout_data_metrics
 from miles_platform.training.schedule import LRScheduler, schedule_of
 from miles_platform.training.shared_prefix import pack_shared_prefixes
 from miles_platform.training.train_batch import TrainBatch
-from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
+from miles_platform.training.train_samples import RowWriter, SampleRows, TrainSamplesTarget
 from miles_platform.weights.transports import encode_state
 
 __all__ = ["TrainBatch", "TrainerActor"]
@@ -150,6 +150,7 @@ class TrainerActor(ActorWeights):
         self.prof = TrainProfiler(cfg, rank)  # --use-pytorch-profiler: stepped once per train call
         self.prof.start()
         self.wait = TrainWait()  # perf/train_wait_time: from here until the first train call
+        self.row_writer = RowWriter()  # train_samples parts written beside the next step (the loop's)
         # the samples of a prompt share its forward where the backend can (training/shared_prefix.py);
         # False: every sample its own padded row (a benchmark's or a test's comparison)
         self.share_prefixes = True
@@ -171,6 +172,10 @@ class TrainerActor(ActorWeights):
 
     def ready(self) -> bool:
         return True
+
+    def drain_rows(self) -> None:
+        """The train_samples rows of the last `train` call are on disk (the loop's, at the run's end)."""
+        self.row_writer.drain()
 
     # ------------------------------------------------------------------ log-probs
     def _tensor(self, data, dtype=torch.float32) -> torch.Tensor:
@@ -473,7 +478,7 @@ class TrainerActor(ActorWeights):
             if self.critic is not None:
                 self._critic_step(batch, self._my_indices(s), values, returns, add)
         if self._rows is not None:
-            self._rows.flush()
+            self._rows.flush(self.row_writer if samples is not None and samples.background else None)
         if fused:
             old.update(self.backend.from_last_stage(old))  # pipeline parallel: scored on the last stage
             if ents is not None:
