@@ -61,6 +61,20 @@ def at_active(x: torch.Tensor, mask: torch.Tensor, finite: bool = False) -> torc
 # ---------------------------------------------------------------------------- reductions
 
 
+def mask_counts(loss_masks: Tensors) -> torch.Tensor:
+    """[n]: each sample's mask sum (its loss-token count), one segment sum over the masks laid end to
+    end: a `.sum()` per sample cost ~1.4 us each, four times a 128-sample micro-batch's loss (its
+    denominators, then every reduction's). Integer-valued masks sum exactly either way."""
+    if not loss_masks:
+        return torch.zeros(0)
+    flat = torch.cat(loss_masks)
+    if not flat.is_floating_point():
+        flat = flat.float()
+    sizes = torch.tensor([m.numel() for m in loss_masks], device=flat.device)
+    seg = torch.repeat_interleave(torch.arange(len(loss_masks), device=flat.device), sizes)
+    return torch.zeros(len(loss_masks), dtype=flat.dtype, device=flat.device).index_add_(0, seg, flat)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (at_active(x, mask) * mask).sum() / mask.sum().clamp_min(1)
 
@@ -72,7 +86,7 @@ def sum_of_sample_mean(
     default). `denominators`: per-sample counts to divide by instead (the original masks' when
     rejection sampling removed tokens from `loss_masks`: rejected tokens leave the numerator only)."""
     if denominators is None:
-        denominators = torch.stack([m.sum() for m in loss_masks])
+        denominators = mask_counts(loss_masks)
     mask = torch.cat(loss_masks)
     masked = at_active(torch.cat(values), mask) * mask  # one select for the batch, then per sample
     sums = torch.stack([x.sum() for x in masked.split([m.numel() for m in loss_masks])])
@@ -85,7 +99,7 @@ def per_token_mean(
     """Sum over all loss tokens of the batch / the sum of max(token count, 1) per sample
     (--calculate-per-token-loss, Miles' normalizer)."""
     if denominators is None:
-        denominators = torch.stack([m.sum() for m in loss_masks])
+        denominators = mask_counts(loss_masks)
     # one sum over the concatenated tokens (not a sum of per-sample sums): the same rounding as a
     # plain token mean, so runs without masked-out samples train bit for bit as before
     mask = torch.cat(loss_masks)
@@ -512,7 +526,7 @@ def policy_loss_function(
     carry grad.
     """
     masks = [m.float() for m in batch["loss_masks"]]
-    counts = torch.stack([m.sum() for m in masks])  # denominators: rejection leaves them as they are
+    counts = mask_counts(masks)  # denominators: rejection leaves them as they are
     reduce = get_reducer(args)
     scored, rollout = batch["old_log_probs"], batch["rollout_log_probs"]
     old = rollout if getattr(args, "use_rollout_logprobs", False) else scored

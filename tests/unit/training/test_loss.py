@@ -17,6 +17,7 @@ from miles_platform.training.loss import (
     entropy_from_logits,
     gae,
     get_loss_function,
+    mask_counts,
     normalize_advantages,
     per_token_mean,
     policy_loss_function,
@@ -216,6 +217,28 @@ def test_reductions():
     vals, masks = [T([1.0, 2.0, 3.0]), T([4.0])], [T([1.0, 1.0, 0.0]), T([1.0])]
     assert close(sum_of_sample_mean(vals, masks), 2.75)  # (1.5 + 4) / 2
     assert close(per_token_mean(vals, masks), 7 / 3)  # (1 + 2 + 4) / 3
+    # a fully masked sample counts 0 tokens in its own mean's denominator (clamped to 1) and none of
+    # the per-token one's; an empty one the same
+    vals, masks = [T([1.0, 2.0]), T([5.0]), T([]), T([4.0])], [T([1.0, 1.0]), T([0.0]), T([]), T([1.0])]
+    assert close(sum_of_sample_mean(vals, masks), (1.5 + 0 + 0 + 4) / 4)
+    assert close(per_token_mean(vals, masks), 7 / 5)  # denominators clamped to 1: 2 + 1 + 1 + 1
+
+
+def test_mask_counts_are_each_samples_mask_sum_in_one_pass():
+    """The reducers' denominators: what a sum per sample gave, for every mask dtype, empty samples
+    included, without a kernel per sample (one cat, one index_add)."""
+    g = torch.Generator().manual_seed(0)
+    masks = [(torch.rand(n, generator=g) > 0.4).float() for n in (3, 0, 7, 1, 0, 12)]
+    want = torch.stack([m.sum() for m in masks])
+    assert torch.equal(mask_counts(masks), want)
+    assert torch.equal(mask_counts([m.bool() for m in masks]), want)
+    assert torch.equal(mask_counts([m.long() for m in masks]), want)
+    assert mask_counts([]).numel() == 0
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        mask_counts(masks * 20)
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::sum") == 0
 
 
 # ---------------------------------------------------------------------------- MIS (Miles' mis.py)
