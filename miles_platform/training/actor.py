@@ -572,10 +572,11 @@ class TrainerActor(ActorWeights):
         idx = list(range(len(batch))) if group_based else mine  # a group's statistics need all of it
         rewards = self._tensor([batch.rewards[i] for i in idx])
         zeros = lambda i: torch.zeros(batch.response_lengths[i], device=self.device)  # noqa: E731
-        lps = [old[i] if i in old else zeros(i) for i in idx]
-        refs = None
-        if ref is not None:
-            refs = [ref[i] if i in ref else zeros(i) for i in idx]
+        lps = refs = None
+        if cfg.advantage_estimator not in ("grpo", "gspo"):  # the only estimators that read no log-prob
+            lps = [old[i] if i in old else zeros(i) for i in idx]
+            if ref is not None:
+                refs = [ref[i] if i in ref else zeros(i) for i in idx]
         masks = [self._mask(batch, i) for i in idx]
         vals = [values[i] for i in idx] if values is not None else None
         advs, rets = loss_hub.compute_advantages_and_returns(

@@ -362,10 +362,12 @@ def compute_advantages_and_returns(
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     # normalize False: --custom-reward-post-process-path's rewards, taken as they are (Miles')
     rewards = normalized_rewards(args, rewards) if normalize else rewards
+    if est in ("grpo", "gspo"):  # each sample's reward at each of its tokens: one repeat, split in views
+        sizes = [m.numel() for m in loss_masks]
+        device = loss_masks[0].device if loss_masks else rewards.device
+        flat = torch.repeat_interleave(rewards.to(device), torch.tensor(sizes, device=device))
+        return list(flat.split(sizes)), list(flat.clone().split(sizes))
     masks = [m.float() for m in loss_masks]
-    if est in ("grpo", "gspo"):
-        advantages = [torch.full_like(m, float(s)) for s, m in zip(rewards, masks, strict=True)]
-        return advantages, [a.clone() for a in advantages]
     kl = _kl_for_rewards(args, log_probs, ref_log_probs)
     if est == "reinforce_plus_plus":
         returns = []
