@@ -141,21 +141,35 @@ def micro_batch_rows(cfg: RunConfig, mb_batch: dict[str, Any], log_probs: list[t
     want = [j for j, k in enumerate(keys) if k is not None]
     if not want:
         return []
+    return _rows([keys[j] for j in want], *_host_columns(cfg, mb_batch, log_probs, want))
+
+
+def _host_columns(cfg: RunConfig, mb_batch: dict[str, Any], log_probs: list[torch.Tensor], want: list[int]):
+    """The tensor half of the rows of the micro-batch's samples `want` (positions in it): (tokens per
+    sample, a host [len(TOKEN_COLUMNS), tokens] tensor of the columns laid end to end, the columns
+    that do not apply, per sample whether `rollout_log_probs` covers its tokens)."""
     pick = {name: [mb_batch[name][j] for j in want] for name in ("advantages", "old_log_probs", "rollout_log_probs", "loss_masks")}  # fmt: skip
     ref = mb_batch.get("ref_log_probs")
     pick["ref_log_probs"] = [ref[j] for j in want] if ref is not None else None
     cols, has_rollout = token_columns(cfg, pick, [log_probs[j] for j in want])
     sizes = [m.numel() for m in pick["loss_masks"]]
     zeros = torch.zeros_like(cols["loss_mask"])
-    flat = torch.stack([zeros if cols[c] is None else cols[c] for c in TOKEN_COLUMNS]).cpu().tolist()
+    flat = torch.stack([zeros if cols[c] is None else cols[c] for c in TOKEN_COLUMNS]).cpu()
+    return sizes, flat, {c for c in TOKEN_COLUMNS if cols[c] is None}, has_rollout
+
+
+def _rows(keys: list[dict[str, Any]], sizes: list[int], flat: torch.Tensor, absent: set[str],
+          has_rollout: list[bool]) -> list[dict[str, Any]]:  # fmt: skip
+    """The Python half (any thread): one row dict per sample of `_host_columns`' values."""
+    values = flat.tolist()
     rows, at = [], 0
-    for r, j in enumerate(want):
-        row = dict(keys[j])
-        for c, values in zip(TOKEN_COLUMNS, flat, strict=True):
+    for r, key in enumerate(keys):
+        row = dict(key)
+        for c, column in zip(TOKEN_COLUMNS, values, strict=True):
             v = (
                 None
-                if cols[c] is None or (c == "rollout_log_probs" and not has_rollout[r])
-                else values[at : at + sizes[r]]
+                if c in absent or (c == "rollout_log_probs" and not has_rollout[r])
+                else column[at : at + sizes[r]]
             )
             if v is not None and c == "clipped":
                 v = [x > 0 for x in v]
@@ -178,7 +192,7 @@ class SampleRows:
         )
         self.table = set(table)
         self.dump = bool(cfg.save_debug_train_data)  # every sample of the rank
-        self.rows: list[dict[str, Any]] = []
+        self.pending: list = []  # per micro-batch: (its rows' keys, `_host_columns`)
         self.kept: list[bool] = []  # each row's: in the table (else only in the debug file)
 
     @classmethod
@@ -192,15 +206,16 @@ class SampleRows:
         return rows if rows.table or rows.dump else None
 
     def add(self, mb: list[int], micro_batch: int, step: int, mb_batch: dict[str, Any], log_probs) -> None:
+        """The micro-batch's rows: their values on the host now, the row dicts at `flush` (on the
+        writer's thread when it has one)."""
         version = self.target.version if self.target else None
-        keys = [
-            {"rollout_id": self.rollout_id, "index": self.indices[i], "version": version, "step": step,
-             "micro_batch": micro_batch, "rank": self.rank}
-            if self.dump or i in self.table else None
-            for i in mb
-        ]  # fmt: skip
-        self.rows += micro_batch_rows(self.cfg, mb_batch, log_probs, keys)
-        self.kept += [i in self.table for i, k in zip(mb, keys, strict=True) if k is not None]
+        want = [j for j, i in enumerate(mb) if self.dump or i in self.table]
+        if not want:
+            return
+        keys = [{"rollout_id": self.rollout_id, "index": self.indices[mb[j]], "version": version, "step": step,
+                 "micro_batch": micro_batch, "rank": self.rank} for j in want]  # fmt: skip
+        self.pending.append((keys, _host_columns(self.cfg, mb_batch, log_probs, want)))
+        self.kept += [mb[j] in self.table for j in want]
 
     def flush(self, writer: RowWriter | None = None) -> None:
         """The kept rows to the table (one part file), every row to the debug file: now, or on
@@ -208,19 +223,20 @@ class SampleRows:
         from miles_platform.store.paths import StoragePaths
         from miles_platform.store.tables import append_rows
 
-        kept = [r for r, k in zip(self.rows, self.kept, strict=True) if k]
-        rows, dump = self.rows, self.dump
-        self.rows, self.kept = [], []
+        pending, kept, dump = self.pending, self.kept, self.dump
+        self.pending, self.kept = [], []
 
         def write() -> None:
-            if kept:
-                append_rows(StoragePaths(self.cfg.storage_root), "train_samples", self.cfg.run_name, kept)
+            rows = [row for keys, cols in pending for row in _rows(keys, *cols)]
+            table = [r for r, k in zip(rows, kept, strict=True) if k]
+            if table:
+                append_rows(StoragePaths(self.cfg.storage_root), "train_samples", self.cfg.run_name, table)
             if dump:
                 self._write_dump(rows)
 
         if writer is None:
             write()
-        elif kept or dump:
+        elif pending:
             writer.submit(write)
 
     def _write_dump(self, rows: list[dict[str, Any]]) -> None:
