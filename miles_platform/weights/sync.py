@@ -29,14 +29,15 @@ def _trainer_weights(s) -> dict:
     return call_trainers(s.cfg, s.trainers, "get_hf_weights")
 
 
-def export_policy(weights: dict, cfg: RunConfig, out_dir: str) -> str:
+def export_policy(weights: dict, cfg: RunConfig, out_dir: str, previous: str | None = None) -> str:
     """The version's policy as an HF dir: the trainer's dense weights, so no quantization_config
-    (a quantized --hf-checkpoint's is the served copy's: `served_weights`)."""
+    (a quantized --hf-checkpoint's is the served copy's: `served_weights`). `previous`: the version
+    before's export, whose copies of the template's files are linked (`export_hf_dir`'s link_from)."""
     from miles_platform.models.checkpoint import quantization
     from miles_platform.training.export import export_hf_dir
 
     dense = {"quantization_config": None} if quantization(cfg.hf_checkpoint) else None  # else config as is
-    return export_hf_dir(weights, cfg.hf_checkpoint, out_dir, dense)
+    return export_hf_dir(weights, cfg.hf_checkpoint, out_dir, dense, link_from=previous)
 
 
 def served_weights(cfg: RunConfig, weights: dict, hf_dir: str | None) -> tuple[dict, str | None, dict]:
@@ -109,7 +110,9 @@ def publish_version(
         weights = _trainer_weights(s)
         timed["perf/get_weights_time"] = time.time() - t0
     t1 = time.time()
-    hf_dir = export_policy(weights, cfg, paths.hf_export(cfg.run_name, version))
+    hf_dir = export_policy(
+        weights, cfg, paths.hf_export(cfg.run_name, version), paths.hf_export(cfg.run_name, version - 1)
+    )
     timed["perf/export_hf_time"] = time.time() - t1
     if s.session is None:  # train-only (Miles' SFT): no engine to load it
         return hf_dir, timed
