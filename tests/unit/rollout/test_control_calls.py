@@ -40,12 +40,30 @@ def _read_request(c: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-def _serve(resets: list[int]):
-    """A loopback HTTP server: answers the first request of each connection and keeps it alive; a
-    second request on that connection is reset (RST) unanswered, as a stalled engine that resumed does."""
+def _accepting(on_connection):
+    """A loopback listening socket that runs `on_connection(c)` for each accepted connection on a
+    thread of its own -> (the socket, its http URL, one entry per connection accepted)."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen()
+    accepted: list[int] = []
+
+    def loop():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            threading.Thread(target=on_connection, args=(c,), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}", accepted
+
+
+def _serve(resets: list[int]):
+    """A loopback HTTP server: answers the first request of each connection and keeps it alive; a
+    second request on that connection is reset (RST) unanswered, as a stalled engine that resumed does."""
 
     def conn(c):
         with c:
@@ -55,16 +73,8 @@ def _serve(resets: list[int]):
                 resets.append(1)
                 c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
-    def loop():
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=conn, args=(c,), daemon=True).start()
-
-    threading.Thread(target=loop, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+    srv, url, _ = _accepting(conn)
+    return srv, url
 
 
 def test_a_control_call_on_a_reset_connection_is_sent_again(monkeypatch):
@@ -120,10 +130,6 @@ def test_without_the_resend_the_reset_fails(monkeypatch, attempts):
 def _server(handler):
     """A loopback HTTP server calling `handler(conn, request_bytes)` for each request of each
     connection (until it returns False); -> (socket, url, connections accepted)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    accepted: list[int] = []
 
     def conn(c):
         with c:
@@ -132,17 +138,7 @@ def _server(handler):
                 if not req or handler(c, req) is False:
                     return
 
-    def loop():
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            accepted.append(1)
-            threading.Thread(target=conn, args=(c,), daemon=True).start()
-
-    threading.Thread(target=loop, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}", accepted
+    return _accepting(conn)
 
 
 def _no_httpx(monkeypatch):
@@ -322,25 +318,16 @@ def test_an_https_engine_is_reached_with_the_platform_tls_context(monkeypatch, t
     trusting = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
     monkeypatch.setattr(engine_client, "client_tls", lambda: trusting)
 
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
+    def conn(c):
+        try:
+            with server_ctx.wrap_socket(c, server_side=True) as tls:
+                while _read_request(tls):
+                    tls.sendall(OK)
+        except (OSError, ssl.SSLError):
+            pass
 
-    def loop():
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            try:
-                with server_ctx.wrap_socket(c, server_side=True) as tls:
-                    while _read_request(tls):
-                        tls.sendall(OK)
-            except (OSError, ssl.SSLError):
-                pass
-
-    threading.Thread(target=loop, daemon=True).start()
-    url = f"https://127.0.0.1:{srv.getsockname()[1]}"
+    srv, url, _ = _accepting(conn)
+    url = url.replace("http://", "https://")
     try:
         assert engine_client.post(url, "/pause_generation") == {"success": True}
         assert engine_client.post(url, "/continue_generation") == {"success": True}
