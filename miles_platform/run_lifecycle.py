@@ -133,14 +133,17 @@ class RunLifecycle(contextlib.AbstractContextManager):
 
 def remove_dead_writers_tmp(cfg, paths: StoragePaths, log: Callable[[str], None]) -> None:
     """Every `.tmp-*` under the run's dirs (checkpoint, HF export and publication staging of a
-    killed writer) is garbage nothing can observe: remove it. Needs the run lock."""
+    killed writer; the part a trainer's background row writer was writing in its `train_samples`
+    partition, which only the run's trainers write) is garbage nothing can observe: remove it.
+    Needs the run lock. (The other tables' partitions take writers outside the lock, an eval asset:
+    compaction removes their old temp files, store/compaction.py.)"""
     from miles_platform.store import remote
 
     pub = getattr(cfg, "update_weight_disk_dir", None)  # a diffusion run publishes no disk-delta
     if any(remote.is_remote(r) for r in (paths.root, cfg.save, pub)):
         remote.remove_dead_staging(log)  # object stores hold no temp names: uploads stage here
     seen = set()
-    for root in (paths.run_dir(cfg.run_name), cfg.save, pub):
+    for root in (paths.run_dir(cfg.run_name), cfg.save, pub, paths.table_dir("train_samples", cfg.run_name)):
         if not root or "://" in root or not os.path.isdir(root) or root in seen:
             continue
         seen.add(root)

@@ -2,6 +2,7 @@
 on a constructed case), which samples are kept, and what a trainer rank writes."""
 
 import math
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -211,3 +212,24 @@ def test_the_loops_rows_are_written_beside_the_next_step(tiny_hf_checkpoint, tmp
     actor.train(3, random_train_batch(3), TrainSamplesTarget(version=4, background=True))
     actor.save(3)  # drained first: rollout 3's rows are in
     assert {r["rollout_id"] for r in read_rows(StoragePaths(str(root)), "train_samples", "u")} == {0, 1, 3}
+
+
+def test_a_killed_row_writers_part_is_removed_by_the_next_launch(tmp_path):
+    """A trainer killed while its RowWriter wrote (kill -9 of the run at a hook of the loop's) leaves
+    its hidden temp part in the run's train_samples partition: the next launch, under the run lock,
+    removes it; another run's, and another table's (an eval asset writes evals outside the lock), stay."""
+    from miles_platform.run_lifecycle import remove_dead_writers_tmp
+
+    paths = StoragePaths(str(tmp_path / "root"))
+    cfg = RunConfig(rollout_batch_size=1, run_name="u", storage_root=paths.root).validate()
+    mine = Path(paths.table_dir("train_samples", "u"))
+    other = Path(paths.table_dir("train_samples", "v"))
+    evals = Path(paths.table_dir("evals", "u"))
+    for d in (mine, other, evals):
+        d.mkdir(parents=True)
+        (d / ".part-00000000000000000001-abcdef12.parquet.tmp-0123456789ab").write_bytes(b"half")
+    (mine / "part-00000000000000000000-abcdef12.parquet").write_bytes(b"whole")
+    logged = []
+    remove_dead_writers_tmp(cfg, paths, logged.append)
+    assert sorted(p.name for p in mine.iterdir()) == ["part-00000000000000000000-abcdef12.parquet"]
+    assert len(list(other.iterdir())) == 1 and len(list(evals.iterdir())) == 1 and len(logged) == 1
