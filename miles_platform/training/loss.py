@@ -70,9 +70,7 @@ def mask_counts(loss_masks: Tensors) -> torch.Tensor:
     flat = torch.cat(loss_masks)
     if not flat.is_floating_point():
         flat = flat.float()
-    sizes = torch.tensor([m.numel() for m in loss_masks], device=flat.device)
-    seg = torch.repeat_interleave(torch.arange(len(loss_masks), device=flat.device), sizes)
-    return torch.zeros(len(loss_masks), dtype=flat.dtype, device=flat.device).index_add_(0, seg, flat)
+    return Segments([m.numel() for m in loss_masks], flat.device).sum(flat)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
