@@ -20,12 +20,16 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | os.PathLike) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
 def fsync_tree(path: str | os.PathLike) -> None:
     """fsync every file below `path`, then `path` itself."""
     for f in Path(path).rglob("*"):
         if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_file(f)
     fsync_dir(path)
 
 

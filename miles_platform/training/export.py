@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from miles_platform.models.checkpoint_layout import split_fused_experts
 from miles_platform.store import remote
-from miles_platform.store.atomic import fsync_dir, replace_dir
+from miles_platform.store.atomic import fsync_dir, fsync_file, replace_dir
 
 CONFIG_FILES = (
     "config.json",
@@ -79,8 +79,7 @@ def export_hf_dir(
         )
         written.append(tmp / "model.safetensors")
         for f in written:
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            fsync_file(f)
         fsync_dir(tmp)
         replace_dir(tmp, dest)
     finally:
