@@ -153,26 +153,42 @@ def _jsonable(key: str, value: Any) -> Any:
 class RolloutDataHandle:
     backend: str  # "ray" | "mooncake"
     key: str
-    ref: Any = None  # ray.ObjectRef for the Ray backend
+    ref: Any = None  # the Ray backend: the ObjectRef of the pickled data, or
+    blob: bytes | None = None  # the pickled data itself, inside the call (`RayRolloutStore.put`)
     mooncake_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+INLINE_HEADROOM = 64 << 10  # what else a call carries beside an inline payload (its other arguments)
 
 
 class RayRolloutStore:
     backend = "ray"
 
     def put(self, data: dict[str, Any]) -> RolloutDataHandle:
+        """Pickled once; bytes the cluster passes inside a call (`ray_cluster.inline_bytes`, the
+        demo's 128 samples: ~30 KB) travel in the handle, in the train call itself; larger ones
+        through the object store, put once for every rank."""
+        import pickle
+
         import ray
 
-        return RolloutDataHandle("ray", key=uuid.uuid4().hex, ref=ray.put(data))
+        from miles_platform.cluster.ray_cluster import inline_bytes
+
+        blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(blob) <= inline_bytes() - INLINE_HEADROOM:
+            return RolloutDataHandle("ray", key=uuid.uuid4().hex, blob=blob)
+        return RolloutDataHandle("ray", key=uuid.uuid4().hex, ref=ray.put(blob))
 
     def get(self, handle: RolloutDataHandle) -> dict[str, Any]:
+        import pickle
+
         import ray
 
-        return ray.get(handle.ref)
+        return pickle.loads(handle.blob if handle.blob is not None else ray.get(handle.ref))
 
     def remove(self, handle: RolloutDataHandle) -> None:
         # Ray frees an object when its last reference goes away; drop ours
-        handle.ref = None
+        handle.ref = handle.blob = None
 
 
 class MooncakeRolloutStore:

@@ -130,6 +130,39 @@ def secure_ray_token() -> str | None:
     return path
 
 
+# An object up to Ray's `max_direct_call_object_size` travels inside the call that carries it (an
+# argument, a return) through the owner's in-process store; a larger one goes through the node's
+# shared-memory store, whose create / seal / get / release / free each round-trip through the raylet.
+# Ray's default is 100 KiB; a private cluster of ours raises it to 8 MiB: a small model's weights
+# (the demo's 1.7 MB, the trainer's return and the engines' update) and a rollout's train data
+# then never touch the raylet, which took ~6-8 ms of CPU a train-async step on 2 cores for the
+# three shared-memory objects of each (2026-12-07). Anything larger still goes through it.
+INLINE_BYTES = 8 << 20
+RAY_INLINE_BYTES = 100 * 1024  # Ray's default, a cluster's that does not set it
+_INLINE_BY_SESSION: dict[str, int] = {}
+
+
+def inline_bytes() -> int:
+    """The largest object this process's Ray cluster passes inside a call (its system config's
+    `max_direct_call_object_size`: ours for a private cluster, Ray's default for one that does not
+    set it); read once per cluster session."""
+    from ray._private import worker
+
+    node = getattr(worker.global_worker, "node", None)
+    session = getattr(node, "session_name", None)
+    if session is None:
+        return RAY_INLINE_BYTES
+    if session not in _INLINE_BY_SESSION:
+        from ray._private.state import state
+
+        try:
+            config = state.get_system_config()
+        except Exception:  # noqa: BLE001 - unknown: Ray's default, the safe side
+            config = {}
+        _INLINE_BY_SESSION[session] = int(config.get("max_direct_call_object_size", RAY_INLINE_BYTES))
+    return _INLINE_BY_SESSION[session]
+
+
 def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
     """Start a private one-machine Ray cluster whose every server listens on 127.0.0.1 only.
 
@@ -147,11 +180,12 @@ def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
 
     from miles_platform.cluster import forkserver
 
+    ours: dict[str, Any] = {"max_direct_call_object_size": INLINE_BYTES}  # inline_bytes()
     if forkserver.current() is not None:
         # the actors fork from this driver's server: the idle workers Ray prestarts for the first
         # driver (one per core, ~0.5-1 CPU-s each, in the middle of start-up) would serve none of them
-        system = dict(init_kwargs.pop("_system_config", None) or {})
-        init_kwargs["_system_config"] = {"prestart_worker_first_driver": False, **system}
+        ours["prestart_worker_first_driver"] = False
+    init_kwargs["_system_config"] = {**ours, **(init_kwargs.pop("_system_config", None) or {})}
     with _single_machine_mode(), _light_setup_worker(), _without_monitors(), _light_dashboard_agent():
         ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus,
                  include_dashboard=False, log_to_driver=False, **init_kwargs)  # fmt: skip

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ray
 
+from miles_platform.cluster.object_store import INLINE_HEADROOM
+from miles_platform.cluster.ray_cluster import inline_bytes
 from miles_platform.weights.transports import TransferStats, Transport, encode_state, full_bytes
 
 
@@ -17,9 +19,12 @@ class TensorTransport(Transport):
                 f"tensor transport needs Ray-hosted engines; {missing} are external (use disk-delta)"
             )
         # raw bytes with a JSON header, as through Mooncake (a quantized rollout's fp8 update too,
-        # whose storages torch cannot unpickle); the engine decodes them
-        self._ref = ray.put(encode_state(state))
+        # whose storages torch cannot unpickle); the engine decodes them. Weights the cluster passes
+        # inside a call (ray_cluster.inline_bytes) go in each engine's update call, never through
+        # the raylet's shared-memory store; larger ones are put there once for every engine.
         n = full_bytes(state)
+        encoded = encode_state(state)
+        self._ref = encoded if n <= inline_bytes() - INLINE_HEADROOM else ray.put(encoded)
         return TransferStats(wire_bytes=n * len(self.engines), full_bytes=n * len(self.engines))
 
     def activate(self, version):

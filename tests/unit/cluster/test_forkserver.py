@@ -225,11 +225,13 @@ def test_with_the_fork_server_up_ray_prestarts_no_idle_workers(monkeypatch):
     ray_cluster.start_local_ray(2, _system_config={"object_spilling_threshold": 0.9})
     monkeypatch.setattr(forkserver, "current", lambda: None)
     ray_cluster.start_local_ray(2)
+    inline = {"max_direct_call_object_size": ray_cluster.INLINE_BYTES}  # test_inline_calls.py
     assert calls[0]["_system_config"] == {
         "prestart_worker_first_driver": False,
         "object_spilling_threshold": 0.9,
+        **inline,
     }
-    assert "_system_config" not in calls[1] and calls[1]["num_cpus"] == 2
+    assert calls[1]["_system_config"] == inline and calls[1]["num_cpus"] == 2
 
 
 RANKS_SCRIPT = """
