@@ -57,7 +57,7 @@ class RLRun:
         from miles_platform.rollout.loop_eval import eval_before_train
         from miles_platform.run_lifecycle import published_version
         from miles_platform.run_services import RunServices, actor_died
-        from miles_platform.store.recorder import VersionRecorder
+        from miles_platform.store.recorder import VersionRecorder, close_quietly
         from miles_platform.training.qat import check_int4_qat
         from miles_platform.weights.rollout_quant import quantized_serving
         from miles_platform.weights.sync import initial_sync
@@ -110,6 +110,7 @@ class RLRun:
                 raise died from e
             finally:
                 self.shards.shutdown(wait=True)  # a shard being written is whole or absent (atomic)
+                close_quietly(self.rec, failed=sys.exc_info()[0] is not None, log=self.reporter.log)
                 if self.ahead is not None:  # a rollout still in flight fails with the engines' shutdown
                     self.ahead.pool.shutdown(wait=False, cancel_futures=True)
                 if self.queued is not None:  # a failed run: the queued rollout's data leaves the store
@@ -374,6 +375,7 @@ class RLRun:
         from miles_platform.run_services import call_trainers
         from miles_platform.training.checkpoint import prune_checkpoints
 
+        self.rec.flush()  # the rows of every rollout the checkpoint holds are on disk before it
         saved = call_trainers(self.cfg, self.s.trainers, "save", rollout_id, extra, sync)
         if self.cfg.save_retain_interval:
             for path in prune_checkpoints(self.cfg.save, rollout_id, self.cfg.save_retain_interval):

@@ -100,7 +100,7 @@ class DiffusionRun:
         from miles_platform.data.source import RolloutDataSource
         from miles_platform.models.checkpoint import content_hash
         from miles_platform.run_lifecycle import RunLifecycle
-        from miles_platform.store.recorder import VersionRecorder
+        from miles_platform.store.recorder import VersionRecorder, close_quietly
 
         cfg = self.cfg
         records, self.evals = preflight(cfg, self.paths)
@@ -118,7 +118,10 @@ class DiffusionRun:
             self.hooks = life.hooks
             self._write_config()
             self._start_actors(life.stack)
-            return self._loop(life.config_changes)
+            try:
+                return self._loop(life.config_changes)
+            finally:  # the recorder's rows to disk before the run's end compacts its tables
+                close_quietly(self.rec, failed=sys.exc_info()[0] is not None, log=self.reporter.log)
 
     def _write_config(self) -> None:
         """runs/<run>/diffusion_config.json: what the catalog sensor reads to report this run as a
@@ -243,6 +246,7 @@ class DiffusionRun:
 
         extra = {"weight_version": version, "data_source": self.src.state_dict(), "run": self.cfg.run_name,
                  "config_hash": self.cfg.config_hash()}  # fmt: skip
+        self.rec.flush()  # the rows of every rollout the checkpoint holds are on disk before it
         return ray.get(self.trainer.save.remote(self.cfg.save, rollout_id, extra))
 
     def _evaluate(self, version: int) -> dict[str, float]:

@@ -105,9 +105,10 @@ class RecordedPaths:
         }
 
 
-def write_edges(paths: StoragePaths, run: str, edges: list[Edge]) -> None:
+def write_edges(paths: StoragePaths, run: str, edges: list[Edge], append=None) -> None:
     """Append `edges` to `run`'s lineage table, each node of a path kind absolute (`node_id`);
-    edges without a parent are skipped. The one writer of lineage rows."""
+    edges without a parent are skipped. The one writer of lineage rows. `append(table, run, rows)`:
+    where the rows go (a recorder's BufferedParts; default: a part file now)."""
     from miles_platform.store.tables import append_rows
 
     rows = [
@@ -122,7 +123,10 @@ def write_edges(paths: StoragePaths, run: str, edges: list[Edge]) -> None:
         for e in edges
         if e.parent is not None
     ]
-    append_rows(paths, "lineage", run, rows)
+    if append is None:
+        append_rows(paths, "lineage", run, rows)
+    else:
+        append("lineage", run, rows)
 
 
 def read_edges(paths: StoragePaths, run: str) -> list[Edge]:

@@ -24,6 +24,7 @@ from typing import Any
 from miles_platform.run_types import PolicyVersion, Reporter, RunResult
 from miles_platform.store.code_version import code_version
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.tables import BufferedParts
 
 
 def recorded_max_version(paths: StoragePaths, run: str, published: int | None = None) -> int:
@@ -71,6 +72,17 @@ def note_resume(
     return (state.get("config_hash") or "unknown") if changes and state is not None else None
 
 
+def close_quietly(rec: VersionRecorder, failed: bool, log: Callable[[str], None]) -> None:
+    """A loop's end: the recorder's rows to disk. After a failure, a failure to write them is
+    logged, not raised over the error that stopped the run."""
+    try:
+        rec.close()
+    except Exception as e:
+        if not failed:
+            raise
+        log(f"[record] rows of the last rollouts not written ({type(e).__name__}: {e})")
+
+
 class VersionRecorder:
     """`resume` once (after the trainer loaded its checkpoint), then per rollout `next_version`,
     `record`, `finish_rollout` and `save_due`. `base_version` / `data_version`: content hashes of the
@@ -90,6 +102,16 @@ class VersionRecorder:
         self.config_changed_from: str | None = None  # the next version's `config_changed_from` edge
         self.code = code_version()  # the code this run started with, recorded with each version
         self.config_hash: str | None = None  # the run's, hashed at its first version (~3 ms each time)
+        # the version, lineage and metrics rows: a part file per table a second (store/tables.py);
+        # the loops `flush` before each checkpoint and `close` at the end, failed or not
+        self.parts = BufferedParts(paths, name="table-parts")
+
+    def flush(self) -> None:
+        """Every row recorded so far on disk (before a checkpoint that names its rollout)."""
+        self.parts.flush()
+
+    def close(self) -> None:
+        self.parts.close()
 
     def resume(self, state: dict | None, changes: list[str], published: int | None = None) -> tuple[int, int]:
         """The trainer's checkpoint state (None: none) -> (first rollout id, its weight version).
@@ -155,7 +177,7 @@ class VersionRecorder:
         pv = record_policy_version(self.cfg, self.paths, version, parent, rollout_id, shard, hf_dir, ckpt,
                                    self.base_version, self.data_version, self.teachers,
                                    config_changed_from=self.config_changed_from, code=self.code,
-                                   config_hash=self.config_hash)  # fmt: skip
+                                   config_hash=self.config_hash, append=self.parts.append)  # fmt: skip
         self.config_changed_from = None  # on the first version after the change only
         result.versions.append(pv.to_dict())
         self.reporter.on_policy_version(pv)
@@ -166,8 +188,6 @@ class VersionRecorder:
         self, result: RunResult, rollout_id: int, metrics: dict[str, Any], t0: float, version: int
     ) -> None:
         """Metrics of one rollout: to the `metrics` table, the reporter, the trackers and the result."""
-        from miles_platform.store.tables import append_rows
-
         metrics["perf/rollout_total_time"] = time.time() - t0
         if self.extra_metrics is not None:
             metrics.update(self.extra_metrics())
@@ -175,7 +195,7 @@ class VersionRecorder:
         rows = [
             {"rollout_id": rollout_id, "step": step, "name": k, "value": float(v)} for k, v in metrics.items()
         ]
-        append_rows(self.paths, "metrics", self.cfg.run_name, rows)
+        self.parts.append("metrics", self.cfg.run_name, rows)
         self.reporter.on_rollout(rollout_id, metrics)
         # less what a custom log function took over
         logged = metrics if self.trackers is None else self.trackers.log(rollout_id, metrics)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles_platform.store.code_version import CodeVersion, code_version
@@ -93,12 +94,13 @@ def record_policy_version(
     cfg: RunConfig, paths: StoragePaths, version: int, parent_version: int, rollout_id: int,
     shard, hf_dir: str, ckpt: str | None, base_version: str | None, data_version: str | None,
     teachers: list[tuple[str, str, str | None]] = (), config_changed_from: str | None = None,
-    code: CodeVersion | None = None, config_hash: str | None = None,
+    code: CodeVersion | None = None, config_hash: str | None = None, append=None,
 ) -> PolicyVersion:  # fmt: skip
     """`config_changed_from`: the config hash of the checkpoint this version's run resumed from
     under --allow-config-change (an edge `config_changed_from`; the flags are in run_events).
     `code`: the code that trained it (default: this process's, `code_version()`); `config_hash`:
-    `cfg.config_hash()`, when the caller has it."""
+    `cfg.config_hash()`, when the caller has it; `append(table, run, rows)`: where the rows go (a
+    recorder's BufferedParts; default: a part file each, now)."""
     from miles_platform.models.checkpoint import content_hash
     from miles_platform.store.lineage_identity import Edge, write_edges
     from miles_platform.store.tables import append_rows
@@ -120,13 +122,14 @@ def record_policy_version(
         distilled_from=[{"teacher": t, "kind": k, "content_hash": h} for t, k, h in teachers],
         final=is_final_version(cfg, rollout_id), **(code or code_version()).row(),
     )  # fmt: skip
-    append_rows(paths, "policy_versions", run, [pv.row()])
+    append = append or partial(append_rows, paths)
+    append("policy_versions", run, [pv.row()])
 
     def edge(parent: str | None, parent_kind: str, relation: str, data_version: str | None) -> Edge:
         return Edge(pv.partition_key, "policy_version", parent, parent_kind, relation, data_version)
 
     first = parent_version == 0
-    write_edges(paths, run, [
+    write_edges(paths, run, append=append, edges=[
         edge(base, "checkpoint", "trained_from", base_version) if first
         else edge(pv.parent_partition_key, "policy_version", "trained_from", None),
         edge(pv.shard_path, "rollout_shard", "trained_on", None),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import torch
@@ -50,29 +51,29 @@ class TrainSamplesTarget:
 
 
 class RowWriter:
-    """A trainer's `train_samples` part files written on one background thread, so the rank's next
-    step need not wait for the Parquet encoding, the file and its fsyncs (~3 ms of a 128-sample
-    step's ~75 on the demo, 2026-12-07; pyarrow and the file calls release the GIL). At most one
-    write is in flight: `submit` waits for the one before (written during a whole step), and
-    `drain()` (a save, the loop at the run's end: `TrainerActor.drain_rows`) for the last; either
-    raises a write's failure."""
+    """A trainer's `train_samples` rows made and written on one background thread (the row dicts,
+    the Parquet encoding, the file and its fsyncs: ~4 ms a 128-sample step on the demo beside a
+    ~60 ms step, 2026-12-07), one part file a second at most (store/tables.BufferedParts), not one
+    per step. `drain()` (a save, before its checkpoint; the loop at the run's end:
+    `TrainerActor.drain_rows`) returns once every step's rows are on disk, raising a write's
+    failure; the next `submit` raises it too."""
 
     def __init__(self):
-        self._pool = None
-        self._pending: list = []
+        self._parts: dict[str, Any] = {}  # storage root -> BufferedParts
 
-    def submit(self, fn) -> None:
-        from concurrent.futures import ThreadPoolExecutor
+    def submit(self, fn, root: str) -> None:
+        """`fn(append)` on the thread; `append(table, run, rows)` buffers rows of tables under `root`."""
+        from miles_platform.store.paths import StoragePaths
+        from miles_platform.store.tables import BufferedParts
 
-        self.drain()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="train-samples")
-        self._pending.append(self._pool.submit(fn))
+        parts = self._parts.get(root)
+        if parts is None:
+            parts = self._parts[root] = BufferedParts(StoragePaths(root), name="train-samples")
+        parts.call(lambda: fn(parts.append))
 
     def drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        for parts in self._parts.values():
+            parts.flush()
 
 
 def kept_positions(setting: str | int, batch, group_size: int) -> range:
@@ -226,18 +227,18 @@ class SampleRows:
         pending, kept, dump = self.pending, self.kept, self.dump
         self.pending, self.kept = [], []
 
-        def write() -> None:
+        def write(append) -> None:
             rows = [row for keys, cols in pending for row in _rows(keys, *cols)]
             table = [r for r, k in zip(rows, kept, strict=True) if k]
             if table:
-                append_rows(StoragePaths(self.cfg.storage_root), "train_samples", self.cfg.run_name, table)
+                append("train_samples", self.cfg.run_name, table)
             if dump:
                 self._write_dump(rows)
 
         if writer is None:
-            write()
+            write(partial(append_rows, StoragePaths(self.cfg.storage_root)))
         elif pending:
-            writer.submit(write)
+            writer.submit(write, self.cfg.storage_root)
 
     def _write_dump(self, rows: list[dict[str, Any]]) -> None:
         import pyarrow as pa

@@ -52,10 +52,14 @@ def test_a_checkpoint_is_due_every_interval_and_at_the_end_with_save_only(tmp_pa
 def test_a_rollouts_metrics_go_to_the_table_the_reporter_the_log_and_the_result(tmp_path):
     rec, rep = _recorder(tmp_path)
     rec.extra_metrics = lambda: {"rollout/engine_restarts": 1.0}
+    rec.parts.interval_s = 60.0
     result = RunResult("r", 0, -1, 0, None)
     metrics = {"train/loss": 0.5, "train/step": 3.0}
     rec.finish_rollout(result, 0, metrics, t0=0.0, version=1)
     assert list(metrics)[-2:] == ["perf/rollout_total_time", "rollout/engine_restarts"]
+    # buffered: a part file a second (store/tables.BufferedParts); a flush puts them on disk now
+    assert read_rows(rec.paths, "metrics", "r") == []
+    rec.flush()
     rows = read_rows(rec.paths, "metrics", "r")
     assert [(r["rollout_id"], r["step"], r["name"]) for r in rows][:2] == [
         (0, 3, "train/loss"),
@@ -85,6 +89,7 @@ def test_each_version_carries_the_runs_config_hash_computed_once(tmp_path, monke
         save_file({"w": torch.full((2,), float(v))}, str(hf / "model.safetensors"))
         shard = ShardInfo(path=str(tmp_path / f"s{v}.parquet"), rows=1, bytes=1, mean_reward=0.5)
         rec.record(result, v, v - 1, v - 1, shard, str(hf), None)
+    rec.close()  # the rows to disk
     rows = read_rows(rec.paths, "policy_versions", "r")
     assert [r["config_hash"] for r in rows] == [real(rec.cfg)] * 3 and len(calls) == 1
     assert len({r["content_hash"] for r in rows}) == 3

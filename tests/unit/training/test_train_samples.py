@@ -175,9 +175,9 @@ def test_train_with_weights_returns_the_trained_policy(tiny_hf_checkpoint):
 
 
 def test_the_loops_rows_are_written_beside_the_next_step(tiny_hf_checkpoint, tmp_path, monkeypatch):
-    """`background` (the loop's target): the part file is written on the rank's writer thread, not in
-    `train`; it is in before the next call's write, a save, or `drain_rows`, and a failed write is
-    raised there, not lost."""
+    """`background` (the loop's target): the rows are made and written on the rank's writer thread,
+    not in `train`, a part file a second at most (store/tables.BufferedParts), not one per call;
+    they are in before a save or `drain_rows` returns, and a failed write is raised there, not lost."""
     import threading
 
     from miles_platform.store import tables
@@ -187,28 +187,30 @@ def test_the_loops_rows_are_written_beside_the_next_step(tiny_hf_checkpoint, tmp
                     global_batch_size=4, storage_root=str(root), run_name="u",
                     save=str(tmp_path / "ckpt")).validate()  # fmt: skip
     actor = TrainerActor(cfg)
-    writers, real = [], tables.append_rows
+    writers, real = [], tables._write_part
 
-    def append_rows(paths, table, run, rows):
-        writers.append(threading.current_thread().name)
+    def write_part(paths, table, run, rows):
+        writers.append((threading.current_thread().name, len(rows)))
         return real(paths, table, run, rows)
 
-    monkeypatch.setattr(tables, "append_rows", append_rows)
+    monkeypatch.setattr(tables, "_write_part", write_part)
+    monkeypatch.setattr(tables, "PART_INTERVAL_S", 60.0)
     actor.train(0, random_train_batch(0), TrainSamplesTarget(version=1, background=True))
     actor.train(1, random_train_batch(1), TrainSamplesTarget(version=2, background=True))
+    assert read_rows(StoragePaths(str(root)), "train_samples", "u") == []  # held on the thread
     actor.drain_rows()
     rows = read_rows(StoragePaths(str(root)), "train_samples", "u")
     assert sorted({(r["rollout_id"], r["version"]) for r in rows}) == [(0, 1), (1, 2)] and len(rows) == 8
-    assert writers and all(w.startswith("train-samples") for w in writers)  # never the caller's thread
+    assert writers == [("train-samples", 8)]  # one part for both calls, never on the caller's thread
 
     def full(*a, **kw):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tables, "append_rows", full)
+    monkeypatch.setattr(tables, "_write_part", full)
     actor.train(2, random_train_batch(2), TrainSamplesTarget(version=3, background=True))  # returns
     with pytest.raises(OSError, match="No space left"):
         actor.save(2)  # the checkpoint would say rollout 2 is done: its rows must be in first
-    monkeypatch.setattr(tables, "append_rows", append_rows)
+    monkeypatch.setattr(tables, "_write_part", write_part)
     actor.train(3, random_train_batch(3), TrainSamplesTarget(version=4, background=True))
     actor.save(3)  # drained first: rollout 3's rows are in
     assert {r["rollout_id"] for r in read_rows(StoragePaths(str(root)), "train_samples", "u")} == {0, 1, 3}
