@@ -90,7 +90,10 @@ def test_tensor_transport_hands_small_weights_inside_each_update_call(peer, tmp_
     from miles_platform.weights.transports import EngineHandle
     from miles_platform.weights.transports import tensor as tensor_transport
 
-    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}
+    state = {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.ones(2, dtype=torch.bfloat16),
+    }
     want = {"w": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "b": [1.0, 1.0]}
     t = tensor_transport.TensorTransport(RunConfig(), StoragePaths(str(tmp_path)), [EngineHandle("x", peer)])
     for limit, inline in ((8 << 20, True), (1024, False)):
