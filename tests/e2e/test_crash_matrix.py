@@ -24,6 +24,7 @@ from loop_helpers import small_run_kwargs, warm_python
 from miles_platform.fault_hooks import HOOKS, parse_fault_hooks
 from miles_platform.store.catalog import Catalog
 from miles_platform.store.paths import StoragePaths
+from miles_platform.store.run_events import abandoned_numbers, resume_events
 
 NUM_ROLLOUT = 8
 # (hook, rollout) in launch order; checkpoints at rollouts 1, 3, 5, 7 (--save-interval 2), and at 2: the
@@ -154,12 +155,15 @@ def test_kill_9_at_every_hook_then_relaunch_loses_and_duplicates_nothing(
     assert [r[0] for r in rows] == list(range(NUM_ROLLOUT)), rows
     assert all(rows[i][2] == (rows[i - 1][1] if i else 0) for i in range(len(rows))), rows
     final = rows[-1][1]
-    # what the crashes left behind is abandoned, and each number is used once
+    # what the crashes left behind is abandoned, and each number is used once; rows of a crashed
+    # launch's last second were never written (store/tables.BufferedParts), its versions' numbers
+    # are abandoned all the same: every number up to the final one is committed or abandoned
     _, versions = cat.query("select version, status from policy_versions order by version")
     numbers = [v for v, _ in versions]
     assert len(numbers) == len(set(numbers))
-    abandoned = [v for v, s in versions if s == "abandoned"]
-    assert abandoned and final == max(numbers)
+    assert {s for _, s in versions} <= {"committed", "abandoned"} and final == max(numbers)
+    gone = abandoned_numbers(resume_events(paths, "t"))
+    assert set(range(1, final + 1)) == {v for v, s in versions if s == "committed"} | gone, (versions, gone)
     _, events = cat.query("select count(*) from run_events where event = 'resume'")
     # every launch after the second found rows of a crashed one (the first crash left none)
     assert events[0][0] == len(matrix) - 1
