@@ -206,3 +206,28 @@ def test_writing_a_shard_or_a_part_does_not_list_every_file_of_the_root(tmp_path
     write_rollout_shard(paths, "r1", 60, make_samples(60, n=1))
     append_rows(paths, "metrics", "r1", [{"rollout_id": 60, "step": 60, "name": "x", "value": 1.0}])
     assert len(listed) <= 6, listed
+
+
+def test_the_column_wise_table_is_the_row_wise_one(tmp_path):
+    """samples_to_table builds columns (1.49 -> ~0.6 ms for 128 samples): the same table as a row
+    per `Sample.to_row`, for every kind of field: dict and float rewards, a non-string label,
+    images, routes, turns, candidates, diffusion steps, all-None and mixed columns."""
+    import base64
+
+    import pyarrow as pa
+
+    from miles_platform.data.sample import Status
+
+    samples = make_samples(n=4)
+    samples[0].label = {"answer": 3}  # JSON text in the row
+    samples[1].status = Status.ABORTED  # an Enum: its value
+    samples[1].image_data = ["data:image/png;base64," + base64.b64encode(b"\x89PNG-a").decode()]
+    samples[2].rollout_routed_experts = [[[1, 2]], [[0, 3]]]
+    samples[2].rollout_topk_token_ids, samples[2].rollout_topk_log_probs = [[4, 5]], [[-0.5, -1.5]]
+    samples[3].teacher_log_probs, samples[3].diffusion_steps = [-0.1, -0.2, -0.3, -0.4], [1, 2]
+    samples[3].turns = [{"role": "assistant", "text": "x", "start": 0, "end": 1, "finish_reason": "stop",
+                         "tool_calls": [{"name": "f", "arguments": "{}", "result": "1", "error": None}]}]  # fmt: skip
+    samples[3].image_png = b"\x89PNG"
+    rows = pa.Table.from_pylist([shards._row(s) for s in samples], schema=ROLLOUT_SCHEMA)
+    assert shards.samples_to_table(samples).equals(rows)
+    assert shards.samples_to_table([]).equals(pa.Table.from_pylist([], schema=ROLLOUT_SCHEMA))
