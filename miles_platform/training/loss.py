@@ -371,7 +371,8 @@ def compute_advantages_and_returns(
         returns = []
         for r, k, m in zip(rewards, kl, masks, strict=True):
             token_rewards = -args.kl_coef * k
-            token_rewards[_last_masked_index(m)] += r
+            if m.numel():  # a response without tokens (an abort before the first) has none to credit
+                token_rewards[_last_masked_index(m)] += r
             returns.append(discounted_returns(token_rewards, args.gamma))
         return [r.clone() for r in returns], returns
     if est == "reinforce_plus_plus_baseline":

@@ -120,6 +120,12 @@ def test_reinforce_plus_plus_returns_with_kl_penalty():
     # reward lands on the last *unmasked* token
     _, ret = compute_advantages_and_returns(args, T([1.0]), lp, ref, None, [T([1.0, 1.0, 0.0])])
     assert close(ret[0], T([0.48, 0.98, 0.0]))  # G1 = -0.02 + 1.0, G0 = -0.01 + 0.5*0.98
+    # a response without tokens beside it (an abort before the first): empty, the others as before
+    # (it raised IndexError for the whole batch, where grpo trains it)
+    empty = torch.zeros(0)
+    adv, ret = compute_advantages_and_returns(args, T([1.0, 1.0]), [lp[0], empty], [ref[0], empty], None,
+                                              [ones(3)[0], empty])  # fmt: skip
+    assert close(ret[0], T([0.23, 0.48, 1.0])) and ret[1].numel() == 0 and adv[1].numel() == 0
 
 
 def test_reinforce_plus_plus_baseline():
