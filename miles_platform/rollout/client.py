@@ -166,7 +166,7 @@ async def _stream_once(url, body, left, on_result, api_key, client, last_try) ->
         if resp.status_code >= 300:
             content = await resp.aread()
             if resp.status_code not in RETRYABLE_STATUS or last_try:
-                raise EngineHTTPError(url, resp.status_code, _parse_bytes(content, resp))
+                raise EngineHTTPError(url, resp.status_code, _parse_bytes(content))
             return left
         pending, retry = set(left), []
         async for line in resp.aiter_lines():
@@ -183,13 +183,6 @@ async def _stream_once(url, body, left, on_result, api_key, client, last_try) ->
             else:
                 raise EngineHTTPError(url, err.get("status", 500), {"error": err})
         return sorted(retry + list(pending))
-
-
-def _parse_bytes(content: bytes, resp: httpx.Response):
-    try:
-        return orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return content.decode(errors="replace")
 
 
 # the pooled client of each EngineClient's event loop: `post_generate` called from code running

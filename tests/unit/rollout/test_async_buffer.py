@@ -12,7 +12,7 @@ import time
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from loop_helpers import RecordingBuffer
 
 from miles_platform.config import ConfigError, RunConfig
@@ -313,8 +313,10 @@ def test_a_streamed_group_resends_only_the_samples_without_a_result():
     @app.post("/generate")
     async def generate(request: Request):
         body = await request.json()
-        bodies.append(body)
         ids = body["input_ids"]
+        if ids == [[7]]:  # a refusal of the whole request (a bad body, a wrong secret): its status
+            return JSONResponse({"error": {"message": "bad body"}}, status_code=400)
+        bodies.append(body)
 
         def chunks():
             for i, p in enumerate(ids):
@@ -341,5 +343,8 @@ def test_a_streamed_group_resends_only_the_samples_without_a_result():
         assert [p["sampling_seed"] for p in bodies[1]["sampling_params"]] == [1, 2]  # each its own seed
         with pytest.raises(EngineHTTPError, match="bad prompt"):
             asyncio.run(stream_generate(server.url, [[0], [9]], sps[:2], lambda i, o: None, backoff_s=0.01))
+        # raised as the engine's answer (it was a TypeError: a second `_parse_bytes` shadowed the first)
+        with pytest.raises(EngineHTTPError, match="400.*bad body"):
+            asyncio.run(stream_generate(server.url, [[7]], sps[:1], lambda i, o: None, backoff_s=0.01))
     finally:
         server.stop()
