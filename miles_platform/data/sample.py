@@ -102,14 +102,8 @@ class Sample:
         """Flat row for Parquet: reward dicts and metadata as JSON text."""
         # shallow: the row is read (Parquet, JSON) and dropped, never written back into; asdict's
         # deep copy of every token list was ~60 us a sample, most of a shard write
-        row = {name: getattr(self, name) for name in _FIELDS}
-        images = row.pop("image_data")
-        row["image_hashes"] = [image_hash(u) for u in images] if images else None
-        reward = row.pop("reward")
-        row["reward"] = self.scalar_reward_or_none()
-        row["reward_json"] = json.dumps(reward) if isinstance(reward, dict) else None
-        row["metadata"] = json.dumps(row["metadata"], default=str)
-        row["response_length"] = self.response_length
+        row = {name: getattr(self, name) for name in _FIELDS if name not in _REPLACED}
+        row.update({name: value(self) for name, value in ROW_COMPUTED.items()})
         return row
 
     def scalar_reward_or_none(self) -> float | None:
@@ -152,6 +146,18 @@ class Sample:
 
 
 _FIELDS = tuple(f.name for f in fields(Sample))
+# json.dumps(x, default=str), its encoder built once (json.dumps builds one a call when given `default`)
+_JSON_OR_STR = json.JSONEncoder(default=str).encode
+# `to_row`'s columns computed from the sample (a shard's table builds them a column at a time:
+# store/shards.samples_to_table); they replace the fields `_REPLACED` names and the metadata dict
+ROW_COMPUTED: dict[str, Any] = {
+    "image_hashes": lambda s: [image_hash(u) for u in s.image_data] if s.image_data else None,
+    "reward": lambda s: s.scalar_reward_or_none(),
+    "reward_json": lambda s: json.dumps(s.reward) if isinstance(s.reward, dict) else None,
+    "metadata": lambda s: _JSON_OR_STR(s.metadata),
+    "response_length": lambda s: len(s.response_tokens),
+}
+_REPLACED = frozenset({"image_data", *ROW_COMPUTED})
 
 
 def make_turn(
