@@ -158,26 +158,26 @@ class RolloutDataHandle:
     mooncake_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-INLINE_HEADROOM = 64 << 10  # what else a call carries beside an inline payload (its other arguments)
-
-
 class RayRolloutStore:
     backend = "ray"
 
     def put(self, data: dict[str, Any]) -> RolloutDataHandle:
         """Pickled once; bytes the cluster passes inside a call (`ray_cluster.inline_bytes`, the
         demo's 128 samples: ~30 KB) travel in the handle, in the train call itself; larger ones
-        through the object store, put once for every rank."""
+        through the object store, put once for every rank, as an array: Ray hands its buffer back
+        without a copy (a `bytes` is copied again on the way out: 200 MB took ~100 ms against 0.4)."""
         import pickle
 
         import ray
 
-        from miles_platform.cluster.ray_cluster import inline_bytes
+        from miles_platform.cluster.ray_cluster import fits_in_call
 
         blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(blob) <= inline_bytes() - INLINE_HEADROOM:
+        if fits_in_call(len(blob)):
             return RolloutDataHandle("ray", key=uuid.uuid4().hex, blob=blob)
-        return RolloutDataHandle("ray", key=uuid.uuid4().hex, ref=ray.put(blob))
+        return RolloutDataHandle(
+            "ray", key=uuid.uuid4().hex, ref=ray.put(np.frombuffer(blob, dtype=np.uint8))
+        )
 
     def get(self, handle: RolloutDataHandle) -> dict[str, Any]:
         import pickle

@@ -163,6 +163,15 @@ def inline_bytes() -> int:
     return _INLINE_BY_SESSION[session]
 
 
+INLINE_HEADROOM = 64 << 10  # what else a call carries beside an inline payload (its other arguments)
+
+
+def fits_in_call(nbytes: int) -> bool:
+    """Whether a payload of `nbytes` travels inside a call of this cluster (`inline_bytes`), with
+    room for the call's other arguments; else it goes through the object store."""
+    return nbytes <= inline_bytes() - INLINE_HEADROOM
+
+
 def start_local_ray(num_cpus: int, **init_kwargs: Any) -> None:
     """Start a private one-machine Ray cluster whose every server listens on 127.0.0.1 only.
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +124,7 @@ def write_edges(paths: StoragePaths, run: str, edges: list[Edge], append=None) -
         for e in edges
         if e.parent is not None
     ]
-    if append is None:
-        append_rows(paths, "lineage", run, rows)
-    else:
-        append("lineage", run, rows)
+    (append or partial(append_rows, paths))("lineage", run, rows)
 
 
 def read_edges(paths: StoragePaths, run: str) -> list[Edge]:

@@ -55,11 +55,15 @@ def _check_rows(table: str, run: str, rows: list[dict[str, Any]]) -> list[dict[s
 
 def append_rows(paths: StoragePaths, table: str, run: str, rows: list[dict[str, Any]]) -> str | None:
     """Append `rows` to `table` as one new atomic part file. Returns its path (None if no rows)."""
-    if table not in TABLE_SCHEMAS:
-        raise ValueError(f"unknown table {table!r}; known: {sorted(TABLE_SCHEMAS)}")
+    _known(table)
     if not rows:
         return None
     return _write_part(paths, table, run, _check_rows(table, run, rows))
+
+
+def _known(table: str) -> None:
+    if table not in TABLE_SCHEMAS:
+        raise ValueError(f"unknown table {table!r}; known: {sorted(TABLE_SCHEMAS)}")
 
 
 def _write_part(paths: StoragePaths, table: str, run: str, rows: list[dict[str, Any]]) -> str:
@@ -110,8 +114,7 @@ class BufferedParts:
         self._closed = False
 
     def append(self, table: str, run: str, rows: list[dict[str, Any]]) -> None:
-        if table not in TABLE_SCHEMAS:
-            raise ValueError(f"unknown table {table!r}; known: {sorted(TABLE_SCHEMAS)}")
+        _known(table)
         if not rows:
             return
         checked = _check_rows(table, run, rows)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from miles_platform.cluster.object_store import INLINE_HEADROOM
-from miles_platform.cluster.ray_cluster import inline_bytes
+from miles_platform.cluster.ray_cluster import fits_in_call
 from miles_platform.weights.transports import TransferStats, Transport, encode_state, full_bytes
 
 
@@ -20,11 +19,11 @@ class TensorTransport(Transport):
             )
         # raw bytes with a JSON header, as through Mooncake (a quantized rollout's fp8 update too,
         # whose storages torch cannot unpickle); the engine decodes them. Weights the cluster passes
-        # inside a call (ray_cluster.inline_bytes) go in each engine's update call, never through
+        # inside a call (ray_cluster.fits_in_call) go in each engine's update call, never through
         # the raylet's shared-memory store; larger ones are put there once for every engine.
         n = full_bytes(state)
         encoded = encode_state(state)
-        self._ref = encoded if n <= inline_bytes() - INLINE_HEADROOM else ray.put(encoded)
+        self._ref = encoded if fits_in_call(n) else ray.put(encoded)
         return TransferStats(wire_bytes=n * len(self.engines), full_bytes=n * len(self.engines))
 
     def activate(self, version):

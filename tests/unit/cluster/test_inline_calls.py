@@ -97,7 +97,7 @@ def test_tensor_transport_hands_small_weights_inside_each_update_call(peer, tmp_
     want = {"w": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "b": [1.0, 1.0]}
     t = tensor_transport.TensorTransport(RunConfig(), StoragePaths(str(tmp_path)), [EngineHandle("x", peer)])
     for limit, inline in ((8 << 20, True), (1024, False)):
-        monkeypatch.setattr(tensor_transport, "inline_bytes", lambda limit=limit: limit)
+        monkeypatch.setattr(ray_cluster, "inline_bytes", lambda limit=limit: limit)
         stats = t.prepare(state, 3, None)
         assert stats.full_bytes == 6 * 4 + 2 * 2
         assert isinstance(t._ref, dict) is inline and isinstance(t._ref, ray.ObjectRef) is not inline
