@@ -57,7 +57,7 @@ from miles_platform.training.rollout_metrics import rollout_data_metrics
 from miles_platform.training.schedule import LRScheduler, schedule_of
 from miles_platform.training.shared_prefix import pack_shared_prefixes
 from miles_platform.training.train_batch import TrainBatch
-from miles_platform.training.train_samples import RowWriter, SampleRows, TrainSamplesTarget
+from miles_platform.training.train_samples import SampleRows, TrainSamplesTarget
 from miles_platform.weights.transports import encode_state
 
 __all__ = ["TrainBatch", "TrainerActor"]
@@ -150,7 +150,13 @@ class TrainerActor(ActorWeights):
         self.prof = TrainProfiler(cfg, rank)  # --use-pytorch-profiler: stepped once per train call
         self.prof.start()
         self.wait = TrainWait()  # perf/train_wait_time: from here until the first train call
-        self.row_writer = RowWriter()  # train_samples parts written beside the next step (the loop's)
+        # the loop's train_samples rows, made and written beside the next step: ~4 ms a 128-sample
+        # step of the demo off it (2026-12-07), a part file a second (store/tables.BufferedParts);
+        # a save and `drain_rows` flush it
+        from miles_platform.store.paths import StoragePaths
+        from miles_platform.store.tables import BufferedParts
+
+        self.row_writer = BufferedParts(StoragePaths(cfg.storage_root), name="train-samples")
         # the samples of a prompt share its forward where the backend can (training/shared_prefix.py);
         # False: every sample its own padded row (a benchmark's or a test's comparison)
         self.share_prefixes = True
@@ -175,7 +181,7 @@ class TrainerActor(ActorWeights):
 
     def drain_rows(self) -> None:
         """The train_samples rows of the last `train` call are on disk (the loop's, at the run's end)."""
-        self.row_writer.drain()
+        self.row_writer.flush()
 
     # ------------------------------------------------------------------ log-probs
     def _tensor(self, data, dtype=torch.float32) -> torch.Tensor:

@@ -96,7 +96,7 @@ def save(actor: TrainerActor, rollout_id: int, extra_state: dict | None = None, 
     (and not `sync`: a --save-trigger-sentinel save, the run's last) the writes go on in the
     background and the iter dir returned appears once they are done."""
     cfg = actor.cfg
-    actor.row_writer.drain()  # the rows of the rollouts it holds are in before it says so
+    actor.row_writer.flush()  # the rows of the rollouts it holds are in before it says so
     finish_pending(actor)  # one save in flight at a time (megatron finalizes the previous one too)
     ckpt = Checkpointer(cfg.save, actor.rank, actor.world_size)
     if cfg.async_save and not sync:

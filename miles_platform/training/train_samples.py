@@ -25,13 +25,16 @@ import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles_platform.config import RunConfig
 from miles_platform.config.outputs import TRAIN_SAMPLES_AUTO_BYTES, train_samples_keep
 from miles_platform.training import loss as loss_hub
+
+if TYPE_CHECKING:
+    from miles_platform.store.tables import BufferedParts
 
 # per-token columns (clipped is a float here, a bool in the row)
 TOKEN_COLUMNS = ("advantage", "log_probs", "rollout_log_probs", "ratio", "clipped", "ref_kl", "loss_mask")
@@ -44,36 +47,11 @@ BYTES_PER_TOKEN, BYTES_PER_ROW = 8 * len(TOKEN_COLUMNS), 128
 class TrainSamplesTarget:
     """What the loop hands `TrainerActor.train` to record the rollout's rows: the policy version its
     optimizer steps make (None: the run makes no versions, e.g. --debug-train-only). `background`:
-    the part file is written on the trainer's `RowWriter` thread, not before `train` returns."""
+    the rows are made and written on the trainer's row writer thread (`TrainerActor.row_writer`),
+    not before `train` returns."""
 
     version: int | None
     background: bool = False
-
-
-class RowWriter:
-    """A trainer's `train_samples` rows made and written on one background thread (the row dicts,
-    the Parquet encoding, the file and its fsyncs: ~4 ms a 128-sample step on the demo beside a
-    ~60 ms step, 2026-12-07), one part file a second at most (store/tables.BufferedParts), not one
-    per step. `drain()` (a save, before its checkpoint; the loop at the run's end:
-    `TrainerActor.drain_rows`) returns once every step's rows are on disk, raising a write's
-    failure; the next `submit` raises it too."""
-
-    def __init__(self):
-        self._parts: dict[str, Any] = {}  # storage root -> BufferedParts
-
-    def submit(self, fn, root: str) -> None:
-        """`fn(append)` on the thread; `append(table, run, rows)` buffers rows of tables under `root`."""
-        from miles_platform.store.paths import StoragePaths
-        from miles_platform.store.tables import BufferedParts
-
-        parts = self._parts.get(root)
-        if parts is None:
-            parts = self._parts[root] = BufferedParts(StoragePaths(root), name="train-samples")
-        parts.call(lambda: fn(parts.append))
-
-    def drain(self) -> None:
-        for parts in self._parts.values():
-            parts.flush()
 
 
 def kept_positions(setting: str | int, batch, group_size: int) -> range:
@@ -218,7 +196,7 @@ class SampleRows:
         self.pending.append((keys, _host_columns(self.cfg, mb_batch, log_probs, want)))
         self.kept += [mb[j] in self.table for j in want]
 
-    def flush(self, writer: RowWriter | None = None) -> None:
+    def flush(self, writer: BufferedParts | None = None) -> None:
         """The kept rows to the table (one part file), every row to the debug file: now, or on
         `writer`'s thread."""
         from miles_platform.store.paths import StoragePaths
@@ -238,7 +216,7 @@ class SampleRows:
         if writer is None:
             write(partial(append_rows, StoragePaths(self.cfg.storage_root)))
         elif pending:
-            writer.submit(write, self.cfg.storage_root)
+            writer.call(lambda: write(writer.append))
 
     def _write_dump(self, rows: list[dict[str, Any]]) -> None:
         import pyarrow as pa
